@@ -1,0 +1,125 @@
+"""One behaviour suite, every backend.
+
+``store_url`` yields a fresh database per test: a copy of a migrated SQLite template file, or a
+PostgreSQL database created from a migrated template database (dropped after the test). Locally a
+missing PostgreSQL skips the PostgreSQL half LOUDLY; with CI=true it is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from transcript_store import StoreConfig, TranscriptStore
+
+PG_ADMIN = os.environ.get("TRANSCRIPT_STORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+RUN_ID = uuid.uuid4().hex[:8]
+BACKENDS = ["sqlite", "postgresql"]
+
+
+def _pg_reachable() -> str | None:
+    try:
+        with psycopg.connect(PG_ADMIN, connect_timeout=5, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+        return None
+    except psycopg.Error as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+
+
+_PG_PROBLEM = _pg_reachable()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _PG_PROBLEM is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise pytest.UsageError(f"CI=true and PostgreSQL is unreachable at {PG_ADMIN}: {_PG_PROBLEM}")
+    banner = "!" * 78
+    sys.stderr.write(
+        f"\n{banner}\nPostgreSQL unreachable at {PG_ADMIN} ({_PG_PROBLEM}).\n"
+        f"THE POSTGRESQL HALF OF THE SUITE IS SKIPPED. Start it and run again.\n{banner}\n"
+    )
+
+
+def pg_url(dbname: str) -> str:
+    """A SQLAlchemy URL for a database on the test server."""
+    base = psycopg.conninfo.conninfo_to_dict(PG_ADMIN)
+    host, port, user = base.get("host", "127.0.0.1"), base.get("port", "5432"), base.get("user", "postgres")
+    return f"postgresql+psycopg://{user}@{host}:{port}/{dbname}"
+
+
+def _admin_exec(sql: str) -> None:
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "template.db"
+    TranscriptStore(f"sqlite:///{path}").close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    if _PG_PROBLEM is not None:
+        pytest.skip(f"PostgreSQL unreachable: {_PG_PROBLEM}")
+    name = f"ts_tmpl_{RUN_ID}"
+    _admin_exec(f"CREATE DATABASE {name}")
+    TranscriptStore.upgrade_url(pg_url(name))
+    yield name
+    _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def fresh_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, migrated, empty database of ``backend`` for one test."""
+    if backend == "sqlite":
+        template = request.getfixturevalue("sqlite_template")
+        path = tmp_path / "store.db"
+        shutil.copyfile(template, path)
+        yield f"sqlite:///{path}"
+        return
+    template = request.getfixturevalue("pg_template")
+    name = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
+    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    try:
+        yield pg_url(name)
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    yield from fresh_url(backend, request, tmp_path)
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[TranscriptStore]:
+    s = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def session_id(store: TranscriptStore) -> str:
+    return store.create_session("scope-a", session_id="s1", session_key="agent:main:test:1").session_id
+
+
+def user(text: str) -> dict[str, object]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, object]:
+    return {"role": "assistant", "content": text}

@@ -1,0 +1,55 @@
+"""Store configuration: every setting, its default and its environment variable."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_URL = "sqlite:///transcripts.db"
+
+#: setting name -> environment variable
+ENV_VARS: dict[str, str] = {
+    "url": "TRANSCRIPT_STORE_URL",
+    "max_payload_bytes": "TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES",
+    "sqlite_synchronous": "TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS",
+    "busy_timeout_ms": "TRANSCRIPT_STORE_BUSY_TIMEOUT_MS",
+    "retry_attempts": "TRANSCRIPT_STORE_RETRY_ATTEMPTS",
+    "auto_upgrade": "TRANSCRIPT_STORE_AUTO_UPGRADE",
+}
+
+
+class StoreConfig(BaseModel):
+    """How a store connects and what it accepts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = Field(DEFAULT_URL, description="SQLAlchemy URL; default a SQLite file in the working dir")
+    max_payload_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="cap on one entry's JSON payload"
+    )
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
+        "FULL", description="SQLite durability: FULL survives power loss, NORMAL only process crashes"
+    )
+    busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy timeout per statement")
+    retry_attempts: int = Field(12, ge=1, le=100, description="tries of one transaction on transient errors")
+    auto_upgrade: bool | None = Field(
+        None, description="migrate an existing database on open; None: yes for SQLite, no for PostgreSQL"
+    )
+    pool_size: int = Field(5, ge=1, le=100, description="connections kept per process (PostgreSQL)")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> StoreConfig:
+        """Settings from TRANSCRIPT_STORE_* variables, then the given overrides (None ones ignored)."""
+        values: dict[str, object] = {}
+        for name, var in ENV_VARS.items():
+            raw = os.environ.get(var)
+            if raw is None or raw == "":
+                continue
+            if name == "auto_upgrade":
+                values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)

@@ -1,0 +1,532 @@
+"""The backend-neutral core: every store operation on one open transaction.
+
+``TranscriptStore`` wraps each call in a transaction with retries; the turn machinery runs several of
+these operations inside ONE transaction (append the reply, accept, read the closed range, commit the
+turn). Nothing here knows which backend it runs on, except through ``Dialect``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, Row, and_, delete, func, insert, or_, select, update
+
+from .config import StoreConfig
+from .db import Dialect
+from .errors import (
+    IdempotencyConflict,
+    InvalidInput,
+    PayloadTooLarge,
+    SessionKeyConflict,
+    UnknownEntry,
+    UnknownSession,
+)
+from .models import ENTRY_KINDS, Anchor, Entry, SessionInfo, validate_event_payload, validate_message
+from .schema import active_path, entries, sessions
+
+MAX_ID_CHARS = 255
+
+
+def now_us() -> int:
+    """Wall-clock microseconds (for created_at only: ordering is always by seq)."""
+    return time.time_ns() // 1000
+
+
+def from_us(us: int) -> datetime:
+    """A UTC datetime from stored microseconds."""
+    return datetime.fromtimestamp(us / 1_000_000, tz=UTC)
+
+
+def new_id() -> str:
+    """A fresh random id for sessions and entries."""
+    return uuid.uuid4().hex
+
+
+def check_id(what: str, value: object, *, optional: bool = False) -> None:
+    """Refuse ids that are empty, too long, not text, or carry control characters or NUL."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
+    if not value or len(value) > MAX_ID_CHARS:
+        raise InvalidInput(f"{what} must be 1..{MAX_ID_CHARS} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """An entry validated and serialized before the transaction (so retries redo no work)."""
+
+    entry_id: str
+    kind: str
+    role: str | None
+    payload_json: str
+    size_bytes: int
+    idempotency_key: str | None = None
+    turn_id: str | None = None
+
+
+def prepare_entry(
+    config: StoreConfig,
+    *,
+    kind: str = "message",
+    message: Any = None,
+    payload: Any = None,
+    entry_id: str | None = None,
+    idempotency_key: str | None = None,
+    turn_id: str | None = None,
+) -> NewEntry:
+    """Validate and serialize one entry; raises before anything is written."""
+    if kind not in ENTRY_KINDS:
+        raise InvalidInput(f"unknown entry kind {kind!r}; one of {', '.join(ENTRY_KINDS)}")
+    check_id("entry_id", entry_id, optional=True)
+    check_id("idempotency_key", idempotency_key, optional=True)
+    check_id("turn_id", turn_id, optional=True)
+    if kind == "message":
+        if payload is not None:
+            raise InvalidInput("a message entry takes `message`, not `payload`")
+        body = validate_message(message)
+        role: str | None = body["role"]
+    else:
+        if message is not None:
+            raise InvalidInput(f"a {kind} entry takes `payload`, not `message`")
+        body = validate_event_payload(payload if payload is not None else {})
+        role = None
+    # NUL (U+0000) is escaped by JSON as \u0000, so it round-trips losslessly on both backends.
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    size = len(text.encode("utf-8"))
+    if size > config.max_payload_bytes:
+        raise PayloadTooLarge(f"entry payload is {size} bytes, over the cap of {config.max_payload_bytes}")
+    return NewEntry(entry_id or new_id(), kind, role, text, size, idempotency_key, turn_id)
+
+
+ENTRY_COLUMNS = (
+    entries.c.seq,
+    entries.c.entry_id,
+    entries.c.parent_id,
+    entries.c.depth,
+    entries.c.position,
+    entries.c.generation,
+    entries.c.kind,
+    entries.c.role,
+    entries.c.payload,
+    entries.c.size_bytes,
+    entries.c.idempotency_key,
+    entries.c.turn_id,
+    entries.c.created_us,
+)
+
+
+def entry_from_row(row: Any, active: bool) -> Entry:
+    """An Entry from a trusted row (no re-validation on the read path)."""
+    body = json.loads(row.payload)
+    is_message = row.kind == "message"
+    return Entry.model_construct(
+        entry_id=row.entry_id,
+        parent_id=row.parent_id,
+        seq=row.seq,
+        kind=row.kind,
+        role=row.role,
+        message=body if is_message else None,
+        payload=None if is_message else body,
+        position=row.position,
+        generation=row.generation,
+        size_bytes=row.size_bytes,
+        idempotency_key=row.idempotency_key,
+        turn_id=row.turn_id,
+        created_at=from_us(row.created_us),
+        active=active,
+    )
+
+
+def session_info(row: Row[Any]) -> SessionInfo:
+    """A SessionInfo from a sessions row."""
+    return SessionInfo.model_construct(
+        scope=row.scope,
+        session_id=row.session_id,
+        session_key=row.session_key,
+        generation=row.generation,
+        head_entry_id=row.head_entry_id,
+        entry_count=row.last_seq + 1,
+        visible_count=row.visible_count,
+        active=bool(row.active),
+        created_at=from_us(row.created_us),
+        updated_at=from_us(row.updated_us),
+    )
+
+
+class Core:
+    """Store operations on one open connection/transaction."""
+
+    def __init__(self, conn: Connection, dialect: Dialect, config: StoreConfig) -> None:
+        self.conn = conn
+        self.dialect = dialect
+        self.config = config
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def session_row(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any] | None:
+        """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL)."""
+        q = select(sessions).where(sessions.c.scope == scope, sessions.c.session_id == session_id)
+        if lock and not self.dialect.is_sqlite:
+            q = q.with_for_update()
+        return self.conn.execute(q).first()
+
+    def require_session(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any]:
+        """The session's row, or UnknownSession (whether it is unknown or another scope's)."""
+        row = self.session_row(scope, session_id, lock=lock)
+        if row is None:
+            raise UnknownSession(scope, session_id)
+        return row
+
+    def create_session(self, scope: str, session_id: str, session_key: str | None) -> SessionInfo:
+        """Create a session; the same id with the same key again returns the existing one."""
+        ts = now_us()
+        stmt = (
+            self.dialect.insert(sessions)
+            .values(
+                scope=scope,
+                session_id=session_id,
+                session_key=session_key,
+                active=True,
+                generation=0,
+                last_seq=-1,
+                head_seq=None,
+                head_entry_id=None,
+                path_length=0,
+                visible_count=0,
+                created_us=ts,
+                updated_us=ts,
+            )
+            .on_conflict_do_nothing()
+        )
+        inserted = self.conn.execute(stmt).rowcount == 1
+        row = self.session_row(scope, session_id)
+        if inserted and row is not None:
+            return session_info(row)
+        if row is not None:
+            if row.session_key != session_key:
+                raise IdempotencyConflict(
+                    f"session {session_id!r} already exists with another session key"
+                )
+            return session_info(row)
+        raise SessionKeyConflict(f"an active session in scope {scope!r} already has key {session_key!r}")
+
+    def find_session_by_key(self, scope: str, session_key: str) -> Row[Any] | None:
+        """The active session holding ``session_key`` in the scope, or None."""
+        q = select(sessions).where(
+            sessions.c.scope == scope, sessions.c.session_key == session_key, sessions.c.active.is_(True)
+        )
+        return self.conn.execute(q).first()
+
+    def list_sessions(self, scope: str, after: str | None, limit: int) -> list[SessionInfo]:
+        """Sessions of the scope ordered by id, after ``after``."""
+        q = select(sessions).where(sessions.c.scope == scope)
+        if after is not None:
+            q = q.where(sessions.c.session_id > after)
+        rows = self.conn.execute(q.order_by(sessions.c.session_id).limit(limit)).all()
+        return [session_info(r) for r in rows]
+
+    def session_bytes(self, scope: str, session_id: str) -> int:
+        """Total payload bytes of every stored entry of the session."""
+        q = select(func.coalesce(func.sum(entries.c.size_bytes), 0)).where(
+            entries.c.scope == scope, entries.c.session_id == session_id
+        )
+        return int(self.conn.execute(q).scalar_one())
+
+    def end_session(self, scope: str, session_id: str) -> SessionInfo:
+        """Mark the session inactive, freeing its session key for a successor."""
+        self.require_session(scope, session_id, lock=True)
+        self.conn.execute(
+            update(sessions)
+            .where(sessions.c.scope == scope, sessions.c.session_id == session_id)
+            .values(active=False, updated_us=now_us())
+        )
+        return session_info(self.require_session(scope, session_id))
+
+    def delete_session(self, scope: str, session_id: str) -> None:
+        """Delete the session and everything keyed by it (cascades)."""
+        self.require_session(scope, session_id, lock=True)
+        # Explicit deletes: SQLite cascades only with foreign_keys on, and order keeps PG lock-light.
+        for table in (active_path, entries):
+            self.conn.execute(delete(table).where(table.c.scope == scope, table.c.session_id == session_id))
+        self.conn.execute(
+            delete(sessions).where(sessions.c.scope == scope, sessions.c.session_id == session_id)
+        )
+
+    # ------------------------------------------------------------------------------------ appends
+
+    def _existing(self, scope: str, session_id: str, new: NewEntry) -> Row[Any] | None:
+        keys = [entries.c.entry_id == new.entry_id]
+        if new.idempotency_key is not None:
+            keys.append(entries.c.idempotency_key == new.idempotency_key)
+        if new.turn_id is not None:
+            keys.append(entries.c.turn_id == new.turn_id)
+        q = select(*ENTRY_COLUMNS).where(
+            entries.c.scope == scope, entries.c.session_id == session_id, or_(*keys)
+        )
+        rows = self.conn.execute(q).all()
+        if not rows:
+            return None
+        if len(rows) > 1:
+            raise IdempotencyConflict("entry_id, idempotency_key and turn_id name different entries")
+        row = rows[0]
+        same_body = row.payload == new.payload_json or json.loads(row.payload) == json.loads(new.payload_json)
+        if row.kind != new.kind or not same_body:
+            raise IdempotencyConflict(f"{self._key_name(row, new)} already names an entry with other content")
+        if (new.turn_id is not None and row.turn_id != new.turn_id) or (
+            new.idempotency_key is not None and row.idempotency_key != new.idempotency_key
+        ):
+            raise IdempotencyConflict(f"{self._key_name(row, new)} already names another entry")
+        return row
+
+    @staticmethod
+    def _key_name(row: Row[Any], new: NewEntry) -> str:
+        if new.turn_id is not None and row.turn_id == new.turn_id:
+            return f"turn_id {new.turn_id!r}"
+        if new.idempotency_key is not None and row.idempotency_key == new.idempotency_key:
+            return f"idempotency_key {new.idempotency_key!r}"
+        return f"entry_id {new.entry_id!r}"
+
+    def append(self, scope: str, session_id: str, items: Sequence[NewEntry]) -> list[Entry]:
+        """Append entries at the head, in order; an item whose key exists returns the stored one."""
+        sess = self.require_session(scope, session_id, lock=True)
+        seq, depth, visible = sess.last_seq, sess.path_length, sess.visible_count
+        head_id, head_seq = sess.head_entry_id, sess.head_seq
+        generation = sess.generation
+        ts = now_us()
+        out: list[Entry] = []
+        new_rows: list[dict[str, Any]] = []
+        path_rows: list[dict[str, Any]] = []
+        for item in items:
+            existing = self._existing(scope, session_id, item)
+            if existing is None and any(r["entry_id"] == item.entry_id for r in new_rows):
+                raise IdempotencyConflict(f"entry_id {item.entry_id!r} appears twice in one append")
+            if existing is not None:
+                out.append(entry_from_row(existing, active=self.on_active_path(scope, session_id, existing)))
+                continue
+            seq += 1
+            position = visible if item.kind == "message" else None
+            row = {
+                "scope": scope,
+                "session_id": session_id,
+                "seq": seq,
+                "entry_id": item.entry_id,
+                "parent_id": head_id,
+                "depth": depth,
+                "position": position,
+                "generation": generation,
+                "kind": item.kind,
+                "role": item.role,
+                "payload": item.payload_json,
+                "size_bytes": item.size_bytes,
+                "idempotency_key": item.idempotency_key,
+                "turn_id": item.turn_id,
+                "created_us": ts,
+            }
+            new_rows.append(row)
+            path_rows.append(
+                {"scope": scope, "session_id": session_id, "depth": depth, "seq": seq, "position": position}
+            )
+            out.append(entry_from_row(_RowView(row), active=True))
+            head_id, head_seq = item.entry_id, seq
+            depth += 1
+            if position is not None:
+                visible += 1
+        if new_rows:
+            self.conn.execute(insert(entries), new_rows)
+            self.conn.execute(insert(active_path), path_rows)
+            self.conn.execute(
+                update(sessions)
+                .where(sessions.c.scope == scope, sessions.c.session_id == session_id)
+                .values(
+                    last_seq=seq,
+                    head_seq=head_seq,
+                    head_entry_id=head_id,
+                    path_length=depth,
+                    visible_count=visible,
+                    updated_us=ts,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------------------------ lookups
+
+    def entry_rows(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
+        """Rows of the named entries that exist in the session, by entry id."""
+        if not entry_ids:
+            return {}
+        q = select(*ENTRY_COLUMNS).where(
+            entries.c.scope == scope, entries.c.session_id == session_id, entries.c.entry_id.in_(entry_ids)
+        )
+        return {r.entry_id: r for r in self.conn.execute(q)}
+
+    def entry_row(self, scope: str, session_id: str, entry_id: str) -> Row[Any]:
+        """One entry's row, or UnknownEntry."""
+        row = self.entry_rows(scope, session_id, [entry_id]).get(entry_id)
+        if row is None:
+            raise UnknownEntry(f"no entry {entry_id!r} in session {session_id!r}")
+        return row
+
+    def on_active_path(self, scope: str, session_id: str, row: Any) -> bool:
+        """Whether the entry row is on the session's active path now."""
+        q = select(active_path.c.seq).where(
+            active_path.c.scope == scope,
+            active_path.c.session_id == session_id,
+            active_path.c.depth == row.depth,
+        )
+        return bool(self.conn.execute(q).scalar() == row.seq)
+
+    def anchor_for(self, sess: Row[Any], row: Any) -> Anchor:
+        """The anchor of an entry row, taken in the session's current generation."""
+        return Anchor.model_construct(
+            scope=sess.scope,
+            session_id=sess.session_id,
+            session_key=sess.session_key,
+            generation=sess.generation,
+            entry_id=row.entry_id,
+            seq=row.seq,
+            parent_id=row.parent_id,
+            position=row.position,
+            idempotency_key=row.idempotency_key,
+        )
+
+    def visible_rows(
+        self, scope: str, session_id: str, after_position: int, before_position: int | None, limit: int | None
+    ) -> list[Row[Any]]:
+        """Active-path message rows with after < position < before, in position order."""
+        q = (
+            select(*ENTRY_COLUMNS)
+            .select_from(
+                active_path.join(
+                    entries,
+                    and_(
+                        entries.c.scope == active_path.c.scope,
+                        entries.c.session_id == active_path.c.session_id,
+                        entries.c.seq == active_path.c.seq,
+                    ),
+                )
+            )
+            .where(
+                active_path.c.scope == scope,
+                active_path.c.session_id == session_id,
+                active_path.c.position > after_position,
+            )
+            .order_by(active_path.c.position)
+        )
+        if before_position is not None:
+            q = q.where(active_path.c.position < before_position)
+        if limit is not None:
+            q = q.limit(limit)
+        return list(self.conn.execute(q).all())
+
+    def path_rows(self, scope: str, session_id: str, from_depth: int, to_depth: int | None) -> list[Row[Any]]:
+        """Active-path entries (messages and events) with from_depth <= depth <= to_depth."""
+        q = (
+            select(*ENTRY_COLUMNS)
+            .select_from(
+                active_path.join(
+                    entries,
+                    and_(
+                        entries.c.scope == active_path.c.scope,
+                        entries.c.session_id == active_path.c.session_id,
+                        entries.c.seq == active_path.c.seq,
+                    ),
+                )
+            )
+            .where(
+                active_path.c.scope == scope,
+                active_path.c.session_id == session_id,
+                active_path.c.depth >= from_depth,
+            )
+            .order_by(active_path.c.depth)
+        )
+        if to_depth is not None:
+            q = q.where(active_path.c.depth <= to_depth)
+        return list(self.conn.execute(q).all())
+
+    def path_seq_at_position(self, scope: str, session_id: str, position: int) -> int | None:
+        """The raw seq of the visible message at an active position, or None."""
+        q = select(active_path.c.seq).where(
+            active_path.c.scope == scope,
+            active_path.c.session_id == session_id,
+            active_path.c.position == position,
+        )
+        return self.conn.execute(q).scalar()
+
+    def entry_by_seq(self, scope: str, session_id: str, seq: int) -> Row[Any] | None:
+        """One entry by raw seq."""
+        q = select(*ENTRY_COLUMNS).where(
+            entries.c.scope == scope, entries.c.session_id == session_id, entries.c.seq == seq
+        )
+        return self.conn.execute(q).first()
+
+    def all_rows(self, scope: str, session_id: str, after_seq: int, limit: int) -> list[tuple[Row[Any], bool]]:
+        """Every stored entry (any branch, any kind) in raw seq order, with its active flag."""
+        q = (
+            select(*ENTRY_COLUMNS, active_path.c.seq.label("path_seq"))
+            .select_from(
+                entries.outerjoin(
+                    active_path,
+                    and_(
+                        active_path.c.scope == entries.c.scope,
+                        active_path.c.session_id == entries.c.session_id,
+                        active_path.c.depth == entries.c.depth,
+                    ),
+                )
+            )
+            .where(entries.c.scope == scope, entries.c.session_id == session_id, entries.c.seq > after_seq)
+            .order_by(entries.c.seq)
+            .limit(limit)
+        )
+        return [(r, r.path_seq == r.seq) for r in self.conn.execute(q)]
+
+    # ------------------------------------------------------------------------------------ path moves
+
+    def replace_path_from(self, scope: str, session_id: str, depth: int, rows: Sequence[Any]) -> None:
+        """Make ``rows`` (a chain, in depth order starting at ``depth``) the active path's tail."""
+        self.conn.execute(
+            delete(active_path).where(
+                active_path.c.scope == scope,
+                active_path.c.session_id == session_id,
+                active_path.c.depth >= depth,
+            )
+        )
+        if rows:
+            self.conn.execute(
+                insert(active_path),
+                [
+                    {
+                        "scope": scope,
+                        "session_id": session_id,
+                        "depth": r.depth,
+                        "seq": r.seq,
+                        "position": r.position,
+                    }
+                    for r in rows
+                ],
+            )
+
+    def visible_count(self, scope: str, session_id: str) -> int:
+        """Number of visible messages on the active path (from the materialized projection)."""
+        q = select(func.max(active_path.c.position)).where(
+            active_path.c.scope == scope,
+            active_path.c.session_id == session_id,
+            active_path.c.position.is_not(None),
+        )
+        top = self.conn.execute(q).scalar()
+        return 0 if top is None else int(top) + 1
+
+
+class _RowView:
+    """Attribute access over a dict, so freshly inserted rows reuse ``entry_from_row``."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)

@@ -1,0 +1,72 @@
+"""Transcript cursors: opaque, canonical, versioned tokens of a reader's position.
+
+A cursor names the scope, session and generation it was issued for and the last visible message it
+covered (raw seq and active position; -1/-1 before the first). It is an encoding, not a secret: a
+forged cursor that decodes can only point at entries of the caller's own session, and the reader
+re-validates it against the active path on every read. Anything that is not the byte-exact canonical
+encoding is refused as ``invalid_cursor``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+
+PREFIX = "tsc1."
+VERSION = 1
+MAX_CURSOR_CHARS = 2048
+_MAX_INT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class CursorState:
+    """A decoded cursor."""
+
+    scope: str
+    session_id: str
+    generation: int
+    last_seq: int
+    last_position: int
+
+    def encode(self) -> str:
+        """The canonical token for this state."""
+        body = json.dumps(
+            [VERSION, self.scope, self.session_id, self.generation, self.last_seq, self.last_position],
+            separators=(",", ":"),
+            ensure_ascii=True,
+        )
+        return PREFIX + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+
+
+def start_cursor(scope: str, session_id: str, generation: int) -> str:
+    """The cursor before the first visible message of a generation."""
+    return CursorState(scope, session_id, generation, -1, -1).encode()
+
+
+def decode_cursor(token: object) -> CursorState | None:
+    """The state of a canonical cursor, or None for anything else."""
+    if not isinstance(token, str) or len(token) > MAX_CURSOR_CHARS or not token.startswith(PREFIX):
+        return None
+    raw = token[len(PREFIX) :]
+    try:
+        body = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+        value = json.loads(body.decode("ascii"))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    if not (isinstance(value, list) and len(value) == 6 and value[0] == VERSION):
+        return None
+    _, scope, session_id, generation, last_seq, last_position = value
+    if not (isinstance(scope, str) and isinstance(session_id, str)):
+        return None
+    ints = (generation, last_seq, last_position)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        return None
+    if generation < 0 or not (-1 <= last_seq <= _MAX_INT) or not (-1 <= last_position <= _MAX_INT):
+        return None
+    if (last_seq == -1) != (last_position == -1):
+        return None
+    state = CursorState(scope, session_id, generation, last_seq, last_position)
+    # Byte-exact canonical form only: re-encoding must give back the very same token.
+    return state if state.encode() == token else None

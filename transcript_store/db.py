@@ -1,0 +1,211 @@
+"""Connections, transactions, retries and the one place where SQLite and PostgreSQL differ.
+
+Every write runs as ``Database.write(fn)``: one transaction around ``fn(conn)``, retried whole on a
+transient error. ``fn`` must therefore be re-runnable: callers generate ids and keys *before* the
+transaction, so a retry after an uncertain commit finds its own earlier write instead of adding a
+second one.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, Table, create_engine, event
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from .config import StoreConfig
+from .errors import InvalidInput, StoreUnavailable, TransientStoreError
+
+T = TypeVar("T")
+
+_PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "55P03", "53300"})
+_SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the backends, and nothing else."""
+
+    name: str
+
+    @property
+    def is_sqlite(self) -> bool:
+        """True for the embedded SQLite backend."""
+        return self.name == "sqlite"
+
+    def insert(self, table: Table) -> pg.Insert | sqlite_dialect.Insert:
+        """An INSERT that supports ``on_conflict_do_nothing`` on this backend."""
+        if self.is_sqlite:
+            return sqlite_dialect.insert(table)
+        return pg.insert(table)
+
+    def is_transient(self, error: DBAPIError) -> bool:
+        """Decide by SQLSTATE / SQLite error code, never by message text."""
+        if error.connection_invalidated:
+            return True
+        orig = error.orig
+        if self.is_sqlite:
+            code = getattr(orig, "sqlite_errorcode", None)
+            return code is not None and (code & 0xFF) in _SQLITE_BUSY_CODES
+        sqlstate = getattr(orig, "sqlstate", None)
+        if sqlstate is None:
+            # psycopg raises OperationalError without SQLSTATE when the connection itself is gone.
+            return orig.__class__.__name__ in ("OperationalError", "InterfaceError")
+        return sqlstate in _PG_TRANSIENT_SQLSTATES or sqlstate.startswith("08")
+
+
+def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        # We own the transactions: pysqlite's implicit BEGIN would be deferred and unlocked.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(config.busy_timeout_ms)}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA synchronous = {config.sqlite_synchronous}")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the write lock up front: a deferred BEGIN that later upgrades can fail with
+        # SQLITE_BUSY without waiting on the busy timeout, after part of the work was done.
+        write = conn.get_execution_options().get("ts_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def create_db_engine(config: StoreConfig) -> Engine:
+    """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
+    try:
+        url = make_url(config.url)
+    except ArgumentError as e:
+        raise InvalidInput(f"not a database URL: {mask_url(config.url)}") from e
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        if url.database in (None, "", ":memory:"):
+            raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
+        Path(url.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        _sqlite_connect_listeners(engine, config)
+        return engine
+    if backend == "postgresql":
+        if url.get_driver_name() != "psycopg":
+            url = url.set(drivername="postgresql+psycopg")
+        return create_engine(
+            url,
+            pool_size=config.pool_size,
+            max_overflow=config.pool_size,
+            pool_pre_ping=True,
+            connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
+        )
+    raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable URL>"
+
+
+class Database:
+    """One engine, its dialect, and transactions with retries."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.engine = create_db_engine(config)
+        self.dialect = Dialect(self.engine.dialect.name)
+        self._pid = os.getpid()
+
+    def _check_fork(self) -> None:
+        # A pool inherited across fork() shares sockets with the parent: drop it, never use it.
+        if os.getpid() != self._pid:
+            self.engine.dispose(close=False)
+            self._pid = os.getpid()
+
+    def _retrying(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type(TransientStoreError),
+            stop=stop_after_attempt(self.config.retry_attempts),
+            wait=wait_random_exponential(multiplier=0.005, max=0.5),
+            reraise=True,
+        )
+
+    @contextmanager
+    def _transaction(self, write: bool) -> Iterator[Connection]:
+        self._check_fork()
+        try:
+            with self.engine.connect() as conn:
+                if write:
+                    conn = conn.execution_options(ts_write=True)
+                elif not self.dialect.is_sqlite:
+                    # One snapshot for every statement of a read (a page is consistent).
+                    conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+                with conn.begin():
+                    yield conn
+        except DBAPIError as e:
+            raise self.translate(e) from e
+        except SQLAlchemyError as e:
+            raise StoreUnavailable(f"database error: {e.__class__.__name__}: {e}") from e
+
+    def translate(self, error: DBAPIError) -> StoreUnavailable:
+        """The one translation of a driver error into this library's tree."""
+        detail = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
+        if self.dialect.is_transient(error):
+            return TransientStoreError(f"transient database error: {detail}")
+        return StoreUnavailable(f"database error: {detail}")
+
+    def write(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one write transaction, retried whole on transient errors."""
+        for attempt in self._retrying():
+            with attempt, self._transaction(write=True) as conn:
+                return fn(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def read(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one read-only snapshot, retried whole on transient errors."""
+        for attempt in self._retrying():
+            with attempt, self._transaction(write=False) as conn:
+                return fn(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def dispose(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    def settings(self) -> dict[str, Any]:
+        """The backend settings that matter for durability and concurrency."""
+
+        def probe(conn: Connection) -> dict[str, Any]:
+            if self.dialect.is_sqlite:
+                return {
+                    "backend": "sqlite",
+                    "sqlite_version": sqlite3.sqlite_version,
+                    "journal_mode": conn.exec_driver_sql("PRAGMA journal_mode").scalar(),
+                    "synchronous": {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(
+                        int(conn.exec_driver_sql("PRAGMA synchronous").scalar() or 0)
+                    ),
+                    "busy_timeout_ms": conn.exec_driver_sql("PRAGMA busy_timeout").scalar(),
+                    "foreign_keys": bool(conn.exec_driver_sql("PRAGMA foreign_keys").scalar()),
+                }
+            return {
+                "backend": "postgresql",
+                "server_version": conn.exec_driver_sql("SHOW server_version").scalar(),
+                "synchronous_commit": conn.exec_driver_sql("SHOW synchronous_commit").scalar(),
+                "default_transaction_isolation": conn.exec_driver_sql(
+                    "SHOW default_transaction_isolation"
+                ).scalar(),
+            }
+
+        return self.read(probe)

@@ -1,0 +1,98 @@
+"""Every error the library raises, in one tree.
+
+Driver errors never escape: the dialect layer translates them here, once, with ``raise ... from e``.
+Transient errors (serialization failures, deadlocks, dropped connections, a busy SQLite file) are
+retried around the whole transaction; every other error is final and nothing was written.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+FenceReason = Literal["missing", "rewritten", "moved", "not_user", "scope", "crossed"]
+
+
+class TranscriptStoreError(Exception):
+    """Base class of every error raised by transcript-store."""
+
+
+class InvalidInput(TranscriptStoreError, ValueError):
+    """A caller's argument was refused before anything was written."""
+
+
+class InvalidMessage(InvalidInput):
+    """A message is not a valid OpenAI chat-format message."""
+
+
+class PayloadTooLarge(InvalidInput):
+    """A payload is larger than the store's configured cap."""
+
+
+class UnknownSession(TranscriptStoreError, LookupError):
+    """No such session in this scope (a session of another scope looks exactly like this)."""
+
+    def __init__(self, scope: str, session_id: str) -> None:
+        super().__init__(f"unknown session {session_id!r} in scope {scope!r}")
+        self.scope = scope
+        self.session_id = session_id
+
+
+class UnknownEntry(TranscriptStoreError, LookupError):
+    """No such entry in this session."""
+
+
+class SessionKeyConflict(TranscriptStoreError):
+    """Another active session in the scope already holds this session key."""
+
+
+class IdempotencyConflict(TranscriptStoreError):
+    """An idempotency key, entry id or logical turn id was reused with different content."""
+
+
+class ReadFenceError(TranscriptStoreError):
+    """A fenced read cannot honour `before-current-turn-entry-v1`; ``reason`` says why."""
+
+    def __init__(self, reason: FenceReason, detail: str = "") -> None:
+        super().__init__(f"read fence cannot be honoured: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason: FenceReason = reason
+        self.detail = detail
+
+
+class AdvancementKeyCollision(TranscriptStoreError):
+    """An advancement key was committed before with a different payload."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"context-engine advancement key collision: {key}")
+        self.key = key
+
+
+class OutboxCollision(TranscriptStoreError):
+    """A turn intent was rewritten with another payload, owner or an illegal transition."""
+
+
+class SchemaNotCurrent(TranscriptStoreError):
+    """The database schema is behind (or ahead of) this library; run the upgrade."""
+
+
+class StoreUnavailable(TranscriptStoreError):
+    """The database could not be reached or refused the operation for a non-logical reason."""
+
+
+class TransientStoreError(StoreUnavailable):
+    """A transient database error (40001, 40P01, a lost connection, SQLite busy); safe to retry."""
+
+
+class EngineError(TranscriptStoreError):
+    """A context engine is missing, invalid, quarantined or failed a lifecycle call."""
+
+
+class EngineContractError(EngineError):
+    """An engine failed contract validation at load time."""
+
+
+class HostRequirementError(EngineError):
+    """The selected engine needs a host capability this host lacks; the operation fails closed."""
+
+
+class EngineSwitchError(EngineError):
+    """A turn that has started tried to switch engines."""

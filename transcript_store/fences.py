@@ -1,0 +1,101 @@
+"""The current-turn fence and closed-range reads of finished turns.
+
+A fence is the admission anchor of the turn being run. Every read made for that turn sees exactly the
+visible prefix before the admitted entry, and re-validates the anchor first: if the admitted entry
+is no longer the same visible user message, the read raises instead of returning another prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Row
+
+from .core import Core, entry_from_row
+from .errors import InvalidInput, ReadFenceError
+from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult
+
+MAX_TURN_EVENTS = 20_000
+MAX_TURN_BYTES = 8 * 1024 * 1024
+
+
+def check_fence(core: Core, scope: str, session_id: str, fence: Anchor) -> Row[Any]:
+    """Validate a fence for a read of (scope, session); return the session row or raise."""
+    if not isinstance(fence, Anchor):
+        raise InvalidInput("fence must be an Anchor (an admission's anchor)")
+    if fence.scope != scope or fence.session_id != session_id:
+        raise ReadFenceError("scope", "the fence belongs to another scope or session")
+    sess = core.session_row(scope, session_id)
+    if sess is None:
+        raise ReadFenceError("missing", "the session is gone")
+    rows = core.entry_rows(scope, session_id, [fence.entry_id])
+    row = rows.get(fence.entry_id)
+    if row is None:
+        raise ReadFenceError("missing", f"admitted entry {fence.entry_id} does not exist")
+    if sess.generation != fence.generation or sess.session_key != fence.session_key:
+        raise ReadFenceError("rewritten", f"generation {fence.generation} is now {sess.generation}")
+    if row.seq != fence.seq or row.parent_id != fence.parent_id or row.position != fence.position:
+        raise ReadFenceError("moved", "the admitted entry's seq, parent or position changed")
+    if not core.on_active_path(scope, session_id, row):
+        raise ReadFenceError("missing", "the admitted entry left the active branch")
+    if row.kind != "message" or row.role != "user":
+        raise ReadFenceError("not_user", "the admitted entry is not a user message")
+    return sess
+
+
+def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> ClosedRangeResult:
+    """The visible messages admission..terminal inclusive, or why they cannot be read."""
+    if not isinstance(admission, Anchor) or not isinstance(terminal, Anchor):
+        raise InvalidInput("a closed range takes two anchors")
+    identity = ("scope", "session_id", "session_key", "generation")
+    if any(getattr(admission, k) != getattr(terminal, k) for k in identity):
+        return ClosedRangeFailure(reason="session_rebound", detail="the anchors disagree on session identity")
+    scope, session_id = admission.scope, admission.session_id
+    sess = core.session_row(scope, session_id)
+    if sess is None or sess.generation != admission.generation or sess.session_key != admission.session_key:
+        return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
+    rows = core.entry_rows(scope, session_id, [admission.entry_id, terminal.entry_id])
+    for anchor in (admission, terminal):
+        row = rows.get(anchor.entry_id)
+        if row is None or not _matches(row, anchor) or not core.on_active_path(scope, session_id, row):
+            return ClosedRangeFailure(reason="stale", detail=f"anchor {anchor.entry_id} no longer matches")
+    first, last = rows[admission.entry_id], rows[terminal.entry_id]
+    if first.position is None or last.position is None:
+        raise InvalidInput("closed-range anchors must be message entries")
+    if last.depth < first.depth:
+        return ClosedRangeFailure(reason="non_descendant", detail="the terminal precedes the admission")
+    if last.depth - first.depth + 1 > MAX_TURN_EVENTS:
+        return ClosedRangeFailure(reason="too_large", detail=f"over {MAX_TURN_EVENTS} events")
+    chain = core.path_rows(scope, session_id, first.depth, last.depth)
+    if not _descends(chain, first.entry_id, last.entry_id):
+        return ClosedRangeFailure(reason="non_descendant", detail="parent links do not reach the admission")
+    size = sum(r.size_bytes for r in chain)
+    if size > MAX_TURN_BYTES:
+        return ClosedRangeFailure(reason="too_large", detail=f"{size} bytes, over {MAX_TURN_BYTES}")
+    messages = [entry_from_row(r, active=True) for r in chain if r.kind == "message"]
+    if len(messages) != last.position - first.position + 1:
+        return ClosedRangeFailure(reason="stale", detail="message count disagrees with the positions")
+    return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
+
+
+def _matches(row: Row[Any], anchor: Anchor) -> bool:
+    return bool(
+        row.seq == anchor.seq
+        and row.parent_id == anchor.parent_id
+        and row.position == anchor.position
+        and row.idempotency_key == anchor.idempotency_key
+    )
+
+
+def _descends(chain: list[Row[Any]], admission_id: str, terminal_id: str) -> bool:
+    """Walk parent links from the terminal; position order alone never proves descent."""
+    by_id = {r.entry_id: r for r in chain}
+    seen: set[str] = set()
+    current: str | None = terminal_id
+    while current is not None and current not in seen:
+        if current == admission_id:
+            return True
+        seen.add(current)
+        row = by_id.get(current)
+        current = row.parent_id if row is not None else None
+    return False

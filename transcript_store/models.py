@@ -1,0 +1,278 @@
+"""Pydantic shapes of everything the store takes and returns.
+
+Messages are OpenAI chat-format dicts. They are validated here and stored exactly as given: unknown
+keys are preserved, not dropped. Shapes the store builds itself from rows it trusts are made with
+``model_construct`` on the hot paths (validation is for input, not for our own output).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InvalidInput, InvalidMessage
+
+EntryKind = Literal["message", "custom", "metadata", "compaction"]
+ENTRY_KINDS: tuple[str, ...] = ("message", "custom", "metadata", "compaction")
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+ResetReason = Literal[
+    "invalid_cursor", "scope_mismatch", "generation_mismatch", "anchor_missing", "anchor_moved"
+]
+ClosedRangeFailureReason = Literal[
+    "stale", "non_descendant", "session_rebound", "too_large", "projection_unavailable"
+]
+
+CURRENT_TURN_FENCE = "before-current-turn-entry-v1"
+TURN_ADVANCEMENT_IDEMPOTENCY = "atomic-idempotent-v1"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+
+class FunctionCall(BaseModel):
+    """The function part of an assistant tool call."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(min_length=1)
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    """One part of a multi-part content list (text, image_url, input_audio, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> ContentPart:
+        if self.type == "text" and not isinstance(getattr(self, "text", None), str):
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """An OpenAI chat-format message; unknown keys are kept."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id'")
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        return self
+
+
+def _check_json_value(value: Any, depth: int = 0) -> None:
+    """Refuse what JSON or UTF-8 cannot carry losslessly (NaN, lone surrogates, odd types)."""
+    if depth > 64:
+        raise InvalidInput("payload nested deeper than 64 levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidInput("payload contains a lone surrogate (not valid Unicode)") from e
+    elif isinstance(value, bool) or value is None or isinstance(value, int):
+        return
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput("payload contains a non-finite number")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidInput("payload object keys must be strings")
+            _check_json_value(k, depth + 1)
+            _check_json_value(v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_json_value(v, depth + 1)
+    else:
+        raise InvalidInput(f"payload contains a non-JSON value of type {type(value).__name__}")
+
+
+def validate_message(message: Any) -> dict[str, Any]:
+    """Validate one OpenAI chat message and return it as a plain dict, extras preserved."""
+    if isinstance(message, ChatMessage):
+        message = message.model_dump(exclude_none=True)
+    if not isinstance(message, dict):
+        raise InvalidMessage(f"a message must be a dict, not {type(message).__name__}")
+    _check_json_value(message)
+    try:
+        ChatMessage.model_validate(message)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise InvalidMessage(f"invalid message: {where}: {first['msg']}") from None
+    return message
+
+
+def validate_event_payload(payload: Any) -> dict[str, Any]:
+    """Validate the JSON payload of a non-message event."""
+    if not isinstance(payload, dict):
+        raise InvalidInput(f"an event payload must be a dict, not {type(payload).__name__}")
+    _check_json_value(payload)
+    return payload
+
+
+def canonical_json(value: Any) -> str:
+    """The one canonical JSON text used for hashing (sorted keys, no spaces, UTF-8)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+class SessionInfo(_Frozen):
+    """One session as the store sees it now."""
+
+    scope: str
+    session_id: str
+    session_key: str | None
+    generation: int
+    head_entry_id: str | None
+    entry_count: int
+    visible_count: int
+    active: bool
+    created_at: datetime
+    updated_at: datetime
+
+
+class Anchor(_Frozen):
+    """Immutable identity of one entry: where it was, in which generation, after which parent."""
+
+    scope: str
+    session_id: str
+    session_key: str | None
+    generation: int
+    entry_id: str
+    seq: int
+    parent_id: str | None
+    position: int | None
+    idempotency_key: str | None = None
+
+
+class Admission(_Frozen):
+    """The receipt of admitting a user message for one logical turn."""
+
+    anchor: Anchor
+    turn_id: str
+
+    @property
+    def fence(self) -> Anchor:
+        """The anchor every pre-turn read of this turn is fenced before."""
+        return self.anchor
+
+
+class Entry(_Frozen):
+    """One stored entry: a message or a non-message event."""
+
+    entry_id: str
+    parent_id: str | None
+    seq: int
+    kind: EntryKind
+    role: str | None
+    message: dict[str, Any] | None
+    payload: dict[str, Any] | None
+    position: int | None
+    generation: int
+    size_bytes: int
+    idempotency_key: str | None
+    turn_id: str | None
+    created_at: datetime
+    active: bool = True
+
+
+class DeltaPage(_Frozen):
+    """Visible messages after a cursor, and the cursor after them."""
+
+    kind: Literal["page"] = "page"
+    entries: list[Entry]
+    cursor: str
+    has_more: bool
+    serialized_bytes: int
+    required_bytes: int | None = None
+
+
+class DeltaReset(_Frozen):
+    """The cursor's ground moved: drop the projection and re-read from ``cursor``."""
+
+    kind: Literal["reset"] = "reset"
+    cursor: str
+    reason: ResetReason
+
+
+class DeltaMissing(_Frozen):
+    """The session does not exist in this scope."""
+
+    kind: Literal["missing"] = "missing"
+
+
+DeltaResult = DeltaPage | DeltaReset | DeltaMissing
+
+
+class Replacement(_Frozen):
+    """One entry to rewrite and its new message."""
+
+    entry_id: str
+    message: dict[str, Any]
+
+
+class RewriteResult(_Frozen):
+    """What a rewrite pass did."""
+
+    changed: bool
+    bytes_freed: int
+    rewritten_entries: int
+    reason: str | None
+    generation: int
+
+
+class ClosedRange(_Frozen):
+    """The visible messages of a finished turn, admission through terminal inclusive."""
+
+    status: Literal["ok"] = "ok"
+    entries: list[Entry]
+    serialized_bytes: int
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The OpenAI messages of the range, in order."""
+        return [e.message for e in self.entries if e.message is not None]
+
+
+class ClosedRangeFailure(_Frozen):
+    """Why a closed range could not be read."""
+
+    status: Literal["failed"] = "failed"
+    reason: ClosedRangeFailureReason
+    detail: str = ""
+
+
+ClosedRangeResult = ClosedRange | ClosedRangeFailure

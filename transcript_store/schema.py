@@ -1,0 +1,129 @@
+"""SQLAlchemy Core tables of the store.
+
+The migrations create these; this module is what the code queries. Every key starts with
+(scope, session_id), so a sharded PostgreSQL can distribute every table by session.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData()
+
+ID = String(255)
+
+sessions = Table(
+    "ts_sessions",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("session_key", ID, nullable=True),
+    Column("active", Boolean, nullable=False),
+    Column("generation", Integer, nullable=False),
+    # Dense raw seq: the next entry gets last_seq + 1 (an UPDATE ... RETURNING takes the row lock).
+    Column("last_seq", Integer, nullable=False),
+    Column("head_seq", Integer, nullable=True),
+    Column("head_entry_id", ID, nullable=True),
+    Column("path_length", Integer, nullable=False),
+    Column("visible_count", Integer, nullable=False),
+    Column("created_us", BigInteger, nullable=False),
+    Column("updated_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", name="ts_sessions_pk"),
+)
+Index(
+    "ts_sessions_active_key",
+    sessions.c.scope,
+    sessions.c.session_key,
+    unique=True,
+    sqlite_where=text("active AND session_key IS NOT NULL"),
+    postgresql_where=text("active AND session_key IS NOT NULL"),
+)
+
+entries = Table(
+    "ts_entries",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("entry_id", ID, nullable=False),
+    Column("parent_id", ID, nullable=True),
+    # Depth and message position along the entry's own root path never change (parents are fixed),
+    # so an entry's active position is intrinsic: only *which* entries are active changes.
+    Column("depth", Integer, nullable=False),
+    Column("position", Integer, nullable=True),
+    Column("generation", Integer, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("role", String(16), nullable=True),
+    Column("payload", Text, nullable=False),
+    Column("size_bytes", Integer, nullable=False),
+    Column("idempotency_key", ID, nullable=True),
+    Column("turn_id", ID, nullable=True),
+    Column("created_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", "seq", name="ts_entries_pk"),
+    ForeignKeyConstraint(
+        ["scope", "session_id"],
+        ["ts_sessions.scope", "ts_sessions.session_id"],
+        ondelete="CASCADE",
+        name="ts_entries_session_fk",
+    ),
+)
+Index("ts_entries_entry_id", entries.c.scope, entries.c.session_id, entries.c.entry_id, unique=True)
+Index(
+    "ts_entries_idempotency_key",
+    entries.c.scope,
+    entries.c.session_id,
+    entries.c.idempotency_key,
+    unique=True,
+    sqlite_where=text("idempotency_key IS NOT NULL"),
+    postgresql_where=text("idempotency_key IS NOT NULL"),
+)
+Index(
+    "ts_entries_turn_id",
+    entries.c.scope,
+    entries.c.session_id,
+    entries.c.turn_id,
+    unique=True,
+    sqlite_where=text("turn_id IS NOT NULL"),
+    postgresql_where=text("turn_id IS NOT NULL"),
+)
+
+# The materialized active branch: one row per depth on the path root -> head. Visible messages are
+# the rows with a position; reads by position use the partial unique index and cost O(page).
+active_path = Table(
+    "ts_active_path",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("depth", Integer, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("position", Integer, nullable=True),
+    PrimaryKeyConstraint("scope", "session_id", "depth", name="ts_active_path_pk"),
+    ForeignKeyConstraint(
+        ["scope", "session_id"],
+        ["ts_sessions.scope", "ts_sessions.session_id"],
+        ondelete="CASCADE",
+        name="ts_active_path_session_fk",
+    ),
+)
+Index(
+    "ts_active_path_position",
+    active_path.c.scope,
+    active_path.c.session_id,
+    active_path.c.position,
+    unique=True,
+    sqlite_where=text("position IS NOT NULL"),
+    postgresql_where=text("position IS NOT NULL"),
+)

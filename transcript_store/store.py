@@ -1,0 +1,381 @@
+"""TranscriptStore: the public API, one transaction per call over the backend-neutral core."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from . import fences, migrate, paths, reads
+from .config import StoreConfig
+from .core import Core, NewEntry, check_id, entry_from_row, new_id, prepare_entry, session_info
+from .db import Database, mask_url
+from .errors import InvalidInput, InvalidMessage, UnknownEntry, UnknownSession
+from .models import (
+    Admission,
+    Anchor,
+    ClosedRangeResult,
+    DeltaResult,
+    Entry,
+    EntryKind,
+    Replacement,
+    RewriteResult,
+    SessionInfo,
+)
+
+T = TypeVar("T")
+
+
+class AppendItem(BaseModel):
+    """One entry of an ``append_many`` call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: EntryKind = "message"
+    message: dict[str, Any] | None = None
+    payload: dict[str, Any] | None = None
+    entry_id: str | None = None
+    idempotency_key: str | None = None
+
+
+class TranscriptStore:
+    """A durable conversation-transcript store on SQLite (default) or PostgreSQL.
+
+    Every method names the scope; a session of another scope is indistinguishable from an unknown one.
+    Every write is one transaction, retried whole on transient errors, and refused with a typed error
+    before anything is written when its input is invalid.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, config: StoreConfig | None = None, create: bool = True
+    ) -> None:
+        """Open a store; a fresh SQLite path is created at the newest schema revision."""
+        if config is None:
+            config = StoreConfig.from_env(url=url)
+        elif url is not None:
+            config = config.model_copy(update={"url": url})
+        self.config = config
+        self.db = Database(config)
+        if create:
+            auto = config.auto_upgrade if config.auto_upgrade is not None else self.db.dialect.is_sqlite
+            try:
+                migrate.ensure_current(self.db, auto_upgrade=auto)
+            except BaseException:
+                self.db.dispose()
+                raise
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def upgrade_url(cls, url: str) -> str:
+        """Migrate the database at ``url`` to the newest revision; returns the revision."""
+        db = Database(StoreConfig.from_env(url=url))
+        try:
+            return migrate.upgrade(db)
+        finally:
+            db.dispose()
+
+    def upgrade(self) -> str:
+        """Migrate this store's database to the newest revision; returns the revision."""
+        return migrate.upgrade(self.db)
+
+    def current_revision(self) -> str | None:
+        """The schema revision of the database."""
+        return migrate.current_revision(self.db)
+
+    @property
+    def url(self) -> str:
+        """The database URL, password masked."""
+        return mask_url(self.config.url)
+
+    @property
+    def backend(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return self.db.dialect.name
+
+    def close(self) -> None:
+        """Release every connection."""
+        self.db.dispose()
+
+    def __enter__(self) -> TranscriptStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def write(self, fn: Callable[[Core], T]) -> T:
+        """Run ``fn`` on the core inside ONE write transaction (retried whole: keep it re-runnable)."""
+        return self.db.write(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
+
+    def read(self, fn: Callable[[Core], T]) -> T:
+        """Run ``fn`` on the core inside one read-only snapshot."""
+        return self.db.read(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def create_session(
+        self, scope: str, *, session_id: str | None = None, session_key: str | None = None
+    ) -> SessionInfo:
+        """Create a session (id generated when omitted); the same id and key again is a no-op."""
+        check_id("scope", scope)
+        check_id("session_id", session_id, optional=True)
+        check_id("session_key", session_key, optional=True)
+        sid = session_id or new_id()
+        return self.write(lambda c: c.create_session(scope, sid, session_key))
+
+    def open_session(self, scope: str, session_key: str) -> SessionInfo:
+        """The active session holding ``session_key``, created when there is none."""
+        check_id("scope", scope)
+        check_id("session_key", session_key)
+        sid = new_id()
+
+        def run(c: Core) -> SessionInfo:
+            row = c.find_session_by_key(scope, session_key)
+            return session_info(row) if row is not None else c.create_session(scope, sid, session_key)
+
+        return self.write(run)
+
+    def get_session(self, scope: str, session_id: str) -> SessionInfo:
+        """The session, or UnknownSession."""
+        self._ids(scope, session_id)
+        return self.read(lambda c: session_info(c.require_session(scope, session_id)))
+
+    def find_session(self, scope: str, session_key: str) -> SessionInfo | None:
+        """The active session holding ``session_key`` in the scope, or None."""
+        check_id("scope", scope)
+        check_id("session_key", session_key)
+
+        def run(c: Core) -> SessionInfo | None:
+            row = c.find_session_by_key(scope, session_key)
+            return session_info(row) if row is not None else None
+
+        return self.read(run)
+
+    def list_sessions(self, scope: str, *, after: str | None = None, limit: int = 100) -> list[SessionInfo]:
+        """Sessions of the scope in id order, ``limit`` (1..10000) after ``after``."""
+        check_id("scope", scope)
+        check_id("after", after, optional=True)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ValueError(f"limit must be an integer in 1..10000, got {limit!r}")
+        return self.read(lambda c: c.list_sessions(scope, after, limit))
+
+    def session_bytes(self, scope: str, session_id: str) -> int:
+        """Total payload bytes of every stored entry of the session."""
+        self._ids(scope, session_id)
+        return self.read(lambda c: (c.require_session(scope, session_id), c.session_bytes(scope, session_id))[1])
+
+    def end_session(self, scope: str, session_id: str) -> SessionInfo:
+        """Mark the session inactive (its key is free for a successor); its entries stay."""
+        self._ids(scope, session_id)
+        return self.write(lambda c: c.end_session(scope, session_id))
+
+    def delete_session(self, scope: str, session_id: str) -> None:
+        """Delete the session and every entry of it, for good."""
+        self._ids(scope, session_id)
+        self.write(lambda c: c.delete_session(scope, session_id))
+
+    # ------------------------------------------------------------------------------------ appends
+
+    def append(
+        self,
+        scope: str,
+        session_id: str,
+        message: dict[str, Any] | None = None,
+        *,
+        kind: EntryKind = "message",
+        payload: dict[str, Any] | None = None,
+        entry_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Entry:
+        """Append one entry at the head; the same idempotency key again returns the stored entry."""
+        self._ids(scope, session_id)
+        item = prepare_entry(
+            self.config, kind=kind, message=message, payload=payload, entry_id=entry_id,
+            idempotency_key=idempotency_key,
+        )
+        return self.write(lambda c: c.append(scope, session_id, [item]))[0]
+
+    def append_many(self, scope: str, session_id: str, items: Sequence[AppendItem | dict[str, Any]]) -> list[Entry]:
+        """Append several entries as one chain in one transaction."""
+        self._ids(scope, session_id)
+        prepared = self.prepare(items)
+        return self.write(lambda c: c.append(scope, session_id, prepared))
+
+    def prepare(self, items: Sequence[AppendItem | dict[str, Any]]) -> list[NewEntry]:
+        """Validate and serialize entries ahead of a transaction."""
+        if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+            raise InvalidInput("items must be a list of entries")
+        out = []
+        for raw in items:
+            item = raw if isinstance(raw, AppendItem) else _append_item(raw)
+            out.append(
+                prepare_entry(
+                    self.config, kind=item.kind, message=item.message, payload=item.payload,
+                    entry_id=item.entry_id, idempotency_key=item.idempotency_key,
+                )
+            )
+        return out
+
+    def admit(
+        self, scope: str, session_id: str, message: dict[str, Any], *, turn_id: str, entry_id: str | None = None
+    ) -> Admission:
+        """Append the user message of logical turn ``turn_id``; the same turn again: same admission."""
+        self._ids(scope, session_id)
+        item = self.prepare_admission(message, turn_id=turn_id, entry_id=entry_id)
+        return self.write(lambda c: admit_in(c, scope, session_id, item))
+
+    def prepare_admission(
+        self, message: dict[str, Any], *, turn_id: str, entry_id: str | None = None
+    ) -> NewEntry:
+        """Validate an admission's user message ahead of a transaction."""
+        check_id("turn_id", turn_id)
+        item = prepare_entry(self.config, message=message, entry_id=entry_id, turn_id=turn_id)
+        if item.role != "user":
+            raise InvalidMessage("an admission is a user message")
+        return item
+
+    # ------------------------------------------------------------------------------------ reads
+
+    def anchor(self, scope: str, session_id: str, entry_id: str) -> Anchor:
+        """The anchor of an entry, in the session's current generation."""
+        self._ids(scope, session_id)
+        check_id("entry_id", entry_id)
+
+        def run(c: Core) -> Anchor:
+            sess = c.require_session(scope, session_id)
+            return c.anchor_for(sess, c.entry_row(scope, session_id, entry_id))
+
+        return self.read(run)
+
+    def read_visible_delta(
+        self,
+        scope: str,
+        session_id: str,
+        cursor: str | None = None,
+        *,
+        max_messages: int = 1000,
+        max_bytes: int = 1_000_000,
+        fence: Anchor | None = None,
+    ) -> DeltaResult:
+        """Visible messages after ``cursor``: a page, a reset (re-read from its cursor) or missing."""
+        self._ids(scope, session_id)
+        reads.check_limits(max_messages, max_bytes)
+        if cursor is not None and not isinstance(cursor, str):
+            raise InvalidInput("cursor must be a string or None")
+        return self.read(
+            lambda c: reads.read_visible_delta(c, scope, session_id, cursor, max_messages, max_bytes, fence)
+        )
+
+    def read_visible(self, scope: str, session_id: str, *, fence: Anchor | None = None) -> list[Entry]:
+        """The whole visible transcript (before the fence, when given)."""
+        self._ids(scope, session_id)
+
+        def run(c: Core) -> list[Entry]:
+            before = None
+            if fence is not None:
+                fences.check_fence(c, scope, session_id, fence)
+                before = fence.position
+            else:
+                c.require_session(scope, session_id)
+            return [entry_from_row(r, True) for r in c.visible_rows(scope, session_id, -1, before, None)]
+
+        return self.read(run)
+
+    def get_entries(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> list[Entry]:
+        """Entries by id (any branch, any kind), in the order asked; unknown ids raise UnknownEntry."""
+        self._ids(scope, session_id)
+        if isinstance(entry_ids, str) or not isinstance(entry_ids, Sequence) or len(entry_ids) > 10_000:
+            raise InvalidInput("entry_ids must be a list of at most 10000 ids")
+        for eid in entry_ids:
+            check_id("entry_id", eid)
+
+        def run(c: Core) -> list[Entry]:
+            c.require_session(scope, session_id)
+            rows = c.entry_rows(scope, session_id, list(entry_ids))
+            missing = [eid for eid in entry_ids if eid not in rows]
+            if missing:
+                raise UnknownEntry(f"no entry {missing[0]!r} in session {session_id!r}")
+            return [entry_from_row(rows[e], c.on_active_path(scope, session_id, rows[e])) for e in entry_ids]
+
+        return self.read(run)
+
+    def list_entries(
+        self, scope: str, session_id: str, *, after_seq: int = -1, limit: int = 1000
+    ) -> list[Entry]:
+        """Every stored entry (off-branch and non-message ones too) in raw seq order."""
+        self._ids(scope, session_id)
+        if isinstance(after_seq, bool) or not isinstance(after_seq, int) or after_seq < -1:
+            raise ValueError("after_seq must be an integer >= -1")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ValueError("limit must be an integer in 1..10000")
+
+        def run(c: Core) -> list[Entry]:
+            c.require_session(scope, session_id)
+            return [entry_from_row(r, a) for r, a in c.all_rows(scope, session_id, after_seq, limit)]
+
+        return self.read(run)
+
+    def read_closed_range(self, admission: Anchor | Admission, terminal: Anchor) -> ClosedRangeResult:
+        """The visible messages of a finished turn (admission..terminal), or a typed failure."""
+        first = admission.anchor if isinstance(admission, Admission) else admission
+        return self.read(lambda c: fences.read_closed_range(c, first, terminal))
+
+    # ------------------------------------------------------------------------------------ moves
+
+    def branch(self, scope: str, session_id: str, entry_id: str | None) -> SessionInfo:
+        """Move the active head to ``entry_id`` (None: empty path); later appends go there."""
+        self._ids(scope, session_id)
+        check_id("entry_id", entry_id, optional=True)
+        return self.write(lambda c: paths.branch(c, scope, session_id, entry_id))
+
+    def rewrite_entries(
+        self,
+        scope: str,
+        session_id: str,
+        replacements: Sequence[Replacement | dict[str, Any]],
+        *,
+        allowed_rewrite_suffix_entry_ids: Sequence[str] | None = None,
+    ) -> RewriteResult:
+        """Replace messages by branching and re-appending the suffix; the generation rotates."""
+        self._ids(scope, session_id)
+        reps = paths.validate_replacements(replacements)
+        prepared = [prepare_entry(self.config, message=r.message) for r in reps]
+        allowed = None
+        if allowed_rewrite_suffix_entry_ids is not None:
+            if isinstance(allowed_rewrite_suffix_entry_ids, str):
+                raise InvalidInput("allowed_rewrite_suffix_entry_ids must be a list of entry ids")
+            allowed = set(allowed_rewrite_suffix_entry_ids)
+        return self.write(lambda c: paths.rewrite_entries(c, scope, session_id, reps, prepared, allowed))
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _ids(scope: str, session_id: str) -> None:
+        check_id("scope", scope)
+        check_id("session_id", session_id)
+
+
+def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:
+    """Admit inside an open transaction (the turn runner adds its outbox row to the same one)."""
+    entry = c.append(scope, session_id, [item])[0]
+    sess = c.require_session(scope, session_id)
+    row = c.entry_row(scope, session_id, entry.entry_id)
+    assert item.turn_id is not None
+    return Admission(anchor=c.anchor_for(sess, row), turn_id=item.turn_id)
+
+
+def _append_item(raw: Any) -> AppendItem:
+    from pydantic import ValidationError
+
+    if not isinstance(raw, dict):
+        raise InvalidInput("each item must be a dict or AppendItem")
+    try:
+        return AppendItem.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidInput(f"invalid append item: {e.errors()[0]['msg']}") from None
+
+
+__all__ = ["AppendItem", "TranscriptStore", "UnknownSession"]
