@@ -127,3 +127,90 @@ Index(
     sqlite_where=text("position IS NOT NULL"),
     postgresql_where=text("position IS NOT NULL"),
 )
+
+
+def _session_fk(table: str) -> ForeignKeyConstraint:
+    return ForeignKeyConstraint(
+        ["scope", "session_id"],
+        ["ts_sessions.scope", "ts_sessions.session_id"],
+        ondelete="CASCADE",
+        name=f"{table}_session_fk",
+    )
+
+
+# Host side: one durable intent per logical turn, admitted -> accepted -> ready | blocked.
+outbox = Table(
+    "ts_outbox",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("turn_id", ID, nullable=False),
+    Column("engine_id", ID, nullable=False),
+    Column("state", String(16), nullable=False),
+    # The admission entry's raw seq: a durable per-session order, never wall-clock time.
+    Column("enqueue_seq", Integer, nullable=False),
+    Column("admission", Text, nullable=False),
+    Column("terminal", Text, nullable=True),
+    Column("messages", Text, nullable=True),
+    Column("is_heartbeat", Boolean, nullable=False),
+    Column("block_reason", Text, nullable=True),
+    Column("attempt_count", Integer, nullable=False),
+    Column("last_error", Text, nullable=True),
+    Column("last_attempt_us", BigInteger, nullable=True),
+    Column("lease_owner", String(128), nullable=True),
+    Column("lease_expires_us", BigInteger, nullable=True),
+    Column("created_us", BigInteger, nullable=False),
+    Column("updated_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", "turn_id", name="ts_outbox_pk"),
+    _session_fk("ts_outbox"),
+)
+Index("ts_outbox_order", outbox.c.scope, outbox.c.session_id, outbox.c.engine_id, outbox.c.enqueue_seq)
+Index("ts_outbox_state", outbox.c.state, outbox.c.scope, outbox.c.session_id)
+
+# Engine side: the commit ledger. The receipt's key is the idempotency; its hash catches reuse.
+receipts = Table(
+    "ts_receipts",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("engine_id", ID, nullable=False),
+    Column("advancement_key", ID, nullable=False),
+    Column("payload_hash", String(64), nullable=False),
+    Column("admission_entry_id", ID, nullable=False),
+    Column("terminal_entry_id", ID, nullable=False),
+    Column("message_count", Integer, nullable=False),
+    Column("is_heartbeat", Boolean, nullable=False),
+    Column("committed_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", "engine_id", "advancement_key", name="ts_receipts_pk"),
+    _session_fk("ts_receipts"),
+)
+
+turn_messages = Table(
+    "ts_turn_messages",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("engine_id", ID, nullable=False),
+    Column("advancement_key", ID, nullable=False),
+    Column("idx", Integer, nullable=False),
+    Column("role", String(16), nullable=False),
+    Column("payload", Text, nullable=False),
+    PrimaryKeyConstraint(
+        "scope", "session_id", "engine_id", "advancement_key", "idx", name="ts_turn_messages_pk"
+    ),
+    _session_fk("ts_turn_messages"),
+)
+
+# Small per-session engine state (cursors, counters) written in the commit's own transaction.
+engine_state = Table(
+    "ts_engine_state",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("engine_id", ID, nullable=False),
+    Column("key", ID, nullable=False),
+    Column("value", Text, nullable=False),
+    Column("updated_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", "engine_id", "key", name="ts_engine_state_pk"),
+    _session_fk("ts_engine_state"),
+)

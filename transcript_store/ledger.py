@@ -1,0 +1,288 @@
+"""The engine-side commit ledger: ``commit_turn`` as ONE atomic, idempotent write (atomic-idempotent-v1).
+
+The receipt row is the idempotency: its primary key is (session, engine, advancement key) and it is
+inserted first, so two racing commits of one key serialize on that key; the loser finds the
+winner's receipt. The canonical payload hash turns a reused key with other content into
+``AdvancementKeyCollision`` instead of a silent no-op. The engine's own state rides in the same
+transaction (``apply``), so after a crash the receipt, the messages and the engine state agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import func, insert, select
+
+from . import faults
+from .core import Core, check_id, now_us
+from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
+from .models import Admission, Anchor, canonical_json, validate_message
+from .schema import engine_state, receipts, turn_messages
+
+
+class Receipt(BaseModel):
+    """One ledger row: what was committed under an advancement key."""
+
+    model_config = ConfigDict(frozen=True)
+    scope: str
+    session_id: str
+    engine_id: str
+    advancement_key: str
+    payload_hash: str
+    admission_entry_id: str
+    terminal_entry_id: str
+    message_count: int
+    is_heartbeat: bool
+    committed_us: int
+
+
+class CommitResult(BaseModel):
+    """``committed`` on the first write of a key, ``duplicate`` on every identical replay."""
+
+    model_config = ConfigDict(frozen=True)
+    status: Literal["committed", "duplicate"]
+    receipt: Receipt
+
+
+@dataclass(frozen=True)
+class TurnPayload:
+    """A validated turn, ready to commit: everything the hash covers."""
+
+    engine_id: str
+    advancement_key: str
+    admission: Anchor
+    terminal: Anchor
+    messages: tuple[dict[str, Any], ...]
+    serialized: tuple[str, ...]
+    is_heartbeat: bool
+    payload_hash: str
+
+    @property
+    def scope(self) -> str:
+        """The scope of the turn's session."""
+        return self.admission.scope
+
+    @property
+    def session_id(self) -> str:
+        """The turn's session."""
+        return self.admission.session_id
+
+
+#: Engine state hook: runs inside the commit transaction, only when the turn is newly committed.
+ApplyTurn = Callable[[Core, TurnPayload], None]
+
+
+def prepare_turn(
+    engine_id: str,
+    advancement_key: str,
+    admission: Admission | Anchor,
+    terminal: Anchor,
+    messages: Sequence[dict[str, Any]],
+    *,
+    is_heartbeat: bool = False,
+) -> TurnPayload:
+    """Validate a turn and compute its canonical hash; raises before anything is written."""
+    check_id("engine_id", engine_id)
+    check_id("advancement_key", advancement_key)
+    if isinstance(admission, Admission):
+        if admission.turn_id != advancement_key:
+            raise InvalidInput(
+                f"advancement key {advancement_key!r} is not the admission's logical turn id {admission.turn_id!r}"
+            )
+        anchor = admission.anchor
+    elif isinstance(admission, Anchor):
+        anchor = admission
+    else:
+        raise InvalidInput("admission must be an Admission or its Anchor")
+    if not isinstance(terminal, Anchor):
+        raise InvalidInput("terminal must be an Anchor")
+    identity = ("scope", "session_id", "session_key", "generation")
+    if any(getattr(anchor, k) != getattr(terminal, k) for k in identity):
+        raise InvalidInput("admission and terminal anchors name different sessions or generations")
+    if anchor.position is None or terminal.position is None or terminal.position < anchor.position:
+        raise InvalidInput("terminal must be a visible message at or after the admission")
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise InvalidInput("messages must be a list of chat messages")
+    expected = terminal.position - anchor.position + 1
+    if len(messages) != expected:
+        raise InvalidInput(f"the turn range holds {expected} messages, got {len(messages)}")
+    checked = tuple(validate_message(m) for m in messages)
+    if checked[0].get("role") != "user":
+        raise InvalidInput("the first message of a turn is the admitted user message")
+    if not isinstance(is_heartbeat, bool):
+        raise InvalidInput("is_heartbeat must be a bool")
+    serialized = tuple(json.dumps(m, ensure_ascii=False, separators=(",", ":")) for m in checked)
+    # Runtime facts (times, attempt numbers, which worker) stay out: a replay must hash the same.
+    hashed = {
+        "scope": anchor.scope,
+        "session_id": anchor.session_id,
+        "session_key": anchor.session_key,
+        "admission": [anchor.entry_id, anchor.seq, anchor.position],
+        "terminal": [terminal.entry_id, terminal.seq, terminal.position],
+        "messages": list(checked),
+        "is_heartbeat": is_heartbeat,
+    }
+    digest = hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest()
+    return TurnPayload(engine_id, advancement_key, anchor, terminal, checked, serialized, is_heartbeat, digest)
+
+
+def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None) -> CommitResult:
+    """Commit ``turn`` inside the open transaction of ``core`` (see module doc)."""
+    existing = _receipt(core, turn)
+    if existing is not None:
+        return _replay(turn, existing)
+    _check_admitted_message(core, turn)
+    ts = now_us()
+    values: dict[str, Any] = {
+        "scope": turn.scope,
+        "session_id": turn.session_id,
+        "engine_id": turn.engine_id,
+        "advancement_key": turn.advancement_key,
+        "payload_hash": turn.payload_hash,
+        "admission_entry_id": turn.admission.entry_id,
+        "terminal_entry_id": turn.terminal.entry_id,
+        "message_count": len(turn.messages),
+        "is_heartbeat": turn.is_heartbeat,
+        "committed_us": ts,
+    }
+    inserted = core.conn.execute(core.dialect.insert(receipts).values(**values).on_conflict_do_nothing()).rowcount
+    if inserted != 1:
+        # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
+        winner = _receipt(core, turn)
+        if winner is None:  # pragma: no cover - only if the winner rolled back between the two statements
+            raise AdvancementKeyCollision(turn.advancement_key)
+        return _replay(turn, winner)
+    faults.point("commit.after_receipt")
+    core.conn.execute(
+        insert(turn_messages),
+        [
+            {
+                "scope": turn.scope,
+                "session_id": turn.session_id,
+                "engine_id": turn.engine_id,
+                "advancement_key": turn.advancement_key,
+                "idx": i,
+                "role": m["role"],
+                "payload": text,
+            }
+            for i, (m, text) in enumerate(zip(turn.messages, turn.serialized, strict=True))
+        ],
+    )
+    if apply is not None:
+        apply(core, turn)
+    faults.point("commit.after_apply")
+    return CommitResult.model_construct(status="committed", receipt=Receipt.model_construct(**values))
+
+
+def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
+    if existing.payload_hash != turn.payload_hash:
+        raise AdvancementKeyCollision(turn.advancement_key)
+    return CommitResult.model_construct(status="duplicate", receipt=existing)
+
+
+def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
+    row = core.conn.execute(
+        select(receipts).where(
+            receipts.c.scope == turn.scope,
+            receipts.c.session_id == turn.session_id,
+            receipts.c.engine_id == turn.engine_id,
+            receipts.c.advancement_key == turn.advancement_key,
+        )
+    ).first()
+    return None if row is None else Receipt.model_construct(**row._asdict())
+
+
+def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
+    if core.session_row(turn.scope, turn.session_id) is None:
+        raise UnknownSession(turn.scope, turn.session_id)
+    row = core.entry_rows(turn.scope, turn.session_id, [turn.admission.entry_id]).get(turn.admission.entry_id)
+    if row is None or row.kind != "message" or row.role != "user":
+        raise InvalidInput(f"admitted entry {turn.admission.entry_id!r} is not a user message of this session")
+    if json.loads(row.payload) != turn.messages[0]:
+        raise InvalidInput("the first message differs from the admitted user message")
+
+
+# ---------------------------------------------------------------------------------------------- reads
+
+
+def get_receipt(core: Core, scope: str, session_id: str, engine_id: str, advancement_key: str) -> Receipt | None:
+    """One receipt, or None."""
+    row = core.conn.execute(
+        select(receipts).where(
+            receipts.c.scope == scope,
+            receipts.c.session_id == session_id,
+            receipts.c.engine_id == engine_id,
+            receipts.c.advancement_key == advancement_key,
+        )
+    ).first()
+    return None if row is None else Receipt.model_construct(**row._asdict())
+
+
+def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
+    """Every receipt of a session (optionally of one engine), oldest commit first."""
+    q = select(receipts).where(receipts.c.scope == scope, receipts.c.session_id == session_id)
+    if engine_id is not None:
+        q = q.where(receipts.c.engine_id == engine_id)
+    rows = core.conn.execute(q.order_by(receipts.c.committed_us, receipts.c.advancement_key)).all()
+    return [Receipt.model_construct(**r._asdict()) for r in rows]
+
+
+def committed_messages(
+    core: Core, scope: str, session_id: str, engine_id: str, advancement_key: str
+) -> list[dict[str, Any]]:
+    """The messages stored with one receipt, in order."""
+    rows = core.conn.execute(
+        select(turn_messages.c.payload)
+        .where(
+            turn_messages.c.scope == scope,
+            turn_messages.c.session_id == session_id,
+            turn_messages.c.engine_id == engine_id,
+            turn_messages.c.advancement_key == advancement_key,
+        )
+        .order_by(turn_messages.c.idx)
+    ).all()
+    return [json.loads(r.payload) for r in rows]
+
+
+def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str) -> int:
+    """How many ledger messages an engine holds for a session."""
+    q = select(func.count()).where(
+        turn_messages.c.scope == scope,
+        turn_messages.c.session_id == session_id,
+        turn_messages.c.engine_id == engine_id,
+    )
+    return int(core.conn.execute(q).scalar_one())
+
+
+# ---------------------------------------------------------------------------------------------- engine state
+
+
+def get_state(core: Core, scope: str, session_id: str, engine_id: str, key: str) -> Any:
+    """A JSON value of an engine's per-session state, or None."""
+    value = core.conn.execute(
+        select(engine_state.c.value).where(
+            engine_state.c.scope == scope,
+            engine_state.c.session_id == session_id,
+            engine_state.c.engine_id == engine_id,
+            engine_state.c.key == key,
+        )
+    ).scalar()
+    return None if value is None else json.loads(value)
+
+
+def put_state(core: Core, scope: str, session_id: str, engine_id: str, key: str, value: Any) -> None:
+    """Upsert a JSON value of an engine's per-session state (inside the caller's transaction)."""
+    text = canonical_json(value)
+    stmt = core.dialect.insert(engine_state).values(
+        scope=scope, session_id=session_id, engine_id=engine_id, key=key, value=text, updated_us=now_us()
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["scope", "session_id", "engine_id", "key"],
+        set_={"value": text, "updated_us": now_us()},
+    )
+    core.conn.execute(stmt)

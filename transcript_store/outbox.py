@@ -1,0 +1,351 @@
+"""The host-side turn outbox: one durable intent per logical turn, drained in order into commit_turn.
+
+States: ``admitted`` (user entry admitted, provider call dispatched) -> ``accepted`` (terminal anchor
+recorded) -> ``ready`` (closed range read, messages captured) or ``blocked`` (the range can never be
+read: kept as audit evidence). Failed attempts delete their admitted intent: admission alone never
+advances an engine. Delivery is at-least-once (a lease with expiry per claimed row, so a crashed
+worker's claim is taken over); the ledger's idempotency makes the effect exactly-once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import Row, delete, select, update
+
+from . import identity
+from .core import Core, from_us, now_us
+from .errors import InvalidInput, OutboxCollision
+from .fences import read_closed_range
+from .ledger import CommitResult
+from .models import Admission, Anchor, ClosedRange
+from .schema import outbox
+
+log = logging.getLogger("transcript_store.outbox")
+
+IntentState = Literal["admitted", "accepted", "ready", "blocked"]
+
+
+class TurnIntent(BaseModel):
+    """One outbox row."""
+
+    model_config = ConfigDict(frozen=True)
+    scope: str
+    session_id: str
+    turn_id: str
+    engine_id: str
+    state: IntentState
+    enqueue_seq: int
+    admission: Admission
+    terminal: Anchor | None
+    messages: list[dict[str, Any]] | None
+    is_heartbeat: bool
+    block_reason: str | None
+    attempt_count: int
+    last_error: str | None
+    last_attempt_at: datetime | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    """Lease timeouts (seconds). A crashed worker blocks nothing longer than its lease."""
+
+    #: How long an admitted turn belongs to its worker (model call included) before recovery may discard it.
+    turn_lease_seconds: float = 300.0
+    #: How long a drain claim holds a ready row while it is delivered to the engine.
+    delivery_lease_seconds: float = 60.0
+    #: Rows delivered per drain call, round-robin one per session per round.
+    drain_limit: int = 16
+
+
+def _intent(row: Row[Any]) -> TurnIntent:
+    return TurnIntent.model_construct(
+        scope=row.scope,
+        session_id=row.session_id,
+        turn_id=row.turn_id,
+        engine_id=row.engine_id,
+        state=row.state,
+        enqueue_seq=row.enqueue_seq,
+        admission=Admission.model_validate_json(row.admission),
+        terminal=None if row.terminal is None else Anchor.model_validate_json(row.terminal),
+        messages=None if row.messages is None else json.loads(row.messages),
+        is_heartbeat=bool(row.is_heartbeat),
+        block_reason=row.block_reason,
+        attempt_count=row.attempt_count,
+        last_error=row.last_error,
+        last_attempt_at=None if row.last_attempt_us is None else from_us(row.last_attempt_us),
+        lease_owner=row.lease_owner,
+        lease_expires_at=None if row.lease_expires_us is None else from_us(row.lease_expires_us),
+    )
+
+
+def _key(scope: str, session_id: str, turn_id: str) -> Any:
+    return (outbox.c.scope == scope) & (outbox.c.session_id == session_id) & (outbox.c.turn_id == turn_id)
+
+
+def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool = False) -> Row[Any] | None:
+    """The raw outbox row of a turn (locked FOR UPDATE on PostgreSQL when asked)."""
+    q = select(outbox).where(_key(scope, session_id, turn_id))
+    if lock and not core.dialect.is_sqlite:
+        q = q.with_for_update()
+    return core.conn.execute(q).first()
+
+
+def get_intent(core: Core, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
+    """The intent of a turn, or None."""
+    row = get_row(core, scope, session_id, turn_id)
+    return None if row is None else _intent(row)
+
+
+def record_admitted(
+    core: Core,
+    admission: Admission,
+    engine_id: str,
+    *,
+    lease_seconds: float,
+    is_heartbeat: bool = False,
+    owner: str | None = None,
+) -> TurnIntent:
+    """Write the admitted intent (same transaction as the admission); identical again is a no-op."""
+    a = admission.anchor
+    ts = now_us()
+    owner = owner or str(identity.current())
+    text = admission.model_dump_json()
+    values = {
+        "scope": a.scope,
+        "session_id": a.session_id,
+        "turn_id": admission.turn_id,
+        "engine_id": engine_id,
+        "state": "admitted",
+        "enqueue_seq": a.seq,
+        "admission": text,
+        "terminal": None,
+        "messages": None,
+        "is_heartbeat": is_heartbeat,
+        "block_reason": None,
+        "attempt_count": 0,
+        "last_error": None,
+        "last_attempt_us": None,
+        "lease_owner": owner,
+        "lease_expires_us": ts + int(lease_seconds * 1_000_000),
+        "created_us": ts,
+        "updated_us": ts,
+    }
+    inserted = core.conn.execute(core.dialect.insert(outbox).values(**values).on_conflict_do_nothing()).rowcount
+    row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=inserted != 1)
+    assert row is not None
+    if inserted == 1:
+        return _intent(row)
+    if row.engine_id != engine_id:
+        raise OutboxCollision(f"turn {admission.turn_id!r} is owned by engine {row.engine_id!r}, not {engine_id!r}")
+    if Admission.model_validate_json(row.admission).anchor.entry_id != a.entry_id:
+        raise OutboxCollision(f"turn {admission.turn_id!r} was admitted with another entry")
+    if row.state == "admitted":
+        # A retry of the same logical turn takes the lease over (the earlier attempt failed or died).
+        core.conn.execute(
+            update(outbox)
+            .where(_key(a.scope, a.session_id, admission.turn_id))
+            .values(lease_owner=owner, lease_expires_us=values["lease_expires_us"], updated_us=ts)
+        )
+        row = get_row(core, a.scope, a.session_id, admission.turn_id)
+        assert row is not None
+    return _intent(row)
+
+
+def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
+    """admitted -> accepted with the terminal anchor; the same acceptance again is a no-op."""
+    row = get_row(core, scope, session_id, turn_id, lock=True)
+    if row is None:
+        raise OutboxCollision(f"turn {turn_id!r} has no admitted intent to accept")
+    admission = Admission.model_validate_json(row.admission)
+    identity_fields = ("scope", "session_id", "session_key")
+    if any(getattr(terminal, k) != getattr(admission.anchor, k) for k in identity_fields):
+        raise InvalidInput("the terminal anchor names another session than the admission")
+    if row.state != "admitted":
+        if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
+            return _intent(row)
+        raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
+    core.conn.execute(
+        update(outbox)
+        .where(_key(scope, session_id, turn_id))
+        .values(state="accepted", terminal=terminal.model_dump_json(), lease_owner=None,
+                lease_expires_us=None, updated_us=now_us())
+    )
+    updated = get_row(core, scope, session_id, turn_id)
+    assert updated is not None
+    return _intent(updated)
+
+
+def capture(core: Core, intent: TurnIntent) -> TurnIntent:
+    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable."""
+    if intent.state != "accepted" or intent.terminal is None:
+        return intent
+    result = read_closed_range(core, intent.admission.anchor, intent.terminal)
+    key = _key(intent.scope, intent.session_id, intent.turn_id)
+    ts = now_us()
+    if isinstance(result, ClosedRange):
+        messages = result.messages
+        core.conn.execute(
+            update(outbox).where(key).values(state="ready", messages=json.dumps(messages), updated_us=ts)
+        )
+        return intent.model_copy(update={"state": "ready", "messages": messages})
+    if result.reason == "projection_unavailable":
+        return intent
+    reason = f"{result.reason}: {result.detail}" if result.detail else result.reason
+    core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=ts))
+    log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
+    return intent.model_copy(update={"state": "blocked", "block_reason": reason})
+
+
+def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
+    """Delete an intent that is still only admitted (a failed, aborted or errored attempt)."""
+    result = core.conn.execute(delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted"))
+    return result.rowcount == 1
+
+
+def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
+    """Delete a delivered intent (only the lease owner's claim, when an owner is given)."""
+    q = delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "ready")
+    if owner is not None:
+        q = q.where(outbox.c.lease_owner == owner)
+    return core.conn.execute(q).rowcount == 1
+
+
+def pending(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[TurnIntent]:
+    """Every non-blocked intent of a session (of one engine, when given), in enqueue order."""
+    q = select(outbox).where(
+        outbox.c.scope == scope, outbox.c.session_id == session_id, outbox.c.state != "blocked"
+    )
+    if engine_id is not None:
+        q = q.where(outbox.c.engine_id == engine_id)
+    return [_intent(r) for r in core.conn.execute(q.order_by(outbox.c.enqueue_seq))]
+
+
+def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
+    """Every intent (all states), by scope, session and enqueue order."""
+    q = select(outbox)
+    if scope is not None:
+        q = q.where(outbox.c.scope == scope)
+    q = q.order_by(outbox.c.scope, outbox.c.session_id, outbox.c.enqueue_seq).limit(limit)
+    return [_intent(r) for r in core.conn.execute(q)]
+
+
+# ---------------------------------------------------------------------------------------------- drain
+
+Deliver = Callable[[TurnIntent], CommitResult]
+Observer = Callable[[TurnIntent, CommitResult], None]
+
+
+@dataclass
+class DrainReport:
+    """What one drain did."""
+
+    committed: int = 0
+    duplicates: int = 0
+    blocked: int = 0
+    failed: list[tuple[str, str, str]] = field(default_factory=list)  # (session, turn, error)
+    stopped_sessions: list[str] = field(default_factory=list)
+
+    @property
+    def delivered(self) -> int:
+        """Rows completed (committed or duplicate)."""
+        return self.committed + self.duplicates
+
+
+Group = tuple[str, str, str]  # scope, session, engine
+
+
+def drainable_groups(core: Core, scope: str | None, session_id: str | None) -> list[Group]:
+    """(scope, session, engine) groups with accepted or ready rows."""
+    q = select(outbox.c.scope, outbox.c.session_id, outbox.c.engine_id).where(
+        outbox.c.state.in_(("accepted", "ready"))
+    )
+    if scope is not None:
+        q = q.where(outbox.c.scope == scope)
+    if session_id is not None:
+        q = q.where(outbox.c.session_id == session_id)
+    return sorted({(r.scope, r.session_id, r.engine_id) for r in core.conn.execute(q.distinct())})
+
+
+def claim_head(
+    core: Core, group: Group, owner: str, lease_seconds: float, blocked: list[str] | None = None
+) -> TurnIntent | str:
+    """Claim the head row of a group for delivery, or say why the group cannot advance now."""
+    scope, session_id, engine_id = group
+    while True:
+        head = core.conn.execute(
+            select(outbox)
+            .where(
+                outbox.c.scope == scope,
+                outbox.c.session_id == session_id,
+                outbox.c.engine_id == engine_id,
+                outbox.c.state != "blocked",
+            )
+            .order_by(outbox.c.enqueue_seq)
+            .limit(1)
+        ).first()
+        if head is None:
+            return "empty"
+        if head.state == "admitted":
+            return "in_progress"
+        q = select(outbox).where(_key(scope, session_id, head.turn_id))
+        if not core.dialect.is_sqlite:
+            # Never skip to the next row: a locked head means "someone is on this session now".
+            q = q.with_for_update(skip_locked=True)
+        row = core.conn.execute(q).first()
+        if row is None:
+            return "locked"
+        intent = _intent(row)
+        if intent.state == "accepted":
+            intent = capture(core, intent)
+            if intent.state == "blocked":
+                if blocked is not None:
+                    blocked.append(intent.turn_id)
+                continue
+            if intent.state == "accepted":
+                return "projection_unavailable"
+        ts = now_us()
+        if row.lease_owner is not None and row.lease_expires_us is not None and row.lease_expires_us > ts:
+            return "leased"
+        expires = ts + int(lease_seconds * 1_000_000)
+        core.conn.execute(
+            update(outbox)
+            .where(_key(scope, session_id, head.turn_id))
+            .values(lease_owner=owner, lease_expires_us=expires, last_attempt_us=ts, updated_us=ts)
+        )
+        return intent.model_copy(update={"lease_owner": owner, "lease_expires_at": from_us(expires)})
+
+
+def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> None:
+    """Keep a failed row queued: attempt_count + 1, the error, the claim released."""
+    core.conn.execute(
+        update(outbox)
+        .where(_key(intent.scope, intent.session_id, intent.turn_id), outbox.c.lease_owner == owner)
+        .values(
+            attempt_count=outbox.c.attempt_count + 1,
+            last_error=error[:2000],
+            last_attempt_us=now_us(),
+            lease_owner=None,
+            lease_expires_us=None,
+            updated_us=now_us(),
+        )
+    )
+
+
+def expired_admitted(core: Core, scope: str, session_id: str) -> list[TurnIntent]:
+    """Admitted-only intents of a session whose worker lease has expired."""
+    q = select(outbox).where(
+        outbox.c.scope == scope,
+        outbox.c.session_id == session_id,
+        outbox.c.state == "admitted",
+        outbox.c.lease_expires_us < now_us(),
+    )
+    return [_intent(r) for r in core.conn.execute(q)]

@@ -1,0 +1,305 @@
+"""Turn commits over a store: the ledger's commit_turn, the outbox's transitions, drain and recovery.
+
+The common case costs two transactions per turn: ``admit`` (user entry + admitted intent) and
+``complete`` (reply entries + acceptance + closed-range read + the engine's commit_turn + intent
+deleted), when the engine's ledger lives in the same database. If that transaction fails (the engine
+raised, a conflict), it rolls back whole and ``complete`` falls back to the slow path: reply entries
+and acceptance in their own transaction, delivery by ``drain``. An accepted turn is never lost to an
+engine failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import faults, identity, outbox
+from .core import Core, NewEntry
+from .errors import InvalidInput, OutboxCollision, TranscriptStoreError
+from .ledger import ApplyTurn, CommitResult, Receipt, TurnPayload, commit_turn_in, list_receipts, prepare_turn
+from .models import Admission, Anchor
+from .outbox import DrainReport, OutboxConfig, TurnIntent
+from .store import AppendItem, TranscriptStore, admit_in
+
+log = logging.getLogger("transcript_store.turns")
+
+#: Delivers one ready intent to its engine inside the given transaction (fast path) or on its own.
+CommitIn = Callable[[Core, TurnPayload], CommitResult]
+
+
+@dataclass
+class RecoveryReport:
+    """What the pre-turn recovery of one session found and did."""
+
+    discarded: list[str] = field(default_factory=list)
+    drain: DrainReport = field(default_factory=DrainReport)
+    pending: list[str] = field(default_factory=list)
+
+    @property
+    def must_degrade(self) -> bool:
+        """True when an earlier turn is still pending: this turn must not reach the engine first."""
+        return bool(self.pending)
+
+
+@dataclass
+class CompletionResult:
+    """How a turn completed: on the fast path (``commit`` set) or queued for the drain."""
+
+    intent: TurnIntent
+    terminal: Anchor
+    commit: CommitResult | None
+    fast_path_error: str | None = None
+
+
+def turn_payload(intent: TurnIntent) -> TurnPayload:
+    """The ledger payload of a ready intent."""
+    if intent.state != "ready" or intent.terminal is None or intent.messages is None:
+        raise InvalidInput(f"intent {intent.turn_id!r} is {intent.state}, not ready")
+    return prepare_turn(
+        intent.engine_id, intent.turn_id, intent.admission, intent.terminal, intent.messages,
+        is_heartbeat=intent.is_heartbeat,
+    )
+
+
+class Turns:
+    """The turn-commit API of one store (ledger + outbox)."""
+
+    def __init__(self, store: TranscriptStore, config: OutboxConfig | None = None) -> None:
+        """Bind to a store; ``config`` sets leases and the drain limit."""
+        self.store = store
+        self.config = config or OutboxConfig()
+
+    # ------------------------------------------------------------------------------------ ledger
+
+    def commit_turn(
+        self,
+        engine_id: str,
+        advancement_key: str,
+        admission: Admission | Anchor,
+        terminal: Anchor,
+        messages: Sequence[dict[str, Any]],
+        *,
+        is_heartbeat: bool = False,
+        apply: ApplyTurn | None = None,
+    ) -> CommitResult:
+        """ONE atomic idempotent write: ``committed``, ``duplicate``, or AdvancementKeyCollision."""
+        turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
+        return self.store.write(lambda c: commit_turn_in(c, turn, apply))
+
+    def receipts(self, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
+        """The ledger of a session."""
+        return self.store.read(lambda c: list_receipts(c, scope, session_id, engine_id))
+
+    # ------------------------------------------------------------------------------------ outbox
+
+    def admit(
+        self,
+        scope: str,
+        session_id: str,
+        message: dict[str, Any],
+        *,
+        turn_id: str,
+        engine_id: str,
+        is_heartbeat: bool = False,
+    ) -> tuple[Admission, TurnIntent]:
+        """Admit the user message and write the admitted intent, in one transaction."""
+        self.store._ids(scope, session_id)
+        item = self.store.prepare_admission(message, turn_id=turn_id)
+        owner = str(identity.current())
+
+        def run(c: Core) -> tuple[Admission, TurnIntent]:
+            faults.point("admit.before")
+            admission = admit_in(c, scope, session_id, item)
+            faults.point("admit.after_entry")
+            intent = outbox.record_admitted(
+                c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
+                is_heartbeat=is_heartbeat, owner=owner,
+            )
+            return admission, intent
+
+        result = self.store.write(run)
+        faults.point("admit.after_commit")
+        return result
+
+    def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
+        """A failed, aborted or errored attempt: delete its admitted intent (nothing else)."""
+        return self.store.write(lambda c: outbox.discard(c, scope, session_id, turn_id))
+
+    def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
+        """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction."""
+        return self.store.write(lambda c: outbox.accept(c, scope, session_id, turn_id, terminal))
+
+    def complete(
+        self,
+        scope: str,
+        session_id: str,
+        turn_id: str,
+        replies: Sequence[AppendItem | dict[str, Any]],
+        commit_in: CommitIn | None,
+    ) -> CompletionResult:
+        """Append the replies and accept the turn; commit it in the same transaction when possible."""
+        items = self.store.prepare(replies)
+        if not items or items[-1].kind != "message":
+            raise InvalidInput("a turn completes with at least one reply message, the terminal last")
+        if commit_in is not None:
+            try:
+                return self.store.write(lambda c: self._complete_fast(c, scope, session_id, turn_id, items, commit_in))
+            except OutboxCollision:
+                raise
+            except Exception as e:  # the engine raised or the commit conflicted: take the slow path
+                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, e)
+                slow = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
+                return CompletionResult(slow[0], slow[1], None, fast_path_error=f"{type(e).__name__}: {e}")
+        intent, terminal = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
+        return CompletionResult(intent, terminal, None)
+
+    @staticmethod
+    def _accept_with(
+        c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
+    ) -> tuple[TurnIntent, Anchor]:
+        appended = c.append(scope, session_id, items)
+        faults.point("complete.after_replies")
+        sess = c.require_session(scope, session_id)
+        terminal = c.anchor_for(sess, c.entry_row(scope, session_id, appended[-1].entry_id))
+        intent = outbox.accept(c, scope, session_id, turn_id, terminal)
+        faults.point("complete.after_accept")
+        return intent, terminal
+
+    def _complete_fast(
+        self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
+    ) -> CompletionResult:
+        intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
+        earlier = [i for i in outbox.pending(c, scope, session_id, intent.engine_id) if i.turn_id != turn_id]
+        if earlier:
+            # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
+            return CompletionResult(intent, terminal, None)
+        intent = outbox.capture(c, intent)
+        if intent.state != "ready":
+            return CompletionResult(intent, terminal, None)
+        result = commit_in(c, turn_payload(intent))
+        _check_result(result)
+        outbox.complete(c, scope, session_id, turn_id)
+        faults.point("complete.after_commit")
+        return CompletionResult(intent, terminal, result)
+
+    # ------------------------------------------------------------------------------------ drain
+
+    def drain(
+        self,
+        commit_in: Callable[[str], CommitIn | None],
+        *,
+        scope: str | None = None,
+        session_id: str | None = None,
+        limit: int | None = None,
+        on_committed: Callable[[TurnIntent, CommitResult], None] | None = None,
+    ) -> DrainReport:
+        """Deliver ready intents to their engines' commit_turn, in strict per-session order.
+
+        ``commit_in(engine_id)`` gives the engine's in-transaction commit (or None: the engine is not
+        available, its rows wait). A failure keeps the row queued and stops its session for this drain.
+        """
+        limit = self.config.drain_limit if limit is None else limit
+        owner = str(identity.current())
+        report = DrainReport()
+        groups = self.store.read(lambda c: outbox.drainable_groups(c, scope, session_id))
+        stopped: set[outbox.Group] = set()
+        while report.delivered + len(report.failed) < limit:
+            progressed = False
+            for group in groups:
+                if group in stopped or report.delivered + len(report.failed) >= limit:
+                    continue
+                delivered = self._deliver_one(group, owner, commit_in, report, on_committed)
+                if delivered:
+                    progressed = True
+                else:
+                    stopped.add(group)
+            if not progressed:
+                break
+        report.stopped_sessions = sorted(set(report.stopped_sessions))
+        return report
+
+    def _deliver_one(
+        self,
+        group: outbox.Group,
+        owner: str,
+        commit_in: Callable[[str], CommitIn | None],
+        report: DrainReport,
+        on_committed: Callable[[TurnIntent, CommitResult], None] | None,
+    ) -> bool:
+        blocked: list[str] = []
+        claimed = self.store.write(
+            lambda c: outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
+        )
+        report.blocked += len(blocked)
+        if isinstance(claimed, str):
+            if claimed != "empty":
+                report.stopped_sessions.append(group[1])
+            return False
+        intent = claimed
+        faults.point("drain.after_claim")
+        deliver = commit_in(intent.engine_id)
+        if deliver is None:
+            self.store.write(lambda c: outbox.record_failure(c, intent, owner, "engine unavailable"))
+            report.failed.append((intent.session_id, intent.turn_id, "engine unavailable"))
+            report.stopped_sessions.append(intent.session_id)
+            return False
+        try:
+            payload = turn_payload(intent)
+
+            def run(c: Core) -> CommitResult:
+                result = deliver(c, payload)
+                _check_result(result)
+                outbox.complete(c, intent.scope, intent.session_id, intent.turn_id, owner)
+                faults.point("drain.after_commit")
+                return result
+
+            result = self.store.write(run)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
+            self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
+            report.failed.append((intent.session_id, intent.turn_id, error))
+            report.stopped_sessions.append(intent.session_id)
+            return False
+        if result.status == "committed":
+            report.committed += 1
+        else:
+            report.duplicates += 1
+        if on_committed is not None:
+            try:
+                on_committed(intent, result)
+            except Exception as e:  # best effort: an observer never requeues a delivered turn
+                log.warning("on_committed observer failed for turn %s: %s", intent.turn_id, e)
+        return True
+
+    def recover(
+        self, scope: str, session_id: str, engine_id: str, commit_in: Callable[[str], CommitIn | None]
+    ) -> RecoveryReport:
+        """Before a turn: discard dead admitted intents, capture accepted ones, drain ready ones."""
+        report = RecoveryReport()
+        for intent in self.store.read(lambda c: outbox.expired_admitted(c, scope, session_id)):
+            turn_id = intent.turn_id
+            if self.store.write(lambda c: outbox.discard(c, scope, session_id, turn_id)):  # noqa: B023
+                log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
+                            intent.turn_id, session_id)
+                report.discarded.append(intent.turn_id)
+        report.drain = self.drain(commit_in, scope=scope, session_id=session_id, limit=10_000)
+        report.pending = [
+            i.turn_id for i in self.store.read(lambda c: outbox.pending(c, scope, session_id, engine_id))
+        ]
+        return report
+
+    def intents(self, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
+        """Every outbox row (pending, blocked, in progress)."""
+        return self.store.read(lambda c: outbox.list_intents(c, scope, limit))
+
+    def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
+        """One outbox row, or None."""
+        return self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
+
+
+def _check_result(result: object) -> None:
+    if not isinstance(result, CommitResult) or result.status not in ("committed", "duplicate"):
+        raise TranscriptStoreError(f"invalid commit_turn result: {result!r}")
