@@ -26,6 +26,7 @@ POINTS = (
 
 _rates: dict[str, float] | None = None
 _rng: random.Random | None = None
+_armed: set[str] = set()
 
 
 def _load() -> dict[str, float]:
@@ -41,7 +42,9 @@ def _load() -> dict[str, float]:
 
 
 def point(name: str) -> None:
-    """Maybe SIGKILL this process here (only when fault injection is configured)."""
+    """Maybe SIGKILL this process here (only when fault injection is configured or the point is armed)."""
+    if name in _armed:
+        os.kill(os.getpid(), signal.SIGKILL)
     rates = _rates if _rates is not None else _load()
     if not rates:
         return
@@ -50,7 +53,20 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def arm(name: str) -> None:
+    """Make the next pass through ``name`` kill this process (a one-shot, for drivers like the gateway)."""
+    if name not in POINTS:
+        raise ValueError(f"unknown fault point {name!r}")
+    _armed.add(name)
+
+
+def disarm() -> None:
+    """Forget every armed point."""
+    _armed.clear()
+
+
 def reset() -> None:
-    """Re-read the environment (tests that change it in-process)."""
+    """Re-read the environment (tests that change it in-process) and disarm every point."""
     global _rates
     _rates = None
+    _armed.clear()

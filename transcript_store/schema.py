@@ -185,6 +185,8 @@ receipts = Table(
     _session_fk("ts_receipts"),
 )
 
+Index("ts_receipts_key", receipts.c.scope, receipts.c.session_id, receipts.c.advancement_key)
+
 turn_messages = Table(
     "ts_turn_messages",
     metadata,
@@ -213,4 +215,16 @@ engine_state = Table(
     Column("updated_us", BigInteger, nullable=False),
     PrimaryKeyConstraint("scope", "session_id", "engine_id", "key", name="ts_engine_state_pk"),
     _session_fk("ts_engine_state"),
+)
+
+# Engines isolated by a host process (pid + start time + token), so `doctor` elsewhere can show them.
+quarantine = Table(
+    "ts_quarantine",
+    metadata,
+    Column("engine_id", String(255), nullable=False),
+    Column("process", String(255), nullable=False),
+    Column("operation", String(64), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("created_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("engine_id", "process", name="ts_quarantine_pk"),
 )

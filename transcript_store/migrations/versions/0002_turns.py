@@ -70,6 +70,8 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("scope", "session_id", "engine_id", "advancement_key", name="ts_receipts_pk"),
         _session_fk("ts_receipts"),
     )
+    # "Was this logical turn committed by any engine?" without scanning the session's receipts.
+    op.create_index("ts_receipts_key", "ts_receipts", ["scope", "session_id", "advancement_key"], unique=False)
     op.create_table(
         "ts_turn_messages",
         sa.Column("scope", ID, nullable=False),

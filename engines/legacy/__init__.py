@@ -1,0 +1,193 @@
+"""The legacy engine (the default): the visible transcript from cursor deltas, fitted to the budget.
+
+ingest does nothing (the store is the transcript); assemble keeps a per-session projection and a
+cursor, reads only the visible messages it has not seen (rebuilding on reset), and returns the
+latest compaction summary plus the messages after it; compact is the built-in summarising compaction;
+commit_turn records the turn in the ledger. A turn costs O(new messages) rows, whatever the history.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from transcript_store import compaction
+from transcript_store.engine import (
+    AssembleResult,
+    CompactResult,
+    EngineContext,
+    EngineInfo,
+    TranscriptSemantics,
+)
+from transcript_store.ledger import CommitResult, commit_turn_in, prepare_turn
+from transcript_store.models import Anchor, DeltaMissing, DeltaReset
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+ENGINE_ID = "legacy"
+PAGE_MESSAGES = 500
+PAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class _Projection:
+    """What the engine has seen of one session: visible messages 0..n-1 and the cursor after them."""
+
+    cursor: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    entry_ids: list[str] = field(default_factory=list)
+
+
+class LegacyEngine:
+    """Pass-through assembly from cursor deltas; built-in compaction; ledger commits."""
+
+    info = EngineInfo(
+        id=ENGINE_ID,
+        name="Legacy",
+        version="1.0.0",
+        owns_compaction=False,
+        accepted_host_params=None,
+        transcript_semantics=TranscriptSemantics(
+            current_turn_fence="before-current-turn-entry-v1",
+            turn_advancement_idempotency="atomic-idempotent-v1",
+        ),
+    )
+
+    def __init__(self, ctx: EngineContext) -> None:
+        """Bind to the store; config keys: keep_last (6), max_sessions (256)."""
+        self.store = ctx.store
+        self.summarizer = ctx.summarizer or ExtractiveSummarizer()
+        self.estimator = ctx.estimator or RoughEstimator()
+        self.keep_last = int(ctx.config.get("keep_last", 6))
+        self.max_sessions = int(ctx.config.get("max_sessions", 256))
+        self._projections: OrderedDict[tuple[str, str], _Projection] = OrderedDict()
+        self._lock = threading.Lock()
+        self.rows_read = 0  # visible rows fetched by assembly (tests assert it does not grow with history)
+
+    # ------------------------------------------------------------------------------------ reading
+
+    def _projection(self, scope: str, session_id: str) -> _Projection:
+        with self._lock:
+            key = (scope, session_id)
+            proj = self._projections.pop(key, None) or _Projection()
+            self._projections[key] = proj
+            while len(self._projections) > self.max_sessions:
+                self._projections.popitem(last=False)
+            return proj
+
+    def _advance(self, scope: str, session_id: str, fence: Anchor | None) -> _Projection:
+        """Read the visible messages not seen yet (up to the fence), rebuilding on reset."""
+        proj = self._projection(scope, session_id)
+        if fence is not None and fence.position is not None and len(proj.messages) >= fence.position:
+            # Already past the fence (an unfenced read earlier): validate the fence, then only check
+            # the cursor's ground with an unfenced read; the slice below keeps the prefix exact.
+            self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
+            fence_for_read = None
+        else:
+            fence_for_read = fence
+        max_bytes = PAGE_BYTES
+        while True:
+            result = self.store.read_visible_delta(
+                scope, session_id, proj.cursor, max_messages=PAGE_MESSAGES, max_bytes=max_bytes, fence=fence_for_read
+            )
+            if isinstance(result, DeltaMissing):
+                proj.cursor, proj.messages, proj.entry_ids = None, [], []
+                return proj
+            if isinstance(result, DeltaReset):
+                proj.cursor, proj.messages, proj.entry_ids = result.cursor, [], []
+                continue
+            if result.required_bytes is not None:
+                max_bytes = result.required_bytes  # one message is larger than a page: enlarge the page
+                continue
+            max_bytes = PAGE_BYTES
+            self.rows_read += len(result.entries)
+            for e in result.entries:
+                proj.messages.append(e.message or {})
+                proj.entry_ids.append(e.entry_id)
+            proj.cursor = result.cursor
+            if not result.has_more:
+                return proj
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def assemble(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        fence: Anchor | None,
+        token_budget: int,
+        **_host: Any,
+    ) -> AssembleResult:
+        """The latest summary + the visible messages after it, before the fence, within the budget."""
+        proj = self._advance(scope, session_id, fence)
+        end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
+        pointer = compaction.load_pointer(self.store, scope, session_id)
+        start = 0
+        if pointer is not None and pointer["first_kept_position"] < end:
+            start = pointer["first_kept_position"]
+        messages = list(proj.messages[start:end])
+        prefix = [compaction.summary_message(pointer["summary"])] if pointer is not None and start > 0 else []
+        messages = self._fit(prefix, messages, token_budget)
+        return AssembleResult(messages=messages, estimated_tokens=int(self.estimator.count_messages(messages)))
+
+    def _fit(self, prefix: list[dict[str, Any]], messages: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+        """Drop the oldest messages until the context fits; never start on an orphaned tool result."""
+        total = self.estimator.count_messages(prefix + messages)
+        start = 0
+        while total > budget and start < len(messages):
+            total -= self.estimator.count_messages([messages[start]])
+            start += 1
+        while start < len(messages) and messages[start].get("role") == "tool":
+            start += 1
+        return prefix + messages[start:]
+
+    def compact(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        force: bool = False,
+        focus: str | None = None,
+        token_budget: int | None = None,
+        **_host: Any,
+    ) -> CompactResult:
+        """The built-in summarising compaction: one summary of the older messages."""
+        return compaction.compact_session(
+            self.store,
+            scope,
+            session_id,
+            summarizer=self.summarizer,
+            estimator=self.estimator,
+            keep_last=self.keep_last,
+            focus=focus,
+            force=force,
+            token_budget=token_budget,
+        )
+
+    def commit_turn(
+        self,
+        *,
+        tx: Any,
+        advancement_key: str,
+        admission: Anchor,
+        terminal: Anchor,
+        messages: list[dict[str, Any]],
+        is_heartbeat: bool = False,
+        **_host: Any,
+    ) -> CommitResult:
+        """Record the accepted turn in the ledger (the transcript already holds it)."""
+        turn = prepare_turn(ENGINE_ID, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
+        return commit_turn_in(tx, turn)
+
+    def dispose(self) -> None:
+        """Forget every projection."""
+        with self._lock:
+            self._projections.clear()
+
+
+def create_engine(ctx: EngineContext) -> LegacyEngine:
+    """The plugin factory."""
+    return LegacyEngine(ctx)

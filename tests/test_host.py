@@ -1,0 +1,360 @@
+"""The host runtime over both backends: commits, degradation, quarantine, requirements, projection."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from hosting import CountingEngine, RecordingModel
+
+from transcript_store import TranscriptStore
+from transcript_store.engine import CompactResult, EngineContext, HostRequirement, SessionTarget
+from transcript_store.errors import HostRequirementError, InvalidInput, ModelTimeout, UnknownSession
+from transcript_store.host import HostRuntime, TurnFailed, prune_tool_results
+from transcript_store.ledger import committed_messages, get_state
+from transcript_store.quarantine import records
+from transcript_store.registry import EngineRegistry
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+from transcript_store.turns import Turns
+
+SCOPE = "tenant-1"
+
+
+def make_host(
+    store: TranscriptStore, engine: str = "legacy", factories: dict[str, Any] | None = None, **settings: Any
+) -> tuple[HostRuntime, RecordingModel]:
+    registry = EngineRegistry()
+    for engine_id, factory in (factories or {}).items():
+        registry.register_factory(engine_id, factory)
+    model = RecordingModel()
+    host = HostRuntime(
+        store,
+        load_settings(config_path=None, engine=engine, **settings),
+        model,
+        registry=registry,
+        summarizer=ExtractiveSummarizer(),
+        estimator=RoughEstimator(),
+    )
+    return host, model
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(SCOPE, session_id="sess", session_key="agent:main:test").session_id
+
+
+def receipts(store: TranscriptStore, engine_id: str) -> list[str]:
+    return [r.advancement_key for r in Turns(store).receipts(SCOPE, "sess", engine_id)]
+
+
+def test_legacy_turns_commit_once_and_see_history(store: TranscriptStore, sid: str) -> None:
+    host, model = make_host(store)
+    first = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert first.engine_id == "legacy" and first.degraded_reason is None
+    assert first.commit_status == "committed"
+    second = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+    # The second request carried system + the first turn (user + reply) + the new user message.
+    contents = [m.get("content") for m in model.requests[-1]]
+    assert contents[1:] == ["hello", first.reply["content"], "again"]
+    assert receipts(store, "legacy") == ["t1", "t2"]
+    ledger = store.read(lambda c: committed_messages(c, SCOPE, sid, "legacy", "t2"))
+    assert ledger == second.messages
+    assert [e.message for e in store.read_visible(SCOPE, sid)] == first.messages + second.messages
+
+
+def test_tool_loop_messages_are_one_turn(store: TranscriptStore, sid: str) -> None:
+    host, _model = make_host(store)
+    out = host.run_turn(SCOPE, sid, "please use tool lookup now", turn_id="t1")
+    roles = [m["role"] for m in out.messages]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert store.read(lambda c: committed_messages(c, SCOPE, sid, "legacy", "t1")) == out.messages
+
+
+def test_unknown_session_and_bad_message_write_nothing(store: TranscriptStore, sid: str) -> None:
+    host, _ = make_host(store)
+    with pytest.raises(UnknownSession):
+        host.run_turn("other-scope", sid, "hi")
+    with pytest.raises(InvalidInput):
+        host.run_turn(SCOPE, sid, {"role": "assistant", "content": "not a user"})
+    assert store.get_session(SCOPE, sid).entry_count == 0
+
+
+def test_configured_durable_engine_gets_the_commit(store: TranscriptStore, sid: str) -> None:
+    engines: dict[str, CountingEngine] = {}
+
+    def factory(ctx: EngineContext) -> CountingEngine:
+        engines["counting"] = CountingEngine(ctx)
+        return engines["counting"]
+
+    host, _ = make_host(store, "counting", {"counting": factory})
+    for i in range(3):
+        out = host.run_turn(SCOPE, sid, f"m{i}", turn_id=f"t{i}")
+        assert out.engine_id == "counting" and out.commit_status == "committed"
+    assert receipts(store, "counting") == ["t0", "t1", "t2"]
+    assert store.read(lambda c: get_state(c, SCOPE, sid, "counting", "turns")) == 3
+    # The engine saw exactly the prefix before the third admitted entry: two turns of two messages.
+    assert len(engines["counting"].seen[(SCOPE, sid)]) == 4
+
+
+def test_broken_engine_is_quarantined_and_turns_go_to_legacy(store: TranscriptStore, sid: str) -> None:
+    class Broken(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            raise RuntimeError("engine bug")
+
+    host, _ = make_host(store, "broken", {"broken": lambda ctx: Broken(ctx, "broken")})
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "legacy" and "engine bug" in (out.degraded_reason or "")
+    assert "broken" in host.quarantined
+    out2 = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+    assert out2.engine_id == "legacy" and out2.commit_status == "committed"
+    recs = store.read(lambda c: records(c))
+    assert [(r.engine_id, r.operation, r.alive) for r in recs] == [("broken", "assemble", True)]
+    assert receipts(store, "broken") == []
+    assert receipts(store, "legacy") == ["t1", "t2"]
+
+
+def test_factory_exception_quarantines(store: TranscriptStore, sid: str) -> None:
+    def factory(ctx: EngineContext) -> Any:
+        raise RuntimeError("cannot start")
+
+    host, _ = make_host(store, "bad", {"bad": factory})
+    out = host.run_turn(SCOPE, sid, "hello")
+    assert out.engine_id == "legacy" and host.quarantined["bad"][0] == "factory"
+
+
+def test_fence_rewritten_mid_turn_degrades_that_turn_only(store: TranscriptStore, sid: str) -> None:
+    class Rewriter(CountingEngine):
+        rewrite_next = True
+
+        def assemble(self, **kw: Any) -> Any:
+            if self.rewrite_next:
+                self.rewrite_next = False
+                first = store.read_visible(SCOPE, sid)[0]
+                store.rewrite_entries(
+                    SCOPE, sid, [{"entry_id": first.entry_id, "message": {"role": "user", "content": "edited"}}]
+                )
+            return super().assemble(**kw)
+
+    host, _ = make_host(store)
+    host.run_turn(SCOPE, sid, "first", turn_id="t0")
+    host2, _ = make_host(store, "rw", {"rw": lambda ctx: Rewriter(ctx, "rw")})
+    out = host2.run_turn(SCOPE, sid, "second", turn_id="t1")
+    assert out.engine_id == "legacy" and "read fence" in (out.degraded_reason or "")
+    assert "rw" not in host2.quarantined  # a fence error is not the engine's fault
+    out2 = host2.run_turn(SCOPE, sid, "third", turn_id="t2")
+    assert out2.engine_id == "rw" and out2.degraded_reason is None
+    assert "t1" not in receipts(store, "rw")
+
+
+def test_cursor_crossing_engine_is_degraded(store: TranscriptStore, sid: str) -> None:
+    class Crosser(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            page = store.read_visible_delta(SCOPE, sid)  # unfenced: runs past the admitted entry
+            return store.read_visible_delta(SCOPE, sid, page.cursor, fence=kw["fence"])  # type: ignore[union-attr]
+
+    host, _ = make_host(store, "x", {"x": lambda ctx: Crosser(ctx, "x")})
+    out = host.run_turn(SCOPE, sid, "one", turn_id="t0")
+    assert out.engine_id == "legacy" and out.degraded_reason == "read fence: crossed"
+    assert "x" not in host.quarantined
+    assert receipts(store, "legacy") == ["t0"] and receipts(store, "x") == []
+
+
+def test_missing_declarations_degrade_with_the_documented_reasons(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    class NoCommit(CountingEngine):
+        commit_turn = None  # type: ignore[assignment]
+
+    cases = {
+        "nofence": (
+            lambda ctx: CountingEngine(ctx, "nofence", transcript_semantics={}),
+            "current-turn transcript fencing is not declared",
+        ),
+        "noidem": (
+            lambda ctx: CountingEngine(
+                ctx, "noidem", transcript_semantics={"current_turn_fence": "before-current-turn-entry-v1"}
+            ),
+            "atomic idempotent turn advancement is not declared",
+        ),
+        "partial": (lambda ctx: NoCommit(ctx, "partial"), "atomic idempotent turn advancement is not declared"),
+    }
+    for engine_id, (factory, reason) in cases.items():
+        host, _ = make_host(store, engine_id, {engine_id: factory})
+        with caplog.at_level(logging.WARNING):
+            out = host.run_turn(SCOPE, sid, f"hi {engine_id}")
+        assert out.engine_id == "legacy" and out.degraded_reason == reason
+    assert "invariant failure" in caplog.text
+
+
+def test_host_requirements_fail_closed(store: TranscriptStore, sid: str) -> None:
+    def factory(ctx: EngineContext) -> CountingEngine:
+        return CountingEngine(
+            ctx,
+            "needy",
+            host_requirements={
+                "agent-run": HostRequirement(
+                    required_capabilities=["assemble-before-prompt", "thread-bootstrap"],
+                    unsupported_message="Use another host.",
+                )
+            },
+        )
+
+    host, _ = make_host(store, "needy", {"needy": factory})
+    with pytest.raises(HostRequirementError) as err:
+        host.run_turn(SCOPE, sid, "hi")
+    assert str(err.value).startswith('Context engine "needy" cannot run operation "agent-run"')
+    assert "Missing host capabilities: thread-bootstrap" in str(err.value)
+    assert store.get_session(SCOPE, sid).entry_count == 0
+
+
+@pytest.mark.parametrize(
+    "accepted,expected",
+    [
+        (None, {"session_key", "prompt", "runtime_settings", "runtime_context"}),
+        ([], set()),
+        (["session_key"], {"session_key"}),
+    ],
+)
+def test_host_params_are_projected(store: TranscriptStore, sid: str, accepted: Any, expected: set[str]) -> None:
+    engine: dict[str, CountingEngine] = {}
+
+    def factory(ctx: EngineContext) -> CountingEngine:
+        engine["e"] = CountingEngine(ctx, "p", accepted_host_params=accepted)
+        return engine["e"]
+
+    host, _ = make_host(store, "p", {"p": factory})
+    host.run_turn(SCOPE, sid, "hi")
+    _, kw = next(c for c in engine["e"].calls if c[0] == "assemble")
+    host_params = {"session_key", "prompt", "runtime_settings", "session_target", "runtime_context"}
+    assert set(kw) & host_params == expected
+    if "runtime_settings" in expected:
+        rs = kw["runtime_settings"]
+        assert rs.schema_version == 1 and rs.context_engine_selection.id == "p"
+        assert rs.runtime.mode == "normal" and rs.model.requested is not None
+
+
+def test_model_timeout_retries_the_same_logical_turn(store: TranscriptStore, sid: str) -> None:
+    host, model = make_host(store)
+    model.fail_next = [ModelTimeout("slow provider")]
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.attempts == 2 and out.commit_status == "committed"
+    users = [e for e in store.read_visible(SCOPE, sid) if e.role == "user"]
+    assert len(users) == 1 and receipts(store, "legacy") == ["t1"]
+
+
+def test_failed_turn_discards_its_intent_and_commits_nothing(store: TranscriptStore, sid: str) -> None:
+    host, model = make_host(store, max_attempts=2)
+    model.fail_next = [ModelTimeout("1"), ModelTimeout("2")]
+    with pytest.raises(TurnFailed):
+        host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert Turns(store).intents(SCOPE) == [] and receipts(store, "legacy") == []
+
+
+def test_successor_session_after_compaction(store: TranscriptStore, sid: str) -> None:
+    class Rotator(CountingEngine):
+        def compact(self, **kw: Any) -> CompactResult:
+            store.end_session(SCOPE, kw["session_id"])
+            new = store.create_session(SCOPE, session_id="sess-2", session_key="agent:main:test")
+            return CompactResult(
+                ok=True,
+                compacted=True,
+                session_target=SessionTarget(scope=SCOPE, session_id=new.session_id, session_key=new.session_key),
+            )
+
+    host, _ = make_host(store, "rot", {"rot": lambda ctx: Rotator(ctx, "rot")})
+    host.run_turn(SCOPE, sid, "before")
+    result = host.compact(SCOPE, sid)
+    assert result.session_id == "sess-2"
+    out = host.run_turn(SCOPE, sid, "after")
+    assert out.session_id == "sess-2"
+    assert store.read_visible(SCOPE, "sess-2")[0].message == {"role": "user", "content": "after"}
+
+
+def test_legacy_assembly_reads_only_the_delta(store: TranscriptStore) -> None:
+    """Rows read per turn do not depend on the history length (counted, not timed)."""
+    host, _ = make_host(store)
+    costs = {}
+    for n_history in (10, 200):
+        sid = store.create_session(SCOPE).session_id
+        store.append_many(
+            SCOPE,
+            sid,
+            [
+                {"message": {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}}
+                for i in range(n_history)
+            ],
+        )
+        host.run_turn(SCOPE, sid, "warm up")
+        legacy, _info = host.engine("legacy")
+        before = legacy.rows_read
+        host.run_turn(SCOPE, sid, "measured")
+        costs[n_history] = legacy.rows_read - before
+    assert costs[10] == costs[200] == 2  # the previous turn's user message and reply
+
+
+def test_pending_earlier_turn_degrades_the_next(store: TranscriptStore, sid: str) -> None:
+    class FailingCommit(CountingEngine):
+        def commit_turn(self, **kw: Any) -> Any:
+            raise RuntimeError("ledger down")
+
+    host, _ = make_host(store, "fc", {"fc": lambda ctx: FailingCommit(ctx, "fc")})
+    out = host.run_turn(SCOPE, sid, "one", turn_id="t1")
+    assert out.engine_id == "fc" and out.commit_status in ("accepted", "ready", "queued")
+    # The accepted turn is kept, never lost; the engine is quarantined; the next turn goes to legacy.
+    assert [i.turn_id for i in Turns(store).intents(SCOPE)] == ["t1"]
+    out2 = host.run_turn(SCOPE, sid, "two", turn_id="t2")
+    assert out2.engine_id == "legacy"
+    # A new process with a working engine drains the queued turn first.
+    host3, _ = make_host(store, "fc", {"fc": lambda ctx: CountingEngine(ctx, "fc")})
+    out3 = host3.run_turn(SCOPE, sid, "three", turn_id="t3")
+    assert out3.engine_id == "fc" and receipts(store, "fc") == ["t1", "t3"]
+
+
+def test_prune_trims_old_tool_results_in_request_only() -> None:
+    msgs = [{"role": "tool", "tool_call_id": str(i), "content": "x" * 5000} for i in range(6)]
+    pruned = prune_tool_results(msgs, keep_recent=2, max_chars=1000)
+    assert all(len(m["content"]) < 1200 for m in pruned[:4])
+    assert all(len(m["content"]) == 5000 for m in pruned[4:])
+    assert all(len(m["content"]) == 5000 for m in msgs)
+
+
+def test_subagent_prepare_rollback_and_end(store: TranscriptStore, sid: str) -> None:
+    events: list[str] = []
+
+    class Sub(CountingEngine):
+        def prepare_subagent_spawn(self, **kw: Any) -> Any:
+            from transcript_store.engine import SubagentSpawnPreparation
+
+            events.append(f"prepare:{kw['context_mode']}")
+            return SubagentSpawnPreparation(rollback=lambda: events.append("rollback"))
+
+        def on_subagent_ended(self, **kw: Any) -> None:
+            events.append(f"ended:{kw['child_session_key']}")
+
+    host, _ = make_host(store, "sub", {"sub": lambda ctx: Sub(ctx, "sub")})
+    assert host.spawn_subagent(SCOPE, sid, "child:1", lambda child: "ok", context_mode="fork") == "ok"
+    with pytest.raises(RuntimeError):
+        host.spawn_subagent(SCOPE, sid, "child:2", lambda child: (_ for _ in ()).throw(RuntimeError("spawn failed")))
+    assert events == ["prepare:fork", "ended:child:1", "prepare:isolated", "rollback"]
+
+
+def test_builtin_compaction_runs_for_non_owning_engines_only(store: TranscriptStore, sid: str) -> None:
+    big = "word " * 400
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": big}} for i in range(30)]
+    )
+    host, _ = make_host(store, token_budget=4000)
+    out = host.run_turn(SCOPE, sid, "go")
+    assert out.assembled_tokens < 4000
+    kinds = [e.kind for e in store.list_entries(SCOPE, sid)]
+    assert "compaction" in kinds
+    sid2 = store.create_session(SCOPE).session_id
+    store.append_many(SCOPE, sid2, [{"message": {"role": "user", "content": big}} for _ in range(30)])
+    host2, _ = make_host(
+        store, "own", {"own": lambda ctx: CountingEngine(ctx, "own", owns_compaction=True)}, token_budget=4000
+    )
+    host2.run_turn(SCOPE, sid2, "go")
+    assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid2)]

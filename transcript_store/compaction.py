@@ -1,0 +1,129 @@
+"""The built-in summarising compaction (the legacy path), shared by the legacy engine and the host.
+
+One summary of the older visible messages; the recent ones stay untouched (the last ``keep_last``
+messages and any unfinished tool-call/result pair). The summary is written through the store as a
+``compaction`` entry, so the originals stay stored and recoverable, and its pointer (summary + first
+kept entry) is saved in engine state in the same transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .core import Core, prepare_entry
+from .engine import CompactResult
+from .errors import SummarizerError
+from .ledger import get_state, put_state
+from .models import Anchor, Entry
+
+STATE_OWNER = "runtime"
+STATE_KEY = "compaction"
+
+
+def load_pointer(store: Any, scope: str, session_id: str) -> dict[str, Any] | None:
+    """The latest compaction pointer of a session if its first kept entry is still active."""
+
+    def run(c: Core) -> dict[str, Any] | None:
+        pointer = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
+        if not isinstance(pointer, dict):
+            return None
+        row = c.entry_rows(scope, session_id, [pointer["first_kept_entry_id"]]).get(pointer["first_kept_entry_id"])
+        if (
+            row is None
+            or row.position != pointer["first_kept_position"]
+            or not c.on_active_path(scope, session_id, row)
+        ):
+            return None
+        return pointer
+
+    result: dict[str, Any] | None = store.read(run)
+    return result
+
+
+def split_point(entries: Sequence[Entry], keep_last: int) -> int:
+    """Index of the first kept entry: the last ``keep_last``, never splitting a tool call from its result."""
+    cut = max(0, len(entries) - keep_last)
+    # Move the cut earlier while it would orphan tool results from the assistant call that made them.
+    while 0 < cut < len(entries) and (entries[cut].message or {}).get("role") == "tool":
+        cut -= 1
+    return cut
+
+
+def summary_message(summary: str) -> dict[str, Any]:
+    """The message the model sees in place of the summarized history."""
+    return {"role": "user", "content": f"[Summary of the earlier conversation]\n{summary}"}
+
+
+def compact_session(
+    store: Any,
+    scope: str,
+    session_id: str,
+    *,
+    summarizer: Any,
+    estimator: Any,
+    fence: Anchor | None = None,
+    keep_last: int = 6,
+    focus: str | None = None,
+    force: bool = False,
+    token_budget: int | None = None,
+) -> CompactResult:
+    """Summarize the older visible messages of a session (see module doc)."""
+    pointer = load_pointer(store, scope, session_id)
+    visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
+    start = 0
+    if pointer is not None:
+        start = next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), 0)
+    live = visible[start:]
+    previous = pointer["summary"] if pointer else None
+    before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
+    tokens_before = int(estimator.count_messages(before_msgs))
+    if not force and token_budget is not None and tokens_before <= token_budget:
+        return CompactResult(ok=True, compacted=False, reason="under budget", tokens_before=tokens_before)
+    cut = split_point(live, keep_last)
+    if cut == 0:
+        return CompactResult(
+            ok=True, compacted=False, reason="nothing old enough to compact", tokens_before=tokens_before
+        )
+    older = [e.message for e in live[:cut] if e.message]
+    try:
+        summary = summarizer.summarize(older, previous_summary=previous, focus=focus)
+    except SummarizerError as e:
+        # A failing summarizer never loses messages: nothing changes, the raw messages stay.
+        return CompactResult(ok=False, compacted=False, reason=f"summarizer failed: {e}", tokens_before=tokens_before)
+    kept = live[cut]
+    after_msgs = [summary_message(summary)] + [e.message for e in live[cut:] if e.message]
+    tokens_after = int(estimator.count_messages(after_msgs))
+    if tokens_after >= tokens_before:
+        return CompactResult(
+            ok=True,
+            compacted=False,
+            reason="summary did not shrink the context",
+            tokens_before=tokens_before,
+            tokens_after=tokens_before,
+        )
+    marker = prepare_entry(
+        store.config,
+        kind="compaction",
+        payload={
+            "summary": summary,
+            "first_kept_entry_id": kept.entry_id,
+            "summarized_entry_ids": [e.entry_id for e in live[:cut]],
+            "tokens_before": tokens_before,
+            "tokens_after": tokens_after,
+            "focus": focus,
+        },
+    )
+    new_pointer = {
+        "summary": summary,
+        "first_kept_entry_id": kept.entry_id,
+        "first_kept_position": kept.position,
+        "marker_entry_id": marker.entry_id,
+    }
+
+    def run(c: Core) -> None:
+        c.append(scope, session_id, [marker])
+        put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
+
+    store.write(run)
+    return CompactResult(ok=True, compacted=True, tokens_before=tokens_before, tokens_after=tokens_after)

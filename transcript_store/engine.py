@@ -1,0 +1,299 @@
+"""The context-engine protocol: declarations, lifecycle shapes, host parameters, contract validation.
+
+An engine is any object with an ``info`` (EngineInfo) and an ``assemble`` method; every other
+lifecycle method is optional and looked up by name. The host passes each method its base keyword
+arguments plus the host parameters the engine's ``accepted_host_params`` allows (None = all). This is
+the Python form of OpenClaw's ContextEngine contract, with the store underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import EngineContractError
+from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
+
+HostParam = Literal["session_key", "prompt", "runtime_settings", "session_target", "runtime_context"]
+HOST_PARAMS: tuple[str, ...] = ("session_key", "prompt", "runtime_settings", "session_target", "runtime_context")
+Operation = Literal["agent-run", "manual-compact", "subagent-spawn"]
+OPERATIONS: tuple[str, ...] = ("agent-run", "manual-compact", "subagent-spawn")
+LIFECYCLE = (
+    "bootstrap",
+    "ingest",
+    "assemble",
+    "compact",
+    "after_turn",
+    "commit_turn",
+    "maintain",
+    "prepare_subagent_spawn",
+    "on_subagent_ended",
+    "get_tool_schemas",
+    "handle_tool_call",
+    "dispose",
+)
+
+DEGRADE_NO_FENCE = "current-turn transcript fencing is not declared"
+DEGRADE_NO_IDEMPOTENCY = "atomic idempotent turn advancement is not declared"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TranscriptSemantics(_Model):
+    """What an engine promises about transcript reads and turn advancement."""
+
+    current_turn_fence: Literal["before-current-turn-entry-v1"] | None = None
+    turn_advancement_idempotency: Literal["atomic-idempotent-v1"] | None = None
+
+
+class HostRequirement(_Model):
+    """Host capabilities an operation needs, and what to tell the user when they are missing."""
+
+    required_capabilities: list[str] = Field(default_factory=list)
+    unsupported_message: str | None = None
+
+
+class EngineInfo(_Model):
+    """An engine's identity and declarations."""
+
+    id: str = Field(min_length=1, max_length=128)
+    name: str = ""
+    version: str = "0"
+    owns_compaction: bool = False
+    accepted_host_params: list[str] | None = None
+    transcript_semantics: TranscriptSemantics = Field(default_factory=TranscriptSemantics)
+    host_requirements: dict[Operation, HostRequirement] = Field(default_factory=dict)
+    turn_maintenance_mode: Literal["foreground", "background"] = "foreground"
+
+
+# ---------------------------------------------------------------------------------------------- runtime settings
+
+
+class RuntimeInfo(_Model):
+    """Which host runs the hook and in which mode."""
+
+    host: str = "transcript-store"
+    mode: Literal["normal", "fallback", "degraded"] = "normal"
+    harness_id: str | None = None
+    runtime_id: str | None = None
+
+
+class EngineSelection(_Model):
+    """Which engine was selected, and from where."""
+
+    id: str
+    source: Literal["default", "config", "env", "argument", "fallback"]
+
+
+class ExecutionHost(_Model):
+    """The surface invoking the hook."""
+
+    id: str | None = None
+    label: str | None = None
+
+
+class ModelSettings(_Model):
+    """The model of the run."""
+
+    requested: str | None = None
+    resolved: str | None = None
+    provider: str | None = None
+    family: str | None = None
+
+
+class Limits(_Model):
+    """Token limits when known."""
+
+    prompt_token_budget: int | None = None
+    max_output_tokens: int | None = None
+
+
+class Diagnostics(_Model):
+    """Closed fallback / degraded reason codes when known."""
+
+    fallback_reason: str | None = None
+    degraded_reason: str | None = None
+
+
+class RuntimeSettings(_Model):
+    """Versioned, read-only facts about the run, passed only to engines that accept them."""
+
+    schema_version: Literal[1] = 1
+    runtime: RuntimeInfo = Field(default_factory=RuntimeInfo)
+    context_engine_selection: EngineSelection
+    execution_host: ExecutionHost = Field(default_factory=ExecutionHost)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    limits: Limits = Field(default_factory=Limits)
+    diagnostics: Diagnostics = Field(default_factory=Diagnostics)
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+class SessionTarget(_Model):
+    """A typed session identity (the successor after a compaction that changed it)."""
+
+    scope: str
+    session_id: str
+    session_key: str | None = None
+
+
+class ContextProjection(_Model):
+    """Projection lifecycle for hosts with persistent backend threads."""
+
+    mode: Literal["per_turn", "thread_bootstrap"] = "per_turn"
+    epoch: str | None = None
+
+
+class AssembleResult(BaseModel):
+    """What the model sees before the current turn's own messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    messages: list[dict[str, Any]]
+    estimated_tokens: int = Field(ge=0)
+    system_prompt_addition: str | None = None
+    prompt_authority: Literal["assembled", "preassembly_may_overflow"] = "assembled"
+    context_projection: ContextProjection | None = None
+
+
+class CompactResult(BaseModel):
+    """What a compaction did; ``compacted`` is False when it made no progress."""
+
+    model_config = ConfigDict(extra="forbid")
+    ok: bool
+    compacted: bool
+    reason: str | None = None
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    session_target: SessionTarget | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        """The successor session id, mirroring ``session_target``."""
+        return self.session_target.session_id if self.session_target else None
+
+
+class BootstrapResult(BaseModel):
+    """What a bootstrap imported."""
+
+    model_config = ConfigDict(extra="forbid")
+    bootstrapped: bool
+    imported_messages: int = 0
+    reason: str | None = None
+
+
+class MaintainResult(BaseModel):
+    """What a maintenance pass changed."""
+
+    model_config = ConfigDict(extra="forbid")
+    changed: bool = False
+    rewritten_entries: int = 0
+    bytes_freed: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class SubagentSpawnPreparation:
+    """Returned by prepare_subagent_spawn; ``rollback`` is called when the spawn fails afterwards."""
+
+    rollback: Callable[[], None] | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+@runtime_checkable
+class ContextEngine(Protocol):
+    """The one required shape: ``info`` and ``assemble``. Optional methods are found by name (LIFECYCLE)."""
+
+    info: EngineInfo
+
+    def assemble(self, **kwargs: Any) -> AssembleResult:
+        """Build the model's context before the current turn (see HostRuntime for the arguments)."""
+        ...
+
+
+@dataclass
+class EngineContext:
+    """What an engine factory receives: the store, configuration, and the pluggable helpers."""
+
+    store: Any  # TranscriptStore (Any: engines must not import host internals)
+    config: dict[str, Any] = field(default_factory=dict)
+    summarizer: Any = None
+    estimator: Any = None
+    workspace_dir: str | None = None
+
+
+EngineFactory = Callable[[EngineContext], Any]
+
+
+def coerce_info(raw: object) -> EngineInfo:
+    """An EngineInfo from an engine's ``info`` (a model or a dict), or EngineContractError."""
+    if isinstance(raw, EngineInfo):
+        return raw
+    if isinstance(raw, dict):
+        try:
+            return EngineInfo.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise EngineContractError(
+                f"invalid info.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+            ) from None
+    raise EngineContractError("engine has no info (EngineInfo)")
+
+
+def validate_engine(engine: object, expected_id: str | None = None) -> EngineInfo:
+    """Contract validation at load: info.id, known declarations, a callable assemble."""
+    info = coerce_info(getattr(engine, "info", None))
+    if expected_id is not None and info.id != expected_id:
+        raise EngineContractError(f"engine registered as {expected_id!r} reports info.id {info.id!r}")
+    if not callable(getattr(engine, "assemble", None)):
+        raise EngineContractError(f"engine {info.id!r} has no assemble()")
+    if info.accepted_host_params is not None:
+        unknown = [p for p in info.accepted_host_params if p not in HOST_PARAMS]
+        if unknown:
+            raise EngineContractError(f"engine {info.id!r} accepts unknown host params {unknown}")
+    for name in LIFECYCLE:
+        member = getattr(engine, name, None)
+        if member is not None and not callable(member):
+            raise EngineContractError(f"engine {info.id!r}: {name} is not callable")
+    return info
+
+
+def durable_declaration(engine: object, info: EngineInfo) -> tuple[bool, str | None, bool]:
+    """(durable, degrade reason, invariant failure): may this engine take durable admitted turns?"""
+    semantics = info.transcript_semantics
+    has_commit = callable(getattr(engine, "commit_turn", None))
+    if semantics.current_turn_fence != CURRENT_TURN_FENCE:
+        return False, DEGRADE_NO_FENCE, semantics.turn_advancement_idempotency is not None or has_commit
+    if semantics.turn_advancement_idempotency != TURN_ADVANCEMENT_IDEMPOTENCY:
+        return False, DEGRADE_NO_IDEMPOTENCY, has_commit
+    if not has_commit:
+        # Declared idempotent advancement without the method: a broken promise, not a choice.
+        return False, DEGRADE_NO_IDEMPOTENCY, True
+    return True, None, False
+
+
+def project_params(info: EngineInfo, base: dict[str, Any], host: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of one lifecycle call: base ones plus the host params the engine accepts."""
+    accepted = HOST_PARAMS if info.accepted_host_params is None else info.accepted_host_params
+    out = dict(base)
+    for name in HOST_PARAMS:
+        if name in host and name in accepted:
+            out[name] = host[name]
+    return out
+
+
+def missing_capabilities(info: EngineInfo, operation: str, capabilities: Sequence[str]) -> tuple[list[str], str]:
+    """Capabilities an operation needs that the host lacks, and the engine's message for it."""
+    req = info.host_requirements.get(operation)  # type: ignore[call-overload]
+    if req is None:
+        return [], ""
+    missing = [c for c in req.required_capabilities if c not in capabilities]
+    return missing, req.unsupported_message or ""

@@ -1,0 +1,723 @@
+"""The host runtime: one logical turn from admission to commit, with degradation and quarantine.
+
+A turn: recover and drain the session's outbox, admit the user message, open a fenced read context,
+let the engine bootstrap/assemble from cursor deltas, call the model (engine tools dispatched to the
+engine), append the replies, accept, and commit through the engine's ``commit_turn`` (in the same
+transaction when possible). The engine for a turn is decided before the turn starts and kept for the
+whole logical turn, retries included; the configured engine is tried again on the next turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from . import compaction, outbox, quarantine
+from .core import Core, new_id
+from .engine import (
+    AssembleResult,
+    CompactResult,
+    EngineContext,
+    EngineInfo,
+    EngineSelection,
+    Limits,
+    ModelSettings,
+    RuntimeInfo,
+    RuntimeSettings,
+    SessionTarget,
+    SubagentSpawnPreparation,
+    durable_declaration,
+    missing_capabilities,
+    project_params,
+)
+from .errors import (
+    EngineError,
+    EngineSwitchError,
+    HostRequirementError,
+    InvalidInput,
+    ModelTimeout,
+    ReadFenceError,
+    TranscriptStoreError,
+)
+from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
+from .models import Admission, Anchor, Replacement, RewriteResult, validate_message
+from .outbox import TurnIntent
+from .registry import EngineRegistry
+from .settings import HostSettings
+from .store import AppendItem, TranscriptStore
+from .turns import CommitIn, Turns
+
+log = logging.getLogger("transcript_store.host")
+
+LEGACY = "legacy"
+T = TypeVar("T")
+
+HostTool = tuple[dict[str, Any], Callable[[dict[str, Any]], str]]
+
+
+class TurnFailed(TranscriptStoreError):
+    """A logical turn failed on every attempt; its intent was discarded and no engine advanced."""
+
+
+class _Degrade(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class TurnOutcome:
+    """What one logical turn did."""
+
+    turn_id: str
+    scope: str
+    session_id: str
+    engine_id: str
+    configured_engine: str
+    degraded_reason: str | None
+    reply: dict[str, Any]
+    messages: list[dict[str, Any]]
+    commit_status: str  # committed | duplicate | queued | blocked
+    attempts: int
+    assembled_tokens: int
+    admission: Admission | None
+    terminal: Anchor | None
+
+
+@dataclass
+class RuntimeContext:
+    """What the host offers an engine during one turn (the ``runtime_context`` host param)."""
+
+    host: HostRuntime
+    scope: str
+    session_id: str
+    fence: Anchor | None
+    turn_id: str | None
+
+    def rewrite_transcript_entries(
+        self,
+        replacements: Sequence[Replacement | dict[str, Any]],
+        allowed_rewrite_suffix_entry_ids: Sequence[str] | None = None,
+    ) -> RewriteResult:
+        """Safe transcript edits for maintenance (branch-and-reappend; the generation rotates)."""
+        return self.host.store.rewrite_entries(
+            self.scope, self.session_id, replacements, allowed_rewrite_suffix_entry_ids=allowed_rewrite_suffix_entry_ids
+        )
+
+    def delegate_compaction_to_runtime(self, *, force: bool = False, focus: str | None = None) -> CompactResult:
+        """Run the host's built-in compaction for this session (for engines that do not own it)."""
+        return delegate_compaction_to_runtime(self, force=force, focus=focus)
+
+
+def delegate_compaction_to_runtime(
+    ctx: RuntimeContext, *, force: bool = False, focus: str | None = None
+) -> CompactResult:
+    """The built-in summarising compaction, for non-owning engines' ``compact``."""
+    h = ctx.host
+    return compaction.compact_session(
+        h.store,
+        ctx.scope,
+        ctx.session_id,
+        summarizer=h.summarizer,
+        estimator=h.estimator,
+        fence=ctx.fence,
+        focus=focus,
+        force=force,
+        token_budget=int(h.settings.token_budget * h.settings.compaction_threshold),
+    )
+
+
+def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_chars: int) -> list[dict[str, Any]]:
+    """Trim old, long tool results in the request only (storage is never touched)."""
+    tool_idx = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+    old = set(tool_idx[: max(0, len(tool_idx) - keep_recent)])
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if i in old and isinstance(content, str) and len(content) > max_chars:
+            half = max_chars // 2
+            trimmed = f"{content[:half]}\n[... {len(content) - max_chars} characters trimmed ...]\n{content[-half:]}"
+            m = {**m, "content": trimmed}
+        out.append(m)
+    return out
+
+
+def default_host_tools() -> dict[str, HostTool]:
+    """Small deterministic host tools, so the local responder can exercise the tool loop offline."""
+
+    def lookup(args: dict[str, Any]) -> str:
+        query = str(args.get("query", ""))
+        return json.dumps({"query": query, "result": f"reference notes about {query!r}", "source": "local"})
+
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look up reference notes about a topic.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    }
+    return {"lookup": (schema, lookup)}
+
+
+@dataclass
+class _Decision:
+    engine_id: str
+    reason: str | None
+
+
+@dataclass
+class HostRuntime:
+    """Runs logical turns for one host slot over a store, a model and the discovered engines."""
+
+    store: TranscriptStore
+    settings: HostSettings
+    model: Any
+    registry: EngineRegistry | None = None
+    summarizer: Any = None
+    estimator: Any = None
+    host_tools: dict[str, HostTool] = field(default_factory=default_host_tools)
+    #: Test and fault-injection seam: runs after the admission, before the engine reads anything.
+    before_assemble: Callable[[str, str, Admission], None] | None = None
+    turns: Turns = field(init=False)
+    quarantined: dict[str, tuple[str, str]] = field(init=False, default_factory=dict)
+    _engines: dict[str, tuple[Any, EngineInfo]] = field(init=False, default_factory=dict)
+    _decisions: dict[str, _Decision] = field(init=False, default_factory=dict)
+    _bootstrapped: set[tuple[str, str, str]] = field(init=False, default_factory=set)
+    _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.registry is None:
+            self.registry = EngineRegistry(self.settings.plugin_dirs)
+        if self.summarizer is None:
+            from .summarize import summarizer_from_env
+
+            self.summarizer = summarizer_from_env()
+        if self.estimator is None:
+            from .tokens import default_estimator
+
+            self.estimator = default_estimator()
+        self.turns = Turns(self.store)
+
+    # ------------------------------------------------------------------------------------ engines
+
+    def engine(self, engine_id: str) -> tuple[Any, EngineInfo]:
+        """The live instance of an engine (created on first use); EngineError if it cannot be."""
+        if engine_id in self.quarantined:
+            op, reason = self.quarantined[engine_id]
+            raise EngineError(f"context engine {engine_id!r} is quarantined ({op}: {reason})")
+        if engine_id not in self._engines:
+            assert self.registry is not None
+            ctx = EngineContext(
+                store=self.store,
+                config=self.settings.engine_config.get(engine_id, {}),
+                summarizer=self.summarizer,
+                estimator=self.estimator,
+            )
+            try:
+                self._engines[engine_id] = self.registry.create(engine_id, ctx)
+            except Exception as e:
+                if engine_id == LEGACY:
+                    raise
+                self.quarantine(engine_id, "factory", e)
+                raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
+        return self._engines[engine_id]
+
+    def quarantine(self, engine_id: str, operation: str, error: BaseException) -> None:
+        """Isolate an engine for the rest of this process and record it in the store."""
+        if engine_id == LEGACY:
+            return  # the fallback itself cannot be isolated: its errors surface to the caller
+        reason = f"{type(error).__name__}: {error}"
+        log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
+        self.quarantined[engine_id] = (operation, reason)
+        self._engines.pop(engine_id, None)
+        try:
+            self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))
+        except TranscriptStoreError as e:  # recording is best effort; isolation already happened
+            log.warning("could not record quarantine of %s: %s", engine_id, e)
+
+    def _call(self, engine_id: str, operation: str, fn: Callable[[], T]) -> T:
+        """Run a lifecycle call; an exception quarantines the engine (fence errors are not its fault)."""
+        try:
+            return fn()
+        except (ReadFenceError, HostRequirementError):
+            raise
+        except Exception as e:
+            self.quarantine(engine_id, operation, e)
+            raise
+
+    def commit_in(self, engine_id: str) -> CommitIn | None:
+        """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
+        try:
+            engine, _info = self.engine(engine_id)
+        except EngineError:
+            return None
+        method = getattr(engine, "commit_turn", None)
+        if method is None:
+            return None
+
+        def run(c: Core, p: TurnPayload) -> CommitResult:
+            try:
+                result: CommitResult = method(
+                    tx=c,
+                    advancement_key=p.advancement_key,
+                    admission=p.admission,
+                    terminal=p.terminal,
+                    messages=list(p.messages),
+                    is_heartbeat=p.is_heartbeat,
+                )
+                return result
+            except Exception as e:
+                self.quarantine(engine_id, "commit_turn", e)
+                raise
+
+        return run
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def resolve_session(self, scope: str, session_id: str) -> str:
+        """Follow successor sessions (after a compaction that changed the session identity)."""
+        seen = set()
+        while (scope, session_id) in self._successors and session_id not in seen:
+            seen.add(session_id)
+            session_id = self._successors[(scope, session_id)]
+        return session_id
+
+    def follow(self, scope: str, old_session_id: str, target: SessionTarget | None) -> str:
+        """Record a successor session target; returns the session the next turn uses."""
+        if target is None or target.session_id == old_session_id:
+            return old_session_id
+        if target.scope != scope:
+            raise InvalidInput("a successor session must stay in the same scope")
+        self._successors[(scope, old_session_id)] = target.session_id
+        return target.session_id
+
+    # ------------------------------------------------------------------------------------ turns
+
+    def decide(self, scope: str, session_id: str, turn_id: str) -> _Decision:
+        """The engine of a logical turn, decided once before it starts (retries reuse it)."""
+        if turn_id in self._decisions:
+            return self._decisions[turn_id]
+        configured = self.settings.engine
+        decision = _Decision(configured, None)
+        if configured != LEGACY:
+            try:
+                engine, info = self.engine(configured)
+            except EngineError as e:
+                decision = _Decision(LEGACY, f"engine unavailable: {e}")
+            else:
+                self._check_requirements(info, "agent-run")
+                durable, reason, broken = durable_declaration(engine, info)
+                if broken:
+                    log.warning(
+                        "context engine %r: partial durable declaration (invariant failure): %s", configured, reason
+                    )
+                if not durable:
+                    decision = _Decision(LEGACY, reason)
+        self._decisions[turn_id] = decision
+        if decision.reason:
+            log.warning("turn %s runs on the legacy context path: %s", turn_id, decision.reason)
+        return decision
+
+    def _check_requirements(self, info: EngineInfo, operation: str) -> None:
+        missing, message = missing_capabilities(info, operation, self.settings.capabilities)
+        if missing:
+            raise HostRequirementError(
+                f'Context engine "{info.id}" cannot run operation "{operation}" on transcript-store host. '
+                f"Missing host capabilities: {', '.join(missing)}." + (f" {message}" if message else "")
+            )
+
+    def _degrade(self, turn_id: str, reason: str) -> _Decision:
+        decision = _Decision(LEGACY, reason)
+        self._decisions[turn_id] = decision
+        log.warning("turn %s runs on the legacy context path: %s", turn_id, reason)
+        return decision
+
+    def run_turn(
+        self,
+        scope: str,
+        session_id: str,
+        message: dict[str, Any] | str,
+        *,
+        turn_id: str | None = None,
+        runtime_context: dict[str, Any] | None = None,
+    ) -> TurnOutcome:
+        """Run one logical turn to its commit (see module doc); retries reuse the same turn id."""
+        user = validate_message({"role": "user", "content": message} if isinstance(message, str) else message)
+        if user["role"] != "user":
+            raise InvalidInput("a turn starts with a user message")
+        turn_id = turn_id or new_id()
+        session_id = self.resolve_session(scope, session_id)
+        self.store.get_session(scope, session_id)  # UnknownSession before anything is written
+        decision = self.decide(scope, session_id, turn_id)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context)
+            except _Degrade as d:
+                if decision.engine_id == LEGACY:
+                    raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
+                self.turns.discard(scope, session_id, turn_id)
+                decision = self._degrade(turn_id, d.reason)
+                attempts -= 1
+                continue
+            except ModelTimeout as e:
+                self.turns.discard(scope, session_id, turn_id)
+                log.warning("turn %s attempt %d: model timeout, retrying the same logical turn", turn_id, attempts)
+                if attempts >= self.settings.max_attempts:
+                    raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}") from e
+                continue
+            except BaseException:
+                self.turns.discard(scope, session_id, turn_id)
+                raise
+            outcome.attempts = attempts
+            self._decisions.pop(turn_id, None)
+            return outcome
+
+    def _already_accepted(self, scope: str, session_id: str, turn_id: str, engine_id: str) -> TurnOutcome | None:
+        """A retry of a turn an earlier attempt already accepted: report it, never run it twice."""
+
+        def look(c: Core) -> tuple[list[Receipt], TurnIntent | None]:
+            return receipts_for_key(c, scope, session_id, turn_id), outbox.get_intent(c, scope, session_id, turn_id)
+
+        found, intent = self.store.read(look)
+        if intent is not None and intent.state == "admitted":
+            if intent.engine_id != engine_id:
+                self.turns.discard(scope, session_id, turn_id)  # this turn's own dead attempt, other engine
+            return None
+        if intent is not None and intent.state in ("accepted", "ready"):
+            self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
+            found, intent = self.store.read(look)
+        if not found and intent is None:
+            return None
+        if found:
+            receipt = found[0]
+            messages = self.store.read(lambda c: committed_messages(c, scope, session_id, receipt.engine_id, turn_id))
+            status, used = "duplicate", receipt.engine_id
+        else:
+            assert intent is not None
+            messages = intent.messages or []
+            status = "blocked" if intent.state == "blocked" else "queued"
+            used = intent.engine_id
+        return TurnOutcome(
+            turn_id=turn_id,
+            scope=scope,
+            session_id=session_id,
+            engine_id=used,
+            configured_engine=self.settings.engine,
+            degraded_reason=None,
+            reply=messages[-1] if messages else {},
+            messages=messages,
+            commit_status=status,
+            attempts=0,
+            assembled_tokens=0,
+            admission=intent.admission if intent else None,
+            terminal=intent.terminal if intent else None,
+        )
+
+    def _runtime_settings(self, decision: _Decision) -> RuntimeSettings:
+        source = "fallback" if decision.reason else self.settings.engine_source
+        return RuntimeSettings(
+            runtime=RuntimeInfo(mode="degraded" if decision.reason else "normal"),
+            context_engine_selection=EngineSelection(id=decision.engine_id, source=source),
+            model=ModelSettings(
+                requested=getattr(self.model, "name", None), resolved=getattr(self.model, "name", None)
+            ),
+            limits=Limits(
+                prompt_token_budget=self.settings.token_budget, max_output_tokens=self.settings.max_output_tokens
+            ),
+        )
+
+    def _attempt(
+        self,
+        scope: str,
+        session_id: str,
+        user: dict[str, Any],
+        turn_id: str,
+        decision: _Decision,
+        runtime_context: dict[str, Any] | None,
+    ) -> TurnOutcome:
+        engine_id = decision.engine_id
+        try:
+            engine, info = self.engine(engine_id)
+        except EngineError as e:
+            raise _Degrade(f"engine unavailable: {e}") from None
+        report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
+        done = self._already_accepted(scope, session_id, turn_id, engine_id)
+        if done is not None:
+            return done
+        if [t for t in report.pending if t != turn_id]:
+            raise _Degrade("an earlier turn of the session is still pending")
+        admission, _intent = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+        fence = admission.anchor
+        if self.before_assemble is not None:
+            self.before_assemble(scope, session_id, admission)
+        session_key = fence.session_key
+        rt = RuntimeContext(self, scope, session_id, fence, turn_id)
+        host_params = {
+            "session_key": session_key,
+            "prompt": user,
+            "runtime_settings": self._runtime_settings(decision),
+            "runtime_context": rt,
+        }
+        read_fence: Anchor | None = fence
+        unfenced: str | None = None
+        try:
+            self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
+        except ReadFenceError as e:
+            if engine_id != LEGACY:
+                raise _Degrade(f"read fence: {e.reason}") from None
+            # The legacy path reads the transcript as it is now; this turn's commit will be blocked
+            # as stale (kept as evidence) because its admission no longer matches.
+            log.warning("turn %s: fence cannot be honoured (%s); legacy reads unfenced", turn_id, e.reason)
+            read_fence = None
+            unfenced = f"read fence: {e.reason} (legacy read unfenced)"
+        try:
+            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
+        except ReadFenceError as e:
+            if engine_id == LEGACY:
+                raise
+            raise _Degrade(f"read fence: {e.reason}") from None
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            raise _Degrade(f"engine {engine_id} failed: {type(e).__name__}: {e}") from None
+        if read_fence is None and assembled.messages and assembled.messages[-1] == user:
+            assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
+        # From here the turn has started on this engine: no switch, ever.
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled)
+        completion = self.turns.complete(
+            scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
+        )
+        status: str = completion.commit.status if completion.commit else completion.intent.state
+        if completion.commit is None and completion.intent.state in ("accepted", "ready"):
+            drained = self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
+            status = (
+                "committed" if drained.delivered and not self.turns.intent(scope, session_id, turn_id) else "queued"
+            )
+        self._after_turn(engine, info, scope, session_id, admission, completion.terminal, host_params)
+        if decision.engine_id != engine_id:
+            raise EngineSwitchError("a started turn cannot switch engines")
+        return TurnOutcome(
+            turn_id=turn_id,
+            scope=scope,
+            session_id=session_id,
+            engine_id=engine_id,
+            configured_engine=self.settings.engine,
+            degraded_reason=decision.reason or unfenced,
+            reply=replies[-1],
+            messages=[user, *replies],
+            commit_status=status,
+            attempts=0,
+            assembled_tokens=assembled.estimated_tokens,
+            admission=admission,
+            terminal=completion.terminal,
+        )
+
+    def _assemble(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, fence: Anchor | None, host: dict[str, Any]
+    ) -> AssembleResult:
+        key = (info.id, scope, session_id)
+        bootstrap = getattr(engine, "bootstrap", None)
+        if bootstrap is not None and key not in self._bootstrapped:
+            params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
+            self._call(info.id, "bootstrap", lambda: bootstrap(**params))
+            self._bootstrapped.add(key)
+        budget = self.settings.token_budget - self.settings.max_output_tokens
+        base = {
+            "scope": scope,
+            "session_id": session_id,
+            "fence": fence,
+            "token_budget": budget,
+            "available_tools": sorted(self.host_tools),
+        }
+        params = project_params(info, base, host)
+        result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params)))
+        precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
+        threshold = int(budget * self.settings.compaction_threshold)
+        if precheck and result.estimated_tokens > threshold:
+            # Built-in auto-compaction before the prompt, then assemble again from the new pointer.
+            rt: RuntimeContext = host["runtime_context"]
+            done = delegate_compaction_to_runtime(rt, force=False)
+            if done.compacted:
+                result = self._call(
+                    info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
+                )
+        return result
+
+    def _model_loop(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        user: dict[str, Any],
+        assembled: AssembleResult,
+    ) -> list[dict[str, Any]]:
+        system = self.settings.system_prompt
+        if assembled.system_prompt_addition:
+            system = f"{assembled.system_prompt_addition}\n\n{system}"
+        context = prune_tool_results(
+            assembled.messages, self.settings.prune_keep_recent_tool_results, self.settings.prune_tool_result_max_chars
+        )
+        engine_tools = {}
+        get_schemas = getattr(engine, "get_tool_schemas", None)
+        if get_schemas is not None:
+            for schema in self._call(info.id, "get_tool_schemas", get_schemas) or []:
+                fn = schema.get("function", schema)
+                engine_tools[fn["name"]] = {"type": "function", "function": fn}
+        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
+        replies: list[dict[str, Any]] = []
+        for _step in range(self.settings.max_tool_steps):
+            request = [{"role": "system", "content": system}, *context, user, *replies]
+            response = self.model.complete(
+                request,
+                tools or None,
+                max_tokens=self.settings.max_output_tokens,
+                timeout=self.settings.model_timeout_seconds,
+            )
+            reply = validate_message(response.message)
+            replies.append(reply)
+            calls = reply.get("tool_calls") or []
+            if not calls:
+                return replies
+            for call in calls:
+                replies.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
+        replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
+        return replies
+
+    def _run_tool(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        call: dict[str, Any],
+        engine_tools: dict[str, Any],
+    ) -> dict[str, Any]:
+        name = call["function"]["name"]
+        try:
+            args = json.loads(call["function"].get("arguments") or "{}")
+        except json.JSONDecodeError:
+            args = {}
+        if name in engine_tools:
+            handler = engine.handle_tool_call
+            content = self._call(
+                info.id, "handle_tool_call", lambda: handler(name, args, scope=scope, session_id=session_id)
+            )
+        elif name in self.host_tools:
+            content = self.host_tools[name][1](args)
+        else:
+            content = json.dumps({"error": f"unknown tool {name!r}"})
+        return {"role": "tool", "tool_call_id": call["id"], "content": str(content)}
+
+    def _after_turn(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        admission: Admission,
+        terminal: Anchor,
+        host: dict[str, Any],
+    ) -> None:
+        for op in ("after_turn", "maintain"):
+            method = getattr(engine, op, None)
+            if method is None or (op == "maintain" and info.turn_maintenance_mode == "background"):
+                continue
+            params = project_params(
+                info, {"scope": scope, "session_id": session_id, "admission": admission, "terminal": terminal}, host
+            )
+            if op == "maintain":
+                params = project_params(info, {"scope": scope, "session_id": session_id}, host)
+            try:
+                self._call(info.id, op, lambda m=method, p=params: m(**p))  # type: ignore[misc]
+            except Exception as e:  # after the commit: never fails the turn
+                log.warning("%s of engine %s failed after the turn committed: %s", op, info.id, e)
+
+    # ------------------------------------------------------------------------------------ operations
+
+    def compact(self, scope: str, session_id: str, *, focus: str | None = None, force: bool = True) -> CompactResult:
+        """Manual compaction through the selected engine (host requirements fail closed)."""
+        session_id = self.resolve_session(scope, session_id)
+        sess = self.store.get_session(scope, session_id)
+        engine_id = self.settings.engine if self.settings.engine not in self.quarantined else LEGACY
+        try:
+            engine, info = self.engine(engine_id)
+        except EngineError:
+            engine_id = LEGACY
+            engine, info = self.engine(LEGACY)
+        self._check_requirements(info, "manual-compact")
+        rt = RuntimeContext(self, scope, session_id, None, None)
+        base = {
+            "scope": scope,
+            "session_id": session_id,
+            "force": force,
+            "focus": focus,
+            "token_budget": self.settings.token_budget,
+        }
+        params = project_params(info, base, {"session_key": sess.session_key, "runtime_context": rt})
+        result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
+        self.follow(scope, session_id, result.session_target)
+        return result
+
+    def spawn_subagent(
+        self,
+        scope: str,
+        parent_session_id: str,
+        child_session_key: str,
+        run_child: Callable[[str], T],
+        *,
+        context_mode: str = "isolated",
+        ttl_seconds: float | None = None,
+    ) -> T:
+        """Run a child session: prepare_subagent_spawn first, rollback if the spawn fails, then ended."""
+        if context_mode not in ("isolated", "fork"):
+            raise InvalidInput("context_mode is isolated or fork")
+        parent = self.store.get_session(scope, parent_session_id)
+        engine, info = self.engine(self.settings.engine if self.settings.engine not in self.quarantined else LEGACY)
+        self._check_requirements(info, "subagent-spawn")
+        child = self.store.open_session(scope, child_session_key)
+        prep: SubagentSpawnPreparation | None = None
+        prepare = getattr(engine, "prepare_subagent_spawn", None)
+        if prepare is not None:
+            prep = self._call(
+                info.id,
+                "prepare_subagent_spawn",
+                lambda: prepare(
+                    scope=scope,
+                    parent_session_key=parent.session_key,
+                    child_session_key=child_session_key,
+                    context_mode=context_mode,
+                    ttl_seconds=ttl_seconds,
+                ),
+            )
+        try:
+            result = run_child(child.session_id)
+        except BaseException:
+            if prep is not None and prep.rollback is not None:
+                prep.rollback()
+            raise
+        ended = getattr(engine, "on_subagent_ended", None)
+        if ended is not None:
+            self._call(
+                info.id,
+                "on_subagent_ended",
+                lambda: ended(scope=scope, child_session_key=child_session_key, reason="completed"),
+            )
+        return result
+
+    def dispose(self) -> None:
+        """Dispose of every live engine."""
+        for engine_id, (engine, _info) in list(self._engines.items()):
+            dispose = getattr(engine, "dispose", None)
+            if dispose is not None:
+                try:
+                    dispose()
+                except Exception as e:
+                    log.warning("dispose of %s failed: %s", engine_id, e)
+        self._engines.clear()

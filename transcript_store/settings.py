@@ -1,0 +1,101 @@
+"""Host settings: which engine fills the slot, and the knobs of a turn. File, environment, arguments.
+
+Precedence (later wins): defaults < the TOML file < environment variables < explicit arguments. The
+file is ``transcript-store.toml`` in the working directory, or the path in TRANSCRIPT_STORE_CONFIG:
+
+    [engine]
+    slot = "legacy"                 # TRANSCRIPT_STORE_ENGINE
+    plugin_dirs = ["./my-engines"]  # TRANSCRIPT_STORE_PLUGIN_DIRS (os.pathsep-separated)
+
+    [engine.config.lossless]        # passed to that engine's factory as ctx.config
+    fresh_tail = 16
+
+    [turn]
+    token_budget = 32000
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import InvalidInput
+
+CONFIG_FILE = "transcript-store.toml"
+
+SelectionSource = Literal["default", "config", "env", "argument", "fallback"]
+
+
+class HostSettings(BaseModel):
+    """Everything the host runtime reads; each field documents its default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: str = Field("legacy", description="the engine slot: one engine id per host")
+    engine_source: SelectionSource = Field("default", description="where the slot value came from")
+    plugin_dirs: list[str] = Field(default_factory=list, description="extra engine plugin folders")
+    engine_config: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-engine config")
+    token_budget: int = Field(32_000, ge=256, description="prompt token budget of a turn")
+    max_output_tokens: int = Field(1024, ge=1, description="model output cap per call")
+    compaction_threshold: float = Field(
+        0.8, gt=0, le=1, description="built-in auto-compaction fires above this share of the budget"
+    )
+    prune_keep_recent_tool_results: int = Field(
+        4, ge=0, description="tool results this recent are never trimmed in the request"
+    )
+    prune_tool_result_max_chars: int = Field(
+        2000, ge=200, description="older tool results longer than this are trimmed in the request only"
+    )
+    max_tool_steps: int = Field(8, ge=1, description="model calls per turn (tool loop bound)")
+    max_attempts: int = Field(3, ge=1, description="attempts of one logical turn on provider timeouts")
+    model_timeout_seconds: float = Field(60.0, gt=0, description="one model call's timeout")
+    capabilities: list[str] = Field(
+        default_factory=lambda: ["assemble-before-prompt"], description="what this host can do for engines"
+    )
+    system_prompt: str = Field("You are a helpful assistant.", description="the base system prompt")
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise InvalidInput(f"cannot read {path}: {e}") from e
+    out: dict[str, Any] = {}
+    engine = data.get("engine", {})
+    if "slot" in engine:
+        out["engine"], out["engine_source"] = engine["slot"], "config"
+    if "plugin_dirs" in engine:
+        base = path.parent
+        out["plugin_dirs"] = [str((base / p).resolve()) for p in engine["plugin_dirs"]]
+    if "config" in engine:
+        out["engine_config"] = engine["config"]
+    out.update(data.get("turn", {}))
+    return out
+
+
+def load_settings(config_path: str | None = None, **overrides: Any) -> HostSettings:
+    """Settings from defaults, the TOML file, TRANSCRIPT_STORE_* variables and ``overrides``."""
+    values: dict[str, Any] = {}
+    path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
+    if path.is_file():
+        values.update(_from_file(path))
+    elif config_path is not None:
+        raise InvalidInput(f"config file {config_path} does not exist")
+    env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
+    if env_engine:
+        values["engine"], values["engine_source"] = env_engine, "env"
+    env_dirs = os.environ.get("TRANSCRIPT_STORE_PLUGIN_DIRS")
+    if env_dirs:
+        values["plugin_dirs"] = [*values.get("plugin_dirs", []), *filter(None, env_dirs.split(os.pathsep))]
+    if overrides.get("engine"):
+        values["engine"], values["engine_source"] = overrides.pop("engine"), "argument"
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return HostSettings.model_validate(values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InvalidInput(f"invalid setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
