@@ -150,8 +150,10 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         "is_heartbeat": turn.is_heartbeat,
         "committed_us": ts,
     }
-    inserted = core.conn.execute(core.dialect.insert(receipts).values(**values).on_conflict_do_nothing()).rowcount
-    if inserted != 1:
+    # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
+    stmt = core.dialect.insert(receipts).values(**values).on_conflict_do_nothing()
+    inserted = core.conn.execute(stmt.returning(receipts.c.advancement_key)).first() is not None
+    if not inserted:
         # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
         winner = _receipt(core, turn)
         if winner is None:  # pragma: no cover - only if the winner rolled back between the two statements
@@ -198,7 +200,9 @@ def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
 
 
 def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
-    if core.session_row(turn.scope, turn.session_id) is None:
+    # Lock the session row: commits of one session serialize (PostgreSQL; SQLite writers already do),
+    # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
+    if core.session_row(turn.scope, turn.session_id, lock=True) is None:
         raise UnknownSession(turn.scope, turn.session_id)
     row = core.entry_rows(turn.scope, turn.session_id, [turn.admission.entry_id]).get(turn.admission.entry_id)
     if row is None or row.kind != "message" or row.role != "user":
@@ -221,6 +225,18 @@ def get_receipt(core: Core, scope: str, session_id: str, engine_id: str, advance
         )
     ).first()
     return None if row is None else Receipt.model_construct(**row._asdict())
+
+
+def receipts_for_key(core: Core, scope: str, session_id: str, advancement_key: str) -> list[Receipt]:
+    """Every engine's receipt of one advancement key (a logical turn) in a session."""
+    rows = core.conn.execute(
+        select(receipts).where(
+            receipts.c.scope == scope,
+            receipts.c.session_id == session_id,
+            receipts.c.advancement_key == advancement_key,
+        )
+    ).all()
+    return [Receipt.model_construct(**r._asdict()) for r in rows]
 
 
 def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
