@@ -96,3 +96,27 @@ class HostRequirementError(EngineError):
 
 class EngineSwitchError(EngineError):
     """A turn that has started tried to switch engines."""
+
+
+class ModelError(TranscriptStoreError):
+    """A model provider call failed; ``status`` is the HTTP status when there was one."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ModelTimeout(ModelError):
+    """A model provider call timed out; the host answers by retrying the same logical turn."""
+
+
+class SummarizerError(TranscriptStoreError):
+    """A summarizer failed: an HTTP or network error, or an empty summary."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TokenizerUnavailable(TranscriptStoreError, ImportError):
+    """The exact tokenizer was asked for but ``tiktoken`` or its encoding file is not available."""

@@ -1,0 +1,315 @@
+"""Pluggable summarizers for compaction: a deterministic extractive default, and an OpenAI-compatible one.
+
+``summarizer_from_env()`` builds ``OpenAISummarizer`` when TRANSCRIPT_STORE_SUMMARIZER=openai (OPENAI_BASE_URL,
+OPENAI_API_KEY, TRANSCRIPT_STORE_SUMMARIZER_MODEL), else ``ExtractiveSummarizer``, which needs no network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .errors import InvalidInput, ModelError, SummarizerError
+from .model import DEFAULT_OPENAI_MODEL, OpenAIChatModel, message_text
+from .tokens import RoughEstimator
+
+Level = Literal["normal", "aggressive"]
+SUMMARIZER_ENV = "TRANSCRIPT_STORE_SUMMARIZER"
+SUMMARIZER_MODEL_ENV = "TRANSCRIPT_STORE_SUMMARIZER_MODEL"
+DEFAULT_OPENAI_URL = "https://api.openai.com/v1"
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Turns older messages (and the summary that already covers what came before them) into one summary."""
+
+    def summarize(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        previous_summary: str | None = None,
+        focus: str | None = None,
+        level: Level = "normal",
+        max_tokens: int = 1024,
+    ) -> str:
+        """A summary of ``previous_summary`` + ``messages``, at most about ``max_tokens`` tokens."""
+        ...
+
+
+def _check_args(level: str, max_tokens: int) -> None:
+    """Refuse a level or token limit no summarizer can honour."""
+    if level not in ("normal", "aggressive"):
+        raise InvalidInput(f"summary level must be 'normal' or 'aggressive', not {level!r}")
+    if max_tokens < 16:
+        raise InvalidInput("a summary needs max_tokens of at least 16")
+
+
+# --------------------------------------------------------------------------------------------- extractive
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """Character limits of one extract, per level."""
+
+    sentence: int
+    key_line: int
+    key_lines: int
+    tool_result: int
+    arguments: int
+
+
+_LIMITS: dict[str, _Limits] = {
+    "normal": _Limits(sentence=200, key_line=160, key_lines=2, tool_result=160, arguments=80),
+    "aggressive": _Limits(sentence=90, key_line=90, key_lines=1, tool_result=60, arguments=40),
+}
+# Lines worth keeping besides the first sentence when no focus is given: decisions, failures, open work.
+_KEY_WORDS = re.compile(r"\b(error|fail|decid|todo|must|important|result|because|next)", re.IGNORECASE)
+_OMITTED = re.compile(r"\(\d+ older lines omitted\)")
+_SENTENCE_END = re.compile("(?<=[.!?])\\s+|(?<=[\u3002\uff01\uff1f])")  # CJK full stop, !, ?
+
+
+def _cut(text: str, limit: int) -> str:
+    """Whitespace collapsed, cut to ``limit`` characters with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
+def _first_sentence(text: str, limit: int) -> str:
+    """The first sentence of the first non-empty line, cut to ``limit``."""
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    return _cut(_SENTENCE_END.split(line.strip(), maxsplit=1)[0], limit)
+
+
+def _key_lines(text: str, focus: str | None, limits: _Limits) -> list[str]:
+    """Lines after the first that mention the focus (else a key word), cut, at most ``limits.key_lines``."""
+    lines = [ln for ln in text.splitlines() if ln.strip()][1:]
+    if focus:
+        wanted = [ln for ln in lines if focus.lower() in ln.lower()]
+    else:
+        wanted = [ln for ln in lines if _KEY_WORDS.search(ln)]
+    return [_cut(ln, limits.key_line) for ln in wanted[: limits.key_lines]]
+
+
+def _gist(previous_summary: str) -> list[str]:
+    """The content lines of a previous summary, without our own header, notes and ``Earlier:`` prefixes."""
+    lines = []
+    for line in previous_summary.splitlines():
+        line = line.strip()
+        while line.startswith("Earlier: "):
+            line = line.removeprefix("Earlier: ").strip()
+        if line and not line.startswith("Summary of ") and not _OMITTED.fullmatch(line):
+            lines.append(line)
+    return lines
+
+
+def _tool_names(messages: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """tool_call id -> function name, over every assistant message."""
+    names: dict[str, str] = {}
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                names[str(call.get("id"))] = str(call["function"].get("name"))
+    return names
+
+
+def _extract(message: dict[str, Any], tool_names: dict[str, str], focus: str | None, limits: _Limits) -> str:
+    """One line for one message: role, first sentence, key lines, tools called or the tool's result."""
+    role = str(message.get("role", "?"))
+    text = message_text(message)
+    if role == "tool":
+        name = tool_names.get(str(message.get("tool_call_id")), str(message.get("name") or "tool"))
+        return f"- tool {name} -> {_cut(text, limits.tool_result)}"
+    parts = [_first_sentence(text, limits.sentence)] if text.strip() else []
+    parts += _key_lines(text, focus, limits)
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, sort_keys=True)
+        calls.append(f"{function.get('name')}({_cut(arguments, limits.arguments)})")
+    if calls:
+        parts.append("called " + ", ".join(calls))
+    return f"- {role}: " + (" | ".join(parts) or "(no text)")
+
+
+class ExtractiveSummarizer:
+    """Deterministic offline summarizer: the previous summary's gist, then one short extract per message.
+
+    Each message gives one line: its role and first sentence, up to two further lines that mention the
+    focus (else lines with a key word such as "error", "decided", "todo"), the tools it called, or, for a
+    tool result, the result cut short. ``aggressive`` cuts every extract shorter and halves the budget.
+    When the lines exceed ``max_tokens`` (counted with ``RoughEstimator``), lines are dropped oldest first,
+    those that do not mention the focus before those that do, and a note says how many were dropped; so
+    the output never exceeds ``max_tokens``, and is always shorter than an input longer than
+    ``max_tokens * 4`` characters. Same input, same output.
+    """
+
+    def __init__(self) -> None:
+        """An extractive summarizer; budgets are counted with ``RoughEstimator``."""
+        self._estimator = RoughEstimator()
+
+    def summarize(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        previous_summary: str | None = None,
+        focus: str | None = None,
+        level: Level = "normal",
+        max_tokens: int = 1024,
+    ) -> str:
+        """An extractive summary of ``previous_summary`` + ``messages`` within ``max_tokens``."""
+        _check_args(level, max_tokens)
+        focus = focus.strip() if focus and focus.strip() else None
+        limits = _LIMITS[level]
+        budget = max_tokens if level == "normal" else max(16, max_tokens // 2)
+        header = f"Summary of {len(messages)} messages" + (f" (focus: {_cut(focus, 80)})" if focus else "") + ":"
+        lines: list[str] = []
+        if previous_summary and previous_summary.strip():
+            lines += ["Earlier: " + _cut(ln, limits.sentence) for ln in _gist(previous_summary)]
+        names = _tool_names(messages)
+        lines += [_extract(m, names, focus, limits) for m in messages]
+        return self._fit(header, lines, focus, budget)
+
+    def _fit(self, header: str, lines: list[str], focus: str | None, budget: int) -> str:
+        """Drop lines (oldest, non-focus first) until header + note + lines fit ``budget`` tokens."""
+        count = self._estimator.count_text
+        # per-line counts (+1 for the newline) add up to at least the count of the joined text
+        cost = [count(ln) + 1 for ln in lines]
+        total = count(header) + sum(cost)
+        keep = [True] * len(lines)
+        if total > budget:
+            total += 12  # room for the "(N older lines omitted)" note
+            needle = focus.lower() if focus else None
+            focused = [needle is not None and needle in ln.lower() for ln in lines]
+            order = [i for i in range(len(lines)) if not focused[i]] + [i for i in range(len(lines)) if focused[i]]
+            for i in order:
+                if total <= budget:
+                    break
+                keep[i] = False
+                total -= cost[i]
+        dropped = keep.count(False)
+        out = [header] + ([f"({dropped} older lines omitted)"] if dropped else [])
+        out += [ln for ln, k in zip(lines, keep, strict=True) if k]
+        return self._truncate("\n".join(out), budget)
+
+    def _truncate(self, text: str, budget: int) -> str:
+        """The longest prefix of ``text`` within ``budget`` tokens (only when the header alone is too long)."""
+        if self._estimator.count_text(text) <= budget:
+            return text
+        lo, hi = 0, len(text)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._estimator.count_text(text[:mid] + "…") <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return text[:lo] + "…"
+
+
+# ------------------------------------------------------------------------------------------------- OpenAI
+
+_SYSTEM_PROMPT = """You compress the earlier part of a conversation between a user and an AI assistant so \
+the assistant can continue the conversation without the original messages.
+Write a faithful summary in the conversation's language, as terse notes, at most {max_tokens} tokens.
+Keep: the user's goals, requests and preferences; decisions made and why; facts, names, numbers, file \
+paths, identifiers and URLs that later turns may need; tools called and what they returned; open \
+questions and unfinished work. Drop greetings, repetition and anything superseded.
+If an earlier summary is given, merge it: keep what still matters, do not lose facts it holds.
+Do not invent anything. Do not address the user. Output only the summary text."""
+
+_LEVEL_HINT = {
+    "normal": "Be concise but complete.",
+    "aggressive": "Be very brief: keep only what the assistant cannot continue without, in a few lines.",
+}
+
+
+def render_transcript(messages: Sequence[dict[str, Any]], *, max_chars_per_message: int = 4000) -> str:
+    """The messages as plain text for a summarization prompt (tool calls and results included, long ones cut)."""
+    names = _tool_names(messages)
+    out = []
+    for m in messages:
+        role = str(m.get("role", "?"))
+        text = message_text(m)
+        if role == "tool":
+            tool = names.get(str(m.get("tool_call_id")), str(m.get("name") or "tool"))
+            out.append(f"[tool result: {tool}]\n{_cut(text, max_chars_per_message // 2)}")
+            continue
+        block = f"[{role}]\n{text[:max_chars_per_message]}" if text else f"[{role}]"
+        for call in m.get("tool_calls") or []:
+            function = call.get("function", {}) if isinstance(call, dict) else {}
+            block += f"\n(calls {function.get('name')} with {_cut(str(function.get('arguments')), 500)})"
+        out.append(block)
+    return "\n\n".join(out)
+
+
+class OpenAISummarizer:
+    """Summaries written by a model behind an OpenAI-compatible ``/chat/completions`` endpoint."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0) -> None:
+        """Summarize with ``model`` at ``base_url``; ``timeout`` seconds per request."""
+        self._model = OpenAIChatModel(base_url, model, api_key, timeout)
+        self.name = model
+
+    def __repr__(self) -> str:
+        """Shows the endpoint and model, never the key."""
+        return f"OpenAISummarizer({self._model!r})"
+
+    def summarize(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        previous_summary: str | None = None,
+        focus: str | None = None,
+        level: Level = "normal",
+        max_tokens: int = 1024,
+    ) -> str:
+        """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer."""
+        _check_args(level, max_tokens)
+        request = self.prompt(messages, previous_summary=previous_summary, focus=focus, level=level,
+                              max_tokens=max_tokens)
+        try:
+            response = self._model.complete(request, max_tokens=max_tokens)
+        except ModelError as e:
+            raise SummarizerError(f"summarizer {self.name}: {e}", status=e.status) from e
+        summary = message_text(response.message).strip()
+        if not summary:
+            raise SummarizerError(f"summarizer {self.name} returned an empty summary")
+        return summary
+
+    @staticmethod
+    def prompt(
+        messages: Sequence[dict[str, Any]],
+        *,
+        previous_summary: str | None,
+        focus: str | None,
+        level: Level,
+        max_tokens: int,
+    ) -> list[dict[str, Any]]:
+        """The chat messages sent to the summarization model."""
+        parts = []
+        if previous_summary and previous_summary.strip():
+            parts.append(f"Earlier summary:\n{previous_summary.strip()}")
+        parts.append(f"Conversation to summarize:\n{render_transcript(messages)}")
+        if focus and focus.strip():
+            parts.append(f"Focus: give priority to everything about {focus.strip()!r}.")
+        parts.append(_LEVEL_HINT[level])
+        return [
+            {"role": "system", "content": _SYSTEM_PROMPT.format(max_tokens=max_tokens)},
+            {"role": "user", "content": "\n\n".join(parts)},
+        ]
+
+
+def summarizer_from_env() -> Summarizer:
+    """``OpenAISummarizer`` when TRANSCRIPT_STORE_SUMMARIZER=openai, else ``ExtractiveSummarizer``."""
+    choice = os.environ.get(SUMMARIZER_ENV, "").strip().lower()
+    if choice in ("", "extractive"):
+        return ExtractiveSummarizer()
+    if choice != "openai":
+        raise InvalidInput(f"{SUMMARIZER_ENV} must be 'extractive' or 'openai', not {choice!r}")
+    url = os.environ.get("OPENAI_BASE_URL", "").strip() or DEFAULT_OPENAI_URL
+    model = os.environ.get(SUMMARIZER_MODEL_ENV, "").strip() or DEFAULT_OPENAI_MODEL
+    return OpenAISummarizer(url, model, os.environ.get("OPENAI_API_KEY", "").strip() or None)
