@@ -11,10 +11,11 @@ report checks, from the store alone, that every accepted turn reached the engine
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing as mp
 import random
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -28,10 +29,25 @@ from . import faults
 from .errors import ModelTimeout
 from .models import Admission
 
-TOPICS = ("the weather in Lisbon", "sorting algorithms", "a pasta recipe", "the history of tea", "prime numbers",
-          "packing for a hike", "learning Portuguese", "SQLite durability")
-KILL_POINTS = ("admit.after_entry", "admit.after_commit", "complete.after_replies", "complete.after_accept",
-               "commit.after_receipt", "commit.after_apply", "complete.after_commit")
+TOPICS = (
+    "the weather in Lisbon",
+    "sorting algorithms",
+    "a pasta recipe",
+    "the history of tea",
+    "prime numbers",
+    "packing for a hike",
+    "learning Portuguese",
+    "SQLite durability",
+)
+KILL_POINTS = (
+    "admit.after_entry",
+    "admit.after_commit",
+    "complete.after_replies",
+    "complete.after_accept",
+    "commit.after_receipt",
+    "commit.after_apply",
+    "complete.after_commit",
+)
 
 
 @dataclass
@@ -105,12 +121,18 @@ class GatewayReport:
         table.add_column("what")
         table.add_column("count", justify="right")
         rows = [
-            ("turns planned", self.planned_turns), ("turns admitted", self.admitted), ("turns accepted", self.accepted),
-            ("turns committed to the engine", self.committed), ("turns blocked (kept as evidence)", self.blocked),
+            ("turns planned", self.planned_turns),
+            ("turns admitted", self.admitted),
+            ("turns accepted", self.accepted),
+            ("turns committed to the engine", self.committed),
+            ("turns blocked (kept as evidence)", self.blocked),
             ("duplicates absorbed by the ledger", self.duplicates_absorbed),
-            ("degraded turns", sum(self.degraded.values())), ("quarantined engines", self.quarantines),
-            ("recovered intents", self.recovered_intents), ("workers killed (SIGKILL)", self.kills),
-            ("provider timeouts (retried)", self.provider_timeouts), ("transcript rewrites", self.rewrites),
+            ("degraded turns", sum(self.degraded.values())),
+            ("quarantined engines", self.quarantines),
+            ("recovered intents", self.recovered_intents),
+            ("workers killed (SIGKILL)", self.kills),
+            ("provider timeouts (retried)", self.provider_timeouts),
+            ("transcript rewrites", self.rewrites),
             ("turns dispatched again", self.retried_dispatches),
         ]
         for what, count in rows:
@@ -152,6 +174,8 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
     from .settings import load_settings
     from .store import TranscriptStore
 
+    # The faults are on purpose: their warnings would drown the progress bar; the report counts them.
+    logging.getLogger("transcript_store").setLevel(logging.ERROR)
     store = TranscriptStore(url)
     settings = load_settings(options.config_path, engine=options.engine)
     model = _FaultyModel(model_from_settings(options.model_url, options.model, options.api_key))
@@ -169,8 +193,17 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
             host.before_assemble = _rewrite_previous_reply(store)
         try:
             out = host.run_turn(options.scope, job.session_id, job.text, turn_id=job.turn_id)
-            conn.send(("ok", {"status": out.commit_status, "engine": out.engine_id,
-                              "degraded": out.degraded_reason, "attempts": out.attempts}))
+            conn.send(
+                (
+                    "ok",
+                    {
+                        "status": out.commit_status,
+                        "engine": out.engine_id,
+                        "degraded": out.degraded_reason,
+                        "attempts": out.attempts,
+                    },
+                )
+            )
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
         finally:
@@ -188,8 +221,9 @@ def _rewrite_previous_reply(store: Any) -> Any:
         if replies:
             target = replies[-1]
             content = f"[redacted by maintenance] {str((target.message or {}).get('content') or '')[:40]}"
-            store.rewrite_entries(scope, session_id, [{"entry_id": target.entry_id,
-                                                       "message": {"role": "assistant", "content": content}}])
+            store.rewrite_entries(
+                scope, session_id, [{"entry_id": target.entry_id, "message": {"role": "assistant", "content": content}}]
+            )
 
     return hook
 
@@ -239,6 +273,7 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
     console = console or Console()
     started = time.monotonic()
+    logging.getLogger("transcript_store").setLevel(logging.ERROR)
     config = StoreConfig.from_env(url=options.db_url)
     store = TranscriptStore(config=config)
     url = config.url
@@ -246,12 +281,15 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     rng = random.Random(options.seed)
     run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}"
     session_ids = [
-        store.create_session(options.scope, session_id=f"run-{run_id}-conv-{i}", session_key=f"gateway:{run_id}:{i}")
-        .session_id for i in range(options.sessions)
+        store.create_session(
+            options.scope, session_id=f"run-{run_id}-conv-{i}", session_key=f"gateway:{run_id}:{i}"
+        ).session_id
+        for i in range(options.sessions)
     ]
     plan = _plan(options, session_ids, rng)
-    report = GatewayReport(url=mask_url(url), engine=engine, workers=options.workers,
-                           planned_turns=options.sessions * options.turns)
+    report = GatewayReport(
+        url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns
+    )
     outcomes = _dispatch(options, url, plan, report, rng, console)
     _finish(store, options, engine, plan, outcomes, report)
     report.seconds = time.monotonic() - started
@@ -260,7 +298,11 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
 
 def _dispatch(
-    options: GatewayOptions, url: str, plan: dict[str, list[Job]], report: GatewayReport, rng: random.Random,
+    options: GatewayOptions,
+    url: str,
+    plan: dict[str, list[Job]],
+    report: GatewayReport,
+    rng: random.Random,
     console: Console,
 ) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
@@ -269,8 +311,15 @@ def _dispatch(
     in_flight: set[str] = set()
     outcomes: dict[str, dict[str, Any]] = {}
     total = sum(len(j) for j in plan.values())
-    progress = Progress(TextColumn("turns"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, disable=not options.progress, transient=False)
+    progress = Progress(
+        TextColumn("turns"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not options.progress,
+        transient=False,
+    )
     with progress:
         task = progress.add_task("turns", total=total)
         while len(outcomes) < total:
@@ -279,18 +328,22 @@ def _dispatch(
                     _assign(w, plan, next_index, in_flight, rng, report)
             _wait_some(workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task)
     for w in workers:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             w.conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
         w.proc.join(timeout=10)
         if w.proc.is_alive():
             w.proc.kill()
     return outcomes
 
 
-def _assign(w: _Worker, plan: dict[str, list[Job]], next_index: dict[str, int], in_flight: set[str],
-            rng: random.Random, report: GatewayReport) -> None:
+def _assign(
+    w: _Worker,
+    plan: dict[str, list[Job]],
+    next_index: dict[str, int],
+    in_flight: set[str],
+    rng: random.Random,
+    report: GatewayReport,
+) -> None:
     for sid, jobs in plan.items():
         if sid in in_flight or next_index[sid] >= len(jobs):
             continue
@@ -309,9 +362,17 @@ def _assign(w: _Worker, plan: dict[str, list[Job]], next_index: dict[str, int], 
 
 
 def _wait_some(
-    workers: list[_Worker], ctx: Any, options: GatewayOptions, url: str, plan: dict[str, list[Job]],
-    next_index: dict[str, int], in_flight: set[str], outcomes: dict[str, dict[str, Any]], report: GatewayReport,
-    progress: Progress, task: Any,
+    workers: list[_Worker],
+    ctx: Any,
+    options: GatewayOptions,
+    url: str,
+    plan: dict[str, list[Job]],
+    next_index: dict[str, int],
+    in_flight: set[str],
+    outcomes: dict[str, dict[str, Any]],
+    report: GatewayReport,
+    progress: Progress,
+    task: Any,
 ) -> None:
     busy = [w for w in workers if w.job is not None]
     deadlines = [w.kill_at for w in busy if w.kill_at is not None]
@@ -365,7 +426,11 @@ def _wait_some(
 
 
 def _finish(
-    store: Any, options: GatewayOptions, engine: str, plan: dict[str, list[Job]], outcomes: dict[str, dict[str, Any]],
+    store: Any,
+    options: GatewayOptions,
+    engine: str,
+    plan: dict[str, list[Job]],
+    outcomes: dict[str, dict[str, Any]],
     report: GatewayReport,
 ) -> None:
     """Recovery pass, then the exactly-once check from the store alone."""
@@ -387,8 +452,8 @@ def _finish(
         admitted = {e.turn_id: e for e in _all_entries(store, scope, sid) if e.turn_id}
         for job in jobs:
             tid = job.turn_id
-            found = store.read(lambda c, t=tid, s=sid: receipts_for_key(c, scope, s, t))  # type: ignore[misc]
-            intent = store.read(lambda c, t=tid, s=sid: get_intent(c, scope, s, t))  # type: ignore[misc]
+            found = store.read(lambda c, t=tid, s=sid: receipts_for_key(c, scope, s, t))
+            intent = store.read(lambda c, t=tid, s=sid: get_intent(c, scope, s, t))
             if tid in admitted:
                 report.admitted += 1
             if len(found) > 1:
@@ -397,7 +462,7 @@ def _finish(
                 report.accepted += 1
                 report.committed += 1
                 r = found[0]
-                msgs = store.read(lambda c, r=r, s=sid: committed_messages(c, scope, s, r.engine_id, r.advancement_key))  # type: ignore[misc]
+                msgs = store.read(lambda c, r=r, s=sid: committed_messages(c, scope, s, r.engine_id, r.advancement_key))
                 entry = admitted.get(tid)
                 if len(msgs) != r.message_count or entry is None or msgs[0] != entry.message:
                     report.problems.append(f"turn {tid}: ledger messages disagree with the transcript")
