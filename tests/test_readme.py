@@ -1,9 +1,10 @@
 """Executable docs: every code block of the README runs here.
 
 - ```python blocks run as scripts in a fresh working directory (the SQLite default lives there);
-- ```sh blocks run line by line: `transcript-store ...` commands for real (through the installed
-  console script), `make TARGET` lines as `make -n TARGET` (the target exists and expands; running
-  `make test` inside `make test` would recurse, and `make run` has its own test in test_gateway);
+- ```sh blocks run line by line in bash, in one fresh working directory: `transcript-store ...`
+  commands for real (the installed console script), `make TARGET` lines as `make -n TARGET` (the
+  target exists and expands; running `make test` inside `make test` would recurse, and `make run`'s
+  job has its own test in test_gateway);
 - ```text blocks are pictures, and ```toml blocks are parsed.
 """
 
@@ -15,14 +16,29 @@ import shlex
 import subprocess
 import sys
 import tomllib
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import PG_ADMIN, RUN_ID, _admin_exec, _pg_reachable, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, re.S | re.M)
-CLI = [sys.executable, "-m", "transcript_store"]
+
+
+@pytest.fixture
+def empty_pg_url() -> Iterator[str]:
+    problem = _pg_reachable()
+    if problem is not None:
+        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN}: {problem}")
+    name = f"ts_readme_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    _admin_exec(f"CREATE DATABASE {name}")
+    try:
+        yield pg_url(name)
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_readme_has_the_two_commands_first() -> None:
@@ -44,21 +60,25 @@ def test_python_block_runs(index: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("index", [i for i, (lang, _) in enumerate(BLOCKS) if lang == "sh"])
-def test_shell_block_runs(index: int, tmp_path: Path) -> None:
+def test_shell_block_runs(index: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRANSCRIPT_STORE_URL", None)
+    if "TRANSCRIPT_STORE_URL=postgresql" in BLOCKS[index][1]:
+        # The PostgreSQL deployment block runs against a fresh, empty (unmigrated) throwaway database.
+        env["TRANSCRIPT_STORE_URL"] = request.getfixturevalue("empty_pg_url")
     for raw in BLOCKS[index][1].splitlines():
         line = raw.split("  #", 1)[0].strip()
         if not line or line.startswith("#"):
             continue
         words = shlex.split(line)
         if words[0] == "make":
-            cmd, cwd = ["make", "-n", *words[1:]], ROOT
-        elif words[0] == "transcript-store":
-            cmd, cwd = [*CLI, *words[1:]], tmp_path
+            result = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                                    timeout=300)
         else:
-            continue
-        result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            # The installed console script first on PATH, as after `make install`.
+            env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                    timeout=300)
         assert result.returncode == 0, f"README line {line!r} failed:\n{result.stdout}\n{result.stderr}"
 
 

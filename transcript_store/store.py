@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import fences, migrate, paths, reads
 from .config import StoreConfig
@@ -35,8 +35,9 @@ class AppendItem(BaseModel):
     kind: EntryKind = "message"
     message: dict[str, Any] | None = None
     payload: dict[str, Any] | None = None
-    entry_id: str | None = None
-    idempotency_key: str | None = None
+    # Strict ids: lax mode would turn b"id" into "id", an id that ``append`` itself refuses.
+    entry_id: str | None = Field(None, strict=True)
+    idempotency_key: str | None = Field(None, strict=True)
 
 
 class TranscriptStore:
@@ -356,6 +357,32 @@ class TranscriptStore:
     def _ids(scope: str, session_id: str) -> None:
         check_id("scope", scope)
         check_id("session_id", session_id)
+
+    # ------------------------------------------------------------------------------------ transfer
+
+    def export_session(self, scope: str, session_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The session's header and every entry as lossless JSON records, from one snapshot."""
+        from . import transfer
+
+        self._ids(scope, session_id)
+        return self.read(lambda c: transfer.export_in(c, scope, session_id))
+
+    def import_session(
+        self,
+        scope: str,
+        header: dict[str, Any],
+        entries: Sequence[dict[str, Any]],
+        *,
+        session_id: str | None = None,
+        session_key: str | None = None,
+    ) -> SessionInfo:
+        """Recreate an exported session (same entries, tree and head) in one transaction; never overwrites."""
+        from . import transfer
+
+        plan = transfer.plan_import(
+            self.config, scope, header, entries, session_id=session_id, session_key=session_key
+        )
+        return self.write(lambda c: transfer.import_in(c, plan))
 
 
 def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:

@@ -1,0 +1,563 @@
+"""The `transcript-store` command through its real console script, in subprocesses, on both backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+from conftest import PG_ADMIN, RUN_ID, _admin_exec, _pg_reachable, assistant, pg_url, user
+from fake_openai import FakeOpenAI
+
+from transcript_store import (
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidMessage,
+    SessionKeyConflict,
+    StoreConfig,
+    TranscriptStore,
+    UnknownSession,
+    migrate,
+    quarantine,
+)
+from transcript_store.cli import cli as cli_group
+from transcript_store.db import Database
+from transcript_store.turns import Turns
+
+ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = shutil.which("transcript-store", path=str(Path(sys.executable).parent))
+CLI = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "transcript_store"]
+SCOPE = "default"
+
+
+def run(
+    *args: str, cwd: Path, stdin: str | None = None, code: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the console script; assert its exit code."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    clean.update({"COLUMNS": "200", **(env or {})})
+    result = subprocess.run(
+        [*CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, env=clean, timeout=300
+    )
+    assert result.returncode == code, (
+        f"{args}: exit {result.returncode}, wanted {code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
+    return result
+
+
+def run_json(*args: str, cwd: Path, code: int = 0, env: dict[str, str] | None = None) -> Any:
+    """Run with --json and parse stdout."""
+    return json.loads(run(*args, "--json", cwd=cwd, code=code, env=env).stdout)
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The stderr of a failed command: exactly one `error: ...` line, no traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def open_store(url: str) -> TranscriptStore:
+    return TranscriptStore(config=StoreConfig(url=url, auto_upgrade=False))
+
+
+def seed(url: str) -> dict[str, str]:
+    """s1: a rewritten first message, an off-branch suffix, an event, an idempotency key, an accepted turn."""
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="s1", session_key="agent:s1")
+        first = store.append(SCOPE, "s1", user("first"))
+        store.append(SCOPE, "s1", assistant("one"))
+        store.append(SCOPE, "s1", kind="custom", payload={"note": "event", "n": 1})
+        store.append(SCOPE, "s1", user("second \u00e9\u0000"), idempotency_key="ik-2")
+        store.branch(SCOPE, "s1", first.entry_id)
+        store.append(SCOPE, "s1", assistant("alternative"))
+        store.rewrite_entries(SCOPE, "s1", [{"entry_id": first.entry_id, "message": user("FIRST")}])
+        turns = Turns(store)
+        turns.admit(SCOPE, "s1", user("a turn"), turn_id="turn-1", engine_id="legacy")
+        turns.complete(SCOPE, "s1", "turn-1", [{"message": assistant("its reply")}], None)
+        store.create_session(SCOPE, session_id="s2")
+        store.append(SCOPE, "s2", user("hello s2"))
+    return {"first": first.entry_id}
+
+
+@pytest.fixture
+def db(store_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A migrated store URL and a working directory for the command."""
+    work = tmp_path / "work"
+    work.mkdir()
+    yield store_url, work
+
+
+@pytest.fixture
+def empty_url(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A database without any schema: a SQLite path that does not exist, or an empty PostgreSQL database."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'fresh' / 'new.db'}"
+        return
+    problem = _pg_reachable()
+    if problem is not None:
+        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN}: {problem}")
+    name = f"ts_cli_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    _admin_exec(f"CREATE DATABASE {name}")
+    try:
+        yield pg_url(name)
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+# ---------------------------------------------------------------------------------------------- help, docs
+
+
+def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], bool]]:
+    """(path, is_leaf) of every command and group under ``group``."""
+    out: list[tuple[tuple[str, ...], bool]] = []
+    for name, command in sorted(group.commands.items()):
+        is_group = isinstance(command, click.Group)
+        out.append(((*prefix, name), not is_group))
+        if is_group:
+            out.extend(_command_paths(command, (*prefix, name)))
+    return out
+
+
+COMMANDS = [path for path, _leaf in _command_paths(cli_group)]
+LEAVES = [path for path, leaf in _command_paths(cli_group) if leaf]
+
+
+def test_every_command_has_help(tmp_path: Path) -> None:
+    assert {("init",), ("sessions", "import"), ("outbox", "recover"), ("engines", "list"), ("chat",)} <= set(COMMANDS)
+    # Every command in process (click's runner), the entry points themselves as real processes.
+    runner = CliRunner()
+    for path in COMMANDS:
+        result = runner.invoke(cli_group, [*path, "--help"], prog_name="transcript-store", terminal_width=200)
+        assert result.exit_code == 0, (path, result.output)
+        assert f"Usage: transcript-store {' '.join(path)}" in result.output
+        assert "--db URL" in result.output and "--json" in result.output, f"{path} lacks the global options"
+    script = run("--help", cwd=tmp_path).stdout
+    module = subprocess.run([sys.executable, "-m", "transcript_store", "--help"], capture_output=True, text=True)
+    assert module.returncode == 0 and module.stdout == script
+    assert all(name in script for name in {p[0] for p in COMMANDS})
+
+
+def test_readme_cli_section_lists_every_command() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"^## CLI\b.*?(?=^## |\Z)", readme, re.S | re.M)
+    if match is None:
+        pytest.skip("README.md has no '## CLI' section yet")
+    section = match.group(0)
+    missing = [" ".join(p) for p in LEAVES if f"transcript-store {' '.join(p)}" not in section]
+    assert not missing, f"the README's CLI section does not document: {missing}"
+    for code in ("0", "1", "2", "3", "4", "5"):
+        assert re.search(rf"\b{code}\b", section), f"exit code {code} is not documented"
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+
+def test_init_current_upgrade(empty_url: str, backend: str, tmp_path: Path) -> None:
+    line = one_error_line(run("current", "--db", empty_url, cwd=tmp_path, code=4))
+    if backend == "postgresql":
+        assert run_json("current", "--db", empty_url, cwd=tmp_path, code=4)["state"] == "none"
+    one_error_line(run("sessions", "list", "--db", empty_url, cwd=tmp_path, code=4))
+    assert "init" in line or "upgrade" in line
+    created = run_json("init", "--db", empty_url, cwd=tmp_path)
+    assert created["before"] is None and created["revision"] == created["head"]
+    report = run_json("current", "--db", empty_url, cwd=tmp_path)
+    assert report["state"] == "current" and report["backend"] == backend
+    again = run_json("upgrade", "--db", empty_url, cwd=tmp_path)
+    assert again["before"] == again["revision"] == again["head"]
+    assert "already at revision" in run("--db", empty_url, "init", cwd=tmp_path).stdout
+    assert run_json("sessions", "list", "--db", empty_url, cwd=tmp_path) == []
+
+
+def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Path) -> None:
+    db = Database(StoreConfig(url=empty_url))
+    try:
+        migrate.upgrade(db, "0001")
+    finally:
+        db.dispose()
+    report = run_json("current", "--db", empty_url, cwd=tmp_path, code=4)
+    assert report["state"] == "behind" and report["revision"] == "0001"
+    doctor = run_json("doctor", "--db", empty_url, cwd=tmp_path, code=1)
+    assert not doctor["ok"] and doctor["store"]["state"] == "behind"
+    assert "upgrade" in one_error_line(run("current", "--db", empty_url, cwd=tmp_path, code=4))
+    if backend == "postgresql":  # PostgreSQL never migrates itself on open
+        one_error_line(run("sessions", "list", "--db", empty_url, cwd=tmp_path, code=4))
+    migrated = run_json("upgrade", "--db", empty_url, cwd=tmp_path)
+    assert migrated["before"] == "0001" and migrated["revision"] == migrated["head"]
+    assert run_json("doctor", "--db", empty_url, cwd=tmp_path)["ok"]
+
+
+def test_default_store_is_a_file_in_the_working_directory(tmp_path: Path) -> None:
+    run("init", cwd=tmp_path)
+    assert (tmp_path / "transcripts.db").is_file()
+    assert run_json("current", cwd=tmp_path)["url"] == "sqlite:///transcripts.db"
+    env = {"TRANSCRIPT_STORE_URL": f"sqlite:///{tmp_path / 'other.db'}"}
+    one_error_line(run("current", cwd=tmp_path, env=env, code=4))  # the variable wins over the default
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+def test_sessions_list_and_show(db: tuple[str, Path]) -> None:
+    url, work = db
+    seed(url)
+    listed = {s["session_id"]: s for s in run_json("sessions", "list", "--db", url, cwd=work)}
+    assert set(listed) == {"s1", "s2"}
+    s1 = listed["s1"]
+    assert s1["session_key"] == "agent:s1" and s1["active"] is True and s1["generation"] == 1
+    assert s1["entry_count"] == 9 and s1["visible_count"] == 4 and s1["bytes"] > 0
+    text = run("--db", url, "sessions", "list", cwd=work).stdout
+    assert "agent:s1" in text and "s2" in text
+    assert run_json("--scope", "elsewhere", "sessions", "list", "--db", url, cwd=work) == []
+
+    shown = run_json("sessions", "show", "s1", "--db", url, cwd=work)
+    contents = [e["message"]["content"] for e in shown["entries"]]
+    assert contents == ["FIRST", "alternative", "a turn", "its reply"]
+    assert [e["position"] for e in shown["entries"]] == [0, 1, 2, 3]
+    by_key = run_json("sessions", "show", "agent:s1", "--db", url, cwd=work)
+    assert by_key["entries"] == shown["entries"]
+    assert "alternative" in run("sessions", "show", "s1", "--db", url, cwd=work).stdout
+
+    every = run_json("sessions", "show", "s1", "--all", "--db", url, cwd=work)["entries"]
+    assert [e["seq"] for e in every] == list(range(9))
+    off = [e for e in every if not e["active"]]
+    assert {e["kind"] for e in every} == {"message", "custom"}
+    assert any(e["kind"] == "custom" and e["payload"] == {"note": "event", "n": 1} for e in off)
+    assert any(e.get("message", {}) and e["message"]["content"] == "first" for e in off)
+    text = run("sessions", "show", "s1", "--all", "--db", url, cwd=work).stdout
+    assert "off" in text and "custom" in text and '"note"' in text
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_export_import_round_trip(db: tuple[str, Path]) -> None:
+    url, work = db
+    seed(url)
+    first = work / "s1.jsonl"
+    run("sessions", "export", "s1", "-o", str(first), "--db", url, cwd=work)
+    stdout_export = run("sessions", "export", "agent:s1", "--db", url, cwd=work).stdout
+    assert stdout_export == first.read_text(encoding="utf-8")
+    header, *entries = _lines(first)
+    assert header["session_id"] == "s1" and header["entry_count"] == len(entries) == 9
+    assert set(entries[0]) >= {"entry_id", "parent_id", "seq", "kind", "role", "message", "payload",
+                               "idempotency_key", "turn_id", "created_at", "active", "position", "generation"}
+    assert any(e["idempotency_key"] == "ik-2" for e in entries)
+    assert any(e["turn_id"] == "turn-1" for e in entries)
+    assert any(e["message"] and e["message"]["content"] == "second \u00e9\u0000" for e in entries)
+
+    # Into another scope with the same ids; then under a new id and key next to the original.
+    run("--scope", "copy", "sessions", "import", str(first), "--db", url, cwd=work)
+    second = work / "copy.jsonl"
+    run("--scope", "copy", "sessions", "export", "s1", "-o", str(second), "--db", url, cwd=work)
+    copied_header, *copied = _lines(second)
+    assert copied == entries
+    assert {**copied_header, "scope": SCOPE} == header
+
+    info = run_json("sessions", "import", str(first), "--session-id", "s1-copy", "--session-key", "agent:copy",
+                    "--db", url, cwd=work)
+    assert info["session_id"] == "s1-copy" and info["entry_count"] == 9 and info["visible_count"] == 4
+    third = work / "again.jsonl"
+    run("sessions", "export", "s1-copy", "-o", str(third), "--db", url, cwd=work)
+    again_header, *again = _lines(third)
+    assert again == entries
+    assert {**again_header, "session_id": "s1", "session_key": "agent:s1"} == header
+    assert (run_json("sessions", "show", "s1-copy", "--db", url, cwd=work)["entries"]
+            == run_json("sessions", "show", "s1", "--db", url, cwd=work)["entries"])
+
+    # Refusals: an existing session, a taken key, a corrupted file; nothing is written.
+    assert "already exists" in one_error_line(run("sessions", "import", str(first), "--db", url, cwd=work, code=1))
+    one_error_line(run("sessions", "import", str(first), "--session-id", "x1", "--db", url, cwd=work, code=1))
+    bad = work / "bad.jsonl"
+    broken = [dict(e) for e in entries]
+    broken[2]["active"] = not broken[2]["active"]
+    bad.write_text("\n".join(json.dumps(r) for r in [header, *broken]) + "\n", encoding="utf-8")
+    assert "path to the head" in one_error_line(
+        run("sessions", "import", str(bad), "--session-id", "bad", "--session-key", "k:bad", "--db", url,
+            cwd=work, code=1)
+    )
+    bad.write_text(json.dumps(header) + "\n{not json\n", encoding="utf-8")
+    one_error_line(run("sessions", "import", str(bad), "--session-id", "bad", "--db", url, cwd=work, code=1))
+    run("sessions", "show", "bad", "--db", url, cwd=work, code=3)
+    assert {s["session_id"] for s in run_json("sessions", "list", "--db", url, cwd=work)} == {"s1", "s1-copy", "s2"}
+
+    # From stdin.
+    run("--scope", "stdin", "sessions", "import", "-", "--db", url, cwd=work, stdin=first.read_text())
+    assert run_json("--scope", "stdin", "sessions", "show", "s1", "--db", url, cwd=work)["entries"] == (
+        run_json("sessions", "show", "s1", "--db", url, cwd=work)["entries"]
+    )
+
+
+def test_sessions_delete_needs_yes(db: tuple[str, Path]) -> None:
+    url, work = db
+    seed(url)
+    line = one_error_line(run("sessions", "delete", "s2", "--db", url, cwd=work, code=1))
+    assert "--yes" in line
+    run("sessions", "show", "s2", "--db", url, cwd=work)
+    assert run_json("sessions", "delete", "s2", "--yes", "--db", url, cwd=work)["deleted"] == "s2"
+    one_error_line(run("sessions", "show", "s2", "--db", url, cwd=work, code=3))
+    one_error_line(run("sessions", "delete", "s2", "--yes", "--db", url, cwd=work, code=3))
+
+
+# ---------------------------------------------------------------------------------------------- outbox
+
+
+def test_outbox_status_drain_recover(db: tuple[str, Path]) -> None:
+    url, work = db
+    seed(url)
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="s3")
+        turns = Turns(store)
+        admission, _ = turns.admit(SCOPE, "s3", user("doomed"), turn_id="turn-3", engine_id="legacy")
+        turns.complete(SCOPE, "s3", "turn-3", [{"message": assistant("reply")}], None)
+        # A rewrite after acceptance: the turn's closed range is stale, the drain blocks it as evidence.
+        store.rewrite_entries(SCOPE, "s3", [{"entry_id": admission.anchor.entry_id, "message": user("edited")}])
+    rows = run_json("outbox", "status", "--db", url, cwd=work)
+    assert {(r["session_id"], r["turn_id"], r["state"]) for r in rows} == {
+        ("s1", "turn-1", "accepted"), ("s3", "turn-3", "accepted")
+    }
+    assert all({"attempt_count", "last_error", "block_reason"} <= set(r) for r in rows)
+    assert "s1" in run("outbox", "status", "--db", url, cwd=work).stdout
+
+    report = run_json("outbox", "drain", "--db", url, cwd=work)
+    assert report["committed"] == 1 and report["blocked"] == 1 and report["failed"] == []
+    rows = run_json("outbox", "status", "--db", url, cwd=work)
+    assert [(r["session_id"], r["state"]) for r in rows] == [("s3", "blocked")]
+    assert rows[0]["block_reason"].startswith("stale")
+    assert "stale" in run("outbox", "status", "--db", url, cwd=work).stdout
+
+    recovered = run_json("outbox", "recover", "--db", url, cwd=work)
+    assert [r["session_id"] for r in recovered] == ["s3"]
+    assert run_json("outbox", "recover", "s1", "--db", url, cwd=work)[0]["pending"] == []
+    one_error_line(run("outbox", "recover", "nope", "--db", url, cwd=work, code=3))
+
+
+# ---------------------------------------------------------------------------------------------- engines, doctor
+
+
+def test_engines_list_and_doctor(db: tuple[str, Path], backend: str) -> None:
+    url, work = db
+    listed = run_json("engines", "list", "--db", url, cwd=work)
+    assert listed["selected"] == "legacy" and listed["selection_source"] == "default"
+    legacy = next(e for e in listed["engines"] if e["id"] == "legacy")
+    assert legacy["selected"] and legacy["valid"] and legacy["source"] == "bundled"
+    assert legacy["fence"] == "before-current-turn-entry-v1"
+    assert legacy["idempotency"] == "atomic-idempotent-v1"
+    assert legacy["owns_compaction"] is False and legacy["location"]
+    assert "legacy" in run("engines", "list", "--db", url, cwd=work).stdout
+
+    report = run_json("doctor", "--db", url, cwd=work)
+    assert report["ok"] and report["engine"] == {"selected": "legacy", "source": "default", "valid": True,
+                                                 "reason": None}
+    assert report["store"]["state"] == "current" and report["store"]["revision"] == report["store"]["head"]
+    assert report["store"]["settings"]["backend"] == backend
+    if backend == "sqlite":
+        assert report["store"]["settings"]["journal_mode"] == "wal"
+    else:
+        assert report["store"]["settings"]["server_version"]
+    assert report["quarantine"] == []
+    assert "ok" in run("doctor", "--db", url, cwd=work).stdout
+
+    # A quarantine recorded by a live process (this test) shows up in another process's doctor.
+    with open_store(url) as store:
+        store.write(lambda c: quarantine.record(c, "flaky-engine", "assemble", "RuntimeError: boom"))
+    records = run_json("doctor", "--db", url, cwd=work)["quarantine"]
+    assert [(r["engine_id"], r["operation"], r["alive"]) for r in records] == [("flaky-engine", "assemble", True)]
+    assert "flaky-engine" in run("doctor", "--db", url, cwd=work).stdout
+
+    env = {"TRANSCRIPT_STORE_ENGINE": "missing-engine"}
+    bad = run_json("doctor", "--db", url, cwd=work, code=1, env=env)
+    assert not bad["ok"] and bad["engine"]["source"] == "env" and not bad["engine"]["valid"]
+    assert run_json("engines", "list", "--db", url, cwd=work, env=env)["selected"] == "missing-engine"
+
+
+def test_passwords_are_masked(db: tuple[str, Path], backend: str) -> None:
+    url, work = db
+    if backend != "postgresql":
+        pytest.skip("SQLite URLs carry no password")
+    secret_url = url.replace("postgres@", "postgres:s3cr3t-pw@")  # trust auth ignores it
+    for args in (("current",), ("doctor",), ("init",)):
+        result = run(*args, "--db", secret_url, cwd=work)
+        assert "s3cr3t-pw" not in result.stdout + result.stderr and "***" in result.stdout
+    dead = secret_url.replace(":5432/", ":1/")
+    for args in (("sessions", "list"), ("doctor",)):
+        result = run(*args, "--db", dead, cwd=work, code=5)
+        assert "s3cr3t-pw" not in one_error_line(result) + result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- compact, chat
+
+
+def test_compact(db: tuple[str, Path]) -> None:
+    url, work = db
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="long")
+        for i in range(12):
+            words = " ".join(f"word{i}-{j}" for j in range(120))
+            store.append(SCOPE, "long", user(f"question {i}: {words}. Please keep the weather notes."))
+            store.append(SCOPE, "long", assistant(f"answer {i}: {words}."))
+    result = run_json("compact", "long", "--focus", "weather", "--db", url, cwd=work)
+    assert result["ok"] and result["compacted"] and result["tokens_after"] < result["tokens_before"]
+    every = run_json("sessions", "show", "long", "--all", "--db", url, cwd=work)["entries"]
+    marker = [e for e in every if e["kind"] == "compaction"]
+    assert len(marker) == 1 and marker[0]["payload"]["focus"] == "weather"
+    assert "compacted" in run("compact", "long", "--db", url, cwd=work).stdout
+    one_error_line(run("compact", "nope", "--db", url, cwd=work, code=3))
+
+
+def _events(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def test_chat_with_slash_commands(db: tuple[str, Path]) -> None:
+    url, work = db
+    script = "hello there\nplease look up the weather in Paris\n/history\n/engine\n/branch\nhello again\n" \
+             "/compact weather\n/nonsense\n/quit\nnever sent\n"
+    result = run("chat", "--json", "--db", url, cwd=work, stdin=script)
+    events = _events(result.stdout)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("reply") == 3 and kinds[-1] == "quit"
+    replies = [e for e in events if e["event"] == "reply"]
+    assert all(r["engine_id"] == "legacy" and r["commit_status"] == "committed" for r in replies)
+    assert "weather in Paris" in replies[1]["reply"]
+    assert any(e["event"] == "step" and e["message"].get("tool_calls") for e in events)  # the tool loop ran
+    history = next(e for e in events if e["event"] == "history")["entries"]
+    assert history[0]["message"]["content"] == "hello there"
+    engine = next(e for e in events if e["event"] == "engine")
+    assert engine["selected"] == "legacy" and engine["last_turn_engine"] == "legacy"
+    assert engine["last_turn_degraded_reason"] is None
+    branch = next(e for e in events if e["event"] == "branch")
+    assert branch["moved"] is True
+    assert next(e for e in events if e["event"] == "compact")["ok"] is True
+    assert "unknown command /nonsense" in result.stderr
+
+    every = run_json("sessions", "show", "cli:chat", "--all", "--db", url, cwd=work)["entries"]
+    visible = run_json("sessions", "show", "cli:chat", "--db", url, cwd=work)["entries"]
+    users = [e["message"]["content"] for e in visible if e["role"] == "user"]
+    assert users == ["hello there", "hello again"]  # the Paris turn is off the branch now
+    assert any(not e["active"] and e["message"] and e["message"]["content"] == "please look up the weather in Paris"
+               for e in every)
+    assert "never sent" not in json.dumps(every)
+
+    # The conversation is persisted: a second chat continues it; text output for people.
+    text = run("chat", "--db", url, cwd=work, stdin="one more\n").stdout
+    assert "assistant:" in text and "cli:chat" in text
+    assert run_json("sessions", "show", "cli:chat", "--db", url, cwd=work)["entries"][-1]["role"] == "assistant"
+
+
+def test_chat_through_an_openai_compatible_endpoint(db: tuple[str, Path]) -> None:
+    url, work = db
+    with FakeOpenAI(api_key="sk-test-key") as server:
+        result = run("chat", "--model-url", server.base_url, "--model", "fake-model", "--api-key", "sk-test-key",
+                     "--session", "k:remote", "--db", url, cwd=work, stdin="hi there\n/quit\n")
+        assert server.chat_requests and server.chat_requests[-1]["model"] == "fake-model"
+    assert "model fake-model at http://127.0.0.1" in result.stdout and "assistant:" in result.stdout
+    assert "sk-test-key" not in result.stdout + result.stderr
+    shown = run_json("sessions", "show", "k:remote", "--db", url, cwd=work)["entries"]
+    assert [e["role"] for e in shown] == ["user", "assistant"]
+    with FakeOpenAI(api_key="sk-test-key") as server:  # a wrong key: the turn fails, one error line, exit 1
+        failed = run("chat", "--model-url", server.base_url, "--api-key", "wrong", "--session", "k:remote",
+                     "--db", url, cwd=work, stdin="hi again\n", code=1)
+    assert all(line.startswith("error: ") for line in failed.stderr.splitlines() if line.strip())
+    assert "wrong" not in failed.stderr
+
+
+def test_chat_degrades_an_unknown_engine(db: tuple[str, Path]) -> None:
+    url, work = db
+    result = run("chat", "--engine", "no-such-engine", "--session", "k:2", "--json", "--db", url, cwd=work,
+                 stdin="hi\n/engine\n")
+    events = _events(result.stdout)
+    reply = next(e for e in events if e["event"] == "reply")
+    assert reply["engine_id"] == "legacy" and "no-such-engine" in reply["degraded_reason"]
+    engine = next(e for e in events if e["event"] == "engine")
+    assert engine["selected"] == "no-such-engine" and engine["source"] == "argument"
+    assert engine["last_turn_engine"] == "legacy" and engine["last_turn_degraded_reason"]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_error_paths(db: tuple[str, Path], backend: str) -> None:
+    url, work = db
+    line = one_error_line(run("sessions", "show", "nope", "--db", url, cwd=work, code=3))
+    assert "unknown session 'nope'" in line
+    debug = run("sessions", "show", "nope", "--db", url, "--debug", cwd=work, code=3)
+    assert "Traceback" in debug.stderr and "UnknownSession" in debug.stderr
+    for bad in ("not a url", "mysql://u@h/x", "sqlite://"):
+        assert "--db" in one_error_line(run("sessions", "list", "--db", bad, cwd=work, code=2))
+    one_error_line(run("sessions", "list", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/x", cwd=work, code=5))
+    usage = run("sessions", "show", "--db", url, cwd=work, code=2)  # click's usage error
+    assert "Missing argument" in usage.stderr
+    run("sessions", "show", "s1", "--config", str(work / "missing.toml"), "--db", url, cwd=work, code=2)
+    # Global options work before and after the command name.
+    assert run_json("--db", url, "--json", "sessions", "list", cwd=work) == []
+
+
+# ---------------------------------------------------------------------------------------------- gateway
+
+
+def test_gateway_command(db: tuple[str, Path]) -> None:
+    url, work = db
+    report = run_json("gateway", "--workers", "2", "--sessions", "2", "--turns", "2", "--seed", "5", "--db", url,
+                      cwd=work)
+    assert report["ok"] is True and report["planned_turns"] == 4
+    assert report["committed"] + report["blocked"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------- import refusals
+
+
+def test_import_refuses_bad_exports_before_writing(store_url: str) -> None:
+    """Library level (no subprocess): every inconsistency is a typed error and nothing is written."""
+    seed(store_url)
+    with open_store(store_url) as store:
+        header, entries = store.export_session(SCOPE, "s1")
+
+        def refused(h: dict[str, Any], es: list[dict[str, Any]], words: str, error: type[Exception] = InvalidInput):
+            with pytest.raises(error, match=words):
+                store.import_session("other", h, es, session_id="imported")
+            with pytest.raises(UnknownSession):
+                store.get_session("other", "imported")
+
+        def edit(i: int, **changes: Any) -> list[dict[str, Any]]:
+            return [({**e, **changes} if j == i else e) for j, e in enumerate(entries)]
+
+        refused({**header, "format": "other/1"}, entries, "format")
+        refused({**header, "entry_count": 8}, entries, "entries")
+        refused({**header, "visible_count": 3}, entries, "visible")
+        refused({**header, "head_entry_id": "nope"}, entries, "head_entry_id")
+        refused({**header, "generation": "1"}, entries, "generation")
+        refused({**header, "extra": 1}, entries, "extra")
+        refused(header, edit(3, seq=7), "seq")
+        refused(header, edit(1, parent_id="ghost"), "parent")
+        refused(header, edit(1, position=5), "position")
+        refused(header, edit(1, entry_id=entries[0]["entry_id"]), "twice")
+        refused(header, edit(0, message={"role": "user"}), "content", InvalidMessage)
+        refused(header, edit(0, role="assistant"), "role")
+        refused(header, edit(2, kind="bogus"), "kind")
+        refused(header, edit(2, created_at="yesterday"), "created_at")
+        refused(header, edit(2, created_at="2024-01-01T00:00:00"), "UTC offset")
+        refused(header, edit(1, idempotency_key="ik-2"), "idempotency_key")
+        refused(header, edit(0, generation=2), "generation")
+        refused(header, [*entries[:-1], "not an object"], "JSON object")
+        # A good import of the same data then succeeds, and is refused a second time.
+        info = store.import_session("other", header, entries, session_id="imported")
+        assert info.entry_count == 9 and info.head_entry_id == header["head_entry_id"]
+        with pytest.raises(IdempotencyConflict):
+            store.import_session("other", header, entries, session_id="imported")
+        with pytest.raises(SessionKeyConflict):
+            store.import_session("other", header, entries, session_id="imported-2")
+        assert store.export_session("other", "imported")[1] == entries

@@ -1,0 +1,1129 @@
+"""The ``transcript-store`` command: stores, sessions, the outbox, engines, chat and the gateway run.
+
+Every command takes ``--db URL`` (else TRANSCRIPT_STORE_URL, else ``sqlite:///transcripts.db`` in the
+working directory), ``--scope`` (else TRANSCRIPT_STORE_SCOPE, else ``default``), ``--json``,
+``--config PATH`` (host settings TOML) and ``--debug``, before or after the command name.
+
+Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL);
+3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
+unavailable. An error is one line on stderr, ``error: ...``; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, NoReturn, TypeVar
+
+import click
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from . import migrate
+from .config import StoreConfig
+from .db import mask_url
+from .errors import (
+    EngineError,
+    InvalidInput,
+    SchemaNotCurrent,
+    StoreUnavailable,
+    TranscriptStoreError,
+    UnknownEntry,
+    UnknownSession,
+)
+from .models import Entry, SessionInfo
+from .settings import HostSettings, load_settings
+from .store import TranscriptStore
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
+DEFAULT_SCOPE = "default"
+SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
+CHAT_KEY = "cli:chat"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CommandError(Exception):
+    """A failure the CLI reports as one line with its own exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class State:
+    """The global options, wherever on the command line they were given."""
+
+    db: str | None = None
+    scope: str | None = None
+    json: bool = False
+    config: str | None = None
+    debug: bool = False
+
+    @property
+    def scope_name(self) -> str:
+        """--scope, else TRANSCRIPT_STORE_SCOPE, else ``default``."""
+        return self.scope or os.environ.get(SCOPE_ENV) or DEFAULT_SCOPE
+
+    def store_config(self) -> StoreConfig:
+        """Store settings from TRANSCRIPT_STORE_* variables and --db."""
+        try:
+            return StoreConfig.from_env(url=self.db)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise CommandError(f"invalid store setting {where}: {first['msg']}", EXIT_USAGE) from None
+
+    def settings(self, engine: str | None = None) -> HostSettings:
+        """Host settings from the TOML file, TRANSCRIPT_STORE_* variables and --engine."""
+        return load_settings(self.config, engine=engine)
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def _remember(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value is not None and value is not False:
+            setattr(ctx.ensure_object(State), name, value)
+            if name == "debug":
+                logging.getLogger().setLevel(logging.INFO)
+        return value
+
+    return callback
+
+
+_COMMON = (
+    click.option("--db", metavar="URL", expose_value=False, callback=_remember("db"),
+                 help="Database URL [env TRANSCRIPT_STORE_URL; default sqlite:///transcripts.db]."),
+    click.option("--scope", metavar="SCOPE", expose_value=False, callback=_remember("scope"),
+                 help="Scope of the sessions [env TRANSCRIPT_STORE_SCOPE; default 'default']."),
+    click.option("--json", "json_output", is_flag=True, default=False, expose_value=False,
+                 callback=_remember("json"), help="Machine-readable JSON output."),
+    click.option("--config", metavar="PATH", type=click.Path(exists=True, dir_okay=False), expose_value=False,
+                 callback=_remember("config"),
+                 help="Host settings TOML [env TRANSCRIPT_STORE_CONFIG; default ./transcript-store.toml]."),
+    click.option("--debug", is_flag=True, default=False, expose_value=False, callback=_remember("debug"),
+                 help="Show tracebacks and library log messages."),
+)
+
+
+def common(fn: F) -> F:
+    """Attach the global options, so they work before or after the command name."""
+    for option in reversed(_COMMON):
+        fn = option(fn)
+    return fn
+
+
+def state() -> State:
+    """The global options of the running command."""
+    return click.get_current_context().ensure_object(State)
+
+
+def console() -> Console:
+    """A console for human output on stdout."""
+    return Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+
+
+def emit_json(data: Any) -> None:
+    """Print one JSON document."""
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+# ---------------------------------------------------------------------------------------------- stores
+
+
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (None for other backends or unparseable URLs)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return Path(parsed.database).expanduser()
+
+
+def open_store(*, create: bool = False, check_schema: bool = True) -> TranscriptStore:
+    """The store named by --db; ``create`` allows a new SQLite file, ``check_schema`` refuses old ones."""
+    config = state().store_config()
+    path = _sqlite_path(config.url)
+    if path is not None and not create and not path.exists():
+        raise SchemaNotCurrent(
+            f"no store at {mask_url(config.url)} (the file does not exist): run `transcript-store init`"
+        )
+    try:
+        return TranscriptStore(config=config, create=check_schema)
+    except InvalidInput as e:  # only the URL is validated before the first connection
+        raise CommandError(f"--db: {e}", EXIT_USAGE) from e
+
+
+@contextmanager
+def store_session(*, create: bool = False, check_schema: bool = True) -> Iterator[TranscriptStore]:
+    """An open store, closed afterwards."""
+    store = open_store(create=create, check_schema=check_schema)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def find_session(store: TranscriptStore, scope: str, ref: str) -> SessionInfo:
+    """A session by id, else by its session key; UnknownSession when neither names one."""
+    try:
+        return store.get_session(scope, ref)
+    except UnknownSession:
+        by_key = store.find_session(scope, ref)
+        if by_key is None:
+            raise
+        return by_key
+
+
+def schema_state(revision: str | None, head: str) -> str:
+    """``current``, ``none`` (no schema), ``behind`` or ``ahead`` (newer than this library)."""
+    if revision == head:
+        return "current"
+    if revision is None:
+        return "none"
+    from alembic.script import ScriptDirectory
+
+    known = {s.revision for s in ScriptDirectory.from_config(migrate.alembic_config()).walk_revisions()}
+    return "behind" if revision in known else "ahead"
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message as one readable text: content, content parts, tool calls."""
+    parts: list[str] = []
+    content = message.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        parts.extend(p["text"] if p.get("type") == "text" else f"[{p.get('type')}]" for p in content)
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        parts.append(f"-> {fn.get('name')}({fn.get('arguments', '')})")
+    if message.get("role") == "tool":
+        parts.insert(0, f"[{message.get('tool_call_id')}]")
+    return " ".join(parts)
+
+
+def entry_text(entry: Entry) -> str:
+    """An entry as one readable text; events show their payload."""
+    if entry.message is not None:
+        return message_text(entry.message)
+    payload = entry.payload or {}
+    if entry.kind == "compaction" and isinstance(payload.get("summary"), str):
+        return f"summary: {payload['summary']}"
+    return json.dumps(payload, ensure_ascii=False)
+
+
+def entry_json(entry: Entry) -> dict[str, Any]:
+    """An entry as JSON."""
+    return entry.model_dump(mode="json")
+
+
+def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str) -> None:
+    """A transcript table; ``every`` adds seq, kind, ids and the active marker."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    if every:
+        table.add_column("", no_wrap=True)
+        table.add_column("seq", justify="right", no_wrap=True)
+        table.add_column("entry", no_wrap=True)
+        table.add_column("parent", no_wrap=True)
+        table.add_column("kind", no_wrap=True)
+    table.add_column("pos", justify="right", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    table.add_column("content", overflow="fold")
+    for e in entries:
+        pos = "" if e.position is None else str(e.position)
+        cells: list[str | Text] = [pos, e.role or "", Text(entry_text(e))]
+        if every:
+            mark = "*" if e.active else "off"
+            cells = [mark, str(e.seq), e.entry_id, e.parent_id or "", e.kind, *cells]
+        table.add_row(*cells)
+    out.print(table)
+    if every:
+        out.print("* on the active branch; off: stored off the active branch (or before a rewrite)")
+
+
+# ---------------------------------------------------------------------------------------------- the group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@common
+@click.version_option(package_name="transcript-store")
+def cli() -> None:
+    """A durable conversation-transcript store with turn commits, for agent hosts and their engines.
+
+    Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable.
+    """
+    state()
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+
+def _migrate(*, create: bool) -> None:
+    st = state()
+    with store_session(create=create, check_schema=False) as store:
+        before = store.current_revision()
+        after = store.upgrade()
+        head = migrate.head_revision()
+        report = {"url": store.url, "backend": store.backend, "before": before, "revision": after, "head": head}
+    if st.json:
+        emit_json(report)
+    elif before == after:
+        click.echo(f"{report['url']}: already at revision {after} (head)")
+    elif before is None:
+        click.echo(f"{report['url']}: created the schema at revision {after}")
+    else:
+        click.echo(f"{report['url']}: migrated {before} -> {after}")
+
+
+@cli.command()
+@common
+def init() -> None:
+    """Create a store (or migrate an existing one to the newest schema)."""
+    _migrate(create=True)
+
+
+@cli.command()
+@common
+def upgrade() -> None:
+    """Migrate an existing store to the newest schema revision."""
+    _migrate(create=False)
+
+
+@cli.command()
+@common
+def current() -> None:
+    """Show the store's schema revision and this library's head; exit 4 when they differ."""
+    st = state()
+    with store_session(check_schema=False) as store:
+        revision = store.current_revision()
+        report = {"url": store.url, "backend": store.backend, "revision": revision}
+    head = migrate.head_revision()
+    report.update(head=head, state=schema_state(revision, head))
+    if st.json:
+        emit_json(report)
+    else:
+        for key in ("url", "revision", "head", "state"):
+            click.echo(f"{key + ':':9} {report.get(key) or '(none)'}")
+    if revision != head:
+        raise CommandError(
+            f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): "
+            "run `transcript-store upgrade`",
+            EXIT_SCHEMA,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+@cli.group()
+@common
+def sessions() -> None:
+    """List, show, export, import and delete sessions."""
+
+
+def _all_sessions(store: TranscriptStore, scope: str) -> list[SessionInfo]:
+    out: list[SessionInfo] = []
+    after: str | None = None
+    while True:
+        page = store.list_sessions(scope, after=after, limit=1000)
+        out.extend(page)
+        if len(page) < 1000:
+            return out
+        after = page[-1].session_id
+
+
+@sessions.command("list")
+@common
+def sessions_list() -> None:
+    """Sessions of the scope with entry and visible counts, sizes, keys and state."""
+    st = state()
+    scope = st.scope_name
+    with store_session() as store:
+        rows = [(s, store.session_bytes(scope, s.session_id)) for s in _all_sessions(store, scope)]
+    if st.json:
+        emit_json([{**s.model_dump(mode="json"), "bytes": size} for s, size in rows])
+        return
+    table = Table(title=f"sessions in scope {scope!r}", title_justify="left")
+    for name, justify in (("session", "left"), ("key", "left"), ("entries", "right"), ("visible", "right"),
+                          ("bytes", "right"), ("gen", "right"), ("active", "left"), ("updated", "left")):
+        table.add_column(name, justify=justify, no_wrap=name != "key")  # type: ignore[arg-type]
+    for s, size in rows:
+        table.add_row(s.session_id, Text(s.session_key or ""), str(s.entry_count), str(s.visible_count), str(size),
+                      str(s.generation), "yes" if s.active else "no", s.updated_at.strftime("%Y-%m-%d %H:%M:%S"))
+    if rows:
+        console().print(table)
+    else:
+        click.echo(f"no sessions in scope {scope!r}")
+
+
+def _list_every_entry(store: TranscriptStore, scope: str, session_id: str) -> list[Entry]:
+    out: list[Entry] = []
+    after = -1
+    while True:
+        page = store.list_entries(scope, session_id, after_seq=after, limit=10_000)
+        out.extend(page)
+        if len(page) < 10_000:
+            return out
+        after = page[-1].seq
+
+
+@sessions.command("show")
+@click.argument("session")
+@click.option("--all", "every", is_flag=True, help="Every stored entry: off-branch ones and events too, marked.")
+@common
+def sessions_show(session: str, every: bool) -> None:
+    """Show the visible transcript of SESSION (an id or a session key)."""
+    st = state()
+    scope = st.scope_name
+    with store_session() as store:
+        info = find_session(store, scope, session)
+        entries = (
+            _list_every_entry(store, scope, info.session_id) if every else store.read_visible(scope, info.session_id)
+        )
+    if st.json:
+        emit_json({"session": info.model_dump(mode="json"), "entries": [entry_json(e) for e in entries]})
+        return
+    what = "every stored entry" if every else "visible transcript"
+    print_entries(console(), entries, every=every, title=f"session {info.session_id} ({what})")
+
+
+@sessions.command("export")
+@click.argument("session")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="Write to FILE (default stdout).")
+@common
+def sessions_export(session: str, output: str | None) -> None:
+    """Export SESSION losslessly as JSONL: a header line, then one line per stored entry."""
+    st = state()
+    with store_session() as store:
+        info = find_session(store, st.scope_name, session)
+        header, records = store.export_session(st.scope_name, info.session_id)
+    lines = [json.dumps(r, ensure_ascii=False, separators=(",", ":"), allow_nan=False) for r in [header, *records]]
+    text = "".join(line + "\n" for line in lines)
+    if output is None:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8"))  # UTF-8 whatever the locale: the export is lossless
+        sys.stdout.buffer.flush()
+        return
+    Path(output).write_text(text, encoding="utf-8")
+    if st.json:
+        emit_json({"session_id": info.session_id, "entries": len(records), "file": output})
+    else:
+        click.echo(f"exported session {info.session_id}: {len(records)} entries to {output}")
+
+
+def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
+    records: list[Any] = []
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
+    if not records:
+        raise InvalidInput("the export is empty (no header line)")
+    return records[0], records[1:]
+
+
+@sessions.command("import")
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option("--session-id", "new_id", metavar="ID", help="Import under a new session id.")
+@click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
+@common
+def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> None:
+    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head."""
+    st = state()
+    header, records = _read_export(file)
+    with store_session(create=True) as store:
+        info = store.import_session(st.scope_name, header, records, session_id=new_id, session_key=new_key)
+    if st.json:
+        emit_json(info.model_dump(mode="json"))
+    else:
+        click.echo(f"imported session {info.session_id}: {info.entry_count} entries, {info.visible_count} visible")
+
+
+@sessions.command("delete")
+@click.argument("session")
+@click.option("--yes", is_flag=True, help="Really delete (required).")
+@common
+def sessions_delete(session: str, yes: bool) -> None:
+    """Delete SESSION and every entry of it, for good (only with --yes)."""
+    st = state()
+    with store_session() as store:
+        info = find_session(store, st.scope_name, session)
+        if not yes:
+            raise CommandError(
+                f"refusing to delete session {info.session_id} ({info.entry_count} entries) without --yes"
+            )
+        store.delete_session(st.scope_name, info.session_id)
+    if st.json:
+        emit_json({"deleted": info.session_id, "entries": info.entry_count})
+    else:
+        click.echo(f"deleted session {info.session_id} ({info.entry_count} entries)")
+
+
+# ---------------------------------------------------------------------------------------------- outbox
+
+
+@cli.group()
+@common
+def outbox() -> None:
+    """Turn intents waiting for their engine: status, drain, recover."""
+
+
+def _runtime(store: TranscriptStore, settings: HostSettings, model: Any = None) -> Any:
+    from .host import HostRuntime
+    from .model import LocalResponder
+
+    return HostRuntime(store=store, settings=settings, model=model if model is not None else LocalResponder())
+
+
+@outbox.command("status")
+@common
+def outbox_status() -> None:
+    """Pending and blocked turn intents per session, with attempts and last errors."""
+    from .turns import Turns
+
+    st = state()
+    with store_session() as store:
+        intents = Turns(store).intents(st.scope_name, limit=10_000)
+    fields = ("session_id", "turn_id", "engine_id", "state", "enqueue_seq", "attempt_count", "last_error",
+              "block_reason", "lease_owner", "last_attempt_at")
+    if st.json:
+        emit_json([{k: v for k, v in i.model_dump(mode="json").items() if k in fields} for i in intents])
+        return
+    table = Table(title=f"outbox of scope {st.scope_name!r}", title_justify="left")
+    for name in ("session", "turn", "engine", "state", "seq", "attempts", "last error / block reason"):
+        table.add_column(name, overflow="fold")
+    for i in intents:
+        why = " | ".join(x for x in (i.last_error, i.block_reason) if x)
+        table.add_row(i.session_id, i.turn_id, i.engine_id, i.state, str(i.enqueue_seq), str(i.attempt_count),
+                      Text(why))
+    if intents:
+        console().print(table)
+    counts: dict[str, int] = {}
+    for i in intents:
+        counts[i.state] = counts.get(i.state, 0) + 1
+    click.echo(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) if counts else "the outbox is empty")
+
+
+@outbox.command("drain")
+@click.option("--session", "session", metavar="SESSION", help="Only this session.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True, help="Rows to deliver.")
+@common
+def outbox_drain(session: str | None, limit: int) -> None:
+    """Deliver ready intents to their engines' commit_turn, in order; exit 1 if any failed."""
+    st = state()
+    with store_session() as store:
+        sid = find_session(store, st.scope_name, session).session_id if session else None
+        runtime = _runtime(store, st.settings())
+        try:
+            report = runtime.turns.drain(runtime.commit_in, scope=st.scope_name, session_id=sid, limit=limit)
+        finally:
+            runtime.dispose()
+    data = {
+        "committed": report.committed,
+        "duplicates": report.duplicates,
+        "blocked": report.blocked,
+        "failed": [{"session_id": s, "turn_id": t, "error": e} for s, t, e in report.failed],
+        "stopped_sessions": report.stopped_sessions,
+    }
+    if st.json:
+        emit_json(data)
+    else:
+        click.echo(f"committed {report.committed}, duplicates {report.duplicates}, blocked {report.blocked}, "
+                   f"failed {len(report.failed)}")
+        for s, t, e in report.failed:
+            click.echo(f"  failed: session {s} turn {t}: {e}")
+    if report.failed:
+        raise CommandError(f"{len(report.failed)} deliveries failed; their rows stay queued")
+
+
+@outbox.command("recover")
+@click.argument("session", required=False)
+@common
+def outbox_recover(session: str | None) -> None:
+    """Discard dead admitted intents and drain ready ones (SESSION, or every session with intents)."""
+    from .turns import Turns
+
+    st = state()
+    scope = st.scope_name
+    with store_session() as store:
+        if session:
+            targets = [find_session(store, scope, session).session_id]
+        else:
+            targets = sorted({i.session_id for i in Turns(store).intents(scope, limit=10_000)})
+        settings = st.settings()
+        runtime = _runtime(store, settings)
+        results = []
+        try:
+            for sid in targets:
+                r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
+                results.append({
+                    "session_id": sid,
+                    "discarded": r.discarded,
+                    "committed": r.drain.committed,
+                    "duplicates": r.drain.duplicates,
+                    "blocked": r.drain.blocked,
+                    "failed": [{"turn_id": t, "error": e} for _s, t, e in r.drain.failed],
+                    "pending": r.pending,
+                })
+        finally:
+            runtime.dispose()
+    if st.json:
+        emit_json(results)
+    else:
+        for r in results:
+            click.echo(f"session {r['session_id']}: discarded {len(r['discarded'])}, committed {r['committed']}, "
+                       f"duplicates {r['duplicates']}, blocked {r['blocked']}, failed {len(r['failed'])}, "
+                       f"pending {len(r['pending'])}")
+        if not results:
+            click.echo("nothing to recover")
+    failed = sum(len(r["failed"]) for r in results)
+    if failed:
+        raise CommandError(f"{failed} deliveries failed; their rows stay queued")
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+def engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every discovered engine, loaded and validated, with its declarations; and the registry's warnings."""
+    from .engine import EngineContext
+    from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
+    from .registry import EngineRegistry
+    from .summarize import summarizer_from_env
+    from .tokens import default_estimator
+
+    registry = EngineRegistry(settings.plugin_dirs)
+    out = []
+    for engine_id in sorted(registry.specs):
+        ctx = EngineContext(store=store, config=settings.engine_config.get(engine_id, {}),
+                            summarizer=summarizer_from_env(), estimator=default_estimator())
+        status = registry.check(engine_id, ctx)
+        info = status.info
+        sem = info.transcript_semantics if info else None
+        out.append({
+            "id": engine_id,
+            "selected": engine_id == settings.engine,
+            "source": status.spec.source,
+            "location": status.spec.location,
+            "version": info.version if info else status.spec.manifest.get("version"),
+            "description": status.spec.manifest.get("description"),
+            "valid": status.valid,
+            "reason": status.reason,
+            "owns_compaction": info.owns_compaction if info else None,
+            "fence": sem.current_turn_fence if sem else None,
+            "idempotency": sem.turn_advancement_idempotency if sem else None,
+            "durable": bool(sem and sem.current_turn_fence == CURRENT_TURN_FENCE
+                            and sem.turn_advancement_idempotency == TURN_ADVANCEMENT_IDEMPOTENCY),
+            "accepted_host_params": info.accepted_host_params if info else None,
+            "host_requirements": {k: v.model_dump() for k, v in info.host_requirements.items()} if info else {},
+            "turn_maintenance_mode": info.turn_maintenance_mode if info else None,
+        })
+    if settings.engine not in registry.specs:
+        out.append({"id": settings.engine, "selected": True, "source": None, "location": None, "valid": False,
+                    "reason": f"unknown context engine; known: {', '.join(sorted(registry.specs))}"})
+    return out, list(registry.warnings)
+
+
+def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Table:
+    table = Table(title=f"engines (selected: {settings.engine}, from {settings.engine_source})", title_justify="left")
+    for name in ("", "id", "source", "version", "compaction", "fence", "idempotency", "host params", "valid"):
+        table.add_column(name, overflow="fold")
+    for e in engines:
+        params = e.get("accepted_host_params")
+        table.add_row(
+            ">" if e["selected"] else "", e["id"], e.get("source") or "-", str(e.get("version") or "-"),
+            "owns" if e.get("owns_compaction") else "runtime", e.get("fence") or "-", e.get("idempotency") or "-",
+            "all" if params is None else ", ".join(params) or "none",
+            Text("yes" if e["valid"] else f"NO: {e['reason']}"),
+        )
+    return table
+
+
+def _optional_store() -> TranscriptStore | None:
+    """The store when there is a current one (engines may need it to load), else None."""
+    try:
+        return open_store()
+    except (SchemaNotCurrent, StoreUnavailable):
+        return None
+
+
+@cli.group()
+@common
+def engines() -> None:
+    """Discovered context engines."""
+
+
+@engines.command("list")
+@common
+def engines_list() -> None:
+    """Every discovered engine: source, location, version, declarations, validation; the selected one."""
+    st = state()
+    settings = st.settings()
+    store = _optional_store()
+    try:
+        data, warnings = engine_report(settings, store)
+    finally:
+        if store is not None:
+            store.close()
+    if st.json:
+        emit_json({"selected": settings.engine, "selection_source": settings.engine_source, "engines": data,
+                   "warnings": warnings})
+        return
+    out = console()
+    out.print(_engines_table(data, settings))
+    for e in data:
+        click.echo(f"{e['id']}: {e.get('location') or '-'}")
+    for w in warnings:
+        click.echo(f"warning: {w}")
+
+
+# ---------------------------------------------------------------------------------------------- doctor
+
+
+def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore | None]:
+    config = state().store_config()
+    head = migrate.head_revision()
+    info: dict[str, Any] = {"url": mask_url(config.url), "head": head}
+    try:
+        store = open_store(check_schema=False)
+    except SchemaNotCurrent as e:
+        problems.append(str(e))
+        return {**info, "revision": None, "state": "none"}, None
+    try:
+        revision = store.current_revision()
+        info.update(backend=store.backend, revision=revision, state=schema_state(revision, head))
+        info["settings"] = store.db.settings()
+    except StoreUnavailable as e:
+        store.close()
+        info["error"] = str(e)
+        problems.append(f"database unavailable: {e}")
+        return info, None
+    if info["state"] == "none":
+        problems.append(f"no schema yet (head is {head}): run `transcript-store init`")
+    elif info["state"] != "current":
+        problems.append(f"schema is {info['state']}: revision {revision}, head {head}")
+    return info, store
+
+
+@cli.command()
+@common
+def doctor() -> None:
+    """Check the store, the schema, the engines and quarantines; exit 1 when a check fails."""
+    from . import quarantine
+
+    st = state()
+    settings = st.settings()
+    problems: list[str] = []
+    store_info, store = _doctor_store(problems)
+    records: list[dict[str, Any]] = []
+    try:
+        engines_found, warnings = engine_report(settings, store if store_info.get("state") == "current" else None)
+        if store is not None and store_info.get("state") == "current":
+            records = [
+                {**r.__dict__, "created_at": r.created_at.isoformat()}
+                for r in store.read(lambda c: quarantine.records(c))
+            ]
+    finally:
+        if store is not None:
+            store.close()
+    selected = next(e for e in engines_found if e["selected"])
+    if not selected["valid"]:
+        problems.append(f"selected engine {selected['id']!r} is invalid: {selected['reason']}")
+    data = {
+        "ok": not problems,
+        "problems": problems,
+        "store": store_info,
+        "engine": {"selected": settings.engine, "source": settings.engine_source, "valid": selected["valid"],
+                   "reason": selected["reason"]},
+        "engines": engines_found,
+        "quarantine": records,
+        "warnings": warnings,
+    }
+    if st.json:
+        emit_json(data)
+    else:
+        _print_doctor(data, settings)
+    if problems:
+        code = EXIT_UNAVAILABLE if "error" in store_info else EXIT_FAILED
+        raise CommandError(f"{len(problems)} problem(s): {'; '.join(problems)}", code)
+
+
+def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
+    out = console()
+    s = data["store"]
+    click.echo(f"store:     {s['url']} ({s.get('backend', '?')})")
+    click.echo(f"schema:    {s.get('state')} (revision {s.get('revision') or '(none)'}, head {s['head']})")
+    for key, value in (s.get("settings") or {}).items():
+        click.echo(f"  {key}: {value}")
+    e = data["engine"]
+    click.echo(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}")
+    out.print(_engines_table(data["engines"], settings))
+    if data["quarantine"]:
+        table = Table(title="quarantined engines (live processes)", title_justify="left")
+        for name in ("engine", "process", "operation", "reason", "since"):
+            table.add_column(name, overflow="fold")
+        for r in data["quarantine"]:
+            table.add_row(r["engine_id"], r["process"], r["operation"], Text(r["reason"]), r["created_at"])
+        out.print(table)
+    else:
+        click.echo("quarantine: none")
+    for w in data["warnings"]:
+        click.echo(f"warning: {w}")
+    for p in data["problems"]:
+        click.echo(f"problem: {p}")
+    click.echo("ok" if data["ok"] else "NOT OK")
+
+
+# ---------------------------------------------------------------------------------------------- compact
+
+
+def compact_json(result: Any) -> dict[str, Any]:
+    """A CompactResult as JSON (with the successor session id, if any)."""
+    return {**result.model_dump(mode="json"), "session_id": result.session_id}
+
+
+@cli.command()
+@click.argument("session")
+@click.option("--focus", metavar="TEXT", help="What the summary should keep in focus.")
+@click.option("--engine", metavar="NAME", help="The engine for this run (overrides the settings).")
+@common
+def compact(session: str, focus: str | None, engine: str | None) -> None:
+    """Compact SESSION now through the selected engine; exit 1 when the compaction failed."""
+    st = state()
+    with store_session() as store:
+        sid = find_session(store, st.scope_name, session).session_id
+        runtime = _runtime(store, st.settings(engine))
+        try:
+            result = runtime.compact(st.scope_name, sid, focus=focus)
+        finally:
+            runtime.dispose()
+    if st.json:
+        emit_json(compact_json(result))
+    else:
+        click.echo(_compact_line(result))
+    if not result.ok:
+        raise CommandError(f"compaction failed: {result.reason}")
+
+
+def _compact_line(result: Any) -> str:
+    what = "compacted" if result.compacted else "not compacted"
+    parts = [what]
+    if result.reason:
+        parts.append(f"({result.reason})")
+    if result.tokens_before is not None:
+        after = result.tokens_after if result.tokens_after is not None else "-"
+        parts.append(f"tokens {result.tokens_before} -> {after}")
+    if result.session_id:
+        parts.append(f"successor session {result.session_id}")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+@cli.command()
+@click.option("--session", "session_key", default=CHAT_KEY, show_default=True, metavar="KEY",
+              help="The session key to open (created when missing).")
+@click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
+@click.option("--model-url", metavar="URL",
+              help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
+@click.option("--model", "model_name", metavar="NAME", help="Model name [env TRANSCRIPT_STORE_MODEL].")
+@click.option("--api-key", metavar="KEY", help="API key [env OPENAI_API_KEY].")
+@common
+def chat(session_key: str, engine: str | None, model_url: str | None, model_name: str | None,
+         api_key: str | None) -> None:
+    """An interactive, persisted conversation through the host runtime (reads lines from stdin).
+
+    Slash commands: /compact [focus], /branch, /history, /engine, /help, /quit.
+    """
+    from .model import model_from_settings
+
+    st = state()
+    with store_session(create=True) as store:
+        info = store.open_session(st.scope_name, session_key)
+        settings = st.settings(engine)
+        runtime = _runtime(store, settings, model_from_settings(model_url, model_name, api_key))
+        loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json)
+        try:
+            if not st.json:
+                loop.banner(session_key)
+            loop.run(sys.stdin)
+        finally:
+            runtime.dispose()
+    if loop.failed:
+        raise CommandError(f"{loop.failed} turn(s) or command(s) failed")
+
+
+CHAT_HELP = "/compact [focus]  /branch  /history  /engine  /help  /quit"
+
+
+class ChatLoop:
+    """One conversation: user lines become logical turns, slash lines become commands."""
+
+    def __init__(self, runtime: Any, scope: str, session_id: str, as_json: bool) -> None:
+        """Bind to a host runtime and an open session."""
+        self.runtime = runtime
+        self.scope = scope
+        self.session_id = session_id
+        self.as_json = as_json
+        self.out = console()
+        self.last: Any = None  # the last TurnOutcome
+        self.failed = 0
+
+    def banner(self, session_key: str) -> None:
+        """Say what this conversation runs on."""
+        s = self.runtime.settings
+        model = self.runtime.model
+        where = f" at {mask_url(model.base_url)}" if getattr(model, "base_url", None) else ""
+        click.echo(f"chat: session {session_key} ({self.session_id}), engine {s.engine} "
+                   f"(from {s.engine_source}), model {getattr(model, 'name', '?')}{where}")
+        click.echo(f"commands: {CHAT_HELP}")
+
+    def run(self, stream: IO[str]) -> None:
+        """Read lines until /quit or the end of input."""
+        interactive = stream.isatty()
+        while True:
+            if interactive:
+                click.echo("you> ", nl=False)
+            line = stream.readline()
+            if not line:
+                return
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return
+            else:
+                self.turn(text)
+
+    def emit(self, event: str, data: dict[str, Any], text: str | None) -> None:
+        """One event: a JSON line, or text for people."""
+        if self.as_json:
+            click.echo(json.dumps({"event": event, **data}, ensure_ascii=False, default=str))
+        elif text is not None:
+            click.echo(text)
+
+    def turn(self, text: str) -> None:
+        """Run one logical turn and show the replies."""
+        try:
+            outcome = self.runtime.run_turn(self.scope, self.session_id, text)
+        except TranscriptStoreError as e:
+            self.failed += 1
+            click.echo(error_line(e, None), err=True)
+            return
+        self.last = outcome
+        self.session_id = outcome.session_id
+        for m in outcome.messages[1:-1]:
+            self.emit("step", {"message": m}, f"  [{m['role']}] {message_text(m)}")
+        if outcome.degraded_reason:
+            self.emit("degraded", {"reason": outcome.degraded_reason},
+                      f"  (this turn ran on {outcome.engine_id}: {outcome.degraded_reason})")
+        data = {
+            "turn_id": outcome.turn_id, "session_id": outcome.session_id, "engine_id": outcome.engine_id,
+            "degraded_reason": outcome.degraded_reason, "commit_status": outcome.commit_status,
+            "attempts": outcome.attempts, "reply": message_text(outcome.reply),
+        }
+        self.emit("reply", data, f"assistant: {message_text(outcome.reply)}")
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False ends the conversation."""
+        name, _, arg = line.partition(" ")
+        if name in ("/quit", "/exit"):
+            self.emit("quit", {}, "bye")
+            return False
+        handlers: dict[str, Callable[[str], None]] = {
+            "/compact": self.compact, "/branch": self.branch, "/history": self.history,
+            "/engine": self.engine, "/help": lambda _arg: self.emit("help", {"commands": CHAT_HELP}, CHAT_HELP),
+        }
+        handler = handlers.get(name)
+        if handler is None:
+            click.echo(f"error: unknown command {name} (try /help)", err=True)
+            return True
+        try:
+            handler(arg.strip())
+        except TranscriptStoreError as e:
+            self.failed += 1
+            click.echo(error_line(e, None), err=True)
+        return True
+
+    def compact(self, focus: str) -> None:
+        """/compact [focus]: manual compaction through the selected engine."""
+        result = self.runtime.compact(self.scope, self.session_id, focus=focus or None)
+        self.session_id = self.runtime.resolve_session(self.scope, self.session_id)
+        self.emit("compact", compact_json(result), _compact_line(result))
+
+    def branch(self, _arg: str) -> None:
+        """/branch: move the head to before the last user message; the next message regenerates."""
+        store = self.runtime.store
+        visible = store.read_visible(self.scope, self.session_id)
+        last_user = next((e for e in reversed(visible) if e.role == "user"), None)
+        if last_user is None:
+            self.emit("branch", {"moved": False}, "nothing to branch from: no user message yet")
+            return
+        info = store.branch(self.scope, self.session_id, last_user.parent_id)
+        text = message_text(last_user.message or {})
+        self.emit("branch", {"moved": True, "before_entry_id": last_user.entry_id, "head_entry_id": info.head_entry_id,
+                             "visible_count": info.visible_count},
+                  f"branched: the head is back before {text!r}; your next message starts a new branch")
+
+    def history(self, _arg: str) -> None:
+        """/history: the visible transcript."""
+        entries = self.runtime.store.read_visible(self.scope, self.session_id)
+        if self.as_json:
+            self.emit("history", {"entries": [entry_json(e) for e in entries]}, None)
+        else:
+            print_entries(self.out, entries, every=False, title=f"session {self.session_id}")
+
+    def engine(self, _arg: str) -> None:
+        """/engine: the selected engine, and what the last turn ran on."""
+        s = self.runtime.settings
+        last = self.last
+        data = {
+            "selected": s.engine, "source": s.engine_source,
+            "last_turn_engine": last.engine_id if last else None,
+            "last_turn_degraded_reason": last.degraded_reason if last else None,
+            "quarantined": {k: {"operation": op, "reason": why} for k, (op, why) in self.runtime.quarantined.items()},
+        }
+        text = f"engine: {s.engine} (from {s.engine_source})"
+        if last is not None:
+            text += f"; last turn ran on {last.engine_id}"
+            text += f" (degraded: {last.degraded_reason})" if last.degraded_reason else " (not degraded)"
+        if self.runtime.quarantined:
+            text += "; quarantined: " + ", ".join(sorted(self.runtime.quarantined))
+        self.emit("engine", data, text)
+
+
+# ---------------------------------------------------------------------------------------------- gateway
+
+
+@cli.command()
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Worker processes.")
+@click.option("--sessions", "session_count", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Conversations.")
+@click.option("--turns", type=click.IntRange(min=1), default=5, show_default=True, help="Turns per conversation.")
+@click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
+@click.option("--model-url", metavar="URL",
+              help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
+@click.option("--model", "model_name", metavar="NAME", help="Model name [env TRANSCRIPT_STORE_MODEL].")
+@click.option("--api-key", metavar="KEY", help="API key [env OPENAI_API_KEY].")
+@click.option("--faults/--no-faults", default=True, show_default=True, help="Inject crashes, timeouts and rewrites.")
+@click.option("--seed", type=int, help="Seed of the workload and the faults [default: the gateway's].")
+@common
+def gateway(workers: int, session_count: int, turns: int, engine: str | None, model_url: str | None,
+            model_name: str | None, api_key: str | None, faults: bool, seed: int | None) -> None:
+    """Run the main job: a multi-worker gateway with injected faults, ending with an exactly-once report."""
+    from .gateway import GatewayOptions, run_gateway
+
+    st = state()
+    config = st.store_config()
+    make_url_or_usage(config.url)
+    options = GatewayOptions(
+        db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
+        model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
+        progress=not st.json,
+    )
+    if seed is not None:
+        options.seed = seed
+    if st.scope or os.environ.get(SCOPE_ENV):
+        options.scope = st.scope_name
+    report = run_gateway(options, console())
+    if st.json:
+        emit_json(report.to_dict())
+    else:
+        report.render(console())
+    if not report.ok:
+        raise CommandError(f"the gateway run failed its checks: {'; '.join(report.problems)}")
+
+
+def make_url_or_usage(url: str) -> None:
+    """Refuse a --db value that is not a database URL, as a usage error."""
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def exit_code(error: BaseException) -> int:
+    """The documented exit code of an error."""
+    if isinstance(error, CommandError):
+        return error.code
+    if isinstance(error, UnknownSession | UnknownEntry):
+        return EXIT_NOT_FOUND
+    if isinstance(error, SchemaNotCurrent):
+        return EXIT_SCHEMA
+    if isinstance(error, StoreUnavailable):
+        return EXIT_UNAVAILABLE
+    return EXIT_FAILED
+
+
+def error_line(error: BaseException, url: str | None) -> str:
+    """One line describing an error, with any database password scrubbed."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if not isinstance(error, TranscriptStoreError | CommandError | OSError):
+        text = f"{type(error).__name__}: {text}"
+    password = None
+    if url:
+        try:
+            password = make_url(url).password
+        except ArgumentError:
+            password = None
+    if password:
+        text = text.replace(str(password), "***")
+    if isinstance(error, EngineError):
+        text = f"engine: {text}"
+    return f"error: {text}"
+
+
+def _fail(error: BaseException, st: State) -> NoReturn:
+    if st.debug:
+        traceback.print_exception(error)
+    url = st.db or os.environ.get("TRANSCRIPT_STORE_URL")
+    line = error_line(error, url)
+    if not isinstance(error, TranscriptStoreError | CommandError | OSError) and not st.debug:
+        line += " (an internal error: rerun with --debug for the traceback)"
+    click.echo(line, err=True)
+    sys.exit(exit_code(error))
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The console script: run the command, map errors to one line and a documented exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
+    st = State()
+    try:
+        rv = cli.main(args=argv, prog_name="transcript-store", obj=st, standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(EXIT_FAILED)
+    except Exception as e:
+        _fail(e, st)
+    sys.exit(rv if isinstance(rv, int) else EXIT_OK)

@@ -1,0 +1,335 @@
+"""Session export and import: one session as lossless JSON records, and its re-creation in one transaction.
+
+An export is a header record (the session's identity and head) followed by one record per stored entry
+in raw seq order: every branch, every kind, with the fields that make the tree (entry id, parent id,
+seq, position, generation) and the keys that make retries idempotent (idempotency key, turn id).
+An import validates all of it before the transaction (a dense seq, parents that exist and came earlier,
+positions that count the message ancestors, active flags that are exactly the path to the head, every
+payload through the same checks as an append) and then writes the session, its entries and its active
+path in ONE transaction, or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import insert
+
+from .config import StoreConfig
+from .core import Core, NewEntry, check_id, prepare_entry, session_info
+from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
+from .models import SessionInfo
+from .schema import active_path, entries, sessions
+
+FORMAT = "transcript-store.session.v1"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_BATCH = 500
+
+
+def iso_us(us: int) -> str:
+    """Stored microseconds as an exact ISO 8601 UTC timestamp."""
+    return (_EPOCH + timedelta(microseconds=us)).isoformat(timespec="microseconds")
+
+
+def us_from_iso(value: datetime) -> int:
+    """An aware datetime as exact microseconds since the epoch."""
+    return (value - _EPOCH) // timedelta(microseconds=1)
+
+
+class _Record(BaseModel):
+    # Strict: lax mode would turn "3" into 3 or 1 into True, and an import must not guess.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class SessionHeader(_Record):
+    """The first record of an export: the session's identity, head and counts."""
+
+    format: str
+    scope: str
+    session_id: str
+    session_key: str | None
+    active: bool
+    generation: int = Field(ge=0)
+    head_entry_id: str | None
+    entry_count: int = Field(ge=0)
+    visible_count: int = Field(ge=0)
+    created_at: datetime = Field(strict=False)
+    updated_at: datetime = Field(strict=False)
+
+
+class EntryRecord(_Record):
+    """One stored entry, every field."""
+
+    entry_id: str
+    parent_id: str | None
+    seq: int = Field(ge=0)
+    kind: str
+    role: str | None
+    message: dict[str, Any] | None
+    payload: dict[str, Any] | None
+    position: int | None
+    generation: int = Field(ge=0)
+    size_bytes: int = Field(ge=0)
+    idempotency_key: str | None
+    turn_id: str | None
+    created_at: datetime = Field(strict=False)
+    active: bool
+
+
+def _parse(model: type[_Record], raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{where} must be a JSON object")
+    try:
+        record = model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "record"
+        raise InvalidInput(f"{where}: {field}: {first['msg']}") from None
+    for name in ("created_at", "updated_at"):
+        stamp = getattr(record, name, None)
+        if stamp is not None and stamp.tzinfo is None:
+            raise InvalidInput(f"{where}: {name} must carry a UTC offset")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def export_in(core: Core, scope: str, session_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header and entry records of one session, read in one snapshot."""
+    sess = core.require_session(scope, session_id)
+    header = {
+        "format": FORMAT,
+        "scope": sess.scope,
+        "session_id": sess.session_id,
+        "session_key": sess.session_key,
+        "active": bool(sess.active),
+        "generation": sess.generation,
+        "head_entry_id": sess.head_entry_id,
+        "entry_count": sess.last_seq + 1,
+        "visible_count": sess.visible_count,
+        "created_at": iso_us(sess.created_us),
+        "updated_at": iso_us(sess.updated_us),
+    }
+    records: list[dict[str, Any]] = []
+    after = -1
+    while True:
+        page = core.all_rows(scope, session_id, after, 10_000)
+        records.extend(_entry_record(row, active) for row, active in page)
+        if len(page) < 10_000:
+            return header, records
+        after = page[-1][0].seq
+
+
+def _entry_record(row: Any, active: bool) -> dict[str, Any]:
+    body = json.loads(row.payload)
+    is_message = row.kind == "message"
+    return {
+        "entry_id": row.entry_id,
+        "parent_id": row.parent_id,
+        "seq": row.seq,
+        "kind": row.kind,
+        "role": row.role,
+        "message": body if is_message else None,
+        "payload": None if is_message else body,
+        "position": row.position,
+        "generation": row.generation,
+        "size_bytes": row.size_bytes,
+        "idempotency_key": row.idempotency_key,
+        "turn_id": row.turn_id,
+        "created_at": iso_us(row.created_us),
+        "active": active,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """A validated import: the rows to write, computed before the transaction."""
+
+    session: dict[str, Any]
+    entry_rows: list[dict[str, Any]]
+    path_rows: list[dict[str, Any]]
+
+
+def plan_import(
+    config: StoreConfig,
+    scope: str,
+    header: Any,
+    records: Sequence[Any],
+    *,
+    session_id: str | None = None,
+    session_key: str | None = None,
+) -> ImportPlan:
+    """Validate an export completely; raises InvalidInput (nothing written) on the first problem."""
+    check_id("scope", scope)
+    head = _parse(SessionHeader, header, "header")
+    if head.format != FORMAT:
+        raise InvalidInput(f"header: format {head.format!r} is not {FORMAT!r}")
+    sid = session_id if session_id is not None else head.session_id
+    key = session_key if session_key is not None else head.session_key
+    check_id("session_id", sid)
+    check_id("session_key", key, optional=True)
+    if isinstance(records, str | bytes) or not isinstance(records, Sequence):
+        raise InvalidInput("entries must be a list of entry records")
+    if len(records) != head.entry_count:
+        raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(records)}")
+    parsed = [_parse(EntryRecord, raw, f"entry {i}") for i, raw in enumerate(records)]
+    rows = _entry_rows(config, scope, sid, head, parsed)
+    path = _active_path(rows, parsed, head)
+    visible = sum(1 for r in path if r["position"] is not None)
+    if visible != head.visible_count:
+        raise InvalidInput(f"header says {head.visible_count} visible messages, the active path has {visible}")
+    tip = path[-1] if path else None
+    session = {
+        "scope": scope,
+        "session_id": sid,
+        "session_key": key,
+        "active": head.active,
+        "generation": head.generation,
+        "last_seq": len(rows) - 1,
+        "head_seq": tip["seq"] if tip else None,
+        "head_entry_id": tip["entry_id"] if tip else None,
+        "path_length": len(path),
+        "visible_count": visible,
+        "created_us": us_from_iso(head.created_at),
+        "updated_us": us_from_iso(head.updated_at),
+    }
+    path_rows = [
+        {"scope": scope, "session_id": sid, "depth": r["depth"], "seq": r["seq"], "position": r["position"]}
+        for r in path
+    ]
+    return ImportPlan(session, rows, path_rows)
+
+
+def _entry_rows(
+    config: StoreConfig, scope: str, sid: str, head: SessionHeader, parsed: list[EntryRecord]
+) -> list[dict[str, Any]]:
+    """Every entry validated as an append would be, with the tree's shape checked."""
+    by_id: dict[str, dict[str, Any]] = {}
+    keys: set[str] = set()
+    turns: set[str] = set()
+    rows: list[dict[str, Any]] = []
+    for i, rec in enumerate(parsed):
+        where = f"entry {i} ({rec.entry_id!r})"
+        if rec.seq != i:
+            raise InvalidInput(f"{where}: seq {rec.seq}, expected {i} (entries are dense, in raw seq order)")
+        new = _prepare(config, rec, where)
+        if rec.entry_id in by_id:
+            raise InvalidInput(f"{where}: entry_id appears twice")
+        if new.role != rec.role:
+            raise InvalidInput(f"{where}: role {rec.role!r} does not match the message")
+        _unique(keys, rec.idempotency_key, f"{where}: idempotency_key appears twice")
+        _unique(turns, rec.turn_id, f"{where}: turn_id appears twice")
+        if rec.generation > head.generation:
+            raise InvalidInput(f"{where}: generation {rec.generation} is after the session's {head.generation}")
+        parent = None
+        if rec.parent_id is not None:
+            parent = by_id.get(rec.parent_id)
+            if parent is None:
+                raise InvalidInput(f"{where}: parent {rec.parent_id!r} is not an earlier entry")
+        depth = 0 if parent is None else parent["depth"] + 1
+        messages_before = 0 if parent is None else parent["messages_through"]
+        position = messages_before if rec.kind == "message" else None
+        if rec.position != position:
+            raise InvalidInput(f"{where}: position {rec.position}, the tree gives {position}")
+        row = {
+            "scope": scope,
+            "session_id": sid,
+            "seq": rec.seq,
+            "entry_id": rec.entry_id,
+            "parent_id": rec.parent_id,
+            "depth": depth,
+            "position": position,
+            "generation": rec.generation,
+            "kind": new.kind,
+            "role": new.role,
+            "payload": new.payload_json,
+            "size_bytes": new.size_bytes,
+            "idempotency_key": rec.idempotency_key,
+            "turn_id": rec.turn_id,
+            "created_us": us_from_iso(rec.created_at),
+        }
+        by_id[rec.entry_id] = {"depth": depth, "messages_through": messages_before + (rec.kind == "message")}
+        rows.append(row)
+    return rows
+
+
+def _prepare(config: StoreConfig, rec: EntryRecord, where: str) -> NewEntry:
+    try:
+        return prepare_entry(
+            config,
+            kind=rec.kind,
+            message=rec.message,
+            payload=rec.payload,
+            entry_id=rec.entry_id,
+            idempotency_key=rec.idempotency_key,
+            turn_id=rec.turn_id,
+        )
+    except InvalidInput as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def _unique(seen: set[str], value: str | None, message: str) -> None:
+    if value is None:
+        return
+    if value in seen:
+        raise InvalidInput(message)
+    seen.add(value)
+
+
+def _active_path(rows: list[dict[str, Any]], parsed: list[EntryRecord], head: SessionHeader) -> list[dict[str, Any]]:
+    """The rows root -> head; the records' active flags must name exactly these."""
+    by_id = {r["entry_id"]: r for r in rows}
+    path: list[dict[str, Any]] = []
+    if head.head_entry_id is not None:
+        node = by_id.get(head.head_entry_id)
+        if node is None:
+            raise InvalidInput(f"header: head_entry_id {head.head_entry_id!r} is not an entry of the export")
+        while node is not None:
+            path.append(node)
+            node = by_id[node["parent_id"]] if node["parent_id"] is not None else None
+        path.reverse()
+    on_path = {r["entry_id"] for r in path}
+    for i, rec in enumerate(parsed):
+        if rec.active != (rec.entry_id in on_path):
+            state = "active but off" if rec.active else "not active but on"
+            raise InvalidInput(f"entry {i} ({rec.entry_id!r}) is marked {state} the path to the head")
+    return path
+
+
+def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
+    """Write a validated import in the caller's transaction; an existing session is refused."""
+    scope, sid = plan.session["scope"], plan.session["session_id"]
+    # The primary key is the refusal: no read-then-insert race between two importers.
+    stmt = core.dialect.insert(sessions).values(**plan.session).on_conflict_do_nothing()
+    # RETURNING, not rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT DO NOTHING here.
+    if core.conn.execute(stmt.returning(sessions.c.session_id)).first() is None:
+        if core.session_row(scope, sid) is not None:
+            raise IdempotencyConflict(f"session {sid!r} already exists in scope {scope!r}; import never overwrites")
+        raise SessionKeyConflict(
+            f"an active session in scope {scope!r} already has key {plan.session['session_key']!r}"
+        )
+    for start in range(0, len(plan.entry_rows), _BATCH):
+        core.conn.execute(insert(entries), plan.entry_rows[start : start + _BATCH])
+    for start in range(0, len(plan.path_rows), _BATCH):
+        core.conn.execute(insert(active_path), plan.path_rows[start : start + _BATCH])
+    return session_info(core.require_session(scope, sid))
+
+
+__all__ = [
+    "FORMAT",
+    "EntryRecord",
+    "ImportPlan",
+    "SessionHeader",
+    "export_in",
+    "import_in",
+    "plan_import",
+]
