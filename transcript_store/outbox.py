@@ -17,10 +17,10 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Row, delete, select, update
+from sqlalchemy import Row, bindparam, delete, select, update
 
 from . import identity
-from .core import Core, from_us, now_us
+from .core import Core, by_session, from_us, now_us, session_params
 from .errors import InvalidInput, OutboxCollision
 from .fences import read_closed_range
 from .ledger import CommitResult
@@ -91,12 +91,41 @@ def _key(scope: str, session_id: str, turn_id: str) -> Any:
     return (outbox.c.scope == scope) & (outbox.c.session_id == session_id) & (outbox.c.turn_id == turn_id)
 
 
+# The statements every turn runs are built once (see core.py, "hot statements": building a statement
+# costs more CPU than executing it from SQLAlchemy's compiled cache).
+_BY_TURN = by_session(outbox) & (outbox.c.turn_id == bindparam("b_turn"))
+_GET_ROW = select(outbox).where(_BY_TURN)
+_GET_ROW_LOCKED = _GET_ROW.with_for_update()
+_ACCEPT = (
+    update(outbox)
+    .where(_BY_TURN)
+    .values(
+        state="accepted", terminal=bindparam("b_terminal"), lease_owner=None, lease_expires_us=None,
+        updated_us=bindparam("b_ts"),
+    )
+)
+_MARK_READY = update(outbox).where(_BY_TURN).values(
+    state="ready", messages=bindparam("b_messages"), updated_us=bindparam("b_ts")
+)
+_COMPLETE = delete(outbox).where(_BY_TURN, outbox.c.state == "ready")
+_COMPLETE_OWNED = _COMPLETE.where(outbox.c.lease_owner == bindparam("b_owner"))
+_PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
+_PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
+_EXPIRED_ADMITTED = select(outbox).where(
+    by_session(outbox), outbox.c.state == "admitted", outbox.c.lease_expires_us < bindparam("b_now")
+)
+#: dialect name -> INSERT .. ON CONFLICT DO NOTHING RETURNING of an admitted intent
+_INSERT_ADMITTED: dict[str, Any] = {}
+
+
+def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict[str, Any]:
+    return session_params(scope, session_id, b_turn=turn_id, **more)
+
+
 def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool = False) -> Row[Any] | None:
     """The raw outbox row of a turn (locked FOR UPDATE on PostgreSQL when asked)."""
-    q = select(outbox).where(_key(scope, session_id, turn_id))
-    if lock and not core.dialect.is_sqlite:
-        q = q.with_for_update()
-    return core.conn.execute(q).first()
+    q = _GET_ROW_LOCKED if lock and not core.dialect.is_sqlite else _GET_ROW
+    return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).first()
 
 
 def get_intent(core: Core, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
@@ -139,10 +168,15 @@ def record_admitted(
         "created_us": ts,
         "updated_us": ts,
     }
-    inserted = core.conn.execute(core.dialect.insert(outbox).values(**values).on_conflict_do_nothing()).rowcount
-    row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=inserted != 1)
+    # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
+    stmt = _INSERT_ADMITTED.get(core.dialect.name)
+    if stmt is None:
+        stmt = core.dialect.insert(outbox).on_conflict_do_nothing().returning(outbox.c.turn_id)
+        _INSERT_ADMITTED[core.dialect.name] = stmt
+    inserted = core.conn.execute(stmt, values).first() is not None
+    row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=not inserted)
     assert row is not None
-    if inserted == 1:
+    if inserted:
         return _intent(row)
     if row.engine_id != engine_id:
         raise OutboxCollision(f"turn {admission.turn_id!r} is owned by engine {row.engine_id!r}, not {engine_id!r}")
@@ -173,12 +207,8 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
         if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
             return _intent(row)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
-    core.conn.execute(
-        update(outbox)
-        .where(_key(scope, session_id, turn_id))
-        .values(state="accepted", terminal=terminal.model_dump_json(), lease_owner=None,
-                lease_expires_us=None, updated_us=now_us())
-    )
+    params = _turn_params(scope, session_id, turn_id, b_terminal=terminal.model_dump_json(), b_ts=now_us())
+    core.conn.execute(_ACCEPT, params)
     updated = get_row(core, scope, session_id, turn_id)
     assert updated is not None
     return _intent(updated)
@@ -189,44 +219,43 @@ def capture(core: Core, intent: TurnIntent) -> TurnIntent:
     if intent.state != "accepted" or intent.terminal is None:
         return intent
     result = read_closed_range(core, intent.admission.anchor, intent.terminal)
-    key = _key(intent.scope, intent.session_id, intent.turn_id)
     ts = now_us()
     if isinstance(result, ClosedRange):
         messages = result.messages
-        core.conn.execute(
-            update(outbox).where(key).values(state="ready", messages=json.dumps(messages), updated_us=ts)
-        )
+        params = _turn_params(intent.scope, intent.session_id, intent.turn_id, b_messages=json.dumps(messages), b_ts=ts)
+        core.conn.execute(_MARK_READY, params)
         return intent.model_copy(update={"state": "ready", "messages": messages})
     if result.reason == "projection_unavailable":
         return intent
     reason = f"{result.reason}: {result.detail}" if result.detail else result.reason
+    key = _key(intent.scope, intent.session_id, intent.turn_id)
     core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=ts))
     log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
     return intent.model_copy(update={"state": "blocked", "block_reason": reason})
 
 
-def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
-    """Delete an intent that is still only admitted (a failed, aborted or errored attempt)."""
-    result = core.conn.execute(delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted"))
-    return result.rowcount == 1
+def discard(core: Core, scope: str, session_id: str, turn_id: str, *, expired_only: bool = False) -> bool:
+    """Delete an intent that is still only admitted (a failed, aborted or errored attempt).
+
+    ``expired_only`` (recovery): only while its worker lease is expired, re-checked here, because a
+    retrying worker may have taken the turn over since recovery read it.
+    """
+    q = delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted")
+    if expired_only:
+        q = q.where(outbox.c.lease_expires_us < now_us())
+    return core.conn.execute(q).rowcount == 1
 
 
 def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
     """Delete a delivered intent (only the lease owner's claim, when an owner is given)."""
-    q = delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "ready")
-    if owner is not None:
-        q = q.where(outbox.c.lease_owner == owner)
-    return core.conn.execute(q).rowcount == 1
+    q = _COMPLETE if owner is None else _COMPLETE_OWNED
+    return core.conn.execute(q, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
 
 
 def pending(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[TurnIntent]:
     """Every non-blocked intent of a session (of one engine, when given), in enqueue order."""
-    q = select(outbox).where(
-        outbox.c.scope == scope, outbox.c.session_id == session_id, outbox.c.state != "blocked"
-    )
-    if engine_id is not None:
-        q = q.where(outbox.c.engine_id == engine_id)
-    return [_intent(r) for r in core.conn.execute(q.order_by(outbox.c.enqueue_seq))]
+    q = _PENDING if engine_id is None else _PENDING_OF_ENGINE
+    return [_intent(r) for r in core.conn.execute(q, session_params(scope, session_id, b_engine=engine_id))]
 
 
 def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
@@ -342,10 +371,4 @@ def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> No
 
 def expired_admitted(core: Core, scope: str, session_id: str) -> list[TurnIntent]:
     """Admitted-only intents of a session whose worker lease has expired."""
-    q = select(outbox).where(
-        outbox.c.scope == scope,
-        outbox.c.session_id == session_id,
-        outbox.c.state == "admitted",
-        outbox.c.lease_expires_us < now_us(),
-    )
-    return [_intent(r) for r in core.conn.execute(q)]
+    return [_intent(r) for r in core.conn.execute(_EXPIRED_ADMITTED, session_params(scope, session_id, b_now=now_us()))]

@@ -162,7 +162,7 @@ class Turns:
         appended = c.append(scope, session_id, items)
         faults.point("complete.after_replies")
         sess = c.require_session(scope, session_id)
-        terminal = c.anchor_for(sess, c.entry_row(scope, session_id, appended[-1].entry_id))
+        terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
         intent = outbox.accept(c, scope, session_id, turn_id, terminal)
         faults.point("complete.after_accept")
         return intent, terminal
@@ -171,8 +171,8 @@ class Turns:
         self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
     ) -> CompletionResult:
         intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
-        earlier = [i for i in outbox.pending(c, scope, session_id, intent.engine_id) if i.turn_id != turn_id]
-        if earlier:
+        pending = outbox.pending(c, scope, session_id, intent.engine_id)
+        if any(i.enqueue_seq < intent.enqueue_seq for i in pending):
             # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
             return CompletionResult(intent, terminal, None)
         intent = outbox.capture(c, intent)
@@ -229,9 +229,12 @@ class Turns:
         on_committed: Callable[[TurnIntent, CommitResult], None] | None,
     ) -> bool:
         blocked: list[str] = []
-        claimed = self.store.write(
-            lambda c: outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
-        )
+
+        def claim(c: Core) -> TurnIntent | str:
+            blocked.clear()  # the write may be retried whole: count only the attempt that commits
+            return outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
+
+        claimed = self.store.write(claim)
         report.blocked += len(blocked)
         if isinstance(claimed, str):
             if claimed != "empty":
@@ -239,13 +242,11 @@ class Turns:
             return False
         intent = claimed
         faults.point("drain.after_claim")
-        deliver = commit_in(intent.engine_id)
-        if deliver is None:
-            self.store.write(lambda c: outbox.record_failure(c, intent, owner, "engine unavailable"))
-            report.failed.append((intent.session_id, intent.turn_id, "engine unavailable"))
-            report.stopped_sessions.append(intent.session_id)
-            return False
         try:
+            # The engine lookup fails like a delivery: the row stays queued, its claim released.
+            deliver = commit_in(intent.engine_id)
+            if deliver is None:
+                raise _EngineUnavailable
             payload = turn_payload(intent)
 
             def run(c: Core) -> CommitResult:
@@ -257,7 +258,7 @@ class Turns:
 
             result = self.store.write(run)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            error = str(e) if isinstance(e, _EngineUnavailable) else f"{type(e).__name__}: {e}"
             log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
             self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
             report.failed.append((intent.session_id, intent.turn_id, error))
@@ -279,9 +280,25 @@ class Turns:
     ) -> RecoveryReport:
         """Before a turn: discard dead admitted intents, capture accepted ones, drain ready ones."""
         report = RecoveryReport()
-        for intent in self.store.read(lambda c: outbox.expired_admitted(c, scope, session_id)):
+
+        def look(c: Core) -> tuple[list[TurnIntent], list[outbox.Group], list[TurnIntent]]:
+            return (
+                outbox.expired_admitted(c, scope, session_id),
+                outbox.drainable_groups(c, scope, session_id),
+                outbox.pending(c, scope, session_id, engine_id),
+            )
+
+        # Every turn runs this first; almost always there is nothing to recover. One snapshot answers
+        # all three questions then, instead of three read transactions (see bench/README.md).
+        expired, groups, pending = self.store.read(look)
+        if not expired and not groups:
+            report.pending = [i.turn_id for i in pending]
+            return report
+        for intent in expired:
             turn_id = intent.turn_id
-            if self.store.write(lambda c: outbox.discard(c, scope, session_id, turn_id)):  # noqa: B023
+            if self.store.write(
+                lambda c: outbox.discard(c, scope, session_id, turn_id, expired_only=True)  # noqa: B023
+            ):
                 log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
                             intent.turn_id, session_id)
                 report.discarded.append(intent.turn_id)
@@ -298,6 +315,11 @@ class Turns:
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
         """One outbox row, or None."""
         return self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
+
+
+class _EngineUnavailable(Exception):
+    def __init__(self) -> None:
+        super().__init__("engine unavailable")
 
 
 def _check_result(result: object) -> None:

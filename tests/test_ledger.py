@@ -1,0 +1,308 @@
+"""The engine-side commit ledger: commit_turn is ONE atomic, idempotent write keyed by advancement key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from workers.turn_worker import count_turn
+
+from transcript_store import (
+    Admission,
+    AdvancementKeyCollision,
+    Anchor,
+    ClosedRange,
+    InvalidInput,
+    StoreConfig,
+    TranscriptStore,
+    UnknownSession,
+)
+from transcript_store.core import Core
+from transcript_store.ledger import (
+    TurnPayload,
+    committed_messages,
+    count_turn_messages,
+    get_receipt,
+    get_state,
+    list_receipts,
+    prepare_turn,
+    put_state,
+)
+from transcript_store.turns import Turns
+
+A = "scope-a"
+E = "engine-1"
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def tool_round(call_id: str, result: str) -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
+def finished_turn(
+    store: TranscriptStore, sid: str, turn_id: str, replies: list[dict[str, Any]] | None = None
+) -> tuple[Admission, Anchor, list[dict[str, Any]]]:
+    """Admit a user message, append the replies: the admission, the terminal anchor and the closed range."""
+    admission = store.admit(A, sid, user(f"question {turn_id}"), turn_id=turn_id)
+    appended = store.append_many(A, sid, [{"message": m} for m in replies or [assistant(f"answer {turn_id}")]])
+    terminal = store.anchor(A, sid, appended[-1].entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    return admission, terminal, closed.messages
+
+
+def ledger(store: TranscriptStore, sid: str, engine: str = E) -> tuple[list[str], int, Any]:
+    """(receipt keys, ledger message count, engine turn counter) of a session."""
+
+    def run(c: Core) -> tuple[list[str], int, Any]:
+        keys = [r.advancement_key for r in list_receipts(c, A, sid, engine)]
+        return keys, count_turn_messages(c, A, sid, engine), get_state(c, A, sid, engine, "turns")
+
+    return store.read(run)
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(A, session_id="s1").session_id
+
+
+@pytest.fixture
+def turns(store: TranscriptStore) -> Turns:
+    return Turns(store)
+
+
+# ---------------------------------------------------------------------------------------------- idempotency
+
+
+def test_commit_then_duplicate(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1", [*tool_round("c1", "42"), assistant("done")])
+    first = turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    assert first.status == "committed"
+    r = first.receipt
+    assert (r.scope, r.session_id, r.engine_id, r.advancement_key) == (A, sid, E, "t1")
+    assert (r.admission_entry_id, r.terminal_entry_id, r.message_count) == (
+        admission.anchor.entry_id, terminal.entry_id, 4
+    )
+    assert len(r.payload_hash) == 64 and r.is_heartbeat is False
+
+    again = turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    assert again.status == "duplicate"
+    assert again.receipt == first.receipt
+    assert ledger(store, sid) == (["t1"], 4, 1)
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "t1")) == messages
+
+
+def test_duplicate_after_restart(store_url: str, store: TranscriptStore, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    first = Turns(store).commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    store.close()
+    reopened = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    try:
+        again = Turns(reopened).commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+        assert again.status == "duplicate"
+        assert again.receipt == first.receipt
+        assert ledger(reopened, sid) == (["t1"], 2, 1)
+    finally:
+        reopened.close()
+
+
+def test_same_key_with_another_payload_is_a_collision(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1", [assistant("a"), assistant("b")])
+    turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    shorter = store.anchor(A, sid, store.list_entries(A, sid)[1].entry_id)
+    changed = [messages[0], assistant("other"), messages[2]]
+    for attempt in (
+        lambda: turns.commit_turn(E, "t1", admission, terminal, changed, apply=count_turn),
+        lambda: turns.commit_turn(E, "t1", admission, shorter, messages[:2], apply=count_turn),
+        lambda: turns.commit_turn(E, "t1", admission, terminal, messages, is_heartbeat=True, apply=count_turn),
+    ):
+        with pytest.raises(AdvancementKeyCollision, match=r"^context-engine advancement key collision: t1$"):
+            attempt()
+    assert ledger(store, sid) == (["t1"], 3, 1)
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "t1")) == messages
+
+
+def test_changed_admitted_user_message(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    forged = [user("not what was admitted"), *messages[1:]]
+    with pytest.raises(InvalidInput, match="admitted user message"):
+        turns.commit_turn(E, "t1", admission, terminal, forged, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)
+
+    turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    with pytest.raises(AdvancementKeyCollision):
+        turns.commit_turn(E, "t1", admission, terminal, forged, apply=count_turn)
+    assert ledger(store, sid) == (["t1"], 2, 1)
+
+
+def test_engines_keep_separate_ledgers(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    assert turns.commit_turn(E, "t1", admission, terminal, messages).status == "committed"
+    assert turns.commit_turn("engine-2", "t1", admission, terminal, messages).status == "committed"
+    assert sorted(r.engine_id for r in turns.receipts(A, sid)) == [E, "engine-2"]
+    assert [r.advancement_key for r in turns.receipts(A, sid, "engine-2")] == ["t1"]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_terminal_outside_the_range_is_refused(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    _, earlier, _ = finished_turn(store, sid, "t0")
+    admission, terminal, messages = finished_turn(store, sid, "t1", [assistant("a"), assistant("b")])
+    with pytest.raises(InvalidInput, match="holds 3 messages, got 2"):
+        turns.commit_turn(E, "t1", admission, terminal, messages[:2], apply=count_turn)
+    with pytest.raises(InvalidInput, match="holds 3 messages, got 4"):
+        turns.commit_turn(E, "t1", admission, terminal, [*messages, assistant("extra")], apply=count_turn)
+    with pytest.raises(InvalidInput, match="at or after the admission"):
+        turns.commit_turn(E, "t1", admission, earlier, messages, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)
+
+
+def test_advancement_key_must_be_the_logical_turn_id(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    with pytest.raises(InvalidInput, match="logical turn id"):
+        turns.commit_turn(E, "t2", admission, terminal, messages, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)
+
+
+def test_invalid_inputs_are_refused_before_anything_is_written(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    other = store.create_session(A, session_id="s2").session_id
+    foreign_admission, _, _ = finished_turn(store, other, "t9")
+    bad: list[tuple[Any, ...]] = [
+        ("", "t1", admission, terminal, messages),
+        (E, "t1", admission, terminal, "not a list"),
+        (E, "t1", admission, terminal, [messages[0], {"role": "wizard", "content": "x"}]),
+        (E, "t1", admission, terminal, [assistant("not the user"), messages[1]]),
+        (E, "t1", admission, admission, messages),
+        (E, "t9", foreign_admission, terminal, messages),
+        (E, "t1", {"anchor": "nope"}, terminal, messages),
+    ]
+    for args in bad:
+        with pytest.raises(InvalidInput):
+            turns.commit_turn(*args)
+    with pytest.raises(InvalidInput, match="is_heartbeat"):
+        turns.commit_turn(E, "t1", admission, terminal, messages, is_heartbeat=1)  # type: ignore[arg-type]
+    assert ledger(store, sid) == ([], 0, None)
+    assert ledger(store, other) == ([], 0, None)
+
+
+# ---------------------------------------------------------------------------------------------- atomicity
+
+
+def test_failure_mid_transaction_rolls_back_everything_and_a_retry_commits(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    seen: list[TurnPayload] = []
+
+    def crash_after_state(c: Core, turn: TurnPayload) -> None:
+        count_turn(c, turn)
+        put_state(c, turn.scope, turn.session_id, turn.engine_id, "cursor", {"position": turn.terminal.position})
+        seen.append(turn)
+        assert get_state(c, A, sid, E, "turns") == 1  # written inside the transaction
+        raise RuntimeError("engine crashed mid-commit")
+
+    with pytest.raises(RuntimeError, match="mid-commit"):
+        turns.commit_turn(E, "t1", admission, terminal, messages, apply=crash_after_state)
+    assert len(seen) == 1
+    assert ledger(store, sid) == ([], 0, None)
+    assert store.read(lambda c: get_state(c, A, sid, E, "cursor")) is None
+    assert store.read(lambda c: get_receipt(c, A, sid, E, "t1")) is None
+
+    retry = turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+    assert retry.status == "committed"
+    assert ledger(store, sid) == (["t1"], 2, 1)
+
+
+def test_apply_runs_only_when_newly_committed(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    calls: list[str] = []
+
+    def apply(c: Core, turn: TurnPayload) -> None:
+        calls.append(turn.advancement_key)
+        count_turn(c, turn)
+
+    for _ in range(3):
+        turns.commit_turn(E, "t1", admission, terminal, messages, apply=apply)
+    assert calls == ["t1"]
+    assert ledger(store, sid) == (["t1"], 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------- contents
+
+
+def test_identical_tool_results_in_different_turns_are_both_kept(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    same = [*tool_round("call_1", '{"temperature": 21}'), assistant("It is 21 degrees.")]
+    a1, t1, m1 = finished_turn(store, sid, "t1", same)
+    a2, t2, m2 = finished_turn(store, sid, "t2", same)
+    assert m1[1:] == m2[1:]
+    assert turns.commit_turn(E, "t1", a1, t1, m1, apply=count_turn).status == "committed"
+    r2 = turns.commit_turn(E, "t2", a2, t2, m2, apply=count_turn)
+    assert r2.status == "committed"
+    assert ledger(store, sid) == (["t1", "t2"], 8, 2)
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "t1")) == m1
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "t2")) == m2
+
+
+def test_heartbeat_turns(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "hb1", [assistant("HEARTBEAT_OK")])
+    plain = prepare_turn(E, "hb1", admission, terminal, messages)
+    beat = prepare_turn(E, "hb1", admission, terminal, messages, is_heartbeat=True)
+    assert plain.payload_hash != beat.payload_hash
+
+    first = turns.commit_turn(E, "hb1", admission, terminal, messages, is_heartbeat=True, apply=count_turn)
+    assert first.status == "committed" and first.receipt.is_heartbeat is True
+    assert first.receipt.payload_hash == beat.payload_hash
+    again = turns.commit_turn(E, "hb1", admission, terminal, messages, is_heartbeat=True, apply=count_turn)
+    assert again.status == "duplicate" and again.receipt.is_heartbeat is True
+    with pytest.raises(AdvancementKeyCollision):
+        turns.commit_turn(E, "hb1", admission, terminal, messages, apply=count_turn)
+    assert ledger(store, sid) == (["hb1"], 2, 1)
+    assert turns.receipts(A, sid)[0].is_heartbeat is True
+
+
+def test_hash_excludes_runtime_facts_and_includes_session_identity(store: TranscriptStore, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    one = prepare_turn(E, "t1", admission, terminal, messages)
+    # An Anchor instead of the Admission, a copied message list: the same payload.
+    copied = prepare_turn(E, "t1", admission.anchor, terminal, [dict(m) for m in messages])
+    assert copied.payload_hash == one.payload_hash
+    moved = admission.anchor.model_copy(update={"session_key": "other-key"})
+    moved_terminal = terminal.model_copy(update={"session_key": "other-key"})
+    assert prepare_turn(E, "t1", moved, moved_terminal, messages).payload_hash != one.payload_hash
+
+
+def test_gaps_are_normal(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    finished_turn(store, sid, "t1")
+    a2, t2, m2 = finished_turn(store, sid, "t2")
+    a3, t3, m3 = finished_turn(store, sid, "t3")
+    assert turns.commit_turn(E, "t3", a3, t3, m3, apply=count_turn).status == "committed"
+    assert turns.commit_turn(E, "t2", a2, t2, m2, apply=count_turn).status == "committed"
+    keys, count, counter = ledger(store, sid)
+    assert sorted(keys) == ["t2", "t3"] and (count, counter) == (4, 2)
+    assert store.read(lambda c: get_state(c, A, sid, E, "order")) == ["t3", "t2"]
+
+
+def test_unknown_session_and_foreign_scope_write_nothing(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    foreign = admission.model_copy(update={"anchor": admission.anchor.model_copy(update={"scope": "scope-b"})})
+    foreign_terminal = terminal.model_copy(update={"scope": "scope-b"})
+    with pytest.raises(UnknownSession):
+        turns.commit_turn(E, "t1", foreign, foreign_terminal, messages, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)

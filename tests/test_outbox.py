@@ -1,0 +1,532 @@
+"""The host-side turn outbox: transitions, the in-order drain, recovery, and the fast completion path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from workers.turn_worker import count_turn, counting_engine
+
+from transcript_store import IdempotencyConflict, InvalidInput, TranscriptStore, outbox
+from transcript_store.core import Core
+from transcript_store.errors import OutboxCollision
+from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, count_turn_messages, get_state
+from transcript_store.outbox import OutboxConfig, TurnIntent, capture, claim_head
+from transcript_store.turns import CommitIn, CompletionResult, Turns, turn_payload
+
+A = "scope-a"
+E = "engine-1"
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def engines(deliver: CommitIn = counting_engine) -> Callable[[str], CommitIn | None]:
+    """The drain's engine lookup: ``deliver`` for engine E, nothing for any other."""
+    return lambda engine_id: deliver if engine_id == E else None
+
+
+def accepted(turns: Turns, sid: str, turn_id: str, *, engine: str = E, replies: int = 1) -> CompletionResult:
+    """Admit a turn and accept it without delivering it (queued for the drain)."""
+    turns.admit(A, sid, user(f"q {turn_id}"), turn_id=turn_id, engine_id=engine)
+    answers = [{"message": assistant(f"a{i} {turn_id}")} for i in range(replies)]
+    done = turns.complete(A, sid, turn_id, answers, None)
+    assert done.commit is None and done.intent.state == "accepted"
+    return done
+
+
+def row_of(turns: Turns, sid: str, turn_id: str) -> TurnIntent:
+    """The outbox row of a turn, which must exist."""
+    intent = turns.intent(A, sid, turn_id)
+    assert intent is not None, f"no outbox row for {turn_id}"
+    return intent
+
+
+def engine_view(store: TranscriptStore, sid: str) -> tuple[list[str], int, Any]:
+    """(committed keys in the engine's order, ledger messages, engine turn counter) of a session."""
+
+    def run(c: Core) -> tuple[list[str], int, Any]:
+        order = get_state(c, A, sid, E, "order") or []
+        return order, count_turn_messages(c, A, sid, E), get_state(c, A, sid, E, "turns")
+
+    return store.read(run)
+
+
+class Recorder:
+    """A counting engine that remembers what it was handed, and can be told to fail."""
+
+    def __init__(self, fail: Callable[[TurnPayload], bool] = lambda _t: False) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def __call__(self, c: Core, turn: TurnPayload) -> CommitResult:
+        self.calls.append(turn.advancement_key)
+        result = commit_turn_in(c, turn, count_turn)
+        if self.fail(turn):
+            raise RuntimeError(f"engine refused {turn.advancement_key}")
+        return result
+
+
+@pytest.fixture
+def turns(store: TranscriptStore) -> Turns:
+    return Turns(store)
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(A, session_id="s1").session_id
+
+
+# ---------------------------------------------------------------------------------------------- common case
+
+
+def test_fast_path_commits_in_the_completion(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    admission, intent = turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    assert (intent.state, intent.enqueue_seq, intent.attempt_count) == ("admitted", admission.anchor.seq, 0)
+    assert intent.lease_owner is not None and intent.lease_expires_at is not None
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    assert done.fast_path_error is None
+    assert turns.intent(A, sid, "t1") is None
+    assert engine_view(store, sid) == (["t1"], 2, 1)
+    assert done.commit.receipt.terminal_entry_id == done.terminal.entry_id
+
+
+def test_engine_failure_on_the_fast_path_falls_back_to_the_drain(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], Recorder(lambda _t: True))
+    assert done.commit is None and done.fast_path_error == "RuntimeError: engine refused t1"
+    assert done.intent.state == "accepted"
+    assert engine_view(store, sid) == ([], 0, None)  # the failed fast path rolled back whole
+    assert [e.message for e in store.read_visible(A, sid)] == [user("q"), assistant("a")]
+    report = turns.drain(engines())
+    assert (report.committed, report.failed) == (1, [])
+    assert engine_view(store, sid) == (["t1"], 2, 1)
+
+
+def test_a_later_admitted_turn_does_not_hold_the_fast_path(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a1")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    assert engine_view(store, sid)[0] == ["t1"]
+
+
+def test_an_earlier_queued_turn_is_never_overtaken_by_the_fast_path(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    accepted(turns, sid, "t1")
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    done = turns.complete(A, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert done.commit is None and done.intent.state == "accepted"
+    assert engine_view(store, sid) == ([], 0, None)
+    assert turns.drain(engines()).committed == 2
+    assert engine_view(store, sid) == (["t1", "t2"], 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------- transitions
+
+
+def test_identical_rewrites_are_no_ops(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    first, intent = turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    again, intent2 = turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    assert again == first and intent2.state == "admitted" and intent2.enqueue_seq == intent.enqueue_seq
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], None)
+    assert turns.accept(A, sid, "t1", done.terminal) == done.intent
+    again2, intent3 = turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    assert again2 == first and intent3.state == "accepted"
+    assert len(store.list_entries(A, sid)) == 2
+
+
+def test_illegal_transitions_are_collisions(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    with pytest.raises(OutboxCollision, match="no admitted intent"):
+        turns.accept(A, sid, "t0", store.anchor(A, sid, store.append(A, sid, user("x")).entry_id))
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    with pytest.raises(OutboxCollision, match="owned by engine"):
+        turns.admit(A, sid, user("q"), turn_id="t1", engine_id="engine-2")
+    with pytest.raises(IdempotencyConflict):
+        turns.admit(A, sid, user("another question"), turn_id="t1", engine_id=E)
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}, {"message": assistant("b")}], None)
+    other = store.anchor(A, sid, store.list_entries(A, sid)[-2].entry_id)
+    with pytest.raises(OutboxCollision, match="another terminal"):
+        turns.accept(A, sid, "t1", other)
+    with pytest.raises(OutboxCollision, match="another terminal"):
+        turns.complete(A, sid, "t1", [{"message": assistant("c")}], counting_engine)
+    s2 = store.create_session(A, session_id="s2").session_id
+    foreign = store.anchor(A, s2, store.append(A, s2, user("y")).entry_id)
+    with pytest.raises(InvalidInput, match="another session"):
+        turns.accept(A, sid, "t1", foreign)
+    # Nothing of the refused attempts was written: the row is as accepted, the transcript is u, a, b.
+    assert turns.intent(A, sid, "t1") == done.intent
+    assert [e.message for e in store.read_visible(A, sid)][-3:] == [user("q"), assistant("a"), assistant("b")]
+    assert turns.drain(engines()).committed == 1
+    assert engine_view(store, sid) == (["t1"], 3, 1)
+
+
+def test_discard_deletes_only_an_admitted_intent(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    assert turns.discard(A, sid, "t1") is True
+    assert turns.intent(A, sid, "t1") is None
+    assert turns.discard(A, sid, "t1") is False
+    assert turns.discard(A, sid, "never") is False
+    accepted(turns, sid, "t2")
+    assert turns.discard(A, sid, "t2") is False
+    assert turns.intent(A, sid, "t2") is not None
+    report = turns.drain(engines())
+    assert report.committed == 1
+    assert engine_view(store, sid)[0] == ["t2"]  # admission alone (t1) never advanced the engine
+
+
+def test_completion_needs_a_terminal_message(turns: Turns, sid: str) -> None:
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    with pytest.raises(InvalidInput, match="at least one reply message"):
+        turns.complete(A, sid, "t1", [], counting_engine)
+    with pytest.raises(InvalidInput, match="at least one reply message"):
+        turns.complete(A, sid, "t1", [{"kind": "custom", "payload": {"x": 1}}], counting_engine)
+    assert row_of(turns, sid, "t1").state == "admitted"
+
+
+# ---------------------------------------------------------------------------------------------- stale turns
+
+
+def test_rewrite_after_acceptance_blocks_the_turn_as_stale(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    done = accepted(turns, sid, "t1")
+    edit = {"entry_id": done.intent.admission.anchor.entry_id, "message": user("edited")}
+    rewrite = store.rewrite_entries(A, sid, [edit])
+    assert rewrite.changed
+    engine = Recorder()
+    report = turns.drain(engines(engine))
+    assert (report.blocked, report.committed, engine.calls) == (1, 0, [])
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and row.state == "blocked" and row.block_reason is not None
+    assert row.block_reason.startswith("stale")
+    assert engine_view(store, sid) == ([], 0, None)
+    assert turns.drain(engines(engine)).blocked == 0  # kept as audit evidence, never retried
+    recovery = turns.recover(A, sid, E, engines(engine))
+    assert not recovery.must_degrade and engine.calls == []
+    assert [i.turn_id for i in turns.intents(A)] == ["t1"]
+
+
+def test_branch_after_acceptance_blocks_the_turn_as_stale(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    done = accepted(turns, sid, "t1", replies=2)
+    store.branch(A, sid, done.intent.admission.anchor.entry_id)  # the terminal leaves the active branch
+    engine = Recorder()
+    report = turns.drain(engines(engine))
+    assert (report.blocked, report.committed, engine.calls) == (1, 0, [])
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and row.state == "blocked" and (row.block_reason or "").startswith("stale")
+    assert engine_view(store, sid) == ([], 0, None)
+
+
+def test_blocked_rows_do_not_hold_later_turns(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    store.append(A, sid, user("before"))
+    store.append(A, sid, assistant("before"))
+    done = accepted(turns, sid, "t1")
+    store.branch(A, sid, store.list_entries(A, sid)[1].entry_id)  # abandon t1's branch
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    later = turns.complete(A, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert later.commit is None  # t1 is still accepted (not known stale yet): t2 queues behind it
+    report = turns.drain(engines())
+    assert (report.blocked, report.committed) == (1, 1)
+    assert row_of(turns, sid, "t1").state == "blocked"
+    assert engine_view(store, sid) == (["t2"], 2, 1)
+    # With t1 blocked, the next turn takes the fast path again.
+    turns.admit(A, sid, user("q3"), turn_id="t3", engine_id=E)
+    third = turns.complete(A, sid, "t3", [{"message": assistant("a3")}], counting_engine)
+    assert third.commit is not None and third.commit.status == "committed"
+    assert engine_view(store, sid) == (["t2", "t3"], 4, 2)
+    assert done.intent.turn_id == "t1"
+
+
+def test_append_only_change_after_acceptance_still_commits_once(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    done = accepted(turns, sid, "t1", replies=2)
+    store.append(A, sid, kind="custom", payload={"note": "later event"})
+    store.append(A, sid, user("a later message"))
+    closed = store.read_closed_range(done.intent.admission, done.terminal)
+    assert closed.status == "ok"
+    report = turns.drain(engines())
+    assert (report.committed, report.blocked, report.duplicates) == (1, 0, 0)
+    assert engine_view(store, sid) == (["t1"], 3, 1)
+    assert turns.drain(engines()).delivered == 0
+    receipts = turns.receipts(A, sid, E)
+    assert [(r.advancement_key, r.message_count) for r in receipts] == [("t1", 3)]
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+def test_failed_commit_is_not_overtaken_while_other_sessions_proceed(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    s2 = store.create_session(A, session_id="s2").session_id
+    accepted(turns, sid, "t1")
+    accepted(turns, sid, "t2")
+    accepted(turns, s2, "u1")
+    accepted(turns, s2, "u2")
+    engine = Recorder(lambda t: t.session_id == sid)
+    report = turns.drain(engines(engine))
+    assert report.committed == 2
+    assert [(s, t) for s, t, _ in report.failed] == [(sid, "t1")]
+    assert report.failed[0][2] == "RuntimeError: engine refused t1"
+    assert report.stopped_sessions == [sid]
+    assert engine.calls == ["t1", "u1", "u2"]  # t2 never reached the engine
+    assert engine_view(store, sid) == ([], 0, None)
+    assert engine_view(store, s2)[0] == ["u1", "u2"]
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and row.state == "ready"
+    assert (row.attempt_count, row.last_error) == (1, "RuntimeError: engine refused t1")
+    assert row.last_attempt_at is not None and row.lease_owner is None
+
+    again = turns.drain(engines(engine))
+    assert again.committed == 0 and row_of(turns, sid, "t1").attempt_count == 2
+    fixed = turns.drain(engines())
+    assert fixed.committed == 2
+    assert engine_view(store, sid) == (["t1", "t2"], 4, 2)
+
+
+@pytest.mark.parametrize("bad", [None, "committed", 42, "bogus-status"], ids=repr)
+def test_invalid_commit_result_is_recorded_and_keeps_the_row_queued(
+    store: TranscriptStore, turns: Turns, sid: str, bad: Any
+) -> None:
+    accepted(turns, sid, "t1")
+
+    def invalid(c: Core, turn: TurnPayload) -> Any:
+        result = commit_turn_in(c, turn, count_turn)  # written, then rolled back with the bad result
+        if bad == "bogus-status":
+            return result.model_copy(update={"status": "bogus"})
+        return bad
+
+    report = turns.drain(engines(invalid))
+    assert report.delivered == 0 and len(report.failed) == 1
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and row.state == "ready" and row.attempt_count == 1
+    assert row.last_error is not None and row.last_error.startswith("TranscriptStoreError: invalid commit_turn result")
+    assert engine_view(store, sid) == ([], 0, None)
+    assert turns.receipts(A, sid) == []
+
+
+def test_invalid_commit_result_on_the_fast_path_queues_the_turn(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    def no_result(c: Core, turn: TurnPayload) -> Any:
+        return None
+
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], no_result)
+    assert done.commit is None and "invalid commit_turn result" in (done.fast_path_error or "")
+    assert done.intent.state == "accepted" and turns.receipts(A, sid) == []
+    assert turns.drain(engines()).committed == 1
+
+
+def test_unavailable_engine_keeps_the_row(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    accepted(turns, sid, "t1", engine="engine-2")
+    report = turns.drain(engines())
+    assert [f[2] for f in report.failed] == ["engine unavailable"]
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and row.state == "ready" and row.attempt_count == 1
+
+
+def test_an_engine_lookup_that_raises_fails_only_its_rows(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    s2 = store.create_session(A, session_id="s2").session_id
+    accepted(turns, sid, "t1", engine="engine-2")
+    accepted(turns, s2, "u1")
+
+    def lookup(engine_id: str) -> CommitIn | None:
+        if engine_id == "engine-2":
+            raise RuntimeError("plugin failed to load")
+        return counting_engine
+
+    report = turns.drain(lookup)
+    assert report.committed == 1 and report.stopped_sessions == [sid]
+    assert report.failed == [(sid, "t1", "RuntimeError: plugin failed to load")]
+    row = turns.intent(A, sid, "t1")
+    assert row is not None and (row.attempt_count, row.lease_owner) == (1, None)
+    assert row.last_error == "RuntimeError: plugin failed to load"
+    # The claim was released: the next drain delivers at once instead of waiting out a lease.
+    assert turns.drain(lambda _e: counting_engine).committed == 1
+
+
+def test_observer_failure_never_requeues(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    accepted(turns, sid, "t1")
+    seen: list[tuple[str, str]] = []
+
+    def observer(intent: TurnIntent, result: CommitResult) -> None:
+        seen.append((intent.turn_id, result.status))
+        raise RuntimeError("observer broke")
+
+    report = turns.drain(engines(), on_committed=observer)
+    assert (report.committed, report.failed, seen) == (1, [], [("t1", "committed")])
+    assert turns.intent(A, sid, "t1") is None
+    assert turns.drain(engines(), on_committed=observer).delivered == 0
+    assert engine_view(store, sid) == (["t1"], 2, 1)
+
+
+def test_a_replayed_delivery_is_a_duplicate_and_completes_the_row(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    done = accepted(turns, sid, "t1")
+    ready = store.write(lambda c: capture(c, done.intent))
+    assert ready.state == "ready" and ready.messages is not None
+    payload = turn_payload(ready)
+    assert turns.commit_turn(E, "t1", ready.admission, payload.terminal, payload.messages).status == "committed"
+    report = turns.drain(engines())
+    assert (report.committed, report.duplicates) == (0, 1)
+    assert turns.intent(A, sid, "t1") is None
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+def test_strict_enqueue_order_per_session(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    turns.complete(A, sid, "t2", [{"message": assistant("a2")}], None)
+    report = turns.drain(engines())
+    assert report.delivered == 0 and report.stopped_sessions == [sid]  # t1 is in progress: t2 waits
+    turns.complete(A, sid, "t1", [{"message": assistant("a1")}], None)  # accepted after t2, admitted before
+    assert turns.drain(engines()).committed == 2
+    assert engine_view(store, sid)[0] == ["t1", "t2"]
+
+
+def test_round_robin_across_sessions_with_a_drain_limit(store: TranscriptStore, turns: Turns) -> None:
+    sessions = [store.create_session(A, session_id=f"s{i}").session_id for i in range(3)]
+    for n in range(3):
+        for s in sessions:
+            accepted(turns, s, f"{s}-t{n}")
+    order: list[str] = []
+    report = turns.drain(engines(), limit=4, on_committed=lambda i, _r: order.append(i.turn_id))
+    assert report.committed == 4
+    assert order == ["s0-t0", "s1-t0", "s2-t0", "s0-t1"]
+    turns.drain(engines(), on_committed=lambda i, _r: order.append(i.turn_id))
+    # Each drain starts a new round-robin: one head per session per round, in session order.
+    assert order[4:] == ["s0-t2", "s1-t1", "s2-t1", "s1-t2", "s2-t2"]
+    for s in sessions:
+        assert engine_view(store, s)[0] == [f"{s}-t{n}" for n in range(3)]
+
+
+def test_default_drain_limit_is_16(store: TranscriptStore, turns: Turns) -> None:
+    sessions = [store.create_session(A, session_id=f"s{i}").session_id for i in range(5)]
+    for n in range(4):
+        for s in sessions:
+            accepted(turns, s, f"{s}-t{n}")
+    assert turns.config.drain_limit == 16
+    assert turns.drain(engines()).committed == 16
+    assert turns.drain(engines()).committed == 4
+
+
+# ---------------------------------------------------------------------------------------------- leases
+
+
+def test_a_live_delivery_claim_holds_the_session(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    accepted(turns, sid, "t1")
+    group = (A, sid, E)
+    claimed = store.write(lambda c: claim_head(c, group, "dead-worker", 60.0))
+    assert isinstance(claimed, TurnIntent) and (claimed.state, claimed.lease_owner) == ("ready", "dead-worker")
+    assert store.write(lambda c: claim_head(c, group, "other", 60.0)) == "leased"
+    report = turns.drain(engines())
+    assert report.delivered == 0 and report.stopped_sessions == [sid]
+    assert turns.recover(A, sid, E, engines()).must_degrade
+    assert engine_view(store, sid) == ([], 0, None)
+
+
+def test_an_expired_delivery_claim_is_taken_over(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    accepted(turns, sid, "t1")
+    claimed = store.write(lambda c: claim_head(c, (A, sid, E), "dead-worker", 0.0))
+    assert isinstance(claimed, TurnIntent)
+    report = turns.drain(engines())
+    assert report.committed == 1
+    assert engine_view(store, sid) == (["t1"], 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------- recovery
+
+
+def test_recovery_discards_admitted_intents_with_expired_leases(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    short = Turns(store, OutboxConfig(turn_lease_seconds=0.0))
+    short.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    report = short.recover(A, sid, E, engines())
+    assert report.discarded == ["t1"] and not report.must_degrade
+    assert short.intent(A, sid, "t1") is None
+    assert "recovery found no host acceptance" in caplog.text
+    assert engine_view(store, sid) == ([], 0, None)
+    assert [e.turn_id for e in store.read_visible(A, sid)] == ["t1"]  # the transcript keeps the entry
+
+
+def test_recovery_never_discards_a_turn_a_retry_has_just_taken_over(
+    store: TranscriptStore, turns: Turns, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = Turns(store, OutboxConfig(turn_lease_seconds=0.0))
+    short.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    seen_expired = store.read(lambda c: outbox.expired_admitted(c, A, sid))
+    assert [i.turn_id for i in seen_expired] == ["t1"]
+    # Between recovery's read and its discard, a retrying worker takes the turn over (a fresh lease).
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    monkeypatch.setattr(outbox, "expired_admitted", lambda c, scope, session_id: seen_expired)
+    report = short.recover(A, sid, E, engines())
+    assert report.discarded == [] and report.pending == ["t1"]
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+
+
+def test_recovery_keeps_a_live_admitted_turn_and_degrades(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    report = turns.recover(A, sid, E, engines())
+    assert report.discarded == [] and report.pending == ["t1"] and report.must_degrade
+    assert row_of(turns, sid, "t1").state == "admitted"
+
+
+def test_recovery_captures_and_delivers_an_accepted_turn(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    accepted(turns, sid, "t1", replies=2)
+    report = turns.recover(A, sid, E, engines())
+    assert report.drain.committed == 1 and not report.must_degrade
+    assert turns.intent(A, sid, "t1") is None
+    assert engine_view(store, sid) == (["t1"], 3, 1)
+
+
+def test_recovery_delivers_a_ready_turn(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    done = accepted(turns, sid, "t1")
+    assert store.write(lambda c: capture(c, done.intent)).state == "ready"
+    assert row_of(turns, sid, "t1").state == "ready"
+    report = turns.recover(A, sid, E, engines())
+    assert report.drain.committed == 1 and not report.must_degrade
+    assert engine_view(store, sid) == (["t1"], 2, 1)
+
+
+def test_recovery_reports_pending_when_an_earlier_turn_stays_queued(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    accepted(turns, sid, "t1")
+    accepted(turns, sid, "t2")
+    report = turns.recover(A, sid, E, engines(Recorder(lambda _t: True)))
+    assert report.must_degrade and report.pending == ["t1", "t2"]
+    assert [t for _, t, _ in report.drain.failed] == ["t1"]
+    report = turns.recover(A, sid, E, engines())
+    assert not report.must_degrade and report.drain.committed == 2
+    assert engine_view(store, sid) == (["t1", "t2"], 4, 2)
+
+
+def test_recovery_is_per_session_and_per_engine(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    s2 = store.create_session(A, session_id="s2").session_id
+    accepted(turns, s2, "u1")
+    accepted(turns, sid, "t1", engine="engine-2")
+    report = turns.recover(A, sid, E, engines())
+    assert not report.must_degrade  # engine-2's queue is not this engine's
+    assert turns.intent(A, s2, "u1") is not None  # another session is not touched

@@ -1,0 +1,217 @@
+"""A real worker process for the crash and race tests: it opens its own TranscriptStore from a URL.
+
+Modes (``python tests/workers/turn_worker.py MODE --url URL ...``):
+
+- ``turns``: run full logical turns like a gateway worker (recover -> admit -> complete, with an engine
+  that sometimes fails) on its sessions until it is killed (SIGKILL from a fault point chosen by
+  TRANSCRIPT_STORE_FAULTS, or from the parent) or has run ``--turns`` turns.
+- ``commit``: wait for "go" on stdin, then present every advancement key of a plan file to
+  ``Turns.commit_turn``; print each key's status.
+- ``drain``: wait for "go" on stdin, then drain the outbox until no accepted or ready row is left;
+  print what it committed.
+
+Every mode prints ``ready`` once its store is open, and one JSON line at the end. The counting engine
+(``count_turn``) is shared with the in-process tests: its state (a counter and the committed keys in
+order) rides in the commit transaction, so after any crash it must equal the receipts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transcript_store import Admission, Anchor, TranscriptStore, faults
+from transcript_store.core import Core
+from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, get_state, put_state
+from transcript_store.outbox import OutboxConfig
+from transcript_store.turns import CommitIn, Turns
+
+SCOPE = "crash-scope"
+ENGINE = "counter"
+
+
+def count_turn(c: Core, turn: TurnPayload) -> None:
+    """The engine's own state: how many turns it has seen and their keys, in commit order."""
+    n = get_state(c, turn.scope, turn.session_id, turn.engine_id, "turns") or 0
+    put_state(c, turn.scope, turn.session_id, turn.engine_id, "turns", n + 1)
+    faults.point("engine.apply")
+    order = get_state(c, turn.scope, turn.session_id, turn.engine_id, "order") or []
+    put_state(c, turn.scope, turn.session_id, turn.engine_id, "order", [*order, turn.advancement_key])
+
+
+def counting_engine(c: Core, turn: TurnPayload) -> CommitResult:
+    """A well-behaved engine: the ledger commit with the counter in the same transaction."""
+    return commit_turn_in(c, turn, count_turn)
+
+
+def flaky_engine(rng: random.Random, fail_rate: float) -> CommitIn:
+    """An engine that sometimes raises AFTER writing its receipt and state (all must roll back)."""
+
+    def commit(c: Core, turn: TurnPayload) -> CommitResult:
+        result = counting_engine(c, turn)
+        if rng.random() < fail_rate:
+            raise RuntimeError(f"engine failed on {turn.advancement_key}")
+        return result
+
+    return commit
+
+
+def user_message(turn_id: str) -> dict[str, Any]:
+    """The admitted user message of a turn: a function of the turn id, so a retry admits the same."""
+    return {"role": "user", "content": f"question of {turn_id}"}
+
+
+def replies(turn_id: str, rng: random.Random) -> list[dict[str, Any]]:
+    """1..3 reply messages (sometimes a tool round trip), with entry ids derived from the turn id."""
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.3:
+        call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": "call_1", "content": "42"})
+    messages.append({"role": "assistant", "content": f"answer of {turn_id}"})
+    return [{"message": m, "entry_id": f"{turn_id}.r{i}"} for i, m in enumerate(messages)]
+
+
+# ---------------------------------------------------------------------------------------------- turns
+
+
+def next_turn(store: TranscriptStore, session_id: str) -> tuple[str, bool]:
+    """The turn to run: the unfinished last engine turn again (a retry), else a new turn id."""
+    entries = store.list_entries(SCOPE, session_id, limit=10_000)
+    users = [e for e in entries if e.role == "user" and e.turn_id is not None]
+    last = entries[-1] if entries else None
+    if last is not None and last.role == "user" and last.turn_id is not None and ".t" in last.turn_id:
+        return last.turn_id, True
+    return f"{session_id}.t{len(users)}", False
+
+
+def degrade(store: TranscriptStore, session_id: str, rng: random.Random) -> None:
+    """A turn that must not reach the engine (an earlier one is still queued) runs without the outbox."""
+    users = [e for e in store.list_entries(SCOPE, session_id, limit=10_000) if e.role == "user"]
+    turn_id = f"{session_id}.d{len(users)}"
+    store.admit(SCOPE, session_id, user_message(turn_id), turn_id=turn_id)
+    store.append_many(SCOPE, session_id, replies(turn_id, rng))
+
+
+def run_turn(
+    turns: Turns, session_id: str, rng: random.Random, args: argparse.Namespace, stats: dict[str, int]
+) -> None:
+    """One gateway turn: recovery, admission, then completion (fast path, or queued for the drain)."""
+    engine = flaky_engine(rng, args.fail_rate)
+    store = turns.store
+    turn_id, retry = next_turn(store, session_id)
+    report = turns.recover(SCOPE, session_id, ENGINE, lambda _engine_id: engine)
+    stats["recovered"] += report.drain.delivered
+    if [p for p in report.pending if p != turn_id]:
+        stats["degraded"] += 1
+        degrade(store, session_id, rng)
+        return
+    stats["retries"] += retry
+    turns.admit(SCOPE, session_id, user_message(turn_id), turn_id=turn_id, engine_id=ENGINE)
+    if rng.random() < args.abort_rate:  # the provider call failed: the attempt is aborted, its intent deleted
+        turns.discard(SCOPE, session_id, turn_id)
+        stats["aborted"] += 1
+        return
+    result = turns.complete(
+        SCOPE, session_id, turn_id, replies(turn_id, rng), engine if rng.random() < 0.8 else None
+    )
+    stats["fast" if result.commit is not None else "queued"] += 1
+
+
+def main_turns(args: argparse.Namespace) -> dict[str, Any]:
+    config = OutboxConfig(turn_lease_seconds=args.turn_lease, delivery_lease_seconds=args.delivery_lease)
+    store = TranscriptStore(args.url)
+    turns = Turns(store, config)
+    rng = random.Random(args.seed)
+    sessions = args.sessions.split(",")
+    for sid in sessions:
+        store.create_session(SCOPE, session_id=sid)
+    ready()
+    stats = dict.fromkeys(("recovered", "degraded", "retries", "aborted", "fast", "queued"), 0)
+    for _ in range(args.turns):
+        run_turn(turns, rng.choice(sessions), rng, args, stats)
+    store.close()
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------- races
+
+
+def main_commit(args: argparse.Namespace) -> dict[str, Any]:
+    store = TranscriptStore(args.url)
+    turns = Turns(store)
+    with open(args.plan, encoding="utf-8") as f:
+        plan = json.load(f)
+    random.Random(args.seed).shuffle(plan)
+    ready()
+    wait_for_go()
+    statuses: dict[str, str] = {}
+    for turn in plan:
+        admission = Admission.model_validate(turn["admission"])
+        terminal = Anchor.model_validate(turn["terminal"])
+        result = turns.commit_turn(
+            ENGINE, admission.turn_id, admission, terminal, turn["messages"], apply=count_turn
+        )
+        statuses[admission.turn_id] = result.status
+    store.close()
+    return {"statuses": statuses}
+
+
+def main_drain(args: argparse.Namespace) -> dict[str, Any]:
+    store = TranscriptStore(args.url)
+    turns = Turns(store, OutboxConfig(delivery_lease_seconds=args.delivery_lease))
+    committed: list[str] = []
+    duplicates: list[str] = []
+
+    def observe(intent: Any, result: CommitResult) -> None:
+        (committed if result.status == "committed" else duplicates).append(intent.turn_id)
+
+    engines: Callable[[str], CommitIn | None] = lambda e: counting_engine if e == ENGINE else None  # noqa: E731
+    ready()
+    wait_for_go()
+    while any(i.state in ("accepted", "ready") for i in turns.intents(SCOPE)):
+        report = turns.drain(engines, scope=SCOPE, on_committed=observe)
+        if report.delivered == 0:
+            time.sleep(0.002)
+    store.close()
+    return {"committed": committed, "duplicates": duplicates}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def ready() -> None:
+    print("ready", flush=True)
+
+
+def wait_for_go() -> None:
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("no go signal")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("turns", "commit", "drain"))
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sessions", default="s0")
+    parser.add_argument("--turns", type=int, default=1000)
+    parser.add_argument("--fail-rate", type=float, default=0.2)
+    parser.add_argument("--abort-rate", type=float, default=0.1)
+    parser.add_argument("--turn-lease", type=float, default=0.0)
+    parser.add_argument("--delivery-lease", type=float, default=0.0)
+    parser.add_argument("--plan", default="")
+    args = parser.parse_args()
+    logging.getLogger("transcript_store").setLevel(logging.ERROR)
+    run = {"turns": main_turns, "commit": main_commit, "drain": main_drain}[args.mode]
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
