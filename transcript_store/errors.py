@@ -66,6 +66,23 @@ class AdvancementKeyCollision(TranscriptStoreError):
         self.key = key
 
 
+MirrorReason = Literal["behind", "cursor", "turn_mismatch"]
+
+
+class MirrorConflict(TranscriptStoreError):
+    """A host transcript mirror cannot take a page or turn as given; ``reason`` says what to do.
+
+    ``behind``: the range starts past the mirror's end (import the host transcript first);
+    ``cursor``: the page was read from a host cursor the mirror no longer holds (re-read the state);
+    ``turn_mismatch``: the stored range differs from the turn's messages.
+    """
+
+    def __init__(self, reason: MirrorReason, detail: str = "") -> None:
+        super().__init__(f"host transcript mirror: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason: MirrorReason = reason
+        self.detail = detail
+
+
 class OutboxCollision(TranscriptStoreError):
     """A turn intent was rewritten with another payload, owner or an illegal transition."""
 
@@ -78,12 +95,23 @@ class StoreUnavailable(TranscriptStoreError):
     """The database could not be reached or refused the operation for a non-logical reason."""
 
 
+class StorageFull(StoreUnavailable):
+    """The database ran out of disk space (SQLITE_FULL, PostgreSQL 53100): the write was rolled back whole.
+
+    Not transient: retrying cannot help until space is freed; after that, writes succeed again.
+    """
+
+
 class TransientStoreError(StoreUnavailable):
     """A transient database error (40001, 40P01, a lost connection, SQLite busy); safe to retry."""
 
 
 class EngineError(TranscriptStoreError):
     """A context engine is missing, invalid, quarantined or failed a lifecycle call."""
+
+
+class UnknownEngine(EngineError, LookupError):
+    """No engine with this id is registered."""
 
 
 class EngineContractError(EngineError):

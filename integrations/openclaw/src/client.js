@@ -1,0 +1,82 @@
+// A small JSON client for `transcript-store serve`: bearer token, timeout, typed errors.
+//
+// Every failure throws a ServiceError: an unreachable service or a timeout (`status` 0,
+// code "service_unreachable"), or the service's own error body ({"error": {"code", "message"}}).
+// Nothing is retried here: the host retries whole operations (a commit stays in its outbox and is
+// replayed with the same advancement key, which the service answers "duplicate").
+
+export class ServiceError extends Error {
+  /**
+   * @param {number} status HTTP status (0 when no answer arrived)
+   * @param {string} code the service's stable error code
+   * @param {string} message
+   * @param {string | undefined} reason extra reason for some codes (read_fence, transcript_mirror)
+   */
+  constructor(status, code, message, reason) {
+    super(message);
+    this.name = "ServiceError";
+    this.status = status;
+    this.code = code;
+    this.reason = reason;
+  }
+}
+
+/**
+ * @param {{serviceUrl: string, token: string, timeoutMs?: number, fetchImpl?: typeof fetch}} options
+ */
+export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl = globalThis.fetch }) {
+  if (!serviceUrl) throw new Error("transcript-store: serviceUrl is not configured");
+  if (!token) throw new Error("transcript-store: token is not configured");
+  const base = serviceUrl.replace(/\/+$/, "");
+
+  async function request(method, path, body) {
+    const controller = new AbortController();
+    const timer = setTimeout(() => controller.abort(), timeoutMs);
+    let response;
+    try {
+      response = await fetchImpl(base + path, {
+        method,
+        headers: {
+          authorization: `Bearer ${token}`,
+          accept: "application/json",
+          ...(body === undefined ? {} : { "content-type": "application/json" }),
+        },
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal: controller.signal,
+      });
+    } catch (error) {
+      const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error);
+      throw new ServiceError(0, "service_unreachable", `transcript-store service at ${base} is unreachable: ${why}`);
+    } finally {
+      clearTimeout(timer);
+    }
+    const text = await response.text();
+    let data = null;
+    try {
+      data = text ? JSON.parse(text) : null;
+    } catch {
+      data = null;
+    }
+    if (!response.ok) {
+      const error = (data && data.error) || {};
+      throw new ServiceError(
+        response.status,
+        error.code || "http_error",
+        `transcript-store ${method} ${path}: ${error.message || `HTTP ${response.status}`}`,
+        error.reason || undefined,
+      );
+    }
+    return data;
+  }
+
+  return {
+    base,
+    get: (path) => request("GET", path),
+    post: (path, body) => request("POST", path, body ?? {}),
+  };
+}
+
+function describe(error) {
+  const cause = error && error.cause;
+  return (cause && (cause.code || cause.message)) || (error && error.message) || String(error);
+}

@@ -1,0 +1,297 @@
+// The OpenClaw ContextEngine backed by a transcript-store service.
+//
+// The service keeps a mirror of each host session's transcript in its store (session id = the host's
+// sessionId, session key = the host's sessionKey) and runs one of its engines over it:
+// - bootstrap imports the host transcript through readSessionTranscriptVisibleMessageDelta, page by
+//   page from where the last import stopped (the service records the host's cursor), honouring
+//   `reset` (start again from the fresh cursor) and `requiredBytes` (re-read with a page that fits);
+// - assemble returns the service engine's messages and estimatedTokens;
+// - commitTurn forwards the accepted turn (advancementKey, admission, terminal, messages,
+//   isHeartbeat, sessionTarget); the service mirrors it and commits it through its ledger in one
+//   transaction, so a host replay of the same key comes back "duplicate";
+// - compact runs the service engine's compaction when it owns compaction, else OpenClaw's own
+//   (delegateCompactionToRuntime).
+// Every failure to reach the service throws: the host then runs the turn on its legacy path and keeps
+// the commit in its outbox, replaying it later with the same key.
+
+import { createClient, ServiceError } from "./client.js";
+import { fromStored, toStored } from "./messages.js";
+
+export const PLUGIN_ID = "transcript-store";
+export const VERSION = "0.1.0";
+const CURRENT_TURN_FENCE = "before-current-turn-entry-v1";
+const TURN_ADVANCEMENT_IDEMPOTENCY = "atomic-idempotent-v1";
+const PAGE_MESSAGES = 500;
+const PAGE_BYTES = 4 * 1024 * 1024;
+const MAX_PAGES = 100000;
+
+/** Plugin config (plugins.entries.transcript-store.config) with environment fallbacks. */
+export function resolveConfig(pluginConfig = {}, env = process.env) {
+  return {
+    serviceUrl: pluginConfig.serviceUrl || env.TRANSCRIPT_STORE_SERVICE_URL || "",
+    token: pluginConfig.token || env.TRANSCRIPT_STORE_TOKEN || "",
+    engine: pluginConfig.engine || env.TRANSCRIPT_STORE_ENGINE || "lossless",
+    timeoutMs: Number(pluginConfig.timeoutMs || env.TRANSCRIPT_STORE_TIMEOUT_MS || 15000),
+  };
+}
+
+async function defaultSdk() {
+  const [transcripts, core] = await Promise.all([
+    import("openclaw/plugin-sdk/session-transcript-runtime"),
+    import("openclaw/plugin-sdk/core"),
+  ]);
+  return {
+    readSessionTranscriptVisibleMessageDelta: transcripts.readSessionTranscriptVisibleMessageDelta,
+    delegateCompactionToRuntime: core.delegateCompactionToRuntime,
+  };
+}
+
+const described = new Map();
+
+async function describeEngine(client, engine) {
+  const key = `${client.base} ${engine}`;
+  if (!described.has(key)) {
+    const promise = client.get(`/v1/engines/${encodeURIComponent(engine)}`);
+    described.set(key, promise);
+    promise.catch(() => described.delete(key));
+  }
+  return described.get(key);
+}
+
+/**
+ * Build the engine. Asks the service for the engine's declarations (so an unreachable service fails
+ * here, before the turn starts).
+ * @param {{serviceUrl: string, token: string, engine?: string, timeoutMs?: number,
+ *          sdk?: object, fetchImpl?: typeof fetch, logger?: {warn?: Function, info?: Function},
+ *          pageMessages?: number, pageBytes?: number}} options
+ */
+export async function createEngine(options) {
+  const engineId = options.engine || "lossless";
+  const client = createClient(options);
+  const description = await describeEngine(client, engineId);
+  if (!description.durable) {
+    throw new Error(`transcript-store engine "${engineId}" does not declare durable turn commits`);
+  }
+  const pageMessages = options.pageMessages || PAGE_MESSAGES;
+  const pageBytes = options.pageBytes || PAGE_BYTES;
+  const ownsCompaction = description.info.owns_compaction === true;
+  let sdkPromise = options.sdk ? Promise.resolve(options.sdk) : null;
+  const sdk = () => (sdkPromise ??= defaultSdk());
+  const ensured = new Set();
+  const info = (message) => options.logger?.info?.(message);
+
+  const sessionPath = (sessionId) => `/v1/engines/${encodeURIComponent(engineId)}/sessions/${encodeURIComponent(sessionId)}`;
+
+  async function ensureSession(sessionId, sessionKey) {
+    if (!sessionId) throw new Error("transcript-store: the host gave no sessionId");
+    if (ensured.has(sessionId)) return;
+    try {
+      await client.post("/v1/sessions", {
+        session_id: sessionId,
+        ...(sessionKey ? { session_key: sessionKey, rebind_key: true } : {}),
+      });
+    } catch (error) {
+      // The session exists under another key binding: it is still the one to use.
+      if (!(error instanceof ServiceError && error.code === "idempotency_conflict")) throw error;
+    }
+    ensured.add(sessionId);
+  }
+
+  // Import the host's visible transcript into the service's mirror, page by page, from where the
+  // last import stopped. `until`: stop after this host position (a commit catching up), else read on
+  // to the end (under the host's read fence during bootstrap).
+  async function importTranscript(target, until) {
+    const read = (await sdk()).readSessionTranscriptVisibleMessageDelta;
+    const path = sessionPath(target.sessionId);
+    let imported = 0;
+    let restarts = 0;
+    let state = await client.get(`${path}/bootstrap`);
+    let readCursor = state.cursor ?? undefined; // what the host is asked to read from
+    let sentCursor = state.cursor ?? null; // what the service is told the page was read from
+    let position = state.cursor ? state.position : 0;
+    let maxBytes = pageBytes;
+    for (let pages = 0; pages < MAX_PAGES; pages += 1) {
+      const remaining = until === undefined ? pageMessages : until + 1 - position;
+      if (remaining <= 0) return imported;
+      const page = await read({
+        agentId: target.agentId,
+        sessionId: target.sessionId,
+        sessionKey: target.sessionKey,
+        storePath: target.storePath,
+        ...(readCursor !== undefined ? { cursor: readCursor } : {}),
+        maxMessages: Math.min(pageMessages, remaining),
+        maxBytes,
+      });
+      if (page.kind === "missing") return imported;
+      if (page.kind === "unavailable") throw new Error(`host transcript is unavailable: ${page.reason}`);
+      if (page.kind === "reset") {
+        // The host transcript was replaced: read it again from its start; the mirror re-aligns.
+        readCursor = page.cursor;
+        sentCursor = null;
+        position = 0;
+        continue;
+      }
+      if (page.entries.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
+        maxBytes = Math.max(maxBytes, page.requiredBytes); // one message larger than a page
+        continue;
+      }
+      maxBytes = pageBytes;
+      let answer;
+      try {
+        answer = await client.post(`${path}/bootstrap`, {
+          done: false,
+          page: {
+            cursor: sentCursor,
+            next_cursor: page.cursor,
+            entries: page.entries.map((entry) => ({ entry_id: entry.entryId, message: toStored(entry.message) })),
+          },
+        });
+      } catch (error) {
+        if (error instanceof ServiceError && error.reason === "cursor" && restarts < 3) {
+          // Another importer moved the mirror's resume point: continue from the recorded one.
+          restarts += 1;
+          state = await client.get(`${path}/bootstrap`);
+          readCursor = state.cursor ?? undefined;
+          sentCursor = state.cursor ?? null;
+          position = state.cursor ? state.position : 0;
+          continue;
+        }
+        throw error;
+      }
+      imported += answer.imported;
+      position = answer.position;
+      readCursor = page.cursor;
+      sentCursor = page.cursor;
+      if (!page.hasMore) return imported;
+    }
+    throw new Error("transcript-store: the host transcript import did not finish");
+  }
+
+  function targetOf(params) {
+    const t = params.sessionTarget || {};
+    const a = params.admission || {};
+    return {
+      agentId: t.agentId ?? a.agentId,
+      sessionId: t.sessionId ?? params.sessionId ?? a.sessionId,
+      sessionKey: t.sessionKey ?? params.sessionKey ?? a.sessionKey,
+      storePath: t.storePath ?? a.storePath,
+    };
+  }
+
+  return {
+    info: {
+      id: PLUGIN_ID,
+      name: `transcript-store (${engineId})`,
+      version: VERSION,
+      ownsCompaction,
+      turnMaintenanceMode: description.info.turn_maintenance_mode === "background" ? "background" : "foreground",
+      transcriptSemantics: {
+        currentTurnFence: CURRENT_TURN_FENCE,
+        turnAdvancementIdempotency: TURN_ADVANCEMENT_IDEMPOTENCY,
+      },
+    },
+
+    async bootstrap(params) {
+      const target = targetOf(params);
+      await ensureSession(target.sessionId, target.sessionKey);
+      const importedMessages = await importTranscript(target);
+      const answer = await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true });
+      const result = answer.result || {};
+      return {
+        bootstrapped: result.bootstrapped !== false,
+        importedMessages,
+        ...(result.reason ? { reason: result.reason } : {}),
+      };
+    },
+
+    async ingest() {
+      // Turns reach the store through commitTurn (durable and idempotent), not message by message.
+      return { ingested: false };
+    },
+
+    async afterTurn() {
+      // Nothing: the accepted turn arrives through commitTurn; upkeep runs in maintain.
+    },
+
+    async assemble(params) {
+      await ensureSession(params.sessionId, params.sessionKey);
+      const answer = await client.post(`${sessionPath(params.sessionId)}/assemble`, {
+        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
+        available_tools: params.availableTools ? [...params.availableTools].map(String) : [],
+        prompt: typeof params.prompt === "string" ? params.prompt : null,
+      });
+      return {
+        messages: answer.messages.map(fromStored),
+        estimatedTokens: answer.estimated_tokens,
+        ...(answer.system_prompt_addition ? { systemPromptAddition: answer.system_prompt_addition } : {}),
+        ...(answer.prompt_authority ? { promptAuthority: answer.prompt_authority } : {}),
+      };
+    },
+
+    async commitTurn(params) {
+      const target = targetOf(params);
+      await ensureSession(target.sessionId, target.sessionKey);
+      const body = {
+        advancement_key: params.advancementKey,
+        admission: { entry_id: params.admission.entryId, position: params.admission.activeMessagePosition },
+        terminal: { entry_id: params.terminal.entryId, position: params.terminal.activeMessagePosition },
+        messages: params.messages.map(toStored),
+        is_heartbeat: params.isHeartbeat === true,
+        session_target: {
+          session_id: target.sessionId,
+          ...(target.sessionKey ? { session_key: target.sessionKey } : {}),
+          ...(target.agentId ? { agent_id: target.agentId } : {}),
+        },
+      };
+      const path = `${sessionPath(target.sessionId)}/commit_turn`;
+      let answer;
+      try {
+        answer = await client.post(path, body);
+      } catch (error) {
+        if (!(error instanceof ServiceError && error.reason === "behind")) throw error;
+        // Host messages before this turn never reached the mirror (a degraded turn, host-written
+        // messages): import up to the turn's end, then commit.
+        const imported = await importTranscript(target, params.terminal.activeMessagePosition);
+        info(`transcript-store: imported ${imported} host messages before committing turn ${params.advancementKey}`);
+        answer = await client.post(path, body);
+      }
+      return { status: answer.status };
+    },
+
+    async compact(params) {
+      if (!ownsCompaction) {
+        return (await sdk()).delegateCompactionToRuntime(params);
+      }
+      await ensureSession(params.sessionId, params.sessionKey);
+      const answer = await client.post(`${sessionPath(params.sessionId)}/compact`, {
+        force: params.force === true,
+        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
+        focus: typeof params.customInstructions === "string" ? params.customInstructions : null,
+      });
+      return {
+        ok: answer.ok,
+        compacted: answer.compacted,
+        ...(answer.reason ? { reason: answer.reason } : {}),
+        result: {
+          tokensBefore: answer.tokens_before ?? 0,
+          ...(answer.tokens_after !== null && answer.tokens_after !== undefined ? { tokensAfter: answer.tokens_after } : {}),
+        },
+      };
+    },
+
+    async maintain(params) {
+      await ensureSession(params.sessionId, params.sessionKey);
+      const answer = await client.post(`${sessionPath(params.sessionId)}/maintain`, {});
+      return {
+        changed: answer.changed,
+        bytesFreed: answer.bytes_freed,
+        rewrittenEntries: answer.rewritten_entries,
+        ...(answer.reason ? { reason: answer.reason } : {}),
+      };
+    },
+
+    async dispose() {
+      ensured.clear();
+    },
+  };
+}

@@ -1,0 +1,479 @@
+"""`transcript-store serve` through a real server process, on SQLite and PostgreSQL.
+
+One server per backend for the module (each test works in its own sessions), plus dedicated servers
+for the tests that need their own settings: two instances behind one database, a small body limit,
+an engine that raises. The OpenAPI document is fuzzed with schemathesis for a bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BACKENDS, RUN_ID, _admin_exec, pg_url
+from service_process import ServiceProcess
+
+from transcript_store import TranscriptStore
+
+TOKEN_A = "token-a-0123456789abcdef"
+TOKEN_B = "token-b-0123456789abcdef"
+TOKENS = {TOKEN_A: "scope-a", TOKEN_B: "scope-b"}
+ENGINES = ["legacy", "lossless"]
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One database per backend for the module (a fresh SQLite file, or a fresh PostgreSQL database)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('svc') / 'service.db'}"
+        return
+    template = request.getfixturevalue("pg_template")
+    name = f"ts_svc_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    try:
+        yield pg_url(name)
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="module")
+def server(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(db_url, TOKENS, tmp_path_factory.mktemp("svclog") / "serve.log") as proc:
+        yield proc
+
+
+def open_session(server: ServiceProcess, token: str = TOKEN_A, **body: Any) -> dict[str, Any]:
+    status, data = server.call("POST", "/v1/sessions", token, body)
+    assert status == 200, data
+    return dict(data)
+
+
+def commit(
+    server: ServiceProcess, engine: str, sid: str, key: str, start: int, messages: list[dict[str, Any]],
+    token: str = TOKEN_A, ids: tuple[str, str] | None = None,
+) -> tuple[int, Any]:
+    adm, term = ids or (f"{key}-u", f"{key}-a")
+    body = {
+        "advancement_key": key,
+        "admission": {"entry_id": adm, "position": start},
+        "terminal": {"entry_id": term, "position": start + len(messages) - 1},
+        "messages": messages,
+    }
+    return server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/commit_turn", token, body)
+
+
+# ---------------------------------------------------------------------------------------------- auth
+
+
+def test_every_request_needs_a_known_token(server: ServiceProcess) -> None:
+    for token in (None, "not-a-token"):
+        for method, path in (("GET", "/v1/whoami"), ("GET", "/openapi.json"), ("POST", "/v1/sessions")):
+            status, data = server.call(method, path, token, {})
+            assert status == 401, (method, path, data)
+            assert data["error"]["code"] == "unauthorized"
+    status, data = server.call("GET", "/v1/whoami", TOKEN_A)
+    assert (status, data) == (200, {"scope": "scope-a"})
+    status, doc = server.call("GET", "/openapi.json", TOKEN_B)
+    assert status == 200 and "/v1/engines/{engine}/sessions/{session_id}/commit_turn" in doc["paths"]
+    assert doc["components"]["securitySchemes"]
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+def test_sessions_appends_admissions_and_delta_reads(server: ServiceProcess) -> None:
+    sid, key = new_id("s"), new_id("key")
+    created = open_session(server, session_id=sid, session_key=key)
+    assert created["session_id"] == sid and created["visible_count"] == 0
+    assert open_session(server, session_id=sid, session_key=key)["session_id"] == sid  # idempotent
+    assert open_session(server, session_key=key)["session_id"] == sid  # open by key
+    status, listed = server.call("GET", f"/v1/sessions?session_key={key}", TOKEN_A)
+    assert status == 200 and [s["session_id"] for s in listed["sessions"]] == [sid]
+
+    items = [{"message": user("one"), "entry_id": "e1"}, {"message": assistant("two"), "entry_id": "e2"}]
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, {"items": items})
+    assert status == 200 and [e["entry_id"] for e in data["entries"]] == ["e1", "e2"]
+    status, again = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, {"items": items})
+    assert status == 200 and [e["seq"] for e in again["entries"]] == [0, 1]  # the stored ones
+
+    status, admission = server.call(
+        "POST", f"/v1/sessions/{sid}/admissions", TOKEN_A, {"message": user("three"), "turn_id": "t1"}
+    )
+    assert status == 200 and admission["anchor"]["position"] == 2
+
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {"max_messages": 2})
+    assert status == 200 and page["kind"] == "page" and page["has_more"]
+    assert [e["entry_id"] for e in page["entries"]] == ["e1", "e2"]
+    status, rest = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {"cursor": page["cursor"]})
+    assert status == 200 and [e["message"]["content"] for e in rest["entries"]] == ["three"]
+    # A fenced read never returns the admitted entry or anything after it.
+    status, fenced = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {"fence": admission["anchor"]})
+    assert status == 200 and [e["entry_id"] for e in fenced["entries"]] == ["e1", "e2"]
+    status, reset = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {"cursor": "garbage"})
+    assert status == 200 and reset == {"kind": "reset", "cursor": reset["cursor"], "reason": "invalid_cursor"}
+
+    status, err = server.call("GET", f"/v1/sessions/{new_id('nope')}", TOKEN_A)
+    assert status == 404 and err["error"]["code"] == "session_not_found"
+
+
+def test_key_rebinding_ends_the_previous_holder(server: ServiceProcess) -> None:
+    key = new_id("key")
+    first = open_session(server, session_id=new_id("s"), session_key=key)
+    status, err = server.call("POST", "/v1/sessions", TOKEN_A, {"session_id": new_id("s"), "session_key": key})
+    assert status == 409 and err["error"]["code"] == "session_key_conflict"
+    second = open_session(server, session_id=new_id("s"), session_key=key, rebind_key=True)
+    status, old = server.call("GET", f"/v1/sessions/{first['session_id']}", TOKEN_A)
+    assert status == 200 and old["active"] is False
+    assert open_session(server, session_key=key)["session_id"] == second["session_id"]
+
+
+# ---------------------------------------------------------------------------------------------- scope isolation
+
+
+def test_a_token_never_reaches_another_scope(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid, session_key="shared-key")
+    status, _ = commit(server, "legacy", sid, "k1", 0, [user("secret"), assistant("hidden")])
+    assert status == 200
+    status, admission = server.call(
+        "POST", f"/v1/sessions/{sid}/admissions", TOKEN_A, {"message": user("next"), "turn_id": "t2"}
+    )
+    assert status == 200
+    base = f"/v1/engines/legacy/sessions/{sid}"
+    probes: list[tuple[str, str, Any]] = [
+        ("GET", f"/v1/sessions/{sid}", None),
+        ("POST", f"/v1/sessions/{sid}/delta", {}),
+        ("POST", f"/v1/sessions/{sid}/entries", {"items": [{"message": user("x")}]}),
+        ("POST", f"/v1/sessions/{sid}/admissions", {"message": user("x"), "turn_id": "t9"}),
+        ("GET", f"{base}/bootstrap", None),
+        ("POST", f"{base}/bootstrap", {"page": {"entries": [{"entry_id": "h1", "message": user("x")}]}}),
+        ("POST", f"{base}/assemble", {}),
+        ("POST", f"{base}/compact", {}),
+        ("POST", f"{base}/maintain", {}),
+        ("GET", f"{base}/receipts", None),
+    ]
+    for method, path, body in probes:
+        status, data = server.call(method, path, TOKEN_B, body)
+        assert status == 404 and data["error"]["code"] == "session_not_found", (method, path, data)
+    status, data = commit(server, "legacy", sid, "k1", 0, [user("secret"), assistant("hidden")], token=TOKEN_B)
+    assert status == 404 and data["error"]["code"] == "session_not_found"
+    # Scope A's anchors are worth nothing to scope B, even on a session B owns under the same id.
+    open_session(server, token=TOKEN_B, session_id=sid, session_key="shared-key")
+    status, data = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_B, {"fence": admission["anchor"]})
+    assert status == 404 and data["error"]["code"] == "session_not_found"
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_B, {})
+    assert status == 200 and page["entries"] == []
+    status, listed = server.call("GET", "/v1/sessions?session_key=shared-key", TOKEN_B)
+    assert [s["scope"] for s in listed["sessions"]] == ["scope-b"]
+    status, receipts = server.call("GET", f"{base}/receipts", TOKEN_B)
+    assert status == 200 and receipts["receipts"] == []
+
+
+# ---------------------------------------------------------------------------------------------- the ledger
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_commit_turn_committed_duplicate_collision(server: ServiceProcess, engine: str) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    turn = [user("hello"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "found"}, assistant("done")]
+    status, first = commit(server, engine, sid, "turn-1", 0, turn)
+    assert status == 200 and first["status"] == "committed"
+    assert first["receipt"]["message_count"] == 4 and first["terminal"]["position"] == 3
+    for _ in range(2):
+        status, again = commit(server, engine, sid, "turn-1", 0, turn)
+        assert status == 200 and again["status"] == "duplicate"
+        assert again["receipt"] == first["receipt"]
+    status, clash = commit(server, engine, sid, "turn-1", 0, [user("hello"), assistant("other"), *turn[2:]])
+    assert status == 409 and clash["error"]["code"] == "advancement_key_collision"
+    status, clash = commit(server, engine, sid, "turn-1", 0, turn[:2])
+    assert status == 409 and clash["error"]["code"] == "advancement_key_collision"
+    status, second = commit(server, engine, sid, "turn-2", 4, [user("again"), assistant("sure")])
+    assert status == 200 and second["status"] == "committed"
+
+    status, receipts = server.call("GET", f"/v1/engines/{engine}/sessions/{sid}/receipts", TOKEN_A)
+    assert [r["advancement_key"] for r in receipts["receipts"]] == ["turn-1", "turn-2"]
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+    assert [e["message"] for e in page["entries"]] == [*turn, user("again"), assistant("sure")]  # each once
+    status, assembled = server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/assemble", TOKEN_A, {})
+    assert status == 200 and assembled["estimated_tokens"] > 0
+    assert assembled["messages"][-2:] == [user("again"), assistant("sure")]
+
+
+def test_commit_turn_past_the_mirror_is_behind(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    status, data = commit(server, "legacy", sid, "k", 3, [user("late"), assistant("reply")])
+    assert status == 409 and data["error"] == {
+        "code": "transcript_mirror", "reason": "behind", "message": data["error"]["message"]}
+    status, data = commit(server, "legacy", sid, "k", 0, [user("late"), assistant("reply")])
+    assert status == 200 and data["status"] == "committed"
+
+
+def test_commit_turn_of_entries_the_client_appended(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    status, admission = server.call(
+        "POST", f"/v1/sessions/{sid}/admissions", TOKEN_A, {"message": user("q"), "turn_id": "t1"}
+    )
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, {"items": [{"message": assistant("a")}]})
+    terminal_id = data["entries"][0]["entry_id"]
+    body = {"advancement_key": "t1", "admission": admission["anchor"], "terminal": {"entry_id": terminal_id},
+            "messages": [user("q"), assistant("a")]}
+    status, data = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/commit_turn", TOKEN_A, body)
+    assert status == 200 and data["status"] == "committed"
+    assert data["admission"]["entry_id"] == admission["anchor"]["entry_id"]
+    body["messages"] = [user("q"), assistant("not what is stored")]
+    body["advancement_key"] = "t1-other"
+    status, data = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/commit_turn", TOKEN_A, body)
+    assert status == 409 and data["error"]["reason"] == "turn_mismatch"
+
+
+# ---------------------------------------------------------------------------------------------- bootstrap
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bootstrap_imports_host_pages_idempotently(server: ServiceProcess, engine: str) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid, session_key=new_id("k"))
+    base = f"/v1/engines/{engine}/sessions/{sid}/bootstrap"
+    host = [user("h0"), assistant("h1"), user("h2"), assistant("h3"), user("h4")]
+    entries = [{"entry_id": f"host-{i}", "message": m} for i, m in enumerate(host)]
+    status, state = server.call("GET", base, TOKEN_A)
+    assert (status, state) == (200, {"cursor": None, "position": 0, "visible_count": 0})
+
+    page1 = {"cursor": None, "next_cursor": "c2", "entries": entries[:2]}
+    page2 = {"cursor": "c2", "next_cursor": "c5", "entries": entries[2:]}
+    status, out = server.call("POST", base, TOKEN_A, {"page": page1, "done": False})
+    assert status == 200 and (out["imported"], out["cursor"], out["position"]) == (2, "c2", 2)
+    status, out = server.call("POST", base, TOKEN_A, {"page": page2, "done": True})
+    assert status == 200 and (out["imported"], out["position"], out["visible_count"]) == (3, 5, 5)
+    assert out["result"]["bootstrapped"] is True
+    # A page read from a cursor the mirror no longer holds is refused; a re-import matches everything.
+    status, err = server.call("POST", base, TOKEN_A, {"page": page2})
+    assert status == 409 and err["error"]["reason"] == "cursor"
+    status, out = server.call("POST", base, TOKEN_A, {"page": {**page1, "next_cursor": "x"}, "done": False})
+    assert (out["imported"], out["matched"], out["rewound"]) == (0, 2, False)
+    # The host rewrote its transcript from position 1: the mirror branches there.
+    changed = [entries[0], {"entry_id": "host-1b", "message": assistant("h1 rewritten")}]
+    status, out = server.call("POST", base, TOKEN_A, {"page": {"cursor": None, "next_cursor": "y",
+                                                              "entries": changed}})
+    assert status == 200 and (out["imported"], out["matched"], out["rewound"]) == (1, 1, True)
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+    assert [e["message"]["content"] for e in page["entries"]] == ["h0", "h1 rewritten"]
+    # The next turn lines up with the imported prefix.
+    status, data = commit(server, engine, sid, "after", 2, [user("h2 again"), assistant("ok")])
+    assert status == 200 and data["status"] == "committed"
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+def test_engine_descriptions_compaction_and_maintenance(server: ServiceProcess) -> None:
+    status, listed = server.call("GET", "/v1/engines", TOKEN_A)
+    assert {"legacy", "lossless"} <= {e["id"] for e in listed["engines"]}
+    status, lossless = server.call("GET", "/v1/engines/lossless", TOKEN_A)
+    assert lossless["durable"] and lossless["info"]["owns_compaction"] is True
+    status, legacy = server.call("GET", "/v1/engines/legacy", TOKEN_A)
+    assert legacy["durable"] and legacy["info"]["owns_compaction"] is False
+    status, err = server.call("GET", "/v1/engines/nope", TOKEN_A)
+    assert status == 404 and err["error"]["code"] == "engine_not_found"
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    for i in range(12):
+        status, _ = commit(server, "lossless", sid, f"k{i}", 2 * i, [user(f"question {i} " * 30),
+                                                                      assistant(f"answer {i} " * 30)])
+        assert status == 200
+    for engine in ENGINES:
+        status, result = server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/compact", TOKEN_A,
+                                     {"force": True, "token_budget": 2000})
+        assert status == 200 and result["ok"] is True, result
+        status, result = server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/maintain", TOKEN_A, {})
+        assert status == 200 and "changed" in result
+    status, assembled = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/assemble", TOKEN_A,
+                                    {"token_budget": 3000})
+    assert status == 200 and assembled["messages"] and assembled["estimated_tokens"] <= 3000
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_are_json_with_stable_codes(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    cases: list[tuple[str, str, Any, int, str]] = [
+        ("POST", f"/v1/sessions/{sid}/entries", {"items": [{"message": {"role": "user"}}]}, 400, "invalid_message"),
+        ("POST", f"/v1/sessions/{sid}/entries", {"items": []}, 422, "invalid_request"),
+        ("POST", "/v1/sessions", {"session_id": "bad\u0000id"}, 400, "invalid_input"),
+        ("POST", "/v1/sessions", {"unknown": 1}, 422, "invalid_request"),
+        ("GET", "/v1/nowhere", None, 404, "not_found"),
+        ("DELETE", "/v1/whoami", None, 405, "method_not_allowed"),
+        ("POST", f"/v1/sessions/{sid}/delta", {"max_messages": 0}, 422, "invalid_request"),
+    ]
+    for method, path, body, code, name in cases:
+        status, data = server.call(method, path, TOKEN_A, body)
+        assert status == code and data["error"]["code"] == name, (method, path, data)
+        assert set(data["error"]) <= {"code", "message", "reason", "correlation_id"}
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=b"{not json")
+    assert status == 422 and data["error"]["code"] == "invalid_request"
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=b"[" * 100_000 + b"]" * 100_000)
+    assert status in (400, 422) and "error" in data
+
+
+def test_request_bodies_over_the_limit_are_refused(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    big = {"items": [{"message": user("x" * (9 * 1024 * 1024))}]}
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, big)
+    assert status == 413 and data["error"]["code"] == "request_too_large"
+    # Without a Content-Length the limit holds while the body streams.
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, big, chunked=True)
+    assert status == 413 and data["error"]["code"] == "request_too_large"
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+    assert page["entries"] == []
+
+
+EXPLODING = """
+from transcript_store.engine import EngineInfo, TranscriptSemantics
+
+class Exploding:
+    info = EngineInfo(id="exploding", transcript_semantics=TranscriptSemantics(
+        current_turn_fence="before-current-turn-entry-v1", turn_advancement_idempotency="atomic-idempotent-v1"))
+
+    def __init__(self, ctx):
+        pass
+
+    def assemble(self, **kw):
+        raise RuntimeError("secret internals at /etc/exploding")
+
+    def commit_turn(self, **kw):
+        raise RuntimeError("secret internals at /etc/exploding")
+
+def create_engine(ctx):
+    return Exploding(ctx)
+"""
+
+
+def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: Path) -> None:
+    plugin = tmp_path / "plugins" / "exploding"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: exploding\nentry: create_engine\n")
+    (plugin / "__init__.py").write_text(textwrap.dedent(EXPLODING))
+    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    with ServiceProcess(f"sqlite:///{tmp_path / 's.db'}", TOKENS, tmp_path / "serve.log", env=env,
+                        extra_args=("--max-body", "4096")) as server:
+        sid = new_id("s")
+        open_session(server, session_id=sid)
+        status, data = server.call("POST", f"/v1/engines/exploding/sessions/{sid}/assemble", TOKEN_A, {})
+        assert status == 500 and data["error"]["code"] == "internal_error"
+        text = json.dumps(data)
+        assert "secret" not in text and "Traceback" not in text
+        cid = data["error"]["correlation_id"]
+        status, data = commit(server, "exploding", sid, "k", 0, [user("q"), assistant("a")])
+        assert status == 500 and data["error"]["correlation_id"] != cid
+        status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+        assert page["entries"] == []  # the failed commit wrote nothing
+        status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A,
+                                   {"items": [{"message": user("y" * 5000)}]})
+        assert status == 413 and data["error"]["code"] == "request_too_large"
+        deadline = time.monotonic() + 5
+        while cid not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = server.log()
+        assert cid in log and "Traceback" in log and "secret internals" in log
+
+
+# ---------------------------------------------------------------------------------------------- fleets
+
+
+def test_two_instances_behind_one_database_commit_once(db_url: str, tmp_path: Path) -> None:
+    with (ServiceProcess(db_url, TOKENS, tmp_path / "one.log") as one,
+          ServiceProcess(db_url, TOKENS, tmp_path / "two.log") as two):
+        sid = new_id("s")
+        open_session(one, session_id=sid)
+        assert two.call("GET", f"/v1/sessions/{sid}", TOKEN_A)[0] == 200
+        results: list[tuple[int, Any]] = []
+        turn = [user("race"), assistant("won")]
+
+        def attempt(server: ServiceProcess) -> None:
+            results.append(commit(server, "lossless", sid, "racing-key", 0, turn))
+
+        threads = [threading.Thread(target=attempt, args=(s,)) for s in (one, two, one, two)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        statuses = sorted(data["status"] for status, data in results if status == 200)
+        assert len(results) == 4 and statuses == ["committed", "duplicate", "duplicate", "duplicate"], results
+    with TranscriptStore(db_url) as store:
+        assert [e.message for e in store.read_visible(TOKENS[TOKEN_A], sid)] == turn
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+
+
+def test_fuzzing_the_openapi_document_finds_no_server_error(server: ServiceProcess) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    status, doc = server.call("GET", "/openapi.json", TOKEN_A)
+    assert status == 200
+    schema = schemathesis.openapi.from_dict(doc)
+    sid = new_id("fuzz")
+    open_session(server, session_id=sid, session_key=new_id("fuzz-key"))
+    commit(server, "legacy", sid, "seed", 0, [user("seed"), assistant("seeded")])
+    headers = {"Authorization": f"Bearer {TOKEN_A}"}
+    failures: list[str] = []
+    statuses: list[int] = []
+    deadline = time.monotonic() + 30
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 15
+    for operation in operations:
+        params = {}
+        names = {p.name for p in operation.path_parameters}
+        if "session_id" in names:
+            params["session_id"] = sid
+        if "engine" in names:
+            params["engine"] = "legacy"
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            for pinned in ({}, params):
+                if time.monotonic() > deadline:
+                    break
+                strategy = operation.as_strategy(mode, path_parameters=pinned or None)
+
+                @settings(max_examples=5, deadline=None, database=None, derandomize=True,
+                          phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+                @given(case=strategy)
+                def run(case: Any) -> None:
+                    response = case.call(base_url=server.url, headers=headers, timeout=30)
+                    statuses.append(response.status_code)
+                    if response.status_code >= 500:
+                        failures.append(f"{case.method} {case.formatted_path} -> {response.status_code}: "
+                                        f"{response.text[:300]}")
+                    elif response.status_code >= 400:
+                        assert response.json()["error"]["code"]
+
+                run()
+    assert not failures, "\n".join(failures[:10])
+    assert len(statuses) >= 100 and any(s < 300 for s in statuses), statuses

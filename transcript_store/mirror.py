@@ -1,0 +1,180 @@
+"""Mirroring a host's own transcript into the store: imported pages and committed turns, by position.
+
+A host that keeps its own transcript (OpenClaw) hands over its visible messages in active order, each
+with the host's stable entry id: the pages of a bootstrap import, or the range of one accepted turn.
+Visible position p of the host is visible position p of the mirror. A message already mirrored at its
+position (the same entry id, or the same message) is skipped, so every page and every turn can be sent
+again; the first one that differs means the host's transcript moved under the mirror, which then
+branches there (nothing is deleted) and appends the host's version. A range that starts past the
+mirror's end is refused (``behind``): the caller imports first. The import's resume point (the host's
+opaque cursor and the position after it) is engine state written in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import fences, paths
+from .config import StoreConfig
+from .core import Core, NewEntry, prepare_entry
+from .errors import MirrorConflict
+from .ledger import get_state, put_state
+from .models import Anchor, ClosedRange
+
+STATE_OWNER = "service.import"
+STATE_KEY = "cursor"
+
+
+@dataclass(frozen=True)
+class HostMessage:
+    """One visible host message: its host entry id (None when the host did not name it) and message."""
+
+    entry_id: str | None
+    message: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What aligning a range did: messages appended, already there, and whether the mirror branched."""
+
+    imported: int
+    matched: int
+    rewound: bool
+
+
+@dataclass(frozen=True)
+class ImportState:
+    """Where the next import page of a session resumes: the host cursor and the position after it."""
+
+    cursor: str | None
+    position: int
+
+
+def import_state(core: Core, scope: str, session_id: str) -> ImportState:
+    """The recorded resume point of a session's import (the start when there is none)."""
+    raw = get_state(core, scope, session_id, STATE_OWNER, STATE_KEY)
+    if not isinstance(raw, dict):
+        return ImportState(None, 0)
+    cursor = raw.get("cursor")
+    position = raw.get("position")
+    return ImportState(cursor if isinstance(cursor, str) else None, position if isinstance(position, int) else 0)
+
+
+def import_page(
+    core: Core,
+    config: StoreConfig,
+    scope: str,
+    session_id: str,
+    *,
+    cursor: str | None,
+    next_cursor: str | None,
+    messages: Sequence[HostMessage],
+) -> tuple[Alignment, ImportState]:
+    """Mirror one host page read from ``cursor`` (None: the start) and record ``next_cursor`` after it."""
+    core.require_session(scope, session_id, lock=True)
+    state = import_state(core, scope, session_id)
+    if cursor is None:
+        start = 0
+    elif cursor == state.cursor:
+        start = state.position
+    else:
+        # Another importer moved on (or the state was reset): reading on from here could skip or repeat.
+        raise MirrorConflict("cursor", "the page was read from a cursor this mirror does not hold; re-read the state")
+    alignment = align(core, config, scope, session_id, start, messages)
+    after = ImportState(next_cursor, start + len(messages))
+    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": after.cursor, "position": after.position})
+    return alignment, after
+
+
+def align(
+    core: Core, config: StoreConfig, scope: str, session_id: str, start: int, messages: Sequence[HostMessage]
+) -> Alignment:
+    """Make visible positions start.. of the mirror hold ``messages`` (see module doc)."""
+    sess = core.require_session(scope, session_id, lock=True)
+    visible = int(sess.visible_count)
+    if start > visible:
+        raise MirrorConflict("behind", f"the range starts at position {start}; the mirror holds {visible} messages")
+    # Validate and serialize everything before the first write: invalid input writes nothing.
+    prepared = [_prepare(config, m) for m in messages]
+    end = min(start + len(messages), visible)
+    stored = core.visible_rows(scope, session_id, start - 1, end, None) if end > start else []
+    matched = 0
+    for row, host in zip(stored, messages, strict=False):
+        if row.entry_id != host.entry_id and json.loads(row.payload) != host.message:
+            break
+        matched += 1
+    rewound = False
+    if start + matched < visible and matched < len(messages):
+        # The host's transcript differs from here on: branch after the last message both agree on.
+        before = start + matched - 1
+        keep = None if before < 0 else _entry_id_at(core, scope, session_id, before)
+        paths.branch(core, scope, session_id, keep)
+        rewound = True
+    rest = prepared[matched:]
+    if rest:
+        taken = core.entry_rows(scope, session_id, [n.entry_id for n in rest])
+        # An id the host reuses after a rewrite names an off-branch entry here: append under a fresh id.
+        rest = [
+            prepare_entry(config, message=messages[matched + i].message) if n.entry_id in taken else n
+            for i, n in enumerate(rest)
+        ]
+        core.append(scope, session_id, rest)
+    return Alignment(imported=len(rest), matched=matched, rewound=rewound)
+
+
+def mirror_turn(
+    core: Core,
+    config: StoreConfig,
+    scope: str,
+    session_id: str,
+    *,
+    admission: tuple[str, int | None],
+    terminal: tuple[str, int | None],
+    messages: Sequence[dict[str, Any]],
+) -> tuple[Anchor, Anchor, list[dict[str, Any]]]:
+    """Mirror one accepted host turn (admission..terminal) and return its anchors and stored messages."""
+    if not messages:
+        raise MirrorConflict("turn_mismatch", "a turn has at least its admitted message")
+    (adm_id, adm_pos), (term_id, term_pos) = admission, terminal
+    sess = core.require_session(scope, session_id, lock=True)
+    rows = core.entry_rows(scope, session_id, [adm_id, term_id])
+    start = adm_pos
+    if start is None:
+        found = rows.get(adm_id)
+        start = found.position if found is not None and found.position is not None else int(sess.visible_count)
+    if term_pos is not None and term_pos - start + 1 != len(messages):
+        raise MirrorConflict("turn_mismatch", f"positions {start}..{term_pos} do not hold {len(messages)} messages")
+    ids: list[str | None] = [None] * len(messages)
+    ids[-1] = term_id
+    ids[0] = adm_id
+    align(core, config, scope, session_id, start, [HostMessage(i, m) for i, m in zip(ids, messages, strict=True)])
+    sess = core.require_session(scope, session_id)
+    first = _anchor_at(core, sess, start)
+    last = _anchor_at(core, sess, start + len(messages) - 1)
+    closed = fences.read_closed_range(core, first, last)
+    if not isinstance(closed, ClosedRange) or closed.messages != list(messages):
+        raise MirrorConflict("turn_mismatch", "the mirrored range differs from the turn's messages")
+    return first, last, closed.messages
+
+
+def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:
+    return prepare_entry(config, message=host.message, entry_id=host.entry_id)
+
+
+def _entry_id_at(core: Core, scope: str, session_id: str, position: int) -> str:
+    seq = core.path_seq_at_position(scope, session_id, position)
+    row = None if seq is None else core.entry_by_seq(scope, session_id, seq)
+    if row is None:  # pragma: no cover - positions below the visible count always exist
+        raise MirrorConflict("behind", f"no visible message at position {position}")
+    return str(row.entry_id)
+
+
+def _anchor_at(core: Core, sess: Any, position: int) -> Anchor:
+    seq = core.path_seq_at_position(sess.scope, sess.session_id, position)
+    row = None if seq is None else core.entry_by_seq(sess.scope, sess.session_id, seq)
+    if row is None:  # pragma: no cover - align() just made the position exist
+        raise MirrorConflict("behind", f"no visible message at position {position}")
+    return core.anchor_for(sess, row)

@@ -1,0 +1,419 @@
+"""transcript-store as a service: the store and the engines behind bearer tokens, one scope per token.
+
+``Service`` is the whole API without HTTP: every operation takes the caller's scope (which the token
+decided, never the request) and checks that anything the request names (a session, an anchor) is of
+that scope, so another scope's session looks exactly like an unknown one. The engine lifecycle is the
+host runtime's calling convention (``project_params``), with a host transcript mirror in front of it
+for hosts that keep their own transcript: ``bootstrap`` imports it page by page and ``commit_turn``
+mirrors the accepted turn and commits it through the engine's ledger in ONE transaction.
+``service_app`` puts HTTP on top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import mirror
+from .core import Core, check_id
+from .engine import (
+    AssembleResult,
+    BootstrapResult,
+    CompactResult,
+    EngineInfo,
+    EngineSelection,
+    Limits,
+    MaintainResult,
+    RuntimeInfo,
+    RuntimeSettings,
+    durable_declaration,
+    project_params,
+)
+from .errors import AdvancementKeyCollision, EngineContractError, InvalidInput, UnknownEngine, UnknownSession
+from .host import HostRuntime, RuntimeContext
+from .ledger import CommitResult, get_receipt, list_receipts
+from .models import Admission, Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry, SessionInfo
+from .registry import EngineRegistry
+from .service_models import (
+    AdmitRequest,
+    AppendRequest,
+    AssembleRequest,
+    BootstrapRequest,
+    BootstrapResponse,
+    BootstrapState,
+    CommitTurnRequest,
+    CommitTurnResponse,
+    CompactRequest,
+    DeltaRequest,
+    EngineDescription,
+    EngineSummary,
+    OpenSession,
+)
+from .settings import HostSettings
+from .store import TranscriptStore
+
+log = logging.getLogger("transcript_store.service")
+
+TOKENS_ENV = "TRANSCRIPT_STORE_TOKENS"
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class TokenMap:
+    """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        """Map each (token, scope); a token given twice with two scopes is refused."""
+        self._scopes: dict[str, str] = {}
+        for token, scope in pairs:
+            if not token or any(c.isspace() for c in token):
+                raise InvalidInput("a token must be non-empty and contain no whitespace")
+            check_id("scope", scope)
+            digest = _digest(token)
+            if self._scopes.get(digest, scope) != scope:
+                raise InvalidInput("a token maps to exactly one scope; one is listed with two")
+            self._scopes[digest] = scope
+
+    def __len__(self) -> int:
+        """How many tokens are known."""
+        return len(self._scopes)
+
+    def scope_for(self, token: str) -> str | None:
+        """The scope of a presented token, or None."""
+        return self._scopes.get(_digest(token))
+
+    @classmethod
+    def parse_file(cls, path: str | Path) -> list[tuple[str, str]]:
+        """``token scope`` per line; blank lines and ``#`` comments are skipped."""
+        pairs = []
+        for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            words = line.split()
+            if len(words) != 2:
+                raise InvalidInput(f"{path}:{number}: expected 'TOKEN SCOPE'")
+            pairs.append((words[0], words[1]))
+        return pairs
+
+    @classmethod
+    def parse_env(cls, value: str) -> list[tuple[str, str]]:
+        """``tok1=scopeA,tok2=scopeB``."""
+        pairs = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            token, sep, scope = part.partition("=")
+            if not sep:
+                raise InvalidInput(f"{TOKENS_ENV}: expected TOKEN=SCOPE, got an item without '='")
+            pairs.append((token.strip(), scope.strip()))
+        return pairs
+
+    @classmethod
+    def load(cls, path: str | None = None, env: str | None = None) -> TokenMap:
+        """Tokens from ``path`` and the TRANSCRIPT_STORE_TOKENS value (``env``; default: the environment)."""
+        value = os.environ.get(TOKENS_ENV, "") if env is None else env
+        pairs = (cls.parse_file(path) if path else []) + cls.parse_env(value)
+        return cls(pairs)
+
+
+# ---------------------------------------------------------------------------------------------- the service
+
+
+@dataclass
+class _Call:
+    """One engine lifecycle call's context."""
+
+    engine: Any
+    info: EngineInfo
+    session: SessionInfo
+
+
+class Service:
+    """Every operation of the HTTP API, for one caller scope at a time (see module doc)."""
+
+    def __init__(self, store: TranscriptStore, settings: HostSettings) -> None:
+        """Serve ``store`` with the engines ``settings`` can discover (created on first use)."""
+        self.store = store
+        self.settings = settings
+        self.runtime = HostRuntime(store, settings, model=None, registry=EngineRegistry(settings.plugin_dirs))
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def open_session(self, scope: str, req: OpenSession) -> SessionInfo:
+        """Create by id (idempotent), or open by key; ``rebind_key`` ends the key's other holder first."""
+        if req.session_id is None:
+            if req.session_key is None:
+                return self.store.create_session(scope)
+            return self.store.open_session(scope, req.session_key)
+        check_id("scope", scope)
+        check_id("session_id", req.session_id)
+        check_id("session_key", req.session_key, optional=True)
+        sid, key = req.session_id, req.session_key
+
+        def run(c: Core) -> SessionInfo:
+            if req.rebind_key and key is not None:
+                holder = c.find_session_by_key(scope, key)
+                if holder is not None and holder.session_id != sid:
+                    c.end_session(scope, holder.session_id)
+            return c.create_session(scope, sid, key)
+
+        return self.store.write(run)
+
+    def get_session(self, scope: str, session_id: str) -> SessionInfo:
+        """One session of the scope (UnknownSession otherwise)."""
+        return self.store.get_session(scope, session_id)
+
+    def list_sessions(self, scope: str, session_key: str | None, after: str | None, limit: int) -> list[SessionInfo]:
+        """The active session holding ``session_key``, or the scope's sessions in id order."""
+        if session_key is not None:
+            found = self.store.find_session(scope, session_key)
+            return [] if found is None else [found]
+        return self.store.list_sessions(scope, after=after, limit=limit)
+
+    def delta(self, scope: str, session_id: str, req: DeltaRequest) -> DeltaPage | DeltaReset:
+        """A visible-delta page or reset; an unknown session is UnknownSession (a 404), not ``missing``."""
+        fence = self._own(scope, session_id, req.fence)
+        result = self.store.read_visible_delta(
+            scope, session_id, req.cursor, max_messages=req.max_messages, max_bytes=req.max_bytes, fence=fence
+        )
+        if isinstance(result, DeltaMissing):
+            raise UnknownSession(scope, session_id)
+        return result
+
+    def append(self, scope: str, session_id: str, req: AppendRequest) -> list[Entry]:
+        """Append entries as one chain."""
+        return self.store.append_many(scope, session_id, req.items)
+
+    def admit(self, scope: str, session_id: str, req: AdmitRequest) -> Admission:
+        """Admit the user message of a logical turn."""
+        return self.store.admit(scope, session_id, req.message, turn_id=req.turn_id, entry_id=req.entry_id)
+
+    # ------------------------------------------------------------------------------------ engines
+
+    def engines(self) -> list[EngineSummary]:
+        """Every registered engine."""
+        registry = self.runtime.registry
+        assert registry is not None
+        return [EngineSummary(id=s.id, source=s.source, error=s.error) for s in registry.specs.values()]
+
+    def engine(self, engine_id: str) -> tuple[Any, EngineInfo]:
+        """The live engine (created once per process); UnknownEngine when none has this id."""
+        check_id("engine", engine_id)
+        registry = self.runtime.registry
+        assert registry is not None
+        if engine_id not in registry.specs:
+            raise UnknownEngine(f"no context engine {engine_id!r}")
+        with self._lock:
+            return self.runtime.engine(engine_id)
+
+    def describe(self, engine_id: str) -> EngineDescription:
+        """An engine's declarations."""
+        engine, info = self.engine(engine_id)
+        durable, _reason, _broken = durable_declaration(engine, info)
+        return EngineDescription(id=engine_id, info=info, durable=durable)
+
+    def _call(self, scope: str, engine_id: str, session_id: str) -> _Call:
+        engine, info = self.engine(engine_id)
+        return _Call(engine, info, self.store.get_session(scope, session_id))
+
+    def _host(self, call: _Call, fence: Anchor | None, budget: int | None, **more: Any) -> dict[str, Any]:
+        """The host parameters of a lifecycle call (projected onto what the engine accepts)."""
+        sess = call.session
+        settings = RuntimeSettings(
+            runtime=RuntimeInfo(host="transcript-store-service"),
+            context_engine_selection=EngineSelection(id=call.info.id, source="argument"),
+            limits=Limits(prompt_token_budget=budget, max_output_tokens=self.settings.max_output_tokens),
+        )
+        rt = RuntimeContext(self.runtime, sess.scope, sess.session_id, fence, None)
+        host = {"session_key": sess.session_key, "runtime_settings": settings, "runtime_context": rt}
+        host.update({k: v for k, v in more.items() if v is not None})
+        return host
+
+    def _lifecycle(self, call: _Call, name: str) -> Callable[..., Any]:
+        method: Callable[..., Any] | None = getattr(call.engine, name, None)
+        if not callable(method):
+            raise EngineContractError(f"context engine {call.info.id!r} has no {name}()")
+        return method
+
+    @property
+    def default_budget(self) -> int:
+        """The prompt budget used when a request names none."""
+        return self.settings.token_budget - self.settings.max_output_tokens
+
+    def bootstrap_state(self, scope: str, engine_id: str, session_id: str) -> BootstrapState:
+        """Where the next import page of the session resumes."""
+        self.engine(engine_id)
+
+        def run(c: Core) -> BootstrapState:
+            sess = c.require_session(scope, session_id)
+            state = mirror.import_state(c, scope, session_id)
+            return BootstrapState(cursor=state.cursor, position=state.position, visible_count=sess.visible_count)
+
+        return self.store.read(run)
+
+    def bootstrap(self, scope: str, engine_id: str, session_id: str, req: BootstrapRequest) -> BootstrapResponse:
+        """Mirror one host page (idempotent), then on ``done`` run the engine's bootstrap."""
+        call = self._call(scope, engine_id, session_id)
+        out = BootstrapResponse(cursor=None, position=0, visible_count=0)
+        if req.page is not None:
+            page = req.page
+            hosted = [mirror.HostMessage(e.entry_id, e.message) for e in page.entries]
+            done, _after = self.store.write(
+                lambda c: mirror.import_page(
+                    c, self.store.config, scope, session_id, cursor=page.cursor, next_cursor=page.next_cursor,
+                    messages=hosted,
+                )
+            )
+            out = out.model_copy(update={"imported": done.imported, "matched": done.matched, "rewound": done.rewound})
+            log.info("bootstrap page engine=%s scope=%s session=%s imported=%d matched=%d rewound=%s", engine_id,
+                     scope, session_id, done.imported, done.matched, done.rewound)
+        current = self.bootstrap_state(scope, engine_id, session_id)
+        out = out.model_copy(
+            update={"cursor": current.cursor, "position": current.position, "visible_count": current.visible_count}
+        )
+        if req.done:
+            method = getattr(call.engine, "bootstrap", None)
+            if callable(method):
+                base = {"scope": scope, "session_id": session_id, "fence": None}
+                params = project_params(call.info, base, self._host(call, None, self.default_budget))
+                raw = method(**params)
+                result = raw if isinstance(raw, BootstrapResult) else BootstrapResult.model_validate(raw or {})
+            else:
+                result = BootstrapResult(bootstrapped=True, reason="the engine reads the transcript itself")
+            out = out.model_copy(update={"result": result})
+        return out
+
+    def assemble(self, scope: str, engine_id: str, session_id: str, req: AssembleRequest) -> AssembleResult:
+        """The engine's context for the next model call (before ``fence`` when given)."""
+        call = self._call(scope, engine_id, session_id)
+        fence = self._own(scope, session_id, req.fence)
+        budget = req.token_budget or self.default_budget
+        prompt = {"role": "user", "content": req.prompt} if isinstance(req.prompt, str) else req.prompt
+        base = {
+            "scope": scope,
+            "session_id": session_id,
+            "fence": fence,
+            "token_budget": budget,
+            "available_tools": list(req.available_tools),
+        }
+        params = project_params(call.info, base, self._host(call, fence, budget, prompt=prompt))
+        result = AssembleResult.model_validate(call.engine.assemble(**params))
+        log.info("assemble engine=%s scope=%s session=%s messages=%d estimated_tokens=%d", engine_id, scope,
+                 session_id, len(result.messages), result.estimated_tokens)
+        return result
+
+    def compact(self, scope: str, engine_id: str, session_id: str, req: CompactRequest) -> CompactResult:
+        """The engine's compaction."""
+        call = self._call(scope, engine_id, session_id)
+        method = self._lifecycle(call, "compact")
+        budget = req.token_budget or self.settings.token_budget
+        base = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
+                "token_budget": budget}
+        return CompactResult.model_validate(method(**project_params(call.info, base, self._host(call, None, budget))))
+
+    def maintain(self, scope: str, engine_id: str, session_id: str) -> MaintainResult:
+        """The engine's maintenance pass (nothing to do when it has none)."""
+        call = self._call(scope, engine_id, session_id)
+        method = getattr(call.engine, "maintain", None)
+        if not callable(method):
+            return MaintainResult(changed=False, reason="the engine has no maintenance")
+        base = {"scope": scope, "session_id": session_id}
+        raw = method(**project_params(call.info, base, self._host(call, None, self.default_budget)))
+        return raw if isinstance(raw, MaintainResult) else MaintainResult.model_validate(raw or {})
+
+    def commit_turn(self, scope: str, engine_id: str, session_id: str, req: CommitTurnRequest) -> CommitTurnResponse:
+        """Mirror the turn and commit it through the engine's ledger, in ONE transaction."""
+        call = self._call(scope, engine_id, session_id)
+        durable, reason, _broken = durable_declaration(call.engine, call.info)
+        if not durable:
+            raise EngineContractError(f"context engine {engine_id!r} cannot take durable turns: {reason}")
+        method = self._lifecycle(call, "commit_turn")
+        check_id("advancement_key", req.advancement_key)
+        check_id("entry_id", req.admission.entry_id)
+        check_id("entry_id", req.terminal.entry_id)
+        target = (req.session_target or {}).get("session_id")
+        if target is not None and target != session_id:
+            raise InvalidInput("session_target names another session than the one committed to")
+
+        def run(c: Core) -> tuple[CommitResult, Anchor, Anchor]:
+            replay = _committed_range(c, scope, session_id, call.info.id, req)
+            if replay is not None:
+                # A replay of a committed key: the ledger alone answers (duplicate, or a collision when
+                # the content differs); the mirror is not touched again.
+                first, last = replay
+                messages = list(req.messages)
+            else:
+                first, last, messages = mirror.mirror_turn(
+                    c, self.store.config, scope, session_id,
+                    admission=(req.admission.entry_id, req.admission.position),
+                    terminal=(req.terminal.entry_id, req.terminal.position),
+                    messages=req.messages,
+                )
+            result: CommitResult = method(
+                tx=c, advancement_key=req.advancement_key, admission=first, terminal=last, messages=messages,
+                is_heartbeat=req.is_heartbeat,
+            )
+            return result, first, last
+
+        result, first, last = self.store.write(run)
+        if result.status not in ("committed", "duplicate"):  # pragma: no cover - an engine breaking the contract
+            raise EngineContractError(f"context engine {engine_id!r} returned status {result.status!r}")
+        log.info("commit_turn engine=%s scope=%s session=%s key=%s status=%s messages=%d", engine_id, scope,
+                 session_id, req.advancement_key, result.status, len(req.messages))
+        return CommitTurnResponse(status=result.status, receipt=result.receipt, admission=first, terminal=last)
+
+    def receipts(self, scope: str, engine_id: str, session_id: str) -> list[Any]:
+        """The engine's ledger for one session."""
+        check_id("engine", engine_id)
+
+        def run(c: Core) -> list[Any]:
+            c.require_session(scope, session_id)
+            return list_receipts(c, scope, session_id, engine_id)
+
+        return self.store.read(run)
+
+    # ------------------------------------------------------------------------------------ scope checks
+
+    @staticmethod
+    def _own(scope: str, session_id: str, anchor: Anchor | None) -> Anchor | None:
+        """An anchor the caller sent, if it is of the caller's scope and session; else as if unknown."""
+        if anchor is None:
+            return None
+        if anchor.scope != scope:
+            raise UnknownSession(scope, anchor.session_id)
+        if anchor.session_id != session_id:
+            raise InvalidInput("the anchor names another session")
+        return anchor
+
+    def close(self) -> None:
+        """Dispose of the engines and release the store."""
+        self.runtime.dispose()
+        self.store.close()
+
+
+def _committed_range(
+    c: Core, scope: str, session_id: str, engine_id: str, req: CommitTurnRequest
+) -> tuple[Anchor, Anchor] | None:
+    """The anchors of an already committed key (a replay), or None; another message count collides."""
+    receipt = get_receipt(c, scope, session_id, engine_id, req.advancement_key)
+    if receipt is None:
+        return None
+    if receipt.message_count != len(req.messages):
+        raise AdvancementKeyCollision(req.advancement_key)
+    sess = c.require_session(scope, session_id)
+    rows = c.entry_rows(scope, session_id, [receipt.admission_entry_id, receipt.terminal_entry_id])
+    first, last = rows.get(receipt.admission_entry_id), rows.get(receipt.terminal_entry_id)
+    if first is None or last is None:  # pragma: no cover - entries are never deleted by normal operation
+        return None
+    return c.anchor_for(sess, first), c.anchor_for(sess, last)

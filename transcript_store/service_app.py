@@ -1,0 +1,401 @@
+"""The HTTP face of ``Service``: routes, bearer-token scopes, a request size limit, JSON errors.
+
+Every route needs ``Authorization: Bearer <token>``; the token's scope is the only scope the request
+can touch. Errors are ``{"error": {"code": ..., "message": ...}}`` with a stable code per error type
+(``ERRORS``); an unexpected exception is a 500 whose body carries only a correlation id, the traceback
+going to the server log under the same id. Bodies over the size limit are refused with 413 while they
+are read, whatever Content-Length claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Callable, MutableMapping
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import __version__
+from .engine import AssembleResult, CompactResult, MaintainResult
+from .errors import (
+    AdvancementKeyCollision,
+    EngineContractError,
+    EngineError,
+    HostRequirementError,
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidMessage,
+    MirrorConflict,
+    PayloadTooLarge,
+    ReadFenceError,
+    SchemaNotCurrent,
+    SessionKeyConflict,
+    StoreUnavailable,
+    TranscriptStoreError,
+    UnknownEngine,
+    UnknownEntry,
+    UnknownSession,
+)
+from .models import Admission, DeltaPage, DeltaReset, SessionInfo
+from .service import Service, TokenMap
+from .service_models import (
+    AdmitRequest,
+    AppendRequest,
+    AssembleRequest,
+    BootstrapRequest,
+    BootstrapResponse,
+    BootstrapState,
+    CommitTurnRequest,
+    CommitTurnResponse,
+    CompactRequest,
+    DeltaRequest,
+    EngineDescription,
+    EngineList,
+    EntryList,
+    ErrorBody,
+    MaintainRequest,
+    OpenSession,
+    ReceiptList,
+    SessionList,
+    WhoAmI,
+)
+
+log = logging.getLogger("transcript_store.service")
+
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+#: error type -> (HTTP status, stable code); the first matching entry wins, so subclasses come first.
+ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UnknownSession, 404, "session_not_found"),
+    (UnknownEntry, 404, "entry_not_found"),
+    (UnknownEngine, 404, "engine_not_found"),
+    (AdvancementKeyCollision, 409, "advancement_key_collision"),
+    (IdempotencyConflict, 409, "idempotency_conflict"),
+    (SessionKeyConflict, 409, "session_key_conflict"),
+    (ReadFenceError, 409, "read_fence"),
+    (MirrorConflict, 409, "transcript_mirror"),
+    (HostRequirementError, 409, "host_requirement"),
+    (EngineContractError, 409, "engine_contract"),
+    (PayloadTooLarge, 413, "payload_too_large"),
+    (InvalidMessage, 400, "invalid_message"),
+    (InvalidInput, 400, "invalid_input"),
+    (SchemaNotCurrent, 503, "schema_not_current"),
+    (StoreUnavailable, 503, "store_unavailable"),
+    (EngineError, 503, "engine_unavailable"),
+    (ValueError, 400, "invalid_input"),  # the store's range checks on limits
+)
+HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+              413: "request_too_large", 415: "unsupported_media_type"}
+
+_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 503)
+}
+
+
+def error_json(status: int, code: str, message: str, **extra: str | None) -> JSONResponse:
+    """One error response in the service's shape."""
+    detail: dict[str, Any] = {"code": code, "message": message}
+    detail.update({k: v for k, v in extra.items() if v is not None})
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": detail}, status_code=status, headers=headers)
+
+
+def error_for(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and stable code of a library error."""
+    for kind, status, code in ERRORS:
+        if isinstance(exc, kind):
+            return status, code
+    return 500, "internal_error"
+
+
+# ---------------------------------------------------------------------------------------------- middleware
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised while reading a body past the limit; FastAPI passes HTTP exceptions through as they are."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request bodies are limited to {limit} bytes")
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes (413), by Content-Length and while streaming.
+
+    The excess is read and dropped (up to a few times the limit) before the 413 goes out: a server that
+    answers and closes while the client is still sending makes the client see a reset, not the 413.
+    """
+
+    def __init__(self, app: Any, limit: int) -> None:
+        """Wrap an ASGI app."""
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """Pass through, counting body bytes."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                await _drain(receive, 4 * self.limit)
+                response = error_json(413, "request_too_large", f"request bodies are limited to {self.limit} bytes")
+                await response(scope, receive, send)
+                return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    if message.get("more_body", False):
+                        await _drain(receive, 3 * self.limit)
+                    raise _TooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _drain(receive: Any, budget: int) -> None:
+    """Read and drop request body chunks until the body ends or ``budget`` bytes were dropped."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+class CatchAll:
+    """Turn any exception that escaped the handlers into a 500 with a correlation id (logged here)."""
+
+    def __init__(self, app: Any) -> None:
+        """Wrap an ASGI app."""
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """Pass through; answer 500 when the response has not started."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            cid = uuid.uuid4().hex[:16]
+            log.exception("internal error %s on %s %s", cid, scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_json(500, "internal_error", "internal error; see the server log", correlation_id=cid)
+                await response(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+_bearer = HTTPBearer(auto_error=False, description="a token from --tokens FILE or TRANSCRIPT_STORE_TOKENS")
+
+
+def caller(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """The scope of the request's bearer token; 401 without a known one."""
+    tokens: TokenMap = request.app.state.tokens
+    scope = tokens.scope_for(credentials.credentials) if credentials is not None else None
+    if scope is None:
+        raise StarletteHTTPException(401, "a valid bearer token is required")
+    return scope
+
+
+Scope = Annotated[str, Depends(caller)]
+
+
+
+def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """The ASGI app over ``service``; ``tokens`` decide each request's scope."""
+    app = FastAPI(
+        title="transcript-store",
+        version=__version__,
+        description="Durable transcripts, visible-delta reads and the context-engine lifecycle over HTTP. "
+        "Every request needs a bearer token; the token's scope is the only scope it reaches.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        responses=_ERROR_DOCS,
+    )
+    app.state.tokens = tokens
+    _errors(app)
+    _routes(app, service)
+    app.add_middleware(CatchAll)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    _protect_openapi(app)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    async def library(request: Request, exc: Exception) -> JSONResponse:
+        status, code = error_for(exc)
+        if status == 500:
+            raise exc
+        return error_json(status, code, str(exc), reason=getattr(exc, "reason", None))
+
+    async def http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = HTTP_CODES.get(exc.status_code, "http_error")
+        return error_json(exc.status_code, code, str(exc.detail))
+
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return error_json(422, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
+
+    for kind in (TranscriptStoreError, ValueError):
+        app.add_exception_handler(kind, library)
+    app.add_exception_handler(StarletteHTTPException, http)
+    app.add_exception_handler(RequestValidationError, validation)
+
+
+def _protect_openapi(app: FastAPI) -> None:
+    """Serve /openapi.json to token holders only (every request is authenticated)."""
+    document = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(scope: Scope) -> dict[str, Any]:
+        return document
+
+
+def _routes(app: FastAPI, service: Service) -> None:
+    @app.get("/v1/whoami", response_model=WhoAmI, tags=["service"])
+    def whoami(scope: Scope) -> WhoAmI:
+        """The scope of the presented token."""
+        return WhoAmI(scope=scope)
+
+    @app.post("/v1/sessions", response_model=SessionInfo, tags=["sessions"])
+    def open_session(scope: Scope, body: OpenSession) -> SessionInfo:
+        """Create a session by id (idempotent) or open the active session holding a key."""
+        return service.open_session(scope, body)
+
+    @app.get("/v1/sessions", response_model=SessionList, tags=["sessions"])
+    def list_sessions(
+        scope: Scope,
+        session_key: Annotated[str | None, Query(max_length=255)] = None,
+        after: Annotated[str | None, Query(max_length=255)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> SessionList:
+        """The active session holding ``session_key``, or the scope's sessions in id order."""
+        return SessionList(sessions=service.list_sessions(scope, session_key, after, limit))
+
+    @app.get("/v1/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
+    def get_session(scope: Scope, session_id: str) -> SessionInfo:
+        """One session."""
+        return service.get_session(scope, session_id)
+
+    @app.post("/v1/sessions/{session_id}/delta", response_model=DeltaPage | DeltaReset, tags=["sessions"])
+    def delta(scope: Scope, session_id: str, body: DeltaRequest) -> DeltaPage | DeltaReset:
+        """Visible messages after a cursor: a page, or a reset to rebuild from."""
+        return service.delta(scope, session_id, body)
+
+    @app.post("/v1/sessions/{session_id}/entries", response_model=EntryList, tags=["sessions"])
+    def append(scope: Scope, session_id: str, body: AppendRequest) -> EntryList:
+        """Append entries at the head (idempotent per entry id / idempotency key)."""
+        return EntryList(entries=service.append(scope, session_id, body))
+
+    @app.post("/v1/sessions/{session_id}/admissions", response_model=Admission, tags=["sessions"])
+    def admit(scope: Scope, session_id: str, body: AdmitRequest) -> Admission:
+        """Admit the user message of a logical turn."""
+        return service.admit(scope, session_id, body)
+
+    @app.get("/v1/engines", response_model=EngineList, tags=["engines"])
+    def engines(scope: Scope) -> EngineList:
+        """Every engine the service can run."""
+        return EngineList(engines=service.engines())
+
+    @app.get("/v1/engines/{engine}", response_model=EngineDescription, tags=["engines"])
+    def describe(scope: Scope, engine: str) -> EngineDescription:
+        """An engine's declarations."""
+        return service.describe(engine)
+
+    prefix = "/v1/engines/{engine}/sessions/{session_id}"
+
+    @app.get(f"{prefix}/bootstrap", response_model=BootstrapState, tags=["engines"])
+    def bootstrap_state(scope: Scope, engine: str, session_id: str) -> BootstrapState:
+        """Where the next host-transcript import page resumes."""
+        return service.bootstrap_state(scope, engine, session_id)
+
+    @app.post(f"{prefix}/bootstrap", response_model=BootstrapResponse, tags=["engines"])
+    def bootstrap(scope: Scope, engine: str, session_id: str, body: BootstrapRequest) -> BootstrapResponse:
+        """Import one page of the host's transcript; on ``done`` run the engine's bootstrap."""
+        return service.bootstrap(scope, engine, session_id, body)
+
+    @app.post(f"{prefix}/assemble", response_model=AssembleResult, tags=["engines"])
+    def assemble(scope: Scope, engine: str, session_id: str, body: AssembleRequest) -> AssembleResult:
+        """The engine's context for the next model call."""
+        return service.assemble(scope, engine, session_id, body)
+
+    @app.post(f"{prefix}/compact", response_model=CompactResult, tags=["engines"])
+    def compact(scope: Scope, engine: str, session_id: str, body: CompactRequest) -> CompactResult:
+        """Run the engine's compaction."""
+        return service.compact(scope, engine, session_id, body)
+
+    @app.post(f"{prefix}/maintain", response_model=MaintainResult, tags=["engines"])
+    def maintain(scope: Scope, engine: str, session_id: str, body: MaintainRequest) -> MaintainResult:
+        """Run the engine's maintenance pass."""
+        return service.maintain(scope, engine, session_id)
+
+    @app.post(f"{prefix}/commit_turn", response_model=CommitTurnResponse, tags=["engines"])
+    def commit_turn(scope: Scope, engine: str, session_id: str, body: CommitTurnRequest) -> CommitTurnResponse:
+        """Commit one accepted turn: 200 ``committed`` / ``duplicate``, 409 on a reused key with other content."""
+        return service.commit_turn(scope, engine, session_id, body)
+
+    @app.get(f"{prefix}/receipts", response_model=ReceiptList, tags=["engines"])
+    def receipts(scope: Scope, engine: str, session_id: str) -> ReceiptList:
+        """The engine's ledger for one session."""
+        return ReceiptList(receipts=service.receipts(scope, engine, session_id))
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one), bound before the server starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
+          announce: Callable[[str], None] | None = None) -> None:
+    """Serve ``app`` on ``sock`` until SIGINT/SIGTERM."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    config = uvicorn.Config(app, log_config=None, access_log=access_log, server_header=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    if announce is not None:
+        announce(f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}")
+    server.run(sockets=[sock])
+

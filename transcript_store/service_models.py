@@ -1,0 +1,218 @@
+"""The HTTP service's request and response shapes; the records themselves are the library's models.
+
+Requests forbid unknown fields (a typo is an error, not a silent default), except entry references,
+which accept a whole anchor (the library's, or a host's) and read only ``entry_id`` and ``position``.
+Ids are checked by the store (``check_id``) when used, so every refusal carries the store's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine import BootstrapResult, EngineInfo
+from .ledger import Receipt
+from .models import Anchor, Entry, SessionInfo
+from .reads import MAX_BYTES, MAX_MESSAGES
+from .store import AppendItem
+
+MAX_ITEMS = 10_000
+Message = dict[str, Any]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable ``code``, a human ``message``, and extras for some codes."""
+
+    code: str
+    message: str
+    reason: str | None = None
+    correlation_id: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: ``{"error": {"code": ..., "message": ...}}``."""
+
+    error: ErrorDetail
+
+
+class WhoAmI(BaseModel):
+    """The scope the presented token maps to."""
+
+    scope: str
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+class OpenSession(_Request):
+    """Create a session by id, or open the active session holding a key (created when there is none)."""
+
+    session_id: str | None = None
+    session_key: str | None = None
+    rebind_key: bool = Field(
+        False, description="end another active session holding session_key, so this session can take it"
+    )
+
+
+class SessionList(BaseModel):
+    """Sessions of the caller's scope."""
+
+    sessions: list[SessionInfo]
+
+
+class DeltaRequest(_Request):
+    """A visible-delta read: the page after ``cursor`` (None: from the start), before ``fence`` if given."""
+
+    cursor: str | None = None
+    max_messages: int = Field(1000, ge=1, le=MAX_MESSAGES)
+    max_bytes: int = Field(1_000_000, ge=1, le=MAX_BYTES)
+    fence: Anchor | None = None
+
+
+class AppendRequest(_Request):
+    """Entries appended at the head as one chain, in one transaction."""
+
+    items: list[AppendItem] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+class EntryList(BaseModel):
+    """Stored entries, in the order asked."""
+
+    entries: list[Entry]
+
+
+class AdmitRequest(_Request):
+    """The user message of logical turn ``turn_id``; the same turn again returns the same admission."""
+
+    message: Message
+    turn_id: str
+    entry_id: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+class EngineSummary(BaseModel):
+    """A registered engine: where it comes from, and why it cannot load if it cannot."""
+
+    id: str
+    source: str
+    error: str | None = None
+
+
+class EngineList(BaseModel):
+    """Every engine the service can run."""
+
+    engines: list[EngineSummary]
+
+
+class EngineDescription(BaseModel):
+    """An engine's declarations (compaction ownership, transcript semantics, maintenance mode, ...)."""
+
+    id: str
+    info: EngineInfo
+    durable: bool = Field(description="declares both transcript semantics and implements commit_turn")
+
+
+class HostEntry(_Request):
+    """One visible host message with the host's stable entry id."""
+
+    entry_id: str
+    message: Message
+
+
+class ImportPage(_Request):
+    """One page of the host's visible transcript, read from ``cursor`` (None: the start)."""
+
+    cursor: str | None = None
+    next_cursor: str | None = Field(None, description="the host's cursor after this page")
+    entries: list[HostEntry] = Field(default_factory=list, max_length=MAX_ITEMS)
+
+
+class BootstrapRequest(_Request):
+    """Import one host page (if given); on ``done``, run the engine's bootstrap over the mirror."""
+
+    page: ImportPage | None = None
+    done: bool = True
+
+
+class BootstrapState(BaseModel):
+    """Where the next import page resumes (the host cursor and position), and the mirror's size."""
+
+    cursor: str | None
+    position: int
+    visible_count: int
+
+
+class BootstrapResponse(BaseModel):
+    """What a bootstrap call imported, the resume point after it, and the engine's own result."""
+
+    imported: int = 0
+    matched: int = 0
+    rewound: bool = False
+    cursor: str | None
+    position: int
+    visible_count: int
+    result: BootstrapResult | None = None
+
+
+class AssembleRequest(_Request):
+    """Assemble the model's context; the service's budget applies when ``token_budget`` is omitted."""
+
+    token_budget: int | None = Field(None, ge=1, le=100_000_000)
+    fence: Anchor | None = None
+    available_tools: list[str] = Field(default_factory=list, max_length=1000)
+    prompt: Message | str | None = None
+
+
+class CompactRequest(_Request):
+    """Run the engine's compaction (``force``: at least one step even under the threshold)."""
+
+    force: bool = True
+    focus: str | None = Field(None, max_length=10_000)
+    token_budget: int | None = Field(None, ge=1, le=100_000_000)
+
+
+class MaintainRequest(_Request):
+    """Run the engine's maintenance pass."""
+
+
+class EntryRef(BaseModel):
+    """An entry of a turn: its id, and its visible position when the service must mirror it."""
+
+    model_config = ConfigDict(extra="ignore")
+    entry_id: str
+    position: int | None = Field(None, ge=0, le=2**31 - 1)
+
+
+class CommitTurnRequest(_Request):
+    """One accepted turn, admission through terminal inclusive, keyed by its advancement key."""
+
+    advancement_key: str
+    admission: EntryRef
+    terminal: EntryRef
+    messages: list[Message] = Field(min_length=1, max_length=MAX_ITEMS)
+    is_heartbeat: bool = False
+    session_target: dict[str, Any] | None = Field(
+        None, description="the host's session identity of the turn; its session_id must name this session"
+    )
+
+
+class CommitTurnResponse(BaseModel):
+    """``committed`` the first time, ``duplicate`` on every identical replay; the receipt and anchors."""
+
+    status: Literal["committed", "duplicate"]
+    receipt: Receipt
+    admission: Anchor
+    terminal: Anchor
+
+
+class ReceiptList(BaseModel):
+    """The engine's ledger for one session, oldest first."""
+
+    receipts: list[Receipt]
