@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-slow lint bench clean
+.PHONY: install run test test-slow test-openclaw test-hermes lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,10 +19,27 @@ run: install
 	$(BIN)/transcript-store gateway
 
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# The plugin inside the real OpenClaw: Node and OpenClaw are cached in .cache/openclaw (npm registry).
+test-openclaw: install
+	TRANSCRIPT_STORE_OPENCLAW=1 $(BIN)/python -m pytest -q -m openclaw tests/interop $(PYTEST_ARGS)
+
+# The plugin inside the real Hermes Agent: hermes-agent==0.19.0 + this project in .cache/hermes-venv.
+HERMES_VENV := .cache/hermes-venv
+HERMES_STAMP := $(HERMES_VENV)/.installed-stamp
+
+$(HERMES_STAMP): pyproject.toml
+	test -x $(HERMES_VENV)/bin/python || $(PYTHON) -m venv $(HERMES_VENV)
+	$(HERMES_VENV)/bin/python -m pip install --quiet hermes-agent==0.19.0 pytest
+	$(HERMES_VENV)/bin/python -m pip install --quiet -e .
+	touch $(HERMES_STAMP)
+
+test-hermes: $(HERMES_STAMP)
+	$(HERMES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_hermes.py tests/test_hermes_adapter.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check transcript_store engines tests

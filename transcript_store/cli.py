@@ -1067,6 +1067,93 @@ def make_url_or_usage(url: str) -> None:
         raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
 
 
+# ---------------------------------------------------------------------------------------------- serve
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless you mean it).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="Port; 0 picks a free one (the URL is printed).")
+@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Bearer tokens, one 'TOKEN SCOPE' per line [also env TRANSCRIPT_STORE_TOKENS='tok=scope,...'].")
+@click.option("--max-body", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
+              help="Largest request body in bytes (413 above).")
+@click.option("--access-log", is_flag=True, help="Log every request.")
+@common
+def serve(host: str, port: int, tokens_file: str | None, max_body: int, access_log: bool) -> None:
+    """Serve the store and its engines over HTTP: JSON API, OpenAPI at /openapi.json, one scope per token."""
+    from .service import Service, TokenMap
+    from .service_app import bind, create_app
+    from .service_app import serve as run_server
+
+    tokens = TokenMap.load(tokens_file)
+    if not len(tokens):
+        raise CommandError("no tokens: pass --tokens FILE or set TRANSCRIPT_STORE_TOKENS", EXIT_USAGE)
+    store = open_store(create=True)
+    try:
+        app = create_app(Service(store, state().settings()), tokens, max_body_bytes=max_body)
+        sock = bind(host, port)
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            click.echo(f"warning: listening on {host}, beyond this machine", err=True)
+        logging.getLogger("transcript_store").setLevel(logging.INFO)
+        run_server(app, sock, access_log=access_log,
+                   announce=lambda url: click.echo(f"transcript-store serve: listening on {url} ({store.url})"))
+    finally:
+        store.close()
+
+
+@cli.group()
+@common
+def openclaw() -> None:
+    """The OpenClaw context-engine plugin (integrations/openclaw) backed by `transcript-store serve`."""
+
+
+@openclaw.command("install-line")
+@click.option("--service-url", required=True, metavar="URL", help="Where `transcript-store serve` listens.")
+@click.option("--engine", default="lossless", show_default=True, help="The service engine the plugin runs.")
+@click.option("--plugin-dir", type=click.Path(file_okay=False), help="The plugin folder [default: the bundled one].")
+@common
+def openclaw_install_line(service_url: str, engine: str, plugin_dir: str | None) -> None:
+    """Print the `openclaw plugins install -l ...` line and the config for a service URL."""
+    from .openclaw import install_instructions
+
+    try:
+        info = install_instructions(service_url, engine=engine, plugin_dir=plugin_dir)
+    except InvalidInput as e:
+        raise CommandError(str(e), EXIT_USAGE) from e
+    if state().json:
+        emit_json(info)
+    else:
+        click.echo(info["text"])
+
+
+@cli.group()
+@common
+def hermes() -> None:
+    """The Hermes Agent context-engine plugin (integrations/hermes) backed by this store."""
+
+
+@hermes.command("install")
+@click.option("--home", required=True, type=click.Path(file_okay=False), help="The HERMES_HOME to install into.")
+@click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
+@click.option("--threshold", type=float, help="Compaction threshold: a fraction of the window, or tokens when > 1.")
+@click.option("--merge-config", is_flag=True, help="Merge the config keys into HOME/config.yaml.")
+@common
+def hermes_install(home: str, engine: str, threshold: float | None, merge_config: bool) -> None:
+    """Write the plugin into HOME/plugins/ and print (or merge) the config snippet; --db picks the store."""
+    import yaml
+
+    from .hermes import install_plugin
+
+    info = install_plugin(home, engine=engine, db_url=state().db, merge_config=merge_config, threshold=threshold)
+    if state().json:
+        emit_json(info)
+    else:
+        click.echo(f"plugin written to {info['plugin_dir']}")
+        click.echo(("merged into " if merge_config else "add to ") + info["config_path"] + ":")
+        click.echo(yaml.safe_dump(info["config"], sort_keys=False).rstrip())
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 

@@ -1,0 +1,30 @@
+"""Hermes plugin: a transcript-store engine as the context engine (written by `transcript-store hermes install`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SETTINGS = Path(__file__).resolve().parent / "settings.json"
+
+
+def _settings() -> dict[str, Any]:
+    """The install-time settings (engine id, database URL, thresholds)."""
+    try:
+        data = json.loads(SETTINGS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+def register(ctx: Any) -> None:
+    """Register the adapter instance with the Hermes plugin context."""
+    from transcript_store.hermes import create_engine
+
+    settings = _settings()
+    kwargs: dict[str, Any] = {"engine": settings.get("engine") or "lossless", "db_url": settings.get("db_url")}
+    for key in ("scope", "threshold_percent", "model_thresholds", "engine_config", "context_length"):
+        if settings.get(key) is not None:
+            kwargs[key] = settings[key]
+    ctx.register_context_engine(create_engine(**kwargs))

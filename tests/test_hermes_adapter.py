@@ -1,0 +1,246 @@
+"""The Hermes adapter against the documented ContextEngine contract, without a running Hermes.
+
+Under `make test-hermes` the adapter subclasses the real ``agent.context_engine.ContextEngine``; under
+plain `make test` (no hermes-agent) a stand-in base is used, the adapter logic being the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from transcript_store.cli import cli
+from transcript_store.hermes import (
+    CONTEXT_MARKER,
+    create_engine,
+    is_context_message,
+    is_valid_sequence,
+    resolve_threshold,
+    valid_sequence,
+)
+from transcript_store.summarize import ExtractiveSummarizer, SummarizerError
+
+
+def conversation(tag: str, turns: int) -> list[dict[str, Any]]:
+    """A Hermes-style message list (no system prompt) with tool-call pairs."""
+    out: list[dict[str, Any]] = []
+    for i in range(turns):
+        out.append({"role": "user", "content": f"{tag} question {i} " + "lorem ipsum " * 60})
+        if i % 2 == 0:
+            call = {"id": f"call_{tag}_{i}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": f"{tag} tool result {i}"})
+        out.append({"role": "assistant", "content": f"{tag} answer {i} " + "dolor sit " * 40})
+    return out
+
+
+def make(tmp_path: Path, **kwargs: Any) -> Any:
+    kwargs.setdefault("db_url", f"sqlite:///{tmp_path / 'store.db'}")
+    kwargs.setdefault("context_length", 64000)
+    kwargs.setdefault("threshold_percent", 2000)
+    return create_engine(allow_stand_in=True, **kwargs)
+
+
+def stored(engine: Any, session: str) -> list[str]:
+    return [json.dumps(m, sort_keys=True) for m in engine.stored_messages(session)]
+
+
+def assert_once(engine: Any, session: str, messages: list[dict[str, Any]]) -> None:
+    rows = stored(engine, session)
+    assert len(rows) == len(set(rows)), "a message stored twice"
+    for m in messages:
+        if not is_context_message(m):
+            assert json.dumps(m, sort_keys=True) in rows
+
+
+def test_compress_keeps_everything_and_answers_a_valid_list(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    convo = conversation("alpha", 12)
+    system = {"role": "system", "content": "You are a test agent."}
+    out = engine.compress([system, *convo], focus_topic="alpha")
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("You are a test agent.")
+    assert is_valid_sequence(out) and len(out) < len(convo) + 1
+    assert any(CONTEXT_MARKER in str(m.get("content")) for m in out)
+    assert engine.compression_count == 1
+    for _ in range(2):  # repeated compress / session end: nothing stored twice
+        engine.compress([system, *convo])
+        engine.on_session_end("s1", convo)
+    assert_once(engine, "s1", convo)
+    assert len(stored(engine, "s1")) == len(convo)
+    # the host continues with our answer: only the new messages are added, once
+    more = [{"role": "user", "content": "alpha follow-up"}, {"role": "assistant", "content": "alpha reply"}]
+    engine.on_session_end("s1", out[1:] + more)
+    engine.on_turn_complete(out[1:] + more)
+    assert len(stored(engine, "s1")) == len(convo) + 2
+    # every original is reachable through the recall tools
+    names = {s["name"] for s in engine.get_tool_schemas()}
+    assert names == {"lcm_grep", "lcm_describe", "lcm_expand"}
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}))
+    assert found["results"]
+
+
+def test_deepcopy_and_pickle_carry_no_runtime(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    engine.on_turn_complete(conversation("beta", 2))
+    assert engine._rt is not None
+    clone = copy.deepcopy(engine)
+    assert clone._rt is None and type(clone) is type(engine)
+    restored = pickle.loads(pickle.dumps(engine))
+    assert restored._rt is None
+    clone.on_turn_complete(conversation("beta", 2))  # opens its own store; nothing new stored
+    assert len(stored(clone, "s1")) == len(conversation("beta", 2))
+    clone.close()
+
+
+def test_select_context_is_fail_open_and_stable(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    for bad in (None, [], "text", [1, 2], [{"role": "user", "content": "x"}, "y"]):
+        assert engine.select_context(bad, budget_tokens=10) is None
+    convo = conversation("gamma", 10)
+    assert engine.select_context(convo, budget_tokens=10**6) is None  # under budget: unchanged
+    assert engine.select_context(convo, budget_tokens=500) is None  # nothing compacted yet
+    out = engine.compress(convo)
+    assert engine.select_context(convo, budget_tokens=500) is None  # compacted but not taken by the host
+    taken = [*out, {"role": "user", "content": "gamma next"}]
+    first = engine.select_context(taken, budget_tokens=500)
+    assert isinstance(first, list) and is_valid_sequence(first)
+    assert engine.select_context(taken, budget_tokens=500) is first  # stable while nothing changed
+    assert_once(engine, "s1", convo)
+
+
+def test_on_turn_complete_is_idempotent(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    convo = conversation("delta", 3)
+    usage = {"prompt_tokens": 1234, "completion_tokens": 5, "total_tokens": 1239}
+    for _ in range(3):
+        assert engine.on_turn_complete(convo, usage=usage) is None
+    assert engine.last_prompt_tokens == 1234 and engine.last_total_tokens == 1239
+    assert len(stored(engine, "s1")) == len(convo)
+    engine.on_turn_complete("not a list")  # ignored, never raises
+
+
+class SlowSummarizer:
+    """Extractive, but slow: a pass the host abandons after its timeout."""
+
+    def __init__(self) -> None:
+        self.inner = ExtractiveSummarizer()
+
+    def summarize(self, messages: Any, **kwargs: Any) -> str:
+        time.sleep(0.5)
+        return self.inner.summarize(messages, **kwargs)
+
+
+def test_timed_out_pass_changes_nothing_visible_and_loses_nothing(tmp_path: Path) -> None:
+    engine = make(tmp_path, summarizer_factory=SlowSummarizer)
+    engine.on_session_start("s1")
+    convo = conversation("eps", 10)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the host's pooled thread, private deep copy
+        future = pool.submit(engine.compress, copy.deepcopy(convo))
+        with pytest.raises(FutureTimeout):
+            future.result(timeout=0.05)
+        future.result(timeout=60)  # still running work finishes; the host discards it
+    # The host keeps its uncompressed list: nothing the discarded pass wrote is shown.
+    assert engine.select_context(convo, budget_tokens=500) is None
+    nxt = [*convo, {"role": "user", "content": "eps next"}]
+    engine.on_turn_complete(nxt)
+    engine.on_turn_complete(nxt)
+    assert_once(engine, "s1", nxt)
+    assert len(stored(engine, "s1")) == len(nxt)
+
+
+def test_two_sessions_compress_concurrently_on_one_instance(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    convos = {f"sess{i}": conversation(f"zeta{i}", 10) for i in range(2)}
+    barrier = threading.Barrier(2)
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def run(session: str) -> None:
+        barrier.wait()
+        for _ in range(2):
+            results[session] = engine.compress(copy.deepcopy(convos[session]), session_id=session)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in convos]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for session, convo in convos.items():
+        assert is_valid_sequence(results[session])
+        rows = stored(engine, session)
+        assert len(rows) == len(convo) and len(set(rows)) == len(rows)
+        other = next(s for s in convos if s != session)
+        assert not any(other.replace("sess", "zeta") in r for r in rows)
+
+
+def test_failing_summarizer_loses_nothing(tmp_path: Path) -> None:
+    class Broken:
+        def summarize(self, *args: Any, **kwargs: Any) -> str:
+            raise SummarizerError("down")
+
+    for engine_id in ("lossless", "legacy"):
+        engine = make(tmp_path / engine_id, engine=engine_id, summarizer_factory=Broken)
+        (tmp_path / engine_id).mkdir()
+        engine.on_session_start("s1")
+        convo = conversation("eta", 8)
+        out = engine.compress(convo)
+        assert is_valid_sequence(out)
+        assert_once(engine, "s1", convo)
+
+
+def test_thresholds_and_counters(tmp_path: Path) -> None:
+    engine = make(tmp_path, threshold_percent=0.5)
+    for attr in ("last_prompt_tokens", "last_completion_tokens", "last_total_tokens", "threshold_tokens",
+                 "context_length", "compression_count"):
+        assert isinstance(getattr(engine, attr), int)
+    engine.model_thresholds = {"gpt": 0.6, "gpt-4o": 0.9}
+    engine.update_model("openai/gpt-4o-mini", 100000)
+    assert engine.context_length == 100000 and engine.threshold_tokens == 90000
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 50000
+    assert resolve_threshold("GPT-4o", {"gpt": 0.6, "gpt-4o": 0.9}, 0.5) == 0.9
+    assert engine.should_compress(95000) and not engine.should_compress(1000)
+    engine.last_prompt_tokens = -1  # what Hermes writes after each compaction
+    assert not engine.should_compress()
+
+
+def test_valid_sequence_never_splits_tool_pairs() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    msgs = [
+        {"role": "tool", "tool_call_id": "c0", "content": "orphan"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    assert valid_sequence(msgs) == [{"role": "user", "content": "q"}]
+    assert not is_valid_sequence(msgs)
+
+
+def test_install_command_writes_plugin_and_merges_config(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.yaml").write_text(yaml.safe_dump({"plugins": {"enabled": ["other"]}, "model": {"default": "m"}}))
+    result = CliRunner().invoke(cli, ["hermes", "install", "--home", str(home), "--merge-config"])
+    assert result.exit_code == 0, result.output
+    plugin = home / "plugins" / "transcript_store_hermes"
+    manifest = yaml.safe_load((plugin / "plugin.yaml").read_text())
+    assert manifest["name"] == "transcript-store" and manifest["kind"] == "standalone"
+    assert "register_context_engine" in (plugin / "__init__.py").read_text()
+    assert "MemoryProvider" not in (plugin / "__init__.py").read_text()
+    cfg = yaml.safe_load((home / "config.yaml").read_text())
+    assert cfg["plugins"]["enabled"] == ["other", "transcript-store"]
+    assert cfg["context"]["engine"] == "lossless" and cfg["model"]["context_length"] >= 64000
+    assert cfg["model"]["default"] == "m"

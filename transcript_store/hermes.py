@@ -1,0 +1,739 @@
+"""Any transcript-store engine as a Hermes Agent ``ContextEngine`` (imports ``agent.context_engine`` lazily).
+
+How the adapter maps Hermes onto the store:
+
+- Scope ``hermes`` (configurable); one store session per Hermes conversation lineage, opened by the
+  Hermes session id as its session key.
+- Every Hermes message except the leading system prompt is appended once, with the idempotency key
+  ``sha256(store session | ordinal | canonical message)``; the ordinal is the message's index in the
+  uncompressed conversation. Re-sending the same list (``compress``, ``on_session_end``,
+  ``on_turn_complete``, a retry after a host timeout) stores nothing new.
+- ``compress`` compacts in the engine, assembles its context, and records the answer as an unreferenced
+  *candidate* (a metadata entry keyed by the answer's hash). A later call whose messages start with a
+  candidate proves the host took it: the candidate is adopted (lineage, ordinals of what follows) and only
+  then may ``select_context`` show the compacted view. A pass the host discarded after a timeout changes
+  nothing the session shows; the originals are already stored, so nothing is ever lost.
+- Deep-copy / pickle safe: the store, the engine and every lock live in a runtime opened lazily per
+  copy; ``__deepcopy__`` / ``__getstate__`` drop it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine import EngineContext
+from .registry import EngineRegistry
+from .store import AppendItem, TranscriptStore
+from .tokens import RoughEstimator
+
+log = logging.getLogger("transcript_store.hermes")
+
+DEFAULT_SCOPE = "hermes"
+INDEX_KEY = "_hermes_candidates"
+CANDIDATE = "hermes-candidate"
+ADOPTED = "hermes-adopted"
+DEFAULT_THRESHOLD = 0.75
+PLUGIN_NAME = "transcript-store"
+PLUGIN_DIR = "transcript_store_hermes"
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "integrations" / "hermes" / "plugin"
+MIN_CONTEXT_LENGTH = 64000
+
+_RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copied state
+
+
+def canonical(message: Any) -> str:
+    """A message as canonical JSON (sorted keys, no whitespace)."""
+    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def digest(*parts: str) -> str:
+    """A short sha256 hex digest of the parts."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode("utf-8"))
+        h.update(b"\x00")
+    return h.hexdigest()[:40]
+
+
+def clean(message: dict[str, Any]) -> dict[str, Any]:
+    """The message without host bookkeeping (keys starting with ``_``, e.g. Hermes' ``_db_persisted``)."""
+    return {k: v for k, v in message.items() if not str(k).startswith("_")}
+
+
+def message_key(store_session: str, ordinal: int, message: dict[str, Any]) -> str:
+    """The idempotency key of one Hermes message: (store session, ordinal, canonical message)."""
+    return "hm-" + digest(store_session, str(ordinal), canonical(message))
+
+
+def split_system(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(leading system messages, the rest)."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    return list(messages[:n]), list(messages[n:])
+
+
+def valid_sequence(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with no split tool pair: orphan tool results dropped, unanswered tool calls removed."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    msgs = list(messages)
+    while i < len(msgs):
+        m = msgs[i]
+        if m.get("role") == "tool":
+            i += 1  # a result whose call is not right before it
+            continue
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if not calls:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        results: list[dict[str, Any]] = []
+        while j < len(msgs) and msgs[j].get("role") == "tool":
+            results.append(msgs[j])
+            j += 1
+        wanted = {c.get("id") for c in calls if isinstance(c, dict)}
+        answered = {r.get("tool_call_id") for r in results}
+        if wanted <= answered:
+            out.append(m)
+            out.extend(r for r in results if r.get("tool_call_id") in wanted)
+        elif m.get("content"):
+            out.append({k: v for k, v in m.items() if k != "tool_calls"})
+        i = j
+    return out
+
+
+CONTEXT_MARKER = "[transcript-store context]"
+ACK = "Understood: earlier turns are condensed above; I will use the recall tools for details."
+
+
+def is_context_message(message: dict[str, Any]) -> bool:
+    """Whether a message is one the adapter produced (a summary block or its acknowledgement)."""
+    content = message.get("content")
+    if message.get("_transcript_store_context"):
+        return True
+    return isinstance(content, str) and (content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_"))
+
+
+def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading summary messages as ONE marked user message (plus an acknowledgement before a user turn).
+
+    Hermes merges consecutive user messages before sending; one block keeps our answer byte-stable.
+    """
+    msgs = list(messages)
+    n = 0
+    while n < len(msgs) and msgs[n].get("role") == "user" and str(msgs[n].get("content") or "").startswith("[Summary"):
+        n += 1
+    if n == 0:
+        return msgs
+    text = "\n\n".join(str(m.get("content") or "") for m in msgs[:n])
+    out = [{"role": "user", "content": f"{CONTEXT_MARKER}\n{text}"}]
+    rest = msgs[n:]
+    if not rest or rest[0].get("role") in ("user", "tool"):
+        out.append({"role": "assistant", "content": f"{CONTEXT_MARKER} {ACK}"})
+    return out + rest
+
+
+def is_valid_sequence(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether an OpenAI message list has every tool result right after its call and every call answered."""
+    return list(messages) == valid_sequence(messages) and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool", "developer") for m in messages
+    )
+
+
+def resolve_threshold(model: str, thresholds: dict[str, Any] | None, default: float) -> float:
+    """The threshold of the longest key of ``thresholds`` contained in ``model`` (else ``default``)."""
+    best: tuple[int, float] | None = None
+    for key, value in (thresholds or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if key and str(key).lower() in (model or "").lower() and (best is None or len(key) > best[0]):
+            best = (len(key), number)
+    return best[1] if best is not None else default
+
+
+def threshold_tokens(context_length: int, threshold: float) -> int:
+    """The trigger in tokens: ``threshold`` is a fraction of the window, or a token count when > 1."""
+    return int(threshold) if threshold > 1 else int(context_length * threshold)
+
+
+@dataclass
+class _Candidate:
+    """A compress answer the host may or may not have taken."""
+
+    fp: str
+    length: int
+    store_session: str
+    next_ordinal: int
+
+
+@dataclass
+class _Runtime:
+    """Everything that must not be copied: store, engine, locks, caches."""
+
+    store: TranscriptStore
+    engine: Any
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    session_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    candidates: dict[str, _Candidate] = field(default_factory=dict)
+    adopted: dict[str, str] = field(default_factory=dict)  # store session -> adopted fp
+    pending: dict[str, str] = field(default_factory=dict)  # store session -> newest unadopted fp
+    aliases: dict[str, str] = field(default_factory=dict)  # hermes session -> store session
+    selections: dict[str, tuple[str, list[dict[str, Any]] | None]] = field(default_factory=dict)
+    stored: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # store session -> (last seq, digests)
+    loaded: bool = False
+
+    def session_lock(self, store_session: str) -> threading.Lock:
+        """The lock serializing ingestion into one store session."""
+        with self.lock:
+            return self.session_locks.setdefault(store_session, threading.Lock())
+
+
+class TranscriptStoreEngineMixin:
+    """The adapter logic; ``engine_class()`` combines it with Hermes' ``ContextEngine`` base."""
+
+    last_prompt_tokens: int = 0
+    last_completion_tokens: int = 0
+    last_total_tokens: int = 0
+    threshold_tokens: int = 0
+    context_length: int = 0
+    compression_count: int = 0
+
+    def __init__(
+        self,
+        *,
+        engine: str = "lossless",
+        db_url: str | None = None,
+        scope: str = DEFAULT_SCOPE,
+        context_length: int = 128000,
+        threshold_percent: float = DEFAULT_THRESHOLD,
+        engine_config: dict[str, Any] | None = None,
+        summarizer_factory: Callable[[], Any] | None = None,
+        model_thresholds: dict[str, Any] | None = None,
+    ) -> None:
+        """Configure the adapter; nothing is opened until the first call that needs the store."""
+        self.engine_id = engine
+        self.db_url = db_url
+        self.scope = scope
+        self.engine_config = dict(engine_config or {})
+        self.summarizer_factory = summarizer_factory
+        self.threshold_percent = threshold_percent
+        self.model_thresholds: dict[str, Any] = dict(model_thresholds or {})
+        self.model = ""
+        self.session_id: str | None = None
+        self.last_prompt_tokens = 0
+        self.last_completion_tokens = 0
+        self.last_total_tokens = 0
+        self.compression_count = 0
+        self.context_length = int(context_length)
+        self.threshold_tokens = threshold_tokens(self.context_length, threshold_percent)
+        self._rt: _Runtime | None = None
+
+    # ------------------------------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The plain configuration and counters: no store, engine, connection or lock."""
+        state = dict(self.__dict__)
+        state["_rt"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a copy; its runtime opens lazily."""
+        self.__dict__.update(state)
+        self._rt = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy with its own lazily opened runtime."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = None if k == "_rt" else copy.deepcopy(v, memo)
+        return new
+
+    # ------------------------------------------------------------------------------------ runtime
+
+    @property
+    def name(self) -> str:
+        """The engine name Hermes selects with ``context.engine``."""
+        return self.engine_id
+
+    def database_url(self) -> str:
+        """The store URL: the configured one, else $TRANSCRIPT_STORE_URL, else $HERMES_HOME/transcript-store.db."""
+        if self.db_url:
+            return self.db_url
+        env = os.environ.get("TRANSCRIPT_STORE_URL")
+        if env:
+            return env
+        home = Path(os.environ.get("HERMES_HOME") or Path.home() / ".hermes")
+        home.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{home / 'transcript-store.db'}"
+
+    def runtime(self) -> _Runtime:
+        """The store and engine of this copy, opened on first use (thread-safe)."""
+        rt = self._rt
+        if rt is not None:
+            return rt
+        with _RUNTIME_LOCK:
+            if self._rt is None:
+                store = TranscriptStore(self.database_url())
+                summarizer = self.summarizer_factory() if self.summarizer_factory else None
+                ctx = EngineContext(store=store, config=self.engine_config, summarizer=summarizer)
+                engine, _info = EngineRegistry().create(self.engine_id, ctx)
+                self._rt = _Runtime(store=store, engine=engine)
+            return self._rt
+
+    def close(self) -> None:
+        """Release this copy's store (it reopens on the next use)."""
+        with _RUNTIME_LOCK:
+            rt, self._rt = self._rt, None
+        if rt is not None:
+            rt.store.close()
+
+    # ------------------------------------------------------------------------------------ ingestion
+
+    def _load_candidates(self, rt: _Runtime) -> None:
+        """Read the durable candidate index once per runtime."""
+        if rt.loaded:
+            return
+        index = rt.store.open_session(self.scope, INDEX_KEY)
+        after = -1
+        while True:
+            page = rt.store.list_entries(self.scope, index.session_id, after_seq=after, limit=1000)
+            for e in page:
+                p = e.payload or {}
+                if e.kind == "metadata" and p.get("type") == CANDIDATE:
+                    rt.candidates[p["fp"]] = _Candidate(p["fp"], p["length"], p["store_session"], p["next_ordinal"])
+                after = e.seq
+            if len(page) < 1000:
+                break
+        rt.loaded = True
+
+    def _store_session(self, rt: _Runtime, hermes_session: str | None) -> str:
+        """The store session of a Hermes session (its lineage when a candidate linked it)."""
+        key = hermes_session or self.session_id or "default"
+        with rt.lock:
+            if key in rt.aliases:
+                return rt.aliases[key]
+        sid = rt.store.open_session(self.scope, key).session_id
+        with rt.lock:
+            return rt.aliases.setdefault(key, sid)
+
+    def _match(self, rt: _Runtime, body: list[dict[str, Any]]) -> _Candidate | None:
+        """The longest candidate the message list starts with."""
+        self._load_candidates(rt)
+        with rt.lock:
+            lengths = sorted({c.length for c in rt.candidates.values() if c.length <= len(body)}, reverse=True)
+        for n in lengths:
+            fp = digest(canonical(body[:n]))
+            with rt.lock:
+                cand = rt.candidates.get(fp)
+            if cand is not None and cand.length == n:
+                return cand
+        return None
+
+    def _stored_digests(self, rt: _Runtime, store_session: str) -> list[str]:
+        """Digests of the session's stored messages in order (read incrementally, cached per runtime)."""
+        with rt.lock:
+            last, digests = rt.stored.get(store_session, (-1, []))
+            digests = list(digests)
+        while True:
+            page = rt.store.list_entries(self.scope, store_session, after_seq=last, limit=1000)
+            for e in page:
+                if e.kind == "message" and e.message is not None:
+                    digests.append(digest(canonical(e.message)))
+                last = e.seq
+            if len(page) < 1000:
+                break
+        with rt.lock:
+            rt.stored[store_session] = (last, digests)
+        return digests
+
+    def ingest(self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None) -> tuple[str, int]:
+        """Store the conversation's messages once each; (store session, originals in the lineage so far).
+
+        Our own context messages (summaries) are never stored; the rest is aligned in order against what
+        the session already holds, and only messages after the last aligned one are appended, each with
+        the idempotency key (session, ordinal, canonical message).
+        """
+        rt = self.runtime()
+        _system, body = split_system([m for m in messages if isinstance(m, dict)])
+        cand = self._match(rt, body)
+        if cand is not None:
+            store_session = cand.store_session
+            with rt.lock:
+                rt.aliases[hermes_session or self.session_id or "default"] = store_session
+                newly = rt.adopted.get(store_session) != cand.fp
+            if newly:
+                self._adopt(rt, cand)
+        else:
+            store_session = self._store_session(rt, hermes_session)
+        originals = [clean(m) for m in body if not is_context_message(m)]
+        with rt.session_lock(store_session):
+            stored = self._stored_digests(rt, store_session)
+            pos, first_new = 0, 0
+            index: dict[str, list[int]] = {}
+            for i, d in enumerate(stored):
+                index.setdefault(d, []).append(i)
+            for k, m in enumerate(originals):
+                hits = [i for i in index.get(digest(canonical(m)), []) if i >= pos]
+                if hits:
+                    pos, first_new = hits[0] + 1, k + 1
+            rest = originals[first_new:]
+            if rest:
+                base = len(stored)
+                items = [
+                    AppendItem(message=m, idempotency_key=message_key(store_session, base + k, m))
+                    for k, m in enumerate(rest)
+                ]
+                rt.store.append_many(self.scope, store_session, items)
+                stored = self._stored_digests(rt, store_session)
+        return store_session, len(stored)
+
+    def _adopt(self, rt: _Runtime, cand: _Candidate) -> None:
+        """The host took a compress answer: record it (idempotently) and make the compacted view visible."""
+        rt.store.append(
+            self.scope, cand.store_session, kind="metadata",
+            payload={"type": ADOPTED, "fp": cand.fp}, idempotency_key="adopt-" + cand.fp,
+        )
+        with rt.lock:
+            rt.adopted[cand.store_session] = cand.fp
+            if rt.pending.get(cand.store_session) == cand.fp:
+                del rt.pending[cand.store_session]
+
+    def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
+        """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
+        cand = _Candidate(digest(canonical(body)), len(body), store_session, n)
+        index = rt.store.open_session(self.scope, INDEX_KEY)
+        rt.store.append(
+            self.scope, index.session_id, kind="metadata",
+            payload={"type": CANDIDATE, "fp": cand.fp, "length": cand.length,
+                     "store_session": store_session, "next_ordinal": n},
+            idempotency_key="cand-" + cand.fp,
+        )
+        with rt.lock:
+            rt.candidates[cand.fp] = cand
+            if rt.adopted.get(store_session) != cand.fp:
+                rt.pending[store_session] = cand.fp
+
+    # ------------------------------------------------------------------------------------ ContextEngine
+
+    def update_from_response(self, usage: dict[str, Any]) -> None:
+        """Record the token counts of the last API response."""
+        if not isinstance(usage, dict):
+            return
+        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+        self.last_prompt_tokens = prompt
+        self.last_completion_tokens = completion
+        self.last_total_tokens = int(usage.get("total_tokens") or prompt + completion)
+
+    def should_compress(self, prompt_tokens: int | None = None) -> bool:
+        """Whether the prompt reached the threshold."""
+        tokens = self.last_prompt_tokens if prompt_tokens is None else prompt_tokens
+        return self.threshold_tokens > 0 and tokens >= self.threshold_tokens
+
+    def should_compress_preflight(self, messages: list[dict[str, Any]]) -> bool:
+        """A cheap estimate of the messages against the threshold."""
+        try:
+            return self.should_compress(RoughEstimator().count_messages(messages))
+        except Exception:
+            return False
+
+    def compress(
+        self,
+        messages: list[dict[str, Any]],
+        current_tokens: int | None = None,
+        focus_topic: str | None = None,
+        force: bool = False,
+        session_id: str | None = None,
+        **_kwargs: Any,
+    ) -> list[dict[str, Any]]:
+        """Store the conversation, compact in the engine, answer with the engine's context (system kept)."""
+        snapshot = copy.deepcopy(list(messages))
+        try:
+            rt = self.runtime()
+            store_session, n = self.ingest(snapshot, session_id)
+        except Exception:
+            log.exception("transcript-store: storing the conversation failed; leaving it uncompressed")
+            return snapshot
+        system, _body = split_system(snapshot)
+        budget = max(1000, self.context_length or self.threshold_tokens)
+        try:
+            boot = getattr(rt.engine, "bootstrap", None)
+            if callable(boot):  # import what was just stored, so the compaction sees all of it
+                boot(scope=self.scope, session_id=store_session, fence=None)
+            result = rt.engine.compact(
+                scope=self.scope, session_id=store_session, force=True, focus=focus_topic, token_budget=budget
+            )
+            if not getattr(result, "ok", True):
+                log.warning("transcript-store compaction: %s (nothing lost)", getattr(result, "reason", ""))
+        except Exception as e:  # a failing summarizer loses nothing: the originals are stored
+            log.warning("transcript-store compaction failed: %s (nothing lost)", e)
+        try:
+            assembled = rt.engine.assemble(
+                scope=self.scope, session_id=store_session, fence=None, token_budget=budget
+            )
+        except Exception:
+            log.exception("transcript-store: assembling failed; leaving the conversation uncompressed")
+            return snapshot
+        body = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
+        if not body:
+            return snapshot
+        self._record_candidate(rt, body, store_session, n)
+        head = copy.deepcopy(system)
+        addition = getattr(assembled, "system_prompt_addition", None)
+        if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
+            head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
+        self.compression_count += 1
+        return head + body
+
+    def on_session_start(self, session_id: str, **kwargs: Any) -> None:
+        """Remember the Hermes session id (the store session opens lazily)."""
+        self.session_id = session_id
+
+    def on_session_end(self, session_id: str, messages: list[dict[str, Any]]) -> None:
+        """Store whatever of the conversation is not stored yet (idempotent)."""
+        try:
+            if messages:
+                self.ingest(copy.deepcopy(list(messages)), session_id or None)
+        except Exception:
+            log.exception("transcript-store: storing the conversation at session end failed")
+
+    def on_session_reset(self) -> None:
+        """Reset the token counters."""
+        self.last_prompt_tokens = 0
+        self.last_completion_tokens = 0
+        self.last_total_tokens = 0
+        self.compression_count = 0
+
+    def update_model(
+        self,
+        model: str,
+        context_length: int,
+        base_url: str = "",
+        api_key: str = "",
+        provider: str = "",
+        **kwargs: Any,
+    ) -> None:
+        """A new model: its context window and threshold (``model_thresholds``: longest substring match)."""
+        self.model = model or ""
+        if context_length:
+            self.context_length = int(context_length)
+        pct = resolve_threshold(self.model, getattr(self, "model_thresholds", None), self.threshold_percent)
+        self.threshold_tokens = threshold_tokens(self.context_length, pct)
+
+    def get_tool_schemas(self) -> list[dict[str, Any]]:
+        """The engine's recall tools (lossless: lcm_grep, lcm_describe, lcm_expand) in Hermes' format."""
+        try:
+            engine = self.runtime().engine
+            fn = getattr(engine, "get_tool_schemas", None)
+            raw = fn() if callable(fn) else []
+        except Exception:
+            log.exception("transcript-store: tool schemas unavailable")
+            return []
+        return [s.get("function", s) if isinstance(s, dict) else s for s in raw]
+
+    def handle_tool_call(self, name: str, args: dict[str, Any], **kwargs: Any) -> str:
+        """Run a recall tool on the current session; errors come back as JSON."""
+        try:
+            rt = self.runtime()
+            fn = getattr(rt.engine, "handle_tool_call", None)
+            if not callable(fn):
+                return json.dumps({"error": f"Unknown tool: {name}"})
+            if isinstance(args, str):
+                args = json.loads(args or "{}")
+            hermes_session = kwargs.get("session_id") or self.session_id
+            store_session = self._store_session(rt, hermes_session)
+            return str(fn(name, args, scope=self.scope, session_id=store_session))
+        except Exception as e:
+            return json.dumps({"error": f"{type(e).__name__}: {e}"})
+
+    def get_status(self) -> dict[str, Any]:
+        """Token counters, threshold and the store in use."""
+        return {
+            "engine": self.engine_id,
+            "last_prompt_tokens": self.last_prompt_tokens,
+            "threshold_tokens": self.threshold_tokens,
+            "context_length": self.context_length,
+            "compression_count": self.compression_count,
+            "usage_percent": (
+                min(100, self.last_prompt_tokens / self.context_length * 100) if self.context_length else 0
+            ),
+            "store": self.scope,
+        }
+
+    # ------------------------------------------------------------------------------------ newer verbs
+
+    def select_context(
+        self,
+        request_messages: Any,
+        *,
+        conversation_messages: Any = None,
+        incoming_message: Any = None,
+        budget_tokens: int = 0,
+        **_kwargs: Any,
+    ) -> list[dict[str, Any]] | None:
+        """This request's context: None (unchanged) unless it is over budget and an adopted compaction exists."""
+        try:
+            if not isinstance(request_messages, list) or not request_messages:
+                return None
+            if not all(isinstance(m, dict) for m in request_messages):
+                return None
+            rt = self.runtime()
+            source = conversation_messages if isinstance(conversation_messages, list) else request_messages
+            store_session, _n = self.ingest(
+                copy.deepcopy([m for m in source if isinstance(m, dict)]), _kwargs.get("session_id")
+            )
+            estimate = RoughEstimator().count_messages(request_messages)
+            if not budget_tokens or estimate <= budget_tokens:
+                return None
+            with rt.lock:
+                pending = store_session in rt.pending
+                adopted = store_session in rt.adopted
+            if pending or not adopted:
+                return None  # nothing compacted for this session that the host has taken
+            key = digest(canonical(request_messages), str(budget_tokens))
+            with rt.lock:
+                cached = rt.selections.get(store_session)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            system, _body = split_system(request_messages)
+            assembled = rt.engine.assemble(
+                scope=self.scope, session_id=store_session, fence=None, token_budget=int(budget_tokens)
+            )
+            body = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
+            selection = (copy.deepcopy(system) + body) if body else None
+            with rt.lock:
+                rt.selections[store_session] = (key, selection)
+            return selection
+        except Exception:
+            log.exception("transcript-store select_context failed; request unchanged")
+            return None
+
+    def on_turn_complete(self, messages: Any, usage: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Store the finished turn's messages once each (read-only on ``messages``)."""
+        try:
+            if isinstance(usage, dict):
+                self.update_from_response(usage)
+            if isinstance(messages, list) and messages:
+                self.ingest(copy.deepcopy([m for m in messages if isinstance(m, dict)]), kwargs.get("session_id"))
+        except Exception:
+            log.exception("transcript-store on_turn_complete failed")
+
+    # ------------------------------------------------------------------------------------ inspection
+
+    def stored_messages(self, hermes_session: str | None = None) -> list[dict[str, Any]]:
+        """Every message entry of the session's store lineage, in store order."""
+        rt = self.runtime()
+        store_session = self._store_session(rt, hermes_session)
+        out: list[dict[str, Any]] = []
+        after = -1
+        while True:
+            page = rt.store.list_entries(self.scope, store_session, after_seq=after, limit=1000)
+            out.extend(e.message for e in page if e.kind == "message" and e.message is not None)
+            if len(page) < 1000:
+                return out
+            after = page[-1].seq
+
+
+class _StandInContextEngine:
+    """Used only when ``agent.context_engine`` is not importable (unit tests without hermes-agent)."""
+
+
+_CLASSES: dict[bool, type] = {}
+
+
+def engine_class(*, allow_stand_in: bool = False) -> type:
+    """The adapter class subclassing Hermes' ``ContextEngine`` (a stand-in base only when allowed)."""
+    with _RUNTIME_LOCK:
+        try:
+            from agent.context_engine import ContextEngine as base  # type: ignore[import-not-found]
+
+            real = True
+        except ImportError:
+            if not allow_stand_in:
+                raise
+            base, real = _StandInContextEngine, False
+        if real not in _CLASSES:
+            cls_name = "TranscriptStoreContextEngine" if real else "TranscriptStoreContextEngineStandIn"
+            cls = type(
+                cls_name,
+                (TranscriptStoreEngineMixin, base),
+                {"__module__": __name__, "__doc__": "A transcript-store engine as a Hermes ContextEngine."},
+            )
+            # The host identity-checks hooks against the ABC; ours are the mixin's, so they run.
+            _CLASSES[real] = cls
+            globals()[cls_name] = cls  # importable by name: pickling works
+        return _CLASSES[real]
+
+
+def create_engine(*, allow_stand_in: bool = False, **kwargs: Any) -> Any:
+    """An adapter instance (see ``TranscriptStoreEngineMixin.__init__`` for the arguments)."""
+    return engine_class(allow_stand_in=allow_stand_in)(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- install
+
+
+def config_snippet(engine: str = "lossless", context_length: int = 128000) -> dict[str, Any]:
+    """The config.yaml keys that enable the plugin and select the engine."""
+    return {
+        "plugins": {"enabled": [PLUGIN_NAME]},
+        "context": {"engine": engine},
+        "model": {"context_length": max(MIN_CONTEXT_LENGTH, context_length)},
+    }
+
+
+def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | None = None,
+                   merge_config: bool = False, threshold: float | None = None) -> dict[str, Any]:
+    """Write the plugin into ``home``/plugins/<dir>/ (and optionally merge config.yaml); what was done."""
+    import yaml
+
+    home = Path(home).expanduser()
+    if not (TEMPLATE_DIR / "plugin.yaml").is_file():
+        from .errors import InvalidInput
+
+        raise InvalidInput(f"no Hermes plugin template at {TEMPLATE_DIR} (install transcript-store from a checkout)")
+    target = home / "plugins" / PLUGIN_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    manifest = (TEMPLATE_DIR / "plugin.yaml").read_text(encoding="utf-8")
+    init = (TEMPLATE_DIR / "__init__.py").read_text(encoding="utf-8")
+    if db_url is None:
+        db_url = f"sqlite:///{home.resolve() / 'transcript-store.db'}"
+    settings: dict[str, Any] = {"engine": engine, "db_url": db_url}
+    if threshold is not None:
+        settings["threshold_percent"] = threshold
+    (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
+    (target / "__init__.py").write_text(init, encoding="utf-8")
+    (target / "settings.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    snippet = config_snippet(engine)
+    config_path = home / "config.yaml"
+    if merge_config:
+        loaded = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.exists() else None
+        data: dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+        plugins: dict[str, Any] = data["plugins"] if isinstance(data.get("plugins"), dict) else {}
+        enabled: list[Any] = plugins["enabled"] if isinstance(plugins.get("enabled"), list) else []
+        if PLUGIN_NAME not in enabled:
+            enabled.append(PLUGIN_NAME)
+        plugins["enabled"] = enabled
+        data["plugins"] = plugins
+        context: dict[str, Any] = data["context"] if isinstance(data.get("context"), dict) else {}
+        context["engine"] = engine
+        data["context"] = context
+        model: dict[str, Any] = data["model"] if isinstance(data.get("model"), dict) else {}
+        model["context_length"] = max(MIN_CONTEXT_LENGTH, int(model.get("context_length") or 0))
+        data["model"] = model
+        config_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return {"plugin_dir": str(target), "config": snippet, "config_path": str(config_path), "merged": merge_config}
