@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Integer, Row, Select, and_, bindparam, delete, func, insert, or_, select, update
 
 from .config import StoreConfig
 from .db import Dialect
@@ -56,8 +56,35 @@ def check_id(what: str, value: object, *, optional: bool = False) -> None:
         raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
     if not value or len(value) > MAX_ID_CHARS:
         raise InvalidInput(f"{what} must be 1..{MAX_ID_CHARS} characters")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+    # C0, DEL and C1 (U+0080..U+009F: NEL, CSI, ...) are all control characters: none belongs in an id.
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
         raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
+
+
+#: the largest seq, position or generation a column holds (32-bit INTEGER on PostgreSQL)
+MAX_INT = 2**31 - 1
+
+
+def check_anchor(what: str, anchor: object) -> Anchor:
+    """Refuse anything but a well-formed Anchor: ids as ``check_id`` takes them, numbers in column range.
+
+    Anchors come back from callers (fences, closed ranges, commits) and may have been built with
+    ``model_construct`` / ``model_copy``, which skip validation: a NUL or a lone surrogate in an id
+    would otherwise reach the driver and surface as a database error instead of a refusal.
+    """
+    if not isinstance(anchor, Anchor):
+        raise InvalidInput(f"{what} must be an Anchor, not {type(anchor).__name__}")
+    for name in ("scope", "session_id", "entry_id"):
+        check_id(f"{what}.{name}", getattr(anchor, name, None))
+    for name in ("session_key", "parent_id", "idempotency_key"):
+        check_id(f"{what}.{name}", getattr(anchor, name, None), optional=True)
+    for name in ("generation", "seq", "position"):
+        value = getattr(anchor, name, None)
+        if name == "position" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+            raise InvalidInput(f"{what}.{name} must be an integer in 0..{MAX_INT}")
+    return anchor
 
 
 @dataclass(frozen=True)
@@ -124,26 +151,135 @@ ENTRY_COLUMNS = (
 )
 
 
+# ---------------------------------------------------------------------------------------------- hot statements
+# The statements of the turn path are built ONCE, with bind parameters, not per call. Profiling
+# (bench/README.md, "Profiling") showed that building a SQLAlchemy statement and its cache key
+# costs about three times as much CPU as executing it from the compiled cache: ~150 us against
+# ~40 us per lookup, on a path that runs dozens of lookups per turn. They stay plain Core SQL,
+# the same on both backends. Bind names carry a ``b_`` prefix: SQLAlchemy reserves column names for
+# the SET/VALUES clauses of UPDATE and INSERT.
+
+
+def by_session(table: Any) -> Any:
+    """``scope = :b_scope AND session_id = :b_session`` for a table keyed by session."""
+    return and_(table.c.scope == bindparam("b_scope"), table.c.session_id == bindparam("b_session"))
+
+
+def session_params(scope: str, session_id: str, **more: Any) -> dict[str, Any]:
+    """The bind parameters of a statement built on ``by_session``."""
+    return {"b_scope": scope, "b_session": session_id, **more}
+
+
+#: ids per IN list (SQLite allows 32,766 bound parameters per statement; stay far below)
+_IN_CHUNK = 1000
+_SESSION_ROW = select(sessions).where(by_session(sessions))
+_SESSION_ROW_LOCKED = _SESSION_ROW.with_for_update()
+_ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
+    by_session(entries), entries.c.entry_id.in_(bindparam("b_ids", expanding=True))
+)
+_PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
+    by_session(active_path), active_path.c.depth == bindparam("b_depth")
+)
+_PATH_SEQ_AT_POSITION = select(active_path.c.seq).where(
+    by_session(active_path), active_path.c.position == bindparam("b_position")
+)
+_ENTRY_BY_SEQ = select(*ENTRY_COLUMNS).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
+# A delta read needs the session and the seq at its cursor's position: one round trip, not two.
+_SESSION_ROW_AND_PATH_SEQ = select(
+    sessions, _PATH_SEQ_AT_POSITION.scalar_subquery().label("ts_path_seq")
+).where(by_session(sessions))
+_INSERT_ENTRIES = insert(entries)
+_INSERT_PATH = insert(active_path)
+_ADVANCE_HEAD = (
+    update(sessions)
+    .where(by_session(sessions))
+    .values(
+        last_seq=bindparam("b_last_seq"),
+        head_seq=bindparam("b_head_seq"),
+        head_entry_id=bindparam("b_head_entry_id"),
+        path_length=bindparam("b_path_length"),
+        visible_count=bindparam("b_visible_count"),
+        updated_us=bindparam("b_updated_us"),
+    )
+)
+_PATH_JOIN = active_path.join(
+    entries,
+    and_(
+        entries.c.scope == active_path.c.scope,
+        entries.c.session_id == active_path.c.session_id,
+        entries.c.seq == active_path.c.seq,
+    ),
+)
+
+
+def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
+    q = (
+        select(*ENTRY_COLUMNS)
+        .select_from(_PATH_JOIN)
+        .where(by_session(active_path), active_path.c.position > bindparam("b_after"))
+        .order_by(active_path.c.position)
+    )
+    if bounded:
+        q = q.where(active_path.c.position < bindparam("b_before"))
+    if limited:
+        q = q.limit(bindparam("b_limit", type_=Integer))
+    return q
+
+
+_VISIBLE_ROWS = {(b, lim): _visible_rows_statement(b, lim) for b in (False, True) for lim in (False, True)}
+_PATH_ROWS = (
+    select(*ENTRY_COLUMNS)
+    .select_from(_PATH_JOIN)
+    .where(by_session(active_path), active_path.c.depth >= bindparam("b_from"))
+    .order_by(active_path.c.depth)
+)
+_PATH_ROWS_TO = _PATH_ROWS.where(active_path.c.depth <= bindparam("b_to"))
+
+
 def entry_from_row(row: Any, active: bool) -> Entry:
     """An Entry from a trusted row (no re-validation on the read path)."""
+    values = _entry_values(row, active)
+    return _construct_entry(values) if _FAST_ENTRY else Entry.model_construct(**values)
+
+
+def _entry_values(row: Any, active: bool) -> dict[str, Any]:
     body = json.loads(row.payload)
     is_message = row.kind == "message"
-    return Entry.model_construct(
-        entry_id=row.entry_id,
-        parent_id=row.parent_id,
-        seq=row.seq,
-        kind=row.kind,
-        role=row.role,
-        message=body if is_message else None,
-        payload=None if is_message else body,
-        position=row.position,
-        generation=row.generation,
-        size_bytes=row.size_bytes,
-        idempotency_key=row.idempotency_key,
-        turn_id=row.turn_id,
-        created_at=from_us(row.created_us),
-        active=active,
-    )
+    return {
+        "entry_id": row.entry_id,
+        "parent_id": row.parent_id,
+        "seq": row.seq,
+        "kind": row.kind,
+        "role": row.role,
+        "message": body if is_message else None,
+        "payload": None if is_message else body,
+        "position": row.position,
+        "generation": row.generation,
+        "size_bytes": row.size_bytes,
+        "idempotency_key": row.idempotency_key,
+        "turn_id": row.turn_id,
+        "created_at": from_us(row.created_us),
+        "active": active,
+    }
+
+
+_set = object.__setattr__
+
+
+def _construct_entry(values: dict[str, Any]) -> Entry:
+    """``Entry.model_construct(**values)`` for a complete set of fields, without its per-field loop.
+
+    Every page, closed range and projection rebuild makes one Entry per row, and model_construct's
+    walk over the 14 fields (aliases, defaults) was ~13 us of a ~20 us row in the profile of a delta
+    read (bench/README.md, "Profiling"). ``_FAST_ENTRY`` checks once, at import, that this gives the
+    very object model_construct gives; if a pydantic release changes that, model_construct is used.
+    """
+    entry = Entry.__new__(Entry)
+    _set(entry, "__dict__", values)
+    _set(entry, "__pydantic_fields_set__", set(values))
+    _set(entry, "__pydantic_extra__", None)
+    _set(entry, "__pydantic_private__", None)
+    return entry
 
 
 def session_info(row: Row[Any]) -> SessionInfo:
@@ -174,10 +310,16 @@ class Core:
 
     def session_row(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any] | None:
         """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL)."""
-        q = select(sessions).where(sessions.c.scope == scope, sessions.c.session_id == session_id)
-        if lock and not self.dialect.is_sqlite:
-            q = q.with_for_update()
-        return self.conn.execute(q).first()
+        q = _SESSION_ROW_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_ROW
+        return self.conn.execute(q, session_params(scope, session_id)).first()
+
+    def session_row_and_path_seq(
+        self, scope: str, session_id: str, position: int
+    ) -> tuple[Row[Any] | None, int | None]:
+        """The session's row (or None) and the raw seq of the visible message at ``position`` (or None)."""
+        params = session_params(scope, session_id, b_position=position)
+        row = self.conn.execute(_SESSION_ROW_AND_PATH_SEQ, params).first()
+        return (None, None) if row is None else (row, row.ts_path_seq)
 
     def require_session(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any]:
         """The session's row, or UnknownSession (whether it is unknown or another scope's)."""
@@ -207,10 +349,9 @@ class Core:
             )
             .on_conflict_do_nothing()
         )
-        inserted = self.conn.execute(stmt).rowcount == 1
+        # Whether this insert or an earlier one made the row does not matter: the row decides.
+        self.conn.execute(stmt)
         row = self.session_row(scope, session_id)
-        if inserted and row is not None:
-            return session_info(row)
         if row is not None:
             if row.session_key != session_key:
                 raise IdempotencyConflict(
@@ -263,16 +404,24 @@ class Core:
 
     # ------------------------------------------------------------------------------------ appends
 
-    def _existing(self, scope: str, session_id: str, new: NewEntry) -> Row[Any] | None:
-        keys = [entries.c.entry_id == new.entry_id]
-        if new.idempotency_key is not None:
-            keys.append(entries.c.idempotency_key == new.idempotency_key)
-        if new.turn_id is not None:
-            keys.append(entries.c.turn_id == new.turn_id)
-        q = select(*ENTRY_COLUMNS).where(
-            entries.c.scope == scope, entries.c.session_id == session_id, or_(*keys)
-        )
-        rows = self.conn.execute(q).all()
+    def _existing(
+        self, scope: str, session_id: str, new: NewEntry, by_id: dict[str, Row[Any]] | None = None
+    ) -> Row[Any] | None:
+        if by_id is not None and new.idempotency_key is None and new.turn_id is None:
+            # Keyed by entry_id alone (unique): the batched lookup of ``append`` already holds the answer.
+            rows: Sequence[Row[Any]] = [by_id[new.entry_id]] if new.entry_id in by_id else []
+        else:
+            keys = [entries.c.entry_id == new.entry_id]
+            if new.idempotency_key is not None:
+                keys.append(entries.c.idempotency_key == new.idempotency_key)
+            if new.turn_id is not None:
+                keys.append(entries.c.turn_id == new.turn_id)
+            # OR of equalities, one item at a time: SQLite plans it as a MULTI-INDEX OR over the three
+            # unique indexes; an OR of IN lists would make it scan the whole session instead.
+            q = select(*ENTRY_COLUMNS).where(
+                entries.c.scope == scope, entries.c.session_id == session_id, or_(*keys)
+            )
+            rows = self.conn.execute(q).all()
         if not rows:
             return None
         if len(rows) > 1:
@@ -305,9 +454,14 @@ class Core:
         out: list[Entry] = []
         new_rows: list[dict[str, Any]] = []
         path_rows: list[dict[str, Any]] = []
+        new_ids: set[str] = set()
+        # Items keyed by entry_id alone (replies, bulk appends) are looked up in one batched query,
+        # not one query each: a 2,000-item append_many made 2,000 round trips before.
+        plain = [i.entry_id for i in items if i.idempotency_key is None and i.turn_id is None]
+        by_id = self.entry_rows(scope, session_id, plain)
         for item in items:
-            existing = self._existing(scope, session_id, item)
-            if existing is None and any(r["entry_id"] == item.entry_id for r in new_rows):
+            existing = self._existing(scope, session_id, item, by_id)
+            if existing is None and item.entry_id in new_ids:
                 raise IdempotencyConflict(f"entry_id {item.entry_id!r} appears twice in one append")
             if existing is not None:
                 out.append(entry_from_row(existing, active=self.on_active_path(scope, session_id, existing)))
@@ -332,6 +486,7 @@ class Core:
                 "created_us": ts,
             }
             new_rows.append(row)
+            new_ids.add(item.entry_id)
             path_rows.append(
                 {"scope": scope, "session_id": session_id, "depth": depth, "seq": seq, "position": position}
             )
@@ -341,19 +496,14 @@ class Core:
             if position is not None:
                 visible += 1
         if new_rows:
-            self.conn.execute(insert(entries), new_rows)
-            self.conn.execute(insert(active_path), path_rows)
+            self.conn.execute(_INSERT_ENTRIES, new_rows)
+            self.conn.execute(_INSERT_PATH, path_rows)
             self.conn.execute(
-                update(sessions)
-                .where(sessions.c.scope == scope, sessions.c.session_id == session_id)
-                .values(
-                    last_seq=seq,
-                    head_seq=head_seq,
-                    head_entry_id=head_id,
-                    path_length=depth,
-                    visible_count=visible,
-                    updated_us=ts,
-                )
+                _ADVANCE_HEAD,
+                session_params(
+                    scope, session_id, b_last_seq=seq, b_head_seq=head_seq, b_head_entry_id=head_id,
+                    b_path_length=depth, b_visible_count=visible, b_updated_us=ts,
+                ),
             )
         return out
 
@@ -363,10 +513,11 @@ class Core:
         """Rows of the named entries that exist in the session, by entry id."""
         if not entry_ids:
             return {}
-        q = select(*ENTRY_COLUMNS).where(
-            entries.c.scope == scope, entries.c.session_id == session_id, entries.c.entry_id.in_(entry_ids)
-        )
-        return {r.entry_id: r for r in self.conn.execute(q)}
+        out: dict[str, Row[Any]] = {}
+        for at in range(0, len(entry_ids), _IN_CHUNK):
+            params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
+            out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))
+        return out
 
     def entry_row(self, scope: str, session_id: str, entry_id: str) -> Row[Any]:
         """One entry's row, or UnknownEntry."""
@@ -377,12 +528,8 @@ class Core:
 
     def on_active_path(self, scope: str, session_id: str, row: Any) -> bool:
         """Whether the entry row is on the session's active path now."""
-        q = select(active_path.c.seq).where(
-            active_path.c.scope == scope,
-            active_path.c.session_id == session_id,
-            active_path.c.depth == row.depth,
-        )
-        return bool(self.conn.execute(q).scalar() == row.seq)
+        params = session_params(scope, session_id, b_depth=row.depth)
+        return bool(self.conn.execute(_PATH_SEQ_AT_DEPTH, params).scalar() == row.seq)
 
     def anchor_for(self, sess: Row[Any], row: Any) -> Anchor:
         """The anchor of an entry row, taken in the session's current generation."""
@@ -402,71 +549,23 @@ class Core:
         self, scope: str, session_id: str, after_position: int, before_position: int | None, limit: int | None
     ) -> list[Row[Any]]:
         """Active-path message rows with after < position < before, in position order."""
-        q = (
-            select(*ENTRY_COLUMNS)
-            .select_from(
-                active_path.join(
-                    entries,
-                    and_(
-                        entries.c.scope == active_path.c.scope,
-                        entries.c.session_id == active_path.c.session_id,
-                        entries.c.seq == active_path.c.seq,
-                    ),
-                )
-            )
-            .where(
-                active_path.c.scope == scope,
-                active_path.c.session_id == session_id,
-                active_path.c.position > after_position,
-            )
-            .order_by(active_path.c.position)
-        )
-        if before_position is not None:
-            q = q.where(active_path.c.position < before_position)
-        if limit is not None:
-            q = q.limit(limit)
-        return list(self.conn.execute(q).all())
+        q = _VISIBLE_ROWS[(before_position is not None, limit is not None)]
+        params = session_params(scope, session_id, b_after=after_position, b_before=before_position, b_limit=limit)
+        return list(self.conn.execute(q, params).all())
 
     def path_rows(self, scope: str, session_id: str, from_depth: int, to_depth: int | None) -> list[Row[Any]]:
         """Active-path entries (messages and events) with from_depth <= depth <= to_depth."""
-        q = (
-            select(*ENTRY_COLUMNS)
-            .select_from(
-                active_path.join(
-                    entries,
-                    and_(
-                        entries.c.scope == active_path.c.scope,
-                        entries.c.session_id == active_path.c.session_id,
-                        entries.c.seq == active_path.c.seq,
-                    ),
-                )
-            )
-            .where(
-                active_path.c.scope == scope,
-                active_path.c.session_id == session_id,
-                active_path.c.depth >= from_depth,
-            )
-            .order_by(active_path.c.depth)
-        )
-        if to_depth is not None:
-            q = q.where(active_path.c.depth <= to_depth)
-        return list(self.conn.execute(q).all())
+        q = _PATH_ROWS_TO if to_depth is not None else _PATH_ROWS
+        params = session_params(scope, session_id, b_from=from_depth, b_to=to_depth)
+        return list(self.conn.execute(q, params).all())
 
     def path_seq_at_position(self, scope: str, session_id: str, position: int) -> int | None:
         """The raw seq of the visible message at an active position, or None."""
-        q = select(active_path.c.seq).where(
-            active_path.c.scope == scope,
-            active_path.c.session_id == session_id,
-            active_path.c.position == position,
-        )
-        return self.conn.execute(q).scalar()
+        return self.conn.execute(_PATH_SEQ_AT_POSITION, session_params(scope, session_id, b_position=position)).scalar()
 
     def entry_by_seq(self, scope: str, session_id: str, seq: int) -> Row[Any] | None:
         """One entry by raw seq."""
-        q = select(*ENTRY_COLUMNS).where(
-            entries.c.scope == scope, entries.c.session_id == session_id, entries.c.seq == seq
-        )
-        return self.conn.execute(q).first()
+        return self.conn.execute(_ENTRY_BY_SEQ, session_params(scope, session_id, b_seq=seq)).first()
 
     def all_rows(self, scope: str, session_id: str, after_seq: int, limit: int) -> list[tuple[Row[Any], bool]]:
         """Every stored entry (any branch, any kind) in raw seq order, with its active flag."""
@@ -530,3 +629,26 @@ class _RowView:
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
+
+
+def _fast_entry_matches() -> bool:
+    """Whether ``_construct_entry`` builds exactly what ``Entry.model_construct`` builds (see there)."""
+    sample = _RowView(
+        {
+            "entry_id": "e", "parent_id": None, "seq": 1, "kind": "message", "role": "user",
+            "payload": '{"role":"user","content":"x"}', "position": 0, "generation": 0, "size_bytes": 29,
+            "idempotency_key": None, "turn_id": "t", "created_us": 1,
+        }
+    )
+    values = _entry_values(sample, True)
+    slow = Entry.model_construct(**values)
+    fast = _construct_entry(dict(values))
+    state = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+    return (
+        set(slow.__dict__) == set(Entry.model_fields)
+        and all(getattr(slow, a, None) == getattr(fast, a, None) for a in state)
+        and slow == fast
+    )
+
+
+_FAST_ENTRY = _fast_entry_matches()

@@ -14,9 +14,10 @@ import binascii
 import json
 from dataclasses import dataclass
 
+from .core import MAX_ID_CHARS
+
 PREFIX = "tsc1."
 VERSION = 1
-MAX_CURSOR_CHARS = 2048
 _MAX_INT = 2**31 - 1
 
 
@@ -38,6 +39,13 @@ class CursorState:
             ensure_ascii=True,
         )
         return PREFIX + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+
+
+# The longest cursor the store can issue: two ids of MAX_ID_CHARS astral characters (each escaped to
+# 12 ASCII characters by JSON). Anything longer cannot be canonical; anything shorter must be allowed,
+# or a session with long non-ASCII ids would get a reset on every read, for ever.
+_LONGEST_ID = "\U0010ffff" * MAX_ID_CHARS
+MAX_CURSOR_CHARS = len(CursorState(_LONGEST_ID, _LONGEST_ID, _MAX_INT, _MAX_INT, _MAX_INT).encode())
 
 
 def start_cursor(scope: str, session_id: str, generation: int) -> str:

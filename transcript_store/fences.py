@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from .core import Core, entry_from_row
+from .core import Core, check_anchor, entry_from_row
 from .errors import InvalidInput, ReadFenceError
 from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult
 
@@ -21,8 +21,7 @@ MAX_TURN_BYTES = 8 * 1024 * 1024
 
 def check_fence(core: Core, scope: str, session_id: str, fence: Anchor) -> Row[Any]:
     """Validate a fence for a read of (scope, session); return the session row or raise."""
-    if not isinstance(fence, Anchor):
-        raise InvalidInput("fence must be an Anchor (an admission's anchor)")
+    check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:
         raise ReadFenceError("scope", "the fence belongs to another scope or session")
     sess = core.session_row(scope, session_id)
@@ -57,7 +56,7 @@ def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> Closed
     rows = core.entry_rows(scope, session_id, [admission.entry_id, terminal.entry_id])
     for anchor in (admission, terminal):
         row = rows.get(anchor.entry_id)
-        if row is None or not _matches(row, anchor) or not core.on_active_path(scope, session_id, row):
+        if row is None or not _matches(row, anchor):
             return ClosedRangeFailure(reason="stale", detail=f"anchor {anchor.entry_id} no longer matches")
     first, last = rows[admission.entry_id], rows[terminal.entry_id]
     if first.position is None or last.position is None:
@@ -66,6 +65,12 @@ def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> Closed
         return ClosedRangeFailure(reason="non_descendant", detail="the terminal precedes the admission")
     if last.depth - first.depth + 1 > MAX_TURN_EVENTS:
         return ClosedRangeFailure(reason="too_large", detail=f"over {MAX_TURN_EVENTS} events")
+    if not (core.on_active_path(scope, session_id, first) and core.on_active_path(scope, session_id, last)):
+        # Both anchors still match, but the turn is not (wholly) on the active branch: either the
+        # terminal sits on another branch than the admission, or the whole turn was branched away.
+        if not _off_path_descends(core, scope, session_id, first, last):
+            return ClosedRangeFailure(reason="non_descendant", detail="the terminal is on another branch")
+        return ClosedRangeFailure(reason="stale", detail="the turn left the active branch")
     chain = core.path_rows(scope, session_id, first.depth, last.depth)
     if not _descends(chain, first.entry_id, last.entry_id):
         return ClosedRangeFailure(reason="non_descendant", detail="parent links do not reach the admission")
@@ -85,6 +90,18 @@ def _matches(row: Row[Any], anchor: Anchor) -> bool:
         and row.position == anchor.position
         and row.idempotency_key == anchor.idempotency_key
     )
+
+
+def _off_path_descends(core: Core, scope: str, session_id: str, first: Row[Any], last: Row[Any]) -> bool:
+    """Walk stored parent links from the terminal up to the admission's depth (at most the turn's length)."""
+    row: Row[Any] | None = last
+    seen: set[str] = set()
+    for _ in range(last.depth - first.depth):
+        if row is None or row.parent_id is None or row.entry_id in seen:
+            return False
+        seen.add(row.entry_id)
+        row = core.entry_rows(scope, session_id, [row.parent_id]).get(row.parent_id)
+    return row is not None and row.entry_id == first.entry_id
 
 
 def _descends(chain: list[Row[Any]], admission_id: str, terminal_id: str) -> bool:

@@ -273,28 +273,33 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
     console = console or Console()
     started = time.monotonic()
-    logging.getLogger("transcript_store").setLevel(logging.ERROR)
-    config = StoreConfig.from_env(url=options.db_url)
-    store = TranscriptStore(config=config)
-    url = config.url
-    engine = load_settings(options.config_path, engine=options.engine).engine
-    rng = random.Random(options.seed)
-    run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}"
-    session_ids = [
-        store.create_session(
-            options.scope, session_id=f"run-{run_id}-conv-{i}", session_key=f"gateway:{run_id}:{i}"
-        ).session_id
-        for i in range(options.sessions)
-    ]
-    plan = _plan(options, session_ids, rng)
-    report = GatewayReport(
-        url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns
-    )
-    outcomes = _dispatch(options, url, plan, report, rng, console)
-    _finish(store, options, engine, plan, outcomes, report)
-    report.seconds = time.monotonic() - started
-    store.close()
-    return report
+    lib_log = logging.getLogger("transcript_store")
+    level = lib_log.level
+    lib_log.setLevel(logging.ERROR)  # the faults are on purpose; the report counts them
+    try:
+        config = StoreConfig.from_env(url=options.db_url)
+        store = TranscriptStore(config=config)
+        url = config.url
+        engine = load_settings(options.config_path, engine=options.engine).engine
+        rng = random.Random(options.seed)
+        run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}"
+        session_ids = [
+            store.create_session(
+                options.scope, session_id=f"run-{run_id}-conv-{i}", session_key=f"gateway:{run_id}:{i}"
+            ).session_id
+            for i in range(options.sessions)
+        ]
+        plan = _plan(options, session_ids, rng)
+        report = GatewayReport(
+            url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns
+        )
+        outcomes = _dispatch(options, url, plan, report, rng, console)
+        _finish(store, options, engine, plan, outcomes, report)
+        report.seconds = time.monotonic() - started
+        store.close()
+        return report
+    finally:
+        lib_log.setLevel(level)
 
 
 def _dispatch(

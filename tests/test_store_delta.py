@@ -1,0 +1,496 @@
+"""Visible-delta reads, cursors and resets; full visible reads and reads of entries by id."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+import transcript_store.store as store_module
+from transcript_store import (
+    DeltaMissing,
+    DeltaPage,
+    DeltaReset,
+    Entry,
+    InvalidInput,
+    TranscriptStore,
+    UnknownEntry,
+)
+from transcript_store.core import MAX_ID_CHARS, Core
+from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
+
+A, B = "scope-a", "scope-b"
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(A, session_id="s1").session_id
+
+
+def page_of(result: Any) -> DeltaPage:
+    assert isinstance(result, DeltaPage), result
+    return result
+
+
+def reset_of(result: Any) -> DeltaReset:
+    assert isinstance(result, DeltaReset), result
+    return result
+
+
+def fill(store: TranscriptStore, sid: str, n: int, *, scope: str = A) -> list[Entry]:
+    """n visible messages (user/assistant alternating) with a metadata event after every third."""
+    items: list[dict[str, Any]] = []
+    for i in range(n):
+        items.append({"message": (user if i % 2 == 0 else assistant)(f"m{i}")})
+        if i % 3 == 2:
+            items.append({"kind": "metadata", "payload": {"after": i}})
+    made = []
+    for start in range(0, len(items), 1000):
+        made += store.append_many(scope, sid, items[start : start + 1000])
+    return [e for e in made if e.kind == "message"]
+
+
+def read_all(
+    store: TranscriptStore, sid: str, cursor: str | None, max_messages: int, max_bytes: int = 1_000_000
+) -> tuple[list[Entry], str]:
+    """Follow a cursor chain to the end; every page must be a page."""
+    seen: list[Entry] = []
+    while True:
+        page = page_of(store.read_visible_delta(A, sid, cursor, max_messages=max_messages, max_bytes=max_bytes))
+        assert page.required_bytes is None
+        seen += page.entries
+        cursor = page.cursor
+        if not page.has_more:
+            return seen, cursor
+
+
+# ---------------------------------------------------------------------------------------------- pages
+
+
+def test_an_empty_session_reads_an_empty_page(store: TranscriptStore, sid: str) -> None:
+    page = page_of(store.read_visible_delta(A, sid))
+    assert (page.entries, page.has_more, page.serialized_bytes, page.required_bytes) == ([], False, 0, None)
+    assert page.cursor.startswith("tsc1.")
+    # Events only: still nothing visible.
+    store.append(A, sid, kind="custom", payload={"x": 1})
+    again = page_of(store.read_visible_delta(A, sid, page.cursor))
+    assert again.entries == [] and again.cursor == page.cursor
+
+
+def test_a_page_carries_every_field(store: TranscriptStore, sid: str) -> None:
+    made = [
+        store.append(A, sid, user("q"), idempotency_key="q-1"),
+        store.append(A, sid, kind="metadata", payload={}),
+        store.append(A, sid, assistant("a")),
+    ]
+    page = page_of(store.read_visible_delta(A, sid))
+    assert page.has_more is False
+    assert [e.entry_id for e in page.entries] == [made[0].entry_id, made[2].entry_id]
+    first, second = page.entries
+    assert (first.seq, first.parent_id, first.role, first.message, first.idempotency_key) == (
+        0, None, "user", user("q"), "q-1",
+    )
+    assert (second.seq, second.parent_id, second.role, second.position) == (2, made[1].entry_id, "assistant", 1)
+    assert first.created_at == made[0].created_at
+    assert page.serialized_bytes == made[0].size_bytes + made[2].size_bytes
+
+
+def test_a_cursor_chain_sees_every_visible_message_exactly_once(store: TranscriptStore, sid: str) -> None:
+    made = fill(store, sid, 23)
+    seen, cursor = read_all(store, sid, None, max_messages=4)
+    assert [e.entry_id for e in seen] == [e.entry_id for e in made]
+    # Appends between reads continue the chain; events between them are skipped.
+    more = fill(store, sid, 5)
+    seen2, cursor2 = read_all(store, sid, cursor, max_messages=2)
+    assert [e.entry_id for e in seen2] == [e.entry_id for e in more]
+    assert [e.position for e in seen + seen2] == list(range(28))
+    # At the end: an empty page with the very same cursor.
+    tail = page_of(store.read_visible_delta(A, sid, cursor2))
+    assert (tail.entries, tail.has_more, tail.cursor) == ([], False, cursor2)
+
+
+def test_has_more_is_exact_at_the_page_boundary(store: TranscriptStore, sid: str) -> None:
+    fill(store, sid, 6)
+    assert page_of(store.read_visible_delta(A, sid, max_messages=6)).has_more is False
+    assert page_of(store.read_visible_delta(A, sid, max_messages=5)).has_more is True
+    assert len(page_of(store.read_visible_delta(A, sid, max_messages=7)).entries) == 6
+
+
+def test_max_bytes_cuts_the_page(store: TranscriptStore, sid: str) -> None:
+    made = [store.append(A, sid, user("x" * n)) for n in (10, 20, 30, 40)]
+    sizes = [e.size_bytes for e in made]
+    page = page_of(store.read_visible_delta(A, sid, max_bytes=sizes[0] + sizes[1]))
+    assert [e.entry_id for e in page.entries] == [made[0].entry_id, made[1].entry_id]
+    assert page.has_more and page.serialized_bytes == sizes[0] + sizes[1]
+    page = page_of(store.read_visible_delta(A, sid, max_bytes=sizes[0] + sizes[1] - 1))
+    assert [e.entry_id for e in page.entries] == [made[0].entry_id]
+    seen, _ = read_all(store, sid, None, max_messages=10, max_bytes=max(sizes))
+    assert [e.entry_id for e in seen] == [e.entry_id for e in made]
+
+
+def test_a_message_larger_than_max_bytes_reports_required_bytes(store: TranscriptStore, sid: str) -> None:
+    small = store.append(A, sid, user("small"))
+    big = store.append(A, sid, assistant("B" * 500))
+    first = page_of(store.read_visible_delta(A, sid, max_bytes=100))
+    assert [e.entry_id for e in first.entries] == [small.entry_id] and first.has_more
+    stuck = page_of(store.read_visible_delta(A, sid, first.cursor, max_bytes=100))
+    assert stuck.entries == [] and stuck.cursor == first.cursor
+    assert (stuck.required_bytes, stuck.has_more, stuck.serialized_bytes) == (big.size_bytes, True, 0)
+    # With enough room the same cursor continues.
+    ok = page_of(store.read_visible_delta(A, sid, stuck.cursor, max_bytes=big.size_bytes))
+    assert [e.entry_id for e in ok.entries] == [big.entry_id] and ok.required_bytes is None
+    # From the very start (no cursor) the unchanged cursor is the start cursor.
+    start = page_of(store.read_visible_delta(A, sid, max_bytes=1))
+    assert start.entries == [] and start.required_bytes == small.size_bytes
+    assert start.cursor == start_cursor(A, sid, 0)
+
+
+BAD_LIMITS: list[tuple[Any, Any]] = [
+    (0, 1000), (10_001, 1000), (-1, 1000), (True, 1000), (1.0, 1000), ("5", 1000), (None, 1000),
+    (10, 0), (10, 64 * 1024 * 1024 + 1), (10, -5), (10, False), (10, None), (10, 1e3),
+]
+
+
+def test_out_of_range_limits_raise_value_error(store: TranscriptStore, sid: str) -> None:
+    for max_messages, max_bytes in BAD_LIMITS:
+        for cursor in (None, start_cursor(A, sid, 0)):
+            with pytest.raises(ValueError):
+                store.read_visible_delta(A, sid, cursor, max_messages=max_messages, max_bytes=max_bytes)
+    # Even for a session that does not exist: limits are checked first.
+    with pytest.raises(ValueError):
+        store.read_visible_delta(A, "nope", max_messages=0)
+    # The edges themselves are fine.
+    fill(store, sid, 2)
+    assert len(page_of(store.read_visible_delta(A, sid, max_messages=1, max_bytes=64 * 1024 * 1024)).entries) == 1
+    assert len(page_of(store.read_visible_delta(A, sid, max_messages=10_000, max_bytes=1)).entries) == 0
+
+
+def test_an_unknown_session_is_missing(store: TranscriptStore, sid: str) -> None:
+    cursor = page_of(store.read_visible_delta(A, sid)).cursor
+    assert isinstance(store.read_visible_delta(A, "nope"), DeltaMissing)
+    assert isinstance(store.read_visible_delta(A, "nope", cursor), DeltaMissing)
+    assert isinstance(store.read_visible_delta(B, sid, cursor), DeltaMissing)
+    store.delete_session(A, sid)
+    assert store.read_visible_delta(A, sid, cursor).kind == "missing"
+
+
+# ---------------------------------------------------------------------------------------------- resets
+
+
+def _body(cursor: str) -> list[Any]:
+    raw = cursor[len("tsc1.") :]
+    return list(json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))))
+
+
+def _token(body: Any, *, separators: tuple[str, str] = (",", ":"), pad: bool = False) -> str:
+    raw = base64.urlsafe_b64encode(json.dumps(body, separators=separators).encode()).decode()
+    return "tsc1." + (raw if pad else raw.rstrip("="))
+
+
+def non_canonical_variants(cursor: str) -> dict[str, str]:
+    body = _body(cursor)
+    padded = "tsc1." + base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
+    variants = {
+        "empty": "",
+        "garbage": "not a cursor",
+        "prefix-only": "tsc1.",
+        "other-version-prefix": "tsc2." + cursor[5:],
+        "upper-prefix": cursor.upper()[:5] + cursor[5:],
+        "truncated-1": cursor[:-1],
+        "truncated-4": cursor[:-4],
+        "extra-char": cursor + "A",
+        "trailing-newline": cursor + "\n",
+        "leading-space": " " + cursor,
+        "pad-1": cursor + "=",
+        "pad-2": cursor + "==",
+        "spaced-json": _token(body, separators=(", ", ": ")),
+        "version-2": _token([2, *body[1:]]),
+        "float-seq": _token([*body[:4], float(body[4]), body[5]]),
+        "bool-generation": _token([*body[:3], True, *body[4:]]),
+        "negative-generation": _token([*body[:3], -1, *body[4:]]),
+        "seq-without-position": _token([*body[:4], body[4], -1]),
+        "position-without-seq": _token([*body[:4], -1, body[5]]),
+        "huge-seq": _token([*body[:4], 2**31, body[5]]),
+        "extra-element": _token([*body, 0]),
+        "short": _token(body[:5]),
+        "object": _token({"v": 1, "scope": body[1]}),
+        "not-base64": "tsc1.!!!!$$$$",
+        "non-ascii": "tsc1." + "é" * 8,
+        "too-long": "tsc1." + "A" * MAX_CURSOR_CHARS,
+    }
+    if padded != cursor:
+        variants["padded-base64"] = padded
+    if "-" in cursor or "_" in cursor:
+        variants["standard-base64"] = cursor.replace("-", "+").replace("_", "/")
+    return variants
+
+
+def test_non_canonical_cursors_reset_as_invalid(store: TranscriptStore) -> None:
+    # Find a session whose cursor needs base64 padding and uses the URL-safe alphabet, so the
+    # padded and standard-alphabet re-encodings are real alternatives of the same bytes.
+    sid = next(
+        f"~~~{i}" for i in range(100)
+        if len(json.dumps([1, A, f"~~~{i}", 0, 0, 0], separators=(",", ":"))) % 3
+        and {"-", "_"} & set(CursorState(A, f"~~~{i}", 0, 0, 0).encode())
+    )
+    store.create_session(A, session_id=sid)
+    fill(store, sid, 3)
+    first = page_of(store.read_visible_delta(A, sid, max_messages=1))
+    variants = non_canonical_variants(first.cursor)
+    assert {"padded-base64", "standard-base64"} <= set(variants)
+    for name, bad in variants.items():
+        result = reset_of(store.read_visible_delta(A, sid, bad))
+        assert result.reason == "invalid_cursor", name
+        assert result.cursor == start_cursor(A, sid, 0), name
+    # The fresh cursor of a reset re-reads everything; the original cursor still works.
+    assert len(read_all(store, sid, start_cursor(A, sid, 0), max_messages=10)[0]) == 3
+    assert len(page_of(store.read_visible_delta(A, sid, first.cursor)).entries) == 2
+    # A cursor that is not even a string is a caller error, not a reset.
+    for bad in (123, first.cursor.encode(), [first.cursor]):
+        with pytest.raises(InvalidInput):
+            store.read_visible_delta(A, sid, bad)  # type: ignore[arg-type]
+
+
+def test_the_longest_legal_cursor_is_canonical(store: TranscriptStore) -> None:
+    """Ids of 255 characters that JSON escapes still make a cursor the store accepts back."""
+    for char in ("é", "🙂", '"', "\\"):
+        scope, sid = char * MAX_ID_CHARS, (char * MAX_ID_CHARS)[:-1] + "x"
+        store.create_session(scope, session_id=sid)
+        made = [store.append(scope, sid, user(str(i))) for i in range(3)]
+        page = page_of(store.read_visible_delta(scope, sid, max_messages=2))
+        nxt = page_of(store.read_visible_delta(scope, sid, page.cursor, max_messages=2))
+        assert [e.entry_id for e in page.entries + nxt.entries] == [e.entry_id for e in made], char
+
+
+def test_a_cursor_of_another_session_or_scope_is_a_scope_mismatch(store: TranscriptStore, sid: str) -> None:
+    fill(store, sid, 4)
+    store.create_session(A, session_id="s2")
+    store.create_session(B, session_id=sid)
+    fill(store, "s2", 2)
+    fill(store, sid, 2, scope=B)
+    other_session = page_of(store.read_visible_delta(A, "s2", max_messages=1)).cursor
+    other_scope = page_of(store.read_visible_delta(B, sid, max_messages=1)).cursor
+    for cursor in (other_session, other_scope):
+        reset = reset_of(store.read_visible_delta(A, sid, cursor))
+        assert reset.reason == "scope_mismatch"
+        assert reset.cursor == start_cursor(A, sid, 0)
+    # A forged cursor that decodes but names another scope never reads that scope's data.
+    forged = CursorState(B, sid, 0, -1, -1).encode()
+    assert reset_of(store.read_visible_delta(A, sid, forged)).reason == "scope_mismatch"
+    # ... and this session's cursor is a mismatch over there.
+    mine = page_of(store.read_visible_delta(A, sid, max_messages=1)).cursor
+    assert reset_of(store.read_visible_delta(B, sid, mine)).reason == "scope_mismatch"
+    assert reset_of(store.read_visible_delta(A, "s2", mine)).reason == "scope_mismatch"
+
+
+def test_a_rewrite_resets_old_cursors_with_generation_mismatch(store: TranscriptStore, sid: str) -> None:
+    made = fill(store, sid, 5)
+    start = page_of(store.read_visible_delta(A, sid, max_messages=0 + 1)).cursor
+    mid = page_of(store.read_visible_delta(A, sid, start, max_messages=2)).cursor
+    result = store.rewrite_entries(A, sid, [{"entry_id": made[3].entry_id, "message": assistant("edited")}])
+    assert result.changed and result.generation == 1
+    for cursor in (start, mid, start_cursor(A, sid, 0)):
+        reset = reset_of(store.read_visible_delta(A, sid, cursor))
+        assert reset.reason == "generation_mismatch"
+        assert reset.cursor == start_cursor(A, sid, 1)
+    seen, _ = read_all(store, sid, start_cursor(A, sid, 1), max_messages=2)
+    assert [e.message for e in seen] == [e.message for e in made[:3]] + [assistant("edited"), made[4].message]
+
+
+def test_branching_away_from_a_cursor_resets_with_anchor_missing(store: TranscriptStore, sid: str) -> None:
+    made = fill(store, sid, 6)
+    at4 = read_all(store, sid, None, max_messages=1)[1]  # the cursor after message 5
+    at2 = page_of(store.read_visible_delta(A, sid, max_messages=3)).cursor
+    store.branch(A, sid, made[3].entry_id)
+    regen = store.append(A, sid, user("regenerated"))
+    # Message 5 left the active path: that cursor's ground is gone (generation did not rotate).
+    reset = reset_of(store.read_visible_delta(A, sid, at4))
+    assert reset.reason == "anchor_missing" and reset.cursor == start_cursor(A, sid, 0)
+    # A cursor whose last message is still on the path continues onto the new branch.
+    page = page_of(store.read_visible_delta(A, sid, at2))
+    assert [e.entry_id for e in page.entries] == [made[3].entry_id, regen.entry_id]
+    # Branching back restores the first cursor's ground.
+    store.branch(A, sid, made[5].entry_id)
+    tail = page_of(store.read_visible_delta(A, sid, at4))
+    assert tail.entries == [] and tail.has_more is False
+
+
+def test_forged_cursors_reset_never_read_a_wrong_page(store: TranscriptStore, sid: str) -> None:
+    made = fill(store, sid, 4)  # seqs: m0=0 m1=1 m2=2 meta=3 m3=4
+    seq = {e.position: e.seq for e in made}
+    # Names a real message but at the wrong position: the anchor moved.
+    moved = CursorState(A, sid, 0, seq[2], 1).encode()
+    assert reset_of(store.read_visible_delta(A, sid, moved)).reason == "anchor_moved"
+    # Names a seq that does not exist / a position past the end / a non-message entry.
+    for forged in (
+        CursorState(A, sid, 0, 99, 99),
+        CursorState(A, sid, 0, 99, 1),
+        CursorState(A, sid, 0, 3, 2),
+        CursorState(A, sid, 5, seq[1], 1),
+    ):
+        result = reset_of(store.read_visible_delta(A, sid, forged.encode()))
+        assert result.reason in ("anchor_missing", "anchor_moved", "generation_mismatch")
+    # A well-formed cursor the store could have issued is honoured.
+    honest = CursorState(A, sid, 0, seq[1], 1).encode()
+    assert [e.position for e in page_of(store.read_visible_delta(A, sid, honest)).entries] == [2, 3]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole: a cursor names (scope, session id, generation) but not the session's incarnation, "
+    "so after delete_session + create_session with the same id it is honoured on the new session",
+)
+def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptStore, sid: str) -> None:
+    fill(store, sid, 4)
+    cursor = page_of(store.read_visible_delta(A, sid, max_messages=2)).cursor
+    store.delete_session(A, sid)
+    store.create_session(A, session_id=sid)
+    fill(store, sid, 4)
+    # Honouring the old cursor would skip the new session's first two messages: a wrong page.
+    assert isinstance(store.read_visible_delta(A, sid, cursor), DeltaReset)
+
+
+# ---------------------------------------------------------------------------------------------- full reads
+
+
+def test_read_visible_is_the_whole_active_transcript(store: TranscriptStore, sid: str) -> None:
+    made = fill(store, sid, 12)
+    assert [e.entry_id for e in store.read_visible(A, sid)] == [e.entry_id for e in made]
+    assert all(e.active for e in store.read_visible(A, sid))
+    store.branch(A, sid, made[7].entry_id)
+    assert [e.entry_id for e in store.read_visible(A, sid)] == [e.entry_id for e in made[:8]]
+    assert read_all(store, sid, None, max_messages=3)[0] == store.read_visible(A, sid)
+
+
+def test_get_entries_reads_any_branch_and_kind_in_the_order_asked(store: TranscriptStore, sid: str) -> None:
+    a = store.append(A, sid, user("a"))
+    ev = store.append(A, sid, kind="custom", payload={"k": 1})
+    b = store.append(A, sid, assistant("b"))
+    store.branch(A, sid, ev.entry_id)
+    c = store.append(A, sid, assistant("c"))
+    got = store.get_entries(A, sid, [c.entry_id, b.entry_id, a.entry_id, ev.entry_id, b.entry_id])
+    assert [e.entry_id for e in got] == [c.entry_id, b.entry_id, a.entry_id, ev.entry_id, b.entry_id]
+    assert [e.active for e in got] == [True, False, True, True, False]
+    assert got[1].message == assistant("b") and got[3].payload == {"k": 1}
+    assert store.get_entries(A, sid, []) == []
+    for ids in (["nope"], [a.entry_id, "nope"]):
+        with pytest.raises(UnknownEntry):
+            store.get_entries(A, sid, ids)
+    store.create_session(A, session_id="s2")
+    with pytest.raises(UnknownEntry):
+        store.get_entries(A, "s2", [a.entry_id])
+    for bad in ("abc", [1], ["x"] * 10_001):
+        with pytest.raises(InvalidInput):
+            store.get_entries(A, sid, bad)  # type: ignore[arg-type]
+
+
+def test_list_entries_lists_everything_with_the_active_flag(store: TranscriptStore, sid: str) -> None:
+    a = store.append(A, sid, user("a"))
+    b = store.append(A, sid, assistant("b"))
+    store.branch(A, sid, a.entry_id)
+    ev = store.append(A, sid, kind="metadata", payload={})
+    c = store.append(A, sid, assistant("c"))
+    listed = store.list_entries(A, sid)
+    assert [(e.entry_id, e.seq, e.active) for e in listed] == [
+        (a.entry_id, 0, True), (b.entry_id, 1, False), (ev.entry_id, 2, True), (c.entry_id, 3, True),
+    ]
+    assert [e.entry_id for e in store.list_entries(A, sid, after_seq=1, limit=1)] == [ev.entry_id]
+    assert store.list_entries(A, sid, after_seq=3) == []
+    for kwargs in ({"after_seq": -2}, {"limit": 0}, {"limit": 10_001}, {"after_seq": True}):
+        with pytest.raises(ValueError):
+            store.list_entries(A, sid, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- cost
+
+
+class _CountingConn:
+    """A connection that records, per statement, how many rows came back to the store."""
+
+    def __init__(self, conn: Any, log: list[int]) -> None:
+        self._conn = conn
+        self._log = log
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._conn.execute(*args, **kwargs)
+        if not result.returns_rows:
+            self._log.append(0)
+            return result
+        frozen = result.freeze()
+        self._log.append(len(frozen.data))
+        return frozen()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@contextmanager
+def counting(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[int], list[Any]]]:
+    rows: list[int] = []
+    statements: list[Any] = []
+
+    class CountingCore(Core):
+        def __init__(self, conn: Any, dialect: Any, config: Any) -> None:
+            super().__init__(_CountingConn(conn, rows), dialect, config)
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append((statement, parameters))
+
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "Core", CountingCore)
+        event.listen(store.db.engine, "before_cursor_execute", capture)
+        try:
+            yield rows, statements
+        finally:
+            event.remove(store.db.engine, "before_cursor_execute", capture)
+
+
+def _assert_indexed(store: TranscriptStore, statements: list[Any]) -> None:
+    """On SQLite, no statement of the read scans a whole table: every access is an index search.
+
+    (PostgreSQL's plans on these tiny, never-analyzed test tables say nothing about its plans on real
+    ones, so there the test relies on the rows each statement returns.)
+    """
+    if store.backend != "sqlite":
+        return
+    with store.db.engine.connect() as conn:
+        for sql, params in statements:
+            details = [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
+            assert details and not [d for d in details if d.startswith("SCAN ")], details
+
+
+def _cost(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch, sid: str, cursor: str | None) -> list[int]:
+    with counting(store, monkeypatch) as (rows, statements):
+        page = page_of(store.read_visible_delta(A, sid, cursor, max_messages=50))
+    assert len(page.entries) == 50 and page.has_more
+    _assert_indexed(store, statements)
+    return rows
+
+
+def test_a_delta_page_costs_o_page_not_o_history(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    costs = {}
+    for n in (100, 2000):
+        sid = f"len-{n}"
+        store.create_session(A, session_id=sid)
+        made = fill(store, sid, n)
+        # Read once from the start, once from a cursor deep in the transcript.
+        deep = CursorState(A, sid, 0, made[n - 60].seq, n - 60).encode()
+        costs[n] = (_cost(store, monkeypatch, sid, None), _cost(store, monkeypatch, sid, deep))
+    # Same statements, same rows back (one extra row tells has_more), for 20x the history.
+    assert costs[100] == costs[2000]
+    start, deep = costs[2000]
+    assert max(start + deep) == 51 and len(start) <= 3 and len(deep) <= 4
