@@ -1,0 +1,355 @@
+"""Compaction: plan in memory (the summarizer runs outside any transaction), then write in ONE transaction.
+
+Each round takes one step, in this order of preference:
+
+1. condense the oldest run of ``condense_fanin`` summaries of one depth into one summary of depth + 1;
+2. while over the target (or once, when forced): a leaf pass over the oldest raw chunk outside the
+   protected fresh tail (bounded by messages and tokens), with the preceding summary for continuity;
+3. while over the target: condense the newest run of two or more summaries of one depth, else the
+   newest two summaries (mixed depths).
+
+A summary must be smaller than what it replaces: normal, then aggressive, then a deterministic
+truncation. A step that cannot shrink is skipped; a summarizer that raises ends the plan (the raw
+messages stay in context). The write checks the view's epoch, so a plan made on a context that a
+rebuild or another compaction changed meanwhile is refused instead of applied to the wrong items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import delete, insert
+
+from transcript_store import faults
+from transcript_store.core import Core, now_us
+from transcript_store.summarize import Level, Summarizer
+from transcript_store.tokens import TokenEstimator
+
+from .config import Budget, LosslessConfig
+from .context import Item, SummaryInfo, render_summary, units
+from .ingest import searchable_text
+from .tables import View, context_items, message_id, summaries, summary_children, summary_id, summary_sources
+
+Step = tuple[str, int, int]  # (leaf | condense, start index, end index)
+
+
+@dataclass
+class NewSummary:
+    """A summary made by a plan: its row, and the messages (leaf) or summaries (condensed) it covers."""
+
+    info: SummaryInfo
+    level: str
+    tokens: int
+    source_tokens: int
+    sources: list[int] = field(default_factory=list)
+    children: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """What a compaction would write: new summaries and the context list before and after."""
+
+    epoch: int
+    next_summary: int
+    before: list[Item]
+    after: list[Item]
+    summaries: list[NewSummary] = field(default_factory=list)
+    error: str | None = None
+    skipped: int = 0
+
+    @property
+    def tokens_before(self) -> int:
+        """Context tokens of the snapshot."""
+        return sum(i.tokens for i in self.before)
+
+    @property
+    def tokens_after(self) -> int:
+        """Context tokens once the plan is written."""
+        return sum(i.tokens for i in self.after)
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+
+def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> int:
+    """Index where the protected fresh tail begins: recent whole units within the message and token caps."""
+    count = tokens = 0
+    start = len(items)
+    for begin, end in reversed(units(items)):
+        unit = items[begin:end]
+        if any(i.summary is not None for i in unit):
+            break
+        size = sum(i.tokens for i in unit)
+        if count + len(unit) > config.fresh_tail_messages or tokens + size > budget.tail_tokens:
+            break
+        count, tokens, start = count + len(unit), tokens + size, begin
+    return start
+
+
+def leaf_chunk(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> tuple[int, int] | None:
+    """[start, end) of the oldest raw chunk outside the tail; at least one whole unit, else bounded."""
+    limit = tail_start(items, config, budget)
+    first = next((i for i, item in enumerate(items) if item.summary is None), None)
+    if first is None or first >= limit:
+        return None
+    end = count = tokens = 0
+    for begin, stop in units(items):
+        if begin < first:
+            continue
+        unit = items[begin:stop]
+        if stop > limit or any(i.summary is not None for i in unit):
+            break
+        size = sum(i.tokens for i in unit)
+        if end and (count + len(unit) > config.leaf_chunk_messages or tokens + size > config.leaf_chunk_tokens):
+            break
+        end, count, tokens = stop, count + len(unit), tokens + size
+    return (first, end) if end > first else None
+
+
+def candidates(
+    items: Sequence[Item], config: LosslessConfig, budget: Budget, over: bool, forced: bool
+) -> Iterator[Step]:
+    """The steps worth taking now, most preferred first (see module doc)."""
+    fanin = config.condense_fanin
+    i = 0
+    while i < len(items):
+        j = i
+        while j < len(items) and _depth(items[i]) is not None and _depth(items[j]) == _depth(items[i]):
+            j += 1
+        if j - i >= fanin:
+            yield "condense", i, i + fanin
+        i = max(j, i + 1)
+    if over or forced:
+        chunk = leaf_chunk(items, config, budget)
+        if chunk is not None:
+            yield "leaf", *chunk
+    if over:
+        block = _newest_block(items, fanin)
+        if block is not None:
+            yield "condense", *block
+
+
+def _depth(item: Item) -> int | None:
+    return None if item.summary is None else item.summary.depth
+
+
+def _newest_block(items: Sequence[Item], fanin: int) -> tuple[int, int] | None:
+    """The newest run of 2+ summaries of one depth (its last ``fanin``), else the newest two summaries.
+
+    Condensing the newest, shallowest summaries first keeps the DAG balanced (depth grows with the log
+    of the history); always folding the oldest summary into the next would grow a chain instead.
+    """
+    marked = [(k, item.summary.depth) for k, item in enumerate(items) if item.summary is not None]
+    for n in range(len(marked) - 1, 0, -1):
+        (k, depth), (prev_k, prev_depth) = marked[n], marked[n - 1]
+        if depth == prev_depth and prev_k == k - 1:
+            start = k - 1
+            while start > 0 and _depth(items[start - 1]) == depth:
+                start -= 1
+            return max(start, k + 1 - fanin), k + 1
+    for n in range(len(marked) - 1, 0, -1):
+        if marked[n - 1][0] == marked[n][0] - 1:
+            return marked[n - 1][0], marked[n][0] + 1
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+class Planner:
+    """Builds a compaction plan for one session's context list."""
+
+    def __init__(
+        self,
+        config: LosslessConfig,
+        budget: Budget,
+        summarizer: Summarizer,
+        estimator: TokenEstimator,
+        focus: str | None = None,
+    ) -> None:
+        """A planner for one compaction."""
+        self.config, self.budget, self.focus = config, budget, focus
+        self.summarizer, self.estimator = summarizer, estimator
+
+    def plan(self, items: list[Item], view: View, *, force: bool) -> Plan:
+        """Compact until under the target (or until nothing can shrink, or the round limit)."""
+        plan = Plan(view.epoch, view.next_summary, list(items), list(items))
+        skip: set[tuple[str, int, int]] = set()
+        for _ in range(self.config.max_rounds):
+            after = plan.after
+            over = plan.tokens_after > self.budget.target
+            forced = force and not plan.summaries
+            chosen = next(
+                (
+                    (kind, start, end)
+                    for kind, start, end in candidates(after, self.config, self.budget, over, forced)
+                    if (kind, after[start].ordinal, end - start) not in skip
+                ),
+                None,
+            )
+            if chosen is None:
+                break
+            kind, start, end = chosen
+            key = (kind, after[start].ordinal, end - start)
+            try:
+                made = self._step(kind, after, start, end, plan.next_summary + len(plan.summaries))
+            except Exception as e:  # any summarizer failure: keep the raw items, report why
+                plan.error = f"summarizer failed: {type(e).__name__}: {e}"
+                break
+            if made is None:
+                skip.add(key)
+                plan.skipped += 1
+                continue
+            plan.summaries.append(made)
+            after[start:end] = [Item(after[start].ordinal, made.tokens, summary=made.info)]
+        return plan
+
+    def _step(self, kind: str, items: list[Item], start: int, end: int, seq: int) -> NewSummary | None:
+        chunk = items[start:end]
+        source_tokens = sum(i.tokens for i in chunk)
+        if kind == "leaf":
+            # The summary just before the chunk, for continuity (condensations need none: their
+            # children already are the continuous story).
+            before = items[start - 1].summary if start > 0 else None
+            previous = before.content if before is not None else None
+            ordinals = [int(i.message_ordinal or 0) for i in chunk]
+            inputs = [i.message or {} for i in chunk]
+            shape = SummaryInfo(seq, "leaf", 0, min(ordinals), max(ordinals), len(chunk), "")
+            made = self._summarize(inputs, previous, self.config.leaf_summary_tokens, source_tokens, shape)
+            if made is not None:
+                made.sources = ordinals
+            return made
+        children = [i.summary for i in chunk if i.summary is not None]
+        inputs = [
+            {"role": "user", "content": f"[{summary_id(c.seq)} | {message_id(c.earliest)}..{message_id(c.latest)}]\n"
+             f"{c.content}"}
+            for c in children
+        ]
+        shape = SummaryInfo(
+            seq,
+            "condensed",
+            1 + max(c.depth for c in children),
+            min(c.earliest for c in children),
+            max(c.latest for c in children),
+            sum(c.message_count for c in children),
+            "",
+        )
+        made = self._summarize(inputs, None, self.config.condensed_summary_tokens, source_tokens, shape)
+        if made is not None:
+            made.children = [c.seq for c in children]
+        return made
+
+    def _summarize(
+        self, inputs: list[dict[str, Any]], previous: str | None, max_tokens: int, source_tokens: int,
+        shape: SummaryInfo,
+    ) -> NewSummary | None:
+        """Escalate until the summary is smaller than its sources: normal, aggressive, truncation."""
+        levels: tuple[Level, ...] = ("normal", "aggressive")
+        for level in levels:
+            text = self.summarizer.summarize(
+                inputs, previous_summary=previous, focus=self.focus, level=level, max_tokens=max_tokens
+            )
+            made = self._made(shape, str(text).strip(), level, source_tokens)
+            if made is not None:
+                return made
+        overhead = self._tokens(shape, "")
+        room = min(max_tokens, source_tokens // 2) - overhead
+        if room < 8:
+            return None
+        return self._made(shape, truncate(inputs, room, self.estimator), "truncated", source_tokens)
+
+    def _made(self, shape: SummaryInfo, text: str, level: str, source_tokens: int) -> NewSummary | None:
+        if not text:
+            return None
+        tokens = self._tokens(shape, text)
+        if tokens >= source_tokens:
+            return None
+        info = SummaryInfo(shape.seq, shape.kind, shape.depth, shape.earliest, shape.latest, shape.message_count, text)
+        return NewSummary(info, level, tokens, source_tokens)
+
+    def _tokens(self, shape: SummaryInfo, text: str) -> int:
+        info = SummaryInfo(shape.seq, shape.kind, shape.depth, shape.earliest, shape.latest, shape.message_count, text)
+        return int(self.estimator.count_messages([render_summary(info)]))
+
+
+def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEstimator) -> str:
+    """The deterministic last resort: the start of every message, one line each, cut to ``budget`` tokens."""
+    lines = [f"- {m.get('role', '?')}: {' '.join(searchable_text(m).split())[:200]}" for m in inputs]
+    text = "(truncated)\n" + "\n".join(lines)
+    if estimator.count_text(text) <= budget:
+        return text
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimator.count_text(text[:mid] + "…") <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo] + "…" if lo else ""
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
+    """Write a plan in the caller's transaction; False when the context changed since it was planned."""
+    core.session_row(scope, session_id, lock=True)
+    view = View.load(core, scope, session_id)
+    if view.epoch != plan.epoch or view.next_summary != plan.next_summary:
+        return False
+    key = {"scope": scope, "session_id": session_id}
+    ts = now_us()
+    core.conn.execute(insert(summaries), [_summary_row(key, s, ts) for s in plan.summaries])
+    sources = [{**key, "summary_seq": s.info.seq, "message_ordinal": o} for s in plan.summaries for o in s.sources]
+    if sources:
+        core.conn.execute(insert(summary_sources), sources)
+    faults.point("lossless.compact.mid_write")
+    children = [
+        {**key, "parent_seq": s.info.seq, "child_seq": c, "idx": n}
+        for s in plan.summaries
+        for n, c in enumerate(s.children)
+    ]
+    if children:
+        core.conn.execute(insert(summary_children), children)
+    before = {i.ordinal: i.target for i in plan.before}
+    after = {i.ordinal: i.target for i in plan.after}
+    removed = [o for o, target in before.items() if after.get(o) != target]
+    for n in range(0, len(removed), 500):
+        core.conn.execute(
+            delete(context_items).where(
+                context_items.c.scope == scope,
+                context_items.c.session_id == session_id,
+                context_items.c.item_ordinal.in_(removed[n : n + 500]),
+            )
+        )
+    added = [i for i in plan.after if before.get(i.ordinal) != i.target]
+    if added:
+        core.conn.execute(
+            insert(context_items),
+            [{**key, "item_ordinal": i.ordinal, "message_ordinal": None, "summary_seq": i.target[1]} for i in added],
+        )
+    faults.point("lossless.compact.before_view")
+    view.tokens += plan.tokens_after - plan.tokens_before
+    view.next_summary = plan.next_summary + len(plan.summaries)
+    view.epoch += 1
+    view.save(core, scope, session_id)
+    return True
+
+
+def _summary_row(key: dict[str, str], s: NewSummary, ts: int) -> dict[str, Any]:
+    return {
+        **key,
+        "summary_seq": s.info.seq,
+        "kind": s.info.kind,
+        "depth": s.info.depth,
+        "level": s.level,
+        "tokens": s.tokens,
+        "source_tokens": s.source_tokens,
+        "earliest_ordinal": s.info.earliest,
+        "latest_ordinal": s.info.latest,
+        "message_count": s.info.message_count,
+        "content": s.info.content,
+        "created_us": ts,
+    }

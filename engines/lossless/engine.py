@@ -1,0 +1,332 @@
+"""The lossless engine: every message kept in the engine's tables, older ones summarized into a DAG.
+
+Lifecycle:
+
+- ``commit_turn``: the ledger commit, and in the SAME transaction the turn's messages imported from the
+  transcript (through the cursor) into the engine's tables and context list. A duplicate commit runs
+  nothing, so a turn is ingested once.
+- ``bootstrap`` / ``assemble``: import, page by page up to the fence, the visible messages the engine
+  has not ingested (an existing session, or turns another engine committed during a degraded turn).
+- ``assemble``: the context list in order (summaries rendered as messages) within the budget; reads
+  the context list and the engine's rows for it, never the transcript's history.
+- ``after_turn`` / ``maintain`` / ``compact``: compaction above the threshold (see ``compaction``).
+- ``get_tool_schemas`` / ``handle_tool_call``: lcm_grep, lcm_describe, lcm_expand (see ``tools``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Literal
+
+from transcript_store.core import Core
+from transcript_store.engine import (
+    AssembleResult,
+    BootstrapResult,
+    CompactResult,
+    ContextProjection,
+    EngineContext,
+    EngineInfo,
+    MaintainResult,
+    RuntimeSettings,
+    TranscriptSemantics,
+)
+from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
+from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
+from transcript_store.reads import read_visible_delta
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+from . import tools
+from .compaction import Planner, write_plan
+from .config import Budget, LosslessConfig, budget
+from .context import Item, epoch, fit, load_items, render
+from .ingest import ImportResult, import_pages
+from .tables import ENGINE_ID, View
+
+log = logging.getLogger("engines.lossless")
+
+MAX_REMEMBERED = 1024
+Probe = Literal["missing", "current", "behind"]
+RECALL_HINT = (
+    "Earlier parts of this conversation are condensed into [Summary sum_N ...] messages. Nothing is lost: "
+    "lcm_grep searches every original message and summary, lcm_describe tells what an id covers, and "
+    "lcm_expand opens a summary into its children or original messages. Use them before guessing."
+)
+
+
+class LosslessEngine:
+    """Lossless context management on the transcript store (see module doc)."""
+
+    info = EngineInfo(
+        id=ENGINE_ID,
+        name="Lossless",
+        version="1.0.0",
+        owns_compaction=True,
+        accepted_host_params=["session_key", "runtime_settings"],
+        transcript_semantics=TranscriptSemantics(
+            current_turn_fence="before-current-turn-entry-v1",
+            turn_advancement_idempotency="atomic-idempotent-v1",
+        ),
+        turn_maintenance_mode="background",
+    )
+
+    def __init__(self, ctx: EngineContext) -> None:
+        """Bind to the store; ``ctx.config`` is a LosslessConfig mapping (unknown keys are refused)."""
+        self.store = ctx.store
+        self.config = LosslessConfig.parse(ctx.config)
+        self.summarizer = ctx.summarizer or ExtractiveSummarizer()
+        self.estimator = ctx.estimator or RoughEstimator()
+        self.stats = {"context_rows_read": 0, "imported": 0, "compactions": 0}
+        self._runs: OrderedDict[tuple[str, str], tuple[int | None, RuntimeSettings | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ budgets
+
+    def _remember(self, scope: str, session_id: str, window: int | None, settings: RuntimeSettings | None) -> None:
+        with self._lock:
+            old = self._runs.pop((scope, session_id), (None, None))
+            self._runs[(scope, session_id)] = (window or old[0], settings or old[1])
+            while len(self._runs) > MAX_REMEMBERED:
+                self._runs.popitem(last=False)
+
+    def budget(self, scope: str, session_id: str, window: int | None = None) -> Budget:
+        """The session's token marks: the caller's window, else the last assemble budget seen, else config."""
+        with self._lock:
+            seen, settings = self._runs.get((scope, session_id), (None, None))
+        return budget(self.config, window or seen, settings)
+
+    # ------------------------------------------------------------------------------------ importing
+
+    def _import(self, scope: str, session_id: str, fence: Anchor | None) -> ImportResult:
+        """Import up to the fence, one page per transaction."""
+        total = ImportResult()
+        while True:
+            step: ImportResult = self.store.write(
+                lambda c: import_pages(
+                    c, scope, session_id, config=self.config, estimator=self.estimator, fence=fence, max_pages=1
+                )
+            )
+            total.imported += step.imported
+            total.rebuilt = total.rebuilt or step.rebuilt
+            total.missing = step.missing
+            if step.missing or not step.more:
+                self.stats["imported"] += total.imported
+                return total
+
+    def _probe(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> Probe:
+        """Whether the transcript holds visible messages before the fence that the engine has not ingested."""
+        view = View.load(c, scope, session_id)
+        page = read_visible_delta(c, scope, session_id, view.cursor, 1, self.config.page_bytes, fence)
+        if isinstance(page, DeltaMissing):
+            return "missing"
+        if isinstance(page, DeltaPage) and not page.entries and page.required_bytes is None:
+            return "current"
+        return "behind"
+
+    def _current(self, scope: str, session_id: str, fence: Anchor | None) -> list[Item]:
+        """The context list, after importing what other engines committed (one read when nothing did)."""
+
+        def probe_and_load(c: Core) -> list[Item] | None:
+            state = self._probe(c, scope, session_id, fence)
+            return None if state == "behind" else load_items(c, scope, session_id)
+
+        # The list is loaded in the same snapshot as the probe that checked the fence: a turn another
+        # process commits meanwhile can never slip messages after the fence into this assembly.
+        for _ in range(8):
+            items: list[Item] | None = self.store.read(probe_and_load)
+            if items is not None:
+                return items
+            self._import(scope, session_id, fence)
+        raise RuntimeError("the transcript kept moving under the import")  # pragma: no cover
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def bootstrap(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        fence: Anchor | None,
+        session_key: str | None = None,
+        runtime_settings: RuntimeSettings | None = None,
+    ) -> BootstrapResult:
+        """Import the visible transcript before the fence that the engine has not ingested yet."""
+        self._remember(scope, session_id, None, runtime_settings)
+        state = self.store.read(lambda c: self._probe(c, scope, session_id, fence))
+        if state != "behind":  # nothing to import: no write transaction at all
+            missing = state == "missing"
+            return BootstrapResult(bootstrapped=not missing, reason="unknown session" if missing else None)
+        result = self._import(scope, session_id, fence)
+        if result.missing:
+            return BootstrapResult(bootstrapped=False, reason="unknown session")
+        reason = "rebuilt after a transcript reset" if result.rebuilt else None
+        return BootstrapResult(bootstrapped=True, imported_messages=result.imported, reason=reason)
+
+    def assemble(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        fence: Anchor | None,
+        token_budget: int,
+        available_tools: list[str] | None = None,
+        session_key: str | None = None,
+        runtime_settings: RuntimeSettings | None = None,
+    ) -> AssembleResult:
+        """Summaries + fresh tail in context order, within ``token_budget``; stable while nothing changes."""
+        self._remember(scope, session_id, token_budget, runtime_settings)
+        items = self._current(scope, session_id, fence)
+        if sum(i.tokens for i in items) > token_budget:
+            # Over the hard budget (a large import, or a failed earlier compaction): compact now.
+            self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=False, focus=None)
+            items = self._current(scope, session_id, fence)
+        self.stats["context_rows_read"] += len(items)
+        shown = fit(items, token_budget)
+        messages = render(shown)
+        has_summaries = any(i.summary is not None for i in shown)
+        return AssembleResult(
+            messages=messages,
+            estimated_tokens=int(self.estimator.count_messages(messages)),
+            system_prompt_addition=RECALL_HINT if has_summaries else None,
+            context_projection=ContextProjection(mode="per_turn", epoch=epoch(shown)),
+        )
+
+    def commit_turn(
+        self,
+        *,
+        tx: Core,
+        advancement_key: str,
+        admission: Anchor,
+        terminal: Anchor,
+        messages: list[dict[str, Any]],
+        is_heartbeat: bool = False,
+    ) -> CommitResult:
+        """The ledger commit with the turn's ingestion in the same transaction (a duplicate ingests nothing)."""
+        turn = prepare_turn(ENGINE_ID, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
+        return commit_turn_in(tx, turn, self._apply)
+
+    def _apply(self, core: Core, turn: TurnPayload) -> None:
+        """Import the transcript through the turn's terminal entry (any gap first, then the turn)."""
+        assert turn.terminal.position is not None
+        result = import_pages(
+            core, turn.scope, turn.session_id, config=self.config, estimator=self.estimator, fence=None,
+            until=turn.terminal.position,
+        )
+        self.stats["imported"] += result.imported
+
+    def after_turn(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        admission: Admission | None = None,
+        terminal: Anchor | None = None,
+        session_key: str | None = None,
+        runtime_settings: RuntimeSettings | None = None,
+    ) -> None:
+        """Proactive compaction above the threshold (a failing summarizer is logged, never raised)."""
+        self._remember(scope, session_id, None, runtime_settings)
+        result = self._compact_if_needed(scope, session_id)
+        if result is not None and not result.ok:
+            log.warning("lossless compaction of %s/%s after the turn: %s", scope, session_id, result.reason)
+
+    def maintain(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        session_key: str | None = None,
+        runtime_settings: RuntimeSettings | None = None,
+    ) -> MaintainResult:
+        """Deferred upkeep (background mode): compaction when over the threshold."""
+        self._remember(scope, session_id, None, runtime_settings)
+        result = self._compact_if_needed(scope, session_id)
+        if result is None:
+            return MaintainResult(changed=False, reason="under the threshold")
+        return MaintainResult(changed=result.compacted, reason=result.reason)
+
+    def compact(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        force: bool = False,
+        focus: str | None = None,
+        token_budget: int | None = None,
+        session_key: str | None = None,
+        runtime_settings: RuntimeSettings | None = None,
+    ) -> CompactResult:
+        """Compact until under the target (``force``: at least one step even when under the threshold)."""
+        self._remember(scope, session_id, None, runtime_settings)
+        return self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=force, focus=focus)
+
+    def _compact_if_needed(self, scope: str, session_id: str) -> CompactResult | None:
+        marks = self.budget(scope, session_id)
+        tokens = self.store.read(lambda c: View.load(c, scope, session_id).tokens)
+        if tokens <= marks.trigger:
+            return None
+        return self._compact(scope, session_id, marks, force=False, focus=None)
+
+    def _compact(self, scope: str, session_id: str, marks: Budget, *, force: bool, focus: str | None) -> CompactResult:
+        """Plan outside any transaction, write in one; a plan raced by another writer is re-planned once."""
+        for _attempt in range(2):
+            view, items = self.store.read(
+                lambda c: (View.load(c, scope, session_id), load_items(c, scope, session_id))
+            )
+            before = sum(i.tokens for i in items)
+            if not force and before <= marks.trigger:
+                return CompactResult(
+                    ok=True, compacted=False, reason=f"under the threshold ({before} <= {marks.trigger} tokens)",
+                    tokens_before=before, tokens_after=before,
+                )
+            plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
+            if plan.summaries and not self.store.write(lambda c, p=plan: write_plan(c, scope, session_id, p)):
+                continue
+            self.stats["compactions"] += bool(plan.summaries)
+            return CompactResult(
+                ok=plan.error is None,
+                compacted=bool(plan.summaries),
+                reason=plan.error or _progress_reason(plan.summaries != [], plan.tokens_after, marks),
+                tokens_before=plan.tokens_before,
+                tokens_after=plan.tokens_after,
+            )
+        return CompactResult(ok=False, compacted=False, reason="the context changed during compaction; try again")
+
+    # ------------------------------------------------------------------------------------ tools
+
+    def get_tool_schemas(self) -> list[dict[str, Any]]:
+        """lcm_grep, lcm_describe, lcm_expand as OpenAI function schemas."""
+        return tools.schemas()
+
+    def handle_tool_call(self, name: str, args: dict[str, Any], *, scope: str, session_id: str) -> str:
+        """Run one recall tool; the answer (or ``{"error": ...}``) as a JSON string."""
+        handlers = {
+            "lcm_grep": lambda c: tools.run_grep(c, scope, session_id, args),
+            "lcm_describe": lambda c: tools.run_describe(c, scope, session_id, args),
+            "lcm_expand": lambda c: tools.run_expand(c, scope, session_id, args, self.config.expand_max_chars),
+        }
+        if name not in handlers:
+            return json.dumps({"error": f"unknown tool {name!r}"})
+        if not isinstance(args, dict):
+            return json.dumps({"error": "arguments must be a JSON object"})
+        try:
+            out = self.store.read(handlers[name])
+        except tools.ToolError as e:
+            out = {"error": str(e)}
+        return json.dumps(out, ensure_ascii=False)
+
+    def dispose(self) -> None:
+        """Forget the remembered budgets."""
+        with self._lock:
+            self._runs.clear()
+
+
+def _progress_reason(progressed: bool, after: int, marks: Budget) -> str | None:
+    if not progressed:
+        return "no progress: nothing outside the fresh tail can be summarized smaller"
+    if after > marks.target:
+        return f"still over the target ({after} > {marks.target} tokens) at the round limit or fresh tail"
+    return None

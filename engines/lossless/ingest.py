@@ -1,0 +1,180 @@
+"""Importing visible transcript messages into the engine's tables, through the transcript cursor API.
+
+Everything here runs inside the caller's write transaction, so the imported rows, the context items
+and the view (cursor, counters) always agree. The entry id is the idempotency of an import: an entry
+already ingested is never inserted twice; after a cursor reset (the transcript was rewritten) the
+context list is rebuilt from the new visible transcript, reusing the messages already stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import delete, insert, select
+
+from transcript_store.core import Core, now_us
+from transcript_store.model import message_text
+from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry
+from transcript_store.reads import read_visible_delta
+from transcript_store.tokens import TokenEstimator
+
+from .config import LosslessConfig
+from .tables import View, context_items, messages
+
+
+@dataclass
+class ImportResult:
+    """What one import call did: messages made visible, whether more pages wait, whether it rebuilt."""
+
+    imported: int = 0
+    more: bool = False
+    rebuilt: bool = False
+    missing: bool = False
+
+
+def searchable_text(message: dict[str, Any]) -> str:
+    """The text search sees for a message: its content plus the tool calls it made (names and arguments)."""
+    parts = [message_text(message)]
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        if isinstance(function, dict):
+            parts.append(f"{function.get('name')}({function.get('arguments')})")
+    if isinstance(message.get("name"), str):
+        parts.append(message["name"])
+    return "\n".join(p for p in parts if p)
+
+
+def rebuild(core: Core, scope: str, session_id: str, view: View, cursor: str, generation: int) -> None:
+    """Forget the context list (the summaries and messages stay stored) and restart from ``cursor``."""
+    core.conn.execute(
+        delete(context_items).where(context_items.c.scope == scope, context_items.c.session_id == session_id)
+    )
+    view.cursor, view.generation, view.position, view.tokens = cursor, generation, -1, 0
+    view.epoch += 1
+
+
+def import_pages(
+    core: Core,
+    scope: str,
+    session_id: str,
+    *,
+    config: LosslessConfig,
+    estimator: TokenEstimator,
+    fence: Anchor | None,
+    until: int | None = None,
+    max_pages: int | None = None,
+) -> ImportResult:
+    """Import visible messages after the view's cursor: before ``fence``, through position ``until``.
+
+    Pages honour ``required_bytes`` (a message larger than a page enlarges the next page) and resets
+    (rebuild). ``max_pages`` bounds the work of one transaction; ``more`` says whether to call again.
+    """
+    result = ImportResult()
+    sess = core.session_row(scope, session_id, lock=True)
+    if sess is None:
+        result.missing = True
+        return result
+    view = View.load(core, scope, session_id)
+    loaded = asdict(view)
+    max_bytes, pages = config.page_bytes, 0
+    while True:
+        limit = config.page_messages
+        # The view's position counts only in the session's generation (or from the very start); with
+        # any other cursor the read below answers a reset, whatever the limit.
+        if until is not None and (view.cursor is None or view.generation == sess.generation):
+            if view.position >= until:
+                break
+            limit = max(1, min(limit, until - view.position))
+        page = read_visible_delta(core, scope, session_id, view.cursor, limit, max_bytes, fence)
+        if isinstance(page, DeltaMissing):  # pragma: no cover - the session row is locked above
+            result.missing = True
+            return result
+        if isinstance(page, DeltaReset):
+            rebuild(core, scope, session_id, view, page.cursor, sess.generation)
+            result.rebuilt = True
+            continue
+        assert isinstance(page, DeltaPage)
+        if page.required_bytes is not None:
+            max_bytes = page.required_bytes  # one message is larger than a page: enlarge this page
+            continue
+        max_bytes = config.page_bytes
+        result.imported += ingest_entries(core, scope, session_id, view, page.entries, estimator)
+        view.cursor, view.generation = page.cursor, sess.generation
+        if page.entries:
+            view.position = int(page.entries[-1].position or 0)
+        pages += 1
+        if not page.has_more:
+            break
+        if max_pages is not None and pages >= max_pages:
+            result.more = True
+            break
+    if asdict(view) != loaded:
+        view.save(core, scope, session_id)
+    return result
+
+
+def ingest_entries(
+    core: Core, scope: str, session_id: str, view: View, entries: Sequence[Entry], estimator: TokenEstimator
+) -> int:
+    """Store the entries' messages (once per entry id) and append each to the context list; returns how many."""
+    if not entries:
+        return 0
+    known = _known(core, scope, session_id, [e.entry_id for e in entries])
+    new_rows: list[dict[str, Any]] = []
+    new_items: list[dict[str, Any]] = []
+    ts = now_us()
+    for entry in entries:
+        message = entry.message or {}
+        if entry.entry_id in known:
+            ordinal, tokens, visible = known[entry.entry_id]
+            if visible:
+                continue  # already in the context list: nothing to do
+        else:
+            ordinal, tokens = view.next_ordinal, int(estimator.count_messages([message]))
+            view.next_ordinal += 1
+            new_rows.append(
+                {
+                    "scope": scope,
+                    "session_id": session_id,
+                    "ordinal": ordinal,
+                    "entry_id": entry.entry_id,
+                    "generation": entry.generation,
+                    "position": int(entry.position or 0),
+                    "role": str(message.get("role", "")),
+                    "content": searchable_text(message),
+                    "message": json.dumps(message, ensure_ascii=False, separators=(",", ":")),
+                    "tokens": tokens,
+                    "created_us": ts,
+                }
+            )
+        new_items.append(
+            {"scope": scope, "session_id": session_id, "item_ordinal": view.next_item, "message_ordinal": ordinal}
+        )
+        view.next_item += 1
+        view.tokens += tokens
+    if new_rows:
+        core.conn.execute(insert(messages), new_rows)
+    if new_items:
+        core.conn.execute(insert(context_items), new_items)
+    return len(new_items)
+
+
+def _known(core: Core, scope: str, session_id: str, entry_ids: list[str]) -> dict[str, tuple[int, int, bool]]:
+    """entry id -> (ordinal, tokens, in the context list) for the entries already ingested."""
+    rows = core.conn.execute(
+        select(messages.c.entry_id, messages.c.ordinal, messages.c.tokens).where(
+            messages.c.scope == scope, messages.c.session_id == session_id, messages.c.entry_id.in_(entry_ids)
+        )
+    ).all()
+    if not rows:
+        return {}  # the common case: a page of new messages costs one indexed probe
+    visible = select(context_items.c.message_ordinal).where(
+        context_items.c.scope == scope,
+        context_items.c.session_id == session_id,
+        context_items.c.message_ordinal.in_([r.ordinal for r in rows]),
+    )
+    in_context = {r.message_ordinal for r in core.conn.execute(visible)}
+    return {r.entry_id: (r.ordinal, r.tokens, r.ordinal in in_context) for r in rows}

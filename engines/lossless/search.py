@@ -1,0 +1,188 @@
+"""Search over the engine's messages and summaries: full text (indexed, CJK-safe) or a regular expression.
+
+Full text means: every whitespace-separated term occurs in the text, case-insensitively, as a
+substring (so CJK words, which have no spaces, are found). The backends reach that through their own
+indexes, the one place this engine branches on the dialect (the migration explains why):
+
+- SQLite: the FTS5 trigram table (terms of 3+ characters), ranked by bm25; terms shorter than a
+  trigram fall back to LIKE on the session's rows.
+- PostgreSQL: the 'simple' tsvector column's GIN index OR the pg_trgm GIN index (ILIKE), ranked by
+  ts_rank.
+
+Regular expressions (Python syntax) scan the session's rows newest first, in bounded batches.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import Table, select, text
+
+from transcript_store.core import Core
+
+from .tables import messages, summaries
+
+Kind = Literal["message", "summary"]
+Mode = Literal["full_text", "regex"]
+Sort = Literal["recency", "relevance"]
+SCAN_BATCH = 500
+
+_SOURCES: dict[Kind, tuple[Table, str]] = {"message": (messages, "ordinal"), "summary": (summaries, "summary_seq")}
+
+
+@dataclass
+class Hit:
+    """One search result: a message (ref = ordinal) or a summary (ref = seq)."""
+
+    kind: Kind
+    ref: int
+    recency: int
+    score: float
+    content: str
+    role: str | None = None
+    entry_id: str | None = None
+    span: tuple[int, int] | None = None
+
+
+def grep(
+    core: Core,
+    scope: str,
+    session_id: str,
+    pattern: str,
+    *,
+    mode: Mode,
+    kinds: tuple[Kind, ...],
+    sort: Sort,
+    limit: int,
+) -> list[Hit]:
+    """The best ``limit`` hits over ``kinds`` (see module doc); a bad regex raises re.error."""
+    hits: list[Hit] = []
+    for kind in kinds:
+        if mode == "regex":
+            hits += _regex(core, scope, session_id, kind, re.compile(pattern), sort, limit)
+        else:
+            hits += _full_text(core, scope, session_id, kind, pattern.split(), sort, limit)
+    if sort == "relevance":
+        hits.sort(key=lambda h: (-h.score, -h.recency))
+    else:
+        hits.sort(key=lambda h: (-h.recency, -h.score))
+    return hits[:limit]
+
+
+def _columns(kind: Kind) -> str:
+    if kind == "message":
+        return "t.ordinal AS ref, t.ordinal AS recency, t.role AS role, t.entry_id AS entry_id, t.content AS content"
+    return "t.summary_seq AS ref, t.latest_ordinal AS recency, NULL AS role, NULL AS entry_id, t.content AS content"
+
+
+def _like(term: str) -> str:
+    return "%" + term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _full_text(
+    core: Core, scope: str, session_id: str, kind: Kind, terms: list[str], sort: str, limit: int
+) -> list[Hit]:
+    if not terms:
+        return []
+    table, key = _SOURCES[kind]
+    params: dict[str, Any] = {"scope": scope, "session_id": session_id, "limit": limit}
+    likes = []
+    for n, term in enumerate(terms):
+        params[f"t{n}"] = _like(term)
+    order = "score DESC, recency DESC" if sort == "relevance" else "recency DESC"
+    if core.dialect.is_sqlite:
+        long = [t for t in terms if len(t) >= 3]
+        short = [n for n, t in enumerate(terms) if len(t) < 3]
+        likes = [f"t.content LIKE :t{n} ESCAPE '\\'" for n in short]
+        if long:
+            params["match"] = " AND ".join('"' + t.replace('"', '""') + '"' for t in long)
+            # CROSS JOIN fixes the join order: the FTS index drives (SQLite's planner would otherwise
+            # walk the session's rows and probe the FTS table once per row).
+            sql = (
+                f"SELECT {_columns(kind)}, -bm25(ts_lcm_search) AS score FROM ts_lcm_search"
+                " CROSS JOIN ts_lcm_search_map AS map ON map.id = ts_lcm_search.rowid"
+                f" CROSS JOIN {table.name} AS t ON t.scope = map.scope AND t.session_id = map.session_id"
+                f" AND t.{key} = map.ref"
+                f" WHERE ts_lcm_search MATCH :match AND map.scope = :scope AND map.session_id = :session_id"
+                f" AND map.kind = '{kind}'"
+            )
+        else:
+            sql = (
+                f"SELECT {_columns(kind)}, 0.0 AS score FROM {table.name} AS t"
+                " WHERE t.scope = :scope AND t.session_id = :session_id"
+            )
+        sql += "".join(f" AND {c}" for c in likes)
+    else:
+        params["q"] = " ".join(terms)
+        likes = [f"t.content ILIKE :t{n} ESCAPE '\\'" for n in range(len(terms))]
+        query = "plainto_tsquery('simple', :q)"
+        sql = (
+            f"SELECT {_columns(kind)}, ts_rank(t.search_tsv, {query}) AS score"
+            f" FROM {table.name} AS t WHERE t.scope = :scope AND t.session_id = :session_id"
+            f" AND (t.search_tsv @@ {query} OR ({' AND '.join(likes)}))"
+        )
+    sql += f" ORDER BY {order} LIMIT :limit"
+    rows = core.conn.execute(text(sql), params).all()
+    needle = terms[0].lower()
+    return [
+        Hit(kind, r.ref, r.recency, float(r.score or 0.0), r.content, r.role, r.entry_id, _find(r.content, needle))
+        for r in rows
+    ]
+
+
+def _find(content: str, needle: str) -> tuple[int, int] | None:
+    at = content.lower().find(needle)
+    return (at, at + len(needle)) if at >= 0 else None
+
+
+def _regex(
+    core: Core, scope: str, session_id: str, kind: Kind, pattern: re.Pattern[str], sort: str, limit: int
+) -> list[Hit]:
+    hits: list[Hit] = []
+    for row in _scan(core, scope, session_id, kind):
+        found = list(pattern.finditer(row["content"]))
+        if not found:
+            continue
+        first = found[0]
+        hits.append(
+            Hit(kind, row["ref"], row["recency"], float(len(found)), row["content"], row["role"], row["entry_id"],
+                (first.start(), first.end()))
+        )
+        if sort == "recency" and len(hits) >= limit:
+            break  # rows come newest first
+    return hits
+
+
+def _scan(core: Core, scope: str, session_id: str, kind: Kind) -> Iterator[dict[str, Any]]:
+    """Every row of the session, newest first, in indexed batches."""
+    table, key = _SOURCES[kind]
+    column = table.c[key]
+    before: int | None = None
+    while True:
+        q = select(table).where(table.c.scope == scope, table.c.session_id == session_id)
+        if before is not None:
+            q = q.where(column < before)
+        rows = core.conn.execute(q.order_by(column.desc()).limit(SCAN_BATCH)).all()
+        for r in rows:
+            is_message = kind == "message"
+            yield {
+                "ref": r._mapping[key],
+                "recency": r.ordinal if is_message else r.latest_ordinal,
+                "role": r.role if is_message else None,
+                "entry_id": r.entry_id if is_message else None,
+                "content": r.content,
+            }
+        if len(rows) < SCAN_BATCH:
+            return
+        before = rows[-1]._mapping[key]
+
+
+def snippet(content: str, span: tuple[int, int] | None, width: int = 160) -> str:
+    """About ``width`` characters around the match, whitespace collapsed."""
+    start = 0 if span is None else max(0, span[0] - width // 2)
+    piece = content[start : start + width]
+    flat = " ".join(piece.split())
+    return ("…" if start > 0 else "") + flat + ("…" if start + width < len(content) else "")

@@ -1,0 +1,336 @@
+"""The recall tools the agent gets: lcm_grep, lcm_describe, lcm_expand (OpenAI function schemas + handlers).
+
+Every original message stays reachable from the assembled context: a summary in context names its id,
+``lcm_expand`` walks a condensed summary to its children and a leaf to its source messages, and
+``lcm_describe`` walks the other way (a message -> the summaries that cover it, up to the one in context).
+Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and can try again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, cast
+
+from sqlalchemy import func, select
+
+from transcript_store.core import Core, from_us
+
+from .search import Kind, Mode, Sort, grep, snippet
+from .tables import (
+    context_items,
+    message_id,
+    messages,
+    parse_id,
+    summaries,
+    summary_children,
+    summary_id,
+    summary_sources,
+)
+
+MAX_LIMIT = 200
+_MODES = ("full_text", "regex")
+_SORTS = ("recency", "relevance")
+_TARGETS: dict[str, tuple[Kind, ...]] = {
+    "messages": ("message",),
+    "summaries": ("summary",),
+    "all": ("message", "summary"),
+}
+
+
+def schemas() -> list[dict[str, Any]]:
+    """The OpenAI function schemas of the three tools."""
+    ident = {"type": "string", "description": "a summary id (sum_N), a message id (msg_N) or a message entry id"}
+    return [
+        _schema(
+            "lcm_grep",
+            "Search the whole conversation, including everything summarized away: full text (every word must "
+            "appear; works for Chinese/Japanese too) or a Python regular expression, over messages and/or summaries.",
+            {
+                "pattern": {"type": "string", "description": "words to find, or a regex when mode is regex"},
+                "mode": {"type": "string", "enum": list(_MODES), "default": "full_text"},
+                "search_in": {"type": "string", "enum": list(_TARGETS), "default": "all"},
+                "sort": {"type": "string", "enum": list(_SORTS), "default": "recency"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": 20},
+            },
+            ["pattern"],
+        ),
+        _schema(
+            "lcm_describe",
+            "What a summary or message covers and its lineage (which summaries contain it, up to the one in context).",
+            {"id": ident},
+            ["id"],
+        ),
+        _schema(
+            "lcm_expand",
+            "Open a summary: a condensed summary gives its child summaries, a leaf summary its original messages.",
+            {
+                "id": ident,
+                "offset": {"type": "integer", "minimum": 0, "default": 0},
+                "limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": 50},
+            },
+            ["id"],
+        ),
+    ]
+
+
+def _schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+class ToolError(ValueError):
+    """A bad tool argument: reported to the model, never raised to the host."""
+
+
+def _int(args: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ToolError(f"{name} must be an integer")
+    return max(low, min(high, value))
+
+
+def _choice(args: dict[str, Any], name: str, options: tuple[str, ...] | dict[str, Any], default: str) -> str:
+    value = args.get(name, default)
+    if value not in options:
+        raise ToolError(f"{name} must be one of {', '.join(options)}")
+    return str(value)
+
+
+def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
+    """lcm_grep."""
+    pattern = args.get("pattern")
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ToolError("pattern must be a non-empty string")
+    mode = cast(Mode, _choice(args, "mode", _MODES, "full_text"))
+    target = _choice(args, "search_in", _TARGETS, "all")
+    sort = cast(Sort, _choice(args, "sort", _SORTS, "recency"))
+    limit = _int(args, "limit", 20, 1, MAX_LIMIT)
+    try:
+        hits = grep(core, scope, session_id, pattern, mode=mode, kinds=_TARGETS[target], sort=sort, limit=limit)
+    except re.error as e:
+        raise ToolError(f"invalid regular expression: {e}") from None
+    results = []
+    for h in hits:
+        row: dict[str, Any] = {"id": message_id(h.ref) if h.kind == "message" else summary_id(h.ref), "kind": h.kind}
+        if h.kind == "message":
+            row.update(role=h.role, entry_id=h.entry_id)
+        row["snippet"] = snippet(h.content, h.span)
+        if sort == "relevance":
+            row["score"] = round(h.score, 6)
+        results.append(row)
+    return {"pattern": pattern, "mode": mode, "sort": sort, "count": len(results), "results": results}
+
+
+# ---------------------------------------------------------------------------------------------- lineage
+
+
+def _key(table: Any, scope: str, session_id: str) -> tuple[Any, Any]:
+    return table.c.scope == scope, table.c.session_id == session_id
+
+
+def _parent(core: Core, scope: str, session_id: str, seq: int) -> int | None:
+    q = select(summary_children.c.parent_seq).where(
+        *_key(summary_children, scope, session_id), summary_children.c.child_seq == seq
+    )
+    return core.conn.execute(q).scalar()
+
+
+def _lineage(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
+    """``seq`` and its ancestors, up to the root of its tree."""
+    out = [seq]
+    while (parent := _parent(core, scope, session_id, out[-1])) is not None and parent not in out:
+        out.append(parent)
+    return out
+
+
+def _in_context(
+    core: Core, scope: str, session_id: str, *, summary: int | None = None, message: int | None = None
+) -> bool:
+    column = context_items.c.summary_seq if summary is not None else context_items.c.message_ordinal
+    q = select(context_items.c.item_ordinal).where(
+        *_key(context_items, scope, session_id), column == (summary if summary is not None else message)
+    )
+    return core.conn.execute(q).first() is not None
+
+
+def _holder(core: Core, scope: str, session_id: str, chain: list[int]) -> str | None:
+    """The id of the first summary of a lineage that is in context now."""
+    return next((summary_id(s) for s in chain if _in_context(core, scope, session_id, summary=s)), None)
+
+
+def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
+    parsed = parse_id(raw)
+    q = select(messages).where(*_key(messages, scope, session_id))
+    if parsed is not None and parsed[0] == "message":
+        return core.conn.execute(q.where(messages.c.ordinal == parsed[1])).first()
+    return core.conn.execute(q.where(messages.c.entry_id == raw)).first()
+
+
+def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
+    parsed = parse_id(raw)
+    if parsed is None or parsed[0] != "summary":
+        return None
+    q = select(summaries).where(*_key(summaries, scope, session_id), summaries.c.summary_seq == parsed[1])
+    return core.conn.execute(q).first()
+
+
+def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
+    """lcm_describe."""
+    raw = args.get("id")
+    if not isinstance(raw, str) or not raw:
+        raise ToolError("id must be a summary id (sum_N), a message id (msg_N) or an entry id")
+    row = _find_summary(core, scope, session_id, raw)
+    if row is not None:
+        return _describe_summary(core, scope, session_id, row)
+    row = _find_message(core, scope, session_id, raw)
+    if row is None:
+        raise ToolError(f"no summary or message {raw!r} in this session")
+    leaves = core.conn.execute(
+        select(summary_sources.c.summary_seq)
+        .where(*_key(summary_sources, scope, session_id), summary_sources.c.message_ordinal == row.ordinal)
+        .order_by(summary_sources.c.summary_seq.desc())
+    ).scalars().all()
+    raw_in_context = _in_context(core, scope, session_id, message=row.ordinal)
+    chains = [_lineage(core, scope, session_id, leaf) for leaf in leaves]
+    holder = message_id(row.ordinal) if raw_in_context else next(
+        (h for c in chains if (h := _holder(core, scope, session_id, c)) is not None), None
+    )
+    return {
+        "id": message_id(row.ordinal),
+        "kind": "message",
+        "entry_id": row.entry_id,
+        "role": row.role,
+        "tokens": row.tokens,
+        "transcript_position": row.position,
+        "in_context": raw_in_context,
+        "context_holder": holder,
+        "summarized_in": [summary_id(s) for s in leaves],
+        "lineage": [summary_id(s) for s in chains[0]] if chains else [],
+        "preview": snippet(row.content, None, 240),
+    }
+
+
+def _describe_summary(core: Core, scope: str, session_id: str, row: Any) -> dict[str, Any]:
+    seq = row.summary_seq
+    chain = _lineage(core, scope, session_id, seq)
+    out: dict[str, Any] = {
+        "id": summary_id(seq),
+        "kind": row.kind,
+        "depth": row.depth,
+        "level": row.level,
+        "tokens": row.tokens,
+        "source_tokens": row.source_tokens,
+        "covers": {
+            "first": message_id(row.earliest_ordinal),
+            "last": message_id(row.latest_ordinal),
+            "message_count": row.message_count,
+        },
+        "created_at": from_us(row.created_us).isoformat(),
+        "in_context": _in_context(core, scope, session_id, summary=seq),
+        "parent": summary_id(chain[1]) if len(chain) > 1 else None,
+        "lineage": [summary_id(s) for s in chain],
+        "context_holder": _holder(core, scope, session_id, chain),
+    }
+    if row.kind == "condensed":
+        out["children"] = [summary_id(c) for c in _children(core, scope, session_id, seq)]
+    else:
+        count = select(func.count()).where(
+            *_key(summary_sources, scope, session_id), summary_sources.c.summary_seq == seq
+        )
+        out["source_messages"] = int(core.conn.execute(count).scalar_one())
+    out["preview"] = snippet(row.content, None, 240)
+    return out
+
+
+def _children(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
+    q = (
+        select(summary_children.c.child_seq)
+        .where(*_key(summary_children, scope, session_id), summary_children.c.parent_seq == seq)
+        .order_by(summary_children.c.idx)
+    )
+    return list(core.conn.execute(q).scalars())
+
+
+def _cut(content: str, limit: int) -> tuple[str, bool]:
+    return (content, False) if len(content) <= limit else (content[:limit] + "…", True)
+
+
+def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], max_chars: int) -> dict[str, Any]:
+    """lcm_expand."""
+    raw = args.get("id")
+    if not isinstance(raw, str) or not raw:
+        raise ToolError("id must be a summary id (sum_N) or a message id")
+    offset = _int(args, "offset", 0, 0, 2**31 - 1)
+    limit = _int(args, "limit", 50, 1, MAX_LIMIT)
+    row = _find_summary(core, scope, session_id, raw)
+    if row is None:
+        message = _find_message(core, scope, session_id, raw)
+        if message is None:
+            raise ToolError(f"no summary or message {raw!r} in this session")
+        return {"id": message_id(message.ordinal), "kind": "message", "items": [_message_item(message, max_chars)]}
+    seq = row.summary_seq
+    items: list[dict[str, Any]]
+    if row.kind == "condensed":
+        children = _children(core, scope, session_id, seq)
+        total = len(children)
+        q = select(summaries).where(
+            *_key(summaries, scope, session_id), summaries.c.summary_seq.in_(children[offset : offset + limit])
+        )
+        found = {r.summary_seq: r for r in core.conn.execute(q)}
+        items = [_summary_item(found[c], max_chars) for c in children[offset : offset + limit] if c in found]
+    else:
+        where = (*_key(summary_sources, scope, session_id), summary_sources.c.summary_seq == seq)
+        total = int(core.conn.execute(select(func.count()).where(*where)).scalar_one())
+        # Two keyed lookups, not an IN (subquery): see context.load_items on PostgreSQL join plans.
+        page = core.conn.execute(
+            select(summary_sources.c.message_ordinal)
+            .where(*where)
+            .order_by(summary_sources.c.message_ordinal)
+            .offset(offset)
+            .limit(limit)
+        ).scalars().all()
+        q = (
+            select(messages)
+            .where(*_key(messages, scope, session_id), messages.c.ordinal.in_(page))
+            .order_by(messages.c.ordinal)
+        )
+        items = [_message_item(m, max_chars) for m in core.conn.execute(q)] if page else []
+    done = offset + len(items)
+    return {
+        "id": summary_id(seq),
+        "kind": row.kind,
+        "total": total,
+        "offset": offset,
+        "items": items,
+        "next_offset": done if done < total else None,
+    }
+
+
+def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
+    content, cut = _cut(row.content, max_chars)
+    out = {"id": message_id(row.ordinal), "kind": "message", "entry_id": row.entry_id, "role": row.role}
+    message = json.loads(row.message)
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    out.update(content=content, truncated=cut)
+    return out
+
+
+def _summary_item(row: Any, max_chars: int) -> dict[str, Any]:
+    content, cut = _cut(row.content, max_chars)
+    return {
+        "id": summary_id(row.summary_seq),
+        "kind": row.kind,
+        "depth": row.depth,
+        "covers": [message_id(row.earliest_ordinal), message_id(row.latest_ordinal)],
+        "message_count": row.message_count,
+        "content": content,
+        "truncated": cut,
+    }

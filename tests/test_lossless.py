@@ -1,0 +1,573 @@
+"""The lossless engine on both backends: its contract, the ledger cases, ingestion, assembly, compaction."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from conftest import BACKENDS, fresh_url
+from hosting import RecordingModel
+from sqlalchemy import func, select
+
+from engines.lossless import LosslessEngine
+from engines.lossless import engine as engine_module
+from engines.lossless.audit import audit
+from engines.lossless.config import LosslessConfig, budget
+from engines.lossless.tables import View, context_items, messages, summaries, summary_children, summary_sources
+from transcript_store import AdvancementKeyCollision, StoreConfig, TranscriptStore
+from transcript_store.engine import (
+    EngineContext,
+    EngineSelection,
+    ModelSettings,
+    RuntimeSettings,
+    durable_declaration,
+)
+from transcript_store.errors import InvalidInput, ReadFenceError, SummarizerError
+from transcript_store.host import HostRuntime
+from transcript_store.ledger import CommitResult, get_receipt, get_state
+from transcript_store.models import Admission, Anchor, ClosedRange
+from transcript_store.registry import EngineRegistry
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+A = "scope-l"
+TABLES = (messages, summaries, summary_sources, summary_children, context_items)
+SMALL = {"fresh_tail_messages": 4, "leaf_chunk_messages": 4, "leaf_summary_tokens": 120,
+         "condensed_summary_tokens": 160, "condense_fanin": 3}
+
+
+def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None, summarizer: Any = None) -> LosslessEngine:
+    ctx = EngineContext(store=store, config=config or {}, summarizer=summarizer or ExtractiveSummarizer(),
+                        estimator=RoughEstimator())
+    return LosslessEngine(ctx)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One migrated database per backend for this module: creating and dropping a PostgreSQL database
+    per test would be most of the module's time. Each test has its own session, and every lossless
+    row is keyed by session, so the tests stay isolated."""
+    yield from fresh_url(str(request.param), request, tmp_path_factory.mktemp("lossless"))
+
+
+@pytest.fixture(scope="module")
+def store(shared_url: str) -> Iterator[TranscriptStore]:
+    s = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def store_url(shared_url: str) -> str:
+    return shared_url
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(A, session_id=f"s-{uuid.uuid4().hex[:12]}").session_id
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def tool_round(call_id: str, result: str, calls: int = 1) -> list[dict[str, Any]]:
+    ids = [f"{call_id}-{n}" for n in range(calls)]
+    tool_calls = [{"id": i, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}} for i in ids]
+    return [{"role": "assistant", "content": None, "tool_calls": tool_calls},
+            *[{"role": "tool", "tool_call_id": i, "content": f"{result} from {i}"} for i in ids]]
+
+
+def finished_turn(
+    store: TranscriptStore, sid: str, turn_id: str, replies: Sequence[dict[str, Any]] | None = None
+) -> tuple[Admission, Anchor, list[dict[str, Any]]]:
+    admission = store.admit(A, sid, user(f"question {turn_id} " + "words " * 30), turn_id=turn_id)
+    appended = store.append_many(A, sid, [{"message": m} for m in replies or [assistant(f"answer {turn_id} " * 10)]])
+    terminal = store.anchor(A, sid, appended[-1].entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    return admission, terminal, closed.messages
+
+
+def commit(
+    store: TranscriptStore, engine: LosslessEngine, turn: tuple[Admission, Anchor, list[dict[str, Any]]]
+) -> CommitResult:
+    admission, terminal, msgs = turn
+    return store.write(lambda c: engine.commit_turn(
+        tx=c, advancement_key=admission.turn_id, admission=admission.anchor, terminal=terminal, messages=msgs
+    ))
+
+
+def run_turns(store: TranscriptStore, engine: LosslessEngine, sid: str, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        replies = [*tool_round(f"c{i}", f"result {i} " * 20), assistant(f"done {i} " * 8)] if i % 3 == 0 else None
+        commit(store, engine, finished_turn(store, sid, f"t{i}", replies))
+
+
+def rows(store: TranscriptStore, sid: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every lossless row of a session (engine state included), for before/after comparisons."""
+
+    def run(c: Any) -> dict[str, list[tuple[Any, ...]]]:
+        out = {t.name: sorted(tuple(r) for r in c.conn.execute(select(t).where(t.c.session_id == sid))) for t in TABLES}
+        out["view"] = [(json.dumps(get_state(c, A, sid, "lossless", "view"), sort_keys=True),)]
+        return out
+
+    return store.read(run)
+
+
+def count(store: TranscriptStore, table: Any, sid: str) -> int:
+    return int(store.read(lambda c: c.conn.execute(
+        select(func.count()).select_from(table).where(table.c.session_id == sid)).scalar_one()))
+
+
+def check(store: TranscriptStore, sid: str) -> Any:
+    result = store.read(lambda c: audit(c, A, sid))
+    assert result.problems == []
+    return result
+
+
+def visible_ids(store: TranscriptStore, sid: str) -> set[str]:
+    return {e.entry_id for e in store.read_visible(A, sid)}
+
+
+# ---------------------------------------------------------------------------------------------- contract
+
+
+def test_declares_the_full_durable_contract(store: TranscriptStore) -> None:
+    registry = EngineRegistry()
+    spec = registry.specs["lossless"]
+    assert spec.source == "bundled" and spec.manifest["entry"] == "engines.lossless:create_engine"
+    engine, info = registry.create("lossless", EngineContext(store=store))
+    assert durable_declaration(engine, info) == (True, None, False)
+    assert info.owns_compaction and info.turn_maintenance_mode == "background"
+    assert info.accepted_host_params == ["session_key", "runtime_settings"]
+    assert {t["function"]["name"] for t in engine.get_tool_schemas()} == {"lcm_grep", "lcm_describe", "lcm_expand"}
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(InvalidInput, match="lossless config: no_such_knob"):
+        LosslessConfig.parse({"no_such_knob": 1})
+    with pytest.raises(InvalidInput, match="target must not exceed threshold"):
+        LosslessConfig.parse({"threshold": 0.5, "target": 0.6})
+
+
+def test_thresholds_follow_the_model_with_the_longest_match() -> None:
+    config = LosslessConfig.parse(
+        {"threshold": 0.8, "target": 0.4, "model_thresholds": {"gpt-4o": 0.5, "gpt-4o-mini": 0.9}}
+    )
+
+    def settings(resolved: str | None, requested: str | None) -> RuntimeSettings:
+        return RuntimeSettings(context_engine_selection=EngineSelection(id="lossless", source="config"),
+                               model=ModelSettings(resolved=resolved, requested=requested))
+
+    assert budget(config, 10_000, settings("openai/gpt-4o-mini-2024", None)).trigger == 9000
+    assert budget(config, 10_000, settings("gpt-4o", "x")).trigger == 5000
+    assert budget(config, 10_000, settings(None, "GPT-4O-MINI")).trigger == 9000
+    marks = budget(config, 10_000, settings("claude", None))
+    assert (marks.trigger, marks.target) == (8000, 4000)
+    assert budget(config, 10_000, settings("gpt-4o", None)).target == 2500  # the target keeps its proportion
+    assert budget(LosslessConfig.parse({"context_window": 2000}), 10_000, None).window == 2000
+
+
+# ---------------------------------------------------------------------------------------------- ledger cases
+
+
+def test_commit_then_duplicate_ingests_once(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    turn = finished_turn(store, sid, "t1", [*tool_round("c1", "42"), assistant("done")])
+    first = commit(store, engine, turn)
+    assert first.status == "committed" and first.receipt.message_count == 4
+    assert count(store, messages, sid) == 4 and count(store, context_items, sid) == 4
+    before = rows(store, sid)
+    again = commit(store, engine, turn)
+    assert again.status == "duplicate" and again.receipt == first.receipt
+    assert rows(store, sid) == before
+    result = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=10_000)
+    assert result.messages == turn[2]
+
+
+def test_duplicate_after_reopening_the_store(store_url: str, store: TranscriptStore, sid: str) -> None:
+    first_store = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    turn = finished_turn(first_store, sid, "t1")
+    first = commit(first_store, make_engine(first_store), turn)
+    before = rows(first_store, sid)
+    first_store.close()
+    reopened = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    try:
+        again = commit(reopened, make_engine(reopened), turn)
+        assert again.status == "duplicate" and again.receipt == first.receipt
+        assert rows(reopened, sid) == before
+    finally:
+        reopened.close()
+
+
+def test_same_key_with_another_payload_is_a_collision(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    admission, terminal, msgs = finished_turn(store, sid, "t1", [assistant("a"), assistant("b")])
+    commit(store, engine, (admission, terminal, msgs))
+    before = rows(store, sid)
+    changed = [msgs[0], assistant("other"), msgs[2]]
+    with pytest.raises(AdvancementKeyCollision):
+        commit(store, engine, (admission, terminal, changed))
+    assert rows(store, sid) == before
+
+
+def test_a_failure_in_apply_rolls_back_everything(
+    store: TranscriptStore, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(store)
+    turn = finished_turn(store, sid, "t1")
+    real = engine_module.import_pages
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)  # the rows and the view are written ...
+        raise RuntimeError("engine bug after its writes")  # ... and must all roll back with the receipt
+
+    monkeypatch.setattr(engine_module, "import_pages", broken)
+    with pytest.raises(RuntimeError):
+        commit(store, engine, turn)
+    assert store.read(lambda c: get_receipt(c, A, sid, "lossless", "t1")) is None
+    assert all(v == [] for k, v in rows(store, sid).items() if k != "view")
+    assert store.read(lambda c: get_state(c, A, sid, "lossless", "view")) is None
+    monkeypatch.setattr(engine_module, "import_pages", real)
+    assert commit(store, engine, turn).status == "committed"
+    assert count(store, messages, sid) == 2
+
+
+# ---------------------------------------------------------------------------------------------- ingestion
+
+
+def test_commit_imports_a_gap_left_by_another_engine_first(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    finished_turn(store, sid, "t1")  # committed elsewhere (say legacy): never reaches this engine
+    commit(store, engine, finished_turn(store, sid, "t2"))
+    result = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=10_000)
+    assert result.messages == [e.message for e in store.read_visible(A, sid)]
+    check(store, sid)
+
+
+def test_bootstrap_pages_up_to_the_fence_and_is_idempotent(store: TranscriptStore, sid: str) -> None:
+    big = "x" * 5000  # larger than a page: required_bytes enlarges the page
+    history = [user(f"u{i} " + (big if i == 4 else "")) if i % 2 == 0 else assistant(f"a{i}") for i in range(11)]
+    store.append_many(A, sid, [{"message": m} for m in history])
+    admission = store.admit(A, sid, user("the current turn"), turn_id="now")
+    engine = make_engine(store, {"page_messages": 3, "page_bytes": 1024})
+    first = engine.bootstrap(scope=A, session_id=sid, fence=admission.anchor)
+    assert first.bootstrapped and first.imported_messages == 11
+    assert engine.bootstrap(scope=A, session_id=sid, fence=admission.anchor).imported_messages == 0
+    result = engine.assemble(scope=A, session_id=sid, fence=admission.anchor, token_budget=100_000)
+    assert result.messages == history  # the admitted user message is the host's to append
+    assert engine.bootstrap(scope=A, session_id="nope", fence=None).bootstrapped is False
+    check(store, sid)
+
+
+def test_a_reset_rebuilds_the_context_and_keeps_the_originals(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 12)
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=800).compacted
+    first = store.read_visible(A, sid)[0]
+    store.rewrite_entries(A, sid, [{"entry_id": first.entry_id, "message": user("edited first question")}])
+    result = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+    assert result.messages == [e.message for e in store.read_visible(A, sid)]
+    assert result.messages[0] == user("edited first question")
+    assert count(store, messages, sid) > len(result.messages)  # the pre-rewrite originals stay searchable
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "question t0"}, scope=A, session_id=sid))
+    assert found["count"] == 1
+    audited = check(store, sid)
+    assert audited.covered_entry_ids == visible_ids(store, sid)
+
+
+def test_assemble_catches_up_with_turns_of_another_engine(store: TranscriptStore, sid: str) -> None:
+    registry = EngineRegistry()
+
+    def host(engine: str) -> tuple[HostRuntime, RecordingModel]:
+        model = RecordingModel()
+        settings = load_settings(config_path=None, engine=engine)
+        return HostRuntime(store, settings, model, registry=registry, summarizer=ExtractiveSummarizer(),
+                           estimator=RoughEstimator()), model
+
+    lossless, model = host("lossless")
+    one = lossless.run_turn(A, sid, "first", turn_id="t1")
+    legacy, _ = host("legacy")
+    two = legacy.run_turn(A, sid, "during a degraded turn", turn_id="t2")
+    three = lossless.run_turn(A, sid, "third", turn_id="t3")
+    assert one.engine_id == three.engine_id == "lossless" and two.engine_id == "legacy"
+    assert model.requests[-1][1:] == [*one.messages, *two.messages, user("third")]
+    assert count(store, messages, sid) == 6
+    check(store, sid)
+
+
+def test_assemble_raises_rather_than_cross_the_fence(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    t1 = finished_turn(store, sid, "t1")
+    t2 = finished_turn(store, sid, "t2")
+    commit(store, engine, t1)
+    result = engine.assemble(scope=A, session_id=sid, fence=t2[0].anchor, token_budget=10_000)
+    assert result.messages == t1[2]
+    commit(store, engine, t2)
+    with pytest.raises(ReadFenceError):  # the engine already holds messages after that admitted entry
+        engine.assemble(scope=A, session_id=sid, fence=t2[0].anchor, token_budget=10_000)
+
+
+# ---------------------------------------------------------------------------------------------- assembly
+
+
+def test_assembly_is_stable_and_the_epoch_follows_the_summaries(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 10)
+
+    def assemble() -> Any:
+        return engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+
+    a, b = assemble(), assemble()
+    assert json.dumps(a.model_dump()) == json.dumps(b.model_dump())
+    assert a.system_prompt_addition is None and a.context_projection is not None
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=1500).compacted
+    c = assemble()
+    assert c.context_projection.epoch != a.context_projection.epoch and c.system_prompt_addition
+    assert c.messages[0]["content"].startswith("[Summary sum_")
+    run_turns(store, engine, sid, 1, start=10)
+    d = assemble()
+    assert d.context_projection.epoch == c.context_projection.epoch and d.messages != c.messages
+    assert d.messages[: len(c.messages)] == c.messages  # appends keep the prefix (provider caches)
+
+
+def test_tool_calls_and_results_are_never_split(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, {**SMALL, "leaf_chunk_messages": 3, "fresh_tail_messages": 3})
+    for i in range(14):
+        replies = [*tool_round(f"c{i}", f"r{i} " * 30, calls=1 + i % 3), assistant(f"a{i}")]
+        commit(store, engine, finished_turn(store, sid, f"t{i}", replies))
+        engine.compact(scope=A, session_id=sid, force=True, token_budget=1200)
+
+    def leaves(c: Any) -> dict[int, list[dict[str, Any]]]:
+        out: dict[int, list[dict[str, Any]]] = {}
+        q = select(summary_sources.c.summary_seq, messages.c.message).join(
+            messages, (messages.c.session_id == summary_sources.c.session_id)
+            & (messages.c.ordinal == summary_sources.c.message_ordinal)).where(summary_sources.c.session_id == sid)
+        for r in c.conn.execute(q.order_by(messages.c.ordinal)):
+            out.setdefault(r.summary_seq, []).append(json.loads(r.message))
+        return out
+
+    for group in [*store.read(leaves).values(),
+                  engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages]:
+        calls = {c["id"] for m in group for c in m.get("tool_calls") or []}
+        results = {m["tool_call_id"] for m in group if m["role"] == "tool"}
+        assert calls == results
+    check(store, sid)
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+
+
+def test_leaf_passes_then_condensation_keep_the_context_bounded(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    sizes = []
+    for i in range(40):
+        run_turns(store, engine, sid, 1, start=i)
+        engine.compact(scope=A, session_id=sid, force=False, token_budget=1500)
+        sizes.append(count(store, context_items, sid))
+    kinds = store.read(
+        lambda c: {r.kind for r in c.conn.execute(select(summaries).where(summaries.c.session_id == sid))}
+    )
+    assert kinds == {"leaf", "condensed"}
+    audited = check(store, sid)
+    assert audited.covered_entry_ids == visible_ids(store, sid)
+    assert max(sizes[20:]) <= max(sizes[:20]) + 3  # the context list does not grow with the history
+    view = store.read(lambda c: View.load(c, A, sid))
+    assert view.tokens <= budget(engine.config, 1500, None).trigger
+
+
+def test_compaction_reports_no_progress_honestly(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    commit(store, engine, finished_turn(store, sid, "t1"))
+    calm = engine.compact(scope=A, session_id=sid, force=False, token_budget=100_000)
+    assert calm.ok and not calm.compacted and "under the threshold" in (calm.reason or "")
+    forced = engine.compact(scope=A, session_id=sid, force=True, token_budget=100_000)
+    assert forced.ok and not forced.compacted and "no progress" in (forced.reason or "")
+    assert forced.tokens_before == forced.tokens_after
+
+
+class Verbose:
+    """A summarizer whose summaries do not shrink at the levels in ``long_at``."""
+
+    def __init__(self, long_at: tuple[str, ...]) -> None:
+        self.long_at = long_at
+
+    def summarize(self, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+        if kw["level"] in self.long_at:
+            return "padding " * 4000
+        return ExtractiveSummarizer().summarize(messages, **kw)
+
+
+@pytest.mark.parametrize(("long_at", "level"), [((), "normal"), (("normal",), "aggressive"),
+                                                (("normal", "aggressive"), "truncated")])
+def test_a_summary_that_does_not_shrink_escalates(
+    store: TranscriptStore, sid: str, long_at: tuple[str, ...], level: str
+) -> None:
+    engine = make_engine(store, SMALL, summarizer=Verbose(long_at))
+    run_turns(store, engine, sid, 6)
+    result = engine.compact(scope=A, session_id=sid, force=True, token_budget=100_000)
+    assert result.ok and result.compacted
+    assert result.tokens_after is not None and result.tokens_before is not None
+    assert result.tokens_after < result.tokens_before
+    made = store.read(lambda c: [(r.level, r.tokens < r.source_tokens)
+                                 for r in c.conn.execute(select(summaries).where(summaries.c.session_id == sid))])
+    assert made and all(m == (level, True) for m in made)
+
+
+class Failing:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def summarize(self, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [SummarizerError("provider down"), RuntimeError("bug in summarizer")])
+def test_a_failing_summarizer_never_loses_messages(store: TranscriptStore, sid: str, error: Exception) -> None:
+    engine = make_engine(store, SMALL, summarizer=Failing(error))
+    run_turns(store, engine, sid, 8)
+    before = rows(store, sid)
+    result = engine.compact(scope=A, session_id=sid, force=True, token_budget=1000)
+    assert not result.ok and not result.compacted and type(error).__name__ in (result.reason or "")
+    assert rows(store, sid) == before  # every raw message still in context, nothing written
+    engine.after_turn(scope=A, session_id=sid)  # proactive compaction fails quietly, never raises
+    fitted = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=1000)
+    assert fitted.estimated_tokens <= 1000  # the request still fits, the context list keeps everything
+    engine.summarizer = ExtractiveSummarizer()
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=1000).compacted
+    check(store, sid)
+
+
+def test_failing_summarizer_through_the_host_keeps_the_engine(store: TranscriptStore, sid: str) -> None:
+    model = RecordingModel()
+    settings = load_settings(config_path=None, engine="lossless", token_budget=600, max_output_tokens=100,
+                             engine_config={"lossless": SMALL})
+    host = HostRuntime(store, settings, model, registry=EngineRegistry(),
+                       summarizer=Failing(SummarizerError("down")), estimator=RoughEstimator())
+    for i in range(12):
+        out = host.run_turn(A, sid, f"message {i} " + "words " * 40, turn_id=f"t{i}")
+        assert out.engine_id == "lossless" and out.commit_status == "committed"
+        assert out.assembled_tokens <= 500
+    assert "lossless" not in host.quarantined
+    assert count(store, context_items, sid) == count(store, messages, sid) == 24
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+
+def test_delete_session_removes_every_lossless_row(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 8)
+    engine.compact(scope=A, session_id=sid, force=True, token_budget=800)
+    store.delete_session(A, sid)
+    assert all(v == [] for k, v in rows(store, sid).items() if k != "view")
+    if store.backend == "sqlite":
+        left = store.read(lambda c: c.conn.exec_driver_sql(
+            "SELECT count(*) FROM ts_lcm_search_map WHERE session_id = ?", (sid,)).scalar())
+        assert left == 0
+    store.create_session(A, session_id=sid)
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "question"}, scope=A, session_id=sid))
+    assert found["count"] == 0
+
+
+def test_maintain_compacts_in_the_background_mode(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, {**SMALL, "context_window": 1000})
+    assert engine.maintain(scope=A, session_id=sid).changed is False
+    run_turns(store, engine, sid, 10)
+    result = engine.maintain(scope=A, session_id=sid)
+    assert result.changed
+    assert store.read(lambda c: View.load(c, A, sid)).tokens <= budget(engine.config, None, None).trigger
+
+
+# ---------------------------------------------------------------------------------------------- tools
+
+
+def grep(engine: LosslessEngine, sid: str, **args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(engine.handle_tool_call("lcm_grep", args, scope=A, session_id=sid))
+    return out
+
+
+def test_grep_full_text_is_cjk_safe_and_regexes_work(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    texts = ["我们明天去北京开会", "apple apple apple banana kiwi", "apple cherry kiwi melon", "an ox, 東京の天気",
+             "100% of a_b"]
+    commit(store, engine, finished_turn(store, sid, "t1", [assistant(t) for t in texts]))
+
+    def ids(out: dict[str, Any]) -> list[str]:
+        return [r["snippet"] for r in out["results"]]
+
+    assert ids(grep(engine, sid, pattern="北京开")) == ["我们明天去北京开会"]  # a trigram: the FTS index
+    assert ids(grep(engine, sid, pattern="北京")) == ["我们明天去北京开会"]  # shorter: the LIKE fallback
+    assert ids(grep(engine, sid, pattern="天気")) == ["an ox, 東京の天気"]
+    assert ids(grep(engine, sid, pattern="APPLE kiwi")) == ["apple cherry kiwi melon", "apple apple apple banana kiwi"]
+    ranked = grep(engine, sid, pattern="apple", sort="relevance")
+    assert ids(ranked)[0] == "apple apple apple banana kiwi" and ranked["results"][0]["score"] > 0
+    assert ids(grep(engine, sid, pattern="ox")) == ["an ox, 東京の天気"]
+    assert ids(grep(engine, sid, pattern="0% of a_")) == ["100% of a_b"]  # LIKE wildcards are literal
+    assert ids(grep(engine, sid, pattern=r"ap+le\s+ch", mode="regex")) == ["apple cherry kiwi melon"]
+    assert grep(engine, sid, pattern="(", mode="regex")["error"].startswith("invalid regular expression")
+    assert grep(engine, sid, pattern="kiwi", limit=1000)["count"] == 2  # the limit is capped, not refused
+    assert "error" in grep(engine, sid, pattern="kiwi", limit="many")
+    assert "error" in grep(engine, sid, pattern="kiwi", sort="newest")
+    assert "error" in grep(engine, sid, pattern="   ")
+    assert grep(engine, sid, pattern="kiwi", search_in="summaries")["count"] == 0
+
+
+def test_describe_and_expand_walk_the_dag_both_ways(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 30)
+    for _ in range(6):
+        engine.compact(scope=A, session_id=sid, force=True, token_budget=1200)
+
+    def call(name: str, **args: Any) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(engine.handle_tool_call(name, args, scope=A, session_id=sid))
+        return out
+
+    context = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
+    top = context[0]["content"].split()[1]
+    described = call("lcm_describe", id=top)
+    assert described["kind"] == "condensed" and described["in_context"] and described["context_holder"] == top
+    assert described["lineage"] == [top] and described["parent"] is None
+    children = call("lcm_expand", id=top)
+    assert [i["id"] for i in children["items"]] == described["children"]
+    child = call("lcm_describe", id=described["children"][0])
+    assert child["parent"] == top and not child["in_context"] and child["context_holder"] == top
+    leaf = child
+    while leaf["kind"] != "leaf":
+        leaf = call("lcm_describe", id=leaf["children"][0])
+    first = call("lcm_expand", id=leaf["id"], limit=1)
+    assert first["total"] == leaf["source_messages"] and first["next_offset"] == 1
+    rest = call("lcm_expand", id=leaf["id"], offset=1, limit=200)
+    assert rest["next_offset"] is None and len(rest["items"]) == first["total"] - 1
+    message = first["items"][0]
+    about = call("lcm_describe", id=message["entry_id"])
+    assert about["id"] == message["id"] and about["summarized_in"] == [leaf["id"]]
+    assert about["context_holder"] == top and about["lineage"][0] == leaf["id"] and about["lineage"][-1] == top
+    assert call("lcm_expand", id=message["id"])["items"][0]["entry_id"] == message["entry_id"]
+    summary_hits = call("lcm_grep", pattern="Summary of", search_in="summaries")
+    assert summary_hits["count"] > 0 and {r["kind"] for r in summary_hits["results"]} == {"summary"}
+    assert "error" in call("lcm_describe", id="sum_99999")
+    assert "error" in call("lcm_expand", id="nothing")
+    assert "error" in call("lcm_nope")
+    assert "error" in json.loads(engine.handle_tool_call("lcm_grep", ["x"], scope=A, session_id=sid))  # type: ignore[arg-type]
+
+
+def test_engine_tools_reach_the_model_through_the_host(store: TranscriptStore, sid: str) -> None:
+    model = RecordingModel()
+    settings = load_settings(config_path=None, engine="lossless")
+    host = HostRuntime(store, settings, model, registry=EngineRegistry(), summarizer=ExtractiveSummarizer(),
+                       estimator=RoughEstimator())
+    out = host.run_turn(A, sid, "please use tool lcm_grep now", turn_id="t1")
+    assert out.engine_id == "lossless" and {"lcm_grep", "lcm_describe", "lcm_expand"} <= set(model.tools[0])
+    answer = json.loads(out.messages[2]["content"])
+    assert answer == {"error": "pattern must be a non-empty string"}  # the scripted model sends "query"
+    assert "lossless" not in host.quarantined
