@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/transcript-store gateway
+	$(BIN)/transcript-store gateway --engine lossless
 
 test: install
 	$(BIN)/python -m pytest -q -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)

@@ -10,6 +10,7 @@ from transcript_store.gateway import GatewayOptions, run_gateway
 def test_gateway_run_with_faults_is_exactly_once(store_url: str) -> None:
     options = GatewayOptions(
         db_url=store_url,
+        engine="lossless",  # as `make run`: a degraded turn falls back from lossless to legacy
         workers=3,
         sessions=4,
         turns=4,
@@ -28,3 +29,4 @@ def test_gateway_run_with_faults_is_exactly_once(store_url: str) -> None:
     assert report.retried_dispatches >= report.kills
     # Every rewrite forced a turn-local degradation that the report explains.
     assert sum(report.degraded.values()) >= 1
+    assert report.engine == "lossless"

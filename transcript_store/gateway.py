@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from . import faults
 from .errors import ModelTimeout
@@ -142,9 +143,11 @@ class GatewayReport:
             console.print(f"  degraded x{count}: {reason}")
         console.print(f"  {self.seconds:.1f} s")
         if self.ok:
-            console.print("[bold green]exactly-once check passed:[/] every accepted turn is in the engine once")
+            console.print(
+                Text("exactly-once check passed:", style="bold green"), "every accepted turn is in the engine once"
+            )
         else:
-            console.print("[bold red]exactly-once check FAILED:[/]")
+            console.print(Text("exactly-once check FAILED:", style="bold red"))
             for p in self.problems:
                 console.print(f"  - {p}")
 
