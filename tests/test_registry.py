@@ -1,0 +1,125 @@
+"""Engine discovery and selection: bundled folders, entry points, plugin folders, settings, quarantine records."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from transcript_store import TranscriptStore
+from transcript_store.engine import EngineContext
+from transcript_store.errors import EngineContractError, InvalidInput
+from transcript_store.identity import ProcessIdentity
+from transcript_store.quarantine import records
+from transcript_store.registry import EngineRegistry
+from transcript_store.schema import quarantine
+from transcript_store.settings import load_settings
+
+ENGINE_SOURCE = """
+from transcript_store.engine import AssembleResult, EngineInfo
+
+
+class Engine:
+    info = EngineInfo(id="{id}", name="{id}")
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def assemble(self, **kw):
+        return AssembleResult(messages=[], estimated_tokens=0)
+
+
+def create_engine(ctx):
+    return Engine(ctx)
+"""
+
+
+def plugin(folder: Path, engine_id: str, source: str = ENGINE_SOURCE) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text(f"name: {engine_id}\nversion: 1.0\nentry: create_engine\n")
+    (folder / "__init__.py").write_text(source.replace("{id}", engine_id))
+    return folder
+
+
+def test_bundled_engines_are_discovered_and_valid(store: TranscriptStore) -> None:
+    registry = EngineRegistry()
+    assert {"legacy", "lossless"} <= set(registry.specs)
+    for engine_id in ("legacy", "lossless"):
+        status = registry.check(engine_id, EngineContext(store=store))
+        assert status.valid and status.info is not None and status.info.id == engine_id
+
+
+def test_plugin_dirs_entry_points_and_duplicates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plugins = tmp_path / "plugins"
+    plugin(plugins / "window", "window")
+    plugin(plugins / "again", "legacy")  # a second engine with a taken id
+    broken = "class Engine:\n    info = {'id': 'broken'}\n\ndef create_engine(ctx):\n    return Engine()\n"
+    plugin(plugins / "broken", "broken", broken)
+    # A third-party package registering through the entry-point group, installed as a dist-info.
+    site = tmp_path / "site"
+    pkg = site / "thirdparty_engine"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(ENGINE_SOURCE.replace("{id}", "thirdparty"))
+    dist = site / "thirdparty_engine-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-engine\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[transcript_store.engines]\nthirdparty = thirdparty_engine:create_engine\n")
+    monkeypatch.syspath_prepend(str(site))
+
+    registry = EngineRegistry([str(plugins)])
+    assert registry.specs["window"].source == "plugin_dir"
+    assert registry.specs["thirdparty"].source == "entry_point"
+    assert registry.specs["legacy"].source == "bundled"  # the first registration wins
+    assert any("'legacy'" in w and "refused" in w for w in registry.warnings)
+    ctx = EngineContext(store=None)
+    assert registry.check("window", ctx).valid and registry.check("thirdparty", ctx).valid
+    status = registry.check("broken", ctx)
+    assert not status.valid and "assemble" in (status.reason or "")
+    with pytest.raises(EngineContractError):
+        registry.create("broken", ctx)
+    sys.modules.pop("thirdparty_engine", None)
+
+
+def test_settings_precedence_file_env_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "transcript-store.toml"
+    config.write_text(
+        textwrap.dedent("""
+        [engine]
+        slot = "lossless"
+        plugin_dirs = ["plugins"]
+        [engine.config.legacy]
+        keep_last = 3
+        [turn]
+        token_budget = 9000
+    """)
+    )
+    monkeypatch.delenv("TRANSCRIPT_STORE_ENGINE", raising=False)
+    s = load_settings(str(config))
+    assert (s.engine, s.engine_source, s.token_budget) == ("lossless", "config", 9000)
+    assert s.plugin_dirs == [str(tmp_path / "plugins")] and s.engine_config["legacy"]["keep_last"] == 3
+    monkeypatch.setenv("TRANSCRIPT_STORE_ENGINE", "legacy")
+    assert (load_settings(str(config)).engine, load_settings(str(config)).engine_source) == ("legacy", "env")
+    s = load_settings(str(config), engine="window")
+    assert (s.engine, s.engine_source) == ("window", "argument")
+    monkeypatch.delenv("TRANSCRIPT_STORE_ENGINE")
+    assert load_settings(config_path=None).engine in ("legacy", "lossless")
+    with pytest.raises(InvalidInput):
+        load_settings(str(config), token_budget=-1)
+    with pytest.raises(InvalidInput):
+        load_settings(str(tmp_path / "missing.toml"))
+
+
+def test_quarantine_records_of_dead_processes_are_ignored(store: TranscriptStore) -> None:
+    dead = ProcessIdentity("some-other-host", 999_999, 1.0, "deadbeef")
+    store.write(
+        lambda c: c.conn.execute(
+            quarantine.insert().values(
+                engine_id="ghost", process=str(dead), operation="assemble", reason="boom", created_us=1
+            )
+        )
+    )
+    assert store.read(lambda c: records(c)) == []
+    everything = store.read(lambda c: records(c, live_only=False))
+    assert [(r.engine_id, r.alive) for r in everything] == [("ghost", False)]
