@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import InvalidInput
 
 DEFAULT_URL = "sqlite:///transcripts.db"
 
@@ -52,4 +54,9 @@ class StoreConfig(BaseModel):
             else:
                 values[name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "config"
+            raise InvalidInput(f"invalid store setting {where}: {first['msg']}") from None

@@ -227,6 +227,19 @@ def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
 
 
 _VISIBLE_ROWS = {(b, lim): _visible_rows_statement(b, lim) for b in (False, True) for lim in (False, True)}
+
+
+def _existing_statement(keyed: bool, turn: bool) -> Select[Any]:
+    keys = [entries.c.entry_id == bindparam("b_entry")]
+    if keyed:
+        keys.append(entries.c.idempotency_key == bindparam("b_idem"))
+    if turn:
+        keys.append(entries.c.turn_id == bindparam("b_turn"))
+    return select(*ENTRY_COLUMNS).where(by_session(entries), or_(*keys))
+
+
+#: (has idempotency key, has turn id) -> the lookup of an appended item's existing entry
+_EXISTING = {(k, t): _existing_statement(k, t) for k in (False, True) for t in (False, True)}
 _PATH_ROWS = (
     select(*ENTRY_COLUMNS)
     .select_from(_PATH_JOIN)
@@ -411,17 +424,13 @@ class Core:
             # Keyed by entry_id alone (unique): the batched lookup of ``append`` already holds the answer.
             rows: Sequence[Row[Any]] = [by_id[new.entry_id]] if new.entry_id in by_id else []
         else:
-            keys = [entries.c.entry_id == new.entry_id]
-            if new.idempotency_key is not None:
-                keys.append(entries.c.idempotency_key == new.idempotency_key)
-            if new.turn_id is not None:
-                keys.append(entries.c.turn_id == new.turn_id)
             # OR of equalities, one item at a time: SQLite plans it as a MULTI-INDEX OR over the three
             # unique indexes; an OR of IN lists would make it scan the whole session instead.
-            q = select(*ENTRY_COLUMNS).where(
-                entries.c.scope == scope, entries.c.session_id == session_id, or_(*keys)
+            q = _EXISTING[(new.idempotency_key is not None, new.turn_id is not None)]
+            params = session_params(
+                scope, session_id, b_entry=new.entry_id, b_idem=new.idempotency_key, b_turn=new.turn_id
             )
-            rows = self.conn.execute(q).all()
+            rows = self.conn.execute(q, params).all()
         if not rows:
             return None
         if len(rows) > 1:

@@ -24,12 +24,14 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from .config import StoreConfig
-from .errors import InvalidInput, StoreUnavailable, TransientStoreError
+from .errors import InvalidInput, StorageFull, StoreUnavailable, TransientStoreError
 
 T = TypeVar("T")
 
 _PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "55P03", "53300"})
 _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
+_SQLITE_FULL = 13
+_PG_DISK_FULL = "53100"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ class Dialect:
             return orig.__class__.__name__ in ("OperationalError", "InterfaceError")
         return sqlstate in _PG_TRANSIENT_SQLSTATES or sqlstate.startswith("08")
 
+    def is_storage_full(self, error: DBAPIError) -> bool:
+        """The disk is full: SQLITE_FULL, or PostgreSQL's disk_full (53100)."""
+        if self.is_sqlite:
+            code = getattr(error.orig, "sqlite_errorcode", None)
+            return code is not None and (code & 0xFF) == _SQLITE_FULL
+        return getattr(error.orig, "sqlstate", None) == _PG_DISK_FULL
+
 
 def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
     @event.listens_for(engine, "connect")
@@ -86,6 +95,8 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
 
 def create_db_engine(config: StoreConfig) -> Engine:
     """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
+    if any(c == "\x00" or "\ud800" <= c <= "\udfff" for c in config.url):
+        raise InvalidInput("a database URL must not contain NUL or lone surrogates")
     try:
         url = make_url(config.url)
     except ArgumentError as e:
@@ -94,7 +105,10 @@ def create_db_engine(config: StoreConfig) -> Engine:
     if backend == "sqlite":
         if url.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
-        Path(url.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(url.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         _sqlite_connect_listeners(engine, config)
         return engine
@@ -164,6 +178,8 @@ class Database:
         detail = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
         if self.dialect.is_transient(error):
             return TransientStoreError(f"transient database error: {detail}")
+        if self.dialect.is_storage_full(error):
+            return StorageFull(f"database storage is full: {detail}")
         return StoreUnavailable(f"database error: {detail}")
 
     def write(self, fn: Callable[[Connection], T]) -> T:

@@ -16,13 +16,30 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import func, insert, select
+from sqlalchemy import bindparam, func, insert, select
 
 from . import faults
-from .core import Core, check_id, now_us
+from .core import Core, by_session, check_anchor, check_id, now_us, session_params
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
 from .models import Admission, Anchor, canonical_json, validate_message
 from .schema import engine_state, receipts, turn_messages
+
+# The statements of every commit are built once (see core.py, "hot statements": building a statement
+# costs more CPU than executing it from SQLAlchemy's compiled cache).
+_RECEIPT = select(receipts).where(
+    by_session(receipts),
+    receipts.c.engine_id == bindparam("b_engine"),
+    receipts.c.advancement_key == bindparam("b_key"),
+)
+_RECEIPTS_FOR_KEY = select(receipts).where(by_session(receipts), receipts.c.advancement_key == bindparam("b_key"))
+_INSERT_TURN_MESSAGES = insert(turn_messages)
+_STATE = select(engine_state.c.value).where(
+    by_session(engine_state),
+    engine_state.c.engine_id == bindparam("b_engine"),
+    engine_state.c.key == bindparam("b_key"),
+)
+#: dialect name -> INSERT .. ON CONFLICT DO NOTHING RETURNING of a receipt
+_INSERT_RECEIPT: dict[str, Any] = {}
 
 
 class Receipt(BaseModel):
@@ -99,8 +116,8 @@ def prepare_turn(
         anchor = admission
     else:
         raise InvalidInput("admission must be an Admission or its Anchor")
-    if not isinstance(terminal, Anchor):
-        raise InvalidInput("terminal must be an Anchor")
+    check_anchor("admission", anchor)
+    check_anchor("terminal", terminal)
     identity = ("scope", "session_id", "session_key", "generation")
     if any(getattr(anchor, k) != getattr(terminal, k) for k in identity):
         raise InvalidInput("admission and terminal anchors name different sessions or generations")
@@ -151,8 +168,11 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         "committed_us": ts,
     }
     # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
-    stmt = core.dialect.insert(receipts).values(**values).on_conflict_do_nothing()
-    inserted = core.conn.execute(stmt.returning(receipts.c.advancement_key)).first() is not None
+    stmt = _INSERT_RECEIPT.get(core.dialect.name)
+    if stmt is None:
+        stmt = core.dialect.insert(receipts).on_conflict_do_nothing().returning(receipts.c.advancement_key)
+        _INSERT_RECEIPT[core.dialect.name] = stmt
+    inserted = core.conn.execute(stmt, values).first() is not None
     if not inserted:
         # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
         winner = _receipt(core, turn)
@@ -161,7 +181,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         return _replay(turn, winner)
     faults.point("commit.after_receipt")
     core.conn.execute(
-        insert(turn_messages),
+        _INSERT_TURN_MESSAGES,
         [
             {
                 "scope": turn.scope,
@@ -188,15 +208,7 @@ def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
 
 
 def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
-    row = core.conn.execute(
-        select(receipts).where(
-            receipts.c.scope == turn.scope,
-            receipts.c.session_id == turn.session_id,
-            receipts.c.engine_id == turn.engine_id,
-            receipts.c.advancement_key == turn.advancement_key,
-        )
-    ).first()
-    return None if row is None else Receipt.model_construct(**row._asdict())
+    return get_receipt(core, turn.scope, turn.session_id, turn.engine_id, turn.advancement_key)
 
 
 def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
@@ -204,11 +216,21 @@ def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
     # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
     if core.session_row(turn.scope, turn.session_id, lock=True) is None:
         raise UnknownSession(turn.scope, turn.session_id)
-    row = core.entry_rows(turn.scope, turn.session_id, [turn.admission.entry_id]).get(turn.admission.entry_id)
+    # Both anchors in the one lookup the admission needs anyway: a forged or foreign terminal (an entry
+    # that does not exist, or another seq / parent / position than stored) is refused, not receipted.
+    ids = [turn.admission.entry_id, turn.terminal.entry_id]
+    rows = core.entry_rows(turn.scope, turn.session_id, ids)
+    row = rows.get(turn.admission.entry_id)
     if row is None or row.kind != "message" or row.role != "user":
         raise InvalidInput(f"admitted entry {turn.admission.entry_id!r} is not a user message of this session")
     if json.loads(row.payload) != turn.messages[0]:
         raise InvalidInput("the first message differs from the admitted user message")
+    for anchor in (turn.admission, turn.terminal):
+        stored = rows.get(anchor.entry_id)
+        if stored is None or (stored.seq, stored.parent_id, stored.position) != (
+            anchor.seq, anchor.parent_id, anchor.position
+        ):
+            raise InvalidInput(f"anchor of entry {anchor.entry_id!r} does not match the stored entry")
 
 
 # ---------------------------------------------------------------------------------------------- reads
@@ -216,26 +238,14 @@ def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
 
 def get_receipt(core: Core, scope: str, session_id: str, engine_id: str, advancement_key: str) -> Receipt | None:
     """One receipt, or None."""
-    row = core.conn.execute(
-        select(receipts).where(
-            receipts.c.scope == scope,
-            receipts.c.session_id == session_id,
-            receipts.c.engine_id == engine_id,
-            receipts.c.advancement_key == advancement_key,
-        )
-    ).first()
+    params = session_params(scope, session_id, b_engine=engine_id, b_key=advancement_key)
+    row = core.conn.execute(_RECEIPT, params).first()
     return None if row is None else Receipt.model_construct(**row._asdict())
 
 
 def receipts_for_key(core: Core, scope: str, session_id: str, advancement_key: str) -> list[Receipt]:
     """Every engine's receipt of one advancement key (a logical turn) in a session."""
-    rows = core.conn.execute(
-        select(receipts).where(
-            receipts.c.scope == scope,
-            receipts.c.session_id == session_id,
-            receipts.c.advancement_key == advancement_key,
-        )
-    ).all()
+    rows = core.conn.execute(_RECEIPTS_FOR_KEY, session_params(scope, session_id, b_key=advancement_key)).all()
     return [Receipt.model_construct(**r._asdict()) for r in rows]
 
 
@@ -280,14 +290,7 @@ def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str)
 
 def get_state(core: Core, scope: str, session_id: str, engine_id: str, key: str) -> Any:
     """A JSON value of an engine's per-session state, or None."""
-    value = core.conn.execute(
-        select(engine_state.c.value).where(
-            engine_state.c.scope == scope,
-            engine_state.c.session_id == session_id,
-            engine_state.c.engine_id == engine_id,
-            engine_state.c.key == key,
-        )
-    ).scalar()
+    value = core.conn.execute(_STATE, session_params(scope, session_id, b_engine=engine_id, b_key=key)).scalar()
     return None if value is None else json.loads(value)
 
 

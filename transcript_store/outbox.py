@@ -207,11 +207,11 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
         if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
             return _intent(row)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
-    params = _turn_params(scope, session_id, turn_id, b_terminal=terminal.model_dump_json(), b_ts=now_us())
-    core.conn.execute(_ACCEPT, params)
-    updated = get_row(core, scope, session_id, turn_id)
-    assert updated is not None
-    return _intent(updated)
+    text = terminal.model_dump_json()
+    core.conn.execute(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
+    # The row as _ACCEPT left it, without reading it back (a statement, a round trip, per turn).
+    accepted = {"state": "accepted", "terminal": Anchor.model_validate_json(text), "lease_owner": None}
+    return _intent(row).model_copy(update={**accepted, "lease_expires_at": None})
 
 
 def capture(core: Core, intent: TurnIntent) -> TurnIntent:
@@ -342,7 +342,8 @@ def claim_head(
             if intent.state == "accepted":
                 return "projection_unavailable"
         ts = now_us()
-        if row.lease_owner is not None and row.lease_expires_us is not None and row.lease_expires_us > ts:
+        live = row.lease_expires_us is not None and row.lease_expires_us > ts
+        if row.lease_owner is not None and row.lease_owner != owner and live:
             return "leased"
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(

@@ -29,7 +29,11 @@ def read_visible_delta(
     fence: Anchor | None,
 ) -> DeltaResult:
     """One page of visible messages after ``cursor`` (see TranscriptStore.read_visible_delta)."""
-    sess = core.session_row(scope, session_id)
+    decoded = None if cursor is None else decode_cursor(cursor)
+    # The session and the seq at the cursor's position come back in one statement: on PostgreSQL every
+    # statement is a round trip, and a page read is only a handful of them (bench/README.md).
+    probe = decoded.last_position if decoded is not None else -1
+    sess, at_position = core.session_row_and_path_seq(scope, session_id, probe)
     if sess is None:
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
@@ -40,7 +44,6 @@ def read_visible_delta(
     if cursor is None:
         state = CursorState(scope, session_id, sess.generation, -1, -1)
     else:
-        decoded = decode_cursor(cursor)
         if decoded is None:
             return DeltaReset(cursor=fresh, reason="invalid_cursor")
         if decoded.scope != scope or decoded.session_id != session_id:
@@ -48,12 +51,10 @@ def read_visible_delta(
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh, reason="generation_mismatch")
         state = decoded
-    if state.last_position >= 0:
-        at_position = core.path_seq_at_position(scope, session_id, state.last_position)
-        if at_position != state.last_seq:
-            row = core.entry_by_seq(scope, session_id, state.last_seq)
-            on_path = row is not None and core.on_active_path(scope, session_id, row)
-            return DeltaReset(cursor=fresh, reason="anchor_moved" if on_path else "anchor_missing")
+    if state.last_position >= 0 and at_position != state.last_seq:
+        row = core.entry_by_seq(scope, session_id, state.last_seq)
+        on_path = row is not None and core.on_active_path(scope, session_id, row)
+        return DeltaReset(cursor=fresh, reason="anchor_moved" if on_path else "anchor_missing")
     before = None
     if fence is not None:
         assert fence.position is not None

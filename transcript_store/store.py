@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import fences, migrate, paths, reads
 from .config import StoreConfig
-from .core import Core, NewEntry, check_id, entry_from_row, new_id, prepare_entry, session_info
+from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
 from .errors import InvalidInput, InvalidMessage, UnknownEntry, UnknownSession
 from .models import (
@@ -266,6 +266,8 @@ class TranscriptStore:
         reads.check_limits(max_messages, max_bytes)
         if cursor is not None and not isinstance(cursor, str):
             raise InvalidInput("cursor must be a string or None")
+        if fence is not None:
+            check_anchor("fence", fence)
         return self.read(
             lambda c: reads.read_visible_delta(c, scope, session_id, cursor, max_messages, max_bytes, fence)
         )
@@ -273,6 +275,8 @@ class TranscriptStore:
     def read_visible(self, scope: str, session_id: str, *, fence: Anchor | None = None) -> list[Entry]:
         """The whole visible transcript (before the fence, when given)."""
         self._ids(scope, session_id)
+        if fence is not None:
+            check_anchor("fence", fence)
 
         def run(c: Core) -> list[Entry]:
             before = None
@@ -308,8 +312,8 @@ class TranscriptStore:
     ) -> list[Entry]:
         """Every stored entry (off-branch and non-message ones too) in raw seq order."""
         self._ids(scope, session_id)
-        if isinstance(after_seq, bool) or not isinstance(after_seq, int) or after_seq < -1:
-            raise ValueError("after_seq must be an integer >= -1")
+        if isinstance(after_seq, bool) or not isinstance(after_seq, int) or not -1 <= after_seq <= MAX_INT:
+            raise ValueError(f"after_seq must be an integer in -1..{MAX_INT}")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
             raise ValueError("limit must be an integer in 1..10000")
 
@@ -321,7 +325,8 @@ class TranscriptStore:
 
     def read_closed_range(self, admission: Anchor | Admission, terminal: Anchor) -> ClosedRangeResult:
         """The visible messages of a finished turn (admission..terminal), or a typed failure."""
-        first = admission.anchor if isinstance(admission, Admission) else admission
+        first = check_anchor("admission", admission.anchor if isinstance(admission, Admission) else admission)
+        check_anchor("terminal", terminal)
         return self.read(lambda c: fences.read_closed_range(c, first, terminal))
 
     # ------------------------------------------------------------------------------------ moves
@@ -346,9 +351,12 @@ class TranscriptStore:
         prepared = [prepare_entry(self.config, message=r.message) for r in reps]
         allowed = None
         if allowed_rewrite_suffix_entry_ids is not None:
-            if isinstance(allowed_rewrite_suffix_entry_ids, str):
+            ids = allowed_rewrite_suffix_entry_ids
+            if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
                 raise InvalidInput("allowed_rewrite_suffix_entry_ids must be a list of entry ids")
-            allowed = set(allowed_rewrite_suffix_entry_ids)
+            for eid in ids:
+                check_id("allowed_rewrite_suffix_entry_ids[]", eid)
+            allowed = set(ids)
         return self.write(lambda c: paths.rewrite_entries(c, scope, session_id, reps, prepared, allowed))
 
     # ------------------------------------------------------------------------------------ helpers
@@ -389,9 +397,9 @@ def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:
     """Admit inside an open transaction (the turn runner adds its outbox row to the same one)."""
     entry = c.append(scope, session_id, [item])[0]
     sess = c.require_session(scope, session_id)
-    row = c.entry_row(scope, session_id, entry.entry_id)
     assert item.turn_id is not None
-    return Admission(anchor=c.anchor_for(sess, row), turn_id=item.turn_id)
+    # The appended Entry carries every field of its row that an anchor takes: no second lookup.
+    return Admission(anchor=c.anchor_for(sess, entry), turn_id=item.turn_id)
 
 
 def _append_item(raw: Any) -> AppendItem:

@@ -11,14 +11,24 @@ engine failure.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import faults, identity, outbox
-from .core import Core, NewEntry
+from .core import Core, NewEntry, check_anchor, check_id
 from .errors import InvalidInput, OutboxCollision, TranscriptStoreError
-from .ledger import ApplyTurn, CommitResult, Receipt, TurnPayload, commit_turn_in, list_receipts, prepare_turn
+from .ledger import (
+    ApplyTurn,
+    CommitResult,
+    Receipt,
+    TurnPayload,
+    commit_turn_in,
+    get_receipt,
+    list_receipts,
+    prepare_turn,
+)
 from .models import Admission, Anchor
 from .outbox import DrainReport, OutboxConfig, TurnIntent
 from .store import AppendItem, TranscriptStore, admit_in
@@ -27,6 +37,8 @@ log = logging.getLogger("transcript_store.turns")
 
 #: Delivers one ready intent to its engine inside the given transaction (fast path) or on its own.
 CommitIn = Callable[[Core, TurnPayload], CommitResult]
+#: The most rows one drain call may deliver.
+MAX_DRAIN = 1_000_000
 
 
 @dataclass
@@ -86,10 +98,13 @@ class Turns:
     ) -> CommitResult:
         """ONE atomic idempotent write: ``committed``, ``duplicate``, or AdvancementKeyCollision."""
         turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
+        _check_callable("apply", apply, optional=True)
         return self.store.write(lambda c: commit_turn_in(c, turn, apply))
 
     def receipts(self, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
         """The ledger of a session."""
+        self.store._ids(scope, session_id)
+        check_id("engine_id", engine_id, optional=True)
         return self.store.read(lambda c: list_receipts(c, scope, session_id, engine_id))
 
     # ------------------------------------------------------------------------------------ outbox
@@ -106,6 +121,9 @@ class Turns:
     ) -> tuple[Admission, TurnIntent]:
         """Admit the user message and write the admitted intent, in one transaction."""
         self.store._ids(scope, session_id)
+        check_id("engine_id", engine_id)
+        if not isinstance(is_heartbeat, bool):
+            raise InvalidInput("is_heartbeat must be a bool")
         item = self.store.prepare_admission(message, turn_id=turn_id)
         owner = str(identity.current())
 
@@ -125,10 +143,13 @@ class Turns:
 
     def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
         """A failed, aborted or errored attempt: delete its admitted intent (nothing else)."""
+        _check_turn(self.store, scope, session_id, turn_id)
         return self.store.write(lambda c: outbox.discard(c, scope, session_id, turn_id))
 
     def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
         """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction."""
+        _check_turn(self.store, scope, session_id, turn_id)
+        check_anchor("terminal", terminal)
         return self.store.write(lambda c: outbox.accept(c, scope, session_id, turn_id, terminal))
 
     def complete(
@@ -140,13 +161,27 @@ class Turns:
         commit_in: CommitIn | None,
     ) -> CompletionResult:
         """Append the replies and accept the turn; commit it in the same transaction when possible."""
+        _check_turn(self.store, scope, session_id, turn_id)
+        _check_callable("commit_in", commit_in, optional=True)
         items = self.store.prepare(replies)
         if not items or items[-1].kind != "message":
             raise InvalidInput("a turn completes with at least one reply message, the terminal last")
         if commit_in is not None:
+            landed: list[CompletionResult] = []
+
+            def fast(c: Core) -> CompletionResult:
+                done = self._complete_fast(c, scope, session_id, turn_id, items, commit_in)
+                landed[:] = [done]
+                return done
+
             try:
-                return self.store.write(lambda c: self._complete_fast(c, scope, session_id, turn_id, items, commit_in))
+                return self.store.write(fast)
             except OutboxCollision:
+                # An uncertain commit: an attempt ran to its end, its COMMIT was lost with the connection,
+                # and the retry finds the intent already delivered. If the ledger holds that attempt's
+                # very payload, the turn is done: report it instead of a collision with itself.
+                if landed and self._committed(landed[0]):
+                    return landed[0]
                 raise
             except Exception as e:  # the engine raised or the commit conflicted: take the slow path
                 log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, e)
@@ -154,6 +189,16 @@ class Turns:
                 return CompletionResult(slow[0], slow[1], None, fast_path_error=f"{type(e).__name__}: {e}")
         intent, terminal = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
         return CompletionResult(intent, terminal, None)
+
+    def _committed(self, done: CompletionResult) -> bool:
+        """Whether the ledger holds the commit a fast completion reported (same key, same payload)."""
+        if done.commit is None:
+            return False
+        receipt = done.commit.receipt
+        stored = self.store.read(
+            lambda c: get_receipt(c, receipt.scope, receipt.session_id, receipt.engine_id, receipt.advancement_key)
+        )
+        return stored is not None and stored.payload_hash == receipt.payload_hash
 
     @staticmethod
     def _accept_with(
@@ -200,8 +245,16 @@ class Turns:
         ``commit_in(engine_id)`` gives the engine's in-transaction commit (or None: the engine is not
         available, its rows wait). A failure keeps the row queued and stops its session for this drain.
         """
+        _check_callable("commit_in", commit_in)
+        check_id("scope", scope, optional=True)
+        check_id("session_id", session_id, optional=True)
         limit = self.config.drain_limit if limit is None else limit
-        owner = str(identity.current())
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_DRAIN:
+            raise ValueError(f"limit must be None or an integer in 1..{MAX_DRAIN}, got {limit!r}")
+        _check_callable("on_committed", on_committed, optional=True)
+        # One owner per drain call: a claim retried after an uncertain commit recognises its own lease
+        # (instead of waiting for it to expire), and two drains of one process never share a claim.
+        owner = f"{identity.current()}/{secrets.token_hex(4)}"
         report = DrainReport()
         groups = self.store.read(lambda c: outbox.drainable_groups(c, scope, session_id))
         stopped: set[outbox.Group] = set()
@@ -279,6 +332,9 @@ class Turns:
         self, scope: str, session_id: str, engine_id: str, commit_in: Callable[[str], CommitIn | None]
     ) -> RecoveryReport:
         """Before a turn: discard dead admitted intents, capture accepted ones, drain ready ones."""
+        self.store._ids(scope, session_id)
+        check_id("engine_id", engine_id)
+        _check_callable("commit_in", commit_in)
         report = RecoveryReport()
 
         def look(c: Core) -> tuple[list[TurnIntent], list[outbox.Group], list[TurnIntent]]:
@@ -309,17 +365,31 @@ class Turns:
         return report
 
     def intents(self, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
-        """Every outbox row (pending, blocked, in progress)."""
+        """Every outbox row (pending, blocked, in progress), at most ``limit`` (1..10000)."""
+        check_id("scope", scope, optional=True)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ValueError(f"limit must be an integer in 1..10000, got {limit!r}")
         return self.store.read(lambda c: outbox.list_intents(c, scope, limit))
 
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
         """One outbox row, or None."""
+        _check_turn(self.store, scope, session_id, turn_id)
         return self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
 
 
 class _EngineUnavailable(Exception):
     def __init__(self) -> None:
         super().__init__("engine unavailable")
+
+
+def _check_turn(store: TranscriptStore, scope: str, session_id: str, turn_id: str) -> None:
+    store._ids(scope, session_id)
+    check_id("turn_id", turn_id)
+
+
+def _check_callable(what: str, value: object, *, optional: bool = False) -> None:
+    if not (callable(value) or (optional and value is None)):
+        raise InvalidInput(f"{what} must be callable{' or None' if optional else ''}, not {type(value).__name__}")
 
 
 def _check_result(result: object) -> None:

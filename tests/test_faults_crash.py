@@ -1,0 +1,88 @@
+"""Fault campaign, part 1: SIGKILL. Worker processes driving full turns are killed at random instants
+and inside admission, acceptance, drain and commit (the fault points), then one recovery pass, then
+every invariant: zero lost accepted turns, zero duplicates, zero partial turns, every engine state
+equal to its receipts, and every SQLite file passing ``PRAGMA integrity_check``.
+
+Kills are cheap because the workers are forked from a warmed-up zygote (tests/workers/fault_worker.py):
+the default tier lands a handful per backend, the slow tier (``make test-slow``) at least 1,000.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from workers.fault_worker import FAULT_POINTS, WORKER, clean_env, report, sqlite_integrity, verify_turns
+
+
+def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float) -> dict[str, Any]:
+    """Run ``slots`` zygotes at once, each on its own sessions, until ``kills`` SIGKILLs have landed."""
+    seed = random.randrange(2**31)
+    per_slot = -(-kills // slots)
+    procs = []
+    for slot in range(slots):
+        args = [
+            sys.executable, str(WORKER), "campaign", "--url", url, "--seed", str(seed + slot),
+            "--slot", str(slot), "--prefix", f"w{slot}.", "--kills", str(per_slot), "--seconds", str(seconds),
+            "--trace", str(tmp / f"trace-{slot}"),
+        ]
+        err = open(tmp / f"campaign-{slot}.err", "w")  # noqa: SIM115 - closed once the zygote exits
+        procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()), err))
+    merged: dict[str, Any] = {"seed": seed, "killed_at": Counter(), "sessions": [], "errors": []}
+    for slot, (proc, err) in enumerate(procs):
+        out, _ = proc.communicate(timeout=seconds + 300)
+        err.close()
+        log = (tmp / f"campaign-{slot}.err").read_text()
+        assert proc.returncode == 0 and out.strip(), f"zygote {slot} exited {proc.returncode}:\n{log[-4000:]}"
+        result = json.loads(out.strip().splitlines()[-1])
+        for key in ("kills", "parent_kills", "point_kills", "finished", "children", "turns", "retries"):
+            merged[key] = merged.get(key, 0) + result[key]
+        merged["killed_at"].update(result["killed_at"])
+        merged["sessions"] += result["sessions"]
+        merged["errors"] += [f"slot {slot}: {e}" for e in result["errors"]]
+        merged["errors"] += [log[-4000:]] if result["errors"] else []
+    return merged
+
+
+def crash_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: Path, kills: int,
+                   slots: int, seconds: float) -> dict[str, Any]:
+    """The campaign, the recovery pass and every check; reports and returns the figures."""
+    started = time.monotonic()
+    run = run_campaign(url, tmp, kills, slots, seconds)
+    assert not run["errors"], "\n".join(run["errors"])
+    campaign_seconds = time.monotonic() - started
+    integrity = sqlite_integrity(url)  # before recovery: the files as the killed processes left them
+    totals = verify_turns(url, run["sessions"])
+    sqlite_integrity(url)
+    figures = {
+        "kills": run["kills"], "parent_kills": run["parent_kills"], "point_kills": run["point_kills"],
+        "workers": run["children"], "finished_workers": run["finished"], "turns_run": run["turns"],
+        "turns_committed": totals["turns"], "turns_unaccepted": totals["unaccepted"],
+        "recovered_by_final_pass": totals["recovered"], "retries": run["retries"],
+        "integrity_check": integrity or "n/a", "seed": run["seed"],
+        "campaign_seconds": round(campaign_seconds, 1), "seconds": round(time.monotonic() - started, 1),
+        "killed_at": dict(sorted(run["killed_at"].items())),
+    }
+    report(request, backend, figures)
+    assert run["kills"] >= kills, figures
+    assert totals["turns"] > 0, figures
+    return figures
+
+
+def test_sigkill_campaign(request: pytest.FixtureRequest, store_url: str, backend: str, tmp_path: Path) -> None:
+    crash_campaign(request, store_url, backend, tmp_path, kills=16, slots=2, seconds=60)
+
+
+@pytest.mark.slow
+def test_sigkill_campaign_1000_kills(request: pytest.FixtureRequest, store_url: str, backend: str,
+                                     tmp_path: Path) -> None:
+    figures = crash_campaign(request, store_url, backend, tmp_path, kills=1000, slots=4, seconds=420)
+    killed_at = {k for k in figures["killed_at"] if not k.startswith("parent@")}
+    assert set(FAULT_POINTS) <= killed_at, f"fault points that never killed: {set(FAULT_POINTS) - killed_at}"

@@ -1,0 +1,197 @@
+"""Fault campaign, part 5: scope isolation. Two scopes hold sessions with the same session ids, session
+keys, entry ids, turn ids and advancement keys. Every read and write API is called in scope A with what
+only scope B has (its ids, keys, cursors, anchors): it leaks nothing (the answer is the one an unknown
+id gets, word for word, or a reset ``scope_mismatch`` / a ``scope`` fence error) and changes nothing in B.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from workers.fault_worker import report, table_rows
+from workers.turn_worker import counting_engine
+
+from transcript_store import (
+    Anchor,
+    DeltaMissing,
+    DeltaReset,
+    InvalidInput,
+    ReadFenceError,
+    TranscriptStore,
+    TranscriptStoreError,
+)
+from transcript_store.turns import Turns
+
+A, B = "scope-a", "scope-b"
+ENGINE = "counter"
+
+
+def populate(store: TranscriptStore, turns: Turns, scope: str) -> dict[str, Any]:
+    """The same ids in each scope, a different secret in each: a session with entries, a committed turn,
+    an admitted-only turn and an accepted (queued) turn."""
+    secret = f"secret of {scope}"
+    store.create_session(scope, session_id="s1", session_key="k1")
+    store.append(scope, "s1", {"role": "user", "content": f"{secret} 0"}, entry_id="E0", idempotency_key="i0")
+    store.append(scope, "s1", {"role": "assistant", "content": f"{secret} 1"}, entry_id="E1")
+    admission, _ = turns.admit(scope, "s1", {"role": "user", "content": f"{secret} T1"}, turn_id="T1", engine_id=ENGINE)
+    done = turns.complete(scope, "s1", "T1", [{"message": {"role": "assistant", "content": f"{secret} T1 answer"},
+                                                "entry_id": "T1.r0"}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    turns.admit(scope, "s1", {"role": "user", "content": f"{secret} T2"}, turn_id="T2", engine_id=ENGINE)
+    turns.discard(scope, "s1", "T2")
+    turns.admit(scope, "s1", {"role": "user", "content": f"{secret} T3"}, turn_id="T3", engine_id=ENGINE)
+    queued = turns.complete(scope, "s1", "T3", [{"message": {"role": "assistant", "content": f"{secret} T3 answer"},
+                                                  "entry_id": "T3.r0"}], None)
+    turns.admit(scope, "s1", {"role": "user", "content": f"{secret} T4"}, turn_id="T4", engine_id=ENGINE)
+    cursor = store.read_visible_delta(scope, "s1", max_messages=2)
+    assert cursor.kind == "page"
+    return {"admission": admission, "terminal": done.terminal, "queued_terminal": queued.terminal,
+            "cursor": cursor.cursor, "fence": store.anchor(scope, "s1", "E1")}
+
+
+def outcome(call: Callable[[], Any], names: dict[str, str]) -> tuple[str, ...]:
+    """What a call answered, with the ids that differ between the two calls compared put in brackets."""
+    try:
+        result = call()
+    except TranscriptStoreError as e:
+        kind, text = "raised " + type(e).__name__, str(e)
+        if isinstance(e, ReadFenceError):
+            text = f"{e.reason}: {text}"
+    else:
+        kind, text = "returned", repr(result)
+    for name, placeholder in names.items():
+        text = text.replace(name, placeholder)
+    return kind, text
+
+
+@pytest.fixture
+def scoped(store: TranscriptStore) -> tuple[TranscriptStore, Turns, dict[str, Any], dict[str, Any]]:
+    """Both scopes populated alike, plus a session only scope B has."""
+    turns = Turns(store)
+    a, b = populate(store, turns, A), populate(store, turns, B)
+    store.create_session(B, session_id="only-b", session_key="kb")
+    store.append(B, "only-b", {"role": "user", "content": "secret of B only"}, entry_id="EB")
+    b["only_cursor"] = store.read_visible_delta(B, "only-b").cursor  # type: ignore[union-attr]
+    b["only_fence"] = store.anchor(B, "only-b", "EB")
+    return store, turns, a, b
+
+
+def test_scopes_never_see_or_change_each_other(
+    request: pytest.FixtureRequest, backend: str,
+    scoped: tuple[TranscriptStore, Turns, dict[str, Any], dict[str, Any]],
+) -> None:
+    started = time.monotonic()
+    store, turns, a, b = scoped
+    b_before = table_rows(store, B)
+    msg = {"role": "user", "content": "probe"}
+    reply = [{"message": {"role": "assistant", "content": "probe answer"}}]
+    engines: Callable[[str], Any] = lambda _e: counting_engine  # noqa: E731
+
+    def moved(anchor: Anchor, sid: str) -> Anchor:
+        return anchor.model_copy(update={"session_id": sid})
+
+    first, last = a["admission"].anchor, a["terminal"]
+    t1_messages = [{"role": "user", "content": "secret of scope-a T1"},
+                   {"role": "assistant", "content": "secret of scope-a T1 answer"}]
+
+    # 1. An id only scope B has answers exactly like an id nobody has (same error, same words).
+    by_session: dict[str, Callable[[str], Any]] = {
+        "get_session": lambda s: store.get_session(A, s),
+        "session_bytes": lambda s: store.session_bytes(A, s),
+        "end_session": lambda s: store.end_session(A, s),
+        "delete_session": lambda s: store.delete_session(A, s),
+        "append": lambda s: store.append(A, s, msg, entry_id="EB"),
+        "append_many": lambda s: store.append_many(A, s, [{"message": msg, "entry_id": "EB"}]),
+        "admit": lambda s: store.admit(A, s, msg, turn_id="T9"),
+        "anchor": lambda s: store.anchor(A, s, "EB"),
+        "read_visible_delta": lambda s: store.read_visible_delta(A, s),
+        "read_visible_delta(B's cursor)": lambda s: store.read_visible_delta(A, s, b["only_cursor"]),
+        "read_visible": lambda s: store.read_visible(A, s),
+        "read_visible(B's fence)": lambda s: store.read_visible(A, s, fence=b["only_fence"]),
+        "get_entries": lambda s: store.get_entries(A, s, ["EB"]),
+        "list_entries": lambda s: store.list_entries(A, s),
+        "branch": lambda s: store.branch(A, s, "EB"),
+        "rewrite_entries": lambda s: store.rewrite_entries(A, s, [{"entry_id": "EB", "message": msg}]),
+        "export_session": lambda s: store.export_session(A, s),
+        "read_closed_range": lambda s: store.read_closed_range(moved(first, s), moved(last, s)),
+        "commit_turn": lambda s: turns.commit_turn(ENGINE, "T1", moved(first, s), moved(last, s), t1_messages),
+        "receipts": lambda s: turns.receipts(A, s),
+        "intent": lambda s: turns.intent(A, s, "T3"),
+        "discard": lambda s: turns.discard(A, s, "T4"),
+        "accept": lambda s: turns.accept(A, s, "T4", moved(a["terminal"], s)),
+        "turns.admit": lambda s: turns.admit(A, s, msg, turn_id="T9", engine_id=ENGINE),
+        "complete": lambda s: turns.complete(A, s, "T4", reply, counting_engine),
+        "recover": lambda s: turns.recover(A, s, ENGINE, engines),
+        "drain": lambda s: turns.drain(engines, scope=A, session_id=s),
+    }
+    names = {"only-b": "<sid>", "nowhere": "<sid>"}
+    compared = 0
+    for name, call in by_session.items():
+        before = table_rows(store)
+        foreign, unknown = outcome(lambda c=call: c("only-b"), names), outcome(lambda c=call: c("nowhere"), names)
+        assert foreign == unknown, f"{name}: B's id answers {foreign}, an unknown id {unknown}"
+        assert "secret of" not in foreign[1], f"{name} leaked: {foreign}"
+        assert table_rows(store) == before, f"{name} wrote something"
+        compared += 1
+    for name, call in {
+        "find_session": lambda k: store.find_session(A, k),
+        "list_sessions(after)": lambda k: [s.session_id for s in store.list_sessions(A, after=k)],
+    }.items():
+        assert outcome(lambda c=call: c("kb"), {"kb": "<k>"}) == outcome(lambda c=call: c("kz"), {"kz": "<k>"}), name
+        compared += 1
+
+    # 2. Colliding ids: scope A's own session answers with A's data only; B's cursors and anchors are refused.
+    seen = repr([
+        store.get_session(A, "s1"), store.list_sessions(A), store.read_visible(A, "s1"),
+        store.list_entries(A, "s1"), store.get_entries(A, "s1", ["E0", "E1", "T1.r0"]),
+        store.read_visible_delta(A, "s1"), store.export_session(A, "s1"), turns.receipts(A, "s1"),
+        turns.intents(A), turns.intent(A, "s1", "T3"), store.find_session(A, "k1"),
+        store.read_closed_range(a["admission"], a["terminal"]),
+    ])
+    assert "secret of scope-b" not in seen and "only-b" not in seen and "secret of scope-a" in seen
+    reset = store.read_visible_delta(A, "s1", b["cursor"])
+    assert isinstance(reset, DeltaReset) and reset.reason == "scope_mismatch"
+    assert isinstance(store.read_visible_delta(A, "only-b", b["cursor"]), DeltaMissing)
+    refusals = 0
+    before = table_rows(store)
+    for name, call, error in [
+        ("read_visible(B's fence)", lambda: store.read_visible(A, "s1", fence=b["fence"]), ReadFenceError),
+        ("read_visible_delta(B's fence)", lambda: store.read_visible_delta(A, "s1", fence=b["fence"]), ReadFenceError),
+        ("accept(B's terminal)", lambda: turns.accept(A, "s1", "T4", b["terminal"]), InvalidInput),
+        ("commit_turn(A's admission, B's terminal)", lambda: turns.commit_turn(
+            ENGINE, "T1", a["admission"], b["terminal"], [msg, msg]), InvalidInput),
+        ("get_entries(B's-only entry)", lambda: store.get_entries(A, "s1", ["EB"]), TranscriptStoreError),
+        ("anchor(B's-only entry)", lambda: store.anchor(A, "s1", "EB"), TranscriptStoreError),
+        ("branch(B's-only entry)", lambda: store.branch(A, "s1", "EB"), TranscriptStoreError),
+        ("rewrite(B's-only entry)", lambda: store.rewrite_entries(A, "s1", [{"entry_id": "EB", "message": msg}]),
+         TranscriptStoreError),
+    ]:
+        with pytest.raises(error) as info:
+            call()
+        if isinstance(info.value, ReadFenceError):
+            assert info.value.reason == "scope", (name, info.value)
+        assert "secret of" not in str(info.value), (name, info.value)
+        assert table_rows(store) == before, f"{name} wrote something"
+        refusals += 1
+
+    # 3. Writes in A with B's ids and keys create A's own rows and never touch B.
+    store.create_session(A, session_id="only-b", session_key="kb")
+    store.append(A, "only-b", {"role": "user", "content": "A's own"}, entry_id="EB", idempotency_key="i0")
+    store.open_session(A, "k1")
+    turns.admit(A, "s1", {"role": "user", "content": "A again"}, turn_id="T5", engine_id=ENGINE)
+    turns.drain(engines, scope=A)
+    turns.recover(A, "s1", ENGINE, engines)
+    store.rewrite_entries(A, "s1", [{"entry_id": "E1", "message": {"role": "assistant", "content": "rewritten"}}])
+    store.branch(A, "s1", "E0")
+    header, records = store.export_session(B, "only-b")
+    store.import_session(A, header, records, session_id="imported-from-b", session_key="kz")
+    store.end_session(A, "s1")
+    store.delete_session(A, "only-b")
+    assert table_rows(store, B) == b_before, "a call in scope A changed scope B"
+    report(request, backend, {
+        "apis_compared_with_unknown_ids": compared, "cross_scope_refusals": refusals, "leaks": 0,
+        "seconds": round(time.monotonic() - started, 1),
+    })

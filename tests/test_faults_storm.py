@@ -1,0 +1,96 @@
+"""Fault campaign, part 3: a retry storm. Sixteen processes, released at the same instant, present the
+same advancement keys to ``commit_turn``: each key is ``committed`` exactly once and ``duplicate`` 15
+times, the ledger holds each turn's messages once, and the engine's state equals the receipts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from workers.fault_worker import WORKER, clean_env, open_store, report
+from workers.turn_worker import ENGINE, SCOPE, replies, user_message
+
+from transcript_store import ClosedRange, TranscriptStore
+from transcript_store.core import Core
+from transcript_store.ledger import committed_messages, count_turn_messages, get_state
+from transcript_store.turns import Turns
+
+PROCESSES = 16
+
+
+def finished_turns(store: TranscriptStore, sessions: list[str], per_session: int) -> list[dict[str, Any]]:
+    """Admitted and answered turns, not yet committed: the plan every process presents."""
+    plan = []
+    for sid in sessions:
+        store.create_session(SCOPE, session_id=sid)
+        for n in range(per_session):
+            turn_id = f"{sid}.t{n}"
+            admission = store.admit(SCOPE, sid, user_message(turn_id), turn_id=turn_id)
+            appended = store.append_many(SCOPE, sid, replies(turn_id, random.Random(n)))
+            terminal = store.anchor(SCOPE, sid, appended[-1].entry_id)
+            closed = store.read_closed_range(admission, terminal)
+            assert isinstance(closed, ClosedRange)
+            plan.append({"admission": admission.model_dump(mode="json"), "terminal": terminal.model_dump(mode="json"),
+                         "messages": closed.messages})
+    return plan
+
+
+def test_retry_storm_one_committed_per_key(
+    request: pytest.FixtureRequest, store_url: str, backend: str, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    sessions = ["r1", "r2"]
+    store = open_store(store_url)
+    try:
+        plan = finished_turns(store, sessions, per_session=5)
+    finally:
+        store.close()
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    seed = random.randrange(2**31)
+    args = [sys.executable, str(WORKER), "storm", "--url", store_url, "--plan", str(tmp_path / "plan.json"),
+            "--children", str(PROCESSES), "--seed", str(seed), "--out", str(tmp_path)]
+    done = subprocess.run(args, capture_output=True, text=True, env=clean_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ready"] == PROCESSES and result["failed"] == [], done.stderr[-4000:]
+    children = [json.loads((tmp_path / f"storm-{i}.json").read_text()) for i in range(PROCESSES)]
+
+    keys = [p["admission"]["turn_id"] for p in plan]
+    seen = {k: Counter(c["statuses"][k] for c in children) for k in keys}
+    wrong = {k: v for k, v in seen.items() if v != Counter({"committed": 1, "duplicate": PROCESSES - 1})}
+    assert not wrong, wrong
+    store = open_store(store_url)
+    try:
+        turns = Turns(store)
+        for sid in sessions:
+            expected = [p for p in plan if p["admission"]["anchor"]["session_id"] == sid]
+            receipts = turns.receipts(SCOPE, sid, ENGINE)
+            assert sorted(r.advancement_key for r in receipts) == sorted(p["admission"]["turn_id"] for p in expected)
+
+            def engine(c: Core, sid: str = sid) -> tuple[Any, Any, int]:
+                return (get_state(c, SCOPE, sid, ENGINE, "turns"), get_state(c, SCOPE, sid, ENGINE, "order"),
+                        count_turn_messages(c, SCOPE, sid, ENGINE))
+
+            counter, order, ledger_messages = store.read(engine)
+            assert counter == len(expected) and sorted(order) == sorted(r.advancement_key for r in receipts)
+            assert ledger_messages == sum(len(p["messages"]) for p in expected), "a turn's messages stored twice"
+            for p in expected:
+                key = p["admission"]["turn_id"]
+                assert store.read(lambda c, k=key, s=sid: committed_messages(c, SCOPE, s, ENGINE, k)) == p["messages"]
+    finally:
+        store.close()
+    report(request, backend, {
+        "processes": PROCESSES, "keys": len(keys), "presentations": len(keys) * PROCESSES,
+        "committed": sum(v["committed"] for v in seen.values()),
+        "duplicates": sum(v["duplicate"] for v in seen.values()),
+        "retries": sum(c["retries"] for c in children), "storm_seconds": result["seconds"],
+        "seconds": round(time.monotonic() - started, 1),
+    })

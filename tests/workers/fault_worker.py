@@ -1,0 +1,593 @@
+"""Fork-server workers of the fault campaign (tests/test_faults_*.py), and the campaign's shared checks.
+
+Importing this library costs about 1.4 s of CPU per process; a campaign of a thousand SIGKILLs cannot
+pay that per kill. So one *zygote* process imports everything once and then ``fork()``s short-lived
+children, real processes that open their own store, run real turns and die by SIGKILL. The zygote
+holds no database connection when it forks (it warms up on a store it closes again).
+
+Modes (``python tests/workers/fault_worker.py MODE --url URL ...``), each printing one JSON line:
+
+- ``campaign``: fork children one after another on this slot's sessions, each killed either by the
+  zygote at a random instant after it is ready, or by a fault point of TRANSCRIPT_STORE_FAULTS (one
+  point at a high rate, or every point at a low one), until ``--kills`` SIGKILLs have landed. A child
+  records where it was (the last fault point it passed) in a small trace file the zygote reads.
+- ``storm``: fork ``--children`` children, release them at once, and let each present every
+  advancement key of a plan file to ``Turns.commit_turn``; each child reports its statuses.
+- ``load``: fork ``--children`` children running full turns on their own sessions for ``--seconds``
+  (``--kind turns``: the gateway turn of turn_worker.py; ``--kind soak``: a turn plus the reads an
+  engine makes, with latencies and RSS sampled over time). The zygote prints ``ready`` once every
+  child is, so a test can start killing connections.
+
+The checks at the end (``verify_turns``, ``sqlite_integrity``, ``report``) are imported by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import sqlite3
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any, NoReturn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `workers.turn_worker`, as the tests import it
+
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import make_url
+from workers.turn_worker import (
+    ENGINE,
+    SCOPE,
+    count_turn,
+    counting_engine,
+    replies,
+    run_turn,
+    user_message,
+)
+
+from transcript_store import Admission, Anchor, ClosedRange, StoreConfig, TranscriptStore, faults
+from transcript_store.core import Core
+from transcript_store.ledger import (
+    CommitResult,
+    TurnPayload,
+    commit_turn_in,
+    committed_messages,
+    count_turn_messages,
+    get_state,
+    put_state,
+)
+from transcript_store.outbox import OutboxConfig
+from transcript_store.turns import Turns
+
+#: every fault point a campaign child can die at (the library's, plus the counting engine's own)
+FAULT_POINTS = (*faults.POINTS, "engine.apply")
+TRACE_BYTES = 256
+#: this script, for the tests that start it
+WORKER = Path(__file__).resolve()
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without any TRANSCRIPT_STORE_* setting (no inherited fault spec)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+
+
+def open_store(url: str) -> TranscriptStore:
+    """A store on an existing, migrated database."""
+    return TranscriptStore(config=StoreConfig(url=url, auto_upgrade=False))
+
+
+def count_retries(store: TranscriptStore, counter: list[int]) -> None:
+    """Count every transient-error retry of this store's transactions in ``counter[0]``."""
+    base = store.db._retrying
+
+    def bump(_state: object) -> None:
+        counter[0] += 1
+
+    store.db._retrying = lambda: base().copy(before_sleep=bump)  # type: ignore[method-assign]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def warm_up(url: str) -> None:
+    """Load every module and cache a child needs, then close every connection before forking."""
+    store = open_store(url)
+    store.close()
+
+
+def _exit_child(code: int) -> NoReturn:
+    # Never run the zygote's atexit handlers or flush its buffers from a child.
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- campaign
+
+
+class _Trace:
+    """Where a campaign child is: last fault point passed, turns finished, retries; pwrite, no buffering."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.point = "start"
+        self.turns = 0
+        self.retries = [0]
+
+    def write(self) -> None:
+        """Overwrite the trace record in place (one pwrite: visible to the zygote even after SIGKILL)."""
+        text = f"{self.point};{self.turns};{self.retries[0]}".encode()
+        os.pwrite(self.fd, text.ljust(TRACE_BYTES), 0)
+
+    @staticmethod
+    def read(path: Path) -> tuple[str, int, int]:
+        """The last point, turns and retries a child recorded."""
+        raw = path.read_bytes()[:TRACE_BYTES].decode(errors="replace").strip()
+        point, turns, retries = ([*raw.split(";"), "0", "0"])[:3] if raw else ("never", "0", "0")
+        return point, int(turns or 0), int(retries or 0)
+
+
+def warm_store(url: str, session_id: str) -> TranscriptStore:
+    """A store whose engine has run a few turns (SQLAlchemy's compiled cache is per engine, and a cold one
+    costs a new process ~100 ms), with every connection closed again so that children can fork from it:
+    each child's first use opens its own connections (``Database`` drops a pool inherited across fork)."""
+    store = open_store(url)
+    store.create_session(SCOPE, session_id=session_id)
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.0, delivery_lease_seconds=0.0))
+    rng = random.Random(0)
+    for _ in range(4):
+        run_turn(turns, session_id, rng, argparse.Namespace(fail_rate=0.5, abort_rate=0.0), Counter())
+    store.db.engine.dispose()
+    return store
+
+
+def campaign_child(
+    store: TranscriptStore, sessions: list[str], spec: str | None, seed: int, trace_fd: int, ready_fd: int
+) -> NoReturn:
+    """Run gateway turns until a fault point or the zygote kills this process."""
+    code = 0
+    try:
+        os.environ.pop("TRANSCRIPT_STORE_FAULTS", None)
+        if spec is not None:
+            os.environ["TRANSCRIPT_STORE_FAULTS"] = spec
+            os.environ["TRANSCRIPT_STORE_FAULT_SEED"] = str(seed)
+        faults.reset()
+        trace = _Trace(trace_fd)
+        real_point = faults.point
+
+        def traced(name: str) -> None:
+            trace.point = name
+            trace.write()
+            real_point(name)
+
+        faults.point = traced  # type: ignore[assignment]
+        trace.write()
+        count_retries(store, trace.retries)
+        turns = Turns(store, OutboxConfig(turn_lease_seconds=0.0, delivery_lease_seconds=0.0))
+        for sid in sessions:
+            store.create_session(SCOPE, session_id=sid)
+        os.write(ready_fd, b"r")
+        os.close(ready_fd)
+        rng = random.Random(seed)
+        args = argparse.Namespace(fail_rate=0.2, abort_rate=0.1)
+        stats: dict[str, int] = Counter()
+        # A child killed by a fault point runs at most this many turns (one that survives them finishes).
+        for _ in range(60 if spec is not None else 1_000_000):
+            trace.point = "turn.begin"
+            trace.write()
+            run_turn(turns, rng.choice(sessions), rng, args, stats)
+            trace.turns += 1
+            trace.write()
+        store.close()
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        code = 1
+    _exit_child(code)
+
+
+def _wait(pid: int, timeout: float) -> int:
+    """waitpid with a deadline: a hung child is killed and reported as such (status -1)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -1
+        time.sleep(0.002)
+
+
+def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
+    """Fork, kill and reap campaign children until ``--kills`` SIGKILLs landed (or ``--seconds`` passed)."""
+    store = warm_store(args.url, f"{args.prefix}warm")
+    rng = random.Random(args.seed)
+    trace_path = Path(args.trace)
+    deadline = time.monotonic() + args.seconds
+    out: dict[str, Any] = {
+        "kills": 0, "parent_kills": 0, "point_kills": 0, "finished": 0, "children": 0, "turns": 0,
+        "retries": 0, "killed_at": Counter(), "errors": [], "sessions": [f"{args.prefix}warm"],
+    }
+    single = 0
+    while out["kills"] < args.kills and time.monotonic() < deadline and len(out["errors"]) < 3:
+        n = out["children"]
+        out["children"] += 1
+        group = n // args.children_per_session
+        sessions = [f"{args.prefix}{group}a", f"{args.prefix}{group}b"]
+        if sessions[0] not in out["sessions"]:
+            out["sessions"].extend(sessions)
+        by_parent = rng.random() < 0.4
+        spec: str | None = None
+        if not by_parent:
+            if rng.random() < 0.35:
+                spec = "*=0.03"
+            else:  # round-robin over the points, so that every one of them gets its kills
+                spec = f"{FAULT_POINTS[(args.slot + single) % len(FAULT_POINTS)]}=0.35"
+                single += 1
+        fd = os.open(trace_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        ready_r, ready_w = os.pipe()
+        child_seed = rng.randrange(2**31)
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            campaign_child(store, sessions, spec, child_seed, fd, ready_w)
+        os.close(ready_w)
+        os.close(fd)
+        if by_parent and os.read(ready_r, 1):  # b"" when the child died before it was ready
+            time.sleep(rng.uniform(0.0, args.max_delay))
+            os.kill(pid, signal.SIGKILL)  # it cannot have exited: it runs turns until killed
+        status = _wait(pid, 120.0)
+        os.close(ready_r)  # only now: a child writing "ready" to a closed pipe would die of EPIPE
+        point, turns, retries = _Trace.read(trace_path)
+        out["turns"] += turns
+        out["retries"] += retries
+        if status != -1 and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            out["kills"] += 1
+            out["parent_kills" if by_parent else "point_kills"] += 1
+            out["killed_at"][point if not by_parent else f"parent@{point}"] += 1
+        elif status != -1 and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            out["finished"] += 1
+        else:
+            out["errors"].append(f"child {n} ({spec or 'parent kill'}) ended with status {status} at {point}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- storm
+
+
+def storm_child(url: str, plan: list[dict[str, Any]], seed: int, result: Path, ready_fd: int, go_fd: int) -> NoReturn:
+    """Wait for the go byte, then present every key of the plan once, in a random order."""
+    code = 0
+    try:
+        store = open_store(url)
+        retries = [0]
+        count_retries(store, retries)
+        turns = Turns(store)
+        order = list(plan)
+        random.Random(seed).shuffle(order)
+        os.write(ready_fd, b"r")
+        if os.read(go_fd, 1) != b"g":
+            raise SystemExit("no go signal")
+        statuses: dict[str, str] = {}
+        for turn in order:
+            admission = Admission.model_validate(turn["admission"])
+            terminal = Anchor.model_validate(turn["terminal"])
+            done = turns.commit_turn(ENGINE, admission.turn_id, admission, terminal, turn["messages"], apply=count_turn)
+            statuses[admission.turn_id] = done.status
+        store.close()
+        result.write_text(json.dumps({"statuses": statuses, "retries": retries[0]}))
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        code = 1
+    _exit_child(code)
+
+
+def main_storm(args: argparse.Namespace) -> dict[str, Any]:
+    """Fork the storm's children, release them with one write, and reap them."""
+    warm_up(args.url)
+    plan = json.loads(Path(args.plan).read_text())
+    out_dir = Path(args.out)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pids = []
+    for i in range(args.children):
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            os.close(go_w)
+            storm_child(args.url, plan, args.seed * 1000 + i, out_dir / f"storm-{i}.json", ready_w, go_r)
+        pids.append(pid)
+    os.close(ready_w)
+    os.close(go_r)
+    ready = 0
+    while ready < args.children:
+        got = os.read(ready_r, args.children)
+        if not got:
+            break
+        ready += len(got)
+    os.write(go_w, b"g" * args.children)  # one write: every child wakes on the same pipe at once
+    started = time.monotonic()
+    statuses = [_wait(pid, 300.0) for pid in pids]
+    failed = [i for i, s in enumerate(statuses) if s == -1 or not os.WIFEXITED(s) or os.WEXITSTATUS(s) != 0]
+    return {"ready": ready, "failed": failed, "seconds": round(time.monotonic() - started, 2)}
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def light_engine(c: Core, turn: TurnPayload) -> CommitResult:
+    """A ledger commit with an O(1) engine state (a counter): the soak measures the store, not the engine."""
+
+    def apply(c2: Core, t: TurnPayload) -> None:
+        n = get_state(c2, t.scope, t.session_id, t.engine_id, "turns") or 0
+        put_state(c2, t.scope, t.session_id, t.engine_id, "turns", n + 1)
+
+    return commit_turn_in(c, turn, apply)
+
+
+def soak_child(store: TranscriptStore, sessions: list[str], seconds: float, seed: int) -> dict[str, Any]:
+    """Turns and the reads an engine makes, on sessions this child owns; latencies and RSS over time."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=30.0, delivery_lease_seconds=5.0))
+    rng = random.Random(seed)
+    cursors: dict[str, str | None] = dict.fromkeys(sessions)
+    counters = dict.fromkeys(sessions, 0)
+    samples: list[tuple[float, float, float]] = []  # (elapsed, turn seconds, read seconds)
+    rss: list[tuple[float, int]] = []
+    started = time.monotonic()
+    last_rss = -1.0
+    while (elapsed := time.monotonic() - started) < seconds:
+        sid = rng.choice(sessions)
+        turn_id = f"{sid}.t{counters[sid]}"
+        counters[sid] += 1
+        t0 = time.perf_counter()
+        turns.recover(SCOPE, sid, ENGINE, lambda _e: light_engine)
+        admission, _ = turns.admit(SCOPE, sid, user_message(turn_id), turn_id=turn_id, engine_id=ENGINE)
+        queued = rng.random() < 0.1  # now and then the slow path: the next recovery drains it
+        done = turns.complete(SCOPE, sid, turn_id, replies(turn_id, rng), None if queued else light_engine)
+        t1 = time.perf_counter()
+        while True:  # the engine's incremental view: 20-message pages after its cursor
+            page = store.read_visible_delta(SCOPE, sid, cursors[sid], max_messages=20)
+            if page.kind != "page":
+                raise AssertionError(f"soak cursor got {page!r}")
+            cursors[sid] = page.cursor
+            if not page.has_more:
+                break
+        closed = store.read_closed_range(admission, done.terminal)
+        if not isinstance(closed, ClosedRange) or (done.commit is None) != queued:
+            raise AssertionError(f"soak turn {turn_id} did not complete as asked: {closed!r} {done!r}")
+        samples.append((round(elapsed, 3), t1 - t0, time.perf_counter() - t1))
+        if elapsed - last_rss >= 0.5:
+            rss.append((round(elapsed, 3), rss_bytes()))
+            last_rss = elapsed
+    return {"samples": samples, "rss": rss, "turns": sum(counters.values())}
+
+
+def turns_child(store: TranscriptStore, sessions: list[str], seconds: float, seed: int) -> dict[str, Any]:
+    """Gateway turns (turn_worker.run_turn: flaky engine, aborts, queued completions) for ``seconds``."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=30.0, delivery_lease_seconds=1.0))
+    rng = random.Random(seed)
+    args = argparse.Namespace(fail_rate=0.1, abort_rate=0.05)
+    stats: dict[str, int] = Counter()
+    started = time.monotonic()
+    n = 0
+    while time.monotonic() - started < seconds:
+        run_turn(turns, rng.choice(sessions), rng, args, stats)
+        n += 1
+    return {"turns": n, **stats}
+
+
+def load_child(args: argparse.Namespace, index: int, ready_fd: int, go_fd: int) -> NoReturn:
+    """Open a store, create this child's sessions, wait for go, run the load, write its figures."""
+    code = 0
+    try:
+        store = open_store(args.url)
+        retries = [0]
+        count_retries(store, retries)
+        sessions = [f"{args.prefix}{index}{c}" for c in "abcdefgh"[: args.sessions]]
+        for sid in sessions:
+            store.create_session(SCOPE, session_id=sid)
+        os.write(ready_fd, b"r")
+        if os.read(go_fd, 1) != b"g":
+            raise SystemExit("no go signal")
+        run = soak_child if args.kind == "soak" else turns_child
+        result = run(store, sessions, args.seconds, args.seed * 1000 + index)
+        store.close()
+        result.update(retries=retries[0], sessions=sessions, pid=os.getpid())
+        (Path(args.out) / f"load-{index}.json").write_text(json.dumps(result))
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        code = 1
+    _exit_child(code)
+
+
+def main_load(args: argparse.Namespace) -> dict[str, Any]:
+    """Fork the load's children, print ``ready`` with their pids, release them, and reap them."""
+    warm_up(args.url)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pids = []
+    for i in range(args.children):
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            os.close(go_w)
+            load_child(args, i, ready_w, go_r)
+        pids.append(pid)
+    os.close(ready_w)
+    os.close(go_r)
+    ready = 0
+    while ready < args.children and (got := os.read(ready_r, args.children)):
+        ready += len(got)
+    print(json.dumps({"ready": ready, "pids": pids}), flush=True)
+    os.write(go_w, b"g" * args.children)
+    statuses = [_wait(pid, args.seconds + 300.0) for pid in pids]
+    failed = [i for i, s in enumerate(statuses) if s == -1 or not os.WIFEXITED(s) or os.WEXITSTATUS(s) != 0]
+    return {"failed": failed}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def verify_turns(url: str, sessions: list[str]) -> dict[str, int]:
+    """Recover every session, then check each invariant of a faulted run; returns what it committed.
+
+    Zero lost accepted turns (each has a receipt), zero duplicates (one receipt, one engine count and
+    one set of ledger messages per turn), zero partial turns (a turn's replies exist all or none, as
+    one contiguous range after its admission), and the engine's state equal to its receipts.
+    """
+    store = open_store(url)
+    try:
+        turns = Turns(store, OutboxConfig(turn_lease_seconds=0.0, delivery_lease_seconds=0.0))
+        totals = Counter({"turns": 0, "messages": 0, "unaccepted": 0, "recovered": 0})
+        for sid in sessions:
+            report = turns.recover(SCOPE, sid, ENGINE, lambda _e: counting_engine)
+            assert not report.must_degrade, (sid, report)
+            totals["recovered"] += report.drain.delivered
+        left = [(i.session_id, i.turn_id, i.state) for i in turns.intents(SCOPE, limit=10_000)]
+        assert left == [], f"accepted turns left undelivered: {left[:5]}"
+        for sid in sessions:
+            _verify_session(store, turns, sid, totals)
+        return dict(totals)
+    finally:
+        store.close()
+
+
+def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str]) -> None:
+    entries = store.list_entries(SCOPE, sid, limit=10_000)
+    assert len(entries) < 10_000, "session too long for one listing: rotate sessions sooner"
+    by_turn: dict[str, list[Any]] = {}
+    admitted: list[Any] = []
+    for e in entries:
+        if e.role == "user" and e.turn_id is not None:
+            admitted.append(e)
+        elif "." in e.entry_id and ".r" in e.entry_id:
+            by_turn.setdefault(e.entry_id.rsplit(".r", 1)[0], []).append(e)
+    engine_turns = [e for e in admitted if ".t" in str(e.turn_id)]
+    accepted = [e for e in engine_turns if str(e.turn_id) in by_turn]
+    totals["unaccepted"] += len(engine_turns) - len(accepted)
+    receipts = {r.advancement_key: r for r in turns.receipts(SCOPE, sid, ENGINE)}
+    assert sorted(receipts) == sorted(str(e.turn_id) for e in accepted), "receipts != accepted turns"
+
+    def engine_view(c: Core) -> tuple[Any, Any, int]:
+        return (
+            get_state(c, SCOPE, sid, ENGINE, "turns"),
+            get_state(c, SCOPE, sid, ENGINE, "order"),
+            count_turn_messages(c, SCOPE, sid, ENGINE),
+        )
+
+    counter, order, ledger_messages = store.read(engine_view)
+    assert (counter or 0) == len(receipts), "engine counter disagrees with the receipts"
+    assert (order or []) == [e.turn_id for e in accepted], "the engine saw turns twice or out of admission order"
+    total = 0
+    for admission in accepted:
+        key = str(admission.turn_id)
+        reply = by_turn[key]
+        # All or nothing: reply i exists for every i < n, and they follow the admission directly.
+        assert [e.entry_id for e in reply] == [f"{key}.r{i}" for i in range(len(reply))], f"partial turn {key}"
+        assert [e.seq for e in reply] == list(range(admission.seq + 1, admission.seq + 1 + len(reply)))
+        receipt = receipts[key]
+        assert (receipt.admission_entry_id, receipt.terminal_entry_id) == (admission.entry_id, reply[-1].entry_id)
+        closed = store.read_closed_range(
+            store.anchor(SCOPE, sid, admission.entry_id), store.anchor(SCOPE, sid, reply[-1].entry_id)
+        )
+        assert isinstance(closed, ClosedRange), (key, closed)
+        stored = store.read(lambda c, k=key: committed_messages(c, SCOPE, sid, ENGINE, k))
+        assert stored == closed.messages and receipt.message_count == len(stored), f"ledger of {key} differs"
+        total += receipt.message_count
+    for key in set(by_turn) - {str(e.turn_id) for e in admitted}:
+        raise AssertionError(f"replies of turn {key} without its admission")
+    assert ledger_messages == total, "ledger messages without a receipt"
+    totals["turns"] += len(receipts)
+    totals["messages"] += total
+
+
+def table_rows(
+    store: TranscriptStore, scope: str | None = None, names: list[str] | None = None
+) -> dict[str, list[str]]:
+    """Every row of every table of the store's database (of one scope, when given), sorted: its checksum."""
+    with store.db.engine.connect() as conn:
+        names = names or sorted(inspect(conn).get_table_names())
+        out: dict[str, list[str]] = {}
+        for name in names:
+            result = conn.execute(text(f'SELECT * FROM "{name}"'))
+            keys = list(result.keys())
+            rows = [dict(zip(keys, r, strict=True)) for r in result]
+            if scope is not None:
+                rows = [r for r in rows if r.get("scope", scope) == scope]
+            out[name] = sorted(repr(sorted(r.items())) for r in rows)
+        conn.rollback()
+    return out
+
+
+def sqlite_integrity(url: str) -> str:
+    """``PRAGMA integrity_check`` (and the foreign-key check) of a SQLite store; '' for PostgreSQL."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return ""
+    with sqlite3.connect(str(parsed.database)) as conn:
+        result = conn.execute("PRAGMA integrity_check").fetchall()
+        assert result == [("ok",)], result
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    conn.close()
+    return "ok"
+
+
+def report(request: Any, backend: str, figures: dict[str, Any]) -> Path:
+    """Report a fault test's figures whatever the capture mode: a line on the terminal, a JSON line in
+    ``<pytest basetemp>/fault_campaign.jsonl`` (and in $FAULT_CAMPAIGN_REPORT when set: pytest keeps
+    only its last three basetemps), and a ``fault_figures`` user property (JUnit XML)."""
+    line = json.dumps({"test": request.node.name, "backend": backend, **figures}, sort_keys=True)
+    path = Path(request.getfixturevalue("tmp_path_factory").getbasetemp()) / "fault_campaign.jsonl"
+    for target in filter(None, (path, os.environ.get("FAULT_CAMPAIGN_REPORT"))):
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    request.node.user_properties.append(("fault_figures", line))
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if terminal is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # what capsys.disabled() does: past -s or not
+            terminal.ensure_newline()
+            terminal.write_line(f"[fault campaign] {line}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    """Run one mode and print its JSON line."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("campaign", "storm", "load"))
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slot", type=int, default=0)
+    parser.add_argument("--prefix", default="w")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--max-delay", type=float, default=0.08)
+    parser.add_argument("--children-per-session", type=int, default=25)
+    parser.add_argument("--children", type=int, default=16)
+    parser.add_argument("--sessions", type=int, default=2, help="sessions per load child (1..8)")
+    parser.add_argument("--kind", choices=("turns", "soak"), default="turns")
+    parser.add_argument("--trace", default="")
+    parser.add_argument("--plan", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    logging.getLogger("transcript_store").setLevel(logging.CRITICAL)
+    run = {"campaign": main_campaign, "storm": main_storm, "load": main_load}[args.mode]
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
