@@ -1,0 +1,5 @@
+"""``python -m bench`` (``make bench``)."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""Benchmarks 3 and 4: delta pages at three transcript lengths, and what a turn's reads cost."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from engines.legacy import LegacyEngine
+from transcript_store import AppendItem, ClosedRange, DeltaPage, TranscriptStore
+from transcript_store.cursors import CursorState
+from transcript_store.engine import EngineContext
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+from .context import Context, log, session_for
+from .drivers import SCOPE, RowCounter
+from .report import Figure
+from .targets import Target
+from .timing import Timer, alternate
+from .workload import Turn
+
+PAGE = 20
+#: cursors rotate over this many pages at the tail, so a read is not always the very same rows
+TAIL_PAGES = 8
+#: the host's default assembly budget (token_budget - max_output_tokens)
+ASSEMBLY_BUDGET = 32_000 - 1024
+#: turns whose legacy assembly is measured, per length: the legacy engine's assembly costs CPU in
+#: proportion to the visible transcript (token counting in ``_fit``: seconds a turn at 100,000 messages),
+#: so measuring it on every turn would dominate the run. Its rows read are what this benchmark checks.
+ASSEMBLY_TURNS = 3
+
+
+def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
+    """(3) ``read_visible_delta`` of a 20-message page near the tail, vs the raw indexed tail read."""
+    db = ctx.long_transcripts(target)
+    store, raw = db.store(), db.raw()
+    figures: list[Figure] = []
+    p50: dict[int, float] = {}
+    raw_p50: dict[int, float] = {}
+    try:
+        for length in ctx.counts.lengths:
+            sid = session_for(length)
+            generation = store.get_session(SCOPE, sid).generation
+            # Cursors after positions length-1-20k: built from the entries' own seq/position, as a reader
+            # that had walked the transcript would hold them (walking 100,000 messages is not the point).
+            starts = [length - 1 - PAGE * (k + 1) for k in range(min(TAIL_PAGES, (length - 1) // PAGE))]
+            cursors = []
+            for at in starts:
+                entry = store.list_entries(SCOPE, sid, after_seq=at - 1, limit=1)[0]
+                assert entry.position is not None
+                cursors.append(CursorState(SCOPE, sid, generation, entry.seq, entry.position).encode())
+
+            def ours_op(cursor: str, sid: str = sid) -> Callable[[], object]:
+                def run() -> object:
+                    page = store.read_visible_delta(SCOPE, sid, cursor, max_messages=PAGE)
+                    if not isinstance(page, DeltaPage) or len(page.entries) != PAGE:
+                        raise RuntimeError(f"unexpected delta result {type(page).__name__}")
+                    return page
+
+                return run
+
+            def raw_read(at: int, sid: str = sid) -> Callable[[], object]:
+                return lambda: raw.tail_read(sid, at, PAGE)
+
+            n = ctx.counts.reads
+            ours_ops = [ours_op(cursors[i % len(cursors)]) for i in range(n)]
+            raw_ops = [raw_read(starts[i % len(starts)]) for i in range(n)]
+            Timer().run(ours_ops[:50] + raw_ops[:50])
+            half = n // 2
+            raw_t, ours_t = Timer(), Timer()
+            alternate(
+                2,
+                lambda b: raw_t.run(raw_ops[b * half : (b + 1) * half]),  # noqa: B023
+                lambda b: ours_t.run(ours_ops[b * half : (b + 1) * half]),  # noqa: B023
+            )
+            ours, rawst = ours_t.stats(), raw_t.stats()
+            p50[length], raw_p50[length] = ours.p50, rawst.p50
+            log(
+                f"  read_delta [{target.name}] @{length:,}: "
+                f"ours p50 {ours.p50 * 1e3:.3f} ms, raw {rawst.p50 * 1e3:.3f} ms"
+            )
+            longest = length == ctx.counts.lengths[-1]
+            extra = {"length": length, "ours_cpu_ms_per_read": 1000 * ours_t.cpu / ours.count}
+            figures.append(
+                Figure(
+                    "read_delta",
+                    target.name,
+                    f"p50 @{length:,}",
+                    "ms",
+                    ours.p50,
+                    rawst.p50,
+                    "<=" if longest else None,
+                    2.0 if longest else None,
+                    extra,
+                )
+            )
+            figures.append(Figure("read_delta", target.name, f"p95 @{length:,}", "ms", ours.p95, rawst.p95))
+        short, long_ = ctx.counts.lengths[0], ctx.counts.lengths[-1]
+        figures.append(
+            Figure(
+                "read_delta",
+                target.name,
+                f"p50 @{long_:,} vs ours @{short:,} (raw column: ours @{short:,})",
+                "ms",
+                p50[long_],
+                p50[short],
+                "<=",
+                1.2,
+                {"raw_growth": raw_p50[long_] / raw_p50[short]},
+            )
+        )
+        return figures
+    finally:
+        store.close()
+        raw.close()
+
+
+def bench_closed_range(ctx: Context, target: Target) -> list[Figure]:
+    """(4) Rows a turn's reads and writes touch at every length: closed range, legacy assembly, appends."""
+    db = ctx.long_transcripts(target)
+    store = db.store()
+    counter = RowCounter(store)
+    engine = LegacyEngine(EngineContext(store=store, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+    per_length: dict[int, dict[str, list[float]]] = {}
+    try:
+        for length in ctx.counts.lengths:
+            sid = session_for(length)
+            workload = ctx.workload(40 + length)
+            engine.assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=ASSEMBLY_BUDGET)  # warm projection
+            samples: dict[str, list[float]] = {}
+            for k in range(ctx.counts.range_turns + 1):
+                found = _one_turn(store, counter, engine, sid, workload.turn(), f"range-{length}-{k}", k)
+                for key, value in found.items():
+                    if k >= (2 if key.startswith("assembly") else 1):
+                        samples.setdefault(key, []).append(value)
+            per_length[length] = samples
+            log(
+                f"  closed_range [{target.name}] @{length:,}: range rows {samples['range_rows'][-1]:.0f}, "
+                f"assembly rows_read {samples['assembly_rows_read'][-1]:.0f}, "
+                f"assembly p50 {statistics.median(samples['assembly_s']) * 1e3:.1f} ms"
+            )
+    finally:
+        store.close()
+    return _range_figures(target, per_length)
+
+
+def _one_turn(
+    store: TranscriptStore, counter: RowCounter, engine: LegacyEngine, sid: str, turn: Turn, turn_id: str, k: int
+) -> dict[str, float]:
+    """Admit, assemble (first turns only), append the replies, read the closed range; what each cost.
+
+    The assembly of turn 0 follows the unfenced warm-up, so the engine reads the admitted message
+    itself unfenced (it is already past the fence) and turn 1 reads only the replies: from turn 2 on,
+    each assembly reads exactly the previous turn. Those two are not counted.
+    """
+    found: dict[str, float] = {}
+    timer = Timer()
+    counter.take()
+    with timer.time():
+        admission = store.admit(SCOPE, sid, turn.user, turn_id=turn_id)
+    admitted = counter.take()
+    if k <= ASSEMBLY_TURNS + 1:  # consecutive turns: each assembly reads exactly one earlier turn's delta
+        before = engine.rows_read
+        counter.take()
+        with timer.time():
+            engine.assemble(scope=SCOPE, session_id=sid, fence=admission.anchor, token_budget=ASSEMBLY_BUDGET)
+        fetched = counter.take()
+        found.update(
+            assembly_rows_read=engine.rows_read - before,
+            assembly_rows=fetched["rows"],
+            assembly_statements=fetched["statements"],
+            assembly_s=timer.latencies[-1],
+        )
+    with timer.time():
+        entries = store.append_many(SCOPE, sid, [AppendItem(message=m) for m in turn.replies])
+    writes = counter.take()
+    found.update(
+        write_rows=admitted["rows"] + writes["rows"], write_statements=admitted["statements"] + writes["statements"]
+    )
+    found["write_s"] = timer.latencies[0] + timer.latencies[-1]
+    terminal = store.anchor(SCOPE, sid, entries[-1].entry_id)
+    counter.take()
+    with timer.time():
+        result = store.read_closed_range(admission, terminal)
+    closed = counter.take()
+    if not isinstance(result, ClosedRange) or len(result.entries) != 4:
+        raise RuntimeError(f"closed range of turn {turn_id}: {result!r}")
+    found.update(range_rows=closed["rows"], range_statements=closed["statements"], range_s=timer.latencies[-1])
+    return found
+
+
+def _range_figures(target: Target, per_length: dict[int, dict[str, list[float]]]) -> list[Figure]:
+    """One row per count: ours = the largest count at any length, raw column = the smallest (equal: met)."""
+    lengths = sorted(per_length)
+    at = " / ".join(f"{n:,}" for n in lengths)
+    figures = []
+    rows = (
+        ("range_rows", "closed-range rows fetched/turn", "rows"),
+        ("range_statements", "closed-range statements/turn", "statements"),
+        ("assembly_rows_read", "legacy assembly rows_read/turn", "rows"),
+        ("assembly_rows", "legacy assembly rows fetched/turn", "rows"),
+        ("assembly_statements", "legacy assembly statements/turn", "statements"),
+        ("write_rows", "admission + replies rows fetched/turn", "rows"),
+        ("write_statements", "admission + replies statements/turn", "statements"),
+    )
+    for key, label, unit in rows:
+        values = {n: per_length[n][key] for n in lengths}
+        shown = " / ".join(f"{max(v):.0f}" for v in values.values())
+        figures.append(
+            Figure(
+                "closed_range",
+                target.name,
+                f"{label} at {at}: {shown} (max vs min)",
+                unit,
+                max(max(v) for v in values.values()),
+                min(min(v) for v in values.values()),
+                "==",
+                1.0,
+                {"samples": {str(n): v for n, v in values.items()}},
+            )
+        )
+    short, long_ = lengths[0], lengths[-1]
+    for key, label in (
+        ("range_s", "closed-range p50"),
+        ("write_s", "admission + replies p50"),
+        ("assembly_s", "legacy assembly p50"),
+    ):
+        p50 = {n: statistics.median(per_length[n][key]) for n in lengths}
+        figures.append(
+            Figure(
+                "closed_range",
+                target.name,
+                f"{label} @{long_:,} (raw column: ours @{short:,})",
+                "ms",
+                p50[long_],
+                p50[short],
+                extra={"p50_s": {str(n): v for n, v in p50.items()}},
+            )
+        )
+    return figures
