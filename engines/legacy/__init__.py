@@ -128,21 +128,25 @@ class LegacyEngine:
         start = 0
         if pointer is not None and pointer["first_kept_position"] < end:
             start = pointer["first_kept_position"]
-        messages = list(proj.messages[start:end])
         prefix = [compaction.summary_message(pointer["summary"])] if pointer is not None and start > 0 else []
-        messages = self._fit(prefix, messages, token_budget)
+        messages = prefix + self._fit(proj.messages, start, end, token_budget - self.estimator.count_messages(prefix))
         return AssembleResult(messages=messages, estimated_tokens=int(self.estimator.count_messages(messages)))
 
-    def _fit(self, prefix: list[dict[str, Any]], messages: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
-        """Drop the oldest messages until the context fits; never start on an orphaned tool result."""
-        total = self.estimator.count_messages(prefix + messages)
-        start = 0
-        while total > budget and start < len(messages):
-            total -= self.estimator.count_messages([messages[start]])
-            start += 1
-        while start < len(messages) and messages[start].get("role") == "tool":
-            start += 1
-        return prefix + messages[start:]
+    def _fit(self, visible: list[dict[str, Any]], start: int, end: int, budget: int) -> list[dict[str, Any]]:
+        """The newest messages of visible[start:end] that fit the budget, never starting on a tool result.
+
+        Walks back from the newest message, so a turn costs O(what fits), not O(history).
+        """
+        first, total = end, 0
+        while first > start:
+            cost = self.estimator.count_messages([visible[first - 1]])
+            if total + cost > budget:
+                break
+            total += cost
+            first -= 1
+        while first < end and visible[first].get("role") == "tool":
+            first += 1
+        return visible[first:end]
 
     def compact(
         self,
