@@ -303,8 +303,10 @@ def test_pending_earlier_turn_degrades_the_next(store: TranscriptStore, sid: str
     host, _ = make_host(store, "fc", {"fc": lambda ctx: FailingCommit(ctx, "fc")})
     out = host.run_turn(SCOPE, sid, "one", turn_id="t1")
     assert out.engine_id == "fc" and out.commit_status in ("accepted", "ready", "queued")
-    # The accepted turn is kept, never lost; the engine is quarantined; the next turn goes to legacy.
+    # The accepted turn is kept, never lost; the engine is quarantined (recorded once the completion
+    # transaction ended, without waiting on its own write lock); the next turn goes to legacy.
     assert [i.turn_id for i in Turns(store).intents(SCOPE)] == ["t1"]
+    assert [(r.engine_id, r.operation) for r in store.read(lambda c: records(c))] == [("fc", "commit_turn")]
     out2 = host.run_turn(SCOPE, sid, "two", turn_id="t2")
     assert out2.engine_id == "legacy"
     # A new process with a working engine drains the queued turn first.

@@ -454,6 +454,7 @@ def _finish(
         rec = host.turns.recover(options.scope, sid, engine, host.commit_in)
         report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
         report.duplicates_absorbed += rec.drain.duplicates
+    host.flush_quarantines()
     report.quarantines = len(store.read(lambda c: records(c, live_only=False)))
     scope = options.scope
     for sid, jobs in plan.items():

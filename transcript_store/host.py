@@ -188,6 +188,7 @@ class HostRuntime:
     _decisions: dict[str, _Decision] = field(init=False, default_factory=dict)
     _bootstrapped: set[tuple[str, str, str]] = field(init=False, default_factory=set)
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
+    _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.registry is None:
@@ -226,18 +227,30 @@ class HostRuntime:
                 raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
         return self._engines[engine_id]
 
-    def quarantine(self, engine_id: str, operation: str, error: BaseException) -> None:
-        """Isolate an engine for the rest of this process and record it in the store."""
+    def quarantine(self, engine_id: str, operation: str, error: BaseException, *, in_transaction: bool = False) -> None:
+        """Isolate an engine for the rest of this process and record it in the store.
+
+        ``in_transaction``: the failure happened inside an open write transaction (commit_turn); the
+        record is written after it ends, since a second writer would wait on SQLite's write lock.
+        """
         if engine_id == LEGACY:
             return  # the fallback itself cannot be isolated: its errors surface to the caller
         reason = f"{type(error).__name__}: {error}"
         log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
         self.quarantined[engine_id] = (operation, reason)
         self._engines.pop(engine_id, None)
-        try:
-            self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))
-        except TranscriptStoreError as e:  # recording is best effort; isolation already happened
-            log.warning("could not record quarantine of %s: %s", engine_id, e)
+        self._unrecorded.append((engine_id, operation, reason))
+        if not in_transaction:
+            self.flush_quarantines()
+
+    def flush_quarantines(self) -> None:
+        """Write the quarantine records not written yet (best effort: isolation already happened)."""
+        while self._unrecorded:
+            engine_id, operation, reason = self._unrecorded.pop(0)
+            try:
+                self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
+            except TranscriptStoreError as e:
+                log.warning("could not record quarantine of %s: %s", engine_id, e)
 
     def _call(self, engine_id: str, operation: str, fn: Callable[[], T]) -> T:
         """Run a lifecycle call; an exception quarantines the engine (fence errors are not its fault)."""
@@ -271,7 +284,7 @@ class HostRuntime:
                 )
                 return result
             except Exception as e:
-                self.quarantine(engine_id, "commit_turn", e)
+                self.quarantine(engine_id, "commit_turn", e, in_transaction=True)
                 raise
 
         return run
@@ -352,6 +365,14 @@ class HostRuntime:
         turn_id = turn_id or new_id()
         session_id = self.resolve_session(scope, session_id)
         self.store.get_session(scope, session_id)  # UnknownSession before anything is written
+        try:
+            return self._run_turn(scope, session_id, user, turn_id, runtime_context)
+        finally:
+            self.flush_quarantines()
+
+    def _run_turn(
+        self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, runtime_context: dict[str, Any] | None
+    ) -> TurnOutcome:
         decision = self.decide(scope, session_id, turn_id)
         attempts = 0
         while True:
@@ -712,7 +733,8 @@ class HostRuntime:
         return result
 
     def dispose(self) -> None:
-        """Dispose of every live engine."""
+        """Write pending quarantine records and dispose of every live engine."""
+        self.flush_quarantines()
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)
             if dispose is not None:
