@@ -251,11 +251,12 @@ _PATH_ROWS_TO = _PATH_ROWS.where(active_path.c.depth <= bindparam("b_to"))
 
 def entry_from_row(row: Any, active: bool) -> Entry:
     """An Entry from a trusted row (no re-validation on the read path)."""
-    values = _entry_values(row, active)
+    values = entry_values(row, active)
     return _construct_entry(values) if _FAST_ENTRY else Entry.model_construct(**values)
 
 
-def _entry_values(row: Any, active: bool) -> dict[str, Any]:
+def entry_values(row: Any, active: bool) -> dict[str, Any]:
+    """The fields of an Entry from a trusted row, as a dict."""
     body = json.loads(row.payload)
     is_message = row.kind == "message"
     return {
@@ -649,7 +650,7 @@ def _fast_entry_matches() -> bool:
             "idempotency_key": None, "turn_id": "t", "created_us": 1,
         }
     )
-    values = _entry_values(sample, True)
+    values = entry_values(sample, True)
     slow = Entry.model_construct(**values)
     fast = _construct_entry(dict(values))
     state = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")

@@ -11,7 +11,6 @@ path in ONE transaction, or nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import insert
 
 from .config import StoreConfig
-from .core import Core, NewEntry, check_id, prepare_entry, session_info
+from .core import Core, NewEntry, check_id, entry_values, prepare_entry, session_info
 from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
 from .models import SessionInfo
 from .schema import active_path, entries, sessions
@@ -127,24 +126,8 @@ def export_in(core: Core, scope: str, session_id: str) -> tuple[dict[str, Any], 
 
 
 def _entry_record(row: Any, active: bool) -> dict[str, Any]:
-    body = json.loads(row.payload)
-    is_message = row.kind == "message"
-    return {
-        "entry_id": row.entry_id,
-        "parent_id": row.parent_id,
-        "seq": row.seq,
-        "kind": row.kind,
-        "role": row.role,
-        "message": body if is_message else None,
-        "payload": None if is_message else body,
-        "position": row.position,
-        "generation": row.generation,
-        "size_bytes": row.size_bytes,
-        "idempotency_key": row.idempotency_key,
-        "turn_id": row.turn_id,
-        "created_at": iso_us(row.created_us),
-        "active": active,
-    }
+    # The same fields as an Entry, with created_at as exact microseconds text for a lossless round trip.
+    return {**entry_values(row, active), "created_at": iso_us(row.created_us)}
 
 
 # ---------------------------------------------------------------------------------------------- import
