@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import _admin_exec, _pg_reachable, pg_url
+from sqlalchemy import func, insert, select
 from workers.turn_worker import count_turn
 
 from transcript_store import (
@@ -16,8 +21,10 @@ from transcript_store import (
     StoreConfig,
     TranscriptStore,
     UnknownSession,
+    migrate,
 )
 from transcript_store.core import Core
+from transcript_store.db import Database
 from transcript_store.ledger import (
     TurnPayload,
     committed_messages,
@@ -28,6 +35,7 @@ from transcript_store.ledger import (
     prepare_turn,
     put_state,
 )
+from transcript_store.schema import receipts, turn_messages
 from transcript_store.turns import Turns
 
 A = "scope-a"
@@ -306,3 +314,115 @@ def test_unknown_session_and_foreign_scope_write_nothing(store: TranscriptStore,
     with pytest.raises(UnknownSession):
         turns.commit_turn(E, "t1", foreign, foreign_terminal, messages, apply=count_turn)
     assert ledger(store, sid) == ([], 0, None)
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def test_the_ledger_references_the_transcript_instead_of_copying_it(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1", [*tool_round("c1", "42"), assistant("done")])
+    turns.commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)
+
+    def look(c: Core) -> tuple[int, Any]:
+        copies = c.conn.execute(select(func.count()).select_from(turn_messages)).scalar_one()
+        seqs = c.conn.execute(select(receipts.c.message_seqs)).scalar_one()
+        return copies, seqs
+
+    copies, seqs = store.read(look)
+    assert copies == 0
+    assert seqs == ",".join(str(e.seq) for e in store.list_entries(A, sid))
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "t1")) == messages
+    assert store.read(lambda c: committed_messages(c, A, sid, E, "unknown")) == []
+
+
+def test_a_reply_that_differs_from_its_transcript_entry_is_refused(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    admission, terminal, messages = finished_turn(store, sid, "t1", [assistant("a"), assistant("b")])
+    changed = [messages[0], messages[1], assistant("not what the transcript holds")]
+    with pytest.raises(InvalidInput, match="message 2 of the turn differs from its transcript entry"):
+        turns.commit_turn(E, "t1", admission, terminal, changed, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)
+    # A copy with other key order or whitespace is the same JSON: accepted.
+    reordered = [messages[0], {"content": "a", "role": "assistant"}, messages[2]]
+    assert turns.commit_turn(E, "t1", admission, terminal, reordered, apply=count_turn).status == "committed"
+
+
+def test_a_terminal_on_a_branch_that_does_not_descend_from_the_admission_is_refused(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    finished_turn(store, sid, "t0")
+    admission, _, messages = finished_turn(store, sid, "t1")
+    before = store.list_entries(A, sid)[1]  # t0's answer: the admission's parent
+    store.branch(A, sid, before.entry_id)
+    store.append_many(A, sid, [{"message": user("another question")}, {"message": messages[1]}])
+    elsewhere = store.anchor(A, sid, store.list_entries(A, sid)[-1].entry_id)
+    assert elsewhere.position == admission.anchor.position + 1
+    with pytest.raises(InvalidInput, match="does not descend from the admitted entry"):
+        turns.commit_turn(E, "t1", admission, elsewhere, messages, apply=count_turn)
+    assert ledger(store, sid) == ([], 0, None)
+
+
+@pytest.fixture
+def schema_0004_url(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A database migrated only to revision 0004 (before the ledger referenced the transcript)."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'old.db'}"
+    else:
+        problem = _pg_reachable()
+        if problem is not None:
+            pytest.skip(f"PostgreSQL unreachable: {problem}")
+        name = f"ts_old_{uuid.uuid4().hex[:10]}"
+        _admin_exec(f"CREATE DATABASE {name}")
+        url = pg_url(name)
+    db = Database(StoreConfig(url=url))
+    try:
+        migrate.upgrade(db, "0004")
+    finally:
+        db.dispose()
+    yield url
+    if backend != "sqlite":
+        _admin_exec(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
+
+
+def test_receipts_from_before_0005_keep_reading_their_copies(schema_0004_url: str) -> None:
+    old = TranscriptStore(config=StoreConfig(url=schema_0004_url, auto_upgrade=False), create=False)
+    try:
+        old.db.write(lambda conn: _old_receipt(conn))
+    finally:
+        old.close()
+    store = TranscriptStore(config=StoreConfig(url=schema_0004_url, auto_upgrade=True))
+    try:
+        assert store.current_revision() == migrate.head_revision()
+        assert store.read(lambda c: committed_messages(c, A, "s1", E, "old")) == [user("q"), assistant("a")]
+        assert store.read(lambda c: count_turn_messages(c, A, "s1", E)) == 2
+        # New commits in the same session reference the transcript; both kinds are counted.
+        admission, terminal, messages = finished_turn(store, "s1", "t1")
+        Turns(store).commit_turn(E, "t1", admission, terminal, messages)
+        assert store.read(lambda c: count_turn_messages(c, A, "s1", E)) == 4
+        assert store.read(lambda c: committed_messages(c, A, "s1", E, "t1")) == messages
+    finally:
+        store.close()
+
+
+def _old_receipt(conn: Any) -> None:
+    """What a 0004 ledger held for one committed turn: the receipt and its copied messages."""
+    from transcript_store.schema import sessions
+
+    conn.execute(insert(sessions).values(
+        scope=A, session_id="s1", session_key=None, active=True, generation=0, last_seq=-1, head_seq=None,
+        head_entry_id=None, path_length=0, visible_count=0, created_us=1, updated_us=1,
+    ))
+    values = dict(
+        scope=A, session_id="s1", engine_id=E, advancement_key="old", payload_hash="0" * 64,
+        admission_entry_id="gone-a", terminal_entry_id="gone-t", message_count=2, is_heartbeat=False,
+        committed_us=1,
+    )
+    conn.execute(insert(receipts).values(**values))
+    for idx, (role, text) in enumerate([("user", '{"role":"user","content":"q"}'),
+                                        ("assistant", '{"role":"assistant","content":"a"}')]):
+        conn.execute(insert(turn_messages).values(
+            scope=A, session_id="s1", engine_id=E, advancement_key="old", idx=idx, role=role, payload=text
+        ))

@@ -20,6 +20,7 @@ from transcript_store import (
     InvalidInput,
     TranscriptStore,
     UnknownEntry,
+    hot,
 )
 from transcript_store.core import MAX_ID_CHARS, Core
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
@@ -418,7 +419,7 @@ def test_list_entries_lists_everything_with_the_active_flag(store: TranscriptSto
 
 
 class _CountingConn:
-    """A connection that records, per statement, how many rows came back to the store."""
+    """A SQLAlchemy connection that records, per statement, how many rows came back to the store."""
 
     def __init__(self, conn: Any, log: list[int]) -> None:
         self._conn = conn
@@ -443,8 +444,15 @@ def counting(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> Iterato
     statements: list[Any] = []
 
     class CountingCore(Core):
+        """Records, per statement, how many rows came back to the store (hot runner or SQLAlchemy)."""
+
         def __init__(self, conn: Any, dialect: Any, config: Any) -> None:
             super().__init__(_CountingConn(conn, rows), dialect, config)
+
+        def run(self, stmt: Any, params: Any = None) -> Any:
+            result = hot.run(self.conn._conn, stmt, params)
+            rows.append(len(result.all()))
+            return result
 
     def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
         if statement.lstrip().upper().startswith("SELECT"):

@@ -8,6 +8,7 @@ turn). Nothing here knows which backend it runs on, except through ``Dialect``.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Integer, Row, Select, and_, bindparam, delete, func, insert, or_, select, update
 
+from . import hot
 from .config import StoreConfig
 from .db import Dialect
 from .errors import (
@@ -27,10 +29,13 @@ from .errors import (
     UnknownEntry,
     UnknownSession,
 )
+from .hot import HotResult
 from .models import ENTRY_KINDS, Anchor, Entry, SessionInfo, validate_event_payload, validate_message
 from .schema import active_path, entries, sessions
 
 MAX_ID_CHARS = 255
+#: control characters (C0, DEL, C1), NUL and lone surrogates; one regex search, not a loop per character
+_BAD_ID_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def now_us() -> int:
@@ -57,7 +62,7 @@ def check_id(what: str, value: object, *, optional: bool = False) -> None:
     if not value or len(value) > MAX_ID_CHARS:
         raise InvalidInput(f"{what} must be 1..{MAX_ID_CHARS} characters")
     # C0, DEL and C1 (U+0080..U+009F: NEL, CSI, ...) are all control characters: none belongs in an id.
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+    if _BAD_ID_CHAR.search(value) is not None:
         raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
 
 
@@ -177,6 +182,20 @@ _SESSION_ROW_LOCKED = _SESSION_ROW.with_for_update()
 _ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
     by_session(entries), entries.c.entry_id.in_(bindparam("b_ids", expanding=True))
 )
+#: lookups of up to this many ids use a statement with that many plain binds (see ``hot``)
+_SMALL_IN = 8
+_ENTRY_ROWS_OF = {
+    n: select(*ENTRY_COLUMNS).where(
+        by_session(entries), entries.c.entry_id.in_([bindparam(f"b_id{i}") for i in range(n)])
+    )
+    for n in range(1, _SMALL_IN + 1)
+}
+
+
+def _entry_rows_of(n: int) -> Select[Any]:
+    return _ENTRY_ROWS_OF[n]
+
+
 _PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
     by_session(active_path), active_path.c.depth == bindparam("b_depth")
 )
@@ -320,19 +339,23 @@ class Core:
         self.dialect = dialect
         self.config = config
 
+    def run(self, stmt: Any, params: Any = None) -> HotResult:
+        """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
+        return hot.run(self.conn, stmt, params)
+
     # ------------------------------------------------------------------------------------ sessions
 
     def session_row(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any] | None:
         """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL)."""
         q = _SESSION_ROW_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_ROW
-        return self.conn.execute(q, session_params(scope, session_id)).first()
+        return self.run(q, session_params(scope, session_id)).first()
 
     def session_row_and_path_seq(
         self, scope: str, session_id: str, position: int
     ) -> tuple[Row[Any] | None, int | None]:
         """The session's row (or None) and the raw seq of the visible message at ``position`` (or None)."""
         params = session_params(scope, session_id, b_position=position)
-        row = self.conn.execute(_SESSION_ROW_AND_PATH_SEQ, params).first()
+        row = self.run(_SESSION_ROW_AND_PATH_SEQ, params).first()
         return (None, None) if row is None else (row, row.ts_path_seq)
 
     def require_session(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any]:
@@ -431,7 +454,7 @@ class Core:
             params = session_params(
                 scope, session_id, b_entry=new.entry_id, b_idem=new.idempotency_key, b_turn=new.turn_id
             )
-            rows = self.conn.execute(q, params).all()
+            rows = self.run(q, params).all()
         if not rows:
             return None
         if len(rows) > 1:
@@ -506,9 +529,9 @@ class Core:
             if position is not None:
                 visible += 1
         if new_rows:
-            self.conn.execute(_INSERT_ENTRIES, new_rows)
-            self.conn.execute(_INSERT_PATH, path_rows)
-            self.conn.execute(
+            self.run(_INSERT_ENTRIES, new_rows)
+            self.run(_INSERT_PATH, path_rows)
+            self.run(
                 _ADVANCE_HEAD,
                 session_params(
                     scope, session_id, b_last_seq=seq, b_head_seq=head_seq, b_head_entry_id=head_id,
@@ -524,6 +547,9 @@ class Core:
         if not entry_ids:
             return {}
         out: dict[str, Row[Any]] = {}
+        if len(entry_ids) <= _SMALL_IN:
+            params = session_params(scope, session_id, **{f"b_id{i}": e for i, e in enumerate(entry_ids)})
+            return {r.entry_id: r for r in self.run(_entry_rows_of(len(entry_ids)), params)}
         for at in range(0, len(entry_ids), _IN_CHUNK):
             params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
             out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))
@@ -539,7 +565,7 @@ class Core:
     def on_active_path(self, scope: str, session_id: str, row: Any) -> bool:
         """Whether the entry row is on the session's active path now."""
         params = session_params(scope, session_id, b_depth=row.depth)
-        return bool(self.conn.execute(_PATH_SEQ_AT_DEPTH, params).scalar() == row.seq)
+        return bool(self.run(_PATH_SEQ_AT_DEPTH, params).scalar() == row.seq)
 
     def anchor_for(self, sess: Row[Any], row: Any) -> Anchor:
         """The anchor of an entry row, taken in the session's current generation."""
@@ -561,21 +587,22 @@ class Core:
         """Active-path message rows with after < position < before, in position order."""
         q = _VISIBLE_ROWS[(before_position is not None, limit is not None)]
         params = session_params(scope, session_id, b_after=after_position, b_before=before_position, b_limit=limit)
-        return list(self.conn.execute(q, params).all())
+        return self.run(q, params).all()
 
     def path_rows(self, scope: str, session_id: str, from_depth: int, to_depth: int | None) -> list[Row[Any]]:
         """Active-path entries (messages and events) with from_depth <= depth <= to_depth."""
         q = _PATH_ROWS_TO if to_depth is not None else _PATH_ROWS
         params = session_params(scope, session_id, b_from=from_depth, b_to=to_depth)
-        return list(self.conn.execute(q, params).all())
+        return self.run(q, params).all()
 
     def path_seq_at_position(self, scope: str, session_id: str, position: int) -> int | None:
         """The raw seq of the visible message at an active position, or None."""
-        return self.conn.execute(_PATH_SEQ_AT_POSITION, session_params(scope, session_id, b_position=position)).scalar()
+        seq = self.run(_PATH_SEQ_AT_POSITION, session_params(scope, session_id, b_position=position)).scalar()
+        return None if seq is None else int(seq)
 
     def entry_by_seq(self, scope: str, session_id: str, seq: int) -> Row[Any] | None:
         """One entry by raw seq."""
-        return self.conn.execute(_ENTRY_BY_SEQ, session_params(scope, session_id, b_seq=seq)).first()
+        return self.run(_ENTRY_BY_SEQ, session_params(scope, session_id, b_seq=seq)).first()
 
     def all_rows(self, scope: str, session_id: str, after_seq: int, limit: int) -> list[tuple[Row[Any], bool]]:
         """Every stored entry (any branch, any kind) in raw seq order, with its active flag."""

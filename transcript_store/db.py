@@ -9,7 +9,9 @@ second one.
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +34,13 @@ _PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03"
 _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
+_WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
+try:  # psycopg is the PostgreSQL driver; a SQLite-only install may lack it
+    from psycopg import IsolationLevel
+
+    _REPEATABLE_READ: Any = IsolationLevel.REPEATABLE_READ
+except ImportError:  # pragma: no cover
+    _REPEATABLE_READ = None
 
 
 @dataclass(frozen=True)
@@ -88,9 +97,12 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         # Writers take the write lock up front: a deferred BEGIN that later upgrades can fail with
-        # SQLITE_BUSY without waiting on the busy timeout, after part of the work was done.
-        write = conn.get_execution_options().get("ts_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        # SQLITE_BUSY without waiting on the busy timeout, after part of the work was done. On the
+        # driver directly: this runs once per transaction, and exec_driver_sql costs ~10x more.
+        write = conn.info.get("ts_write", False) or conn.get_execution_options().get("ts_write", False)
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        driver.execute("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def create_db_engine(config: StoreConfig) -> Engine:
@@ -119,7 +131,9 @@ def create_db_engine(config: StoreConfig) -> Engine:
             url,
             pool_size=config.pool_size,
             max_overflow=config.pool_size,
-            pool_pre_ping=True,
+            # No pool_pre_ping: it costs a round trip per transaction. A connection that died in the
+            # pool fails its first statement, which is a transient error: the transaction is retried
+            # whole on a fresh connection (the pool drops the invalidated one).
             connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
         )
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
@@ -141,6 +155,10 @@ class Database:
         self.engine = create_db_engine(config)
         self.dialect = Dialect(self.engine.dialect.name)
         self._pid = os.getpid()
+        #: transactions retried after a transient error, since this Database was made
+        self.retries = 0
+        #: called with the error before each retry (observability; tests count retries with it)
+        self.on_retry: Callable[[BaseException | None], None] | None = None
 
     def _check_fork(self) -> None:
         # A pool inherited across fork() shares sockets with the parent: drop it, never use it.
@@ -148,26 +166,50 @@ class Database:
             self.engine.dispose(close=False)
             self._pid = os.getpid()
 
-    def _retrying(self) -> Retrying:
+    def _retrying(self, attempts: int) -> Retrying:
         return Retrying(
             retry=retry_if_exception_type(TransientStoreError),
-            stop=stop_after_attempt(self.config.retry_attempts),
-            wait=wait_random_exponential(multiplier=0.005, max=0.5),
+            stop=stop_after_attempt(attempts),
+            wait=_WAIT,
+            before_sleep=lambda state: self._retried(state.outcome.exception() if state.outcome else None),
             reraise=True,
         )
 
+    @staticmethod
+    def _first_wait() -> float:
+        """The pause before the first retry: what tenacity's wait gives its first attempt."""
+        return random.uniform(0, 0.005)
+
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Connection]:
+        # Per-transaction overhead is paid by every turn, several times (bench/README.md): no
+        # execution_options() branch per call and no isolation-level round trips. SQLite: the begin
+        # listener reads the write flag from the connection's info. PostgreSQL: psycopg puts the
+        # isolation level and READ ONLY into the BEGIN it sends anyway; set on a connection outside a
+        # transaction, both are client-side attributes only.
         self._check_fork()
         try:
             with self.engine.connect() as conn:
-                if write:
-                    conn = conn.execution_options(ts_write=True)
-                elif not self.dialect.is_sqlite:
+                if self.dialect.is_sqlite:
+                    conn.info["ts_write"] = write
+                    try:
+                        with conn.begin():
+                            yield conn
+                    finally:
+                        conn.info["ts_write"] = False  # the pooled connection's next user decides again
+                elif write:
+                    with conn.begin():
+                        yield conn
+                else:
+                    driver: Any = conn.connection.driver_connection
                     # One snapshot for every statement of a read (a page is consistent).
-                    conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-                with conn.begin():
-                    yield conn
+                    driver.isolation_level, driver.read_only = _REPEATABLE_READ, True
+                    try:
+                        with conn.begin():
+                            yield conn
+                    finally:
+                        if not conn.invalidated:
+                            driver.isolation_level, driver.read_only = None, None
         except DBAPIError as e:
             raise self.translate(e) from e
         except SQLAlchemyError as e:
@@ -182,19 +224,35 @@ class Database:
             return StorageFull(f"database storage is full: {detail}")
         return StoreUnavailable(f"database error: {detail}")
 
-    def write(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in one write transaction, retried whole on transient errors."""
-        for attempt in self._retrying():
-            with attempt, self._transaction(write=True) as conn:
+    def _run(self, fn: Callable[[Connection], T], write: bool) -> T:
+        # The first attempt runs bare: building tenacity's Retrying and its attempt state costs more
+        # than an empty SQLite transaction, and almost every transaction succeeds at once. A transient
+        # failure hands over to tenacity (waits, stop) for the remaining attempts.
+        try:
+            with self._transaction(write) as conn:
+                return fn(conn)
+        except TransientStoreError as e:
+            if self.config.retry_attempts <= 1:
+                raise
+            self._retried(e)
+        time.sleep(self._first_wait())
+        for attempt in self._retrying(self.config.retry_attempts - 1):
+            with attempt, self._transaction(write) as conn:
                 return fn(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _retried(self, error: BaseException | None) -> None:
+        self.retries += 1
+        if self.on_retry is not None:
+            self.on_retry(error)
+
+    def write(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one write transaction, retried whole on transient errors."""
+        return self._run(fn, True)
+
     def read(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` in one read-only snapshot, retried whole on transient errors."""
-        for attempt in self._retrying():
-            with attempt, self._transaction(write=False) as conn:
-                return fn(conn)
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._run(fn, False)
 
     def dispose(self) -> None:
         """Close every pooled connection."""

@@ -16,23 +16,37 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import bindparam, func, select
 
 from . import faults
-from .core import Core, by_session, check_anchor, check_id, now_us, session_params
+from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
 from .models import Admission, Anchor, canonical_json, validate_message
-from .schema import engine_state, receipts, turn_messages
+from .schema import engine_state, entries, receipts, turn_messages
 
 # The statements of every commit are built once (see core.py, "hot statements": building a statement
 # costs more CPU than executing it from SQLAlchemy's compiled cache).
-_RECEIPT = select(receipts).where(
+#: the Receipt's fields (``message_seqs`` is the ledger's own reference into the transcript)
+_RECEIPT_COLUMNS = [c for c in receipts.c if c.name != "message_seqs"]
+_RECEIPT = select(*_RECEIPT_COLUMNS).where(
     by_session(receipts),
     receipts.c.engine_id == bindparam("b_engine"),
     receipts.c.advancement_key == bindparam("b_key"),
 )
-_RECEIPTS_FOR_KEY = select(receipts).where(by_session(receipts), receipts.c.advancement_key == bindparam("b_key"))
-_INSERT_TURN_MESSAGES = insert(turn_messages)
+_RECEIPTS_FOR_KEY = select(*_RECEIPT_COLUMNS).where(
+    by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
+)
+_MESSAGE_SEQS = select(receipts.c.message_seqs).where(
+    by_session(receipts),
+    receipts.c.engine_id == bindparam("b_engine"),
+    receipts.c.advancement_key == bindparam("b_key"),
+)
+# The entries a turn can be made of: its messages are a parent chain from the terminal back to the
+# admission, and a child always has a larger raw seq than its parent, so the chain lies in this range
+# (which holds nothing else unless another branch was written into the session during the turn).
+_RANGE_ROWS = select(*ENTRY_COLUMNS).where(
+    by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
+)
 _STATE = select(engine_state.c.value).where(
     by_session(engine_state),
     engine_state.c.engine_id == bindparam("b_engine"),
@@ -153,7 +167,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     existing = _receipt(core, turn)
     if existing is not None:
         return _replay(turn, existing)
-    _check_admitted_message(core, turn)
+    seqs = _check_range(core, turn)
     ts = now_us()
     values: dict[str, Any] = {
         "scope": turn.scope,
@@ -172,7 +186,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     if stmt is None:
         stmt = core.dialect.insert(receipts).on_conflict_do_nothing().returning(receipts.c.advancement_key)
         _INSERT_RECEIPT[core.dialect.name] = stmt
-    inserted = core.conn.execute(stmt, values).first() is not None
+    inserted = core.run(stmt, {**values, "message_seqs": ",".join(map(str, seqs))}).first() is not None
     if not inserted:
         # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
         winner = _receipt(core, turn)
@@ -180,21 +194,6 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
             raise AdvancementKeyCollision(turn.advancement_key)
         return _replay(turn, winner)
     faults.point("commit.after_receipt")
-    core.conn.execute(
-        _INSERT_TURN_MESSAGES,
-        [
-            {
-                "scope": turn.scope,
-                "session_id": turn.session_id,
-                "engine_id": turn.engine_id,
-                "advancement_key": turn.advancement_key,
-                "idx": i,
-                "role": m["role"],
-                "payload": text,
-            }
-            for i, (m, text) in enumerate(zip(turn.messages, turn.serialized, strict=True))
-        ],
-    )
     if apply is not None:
         apply(core, turn)
     faults.point("commit.after_apply")
@@ -211,26 +210,47 @@ def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
     return get_receipt(core, turn.scope, turn.session_id, turn.engine_id, turn.advancement_key)
 
 
-def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
+def _check_range(core: Core, turn: TurnPayload) -> list[int]:
+    """Check the turn against the transcript; returns the raw seqs of its message entries.
+
+    The ledger references these entries instead of copying them, so a commit must BE the transcript's
+    closed range: the anchors match their stored entries (a forged or foreign one is refused, not
+    receipted), the terminal descends from the admission, the first message is the admitted user
+    message and every message equals its entry.
+    """
     # Lock the session row: commits of one session serialize (PostgreSQL; SQLite writers already do),
     # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
     if core.session_row(turn.scope, turn.session_id, lock=True) is None:
         raise UnknownSession(turn.scope, turn.session_id)
-    # Both anchors in the one lookup the admission needs anyway: a forged or foreign terminal (an entry
-    # that does not exist, or another seq / parent / position than stored) is refused, not receipted.
-    ids = [turn.admission.entry_id, turn.terminal.entry_id]
-    rows = core.entry_rows(turn.scope, turn.session_id, ids)
-    row = rows.get(turn.admission.entry_id)
-    if row is None or row.kind != "message" or row.role != "user":
-        raise InvalidInput(f"admitted entry {turn.admission.entry_id!r} is not a user message of this session")
-    if json.loads(row.payload) != turn.messages[0]:
-        raise InvalidInput("the first message differs from the admitted user message")
-    for anchor in (turn.admission, turn.terminal):
-        stored = rows.get(anchor.entry_id)
+    adm, term = turn.admission, turn.terminal
+    rows = core.run(
+        _RANGE_ROWS, session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=max(adm.seq, term.seq))
+    ).all()
+    by_id = {r.entry_id: r for r in rows}
+    first = by_id.get(adm.entry_id)
+    if first is None or first.kind != "message" or first.role != "user":
+        raise InvalidInput(f"admitted entry {adm.entry_id!r} is not a user message of this session")
+    for anchor in (adm, term):
+        stored = by_id.get(anchor.entry_id)
         if stored is None or (stored.seq, stored.parent_id, stored.position) != (
             anchor.seq, anchor.parent_id, anchor.position
         ):
             raise InvalidInput(f"anchor of entry {anchor.entry_id!r} does not match the stored entry")
+    chain = [by_id[term.entry_id]]
+    while chain[-1].entry_id != adm.entry_id:
+        parent = by_id.get(chain[-1].parent_id)
+        if parent is None:
+            raise InvalidInput("the terminal entry does not descend from the admitted entry")
+        chain.append(parent)
+    found = [r for r in reversed(chain) if r.kind == "message"]
+    if len(found) != len(turn.messages):
+        raise InvalidInput(f"the turn range holds {len(found)} messages, got {len(turn.messages)}")
+    for i, (row, text, message) in enumerate(zip(found, turn.serialized, turn.messages, strict=True)):
+        if row.payload != text and json.loads(row.payload) != message:
+            if i == 0:
+                raise InvalidInput("the first message differs from the admitted user message")
+            raise InvalidInput(f"message {i} of the turn differs from its transcript entry {row.entry_id!r}")
+    return [r.seq for r in found]
 
 
 # ---------------------------------------------------------------------------------------------- reads
@@ -239,19 +259,19 @@ def _check_admitted_message(core: Core, turn: TurnPayload) -> None:
 def get_receipt(core: Core, scope: str, session_id: str, engine_id: str, advancement_key: str) -> Receipt | None:
     """One receipt, or None."""
     params = session_params(scope, session_id, b_engine=engine_id, b_key=advancement_key)
-    row = core.conn.execute(_RECEIPT, params).first()
+    row = core.run(_RECEIPT, params).first()
     return None if row is None else Receipt.model_construct(**row._asdict())
 
 
 def receipts_for_key(core: Core, scope: str, session_id: str, advancement_key: str) -> list[Receipt]:
     """Every engine's receipt of one advancement key (a logical turn) in a session."""
-    rows = core.conn.execute(_RECEIPTS_FOR_KEY, session_params(scope, session_id, b_key=advancement_key)).all()
+    rows = core.run(_RECEIPTS_FOR_KEY, session_params(scope, session_id, b_key=advancement_key)).all()
     return [Receipt.model_construct(**r._asdict()) for r in rows]
 
 
 def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
     """Every receipt of a session (optionally of one engine), oldest commit first."""
-    q = select(receipts).where(receipts.c.scope == scope, receipts.c.session_id == session_id)
+    q = select(*_RECEIPT_COLUMNS).where(receipts.c.scope == scope, receipts.c.session_id == session_id)
     if engine_id is not None:
         q = q.where(receipts.c.engine_id == engine_id)
     rows = core.conn.execute(q.order_by(receipts.c.committed_us, receipts.c.advancement_key)).all()
@@ -261,8 +281,18 @@ def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None
 def committed_messages(
     core: Core, scope: str, session_id: str, engine_id: str, advancement_key: str
 ) -> list[dict[str, Any]]:
-    """The messages stored with one receipt, in order."""
-    rows = core.conn.execute(
+    """The messages of one receipt, in order ([] when there is no such receipt)."""
+    params = session_params(scope, session_id, b_engine=engine_id, b_key=advancement_key)
+    found = core.run(_MESSAGE_SEQS, params).first()
+    if found is None:
+        return []
+    if found.message_seqs is not None:
+        seqs = [int(x) for x in found.message_seqs.split(",")] if found.message_seqs else []
+        rows = core.run(_entries_by_seqs(len(seqs)), _seq_params(scope, session_id, seqs)).all() if seqs else []
+        payload = {r.seq: r.payload for r in rows}
+        return [json.loads(payload[q]) for q in seqs]
+    # A receipt from before revision 0005: the ledger kept its own copy.
+    copies = core.conn.execute(
         select(turn_messages.c.payload)
         .where(
             turn_messages.c.scope == scope,
@@ -272,17 +302,40 @@ def committed_messages(
         )
         .order_by(turn_messages.c.idx)
     ).all()
-    return [json.loads(r.payload) for r in rows]
+    return [json.loads(r.payload) for r in copies]
+
+
+_SEQS_CHUNKS: dict[int, Any] = {}
+
+
+def _entries_by_seqs(n: int) -> Any:
+    stmt = _SEQS_CHUNKS.get(n)
+    if stmt is None:
+        stmt = select(entries.c.seq, entries.c.payload).where(
+            by_session(entries), entries.c.seq.in_([bindparam(f"b_q{i}") for i in range(n)])
+        )
+        _SEQS_CHUNKS[n] = stmt
+    return stmt
+
+
+def _seq_params(scope: str, session_id: str, seqs: list[int]) -> dict[str, Any]:
+    return session_params(scope, session_id, **{f"b_q{i}": q for i, q in enumerate(seqs)})
 
 
 def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str) -> int:
-    """How many ledger messages an engine holds for a session."""
-    q = select(func.count()).where(
+    """How many messages an engine's receipts of a session hold (copies from before 0005 included)."""
+    referenced = select(func.coalesce(func.sum(receipts.c.message_count), 0)).where(
+        receipts.c.scope == scope,
+        receipts.c.session_id == session_id,
+        receipts.c.engine_id == engine_id,
+        receipts.c.message_seqs.is_not(None),
+    )
+    copied = select(func.count()).where(
         turn_messages.c.scope == scope,
         turn_messages.c.session_id == session_id,
         turn_messages.c.engine_id == engine_id,
     )
-    return int(core.conn.execute(q).scalar_one())
+    return int(core.conn.execute(referenced).scalar_one()) + int(core.conn.execute(copied).scalar_one())
 
 
 # ---------------------------------------------------------------------------------------------- engine state
@@ -290,7 +343,7 @@ def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str)
 
 def get_state(core: Core, scope: str, session_id: str, engine_id: str, key: str) -> Any:
     """A JSON value of an engine's per-session state, or None."""
-    value = core.conn.execute(_STATE, session_params(scope, session_id, b_engine=engine_id, b_key=key)).scalar()
+    value = core.run(_STATE, session_params(scope, session_id, b_engine=engine_id, b_key=key)).scalar()
     return None if value is None else json.loads(value)
 
 

@@ -125,7 +125,7 @@ def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict
 def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool = False) -> Row[Any] | None:
     """The raw outbox row of a turn (locked FOR UPDATE on PostgreSQL when asked)."""
     q = _GET_ROW_LOCKED if lock and not core.dialect.is_sqlite else _GET_ROW
-    return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).first()
+    return core.run(q, _turn_params(scope, session_id, turn_id)).first()
 
 
 def get_intent(core: Core, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
@@ -173,7 +173,7 @@ def record_admitted(
     if stmt is None:
         stmt = core.dialect.insert(outbox).on_conflict_do_nothing().returning(outbox.c.turn_id)
         _INSERT_ADMITTED[core.dialect.name] = stmt
-    inserted = core.conn.execute(stmt, values).first() is not None
+    inserted = core.run(stmt, values).first() is not None
     row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=not inserted)
     assert row is not None
     if inserted:
@@ -208,7 +208,7 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
             return _intent(row)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
     text = terminal.model_dump_json()
-    core.conn.execute(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
+    core.run(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
     # The row as _ACCEPT left it, without reading it back (a statement, a round trip, per turn).
     accepted = {"state": "accepted", "terminal": Anchor.model_validate_json(text), "lease_owner": None}
     return _intent(row).model_copy(update={**accepted, "lease_expires_at": None})
@@ -223,7 +223,7 @@ def capture(core: Core, intent: TurnIntent) -> TurnIntent:
     if isinstance(result, ClosedRange):
         messages = result.messages
         params = _turn_params(intent.scope, intent.session_id, intent.turn_id, b_messages=json.dumps(messages), b_ts=ts)
-        core.conn.execute(_MARK_READY, params)
+        core.run(_MARK_READY, params)
         return intent.model_copy(update={"state": "ready", "messages": messages})
     if result.reason == "projection_unavailable":
         return intent
@@ -249,13 +249,13 @@ def discard(core: Core, scope: str, session_id: str, turn_id: str, *, expired_on
 def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
     """Delete a delivered intent (only the lease owner's claim, when an owner is given)."""
     q = _COMPLETE if owner is None else _COMPLETE_OWNED
-    return core.conn.execute(q, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
+    return core.run(q, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
 
 
 def pending(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[TurnIntent]:
     """Every non-blocked intent of a session (of one engine, when given), in enqueue order."""
     q = _PENDING if engine_id is None else _PENDING_OF_ENGINE
-    return [_intent(r) for r in core.conn.execute(q, session_params(scope, session_id, b_engine=engine_id))]
+    return [_intent(r) for r in core.run(q, session_params(scope, session_id, b_engine=engine_id))]
 
 
 def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
@@ -372,4 +372,4 @@ def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> No
 
 def expired_admitted(core: Core, scope: str, session_id: str) -> list[TurnIntent]:
     """Admitted-only intents of a session whose worker lease has expired."""
-    return [_intent(r) for r in core.conn.execute(_EXPIRED_ADMITTED, session_params(scope, session_id, b_now=now_us()))]
+    return [_intent(r) for r in core.run(_EXPIRED_ADMITTED, session_params(scope, session_id, b_now=now_us()))]

@@ -181,12 +181,17 @@ receipts = Table(
     Column("message_count", Integer, nullable=False),
     Column("is_heartbeat", Boolean, nullable=False),
     Column("committed_us", BigInteger, nullable=False),
+    # Raw seqs of the turn's message entries, comma-separated: the ledger references the transcript
+    # (entries are immutable) instead of copying it. NULL on receipts from before revision 0005, whose
+    # messages are in ts_turn_messages.
+    Column("message_seqs", Text, nullable=True),
     PrimaryKeyConstraint("scope", "session_id", "engine_id", "advancement_key", name="ts_receipts_pk"),
     _session_fk("ts_receipts"),
 )
 
 Index("ts_receipts_key", receipts.c.scope, receipts.c.session_id, receipts.c.advancement_key)
 
+# Copies of committed messages, written only before revision 0005 (read for those receipts).
 turn_messages = Table(
     "ts_turn_messages",
     metadata,

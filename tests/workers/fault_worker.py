@@ -84,12 +84,11 @@ def open_store(url: str) -> TranscriptStore:
 
 def count_retries(store: TranscriptStore, counter: list[int]) -> None:
     """Count every transient-error retry of this store's transactions in ``counter[0]``."""
-    base = store.db._retrying
 
-    def bump(_state: object) -> None:
+    def bump(_error: BaseException) -> None:
         counter[0] += 1
 
-    store.db._retrying = lambda: base().copy(before_sleep=bump)  # type: ignore[method-assign]
+    store.db.on_retry = bump
 
 
 def rss_bytes() -> int:

@@ -1,0 +1,185 @@
+"""The turn path's statement runner: prebuilt SQLAlchemy statements, compiled once, run on the driver.
+
+Why this exists (bench/README.md, "Profiling"): on this path every statement is a primary-key or
+index lookup that SQLite answers in ~5 us, and SQLAlchemy's ``Connection.execute`` of an already
+compiled, cached statement spent ~50 us around it (execution context, parameter processing, result
+metadata, events). A host turn runs a few dozen of them. So the statements stay SQLAlchemy Core
+constructs (one definition, both dialects, the schema's types), but each is compiled ONCE per dialect
+into its SQL text, bind order and type processors, and executed on the driver's own cursor of the
+same pooled connection, inside the same transaction. What SQLAlchemy would have done around it is
+kept where it matters:
+
+- bind and result type processing (``Boolean`` on SQLite is an integer on the wire);
+- rows with attribute access (``row.seq``) and ``_asdict()``;
+- driver errors become SQLAlchemy ``DBAPIError``\\ s, a lost connection is invalidated, so
+  ``Database`` translates and retries them exactly as before;
+- ``before_cursor_execute`` listeners still see every statement (the benchmarks and tests count them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Connection, Row
+from sqlalchemy.engine import Dialect as SADialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql import Insert, Select
+from sqlalchemy.sql.base import Executable
+
+Params = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    sql: str
+    order: tuple[str, ...] | None  # bind names in positional order (qmark), None for named (pyformat)
+    binds: tuple[tuple[str, Callable[[Any], Any]], ...]
+    defaults: dict[str, Any]  # literal binds the statement carries itself (e.g. SQLite's OFFSET 0)
+    row: Any  # a namedtuple class, or None when the statement returns no rows
+    results: tuple[Callable[[Any], Any] | None, ...]
+    any_result_processor: bool
+
+
+_cache: dict[tuple[int, str, tuple[str, ...] | None], _Compiled] = {}
+_keep: dict[int, Executable] = {}  # statements compiled here stay alive, so their id() is never reused
+_lock = threading.Lock()
+
+
+def _columns(stmt: Any) -> list[Any]:
+    if isinstance(stmt, Select):
+        return list(stmt.selected_columns)
+    returning = getattr(stmt, "_returning", ())
+    return list(stmt.exported_columns) if returning else []
+
+
+def _row_class(names: list[str]) -> Any:
+    """A named tuple class for one statement's result columns."""
+    return namedtuple("HotRow", names)
+
+
+def _compile(stmt: Any, dialect: SADialect, keys: tuple[str, ...] | None) -> _Compiled:
+    compiled = stmt.compile(dialect=dialect, column_keys=list(keys) if keys is not None else None)
+    binds = []
+    defaults = {}
+    for name, bind in compiled.binds.items():
+        proc = bind.type._cached_bind_processor(dialect)
+        if proc is not None:
+            binds.append((name, proc))
+        if not bind.required:
+            defaults[name] = bind.effective_value
+    cols = _columns(stmt)
+    row_type: Any = None
+    results: tuple[Callable[[Any], Any] | None, ...] = ()
+    if cols:
+        row_type = _row_class([c.key for c in cols])
+        results = tuple(c.type._cached_result_processor(dialect, None) for c in cols)
+    order = tuple(compiled.positiontup) if compiled.positional and compiled.positiontup is not None else None
+    return _Compiled(
+        compiled.string, order, tuple(binds), defaults, row_type, results, any(p is not None for p in results)
+    )
+
+
+def compiled_for(stmt: Executable, dialect: SADialect, keys: tuple[str, ...] | None = None) -> _Compiled:
+    """The compiled form of a module-level statement (cached by identity, dialect and insert keys)."""
+    key = (id(stmt), dialect.name, keys)
+    found = _cache.get(key)
+    if found is None:
+        found = _compile(stmt, dialect, keys)
+        with _lock:
+            _keep[id(stmt)] = stmt
+            _cache[key] = found
+    return found
+
+
+class HotResult:
+    """The rows (or rowcount) of one statement: the part of SQLAlchemy's Result the store uses."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    # Rows are named tuples: they offer what the store uses of SQLAlchemy's Row (attributes, indexes,
+    # ``_asdict``), and are typed as Row for the callers written against SQLAlchemy results.
+    def first(self) -> Row[Any] | None:
+        """The first row, or None."""
+        return cast("Row[Any]", self._rows[0]) if self._rows else None
+
+    def all(self) -> list[Row[Any]]:
+        """Every row."""
+        return self._rows
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or None."""
+        return self._rows[0][0] if self._rows else None
+
+    def scalar_one(self) -> Any:
+        """The first column of the only row."""
+        if len(self._rows) != 1:
+            raise ValueError(f"expected exactly one row, got {len(self._rows)}")
+        return self._rows[0][0]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
+def _bind(c: _Compiled, params: Params) -> Any:
+    if c.defaults:
+        params = {**c.defaults, **params}
+    if c.binds:
+        params = dict(params)
+        for name, proc in c.binds:
+            if name in params:
+                params[name] = proc(params[name])
+    if c.order is not None:
+        return tuple(params.get(n) for n in c.order)
+    return params
+
+
+def run(conn: Connection, stmt: Executable, params: Any = None) -> HotResult:
+    """Execute a prebuilt statement on the driver cursor of ``conn`` (one dict: execute; a list: executemany)."""
+    dialect = conn.dialect
+    many = isinstance(params, list)
+    if many and not params:
+        return HotResult([], 0)
+    first: Params = params[0] if many else (params or {})
+    keys = tuple(first) if isinstance(stmt, Insert) else None
+    c = compiled_for(stmt, dialect, keys)
+    bound: Any = [_bind(c, p) for p in params] if many else _bind(c, first)
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    cursor = driver.cursor()
+    try:
+        listeners = conn.dispatch.before_cursor_execute
+        if listeners:
+            listeners(conn, cursor, c.sql, bound, None, many)
+        if many:
+            cursor.executemany(c.sql, bound)
+            return HotResult([], cursor.rowcount)
+        cursor.execute(c.sql, bound)
+        if c.row is None:
+            return HotResult([], cursor.rowcount)
+        fetched = cursor.fetchall()
+        make = c.row._make
+        if c.any_result_processor:
+            procs = c.results
+            rows = [make([v if p is None else p(v) for p, v in zip(procs, r, strict=True)]) for r in fetched]
+        else:
+            rows = [make(r) for r in fetched]
+        return HotResult(rows, cursor.rowcount)
+    except dialect.loaded_dbapi.Error as e:
+        gone = dialect.is_disconnect(e, driver, cursor)
+        if gone:
+            conn.invalidate(e)
+        raise DBAPIError.instance(
+            c.sql, bound, e, dialect.loaded_dbapi.Error, connection_invalidated=gone, dialect=dialect
+        ) from e
+    finally:
+        with contextlib.suppress(dialect.loaded_dbapi.Error):  # a lost connection was already reported
+            cursor.close()
