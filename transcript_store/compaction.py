@@ -23,22 +23,20 @@ STATE_KEY = "compaction"
 
 def load_pointer(store: Any, scope: str, session_id: str) -> dict[str, Any] | None:
     """The latest compaction pointer of a session if its first kept entry is still active."""
-
-    def run(c: Core) -> dict[str, Any] | None:
-        pointer = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
-        if not isinstance(pointer, dict):
-            return None
-        row = c.entry_rows(scope, session_id, [pointer["first_kept_entry_id"]]).get(pointer["first_kept_entry_id"])
-        if (
-            row is None
-            or row.position != pointer["first_kept_position"]
-            or not c.on_active_path(scope, session_id, row)
-        ):
-            return None
-        return pointer
-
-    result: dict[str, Any] | None = store.read(run)
+    result: dict[str, Any] | None = store.read(lambda c: pointer_in(c, scope, session_id))
     return result
+
+
+def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
+    """``load_pointer`` inside an open transaction (the legacy engine reads it with its delta)."""
+    pointer = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
+    if not isinstance(pointer, dict):
+        return None
+    kept = pointer["first_kept_entry_id"]
+    row = c.entries_with_path(scope, session_id, [kept]).get(kept)
+    if row is None or row.position != pointer["first_kept_position"] or row.ts_path_seq != row.seq:
+        return None
+    return pointer
 
 
 def split_point(entries: Sequence[Entry], keep_last: int) -> int:

@@ -196,6 +196,27 @@ def _entry_rows_of(n: int) -> Select[Any]:
     return _ENTRY_ROWS_OF[n]
 
 
+# An entry together with the seq the active path holds at its depth: "is it on the active path" in
+# the same statement as the entry itself (fences and closed ranges ask both, on every turn).
+_PATH_SEQ_OF_ENTRY = (
+    select(active_path.c.seq)
+    .where(
+        active_path.c.scope == entries.c.scope,
+        active_path.c.session_id == entries.c.session_id,
+        active_path.c.depth == entries.c.depth,
+    )
+    .correlate(entries)
+    .scalar_subquery()
+    .label("ts_path_seq")
+)
+_ENTRIES_WITH_PATH_OF = {
+    n: select(*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY).where(
+        by_session(entries), entries.c.entry_id.in_([bindparam(f"b_id{i}") for i in range(n)])
+    )
+    for n in (1, 2)
+}
+
+
 _PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
     by_session(active_path), active_path.c.depth == bindparam("b_depth")
 )
@@ -338,6 +359,8 @@ class Core:
         self.conn = conn
         self.dialect = dialect
         self.config = config
+        #: sessions whose row this transaction holds locked (a Core lives for one transaction)
+        self._locked: set[tuple[str, str]] = set()
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
@@ -348,7 +371,20 @@ class Core:
     def session_row(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any] | None:
         """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL)."""
         q = _SESSION_ROW_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_ROW
-        return self.run(q, session_params(scope, session_id)).first()
+        row = self.run(q, session_params(scope, session_id)).first()
+        if lock and row is not None:
+            self._locked.add((scope, session_id))
+        return row
+
+    def lock_session(self, scope: str, session_id: str) -> bool:
+        """Lock the session's row for the rest of this transaction; False if there is no such session.
+
+        Once locked (by this call, ``append`` or any ``lock=True`` lookup), it stays locked until the
+        transaction ends: no second statement (the fast completion appends, then commits the turn).
+        """
+        if (scope, session_id) in self._locked:
+            return True
+        return self.session_row(scope, session_id, lock=True) is not None
 
     def session_row_and_path_seq(
         self, scope: str, session_id: str, position: int
@@ -432,6 +468,7 @@ class Core:
     def delete_session(self, scope: str, session_id: str) -> None:
         """Delete the session and everything keyed by it (cascades)."""
         self.require_session(scope, session_id, lock=True)
+        self._locked.discard((scope, session_id))
         # Explicit deletes: SQLite cascades only with foreign_keys on, and order keeps PG lock-light.
         for table in (active_path, entries):
             self.conn.execute(delete(table).where(table.c.scope == scope, table.c.session_id == session_id))
@@ -479,6 +516,12 @@ class Core:
 
     def append(self, scope: str, session_id: str, items: Sequence[NewEntry]) -> list[Entry]:
         """Append entries at the head, in order; an item whose key exists returns the stored one."""
+        return self.append_to_session(scope, session_id, items)[1]
+
+    def append_to_session(
+        self, scope: str, session_id: str, items: Sequence[NewEntry]
+    ) -> tuple[Row[Any], list[Entry]]:
+        """``append``, also returning the session row as it was locked (its identity fields hold)."""
         sess = self.require_session(scope, session_id, lock=True)
         seq, depth, visible = sess.last_seq, sess.path_length, sess.visible_count
         head_id, head_seq = sess.head_entry_id, sess.head_seq
@@ -538,7 +581,7 @@ class Core:
                     b_path_length=depth, b_visible_count=visible, b_updated_us=ts,
                 ),
             )
-        return out
+        return sess, out
 
     # ------------------------------------------------------------------------------------ lookups
 
@@ -554,6 +597,15 @@ class Core:
             params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
             out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))
         return out
+
+    def entries_with_path(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
+        """Rows of one or two named entries with ``ts_path_seq``: the active path's seq at their depth.
+
+        ``row.ts_path_seq == row.seq`` says the entry is on the active path now (``on_active_path``).
+        """
+        ids = list(dict.fromkeys(entry_ids))
+        params = session_params(scope, session_id, **{f"b_id{i}": e for i, e in enumerate(ids)})
+        return {r.entry_id: r for r in self.run(_ENTRIES_WITH_PATH_OF[len(ids)], params)}
 
     def entry_row(self, scope: str, session_id: str, entry_id: str) -> Row[Any]:
         """One entry's row, or UnknownEntry."""

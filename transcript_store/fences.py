@@ -19,15 +19,21 @@ MAX_TURN_EVENTS = 20_000
 MAX_TURN_BYTES = 8 * 1024 * 1024
 
 
-def check_fence(core: Core, scope: str, session_id: str, fence: Anchor) -> Row[Any]:
-    """Validate a fence for a read of (scope, session); return the session row or raise."""
+def check_fence(
+    core: Core, scope: str, session_id: str, fence: Anchor, sess: Row[Any] | None = None
+) -> Row[Any]:
+    """Validate a fence for a read of (scope, session); return the session row or raise.
+
+    ``sess``: the session row, when the read already fetched it in this transaction.
+    """
     check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:
         raise ReadFenceError("scope", "the fence belongs to another scope or session")
-    sess = core.session_row(scope, session_id)
+    if sess is None:
+        sess = core.session_row(scope, session_id)
     if sess is None:
         raise ReadFenceError("missing", "the session is gone")
-    rows = core.entry_rows(scope, session_id, [fence.entry_id])
+    rows = core.entries_with_path(scope, session_id, [fence.entry_id])
     row = rows.get(fence.entry_id)
     if row is None:
         raise ReadFenceError("missing", f"admitted entry {fence.entry_id} does not exist")
@@ -35,7 +41,7 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor) -> Row[A
         raise ReadFenceError("rewritten", f"generation {fence.generation} is now {sess.generation}")
     if row.seq != fence.seq or row.parent_id != fence.parent_id or row.position != fence.position:
         raise ReadFenceError("moved", "the admitted entry's seq, parent or position changed")
-    if not core.on_active_path(scope, session_id, row):
+    if row.ts_path_seq != row.seq:
         raise ReadFenceError("missing", "the admitted entry left the active branch")
     if row.kind != "message" or row.role != "user":
         raise ReadFenceError("not_user", "the admitted entry is not a user message")
@@ -53,7 +59,7 @@ def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> Closed
     sess = core.session_row(scope, session_id)
     if sess is None or sess.generation != admission.generation or sess.session_key != admission.session_key:
         return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
-    rows = core.entry_rows(scope, session_id, [admission.entry_id, terminal.entry_id])
+    rows = core.entries_with_path(scope, session_id, [admission.entry_id, terminal.entry_id])
     for anchor in (admission, terminal):
         row = rows.get(anchor.entry_id)
         if row is None or not _matches(row, anchor):
@@ -65,7 +71,7 @@ def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> Closed
         return ClosedRangeFailure(reason="non_descendant", detail="the terminal precedes the admission")
     if last.depth - first.depth + 1 > MAX_TURN_EVENTS:
         return ClosedRangeFailure(reason="too_large", detail=f"over {MAX_TURN_EVENTS} events")
-    if not (core.on_active_path(scope, session_id, first) and core.on_active_path(scope, session_id, last)):
+    if not (first.ts_path_seq == first.seq and last.ts_path_seq == last.seq):
         # Both anchors still match, but the turn is not (wholly) on the active branch: either the
         # terminal sits on another branch than the admission, or the whole turn was branched away.
         if not _off_path_descends(core, scope, session_id, first, last):

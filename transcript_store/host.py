@@ -271,9 +271,15 @@ class HostRuntime:
         method = getattr(engine, "commit_turn", None)
         if method is None:
             return None
+        # An engine whose ledger is this store's may take the payload the host already validated and
+        # hashed (``commit_prepared(tx, turn)``), instead of validating and hashing it a second time.
+        prepared = getattr(engine, "commit_prepared", None)
 
         def run(c: Core, p: TurnPayload) -> CommitResult:
             try:
+                if prepared is not None and p.engine_id == engine_id:
+                    done: CommitResult = prepared(c, p)
+                    return done
                 result: CommitResult = method(
                     tx=c,
                     advancement_key=p.advancement_key,
@@ -364,7 +370,8 @@ class HostRuntime:
             raise InvalidInput("a turn starts with a user message")
         turn_id = turn_id or new_id()
         session_id = self.resolve_session(scope, session_id)
-        self.store.get_session(scope, session_id)  # UnknownSession before anything is written
+        # An unknown session is refused by the admission's transaction (UnknownSession), before any
+        # write: no read transaction of its own to ask first.
         try:
             return self._run_turn(scope, session_id, user, turn_id, runtime_context)
         finally:
@@ -467,13 +474,17 @@ class HostRuntime:
             engine, info = self.engine(engine_id)
         except EngineError as e:
             raise _Degrade(f"engine unavailable: {e}") from None
-        report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
-        done = self._already_accepted(scope, session_id, turn_id, engine_id)
-        if done is not None:
-            return done
-        if [t for t in report.pending if t != turn_id]:
-            raise _Degrade("an earlier turn of the session is still pending")
-        admission, _intent = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+        # The common case in one transaction: nothing to recover, not a retry, admitted.
+        admitted = self.turns.admit_if_clear(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+        if admitted is None:
+            report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
+            done = self._already_accepted(scope, session_id, turn_id, engine_id)
+            if done is not None:
+                return done
+            if [t for t in report.pending if t != turn_id]:
+                raise _Degrade("an earlier turn of the session is still pending")
+            admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+        admission = admitted[0]
         fence = admission.anchor
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
@@ -487,8 +498,10 @@ class HostRuntime:
         }
         read_fence: Anchor | None = fence
         unfenced: str | None = None
+        # No separate probe of the fence: the engine's own fenced reads validate it (each fenced read
+        # re-checks the admitted entry), and a ReadFenceError from them is handled here.
         try:
-            self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
+            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
         except ReadFenceError as e:
             if engine_id != LEGACY:
                 raise _Degrade(f"read fence: {e.reason}") from None
@@ -497,12 +510,7 @@ class HostRuntime:
             log.warning("turn %s: fence cannot be honoured (%s); legacy reads unfenced", turn_id, e.reason)
             read_fence = None
             unfenced = f"read fence: {e.reason} (legacy read unfenced)"
-        try:
             assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
-        except ReadFenceError as e:
-            if engine_id == LEGACY:
-                raise
-            raise _Degrade(f"read fence: {e.reason}") from None
         except Exception as e:
             if engine_id == LEGACY:
                 raise

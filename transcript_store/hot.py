@@ -28,7 +28,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, Row
 from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.sql import Insert, Select
+from sqlalchemy.sql import CompoundSelect, Insert, Select
 from sqlalchemy.sql.base import Executable
 
 Params = Mapping[str, Any]
@@ -51,7 +51,7 @@ _lock = threading.Lock()
 
 
 def _columns(stmt: Any) -> list[Any]:
-    if isinstance(stmt, Select):
+    if isinstance(stmt, Select | CompoundSelect):
         return list(stmt.selected_columns)
     returning = getattr(stmt, "_returning", ())
     return list(stmt.exported_columns) if returning else []

@@ -220,7 +220,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     """
     # Lock the session row: commits of one session serialize (PostgreSQL; SQLite writers already do),
     # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
-    if core.session_row(turn.scope, turn.session_id, lock=True) is None:
+    if not core.lock_session(turn.scope, turn.session_id):
         raise UnknownSession(turn.scope, turn.session_id)
     adm, term = turn.admission, turn.terminal
     rows = core.run(

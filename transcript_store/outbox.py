@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Row, bindparam, delete, select, update
+from sqlalchemy import Row, bindparam, delete, literal, select, union_all, update
 
 from . import identity
 from .core import Core, by_session, from_us, now_us, session_params
@@ -25,7 +25,7 @@ from .errors import InvalidInput, OutboxCollision
 from .fences import read_closed_range
 from .ledger import CommitResult
 from .models import Admission, Anchor, ClosedRange
-from .schema import outbox
+from .schema import outbox, receipts
 
 log = logging.getLogger("transcript_store.outbox")
 
@@ -87,6 +87,28 @@ def _intent(row: Row[Any]) -> TurnIntent:
     )
 
 
+def _intent_of(values: dict[str, Any], admission: Admission) -> TurnIntent:
+    """The intent of a row just inserted from ``values`` (no JSON to parse back)."""
+    return TurnIntent.model_construct(
+        scope=values["scope"],
+        session_id=values["session_id"],
+        turn_id=values["turn_id"],
+        engine_id=values["engine_id"],
+        state="admitted",
+        enqueue_seq=values["enqueue_seq"],
+        admission=admission,
+        terminal=None,
+        messages=None,
+        is_heartbeat=values["is_heartbeat"],
+        block_reason=None,
+        attempt_count=0,
+        last_error=None,
+        last_attempt_at=None,
+        lease_owner=values["lease_owner"],
+        lease_expires_at=from_us(values["lease_expires_us"]),
+    )
+
+
 def _key(scope: str, session_id: str, turn_id: str) -> Any:
     return (outbox.c.scope == scope) & (outbox.c.session_id == session_id) & (outbox.c.turn_id == turn_id)
 
@@ -116,6 +138,17 @@ _EXPIRED_ADMITTED = select(outbox).where(
 )
 #: dialect name -> INSERT .. ON CONFLICT DO NOTHING RETURNING of an admitted intent
 _INSERT_ADMITTED: dict[str, Any] = {}
+_DELETE_TURN = delete(outbox).where(_BY_TURN)
+# What a new turn must know of its session's outbox and ledger before it is admitted, in ONE statement
+# (a round trip on PostgreSQL): every non-blocked intent, and any row or receipt of this very turn id.
+_TURN_PRECHECK = union_all(
+    select(literal("intent").label("kind"), outbox.c.turn_id.label("ref")).where(
+        by_session(outbox), (outbox.c.state != "blocked") | (outbox.c.turn_id == bindparam("b_turn"))
+    ),
+    select(literal("receipt").label("kind"), receipts.c.engine_id.label("ref")).where(
+        by_session(receipts), receipts.c.advancement_key == bindparam("b_turn")
+    ),
+)
 
 
 def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict[str, Any]:
@@ -174,10 +207,11 @@ def record_admitted(
         stmt = core.dialect.insert(outbox).on_conflict_do_nothing().returning(outbox.c.turn_id)
         _INSERT_ADMITTED[core.dialect.name] = stmt
     inserted = core.run(stmt, values).first() is not None
-    row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=not inserted)
-    assert row is not None
     if inserted:
-        return _intent(row)
+        # The row is what was just written: no statement to read it back.
+        return _intent_of(values, admission)
+    row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=True)
+    assert row is not None
     if row.engine_id != engine_id:
         raise OutboxCollision(f"turn {admission.turn_id!r} is owned by engine {row.engine_id!r}, not {engine_id!r}")
     if Admission.model_validate_json(row.admission).anchor.entry_id != a.entry_id:
@@ -196,6 +230,20 @@ def record_admitted(
 
 def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
     """admitted -> accepted with the terminal anchor; the same acceptance again is a no-op."""
+    intent, fresh = check_accept(core, scope, session_id, turn_id, terminal)
+    if fresh:
+        persist_accept(core, scope, session_id, turn_id, terminal)
+    return intent
+
+
+def check_accept(
+    core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor
+) -> tuple[TurnIntent, bool]:
+    """Lock and check the row for ``accept``: (the accepted intent, whether the acceptance is new).
+
+    Writes nothing: the fast completion deletes the row in the same transaction, so it never writes
+    an acceptance nobody else could see; ``persist_accept`` writes it when it is needed after all.
+    """
     row = get_row(core, scope, session_id, turn_id, lock=True)
     if row is None:
         raise OutboxCollision(f"turn {turn_id!r} has no admitted intent to accept")
@@ -205,27 +253,38 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
         raise InvalidInput("the terminal anchor names another session than the admission")
     if row.state != "admitted":
         if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
-            return _intent(row)
+            return _intent(row), False
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
+    # The row as _ACCEPT leaves it, without reading it back (a statement, a round trip, per turn).
+    accepted = {"state": "accepted", "terminal": terminal, "lease_owner": None, "lease_expires_at": None}
+    return _intent(row).model_copy(update=accepted), True
+
+
+def persist_accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> None:
+    """Write the acceptance of an admitted intent (see ``accept``)."""
     text = terminal.model_dump_json()
     core.run(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
-    # The row as _ACCEPT left it, without reading it back (a statement, a round trip, per turn).
-    accepted = {"state": "accepted", "terminal": Anchor.model_validate_json(text), "lease_owner": None}
-    return _intent(row).model_copy(update={**accepted, "lease_expires_at": None})
 
 
-def capture(core: Core, intent: TurnIntent) -> TurnIntent:
-    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable."""
+def capture(core: Core, intent: TurnIntent, *, persist: bool = True) -> TurnIntent:
+    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable.
+
+    ``persist=False`` (the fast completion): a captured range is returned, not written; a range that
+    cannot be captured returns the intent unchanged, for the caller to take the persisted way.
+    """
     if intent.state != "accepted" or intent.terminal is None:
         return intent
     result = read_closed_range(core, intent.admission.anchor, intent.terminal)
     ts = now_us()
     if isinstance(result, ClosedRange):
         messages = result.messages
-        params = _turn_params(intent.scope, intent.session_id, intent.turn_id, b_messages=json.dumps(messages), b_ts=ts)
-        core.run(_MARK_READY, params)
+        if persist:
+            params = _turn_params(
+                intent.scope, intent.session_id, intent.turn_id, b_messages=json.dumps(messages), b_ts=ts
+            )
+            core.run(_MARK_READY, params)
         return intent.model_copy(update={"state": "ready", "messages": messages})
-    if result.reason == "projection_unavailable":
+    if result.reason == "projection_unavailable" or not persist:
         return intent
     reason = f"{result.reason}: {result.detail}" if result.detail else result.reason
     key = _key(intent.scope, intent.session_id, intent.turn_id)
@@ -250,6 +309,20 @@ def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str |
     """Delete a delivered intent (only the lease owner's claim, when an owner is given)."""
     q = _COMPLETE if owner is None else _COMPLETE_OWNED
     return core.run(q, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
+
+
+def delete_turn(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
+    """Delete a turn's row whatever its state (the fast completion, which holds the row's lock)."""
+    return core.run(_DELETE_TURN, _turn_params(scope, session_id, turn_id)).rowcount == 1
+
+
+def turn_is_clear(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
+    """True when a new turn can be admitted without recovery first (the common case, one statement).
+
+    Clear: the session's outbox holds no intent but blocked ones (nothing to discard, capture, drain
+    or wait for), and neither the outbox nor the ledger knows this turn id (not a retry).
+    """
+    return core.run(_TURN_PRECHECK, _turn_params(scope, session_id, turn_id)).first() is None
 
 
 def pending(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[TurnIntent]:

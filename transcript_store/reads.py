@@ -39,7 +39,7 @@ def read_visible_delta(
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
     if fence is not None:
-        check_fence(core, scope, session_id, fence)
+        check_fence(core, scope, session_id, fence, sess)
     fresh = start_cursor(scope, session_id, sess.generation)
     if cursor is None:
         state = CursorState(scope, session_id, sess.generation, -1, -1)

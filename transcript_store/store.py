@@ -395,11 +395,11 @@ class TranscriptStore:
 
 def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:
     """Admit inside an open transaction (the turn runner adds its outbox row to the same one)."""
-    entry = c.append(scope, session_id, [item])[0]
-    sess = c.require_session(scope, session_id)
+    sess, appended = c.append_to_session(scope, session_id, [item])
+    entry = appended[0]
     assert item.turn_id is not None
     # The appended Entry carries every field of its row that an anchor takes: no second lookup.
-    return Admission(anchor=c.anchor_for(sess, entry), turn_id=item.turn_id)
+    return Admission.model_construct(anchor=c.anchor_for(sess, entry), turn_id=item.turn_id)
 
 
 def _append_item(raw: Any) -> AppendItem:

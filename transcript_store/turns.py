@@ -141,6 +141,47 @@ class Turns:
         faults.point("admit.after_commit")
         return result
 
+    def admit_if_clear(
+        self,
+        scope: str,
+        session_id: str,
+        message: dict[str, Any],
+        *,
+        turn_id: str,
+        engine_id: str,
+        is_heartbeat: bool = False,
+    ) -> tuple[Admission, TurnIntent] | None:
+        """``admit``, in the same one transaction as the check that no recovery is needed first.
+
+        None (nothing written) when the session's outbox holds a non-blocked intent or the turn id is
+        already known to the outbox or the ledger: the caller runs ``recover`` and ``admit``. This is
+        the common case of a turn costing one transaction before the model call, instead of the
+        recovery snapshot, the retry lookup and the admission (bench/README.md).
+        """
+        self.store._ids(scope, session_id)
+        check_id("engine_id", engine_id)
+        if not isinstance(is_heartbeat, bool):
+            raise InvalidInput("is_heartbeat must be a bool")
+        item = self.store.prepare_admission(message, turn_id=turn_id)
+        owner = str(identity.current())
+
+        def run(c: Core) -> tuple[Admission, TurnIntent] | None:
+            if not outbox.turn_is_clear(c, scope, session_id, turn_id):
+                return None
+            faults.point("admit.before")
+            admission = admit_in(c, scope, session_id, item)
+            faults.point("admit.after_entry")
+            intent = outbox.record_admitted(
+                c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
+                is_heartbeat=is_heartbeat, owner=owner,
+            )
+            return admission, intent
+
+        result = self.store.write(run)
+        if result is not None:
+            faults.point("admit.after_commit")
+        return result
+
     def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
         """A failed, aborted or errored attempt: delete its admitted intent (nothing else)."""
         _check_turn(self.store, scope, session_id, turn_id)
@@ -204,30 +245,47 @@ class Turns:
     def _accept_with(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
     ) -> tuple[TurnIntent, Anchor]:
-        appended = c.append(scope, session_id, items)
-        faults.point("complete.after_replies")
-        sess = c.require_session(scope, session_id)
-        terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
-        intent = outbox.accept(c, scope, session_id, turn_id, terminal)
+        intent, terminal, fresh = Turns._append_and_check(c, scope, session_id, turn_id, items)
+        if fresh:
+            outbox.persist_accept(c, scope, session_id, turn_id, terminal)
         faults.point("complete.after_accept")
         return intent, terminal
+
+    @staticmethod
+    def _append_and_check(
+        c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
+    ) -> tuple[TurnIntent, Anchor, bool]:
+        sess, appended = c.append_to_session(scope, session_id, items)
+        faults.point("complete.after_replies")
+        terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
+        intent, fresh = outbox.check_accept(c, scope, session_id, turn_id, terminal)
+        return intent, terminal, fresh
 
     def _complete_fast(
         self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
     ) -> CompletionResult:
-        intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
+        # The row goes admitted -> deleted inside this one transaction when the commit succeeds, so the
+        # intermediate states (accepted, ready) are not written: nobody else could ever see them. If
+        # the turn cannot be committed here, they are written before the transaction ends.
+        intent, terminal, fresh = self._append_and_check(c, scope, session_id, turn_id, items)
+        faults.point("complete.after_accept")
         pending = outbox.pending(c, scope, session_id, intent.engine_id)
         if any(i.enqueue_seq < intent.enqueue_seq for i in pending):
             # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
+            if fresh:
+                outbox.persist_accept(c, scope, session_id, turn_id, terminal)
             return CompletionResult(intent, terminal, None)
-        intent = outbox.capture(c, intent)
-        if intent.state != "ready":
+        ready = outbox.capture(c, intent, persist=False)
+        if ready.state != "ready":
+            if fresh:
+                outbox.persist_accept(c, scope, session_id, turn_id, terminal)
+            intent = outbox.capture(c, intent)  # blocked (written), or still accepted
             return CompletionResult(intent, terminal, None)
-        result = commit_in(c, turn_payload(intent))
+        result = commit_in(c, turn_payload(ready))
         _check_result(result)
-        outbox.complete(c, scope, session_id, turn_id)
+        outbox.delete_turn(c, scope, session_id, turn_id)
         faults.point("complete.after_commit")
-        return CompletionResult(intent, terminal, result)
+        return CompletionResult(ready, terminal, result)
 
     # ------------------------------------------------------------------------------------ drain
 

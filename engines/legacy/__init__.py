@@ -13,7 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from transcript_store import compaction
+from transcript_store import compaction, reads
+from transcript_store.core import Core, check_anchor
 from transcript_store.engine import (
     AssembleResult,
     CompactResult,
@@ -21,7 +22,7 @@ from transcript_store.engine import (
     EngineInfo,
     TranscriptSemantics,
 )
-from transcript_store.ledger import CommitResult, commit_turn_in, prepare_turn
+from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Anchor, DeltaMissing, DeltaReset
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
@@ -38,6 +39,8 @@ class _Projection:
     cursor: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     entry_ids: list[str] = field(default_factory=list)
+    #: each message's own token estimate, counted once when it is read (not on every turn)
+    tokens: list[int] = field(default_factory=list)
 
 
 class LegacyEngine:
@@ -77,26 +80,30 @@ class LegacyEngine:
                 self._projections.popitem(last=False)
             return proj
 
-    def _advance(self, scope: str, session_id: str, fence: Anchor | None) -> _Projection:
-        """Read the visible messages not seen yet (up to the fence), rebuilding on reset."""
+    def _advance(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> _Projection:
+        """Read the visible messages not seen yet (up to the fence), rebuilding on reset.
+
+        Runs inside the one read transaction of ``assemble`` (pages, resets and the compaction
+        pointer from one snapshot: one transaction per assembly instead of one per read).
+        """
         proj = self._projection(scope, session_id)
         if fence is not None and fence.position is not None and len(proj.messages) >= fence.position:
             # Already past the fence (an unfenced read earlier): validate the fence, then only check
             # the cursor's ground with an unfenced read; the slice below keeps the prefix exact.
-            self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
+            reads.read_visible_delta(c, scope, session_id, None, 1, PAGE_BYTES, fence)
             fence_for_read = None
         else:
             fence_for_read = fence
         max_bytes = PAGE_BYTES
         while True:
-            result = self.store.read_visible_delta(
-                scope, session_id, proj.cursor, max_messages=PAGE_MESSAGES, max_bytes=max_bytes, fence=fence_for_read
+            result = reads.read_visible_delta(
+                c, scope, session_id, proj.cursor, PAGE_MESSAGES, max_bytes, fence_for_read
             )
             if isinstance(result, DeltaMissing):
-                proj.cursor, proj.messages, proj.entry_ids = None, [], []
+                proj.cursor, proj.messages, proj.entry_ids, proj.tokens = None, [], [], []
                 return proj
             if isinstance(result, DeltaReset):
-                proj.cursor, proj.messages, proj.entry_ids = result.cursor, [], []
+                proj.cursor, proj.messages, proj.entry_ids, proj.tokens = result.cursor, [], [], []
                 continue
             if result.required_bytes is not None:
                 max_bytes = result.required_bytes  # one message is larger than a page: enlarge the page
@@ -104,8 +111,10 @@ class LegacyEngine:
             max_bytes = PAGE_BYTES
             self.rows_read += len(result.entries)
             for e in result.entries:
-                proj.messages.append(e.message or {})
+                message = e.message or {}
+                proj.messages.append(message)
                 proj.entry_ids.append(e.entry_id)
+                proj.tokens.append(int(self.estimator.count_messages([message])))
             proj.cursor = result.cursor
             if not result.has_more:
                 return proj
@@ -122,24 +131,33 @@ class LegacyEngine:
         **_host: Any,
     ) -> AssembleResult:
         """The latest summary + the visible messages after it, before the fence, within the budget."""
-        proj = self._advance(scope, session_id, fence)
+        if fence is not None:
+            check_anchor("fence", fence)
+
+        def read(c: Core) -> tuple[_Projection, dict[str, Any] | None]:
+            return self._advance(c, scope, session_id, fence), compaction.pointer_in(c, scope, session_id)
+
+        proj, pointer = self.store.read(read)
         end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
-        pointer = compaction.load_pointer(self.store, scope, session_id)
         start = 0
         if pointer is not None and pointer["first_kept_position"] < end:
             start = pointer["first_kept_position"]
         prefix = [compaction.summary_message(pointer["summary"])] if pointer is not None and start > 0 else []
-        messages = prefix + self._fit(proj.messages, start, end, token_budget - self.estimator.count_messages(prefix))
+        budget = token_budget - self.estimator.count_messages(prefix)
+        messages = prefix + self._fit(proj.messages, proj.tokens, start, end, budget)
         return AssembleResult(messages=messages, estimated_tokens=int(self.estimator.count_messages(messages)))
 
-    def _fit(self, visible: list[dict[str, Any]], start: int, end: int, budget: int) -> list[dict[str, Any]]:
+    def _fit(
+        self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int
+    ) -> list[dict[str, Any]]:
         """The newest messages of visible[start:end] that fit the budget, never starting on a tool result.
 
-        Walks back from the newest message, so a turn costs O(what fits), not O(history).
+        Walks back from the newest message over the counts kept in the projection, so a turn costs
+        O(what fits), not O(history), and no message is counted twice.
         """
         first, total = end, 0
         while first > start:
-            cost = self.estimator.count_messages([visible[first - 1]])
+            cost = tokens[first - 1]
             if total + cost > budget:
                 break
             total += cost
@@ -184,6 +202,10 @@ class LegacyEngine:
     ) -> CommitResult:
         """Record the accepted turn in the ledger (the transcript already holds it)."""
         turn = prepare_turn(ENGINE_ID, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
+        return commit_turn_in(tx, turn)
+
+    def commit_prepared(self, tx: Any, turn: TurnPayload) -> CommitResult:
+        """``commit_turn`` of a payload the host already validated and hashed (same transaction)."""
         return commit_turn_in(tx, turn)
 
     def dispose(self) -> None:
