@@ -40,7 +40,8 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
     try:
         for length in ctx.counts.lengths:
             sid = session_for(length)
-            generation = store.get_session(SCOPE, sid).generation
+            info = store.get_session(SCOPE, sid)
+            generation, incarnation = info.generation, info.incarnation
             # Cursors after positions length-1-20k: built from the entries' own seq/position, as a reader
             # that had walked the transcript would hold them (walking 100,000 messages is not the point).
             starts = [length - 1 - PAGE * (k + 1) for k in range(min(TAIL_PAGES, (length - 1) // PAGE))]
@@ -48,7 +49,7 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
             for at in starts:
                 entry = store.list_entries(SCOPE, sid, after_seq=at - 1, limit=1)[0]
                 assert entry.position is not None
-                cursors.append(CursorState(SCOPE, sid, generation, entry.seq, entry.position).encode())
+                cursors.append(CursorState(SCOPE, sid, generation, entry.seq, entry.position, incarnation).encode())
 
             def ours_op(cursor: str, sid: str = sid) -> Callable[[], object]:
                 def run() -> object:

@@ -99,15 +99,16 @@ def cursors(w: dict[str, Any]) -> st.SearchStrategy[Any]:
     """Real cursors (own, other session, other scope), truncated, corrupted, forged, garbage, wrong types."""
     own: str = w["cursor"]
     forged = st.builds(
-        lambda scope, sid, gen, seq, pos: CursorState(scope, sid, gen, seq, pos).encode(),
+        lambda scope, sid, gen, seq, pos, inc: CursorState(scope, sid, gen, seq, pos, inc).encode(),
         st.sampled_from([A, B, "x"]), st.sampled_from(["s1", "only-b", "nowhere"]), ints, ints, ints,
+        st.one_of(st.just(w["incarnation"]), st.integers(min_value=0, max_value=2**63 - 1)),
     )
     return st.one_of(
         st.sampled_from([own, w["b_cursor"], w["other_session_cursor"]]),
         st.integers(0, len(own) - 1).map(lambda n: own[:n]),  # truncated
         st.integers(0, len(own) - 1).map(lambda n: own[:n] + ("A" if own[n] != "A" else "B") + own[n + 1 :]),
         forged,
-        json_values.map(lambda v: "tsc1." + base64.urlsafe_b64encode(json.dumps(v).encode()).decode().rstrip("=")),
+        json_values.map(lambda v: "tsc2." + base64.urlsafe_b64encode(json.dumps(v).encode()).decode().rstrip("=")),
         texts, wrong,
     )
 
@@ -167,6 +168,7 @@ def build_world(store: TranscriptStore, turns: Turns) -> dict[str, Any]:
     store.append(A, "s2", {"role": "user", "content": "other"}, entry_id="E0")
     w["other_session_cursor"] = store.read_visible_delta(A, "s2").cursor  # type: ignore[union-attr]
     w["messages"] = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    w["incarnation"] = store.get_session(A, "s1").incarnation
     w["export"] = store.export_session(A, "s1")
     return w
 

@@ -205,7 +205,7 @@ def test_rewrite_rotates_the_generation_and_resets_cursors(store: TranscriptStor
     store.rewrite_entries(A, sid, [{"entry_id": made[0].entry_id, "message": user("edited")}])
     reset = store.read_visible_delta(A, sid, page.cursor)
     assert isinstance(reset, DeltaReset) and reset.reason == "generation_mismatch"
-    assert reset.cursor == start_cursor(A, sid, 1)
+    assert reset.cursor == start_cursor(A, sid, 1, store.get_session(A, sid).incarnation)
     store.rewrite_entries(A, sid, [{"entry_id": store.read_visible(A, sid)[2].entry_id, "message": user("x")}])
     assert store.get_session(A, sid).generation == 2
 

@@ -84,7 +84,7 @@ def read_all(
 def test_an_empty_session_reads_an_empty_page(store: TranscriptStore, sid: str) -> None:
     page = page_of(store.read_visible_delta(A, sid))
     assert (page.entries, page.has_more, page.serialized_bytes, page.required_bytes) == ([], False, 0, None)
-    assert page.cursor.startswith("tsc1.")
+    assert page.cursor.startswith("tsc2.")
     # Events only: still nothing visible.
     store.append(A, sid, kind="custom", payload={"x": 1})
     again = page_of(store.read_visible_delta(A, sid, page.cursor))
@@ -156,7 +156,7 @@ def test_a_message_larger_than_max_bytes_reports_required_bytes(store: Transcrip
     # From the very start (no cursor) the unchanged cursor is the start cursor.
     start = page_of(store.read_visible_delta(A, sid, max_bytes=1))
     assert start.entries == [] and start.required_bytes == small.size_bytes
-    assert start.cursor == start_cursor(A, sid, 0)
+    assert start.cursor == start_cursor(A, sid, 0, inc(store, sid))
 
 
 BAD_LIMITS: list[tuple[Any, Any]] = [
@@ -167,7 +167,7 @@ BAD_LIMITS: list[tuple[Any, Any]] = [
 
 def test_out_of_range_limits_raise_value_error(store: TranscriptStore, sid: str) -> None:
     for max_messages, max_bytes in BAD_LIMITS:
-        for cursor in (None, start_cursor(A, sid, 0)):
+        for cursor in (None, start_cursor(A, sid, 0, inc(store, sid))):
             with pytest.raises(ValueError):
                 store.read_visible_delta(A, sid, cursor, max_messages=max_messages, max_bytes=max_bytes)
     # Even for a session that does not exist: limits are checked first.
@@ -192,23 +192,23 @@ def test_an_unknown_session_is_missing(store: TranscriptStore, sid: str) -> None
 
 
 def _body(cursor: str) -> list[Any]:
-    raw = cursor[len("tsc1.") :]
+    raw = cursor[len("tsc2.") :]
     return list(json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))))
 
 
-def _token(body: Any, *, separators: tuple[str, str] = (",", ":"), pad: bool = False) -> str:
+def _token(body: Any, *, separators: tuple[str, str] = (",", ":"), pad: bool = False, prefix: str = "tsc2.") -> str:
     raw = base64.urlsafe_b64encode(json.dumps(body, separators=separators).encode()).decode()
-    return "tsc1." + (raw if pad else raw.rstrip("="))
+    return prefix + (raw if pad else raw.rstrip("="))
 
 
 def non_canonical_variants(cursor: str) -> dict[str, str]:
-    body = _body(cursor)
-    padded = "tsc1." + base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
+    body = _body(cursor)  # [version, scope, session, generation, incarnation, seq, position]
+    padded = "tsc2." + base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
     variants = {
         "empty": "",
         "garbage": "not a cursor",
-        "prefix-only": "tsc1.",
-        "other-version-prefix": "tsc2." + cursor[5:],
+        "prefix-only": "tsc2.",
+        "other-version-prefix": "tsc1." + cursor[5:],
         "upper-prefix": cursor.upper()[:5] + cursor[5:],
         "truncated-1": cursor[:-1],
         "truncated-4": cursor[:-4],
@@ -218,19 +218,24 @@ def non_canonical_variants(cursor: str) -> dict[str, str]:
         "pad-1": cursor + "=",
         "pad-2": cursor + "==",
         "spaced-json": _token(body, separators=(", ", ": ")),
-        "version-2": _token([2, *body[1:]]),
-        "float-seq": _token([*body[:4], float(body[4]), body[5]]),
+        "version-1": _token([1, *body[1:]]),
+        "version-3": _token([3, *body[1:]]),
+        "format-1-body": _token([1, *body[1:4], *body[5:]], prefix="tsc1."),
+        "float-seq": _token([*body[:5], float(body[5]), body[6]]),
         "bool-generation": _token([*body[:3], True, *body[4:]]),
         "negative-generation": _token([*body[:3], -1, *body[4:]]),
-        "seq-without-position": _token([*body[:4], body[4], -1]),
-        "position-without-seq": _token([*body[:4], -1, body[5]]),
-        "huge-seq": _token([*body[:4], 2**31, body[5]]),
+        "negative-incarnation": _token([*body[:4], -1, *body[5:]]),
+        "float-incarnation": _token([*body[:4], float(body[4]), *body[5:]]),
+        "huge-incarnation": _token([*body[:4], 2**63, *body[5:]]),
+        "seq-without-position": _token([*body[:5], body[5], -1]),
+        "position-without-seq": _token([*body[:5], -1, body[6]]),
+        "huge-seq": _token([*body[:5], 2**31, body[6]]),
         "extra-element": _token([*body, 0]),
-        "short": _token(body[:5]),
-        "object": _token({"v": 1, "scope": body[1]}),
-        "not-base64": "tsc1.!!!!$$$$",
-        "non-ascii": "tsc1." + "é" * 8,
-        "too-long": "tsc1." + "A" * MAX_CURSOR_CHARS,
+        "short": _token(body[:6]),
+        "object": _token({"v": 2, "scope": body[1]}),
+        "not-base64": "tsc2.!!!!$$$$",
+        "non-ascii": "tsc2." + "é" * 8,
+        "too-long": "tsc2." + "A" * MAX_CURSOR_CHARS,
     }
     if padded != cursor:
         variants["padded-base64"] = padded
@@ -242,22 +247,21 @@ def non_canonical_variants(cursor: str) -> dict[str, str]:
 def test_non_canonical_cursors_reset_as_invalid(store: TranscriptStore) -> None:
     # Find a session whose cursor needs base64 padding and uses the URL-safe alphabet, so the
     # padded and standard-alphabet re-encodings are real alternatives of the same bytes.
-    sid = next(
-        f"~~~{i}" for i in range(100)
-        if len(json.dumps([1, A, f"~~~{i}", 0, 0, 0], separators=(",", ":"))) % 3
-        and {"-", "_"} & set(CursorState(A, f"~~~{i}", 0, 0, 0).encode())
-    )
-    store.create_session(A, session_id=sid)
-    fill(store, sid, 3)
-    first = page_of(store.read_visible_delta(A, sid, max_messages=1))
+    for i in range(200):
+        sid = f"~~~{i}"
+        store.create_session(A, session_id=sid)
+        fill(store, sid, 3)
+        first = page_of(store.read_visible_delta(A, sid, max_messages=1))
+        if len(json.dumps(_body(first.cursor), separators=(",", ":"))) % 3 and {"-", "_"} & set(first.cursor):
+            break
     variants = non_canonical_variants(first.cursor)
     assert {"padded-base64", "standard-base64"} <= set(variants)
     for name, bad in variants.items():
         result = reset_of(store.read_visible_delta(A, sid, bad))
         assert result.reason == "invalid_cursor", name
-        assert result.cursor == start_cursor(A, sid, 0), name
+        assert result.cursor == start_cursor(A, sid, 0, inc(store, sid)), name
     # The fresh cursor of a reset re-reads everything; the original cursor still works.
-    assert len(read_all(store, sid, start_cursor(A, sid, 0), max_messages=10)[0]) == 3
+    assert len(read_all(store, sid, start_cursor(A, sid, 0, inc(store, sid)), max_messages=10)[0]) == 3
     assert len(page_of(store.read_visible_delta(A, sid, first.cursor)).entries) == 2
     # A cursor that is not even a string is a caller error, not a reset.
     for bad in (123, first.cursor.encode(), [first.cursor]):
@@ -287,9 +291,9 @@ def test_a_cursor_of_another_session_or_scope_is_a_scope_mismatch(store: Transcr
     for cursor in (other_session, other_scope):
         reset = reset_of(store.read_visible_delta(A, sid, cursor))
         assert reset.reason == "scope_mismatch"
-        assert reset.cursor == start_cursor(A, sid, 0)
+        assert reset.cursor == start_cursor(A, sid, 0, inc(store, sid))
     # A forged cursor that decodes but names another scope never reads that scope's data.
-    forged = CursorState(B, sid, 0, -1, -1).encode()
+    forged = CursorState(B, sid, 0, -1, -1, inc(store, sid)).encode()
     assert reset_of(store.read_visible_delta(A, sid, forged)).reason == "scope_mismatch"
     # ... and this session's cursor is a mismatch over there.
     mine = page_of(store.read_visible_delta(A, sid, max_messages=1)).cursor
@@ -303,11 +307,11 @@ def test_a_rewrite_resets_old_cursors_with_generation_mismatch(store: Transcript
     mid = page_of(store.read_visible_delta(A, sid, start, max_messages=2)).cursor
     result = store.rewrite_entries(A, sid, [{"entry_id": made[3].entry_id, "message": assistant("edited")}])
     assert result.changed and result.generation == 1
-    for cursor in (start, mid, start_cursor(A, sid, 0)):
+    for cursor in (start, mid, start_cursor(A, sid, 0, inc(store, sid))):
         reset = reset_of(store.read_visible_delta(A, sid, cursor))
         assert reset.reason == "generation_mismatch"
-        assert reset.cursor == start_cursor(A, sid, 1)
-    seen, _ = read_all(store, sid, start_cursor(A, sid, 1), max_messages=2)
+        assert reset.cursor == start_cursor(A, sid, 1, inc(store, sid))
+    seen, _ = read_all(store, sid, start_cursor(A, sid, 1, inc(store, sid)), max_messages=2)
     assert [e.message for e in seen] == [e.message for e in made[:3]] + [assistant("edited"), made[4].message]
 
 
@@ -319,7 +323,7 @@ def test_branching_away_from_a_cursor_resets_with_anchor_missing(store: Transcri
     regen = store.append(A, sid, user("regenerated"))
     # Message 5 left the active path: that cursor's ground is gone (generation did not rotate).
     reset = reset_of(store.read_visible_delta(A, sid, at4))
-    assert reset.reason == "anchor_missing" and reset.cursor == start_cursor(A, sid, 0)
+    assert reset.reason == "anchor_missing" and reset.cursor == start_cursor(A, sid, 0, inc(store, sid))
     # A cursor whose last message is still on the path continues onto the new branch.
     page = page_of(store.read_visible_delta(A, sid, at2))
     assert [e.entry_id for e in page.entries] == [made[3].entry_id, regen.entry_id]
@@ -333,27 +337,22 @@ def test_forged_cursors_reset_never_read_a_wrong_page(store: TranscriptStore, si
     made = fill(store, sid, 4)  # seqs: m0=0 m1=1 m2=2 meta=3 m3=4
     seq = {e.position: e.seq for e in made}
     # Names a real message but at the wrong position: the anchor moved.
-    moved = CursorState(A, sid, 0, seq[2], 1).encode()
+    moved = CursorState(A, sid, 0, seq[2], 1, inc(store, sid)).encode()
     assert reset_of(store.read_visible_delta(A, sid, moved)).reason == "anchor_moved"
     # Names a seq that does not exist / a position past the end / a non-message entry.
     for forged in (
-        CursorState(A, sid, 0, 99, 99),
-        CursorState(A, sid, 0, 99, 1),
-        CursorState(A, sid, 0, 3, 2),
-        CursorState(A, sid, 5, seq[1], 1),
+        CursorState(A, sid, 0, 99, 99, inc(store, sid)),
+        CursorState(A, sid, 0, 99, 1, inc(store, sid)),
+        CursorState(A, sid, 0, 3, 2, inc(store, sid)),
+        CursorState(A, sid, 5, seq[1], 1, inc(store, sid)),
     ):
         result = reset_of(store.read_visible_delta(A, sid, forged.encode()))
         assert result.reason in ("anchor_missing", "anchor_moved", "generation_mismatch")
     # A well-formed cursor the store could have issued is honoured.
-    honest = CursorState(A, sid, 0, seq[1], 1).encode()
+    honest = CursorState(A, sid, 0, seq[1], 1, inc(store, sid)).encode()
     assert [e.position for e in page_of(store.read_visible_delta(A, sid, honest)).entries] == [2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known hole: a cursor names (scope, session id, generation) but not the session's incarnation, "
-    "so after delete_session + create_session with the same id it is honoured on the new session",
-)
 def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptStore, sid: str) -> None:
     fill(store, sid, 4)
     cursor = page_of(store.read_visible_delta(A, sid, max_messages=2)).cursor
@@ -361,7 +360,17 @@ def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptSto
     store.create_session(A, session_id=sid)
     fill(store, sid, 4)
     # Honouring the old cursor would skip the new session's first two messages: a wrong page.
-    assert isinstance(store.read_visible_delta(A, sid, cursor), DeltaReset)
+    reset = store.read_visible_delta(A, sid, cursor)
+    assert isinstance(reset, DeltaReset) and reset.reason == "scope_mismatch"
+    assert len(read_all(store, sid, reset.cursor, max_messages=3)[0]) == 4
+
+
+def test_a_format_1_cursor_gets_an_invalid_cursor_reset(store: TranscriptStore, sid: str) -> None:
+    fill(store, sid, 2)
+    body = json.dumps([1, A, sid, 0, 0, 0], separators=(",", ":")).encode("ascii")
+    old = "tsc1." + base64.urlsafe_b64encode(body).decode("ascii").rstrip("=")
+    reset = store.read_visible_delta(A, sid, old)
+    assert isinstance(reset, DeltaReset) and reset.reason == "invalid_cursor"
 
 
 # ---------------------------------------------------------------------------------------------- full reads
@@ -438,6 +447,11 @@ class _CountingConn:
         return getattr(self._conn, name)
 
 
+def inc(store: TranscriptStore, sid: str) -> int:
+    """The session's incarnation, as its cursors carry it."""
+    return store.get_session(A, sid).incarnation
+
+
 @contextmanager
 def counting(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[int], list[Any]]]:
     rows: list[int] = []
@@ -496,7 +510,7 @@ def test_a_delta_page_costs_o_page_not_o_history(store: TranscriptStore, monkeyp
         store.create_session(A, session_id=sid)
         made = fill(store, sid, n)
         # Read once from the start, once from a cursor deep in the transcript.
-        deep = CursorState(A, sid, 0, made[n - 60].seq, n - 60).encode()
+        deep = CursorState(A, sid, 0, made[n - 60].seq, n - 60, inc(store, sid)).encode()
         costs[n] = (_cost(store, monkeypatch, sid, None), _cost(store, monkeypatch, sid, deep))
     # Same statements, same rows back (one extra row tells has_more), for 20x the history.
     assert costs[100] == costs[2000]

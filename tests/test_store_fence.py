@@ -143,7 +143,10 @@ def fenced_reads(store: TranscriptStore, scope: str, sid: str, fence: Anchor) ->
     return [
         lambda: store.read_visible(scope, sid, fence=fence),
         lambda: store.read_visible_delta(scope, sid, fence=fence),
-        lambda: store.read_visible_delta(scope, sid, CursorState(scope, sid, 0, -1, -1).encode(), fence=fence),
+        lambda: store.read_visible_delta(
+            scope, sid, CursorState(scope, sid, 0, -1, -1, store.get_session(scope, sid).incarnation).encode(),
+            fence=fence,
+        ),
     ]
 
 

@@ -349,6 +349,7 @@ def session_info(row: Row[Any]) -> SessionInfo:
         active=bool(row.active),
         created_at=from_us(row.created_us),
         updated_at=from_us(row.updated_us),
+        incarnation=row.created_us,
     )
 
 

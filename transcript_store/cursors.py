@@ -1,10 +1,14 @@
 """Transcript cursors: opaque, canonical, versioned tokens of a reader's position.
 
-A cursor names the scope, session and generation it was issued for and the last visible message it
-covered (raw seq and active position; -1/-1 before the first). It is an encoding, not a secret: a
-forged cursor that decodes can only point at entries of the caller's own session, and the reader
-re-validates it against the active path on every read. Anything that is not the byte-exact canonical
-encoding is refused as ``invalid_cursor``.
+A cursor names the scope, session and generation it was issued for, the session's incarnation (its
+creation time in microseconds: a session deleted and created again under the same id is another
+session, and an old cursor must not be honoured on it), and the last visible message it covered (raw
+seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation; a
+format-1 token is not canonical any more and gets an ``invalid_cursor`` reset (one re-read).
+
+It is an encoding, not a secret: a forged cursor that decodes can only point at entries of the caller's
+own session, and the reader re-validates it against the active path on every read. Anything that is
+not the byte-exact canonical encoding is refused as ``invalid_cursor``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from dataclasses import dataclass
 
 from .core import MAX_ID_CHARS
 
-PREFIX = "tsc1."
-VERSION = 1
+PREFIX = "tsc2."
+VERSION = 2
 _MAX_INT = 2**31 - 1
+_MAX_INCARNATION = 2**63 - 1  # a BIGINT of microseconds
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,16 @@ class CursorState:
     generation: int
     last_seq: int
     last_position: int
+    #: the session's incarnation (``SessionInfo.incarnation``); 0 matches no session
+    incarnation: int = 0
 
     def encode(self) -> str:
         """The canonical token for this state."""
         body = json.dumps(
-            [VERSION, self.scope, self.session_id, self.generation, self.last_seq, self.last_position],
+            [
+                VERSION, self.scope, self.session_id, self.generation, self.incarnation, self.last_seq,
+                self.last_position,
+            ],
             separators=(",", ":"),
             ensure_ascii=True,
         )
@@ -45,12 +55,14 @@ class CursorState:
 # 12 ASCII characters by JSON). Anything longer cannot be canonical; anything shorter must be allowed,
 # or a session with long non-ASCII ids would get a reset on every read, for ever.
 _LONGEST_ID = "\U0010ffff" * MAX_ID_CHARS
-MAX_CURSOR_CHARS = len(CursorState(_LONGEST_ID, _LONGEST_ID, _MAX_INT, _MAX_INT, _MAX_INT).encode())
+MAX_CURSOR_CHARS = len(
+    CursorState(_LONGEST_ID, _LONGEST_ID, _MAX_INT, _MAX_INT, _MAX_INT, _MAX_INCARNATION).encode()
+)
 
 
-def start_cursor(scope: str, session_id: str, generation: int) -> str:
-    """The cursor before the first visible message of a generation."""
-    return CursorState(scope, session_id, generation, -1, -1).encode()
+def start_cursor(scope: str, session_id: str, generation: int, incarnation: int) -> str:
+    """The cursor before the first visible message of a generation of one session incarnation."""
+    return CursorState(scope, session_id, generation, -1, -1, incarnation).encode()
 
 
 def decode_cursor(token: object) -> CursorState | None:
@@ -63,18 +75,18 @@ def decode_cursor(token: object) -> CursorState | None:
         value = json.loads(body.decode("ascii"))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         return None
-    if not (isinstance(value, list) and len(value) == 6 and value[0] == VERSION):
+    if not (isinstance(value, list) and len(value) == 7 and value[0] == VERSION):
         return None
-    _, scope, session_id, generation, last_seq, last_position = value
+    _, scope, session_id, generation, incarnation, last_seq, last_position = value
     if not (isinstance(scope, str) and isinstance(session_id, str)):
         return None
-    ints = (generation, last_seq, last_position)
+    ints = (generation, incarnation, last_seq, last_position)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
         return None
     if generation < 0 or not (-1 <= last_seq <= _MAX_INT) or not (-1 <= last_position <= _MAX_INT):
         return None
-    if (last_seq == -1) != (last_position == -1):
+    if not 0 <= incarnation <= _MAX_INCARNATION or (last_seq == -1) != (last_position == -1):
         return None
-    state = CursorState(scope, session_id, generation, last_seq, last_position)
+    state = CursorState(scope, session_id, generation, last_seq, last_position, incarnation)
     # Byte-exact canonical form only: re-encoding must give back the very same token.
     return state if state.encode() == token else None

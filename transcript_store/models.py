@@ -162,6 +162,9 @@ class SessionInfo(_Frozen):
     active: bool
     created_at: datetime
     updated_at: datetime
+    #: the session's creation time in microseconds: a session deleted and created again under the same
+    #: id is another incarnation, and cursors of the earlier one are not honoured on it
+    incarnation: int = 0
 
 
 class Anchor(_Frozen):

@@ -40,13 +40,15 @@ def read_visible_delta(
         return DeltaMissing()
     if fence is not None:
         check_fence(core, scope, session_id, fence, sess)
-    fresh = start_cursor(scope, session_id, sess.generation)
+    incarnation = sess.created_us
+    fresh = start_cursor(scope, session_id, sess.generation, incarnation)
     if cursor is None:
-        state = CursorState(scope, session_id, sess.generation, -1, -1)
+        state = CursorState(scope, session_id, sess.generation, -1, -1, incarnation)
     else:
         if decoded is None:
             return DeltaReset(cursor=fresh, reason="invalid_cursor")
-        if decoded.scope != scope or decoded.session_id != session_id:
+        if decoded.scope != scope or decoded.session_id != session_id or decoded.incarnation != incarnation:
+            # Another scope's or session's cursor, or one of an earlier session under this id.
             return DeltaReset(cursor=fresh, reason="scope_mismatch")
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh, reason="generation_mismatch")
@@ -78,7 +80,7 @@ def read_visible_delta(
     if page:
         last = page[-1]
         assert last.position is not None
-        state = CursorState(scope, session_id, sess.generation, last.seq, last.position)
+        state = CursorState(scope, session_id, sess.generation, last.seq, last.position, incarnation)
     return DeltaPage(
         entries=page, cursor=state.encode(), has_more=len(rows) > len(page), serialized_bytes=used
     )
