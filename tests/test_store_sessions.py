@@ -288,3 +288,26 @@ def test_postgresql_without_schema_is_refused_until_upgraded(request: pytest.Fix
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_large_import_refreshes_postgresql_statistics(store: TranscriptStore, backend: str) -> None:
+    """Before its first ANALYZE, PostgreSQL plans a long session's reads with a filter scan (bench/README.md)."""
+    from transcript_store.store import ANALYZE_AFTER_IMPORT
+
+    sid = store.create_session("scope-a", session_id="big").session_id
+    n = ANALYZE_AFTER_IMPORT
+    store.append_many("scope-a", sid, [{"message": {"role": "user", "content": f"m{i}"}} for i in range(n)])
+    header, records = store.export_session("scope-a", sid)
+    store.delete_session("scope-a", sid)
+    if backend == "postgresql":
+        store.db.write(lambda conn: conn.exec_driver_sql("SELECT pg_stat_reset()"))
+    store.import_session("scope-a", header, records)
+    assert store.get_session("scope-a", sid).visible_count == n
+    if backend == "postgresql":
+
+        def analyzed(conn: Any) -> Any:
+            return conn.exec_driver_sql(
+                "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables WHERE relname = 'ts_entries'"
+            ).scalar()
+
+        assert store.db.read(analyzed) is True

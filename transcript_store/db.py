@@ -254,6 +254,13 @@ class Database:
         """Run ``fn`` in one read-only snapshot, retried whole on transient errors."""
         return self._run(fn, False)
 
+    def analyze(self, tables: tuple[str, ...]) -> None:
+        """Refresh the planner statistics of some tables (PostgreSQL; SQLite plans need none here)."""
+        if self.dialect.is_sqlite:
+            return
+        names = ", ".join(t for t in tables if t.isidentifier())
+        self.write(lambda conn: conn.exec_driver_sql(f"ANALYZE {names}"))
+
     def dispose(self) -> None:
         """Close every pooled connection."""
         self.engine.dispose()

@@ -40,6 +40,12 @@ class AppendItem(BaseModel):
     idempotency_key: str | None = Field(None, strict=True)
 
 
+#: PostgreSQL plans a session's reads badly until its tables were analyzed once (bench/README.md,
+#: "Profiling" 7): an import at least this large refreshes the statistics right away, instead of
+#: leaving the first reads to wait for autovacuum.
+ANALYZE_AFTER_IMPORT = 5_000
+
+
 class TranscriptStore:
     """A durable conversation-transcript store on SQLite (default) or PostgreSQL.
 
@@ -390,7 +396,10 @@ class TranscriptStore:
         plan = transfer.plan_import(
             self.config, scope, header, entries, session_id=session_id, session_key=session_key
         )
-        return self.write(lambda c: transfer.import_in(c, plan))
+        info = self.write(lambda c: transfer.import_in(c, plan))
+        if len(entries) >= ANALYZE_AFTER_IMPORT:
+            self.db.analyze(("ts_entries", "ts_active_path"))
+        return info
 
 
 def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:
