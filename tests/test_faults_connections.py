@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from workers.fault_worker import WORKER, clean_env, count_retries, open_store, report, verify_turns
 from workers.turn_worker import run_turn
 
-from transcript_store import TransientStoreError
+from transcript_store import TransientStoreError, UnknownSession
 from transcript_store.turns import Turns
 
 TURNS = 30
@@ -86,6 +86,49 @@ def test_uncertain_commits_reach_the_engine_exactly_once(
     })
     assert injected[0] > 0 and retries[0] >= injected[0]
     assert totals["turns"] > 0
+
+
+def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened(store_url: str) -> None:
+    """A retry after a lost COMMIT reports the write that landed, instead of "nothing to do" or "unknown"."""
+    store = open_store(store_url)
+    real = store.db._transaction
+    lose = [0]
+
+    @contextmanager
+    def lossy(write: bool) -> Iterator[Connection]:
+        with real(write) as conn:
+            yield conn
+        if write and lose[0] > 0:
+            lose[0] -= 1
+            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+
+    store.db._transaction = lossy  # type: ignore[method-assign]
+    scope, sid = "crash-scope", "u1"
+    try:
+        store.create_session(scope, session_id=sid)
+        made = store.append_many(scope, sid, [{"message": {"role": "user", "content": f"m{i}"}} for i in range(3)])
+        lose[0] = 1
+        result = store.rewrite_entries(scope, sid, [{"entry_id": made[1].entry_id,
+                                                     "message": {"role": "user", "content": "edited"}}])
+        assert (result.changed, result.rewritten_entries, result.generation) == (True, 2, 1), result
+        assert [e.message["content"] for e in store.read_visible(scope, sid)] == ["m0", "edited", "m2"]
+        assert len(store.list_entries(scope, sid)) == 5  # rewritten once, not twice
+
+        turns = Turns(store)
+        turns.admit(scope, sid, {"role": "user", "content": "q"}, turn_id="t1", engine_id="e")
+        lose[0] = 1
+        assert turns.discard(scope, sid, "t1") is True
+        assert turns.intent(scope, sid, "t1") is None
+        assert turns.discard(scope, sid, "t1") is False  # a new call finds nothing to discard
+
+        lose[0] = 1
+        store.delete_session(scope, sid)  # no UnknownSession from the retry of its own delete
+        with pytest.raises(UnknownSession):
+            store.get_session(scope, sid)
+        with pytest.raises(UnknownSession):
+            store.delete_session(scope, sid)  # a new call: the session is unknown
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------------------------------------- killed

@@ -59,6 +59,29 @@ def _chain_to_active_path(
     return chain, keep_depth
 
 
+class IdPool:
+    """Entry ids for the entries a write makes, the same ones again when the write is retried.
+
+    A retry after an uncertain COMMIT can then tell whether the earlier attempt landed: its entries
+    exist under these very ids.
+    """
+
+    def __init__(self) -> None:
+        self.drawn: list[str] = []
+        self._next = 0
+
+    def rewind(self) -> None:
+        """Start a (re)try: hand out the ids drawn so far again, in the same order."""
+        self._next = 0
+
+    def take(self) -> str:
+        """The next id."""
+        if self._next == len(self.drawn):
+            self.drawn.append(new_id())
+        self._next += 1
+        return self.drawn[self._next - 1]
+
+
 def rewrite_entries(
     core: Core,
     scope: str,
@@ -66,8 +89,10 @@ def rewrite_entries(
     replacements: Sequence[Replacement],
     prepared: Sequence[NewEntry],
     allowed_suffix: set[str] | None,
+    ids: IdPool | None = None,
 ) -> RewriteResult:
     """Branch at the first replaced entry and re-append it and everything after it."""
+    ids = ids or IdPool()
     sess = core.require_session(scope, session_id, lock=True)
     wanted = {r.entry_id: p for r, p in zip(replacements, prepared, strict=True)}
     found = core.entry_rows(scope, session_id, list(wanted))
@@ -103,7 +128,7 @@ def rewrite_entries(
         rep = wanted.get(row.entry_id)
         if rep is not None:
             freed += row.size_bytes - rep.size_bytes
-        entry_id = new_id()
+        entry_id = ids.take()
         new_rows.append(
             {
                 "scope": scope,

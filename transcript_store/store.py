@@ -182,7 +182,17 @@ class TranscriptStore:
     def delete_session(self, scope: str, session_id: str) -> None:
         """Delete the session and every entry of it, for good."""
         self._ids(scope, session_id)
-        self.write(lambda c: c.delete_session(scope, session_id))
+        landed: list[bool] = []
+
+        def run(c: Core) -> None:
+            if landed and c.session_row(scope, session_id) is None:
+                # An earlier attempt of this call ran to its end and only its COMMIT was uncertain:
+                # the session is gone because that attempt deleted it, not unknown.
+                return
+            c.delete_session(scope, session_id)
+            landed.append(True)
+
+        self.write(run)
 
     # ------------------------------------------------------------------------------------ appends
 
@@ -363,7 +373,19 @@ class TranscriptStore:
             for eid in ids:
                 check_id("allowed_rewrite_suffix_entry_ids[]", eid)
             allowed = set(ids)
-        return self.write(lambda c: paths.rewrite_entries(c, scope, session_id, reps, prepared, allowed))
+        pool = paths.IdPool()
+        landed: list[RewriteResult] = []
+
+        def run(c: Core) -> RewriteResult:
+            pool.rewind()  # a retried attempt writes the very entry ids the earlier one drew
+            if landed and landed[0].changed and pool.drawn and c.entry_rows(scope, session_id, pool.drawn[:1]):
+                # The earlier attempt's entries exist: its COMMIT went through, report its result.
+                return landed[0]
+            result = paths.rewrite_entries(c, scope, session_id, reps, prepared, allowed, pool)
+            landed[:] = [result]
+            return result
+
+        return self.write(run)
 
     # ------------------------------------------------------------------------------------ helpers
 

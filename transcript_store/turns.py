@@ -185,7 +185,16 @@ class Turns:
     def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
         """A failed, aborted or errored attempt: delete its admitted intent (nothing else)."""
         _check_turn(self.store, scope, session_id, turn_id)
-        return self.store.write(lambda c: outbox.discard(c, scope, session_id, turn_id))
+        landed: list[bool] = []
+
+        def run(c: Core) -> bool:
+            deleted = outbox.discard(c, scope, session_id, turn_id)
+            # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it.
+            answer = deleted or bool(landed and landed[0])
+            landed[:] = [answer]
+            return answer
+
+        return self.store.write(run)
 
     def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
         """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction."""
