@@ -52,11 +52,15 @@ def turn_messages(turn_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return question, answer
 
 
-def run_turn(turns: Turns, turn_id: str) -> None:
-    """Admit and complete one turn (fast path: the engine commits in the completion transaction)."""
+def run_turn(turns: Turns, turn_id: str) -> bool:
+    """Admit and complete one turn; True when the engine committed it in the completion transaction.
+
+    False: the completion was accepted and queued for the drain (the fast path failed, e.g. because
+    the commit's transaction did not fit on the disk while the smaller acceptance still did).
+    """
     question, answer = turn_messages(turn_id)
     turns.admit(SCOPE, SID, question, turn_id=turn_id, engine_id=ENGINE)
-    turns.complete(SCOPE, SID, turn_id, answer, counting_engine)
+    return turns.complete(SCOPE, SID, turn_id, answer, counting_engine).commit is not None
 
 
 def fill(directory: Path, keep: int) -> Path:
@@ -83,39 +87,47 @@ def test_disk_full_is_a_clear_error_and_nothing_is_lost(
         store.create_session(SCOPE, session_id=SID)
         filler = fill(small_fs, keep=600 * 1024)
         committed: list[str] = []
+        queued: list[str] = []
         error: StoreUnavailable | None = None
         for n in range(1000):
             try:
-                run_turn(turns, f"{SID}.t{n}")
+                done = run_turn(turns, f"{SID}.t{n}")
             except StoreUnavailable as e:
                 error = e
                 break
-            committed.append(f"{SID}.t{n}")
+            (committed if done else queued).append(f"{SID}.t{n}")
         assert error is not None, "the disk never filled up"
         assert isinstance(error, StorageFull), repr(error)
         assert "full" in str(error), str(error)
         assert committed, "not a single turn fitted"
-        interrupted = f"{SID}.t{len(committed)}"
+        ran = len(committed) + len(queued)
+        interrupted = f"{SID}.t{ran}"
 
-        # Still full: reads work and see every committed turn; the next write fails the same clear way.
+        # Still full: reads work and see every committed turn, and every accepted one is queued, not
+        # lost; the next write fails the same clear way.
         assert sqlite_integrity(url) == "ok"
         receipts = [r.advancement_key for r in turns.receipts(SCOPE, SID, ENGINE)]
         assert sorted(receipts) == sorted(committed)
+        assert sorted(i.turn_id for i in turns.intents() if i.state in ("accepted", "ready")) == sorted(queued)
         with pytest.raises(StorageFull):
             run_turn(turns, interrupted)
 
-        # Space is back: the interrupted turn is retried (same logical turn) and new turns fit again.
+        # Space is back: queued turns drain, the interrupted turn is retried (same logical turn) and
+        # new turns fit again.
         filler.unlink()
-        run_turn(turns, interrupted)
-        for n in range(len(committed) + 1, len(committed) + 6):
-            run_turn(turns, f"{SID}.t{n}")
+        drained = turns.drain(lambda engine: counting_engine if engine == ENGINE else None)
+        assert drained.committed == len(queued), drained
+        assert run_turn(turns, interrupted)
+        for n in range(ran + 1, ran + 6):
+            assert run_turn(turns, f"{SID}.t{n}")
     finally:
         store.close()
     totals = verify_turns(url, [SID])
     assert sqlite_integrity(url) == "ok"
-    assert totals["turns"] == len(committed) + 6 and totals["unaccepted"] == 0, totals
+    assert totals["turns"] == ran + 6 and totals["unaccepted"] == 0, totals
     report(request, "sqlite", {
-        "filesystem": "tmpfs 2 MiB", "turns_before_full": len(committed), "error": type(error).__name__,
+        "filesystem": "tmpfs 2 MiB", "turns_before_full": len(committed), "queued_when_full": len(queued),
+        "error": type(error).__name__,
         "message": str(error), "turns_after_space_back": 6, "integrity_check": "ok",
         "seconds": round(time.monotonic() - started, 1),
     })

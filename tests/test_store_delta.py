@@ -220,7 +220,8 @@ def non_canonical_variants(cursor: str) -> dict[str, str]:
         "spaced-json": _token(body, separators=(", ", ": ")),
         "version-1": _token([1, *body[1:]]),
         "version-3": _token([3, *body[1:]]),
-        "format-1-body": _token([1, *body[1:4], *body[5:]], prefix="tsc1."),
+        "format-1-with-incarnation": _token([1, *body[1:]], prefix="tsc1."),
+        "format-2-without-incarnation": _token([2, *body[1:4], *body[5:]]),
         "float-seq": _token([*body[:5], float(body[5]), body[6]]),
         "bool-generation": _token([*body[:3], True, *body[4:]]),
         "negative-generation": _token([*body[:3], -1, *body[4:]]),
@@ -365,12 +366,17 @@ def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptSto
     assert len(read_all(store, sid, reset.cursor, max_messages=3)[0]) == 4
 
 
-def test_a_format_1_cursor_gets_an_invalid_cursor_reset(store: TranscriptStore, sid: str) -> None:
-    fill(store, sid, 2)
-    body = json.dumps([1, A, sid, 0, 0, 0], separators=(",", ":")).encode("ascii")
-    old = "tsc1." + base64.urlsafe_b64encode(body).decode("ascii").rstrip("=")
-    reset = store.read_visible_delta(A, sid, old)
-    assert isinstance(reset, DeltaReset) and reset.reason == "invalid_cursor"
+def test_a_format_1_cursor_is_still_read_and_answered_with_a_format_2_cursor(
+    store: TranscriptStore, sid: str
+) -> None:
+    """Engines keep cursors in their own tables: an upgrade must not make every one of them reset."""
+    made = fill(store, sid, 4)
+    old = _token([1, A, sid, 0, made[1].seq, 1], prefix="tsc1.")
+    page = page_of(store.read_visible_delta(A, sid, old))
+    assert [e.entry_id for e in page.entries] == [e.entry_id for e in made[2:]]
+    assert page.cursor.startswith("tsc2.") and _body(page.cursor)[4] == inc(store, sid)
+    other = _token([1, B, sid, 0, -1, -1], prefix="tsc1.")
+    assert reset_of(store.read_visible_delta(A, sid, other)).reason == "scope_mismatch"
 
 
 # ---------------------------------------------------------------------------------------------- full reads

@@ -3,8 +3,9 @@
 A cursor names the scope, session and generation it was issued for, the session's incarnation (its
 creation time in microseconds: a session deleted and created again under the same id is another
 session, and an old cursor must not be honoured on it), and the last visible message it covered (raw
-seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation; a
-format-1 token is not canonical any more and gets an ``invalid_cursor`` reset (one re-read).
+seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation. Format-1
+tokens (``tsc1.``, issued before) are still read, without the incarnation check, so that cursors
+engines keep in their own tables survive the upgrade; every cursor the store issues is format 2.
 
 It is an encoding, not a secret: a forged cursor that decodes can only point at entries of the caller's
 own session, and the reader re-validates it against the active path on every read. Anything that is
@@ -22,6 +23,7 @@ from .core import MAX_ID_CHARS
 
 PREFIX = "tsc2."
 VERSION = 2
+_PREFIX_V1 = "tsc1."
 _MAX_INT = 2**31 - 1
 _MAX_INCARNATION = 2**63 - 1  # a BIGINT of microseconds
 
@@ -35,11 +37,14 @@ class CursorState:
     generation: int
     last_seq: int
     last_position: int
-    #: the session's incarnation (``SessionInfo.incarnation``); 0 matches no session
-    incarnation: int = 0
+    #: the session's incarnation (``SessionInfo.incarnation``); 0 matches no session; None: a format-1
+    #: token, which did not carry it
+    incarnation: int | None = 0
 
     def encode(self) -> str:
         """The canonical token for this state."""
+        if self.incarnation is None:
+            return _encode_v1(self)
         body = json.dumps(
             [
                 VERSION, self.scope, self.session_id, self.generation, self.incarnation, self.last_seq,
@@ -60,6 +65,15 @@ MAX_CURSOR_CHARS = len(
 )
 
 
+def _encode_v1(state: CursorState) -> str:
+    body = json.dumps(
+        [1, state.scope, state.session_id, state.generation, state.last_seq, state.last_position],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return _PREFIX_V1 + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+
+
 def start_cursor(scope: str, session_id: str, generation: int, incarnation: int) -> str:
     """The cursor before the first visible message of a generation of one session incarnation."""
     return CursorState(scope, session_id, generation, -1, -1, incarnation).encode()
@@ -67,7 +81,13 @@ def start_cursor(scope: str, session_id: str, generation: int, incarnation: int)
 
 def decode_cursor(token: object) -> CursorState | None:
     """The state of a canonical cursor, or None for anything else."""
-    if not isinstance(token, str) or len(token) > MAX_CURSOR_CHARS or not token.startswith(PREFIX):
+    if not isinstance(token, str) or len(token) > MAX_CURSOR_CHARS:
+        return None
+    if token.startswith(PREFIX):
+        version, size = VERSION, 7
+    elif token.startswith(_PREFIX_V1):
+        version, size = 1, 6
+    else:
         return None
     raw = token[len(PREFIX) :]
     try:
@@ -75,17 +95,21 @@ def decode_cursor(token: object) -> CursorState | None:
         value = json.loads(body.decode("ascii"))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         return None
-    if not (isinstance(value, list) and len(value) == 7 and value[0] == VERSION):
+    if not (isinstance(value, list) and len(value) == size and value[0] == version):
         return None
+    if version == 1:
+        value = [*value[:4], None, *value[4:]]
     _, scope, session_id, generation, incarnation, last_seq, last_position = value
     if not (isinstance(scope, str) and isinstance(session_id, str)):
         return None
-    ints = (generation, incarnation, last_seq, last_position)
+    ints = (generation, last_seq, last_position) + (() if incarnation is None else (incarnation,))
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
         return None
     if generation < 0 or not (-1 <= last_seq <= _MAX_INT) or not (-1 <= last_position <= _MAX_INT):
         return None
-    if not 0 <= incarnation <= _MAX_INCARNATION or (last_seq == -1) != (last_position == -1):
+    if incarnation is not None and not 0 <= incarnation <= _MAX_INCARNATION:
+        return None
+    if (last_seq == -1) != (last_position == -1):
         return None
     state = CursorState(scope, session_id, generation, last_seq, last_position, incarnation)
     # Byte-exact canonical form only: re-encoding must give back the very same token.

@@ -102,7 +102,23 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
         write = conn.info.get("ts_write", False) or conn.get_execution_options().get("ts_write", False)
         driver = conn.connection.driver_connection
         assert driver is not None
-        driver.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        statement = "BEGIN IMMEDIATE" if write else "BEGIN"
+        try:
+            driver.execute(statement)
+        except sqlite3.Error as e:
+            # SQLAlchemy does not wrap what a "begin" listener raises: wrap it here, so that a write
+            # lock still held after the busy timeout is a transient error, translated and retried.
+            raise DBAPIError.instance(statement, (), e, sqlite3.Error, dialect=conn.dialect) from e
+
+
+def _reset_read_only(conn: Connection, driver: Any) -> None:
+    """Give the pooled connection back as a read-write one, or drop it from the pool if it cannot be."""
+    if conn.invalidated:
+        return
+    try:
+        driver.isolation_level, driver.read_only = None, None
+    except Exception as e:  # not idle after a failed rollback: never hand out a read-only connection
+        conn.invalidate(e)
 
 
 def create_db_engine(config: StoreConfig) -> Engine:
@@ -208,8 +224,7 @@ class Database:
                         with conn.begin():
                             yield conn
                     finally:
-                        if not conn.invalidated:
-                            driver.isolation_level, driver.read_only = None, None
+                        _reset_read_only(conn, driver)
         except DBAPIError as e:
             raise self.translate(e) from e
         except SQLAlchemyError as e:

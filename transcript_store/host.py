@@ -130,6 +130,17 @@ def delegate_compaction_to_runtime(
     )
 
 
+def _same_owner(obj: object, *names: str) -> bool:
+    """Whether one class of ``obj``'s MRO defines every one of ``names`` (none inherited past another)."""
+    owners = set()
+    for name in names:
+        owner = next((k for k in type(obj).__mro__ if name in vars(k)), None)
+        if owner is None:
+            return False
+        owners.add(owner)
+    return len(owners) == 1
+
+
 def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_chars: int) -> list[dict[str, Any]]:
     """Trim old, long tool results in the request only (storage is never touched)."""
     tool_idx = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
@@ -273,7 +284,11 @@ class HostRuntime:
             return None
         # An engine whose ledger is this store's may take the payload the host already validated and
         # hashed (``commit_prepared(tx, turn)``), instead of validating and hashing it a second time.
-        prepared = getattr(engine, "commit_prepared", None)
+        # Only when the class that defines commit_prepared also defines commit_turn: a subclass that
+        # overrides commit_turn (to add its own state, say) must keep getting commit_turn.
+        prepared = None
+        if _same_owner(engine, "commit_turn", "commit_prepared"):
+            prepared = getattr(engine, "commit_prepared", None)
 
         def run(c: Core, p: TurnPayload) -> CommitResult:
             try:
@@ -498,8 +513,14 @@ class HostRuntime:
         }
         read_fence: Anchor | None = fence
         unfenced: str | None = None
-        # No separate probe of the fence: the engine's own fenced reads validate it (each fenced read
-        # re-checks the admitted entry), and a ReadFenceError from them is handled here.
+        if engine_id != LEGACY:
+            # Probe the fence before any other engine runs: it may assemble from its own state without
+            # a fenced read, or wrap the error. The legacy engine's own reads are fenced (each one
+            # re-checks the admitted entry), so it needs no separate read transaction for this.
+            try:
+                self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
+            except ReadFenceError as e:
+                raise _Degrade(f"read fence: {e.reason}") from None
         try:
             assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
         except ReadFenceError as e:

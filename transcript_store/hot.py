@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Row
 from sqlalchemy.engine import Dialect as SADialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InvalidRequestError
 from sqlalchemy.sql import CompoundSelect, Insert, Select
 from sqlalchemy.sql.base import Executable
 
@@ -40,6 +40,7 @@ class _Compiled:
     order: tuple[str, ...] | None  # bind names in positional order (qmark), None for named (pyformat)
     binds: tuple[tuple[str, Callable[[Any], Any]], ...]
     defaults: dict[str, Any]  # literal binds the statement carries itself (e.g. SQLite's OFFSET 0)
+    required: frozenset[str]  # binds the caller must give (SQLAlchemy raises when one is missing; so do we)
     row: Any  # a namedtuple class, or None when the statement returns no rows
     results: tuple[Callable[[Any], Any] | None, ...]
     any_result_processor: bool
@@ -79,8 +80,10 @@ def _compile(stmt: Any, dialect: SADialect, keys: tuple[str, ...] | None) -> _Co
         row_type = _row_class([c.key for c in cols])
         results = tuple(c.type._cached_result_processor(dialect, None) for c in cols)
     order = tuple(compiled.positiontup) if compiled.positional and compiled.positiontup is not None else None
+    required = frozenset(name for name, bind in compiled.binds.items() if bind.required)
     return _Compiled(
-        compiled.string, order, tuple(binds), defaults, row_type, results, any(p is not None for p in results)
+        compiled.string, order, tuple(binds), defaults, required, row_type, results,
+        any(p is not None for p in results),
     )
 
 
@@ -130,6 +133,8 @@ class HotResult:
 
 
 def _bind(c: _Compiled, params: Params) -> Any:
+    if not c.required <= params.keys():
+        raise InvalidRequestError(f"missing bind parameters {sorted(c.required - params.keys())} for: {c.sql}")
     if c.defaults:
         params = {**c.defaults, **params}
     if c.binds:
@@ -154,7 +159,13 @@ def run(conn: Connection, stmt: Executable, params: Any = None) -> HotResult:
     bound: Any = [_bind(c, p) for p in params] if many else _bind(c, first)
     driver = conn.connection.driver_connection
     assert driver is not None
-    cursor = driver.cursor()
+    try:
+        cursor = driver.cursor()
+    except dialect.loaded_dbapi.Error as e:
+        conn.invalidate(e)
+        raise DBAPIError.instance(
+            c.sql, bound, e, dialect.loaded_dbapi.Error, connection_invalidated=True, dialect=dialect
+        ) from e
     try:
         listeners = conn.dispatch.before_cursor_execute
         if listeners:
@@ -176,10 +187,19 @@ def run(conn: Connection, stmt: Executable, params: Any = None) -> HotResult:
     except dialect.loaded_dbapi.Error as e:
         gone = dialect.is_disconnect(e, driver, cursor)
         if gone:
+            # As SQLAlchemy does on a disconnect: drop this connection, and have the pool replace
+            # every connection made before now (after a server restart they are all dead).
+            pool_invalidate = getattr(conn.engine.pool, "_invalidate", None)
+            if pool_invalidate is not None:
+                pool_invalidate(conn.connection, e)
             conn.invalidate(e)
         raise DBAPIError.instance(
             c.sql, bound, e, dialect.loaded_dbapi.Error, connection_invalidated=gone, dialect=dialect
         ) from e
+    except BaseException:
+        # Interrupted mid-statement (KeyboardInterrupt, a timeout): the connection's state is unknown.
+        conn.invalidate()
+        raise
     finally:
         with contextlib.suppress(dialect.loaded_dbapi.Error):  # a lost connection was already reported
             cursor.close()

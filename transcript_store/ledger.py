@@ -21,6 +21,7 @@ from sqlalchemy import bindparam, func, select
 from . import faults
 from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
+from .fences import MAX_TURN_EVENTS
 from .models import Admission, Anchor, canonical_json, validate_message
 from .schema import engine_state, entries, receipts, turn_messages
 
@@ -45,6 +46,9 @@ _MESSAGE_SEQS = select(receipts.c.message_seqs).where(
 # admission, and a child always has a larger raw seq than its parent, so the chain lies in this range
 # (which holds nothing else unless another branch was written into the session during the turn).
 _RANGE_ROWS = select(*ENTRY_COLUMNS).where(
+    by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
+)
+_RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
 )
 _STATE = select(engine_state.c.value).where(
@@ -223,9 +227,10 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     if not core.lock_session(turn.scope, turn.session_id):
         raise UnknownSession(turn.scope, turn.session_id)
     adm, term = turn.admission, turn.terminal
-    rows = core.run(
-        _RANGE_ROWS, session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=max(adm.seq, term.seq))
-    ).all()
+    if not 0 <= term.seq - adm.seq <= MAX_TURN_EVENTS:
+        # Checked before any row is read: a forged seq must not make the range scan a whole session.
+        raise InvalidInput(f"the terminal must follow the admission by at most {MAX_TURN_EVENTS} entries")
+    rows = core.run(_RANGE_ROWS, session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=term.seq)).all()
     by_id = {r.entry_id: r for r in rows}
     first = by_id.get(adm.entry_id)
     if first is None or first.kind != "message" or first.role != "user":
@@ -288,8 +293,11 @@ def committed_messages(
         return []
     if found.message_seqs is not None:
         seqs = [int(x) for x in found.message_seqs.split(",")] if found.message_seqs else []
-        rows = core.run(_entries_by_seqs(len(seqs)), _seq_params(scope, session_id, seqs)).all() if seqs else []
-        payload = {r.seq: r.payload for r in rows}
+        if not seqs:
+            return []
+        # The turn's entries lie in one seq range (bounded by MAX_TURN_EVENTS at commit): one statement.
+        params = session_params(scope, session_id, b_from=min(seqs), b_to=max(seqs))
+        payload = {r.seq: r.payload for r in core.run(_RANGE_PAYLOADS, params)}
         return [json.loads(payload[q]) for q in seqs]
     # A receipt from before revision 0005: the ledger kept its own copy.
     copies = core.conn.execute(
@@ -303,23 +311,6 @@ def committed_messages(
         .order_by(turn_messages.c.idx)
     ).all()
     return [json.loads(r.payload) for r in copies]
-
-
-_SEQS_CHUNKS: dict[int, Any] = {}
-
-
-def _entries_by_seqs(n: int) -> Any:
-    stmt = _SEQS_CHUNKS.get(n)
-    if stmt is None:
-        stmt = select(entries.c.seq, entries.c.payload).where(
-            by_session(entries), entries.c.seq.in_([bindparam(f"b_q{i}") for i in range(n)])
-        )
-        _SEQS_CHUNKS[n] = stmt
-    return stmt
-
-
-def _seq_params(scope: str, session_id: str, seqs: list[int]) -> dict[str, Any]:
-    return session_params(scope, session_id, **{f"b_q{i}": q for i, q in enumerate(seqs)})
 
 
 def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str) -> int:

@@ -47,8 +47,13 @@ def read_visible_delta(
     else:
         if decoded is None:
             return DeltaReset(cursor=fresh, reason="invalid_cursor")
-        if decoded.scope != scope or decoded.session_id != session_id or decoded.incarnation != incarnation:
-            # Another scope's or session's cursor, or one of an earlier session under this id.
+        if (
+            decoded.scope != scope
+            or decoded.session_id != session_id
+            or (decoded.incarnation is not None and decoded.incarnation != incarnation)
+        ):
+            # Another scope's or session's cursor, or one of an earlier session under this id (a
+            # format-1 cursor does not say which incarnation it was issued for).
             return DeltaReset(cursor=fresh, reason="scope_mismatch")
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh, reason="generation_mismatch")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -12,7 +13,7 @@ from . import fences, migrate, paths, reads
 from .config import StoreConfig
 from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
-from .errors import InvalidInput, InvalidMessage, UnknownEntry, UnknownSession
+from .errors import InvalidInput, InvalidMessage, TranscriptStoreError, UnknownEntry, UnknownSession
 from .models import (
     Admission,
     Anchor,
@@ -39,6 +40,8 @@ class AppendItem(BaseModel):
     entry_id: str | None = Field(None, strict=True)
     idempotency_key: str | None = Field(None, strict=True)
 
+
+log = logging.getLogger("transcript_store.store")
 
 #: PostgreSQL plans a session's reads badly until its tables were analyzed once (bench/README.md,
 #: "Profiling" 7): an import at least this large refreshes the statistics right away, instead of
@@ -182,15 +185,17 @@ class TranscriptStore:
     def delete_session(self, scope: str, session_id: str) -> None:
         """Delete the session and every entry of it, for good."""
         self._ids(scope, session_id)
-        landed: list[bool] = []
+        landed: list[int] = []  # the incarnation an attempt deleted
 
         def run(c: Core) -> None:
-            if landed and c.session_row(scope, session_id) is None:
-                # An earlier attempt of this call ran to its end and only its COMMIT was uncertain:
-                # the session is gone because that attempt deleted it, not unknown.
-                return
+            if landed:
+                row = c.session_row(scope, session_id)
+                if row is None or row.created_us != landed[0]:
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain: the session
+                    # it deleted is gone (a session made since under the same id is someone else's).
+                    return
+            landed[:] = [c.require_session(scope, session_id, lock=True).created_us]
             c.delete_session(scope, session_id)
-            landed.append(True)
 
         self.write(run)
 
@@ -420,7 +425,10 @@ class TranscriptStore:
         )
         info = self.write(lambda c: transfer.import_in(c, plan))
         if len(entries) >= ANALYZE_AFTER_IMPORT:
-            self.db.analyze(("ts_entries", "ts_active_path"))
+            try:
+                self.db.analyze(("ts_entries", "ts_active_path"))
+            except TranscriptStoreError as e:  # the import landed; fresher statistics are a bonus
+                log.warning("ANALYZE after importing %d entries failed: %s", len(entries), e)
         return info
 
 
