@@ -1,4 +1,5 @@
-"""The `transcript-store` command through its real console script, in subprocesses, on both backends."""
+"""The `transcript-store` command on both backends: its ``main`` in-process, and the real console script
+in subprocesses for the tests marked ``real_script`` (all of them with TRANSCRIPT_STORE_TEST_CLI_SUBPROCESS=1)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from transcript_store import (
     quarantine,
 )
 from transcript_store.cli import cli as cli_group
+from transcript_store.cli import main
 from transcript_store.db import Database
 from transcript_store.turns import Turns
 
@@ -40,15 +42,57 @@ CLI = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "transcript_store"]
 SCOPE = "default"
 
 
+#: ``run`` calls the console script's ``main`` in this process (as the script would, with the same
+#: argv, environment, working directory, stdin and captured stdout/stderr): a subprocess costs ~1.5 s of
+#: interpreter start and imports per command, and this file runs ~180 commands. Tests marked
+#: ``real_script`` (and every command when TRANSCRIPT_STORE_TEST_CLI_SUBPROCESS=1) run the installed
+#: console script in a subprocess instead.
+SUBPROCESS = os.environ.get("TRANSCRIPT_STORE_TEST_CLI_SUBPROCESS") == "1"
+_real_script = [False]
+
+
+@pytest.fixture(autouse=True)
+def _script_mode(request: pytest.FixtureRequest) -> Iterator[None]:
+    _real_script[0] = SUBPROCESS or request.node.get_closest_marker("real_script") is not None
+    yield
+    _real_script[0] = False
+
+
+def _in_process(
+    args: tuple[str, ...], cwd: Path, stdin: str | None, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``main(args)`` with the isolation of a subprocess: env, cwd, stdin, stdout and stderr."""
+    overrides: dict[str, str | None] = {
+        k: None for k in os.environ if k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))
+    }
+    overrides.update(env)
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with CliRunner().isolation(input=stdin, env=overrides) as (out, err, _):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess([*CLI, *args], code, stdout, stderr)
+
+
 def run(
     *args: str, cwd: Path, stdin: str | None = None, code: int = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the console script; assert its exit code."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
-    clean.update({"COLUMNS": "200", **(env or {})})
-    result = subprocess.run(
-        [*CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, env=clean, timeout=300
-    )
+    """Run the console script (see SUBPROCESS above); assert its exit code."""
+    if not _real_script[0]:
+        result = _in_process(args, cwd, stdin, {"COLUMNS": "200", **(env or {})})
+    else:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+        clean.update({"COLUMNS": "200", **(env or {})})
+        result = subprocess.run(
+            [*CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, env=clean, timeout=300
+        )
     assert result.returncode == code, (
         f"{args}: exit {result.returncode}, wanted {code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     )
@@ -135,6 +179,7 @@ COMMANDS = [path for path, _leaf in _command_paths(cli_group)]
 LEAVES = [path for path, leaf in _command_paths(cli_group) if leaf]
 
 
+@pytest.mark.real_script
 def test_every_command_has_help(tmp_path: Path) -> None:
     assert {("init",), ("sessions", "import"), ("outbox", "recover"), ("engines", "list"), ("chat",)} <= set(COMMANDS)
     # Every command in process (click's runner), the entry points themselves as real processes.
@@ -199,6 +244,7 @@ def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Pat
     assert run_json("doctor", "--db", empty_url, cwd=tmp_path)["ok"]
 
 
+@pytest.mark.real_script
 def test_default_store_is_a_file_in_the_working_directory(tmp_path: Path) -> None:
     run("init", cwd=tmp_path)
     assert (tmp_path / "transcripts.db").is_file()
@@ -384,6 +430,7 @@ def test_engines_list_and_doctor(db: tuple[str, Path], backend: str) -> None:
     assert run_json("engines", "list", "--db", url, cwd=work, env=env)["selected"] == "missing-engine"
 
 
+@pytest.mark.real_script
 def test_passwords_are_masked(db: tuple[str, Path], backend: str) -> None:
     url, work = db
     if backend != "postgresql":
@@ -490,6 +537,7 @@ def test_chat_degrades_an_unknown_engine(db: tuple[str, Path]) -> None:
 # ---------------------------------------------------------------------------------------------- errors
 
 
+@pytest.mark.real_script
 def test_error_paths(db: tuple[str, Path], backend: str) -> None:
     url, work = db
     line = one_error_line(run("sessions", "show", "nope", "--db", url, cwd=work, code=3))

@@ -35,12 +35,8 @@ _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended c
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
 _WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
-try:  # psycopg is the PostgreSQL driver; a SQLite-only install may lack it
-    from psycopg import IsolationLevel
-
-    _REPEATABLE_READ: Any = IsolationLevel.REPEATABLE_READ
-except ImportError:  # pragma: no cover
-    _REPEATABLE_READ = None
+#: psycopg's IsolationLevel.REPEATABLE_READ (an IntEnum; psycopg is imported only for PostgreSQL)
+_REPEATABLE_READ = 3
 
 
 @dataclass(frozen=True)
