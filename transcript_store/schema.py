@@ -185,11 +185,11 @@ receipts = Table(
     # (entries are immutable) instead of copying it. NULL on receipts from before revision 0005, whose
     # messages are in ts_turn_messages.
     Column("message_seqs", Text, nullable=True),
-    PrimaryKeyConstraint("scope", "session_id", "engine_id", "advancement_key", name="ts_receipts_pk"),
+    # Key order (session, advancement key, engine): one index answers both "this engine's receipt of
+    # this key" and "every engine's receipt of this logical turn" (revision 0005).
+    PrimaryKeyConstraint("scope", "session_id", "advancement_key", "engine_id", name="ts_receipts_pk"),
     _session_fk("ts_receipts"),
 )
-
-Index("ts_receipts_key", receipts.c.scope, receipts.c.session_id, receipts.c.advancement_key)
 
 # Copies of committed messages, written only before revision 0005 (read for those receipts).
 turn_messages = Table(
