@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,24 +37,35 @@ from transcript_store.turns import Turns
 TURNS = 30
 
 
+def lose_commits(store: Any, lost: Callable[[], bool]) -> None:
+    """After each write transaction that committed, ``lost()`` decides whether its connection "drops"."""
+    real = store.db._transaction
+
+    @contextmanager
+    def lossy(write: bool) -> Iterator[Connection]:
+        with real(write) as conn:
+            yield conn
+        if write and lost():  # reached only when the transaction committed
+            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+
+    store.db._transaction = lossy
+
+
 def test_uncertain_commits_reach_the_engine_exactly_once(
     request: pytest.FixtureRequest, store_url: str, backend: str
 ) -> None:
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     store = open_store(store_url)
-    real = store.db._transaction
     injected = [0]
 
-    @contextmanager
-    def lossy(write: bool) -> Iterator[Connection]:
-        with real(write) as conn:
-            yield conn
-        if write and rng.random() < 0.3:  # reached only when the transaction committed
+    def lose() -> bool:
+        if rng.random() < 0.3:
             injected[0] += 1
-            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+            return True
+        return False
 
-    store.db._transaction = lossy  # type: ignore[method-assign]
+    lose_commits(store, lose)
     retries = [0]
     count_retries(store, retries)
     turns = Turns(store)  # the production leases: a lost claim would hold its turn for a minute
@@ -91,18 +102,13 @@ def test_uncertain_commits_reach_the_engine_exactly_once(
 def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened(store_url: str) -> None:
     """A retry after a lost COMMIT reports the write that landed, instead of "nothing to do" or "unknown"."""
     store = open_store(store_url)
-    real = store.db._transaction
     lose = [0]
 
-    @contextmanager
-    def lossy(write: bool) -> Iterator[Connection]:
-        with real(write) as conn:
-            yield conn
-        if write and lose[0] > 0:
-            lose[0] -= 1
-            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+    def next_commit_lost() -> bool:
+        lose[0] -= 1
+        return lose[0] >= 0
 
-    store.db._transaction = lossy  # type: ignore[method-assign]
+    lose_commits(store, next_commit_lost)
     scope, sid = "crash-scope", "u1"
     try:
         store.create_session(scope, session_id=sid)

@@ -120,25 +120,8 @@ class Turns:
         is_heartbeat: bool = False,
     ) -> tuple[Admission, TurnIntent]:
         """Admit the user message and write the admitted intent, in one transaction."""
-        self.store._ids(scope, session_id)
-        check_id("engine_id", engine_id)
-        if not isinstance(is_heartbeat, bool):
-            raise InvalidInput("is_heartbeat must be a bool")
-        item = self.store.prepare_admission(message, turn_id=turn_id)
-        owner = str(identity.current())
-
-        def run(c: Core) -> tuple[Admission, TurnIntent]:
-            faults.point("admit.before")
-            admission = admit_in(c, scope, session_id, item)
-            faults.point("admit.after_entry")
-            intent = outbox.record_admitted(
-                c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
-                is_heartbeat=is_heartbeat, owner=owner,
-            )
-            return admission, intent
-
-        result = self.store.write(run)
-        faults.point("admit.after_commit")
+        result = self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False)
+        assert result is not None
         return result
 
     def admit_if_clear(
@@ -158,6 +141,19 @@ class Turns:
         the common case of a turn costing one transaction before the model call, instead of the
         recovery snapshot, the retry lookup and the admission (bench/README.md).
         """
+        return self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=True)
+
+    def _admit(
+        self,
+        scope: str,
+        session_id: str,
+        message: dict[str, Any],
+        turn_id: str,
+        engine_id: str,
+        is_heartbeat: bool,
+        *,
+        only_if_clear: bool,
+    ) -> tuple[Admission, TurnIntent] | None:
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id)
         if not isinstance(is_heartbeat, bool):
@@ -166,7 +162,7 @@ class Turns:
         owner = str(identity.current())
 
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
-            if not outbox.turn_is_clear(c, scope, session_id, turn_id):
+            if only_if_clear and not outbox.turn_is_clear(c, scope, session_id, turn_id):
                 return None
             faults.point("admit.before")
             admission = admit_in(c, scope, session_id, item)
