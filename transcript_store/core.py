@@ -192,10 +192,6 @@ _ENTRY_ROWS_OF = {
 }
 
 
-def _entry_rows_of(n: int) -> Select[Any]:
-    return _ENTRY_ROWS_OF[n]
-
-
 # An entry together with the seq the active path holds at its depth: "is it on the active path" in
 # the same statement as the entry itself (fences and closed ranges ask both, on every turn).
 _PATH_SEQ_OF_ENTRY = (
@@ -593,7 +589,7 @@ class Core:
         out: dict[str, Row[Any]] = {}
         if len(entry_ids) <= _SMALL_IN:
             params = session_params(scope, session_id, **{f"b_id{i}": e for i, e in enumerate(entry_ids)})
-            return {r.entry_id: r for r in self.run(_entry_rows_of(len(entry_ids)), params)}
+            return {r.entry_id: r for r in self.run(_ENTRY_ROWS_OF[len(entry_ids)], params)}
         for at in range(0, len(entry_ids), _IN_CHUNK):
             params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
             out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))

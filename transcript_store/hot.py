@@ -135,10 +135,8 @@ class HotResult:
 def _bind(c: _Compiled, params: Params) -> Any:
     if not c.required <= params.keys():
         raise InvalidRequestError(f"missing bind parameters {sorted(c.required - params.keys())} for: {c.sql}")
-    if c.defaults:
-        params = {**c.defaults, **params}
-    if c.binds:
-        params = dict(params)
+    if c.defaults or c.binds:
+        params = {**c.defaults, **params}  # one copy: the caller's dict is never changed
         for name, proc in c.binds:
             if name in params:
                 params[name] = proc(params[name])
