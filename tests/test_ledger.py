@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import _admin_exec, _pg_reachable, pg_url
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, text
 from workers.turn_worker import count_turn
 
 from transcript_store import (
@@ -398,6 +398,8 @@ def test_receipts_from_before_0005_keep_reading_their_copies(schema_0004_url: st
         assert store.current_revision() == migrate.head_revision()
         assert store.read(lambda c: committed_messages(c, A, "s1", E, "old")) == [user("q"), assistant("a")]
         assert store.read(lambda c: count_turn_messages(c, A, "s1", E)) == 2
+        # 0006 turned the stored hex hash into bytes; the API still reads it as the same hex.
+        assert store.read(lambda c: get_receipt(c, A, "s1", E, "old")).payload_hash == "0" * 64
         # New commits in the same session reference the transcript; both kinds are counted.
         admission, terminal, messages = finished_turn(store, "s1", "t1")
         Turns(store).commit_turn(E, "t1", admission, terminal, messages)
@@ -420,9 +422,11 @@ def _old_receipt(conn: Any) -> None:
         admission_entry_id="gone-a", terminal_entry_id="gone-t", message_count=2, is_heartbeat=False,
         committed_us=1,
     )
-    conn.execute(insert(receipts).values(**values))
-    for idx, (role, text) in enumerate([("user", '{"role":"user","content":"q"}'),
-                                        ("assistant", '{"role":"assistant","content":"a"}')]):
+    # The 0004 table as it was (schema.py is head's: its hash column holds bytes since 0006).
+    names, binds = ", ".join(values), ", ".join(f":{k}" for k in values)
+    conn.execute(text(f"INSERT INTO ts_receipts ({names}) VALUES ({binds})"), values)
+    for idx, (role, payload) in enumerate([("user", '{"role":"user","content":"q"}'),
+                                           ("assistant", '{"role":"assistant","content":"a"}')]):
         conn.execute(insert(turn_messages).values(
-            scope=A, session_id="s1", engine_id=E, advancement_key="old", idx=idx, role=role, payload=text
+            scope=A, session_id="s1", engine_id=E, advancement_key="old", idx=idx, role=role, payload=payload
         ))

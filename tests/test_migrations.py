@@ -1,6 +1,6 @@
 """The migrations are the schema: at head they produce schema.py's tables on both backends, and the
-ledger's revision (0005, receipts reference the transcript) goes down and up again without losing a
-committed turn's messages."""
+ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 32 bytes) go down and up
+again without losing a committed turn's messages or its hash."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from conftest import assistant, user
+from sqlalchemy import text
 
 from transcript_store import StoreConfig, TranscriptStore, migrate
 from transcript_store.core import Core
@@ -66,3 +67,31 @@ def test_the_ledger_revision_goes_down_and_up_with_every_committed_message(store
 
         # After the round trip the turn's messages are the copy the downgrade wrote back.
         assert store.read(look) == ([user("q"), assistant("a")], 2)
+
+
+def test_the_compact_receipts_revision_keeps_every_hash(store_url: str) -> None:
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        sid = store.create_session(A, session_id="s1").session_id
+        turns = Turns(store)
+        admission, _ = turns.admit(A, sid, user("q"), turn_id="t1", engine_id="e")
+        done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], None)
+        messages = [user("q"), assistant("a")]
+        first = turns.commit_turn("e", "t1", admission, done.terminal, messages)
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0005")
+        with db.engine.connect() as conn:
+            # Before 0006 the hash was its 64 hex characters.
+            assert conn.execute(text("SELECT payload_hash FROM ts_receipts")).scalar_one() == first.receipt.payload_hash
+        migrate.upgrade(db)
+        assert _differences(db) == []
+        with db.engine.connect() as conn:
+            stored = conn.execute(text("SELECT payload_hash FROM ts_receipts")).scalar_one()
+            assert bytes(stored) == bytes.fromhex(first.receipt.payload_hash)
+    finally:
+        db.dispose()
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        # The receipt reads back whole, and a replay of the same turn is still a duplicate.
+        assert Turns(store).receipts(A, "s1") == [first.receipt]
+        again = Turns(store).commit_turn("e", "t1", admission, done.terminal, messages)
+        assert again.status == "duplicate" and again.receipt == first.receipt

@@ -178,7 +178,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         "session_id": turn.session_id,
         "engine_id": turn.engine_id,
         "advancement_key": turn.advancement_key,
-        "payload_hash": turn.payload_hash,
+        "payload_hash": bytes.fromhex(turn.payload_hash),
         "admission_entry_id": turn.admission.entry_id,
         "terminal_entry_id": turn.terminal.entry_id,
         "message_count": len(turn.messages),
@@ -201,6 +201,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     if apply is not None:
         apply(core, turn)
     faults.point("commit.after_apply")
+    values["payload_hash"] = turn.payload_hash
     return CommitResult.model_construct(status="committed", receipt=Receipt.model_construct(**values))
 
 
@@ -265,13 +266,13 @@ def get_receipt(core: Core, scope: str, session_id: str, engine_id: str, advance
     """One receipt, or None."""
     params = session_params(scope, session_id, b_engine=engine_id, b_key=advancement_key)
     row = core.run(_RECEIPT, params).first()
-    return None if row is None else Receipt.model_construct(**row._asdict())
+    return None if row is None else _receipt_of(row)
 
 
 def receipts_for_key(core: Core, scope: str, session_id: str, advancement_key: str) -> list[Receipt]:
     """Every engine's receipt of one advancement key (a logical turn) in a session."""
     rows = core.run(_RECEIPTS_FOR_KEY, session_params(scope, session_id, b_key=advancement_key)).all()
-    return [Receipt.model_construct(**r._asdict()) for r in rows]
+    return [_receipt_of(r) for r in rows]
 
 
 def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
@@ -280,7 +281,14 @@ def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None
     if engine_id is not None:
         q = q.where(receipts.c.engine_id == engine_id)
     rows = core.conn.execute(q.order_by(receipts.c.committed_us, receipts.c.advancement_key)).all()
-    return [Receipt.model_construct(**r._asdict()) for r in rows]
+    return [_receipt_of(r) for r in rows]
+
+
+def _receipt_of(row: Any) -> Receipt:
+    """A stored receipt row as the API's Receipt (the hash is stored as bytes, spoken as hex)."""
+    values = row._asdict()
+    values["payload_hash"] = bytes(values["payload_hash"]).hex()
+    return Receipt.model_construct(**values)
 
 
 def committed_messages(

@@ -13,6 +13,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     String,
@@ -173,14 +174,17 @@ receipts = Table(
     metadata,
     Column("scope", ID, nullable=False),
     Column("session_id", ID, nullable=False),
-    Column("engine_id", ID, nullable=False),
     Column("advancement_key", ID, nullable=False),
-    Column("payload_hash", String(64), nullable=False),
-    Column("admission_entry_id", ID, nullable=False),
-    Column("terminal_entry_id", ID, nullable=False),
+    Column("engine_id", ID, nullable=False),
+    # Fixed-width columns ahead of the text ones: on PostgreSQL a BIGINT after text is padded to its
+    # 8-byte alignment in every row (revision 0006).
+    Column("committed_us", BigInteger, nullable=False),
     Column("message_count", Integer, nullable=False),
     Column("is_heartbeat", Boolean, nullable=False),
-    Column("committed_us", BigInteger, nullable=False),
+    # The SHA-256 as its 32 bytes; Receipt.payload_hash is the hex of it (revision 0006).
+    Column("payload_hash", LargeBinary(32), nullable=False),
+    Column("admission_entry_id", ID, nullable=False),
+    Column("terminal_entry_id", ID, nullable=False),
     # Raw seqs of the turn's message entries, comma-separated: the ledger references the transcript
     # (entries are immutable) instead of copying it. NULL on receipts from before revision 0005, whose
     # messages are in ts_turn_messages.
