@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import _admin_exec, _pg_reachable, pg_url
-from sqlalchemy import func, insert, select, text
+from sqlalchemy import event, func, insert, select, text
 from workers.turn_worker import count_turn
 
 from transcript_store import (
@@ -109,6 +109,33 @@ def test_commit_then_duplicate(store: TranscriptStore, turns: Turns, sid: str) -
     assert again.receipt == first.receipt
     assert ledger(store, sid) == (["t1"], 4, 1)
     assert store.read(lambda c: committed_messages(c, A, sid, E, "t1")) == messages
+
+
+def test_a_first_commit_is_two_statements_and_a_collision_still_reads_as_one(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """The common case reads the range (locking the session in the same statement) and inserts the
+    receipt: no ledger read first. A reused key whose payload fails the range check is still a
+    collision, not an InvalidInput about the transcript."""
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    executed: list[str] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        executed.append(statement.split()[0])
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        assert turns.commit_turn(E, "t1", admission, terminal, messages).status == "committed"
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    assert executed == ["SELECT", "INSERT"]
+    other = [messages[0], assistant("another answer")]
+    with pytest.raises(AdvancementKeyCollision):
+        turns.commit_turn(E, "t1", admission, terminal, other)
+    later_admission, later_terminal, later = finished_turn(store, sid, "t2")
+    with pytest.raises(AdvancementKeyCollision):  # a valid range of another turn under the taken key
+        turns.commit_turn(E, "t1", later_admission.anchor, later_terminal, later)
+    assert ledger(store, sid)[0] == ["t1"]
 
 
 def test_duplicate_after_restart(store_url: str, store: TranscriptStore, sid: str) -> None:

@@ -373,6 +373,14 @@ class Core:
             self._locked.add((scope, session_id))
         return row
 
+    def holds_lock(self, scope: str, session_id: str) -> bool:
+        """Whether this transaction already holds the session's row lock."""
+        return (scope, session_id) in self._locked
+
+    def note_locked(self, scope: str, session_id: str) -> None:
+        """Record that the caller's own statement locked the session's row (FOR UPDATE OF ts_sessions)."""
+        self._locked.add((scope, session_id))
+
     def lock_session(self, scope: str, session_id: str) -> bool:
         """Lock the session's row for the rest of this transaction; False if there is no such session.
 

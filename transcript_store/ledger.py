@@ -1,8 +1,8 @@
 """The engine-side commit ledger: ``commit_turn`` as ONE atomic, idempotent write (atomic-idempotent-v1).
 
-The receipt row is the idempotency: its primary key is (session, engine, advancement key) and it is
-inserted first, so two racing commits of one key serialize on that key; the loser finds the
-winner's receipt. The canonical payload hash turns a reused key with other content into
+The receipt row is the idempotency: its primary key is (session, advancement key, engine) and it is
+inserted before anything else is written, so two racing commits of one key serialize on that key;
+the loser finds the winner's receipt. The canonical payload hash turns a reused key with other content into
 ``AdvancementKeyCollision`` instead of a silent no-op. The engine's own state rides in the same
 transaction (``apply``), so after a crash the receipt, the messages and the engine state agree.
 """
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import and_, bindparam, func, select
 
 from . import faults
 from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
 from .fences import MAX_TURN_EVENTS
 from .models import Admission, Anchor, canonical_json, validate_message
-from .schema import engine_state, entries, receipts, turn_messages
+from .schema import engine_state, entries, receipts, sessions, turn_messages
 
 # The statements of every commit are built once (see core.py, "hot statements": building a statement
 # costs more CPU than executing it from SQLAlchemy's compiled cache).
@@ -47,6 +47,25 @@ _MESSAGE_SEQS = select(receipts.c.message_seqs).where(
 # (which holds nothing else unless another branch was written into the session during the turn).
 _RANGE_ROWS = select(*ENTRY_COLUMNS).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
+)
+# The same range, locking the session's row in the same statement (when the transaction does not hold
+# it yet: a commit_turn of its own): one round trip instead of two. The outer join returns one row
+# of NULLs for an existing session with no entry in the range, and nothing for an unknown session.
+_RANGE_ROWS_LOCKING = (
+    select(*ENTRY_COLUMNS)
+    .select_from(
+        sessions.outerjoin(
+            entries,
+            and_(
+                entries.c.scope == sessions.c.scope,
+                entries.c.session_id == sessions.c.session_id,
+                entries.c.seq >= bindparam("b_from"),
+                entries.c.seq <= bindparam("b_to"),
+            ),
+        )
+    )
+    .where(by_session(sessions))
+    .with_for_update(of=sessions)
 )
 _RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
@@ -168,10 +187,16 @@ def prepare_turn(
 
 def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None) -> CommitResult:
     """Commit ``turn`` inside the open transaction of ``core`` (see module doc)."""
-    existing = _receipt(core, turn)
-    if existing is not None:
-        return _replay(turn, existing)
-    seqs = _check_range(core, turn)
+    # The range check comes first and the receipt is read only when the key turns out to be taken (the
+    # insert conflicts) or the check fails: a first commit, the common case, does not read the ledger.
+    # A replay of a committed turn passes the same check (entries are immutable) and then conflicts.
+    try:
+        seqs = _check_range(core, turn)
+    except InvalidInput:
+        existing = _receipt(core, turn)
+        if existing is None:
+            raise
+        return _replay(turn, existing)  # another payload under a committed key: a collision
     ts = now_us()
     values: dict[str, Any] = {
         "scope": turn.scope,
@@ -225,13 +250,22 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     """
     # Lock the session row: commits of one session serialize (PostgreSQL; SQLite writers already do),
     # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
-    if not core.lock_session(turn.scope, turn.session_id):
-        raise UnknownSession(turn.scope, turn.session_id)
+    # The range read takes the lock itself unless the transaction holds it (the fast completion appended).
     adm, term = turn.admission, turn.terminal
     if not 0 <= term.seq - adm.seq <= MAX_TURN_EVENTS:
         # Checked before any row is read: a forged seq must not make the range scan a whole session.
+        if not core.lock_session(turn.scope, turn.session_id):
+            raise UnknownSession(turn.scope, turn.session_id)
         raise InvalidInput(f"the terminal must follow the admission by at most {MAX_TURN_EVENTS} entries")
-    rows = core.run(_RANGE_ROWS, session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=term.seq)).all()
+    params = session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=term.seq)
+    if core.holds_lock(turn.scope, turn.session_id):
+        rows = core.run(_RANGE_ROWS, params).all()
+    else:
+        rows = core.run(_RANGE_ROWS_LOCKING, params).all()
+        if not rows:
+            raise UnknownSession(turn.scope, turn.session_id)
+        core.note_locked(turn.scope, turn.session_id)
+        rows = [r for r in rows if r.entry_id is not None]
     by_id = {r.entry_id: r for r in rows}
     first = by_id.get(adm.entry_id)
     if first is None or first.kind != "message" or first.role != "user":
