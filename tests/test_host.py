@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from hosting import CountingEngine, RecordingModel
+from sqlalchemy import event
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import CompactResult, EngineContext, HostRequirement, SessionTarget
@@ -293,6 +294,29 @@ def test_legacy_assembly_reads_only_the_delta(store: TranscriptStore) -> None:
         host.run_turn(SCOPE, sid, "measured")
         costs[n_history] = legacy.rows_read - before
     assert costs[10] == costs[200] == 2  # the previous turn's user message and reply
+
+
+def test_a_legacy_turn_reads_each_row_of_its_completion_once(store: TranscriptStore, sid: str) -> None:
+    """The fast completion holds the session row from its append and the closed range it just read:
+    it neither reads the session again for the range nor re-reads the range (or the ledger) to commit."""
+    host, _ = make_host(store)
+    host.run_turn(SCOPE, sid, "warm up", turn_id="t1")
+    executed: list[str] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        executed.append(" ".join(statement.split()))
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        assert host.run_turn(SCOPE, sid, "measured", turn_id="t2").commit_status == "committed"
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    session_reads = [s for s in executed if s.startswith("SELECT ts_sessions.")]
+    # The admission's, the assembly snapshot's and the completion's (which the closed range reuses).
+    assert len(session_reads) == 3, session_reads
+    assert not [s for s in executed if s.startswith("SELECT") and "FROM ts_receipts" in s.split(" WHERE ")[0]]
+    assert len(executed) <= 22, executed
+    assert receipts(store, "legacy") == ["t1", "t2"]
 
 
 def test_pending_earlier_turn_degrades_the_next(store: TranscriptStore, sid: str) -> None:

@@ -48,15 +48,21 @@ def check_fence(
     return sess
 
 
-def read_closed_range(core: Core, admission: Anchor, terminal: Anchor) -> ClosedRangeResult:
-    """The visible messages admission..terminal inclusive, or why they cannot be read."""
+def read_closed_range(
+    core: Core, admission: Anchor, terminal: Anchor, session: Row[Any] | None = None
+) -> ClosedRangeResult:
+    """The visible messages admission..terminal inclusive, or why they cannot be read.
+
+    ``session``: the session's row as this transaction holds it locked (the fast completion has it from
+    its append), instead of reading it again.
+    """
     if not isinstance(admission, Anchor) or not isinstance(terminal, Anchor):
         raise InvalidInput("a closed range takes two anchors")
     identity = ("scope", "session_id", "session_key", "generation")
     if any(getattr(admission, k) != getattr(terminal, k) for k in identity):
         return ClosedRangeFailure(reason="session_rebound", detail="the anchors disagree on session identity")
     scope, session_id = admission.scope, admission.session_id
-    sess = core.session_row(scope, session_id)
+    sess = session if session is not None else core.session_row(scope, session_id)
     if sess is None or sess.generation != admission.generation or sess.session_key != admission.session_key:
         return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
     rows = core.entries_with_path(scope, session_id, [admission.entry_id, terminal.entry_id])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -115,6 +115,11 @@ class TurnPayload:
     serialized: tuple[str, ...]
     is_heartbeat: bool
     payload_hash: str
+    #: The transaction (Core) that read these messages as the transcript's closed range while holding
+    #: the session's lock, and the raw seqs it read them from (the fast completion): commit_turn_in in
+    #: that same transaction uses them instead of reading and checking the range a second time.
+    read_in: Any = field(default=None, compare=False, repr=False)
+    seqs: tuple[int, ...] = ()
 
     @property
     def scope(self) -> str:
@@ -191,7 +196,10 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     # insert conflicts) or the check fails: a first commit, the common case, does not read the ledger.
     # A replay of a committed turn passes the same check (entries are immutable) and then conflicts.
     try:
-        seqs = _check_range(core, turn)
+        if turn.read_in is core and turn.seqs and core.holds_lock(turn.scope, turn.session_id):
+            seqs = list(turn.seqs)
+        else:
+            seqs = _check_range(core, turn)
     except InvalidInput:
         existing = _receipt(core, turn)
         if existing is None:

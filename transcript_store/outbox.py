@@ -272,9 +272,19 @@ def capture(core: Core, intent: TurnIntent, *, persist: bool = True) -> TurnInte
     ``persist=False`` (the fast completion): a captured range is returned, not written; a range that
     cannot be captured returns the intent unchanged, for the caller to take the persisted way.
     """
+    return capture_range(core, intent, persist=persist)[0]
+
+
+def capture_range(
+    core: Core, intent: TurnIntent, *, persist: bool = True, session: Row[Any] | None = None
+) -> tuple[TurnIntent, ClosedRange | None]:
+    """``capture``, also returning the closed range it read (None when it read none).
+
+    ``session``: the session's row as this transaction holds it locked (see ``read_closed_range``).
+    """
     if intent.state != "accepted" or intent.terminal is None:
-        return intent
-    result = read_closed_range(core, intent.admission.anchor, intent.terminal)
+        return intent, None
+    result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
     ts = now_us()
     if isinstance(result, ClosedRange):
         messages = result.messages
@@ -283,14 +293,14 @@ def capture(core: Core, intent: TurnIntent, *, persist: bool = True) -> TurnInte
                 intent.scope, intent.session_id, intent.turn_id, b_messages=json.dumps(messages), b_ts=ts
             )
             core.run(_MARK_READY, params)
-        return intent.model_copy(update={"state": "ready", "messages": messages})
+        return intent.model_copy(update={"state": "ready", "messages": messages}), result
     if result.reason == "projection_unavailable" or not persist:
-        return intent
+        return intent, None
     reason = f"{result.reason}: {result.detail}" if result.detail else result.reason
     key = _key(intent.scope, intent.session_id, intent.turn_id)
     core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=ts))
     log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
-    return intent.model_copy(update={"state": "blocked", "block_reason": reason})
+    return intent.model_copy(update={"state": "blocked", "block_reason": reason}), None
 
 
 def discard(core: Core, scope: str, session_id: str, turn_id: str, *, expired_only: bool = False) -> bool:

@@ -41,12 +41,15 @@ def read_visible_delta(
     if fence is not None:
         check_fence(core, scope, session_id, fence, sess)
     incarnation = sess.created_us
-    fresh = start_cursor(scope, session_id, sess.generation, incarnation)
+
+    def fresh() -> str:  # the reset cursor, encoded only when a reset is returned
+        return start_cursor(scope, session_id, sess.generation, incarnation)
+
     if cursor is None:
         state = CursorState(scope, session_id, sess.generation, -1, -1, incarnation)
     else:
         if decoded is None:
-            return DeltaReset(cursor=fresh, reason="invalid_cursor")
+            return DeltaReset(cursor=fresh(), reason="invalid_cursor")
         if (
             decoded.scope != scope
             or decoded.session_id != session_id
@@ -54,14 +57,14 @@ def read_visible_delta(
         ):
             # Another scope's or session's cursor, or one of an earlier session under this id (a
             # format-1 cursor does not say which incarnation it was issued for).
-            return DeltaReset(cursor=fresh, reason="scope_mismatch")
+            return DeltaReset(cursor=fresh(), reason="scope_mismatch")
         if decoded.generation != sess.generation:
-            return DeltaReset(cursor=fresh, reason="generation_mismatch")
+            return DeltaReset(cursor=fresh(), reason="generation_mismatch")
         state = decoded
     if state.last_position >= 0 and at_position != state.last_seq:
         row = core.entry_by_seq(scope, session_id, state.last_seq)
         on_path = row is not None and core.on_active_path(scope, session_id, row)
-        return DeltaReset(cursor=fresh, reason="anchor_moved" if on_path else "anchor_missing")
+        return DeltaReset(cursor=fresh(), reason="anchor_moved" if on_path else "anchor_missing")
     before = None
     if fence is not None:
         assert fence.position is not None

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from sqlalchemy import Row
 
 from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
@@ -250,7 +252,7 @@ class Turns:
     def _accept_with(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
     ) -> tuple[TurnIntent, Anchor]:
-        intent, terminal, fresh = Turns._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, _ = Turns._append_and_check(c, scope, session_id, turn_id, items)
         if fresh:
             outbox.persist_accept(c, scope, session_id, turn_id, terminal)
         faults.point("complete.after_accept")
@@ -259,12 +261,13 @@ class Turns:
     @staticmethod
     def _append_and_check(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
-    ) -> tuple[TurnIntent, Anchor, bool]:
+    ) -> tuple[TurnIntent, Anchor, bool, Row[Any]]:
+        """Append the replies and check the acceptance: (intent, terminal, whether new, locked session row)."""
         sess, appended = c.append_to_session(scope, session_id, items)
         faults.point("complete.after_replies")
         terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
         intent, fresh = outbox.check_accept(c, scope, session_id, turn_id, terminal)
-        return intent, terminal, fresh
+        return intent, terminal, fresh, sess
 
     def _complete_fast(
         self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
@@ -272,7 +275,7 @@ class Turns:
         # The row goes admitted -> deleted inside this one transaction when the commit succeeds, so the
         # intermediate states (accepted, ready) are not written: nobody else could ever see them. If
         # the turn cannot be committed here, they are written before the transaction ends.
-        intent, terminal, fresh = self._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, sess = self._append_and_check(c, scope, session_id, turn_id, items)
         faults.point("complete.after_accept")
         pending = outbox.pending(c, scope, session_id, intent.engine_id)
         if any(i.enqueue_seq < intent.enqueue_seq for i in pending):
@@ -280,13 +283,16 @@ class Turns:
             if fresh:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)
             return CompletionResult(intent, terminal, None)
-        ready = outbox.capture(c, intent, persist=False)
-        if ready.state != "ready":
+        ready, closed = outbox.capture_range(c, intent, persist=False, session=sess)
+        if ready.state != "ready" or closed is None:
             if fresh:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)
             intent = outbox.capture(c, intent)  # blocked (written), or still accepted
             return CompletionResult(intent, terminal, None)
-        result = commit_in(c, turn_payload(ready))
+        # The payload carries the closed range this transaction just read (and the session lock it
+        # holds), so an engine committing through commit_turn_in does not read the same rows again.
+        payload = replace(turn_payload(ready), read_in=c, seqs=tuple(e.seq for e in closed.entries))
+        result = commit_in(c, payload)
         _check_result(result)
         outbox.delete_turn(c, scope, session_id, turn_id)
         faults.point("complete.after_commit")
