@@ -138,6 +138,22 @@ def test_a_first_commit_is_two_statements_and_a_collision_still_reads_as_one(
     assert ledger(store, sid)[0] == ["t1"]
 
 
+def test_messages_that_serialize_as_their_entries_commit(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """The range check compares decoded entries first, then texts: a caller's tuple where the entry
+    holds a JSON list is the same message, so the turn commits (and a replay is a duplicate)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    replies = [{"role": "assistant", "content": None, "tool_calls": (call,)}, assistant("done")]
+    admission = store.admit(A, sid, user("q"), turn_id="t1")
+    appended = store.append_many(A, sid, [{"message": m} for m in replies])
+    terminal = store.anchor(A, sid, appended[-1].entry_id)
+    messages = [user("q"), *replies]
+    assert turns.commit_turn(E, "t1", admission, terminal, messages).status == "committed"
+    assert turns.commit_turn(E, "t1", admission, terminal, messages).status == "duplicate"
+    with pytest.raises(InvalidInput, match="differs from its transcript entry"):
+        other = [user("q"), {**replies[0], "tool_calls": ({**call, "id": "c2"},)}, assistant("done")]
+        turns.commit_turn(E, "t2", admission.anchor, terminal, other)
+
+
 def test_duplicate_after_restart(store_url: str, store: TranscriptStore, sid: str) -> None:
     admission, terminal, messages = finished_turn(store, sid, "t1")
     first = Turns(store).commit_turn(E, "t1", admission, terminal, messages, apply=count_turn)

@@ -112,7 +112,6 @@ class TurnPayload:
     admission: Anchor
     terminal: Anchor
     messages: tuple[dict[str, Any], ...]
-    serialized: tuple[str, ...]
     is_heartbeat: bool
     payload_hash: str
     #: The transaction (Core) that read these messages as the transcript's closed range while holding
@@ -175,7 +174,6 @@ def prepare_turn(
         raise InvalidInput("the first message of a turn is the admitted user message")
     if not isinstance(is_heartbeat, bool):
         raise InvalidInput("is_heartbeat must be a bool")
-    serialized = tuple(json.dumps(m, ensure_ascii=False, separators=(",", ":")) for m in checked)
     # Runtime facts (times, attempt numbers, which worker) stay out: a replay must hash the same.
     hashed = {
         "scope": anchor.scope,
@@ -187,7 +185,7 @@ def prepare_turn(
         "is_heartbeat": is_heartbeat,
     }
     digest = hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest()
-    return TurnPayload(engine_id, advancement_key, anchor, terminal, checked, serialized, is_heartbeat, digest)
+    return TurnPayload(engine_id, advancement_key, anchor, terminal, checked, is_heartbeat, digest)
 
 
 def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None) -> CommitResult:
@@ -244,6 +242,11 @@ def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
     return CommitResult.model_construct(status="duplicate", receipt=existing)
 
 
+def _compact(message: dict[str, Any]) -> str:
+    """A message as the transcript stores its text (``core.prepare_entry``)."""
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
     return get_receipt(core, turn.scope, turn.session_id, turn.engine_id, turn.advancement_key)
 
@@ -293,8 +296,11 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     found = [r for r in reversed(chain) if r.kind == "message"]
     if len(found) != len(turn.messages):
         raise InvalidInput(f"the turn range holds {len(found)} messages, got {len(turn.messages)}")
-    for i, (row, text, message) in enumerate(zip(found, turn.serialized, turn.messages, strict=True)):
-        if row.payload != text and json.loads(row.payload) != message:
+    # Decoding the stored text and comparing is a third of the cost of serializing the message to
+    # compare texts (bench/README.md, "Profiling" 15); the text comparison stays as the fallback for
+    # what decodes differently but serializes the same (a tuple where the entry has a list).
+    for i, (row, message) in enumerate(zip(found, turn.messages, strict=True)):
+        if json.loads(row.payload) != message and row.payload != _compact(message):
             if i == 0:
                 raise InvalidInput("the first message differs from the admitted user message")
             raise InvalidInput(f"message {i} of the turn differs from its transcript entry {row.entry_id!r}")
