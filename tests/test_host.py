@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from transcript_store.quarantine import records
 from transcript_store.registry import EngineRegistry
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
+from transcript_store.tokens import RoughEstimator, TiktokenEstimator, count_from_parts
 from transcript_store.turns import Turns
 
 SCOPE = "tenant-1"
@@ -384,3 +386,51 @@ def test_builtin_compaction_runs_for_non_owning_engines_only(store: TranscriptSt
     )
     host2.run_turn(SCOPE, sid2, "go")
     assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid2)]
+
+
+def test_legacy_estimate_is_the_count_of_the_assembled_messages(store: TranscriptStore, sid: str) -> None:
+    """The legacy engine sums the per-message counts it keeps instead of counting its context again:
+    the estimate must still be exactly the estimator's count of what it assembled, with a compaction
+    summary in front, tool calls inside, non-ASCII text, and after the budget cut older messages."""
+    big = "word 字 " * 300
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": big}} for i in range(30)]
+    )
+    host, _ = make_host(store, token_budget=4000)
+    host.run_turn(SCOPE, sid, "use tool lookup please")
+    legacy, _info = host.engine("legacy")
+    legacy.compact(scope=SCOPE, session_id=sid, force=True)
+    host.run_turn(SCOPE, sid, "and again, with ümlauts")
+    assert "compaction" in [e.kind for e in store.list_entries(SCOPE, sid)]
+    estimator = RoughEstimator()
+    for budget in (200_000, 3000, 900):
+        result = legacy.assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=budget)
+        assert result.estimated_tokens == estimator.count_messages(result.messages)
+        assert str(result.messages[0]["content"]).startswith("[Summary of the earlier")  # the prefix
+
+
+def test_count_from_parts_is_the_list_count_for_this_modules_estimators(monkeypatch: pytest.MonkeyPatch) -> None:
+    messages = [
+        {"role": "system", "content": "summary"},
+        {"role": "user", "content": "héllo 字字", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    class WordEncoding:  # tiktoken is optional: its estimator's framing, with words for tokens
+        def encode(self, text: str, disallowed_special: Any = ()) -> list[int]:
+            return [0] * len(text.split())
+
+    fake = types.ModuleType("tiktoken")
+    fake.get_encoding = lambda name: WordEncoding()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tiktoken", fake)
+    for estimator in (RoughEstimator(), TiktokenEstimator()):
+        for n in range(len(messages) + 1):
+            parts = [estimator.count_messages([m]) for m in messages[:n]]
+            assert count_from_parts(estimator, parts) == estimator.count_messages(messages[:n])
+
+    class Own(RoughEstimator):
+        def count_messages(self, messages: Any) -> int:
+            return 7 * len(messages)
+
+    assert count_from_parts(Own(), [7, 7]) is None  # a subclass may count lists its own way

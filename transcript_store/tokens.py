@@ -206,6 +206,22 @@ class TiktokenEstimator:
         )
 
 
+def count_from_parts(estimator: object, counts: Sequence[int]) -> int | None:
+    """``count_messages`` of a list, from ``count_messages([m])`` of each of its messages; None if unknown.
+
+    This module's estimators count a list as its reply priming plus a sum over the messages, so the
+    list's count is the sum of the one-message counts minus the priming they repeat: an engine that
+    keeps per-message counts need not walk every message of its context again. For any other
+    estimator (a subclass may count lists its own way) the answer is None: count the list.
+    """
+    if type(estimator) not in (RoughEstimator, TiktokenEstimator):
+        return None
+    if not counts:
+        return 0
+    priming: int = estimator.priming  # type: ignore[attr-defined]
+    return sum(counts) - (len(counts) - 1) * priming
+
+
 def default_estimator() -> TokenEstimator:
     """``TiktokenEstimator`` when TRANSCRIPT_STORE_TOKENIZER=tiktoken, else ``RoughEstimator``."""
     choice = os.environ.get(TOKENIZER_ENV, "").strip().lower()

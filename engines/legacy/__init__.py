@@ -25,7 +25,7 @@ from transcript_store.engine import (
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Anchor, DeltaMissing, DeltaReset
 from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
+from transcript_store.tokens import RoughEstimator, count_from_parts
 
 ENGINE_ID = "legacy"
 PAGE_MESSAGES = 500
@@ -143,14 +143,19 @@ class LegacyEngine:
         if pointer is not None and pointer["first_kept_position"] < end:
             start = pointer["first_kept_position"]
         prefix = [compaction.summary_message(pointer["summary"])] if pointer is not None and start > 0 else []
-        budget = token_budget - self.estimator.count_messages(prefix)
-        messages = prefix + self._fit(proj.messages, proj.tokens, start, end, budget)
-        return AssembleResult(messages=messages, estimated_tokens=int(self.estimator.count_messages(messages)))
+        prefix_tokens = int(self.estimator.count_messages(prefix))
+        first = self._fit(proj.messages, proj.tokens, start, end, token_budget - prefix_tokens)
+        messages = prefix + proj.messages[first:end]
+        # The estimate from the counts the projection keeps (each message was counted once, when read):
+        # counting the whole context again was ~10% of a host turn's CPU, and grows with what fits.
+        parts = ([prefix_tokens] if prefix else []) + proj.tokens[first:end]
+        estimated = count_from_parts(self.estimator, parts)
+        if estimated is None:
+            estimated = int(self.estimator.count_messages(messages))
+        return AssembleResult(messages=messages, estimated_tokens=estimated)
 
-    def _fit(
-        self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int
-    ) -> list[dict[str, Any]]:
-        """The newest messages of visible[start:end] that fit the budget, never starting on a tool result.
+    def _fit(self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int) -> int:
+        """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool result).
 
         Walks back from the newest message over the counts kept in the projection, so a turn costs
         O(what fits), not O(history), and no message is counted twice.
@@ -164,7 +169,7 @@ class LegacyEngine:
             first -= 1
         while first < end and visible[first].get("role") == "tool":
             first += 1
-        return visible[first:end]
+        return first
 
     def compact(
         self,
