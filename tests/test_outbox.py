@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -110,6 +111,31 @@ def test_engine_failure_on_the_fast_path_falls_back_to_the_drain(
     report = turns.drain(engines())
     assert (report.committed, report.failed) == (1, [])
     assert engine_view(store, sid) == (["t1"], 2, 1)
+
+
+def test_a_payload_derived_from_the_fast_paths_is_checked_against_the_transcript(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """The fast completion skips commit_turn's range check only for the very payload it built from the
+    closed range it read: an engine that commits a modified copy gets the full check, and is refused."""
+
+    def forging(c: Core, p: TurnPayload) -> CommitResult:
+        return commit_turn_in(c, replace(p, messages=(p.messages[0], assistant("forged"))))
+
+    def growing(c: Core, p: TurnPayload) -> CommitResult:
+        return commit_turn_in(c, replace(p, messages=(*p.messages, assistant("extra"))))
+
+    for deliver in (forging, growing):
+        turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+        done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], deliver)
+        assert done.commit is None and done.fast_path_error is not None
+        assert done.fast_path_error.startswith("InvalidInput: ")
+        assert done.intent.state == "accepted"  # queued for the drain, nothing receipted
+        assert turns.receipts(A, sid) == []
+        assert turns.drain(engines()).committed == 1  # the honest delivery of the same turn
+        assert engine_view(store, sid) == (["t1"], 2, 1)
+        store.delete_session(A, sid)
+        sid = store.create_session(A, session_id="s1").session_id
 
 
 def test_a_later_admitted_turn_does_not_hold_the_fast_path(

@@ -358,6 +358,8 @@ class Core:
         self.config = config
         #: sessions whose row this transaction holds locked (a Core lives for one transaction)
         self._locked: set[tuple[str, str]] = set()
+        #: id(payload) -> (payload, raw seqs): turn payloads built from a closed range this transaction read
+        self._checked: dict[int, tuple[object, list[int]]] = {}
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
@@ -380,6 +382,15 @@ class Core:
     def note_locked(self, scope: str, session_id: str) -> None:
         """Record that the caller's own statement locked the session's row (FOR UPDATE OF ts_sessions)."""
         self._locked.add((scope, session_id))
+
+    def note_checked(self, payload: object, seqs: list[int]) -> None:
+        """Record that this transaction built ``payload`` from the closed range it read (its raw seqs)."""
+        self._checked[id(payload)] = (payload, seqs)
+
+    def checked_seqs(self, payload: object) -> list[int] | None:
+        """The raw seqs recorded for this very payload object by ``note_checked``, or None."""
+        found = self._checked.get(id(payload))
+        return found[1] if found is not None and found[0] is payload else None
 
     def lock_session(self, scope: str, session_id: str) -> bool:
         """Lock the session's row for the rest of this transaction; False if there is no such session.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -114,11 +114,11 @@ class TurnPayload:
     messages: tuple[dict[str, Any], ...]
     is_heartbeat: bool
     payload_hash: str
-    #: The transaction (Core) that read these messages as the transcript's closed range while holding
-    #: the session's lock, and the raw seqs it read them from (the fast completion): commit_turn_in in
-    #: that same transaction uses them instead of reading and checking the range a second time.
-    read_in: Any = field(default=None, compare=False, repr=False)
-    seqs: tuple[int, ...] = ()
+
+    @property
+    def serialized(self) -> tuple[str, ...]:
+        """The messages as the transcript stores their text (computed when asked)."""
+        return tuple(_compact(m) for m in self.messages)
 
     @property
     def scope(self) -> str:
@@ -192,11 +192,13 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     """Commit ``turn`` inside the open transaction of ``core`` (see module doc)."""
     # The range check comes first and the receipt is read only when the key turns out to be taken (the
     # insert conflicts) or the check fails: a first commit, the common case, does not read the ledger.
-    # A replay of a committed turn passes the same check (entries are immutable) and then conflicts.
+    # A replay of a committed turn passes the same check (entries are immutable) and then conflicts, so
+    # it costs what a first commit costs, session lock included (a retry, not the common case). The
+    # check is skipped only for the very payload object this transaction built from the closed range
+    # it read (the fast completion, ``Core.note_checked``): a payload derived from it is checked.
     try:
-        if turn.read_in is core and turn.seqs and core.holds_lock(turn.scope, turn.session_id):
-            seqs = list(turn.seqs)
-        else:
+        seqs = core.checked_seqs(turn) if core.holds_lock(turn.scope, turn.session_id) else None
+        if seqs is None:
             seqs = _check_range(core, turn)
     except InvalidInput:
         existing = _receipt(core, turn)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Row
@@ -289,9 +289,10 @@ class Turns:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)
             intent = outbox.capture(c, intent)  # blocked (written), or still accepted
             return CompletionResult(intent, terminal, None)
-        # The payload carries the closed range this transaction just read (and the session lock it
-        # holds), so an engine committing through commit_turn_in does not read the same rows again.
-        payload = replace(turn_payload(ready), read_in=c, seqs=tuple(e.seq for e in closed.entries))
+        # This transaction just read the closed range (holding the session lock): an engine committing
+        # this very payload through commit_turn_in does not read the same rows again.
+        payload = turn_payload(ready)
+        c.note_checked(payload, [e.seq for e in closed.entries])
         result = commit_in(c, payload)
         _check_result(result)
         outbox.delete_turn(c, scope, session_id, turn_id)
