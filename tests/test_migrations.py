@@ -12,10 +12,10 @@ from alembic.migration import MigrationContext
 from conftest import assistant, user
 from sqlalchemy import text
 
-from transcript_store import StoreConfig, TranscriptStore, migrate
+from transcript_store import Admission, Anchor, StoreConfig, TranscriptStore, migrate
 from transcript_store.core import Core
 from transcript_store.db import Database
-from transcript_store.ledger import committed_messages, count_turn_messages
+from transcript_store.ledger import CommitResult, committed_messages, count_turn_messages
 from transcript_store.schema import metadata
 from transcript_store.turns import Turns
 
@@ -45,13 +45,19 @@ def test_the_migrated_schema_is_schema_py(store_url: str) -> None:
         db.dispose()
 
 
-def test_the_ledger_revision_goes_down_and_up_with_every_committed_message(store_url: str) -> None:
+def _one_committed_turn(store_url: str) -> tuple[Admission, Anchor, list[dict[str, Any]], CommitResult]:
+    """Session s1 with turn t1 (a question and an answer) committed by engine "e"."""
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
         sid = store.create_session(A, session_id="s1").session_id
         turns = Turns(store)
         admission, _ = turns.admit(A, sid, user("q"), turn_id="t1", engine_id="e")
         done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], None)
-        turns.commit_turn("e", "t1", admission, done.terminal, [user("q"), assistant("a")])
+        messages = [user("q"), assistant("a")]
+        return admission, done.terminal, messages, turns.commit_turn("e", "t1", admission, done.terminal, messages)
+
+
+def test_the_ledger_revision_goes_down_and_up_with_every_committed_message(store_url: str) -> None:
+    _one_committed_turn(store_url)
     db = Database(StoreConfig(url=store_url))
     try:
         _downgrade(db, "0004")
@@ -70,13 +76,7 @@ def test_the_ledger_revision_goes_down_and_up_with_every_committed_message(store
 
 
 def test_the_compact_receipts_revision_keeps_every_hash(store_url: str) -> None:
-    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
-        sid = store.create_session(A, session_id="s1").session_id
-        turns = Turns(store)
-        admission, _ = turns.admit(A, sid, user("q"), turn_id="t1", engine_id="e")
-        done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], None)
-        messages = [user("q"), assistant("a")]
-        first = turns.commit_turn("e", "t1", admission, done.terminal, messages)
+    admission, terminal, messages, first = _one_committed_turn(store_url)
     db = Database(StoreConfig(url=store_url))
     try:
         _downgrade(db, "0005")
@@ -93,5 +93,5 @@ def test_the_compact_receipts_revision_keeps_every_hash(store_url: str) -> None:
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
         # The receipt reads back whole, and a replay of the same turn is still a duplicate.
         assert Turns(store).receipts(A, "s1") == [first.receipt]
-        again = Turns(store).commit_turn("e", "t1", admission, done.terminal, messages)
+        again = Turns(store).commit_turn("e", "t1", admission, terminal, messages)
         assert again.status == "duplicate" and again.receipt == first.receipt
