@@ -299,7 +299,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     if len(found) != len(turn.messages):
         raise InvalidInput(f"the turn range holds {len(found)} messages, got {len(turn.messages)}")
     # Decoding the stored text and comparing is a third of the cost of serializing the message to
-    # compare texts (bench/README.md, "Profiling" 15); the text comparison stays as the fallback for
+    # compare texts (bench/README.md, "Profiling" 16); the text comparison stays as the fallback for
     # what decodes differently but serializes the same (a tuple where the entry has a list).
     for i, (row, message) in enumerate(zip(found, turn.messages, strict=True)):
         if json.loads(row.payload) != message and row.payload != _compact(message):
