@@ -116,11 +116,6 @@ class TurnPayload:
     payload_hash: str
 
     @property
-    def serialized(self) -> tuple[str, ...]:
-        """The messages as the transcript stores their text (computed when asked)."""
-        return tuple(_compact(m) for m in self.messages)
-
-    @property
     def scope(self) -> str:
         """The scope of the turn's session."""
         return self.admission.scope

@@ -266,13 +266,9 @@ def persist_accept(core: Core, scope: str, session_id: str, turn_id: str, termin
     core.run(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
 
 
-def capture(core: Core, intent: TurnIntent, *, persist: bool = True) -> TurnIntent:
-    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable.
-
-    ``persist=False`` (the fast completion): a captured range is returned, not written; a range that
-    cannot be captured returns the intent unchanged, for the caller to take the persisted way.
-    """
-    return capture_range(core, intent, persist=persist)[0]
+def capture(core: Core, intent: TurnIntent) -> TurnIntent:
+    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable."""
+    return capture_range(core, intent)[0]
 
 
 def capture_range(
@@ -280,6 +276,8 @@ def capture_range(
 ) -> tuple[TurnIntent, ClosedRange | None]:
     """``capture``, also returning the closed range it read (None when it read none).
 
+    ``persist=False`` (the fast completion): a captured range is returned, not written; a range that
+    cannot be captured returns the intent unchanged, for the caller to take the persisted way.
     ``session``: the session's row as this transaction holds it locked (see ``read_closed_range``).
     """
     if intent.state != "accepted" or intent.terminal is None:
