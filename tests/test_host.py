@@ -314,11 +314,91 @@ def test_a_legacy_turn_reads_each_row_of_its_completion_once(store: TranscriptSt
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
     session_reads = [s for s in executed if s.startswith("SELECT ts_sessions.")]
-    # The admission's, the assembly snapshot's and the completion's (which the closed range reuses).
+    # The admission's, the assembly read's (with the cursor's position) and the completion's (which
+    # the closed range reuses).
     assert len(session_reads) == 3, session_reads
     assert not [s for s in executed if s.startswith("SELECT") and "FROM ts_receipts" in s.split(" WHERE ")[0]]
-    assert len(executed) <= 22, executed
+    # The fence the admission itself wrote is not checked again, nor is the outbox read twice.
+    assert not [s for s in executed if s.startswith("SELECT") and "FROM ts_outbox" in s and "earlier" not in s][1:]
+    assert len(executed) <= 20, executed
     assert receipts(store, "legacy") == ["t1", "t2"]
+
+
+def count_transactions(store: TranscriptStore, run: Any) -> int:
+    """How many transactions ``run()`` opened on the store's engine."""
+    began: list[int] = []
+    listener = lambda _conn: began.append(1)  # noqa: E731
+    event.listen(store.db.engine, "begin", listener)
+    try:
+        run()
+    finally:
+        event.remove(store.db.engine, "begin", listener)
+    return len(began)
+
+
+def test_a_legacy_turn_is_two_transactions_the_first_one_too(store: TranscriptStore, sid: str) -> None:
+    """Admission (with the assembly's reads under its lock) and completion: no read snapshot between."""
+    host, _ = make_host(store)
+    assert count_transactions(store, lambda: host.run_turn(SCOPE, sid, "first", turn_id="t1")) == 2
+    assert count_transactions(store, lambda: host.run_turn(SCOPE, sid, "second", turn_id="t2")) == 2
+    # A long history the admission does not read in one page: the rest in a snapshot of its own.
+    other = store.create_session(SCOPE).session_id
+    store.append_many(SCOPE, other, [{"message": {"role": "user", "content": f"m{i}"}} for i in range(700)])
+    assert count_transactions(store, lambda: host.run_turn(SCOPE, other, "long", turn_id="t3")) == 3
+    assert count_transactions(store, lambda: host.run_turn(SCOPE, other, "warm", turn_id="t4")) == 2
+    assert receipts(store, "legacy") == ["t1", "t2"]
+
+
+def test_assembly_read_in_the_admission_gives_what_its_own_snapshot_gives(store: TranscriptStore) -> None:
+    """Same turns on two sessions, one host reading in the admission, one in a snapshot of its own
+    (a ``before_assemble`` seam turns the prefetch off): every request the model sees is the same,
+    across a tool turn, a maintenance rewrite (the cursor resets) and a compaction (a new pointer)."""
+    fast, fast_model = make_host(store)
+    slow, slow_model = make_host(store)
+    slow.before_assemble = lambda *_args: None
+    for host in (fast, slow):
+        sid = store.create_session(SCOPE).session_id
+        host.run_turn(SCOPE, sid, "hello", turn_id=f"{sid}-1")
+        host.run_turn(SCOPE, sid, "please use tool lookup now", turn_id=f"{sid}-2")
+        reply = next(e for e in store.read_visible(SCOPE, sid) if e.role == "assistant")
+        store.rewrite_entries(
+            SCOPE, sid, [{"entry_id": reply.entry_id, "message": {"role": "assistant", "content": "redacted"}}]
+        )
+        host.run_turn(SCOPE, sid, "after the rewrite", turn_id=f"{sid}-3")
+        for i in range(8):
+            text = " ".join(f"filler{i}-{k} with several more words to summarise" for k in range(40))
+            host.run_turn(SCOPE, sid, text, turn_id=f"{sid}-f{i}")
+        assert host.compact(SCOPE, sid, force=True).compacted
+        host.run_turn(SCOPE, sid, "after the compaction", turn_id=f"{sid}-4")
+    assert fast_model.requests == slow_model.requests
+    assert any("redacted" in str(r) for r in fast_model.requests)
+
+
+class _PrefetchFails(CountingEngine):
+    """A test engine whose admission-time read raises what it is given."""
+
+    def __init__(self, ctx: EngineContext, error: BaseException) -> None:
+        super().__init__(ctx, "pf")
+        self.error = error
+
+    def prefetch_in(self, _c: Any, **_kw: Any) -> bool:
+        raise self.error
+
+
+def test_a_refused_prefetch_only_skips_it(store: TranscriptStore, sid: str) -> None:
+    from transcript_store.errors import ReadFenceError
+
+    host, _ = make_host(store, "pf", {"pf": lambda ctx: _PrefetchFails(ctx, ReadFenceError("moved", "test"))})
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "pf" and out.commit_status == "committed" and out.degraded_reason is None
+
+
+def test_any_other_prefetch_error_fails_the_admission_whole(store: TranscriptStore, sid: str) -> None:
+    host, _ = make_host(store, "pf", {"pf": lambda ctx: _PrefetchFails(ctx, RuntimeError("engine bug"))})
+    with pytest.raises(RuntimeError, match="engine bug"):
+        host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert store.read_visible(SCOPE, sid) == []
+    assert Turns(store).intent(SCOPE, sid, "t1") is None
 
 
 def test_pending_earlier_turn_degrades_the_next(store: TranscriptStore, sid: str) -> None:

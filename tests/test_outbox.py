@@ -160,6 +160,17 @@ def test_an_earlier_queued_turn_is_never_overtaken_by_the_fast_path(
     assert engine_view(store, sid) == (["t1", "t2"], 4, 2)
 
 
+def test_an_earlier_queued_turn_of_another_engine_does_not_hold_the_fast_path(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id="engine-2")
+    assert turns.complete(A, sid, "t1", [{"message": assistant("a1")}], None).intent.state == "accepted"
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    done = turns.complete(A, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    assert turns.intent(A, sid, "t1") is not None and turns.intent(A, sid, "t1").state == "accepted"
+
+
 # ---------------------------------------------------------------------------------------------- transitions
 
 

@@ -40,6 +40,7 @@ from .errors import (
     InvalidInput,
     ModelTimeout,
     ReadFenceError,
+    StoreUnavailable,
     TranscriptStoreError,
 )
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
@@ -489,8 +490,12 @@ class HostRuntime:
             engine, info = self.engine(engine_id)
         except EngineError as e:
             raise _Degrade(f"engine unavailable: {e}") from None
-        # The common case in one transaction: nothing to recover, not a retry, admitted.
-        admitted = self.turns.admit_if_clear(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+        # The common case in one transaction: nothing to recover, not a retry, admitted, and (for an
+        # engine that can) the assembly's reads done there too, under the admission's session lock.
+        admitted = self.turns.admit_if_clear(
+            scope, session_id, user, turn_id=turn_id, engine_id=engine_id,
+            within=self._prefetch(engine, info, scope, session_id),
+        )
         if admitted is None:
             report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
             done = self._already_accepted(scope, session_id, turn_id, engine_id)
@@ -567,6 +572,31 @@ class HostRuntime:
             admission=admission,
             terminal=completion.terminal,
         )
+
+    def _prefetch(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str
+    ) -> Callable[[Core, Admission], None] | None:
+        """The engine's ``prefetch_in`` as an admission callback, when it has one and may use it.
+
+        Not when ``before_assemble`` is set: that seam promises to run before the engine reads
+        anything. A refusal of this library's (a cursor, a fence: raised in Python after statements
+        that succeeded) only skips the prefetch, and ``assemble`` then reads in its own snapshot. Any
+        other error fails the admission: after a failed statement a PostgreSQL transaction can only
+        roll back, so it must never look committed.
+        """
+        prefetch = getattr(engine, "prefetch_in", None)
+        if prefetch is None or self.before_assemble is not None:
+            return None
+
+        def within(c: Core, admission: Admission) -> None:
+            try:
+                prefetch(c, scope=scope, session_id=session_id, fence=admission.anchor)
+            except StoreUnavailable:
+                raise  # the transaction's own failure: retried or reported with the admission
+            except TranscriptStoreError as e:
+                log.warning("engine %s: pre-turn read in the admission skipped: %s", info.id, e)
+
+        return within
 
     def _assemble(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str, fence: Anchor | None, host: dict[str, Any]

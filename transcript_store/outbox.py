@@ -131,6 +131,25 @@ _MARK_READY = update(outbox).where(_BY_TURN).values(
 )
 _COMPLETE = delete(outbox).where(_BY_TURN, outbox.c.state == "ready")
 _COMPLETE_OWNED = _COMPLETE.where(outbox.c.lease_owner == bindparam("b_owner"))
+# The fast completion's acceptance check and its "is an earlier turn of this engine queued?" in one
+# statement (a round trip on PostgreSQL, and a turn runs ~20): only the turn's own row is locked, the
+# earlier rows are looked at (locking them could deadlock with a drain that holds one and waits for
+# the session lock this transaction holds).
+_earlier = outbox.alias("earlier")
+_EARLIER_PENDING = (
+    select(literal(1))
+    .where(
+        _earlier.c.scope == outbox.c.scope,
+        _earlier.c.session_id == outbox.c.session_id,
+        _earlier.c.engine_id == outbox.c.engine_id,
+        _earlier.c.state != "blocked",
+        _earlier.c.enqueue_seq < outbox.c.enqueue_seq,
+    )
+    .exists()
+    .label("earlier_pending")
+)
+_GET_ROW_FOR_ACCEPT = select(outbox, _EARLIER_PENDING).where(_BY_TURN)
+_GET_ROW_FOR_ACCEPT_LOCKED = _GET_ROW_FOR_ACCEPT.with_for_update(of=outbox)
 _PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
 _PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
 _EXPIRED_ADMITTED = select(outbox).where(
@@ -230,7 +249,7 @@ def record_admitted(
 
 def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
     """admitted -> accepted with the terminal anchor; the same acceptance again is a no-op."""
-    intent, fresh = check_accept(core, scope, session_id, turn_id, terminal)
+    intent, fresh, _ = check_accept(core, scope, session_id, turn_id, terminal)
     if fresh:
         persist_accept(core, scope, session_id, turn_id, terminal)
     return intent
@@ -238,13 +257,15 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
 
 def check_accept(
     core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor
-) -> tuple[TurnIntent, bool]:
-    """Lock and check the row for ``accept``: (the accepted intent, whether the acceptance is new).
+) -> tuple[TurnIntent, bool, bool]:
+    """Lock and check the row for ``accept``: (the accepted intent, whether the acceptance is new,
+    whether an earlier non-blocked intent of the same engine waits in the session's outbox).
 
     Writes nothing: the fast completion deletes the row in the same transaction, so it never writes
     an acceptance nobody else could see; ``persist_accept`` writes it when it is needed after all.
     """
-    row = get_row(core, scope, session_id, turn_id, lock=True)
+    q = _GET_ROW_FOR_ACCEPT if core.dialect.is_sqlite else _GET_ROW_FOR_ACCEPT_LOCKED
+    row = core.run(q, _turn_params(scope, session_id, turn_id)).first()
     if row is None:
         raise OutboxCollision(f"turn {turn_id!r} has no admitted intent to accept")
     admission = Admission.model_validate_json(row.admission)
@@ -253,11 +274,11 @@ def check_accept(
         raise InvalidInput("the terminal anchor names another session than the admission")
     if row.state != "admitted":
         if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
-            return _intent(row), False
+            return _intent(row), False, bool(row.earlier_pending)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
     # The row as _ACCEPT leaves it, without reading it back (a statement, a round trip, per turn).
     accepted = {"state": "accepted", "terminal": terminal, "lease_owner": None, "lease_expires_at": None}
-    return _intent(row).model_copy(update=accepted), True
+    return _intent(row).model_copy(update=accepted), True, bool(row.earlier_pending)
 
 
 def persist_accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> None:

@@ -27,8 +27,14 @@ def read_visible_delta(
     max_messages: int,
     max_bytes: int,
     fence: Anchor | None,
+    *,
+    fence_written: bool = False,
 ) -> DeltaResult:
-    """One page of visible messages after ``cursor`` (see TranscriptStore.read_visible_delta)."""
+    """One page of visible messages after ``cursor`` (see TranscriptStore.read_visible_delta).
+
+    ``fence_written``: the caller appended the fence's entry in this very transaction and holds the
+    session's lock (an admission's own pre-turn read), so the fence needs no check of its own.
+    """
     decoded = None if cursor is None else decode_cursor(cursor)
     # The session and the seq at the cursor's position come back in one statement: on PostgreSQL every
     # statement is a round trip, and a page read is only a handful of them (bench/README.md).
@@ -38,7 +44,7 @@ def read_visible_delta(
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
-    if fence is not None:
+    if fence is not None and not fence_written:
         check_fence(core, scope, session_id, fence, sess)
     incarnation = sess.created_us
 

@@ -1,8 +1,9 @@
 """Turn commits over a store: the ledger's commit_turn, the outbox's transitions, drain and recovery.
 
-The common case costs two transactions per turn: ``admit`` (user entry + admitted intent) and
-``complete`` (reply entries + acceptance + closed-range read + the engine's commit_turn + intent
-deleted), when the engine's ledger lives in the same database. If that transaction fails (the engine
+The common case costs two transactions per turn: ``admit`` (user entry + admitted intent, and the
+engine's pre-turn reads when it can do them there: ``within``) and ``complete`` (reply entries +
+acceptance + closed-range read + the engine's commit_turn + intent deleted), when the engine's ledger
+lives in the same database. If that transaction fails (the engine
 raised, a conflict), it rolls back whole and ``complete`` falls back to the slow path: reply entries
 and acceptance in their own transaction, delivery by ``drain``. An accepted turn is never lost to an
 engine failure.
@@ -135,6 +136,7 @@ class Turns:
         turn_id: str,
         engine_id: str,
         is_heartbeat: bool = False,
+        within: Callable[[Core, Admission], None] | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         """``admit``, in the same one transaction as the check that no recovery is needed first.
 
@@ -142,8 +144,16 @@ class Turns:
         already known to the outbox or the ledger: the caller runs ``recover`` and ``admit``. This is
         the common case of a turn costing one transaction before the model call, instead of the
         recovery snapshot, the retry lookup and the admission (bench/README.md).
+
+        ``within(core, admission)`` runs last in that transaction, with the session locked: the
+        host's pre-turn reads (the engine's assembly reads) see exactly the transcript before the
+        admitted entry without a snapshot of their own. It may run more than once (the transaction
+        is retried whole on a transient error), and an error it raises rolls the admission back.
         """
-        return self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=True)
+        _check_callable("within", within, optional=True)
+        return self._admit(
+            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=True, within=within
+        )
 
     def _admit(
         self,
@@ -155,6 +165,7 @@ class Turns:
         is_heartbeat: bool,
         *,
         only_if_clear: bool,
+        within: Callable[[Core, Admission], None] | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id)
@@ -173,6 +184,8 @@ class Turns:
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
                 is_heartbeat=is_heartbeat, owner=owner,
             )
+            if within is not None:
+                within(c, admission)
             return admission, intent
 
         result = self.store.write(run)
@@ -252,7 +265,7 @@ class Turns:
     def _accept_with(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
     ) -> tuple[TurnIntent, Anchor]:
-        intent, terminal, fresh, _ = Turns._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, _, _ = Turns._append_and_check(c, scope, session_id, turn_id, items)
         if fresh:
             outbox.persist_accept(c, scope, session_id, turn_id, terminal)
         faults.point("complete.after_accept")
@@ -261,13 +274,14 @@ class Turns:
     @staticmethod
     def _append_and_check(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
-    ) -> tuple[TurnIntent, Anchor, bool, Row[Any]]:
-        """Append the replies and check the acceptance: (intent, terminal, whether new, locked session row)."""
+    ) -> tuple[TurnIntent, Anchor, bool, bool, Row[Any]]:
+        """Append the replies and check the acceptance: (intent, terminal, whether new, whether an
+        earlier intent of its engine is queued, locked session row)."""
         sess, appended = c.append_to_session(scope, session_id, items)
         faults.point("complete.after_replies")
         terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
-        intent, fresh = outbox.check_accept(c, scope, session_id, turn_id, terminal)
-        return intent, terminal, fresh, sess
+        intent, fresh, earlier = outbox.check_accept(c, scope, session_id, turn_id, terminal)
+        return intent, terminal, fresh, earlier, sess
 
     def _complete_fast(
         self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
@@ -275,10 +289,9 @@ class Turns:
         # The row goes admitted -> deleted inside this one transaction when the commit succeeds, so the
         # intermediate states (accepted, ready) are not written: nobody else could ever see them. If
         # the turn cannot be committed here, they are written before the transaction ends.
-        intent, terminal, fresh, sess = self._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, earlier, sess = self._append_and_check(c, scope, session_id, turn_id, items)
         faults.point("complete.after_accept")
-        pending = outbox.pending(c, scope, session_id, intent.engine_id)
-        if any(i.enqueue_seq < intent.enqueue_seq for i in pending):
+        if earlier:
             # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
             if fresh:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)

@@ -23,7 +23,7 @@ from transcript_store.engine import (
     TranscriptSemantics,
 )
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
-from transcript_store.models import Anchor, DeltaMissing, DeltaReset
+from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
@@ -41,6 +41,8 @@ class _Projection:
     entry_ids: list[str] = field(default_factory=list)
     #: each message's own token estimate, counted once when it is read (not on every turn)
     tokens: list[int] = field(default_factory=list)
+    #: (fence, compaction pointer) read inside that fence's admission transaction (``prefetch_in``)
+    prefetched: tuple[Anchor, dict[str, Any] | None] | None = None
 
 
 class LegacyEngine:
@@ -109,15 +111,46 @@ class LegacyEngine:
                 max_bytes = result.required_bytes  # one message is larger than a page: enlarge the page
                 continue
             max_bytes = PAGE_BYTES
-            self.rows_read += len(result.entries)
-            for e in result.entries:
-                message = e.message or {}
-                proj.messages.append(message)
-                proj.entry_ids.append(e.entry_id)
-                proj.tokens.append(int(self.estimator.count_messages([message])))
-            proj.cursor = result.cursor
+            self._take(proj, result)
             if not result.has_more:
                 return proj
+
+    def _take(self, proj: _Projection, page: DeltaPage) -> None:
+        """Add a page's messages (each counted once, here) to the projection and move its cursor."""
+        self.rows_read += len(page.entries)
+        for e in page.entries:
+            message = e.message or {}
+            proj.messages.append(message)
+            proj.entry_ids.append(e.entry_id)
+            proj.tokens.append(int(self.estimator.count_messages([message])))
+        proj.cursor = page.cursor
+
+    def prefetch_in(self, c: Core, *, scope: str, session_id: str, fence: Anchor) -> bool:
+        """Do the next ``assemble``'s reads inside the admission transaction that wrote ``fence``.
+
+        The host calls this from ``Turns.admit_if_clear(within=...)``: the session is locked and the
+        fence was appended by this transaction, so one page after the cursor and the compaction
+        pointer are exactly the pre-turn transcript, and ``assemble`` with this fence needs no read
+        transaction of its own (a turn is two transactions, not three). At most one page is read
+        here, so the admission never holds the write lock for a long read: when the delta is longer
+        (a rebuild of a long session, many messages from elsewhere) or the cursor was reset, the
+        page is kept and ``assemble`` reads the rest in its own snapshot (False). The messages taken
+        here are all before the fence: they stay valid if the admission rolls back.
+        """
+        proj = self._projection(scope, session_id)
+        proj.prefetched = None
+        if fence.position is None or len(proj.messages) > fence.position:
+            return False  # past the fence already (an unfenced read earlier): assemble's own path
+        result = reads.read_visible_delta(
+            c, scope, session_id, proj.cursor, PAGE_MESSAGES, PAGE_BYTES, fence, fence_written=True
+        )
+        if not isinstance(result, DeltaPage) or result.required_bytes is not None:
+            return False
+        self._take(proj, result)
+        if result.has_more:
+            return False
+        proj.prefetched = (fence, compaction.pointer_in(c, scope, session_id))
+        return True
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -137,7 +170,12 @@ class LegacyEngine:
         def read(c: Core) -> tuple[_Projection, dict[str, Any] | None]:
             return self._advance(c, scope, session_id, fence), compaction.pointer_in(c, scope, session_id)
 
-        proj, pointer = self.store.read(read)
+        proj = self._projection(scope, session_id)
+        prefetched, proj.prefetched = proj.prefetched, None
+        if fence is not None and prefetched is not None and prefetched[0] == fence:
+            pointer = prefetched[1]  # read by prefetch_in in the admission transaction of this fence
+        else:
+            proj, pointer = self.store.read(read)
         end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
         start = 0
         if pointer is not None and pointer["first_kept_position"] < end:
