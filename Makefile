@@ -42,8 +42,8 @@ test-hermes: $(HERMES_STAMP)
 	$(HERMES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_hermes.py tests/test_hermes_adapter.py $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check transcript_store engines tests
-	$(BIN)/mypy transcript_store engines
+	$(BIN)/ruff check transcript_store engines tests bench
+	$(BIN)/mypy transcript_store engines bench
 
 bench: install
 	$(BIN)/python -m bench

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 
@@ -63,17 +64,23 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
             def raw_read(at: int, sid: str = sid) -> Callable[[], object]:
                 return lambda: raw.tail_read(sid, at, PAGE)
 
+            def raw_decoded(at: int, sid: str = sid) -> Callable[[], object]:
+                # The floor of a reader that returns messages: the raw read, its payloads decoded.
+                return lambda: [json.loads(row[2]) for row in raw.tail_read(sid, at, PAGE)]
+
             n = ctx.counts.reads
             ours_ops = [ours_op(cursors[i % len(cursors)]) for i in range(n)]
             raw_ops = [raw_read(starts[i % len(starts)]) for i in range(n)]
-            Timer().run(ours_ops[:50] + raw_ops[:50])
+            decoded_ops = [raw_decoded(starts[i % len(starts)]) for i in range(n)]
+            Timer().run(ours_ops[:50] + raw_ops[:50] + decoded_ops[:50])
             half = n // 2
-            raw_t, ours_t = Timer(), Timer()
-            alternate(
-                2,
-                lambda b: raw_t.run(raw_ops[b * half : (b + 1) * half]),  # noqa: B023
-                lambda b: ours_t.run(ours_ops[b * half : (b + 1) * half]),  # noqa: B023
-            )
+            raw_t, ours_t, decoded_t = Timer(), Timer(), Timer()
+
+            def raw_block(b: int) -> None:
+                raw_t.run(raw_ops[b * half : (b + 1) * half])  # noqa: B023
+                decoded_t.run(decoded_ops[b * half : (b + 1) * half])  # noqa: B023
+
+            alternate(2, raw_block, lambda b: ours_t.run(ours_ops[b * half : (b + 1) * half]))  # noqa: B023
             ours, rawst = ours_t.stats(), raw_t.stats()
             p50[length], raw_p50[length] = ours.p50, rawst.p50
             log(
@@ -96,6 +103,17 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
                 )
             )
             figures.append(Figure("read_delta", target.name, f"p95 @{length:,}", "ms", ours.p95, rawst.p95))
+            if longest:
+                figures.append(
+                    Figure(
+                        "read_delta",
+                        target.name,
+                        f"floor: raw read + json.loads of its {PAGE} payloads, p50 @{length:,}",
+                        "ms",
+                        decoded_t.stats().p50,
+                        rawst.p50,
+                    )
+                )
         short, long_ = ctx.counts.lengths[0], ctx.counts.lengths[-1]
         figures.append(
             Figure(

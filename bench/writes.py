@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from transcript_store.ledger import prepare_turn
 from transcript_store.turns import Turns
 
 from .context import Context, log
-from .drivers import Finished, HostDriver, RowCounter, create_sessions, finish_turns, plan_turns, raw_op
+from .drivers import Finished, HostDriver, Plan, RowCounter, create_sessions, finish_turns, plan_turns, raw_op
+from .raw import RawStore
 from .report import Figure
 from .targets import Target
 from .timing import Timer, alternate
@@ -69,6 +71,13 @@ def bench_commit_turn(ctx: Context, target: Target) -> list[Figure]:
         raw_ops: list[Callable[[], object]] = [raw_op(raw, p) for p in warm + plans]
         Timer().run(raw_ops[: len(warm)] + ops[: len(warm)])  # warm-up: connections, caches, compiled SQL
         raw_t, ours_t = _compare(ctx, "commit_turn", target, raw_ops[len(warm) :], ops[len(warm) :])
+        # The floor of any commit that validates and hashes the turn: prepare_turn of the same turns,
+        # timed alone (no database), added to raw's transaction.
+        def prepare(f: Finished) -> Callable[[], object]:
+            return lambda: prepare_turn("legacy", f.plan.turn_id, f.admission, f.terminal, f.plan.turn.messages)
+
+        prep_t = Timer()
+        prep_t.run([prepare(f) for f in finished[len(warm) :]])
         counter = RowCounter(store)
         extra_plans = plan_turns(ctx.workload(12), 4, "cx")
         create_sessions(store, extra_plans)
@@ -76,9 +85,22 @@ def bench_commit_turn(ctx: Context, target: Target) -> list[Figure]:
             counter.take()
             commit(f)()
         per_turn = counter.take()
-        return _turn_figures(
+        figures = _turn_figures(
             "commit_turn", target, 0.8, raw_t, ours_t, {"last_turn_" + k: v for k, v in per_turn.items()}
         )
+        prep_mean, raw_mean = prep_t.stats().mean, raw_t.stats().mean
+        figures.append(
+            Figure(
+                "commit_turn",
+                target.name,
+                "floor: raw + validating and hashing the turn (prepare_turn timed alone): turns/s",
+                "turns/s",
+                1 / (raw_mean + prep_mean),
+                1 / raw_mean,
+                extra={"prepare_turn_us": prep_mean * 1e6, "raw_turn_us": raw_mean * 1e6},
+            )
+        )
+        return figures
     finally:
         store.close()
         raw.close()
@@ -107,7 +129,37 @@ def bench_host_turn(ctx: Context, target: Target) -> list[Figure]:
             driver.script(p)()
             counts.append(counter.take())
         last = counts[-1]
-        return _turn_figures("host_turn", target, 0.4, raw_t, ours_t, {"last_turn_" + k: v for k, v in last.items()})
+        figures = _turn_figures(
+            "host_turn", target, 0.4, raw_t, ours_t, {"last_turn_" + k: v for k, v in last.items()}
+        )
+        figures.append(_two_transactions(ctx, target, raw))
+        return figures
     finally:
         store.close()
         raw.close()
+
+
+def _two_transactions(ctx: Context, target: Target, raw: RawStore) -> Figure:
+    """The floor of the design's durability: raw writing a turn's rows in the two transactions a durable
+    turn needs (the user row is durable before the model is called; the replies after it), against raw's
+    one, on fresh sessions, in alternating blocks."""
+    plans = plan_turns(ctx.workload(23), 2 * ctx.counts.host_turns, "h2")
+    halves = plans[0::2], plans[1::2]
+    one: list[Callable[[], object]] = [raw_op(raw, p) for p in halves[0]]
+
+    def two(p: Plan) -> Callable[[], object]:
+        def run() -> None:
+            raw.insert_turn(p.session_id, p.first_seq, p.turn.messages[:1])
+            raw.insert_turn(p.session_id, p.first_seq + 1, p.turn.messages[1:])
+
+        return run
+
+    one_t, two_t = _compare(ctx, "host_turn floor", target, one, [two(p) for p in halves[1]])
+    return Figure(
+        "host_turn",
+        target.name,
+        "floor: raw in two transactions (user row, then the replies): turns/s",
+        "turns/s",
+        two_t.stats().per_second,
+        one_t.stats().per_second,
+    )
