@@ -143,7 +143,7 @@ def _two_transactions(ctx: Context, target: Target, raw: RawStore) -> Figure:
     """The floor of the design's durability: raw writing a turn's rows in the two transactions a durable
     turn needs (the user row is durable before the model is called; the replies after it), against raw's
     one, on fresh sessions, in alternating blocks."""
-    plans = plan_turns(ctx.workload(23), 2 * ctx.counts.host_turns, "h2")
+    plans = plan_turns(ctx.workload(23), 16 * ctx.counts.host_turns, "h2")  # raw is cheap: more turns, less noise
     halves = plans[0::2], plans[1::2]
     one: list[Callable[[], object]] = [raw_op(raw, p) for p in halves[0]]
 
