@@ -16,7 +16,21 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Integer, Row, Select, and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Row,
+    Select,
+    and_,
+    bindparam,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    true,
+    update,
+)
 
 from . import hot
 from .config import StoreConfig
@@ -265,6 +279,36 @@ def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
 _VISIBLE_ROWS = {(b, lim): _visible_rows_statement(b, lim) for b in (False, True) for lim in (False, True)}
 
 
+def _delta_page_statement(bounded: bool) -> Select[Any]:
+    # A delta page in ONE statement: what it needs of the session (prefixed s_), the raw seq at the
+    # cursor's position, and the page after that position (entry columns, one row per entry; one row
+    # of NULLs when the page is empty; no row at all when the session does not exist). A single
+    # statement is a consistent snapshot by itself on both backends, so a read that needs nothing
+    # else runs without a transaction: one round trip on PostgreSQL instead of BEGIN, the session,
+    # the page and COMMIT (bench/README.md, "Profiling" 23).
+    page = _visible_rows_statement(bounded, True).subquery("page")
+    return (
+        select(
+            sessions.c.generation.label("s_generation"),
+            sessions.c.session_key.label("s_session_key"),
+            sessions.c.created_us.label("s_created_us"),
+            _PATH_SEQ_AT_POSITION.scalar_subquery().label("s_at_seq"),
+            *page.c,
+        )
+        .select_from(sessions.outerjoin(page, true()))
+        .where(by_session(sessions))
+        # No ORDER BY here: SQLite would copy the page's payloads into a temporary B-tree to sort
+        # what the index search already produced in order; delta_page_rows sorts the few rows.
+    )
+
+
+_DELTA_PAGE = {b: _delta_page_statement(b) for b in (False, True)}
+
+
+def _position_of(row: Row[Any]) -> int:
+    return int(row.position)
+
+
 def _existing_statement(keyed: bool, turn: bool) -> Select[Any]:
     keys = [entries.c.entry_id == bindparam("b_entry")]
     if keyed:
@@ -409,6 +453,25 @@ class Core:
         params = session_params(scope, session_id, b_position=position)
         row = self.run(_SESSION_ROW_AND_PATH_SEQ, params).first()
         return (None, None) if row is None else (row, row.ts_path_seq)
+
+    def delta_page_rows(
+        self,
+        scope: str,
+        session_id: str,
+        position: int,
+        before_position: int | None,
+        limit: int,
+    ) -> list[Row[Any]]:
+        """The session (``s_`` columns; no row: no such session), the raw seq at ``position``
+        (``s_at_seq``) and up to ``limit`` visible message rows after ``position`` (before
+        ``before_position``), in one statement; an empty page is one row whose entry columns are NULL."""
+        params = session_params(
+            scope, session_id, b_position=position, b_after=position, b_before=before_position, b_limit=limit
+        )
+        rows = self.run(_DELTA_PAGE[before_position is not None], params).all()
+        if len(rows) > 1:  # every row has a position then; the order a join yields is not promised
+            rows.sort(key=_position_of)
+        return rows
 
     def require_session(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any]:
         """The session's row, or UnknownSession (whether it is unknown or another scope's)."""

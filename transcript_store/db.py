@@ -13,7 +13,7 @@ import random
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -107,6 +107,16 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
             raise DBAPIError.instance(statement, (), e, sqlite3.Error, dialect=conn.dialect) from e
 
 
+def _reset_autocommit(conn: Connection, driver: Any) -> None:
+    """Give the pooled connection back in transaction mode, or drop it from the pool if it cannot be."""
+    if conn.invalidated:
+        return
+    try:
+        driver.autocommit = False
+    except Exception as e:  # not idle (a statement still running after an interrupt): never reuse it
+        conn.invalidate(e)
+
+
 def _reset_read_only(conn: Connection, driver: Any) -> None:
     """Give the pooled connection back as a read-write one, or drop it from the pool if it cannot be."""
     if conn.invalidated:
@@ -193,6 +203,30 @@ class Database:
         return random.uniform(0, 0.005)
 
     @contextmanager
+    def _statement(self) -> Iterator[Connection]:
+        # No transaction at all, for a read that is ONE statement (a consistent snapshot by itself on
+        # both backends): no BEGIN/COMMIT round trips on PostgreSQL. Nothing may be executed through
+        # SQLAlchemy here (it would autobegin); hot.run executes on the driver's cursor. psycopg's
+        # autocommit attribute is client-side on an idle connection, and put back before the pool
+        # takes the connection again.
+        self._check_fork()
+        try:
+            with self.engine.connect() as conn:
+                if self.dialect.is_sqlite:
+                    yield conn  # sqlite3 opens no transaction for a SELECT
+                else:
+                    driver: Any = conn.connection.driver_connection
+                    driver.autocommit = True
+                    try:
+                        yield conn
+                    finally:
+                        _reset_autocommit(conn, driver)
+        except DBAPIError as e:
+            raise self.translate(e) from e
+        except SQLAlchemyError as e:
+            raise StoreUnavailable(f"database error: {e.__class__.__name__}: {e}") from e
+
+    @contextmanager
     def _transaction(self, write: bool) -> Iterator[Connection]:
         # Per-transaction overhead is paid by every turn, several times (bench/README.md): no
         # execution_options() branch per call and no isolation-level round trips. SQLite: the begin
@@ -235,12 +269,15 @@ class Database:
             return StorageFull(f"database storage is full: {detail}")
         return StoreUnavailable(f"database error: {detail}")
 
-    def _run(self, fn: Callable[[Connection], T], write: bool) -> T:
+    def _run(self, fn: Callable[[Connection], T], write: bool, statement: bool = False) -> T:
         # The first attempt runs bare: building tenacity's Retrying and its attempt state costs more
         # than an empty SQLite transaction, and almost every transaction succeeds at once. A transient
         # failure hands over to tenacity (waits, stop) for the remaining attempts.
+        def scope() -> AbstractContextManager[Connection]:
+            return self._statement() if statement else self._transaction(write)
+
         try:
-            with self._transaction(write) as conn:
+            with scope() as conn:
                 return fn(conn)
         except TransientStoreError as e:
             if self.config.retry_attempts <= 1:
@@ -248,7 +285,7 @@ class Database:
             self._retried(e)
         time.sleep(self._first_wait())
         for attempt in self._retrying(self.config.retry_attempts - 1):
-            with attempt, self._transaction(write) as conn:
+            with attempt, scope() as conn:
                 return fn(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -264,6 +301,11 @@ class Database:
     def read(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` in one read-only snapshot, retried whole on transient errors."""
         return self._run(fn, False)
+
+    def read_statement(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn``, which executes ONE statement on the driver's cursor (``hot.run``), outside any
+        transaction; retried whole on transient errors."""
+        return self._run(fn, False, statement=True)
 
     def analyze(self, tables: tuple[str, ...]) -> None:
         """Refresh the planner statistics of some tables (PostgreSQL; SQLite plans need none here)."""

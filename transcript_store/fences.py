@@ -19,12 +19,11 @@ MAX_TURN_EVENTS = 20_000
 MAX_TURN_BYTES = 8 * 1024 * 1024
 
 
-def check_fence(
-    core: Core, scope: str, session_id: str, fence: Anchor, sess: Row[Any] | None = None
-) -> Row[Any]:
+def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: Any = None) -> Any:
     """Validate a fence for a read of (scope, session); return the session row or raise.
 
-    ``sess``: the session row, when the read already fetched it in this transaction.
+    ``sess``: the session's row (or what the read fetched of it: its generation and session_key), when
+    the read already has it from this transaction.
     """
     check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:

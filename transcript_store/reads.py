@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .core import Core, entry_from_row
 from .cursors import CursorState, decode_cursor, start_cursor
 from .errors import ReadFenceError
@@ -19,6 +21,10 @@ def check_limits(max_messages: int, max_bytes: int) -> None:
             raise ValueError(f"{name} must be an integer in 1..{top}, got {value!r}")
 
 
+class NeedsSnapshot(Exception):
+    """A statement-only delta read found it needs more than its one statement: read in a snapshot."""
+
+
 def read_visible_delta(
     core: Core,
     scope: str,
@@ -29,21 +35,32 @@ def read_visible_delta(
     fence: Anchor | None,
     *,
     fence_written: bool = False,
+    snapshot: bool = True,
 ) -> DeltaResult:
     """One page of visible messages after ``cursor`` (see TranscriptStore.read_visible_delta).
 
     ``fence_written``: the caller appended the fence's entry in this very transaction and holds the
     session's lock (an admission's own pre-turn read), so the fence needs no check of its own.
+    ``snapshot=False``: ``core`` runs outside a transaction, where only the one statement of the page
+    is consistent; whatever would need another statement (checking a fence, telling why a cursor's
+    anchor moved) raises NeedsSnapshot instead, and the caller reads again in a snapshot.
     """
     decoded = None if cursor is None else decode_cursor(cursor)
-    # The session and the seq at the cursor's position come back in one statement: on PostgreSQL every
-    # statement is a round trip, and a page read is only a handful of them (bench/README.md).
-    probe = decoded.last_position if decoded is not None else -1
-    sess, at_position = core.session_row_and_path_seq(scope, session_id, probe)
-    if sess is None:
+    # The session, the seq at the cursor's position and the page after it come back in ONE statement
+    # (core.delta_page_rows): on PostgreSQL every statement is a round trip (bench/README.md). The page
+    # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
+    claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
+    after = decoded.last_position if claimed and decoded is not None else -1
+    if fence is not None and not fence_written and not snapshot:
+        raise NeedsSnapshot
+    before = fence.position if fence is not None else None  # a fence without one fails its check below
+    rows = core.delta_page_rows(scope, session_id, after, before, max_messages + 1)
+    if not rows:
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
+    head = rows[0]
+    sess = _SessionHead(head.s_generation, head.s_session_key, head.s_created_us)
     if fence is not None and not fence_written:
         check_fence(core, scope, session_id, fence, sess)
     incarnation = sess.created_us
@@ -56,45 +73,49 @@ def read_visible_delta(
     else:
         if decoded is None:
             return DeltaReset(cursor=fresh(), reason="invalid_cursor")
-        if (
-            decoded.scope != scope
-            or decoded.session_id != session_id
-            or (decoded.incarnation is not None and decoded.incarnation != incarnation)
-        ):
+        if not claimed or (decoded.incarnation is not None and decoded.incarnation != incarnation):
             # Another scope's or session's cursor, or one of an earlier session under this id (a
             # format-1 cursor does not say which incarnation it was issued for).
             return DeltaReset(cursor=fresh(), reason="scope_mismatch")
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh(), reason="generation_mismatch")
         state = decoded
-    if state.last_position >= 0 and at_position != state.last_seq:
+    if state.last_position >= 0 and head.s_at_seq != state.last_seq:
+        if not snapshot:
+            raise NeedsSnapshot
         row = core.entry_by_seq(scope, session_id, state.last_seq)
         on_path = row is not None and core.on_active_path(scope, session_id, row)
         return DeltaReset(cursor=fresh(), reason="anchor_moved" if on_path else "anchor_missing")
-    before = None
     if fence is not None:
         assert fence.position is not None
         if state.last_position >= fence.position:
             raise ReadFenceError("crossed", "the cursor is already past the admitted entry")
-        before = fence.position
     # One row more than the page tells has_more without a second query.
-    rows = core.visible_rows(scope, session_id, state.last_position, before, max_messages + 1)
+    found = rows if head.entry_id is not None else []
     page: list[Entry] = []
     used = 0
-    for row in rows[:max_messages]:
+    for row in found[:max_messages]:
         if used + row.size_bytes > max_bytes:
             break
         page.append(entry_from_row(row, active=True))
         used += row.size_bytes
-    if not page and rows:
+    if not page and found:
         return DeltaPage(
             entries=[], cursor=cursor or state.encode(), has_more=True, serialized_bytes=0,
-            required_bytes=rows[0].size_bytes,
+            required_bytes=found[0].size_bytes,
         )
     if page:
         last = page[-1]
         assert last.position is not None
         state = CursorState(scope, session_id, sess.generation, last.seq, last.position, incarnation)
     return DeltaPage(
-        entries=page, cursor=state.encode(), has_more=len(rows) > len(page), serialized_bytes=used
+        entries=page, cursor=state.encode(), has_more=len(found) > len(page), serialized_bytes=used
     )
+
+
+class _SessionHead(NamedTuple):
+    """What a delta read needs of the session's row (check_fence reads the same attributes)."""
+
+    generation: int
+    session_key: str | None
+    created_us: int

@@ -289,6 +289,18 @@ class TranscriptStore:
             raise InvalidInput("cursor must be a string or None")
         if fence is not None:
             check_anchor("fence", fence)
+        else:
+            # Most pages are one statement: read without a transaction (one round trip on PostgreSQL);
+            # a cursor whose anchor moved is told apart in a snapshot (reads.NeedsSnapshot).
+            try:
+                return self.db.read_statement(
+                    lambda conn: reads.read_visible_delta(
+                        Core(conn, self.db.dialect, self.config), scope, session_id, cursor, max_messages,
+                        max_bytes, None, snapshot=False,
+                    )
+                )
+            except reads.NeedsSnapshot:
+                pass
         return self.read(
             lambda c: reads.read_visible_delta(c, scope, session_id, cursor, max_messages, max_bytes, fence)
         )
