@@ -349,12 +349,12 @@ def test_a_legacy_turn_is_two_transactions_the_first_one_too(store: TranscriptSt
     assert receipts(store, "legacy") == ["t1", "t2"]
 
 
-def test_assembly_read_in_the_admission_gives_what_its_own_snapshot_gives(store: TranscriptStore) -> None:
-    """Same turns on two sessions, one host reading in the admission, one in a snapshot of its own
-    (a ``before_assemble`` seam turns the prefetch off): every request the model sees is the same,
-    across a tool turn, a maintenance rewrite (the cursor resets) and a compaction (a new pointer)."""
-    fast, fast_model = make_host(store)
-    slow, slow_model = make_host(store)
+def _same_turns_two_ways(store: TranscriptStore, **settings: Any) -> tuple[RecordingModel, RecordingModel]:
+    """The same turns on two sessions: one host reading in the admission, one in a snapshot of its own
+    (a ``before_assemble`` seam turns the prefetch off); a tool turn, a maintenance rewrite (the
+    cursor resets), long turns and a compaction (a new pointer) on the way."""
+    fast, fast_model = make_host(store, **settings)
+    slow, slow_model = make_host(store, **settings)
     slow.before_assemble = lambda *_args: None
     for host in (fast, slow):
         sid = store.create_session(SCOPE).session_id
@@ -368,10 +368,51 @@ def test_assembly_read_in_the_admission_gives_what_its_own_snapshot_gives(store:
         for i in range(8):
             text = " ".join(f"filler{i}-{k} with several more words to summarise" for k in range(40))
             host.run_turn(SCOPE, sid, text, turn_id=f"{sid}-f{i}")
-        assert host.compact(SCOPE, sid, force=True).compacted
+        host.compact(SCOPE, sid, force=True)
         host.run_turn(SCOPE, sid, "after the compaction", turn_id=f"{sid}-4")
-    assert fast_model.requests == slow_model.requests
-    assert any("redacted" in str(r) for r in fast_model.requests)
+    return fast_model, slow_model
+
+
+def test_assembly_read_in_the_admission_gives_what_its_own_snapshot_gives(store: TranscriptStore) -> None:
+    fast, slow = _same_turns_two_ways(store)
+    assert fast.requests == slow.requests
+    assert any("redacted" in str(r) for r in fast.requests)
+    assert any("[Summary of the earlier conversation]" in str(r[1]) for r in fast.requests)
+
+
+def test_auto_compaction_inside_a_turn_assembles_again_from_the_new_pointer(store: TranscriptStore) -> None:
+    """A budget the long turns overflow: the host compacts before the prompt and assembles again; the
+    second assembly must not reuse what the admission read before that compaction."""
+    fast, slow = _same_turns_two_ways(store, token_budget=1400, max_output_tokens=100)
+    assert fast.requests == slow.requests
+    kinds = [e.kind for e in store.list_entries(SCOPE, store.list_sessions(SCOPE)[0].session_id)]
+    assert kinds.count("compaction") >= 2  # the manual one and at least one automatic one
+
+
+def test_a_retried_turn_id_whose_entry_left_the_path_is_fenced_as_before(store: TranscriptStore, sid: str) -> None:
+    """A turn id admitted again after its entry was branched away: the admission stores nothing new, so
+    its prefetch checks the fence like any read, and the turn degrades exactly as without a prefetch."""
+    host, model = make_host(store)
+    host.run_turn(SCOPE, sid, "first", turn_id="t1")
+    parent = store.read_visible(SCOPE, sid)[-1]
+
+    class BranchThenTimeout:
+        name = "branch-then-timeout"
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:  # between the two attempts: drop the admitted entry from the path
+                store.branch(SCOPE, sid, parent.entry_id)
+                raise ModelTimeout("first attempt times out")
+            return model.complete(messages, tools, **kw)
+
+    host.model = BranchThenTimeout()
+    out = host.run_turn(SCOPE, sid, "second", turn_id="t2")
+    assert out.degraded_reason is not None and "read fence" in out.degraded_reason
+    assert out.commit_status == "blocked"
 
 
 class _PrefetchFails(CountingEngine):
@@ -393,10 +434,26 @@ def test_a_refused_prefetch_only_skips_it(store: TranscriptStore, sid: str) -> N
     assert out.engine_id == "pf" and out.commit_status == "committed" and out.degraded_reason is None
 
 
-def test_any_other_prefetch_error_fails_the_admission_whole(store: TranscriptStore, sid: str) -> None:
+def test_another_engines_failing_prefetch_quarantines_it_and_legacy_answers(
+    store: TranscriptStore, sid: str
+) -> None:
     host, _ = make_host(store, "pf", {"pf": lambda ctx: _PrefetchFails(ctx, RuntimeError("engine bug"))})
-    with pytest.raises(RuntimeError, match="engine bug"):
-        host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "legacy" and out.commit_status == "committed"
+    assert out.degraded_reason is not None and "engine bug" in out.degraded_reason
+    assert "pf" in host.quarantined
+    # The failed admission rolled back whole: one user entry, the one legacy admitted.
+    assert [e.message for e in store.read_visible(SCOPE, sid)] == out.messages
+
+
+def test_an_error_inside_the_admission_rolls_it_back(store: TranscriptStore, sid: str) -> None:
+    def within(_c: Any, _admission: Any) -> None:
+        raise RuntimeError("after the admission's writes")
+
+    with pytest.raises(RuntimeError, match="admission's writes"):
+        Turns(store).admit_if_clear(
+            SCOPE, sid, {"role": "user", "content": "hi"}, turn_id="t1", engine_id="legacy", within=within
+        )
     assert store.read_visible(SCOPE, sid) == []
     assert Turns(store).intent(SCOPE, sid, "t1") is None
 

@@ -303,6 +303,8 @@ def _delta_page_statement(bounded: bool) -> Select[Any]:
 
 
 _DELTA_PAGE = {b: _delta_page_statement(b) for b in (False, True)}
+#: psycopg's ``pq.TransactionStatus.INERROR`` (libpq's PQTRANS_INERROR), without importing psycopg here
+_PG_INERROR = 3
 
 
 def _position_of(row: Row[Any]) -> int:
@@ -404,6 +406,8 @@ class Core:
         self._locked: set[tuple[str, str]] = set()
         #: id(payload) -> (payload, raw seqs): turn payloads built from a closed range this transaction read
         self._checked: dict[int, tuple[object, list[int]]] = {}
+        #: (scope, session, entry id) -> (seq, parent, position) of entries this transaction appended
+        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None]] = {}
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
@@ -426,6 +430,27 @@ class Core:
     def note_locked(self, scope: str, session_id: str) -> None:
         """Record that the caller's own statement locked the session's row (FOR UPDATE OF ts_sessions)."""
         self._locked.add((scope, session_id))
+
+    def appended_here(self, anchor: Anchor) -> bool:
+        """Whether this transaction appended ``anchor``'s entry, at that place, holding the session's lock
+        (an admission reading its own pre-turn transcript: the fence needs no check of its own).
+
+        Not true of an entry an idempotent append found already stored (a retried turn id).
+        """
+        key = (anchor.scope, anchor.session_id)
+        placed = self._appended.get((anchor.scope, anchor.session_id, anchor.entry_id))
+        return key in self._locked and placed == (anchor.seq, anchor.parent_id, anchor.position)
+
+    def transaction_failed(self) -> bool:
+        """Whether a statement of this transaction failed (PostgreSQL: it can only roll back now)."""
+        if self.dialect.is_sqlite:
+            return False
+        driver: Any = self.conn.connection.driver_connection
+        return bool(driver.info.transaction_status == _PG_INERROR)
+
+    def _forget_appended(self, scope: str, session_id: str) -> None:
+        for key in [k for k in self._appended if k[:2] == (scope, session_id)]:
+            del self._appended[key]
 
     def note_checked(self, payload: object, seqs: list[int]) -> None:
         """Record that this transaction built ``payload`` from the closed range it read (its raw seqs)."""
@@ -548,6 +573,7 @@ class Core:
         """Delete the session and everything keyed by it (cascades)."""
         self.require_session(scope, session_id, lock=True)
         self._locked.discard((scope, session_id))
+        self._forget_appended(scope, session_id)
         # Explicit deletes: SQLite cascades only with foreign_keys on, and order keeps PG lock-light.
         for table in (active_path, entries):
             self.conn.execute(delete(table).where(table.c.scope == scope, table.c.session_id == session_id))
@@ -653,6 +679,8 @@ class Core:
         if new_rows:
             self.run(_INSERT_ENTRIES, new_rows)
             self.run(_INSERT_PATH, path_rows)
+            for r in new_rows:
+                self._appended[(scope, session_id, r["entry_id"])] = (r["seq"], r["parent_id"], r["position"])
             self.run(
                 _ADVANCE_HEAD,
                 session_params(
@@ -759,6 +787,7 @@ class Core:
 
     def replace_path_from(self, scope: str, session_id: str, depth: int, rows: Sequence[Any]) -> None:
         """Make ``rows`` (a chain, in depth order starting at ``depth``) the active path's tail."""
+        self._forget_appended(scope, session_id)  # what was appended may be off the path now
         self.conn.execute(
             delete(active_path).where(
                 active_path.c.scope == scope,

@@ -69,6 +69,14 @@ class _Degrade(Exception):
         self.reason = reason
 
 
+class _PrefetchFailed(Exception):
+    """An engine's ``prefetch_in`` raised inside the admission (which rolled back because of it)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class TurnOutcome:
     """What one logical turn did."""
@@ -492,10 +500,19 @@ class HostRuntime:
             raise _Degrade(f"engine unavailable: {e}") from None
         # The common case in one transaction: nothing to recover, not a retry, admitted, and (for an
         # engine that can) the assembly's reads done there too, under the admission's session lock.
-        admitted = self.turns.admit_if_clear(
-            scope, session_id, user, turn_id=turn_id, engine_id=engine_id,
-            within=self._prefetch(engine, info, scope, session_id),
-        )
+        within, prefetched = self._prefetch(engine, info, scope, session_id)
+        try:
+            admitted = self.turns.admit_if_clear(
+                scope, session_id, user, turn_id=turn_id, engine_id=engine_id, within=within
+            )
+        except _PrefetchFailed as e:  # the admission rolled back: nothing of this attempt was written
+            if engine_id == LEGACY:
+                raise e.error from None
+            self.quarantine(engine_id, "prefetch_in", e.error)
+            raise _Degrade(f"engine {engine_id} failed: {type(e.error).__name__}: {e.error}") from None
+        # What the last run of ``within`` read belongs to the transaction that returned the admission
+        # (it runs last in it); anything else (no admission, the recovery path below) is not used.
+        ahead = prefetched[-1] if admitted is not None and prefetched else None
         if admitted is None:
             report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
             done = self._already_accepted(scope, session_id, turn_id, engine_id)
@@ -518,16 +535,17 @@ class HostRuntime:
         }
         read_fence: Anchor | None = fence
         unfenced: str | None = None
-        if engine_id != LEGACY:
+        if engine_id != LEGACY and ahead is None:
             # Probe the fence before any other engine runs: it may assemble from its own state without
-            # a fenced read, or wrap the error. The legacy engine's own reads are fenced (each one
-            # re-checks the admitted entry), so it needs no separate read transaction for this.
+            # a fenced read, or wrap the error. The legacy engine's own reads are fenced (they check the
+            # admitted entry, unless they ran in the admission that appended it), so it needs no
+            # separate read transaction for this; nor does an engine that read in the admission.
             try:
                 self.store.read_visible_delta(scope, session_id, max_messages=1, fence=fence)
             except ReadFenceError as e:
                 raise _Degrade(f"read fence: {e.reason}") from None
         try:
-            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
+            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, ahead)
         except ReadFenceError as e:
             if engine_id != LEGACY:
                 raise _Degrade(f"read fence: {e.reason}") from None
@@ -575,31 +593,51 @@ class HostRuntime:
 
     def _prefetch(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str
-    ) -> Callable[[Core, Admission], None] | None:
-        """The engine's ``prefetch_in`` as an admission callback, when it has one and may use it.
+    ) -> tuple[Callable[[Core, Admission], None] | None, list[Any]]:
+        """The engine's ``prefetch_in`` as an admission callback, and the list its result goes to.
 
-        Not when ``before_assemble`` is set: that seam promises to run before the engine reads
-        anything. A refusal of this library's (a cursor, a fence: raised in Python after statements
-        that succeeded) only skips the prefetch, and ``assemble`` then reads in its own snapshot. Any
-        other error fails the admission: after a failed statement a PostgreSQL transaction can only
-        roll back, so it must never look committed.
+        Not when ``before_assemble`` is set (that seam promises to run before the engine reads
+        anything), nor before the engine's ``bootstrap`` ran for the session. A refusal of this
+        library's raised there (a fence that does not hold, a cursor) only skips the prefetch, and
+        ``assemble`` then reads in its own snapshot, unless a statement of the transaction failed
+        (PostgreSQL could only roll it back: it must never look committed). Anything else rolls the
+        admission back and fails the attempt (``_PrefetchFailed``): another engine is quarantined and
+        the turn runs on legacy.
         """
+        results: list[Any] = []
         prefetch = getattr(engine, "prefetch_in", None)
-        if prefetch is None or self.before_assemble is not None:
-            return None
+        needs_bootstrap = getattr(engine, "bootstrap", None) is not None
+        if (
+            prefetch is None
+            or self.before_assemble is not None
+            or (needs_bootstrap and (info.id, scope, session_id) not in self._bootstrapped)
+        ):
+            return None, results
 
         def within(c: Core, admission: Admission) -> None:
+            results.clear()  # a retried transaction runs this again: only the last run counts
             try:
-                prefetch(c, scope=scope, session_id=session_id, fence=admission.anchor)
+                results.append(prefetch(c, scope=scope, session_id=session_id, fence=admission.anchor))
             except StoreUnavailable:
                 raise  # the transaction's own failure: retried or reported with the admission
             except TranscriptStoreError as e:
-                log.warning("engine %s: pre-turn read in the admission skipped: %s", info.id, e)
+                if c.transaction_failed():
+                    raise
+                log.info("engine %s: pre-turn read in the admission skipped: %s", info.id, e)
+            except Exception as e:
+                raise _PrefetchFailed(e) from e
 
-        return within
+        return within, results
 
     def _assemble(
-        self, engine: Any, info: EngineInfo, scope: str, session_id: str, fence: Anchor | None, host: dict[str, Any]
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        fence: Anchor | None,
+        host: dict[str, Any],
+        prefetched: Any = None,
     ) -> AssembleResult:
         key = (info.id, scope, session_id)
         bootstrap = getattr(engine, "bootstrap", None)
@@ -615,6 +653,8 @@ class HostRuntime:
             "token_budget": budget,
             "available_tools": sorted(self.host_tools),
         }
+        if prefetched is not None and fence is not None:
+            base["prefetched"] = prefetched  # what prefetch_in read for this fence in its admission
         params = project_params(info, base, host)
         result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params)))
         precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
@@ -624,6 +664,7 @@ class HostRuntime:
             rt: RuntimeContext = host["runtime_context"]
             done = delegate_compaction_to_runtime(rt, force=False)
             if done.compacted:
+                params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )

@@ -132,9 +132,9 @@ _MARK_READY = update(outbox).where(_BY_TURN).values(
 _COMPLETE = delete(outbox).where(_BY_TURN, outbox.c.state == "ready")
 _COMPLETE_OWNED = _COMPLETE.where(outbox.c.lease_owner == bindparam("b_owner"))
 # The fast completion's acceptance check and its "is an earlier turn of this engine queued?" in one
-# statement (a round trip on PostgreSQL, and a turn runs ~20): only the turn's own row is locked, the
-# earlier rows are looked at (locking them could deadlock with a drain that holds one and waits for
-# the session lock this transaction holds).
+# statement (a round trip on PostgreSQL, and a turn runs ~20): only the turn's own row is locked; the
+# earlier rows are only looked at (locking them would make a completion wait for a drain that is
+# delivering one of them, for nothing: the answer is the same either way).
 _earlier = outbox.alias("earlier")
 _EARLIER_PENDING = (
     select(literal(1))

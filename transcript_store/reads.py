@@ -34,13 +34,12 @@ def read_visible_delta(
     max_bytes: int,
     fence: Anchor | None,
     *,
-    fence_written: bool = False,
     snapshot: bool = True,
 ) -> DeltaResult:
     """One page of visible messages after ``cursor`` (see TranscriptStore.read_visible_delta).
 
-    ``fence_written``: the caller appended the fence's entry in this very transaction and holds the
-    session's lock (an admission's own pre-turn read), so the fence needs no check of its own.
+    A fence this very transaction appended, holding the session's lock (an admission reading its own
+    pre-turn transcript: ``Core.appended_here``), needs no check of its own; any other is checked.
     ``snapshot=False``: ``core`` runs outside a transaction, where only the one statement of the page
     is consistent; whatever would need another statement (checking a fence, telling why a cursor's
     anchor moved) raises NeedsSnapshot instead, and the caller reads again in a snapshot.
@@ -51,6 +50,9 @@ def read_visible_delta(
     # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
     claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
     after = decoded.last_position if claimed and decoded is not None else -1
+    fence_written = (
+        fence is not None and fence.scope == scope and fence.session_id == session_id and core.appended_here(fence)
+    )
     if fence is not None and not fence_written and not snapshot:
         raise NeedsSnapshot
     before = fence.position if fence is not None else None  # a fence without one fails its check below

@@ -146,9 +146,11 @@ class Turns:
         recovery snapshot, the retry lookup and the admission (bench/README.md).
 
         ``within(core, admission)`` runs last in that transaction, with the session locked: the
-        host's pre-turn reads (the engine's assembly reads) see exactly the transcript before the
-        admitted entry without a snapshot of their own. It may run more than once (the transaction
-        is retried whole on a transient error), and an error it raises rolls the admission back.
+        host's pre-turn reads (the engine's assembly reads) see the transcript before the admitted
+        entry without a snapshot of their own (a fence this transaction appended needs no check; one
+        it found already stored, a retried turn id, is checked like any other). It may run more than
+        once (the transaction is retried whole on a transient error): only its last run belongs to
+        the transaction that returns. An error it raises rolls the admission back.
         """
         _check_callable("within", within, optional=True)
         return self._admit(

@@ -30,6 +30,19 @@ from transcript_store.tokens import RoughEstimator, count_from_parts
 ENGINE_ID = "legacy"
 PAGE_MESSAGES = 500
 PAGE_BYTES = 4 * 1024 * 1024
+#: the most ``prefetch_in`` reads inside an admission (on SQLite that transaction holds the database's
+#: write lock): a turn's delta is a few messages; a rebuild goes on in ``assemble``'s own snapshot
+PREFETCH_MESSAGES = 64
+PREFETCH_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """What ``prefetch_in`` read in an admission transaction: the projection is complete up to
+    ``fence``, and ``pointer`` is the session's compaction pointer as of that transaction."""
+
+    fence: Anchor
+    pointer: dict[str, Any] | None
 
 
 @dataclass
@@ -41,8 +54,6 @@ class _Projection:
     entry_ids: list[str] = field(default_factory=list)
     #: each message's own token estimate, counted once when it is read (not on every turn)
     tokens: list[int] = field(default_factory=list)
-    #: (fence, compaction pointer) read inside that fence's admission transaction (``prefetch_in``)
-    prefetched: tuple[Anchor, dict[str, Any] | None] | None = None
 
 
 class LegacyEngine:
@@ -125,32 +136,31 @@ class LegacyEngine:
             proj.tokens.append(int(self.estimator.count_messages([message])))
         proj.cursor = page.cursor
 
-    def prefetch_in(self, c: Core, *, scope: str, session_id: str, fence: Anchor) -> bool:
+    def prefetch_in(self, c: Core, *, scope: str, session_id: str, fence: Anchor) -> Prefetched | None:
         """Do the next ``assemble``'s reads inside the admission transaction that wrote ``fence``.
 
-        The host calls this from ``Turns.admit_if_clear(within=...)``: the session is locked and the
-        fence was appended by this transaction, so one page after the cursor and the compaction
-        pointer are exactly the pre-turn transcript, and ``assemble`` with this fence needs no read
-        transaction of its own (a turn is two transactions, not three). At most one page is read
-        here, so the admission never holds the write lock for a long read: when the delta is longer
-        (a rebuild of a long session, many messages from elsewhere) or the cursor was reset, the
-        page is kept and ``assemble`` reads the rest in its own snapshot (False). The messages taken
-        here are all before the fence: they stay valid if the admission rolls back.
+        The host calls this last in ``Turns.admit_if_clear(within=...)`` and hands what it returns to
+        ``assemble`` (``prefetched=``) only if that transaction committed: the session is locked, so
+        the page after the cursor and the compaction pointer are exactly the pre-turn transcript, and
+        ``assemble`` needs no read transaction of its own (a turn is two transactions, not three). A
+        fence this transaction did not append (a retried turn id whose entry was already stored) is
+        checked like any other. At most PREFETCH_MESSAGES / PREFETCH_BYTES are read here: when the
+        delta is longer (a rebuild, many messages from elsewhere), what was read is kept and
+        ``assemble`` reads the rest in its own snapshot (None), as it does after a reset. The
+        messages taken here are all before the fence: they stay valid if the admission rolls back.
         """
         proj = self._projection(scope, session_id)
-        proj.prefetched = None
         if fence.position is None or len(proj.messages) > fence.position:
-            return False  # past the fence already (an unfenced read earlier): assemble's own path
+            return None  # past the fence already (an unfenced read earlier): assemble's own path
         result = reads.read_visible_delta(
-            c, scope, session_id, proj.cursor, PAGE_MESSAGES, PAGE_BYTES, fence, fence_written=True
+            c, scope, session_id, proj.cursor, PREFETCH_MESSAGES, PREFETCH_BYTES, fence
         )
         if not isinstance(result, DeltaPage) or result.required_bytes is not None:
-            return False
+            return None
         self._take(proj, result)
         if result.has_more:
-            return False
-        proj.prefetched = (fence, compaction.pointer_in(c, scope, session_id))
-        return True
+            return None
+        return Prefetched(fence, compaction.pointer_in(c, scope, session_id))
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -161,9 +171,13 @@ class LegacyEngine:
         session_id: str,
         fence: Anchor | None,
         token_budget: int,
+        prefetched: Prefetched | None = None,
         **_host: Any,
     ) -> AssembleResult:
-        """The latest summary + the visible messages after it, before the fence, within the budget."""
+        """The latest summary + the visible messages after it, before the fence, within the budget.
+
+        ``prefetched``: what ``prefetch_in`` read for this fence in its committed admission.
+        """
         if fence is not None:
             check_anchor("fence", fence)
 
@@ -171,9 +185,13 @@ class LegacyEngine:
             return self._advance(c, scope, session_id, fence), compaction.pointer_in(c, scope, session_id)
 
         proj = self._projection(scope, session_id)
-        prefetched, proj.prefetched = proj.prefetched, None
-        if fence is not None and prefetched is not None and prefetched[0] == fence:
-            pointer = prefetched[1]  # read by prefetch_in in the admission transaction of this fence
+        if (
+            isinstance(prefetched, Prefetched)
+            and fence is not None
+            and prefetched.fence == fence
+            and len(proj.messages) == fence.position
+        ):
+            pointer = prefetched.pointer  # read by prefetch_in in this fence's admission transaction
         else:
             proj, pointer = self.store.read(read)
         end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
