@@ -571,3 +571,29 @@ def test_count_from_parts_is_the_list_count_for_this_modules_estimators(monkeypa
             return 7 * len(messages)
 
     assert count_from_parts(Own(), [7, 7]) is None  # a subclass may count lists its own way
+
+
+def test_a_database_error_inside_a_prefetch_is_retried_not_blamed_on_the_engine(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The admission's own failure (here its connection is terminated under it) is translated and the
+    transaction retried whole, as for any write: the engine is not quarantined for it."""
+    if store.backend != "postgresql":
+        pytest.skip("terminating the transaction's own connection is a PostgreSQL operation")
+
+    class DropsItsConnectionOnce(CountingEngine):
+        def __init__(self, ctx: EngineContext) -> None:
+            super().__init__(ctx, "dc")
+            self.prefetches = 0
+
+        def prefetch_in(self, c: Any, **_kw: Any) -> None:
+            self.prefetches += 1
+            if self.prefetches == 1:
+                c.conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    host, _ = make_host(store, "dc", {"dc": DropsItsConnectionOnce})
+    retries = store.db.retries
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "dc" and out.degraded_reason is None and out.commit_status == "committed"
+    assert "dc" not in host.quarantined and store.db.retries == retries + 1
+    assert [e.message for e in store.read_visible(SCOPE, sid)] == out.messages

@@ -563,17 +563,25 @@ def test_an_unfenced_page_is_one_statement_outside_any_transaction(store: Transc
     # which the read takes in a snapshot of its own, and answers as before.
     store.branch(A, sid, made[5].entry_id)
     store.append(A, sid, user("elsewhere"))
-    result = reset_of(store.read_visible_delta(A, sid, first.cursor))
-    assert result.reason == "anchor_missing"
+    results: list[Any] = []
+    began, _ = _delta_statements(store, lambda: results.append(store.read_visible_delta(A, sid, first.cursor)))
+    assert reset_of(results[0]).reason == "anchor_missing" and began == 1
 
 
 def test_a_statement_read_leaves_its_connection_transactional(store: TranscriptStore, sid: str) -> None:
     """The pooled connection a read ran on without a transaction is back in transaction mode: a write
-    that fails after its first statement leaves nothing behind, whichever connection it gets."""
-    fill(store, sid, 5)
-    for _ in range(6):  # more than the pool's idle connections: every one of them has been read on
+    that fails after its first statement leaves nothing behind. Reads that end every way: a page, a
+    missing session, a moved anchor (the statement read gives up for a snapshot), a refused cursor."""
+    made = fill(store, sid, 5)
+    moved = page_of(store.read_visible_delta(A, sid, max_messages=2)).cursor
+    store.branch(A, sid, made[0].entry_id)
+    store.append(A, sid, user("elsewhere"))
+    for _ in range(3):
         store.read_visible_delta(A, sid, max_messages=2)
         store.read_visible_delta(A, "nobody")
+        reset_of(store.read_visible_delta(A, sid, moved))
+        with pytest.raises(InvalidInput):
+            store.read_visible_delta(A, sid, 42)  # type: ignore[arg-type]
 
     def fail_after_append(c: Core) -> None:
         c.create_session(A, "half-done", None)

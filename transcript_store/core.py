@@ -406,8 +406,9 @@ class Core:
         self._locked: set[tuple[str, str]] = set()
         #: id(payload) -> (payload, raw seqs): turn payloads built from a closed range this transaction read
         self._checked: dict[int, tuple[object, list[int]]] = {}
-        #: (scope, session, entry id) -> (seq, parent, position) of entries this transaction appended
-        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None]] = {}
+        #: (scope, session, entry id) -> (seq, parent, position, generation) of the user messages this
+        #: transaction appended (the fences it may trust without a check)
+        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int]] = {}
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
@@ -439,13 +440,13 @@ class Core:
         """
         key = (anchor.scope, anchor.session_id)
         placed = self._appended.get((anchor.scope, anchor.session_id, anchor.entry_id))
-        return key in self._locked and placed == (anchor.seq, anchor.parent_id, anchor.position)
+        return key in self._locked and placed == (anchor.seq, anchor.parent_id, anchor.position, anchor.generation)
 
     def transaction_failed(self) -> bool:
         """Whether a statement of this transaction failed (PostgreSQL: it can only roll back now)."""
-        if self.dialect.is_sqlite:
-            return False
         driver: Any = self.conn.connection.driver_connection
+        if self.dialect.is_sqlite:
+            return not driver.in_transaction  # SQLite rolled it back itself (disk full, I/O error)
         return bool(driver.info.transaction_status == _PG_INERROR)
 
     def _forget_appended(self, scope: str, session_id: str) -> None:
@@ -680,7 +681,9 @@ class Core:
             self.run(_INSERT_ENTRIES, new_rows)
             self.run(_INSERT_PATH, path_rows)
             for r in new_rows:
-                self._appended[(scope, session_id, r["entry_id"])] = (r["seq"], r["parent_id"], r["position"])
+                if r["kind"] == "message" and r["role"] == "user":
+                    placed = (r["seq"], r["parent_id"], r["position"], r["generation"])
+                    self._appended[(scope, session_id, r["entry_id"])] = placed
             self.run(
                 _ADVANCE_HEAD,
                 session_params(

@@ -113,8 +113,10 @@ def _reset_autocommit(conn: Connection, driver: Any) -> None:
         return
     try:
         driver.autocommit = False
-    except Exception as e:  # not idle (a statement still running after an interrupt): never reuse it
-        conn.invalidate(e)
+    except BaseException as e:  # not idle (a statement still running after an interrupt): never reuse it
+        conn.invalidate(e if isinstance(e, Exception) else None)
+        if not isinstance(e, Exception):
+            raise
 
 
 def _reset_read_only(conn: Connection, driver: Any) -> None:
@@ -216,8 +218,8 @@ class Database:
                     yield conn  # sqlite3 opens no transaction for a SELECT
                 else:
                     driver: Any = conn.connection.driver_connection
-                    driver.autocommit = True
                     try:
+                        driver.autocommit = True
                         yield conn
                     finally:
                         _reset_autocommit(conn, driver)
@@ -244,6 +246,9 @@ class Database:
                     finally:
                         conn.info["ts_write"] = False  # the pooled connection's next user decides again
                 elif write:
+                    pg: Any = conn.connection.driver_connection
+                    if pg.autocommit:  # never write statement by statement (a leaked read mode)
+                        pg.autocommit = False
                     with conn.begin():
                         yield conn
                 else:

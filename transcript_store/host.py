@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from . import compaction, outbox, quarantine
 from .core import Core, new_id
 from .engine import (
@@ -618,8 +620,8 @@ class HostRuntime:
             results.clear()  # a retried transaction runs this again: only the last run counts
             try:
                 results.append(prefetch(c, scope=scope, session_id=session_id, fence=admission.anchor))
-            except StoreUnavailable:
-                raise  # the transaction's own failure: retried or reported with the admission
+            except (StoreUnavailable, SQLAlchemyError):
+                raise  # the transaction's own failure: translated, retried or reported with the admission
             except TranscriptStoreError as e:
                 if c.transaction_failed():
                     raise
