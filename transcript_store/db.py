@@ -205,28 +205,34 @@ class Database:
         return random.uniform(0, 0.005)
 
     @contextmanager
+    def _connected(self) -> Iterator[Connection]:
+        """A pooled connection; a driver error raised while it is held leaves as this library's."""
+        self._check_fork()
+        try:
+            with self.engine.connect() as conn:
+                yield conn
+        except DBAPIError as e:
+            raise self.translate(e) from e
+        except SQLAlchemyError as e:
+            raise StoreUnavailable(f"database error: {e.__class__.__name__}: {e}") from e
+
+    @contextmanager
     def _statement(self) -> Iterator[Connection]:
         # No transaction at all, for a read that is ONE statement (a consistent snapshot by itself on
         # both backends): no BEGIN/COMMIT round trips on PostgreSQL. Nothing may be executed through
         # SQLAlchemy here (it would autobegin); hot.run executes on the driver's cursor. psycopg's
         # autocommit attribute is client-side on an idle connection, and put back before the pool
         # takes the connection again.
-        self._check_fork()
-        try:
-            with self.engine.connect() as conn:
-                if self.dialect.is_sqlite:
-                    yield conn  # sqlite3 opens no transaction for a SELECT
-                else:
-                    driver: Any = conn.connection.driver_connection
-                    try:
-                        driver.autocommit = True
-                        yield conn
-                    finally:
-                        _reset_autocommit(conn, driver)
-        except DBAPIError as e:
-            raise self.translate(e) from e
-        except SQLAlchemyError as e:
-            raise StoreUnavailable(f"database error: {e.__class__.__name__}: {e}") from e
+        with self._connected() as conn:
+            if self.dialect.is_sqlite:
+                yield conn  # sqlite3 opens no transaction for a SELECT
+                return
+            driver: Any = conn.connection.driver_connection
+            try:
+                driver.autocommit = True
+                yield conn
+            finally:
+                _reset_autocommit(conn, driver)
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Connection]:
@@ -235,35 +241,29 @@ class Database:
         # listener reads the write flag from the connection's info. PostgreSQL: psycopg puts the
         # isolation level and READ ONLY into the BEGIN it sends anyway; set on a connection outside a
         # transaction, both are client-side attributes only.
-        self._check_fork()
-        try:
-            with self.engine.connect() as conn:
-                if self.dialect.is_sqlite:
-                    conn.info["ts_write"] = write
-                    try:
-                        with conn.begin():
-                            yield conn
-                    finally:
-                        conn.info["ts_write"] = False  # the pooled connection's next user decides again
-                elif write:
-                    pg: Any = conn.connection.driver_connection
-                    if pg.autocommit:  # never write statement by statement (a leaked read mode)
-                        pg.autocommit = False
+        with self._connected() as conn:
+            if self.dialect.is_sqlite:
+                conn.info["ts_write"] = write
+                try:
                     with conn.begin():
                         yield conn
-                else:
-                    driver: Any = conn.connection.driver_connection
-                    # One snapshot for every statement of a read (a page is consistent).
-                    driver.isolation_level, driver.read_only = _REPEATABLE_READ, True
-                    try:
-                        with conn.begin():
-                            yield conn
-                    finally:
-                        _reset_read_only(conn, driver)
-        except DBAPIError as e:
-            raise self.translate(e) from e
-        except SQLAlchemyError as e:
-            raise StoreUnavailable(f"database error: {e.__class__.__name__}: {e}") from e
+                finally:
+                    conn.info["ts_write"] = False  # the pooled connection's next user decides again
+            elif write:
+                pg: Any = conn.connection.driver_connection
+                if pg.autocommit:  # never write statement by statement (a leaked read mode)
+                    pg.autocommit = False
+                with conn.begin():
+                    yield conn
+            else:
+                driver: Any = conn.connection.driver_connection
+                # One snapshot for every statement of a read (a page is consistent).
+                driver.isolation_level, driver.read_only = _REPEATABLE_READ, True
+                try:
+                    with conn.begin():
+                        yield conn
+                finally:
+                    _reset_read_only(conn, driver)
 
     def translate(self, error: DBAPIError) -> StoreUnavailable:
         """The one translation of a driver error into this library's tree."""
