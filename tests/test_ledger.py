@@ -115,20 +115,26 @@ def test_a_first_commit_is_two_statements_and_a_collision_still_reads_as_one(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:
     """The common case reads the range (locking the session in the same statement) and inserts the
-    receipt: no ledger read first. A reused key whose payload fails the range check is still a
-    collision, not an InvalidInput about the transcript."""
+    receipt: no ledger read first; on PostgreSQL both are one statement outside any transaction (one
+    round trip). A reused key whose payload fails the range check is still a collision, not an
+    InvalidInput about the transcript."""
     admission, terminal, messages = finished_turn(store, sid, "t1")
     executed: list[str] = []
 
     def listen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
         executed.append(statement.split()[0])
 
+    def began(_conn: Any) -> None:
+        executed.append("BEGIN")
+
     event.listen(store.db.engine, "before_cursor_execute", listen)
+    event.listen(store.db.engine, "begin", began)
     try:
         assert turns.commit_turn(E, "t1", admission, terminal, messages).status == "committed"
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
-    assert executed == ["SELECT", "INSERT"]
+        event.remove(store.db.engine, "begin", began)
+    assert executed == (["BEGIN", "SELECT", "INSERT"] if store.backend == "sqlite" else ["WITH"])
     other = [messages[0], assistant("another answer")]
     with pytest.raises(AdvancementKeyCollision):
         turns.commit_turn(E, "t1", admission, terminal, other)
@@ -473,3 +479,48 @@ def _old_receipt(conn: Any) -> None:
         conn.execute(insert(turn_messages).values(
             scope=A, session_id="s1", engine_id=E, advancement_key="old", idx=idx, role=role, payload=payload
         ))
+
+
+def _transactions(store: TranscriptStore, run: Any) -> int:
+    began: list[int] = []
+
+    def on_begin(_conn: Any) -> None:
+        began.append(1)
+
+    event.listen(store.db.engine, "begin", on_begin)
+    try:
+        run()
+    finally:
+        event.remove(store.db.engine, "begin", on_begin)
+    return len(began)
+
+
+def test_what_one_statement_cannot_prove_the_transaction_decides(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """On PostgreSQL a first commit is one statement only when the range is, beyond doubt, the turn:
+    every entry a message on the active path, each text as stored. An event inside the turn, a turn
+    branched away, a message that is not its entry, a replay: the transactional check decides each,
+    with the answers it always gave (on SQLite every commit is that transaction)."""
+    one = 0 if store.backend == "postgresql" else 1
+    adm, term, msgs = finished_turn(store, sid, "plain")
+    assert _transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == one
+    assert _transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 1  # replay
+    assert turns.commit_turn(E, "plain", adm, term, msgs).status == "duplicate"
+    # An event between the messages: seqs are not contiguous messages.
+    admission = store.admit(A, sid, user("with an event"), turn_id="evt")
+    store.append(A, sid, kind="metadata", payload={"note": "inside the turn"})
+    last = store.append(A, sid, assistant("after the event"))
+    terminal = store.anchor(A, sid, last.entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    assert _transactions(store, lambda: turns.commit_turn(E, "evt", admission, terminal, closed.messages)) == 1
+    # A message that is not its entry: refused, nothing written.
+    adm2, term2, msgs2 = finished_turn(store, sid, "forged")
+    with pytest.raises(InvalidInput):
+        turns.commit_turn(E, "forged", adm2, term2, [msgs2[0], assistant("not what was said")])
+    # A finished turn branched away before its commit: off the active path, the transaction decides.
+    adm3, term3, msgs3 = finished_turn(store, sid, "away")
+    store.branch(A, sid, term2.entry_id)
+    assert _transactions(store, lambda: turns.commit_turn(E, "away", adm3, term3, msgs3)) == 1
+    assert ledger(store, sid)[0] == ["plain", "evt", "away"]

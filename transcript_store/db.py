@@ -218,7 +218,7 @@ class Database:
 
     @contextmanager
     def _statement(self) -> Iterator[Connection]:
-        # No transaction at all, for a read that is ONE statement (a consistent snapshot by itself on
+        # No transaction at all, for ONE statement (atomic, and a consistent snapshot by itself, on
         # both backends): no BEGIN/COMMIT round trips on PostgreSQL. Nothing may be executed through
         # SQLAlchemy here (it would autobegin); hot.run executes on the driver's cursor. psycopg's
         # autocommit attribute is client-side on an idle connection, and put back before the pool
@@ -307,9 +307,10 @@ class Database:
         """Run ``fn`` in one read-only snapshot, retried whole on transient errors."""
         return self._run(fn, False)
 
-    def read_statement(self, fn: Callable[[Connection], T]) -> T:
+    def statement(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn``, which executes ONE statement on the driver's cursor (``hot.run``), outside any
-        transaction; retried whole on transient errors."""
+        transaction (autocommit: a write commits with it); retried whole on transient errors, so the
+        statement must be idempotent."""
         return self._run(fn, False, statement=True)
 
     def analyze(self, tables: tuple[str, ...]) -> None:

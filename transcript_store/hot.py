@@ -30,6 +30,7 @@ from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.exc import DBAPIError, InvalidRequestError
 from sqlalchemy.sql import CompoundSelect, Insert, Select
 from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.selectable import TextualSelect
 
 Params = Mapping[str, Any]
 
@@ -52,7 +53,7 @@ _lock = threading.Lock()
 
 
 def _columns(stmt: Any) -> list[Any]:
-    if isinstance(stmt, Select | CompoundSelect):
+    if isinstance(stmt, Select | CompoundSelect | TextualSelect):
         return list(stmt.selected_columns)
     returning = getattr(stmt, "_returning", ())
     return list(stmt.exported_columns) if returning else []

@@ -124,6 +124,11 @@ class TranscriptStore:
         """Run ``fn`` on the core inside one read-only snapshot."""
         return self.db.read(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
 
+    def statement(self, fn: Callable[[Core], T]) -> T:
+        """Run ``fn``, which executes ONE statement through the core's ``run``, outside any transaction
+        (``Database.statement``: atomic by itself, retried whole, so it must be idempotent)."""
+        return self.db.statement(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
+
     # ------------------------------------------------------------------------------------ sessions
 
     def create_session(
@@ -293,10 +298,9 @@ class TranscriptStore:
             # Most pages are one statement: read without a transaction (one round trip on PostgreSQL);
             # a cursor whose anchor moved is told apart in a snapshot (reads.NeedsSnapshot).
             try:
-                return self.db.read_statement(
-                    lambda conn: reads.read_visible_delta(
-                        Core(conn, self.db.dialect, self.config), scope, session_id, cursor, max_messages,
-                        max_bytes, None, snapshot=False,
+                return self.statement(
+                    lambda c: reads.read_visible_delta(
+                        c, scope, session_id, cursor, max_messages, max_bytes, None, snapshot=False
                     )
                 )
             except reads.NeedsSnapshot:

@@ -28,6 +28,7 @@ from .ledger import (
     Receipt,
     TurnPayload,
     commit_turn_in,
+    commit_turn_statement,
     get_receipt,
     list_receipts,
     prepare_turn,
@@ -102,6 +103,12 @@ class Turns:
         """ONE atomic idempotent write: ``committed``, ``duplicate``, or AdvancementKeyCollision."""
         turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
         _check_callable("apply", apply, optional=True)
+        if apply is None and not self.store.db.dialect.is_sqlite:
+            # A first commit is usually one statement (one round trip); whatever it does not commit
+            # (a replay, a collision, anything it cannot prove) the transaction below decides.
+            done = self.store.statement(lambda c: commit_turn_statement(c, turn))
+            if done is not None:
+                return done
         return self.store.write(lambda c: commit_turn_in(c, turn, apply))
 
     def receipts(self, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
