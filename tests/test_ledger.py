@@ -524,3 +524,20 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     store.branch(A, sid, term2.entry_id)
     assert _transactions(store, lambda: turns.commit_turn(E, "away", adm3, term3, msgs3)) == 1
     assert ledger(store, sid)[0] == ["plain", "evt", "away"]
+
+
+def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """Texts travel as they are stored (quotes, backslashes, non-ASCII, NUL): the one statement commits
+    them; a turn of more messages than it takes goes to the transaction, and both replay."""
+    one = 0 if store.backend == "postgresql" else 1
+    odd = assistant('quote " backslash \\ tab \t ünïcödé 😀 nul \x00 end')
+    adm, term, msgs = finished_turn(store, sid, "odd", [odd])
+    assert _transactions(store, lambda: turns.commit_turn(E, "odd", adm, term, msgs)) == one
+    assert turns.commit_turn(E, "odd", adm, term, msgs).status == "duplicate"
+    many = [assistant(f"part {i}") for i in range(40)]
+    adm2, term2, msgs2 = finished_turn(store, sid, "long", many)
+    assert _transactions(store, lambda: turns.commit_turn(E, "long", adm2, term2, msgs2)) == 1
+    assert turns.commit_turn(E, "long", adm2, term2, msgs2).status == "duplicate"
+    assert ledger(store, sid)[0] == ["odd", "long"]
