@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import event
+
 from transcript_store.engine import AssembleResult, CompactResult, EngineContext, EngineInfo, TranscriptSemantics
 from transcript_store.ledger import CommitResult, commit_turn_in, get_state, prepare_turn, put_state
 from transcript_store.model import ModelResponse
@@ -107,3 +109,18 @@ class CountingEngine:
     def compact(self, **kw: Any) -> CompactResult:
         self.calls.append(("compact", kw))
         return CompactResult(ok=True, compacted=False, reason="nothing to do")
+
+
+def count_transactions(store: Any, run: Any) -> int:
+    """How many transactions ``run()`` opened on the store's engine."""
+    began: list[int] = []
+
+    def on_begin(_conn: Any) -> None:
+        began.append(1)
+
+    event.listen(store.db.engine, "begin", on_begin)
+    try:
+        run()
+    finally:
+        event.remove(store.db.engine, "begin", on_begin)
+    return len(began)

@@ -8,7 +8,7 @@ import types
 from typing import Any
 
 import pytest
-from hosting import CountingEngine, RecordingModel
+from hosting import CountingEngine, RecordingModel, count_transactions
 from sqlalchemy import event
 
 from transcript_store import TranscriptStore
@@ -322,18 +322,6 @@ def test_a_legacy_turn_reads_each_row_of_its_completion_once(store: TranscriptSt
     assert not [s for s in executed if s.startswith("SELECT") and "FROM ts_outbox" in s and "earlier" not in s][1:]
     assert len(executed) <= 20, executed
     assert receipts(store, "legacy") == ["t1", "t2"]
-
-
-def count_transactions(store: TranscriptStore, run: Any) -> int:
-    """How many transactions ``run()`` opened on the store's engine."""
-    began: list[int] = []
-    listener = lambda _conn: began.append(1)  # noqa: E731
-    event.listen(store.db.engine, "begin", listener)
-    try:
-        run()
-    finally:
-        event.remove(store.db.engine, "begin", listener)
-    return len(began)
 
 
 def test_a_legacy_turn_is_two_transactions_the_first_one_too(store: TranscriptStore, sid: str) -> None:

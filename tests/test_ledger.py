@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import _admin_exec, _pg_reachable, pg_url
+from hosting import count_transactions
 from sqlalchemy import event, func, insert, select, text
 from workers.turn_worker import count_turn
 
@@ -481,20 +482,6 @@ def _old_receipt(conn: Any) -> None:
         ))
 
 
-def _transactions(store: TranscriptStore, run: Any) -> int:
-    began: list[int] = []
-
-    def on_begin(_conn: Any) -> None:
-        began.append(1)
-
-    event.listen(store.db.engine, "begin", on_begin)
-    try:
-        run()
-    finally:
-        event.remove(store.db.engine, "begin", on_begin)
-    return len(began)
-
-
 def test_what_one_statement_cannot_prove_the_transaction_decides(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:
@@ -504,8 +491,8 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     with the answers it always gave (on SQLite every commit is that transaction)."""
     one = 0 if store.backend == "postgresql" else 1
     adm, term, msgs = finished_turn(store, sid, "plain")
-    assert _transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == one
-    assert _transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 1  # replay
+    assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == one
+    assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 1  # replay
     assert turns.commit_turn(E, "plain", adm, term, msgs).status == "duplicate"
     # An event between the messages: seqs are not contiguous messages.
     admission = store.admit(A, sid, user("with an event"), turn_id="evt")
@@ -514,7 +501,7 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     terminal = store.anchor(A, sid, last.entry_id)
     closed = store.read_closed_range(admission, terminal)
     assert isinstance(closed, ClosedRange)
-    assert _transactions(store, lambda: turns.commit_turn(E, "evt", admission, terminal, closed.messages)) == 1
+    assert count_transactions(store, lambda: turns.commit_turn(E, "evt", admission, terminal, closed.messages)) == 1
     # A message that is not its entry: refused, nothing written.
     adm2, term2, msgs2 = finished_turn(store, sid, "forged")
     with pytest.raises(InvalidInput):
@@ -522,7 +509,7 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     # A finished turn branched away before its commit: off the active path, the transaction decides.
     adm3, term3, msgs3 = finished_turn(store, sid, "away")
     store.branch(A, sid, term2.entry_id)
-    assert _transactions(store, lambda: turns.commit_turn(E, "away", adm3, term3, msgs3)) == 1
+    assert count_transactions(store, lambda: turns.commit_turn(E, "away", adm3, term3, msgs3)) == 1
     assert ledger(store, sid)[0] == ["plain", "evt", "away"]
 
 
@@ -534,10 +521,10 @@ def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(
     one = 0 if store.backend == "postgresql" else 1
     odd = assistant('quote " backslash \\ tab \t ünïcödé 😀 nul \x00 end')
     adm, term, msgs = finished_turn(store, sid, "odd", [odd])
-    assert _transactions(store, lambda: turns.commit_turn(E, "odd", adm, term, msgs)) == one
+    assert count_transactions(store, lambda: turns.commit_turn(E, "odd", adm, term, msgs)) == one
     assert turns.commit_turn(E, "odd", adm, term, msgs).status == "duplicate"
     many = [assistant(f"part {i}") for i in range(40)]
     adm2, term2, msgs2 = finished_turn(store, sid, "long", many)
-    assert _transactions(store, lambda: turns.commit_turn(E, "long", adm2, term2, msgs2)) == 1
+    assert count_transactions(store, lambda: turns.commit_turn(E, "long", adm2, term2, msgs2)) == 1
     assert turns.commit_turn(E, "long", adm2, term2, msgs2).status == "duplicate"
     assert ledger(store, sid)[0] == ["odd", "long"]
