@@ -234,10 +234,6 @@ _PATH_SEQ_AT_POSITION = select(active_path.c.seq).where(
     by_session(active_path), active_path.c.position == bindparam("b_position")
 )
 _ENTRY_BY_SEQ = select(*ENTRY_COLUMNS).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
-# A delta read needs the session and the seq at its cursor's position: one round trip, not two.
-_SESSION_ROW_AND_PATH_SEQ = select(
-    sessions, _PATH_SEQ_AT_POSITION.scalar_subquery().label("ts_path_seq")
-).where(by_session(sessions))
 _INSERT_ENTRIES = insert(entries)
 _INSERT_PATH = insert(active_path)
 _ADVANCE_HEAD = (
@@ -471,14 +467,6 @@ class Core:
         if (scope, session_id) in self._locked:
             return True
         return self.session_row(scope, session_id, lock=True) is not None
-
-    def session_row_and_path_seq(
-        self, scope: str, session_id: str, position: int
-    ) -> tuple[Row[Any] | None, int | None]:
-        """The session's row (or None) and the raw seq of the visible message at ``position`` (or None)."""
-        params = session_params(scope, session_id, b_position=position)
-        row = self.run(_SESSION_ROW_AND_PATH_SEQ, params).first()
-        return (None, None) if row is None else (row, row.ts_path_seq)
 
     def delta_page_rows(
         self,

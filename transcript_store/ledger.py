@@ -202,18 +202,8 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
             raise
         return _replay(turn, existing)  # another payload under a committed key: a collision
     ts = now_us()
-    values: dict[str, Any] = {
-        "scope": turn.scope,
-        "session_id": turn.session_id,
-        "engine_id": turn.engine_id,
-        "advancement_key": turn.advancement_key,
-        "payload_hash": bytes.fromhex(turn.payload_hash),
-        "admission_entry_id": turn.admission.entry_id,
-        "terminal_entry_id": turn.terminal.entry_id,
-        "message_count": len(turn.messages),
-        "is_heartbeat": turn.is_heartbeat,
-        "committed_us": ts,
-    }
+    values = _receipt_values(turn, ts)
+    values["payload_hash"] = bytes.fromhex(turn.payload_hash)  # stored as its 32 bytes
     # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
     stmt = _INSERT_RECEIPT.get(core.dialect.name)
     if stmt is None:
@@ -230,8 +220,30 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     if apply is not None:
         apply(core, turn)
     faults.point("commit.after_apply")
-    values["payload_hash"] = turn.payload_hash
-    return CommitResult.model_construct(status="committed", receipt=Receipt.model_construct(**values))
+    return _committed(turn, ts)
+
+
+def _receipt_values(turn: TurnPayload, committed_us: int) -> dict[str, Any]:
+    """The receipt's fields (the hash as its hex) of a turn committed at ``committed_us``."""
+    return {
+        "scope": turn.scope,
+        "session_id": turn.session_id,
+        "engine_id": turn.engine_id,
+        "advancement_key": turn.advancement_key,
+        "payload_hash": turn.payload_hash,
+        "admission_entry_id": turn.admission.entry_id,
+        "terminal_entry_id": turn.terminal.entry_id,
+        "message_count": len(turn.messages),
+        "is_heartbeat": turn.is_heartbeat,
+        "committed_us": committed_us,
+    }
+
+
+def _committed(turn: TurnPayload, committed_us: int) -> CommitResult:
+    """The result of a first commit (the receipt as written, without reading it back)."""
+    return CommitResult.model_construct(
+        status="committed", receipt=Receipt.model_construct(**_receipt_values(turn, committed_us))
+    )
 
 
 # A first commit_turn of its own on PostgreSQL, as ONE statement outside any transaction: one round trip
@@ -321,19 +333,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
     )
     if core.run(stmt, params).first() is None:
         return None
-    values: dict[str, Any] = {
-        "scope": turn.scope,
-        "session_id": turn.session_id,
-        "engine_id": turn.engine_id,
-        "advancement_key": turn.advancement_key,
-        "payload_hash": turn.payload_hash,
-        "admission_entry_id": adm.entry_id,
-        "terminal_entry_id": term.entry_id,
-        "message_count": count,
-        "is_heartbeat": turn.is_heartbeat,
-        "committed_us": ts,
-    }
-    return CommitResult.model_construct(status="committed", receipt=Receipt.model_construct(**values))
+    return _committed(turn, ts)
 
 
 def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
