@@ -116,8 +116,8 @@ def test_a_first_commit_is_two_statements_and_a_collision_still_reads_as_one(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:
     """The common case reads the range (locking the session in the same statement) and inserts the
-    receipt: no ledger read first; on PostgreSQL both are one statement outside any transaction (one
-    round trip). A reused key whose payload fails the range check is still a collision, not an
+    receipt, without reading the ledger first, as one statement outside any transaction (on
+    PostgreSQL one round trip). A reused key whose payload fails the range check is still a collision, not an
     InvalidInput about the transcript."""
     admission, terminal, messages = finished_turn(store, sid, "t1")
     executed: list[str] = []
@@ -135,7 +135,7 @@ def test_a_first_commit_is_two_statements_and_a_collision_still_reads_as_one(
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
         event.remove(store.db.engine, "begin", began)
-    assert executed == (["BEGIN", "SELECT", "INSERT"] if store.backend == "sqlite" else ["WITH"])
+    assert executed == ["WITH"]
     other = [messages[0], assistant("another answer")]
     with pytest.raises(AdvancementKeyCollision):
         turns.commit_turn(E, "t1", admission, terminal, other)
@@ -485,13 +485,12 @@ def _old_receipt(conn: Any) -> None:
 def test_what_one_statement_cannot_prove_the_transaction_decides(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:
-    """On PostgreSQL a first commit is one statement only when the range is, beyond doubt, the turn:
-    every entry a message on the active path, each text as stored. An event inside the turn, a turn
-    branched away, a message that is not its entry, a replay: the transactional check decides each,
-    with the answers it always gave (on SQLite every commit is that transaction)."""
-    one = 0 if store.backend == "postgresql" else 1
+    """A first commit is one statement only when the range is, beyond doubt, the turn: every entry a
+    message on the active path, each text as stored. An event inside the turn, a turn branched away, a
+    message that is not its entry, a replay: the transactional check decides each, with the answers it
+    always gave."""
     adm, term, msgs = finished_turn(store, sid, "plain")
-    assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == one
+    assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 0
     assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 1  # replay
     assert turns.commit_turn(E, "plain", adm, term, msgs).status == "duplicate"
     # An event between the messages: seqs are not contiguous messages.
@@ -518,10 +517,9 @@ def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(
 ) -> None:
     """Texts travel as they are stored (quotes, backslashes, non-ASCII, NUL): the one statement commits
     them; a turn of more messages than it takes goes to the transaction, and both replay."""
-    one = 0 if store.backend == "postgresql" else 1
     odd = assistant('quote " backslash \\ tab \t ünïcödé 😀 nul \x00 end')
     adm, term, msgs = finished_turn(store, sid, "odd", [odd])
-    assert count_transactions(store, lambda: turns.commit_turn(E, "odd", adm, term, msgs)) == one
+    assert count_transactions(store, lambda: turns.commit_turn(E, "odd", adm, term, msgs)) == 0
     assert turns.commit_turn(E, "odd", adm, term, msgs).status == "duplicate"
     many = [assistant(f"part {i}") for i in range(40)]
     adm2, term2, msgs2 = finished_turn(store, sid, "long", many)

@@ -246,82 +246,81 @@ def _committed(turn: TurnPayload, committed_us: int) -> CommitResult:
     )
 
 
-# A first commit_turn of its own on PostgreSQL, as ONE statement outside any transaction: one round trip
-# instead of BEGIN, the range read, the insert and COMMIT (bench/README.md, "Profiling" 24). It inserts
+# A first commit_turn of its own, as ONE statement outside any transaction. On PostgreSQL that is one
+# round trip instead of BEGIN, the range read, the insert and COMMIT (bench/README.md, "Profiling" 24);
+# on SQLite it is SQLite's own implicit transaction instead of SQLAlchemy's, and the range compared in
+# SQL instead of decoded and compared in Python ("Profiling" 25). It inserts
 # the receipt only when the stored range is, beyond doubt, the turn: every entry of the seq range is a
 # message on the active path, at consecutive depths (so they are the parent chain from the admission to
 # the terminal), each stored text equal to the message's, the anchors matching, the first a user
 # message. That is a subset of what ``_check_range`` accepts; anything else (a replay, a collision, a
 # range with events or branches, a text stored in another spelling, an unknown session) inserts nothing
 # and ``commit_turn`` takes the transactional path, which decides. The session's row is locked for the
-# statement, so commits of a session still serialize.
-def _one_statement_commit(count: int) -> TextualSelect:
+# statement (PostgreSQL), so commits of a session still serialize; a SQLite write statement outside a
+# transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE does.
+def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
+    lock = "" if sqlite else "FOR UPDATE"
+    same = "IS" if sqlite else "IS NOT DISTINCT FROM"  # NULL-safe equality (SQLite < 3.39 lacks the latter)
     return text(
         f"""
-WITH k AS (
-    SELECT CAST(:b_from AS BIGINT) AS first_seq, CAST(:b_to AS BIGINT) AS last_seq,
-           CAST(:b_count AS INTEGER) AS n
-), s AS (
+WITH s AS (
     SELECT scope, session_id FROM ts_sessions
     WHERE scope = :b_scope AND session_id = :b_session
-    FOR UPDATE
-), r AS (
-    SELECT e.seq, e.entry_id, e.parent_id, e.position, e.kind, e.role, e.payload, p.depth AS path_depth,
-           CASE e.seq - k.first_seq {expected} END AS expected
-    FROM k, ts_entries e
+    {lock}
+), a AS (
+    SELECT count(*) AS n_rows,
+           sum(CASE WHEN e.kind = 'message' AND p.depth IS NOT NULL
+                     AND e.payload = CASE e.seq - CAST(:b_from AS BIGINT) {expected} END
+                    THEN 1 ELSE 0 END) AS n_same,
+           max(p.depth) - min(p.depth) AS span,
+           sum(CASE WHEN e.seq = CAST(:b_from AS BIGINT) AND e.entry_id = CAST(:b_adm_id AS TEXT)
+                     AND e.parent_id {same} CAST(:b_adm_parent AS TEXT)
+                     AND e.position = CAST(:b_adm_position AS INTEGER) AND e.role = 'user'
+                    THEN 1 ELSE 0 END) AS n_admission,
+           sum(CASE WHEN e.seq = CAST(:b_to AS BIGINT) AND e.entry_id = CAST(:b_term_id AS TEXT)
+                     AND e.parent_id {same} CAST(:b_term_parent AS TEXT)
+                     AND e.position = CAST(:b_term_position AS INTEGER)
+                    THEN 1 ELSE 0 END) AS n_terminal
+    FROM ts_entries e
     LEFT JOIN ts_active_path p
         ON p.scope = e.scope AND p.session_id = e.session_id AND p.depth = e.depth AND p.seq = e.seq
-    WHERE e.scope = :b_scope AND e.session_id = :b_session AND e.seq BETWEEN k.first_seq AND k.last_seq
+    WHERE e.scope = :b_scope AND e.session_id = :b_session
+      AND e.seq BETWEEN CAST(:b_from AS BIGINT) AND CAST(:b_to AS BIGINT)
 )
 INSERT INTO ts_receipts (
     scope, session_id, advancement_key, engine_id, committed_us, message_count, is_heartbeat,
     payload_hash, admission_entry_id, terminal_entry_id, message_seqs
 )
-SELECT s.scope, s.session_id, :b_key, :b_engine, :b_ts, k.n, :b_heartbeat,
+SELECT s.scope, s.session_id, :b_key, :b_engine, :b_ts, a.n_rows, :b_heartbeat,
        :b_hash, CAST(:b_adm_id AS TEXT), CAST(:b_term_id AS TEXT), :b_seqs
-FROM s, k
-WHERE (SELECT count(*) FROM r) = k.n
-  AND (
-      SELECT count(*) FROM r
-      WHERE r.kind = 'message' AND r.path_depth IS NOT NULL AND r.payload = r.expected
-  ) = k.n
-  AND (SELECT max(r.path_depth) - min(r.path_depth) FROM r) = k.n - 1
-  AND EXISTS (
-      SELECT 1 FROM r
-      WHERE r.seq = k.first_seq AND r.entry_id = CAST(:b_adm_id AS TEXT)
-        AND r.parent_id IS NOT DISTINCT FROM CAST(:b_adm_parent AS TEXT)
-        AND r.position = CAST(:b_adm_position AS INTEGER) AND r.kind = 'message' AND r.role = 'user'
-  )
-  AND EXISTS (
-      SELECT 1 FROM r
-      WHERE r.seq = k.last_seq AND r.entry_id = CAST(:b_term_id AS TEXT)
-        AND r.parent_id IS NOT DISTINCT FROM CAST(:b_term_parent AS TEXT)
-        AND r.position = CAST(:b_term_position AS INTEGER)
-  )
+FROM s, a
+WHERE a.n_rows = CAST(:b_count AS INTEGER) AND a.n_same = a.n_rows AND a.span = a.n_rows - 1
+  AND a.n_admission = 1 AND a.n_terminal = 1
 ON CONFLICT DO NOTHING
 RETURNING advancement_key
 """
     ).columns(advancement_key=String)
 
 
-#: message count -> the statement (each expected text its own bind: psycopg escapes a text[] parameter
-#: element by element with a regex, ~60 us for a turn's four messages)
-_ONE_STATEMENT_COMMITS: dict[int, TextualSelect] = {}
+#: (SQLite?, message count) -> the statement (each expected text its own bind: psycopg escapes a text[]
+#: parameter element by element with a regex, ~60 us for a turn's four messages)
+_ONE_STATEMENT_COMMITS: dict[tuple[bool, int], TextualSelect] = {}
 #: turns with more messages than this take the transaction (one statement per count is compiled once)
 _ONE_STATEMENT_MAX = 32
 
 
 def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
-    """``commit_turn`` of a first commit as one statement (PostgreSQL, outside a transaction), or None:
-    not committed by it, and the transactional path must decide (see _ONE_STATEMENT_COMMIT)."""
+    """``commit_turn`` of a first commit as one statement (outside a transaction), or None: not
+    committed by it, and the transactional path must decide (see _one_statement_commit)."""
     adm, term = turn.admission, turn.terminal
     count = len(turn.messages)
-    if core.dialect.is_sqlite or term.seq - adm.seq + 1 != count or count > _ONE_STATEMENT_MAX:
-        return None  # SQLite has no round trips to save; events or branches inside: the full check
-    stmt = _ONE_STATEMENT_COMMITS.get(count)
+    if term.seq - adm.seq + 1 != count or count > _ONE_STATEMENT_MAX:
+        return None  # events or branches inside the turn, or a long one: the full check
+    key = (core.dialect.is_sqlite, count)
+    stmt = _ONE_STATEMENT_COMMITS.get(key)
     if stmt is None:
-        stmt = _ONE_STATEMENT_COMMITS.setdefault(count, _one_statement_commit(count))
+        stmt = _ONE_STATEMENT_COMMITS.setdefault(key, _one_statement_commit(count, key[0]))
     ts = now_us()
     params = session_params(
         turn.scope, turn.session_id,

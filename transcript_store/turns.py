@@ -103,8 +103,8 @@ class Turns:
         """ONE atomic idempotent write: ``committed``, ``duplicate``, or AdvancementKeyCollision."""
         turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
         _check_callable("apply", apply, optional=True)
-        if apply is None and not self.store.db.dialect.is_sqlite:
-            # A first commit is usually one statement (one round trip); whatever it does not commit
+        if apply is None:
+            # A first commit is usually one statement outside any transaction; whatever it does not commit
             # (a replay, a collision, anything it cannot prove) the transaction below decides.
             done = self.store.statement(lambda c: commit_turn_statement(c, turn))
             if done is not None:
