@@ -33,6 +33,7 @@ from transcript_store.ledger import (
     get_receipt,
     get_state,
     list_receipts,
+    prepare_stored_turn,
     prepare_turn,
     put_state,
 )
@@ -526,3 +527,20 @@ def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(
     assert count_transactions(store, lambda: turns.commit_turn(E, "long", adm2, term2, msgs2)) == 1
     assert turns.commit_turn(E, "long", adm2, term2, msgs2).status == "duplicate"
     assert ledger(store, sid)[0] == ["odd", "long"]
+
+
+def test_a_stored_turn_is_prepared_as_any_turn_without_validating_its_messages_again(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A ready intent's messages are its closed range, validated when they were appended: its payload
+    is the same (hash included) as ``prepare_turn``'s, and the turn's shape is still checked."""
+    admission, terminal, messages = finished_turn(store, sid, "t1", [assistant("a"), assistant("b"), assistant("c")])
+    assert prepare_stored_turn(E, "t1", admission, terminal, messages) == prepare_turn(
+        E, "t1", admission, terminal, messages
+    )
+    with pytest.raises(InvalidInput, match="holds 4 messages, got 3"):
+        prepare_stored_turn(E, "t1", admission, terminal, messages[:3])
+    with pytest.raises(InvalidInput, match="first message of a turn"):
+        prepare_stored_turn(E, "t1", admission, terminal, [assistant("x"), *messages[1:]])
+    with pytest.raises(InvalidInput, match="logical turn id"):
+        prepare_stored_turn(E, "t2", admission, terminal, messages)

@@ -31,9 +31,10 @@ from .ledger import (
     commit_turn_statement,
     get_receipt,
     list_receipts,
+    prepare_stored_turn,
     prepare_turn,
 )
-from .models import Admission, Anchor
+from .models import Admission, Anchor, Entry
 from .outbox import DrainReport, OutboxConfig, TurnIntent
 from .store import AppendItem, TranscriptStore, admit_in
 
@@ -70,10 +71,10 @@ class CompletionResult:
 
 
 def turn_payload(intent: TurnIntent) -> TurnPayload:
-    """The ledger payload of a ready intent."""
+    """The ledger payload of a ready intent (its messages are the closed range it captured)."""
     if intent.state != "ready" or intent.terminal is None or intent.messages is None:
         raise InvalidInput(f"intent {intent.turn_id!r} is {intent.state}, not ready")
-    return prepare_turn(
+    return prepare_stored_turn(
         intent.engine_id, intent.turn_id, intent.admission, intent.terminal, intent.messages,
         is_heartbeat=intent.is_heartbeat,
     )
