@@ -269,3 +269,68 @@ def test_closed_ranges_take_message_anchors(store: TranscriptStore, sid: str) ->
         store.read_closed_range(adm, store.anchor(A, sid, event.entry_id))
     with pytest.raises(InvalidInput):
         store.read_closed_range(adm, adm.anchor.model_dump())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ the fast completion's range
+
+
+def _append_and_both(
+    store: TranscriptStore, sid: str, adm: Admission, items: list[dict[str, Any]]
+) -> tuple[ClosedRange | None, Any]:
+    """Append ``items`` in one transaction, then the range two ways: from the append, and read back."""
+    prepared = store.prepare(items)
+
+    def both(c: Any) -> tuple[ClosedRange | None, Any]:
+        sess, appended = c.append_to_session(A, sid, prepared, with_head=True)
+        terminal = c.anchor_for(sess, appended[-1])
+        return fences.closed_range_of_append(adm.anchor, terminal, sess, appended), fences.read_closed_range(
+            c, adm.anchor, terminal, sess
+        )
+
+    return store.write(both)
+
+
+def test_the_range_of_an_append_after_its_admission_is_the_one_read_back(
+    store: TranscriptStore, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast completion takes a turn's closed range from what it appended (no read): entry for entry
+    what ``read_closed_range`` reads, events skipped, the admission first, the caps as they apply."""
+    finished_turn(store, sid, "t0")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    replies: list[dict[str, Any]] = [
+        {"message": {"role": "assistant", "content": None, "tool_calls": [call]}},
+        {"kind": "custom", "payload": {"progress": 1}},
+        {"message": {"role": "tool", "tool_call_id": "c1", "content": "résultat \u2603"}},
+        {"message": assistant("answer")},
+    ]
+    adm = store.admit(A, sid, user("question"), turn_id="t1")
+    fast, read = _append_and_both(store, sid, adm, replies)
+    assert fast is not None and fast == ok(read)
+    assert fast.entries[0].entry_id == adm.anchor.entry_id and len(fast.entries) == 4
+    # Over a cap, the append's range gives way to the read, which reports it.
+    adm = store.admit(A, sid, user("again"), turn_id="t2")
+    monkeypatch.setattr(fences, "MAX_TURN_EVENTS", 4)
+    fast, read = _append_and_both(store, sid, adm, replies)
+    assert fast is None
+    failed(read, "too_large")
+
+
+def test_the_range_of_an_append_not_right_after_its_admission_is_read(store: TranscriptStore, sid: str) -> None:
+    """Whatever the append alone cannot vouch for is read: an entry between the admission and the
+    replies, replies that were already stored (a retry), a session rewritten since the admission."""
+    adm = store.admit(A, sid, user("q1"), turn_id="t1")
+    store.append(A, sid, kind="metadata", payload={"between": True})
+    fast, read = _append_and_both(store, sid, adm, [{"message": assistant("a1")}])
+    assert fast is None and len(ok(read).entries) == 2
+
+    adm = store.admit(A, sid, user("q2"), turn_id="t2")
+    items = [{"message": assistant("a2"), "entry_id": "reply-2"}]
+    store.append_many(A, sid, items)
+    fast, read = _append_and_both(store, sid, adm, items)  # the stored reply comes back, not appended
+    assert fast is None and [e.entry_id for e in ok(read).entries] == [adm.anchor.entry_id, "reply-2"]
+
+    adm = store.admit(A, sid, user("q3"), turn_id="t3")
+    store.rewrite_entries(A, sid, [{"entry_id": "reply-2", "message": assistant("edited")}])
+    fast, read = _append_and_both(store, sid, adm, [{"message": assistant("a3")}])
+    assert fast is None
+    failed(read, "session_rebound")

@@ -193,6 +193,24 @@ def session_params(scope: str, session_id: str, **more: Any) -> dict[str, Any]:
 _IN_CHUNK = 1000
 _SESSION_ROW = select(sessions).where(by_session(sessions))
 _SESSION_ROW_LOCKED = _SESSION_ROW.with_for_update()
+# The same row with its head entry's columns as ``h_*`` (NULL for an empty session), for the fast
+# completion: the closed range of a turn whose replies are appended right after its admission is that
+# head and the appended entries, so it need not read them back (``fences.closed_range_of_append``).
+_SESSION_WITH_HEAD = (
+    select(sessions, *(c.label(f"h_{c.key}") for c in ENTRY_COLUMNS))
+    .select_from(
+        sessions.outerjoin(
+            entries,
+            and_(
+                entries.c.scope == sessions.c.scope,
+                entries.c.session_id == sessions.c.session_id,
+                entries.c.seq == sessions.c.head_seq,
+            ),
+        )
+    )
+    .where(by_session(sessions))
+)
+_SESSION_WITH_HEAD_LOCKED = _SESSION_WITH_HEAD.with_for_update(of=sessions)
 _ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
     by_session(entries), entries.c.entry_id.in_(bindparam("b_ids", expanding=True))
 )
@@ -412,9 +430,15 @@ class Core:
 
     # ------------------------------------------------------------------------------------ sessions
 
-    def session_row(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any] | None:
-        """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL)."""
-        q = _SESSION_ROW_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_ROW
+    def session_row(
+        self, scope: str, session_id: str, *, lock: bool = False, with_head: bool = False
+    ) -> Row[Any] | None:
+        """The session's row, or None; ``lock`` serializes writers of this session (PostgreSQL);
+        ``with_head`` adds the head entry's columns as ``h_<column>`` (see ``head_view``)."""
+        if with_head:
+            q = _SESSION_WITH_HEAD_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_WITH_HEAD
+        else:
+            q = _SESSION_ROW_LOCKED if lock and not self.dialect.is_sqlite else _SESSION_ROW
         row = self.run(q, session_params(scope, session_id)).first()
         if lock and row is not None:
             self._locked.add((scope, session_id))
@@ -487,9 +511,11 @@ class Core:
             rows.sort(key=_position_of)
         return rows
 
-    def require_session(self, scope: str, session_id: str, *, lock: bool = False) -> Row[Any]:
+    def require_session(
+        self, scope: str, session_id: str, *, lock: bool = False, with_head: bool = False
+    ) -> Row[Any]:
         """The session's row, or UnknownSession (whether it is unknown or another scope's)."""
-        row = self.session_row(scope, session_id, lock=lock)
+        row = self.session_row(scope, session_id, lock=lock, with_head=with_head)
         if row is None:
             raise UnknownSession(scope, session_id)
         return row
@@ -613,10 +639,11 @@ class Core:
         return self.append_to_session(scope, session_id, items)[1]
 
     def append_to_session(
-        self, scope: str, session_id: str, items: Sequence[NewEntry]
+        self, scope: str, session_id: str, items: Sequence[NewEntry], *, with_head: bool = False
     ) -> tuple[Row[Any], list[Entry]]:
-        """``append``, also returning the session row as it was locked (its identity fields hold)."""
-        sess = self.require_session(scope, session_id, lock=True)
+        """``append``, also returning the session row as it was locked (its identity fields hold;
+        ``with_head``: with the columns of the head entry it appended to, see ``head_view``)."""
+        sess = self.require_session(scope, session_id, lock=True, with_head=with_head)
         seq, depth, visible = sess.last_seq, sess.path_length, sess.visible_count
         head_id, head_seq = sess.head_entry_id, sess.head_seq
         generation = sess.generation
@@ -817,6 +844,13 @@ class _RowView:
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
+
+
+def head_view(sess: Row[Any]) -> Any:
+    """The head entry of a session row read ``with_head``, as an entry row, or None (no head)."""
+    if sess.h_seq is None:
+        return None
+    return _RowView({c.key: getattr(sess, f"h_{c.key}") for c in ENTRY_COLUMNS})
 
 
 def _fast_entry_matches() -> bool:

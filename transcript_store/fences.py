@@ -11,9 +11,9 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from .core import Core, check_anchor, entry_from_row
+from .core import Core, check_anchor, entry_from_row, head_view
 from .errors import InvalidInput, ReadFenceError
-from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult
+from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult, Entry
 
 MAX_TURN_EVENTS = 20_000
 MAX_TURN_BYTES = 8 * 1024 * 1024
@@ -91,6 +91,47 @@ def read_closed_range(
     messages = [entry_from_row(r, active=True) for r in chain if r.kind == "message"]
     if len(messages) != last.position - first.position + 1:
         return ClosedRangeFailure(reason="stale", detail="message count disagrees with the positions")
+    return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
+
+
+def closed_range_of_append(
+    admission: Anchor, terminal: Anchor, session: Row[Any], appended: list[Entry]
+) -> ClosedRange | None:
+    """The closed range of a turn whose replies this transaction appended right after its admission,
+    without reading it back; None when that is not the case (the caller reads it: ``read_closed_range``).
+
+    ``session`` is the session's row as the append locked it, read ``with_head``; ``appended`` what the
+    append returned, the terminal last. The range is then the head the append started from (the
+    admitted entry: still the session's head, so on the active path) and the appended entries, which
+    this transaction wrote as its children: what ``read_closed_range`` would read, entry for entry.
+    """
+    if not appended or appended[-1].entry_id != terminal.entry_id:
+        return None
+    identity = ("scope", "session_id", "session_key", "generation")
+    if any(getattr(admission, k) != getattr(terminal, k) for k in identity):
+        return None
+    if session.generation != admission.generation or session.session_key != admission.session_key:
+        return None
+    head = head_view(session)
+    if head is None or head.entry_id != admission.entry_id or not _matches(head, admission):
+        return None
+    if head.kind != "message" or head.position is None or admission.position is None or terminal.position is None:
+        return None
+    # Every appended entry must be new (an item that already existed, on a retry, was not written as a
+    # child of this head) and the next in the chain.
+    parent, seq = head.entry_id, session.last_seq
+    for entry in appended:
+        seq += 1
+        if entry.seq != seq or entry.parent_id != parent or not entry.active:
+            return None
+        parent = entry.entry_id
+    if len(appended) + 1 > MAX_TURN_EVENTS:
+        return None
+    messages = [entry_from_row(head, active=True), *(e for e in appended if e.kind == "message")]
+    if sum(e.size_bytes for e in appended) + head.size_bytes > MAX_TURN_BYTES:
+        return None
+    if len(messages) != terminal.position - admission.position + 1:
+        return None
     return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
 
 

@@ -22,9 +22,9 @@ from sqlalchemy import Row, bindparam, delete, literal, select, union_all, updat
 from . import identity
 from .core import Core, by_session, from_us, now_us, session_params
 from .errors import InvalidInput, OutboxCollision
-from .fences import read_closed_range
+from .fences import closed_range_of_append, read_closed_range
 from .ledger import CommitResult
-from .models import Admission, Anchor, ClosedRange
+from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
 from .schema import outbox, receipts
 
 log = logging.getLogger("transcript_store.outbox")
@@ -293,17 +293,27 @@ def capture(core: Core, intent: TurnIntent) -> TurnIntent:
 
 
 def capture_range(
-    core: Core, intent: TurnIntent, *, persist: bool = True, session: Row[Any] | None = None
+    core: Core,
+    intent: TurnIntent,
+    *,
+    persist: bool = True,
+    session: Row[Any] | None = None,
+    appended: list[Entry] | None = None,
 ) -> tuple[TurnIntent, ClosedRange | None]:
     """``capture``, also returning the closed range it read (None when it read none).
 
     ``persist=False`` (the fast completion): a captured range is returned, not written; a range that
     cannot be captured returns the intent unchanged, for the caller to take the persisted way.
-    ``session``: the session's row as this transaction holds it locked (see ``read_closed_range``).
+    ``session``: the session's row as this transaction holds it locked (see ``read_closed_range``);
+    with ``appended``, what this transaction just appended to it (see ``closed_range_of_append``).
     """
     if intent.state != "accepted" or intent.terminal is None:
         return intent, None
-    result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
+    result: ClosedRangeResult | None = None
+    if session is not None and appended is not None:
+        result = closed_range_of_append(intent.admission.anchor, intent.terminal, session, appended)
+    if result is None:
+        result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
     ts = now_us()
     if isinstance(result, ClosedRange):
         messages = result.messages

@@ -275,7 +275,7 @@ class Turns:
     def _accept_with(
         c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
     ) -> tuple[TurnIntent, Anchor]:
-        intent, terminal, fresh, _, _ = Turns._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, _, _, _ = Turns._append_and_check(c, scope, session_id, turn_id, items)
         if fresh:
             outbox.persist_accept(c, scope, session_id, turn_id, terminal)
         faults.point("complete.after_accept")
@@ -283,15 +283,15 @@ class Turns:
 
     @staticmethod
     def _append_and_check(
-        c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry]
-    ) -> tuple[TurnIntent, Anchor, bool, bool, Row[Any]]:
+        c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], *, with_head: bool = False
+    ) -> tuple[TurnIntent, Anchor, bool, bool, Row[Any], list[Entry]]:
         """Append the replies and check the acceptance: (intent, terminal, whether new, whether an
-        earlier intent of its engine is queued, locked session row)."""
-        sess, appended = c.append_to_session(scope, session_id, items)
+        earlier intent of its engine is queued, locked session row, the appended entries)."""
+        sess, appended = c.append_to_session(scope, session_id, items, with_head=with_head)
         faults.point("complete.after_replies")
         terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
         intent, fresh, earlier = outbox.check_accept(c, scope, session_id, turn_id, terminal)
-        return intent, terminal, fresh, earlier, sess
+        return intent, terminal, fresh, earlier, sess, appended
 
     def _complete_fast(
         self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
@@ -299,14 +299,16 @@ class Turns:
         # The row goes admitted -> deleted inside this one transaction when the commit succeeds, so the
         # intermediate states (accepted, ready) are not written: nobody else could ever see them. If
         # the turn cannot be committed here, they are written before the transaction ends.
-        intent, terminal, fresh, earlier, sess = self._append_and_check(c, scope, session_id, turn_id, items)
+        intent, terminal, fresh, earlier, sess, appended = self._append_and_check(
+            c, scope, session_id, turn_id, items, with_head=True
+        )
         faults.point("complete.after_accept")
         if earlier:
             # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
             if fresh:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)
             return CompletionResult(intent, terminal, None)
-        ready, closed = outbox.capture_range(c, intent, persist=False, session=sess)
+        ready, closed = outbox.capture_range(c, intent, persist=False, session=sess, appended=appended)
         if ready.state != "ready" or closed is None:
             if fresh:
                 outbox.persist_accept(c, scope, session_id, turn_id, terminal)
