@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from transcript_store import (
     Admission,
@@ -125,6 +126,37 @@ def test_append_many_is_one_chain_in_one_transaction(store: TranscriptStore, sid
     retry = store.append_many(A, sid, [{"message": user("b"), "idempotency_key": "b"}, {"message": user("c")}])
     assert retry[0] == made[2]
     assert retry[1].seq == 4 and retry[1].parent_id == made[2].entry_id
+
+
+def test_an_appends_writes_are_one_statement_on_postgresql_and_long_ones_the_same(
+    store: TranscriptStore, sid: str
+) -> None:
+    """On PostgreSQL the entries, their active-path rows and the new head go in one statement (one
+    round trip); an append longer than that statement takes (a bulk load) writes them in three. Both
+    leave the same chain, positions, head and counts; a delta page reads them back."""
+    executed: list[str] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        executed.append(statement.split()[0])
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        short = store.append_many(A, sid, [{"message": user("q")}, {"kind": "custom", "payload": {"i": 1}},
+                                            {"message": assistant("a \x00 \u00e9")}])
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    writes = [s for s in executed if s != "SELECT"]
+    assert writes == (["WITH"] if store.backend == "postgresql" else ["INSERT", "INSERT", "UPDATE"])
+    long = store.append_many(A, sid, [{"message": user(f"m{i}")} for i in range(40)])
+    made = short + long
+    assert [e.seq for e in made] == list(range(43))
+    assert [e.parent_id for e in made[1:]] == [e.entry_id for e in made[:-1]]
+    assert [e.position for e in made[:4]] == [0, None, 1, 2] and made[-1].position == 41
+    assert store.list_entries(A, sid) == made
+    info = store.get_session(A, sid)
+    assert (info.head_entry_id, info.visible_count) == (made[-1].entry_id, 42)
+    page = store.read_visible_delta(A, sid, None, max_messages=100)
+    assert [e.entry_id for e in page.entries] == [e.entry_id for e in made if e.kind == "message"]
 
 
 def test_append_many_with_one_bad_item_writes_nothing(store: TranscriptStore, sid: str) -> None:

@@ -28,9 +28,11 @@ from sqlalchemy import (
     insert,
     or_,
     select,
+    text,
     true,
     update,
 )
+from sqlalchemy.sql.selectable import TextualSelect
 
 from . import hot
 from .config import StoreConfig
@@ -266,6 +268,40 @@ _ADVANCE_HEAD = (
         updated_us=bindparam("b_updated_us"),
     )
 )
+
+# An append's three writes (its entries, their active-path rows, the session's new head) as ONE
+# statement on PostgreSQL: data-modifying CTEs, one round trip instead of three, twice per host turn
+# (bench/README.md, "Profiling" 26). One statement per row count, each value its own bind; a longer
+# append (bulk loads) keeps the three statements, whose executemany psycopg pipelines. SQLite has no
+# round trips to save and no INSERT in a WITH.
+_APPEND_COLUMNS = tuple(c.key for c in entries.columns)
+_ONE_STATEMENT_APPEND_MAX = 16
+_ONE_STATEMENT_APPENDS: dict[int, TextualSelect] = {}
+
+
+def _one_statement_append(count: int) -> TextualSelect:
+    def row(i: int) -> str:
+        values = (":b_scope", ":b_session", *(f":e{i}_{c}" for c in _APPEND_COLUMNS[2:]))
+        return "(" + ", ".join(values) + ")"
+
+    rows = ", ".join(row(i) for i in range(count))
+    path = ", ".join(f"(:b_scope, :b_session, :e{i}_depth, :e{i}_seq, :e{i}_position)" for i in range(count))
+    return text(
+        f"""
+WITH new_entries AS (
+    INSERT INTO ts_entries ({", ".join(_APPEND_COLUMNS)}) VALUES {rows}
+), new_path AS (
+    INSERT INTO ts_active_path (scope, session_id, depth, seq, position) VALUES {path}
+)
+UPDATE ts_sessions
+SET last_seq = :b_last_seq, head_seq = :b_head_seq, head_entry_id = :b_head_entry_id,
+    path_length = :b_path_length, visible_count = :b_visible_count, updated_us = :b_updated_us
+WHERE scope = :b_scope AND session_id = :b_session
+RETURNING last_seq
+"""
+    ).columns(last_seq=Integer)
+
+
 _PATH_JOIN = active_path.join(
     entries,
     and_(
@@ -693,19 +729,25 @@ class Core:
             if position is not None:
                 visible += 1
         if new_rows:
-            self.run(_INSERT_ENTRIES, new_rows)
-            self.run(_INSERT_PATH, path_rows)
+            head = session_params(
+                scope, session_id, b_last_seq=seq, b_head_seq=head_seq, b_head_entry_id=head_id,
+                b_path_length=depth, b_visible_count=visible, b_updated_us=ts,
+            )
+            if not self.dialect.is_sqlite and len(new_rows) <= _ONE_STATEMENT_APPEND_MAX:
+                stmt = _ONE_STATEMENT_APPENDS.get(len(new_rows))
+                if stmt is None:
+                    stmt = _ONE_STATEMENT_APPENDS.setdefault(len(new_rows), _one_statement_append(len(new_rows)))
+                for i, r in enumerate(new_rows):
+                    head.update({f"e{i}_{c}": r[c] for c in _APPEND_COLUMNS[2:]})
+                self.run(stmt, head)
+            else:
+                self.run(_INSERT_ENTRIES, new_rows)
+                self.run(_INSERT_PATH, path_rows)
+                self.run(_ADVANCE_HEAD, head)
             for r in new_rows:
                 if r["kind"] == "message" and r["role"] == "user":
                     placed = (r["seq"], r["parent_id"], r["position"], r["generation"])
                     self._appended[(scope, session_id, r["entry_id"])] = placed
-            self.run(
-                _ADVANCE_HEAD,
-                session_params(
-                    scope, session_id, b_last_seq=seq, b_head_seq=head_seq, b_head_entry_id=head_id,
-                    b_path_length=depth, b_visible_count=visible, b_updated_us=ts,
-                ),
-            )
         return sess, out
 
     # ------------------------------------------------------------------------------------ lookups
