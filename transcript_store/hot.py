@@ -43,8 +43,9 @@ class _Compiled:
     defaults: dict[str, Any]  # literal binds the statement carries itself (e.g. SQLite's OFFSET 0)
     required: frozenset[str]  # binds the caller must give (SQLAlchemy raises when one is missing; so do we)
     row: Any  # a namedtuple class, or None when the statement returns no rows
-    results: tuple[Callable[[Any], Any] | None, ...]
-    any_result_processor: bool
+    # (column index, processor) of the columns whose values the dialect converts (SQLite's booleans):
+    # usually one or none of a row's columns, so the others are not visited per row
+    results: tuple[tuple[int, Callable[[Any], Any]], ...]
 
 
 _cache: dict[tuple[int, str, tuple[str, ...] | None], _Compiled] = {}
@@ -76,15 +77,15 @@ def _compile(stmt: Any, dialect: SADialect, keys: tuple[str, ...] | None) -> _Co
             defaults[name] = bind.effective_value
     cols = _columns(stmt)
     row_type: Any = None
-    results: tuple[Callable[[Any], Any] | None, ...] = ()
+    results: tuple[tuple[int, Callable[[Any], Any]], ...] = ()
     if cols:
         row_type = _row_class([c.key for c in cols])
-        results = tuple(c.type._cached_result_processor(dialect, None) for c in cols)
+        procs = (c.type._cached_result_processor(dialect, None) for c in cols)
+        results = tuple((i, p) for i, p in enumerate(procs) if p is not None)
     order = tuple(compiled.positiontup) if compiled.positional and compiled.positiontup is not None else None
     required = frozenset(name for name, bind in compiled.binds.items() if bind.required)
     return _Compiled(
-        compiled.string, order, tuple(binds), defaults, required, row_type, results,
-        any(p is not None for p in results),
+        compiled.string, order, tuple(binds), defaults, required, row_type, results
     )
 
 
@@ -177,9 +178,13 @@ def run(conn: Connection, stmt: Executable, params: Any = None) -> HotResult:
             return HotResult([], cursor.rowcount)
         fetched = cursor.fetchall()
         make = c.row._make
-        if c.any_result_processor:
-            procs = c.results
-            rows = [make([v if p is None else p(v) for p, v in zip(procs, r, strict=True)]) for r in fetched]
+        if c.results:
+            rows = []
+            for r in fetched:
+                values = list(r)
+                for i, p in c.results:
+                    values[i] = p(values[i])
+                rows.append(make(values))
         else:
             rows = [make(r) for r in fetched]
         return HotResult(rows, cursor.rowcount)
