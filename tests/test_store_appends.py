@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -147,6 +149,8 @@ def test_an_appends_writes_are_one_statement_on_postgresql_and_long_ones_the_sam
         event.remove(store.db.engine, "before_cursor_execute", listen)
     writes = [s for s in executed if s != "SELECT"]
     assert writes == (["WITH"] if store.backend == "postgresql" else ["INSERT", "INSERT", "UPDATE"])
+    # One read: the session's lock, which also tells that none of the items is stored yet.
+    assert executed.count("SELECT") == 1
     long = store.append_many(A, sid, [{"message": user(f"m{i}")} for i in range(40)])
     made = short + long
     assert [e.seq for e in made] == list(range(43))
@@ -157,6 +161,40 @@ def test_an_appends_writes_are_one_statement_on_postgresql_and_long_ones_the_sam
     assert (info.head_entry_id, info.visible_count) == (made[-1].entry_id, 42)
     page = store.read_visible_delta(A, sid, None, max_messages=100)
     assert [e.entry_id for e in page.entries] == [e.entry_id for e in made if e.kind == "message"]
+
+
+def test_an_admission_that_waited_for_the_lock_finds_the_entry_written_meanwhile(
+    store: TranscriptStore, sid: str
+) -> None:
+    """An append asks "is any item stored already?" in the statement that locks the session. On
+    PostgreSQL a lock that waited for another writer returns the session as that writer left it, but
+    the question was answered in the statement's earlier snapshot: the append notices (the session's
+    last_seq moved) and looks again, so a turn admitted meanwhile by the other writer comes back as
+    the stored entry, not as a duplicate-key error."""
+    written = threading.Event()
+    release = threading.Event()
+
+    def first_writer(c: Any) -> Any:
+        appended = c.append(A, sid, [store.prepare_admission(user("q"), turn_id="t1")])
+        written.set()
+        assert release.wait(10)
+        return appended[0]
+
+    results: dict[str, Any] = {}
+    holder = threading.Thread(target=lambda: results.setdefault("first", store.write(first_writer)))
+    holder.start()
+    assert written.wait(10)
+    waiter = threading.Thread(
+        target=lambda: results.setdefault("second", store.admit(A, sid, user("q"), turn_id="t1"))
+    )
+    waiter.start()
+    time.sleep(0.5)  # the admission is now waiting for the session's lock (SQLite: the write lock)
+    assert waiter.is_alive()
+    release.set()
+    holder.join(10)
+    waiter.join(10)
+    assert results["second"].anchor.entry_id == results["first"].entry_id
+    assert [e.entry_id for e in store.list_entries(A, sid)] == [results["first"].entry_id]
 
 
 def test_append_many_with_one_bad_item_writes_nothing(store: TranscriptStore, sid: str) -> None:

@@ -24,6 +24,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
+    exists,
     func,
     insert,
     or_,
@@ -213,6 +214,42 @@ _SESSION_WITH_HEAD = (
     .where(by_session(sessions))
 )
 _SESSION_WITH_HEAD_LOCKED = _SESSION_WITH_HEAD.with_for_update(of=sessions)
+# An append's lock also answers "is any item already stored?" (by entry id, idempotency key or turn
+# id), so that the common case, nothing stored, skips the lookups: one statement, one round trip on
+# PostgreSQL, instead of two (bench/README.md, "Profiling" 30). On PostgreSQL a lock that had to wait
+# returns the session row as the writer it waited for left it, while the EXISTS below saw the
+# statement's earlier snapshot; ``snap_last_seq`` (last_seq in that snapshot) tells: every write of an
+# entry moves last_seq, so when the two differ the answer may be stale and the lookups run as before.
+_PROBE_MAX = 8
+_PROBES: dict[tuple[bool, bool, tuple[tuple[bool, bool], ...]], Select[Any]] = {}
+
+
+def _probe_statement(with_head: bool, lock: bool, kinds: tuple[tuple[bool, bool], ...]) -> Select[Any]:
+    known = entries.alias("known")
+    snap = sessions.alias("snap")
+    conditions = []
+    plain = [i for i, kind in enumerate(kinds) if kind == (False, False)]
+    in_session = and_(known.c.scope == bindparam("b_scope"), known.c.session_id == bindparam("b_session"))
+    if plain:
+        ids: list[Any] = [bindparam(f"b_known{i}") for i in plain]
+        conditions.append(exists().where(in_session, known.c.entry_id.in_(ids)))
+    for i, (keyed, turn) in enumerate(kinds):
+        if keyed or turn:
+            keys = [known.c.entry_id == bindparam(f"b_known{i}")]
+            if keyed:
+                keys.append(known.c.idempotency_key == bindparam(f"b_idem{i}"))
+            if turn:
+                keys.append(known.c.turn_id == bindparam(f"b_turn{i}"))
+            conditions.append(exists().where(in_session, or_(*keys)))
+    snap_seq = (
+        select(snap.c.last_seq)
+        .where(snap.c.scope == bindparam("b_scope"), snap.c.session_id == bindparam("b_session"))
+        .scalar_subquery()
+    )
+    q = (_SESSION_WITH_HEAD if with_head else _SESSION_ROW).add_columns(
+        or_(*conditions).label("known"), snap_seq.label("snap_last_seq")
+    )
+    return q.with_for_update(of=sessions) if lock else q
 _ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
     by_session(entries), entries.c.entry_id.in_(bindparam("b_ids", expanding=True))
 )
@@ -480,6 +517,31 @@ class Core:
             self._locked.add((scope, session_id))
         return row
 
+    def _lock_for_append(
+        self, scope: str, session_id: str, items: Sequence[NewEntry], with_head: bool
+    ) -> tuple[Row[Any], bool]:
+        """The session's row, locked, and whether none of ``items`` can be stored already (see
+        ``_probe_statement``; False means "look them up")."""
+        if not items or len(items) > _PROBE_MAX:
+            return self.require_session(scope, session_id, lock=True, with_head=with_head), False
+        kinds = tuple((i.idempotency_key is not None, i.turn_id is not None) for i in items)
+        key = (with_head, not self.dialect.is_sqlite, kinds)
+        q = _PROBES.get(key)
+        if q is None:
+            q = _PROBES.setdefault(key, _probe_statement(*key))
+        params = session_params(scope, session_id)
+        for i, item in enumerate(items):
+            params[f"b_known{i}"] = item.entry_id
+            if item.idempotency_key is not None:
+                params[f"b_idem{i}"] = item.idempotency_key
+            if item.turn_id is not None:
+                params[f"b_turn{i}"] = item.turn_id
+        row = self.run(q, params).first()
+        if row is None:
+            raise UnknownSession(scope, session_id)
+        self._locked.add((scope, session_id))
+        return row, not row.known and row.snap_last_seq == row.last_seq
+
     def holds_lock(self, scope: str, session_id: str) -> bool:
         """Whether this transaction already holds the session's row lock."""
         return (scope, session_id) in self._locked
@@ -679,7 +741,7 @@ class Core:
     ) -> tuple[Row[Any], list[Entry]]:
         """``append``, also returning the session row as it was locked (its identity fields hold;
         ``with_head``: with the columns of the head entry it appended to, see ``head_view``)."""
-        sess = self.require_session(scope, session_id, lock=True, with_head=with_head)
+        sess, none_stored = self._lock_for_append(scope, session_id, items, with_head)
         seq, depth, visible = sess.last_seq, sess.path_length, sess.visible_count
         head_id, head_seq = sess.head_entry_id, sess.head_seq
         generation = sess.generation
@@ -691,9 +753,9 @@ class Core:
         # Items keyed by entry_id alone (replies, bulk appends) are looked up in one batched query,
         # not one query each: a 2,000-item append_many made 2,000 round trips before.
         plain = [i.entry_id for i in items if i.idempotency_key is None and i.turn_id is None]
-        by_id = self.entry_rows(scope, session_id, plain)
+        by_id = {} if none_stored else self.entry_rows(scope, session_id, plain)
         for item in items:
-            existing = self._existing(scope, session_id, item, by_id)
+            existing = None if none_stored else self._existing(scope, session_id, item, by_id)
             if existing is None and item.entry_id in new_ids:
                 raise IdempotencyConflict(f"entry_id {item.entry_id!r} appears twice in one append")
             if existing is not None:
