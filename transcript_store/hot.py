@@ -143,7 +143,7 @@ def _bind(c: _Compiled, params: Params) -> Any:
             if name in params:
                 params[name] = proc(params[name])
     if c.order is not None:
-        return tuple(params.get(n) for n in c.order)
+        return tuple(map(params.get, c.order))  # a generator here was ~13 Python steps a statement
     return params
 
 
