@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from datetime import timedelta
@@ -195,6 +196,40 @@ def test_an_admission_that_waited_for_the_lock_finds_the_entry_written_meanwhile
     waiter.join(10)
     assert results["second"].anchor.entry_id == results["first"].entry_id
     assert [e.entry_id for e in store.list_entries(A, sid)] == [results["first"].entry_id]
+
+
+def test_an_appends_lock_finds_the_head_and_the_stored_items_by_index_at_any_length(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The statement that locks the session for an append also reads its head entry and probes for
+    stored items; each is an index lookup, whatever the session's length. On a never-analyzed
+    PostgreSQL the first version (a plain join on the head's seq) had the planner read every entry of
+    the session and filter them (2,999 rows at 3,000 entries)."""
+    store.append_many(A, sid, [{"message": user(f"m{i}")} for i in range(2000)])
+    captured: list[tuple[str, Any]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        captured.append((statement, parameters))
+
+    items = store.prepare([{"message": assistant("a")}, {"message": assistant("b")}])
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        store.write(lambda c: c.append_to_session(A, sid, items, with_head=True))
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    sql, params = captured[0]
+    assert "FROM ts_sessions" in sql and " AS known" in sql
+    with store.db.engine.connect() as conn:
+        if store.backend == "sqlite":
+            details = [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
+            assert details and not [d for d in details if d.startswith("SCAN ")], details
+        else:
+            # Probed for ids that are not stored (the common case, and the one that walks furthest).
+            params = {k: f"absent-{k}" if k.startswith("b_known") else v for k, v in params.items()}
+            plan = "\n".join(str(r[0]) for r in conn.exec_driver_sql("EXPLAIN ANALYZE " + sql, params))
+            removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
+            assert max(removed, default=0) <= 1, plan
+        conn.rollback()
 
 
 def test_append_many_with_one_bad_item_writes_nothing(store: TranscriptStore, sid: str) -> None:
