@@ -33,7 +33,6 @@ from transcript_store.ledger import (
     get_receipt,
     get_state,
     list_receipts,
-    prepare_stored_turn,
     prepare_turn,
     put_state,
 )
@@ -535,12 +534,12 @@ def test_a_stored_turn_is_prepared_as_any_turn_without_validating_its_messages_a
     """A ready intent's messages are its closed range, validated when they were appended: its payload
     is the same (hash included) as ``prepare_turn``'s, and the turn's shape is still checked."""
     admission, terminal, messages = finished_turn(store, sid, "t1", [assistant("a"), assistant("b"), assistant("c")])
-    assert prepare_stored_turn(E, "t1", admission, terminal, messages) == prepare_turn(
+    assert prepare_turn(E, "t1", admission, terminal, messages, messages_validated=True) == prepare_turn(
         E, "t1", admission, terminal, messages
     )
     with pytest.raises(InvalidInput, match="holds 4 messages, got 3"):
-        prepare_stored_turn(E, "t1", admission, terminal, messages[:3])
+        prepare_turn(E, "t1", admission, terminal, messages[:3], messages_validated=True)
     with pytest.raises(InvalidInput, match="first message of a turn"):
-        prepare_stored_turn(E, "t1", admission, terminal, [assistant("x"), *messages[1:]])
+        prepare_turn(E, "t1", admission, terminal, [assistant("x"), *messages[1:]], messages_validated=True)
     with pytest.raises(InvalidInput, match="logical turn id"):
-        prepare_stored_turn(E, "t2", admission, terminal, messages)
+        prepare_turn(E, "t2", admission, terminal, messages, messages_validated=True)

@@ -139,38 +139,18 @@ def prepare_turn(
     messages: Sequence[dict[str, Any]],
     *,
     is_heartbeat: bool = False,
+    messages_validated: bool = False,
 ) -> TurnPayload:
-    """Validate a turn and compute its canonical hash; raises before anything is written."""
-    return _prepare(engine_id, advancement_key, admission, terminal, messages, is_heartbeat, validate=True)
+    """Validate a turn and compute its canonical hash; raises before anything is written.
 
-
-def prepare_stored_turn(
-    engine_id: str,
-    advancement_key: str,
-    admission: Admission | Anchor,
-    terminal: Anchor,
-    messages: Sequence[dict[str, Any]],
-    *,
-    is_heartbeat: bool = False,
-) -> TurnPayload:
-    """``prepare_turn`` of messages read from the transcript (a closed range): each was validated
-    when it was appended, so only the turn's shape is checked (a host turn validated its messages
-    three times before: on append, here, and in the commit's range check)."""
-    return _prepare(engine_id, advancement_key, admission, terminal, messages, is_heartbeat, validate=False)
-
-
-def _prepare(
-    engine_id: str,
-    advancement_key: str,
-    admission: Admission | Anchor,
-    terminal: Anchor,
-    messages: Sequence[dict[str, Any]],
-    is_heartbeat: bool,
-    *,
-    validate: bool,
-) -> TurnPayload:
+    ``messages_validated=True`` only for messages read back from this store's transcript (a closed
+    range): each was validated when it was appended, so only the turn's shape is checked here (a host
+    turn validated every message three times before: on append, here, and in the commit's check).
+    """
     check_id("engine_id", engine_id)
     check_id("advancement_key", advancement_key)
+    if not isinstance(messages_validated, bool):
+        raise InvalidInput("messages_validated must be a bool")
     if isinstance(admission, Admission):
         if admission.turn_id != advancement_key:
             raise InvalidInput(
@@ -193,7 +173,7 @@ def _prepare(
     expected = terminal.position - anchor.position + 1
     if len(messages) != expected:
         raise InvalidInput(f"the turn range holds {expected} messages, got {len(messages)}")
-    checked = tuple(validate_message(m) for m in messages) if validate else tuple(messages)
+    checked = tuple(messages) if messages_validated else tuple(validate_message(m) for m in messages)
     if checked[0].get("role") != "user":
         raise InvalidInput("the first message of a turn is the admitted user message")
     if not isinstance(is_heartbeat, bool):

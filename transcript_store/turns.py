@@ -31,7 +31,6 @@ from .ledger import (
     commit_turn_statement,
     get_receipt,
     list_receipts,
-    prepare_stored_turn,
     prepare_turn,
 )
 from .models import Admission, Anchor, Entry
@@ -74,9 +73,9 @@ def turn_payload(intent: TurnIntent) -> TurnPayload:
     """The ledger payload of a ready intent (its messages are the closed range it captured)."""
     if intent.state != "ready" or intent.terminal is None or intent.messages is None:
         raise InvalidInput(f"intent {intent.turn_id!r} is {intent.state}, not ready")
-    return prepare_stored_turn(
+    return prepare_turn(
         intent.engine_id, intent.turn_id, intent.admission, intent.terminal, intent.messages,
-        is_heartbeat=intent.is_heartbeat,
+        is_heartbeat=intent.is_heartbeat, messages_validated=True,
     )
 
 
