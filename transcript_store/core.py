@@ -224,6 +224,7 @@ def _session_with_head(lateral: bool) -> Select[Any]:
 
 _SESSION_WITH_HEAD = _session_with_head(lateral=False)
 _SESSION_WITH_HEAD_LOCKED = _session_with_head(lateral=True).with_for_update(of=sessions)
+
 # An append's lock also answers "is any item already stored?" (by entry id, idempotency key or turn
 # id), so that the common case, nothing stored, skips the lookups: one statement, one round trip on
 # PostgreSQL, instead of two (bench/README.md, "Profiling" 30). On PostgreSQL a lock that had to wait
@@ -254,10 +255,10 @@ def _probe_statement(with_head: bool, lock: bool, kinds: tuple[tuple[bool, bool]
         .scalar_subquery()
     )
     base = _session_with_head(lateral=lock) if with_head else _SESSION_ROW
-    q = base.add_columns(
-        or_(*conditions).label("known"), snap_seq.label("snap_last_seq")
-    )
+    q = base.add_columns(or_(*conditions).label("known"), snap_seq.label("snap_last_seq"))
     return q.with_for_update(of=sessions) if lock else q
+
+
 _ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
     by_session(entries), entries.c.entry_id.in_(bindparam("b_ids", expanding=True))
 )
