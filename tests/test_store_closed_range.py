@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
+import transcript_store.core as core
 import transcript_store.fences as fences
 from transcript_store import (
     Admission,
@@ -334,3 +335,15 @@ def test_the_range_of_an_append_not_right_after_its_admission_is_read(store: Tra
     fast, read = _append_and_both(store, sid, adm, [{"message": assistant("a3")}])
     assert fast is None
     failed(read, "session_rebound")
+
+
+def test_head_columns_that_are_not_the_rows_head_are_not_trusted(store: TranscriptStore, sid: str) -> None:
+    """After a lock wait on PostgreSQL the session row is the newest version while its head columns
+    come from the statement's earlier snapshot: ``head_view`` returns the head only when its seq and
+    entry id are the row's own (a reviewer reproduced the stale pair; the fast range then reads)."""
+    adm = store.admit(A, sid, user("q"), turn_id="t1")
+    sess = store.write(lambda c: c.session_row(A, sid, lock=True, with_head=True))
+    head = core.head_view(sess)
+    assert head is not None and head.entry_id == adm.anchor.entry_id
+    assert core.head_view(sess._replace(head_entry_id="moved-on", head_seq=sess.head_seq + 1)) is None
+    assert core.head_view(sess._replace(head_seq=sess.head_seq + 1)) is None

@@ -199,6 +199,7 @@ _SESSION_ROW_LOCKED = _SESSION_ROW.with_for_update()
 # The same row with its head entry's columns as ``h_*`` (NULL for an empty session), for the fast
 # completion: the closed range of a turn whose replies are appended right after its admission is that
 # head and the appended entries, so it need not read them back (``fences.closed_range_of_append``).
+# After a lock wait on PostgreSQL the h_* columns may be the previous head's: ``head_view`` checks.
 # The head is a LATERAL subquery on PostgreSQL: its seq comes from the session row, and with a plain
 # outer join the planner, on tables never analyzed, scanned the whole session's entries and filtered
 # them on the seq (EXPLAIN ANALYZE: 2,999 rows removed, 1.9 ms at 3,000 entries, a cost growing with
@@ -531,9 +532,11 @@ class Core:
     ) -> tuple[Row[Any], bool]:
         """The session's row, locked, and whether none of ``items`` can be stored already (see
         ``_probe_statement``; False means "look them up")."""
-        if not items or len(items) > _PROBE_MAX:
-            return self.require_session(scope, session_id, lock=True, with_head=with_head), False
         kinds = tuple((i.idempotency_key is not None, i.turn_id is not None) for i in items)
+        # A statement per shape, compiled once and kept: only the shapes of a turn (an admission: one
+        # keyed item; replies: up to _PROBE_MAX plain ones), so the kept statements stay few.
+        if not (len(kinds) == 1 or (1 < len(kinds) <= _PROBE_MAX and not any(map(any, kinds)))):
+            return self.require_session(scope, session_id, lock=True, with_head=with_head), False
         key = (with_head, not self.dialect.is_sqlite, kinds)
         q = _PROBES.get(key)
         if q is None:
@@ -960,8 +963,14 @@ class _RowView:
 
 
 def head_view(sess: Row[Any]) -> Any:
-    """The head entry of a session row read ``with_head``, as an entry row, or None (no head)."""
-    if sess.h_seq is None:
+    """The head entry of a session row read ``with_head``, as an entry row, or None (no head, or not
+    the head the row names).
+
+    On PostgreSQL a lock that waited for another writer returns the session row as that writer left
+    it, while the head columns were read in the statement's earlier snapshot: they may describe the
+    previous head. Only a head whose seq and entry id are the row's own is returned.
+    """
+    if sess.h_seq is None or sess.h_seq != sess.head_seq or sess.h_entry_id != sess.head_entry_id:
         return None
     return _RowView({c.key: getattr(sess, f"h_{c.key}") for c in ENTRY_COLUMNS})
 
