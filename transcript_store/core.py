@@ -7,6 +7,7 @@ turn). Nothing here knows which backend it runs on, except through ``Dialect``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -148,12 +149,17 @@ def prepare_entry(
             raise InvalidInput(f"a {kind} entry takes `payload`, not `message`")
         body = validate_event_payload(payload if payload is not None else {})
         role = None
-    # NUL (U+0000) is escaped by JSON as \u0000, so it round-trips losslessly on both backends.
-    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = stored_text(body)
     size = len(text.encode("utf-8"))
     if size > config.max_payload_bytes:
         raise PayloadTooLarge(f"entry payload is {size} bytes, over the cap of {config.max_payload_bytes}")
     return NewEntry(entry_id or new_id(), kind, role, text, size, idempotency_key, turn_id)
+
+
+def stored_text(body: Any) -> str:
+    """The text an entry's payload is stored as (compact JSON, UTF-8 as is)."""
+    # NUL (U+0000) is escaped by JSON as \u0000, so it round-trips losslessly on both backends.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 ENTRY_COLUMNS = (
@@ -233,9 +239,9 @@ _SESSION_WITH_HEAD_LOCKED = _session_with_head(lateral=True).with_for_update(of=
 # statement's earlier snapshot; ``snap_last_seq`` (last_seq in that snapshot) tells: every write of an
 # entry moves last_seq, so when the two differ the answer may be stale and the lookups run as before.
 _PROBE_MAX = 8
-_PROBES: dict[tuple[bool, bool, tuple[tuple[bool, bool], ...]], Select[Any]] = {}
 
 
+@functools.cache
 def _probe_statement(with_head: bool, lock: bool, kinds: tuple[tuple[bool, bool], ...]) -> Select[Any]:
     known = entries.alias("known")
     snap = sessions.alias("snap")
@@ -323,9 +329,9 @@ _ADVANCE_HEAD = (
 # round trips to save and no INSERT in a WITH.
 _APPEND_COLUMNS = tuple(c.key for c in entries.columns)
 _ONE_STATEMENT_APPEND_MAX = 16
-_ONE_STATEMENT_APPENDS: dict[int, TextualSelect] = {}
 
 
+@functools.cache
 def _one_statement_append(count: int) -> TextualSelect:
     def row(i: int) -> str:
         values = (":b_scope", ":b_session", *(f":e{i}_{c}" for c in _APPEND_COLUMNS[2:]))
@@ -537,10 +543,7 @@ class Core:
         # keyed item; replies: up to _PROBE_MAX plain ones), so the kept statements stay few.
         if not (len(kinds) == 1 or (1 < len(kinds) <= _PROBE_MAX and not any(map(any, kinds)))):
             return self.require_session(scope, session_id, lock=True, with_head=with_head), False
-        key = (with_head, not self.dialect.is_sqlite, kinds)
-        q = _PROBES.get(key)
-        if q is None:
-            q = _PROBES.setdefault(key, _probe_statement(*key))
+        q = _probe_statement(with_head, not self.dialect.is_sqlite, kinds)
         params = session_params(scope, session_id)
         for i, item in enumerate(items):
             params[f"b_known{i}"] = item.entry_id
@@ -808,12 +811,9 @@ class Core:
                 b_path_length=depth, b_visible_count=visible, b_updated_us=ts,
             )
             if not self.dialect.is_sqlite and len(new_rows) <= _ONE_STATEMENT_APPEND_MAX:
-                stmt = _ONE_STATEMENT_APPENDS.get(len(new_rows))
-                if stmt is None:
-                    stmt = _ONE_STATEMENT_APPENDS.setdefault(len(new_rows), _one_statement_append(len(new_rows)))
                 for i, r in enumerate(new_rows):
                     head.update({f"e{i}_{c}": r[c] for c in _APPEND_COLUMNS[2:]})
-                self.run(stmt, head)
+                self.run(_one_statement_append(len(new_rows)), head)
             else:
                 self.run(_INSERT_ENTRIES, new_rows)
                 self.run(_INSERT_PATH, path_rows)

@@ -9,6 +9,7 @@ transaction (``apply``), so after a crash the receipt, the messages and the engi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from sqlalchemy import String, and_, bindparam, func, select, text
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
-from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params
+from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params, stored_text
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
 from .fences import MAX_TURN_EVENTS
 from .models import Admission, Anchor, canonical_json, validate_message
@@ -211,13 +212,13 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         return _replay(turn, existing)  # another payload under a committed key: a collision
     ts = now_us()
     values = _receipt_values(turn, ts)
-    values["payload_hash"] = bytes.fromhex(turn.payload_hash)  # stored as its 32 bytes
     # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
     stmt = _INSERT_RECEIPT.get(core.dialect.name)
     if stmt is None:
         stmt = core.dialect.insert(receipts).on_conflict_do_nothing().returning(receipts.c.advancement_key)
         _INSERT_RECEIPT[core.dialect.name] = stmt
-    inserted = core.run(stmt, {**values, "message_seqs": ",".join(map(str, seqs))}).first() is not None
+    row = {**values, "payload_hash": bytes.fromhex(turn.payload_hash), "message_seqs": ",".join(map(str, seqs))}
+    inserted = core.run(stmt, row).first() is not None  # the hash is stored as its 32 bytes
     if not inserted:
         # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
         winner = _receipt(core, turn)
@@ -228,7 +229,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     if apply is not None:
         apply(core, turn)
     faults.point("commit.after_apply")
-    return _committed(turn, ts)
+    return _committed(values)
 
 
 def _receipt_values(turn: TurnPayload, committed_us: int) -> dict[str, Any]:
@@ -247,11 +248,9 @@ def _receipt_values(turn: TurnPayload, committed_us: int) -> dict[str, Any]:
     }
 
 
-def _committed(turn: TurnPayload, committed_us: int) -> CommitResult:
-    """The result of a first commit (the receipt as written, without reading it back)."""
-    return CommitResult.model_construct(
-        status="committed", receipt=Receipt.model_construct(**_receipt_values(turn, committed_us))
-    )
+def _committed(values: dict[str, Any]) -> CommitResult:
+    """The result of a first commit: the receipt as written (``_receipt_values``), not read back."""
+    return CommitResult.model_construct(status="committed", receipt=Receipt.model_construct(**values))
 
 
 # A first commit_turn of its own, as ONE statement outside any transaction. On PostgreSQL that is one
@@ -266,6 +265,7 @@ def _committed(turn: TurnPayload, committed_us: int) -> CommitResult:
 # and ``commit_turn`` takes the transactional path, which decides. The session's row is locked for the
 # statement (PostgreSQL), so commits of a session still serialize; a SQLite write statement outside a
 # transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE does.
+@functools.cache  # one statement per (message count, backend), each expected text its own bind (below)
 def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
     lock = "" if sqlite else "FOR UPDATE"
@@ -311,9 +311,8 @@ RETURNING advancement_key
     ).columns(advancement_key=String)
 
 
-#: (SQLite?, message count) -> the statement (each expected text its own bind: psycopg escapes a text[]
-#: parameter element by element with a regex, ~60 us for a turn's four messages)
-_ONE_STATEMENT_COMMITS: dict[tuple[bool, int], TextualSelect] = {}
+# Each expected text is its own bind, not one text[] parameter: psycopg escapes an array's elements one
+# by one with a regex, ~60 us for a turn's four messages.
 #: turns with more messages than this take the transaction (one statement per count is compiled once)
 _ONE_STATEMENT_MAX = 32
 
@@ -325,10 +324,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
     count = len(turn.messages)
     if term.seq - adm.seq + 1 != count or count > _ONE_STATEMENT_MAX:
         return None  # events or branches inside the turn, or a long one: the full check
-    key = (core.dialect.is_sqlite, count)
-    stmt = _ONE_STATEMENT_COMMITS.get(key)
-    if stmt is None:
-        stmt = _ONE_STATEMENT_COMMITS.setdefault(key, _one_statement_commit(count, key[0]))
+    stmt = _one_statement_commit(count, core.dialect.is_sqlite)
     ts = now_us()
     params = session_params(
         turn.scope, turn.session_id,
@@ -336,22 +332,17 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
         b_count=count, b_heartbeat=turn.is_heartbeat, b_hash=bytes.fromhex(turn.payload_hash),
         b_adm_id=adm.entry_id, b_term_id=term.entry_id, b_seqs=",".join(map(str, range(adm.seq, term.seq + 1))),
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
-        b_term_position=term.position, **{f"b_t{i}": _compact(m) for i, m in enumerate(turn.messages)},
+        b_term_position=term.position, **{f"b_t{i}": stored_text(m) for i, m in enumerate(turn.messages)},
     )
     if core.run(stmt, params).first() is None:
         return None
-    return _committed(turn, ts)
+    return _committed(_receipt_values(turn, ts))
 
 
 def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
     if existing.payload_hash != turn.payload_hash:
         raise AdvancementKeyCollision(turn.advancement_key)
     return CommitResult.model_construct(status="duplicate", receipt=existing)
-
-
-def _compact(message: dict[str, Any]) -> str:
-    """A message as the transcript stores its text (``core.prepare_entry``)."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
@@ -407,7 +398,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     # compare texts (bench/README.md, "Profiling" 16); the text comparison stays as the fallback for
     # what decodes differently but serializes the same (a tuple where the entry has a list).
     for i, (row, message) in enumerate(zip(found, turn.messages, strict=True)):
-        if json.loads(row.payload) != message and row.payload != _compact(message):
+        if json.loads(row.payload) != message and row.payload != stored_text(message):
             if i == 0:
                 raise InvalidInput("the first message differs from the admitted user message")
             raise InvalidInput(f"message {i} of the turn differs from its transcript entry {row.entry_id!r}")
