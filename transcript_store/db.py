@@ -107,6 +107,30 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
             raise DBAPIError.instance(statement, (), e, sqlite3.Error, dialect=conn.dialect) from e
 
 
+#: What every PostgreSQL connection of the store runs once, when the pool opens it.
+PG_SESSION_SETTINGS = "SET plan_cache_mode = force_generic_plan"
+
+
+def _pg_on_connect(dbapi_conn: Any, _record: object) -> None:
+    # psycopg prepares a statement run five times, but the server still plans it again on every
+    # execution while it estimates a custom plan cheaper than the generic one: for the delta page's
+    # join that was 0.13 ms of planning per read, a third of its time (bench/README.md, "Profiling"
+    # 32). Every statement of this store is a keyed lookup whose best plan does not depend on the
+    # values (tests/test_pg_plans.py checks the hot ones use their indexes as generic plans). A SET,
+    # not a startup option: connection poolers such as PgBouncer refuse unknown startup parameters.
+    # A server that refuses it (a pooler's own restrictions) still gets a working connection: it is
+    # a planning hint, never a reason to fail.
+    import psycopg  # loaded already: dbapi_conn is one of its connections
+
+    dbapi_conn.autocommit = True
+    try:
+        dbapi_conn.execute(PG_SESSION_SETTINGS)
+    except psycopg.Error:
+        pass
+    finally:
+        dbapi_conn.autocommit = False
+
+
 def _reset_autocommit(conn: Connection, driver: Any) -> None:
     """Give the pooled connection back in transaction mode, or drop it from the pool if it cannot be."""
     if conn.invalidated:
@@ -151,7 +175,7 @@ def create_db_engine(config: StoreConfig) -> Engine:
     if backend == "postgresql":
         if url.get_driver_name() != "psycopg":
             url = url.set(drivername="postgresql+psycopg")
-        return create_engine(
+        engine = create_engine(
             url,
             pool_size=config.pool_size,
             max_overflow=config.pool_size,
@@ -160,6 +184,8 @@ def create_db_engine(config: StoreConfig) -> Engine:
             # whole on a fresh connection (the pool drops the invalidated one).
             connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
         )
+        event.listen(engine, "connect", _pg_on_connect)
+        return engine
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
 
 
