@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import event
 
 from engines.legacy import LegacyEngine
 from transcript_store import AppendItem, ClosedRange, DeltaPage, TranscriptStore
@@ -35,6 +38,7 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
     """(3) ``read_visible_delta`` of a 20-message page near the tail, vs the raw indexed tail read."""
     db = ctx.long_transcripts(target)
     store, raw = db.store(), db.raw()
+    bare = _BareDriver(store)
     figures: list[Figure] = []
     p50: dict[int, float] = {}
     raw_p50: dict[int, float] = {}
@@ -72,13 +76,16 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
             ours_ops = [ours_op(cursors[i % len(cursors)]) for i in range(n)]
             raw_ops = [raw_read(starts[i % len(starts)]) for i in range(n)]
             decoded_ops = [raw_decoded(starts[i % len(starts)]) for i in range(n)]
-            Timer().run(ours_ops[:50] + raw_ops[:50] + decoded_ops[:50])
+            statements = [_page_statement(store, sid, c) for c in cursors]
+            bare_ops = [bare.op(*statements[i % len(statements)]) for i in range(n)]
+            Timer().run(ours_ops[:50] + raw_ops[:50] + decoded_ops[:50] + bare_ops[:50])
             half = n // 2
-            raw_t, ours_t, decoded_t = Timer(), Timer(), Timer()
+            raw_t, ours_t, decoded_t, bare_t = Timer(), Timer(), Timer(), Timer()
 
             def raw_block(b: int) -> None:
                 raw_t.run(raw_ops[b * half : (b + 1) * half])  # noqa: B023
                 decoded_t.run(decoded_ops[b * half : (b + 1) * half])  # noqa: B023
+                bare_t.run(bare_ops[b * half : (b + 1) * half])  # noqa: B023
 
             alternate(2, raw_block, lambda b: ours_t.run(ours_ops[b * half : (b + 1) * half]))  # noqa: B023
             ours, rawst = ours_t.stats(), raw_t.stats()
@@ -114,6 +121,17 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
                         rawst.p50,
                     )
                 )
+                figures.append(
+                    Figure(
+                        "read_delta",
+                        target.name,
+                        f"this store's page statement on the bare driver + json.loads, p50 @{length:,}",
+                        "ms",
+                        bare_t.stats().p50,
+                        rawst.p50,
+                        extra={"cpu_ms_per_read": 1000 * bare_t.cpu / bare_t.stats().count},
+                    )
+                )
         short, long_ = ctx.counts.lengths[0], ctx.counts.lengths[-1]
         figures.append(
             Figure(
@@ -130,8 +148,61 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
         )
         return figures
     finally:
+        bare.close()
         store.close()
         raw.close()
+
+
+def _page_statement(store: TranscriptStore, sid: str, cursor: str) -> tuple[str, Any]:
+    """The SQL and parameters one delta page read sends to the driver (it is one statement)."""
+    sent: list[tuple[str, Any]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        sent.append((statement, parameters))
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        store.read_visible_delta(SCOPE, sid, cursor, max_messages=PAGE)
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    if len(sent) != 1:
+        raise RuntimeError(f"a delta page read sent {len(sent)} statements, not one")
+    return sent[0]
+
+
+class _BareDriver:
+    """This store's own page statement run straight on a pooled driver connection, outside any
+    transaction, and its payloads decoded: what the read costs before any of the library's Python
+    (pool checkout, cursor checks, rows, Entry objects). Against raw's tail read it is the cost of the
+    schema's statement (the active-path join and the page's columns), not of the code around it."""
+
+    def __init__(self, store: TranscriptStore) -> None:
+        self._pooled = store.db.engine.raw_connection()
+        driver: Any = self._pooled.driver_connection
+        self.driver = driver
+        self._pg = store.backend == "postgresql"
+        if self._pg:
+            self.driver.autocommit = True
+
+    def op(self, sql: str, params: Any) -> Callable[[], object]:
+        """One timed read: execute, fetch, decode the payload column."""
+        driver = self.driver
+        payload: list[int] = []
+
+        def run() -> object:
+            cur = driver.execute(sql, params)
+            if not payload:
+                payload.append([d[0] for d in cur.description].index("payload"))
+            at = payload[0]
+            return [json.loads(row[at]) for row in cur.fetchall()]
+
+        return run
+
+    def close(self) -> None:
+        """Give the connection back to the pool as it was lent."""
+        if self._pg:
+            self.driver.autocommit = False
+        self._pooled.close()
 
 
 def bench_closed_range(ctx: Context, target: Target) -> list[Figure]:
