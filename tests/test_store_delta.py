@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
+import transcript_store.cursors as cursors_module
 import transcript_store.store as store_module
 from transcript_store import (
     DeltaMissing,
@@ -269,6 +270,36 @@ def test_non_canonical_cursors_reset_as_invalid(store: TranscriptStore) -> None:
     for bad in (123, first.cursor.encode(), [first.cursor]):
         with pytest.raises(InvalidInput):
             store.read_visible_delta(A, sid, bad)  # type: ignore[arg-type]
+
+
+def test_a_cursor_this_process_issued_decodes_from_memory_and_only_that_token(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The cursor of the previous page is remembered when it is issued: decoding it again is a lookup
+    (the same state object), while any other spelling of it (a str subclass, a one-character change,
+    a non-canonical variant) is decoded from scratch, as before, and after the memory is emptied the
+    token still decodes."""
+    fill(store, sid, 3)
+    first = page_of(store.read_visible_delta(A, sid, max_messages=1))
+    remembered = cursors_module.decode_cursor(first.cursor)
+    assert remembered is not None and cursors_module.decode_cursor(first.cursor) is remembered
+
+    class Sly(str):
+        pass
+
+    sly = cursors_module.decode_cursor(Sly(first.cursor))
+    assert sly == remembered and sly is not remembered
+    for bad in non_canonical_variants(first.cursor).values():
+        assert cursors_module.decode_cursor(bad) is None
+    assert cursors_module.decode_cursor(first.cursor[:-1] + ("A" if first.cursor[-1] != "A" else "B")) != remembered
+    cursors_module._ISSUED.clear()
+    again = cursors_module.decode_cursor(first.cursor)
+    assert again == remembered and again is not remembered
+    # Bounded: issuing more than it holds empties it instead of growing.
+    for i in range(cursors_module._ISSUED_MAX + 10):
+        CursorState(A, sid, 0, i, i, 1).encode()
+    assert len(cursors_module._ISSUED) <= cursors_module._ISSUED_MAX
+    assert len(page_of(store.read_visible_delta(A, sid, first.cursor)).entries) == 2
 
 
 def test_the_longest_legal_cursor_is_canonical(store: TranscriptStore) -> None:
