@@ -277,8 +277,8 @@ def test_a_cursor_this_process_issued_decodes_from_memory_and_only_that_token(
 ) -> None:
     """The cursor of the previous page is remembered when it is issued: decoding it again is a lookup
     (the same state object), while any other spelling of it (a str subclass, a one-character change,
-    a non-canonical variant) is decoded from scratch, as before, and after the memory is emptied the
-    token still decodes."""
+    a non-canonical variant) is decoded from scratch, as before; after the memory is emptied the
+    token still decodes; what is remembered is bounded, valid, and only what this process issued."""
     fill(store, sid, 3)
     first = page_of(store.read_visible_delta(A, sid, max_messages=1))
     remembered = cursors_module.decode_cursor(first.cursor)
@@ -295,6 +295,16 @@ def test_a_cursor_this_process_issued_decodes_from_memory_and_only_that_token(
     cursors_module._ISSUED.clear()
     again = cursors_module.decode_cursor(first.cursor)
     assert again == remembered and again is not remembered
+    assert cursors_module.decode_cursor(first.cursor) is not again  # a decoded token is not remembered
+    # Only valid states are remembered (a token decoding refuses stays refused), decoding a presented
+    # token adds nothing, and long tokens are not kept.
+    for bad_state in (CursorState(A, sid, 0, 1, 1, -5), CursorState(A, sid, True, 1, 1, 1)):  # type: ignore[arg-type]
+        token = bad_state.encode()
+        assert token not in cursors_module._ISSUED and cursors_module.decode_cursor(token) is None
+    cursors_module._ISSUED.clear()
+    assert cursors_module.decode_cursor(first.cursor) == remembered and not cursors_module._ISSUED
+    long_token = CursorState("x" * 200, "y" * 200, 0, 1, 1, 1).encode()
+    assert long_token not in cursors_module._ISSUED and cursors_module.decode_cursor(long_token) is not None
     # Bounded: issuing more than it holds empties it instead of growing.
     for i in range(cursors_module._ISSUED_MAX + 10):
         CursorState(A, sid, 0, i, i, 1).encode()

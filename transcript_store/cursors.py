@@ -42,34 +42,60 @@ class CursorState:
     incarnation: int | None = 0
 
     def encode(self) -> str:
-        """The canonical token for this state."""
-        if self.incarnation is None:
-            return _encode_v1(self)
-        body = json.dumps(
-            [
-                VERSION, self.scope, self.session_id, self.generation, self.incarnation, self.last_seq,
-                self.last_position,
-            ],
-            separators=(",", ":"),
-            ensure_ascii=True,
-        )
-        token = PREFIX + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
-        _remember(token, self)
+        """The canonical token for this state (remembered, so that decoding it again is a lookup)."""
+        token = _token(self)
+        if len(token) <= _ISSUED_MAX_CHARS and _valid(self):
+            if len(_ISSUED) >= _ISSUED_MAX:
+                _ISSUED.clear()
+            _ISSUED[token] = self
         return token
 
 
+def _token(state: CursorState) -> str:
+    if state.incarnation is None:
+        body = json.dumps(
+            [1, state.scope, state.session_id, state.generation, state.last_seq, state.last_position],
+            separators=(",", ":"),
+            ensure_ascii=True,
+        )
+        return _PREFIX_V1 + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+    body = json.dumps(
+        [
+            VERSION, state.scope, state.session_id, state.generation, state.incarnation, state.last_seq,
+            state.last_position,
+        ],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return PREFIX + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+
+
+def _valid(state: CursorState) -> bool:
+    """What decoding checks of a state's values (types and ranges)."""
+    ints: tuple[object, ...] = (state.generation, state.last_seq, state.last_position)
+    if state.incarnation is not None:
+        ints += (state.incarnation,)
+    if not (isinstance(state.scope, str) and isinstance(state.session_id, str)):
+        return False
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        return False
+    if state.generation < 0 or not -1 <= state.last_seq <= _MAX_INT or not -1 <= state.last_position <= _MAX_INT:
+        return False
+    if state.incarnation is not None and not 0 <= state.incarnation <= _MAX_INCARNATION:
+        return False
+    return (state.last_seq == -1) == (state.last_position == -1)
+
+
 #: Tokens this process issued, with their state. A reader presents the cursor of its previous page,
-#: so decoding it is a lookup instead of base64, JSON, the checks and a re-encoding (~15 us of a
-#: ~450 us PostgreSQL delta page: bench/README.md, "Profiling" 33). Only what ``encode`` produced is
-#: kept, so an entry is the canonical decoding of its token by construction. Bounded: emptied when full.
+#: which this process issued when the same worker serves it (a long-lived host, an engine in the
+#: host's process): decoding it is then a lookup instead of base64, JSON, the checks and a
+#: re-encoding (~15 us of a ~450 us PostgreSQL delta page: bench/README.md, "Profiling" 33). Only
+#: what ``encode`` produced for a state that decoding accepts is kept, so an entry is its token's
+#: canonical decoding; decoding a presented token does not add it. Bounded: at most 4,096 tokens of
+#: at most 512 characters (a few MB), emptied when full.
 _ISSUED: dict[str, CursorState] = {}
 _ISSUED_MAX = 4096
-
-
-def _remember(token: str, state: CursorState) -> None:
-    if len(_ISSUED) >= _ISSUED_MAX:
-        _ISSUED.clear()
-    _ISSUED[token] = state
+_ISSUED_MAX_CHARS = 512
 
 
 # The longest cursor the store can issue: two ids of MAX_ID_CHARS astral characters (each escaped to
@@ -79,17 +105,6 @@ _LONGEST_ID = "\U0010ffff" * MAX_ID_CHARS
 MAX_CURSOR_CHARS = len(
     CursorState(_LONGEST_ID, _LONGEST_ID, _MAX_INT, _MAX_INT, _MAX_INT, _MAX_INCARNATION).encode()
 )
-
-
-def _encode_v1(state: CursorState) -> str:
-    body = json.dumps(
-        [1, state.scope, state.session_id, state.generation, state.last_seq, state.last_position],
-        separators=(",", ":"),
-        ensure_ascii=True,
-    )
-    token = _PREFIX_V1 + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
-    _remember(token, state)
-    return token
 
 
 def start_cursor(scope: str, session_id: str, generation: int, incarnation: int) -> str:
@@ -122,17 +137,6 @@ def decode_cursor(token: object) -> CursorState | None:
     if version == 1:
         value = [*value[:4], None, *value[4:]]
     _, scope, session_id, generation, incarnation, last_seq, last_position = value
-    if not (isinstance(scope, str) and isinstance(session_id, str)):
-        return None
-    ints = (generation, last_seq, last_position) + (() if incarnation is None else (incarnation,))
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
-        return None
-    if generation < 0 or not (-1 <= last_seq <= _MAX_INT) or not (-1 <= last_position <= _MAX_INT):
-        return None
-    if incarnation is not None and not 0 <= incarnation <= _MAX_INCARNATION:
-        return None
-    if (last_seq == -1) != (last_position == -1):
-        return None
     state = CursorState(scope, session_id, generation, last_seq, last_position, incarnation)
     # Byte-exact canonical form only: re-encoding must give back the very same token.
-    return state if state.encode() == token else None
+    return state if _valid(state) and _token(state) == token else None

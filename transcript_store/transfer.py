@@ -93,6 +93,10 @@ def _parse(model: type[_Record], raw: Any, where: str) -> Any:
         stamp = getattr(record, name, None)
         if stamp is not None and stamp.tzinfo is None:
             raise InvalidInput(f"{where}: {name} must carry a UTC offset")
+        if stamp is not None and stamp < _EPOCH:
+            # A session's creation time is its incarnation, which its cursors carry and check as a
+            # non-negative number: an earlier session would get cursors it refuses on every read.
+            raise InvalidInput(f"{where}: {name} must not be before 1970-01-01T00:00:00Z")
     return record
 
 
