@@ -14,10 +14,12 @@ from sqlalchemy import func, select
 
 from engines.lossless import LosslessEngine
 from engines.lossless import engine as engine_module
+from engines.lossless import search as search_module
 from engines.lossless.audit import audit
 from engines.lossless.config import LosslessConfig, budget
 from engines.lossless.tables import View, context_items, messages, summaries, summary_children, summary_sources
 from transcript_store import AdvancementKeyCollision, StoreConfig, TranscriptStore
+from transcript_store.core import Core
 from transcript_store.engine import (
     EngineContext,
     EngineSelection,
@@ -520,6 +522,25 @@ def test_grep_full_text_is_cjk_safe_and_regexes_work(store: TranscriptStore, sid
     assert "error" in grep(engine, sid, pattern="kiwi", sort="newest")
     assert "error" in grep(engine, sid, pattern="   ")
     assert grep(engine, sid, pattern="kiwi", search_in="summaries")["count"] == 0
+
+
+def test_full_text_search_plans_for_its_terms(store: TranscriptStore, sid: str) -> None:
+    """The store's PostgreSQL connections plan statements once for any values; a full-text search,
+    whose best plan depends on its terms, switches its own transaction back to per-execution plans
+    (and only that transaction). SQLite plans every statement for its values anyway."""
+    engine = make_engine(store)
+    commit(store, engine, finished_turn(store, sid, "t1", [assistant("apple cherry kiwi"), assistant("melon")]))
+
+    def search(c: Core) -> tuple[list[str], str | None]:
+        hits = search_module.grep(c, A, sid, "kiwi", mode="full_text", kinds=("message",), sort="recency", limit=5)
+        mode = None if c.dialect.is_sqlite else c.conn.exec_driver_sql("SHOW plan_cache_mode").scalar()
+        return [h.content for h in hits], mode
+
+    found, mode = store.read(search)
+    assert found == ["apple cherry kiwi"]
+    if store.backend == "postgresql":
+        assert mode == "auto"
+        assert store.db.settings()["plan_cache_mode"] == "force_generic_plan"  # the next transaction's
 
 
 def test_describe_and_expand_walk_the_dag_both_ways(store: TranscriptStore, sid: str) -> None:

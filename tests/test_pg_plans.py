@@ -10,7 +10,7 @@ import psycopg.sql
 import pytest
 from sqlalchemy import event
 
-from transcript_store import DeltaPage, TranscriptStore
+from transcript_store import DeltaPage, StoreConfig, TranscriptStore
 from transcript_store.db import PG_SESSION_SETTINGS
 
 A = "scope-a"
@@ -44,6 +44,10 @@ def test_store_connections_plan_their_statements_once(store: TranscriptStore) ->
         for conn in (a, b):
             assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "force_generic_plan"
             conn.rollback()
+    assert store.db.settings()["plan_cache_mode"] == "force_generic_plan"
+    # Switched off, the connections keep the server's own setting.
+    with TranscriptStore(config=StoreConfig(url=store.config.url, auto_upgrade=False, pg_generic_plans=False)) as off:
+        assert off.db.settings()["plan_cache_mode"] == "auto"
 
 
 def test_a_delta_page_is_index_lookups_as_a_generic_plan(store: TranscriptStore) -> None:
@@ -73,7 +77,8 @@ def test_a_delta_page_is_index_lookups_as_a_generic_plan(store: TranscriptStore)
             for i, name in enumerate(names, 1):
                 numbered = numbered.replace(f"%({name})s", f"${i}")
             conn.exec_driver_sql("PREPARE ts_delta_page AS " + numbered)
-            # Utility statements take no bound parameters: the values go in as quoted literals.
+            # Utility statements take no bound parameters: the values go in as quoted literals. The
+            # statement is this test's store's only (its pool is disposed at the end of the test).
             driver = conn.connection.driver_connection
             values = ", ".join(psycopg.sql.Literal(params[name]).as_string(driver) for name in names)
             explained = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE ts_delta_page({values})")

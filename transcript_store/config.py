@@ -19,6 +19,7 @@ ENV_VARS: dict[str, str] = {
     "busy_timeout_ms": "TRANSCRIPT_STORE_BUSY_TIMEOUT_MS",
     "retry_attempts": "TRANSCRIPT_STORE_RETRY_ATTEMPTS",
     "auto_upgrade": "TRANSCRIPT_STORE_AUTO_UPGRADE",
+    "pg_generic_plans": "TRANSCRIPT_STORE_PG_GENERIC_PLANS",
 }
 
 
@@ -40,6 +41,10 @@ class StoreConfig(BaseModel):
         None, description="migrate an existing database on open; None: yes for SQLite, no for PostgreSQL"
     )
     pool_size: int = Field(5, ge=1, le=100, description="connections kept per process (PostgreSQL)")
+    pg_generic_plans: bool = Field(
+        True,
+        description="PostgreSQL: plan each statement once per connection (plan_cache_mode=force_generic_plan)",
+    )
 
     @classmethod
     def from_env(cls, **overrides: object) -> StoreConfig:
@@ -49,7 +54,7 @@ class StoreConfig(BaseModel):
             raw = os.environ.get(var)
             if raw is None or raw == "":
                 continue
-            if name == "auto_upgrade":
+            if name in ("auto_upgrade", "pg_generic_plans"):
                 values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
                 values[name] = raw

@@ -8,6 +8,7 @@ second one.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sqlite3
@@ -107,28 +108,35 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
             raise DBAPIError.instance(statement, (), e, sqlite3.Error, dialect=conn.dialect) from e
 
 
-#: What every PostgreSQL connection of the store runs once, when the pool opens it.
+#: What every PostgreSQL connection of the store runs once (unless ``StoreConfig.pg_generic_plans`` is off).
 PG_SESSION_SETTINGS = "SET plan_cache_mode = force_generic_plan"
+#: What a transaction runs first when its statement's best plan depends on the values (full-text search)
+PG_VALUE_PLANS = "SET LOCAL plan_cache_mode = auto"
+#: SQLSTATEs of a server that refuses the setting (an unknown parameter before PostgreSQL 12, a
+#: pooler's or a role's restrictions): the connection works without it
+_PG_SETTING_REFUSED = frozenset({"42704", "22023", "42501", "0A000", "55P02"})
+_log = logging.getLogger(__name__)
 
 
 def _pg_on_connect(dbapi_conn: Any, _record: object) -> None:
     # psycopg prepares a statement run five times, but the server still plans it again on every
     # execution while it estimates a custom plan cheaper than the generic one: for the delta page's
     # join that was 0.13 ms of planning per read, a third of its time (bench/README.md, "Profiling"
-    # 32). Every statement of this store is a keyed lookup whose best plan does not depend on the
-    # values (tests/test_pg_plans.py checks the hot ones use their indexes as generic plans). A SET,
-    # not a startup option: connection poolers such as PgBouncer refuse unknown startup parameters.
-    # A server that refuses it (a pooler's own restrictions) still gets a working connection: it is
-    # a planning hint, never a reason to fail.
+    # 32). The store's own statements are keyed lookups whose best plan does not depend on the values
+    # (tests/test_pg_plans.py checks the delta page's); a statement whose plan does (the lossless
+    # engine's full-text search) runs PG_VALUE_PLANS in its transaction first. A SET, not a startup
+    # option: poolers refuse unknown startup parameters. A server that refuses it still gives a
+    # working connection; a connection lost meanwhile fails here, as a transient error.
     import psycopg  # loaded already: dbapi_conn is one of its connections
 
     dbapi_conn.autocommit = True
     try:
         dbapi_conn.execute(PG_SESSION_SETTINGS)
-    except psycopg.Error:
-        pass
-    finally:
-        dbapi_conn.autocommit = False
+    except psycopg.Error as e:
+        if e.sqlstate not in _PG_SETTING_REFUSED:
+            raise
+        _log.warning("PostgreSQL refused %r (%s): statements are planned per execution", PG_SESSION_SETTINGS, e)
+    dbapi_conn.autocommit = False
 
 
 def _reset_autocommit(conn: Connection, driver: Any) -> None:
@@ -184,7 +192,8 @@ def create_db_engine(config: StoreConfig) -> Engine:
             # whole on a fresh connection (the pool drops the invalidated one).
             connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
         )
-        event.listen(engine, "connect", _pg_on_connect)
+        if config.pg_generic_plans:
+            event.listen(engine, "connect", _pg_on_connect)
         return engine
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
 
@@ -372,6 +381,7 @@ class Database:
                 "default_transaction_isolation": conn.exec_driver_sql(
                     "SHOW default_transaction_isolation"
                 ).scalar(),
+                "plan_cache_mode": conn.exec_driver_sql("SHOW plan_cache_mode").scalar(),
             }
 
         return self.read(probe)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from sqlalchemy import Table, select, text
 
 from transcript_store.core import Core
+from transcript_store.db import PG_VALUE_PLANS
 
 from .tables import messages, summaries
 
@@ -60,6 +61,11 @@ def grep(
 ) -> list[Hit]:
     """The best ``limit`` hits over ``kinds`` (see module doc); a bad regex raises re.error."""
     hits: list[Hit] = []
+    if not core.dialect.is_sqlite and core.config.pg_generic_plans and mode != "regex":
+        # The store's connections plan statements once, for any values (transcript_store/db.py); a
+        # full-text search's best plan depends on its terms (a rare word: the text indexes; a short
+        # or common one: the session's own rows), so this transaction plans per execution again.
+        core.conn.exec_driver_sql(PG_VALUE_PLANS)
     for kind in kinds:
         if mode == "regex":
             hits += _regex(core, scope, session_id, kind, re.compile(pattern), sort, limit)
