@@ -38,11 +38,12 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
     """(3) ``read_visible_delta`` of a 20-message page near the tail, vs the raw indexed tail read."""
     db = ctx.long_transcripts(target)
     store, raw = db.store(), db.raw()
-    bare = _BareDriver(store)
+    bare: _BareDriver | None = None
     figures: list[Figure] = []
     p50: dict[int, float] = {}
     raw_p50: dict[int, float] = {}
     try:
+        bare = _BareDriver(store)
         for length in ctx.counts.lengths:
             sid = session_for(length)
             info = store.get_session(SCOPE, sid)
@@ -148,7 +149,8 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
         )
         return figures
     finally:
-        bare.close()
+        if bare is not None:
+            bare.close()
         store.close()
         raw.close()
 
@@ -181,6 +183,7 @@ class _BareDriver:
         driver: Any = self._pooled.driver_connection
         self.driver = driver
         self._pg = store.backend == "postgresql"
+        self._autocommit = driver.autocommit if self._pg else None
         if self._pg:
             self.driver.autocommit = True
 
@@ -199,10 +202,14 @@ class _BareDriver:
         return run
 
     def close(self) -> None:
-        """Give the connection back to the pool as it was lent."""
-        if self._pg:
-            self.driver.autocommit = False
-        self._pooled.close()
+        """Give the connection back to the pool as it was lent (or drop it, if it cannot be)."""
+        try:
+            if self._pg:
+                self.driver.autocommit = self._autocommit
+        except Exception:  # not idle after a failed read: never hand it out again
+            self._pooled.invalidate()
+        finally:
+            self._pooled.close()
 
 
 def bench_closed_range(ctx: Context, target: Target) -> list[Figure]:
