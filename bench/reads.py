@@ -13,6 +13,7 @@ from engines.legacy import LegacyEngine
 from transcript_store import AppendItem, ClosedRange, DeltaPage, TranscriptStore
 from transcript_store.cursors import CursorState
 from transcript_store.engine import EngineContext
+from transcript_store.models import DeltaResult
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
@@ -77,7 +78,7 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
             ours_ops = [ours_op(cursors[i % len(cursors)]) for i in range(n)]
             raw_ops = [raw_read(starts[i % len(starts)]) for i in range(n)]
             decoded_ops = [raw_decoded(starts[i % len(starts)]) for i in range(n)]
-            statements = [_page_statement(store, sid, c) for c in cursors]
+            statements = [page_statement(store, SCOPE, sid, c, PAGE)[:2] for c in cursors]
             bare_ops = [bare.op(*statements[i % len(statements)]) for i in range(n)]
             Timer().run(ours_ops[:50] + raw_ops[:50] + decoded_ops[:50] + bare_ops[:50])
             half = n // 2
@@ -155,8 +156,11 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
         raw.close()
 
 
-def _page_statement(store: TranscriptStore, sid: str, cursor: str) -> tuple[str, Any]:
-    """The SQL and parameters one delta page read sends to the driver (it is one statement)."""
+def page_statement(
+    store: TranscriptStore, scope: str, session_id: str, cursor: str, max_messages: int
+) -> tuple[str, Any, DeltaResult]:
+    """The SQL and parameters an unfenced delta page read sends to the driver (it is one statement),
+    and what the read returned (tests/test_pg_plans.py explains the same statement)."""
     sent: list[tuple[str, Any]] = []
 
     def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
@@ -164,12 +168,12 @@ def _page_statement(store: TranscriptStore, sid: str, cursor: str) -> tuple[str,
 
     event.listen(store.db.engine, "before_cursor_execute", listen)
     try:
-        store.read_visible_delta(SCOPE, sid, cursor, max_messages=PAGE)
+        result = store.read_visible_delta(scope, session_id, cursor, max_messages=max_messages)
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
     if len(sent) != 1:
         raise RuntimeError(f"a delta page read sent {len(sent)} statements, not one")
-    return sent[0]
+    return sent[0][0], sent[0][1], result
 
 
 class _BareDriver:

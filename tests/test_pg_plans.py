@@ -8,8 +8,8 @@ from typing import Any
 
 import psycopg.sql
 import pytest
-from sqlalchemy import event
 
+from bench.reads import page_statement
 from transcript_store import DeltaPage, StoreConfig, TranscriptStore
 from transcript_store.db import PG_SESSION_SETTINGS
 
@@ -18,19 +18,9 @@ A = "scope-a"
 
 def _delta_statement(store: TranscriptStore, sid: str, cursor: str) -> tuple[str, Any]:
     """The SQL and parameters of one delta page read, as sent to the driver."""
-    captured: list[tuple[str, Any]] = []
-
-    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
-        captured.append((statement, parameters))
-
-    event.listen(store.db.engine, "before_cursor_execute", listen)
-    try:
-        page = store.read_visible_delta(A, sid, cursor, max_messages=20)
-    finally:
-        event.remove(store.db.engine, "before_cursor_execute", listen)
+    sql, params, page = page_statement(store, A, sid, cursor, 20)
     assert isinstance(page, DeltaPage) and len(page.entries) == 20
-    assert len(captured) == 1, captured
-    return captured[0]
+    return sql, params
 
 
 def test_store_connections_plan_their_statements_once(store: TranscriptStore) -> None:
