@@ -381,7 +381,8 @@ class Database:
                 "default_transaction_isolation": conn.exec_driver_sql(
                     "SHOW default_transaction_isolation"
                 ).scalar(),
-                "plan_cache_mode": conn.exec_driver_sql("SHOW plan_cache_mode").scalar(),
+                # NULL (None) on a server without the setting, rather than an error
+                "plan_cache_mode": conn.exec_driver_sql("SELECT current_setting('plan_cache_mode', true)").scalar(),
             }
 
         return self.read(probe)
