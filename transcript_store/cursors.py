@@ -52,22 +52,13 @@ class CursorState:
 
 
 def _token(state: CursorState) -> str:
+    fields: list[object] = [state.scope, state.session_id, state.generation, state.last_seq, state.last_position]
     if state.incarnation is None:
-        body = json.dumps(
-            [1, state.scope, state.session_id, state.generation, state.last_seq, state.last_position],
-            separators=(",", ":"),
-            ensure_ascii=True,
-        )
-        return _PREFIX_V1 + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
-    body = json.dumps(
-        [
-            VERSION, state.scope, state.session_id, state.generation, state.incarnation, state.last_seq,
-            state.last_position,
-        ],
-        separators=(",", ":"),
-        ensure_ascii=True,
-    )
-    return PREFIX + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
+        prefix, fields = _PREFIX_V1, [1, *fields]
+    else:
+        prefix, fields = PREFIX, [VERSION, *fields[:3], state.incarnation, *fields[3:]]
+    body = json.dumps(fields, separators=(",", ":"), ensure_ascii=True)
+    return prefix + base64.urlsafe_b64encode(body.encode("ascii")).decode("ascii").rstrip("=")
 
 
 def _valid(state: CursorState) -> bool:
