@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import event
 
 import transcript_store.cursors as cursors_module
@@ -24,7 +26,7 @@ from transcript_store import (
     UnknownSession,
     hot,
 )
-from transcript_store.core import MAX_ID_CHARS, Core
+from transcript_store.core import MAX_ID_CHARS, Core, decode_stored, stored_text
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
 
 A, B = "scope-a", "scope-b"
@@ -531,8 +533,8 @@ def counting(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 def _assert_indexed(store: TranscriptStore, statements: list[Any]) -> None:
     """On SQLite, no statement of the read scans a whole table: every access is an index search (the
-    one scan allowed is of ``page``: a delta page's own rows, at most a page plus one, materialized by
-    an index search).
+    scans allowed are of a delta page's own branches, ``linear_page`` and ``path_page``: at most a
+    page plus one rows each, produced by an index search under their LIMIT).
 
     (PostgreSQL's plans on these tiny, never-analyzed test tables say nothing about its plans on real
     ones, so there the test relies on the rows each statement returns.)
@@ -542,7 +544,8 @@ def _assert_indexed(store: TranscriptStore, statements: list[Any]) -> None:
     with store.db.engine.connect() as conn:
         for sql, params in statements:
             details = [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
-            scans = [d for d in details if d.startswith("SCAN ") and not d.startswith("SCAN page")]
+            page_scans = ("SCAN linear_page", "SCAN path_page")
+            scans = [d for d in details if d.startswith("SCAN ") and not d.startswith(page_scans)]
             assert details and not scans, details
 
 
@@ -554,19 +557,31 @@ def _cost(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch, sid: str, cur
     return rows
 
 
-def test_a_delta_page_costs_o_page_not_o_history(store: TranscriptStore, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", ["linear", "branched"])
+def test_a_delta_page_costs_o_page_not_o_history(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    # Both branches of the page statement: a linear session reads its entries' range, a session with
+    # an entry off its active path (a branch before the history) joins the path (core._page_limit).
     costs = {}
     for n in (100, 2000):
         sid = f"len-{n}"
         store.create_session(A, session_id=sid)
+        if shape == "branched":
+            kept, _dropped = store.append_many(A, sid, [{"message": user("a")}, {"message": assistant("b")}])
+            store.branch(A, sid, kept.entry_id)
         made = fill(store, sid, n)
+        offset = 1 if shape == "branched" else 0  # the kept first message
         # Read once from the start, once from a cursor deep in the transcript.
-        deep = CursorState(A, sid, 0, made[n - 60].seq, n - 60, inc(store, sid)).encode()
+        at = made[n - 60]
+        assert at.position == n - 60 + offset
+        deep = CursorState(A, sid, 0, at.seq, at.position, inc(store, sid)).encode()
         costs[n] = (_cost(store, monkeypatch, sid, None), _cost(store, monkeypatch, sid, deep))
-    # Same statements, same rows back (one extra row tells has_more), for 20x the history.
+    # Same statements, same rows back for 20x the history: the page plus one (it tells has_more),
+    # and the session's own row.
     assert costs[100] == costs[2000]
     start, deep = costs[2000]
-    assert max(start + deep) == 51 and len(start) <= 3 and len(deep) <= 4
+    assert max(start + deep) == 52 and len(start) <= 3 and len(deep) <= 4
 
 
 def _delta_statements(store: TranscriptStore, run: Any) -> tuple[int, int]:
@@ -633,3 +648,63 @@ def test_a_statement_read_leaves_its_connection_transactional(store: TranscriptS
             store.write(fail_after_append)
     with pytest.raises(UnknownSession):
         store.get_session(A, "half-done")
+
+
+@pytest.mark.parametrize("shape", ["linear", "branched", "rewritten"])
+def test_a_page_is_read_from_the_entries_only_while_every_entry_is_on_the_path(
+    store: TranscriptStore, shape: str
+) -> None:
+    """Which table a page comes from (core._page_limit): a linear session's page is its entries'
+    primary-key range, any other session's goes through the materialized active path. Seen by
+    emptying the path table behind the store's back: only the path-based branch then finds nothing.
+    The pages themselves are the same either way (every other test of this file reads both kinds)."""
+    sid = store.create_session(A, session_id=f"which-{shape}").session_id
+    made = store.append_many(A, sid, [{"message": user(f"m{i}")} for i in range(30)])
+    if shape == "branched":
+        store.branch(A, sid, made[28].entry_id)  # the last message is off the path
+    elif shape == "rewritten":
+        store.rewrite_entries(A, sid, [{"entry_id": made[29].entry_id, "message": user("again")}])
+    before = page_of(store.read_visible_delta(A, sid, None, max_messages=20))
+    assert [e.seq for e in before.entries] == list(range(20))
+
+    def empty_path(c: Core) -> None:
+        c.conn.exec_driver_sql(f"DELETE FROM ts_active_path WHERE session_id = '{sid}'")
+
+    store.write(empty_path)
+    after = page_of(store.read_visible_delta(A, sid, None, max_messages=20))
+    assert [e.seq for e in after.entries] == (list(range(20)) if shape == "linear" else [])
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON, pad=st.sampled_from(["", " ", "\n", "x", "]", " 1"]), front=st.booleans())
+def test_stored_payloads_decode_as_json_loads_decodes_them(value: Any, pad: str, front: bool) -> None:
+    """core.decode_stored (the read path's decoder) gives what json.loads gives, or raises what it raises."""
+    text = stored_text(value)
+    text = pad + text if front else text + pad
+    try:
+        expected = json.loads(text)
+    except json.JSONDecodeError:
+        with pytest.raises(json.JSONDecodeError):
+            decode_stored(text)
+        return
+    assert decode_stored(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "{", "NaN", "[1,2]x", '"\\ud800"', '{"a":1}{}', "1 2", "[" * 50 + "]" * 50])
+def test_stored_payload_edge_cases_decode_as_json_loads(text: str) -> None:
+    """Edge cases of core.decode_stored against json.loads (NaN, lone surrogates, trailing text)."""
+    try:
+        expected = json.loads(text)
+    except json.JSONDecodeError:
+        with pytest.raises(json.JSONDecodeError):
+            decode_stored(text)
+        return
+    got = decode_stored(text)
+    assert got == expected or (got != got and expected != expected)  # NaN is not equal to itself

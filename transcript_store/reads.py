@@ -50,18 +50,22 @@ def read_visible_delta(
     # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
     claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
     after = decoded.last_position if claimed and decoded is not None else -1
+    # ... and the raw seq it holds there (-1 exactly when the position is -1: cursors.py checks it),
+    # from which a linear session's page is read (core.delta_page_rows).
+    after_seq = decoded.last_seq if claimed and decoded is not None else -1
     fence_written = (
         fence is not None and fence.scope == scope and fence.session_id == session_id and core.appended_here(fence)
     )
     if fence is not None and not fence_written and not snapshot:
         raise NeedsSnapshot
     before = fence.position if fence is not None else None  # a fence without one fails its check below
-    rows = core.delta_page_rows(scope, session_id, after, before, max_messages + 1)
-    if not rows:
+    head, found = core.delta_page_rows(
+        scope, session_id, after, before, max_messages + 1, position_seq=after_seq
+    )
+    if head is None:
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
-    head = rows[0]
     sess = _SessionHead(head.s_generation, head.s_session_key, head.s_created_us)
     if fence is not None and not fence_written:
         check_fence(core, scope, session_id, fence, sess)
@@ -93,7 +97,6 @@ def read_visible_delta(
         if state.last_position >= fence.position:
             raise ReadFenceError("crossed", "the cursor is already past the admitted entry")
     # One row more than the page tells has_more without a second query.
-    found = rows if head.entry_id is not None else []
     page: list[Entry] = []
     used = 0
     for row in found[:max_messages]:
