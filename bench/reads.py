@@ -201,7 +201,8 @@ class _BareDriver:
             if not payload:
                 payload.append([d[0] for d in cur.description].index("payload"))
             at = payload[0]
-            return [json.loads(row[at]) for row in cur.fetchall()]
+            # the session's own row comes with the page, its payload NULL (core._delta_page_statement)
+            return [json.loads(row[at]) for row in cur.fetchall() if row[at] is not None]
 
         return run
 

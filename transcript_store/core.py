@@ -24,7 +24,6 @@ from sqlalchemy import (
     Select,
     and_,
     bindparam,
-    case,
     cast,
     delete,
     exists,
@@ -386,47 +385,6 @@ def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
 _VISIBLE_ROWS = {(b, lim): _visible_rows_statement(b, lim) for b in (False, True) for lim in (False, True)}
 
 
-# A session whose active path holds every entry it has (never branched, rewound or rewritten; the
-# common case): the path is then ALL its entries, in seq order, and an entry's own depth and position
-# (intrinsic, see schema.py) are its place on the path. Why this is enough: the path holds
-# ``path_length`` distinct entries and the session has at most ``last_seq + 1`` (seqs are unique and
-# never above ``last_seq``); equal counts leave no entry off the path.
-_IS_LINEAR = sessions.c.path_length == sessions.c.last_seq + 1
-
-
-def _page_limit(linear: bool) -> Any:
-    """The page's LIMIT for one of the two branches: ``b_limit`` when the session is (not) linear, else 0.
-
-    The branch is chosen in the LIMIT, not the WHERE: both backends evaluate an uncorrelated LIMIT
-    once before the scan and a LIMIT of 0 reads nothing (a guard in the WHERE is checked per row on
-    SQLite: the branch not taken would scan the rest of the session, rejecting every row). No session:
-    0 on both branches (COALESCE: a NULL LIMIT is no limit on PostgreSQL).
-    """
-    wanted = _IS_LINEAR if linear else ~_IS_LINEAR
-    chosen = select(case((wanted, bindparam("b_limit", type_=Integer)), else_=0)).where(by_session(sessions))
-    return func.coalesce(chosen.scalar_subquery(), 0)
-
-
-def _linear_rows_statement(bounded: bool) -> Select[Any]:
-    # The visible rows after a position in a linear session, straight from ts_entries: one primary-key
-    # range from the seq the cursor names, as a raw tail read is (bench/README.md, "Profiling" 34).
-    # ``position > b_after`` is what the page means; the seq range is how it is found (in a linear
-    # session they agree whenever the cursor holds, which the read checks with s_at_seq).
-    q = (
-        select(*ENTRY_COLUMNS)
-        .where(
-            by_session(entries),
-            entries.c.seq > bindparam("b_after_seq"),
-            entries.c.position > bindparam("b_after"),
-        )
-        .order_by(entries.c.seq)
-        .limit(_page_limit(True))
-    )
-    if bounded:
-        q = q.where(entries.c.position < bindparam("b_before"))
-    return q
-
-
 def _delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     # A delta page in ONE statement: first the session's row (what the read needs of it, prefixed s_,
     # and the raw seq at the cursor's position; its entry columns NULL), then the page after that
@@ -435,11 +393,9 @@ def _delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     # needs nothing else runs without a transaction: one round trip on PostgreSQL instead of BEGIN,
     # the session, the page and COMMIT (bench/README.md, "Profiling" 23).
     # A UNION ALL, not the session row joined to the page: the join repeated the session's columns
-    # on every row and had SQLite materialize the page first ("Profiling" 34). The page is one of two
-    # branches, chosen by their LIMITs (_page_limit): a linear session reads its entries' primary-key
-    # range; any other joins the active path to the entries (the path's position index, then one
-    # primary-key lookup per row). No ORDER BY: SQLite would copy the payloads into a temporary
-    # B-tree to sort what the index search already produced in order; delta_page_rows sorts.
+    # on every row and had SQLite materialize the page before joining it ("Profiling" 34). No ORDER
+    # BY: SQLite would copy the payloads into a temporary B-tree to sort what the index search
+    # already produced in order; delta_page_rows sorts the few rows.
     head = select(
         sessions.c.generation.label("s_generation"),
         sessions.c.session_key.label("s_session_key"),
@@ -448,13 +404,8 @@ def _delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
         # typed: PostgreSQL takes a UNION column's type from its first branch
         *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
     ).where(by_session(sessions))
-    linear = _linear_rows_statement(bounded).subquery("linear_page")
-    joined = _visible_rows_statement(bounded, False).limit(_page_limit(False)).subquery("path_page")
-    return union_all(
-        head,
-        select(null(), null(), null(), null(), *linear.c),
-        select(null(), null(), null(), null(), *joined.c),
-    )
+    page = _visible_rows_statement(bounded, True).subquery("page")
+    return union_all(head, select(null(), null(), null(), null(), *page.c))
 
 
 _DELTA_PAGE = {b: _delta_page_statement(b) for b in (False, True)}
@@ -683,20 +634,13 @@ class Core:
         position: int,
         before_position: int | None,
         limit: int,
-        *,
-        position_seq: int = -1,
     ) -> tuple[Row[Any] | None, list[Row[Any]]]:
         """The session's row (``s_`` columns: generation, key, creation; ``s_at_seq``, the raw seq at
         ``position``), None when there is no such session, and up to ``limit`` visible message rows
         after ``position`` (before ``before_position``) in position order; in one statement.
-
-        ``position_seq``: the raw seq the caller holds for ``position`` (a cursor's ``last_seq``; -1
-        before the first message). A linear session's page is read from the entries after it; the rows
-        are right only when ``s_at_seq`` equals it, which the caller checks (it drops them otherwise).
         """
         params = session_params(
-            scope, session_id, b_position=position, b_after=position, b_after_seq=position_seq,
-            b_before=before_position, b_limit=limit,
+            scope, session_id, b_position=position, b_after=position, b_before=before_position, b_limit=limit
         )
         head = None
         page = []

@@ -50,18 +50,13 @@ def read_visible_delta(
     # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
     claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
     after = decoded.last_position if claimed and decoded is not None else -1
-    # ... and the raw seq it holds there (-1 exactly when the position is -1: cursors.py checks it),
-    # from which a linear session's page is read (core.delta_page_rows).
-    after_seq = decoded.last_seq if claimed and decoded is not None else -1
     fence_written = (
         fence is not None and fence.scope == scope and fence.session_id == session_id and core.appended_here(fence)
     )
     if fence is not None and not fence_written and not snapshot:
         raise NeedsSnapshot
     before = fence.position if fence is not None else None  # a fence without one fails its check below
-    head, found = core.delta_page_rows(
-        scope, session_id, after, before, max_messages + 1, position_seq=after_seq
-    )
+    head, found = core.delta_page_rows(scope, session_id, after, before, max_messages + 1)
     if head is None:
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
