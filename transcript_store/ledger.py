@@ -21,7 +21,17 @@ from sqlalchemy import String, and_, bindparam, func, select, text
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
-from .core import ENTRY_COLUMNS, Core, by_session, check_anchor, check_id, now_us, session_params, stored_text
+from .core import (
+    ENTRY_COLUMNS,
+    Core,
+    by_session,
+    check_anchor,
+    check_id,
+    decode_stored,
+    now_us,
+    session_params,
+    stored_text,
+)
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
 from .fences import MAX_TURN_EVENTS
 from .models import Admission, Anchor, canonical_json, validate_message
@@ -398,7 +408,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     # compare texts (bench/README.md, "Profiling" 16); the text comparison stays as the fallback for
     # what decodes differently but serializes the same (a tuple where the entry has a list).
     for i, (row, message) in enumerate(zip(found, turn.messages, strict=True)):
-        if json.loads(row.payload) != message and row.payload != stored_text(message):
+        if decode_stored(row.payload) != message and row.payload != stored_text(message):
             if i == 0:
                 raise InvalidInput("the first message differs from the admitted user message")
             raise InvalidInput(f"message {i} of the turn differs from its transcript entry {row.entry_id!r}")
@@ -452,7 +462,7 @@ def committed_messages(
         # The turn's entries lie in one seq range (bounded by MAX_TURN_EVENTS at commit): one statement.
         params = session_params(scope, session_id, b_from=min(seqs), b_to=max(seqs))
         payload = {r.seq: r.payload for r in core.run(_RANGE_PAYLOADS, params)}
-        return [json.loads(payload[q]) for q in seqs]
+        return [decode_stored(payload[q]) for q in seqs]
     # A receipt from before revision 0005: the ledger kept its own copy.
     copies = core.conn.execute(
         select(turn_messages.c.payload)
@@ -464,7 +474,7 @@ def committed_messages(
         )
         .order_by(turn_messages.c.idx)
     ).all()
-    return [json.loads(r.payload) for r in copies]
+    return [decode_stored(r.payload) for r in copies]
 
 
 def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str) -> int:

@@ -12,14 +12,13 @@ opaque cursor and the position after it) is engine state written in the same tra
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import fences, paths
 from .config import StoreConfig
-from .core import Core, NewEntry, prepare_entry
+from .core import Core, NewEntry, decode_stored, prepare_entry
 from .errors import MirrorConflict
 from .ledger import get_state, put_state
 from .models import Anchor, ClosedRange
@@ -103,7 +102,7 @@ def align(
     stored = core.visible_rows(scope, session_id, start - 1, end, None) if end > start else []
     matched = 0
     for row, host in zip(stored, messages, strict=False):
-        if row.entry_id != host.entry_id and json.loads(row.payload) != host.message:
+        if row.entry_id != host.entry_id and decode_stored(row.payload) != host.message:
             break
         matched += 1
     rewound = False
