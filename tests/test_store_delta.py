@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sqlalchemy import event
 
 import transcript_store.cursors as cursors_module
+import transcript_store.models as models_module
 import transcript_store.store as store_module
 from transcript_store import (
     DeltaMissing,
@@ -28,6 +29,7 @@ from transcript_store import (
 )
 from transcript_store.core import MAX_ID_CHARS, Core, decode_stored, stored_text
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
+from transcript_store.models import compact_json
 
 A, B = "scope-a", "scope-b"
 
@@ -680,3 +682,61 @@ def test_stored_payloads_decode_as_json_loads_decodes_them(value: Any, pad: str,
 def test_stored_payload_edge_cases_decode_as_json_loads(text: str) -> None:
     """Edge cases of core.decode_stored against json.loads (NaN, lone surrogates, trailing text)."""
     _decodes_as_json_loads(text)
+
+
+# What the stored and canonical texts are made of, and what makes compact_json take its second encoding.
+_TRICKY = st.text(
+    st.sampled_from(["a", "u", "\\", '"', "\x00", "\x1f", "\n", "\x7f", "\x80", "é", "\u2028", "\ud800", "\U0001f600"])
+)
+_ENCODABLE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | _TRICKY,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8) | _TRICKY | st.integers(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _encodes_as_json_dumps(value: Any, sort_keys: bool) -> None:
+    """models.compact_json gives json.dumps's text (compact, UTF-8, no NaN), or raises what it raises."""
+    try:
+        expected = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, sort_keys=sort_keys)
+    except (TypeError, ValueError) as e:
+        with pytest.raises(type(e)) as raised:
+            compact_json(value, sort_keys=sort_keys)
+        assert str(raised.value) == str(e)
+        return
+    assert compact_json(value, sort_keys=sort_keys) == expected
+
+
+def test_the_fast_json_encoder_is_in_use() -> None:
+    """On CPython the store encodes with _json's C encoder (else the tests below compare json.dumps with itself)."""
+    assert models_module._C_JSON is not None
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_ENCODABLE, sort_keys=st.booleans())
+def test_stored_and_canonical_texts_are_what_json_dumps_writes(value: Any, sort_keys: bool) -> None:
+    """compact_json (every stored payload, every turn's hashed text) against json.dumps: the same text
+    for ASCII and non-ASCII values alike, the same error for NaN, unsortable or non-JSON values."""
+    _encodes_as_json_dumps(value, sort_keys)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "\\u00e9", "é", "\x7f", "\x00", "\ud800", float("nan"), float("inf"), {1: "a", "b": 2}, {"a": {1, 2}},
+        [b"x"], {"role": "user", "content": "plain ascii " * 100}, {"content": "日本語のテキスト", "role": "user"},
+    ],
+)
+def test_json_encoder_edge_cases(value: Any) -> None:
+    """Escapes, lone surrogates, NaN, mixed key types and non-JSON values, both key orders."""
+    for sort_keys in (False, True):
+        _encodes_as_json_dumps(value, sort_keys)
+
+
+def test_a_cycle_is_refused_as_json_dumps_refuses_it() -> None:
+    """A value that contains itself: json.dumps's ValueError, and the next encoding is unaffected."""
+    loop: list[Any] = ["x"]
+    loop.append(loop)
+    _encodes_as_json_dumps(loop, False)
+    assert compact_json(["x"]) == '["x"]'

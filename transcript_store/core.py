@@ -51,7 +51,15 @@ from .errors import (
     UnknownSession,
 )
 from .hot import HotResult
-from .models import ENTRY_KINDS, Anchor, Entry, SessionInfo, validate_event_payload, validate_message
+from .models import (
+    ENTRY_KINDS,
+    Anchor,
+    Entry,
+    SessionInfo,
+    compact_json,
+    validate_event_payload,
+    validate_message,
+)
 from .schema import active_path, entries, sessions
 
 MAX_ID_CHARS = 255
@@ -162,7 +170,7 @@ def prepare_entry(
 def stored_text(body: Any) -> str:
     """The text an entry's payload is stored as (compact JSON, UTF-8 as is)."""
     # NUL (U+0000) is escaped by JSON as \u0000, so it round-trips losslessly on both backends.
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return compact_json(body)
 
 
 ENTRY_COLUMNS = (
