@@ -23,12 +23,29 @@ from transcript_store.turns import Turns
 
 from .context import Context, log
 from .drivers import SCOPE, HostDriver, Plan, bulk_append, create_sessions, plan_turns
+from .raw import TABLE as RAW_TABLE
 from .report import Figure
 from .targets import Database, Target
 
 
 def bench_disk(ctx: Context, target: Target) -> list[Figure]:
-    """(5) Bytes per message, transcript only and full turns, vs the raw table holding the same rows."""
+    """(5) Bytes per message, transcript only and full turns, vs the raw table holding the same rows.
+
+    On PostgreSQL twice: with the payload columns of both sides stored PLAIN (no compression: the
+    target's figures) and with PostgreSQL's default storage (reported, no target). By default a row
+    is compressed once it passes ~2 KB, and ours, carrying ~150 bytes more per row than raw's, passes
+    it first: with this workload's very compressible text 1,077 of our 10,000 payloads were compressed
+    against raw's 497, which took ~50 bytes a message off ours and none off raw's. PLAIN on both sides
+    compares what the schemas store, not where a threshold falls.
+    """
+    figures = []
+    for plain in (True, False) if target.backend == "postgresql" else (None,):
+        figures.extend(_disk(ctx, target, plain))
+    return figures
+
+
+def _disk(ctx: Context, target: Target, plain: bool | None) -> list[Figure]:
+    """Both shapes at one PostgreSQL storage setting (``plain``; None on SQLite, which never compresses)."""
     n = ctx.counts.disk_messages
     plans = plan_turns(ctx.workload(5), n // 4, "d")
     empty = ctx.lab.database(target, "diskempty")
@@ -36,9 +53,16 @@ def bench_disk(ctx: Context, target: Target) -> list[Figure]:
     raw_empty = raw.table_bytes()
     raw.close()
     ours_empty, _ = _our_bytes(empty)
-    base = {"ours_empty_schema_bytes": ours_empty, "raw_empty_table_bytes": raw_empty}
+    base: dict[str, Any] = {"ours_empty_schema_bytes": ours_empty, "raw_empty_table_bytes": raw_empty}
+    suffix, goal = "", 1.3
+    if plain is not None:
+        base["payload_storage"] = "plain" if plain else "default"
+        if not plain:
+            suffix, goal = ", PostgreSQL's default storage (compressed above ~2 KB a row; no target)", 0.0
 
     db = ctx.lab.database(target, "disk")
+    if plain:
+        _store_plain(db)
     store = db.store()
     try:
         create_sessions(store, plans)
@@ -46,10 +70,13 @@ def bench_disk(ctx: Context, target: Target) -> list[Figure]:
             bulk_append(store, sid, messages)
     finally:
         store.close()
-    figures = [_figure(db, target, f"transcript only ({n:,} messages)", plans, ours_empty, raw_empty, base)]
+    label = f"transcript only ({n:,} messages){suffix}"
+    figures = [_figure(db, target, label, plans, ours_empty, raw_empty, base, goal)]
 
     full = plans
     db = ctx.lab.database(target, "diskturns")
+    if plain:
+        _store_plain(db)
     store = db.store()
     try:
         create_sessions(store, full)
@@ -62,9 +89,24 @@ def bench_disk(ctx: Context, target: Target) -> list[Figure]:
                 raise RuntimeError(f"turn {p.turn_id} was not committed on the fast path")
     finally:
         store.close()
-    label = f"full turns incl. outbox + ledger ({len(full) * 4:,} messages)"
-    figures.append(_figure(db, target, label, full, ours_empty, raw_empty, base))
+    label = f"full turns incl. outbox + ledger ({len(full) * 4:,} messages){suffix}"
+    figures.append(_figure(db, target, label, full, ours_empty, raw_empty, base, goal))
     return figures
+
+
+def _store_plain(db: Database) -> None:
+    """PostgreSQL: store every text column of ours and raw's payload uncompressed and inline (PLAIN),
+    before any row is written (a column's storage applies to the rows written after it is set)."""
+    db.raw().close()  # creates raw's table
+    with psycopg.connect(db.raw_dsn, autocommit=True) as conn:
+        columns = conn.execute(
+            "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public' "
+            "AND data_type IN ('text', 'character varying', 'bytea') "
+            "AND (table_name LIKE %s OR table_name = %s)",
+            ("ts\\_%", RAW_TABLE),
+        ).fetchall()
+        for table_name, column in columns:
+            conn.execute(f'ALTER TABLE "{table_name}" ALTER COLUMN "{column}" SET STORAGE PLAIN')
 
 
 def _by_session(plans: list[Plan]) -> dict[str, list[dict[str, Any]]]:
@@ -75,7 +117,14 @@ def _by_session(plans: list[Plan]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _figure(
-    db: Database, target: Target, label: str, plans: list[Plan], ours_empty: int, raw_empty: int, base: dict[str, int]
+    db: Database,
+    target: Target,
+    label: str,
+    plans: list[Plan],
+    ours_empty: int,
+    raw_empty: int,
+    base: dict[str, Any],
+    goal: float,
 ) -> Figure:
     """Load the same messages into the raw table of ``db``, measure both, net of the empty schema."""
     raw = db.raw()
@@ -88,7 +137,8 @@ def _figure(
     n = len(plans) * 4
     log(f"  disk [{target.name}] {label}: ours {ours / n:,.0f} B/msg, raw {raw_bytes / n:,.0f} B/msg")
     extra = {**base, "ours_bytes": ours, "ours_total_bytes": total, "raw_bytes": raw_bytes, "split": split}
-    return Figure("disk", target.name, f"bytes/message, {label}", "B", ours / n, raw_bytes / n, "<=", 1.3, extra)
+    op = "<=" if goal else None
+    return Figure("disk", target.name, f"bytes/message, {label}", "B", ours / n, raw_bytes / n, op, goal or None, extra)
 
 
 def _our_bytes(db: Database) -> tuple[int, dict[str, int]]:

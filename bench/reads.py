@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import event
@@ -21,7 +22,7 @@ from .context import Context, log, session_for
 from .drivers import SCOPE, RowCounter
 from .report import Figure
 from .targets import Target
-from .timing import Timer, alternate
+from .timing import Timer
 from .workload import Turn
 
 PAGE = 20
@@ -35,83 +36,72 @@ ASSEMBLY_BUDGET = 32_000 - 1024
 ASSEMBLY_TURNS = 3
 
 
+@dataclass
+class _Length:
+    """The timed reads of one transcript length, and their timers."""
+
+    length: int
+    ours_ops: list[Callable[[], object]]
+    raw_ops: list[Callable[[], object]]
+    decoded_ops: list[Callable[[], object]]
+    bare_ops: list[Callable[[], object]]
+    ours: Timer = field(default_factory=Timer)
+    raw: Timer = field(default_factory=Timer)
+    decoded: Timer = field(default_factory=Timer)
+    bare: Timer = field(default_factory=Timer)
+
+
 def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
     """(3) ``read_visible_delta`` of a 20-message page near the tail, vs the raw indexed tail read."""
     db = ctx.long_transcripts(target)
     store, raw = db.store(), db.raw()
     bare: _BareDriver | None = None
     figures: list[Figure] = []
-    p50: dict[int, float] = {}
-    raw_p50: dict[int, float] = {}
     try:
         bare = _BareDriver(store)
-        for length in ctx.counts.lengths:
-            sid = session_for(length)
-            info = store.get_session(SCOPE, sid)
-            generation, incarnation = info.generation, info.incarnation
-            # Cursors after positions length-1-20k: built from the entries' own seq/position, as a reader
-            # that had walked the transcript would hold them (walking 100,000 messages is not the point).
-            starts = [length - 1 - PAGE * (k + 1) for k in range(min(TAIL_PAGES, (length - 1) // PAGE))]
-            cursors = []
-            for at in starts:
-                entry = store.list_entries(SCOPE, sid, after_seq=at - 1, limit=1)[0]
-                assert entry.position is not None
-                cursors.append(CursorState(SCOPE, sid, generation, entry.seq, entry.position, incarnation).encode())
-
-            def ours_op(cursor: str, sid: str = sid) -> Callable[[], object]:
-                def run() -> object:
-                    page = store.read_visible_delta(SCOPE, sid, cursor, max_messages=PAGE)
-                    if not isinstance(page, DeltaPage) or len(page.entries) != PAGE:
-                        raise RuntimeError(f"unexpected delta result {type(page).__name__}")
-                    return page
-
-                return run
-
-            def raw_read(at: int, sid: str = sid) -> Callable[[], object]:
-                return lambda: raw.tail_read(sid, at, PAGE)
-
-            def raw_decoded(at: int, sid: str = sid) -> Callable[[], object]:
-                # The floor of a reader that returns messages: the raw read, its payloads decoded.
-                return lambda: [json.loads(row[2]) for row in raw.tail_read(sid, at, PAGE)]
-
-            n = ctx.counts.reads
-            ours_ops = [ours_op(cursors[i % len(cursors)]) for i in range(n)]
-            raw_ops = [raw_read(starts[i % len(starts)]) for i in range(n)]
-            decoded_ops = [raw_decoded(starts[i % len(starts)]) for i in range(n)]
-            statements = [page_statement(store, SCOPE, sid, c, PAGE)[:2] for c in cursors]
-            bare_ops = [bare.op(*statements[i % len(statements)]) for i in range(n)]
-            Timer().run(ours_ops[:50] + raw_ops[:50] + decoded_ops[:50] + bare_ops[:50])
-            half = n // 2
-            raw_t, ours_t, decoded_t, bare_t = Timer(), Timer(), Timer(), Timer()
-
-            def raw_block(b: int) -> None:
-                raw_t.run(raw_ops[b * half : (b + 1) * half])  # noqa: B023
-                decoded_t.run(decoded_ops[b * half : (b + 1) * half])  # noqa: B023
-                bare_t.run(bare_ops[b * half : (b + 1) * half])  # noqa: B023
-
-            alternate(2, raw_block, lambda b: ours_t.run(ours_ops[b * half : (b + 1) * half]))  # noqa: B023
-            ours, rawst = ours_t.stats(), raw_t.stats()
+        runs = [_read_ops(ctx, store, raw, bare, length) for length in ctx.counts.lengths]
+        for run in runs:  # warm-up: connections, prepared statements, caches
+            Timer().run(run.ours_ops[:50] + run.raw_ops[:50] + run.decoded_ops[:50] + run.bare_ops[:50])
+        # The lengths take turns inside every block (the second block in reverse order), so a drift of
+        # the machine over the run (a checkpoint after the bulk load, a VM changing speed) is spread
+        # over every length instead of landing on the first one measured: the growth target compares
+        # two lengths.
+        half = ctx.counts.reads // 2
+        for block in range(2):
+            for run in runs if block == 0 else runs[::-1]:
+                part = slice(block * half, (block + 1) * half)
+                run.raw.run(run.raw_ops[part])
+                run.decoded.run(run.decoded_ops[part])
+                run.bare.run(run.bare_ops[part])
+                run.ours.run(run.ours_ops[part])
+        p50: dict[int, float] = {}
+        raw_p50: dict[int, float] = {}
+        for run in runs:
+            length = run.length
+            ours, rawst = run.ours.stats(), run.raw.stats()
             p50[length], raw_p50[length] = ours.p50, rawst.p50
             log(
                 f"  read_delta [{target.name}] @{length:,}: "
                 f"ours p50 {ours.p50 * 1e3:.3f} ms, raw {rawst.p50 * 1e3:.3f} ms"
             )
             longest = length == ctx.counts.lengths[-1]
-            extra = {"length": length, "ours_cpu_ms_per_read": 1000 * ours_t.cpu / ours.count}
+            extra = {"length": length, "ours_cpu_ms_per_read": 1000 * run.ours.cpu / ours.count}
             figures.append(
                 Figure(
                     "read_delta",
                     target.name,
                     f"p50 @{length:,}",
                     "ms",
-                    ours.p50,
-                    rawst.p50,
+                    ours.p50 * 1e3,
+                    rawst.p50 * 1e3,
                     "<=" if longest else None,
                     2.0 if longest else None,
                     extra,
                 )
             )
-            figures.append(Figure("read_delta", target.name, f"p95 @{length:,}", "ms", ours.p95, rawst.p95))
+            figures.append(
+                Figure("read_delta", target.name, f"p95 @{length:,}", "ms", ours.p95 * 1e3, rawst.p95 * 1e3)
+            )
             if longest:
                 figures.append(
                     Figure(
@@ -119,8 +109,8 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
                         target.name,
                         f"floor: raw read + json.loads of its {PAGE} payloads, p50 @{length:,}",
                         "ms",
-                        decoded_t.stats().p50,
-                        rawst.p50,
+                        run.decoded.stats().p50 * 1e3,
+                        rawst.p50 * 1e3,
                     )
                 )
                 figures.append(
@@ -129,9 +119,9 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
                         target.name,
                         f"this store's page statement on the bare driver + json.loads, p50 @{length:,}",
                         "ms",
-                        bare_t.stats().p50,
-                        rawst.p50,
-                        extra={"cpu_ms_per_read": 1000 * bare_t.cpu / bare_t.stats().count},
+                        run.bare.stats().p50 * 1e3,
+                        rawst.p50 * 1e3,
+                        extra={"cpu_ms_per_read": 1000 * run.bare.cpu / run.bare.stats().count},
                     )
                 )
         short, long_ = ctx.counts.lengths[0], ctx.counts.lengths[-1]
@@ -141,8 +131,8 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
                 target.name,
                 f"p50 @{long_:,} vs ours @{short:,} (raw column: ours @{short:,})",
                 "ms",
-                p50[long_],
-                p50[short],
+                p50[long_] * 1e3,
+                p50[short] * 1e3,
                 "<=",
                 1.2,
                 {"raw_growth": raw_p50[long_] / raw_p50[short]},
@@ -154,6 +144,47 @@ def bench_read_delta(ctx: Context, target: Target) -> list[Figure]:
             bare.close()
         store.close()
         raw.close()
+
+
+def _read_ops(ctx: Context, store: TranscriptStore, raw: Any, bare: _BareDriver, length: int) -> _Length:
+    """The reads of one length: ours, raw's tail read, raw's read decoded, our statement bare."""
+    sid = session_for(length)
+    info = store.get_session(SCOPE, sid)
+    generation, incarnation = info.generation, info.incarnation
+    # Cursors after positions length-1-20k: built from the entries' own seq/position, as a reader
+    # that had walked the transcript would hold them (walking 100,000 messages is not the point).
+    starts = [length - 1 - PAGE * (k + 1) for k in range(min(TAIL_PAGES, (length - 1) // PAGE))]
+    cursors = []
+    for at in starts:
+        entry = store.list_entries(SCOPE, sid, after_seq=at - 1, limit=1)[0]
+        assert entry.position is not None
+        cursors.append(CursorState(SCOPE, sid, generation, entry.seq, entry.position, incarnation).encode())
+
+    def ours_op(cursor: str) -> Callable[[], object]:
+        def run() -> object:
+            page = store.read_visible_delta(SCOPE, sid, cursor, max_messages=PAGE)
+            if not isinstance(page, DeltaPage) or len(page.entries) != PAGE:
+                raise RuntimeError(f"unexpected delta result {type(page).__name__}")
+            return page
+
+        return run
+
+    def raw_read(at: int) -> Callable[[], object]:
+        return lambda: raw.tail_read(sid, at, PAGE)
+
+    def raw_decoded(at: int) -> Callable[[], object]:
+        # The floor of a reader that returns messages: the raw read, its payloads decoded.
+        return lambda: [json.loads(row[2]) for row in raw.tail_read(sid, at, PAGE)]
+
+    n = ctx.counts.reads
+    statements = [page_statement(store, SCOPE, sid, c, PAGE)[:2] for c in cursors]
+    return _Length(
+        length,
+        [ours_op(cursors[i % len(cursors)]) for i in range(n)],
+        [raw_read(starts[i % len(starts)]) for i in range(n)],
+        [raw_decoded(starts[i % len(starts)]) for i in range(n)],
+        [bare.op(*statements[i % len(statements)]) for i in range(n)],
+    )
 
 
 def page_statement(
@@ -334,8 +365,8 @@ def _range_figures(target: Target, per_length: dict[int, dict[str, list[float]]]
                 target.name,
                 f"{label} @{long_:,} (raw column: ours @{short:,})",
                 "ms",
-                p50[long_],
-                p50[short],
+                p50[long_] * 1e3,
+                p50[short] * 1e3,
                 extra={"p50_s": {str(n): v for n, v in p50.items()}},
             )
         )

@@ -47,8 +47,8 @@ class Figure:
 
 def fmt(value: float, unit: str) -> str:
     """A value with its unit, at a readable precision."""
-    if unit == "ms":
-        return f"{value * 1000:.3f} ms" if value < 0.01 else f"{value * 1000:.2f} ms"
+    if unit == "ms":  # latencies are recorded in milliseconds, as their unit says
+        return f"{value:.3f} ms" if value < 10 else f"{value:.2f} ms"
     if unit in ("B", "rows", "statements"):
         return f"{value:,.0f} {unit}" if value >= 100 or value == int(value) else f"{value:.1f} {unit}"
     return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
@@ -62,9 +62,20 @@ def table(figures: list[Figure]) -> str:
         met = {True: "yes", False: "**no**", None: "-"}[f.met]
         lines.append(
             f"| {f.bench} [{f.target}]: {f.figure} | {fmt(f.ours, f.unit)} | {fmt(f.raw, f.unit)} "
-            f"| {f.ratio:.2f}x | {target} | {met} |"
+            f"| {_ratio_text(f)} | {target} | {met} |"
         )
     return "\n".join(lines)
+
+
+def _ratio_text(f: Figure) -> str:
+    """The ratio at two decimals, or at four where two would read as the other verdict (0.7951x is
+    not >= 0.8x, though it rounds to 0.80x)."""
+    text = f"{f.ratio:.2f}x"
+    if f.met is not None and f.op in (">=", "<=") and f.goal is not None:
+        shown = round(f.ratio, 2)
+        if (shown >= f.goal if f.op == ">=" else shown <= f.goal) != f.met:
+            text = f"{f.ratio:.4f}x"
+    return text
 
 
 def write_jsonl(path: Path, header: dict[str, Any], figures: list[Figure]) -> None:

@@ -42,8 +42,8 @@ def _turn_figures(
     }
     return [
         Figure(bench, target.name, "turns/s", "turns/s", ours.per_second, raw.per_second, ">=", goal, {**cpu, **extra}),
-        Figure(bench, target.name, "p50 latency", "ms", ours.p50, raw.p50),
-        Figure(bench, target.name, "p95 latency", "ms", ours.p95, raw.p95),
+        Figure(bench, target.name, "p50 latency", "ms", ours.p50 * 1e3, raw.p50 * 1e3),
+        Figure(bench, target.name, "p95 latency", "ms", ours.p95 * 1e3, raw.p95 * 1e3),
     ]
 
 
