@@ -3,15 +3,19 @@
 ``store_url`` yields a fresh database per test: a copy of a migrated SQLite template file, or a
 PostgreSQL database created from a migrated template database (dropped after the test). Locally a
 missing PostgreSQL skips the PostgreSQL half LOUDLY; with CI=true it is a failure.
+
+At the end of a run with fault-campaign tests, a "fault campaign" section lists every line they
+reported (tests/workers/fault_worker.py, ``report()``) and the totals of their counts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -22,6 +26,16 @@ from transcript_store import StoreConfig, TranscriptStore
 PG_ADMIN = os.environ.get("TRANSCRIPT_STORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 RUN_ID = uuid.uuid4().hex[:8]
 BACKENDS = ["sqlite", "postgresql"]
+#: the counts of a fault test's figures that add up across tests, in the end-of-run summary
+CAMPAIGN_TOTALS = (
+    "kills", "connections_killed", "turns", "turns_run", "turns_committed", "retries", "refusals",
+    "cross_scope_refusals",
+)
+
+
+def under_ci() -> bool:
+    """CI=true (or 1, yes): what a local run skips loudly is a failure there."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _pg_reachable() -> str | None:
@@ -39,13 +53,56 @@ _PG_PROBLEM = _pg_reachable()
 def pytest_configure(config: pytest.Config) -> None:
     if _PG_PROBLEM is None:
         return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if under_ci():
         raise pytest.UsageError(f"CI=true and PostgreSQL is unreachable at {PG_ADMIN}: {_PG_PROBLEM}")
     banner = "!" * 78
     sys.stderr.write(
         f"\n{banner}\nPostgreSQL unreachable at {PG_ADMIN} ({_PG_PROBLEM}).\n"
         f"THE POSTGRESQL HALF OF THE SUITE IS SKIPPED. Start it and run again.\n{banner}\n"
     )
+
+
+def campaign_lines(reports: Iterable[pytest.TestReport]) -> list[str]:
+    """The fault-campaign lines of this session's tests, in the order the tests ran.
+
+    From the reports' ``fault_figures`` user properties, which ``report()`` adds with every line it
+    appends to ``<basetemp>/fault_campaign.jsonl``: the same lines, this session's only (no file left by
+    an earlier session or $FAULT_CAMPAIGN_REPORT, which accumulates, can slip in), and nothing to read
+    or create on disk in a run without campaign tests. A test's later phase reports carry its earlier
+    lines too: the phase with the most lines has them all.
+    """
+    best: dict[str, tuple[float, list[str]]] = {}
+    for rep in reports:
+        lines = [str(v) for k, v in getattr(rep, "user_properties", ()) if k == "fault_figures"]
+        start, known = best.get(rep.nodeid, (rep.start, []))
+        best[rep.nodeid] = (min(start, rep.start), lines if len(lines) > len(known) else known)
+    return [line for _, lines in sorted(best.values(), key=lambda b: b[0]) for line in lines]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every fault-campaign line of the run together at its end, with the totals (each test printed its
+    line as it ran, lost among the dots)."""
+    reports = [r for rs in terminalreporter.stats.values() for r in rs if isinstance(r, pytest.TestReport)]
+    lines = campaign_lines(reports)
+    if not lines:
+        return
+    totals: dict[str, list[int]] = {}
+    for line in lines:
+        figures = json.loads(line)
+        for key in CAMPAIGN_TOTALS:
+            value = figures.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                total = totals.setdefault(key, [0, 0])
+                total[0] += value
+                total[1] += 1
+    terminalreporter.write_sep("=", "fault campaign")
+    for line in lines:
+        terminalreporter.write_line(line)
+    summary = ", ".join(
+        f"{key} {totals[key][0]} ({totals[key][1]} test{'s' * (totals[key][1] > 1)})"
+        for key in CAMPAIGN_TOTALS if key in totals
+    )
+    terminalreporter.write_line(f"totals over {len(lines)} lines: {summary or 'no counts'}")
 
 
 def pg_url(dbname: str) -> str:

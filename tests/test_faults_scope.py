@@ -1,7 +1,8 @@
 """Fault campaign, part 5: scope isolation. Two scopes hold sessions with the same session ids, session
 keys, entry ids, turn ids and advancement keys. Every read and write API is called in scope A with what
 only scope B has (its ids, keys, cursors, anchors): it leaks nothing (the answer is the one an unknown
-id gets, word for word, or a reset ``scope_mismatch`` / a ``scope`` fence error) and changes nothing in B.
+id gets, word for word, or a reset ``scope_mismatch`` / a ``scope`` fence error) and changes nothing in B;
+every write in A with B's ids, keys and turn ids makes A's own rows, and B is compared after each one.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def outcome(call: Callable[[], Any], names: dict[str, str]) -> tuple[str, ...]:
 
 @pytest.fixture
 def scoped(store: TranscriptStore) -> tuple[TranscriptStore, Turns, dict[str, Any], dict[str, Any]]:
-    """Both scopes populated alike, plus a session only scope B has."""
+    """Both scopes populated alike, plus a session only scope B has, with a turn of its own admitted (an
+    outbox intent A's ``admit_if_clear`` must not see)."""
     turns = Turns(store)
     a, b = populate(store, turns, A), populate(store, turns, B)
     store.create_session(B, session_id="only-b", session_key="kb")
     store.append(B, "only-b", {"role": "user", "content": "secret of B only"}, entry_id="EB")
+    turns.admit(B, "only-b", {"role": "user", "content": "secret of B only TB"}, turn_id="TB", engine_id=ENGINE)
     b["only_cursor"] = store.read_visible_delta(B, "only-b").cursor  # type: ignore[union-attr]
     b["only_fence"] = store.anchor(B, "only-b", "EB")
     return store, turns, a, b
@@ -123,6 +126,8 @@ def test_scopes_never_see_or_change_each_other(
         "discard": lambda s: turns.discard(A, s, "T4"),
         "accept": lambda s: turns.accept(A, s, "T4", moved(a["terminal"], s)),
         "turns.admit": lambda s: turns.admit(A, s, msg, turn_id="T9", engine_id=ENGINE),
+        # TB is B's pending turn in only-b: B's outbox must not make A's session look "not clear" (None)
+        "admit_if_clear": lambda s: turns.admit_if_clear(A, s, msg, turn_id="TB", engine_id=ENGINE),
         "complete": lambda s: turns.complete(A, s, "T4", reply, counting_engine),
         "recover": lambda s: turns.recover(A, s, ENGINE, engines),
         "drain": lambda s: turns.drain(engines, scope=A, session_id=s),
@@ -177,21 +182,43 @@ def test_scopes_never_see_or_change_each_other(
         assert table_rows(store) == before, f"{name} wrote something"
         refusals += 1
 
-    # 3. Writes in A with B's ids and keys create A's own rows and never touch B.
-    store.create_session(A, session_id="only-b", session_key="kb")
-    store.append(A, "only-b", {"role": "user", "content": "A's own"}, entry_id="EB", idempotency_key="i0")
-    store.open_session(A, "k1")
-    turns.admit(A, "s1", {"role": "user", "content": "A again"}, turn_id="T5", engine_id=ENGINE)
-    turns.drain(engines, scope=A)
-    turns.recover(A, "s1", ENGINE, engines)
-    store.rewrite_entries(A, "s1", [{"entry_id": "E1", "message": {"role": "assistant", "content": "rewritten"}}])
-    store.branch(A, "s1", "E0")
-    header, records = store.export_session(B, "only-b")
-    store.import_session(A, header, records, session_id="imported-from-b", session_key="kz")
-    store.end_session(A, "s1")
-    store.delete_session(A, "only-b")
-    assert table_rows(store, B) == b_before, "a call in scope A changed scope B"
+    # 3. Writes in A with B's ids, keys and turn ids create A's own rows and never touch B: B's rows are
+    # compared after each write, so that a write that changes B is named (the compare is a table dump).
+    def admit_clear(sid: str, turn_id: str) -> None:
+        # B has TB pending in only-b; A's only-b has nothing: the check is A's own, so A's turn is admitted.
+        admitted = turns.admit_if_clear(A, sid, {"role": "user", "content": f"A's {turn_id}"},
+                                        turn_id=turn_id, engine_id=ENGINE)
+        assert admitted is not None, f"A's {sid} is clear, yet admit_if_clear refused {turn_id}"
+
+    def import_b() -> None:
+        header, records = store.export_session(B, "only-b")
+        store.import_session(A, header, records, session_id="imported-from-b", session_key="kz")
+
+    writes: list[tuple[str, Callable[[], Any]]] = [
+        ("create_session", lambda: store.create_session(A, session_id="only-b", session_key="kb")),
+        ("append", lambda: store.append(A, "only-b", {"role": "user", "content": "A's own"}, entry_id="EB",
+                                        idempotency_key="i0")),
+        ("admit_if_clear", lambda: admit_clear("only-b", "TB")),
+        ("complete", lambda: turns.complete(A, "only-b", "TB", [{"message": {"role": "assistant",
+                                                                             "content": "A's TB answer"}}],
+                                            counting_engine)),
+        ("open_session", lambda: store.open_session(A, "k1")),
+        ("turns.admit", lambda: turns.admit(A, "s1", {"role": "user", "content": "A again"}, turn_id="T5",
+                                            engine_id=ENGINE)),
+        ("drain", lambda: turns.drain(engines, scope=A)),
+        ("recover", lambda: turns.recover(A, "s1", ENGINE, engines)),
+        ("rewrite_entries", lambda: store.rewrite_entries(A, "s1", [{"entry_id": "E1", "message": {
+            "role": "assistant", "content": "rewritten"}}])),
+        ("branch", lambda: store.branch(A, "s1", "E0")),
+        ("import_session", import_b),
+        ("end_session", lambda: store.end_session(A, "s1")),
+        ("delete_session", lambda: store.delete_session(A, "only-b")),
+    ]
+    for name, write in writes:
+        write()
+        assert table_rows(store, B) == b_before, f"{name} in scope A changed scope B"
     report(request, backend, {
-        "apis_compared_with_unknown_ids": compared, "cross_scope_refusals": refusals, "leaks": 0,
+        "apis_compared_with_unknown_ids": compared, "cross_scope_refusals": refusals,
+        "cross_scope_writes_checked": len(writes), "leaks": 0,
         "seconds": round(time.monotonic() - started, 1),
     })
