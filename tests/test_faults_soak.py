@@ -1,8 +1,10 @@
 """Fault campaign, part 7: a soak. Worker processes run a mixed load for a minute per backend (full turns
 with recovery, admission, completion on the fast path or queued for the drain, then the engine's
 incremental delta reads and a closed-range read of the turn) on sessions that grow all along.
-Measured per worker: RSS and turn latency by quarter of the run. Asserted only against gross drift:
-the last quarter's median RSS within 15% of the second quarter's, its p95 turn latency within 2x.
+Measured per worker: RSS, turn latency and read latency by quarter of the run. Asserted against drift
+between the second quarter and the last: median RSS grows by at most 4 MiB (seen: about 1), p95 turn
+latency and p95 read latency each within 2x + 5 ms (on two shared cores p95 moves by half between two
+quarters of the same code; a leak or a read that grows with the session moves it far more).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from workers.fault_worker import WORKER, clean_env, report
 
 SECONDS = 60.0
 CHILDREN = 2
+#: the most a worker's median RSS may grow from the second quarter to the last (a relative bound of 15%
+#: let ~8 MiB through: 3-6 KB leaked per turn)
+RSS_GROWTH_MAX = 4 * 2**20
 
 
 def quarter(points: list[Any], q: int, seconds: float) -> list[Any]:
@@ -59,9 +64,10 @@ def test_soak_memory_and_latency_stay_flat(
             "read_p95_ms_q2": round(reads[0] * 1000, 1), "read_p95_ms_q4": round(reads[1] * 1000, 1),
             "retries": load["retries"],
         }
-        drift.append((i, rss, lat))
+        drift.append((i, rss, lat, reads))
     figures["wall_seconds"] = round(time.monotonic() - started, 1)
     report(request, backend, figures)
-    for i, rss, lat in drift:
-        assert rss[1] <= rss[0] * 1.15, f"worker {i}: RSS grew from {rss[0]} to {rss[1]} bytes"
+    for i, rss, lat, reads in drift:
+        assert rss[1] <= rss[0] + RSS_GROWTH_MAX, f"worker {i}: RSS grew from {rss[0]} to {rss[1]} bytes"
         assert lat[1] <= lat[0] * 2.0 + 0.005, f"worker {i}: p95 turn latency drifted from {lat[0]} to {lat[1]} s"
+        assert reads[1] <= reads[0] * 2.0 + 0.005, f"worker {i}: p95 read latency went {reads[0]} -> {reads[1]} s"
