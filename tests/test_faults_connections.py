@@ -29,7 +29,7 @@ from conftest import PG_ADMIN
 from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 from workers.fault_worker import WORKER, clean_env, count_retries, open_store, report, verify_turns
-from workers.turn_worker import run_turn
+from workers.turn_worker import replies, run_turn
 
 from transcript_store import TransientStoreError, UnknownSession
 from transcript_store.turns import Turns
@@ -89,7 +89,7 @@ def test_uncertain_commits_reach_the_engine_exactly_once(
             run_turn(turns, rng.choice(sessions), rng, args, stats)
     finally:
         store.close()
-    totals = verify_turns(store_url, sessions)
+    totals = verify_turns(store_url, sessions, expected_replies=replies)
     report(request, backend, {
         "turns_run": TURNS, "turns_committed": totals["turns"], "uncertain_commits": injected[0],
         "retries": retries[0], "uncertain_completions_resolved": resolved[0], "seed": seed,
@@ -194,7 +194,7 @@ def killed_connections(request: pytest.FixtureRequest, url: str, tmp: Path, chil
     assert proc.returncode == 0 and result["failed"] == [], log[-4000:]
     loads = [json.loads((tmp / f"load-{i}.json").read_text()) for i in range(children)]
     sessions = [sid for load in loads for sid in load["sessions"]]
-    totals = verify_turns(url, sessions)
+    totals = verify_turns(url, sessions, expected_replies=replies)
     figures = {
         "connections_killed": killer.kills, "processes": children, "turns_run": sum(x["turns"] for x in loads),
         "turns_committed": totals["turns"], "turns_unaccepted": totals["unaccepted"],

@@ -1,7 +1,10 @@
 """Fault campaign, part 1: SIGKILL. Worker processes driving full turns are killed at random instants
 and inside admission, acceptance, drain and commit (the fault points), then one recovery pass, then
 every invariant: zero lost accepted turns, zero duplicates, zero partial turns, every engine state
-equal to its receipts, and every SQLite file passing ``PRAGMA integrity_check``.
+equal to its receipts, and every SQLite file passing ``PRAGMA integrity_check``. "Lost" is judged against
+what the workers were told, not only against what the database kept: each worker logs every turn it was
+told was admitted, accepted or committed (an append-only file per worker), and each of those must hold
+after recovery. "Partial" is judged against the replies the worker wrote, a function of the turn id.
 
 Kills are cheap because the workers are forked from a warmed-up zygote (tests/workers/fault_worker.py):
 the default tier lands a handful per backend, the slow tier (``make test-slow``) at least 1,000.
@@ -19,19 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workers.fault_worker import FAULT_POINTS, WORKER, clean_env, report, sqlite_integrity, verify_turns
+from workers.fault_worker import FAULT_POINTS, WORKER, clean_env, read_acks, report, sqlite_integrity, verify_turns
+from workers.turn_worker import replies
 
 
 def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float) -> dict[str, Any]:
     """Run ``slots`` zygotes at once, each on its own sessions, until ``kills`` SIGKILLs have landed."""
     seed = random.randrange(2**31)
     per_slot = -(-kills // slots)
+    (tmp / "acks").mkdir()
     procs = []
     for slot in range(slots):
         args = [
             sys.executable, str(WORKER), "campaign", "--url", url, "--seed", str(seed + slot),
             "--slot", str(slot), "--prefix", f"w{slot}.", "--kills", str(per_slot), "--seconds", str(seconds),
-            "--trace", str(tmp / f"trace-{slot}"),
+            "--trace", str(tmp / f"trace-{slot}"), "--acks", str(tmp / "acks"),
         ]
         err = open(tmp / f"campaign-{slot}.err", "w")  # noqa: SIM115 - closed once the zygote exits
         procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()), err))
@@ -59,12 +64,16 @@ def crash_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: 
     assert not run["errors"], "\n".join(run["errors"])
     campaign_seconds = time.monotonic() - started
     integrity = sqlite_integrity(url)  # before recovery: the files as the killed processes left them
-    totals = verify_turns(url, run["sessions"])
+    acks = read_acks(tmp / "acks")
+    assert len(list((tmp / "acks").glob("*.log"))) == run["children"], "a worker without its acknowledgement log"
+    totals = verify_turns(url, run["sessions"], acks, expected_replies=replies)
     sqlite_integrity(url)
     figures = {
         "kills": run["kills"], "parent_kills": run["parent_kills"], "point_kills": run["point_kills"],
         "workers": run["children"], "finished_workers": run["finished"], "turns_run": run["turns"],
         "turns_committed": totals["turns"], "turns_unaccepted": totals["unaccepted"],
+        "turns_acknowledged_accepted": totals["acked_accepted"],
+        "turns_acknowledged_committed": totals["acked_committed"], "degraded_turns": totals["degraded"],
         "recovered_by_final_pass": totals["recovered"], "retries": run["retries"],
         "integrity_check": integrity or "n/a", "seed": run["seed"],
         "campaign_seconds": round(campaign_seconds, 1), "seconds": round(time.monotonic() - started, 1),
@@ -72,7 +81,7 @@ def crash_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: 
     }
     report(request, backend, figures)
     assert run["kills"] >= kills, figures
-    assert totals["turns"] > 0, figures
+    assert totals["turns"] > 0 and totals["acked_accepted"] > 0, figures
     return figures
 
 

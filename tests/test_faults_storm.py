@@ -1,12 +1,16 @@
 """Fault campaign, part 3: a retry storm. Sixteen processes, released at the same instant, present the
-same advancement keys to ``commit_turn``: each key is ``committed`` exactly once and ``duplicate`` 15
-times, the ledger holds each turn's messages once, and the engine's state equals the receipts.
+same advancement keys to ``commit_turn`` in the same order, waiting for one another before each key: each
+key is ``committed`` exactly once and ``duplicate`` 15 times, the ledger holds each turn's messages once,
+and the engine's state equals the receipts. That the processes did present each key at the same time is
+checked, not assumed: each one reports when its call for each key began and returned, and those windows
+must overlap.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +30,16 @@ from transcript_store.turns import Turns
 PROCESSES = 16
 
 
+def most_at_once(windows: list[tuple[float, float]]) -> int:
+    """The most windows (start, end) that share one instant: a sweep over their ends, starts first on a tie."""
+    events = sorted([(start, 0) for start, _ in windows] + [(end, 1) for _, end in windows])
+    most = now = 0
+    for _, is_end in events:
+        now += -1 if is_end else 1
+        most = max(most, now)
+    return most
+
+
 def finished_turns(store: TranscriptStore, sessions: list[str], per_session: int) -> list[dict[str, Any]]:
     """Admitted and answered turns, not yet committed: the plan every process presents."""
     plan = []
@@ -34,7 +48,7 @@ def finished_turns(store: TranscriptStore, sessions: list[str], per_session: int
         for n in range(per_session):
             turn_id = f"{sid}.t{n}"
             admission = store.admit(SCOPE, sid, user_message(turn_id), turn_id=turn_id)
-            appended = store.append_many(SCOPE, sid, replies(turn_id, random.Random(n)))
+            appended = store.append_many(SCOPE, sid, replies(turn_id))
             terminal = store.anchor(SCOPE, sid, appended[-1].entry_id)
             closed = store.read_closed_range(admission, terminal)
             assert isinstance(closed, ClosedRange)
@@ -67,6 +81,12 @@ def test_retry_storm_one_committed_per_key(
     seen = {k: Counter(c["statuses"][k] for c in children) for k in keys}
     wrong = {k: v for k, v in seen.items() if v != Counter({"committed": 1, "duplicate": PROCESSES - 1})}
     assert not wrong, wrong
+    # A storm only if the presentations of a key overlapped: processes that happened to take turns
+    # would test nothing but the sequential duplicate path. (Without the worker's per-key barrier, in
+    # the same order or not, runs had keys that met a single process, and most a median key of 3 to 6.)
+    at_once = {k: most_at_once([tuple(c["windows"][k]) for c in children]) for k in keys}
+    assert min(at_once.values()) >= 2, f"keys no two processes presented at the same time: {at_once}"
+    assert statistics.median(at_once.values()) >= PROCESSES // 2, f"most keys met few processes at once: {at_once}"
     store = open_store(store_url)
     try:
         turns = Turns(store)
@@ -92,5 +112,7 @@ def test_retry_storm_one_committed_per_key(
         "committed": sum(v["committed"] for v in seen.values()),
         "duplicates": sum(v["duplicate"] for v in seen.values()),
         "retries": sum(c["retries"] for c in children), "storm_seconds": result["seconds"],
+        "presented_at_once_min": min(at_once.values()), "presented_at_once_median": statistics.median(at_once.values()),
+        "presented_at_once_max": max(at_once.values()),
         "seconds": round(time.monotonic() - started, 1),
     })

@@ -10,9 +10,13 @@ Modes (``python tests/workers/fault_worker.py MODE --url URL ...``), each printi
 - ``campaign``: fork children one after another on this slot's sessions, each killed either by the
   zygote at a random instant after it is ready, or by a fault point of TRANSCRIPT_STORE_FAULTS (one
   point at a high rate, or every point at a low one), until ``--kills`` SIGKILLs have landed. A child
-  records where it was (the last fault point it passed) in a small trace file the zygote reads.
+  records where it was (the last fault point it passed) in a small trace file the zygote reads, and
+  every acknowledgement it was given (turn admitted, accepted, committed) in a log of its own under
+  ``--acks``, which the checks hold the recovered store to.
 - ``storm``: fork ``--children`` children, release them at once, and let each present every
-  advancement key of a plan file to ``Turns.commit_turn``; each child reports its statuses.
+  advancement key of a plan file to ``Turns.commit_turn``, all in the same order and waiting for one
+  another before each key (so that they present each key together); each child reports its statuses
+  and when it presented each key.
 - ``load``: fork ``--children`` children running full turns on their own sessions for ``--seconds``
   (``--kind turns``: the gateway turn of turn_worker.py; ``--kind soak``: a turn plus the reads an
   engine makes, with latencies and RSS sampled over time). The zygote prints ``ready`` once every
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -34,6 +39,8 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable, Sequence
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,6 +51,7 @@ from sqlalchemy.engine import make_url
 from workers.turn_worker import (
     ENGINE,
     SCOPE,
+    Ack,
     count_turn,
     counting_engine,
     replies,
@@ -68,6 +76,8 @@ from transcript_store.turns import Turns
 #: every fault point a campaign child can die at (the library's, plus the counting engine's own)
 FAULT_POINTS = (*faults.POINTS, "engine.apply")
 TRACE_BYTES = 256
+#: the acknowledgements a campaign child logs (see ``turn_worker.run_turn``)
+ACKS = ("admitted", "accepted", "committed", "stored")
 #: this script, for the tests that start it
 WORKER = Path(__file__).resolve()
 
@@ -133,6 +143,33 @@ class _Trace:
         return point, int(turns or 0), int(retries or 0)
 
 
+def ack_log(fd: int) -> Ack:
+    """An ``Ack`` that appends one line per acknowledgement to ``fd`` (opened with O_APPEND).
+
+    One write() per line, no fsync: the child is SIGKILLed, not the machine, and what a returned write()
+    handed to the kernel (its page cache) outlives the process.
+    """
+
+    def ack(what: str, session_id: str, turn_id: str) -> None:
+        os.write(fd, f"{what} {session_id} {turn_id}\n".encode())
+
+    return ack
+
+
+def read_acks(directory: Path) -> list[tuple[str, str, str]]:
+    """Every (acknowledgement, session, turn) the campaign children logged, by file name: each slot's
+    children in the order they ran (a slot runs one child at a time, on sessions of its own)."""
+    out: list[tuple[str, str, str]] = []
+    for path in sorted(directory.glob("*.log")):
+        raw = path.read_text(encoding="utf-8")
+        assert raw == "" or raw.endswith("\n"), f"torn acknowledgement line in {path}: {raw[-200:]!r}"
+        for line in raw.splitlines():
+            what, session_id, turn_id = line.split(" ")
+            assert what in ACKS, f"unknown acknowledgement in {path}: {line!r}"
+            out.append((what, session_id, turn_id))
+    return out
+
+
 def warm_store(url: str, session_id: str) -> TranscriptStore:
     """A store whose engine has run a few turns (SQLAlchemy's compiled cache is per engine, and a cold one
     costs a new process ~100 ms), with every connection closed again so that children can fork from it:
@@ -148,9 +185,10 @@ def warm_store(url: str, session_id: str) -> TranscriptStore:
 
 
 def campaign_child(
-    store: TranscriptStore, sessions: list[str], spec: str | None, seed: int, trace_fd: int, ready_fd: int
+    store: TranscriptStore, sessions: list[str], spec: str | None, seed: int, trace_fd: int, ack_fd: int,
+    ready_fd: int,
 ) -> NoReturn:
-    """Run gateway turns until a fault point or the zygote kills this process."""
+    """Run gateway turns until a fault point or the zygote kills this process; log each acknowledgement."""
     code = 0
     try:
         os.environ.pop("TRANSCRIPT_STORE_FAULTS", None)
@@ -177,11 +215,12 @@ def campaign_child(
         rng = random.Random(seed)
         args = argparse.Namespace(fail_rate=0.2, abort_rate=0.1)
         stats: dict[str, int] = Counter()
+        ack = ack_log(ack_fd)
         # A child killed by a fault point runs at most this many turns (one that survives them finishes).
         for _ in range(60 if spec is not None else 1_000_000):
             trace.point = "turn.begin"
             trace.write()
-            run_turn(turns, rng.choice(sessions), rng, args, stats)
+            run_turn(turns, rng.choice(sessions), rng, args, stats, ack)
             trace.turns += 1
             trace.write()
         store.close()
@@ -211,6 +250,7 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
     store = warm_store(args.url, f"{args.prefix}warm")
     rng = random.Random(args.seed)
     trace_path = Path(args.trace)
+    acks = Path(args.acks)
     deadline = time.monotonic() + args.seconds
     out: dict[str, Any] = {
         "kills": 0, "parent_kills": 0, "point_kills": 0, "finished": 0, "children": 0, "turns": 0,
@@ -233,14 +273,19 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
                 spec = f"{FAULT_POINTS[(args.slot + single) % len(FAULT_POINTS)]}=0.35"
                 single += 1
         fd = os.open(trace_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # One log per child, created here (a child killed before its first line still has one); the
+        # names sort in the order the children ran.
+        ack_path = acks / f"{args.slot:02d}-{n:06d}.log"
+        ack_fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         ready_r, ready_w = os.pipe()
         child_seed = rng.randrange(2**31)
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            campaign_child(store, sessions, spec, child_seed, fd, ready_w)
+            campaign_child(store, sessions, spec, child_seed, fd, ack_fd, ready_w)
         os.close(ready_w)
         os.close(fd)
+        os.close(ack_fd)
         if by_parent and os.read(ready_r, 1):  # b"" when the child died before it was ready
             time.sleep(rng.uniform(0.0, args.max_delay))
             os.kill(pid, signal.SIGKILL)  # it cannot have exited: it runs turns until killed
@@ -263,27 +308,38 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- storm
 
 
-def storm_child(url: str, plan: list[dict[str, Any]], seed: int, result: Path, ready_fd: int, go_fd: int) -> NoReturn:
-    """Wait for the go byte, then present every key of the plan once, in a random order."""
+def storm_child(
+    url: str, plan: list[dict[str, Any]], result: Path, ready_fd: int, go_fd: int, barrier: Barrier
+) -> NoReturn:
+    """Wait for the go byte, then present every key of the plan once, in the plan's order, all together.
+
+    Every child gets the same order, and waits at ``barrier`` for all the others before each key: the
+    same order alone does not keep them together (on SQLite the child that won the write lock ran
+    through the next keys while the others slept in the busy handler, and most keys met one process).
+    Each presentation's window (``time.monotonic()`` before and after the call: CLOCK_MONOTONIC, one
+    clock for every process of the machine) is reported, so that the test can check they overlapped.
+    """
     code = 0
     try:
         store = open_store(url)
         retries = [0]
         count_retries(store, retries)
         turns = Turns(store)
-        order = list(plan)
-        random.Random(seed).shuffle(order)
         os.write(ready_fd, b"r")
         if os.read(go_fd, 1) != b"g":
             raise SystemExit("no go signal")
         statuses: dict[str, str] = {}
-        for turn in order:
+        windows: dict[str, tuple[float, float]] = {}
+        for turn in plan:
             admission = Admission.model_validate(turn["admission"])
             terminal = Anchor.model_validate(turn["terminal"])
+            barrier.wait(timeout=60.0)  # broken (and this child failed) if another one died
+            began = time.monotonic()
             done = turns.commit_turn(ENGINE, admission.turn_id, admission, terminal, turn["messages"], apply=count_turn)
+            windows[admission.turn_id] = (began, time.monotonic())
             statuses[admission.turn_id] = done.status
         store.close()
-        result.write_text(json.dumps({"statuses": statuses, "retries": retries[0]}))
+        result.write_text(json.dumps({"statuses": statuses, "windows": windows, "retries": retries[0]}))
     except BaseException:
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
@@ -292,19 +348,22 @@ def storm_child(url: str, plan: list[dict[str, Any]], seed: int, result: Path, r
 
 
 def main_storm(args: argparse.Namespace) -> dict[str, Any]:
-    """Fork the storm's children, release them with one write, and reap them."""
+    """Fork the storm's children, release them with one write (then a barrier before each key), reap them."""
     warm_up(args.url)
     plan = json.loads(Path(args.plan).read_text())
+    random.Random(args.seed).shuffle(plan)  # one order for every child: a different one per run
     out_dir = Path(args.out)
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
+    # Semaphores in shared memory, inherited by os.fork() (the fork context unlinks their names at once).
+    barrier = multiprocessing.get_context("fork").Barrier(args.children)
     pids = []
     for i in range(args.children):
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
             os.close(go_w)
-            storm_child(args.url, plan, args.seed * 1000 + i, out_dir / f"storm-{i}.json", ready_w, go_r)
+            storm_child(args.url, plan, out_dir / f"storm-{i}.json", ready_w, go_r, barrier)
         pids.append(pid)
     os.close(ready_w)
     os.close(go_r)
@@ -352,7 +411,7 @@ def soak_child(store: TranscriptStore, sessions: list[str], seconds: float, seed
         turns.recover(SCOPE, sid, ENGINE, lambda _e: light_engine)
         admission, _ = turns.admit(SCOPE, sid, user_message(turn_id), turn_id=turn_id, engine_id=ENGINE)
         queued = rng.random() < 0.1  # now and then the slow path: the next recovery drains it
-        done = turns.complete(SCOPE, sid, turn_id, replies(turn_id, rng), None if queued else light_engine)
+        done = turns.complete(SCOPE, sid, turn_id, replies(turn_id), None if queued else light_engine)
         t1 = time.perf_counter()
         while True:  # the engine's incremental view: 20-message pages after its cursor
             page = store.read_visible_delta(SCOPE, sid, cursors[sid], max_messages=20)
@@ -438,31 +497,52 @@ def main_load(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def verify_turns(url: str, sessions: list[str]) -> dict[str, int]:
+def verify_turns(
+    url: str,
+    sessions: list[str],
+    acks: Sequence[tuple[str, str, str]] | None = None,
+    expected_replies: Callable[[str], list[dict[str, Any]]] | None = None,
+) -> dict[str, int]:
     """Recover every session, then check each invariant of a faulted run; returns what it committed.
 
-    Zero lost accepted turns (each has a receipt), zero duplicates (one receipt, one engine count and
-    one set of ledger messages per turn), zero partial turns (a turn's replies exist all or none, as
-    one contiguous range after its admission), and the engine's state equal to its receipts.
+    Zero lost accepted turns (each has a receipt; with ``acks``, the (acknowledgement, session, turn)
+    lines the workers logged, every turn a worker was told was accepted or committed is committed once),
+    zero duplicates (one receipt, one engine count and one set of ledger messages per turn), zero
+    partial turns (a turn's replies exist all or none, as one contiguous range after its admission,
+    ending with its answer, every tool call with its result; with ``expected_replies``, the replies the
+    worker wrote for that turn id, all of them), and the engine's state equal to its receipts.
     """
     store = open_store(url)
     try:
         turns = Turns(store, OutboxConfig(turn_lease_seconds=0.0, delivery_lease_seconds=0.0))
-        totals = Counter({"turns": 0, "messages": 0, "unaccepted": 0, "recovered": 0})
+        totals = Counter({"turns": 0, "messages": 0, "unaccepted": 0, "recovered": 0, "degraded": 0})
         for sid in sessions:
             report = turns.recover(SCOPE, sid, ENGINE, lambda _e: counting_engine)
             assert not report.must_degrade, (sid, report)
             totals["recovered"] += report.drain.delivered
         left = [(i.session_id, i.turn_id, i.state) for i in turns.intents(SCOPE, limit=10_000)]
         assert left == [], f"accepted turns left undelivered: {left[:5]}"
+        by_session: dict[str, list[tuple[str, str]]] = {}
+        for what, sid, turn_id in acks or ():
+            by_session.setdefault(sid, []).append((what, turn_id))
+        unchecked = set(by_session) - set(sessions)
+        assert not unchecked, f"acknowledged turns of sessions that are not checked: {sorted(unchecked)[:5]}"
         for sid in sessions:
-            _verify_session(store, turns, sid, totals)
+            _verify_session(store, turns, sid, totals, expected_replies)
+            if acks is not None:
+                _verify_acks(store, turns, sid, by_session.get(sid, []), totals)
         return dict(totals)
     finally:
         store.close()
 
 
-def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str]) -> None:
+def _turn_kind(turn_id: str) -> str:
+    """``t`` for a turn of the engine (``<session>.t<n>``), ``d`` for a degraded one run without the outbox."""
+    return turn_id.rsplit(".", 1)[-1][:1]
+
+
+def _replies_of(store: TranscriptStore, sid: str) -> tuple[list[Any], dict[str, list[Any]]]:
+    """A session's admissions (user entries of a turn) and each turn's reply entries, in order."""
     entries = store.list_entries(SCOPE, sid, limit=10_000)
     assert len(entries) < 10_000, "session too long for one listing: rotate sessions sooner"
     by_turn: dict[str, list[Any]] = {}
@@ -472,7 +552,41 @@ def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Coun
             admitted.append(e)
         elif "." in e.entry_id and ".r" in e.entry_id:
             by_turn.setdefault(e.entry_id.rsplit(".r", 1)[0], []).append(e)
-    engine_turns = [e for e in admitted if ".t" in str(e.turn_id)]
+    return admitted, by_turn
+
+
+def _check_replies(
+    key: str, admission: Any, reply: list[Any], expected_replies: Callable[[str], list[dict[str, Any]]] | None
+) -> None:
+    """All or nothing: a turn with replies has every one of them, right after its admission, ending with
+    its answer, and (when the writer derives them from the turn id) exactly those it wrote."""
+    assert [e.entry_id for e in reply] == [f"{key}.r{i}" for i in range(len(reply))], f"partial turn {key}"
+    assert [e.seq for e in reply] == list(range(admission.seq + 1, admission.seq + 1 + len(reply))), key
+    messages = [e.message for e in reply]
+    if expected_replies is not None:
+        # The ids above only show that the replies that exist are a prefix; this shows it is all of them.
+        wrote = [r["message"] for r in expected_replies(key)]
+        assert len(messages) == len(wrote), f"partial turn {key}: {len(messages)} of its {len(wrote)} replies"
+        assert messages == wrote, f"the replies of turn {key} are not those its worker wrote"
+    last, answer = messages[-1], f"answer of {key}"  # what turn_worker (and test_faults_disk, padded) writes
+    assert last.get("role") == "assistant" and not last.get("tool_calls"), f"turn {key} ends with {last!r}"
+    content = str(last.get("content"))
+    assert content == answer or content.startswith(f"{answer} "), f"turn {key} ends without its answer: {last!r}"
+    calls: list[str] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            assert m.get("tool_call_id") in calls, f"turn {key}: a tool result before or without its call: {m!r}"
+            calls.remove(m["tool_call_id"])
+        calls += [c["id"] for c in m.get("tool_calls") or ()]
+    assert not calls, f"turn {key}: tool calls without their result: {calls}"
+
+
+def _verify_session(
+    store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str],
+    expected_replies: Callable[[str], list[dict[str, Any]]] | None,
+) -> None:
+    admitted, by_turn = _replies_of(store, sid)
+    engine_turns = [e for e in admitted if _turn_kind(str(e.turn_id)) == "t"]
     accepted = [e for e in engine_turns if str(e.turn_id) in by_turn]
     totals["unaccepted"] += len(engine_turns) - len(accepted)
     receipts = {r.advancement_key: r for r in turns.receipts(SCOPE, sid, ENGINE)}
@@ -492,9 +606,7 @@ def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Coun
     for admission in accepted:
         key = str(admission.turn_id)
         reply = by_turn[key]
-        # All or nothing: reply i exists for every i < n, and they follow the admission directly.
-        assert [e.entry_id for e in reply] == [f"{key}.r{i}" for i in range(len(reply))], f"partial turn {key}"
-        assert [e.seq for e in reply] == list(range(admission.seq + 1, admission.seq + 1 + len(reply)))
+        _check_replies(key, admission, reply, expected_replies)
         receipt = receipts[key]
         assert (receipt.admission_entry_id, receipt.terminal_entry_id) == (admission.entry_id, reply[-1].entry_id)
         closed = store.read_closed_range(
@@ -504,11 +616,52 @@ def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Coun
         stored = store.read(lambda c, k=key: committed_messages(c, SCOPE, sid, ENGINE, k))
         assert stored == closed.messages and receipt.message_count == len(stored), f"ledger of {key} differs"
         total += receipt.message_count
+    # A degraded turn (run_turn's degrade: no outbox, no engine) writes its replies in one append too:
+    # they obey the same all-or-nothing rule. One killed between its admission and that append has none.
+    for admission in admitted:
+        key = str(admission.turn_id)
+        if _turn_kind(key) == "d" and key in by_turn:
+            _check_replies(key, admission, by_turn[key], expected_replies)
+            totals["degraded"] += 1
     for key in set(by_turn) - {str(e.turn_id) for e in admitted}:
         raise AssertionError(f"replies of turn {key} without its admission")
     assert ledger_messages == total, "ledger messages without a receipt"
     totals["turns"] += len(receipts)
     totals["messages"] += total
+
+
+def _verify_acks(
+    store: TranscriptStore, turns: Turns, sid: str, acks: list[tuple[str, str]], totals: Counter[str]
+) -> None:
+    """Every acknowledgement a worker was given holds after the crashes: an acknowledged admission
+    exists, an acknowledged acceptance or commit is committed exactly once, and stored replies exist.
+    ``acks`` are in the order the workers got them (one worker at a time per session)."""
+    admitted, by_turn = _replies_of(store, sid)
+    admissions = {str(e.turn_id) for e in admitted}
+    receipts = {r.advancement_key for r in turns.receipts(SCOPE, sid, ENGINE)}
+    seen = Counter(store.read(lambda c: get_state(c, SCOPE, sid, ENGINE, "order")) or [])
+    told: dict[str, str] = {}
+    for what, key in acks:
+        # A worker retries (admits again) only a turn whose acceptance it cannot find: after it was told
+        # the turn was accepted, that means the acknowledged write was lost, even if the retry then landed.
+        assert what != "admitted" or told.get(key, "admitted") == "admitted", (
+            f"turn {key} admitted again after the worker was told it was {told[key]}: that write was lost"
+        )
+        told[key] = "committed" if what == "committed" or told.get(key) == "committed" else what
+    lost = sorted(k for k, what in told.items() if k not in admissions)
+    assert not lost, f"acknowledged admissions lost: {lost[:5]}"
+    for key, what in told.items():
+        if what in ("accepted", "committed"):
+            assert key in receipts and seen[key] == 1, (
+                f"turn {key} was acknowledged {what} but is not committed exactly once "
+                f"(receipt: {key in receipts}, engine saw it {seen[key]} times)"
+            )
+        elif what == "stored":
+            assert key in by_turn, f"the replies of degraded turn {key} were acknowledged, then lost"
+    totals["acked_admitted"] += len(told)
+    totals["acked_accepted"] += sum(what in ("accepted", "committed") for what in told.values())
+    totals["acked_committed"] += sum(what == "committed" for what in told.values())
+    totals["acked_stored"] += sum(what == "stored" for what in told.values())
 
 
 def table_rows(
@@ -580,6 +733,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=2, help="sessions per load child (1..8)")
     parser.add_argument("--kind", choices=("turns", "soak"), default="turns")
     parser.add_argument("--trace", default="")
+    parser.add_argument("--acks", default="", help="campaign: the directory of the children's acknowledgement logs")
     parser.add_argument("--plan", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()

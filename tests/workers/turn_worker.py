@@ -18,6 +18,7 @@ order) rides in the commit transaction, so after any crash it must equal the rec
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import random
@@ -34,6 +35,8 @@ from transcript_store.turns import CommitIn, Turns
 
 SCOPE = "crash-scope"
 ENGINE = "counter"
+#: What a worker is told as a call returns: (acknowledgement, session id, turn id); see ``run_turn``.
+Ack = Callable[[str, str, str], None]
 
 
 def count_turn(c: Core, turn: TurnPayload) -> None:
@@ -67,13 +70,26 @@ def user_message(turn_id: str) -> dict[str, Any]:
     return {"role": "user", "content": f"question of {turn_id}"}
 
 
-def replies(turn_id: str, rng: random.Random) -> list[dict[str, Any]]:
-    """1..3 reply messages (sometimes a tool round trip), with entry ids derived from the turn id."""
+def turn_digest(turn_id: str) -> int:
+    """A stable 64-bit hash of a turn id, the same in every process (``hash()`` of a str is salted)."""
+    return int.from_bytes(hashlib.blake2b(turn_id.encode(), digest_size=8).digest(), "big")
+
+
+def replies(turn_id: str, _rng: random.Random | None = None) -> list[dict[str, Any]]:
+    """The reply messages of a turn, a function of its id alone: 0..2 tool round trips, then the answer.
+
+    A retry writes the same replies, and the checks after a crash derive how many a turn must have (a
+    turn that kept only some of them is partial). ``_rng`` is ignored: some callers still pass one.
+    """
+    digest = turn_digest(turn_id)
+    rounds = (0, 0, 0, 0, 0, 0, 0, 1, 1, 2)[digest % 10]  # 1, 3 or 5 replies: 70 / 20 / 10 %
     messages: list[dict[str, Any]] = []
-    if rng.random() < 0.3:
-        call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    for i in range(rounds):
+        call_id = f"call_{digest >> 8 & 0xFFFF:04x}_{i}"
+        arguments = json.dumps({"q": f"{turn_id}/{i}"})
+        call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        messages.append({"role": "tool", "tool_call_id": "call_1", "content": "42"})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"result {i} of {turn_id}"})
     messages.append({"role": "assistant", "content": f"answer of {turn_id}"})
     return [{"message": m, "entry_id": f"{turn_id}.r{i}"} for i, m in enumerate(messages)]
 
@@ -91,18 +107,28 @@ def next_turn(store: TranscriptStore, session_id: str) -> tuple[str, bool]:
     return f"{session_id}.t{len(users)}", False
 
 
-def degrade(store: TranscriptStore, session_id: str, rng: random.Random) -> None:
+def degrade(store: TranscriptStore, session_id: str, ack: Ack | None = None) -> None:
     """A turn that must not reach the engine (an earlier one is still queued) runs without the outbox."""
     users = [e for e in store.list_entries(SCOPE, session_id, limit=10_000) if e.role == "user"]
     turn_id = f"{session_id}.d{len(users)}"
     store.admit(SCOPE, session_id, user_message(turn_id), turn_id=turn_id)
-    store.append_many(SCOPE, session_id, replies(turn_id, rng))
+    if ack is not None:
+        ack("admitted", session_id, turn_id)
+    store.append_many(SCOPE, session_id, replies(turn_id))
+    if ack is not None:
+        ack("stored", session_id, turn_id)
 
 
 def run_turn(
-    turns: Turns, session_id: str, rng: random.Random, args: argparse.Namespace, stats: dict[str, int]
+    turns: Turns, session_id: str, rng: random.Random, args: argparse.Namespace, stats: dict[str, int],
+    ack: Ack | None = None,
 ) -> None:
-    """One gateway turn: recovery, admission, then completion (fast path, or queued for the drain)."""
+    """One gateway turn: recovery, admission, then completion (fast path, or queued for the drain).
+
+    ``ack`` is told each acknowledgement as the call that gives it returns: admitted (``admit``),
+    accepted or committed (``complete``: queued for the drain, or committed on the fast path), and
+    stored (the replies of a degraded turn).
+    """
     engine = flaky_engine(rng, args.fail_rate)
     store = turns.store
     turn_id, retry = next_turn(store, session_id)
@@ -110,17 +136,19 @@ def run_turn(
     stats["recovered"] += report.drain.delivered
     if [p for p in report.pending if p != turn_id]:
         stats["degraded"] += 1
-        degrade(store, session_id, rng)
+        degrade(store, session_id, ack)
         return
     stats["retries"] += retry
     turns.admit(SCOPE, session_id, user_message(turn_id), turn_id=turn_id, engine_id=ENGINE)
+    if ack is not None:
+        ack("admitted", session_id, turn_id)
     if rng.random() < args.abort_rate:  # the provider call failed: the attempt is aborted, its intent deleted
         turns.discard(SCOPE, session_id, turn_id)
         stats["aborted"] += 1
         return
-    result = turns.complete(
-        SCOPE, session_id, turn_id, replies(turn_id, rng), engine if rng.random() < 0.8 else None
-    )
+    result = turns.complete(SCOPE, session_id, turn_id, replies(turn_id), engine if rng.random() < 0.8 else None)
+    if ack is not None:
+        ack("accepted" if result.commit is None else "committed", session_id, turn_id)
     stats["fast" if result.commit is not None else "queued"] += 1
 
 
