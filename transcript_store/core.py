@@ -29,6 +29,7 @@ from sqlalchemy import (
     exists,
     func,
     insert,
+    literal_column,
     null,
     or_,
     select,
@@ -282,12 +283,24 @@ _ENTRY_ROWS = select(*ENTRY_COLUMNS).where(
 )
 #: lookups of up to this many ids use a statement with that many plain binds (see ``hot``)
 _SMALL_IN = 8
-_ENTRY_ROWS_OF = {
-    n: select(*ENTRY_COLUMNS).where(
-        by_session(entries), entries.c.entry_id.in_([bindparam(f"b_id{i}") for i in range(n)])
-    )
-    for n in range(1, _SMALL_IN + 1)
-}
+
+
+def _by_ids(columns: Sequence[Any], n: int, pg: bool) -> Any:
+    """The entries of ``n`` ids (binds ``b_id0``...) of a session, with ``columns``.
+
+    On PostgreSQL two or more ids are one equality lookup each, in a UNION ALL: on tables never
+    analyzed the planner read an IN list (``= ANY``) as a filter over the session's whole range of the
+    entry-id index (5,998 rows removed for 2 ids at 6,000 entries; bench/README.md, "Profiling" 36).
+    A repeated id comes back once per time it is named: the callers key the rows by entry id.
+    """
+    ids: list[Any] = [bindparam(f"b_id{i}") for i in range(n)]
+    if n == 1 or not pg:
+        return select(*columns).where(by_session(entries), entries.c.entry_id.in_(ids))
+    return union_all(*(select(*columns).where(by_session(entries), entries.c.entry_id == b) for b in ids))
+
+
+#: (number of ids, PostgreSQL) -> the entries of that many ids
+_ENTRY_ROWS_OF = {(n, pg): _by_ids(ENTRY_COLUMNS, n, pg) for n in range(1, _SMALL_IN + 1) for pg in (False, True)}
 
 
 # An entry together with the seq the active path holds at its depth: "is it on the active path" in
@@ -303,12 +316,19 @@ _PATH_SEQ_OF_ENTRY = (
     .scalar_subquery()
     .label("ts_path_seq")
 )
+#: (number of ids, PostgreSQL) -> the entries of one or two ids with the active path's seq at their depth
 _ENTRIES_WITH_PATH_OF = {
-    n: select(*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY).where(
-        by_session(entries), entries.c.entry_id.in_([bindparam(f"b_id{i}") for i in range(n)])
-    )
-    for n in (1, 2)
+    (n, pg): _by_ids([*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY], n, pg) for n in (1, 2) for pg in (False, True)
 }
+# Every stored entry after a seq, with the path's seq at its depth (a correlated lookup per entry by
+# the path's primary key: an outer join to the path scanned the session's path for every entry on
+# tables never analyzed, 23,990 rows removed for 4 entries at 6,000; "Profiling" 36).
+_ALL_ROWS = (
+    select(*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY)
+    .where(by_session(entries), entries.c.seq > bindparam("b_after_seq", type_=Integer))
+    .order_by(entries.c.seq)
+    .limit(bindparam("b_limit", type_=Integer))
+)
 
 
 _PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
@@ -376,10 +396,42 @@ _PATH_JOIN = active_path.join(
 )
 
 
-def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
-    q = (
+# The active path's rows with their entries. On PostgreSQL each entry is a LATERAL lookup by its
+# primary key: with the plain join, on tables never analyzed (a new deployment, autovacuum off or
+# behind), the planner scanned the session's whole primary-key range for every path row and filtered
+# it on the seq (EXPLAIN ANALYZE of a 20-message page at 6,000 entries: 119,790 rows removed, 39 ms;
+# bench/README.md, "Profiling" 36). A LATERAL subquery that cannot be pulled up into the join (its
+# LIMIT) runs per path row with the seq as an index condition, whatever the statistics say; the head
+# lookup does the same (_session_with_head). SQLite, which has no LATERAL, looks the key up anyway.
+def _path_with_entries(lateral: bool) -> tuple[Any, list[Any]]:
+    """(FROM clause, entry columns) of the active path joined to its entries."""
+    if not lateral:
+        return _PATH_JOIN, list(ENTRY_COLUMNS)
+    # The first entry at or after the path row's seq in seq order, which is the entry of that seq
+    # (the join's ON checks it). Not an equality on the seq: without statistics the entry-id index
+    # (same two leading columns) looked as cheap as the primary key for it, and the planner took it
+    # and filtered on the seq (2,286 rows removed a row at 6,000 entries). In seq order from a lower
+    # bound only the primary key needs no sort.
+    entry = (
         select(*ENTRY_COLUMNS)
-        .select_from(_PATH_JOIN)
+        .where(
+            entries.c.scope == active_path.c.scope,
+            entries.c.session_id == active_path.c.session_id,
+            entries.c.seq >= active_path.c.seq,
+            entries.c.seq <= active_path.c.seq,
+        )
+        .order_by(entries.c.seq)
+        .limit(literal_column("1"))  # written out: a generic plan takes a bound LIMIT for 10% of the rows
+        .lateral("entry")
+    )
+    return active_path.join(entry, entry.c.seq == active_path.c.seq), [entry.c[c.key] for c in ENTRY_COLUMNS]
+
+
+def _visible_rows_statement(bounded: bool, limited: bool, lateral: bool) -> Select[Any]:
+    path, columns = _path_with_entries(lateral)
+    q = (
+        select(*columns)
+        .select_from(path)
         .where(by_session(active_path), active_path.c.position > bindparam("b_after"))
         .order_by(active_path.c.position)
     )
@@ -390,10 +442,14 @@ def _visible_rows_statement(bounded: bool, limited: bool) -> Select[Any]:
     return q
 
 
-_VISIBLE_ROWS = {(b, lim): _visible_rows_statement(b, lim) for b in (False, True) for lim in (False, True)}
+#: (bounded above, limited, PostgreSQL) -> the visible rows after a position
+_VISIBLE_ROWS = {
+    (b, lim, lat): _visible_rows_statement(b, lim, lat) for b in (False, True) for lim in (False, True)
+    for lat in (False, True)
+}
 
 
-def _delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
+def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     # A delta page in ONE statement: first the session's row (what the read needs of it, prefixed s_,
     # and the raw seq at the cursor's position; its entry columns NULL), then the page after that
     # position (one row per entry, its s_ columns NULL); no row at all when the session does not
@@ -412,11 +468,12 @@ def _delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
         # typed: PostgreSQL takes a UNION column's type from its first branch
         *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
     ).where(by_session(sessions))
-    page = _visible_rows_statement(bounded, True).subquery("page")
+    page = _visible_rows_statement(bounded, True, lateral).subquery("page")
     return union_all(head, select(null(), null(), null(), null(), *page.c))
 
 
-_DELTA_PAGE = {b: _delta_page_statement(b) for b in (False, True)}
+#: (bounded above, PostgreSQL) -> a delta page's statement
+_DELTA_PAGE = {(b, lat): _delta_page_statement(b, lat) for b in (False, True) for lat in (False, True)}
 #: psycopg's ``pq.TransactionStatus.INERROR`` (libpq's PQTRANS_INERROR), without importing psycopg here
 _PG_INERROR = 3
 
@@ -425,24 +482,37 @@ def _position_of(row: Row[Any]) -> int:
     return int(row.position)
 
 
-def _existing_statement(keyed: bool, turn: bool) -> Select[Any]:
+def _existing_statement(keyed: bool, turn: bool, pg: bool) -> Any:
     keys = [entries.c.entry_id == bindparam("b_entry")]
     if keyed:
         keys.append(entries.c.idempotency_key == bindparam("b_idem"))
     if turn:
         keys.append(entries.c.turn_id == bindparam("b_turn"))
+    if pg and len(keys) > 1:
+        # One equality per key, each on its unique index: PostgreSQL read the OR, on tables never
+        # analyzed, as a filter over the session's entries ("Profiling" 36). An entry named by two
+        # keys comes back twice (existing_row keeps one).
+        return union_all(*(select(*ENTRY_COLUMNS).where(by_session(entries), key) for key in keys))
     return select(*ENTRY_COLUMNS).where(by_session(entries), or_(*keys))
 
 
-#: (has idempotency key, has turn id) -> the lookup of an appended item's existing entry
-_EXISTING = {(k, t): _existing_statement(k, t) for k in (False, True) for t in (False, True)}
-_PATH_ROWS = (
-    select(*ENTRY_COLUMNS)
-    .select_from(_PATH_JOIN)
-    .where(by_session(active_path), active_path.c.depth >= bindparam("b_from"))
-    .order_by(active_path.c.depth)
-)
-_PATH_ROWS_TO = _PATH_ROWS.where(active_path.c.depth <= bindparam("b_to"))
+#: (has idempotency key, has turn id, PostgreSQL) -> the lookup of an appended item's existing entry
+_EXISTING = {
+    (k, t, pg): _existing_statement(k, t, pg) for k in (False, True) for t in (False, True) for pg in (False, True)
+}
+def _path_rows_statement(bounded: bool, lateral: bool) -> Select[Any]:
+    path, columns = _path_with_entries(lateral)
+    q = (
+        select(*columns)
+        .select_from(path)
+        .where(by_session(active_path), active_path.c.depth >= bindparam("b_from"))
+        .order_by(active_path.c.depth)
+    )
+    return q.where(active_path.c.depth <= bindparam("b_to")) if bounded else q
+
+
+#: (bounded above, PostgreSQL) -> the active path's entries from a depth
+_PATH_ROWS = {(b, lat): _path_rows_statement(b, lat) for b in (False, True) for lat in (False, True)}
 
 
 def entry_from_row(row: Any, active: bool) -> Entry:
@@ -654,7 +724,7 @@ class Core:
         )
         head = None
         page = []
-        for row in self.run(_DELTA_PAGE[before_position is not None], params):
+        for row in self.run(_DELTA_PAGE[(before_position is not None, not self.dialect.is_sqlite)], params):
             if row.s_generation is not None:  # the session's row: a session always has a generation
                 head = row
             else:
@@ -761,11 +831,11 @@ class Core:
         else:
             # OR of equalities, one item at a time: SQLite plans it as a MULTI-INDEX OR over the three
             # unique indexes; an OR of IN lists would make it scan the whole session instead.
-            q = _EXISTING[(new.idempotency_key is not None, new.turn_id is not None)]
+            q = _EXISTING[(new.idempotency_key is not None, new.turn_id is not None, not self.dialect.is_sqlite)]
             params = session_params(
                 scope, session_id, b_entry=new.entry_id, b_idem=new.idempotency_key, b_turn=new.turn_id
             )
-            rows = self.run(q, params).all()
+            rows = list({r.seq: r for r in self.run(q, params)}.values())  # one row per entry
         if not rows:
             return None
         if len(rows) > 1:
@@ -874,7 +944,8 @@ class Core:
         out: dict[str, Row[Any]] = {}
         if len(entry_ids) <= _SMALL_IN:
             params = session_params(scope, session_id, **{f"b_id{i}": e for i, e in enumerate(entry_ids)})
-            return {r.entry_id: r for r in self.run(_ENTRY_ROWS_OF[len(entry_ids)], params)}
+            q = _ENTRY_ROWS_OF[(len(entry_ids), not self.dialect.is_sqlite)]
+            return {r.entry_id: r for r in self.run(q, params)}
         for at in range(0, len(entry_ids), _IN_CHUNK):
             params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
             out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))
@@ -887,7 +958,7 @@ class Core:
         """
         ids = list(dict.fromkeys(entry_ids))
         params = session_params(scope, session_id, **{f"b_id{i}": e for i, e in enumerate(ids)})
-        return {r.entry_id: r for r in self.run(_ENTRIES_WITH_PATH_OF[len(ids)], params)}
+        return {r.entry_id: r for r in self.run(_ENTRIES_WITH_PATH_OF[(len(ids), not self.dialect.is_sqlite)], params)}
 
     def entry_row(self, scope: str, session_id: str, entry_id: str) -> Row[Any]:
         """One entry's row, or UnknownEntry."""
@@ -919,13 +990,13 @@ class Core:
         self, scope: str, session_id: str, after_position: int, before_position: int | None, limit: int | None
     ) -> list[Row[Any]]:
         """Active-path message rows with after < position < before, in position order."""
-        q = _VISIBLE_ROWS[(before_position is not None, limit is not None)]
+        q = _VISIBLE_ROWS[(before_position is not None, limit is not None, not self.dialect.is_sqlite)]
         params = session_params(scope, session_id, b_after=after_position, b_before=before_position, b_limit=limit)
         return self.run(q, params).all()
 
     def path_rows(self, scope: str, session_id: str, from_depth: int, to_depth: int | None) -> list[Row[Any]]:
         """Active-path entries (messages and events) with from_depth <= depth <= to_depth."""
-        q = _PATH_ROWS_TO if to_depth is not None else _PATH_ROWS
+        q = _PATH_ROWS[(to_depth is not None, not self.dialect.is_sqlite)]
         params = session_params(scope, session_id, b_from=from_depth, b_to=to_depth)
         return self.run(q, params).all()
 
@@ -940,23 +1011,8 @@ class Core:
 
     def all_rows(self, scope: str, session_id: str, after_seq: int, limit: int) -> list[tuple[Row[Any], bool]]:
         """Every stored entry (any branch, any kind) in raw seq order, with its active flag."""
-        q = (
-            select(*ENTRY_COLUMNS, active_path.c.seq.label("path_seq"))
-            .select_from(
-                entries.outerjoin(
-                    active_path,
-                    and_(
-                        active_path.c.scope == entries.c.scope,
-                        active_path.c.session_id == entries.c.session_id,
-                        active_path.c.depth == entries.c.depth,
-                    ),
-                )
-            )
-            .where(entries.c.scope == scope, entries.c.session_id == session_id, entries.c.seq > after_seq)
-            .order_by(entries.c.seq)
-            .limit(limit)
-        )
-        return [(r, r.path_seq == r.seq) for r in self.conn.execute(q)]
+        params = session_params(scope, session_id, b_after_seq=after_seq, b_limit=limit)
+        return [(r, r.ts_path_seq == r.seq) for r in self.run(_ALL_ROWS, params)]
 
     # ------------------------------------------------------------------------------------ path moves
 
