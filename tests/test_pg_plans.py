@@ -41,6 +41,25 @@ def test_store_connections_plan_their_statements_once(store: TranscriptStore) ->
         assert off.db.settings()["plan_cache_mode"] == "auto"
 
 
+def _generic_plan(conn: Any, sql: str, params: Any, explain: str) -> str:
+    """``EXPLAIN (explain)`` of ``sql`` prepared on ``conn``, whose store setting plans it generically (as
+    every connection of the store does), executed with ``params``: the plan the store's reads run."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
+    numbered = sql
+    for i, name in enumerate(names, 1):
+        numbered = numbered.replace(f"%({name})s", f"${i}")
+    conn.exec_driver_sql("PREPARE ts_explained AS " + numbered)
+    driver = conn.connection.driver_connection
+    values = ", ".join(psycopg.sql.Literal(params[name]).as_string(driver) for name in names)
+    try:
+        rows = conn.exec_driver_sql(f"EXPLAIN ({explain}) EXECUTE ts_explained({values})")
+        plan = "\n".join(str(r[0]) for r in rows)
+    finally:
+        conn.exec_driver_sql("DEALLOCATE ts_explained")
+    assert not names or "$1" in plan or "$2" in plan, plan  # a generic plan names its parameters
+    return plan
+
+
 @pytest.mark.parametrize("shape", ["linear", "branched"])
 def test_a_delta_page_is_index_lookups_as_a_generic_plan(store: TranscriptStore, shape: str) -> None:
     """The page near the tail of a 2,000-message session walks only its own rows, planned without
@@ -66,43 +85,13 @@ def test_a_delta_page_is_index_lookups_as_a_generic_plan(store: TranscriptStore,
             assert details and not [d for d in details if d.startswith("SCAN ts_")], details
             assert any(d.startswith("SEARCH ts_active_path USING INDEX") for d in details), details
         else:
-            # The statement as a server-side prepared one, so that EXPLAIN shows the generic plan.
-            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
+            names = re.findall(r"%\((\w+)\)s", sql)
             assert names and set(names) <= set(params), (names, params)
-            numbered = sql
-            for i, name in enumerate(names, 1):
-                numbered = numbered.replace(f"%({name})s", f"${i}")
-            conn.exec_driver_sql("PREPARE ts_delta_page AS " + numbered)
-            # Utility statements take no bound parameters: the values go in as quoted literals. The
-            # statement is this test's store's only (its pool is disposed at the end of the test).
-            driver = conn.connection.driver_connection
-            values = ", ".join(psycopg.sql.Literal(params[name]).as_string(driver) for name in names)
-            explained = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE ts_delta_page({values})")
-            plan = "\n".join(str(r[0]) for r in explained)
-            assert "$1" in plan or "$2" in plan, plan  # a generic plan names its parameters
+            plan = _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF")
             assert not re.search(r"Seq Scan on ts_(entries|active_path)", plan), plan
             removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
             assert max(removed, default=0) <= 1, plan
         conn.rollback()
-
-
-def _generic_plan(conn: Any, sql: str, params: Any, explain: str) -> str:
-    """``EXPLAIN (explain)`` of ``sql`` prepared on ``conn``, whose store setting plans it generically (as
-    every connection of the store does), executed with ``params``: the plan the store's reads run."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
-    numbered = sql
-    for i, name in enumerate(names, 1):
-        numbered = numbered.replace(f"%({name})s", f"${i}")
-    conn.exec_driver_sql("PREPARE ts_explained AS " + numbered)
-    driver = conn.connection.driver_connection
-    values = ", ".join(psycopg.sql.Literal(params[name]).as_string(driver) for name in names)
-    try:
-        rows = conn.exec_driver_sql(f"EXPLAIN ({explain}) EXECUTE ts_explained({values})")
-        plan = "\n".join(str(r[0]) for r in rows)
-    finally:
-        conn.exec_driver_sql("DEALLOCATE ts_explained")
-    assert not names or "$1" in plan or "$2" in plan, plan  # a generic plan names its parameters
-    return plan
 
 
 def test_a_delta_pages_estimated_cost_grows_little_with_the_table(store: TranscriptStore) -> None:
