@@ -122,8 +122,8 @@ def test_a_delta_pages_estimated_cost_grows_little_with_the_table(store: Transcr
 
 def test_reads_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore) -> None:
     """PostgreSQL before its first ANALYZE (a new deployment; autovacuum off or not yet around): every
-    statement of a delta page (with and without a fence), a closed-range read, a listing and a lookup
-    of entries near the tail of a 2,000-message session, and a re-admission, as the store plans them
+    statement of a delta page (with and without a fence), a closed-range read, a listing and lookups
+    of 2 and 12 entries near the tail of a 2,000-message session, and a re-admission, as the store plans them
     (generic plans), scans no table, reads no row it throws away and touches no more than a page's
     rows. The planner has no estimates then: the path-to-entry join scanned the session's entries for
     every page row (119,790 rows removed for a 20-message page at 6,000 entries), and an IN list of
@@ -142,7 +142,8 @@ def test_reads_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore
             A, sid, [{"message": {"role": "assistant", "content": f"m{t}.{i}"}} for i in range(replies)]
         )
         turns.append(admission)
-    last = store.list_entries(A, sid, after_seq=2000, limit=10)[-1]
+    tail_entries = store.list_entries(A, sid, after_seq=1990, limit=12)
+    last = tail_entries[-1]
     at = store.read_visible_delta(A, sid, None, max_messages=1960)
     assert isinstance(at, DeltaPage)
     terminal = store.anchor(A, sid, last.entry_id)
@@ -159,6 +160,7 @@ def test_reads_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore
         "closed range": lambda: store.read_closed_range(turns[-1], terminal),
         "list_entries": lambda: store.list_entries(A, sid, after_seq=1995, limit=5),
         "get_entries": lambda: store.get_entries(A, sid, [turns[-1].anchor.entry_id, last.entry_id]),
+        "get_entries of 12": lambda: store.get_entries(A, sid, [e.entry_id for e in tail_entries]),
         "re-admission": lambda: store.admit(A, sid, {"role": "user", "content": "q2"}, turn_id="t2"),
     }
     event.listen(store.db.engine, "before_cursor_execute", listen)
