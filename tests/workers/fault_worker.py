@@ -40,6 +40,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any, NoReturn
@@ -528,9 +529,9 @@ def verify_turns(
         unchecked = set(by_session) - set(sessions)
         assert not unchecked, f"acknowledged turns of sessions that are not checked: {sorted(unchecked)[:5]}"
         for sid in sessions:
-            _verify_session(store, turns, sid, totals, expected_replies)
+            seen = _verify_session(store, turns, sid, totals, expected_replies)
             if acks is not None:
-                _verify_acks(store, turns, sid, by_session.get(sid, []), totals)
+                _verify_acks(seen, by_session.get(sid, []), totals)
         return dict(totals)
     finally:
         store.close()
@@ -581,10 +582,20 @@ def _check_replies(
     assert not calls, f"turn {key}: tool calls without their result: {calls}"
 
 
+@dataclass
+class _Session:
+    """What the checks of one session read: its admissions, each turn's replies, the engine's view."""
+
+    admitted: list[Any]
+    by_turn: dict[str, list[Any]]
+    receipts: set[str]
+    order: list[str]
+
+
 def _verify_session(
     store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str],
     expected_replies: Callable[[str], list[dict[str, Any]]] | None,
-) -> None:
+) -> _Session:
     admitted, by_turn = _replies_of(store, sid)
     engine_turns = [e for e in admitted if _turn_kind(str(e.turn_id)) == "t"]
     accepted = [e for e in engine_turns if str(e.turn_id) in by_turn]
@@ -628,18 +639,17 @@ def _verify_session(
     assert ledger_messages == total, "ledger messages without a receipt"
     totals["turns"] += len(receipts)
     totals["messages"] += total
+    return _Session(admitted, by_turn, set(receipts), list(order or []))
 
 
-def _verify_acks(
-    store: TranscriptStore, turns: Turns, sid: str, acks: list[tuple[str, str]], totals: Counter[str]
-) -> None:
+def _verify_acks(session: _Session, acks: list[tuple[str, str]], totals: Counter[str]) -> None:
     """Every acknowledgement a worker was given holds after the crashes: an acknowledged admission
     exists, an acknowledged acceptance or commit is committed exactly once, and stored replies exist.
-    ``acks`` are in the order the workers got them (one worker at a time per session)."""
-    admitted, by_turn = _replies_of(store, sid)
-    admissions = {str(e.turn_id) for e in admitted}
-    receipts = {r.advancement_key for r in turns.receipts(SCOPE, sid, ENGINE)}
-    seen = Counter(store.read(lambda c: get_state(c, SCOPE, sid, ENGINE, "order")) or [])
+    ``acks`` are in the order the workers got them (one worker at a time per session); ``session`` is
+    what ``_verify_session`` read of the recovered store."""
+    admissions = {str(e.turn_id) for e in session.admitted}
+    receipts, by_turn = session.receipts, session.by_turn
+    seen = Counter(session.order)
     told: dict[str, str] = {}
     for what, key in acks:
         # A worker retries (admits again) only a turn whose acceptance it cannot find: after it was told
