@@ -459,6 +459,21 @@ def test_get_entries_reads_any_branch_and_kind_in_the_order_asked(store: Transcr
             store.get_entries(A, sid, bad)  # type: ignore[arg-type]
 
 
+def test_get_entries_of_many_ids_with_array_and_sql_metacharacters(store: TranscriptStore, sid: str) -> None:
+    """More than 8 ids go to the database as one array on PostgreSQL (core._entry_rows_of_array): ids
+    that an array literal or SQL would read otherwise (NULL, commas, braces, quotes, backslashes) are
+    looked up exactly, a repeated one answered each time, a missing one refused with nothing read."""
+    ids = ["NULL", "null", "a,b", "{x}", "}", '"q"', "back\\slash", "sp ace", "'; --", "é", ",", "1"]
+    for i, entry_id in enumerate(ids):
+        store.append(A, sid, user(f"m{i}"), entry_id=entry_id)
+    asked = [*reversed(ids), "NULL"]
+    got = store.get_entries(A, sid, asked)
+    assert [e.entry_id for e in got] == asked
+    assert [e.message for e in got][-2:] == [user("m0"), user("m0")]
+    with pytest.raises(UnknownEntry):
+        store.get_entries(A, sid, [*ids, "absent"])
+
+
 def test_list_entries_lists_everything_with_the_active_flag(store: TranscriptStore, sid: str) -> None:
     a = store.append(A, sid, user("a"))
     b = store.append(A, sid, assistant("b"))
