@@ -36,6 +36,19 @@ def sid(store: TranscriptStore) -> str:
     return store.create_session(A, session_id="s1", session_key="agent:main:test:1").session_id
 
 
+def test_generated_ids_are_22_letters_and_digits_with_128_random_bits(store: TranscriptStore) -> None:
+    # Shorter than a UUID's hex (each id is stored in its row, a parent pointer, an index and a
+    # receipt), never starting with "-" (a CLI would take it for an option), never repeating.
+    sessions = [store.create_session(A).session_id for _ in range(20)]
+    entries = [store.append(A, sessions[0], user(f"m{i}")).entry_id for i in range(20)]
+    ids = sessions + entries
+    assert all(re.fullmatch(r"[0-9A-Za-z]{22}", i) for i in ids), ids
+    assert len(set(ids)) == len(ids)
+    # Every character position varies, the most significant (last) one too: 2**128 / 62**21 is 7.8, so
+    # it takes "0" to "7", and 40 ids leave it constant by chance with a probability below 1e-30.
+    assert all(len({i[k] for i in ids}) > 1 for k in range(22))
+
+
 def test_appends_get_dense_seq_stable_ids_and_a_parent_chain(store: TranscriptStore, sid: str) -> None:
     made = [
         store.append(A, sid, {"role": "system", "content": "be brief"}),
