@@ -598,7 +598,7 @@ def test_import_refuses_bad_exports_before_writing(store_url: str) -> None:
         refused(header, edit(2, kind="bogus"), "kind")
         refused(header, edit(2, created_at="yesterday"), "created_at")
         refused(header, edit(2, created_at="2024-01-01T00:00:00"), "UTC offset")
-        # Before the epoch: the session's creation time is its cursors' incarnation, a non-negative number.
+        # Before the epoch: stored times are non-negative microseconds since it.
         refused({**header, "created_at": "1969-12-31T23:59:59.999999+00:00"}, entries, "1970")
         refused(header, edit(2, created_at="1969-07-20T20:17:40+00:00"), "1970")
         refused(header, edit(1, idempotency_key="ik-2"), "idempotency_key")

@@ -12,8 +12,9 @@ from alembic.migration import MigrationContext
 from conftest import assistant, user
 from sqlalchemy import text
 
-from transcript_store import Admission, Anchor, StoreConfig, TranscriptStore, migrate
+from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, migrate
 from transcript_store.core import Core
+from transcript_store.cursors import CursorState
 from transcript_store.db import Database
 from transcript_store.ledger import CommitResult, committed_messages, count_turn_messages
 from transcript_store.schema import metadata
@@ -95,3 +96,37 @@ def test_the_compact_receipts_revision_keeps_every_hash(store_url: str) -> None:
         assert Turns(store).receipts(A, "s1") == [first.receipt]
         again = Turns(store).commit_turn("e", "t1", admission, terminal, messages)
         assert again.status == "duplicate" and again.receipt == first.receipt
+
+
+def test_the_session_incarnation_revision_keeps_every_row_and_every_cursor(store_url: str) -> None:
+    """0007 adds ts_sessions.incarnation. On SQLite ts_sessions is every other table's parent: a table
+    rebuild there would delete every child row through ON DELETE CASCADE; nothing may go. Sessions
+    from before keep their creation time as their incarnation, so the cursors engines hold still read."""
+    admission, terminal, messages, _first = _one_committed_turn(store_url)
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0006")
+        with db.engine.connect() as conn:
+            counts = {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES}
+            created = conn.execute(text("SELECT created_us FROM ts_sessions")).scalar_one()
+        assert counts == {"ts_sessions": 1, "ts_entries": 2, "ts_active_path": 2, "ts_receipts": 1}
+        migrate.upgrade(db)
+        assert _differences(db) == []
+        with db.engine.connect() as conn:
+            assert {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES} == counts
+    finally:
+        db.dispose()
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        assert store.get_session(A, "s1").incarnation == created
+        # A cursor as the store issued it before the upgrade (after the question; the creation time
+        # as the incarnation) is honoured: the page after it, not a reset.
+        before = CursorState(A, "s1", 0, admission.anchor.seq, 0, created).encode()
+        page = store.read_visible_delta(A, "s1", before)
+        assert isinstance(page, DeltaPage) and [e.message for e in page.entries] == [assistant("a")]
+        assert Turns(store).commit_turn("e", "t1", admission, terminal, messages).status == "duplicate"
+        # Sessions made from now on draw their incarnation, whatever the clock says.
+        fresh = store.create_session(A, session_id="s2")
+        assert fresh.incarnation > 0 and fresh.incarnation != int(fresh.created_at.timestamp() * 1_000_000)
+
+
+_TABLES = ("ts_sessions", "ts_entries", "ts_active_path", "ts_receipts")

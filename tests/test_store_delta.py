@@ -412,6 +412,29 @@ def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptSto
     assert len(read_all(store, sid, reset.cursor, max_messages=3)[0]) == 4
 
 
+def test_a_cursor_of_an_imported_session_resets_on_another_import_of_the_same_export(
+    store: TranscriptStore, sid: str
+) -> None:
+    """An export keeps the session's creation time, and two imports of it are two incarnations: a
+    cursor of the first (deleted) is not honoured on the second, nor an old one after a re-import."""
+    fill(store, sid, 2)
+    header, records = store.export_session(A, sid)
+    store.delete_session(A, sid)
+    first = store.import_session(A, header, records)
+    fill(store, sid, 4)  # the first import grows to 6 messages; a reader is at the 4th
+    cursor = page_of(store.read_visible_delta(A, sid, max_messages=4)).cursor
+    store.delete_session(A, sid)
+    second = store.import_session(A, header, records)
+    for i in range(4):  # other messages at the same positions and seqs
+        store.append(A, sid, (user if i % 2 == 0 else assistant)(f"second import {i}"))
+    assert first.created_at == second.created_at  # the export's creation time, both times
+    assert first.incarnation != second.incarnation
+    # Honouring the old cursor would skip the second import's 3rd and 4th messages: a wrong page.
+    reset = store.read_visible_delta(A, sid, cursor)
+    assert isinstance(reset, DeltaReset) and reset.reason == "scope_mismatch"
+    assert len(read_all(store, sid, reset.cursor, max_messages=4)[0]) == 6
+
+
 def test_a_format_1_cursor_is_still_read_and_answered_with_a_format_2_cursor(
     store: TranscriptStore, sid: str
 ) -> None:

@@ -101,6 +101,11 @@ def new_id() -> str:
     return "".join(out)
 
 
+def new_incarnation() -> int:
+    """A fresh session incarnation: a random 63-bit number, never 0 (which a cursor uses for "none")."""
+    return secrets.randbelow(2**63 - 1) + 1
+
+
 def check_id(what: str, value: object, *, optional: bool = False) -> None:
     """Refuse ids that are empty, too long, not text, or carry control characters or NUL."""
     if value is None and optional:
@@ -501,7 +506,7 @@ def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     head = select(
         sessions.c.generation.label("s_generation"),
         sessions.c.session_key.label("s_session_key"),
-        sessions.c.created_us.label("s_created_us"),
+        sessions.c.incarnation.label("s_incarnation"),
         _PATH_SEQ_AT_POSITION.scalar_subquery().label("s_at_seq"),
         # typed: PostgreSQL takes a UNION column's type from its first branch
         *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
@@ -634,7 +639,7 @@ def session_info(row: Row[Any]) -> SessionInfo:
         active=bool(row.active),
         created_at=from_us(row.created_us),
         updated_at=from_us(row.updated_us),
-        incarnation=row.created_us,
+        incarnation=row.incarnation,
     )
 
 
@@ -800,6 +805,7 @@ class Core:
                 visible_count=0,
                 created_us=ts,
                 updated_us=ts,
+                incarnation=new_incarnation(),
             )
             .on_conflict_do_nothing()
         )

@@ -1,8 +1,8 @@
 """Transcript cursors: opaque, canonical, versioned tokens of a reader's position.
 
-A cursor names the scope, session and generation it was issued for, the session's incarnation (its
-creation time in microseconds: a session deleted and created again under the same id is another
-session, and an old cursor must not be honoured on it), and the last visible message it covered (raw
+A cursor names the scope, session and generation it was issued for, the session's incarnation
+(``SessionInfo.incarnation``: a session deleted and created or imported again under the same id is
+another session, and an old cursor must not be honoured on it), and the last visible message it covered (raw
 seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation. Format-1
 tokens (``tsc1.``, issued before) are still read, without the incarnation check, so that cursors
 engines keep in their own tables survive the upgrade; every cursor the store issues is format 2.
@@ -25,7 +25,7 @@ PREFIX = "tsc2."
 VERSION = 2
 _PREFIX_V1 = "tsc1."
 _MAX_INT = 2**31 - 1
-_MAX_INCARNATION = 2**63 - 1  # a BIGINT of microseconds
+_MAX_INCARNATION = 2**63 - 1  # a BIGINT
 
 
 @dataclass(frozen=True)

@@ -210,8 +210,10 @@ class SessionInfo(_Frozen):
     active: bool
     created_at: datetime
     updated_at: datetime
-    #: the session's creation time in microseconds: a session deleted and created again under the same
-    #: id is another incarnation, and cursors of the earlier one are not honoured on it
+    #: which creation of this session id this is (random, fresh on every create and import; the
+    #: creation time in microseconds for sessions made before revision 0007): a session deleted and
+    #: created or imported again under the same id is another incarnation, and cursors of the earlier
+    #: one are not honoured on it
     incarnation: int = 0
 
 

@@ -61,10 +61,10 @@ def read_visible_delta(
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
-    sess = _SessionHead(head.s_generation, head.s_session_key, head.s_created_us)
+    sess = _SessionHead(head.s_generation, head.s_session_key, head.s_incarnation)
     if fence is not None and not fence_written:
         check_fence(core, scope, session_id, fence, sess)
-    incarnation = sess.created_us
+    incarnation = sess.incarnation
 
     def fresh() -> str:  # the reset cursor, encoded only when a reset is returned
         return start_cursor(scope, session_id, sess.generation, incarnation)
@@ -118,4 +118,4 @@ class _SessionHead(NamedTuple):
 
     generation: int
     session_key: str | None
-    created_us: int
+    incarnation: int

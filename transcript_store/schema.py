@@ -42,6 +42,10 @@ sessions = Table(
     Column("visible_count", Integer, nullable=False),
     Column("created_us", BigInteger, nullable=False),
     Column("updated_us", BigInteger, nullable=False),
+    # Which creation of this (scope, session_id) the row is: random for every session created or
+    # imported, so cursors of a deleted session are not honoured on a later one under the same id, even
+    # when an import carries the same creation time (revision 0007; before it, created_us was used).
+    Column("incarnation", BigInteger, nullable=False),
     PrimaryKeyConstraint("scope", "session_id", name="ts_sessions_pk"),
 )
 Index(

@@ -195,11 +195,11 @@ class TranscriptStore:
         def run(c: Core) -> None:
             if landed:
                 row = c.session_row(scope, session_id)
-                if row is None or row.created_us != landed[0]:
+                if row is None or row.incarnation != landed[0]:
                     # An earlier attempt ran to its end and only its COMMIT was uncertain: the session
                     # it deleted is gone (a session made since under the same id is someone else's).
                     return
-            landed[:] = [c.require_session(scope, session_id, lock=True).created_us]
+            landed[:] = [c.require_session(scope, session_id, lock=True).incarnation]
             c.delete_session(scope, session_id)
 
         self.write(run)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import insert
 
 from .config import StoreConfig
-from .core import Core, NewEntry, check_id, entry_values, prepare_entry, session_info
+from .core import Core, NewEntry, check_id, entry_values, new_incarnation, prepare_entry, session_info
 from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
 from .models import SessionInfo
 from .schema import active_path, entries, sessions
@@ -94,8 +94,9 @@ def _parse(model: type[_Record], raw: Any, where: str) -> Any:
         if stamp is not None and stamp.tzinfo is None:
             raise InvalidInput(f"{where}: {name} must carry a UTC offset")
         if stamp is not None and stamp < _EPOCH:
-            # A session's creation time is its incarnation, which its cursors carry and check as a
-            # non-negative number: an earlier session would get cursors it refuses on every read.
+            # Every time this store writes is a non-negative count of microseconds since the epoch; an
+            # import is held to the same (until revision 0007 the creation time was also the session's
+            # incarnation, which cursors check as a non-negative number).
             raise InvalidInput(f"{where}: {name} must not be before 1970-01-01T00:00:00Z")
     return record
 
@@ -188,6 +189,8 @@ def plan_import(
         "visible_count": visible,
         "created_us": us_from_iso(head.created_at),
         "updated_us": us_from_iso(head.updated_at),
+        # A new incarnation, not the export's: two imports of one export are two sessions for cursors.
+        "incarnation": new_incarnation(),
     }
     path_rows = [
         {"scope": scope, "session_id": sid, "depth": r["depth"], "seq": r["seq"], "position": r["position"]}
