@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from workers.fault_worker import WORKER, clean_env, count_retries, open_store, report, verify_turns
 from workers.turn_worker import replies, run_turn
 
-from transcript_store import TransientStoreError, UnknownSession
+from transcript_store import IdempotencyConflict, TransientStoreError, UnknownSession
 from transcript_store.turns import Turns
 
 TURNS = 30
@@ -100,7 +100,8 @@ def test_uncertain_commits_reach_the_engine_exactly_once(
 
 
 def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened(store_url: str) -> None:
-    """A retry after a lost COMMIT reports the write that landed, instead of "nothing to do" or "unknown"."""
+    """A retry after a lost COMMIT reports the write that landed, instead of "nothing to do", "unknown"
+    or "already exists"."""
     store = open_store(store_url)
     lose = [0]
 
@@ -127,12 +128,20 @@ def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened
         assert turns.intent(scope, sid, "t1") is None
         assert turns.discard(scope, sid, "t1") is False  # a new call finds nothing to discard
 
+        header, records = store.export_session(scope, sid)
         lose[0] = 1
         store.delete_session(scope, sid)  # no UnknownSession from the retry of its own delete
         with pytest.raises(UnknownSession):
             store.get_session(scope, sid)
         with pytest.raises(UnknownSession):
             store.delete_session(scope, sid)  # a new call: the session is unknown
+
+        lose[0] = 1
+        imported = store.import_session(scope, header, records)  # no "already exists" from its own retry
+        assert imported == store.get_session(scope, sid)
+        assert [e.entry_id for e in store.list_entries(scope, sid)] == [r["entry_id"] for r in records]
+        with pytest.raises(IdempotencyConflict):
+            store.import_session(scope, header, records)  # a new call: the session exists
     finally:
         store.close()
 

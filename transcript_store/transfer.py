@@ -302,7 +302,12 @@ def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
     stmt = core.dialect.insert(sessions).values(**plan.session).on_conflict_do_nothing()
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT DO NOTHING here.
     if core.conn.execute(stmt.returning(sessions.c.session_id)).first() is None:
-        if core.session_row(scope, sid) is not None:
+        existing = core.session_row(scope, sid)
+        if existing is not None and existing.incarnation == plan.session["incarnation"]:
+            # This very import, by an earlier attempt whose COMMIT was uncertain: the incarnation was
+            # drawn once, before the first attempt, so no other session has it. It landed whole.
+            return session_info(existing)
+        if existing is not None:
             raise IdempotencyConflict(f"session {sid!r} already exists in scope {scope!r}; import never overwrites")
         raise SessionKeyConflict(
             f"an active session in scope {scope!r} already has key {plan.session['session_key']!r}"
