@@ -104,8 +104,15 @@ def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened
     or "already exists"."""
     store = open_store(store_url)
     lose = [0]
+    between: list[Callable[[], object]] = []  # run after the next commit, before it is reported lost
 
     def next_commit_lost() -> bool:
+        if between:
+            saved, lose[0] = lose[0], -(10**6)  # the interloper's own commits are not lost
+            try:
+                between.pop()()
+            finally:
+                lose[0] = saved
         lose[0] -= 1
         return lose[0] >= 0
 
@@ -142,6 +149,14 @@ def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened
         assert [e.entry_id for e in store.list_entries(scope, sid)] == [r["entry_id"] for r in records]
         with pytest.raises(IdempotencyConflict):
             store.import_session(scope, header, records)  # a new call: the session exists
+
+        # A delete whose COMMIT is lost, and before its retry another import of the same export (the
+        # same creation time, another incarnation): the retry must not delete that new session.
+        between.append(lambda: store.import_session(scope, header, records))
+        lose[0] = 1
+        store.delete_session(scope, sid)
+        again = store.get_session(scope, sid)
+        assert again.incarnation != imported.incarnation and again.created_at == imported.created_at
     finally:
         store.close()
 

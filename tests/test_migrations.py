@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from conftest import assistant, user
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, migrate
 from transcript_store.core import Core
@@ -103,21 +105,34 @@ def test_the_session_incarnation_revision_keeps_every_row_and_every_cursor(store
     rebuild there would delete every child row through ON DELETE CASCADE; nothing may go. Sessions
     from before keep their creation time as their incarnation, so the cursors engines hold still read."""
     admission, terminal, messages, _first = _one_committed_turn(store_url)
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        store.create_session(A, session_id="s0")
     db = Database(StoreConfig(url=store_url))
     try:
         _downgrade(db, "0006")
-        with db.engine.connect() as conn:
+        with db.engine.begin() as conn:
+            # s0 as imported with a creation time of exactly 1970-01-01T00:00:00Z (allowed).
+            conn.execute(text("UPDATE ts_sessions SET created_us = 0 WHERE session_id = 's0'"))
             counts = {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES}
-            created = conn.execute(text("SELECT created_us FROM ts_sessions")).scalar_one()
-        assert counts == {"ts_sessions": 1, "ts_entries": 2, "ts_active_path": 2, "ts_receipts": 1}
+            created = conn.execute(text("SELECT created_us FROM ts_sessions WHERE session_id = 's1'")).scalar_one()
+        assert counts == {"ts_sessions": 2, "ts_entries": 2, "ts_active_path": 2, "ts_receipts": 1}
         migrate.upgrade(db)
         assert _differences(db) == []
         with db.engine.connect() as conn:
             assert {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES} == counts
+        # A session written without an incarnation (a process of an older release) is refused on both
+        # backends (NOT NULL; on SQLite, whose added column needs a default, a trigger), not stored as 0.
+        with pytest.raises(IntegrityError), db.engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO ts_sessions (scope, session_id, active, generation, last_seq, path_length, "
+                "visible_count, created_us, updated_us) VALUES ('scope-a', 'old', true, 0, -1, 0, 0, 1, 1)"
+            ))
     finally:
         db.dispose()
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
         assert store.get_session(A, "s1").incarnation == created
+        assert store.get_session(A, "s0").incarnation == 1  # 0 is a cursor's "no session"
+        assert [s.session_id for s in store.list_sessions(A)] == ["s0", "s1"]
         # A cursor as the store issued it before the upgrade (after the question; the creation time
         # as the incarnation) is honoured: the page after it, not a reset.
         before = CursorState(A, "s1", 0, admission.anchor.seq, 0, created).encode()
@@ -126,7 +141,8 @@ def test_the_session_incarnation_revision_keeps_every_row_and_every_cursor(store
         assert Turns(store).commit_turn("e", "t1", admission, terminal, messages).status == "duplicate"
         # Sessions made from now on draw their incarnation, whatever the clock says.
         fresh = store.create_session(A, session_id="s2")
-        assert fresh.incarnation > 0 and fresh.incarnation != int(fresh.created_at.timestamp() * 1_000_000)
+        assert 0 < fresh.incarnation < 2**53  # exact as a JSON number in JavaScript too
+        assert fresh.incarnation != int(fresh.created_at.timestamp() * 1_000_000)
 
 
 _TABLES = ("ts_sessions", "ts_entries", "ts_active_path", "ts_receipts")

@@ -84,7 +84,7 @@ def from_us(us: int) -> datetime:
 #: the id alphabet: letters and digits only, so an id never starts with "-" (a CLI option) or needs
 #: quoting in a URL, a file name or a shell
 _ID_ALPHABET = string.digits + string.ascii_letters
-#: 62**22 > 2**128: every id carries 128 random bits, as a UUID's 32 hex characters did
+#: 62**22 > 2**128: every id carries 128 random bits (a random UUID's 32 hex characters carry 122)
 _ID_CHARS = 22
 
 
@@ -102,8 +102,10 @@ def new_id() -> str:
 
 
 def new_incarnation() -> int:
-    """A fresh session incarnation: a random 63-bit number, never 0 (which a cursor uses for "none")."""
-    return secrets.randbelow(2**63 - 1) + 1
+    """A fresh session incarnation: a random 53-bit number, never 0 (which a cursor uses for "none")."""
+    # Below 2**53: SessionInfo goes out as JSON (the HTTP service), and JavaScript's numbers are exact
+    # only that far. Two creations of one session id draw the same with a chance of 1 in 9e15.
+    return secrets.randbelow(2**53 - 1) + 1
 
 
 def check_id(what: str, value: object, *, optional: bool = False) -> None:

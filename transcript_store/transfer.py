@@ -296,7 +296,11 @@ def _active_path(rows: list[dict[str, Any]], parsed: list[EntryRecord], head: Se
 
 
 def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
-    """Write a validated import in the caller's transaction; an existing session is refused."""
+    """Write a validated import in the caller's transaction; an existing session is refused.
+
+    A plan is for one import (``TranscriptStore.import_session`` makes one per call): the session it
+    finds under its own incarnation is taken for this import's earlier attempt, not refused.
+    """
     scope, sid = plan.session["scope"], plan.session["session_id"]
     # The primary key is the refusal: no read-then-insert race between two importers.
     stmt = core.dialect.insert(sessions).values(**plan.session).on_conflict_do_nothing()

@@ -24,17 +24,29 @@ branch_labels = None
 depends_on = None
 
 
+#: existing sessions keep their creation time as their incarnation; 0 (a session imported as created
+#: at exactly 1970-01-01T00:00:00Z) is the value a cursor uses for "no session", so it becomes 1
+FILL = "UPDATE ts_sessions SET incarnation = CASE WHEN created_us > 0 THEN created_us ELSE 1 END"
+#: SQLite: an insert that leaves the incarnation out (its DEFAULT 0: a process of an older release still
+#: running) is refused, as PostgreSQL's NOT NULL refuses it, instead of a session no cursor can tell apart
+TRIGGER = "ts_sessions_incarnation_required"
+
+
 def upgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         # Never a batch rebuild of ts_sessions on SQLite: with foreign keys on (every store connection),
         # dropping the old table deletes every session's entries, path, outbox and receipts through
         # their ON DELETE CASCADE. SQLite's own ADD COLUMN changes no row; NOT NULL needs a default
-        # there, which the store never relies on (it writes every session's incarnation).
+        # there, which the trigger refuses.
         op.execute("ALTER TABLE ts_sessions ADD COLUMN incarnation BIGINT NOT NULL DEFAULT 0")
-        op.execute("UPDATE ts_sessions SET incarnation = created_us")
+        op.execute(FILL)
+        op.execute(
+            f"CREATE TRIGGER {TRIGGER} BEFORE INSERT ON ts_sessions WHEN NEW.incarnation = 0 BEGIN "
+            "SELECT RAISE(ABORT, 'ts_sessions.incarnation must be set (schema revision 0007 or later)'); END"
+        )
         return
     op.add_column("ts_sessions", sa.Column("incarnation", sa.BigInteger, nullable=True))
-    op.execute("UPDATE ts_sessions SET incarnation = created_us")
+    op.execute(FILL)
     op.alter_column("ts_sessions", "incarnation", existing_type=sa.BigInteger, nullable=False)
 
 
@@ -49,6 +61,7 @@ def downgrade() -> None:
             raise RuntimeError(
                 f"downgrading below revision 0007 needs SQLite 3.35 or later (DROP COLUMN); this is {version}"
             )
+        op.execute(f"DROP TRIGGER IF EXISTS {TRIGGER}")
         op.execute("ALTER TABLE ts_sessions DROP COLUMN incarnation")
         return
     op.drop_column("ts_sessions", "incarnation")
