@@ -1,6 +1,7 @@
 """The migrations are the schema: at head they produce schema.py's tables on both backends, and the
 ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 32 bytes) go down and up
-again without losing a committed turn's messages or its hash."""
+again without losing a committed turn's messages or its hash, and 0007 (the session's incarnation) keeps
+every row of every table and every cursor issued before it."""
 
 from __future__ import annotations
 
