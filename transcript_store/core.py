@@ -92,7 +92,7 @@ def new_id() -> str:
     """A fresh random id for sessions, entries and turns: 128 random bits in 22 letters and digits."""
     # An id is stored in its row, its parent's pointer, its unique index and a receipt's references:
     # 22 characters instead of a UUID's 32 hex ones is 10 bytes off each of those (bench/README.md,
-    # Profiling 37), with the same randomness.
+    # Profiling 37), with at least a random UUID's randomness.
     n = int.from_bytes(secrets.token_bytes(16), "big")
     out = []
     for _ in range(_ID_CHARS):

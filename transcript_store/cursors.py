@@ -2,8 +2,8 @@
 
 A cursor names the scope, session and generation it was issued for, the session's incarnation
 (``SessionInfo.incarnation``: a session deleted and created or imported again under the same id is
-another session, and an old cursor must not be honoured on it), and the last visible message it covered (raw
-seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation. Format-1
+another session, and an old cursor must not be honoured on it), and the last visible message it
+covered (raw seq and active position; -1/-1 before the first). Format 2 (``tsc2.``) added the incarnation. Format-1
 tokens (``tsc1.``, issued before) are still read, without the incarnation check, so that cursors
 engines keep in their own tables survive the upgrade; every cursor the store issues is format 2.
 
