@@ -512,6 +512,25 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     assert ledger(store, sid)[0] == ["plain", "evt", "away"]
 
 
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_anchors_naming_another_key_or_generation_are_refused_and_write_nothing(
+    store: TranscriptStore, turns: Turns, path: str
+) -> None:
+    """The hash covers the session key: a receipt written under a forged key or generation would stand
+    forever, and the genuine turn would then be a collision. Both commit paths refuse it."""
+    sid = store.create_session(A, session_id="keyed", session_key="agent:main:real").session_id
+    adm, term, msgs = finished_turn(store, sid, "t1")
+    apply = None if path == "one statement" else (lambda c, t: None)  # apply= takes the transaction
+    for forged in ({"session_key": "agent:main:forged"}, {"session_key": None}, {"generation": 7}):
+        with pytest.raises(InvalidInput, match="session key"):
+            turns.commit_turn(
+                E, "t1", Admission(anchor=adm.anchor.model_copy(update=forged), turn_id="t1"),
+                term.model_copy(update=forged), msgs, apply=apply,
+            )
+        assert ledger(store, sid)[0] == []
+    assert turns.commit_turn(E, "t1", adm, term, msgs, apply=apply).status == "committed"
+
+
 def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:

@@ -64,7 +64,7 @@ _RANGE_ROWS = select(*ENTRY_COLUMNS).where(
 # it yet: a commit_turn of its own): one round trip instead of two. The outer join returns one row
 # of NULLs for an existing session with no entry in the range, and nothing for an unknown session.
 _RANGE_ROWS_LOCKING = (
-    select(*ENTRY_COLUMNS)
+    select(*ENTRY_COLUMNS, sessions.c.session_key.label("s_session_key"), sessions.c.generation.label("s_generation"))
     .select_from(
         sessions.outerjoin(
             entries,
@@ -266,15 +266,16 @@ def _committed(values: dict[str, Any]) -> CommitResult:
 # A first commit_turn of its own, as ONE statement outside any transaction. On PostgreSQL that is one
 # round trip instead of BEGIN, the range read, the insert and COMMIT (bench/README.md, "Profiling" 24);
 # on SQLite it is SQLite's own implicit transaction instead of SQLAlchemy's, and the range compared in
-# SQL instead of decoded and compared in Python ("Profiling" 25). It inserts
-# the receipt only when the stored range is, beyond doubt, the turn: every entry of the seq range is a
-# message on the active path, at consecutive depths (so they are the parent chain from the admission to
-# the terminal), each stored text equal to the message's, the anchors matching, the first a user
-# message. That is a subset of what ``_check_range`` accepts; anything else (a replay, a collision, a
-# range with events or branches, a text stored in another spelling, an unknown session) inserts nothing
-# and ``commit_turn`` takes the transactional path, which decides. The session's row is locked for the
-# statement (PostgreSQL), so commits of a session still serialize; a SQLite write statement outside a
-# transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE does.
+# SQL instead of decoded and compared in Python ("Profiling" 25). It inserts the receipt only when the
+# stored range is, beyond doubt, the turn: every entry of the seq range is a message on the active
+# path, at consecutive depths (so they are the parent chain from the admission to the terminal), each
+# stored text equal to the message's, the anchors matching (the session's key and generation too), the
+# first a user message. That is a subset of what ``_check_range`` accepts; anything else (a replay, a
+# collision, a range with events or branches, a text stored in another spelling, an unknown session)
+# inserts nothing and ``commit_turn`` takes the transactional path, which decides. The session's row is
+# locked for the statement (PostgreSQL), so commits of a session still serialize; a SQLite write
+# statement outside a transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE
+# does.
 @functools.cache  # one statement per (message count, backend), each expected text its own bind (below)
 def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
@@ -285,6 +286,7 @@ def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
 WITH s AS (
     SELECT scope, session_id FROM ts_sessions
     WHERE scope = :b_scope AND session_id = :b_session
+      AND session_key {same} CAST(:b_session_key AS TEXT) AND generation = CAST(:b_generation AS INTEGER)
     {lock}
 ), a AS (
     SELECT count(*) AS n_rows,
@@ -340,6 +342,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
         turn.scope, turn.session_id,
         b_from=adm.seq, b_to=term.seq, b_key=turn.advancement_key, b_engine=turn.engine_id, b_ts=ts,
         b_count=count, b_heartbeat=turn.is_heartbeat, b_hash=bytes.fromhex(turn.payload_hash),
+        b_session_key=adm.session_key, b_generation=adm.generation,
         b_adm_id=adm.entry_id, b_term_id=term.entry_id, b_seqs=",".join(map(str, range(adm.seq, term.seq + 1))),
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
         b_term_position=term.position, **{f"b_t{i}": stored_text(m) for i, m in enumerate(turn.messages)},
@@ -363,9 +366,9 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     """Check the turn against the transcript; returns the raw seqs of its message entries.
 
     The ledger references these entries instead of copying them, so a commit must BE the transcript's
-    closed range: the anchors match their stored entries (a forged or foreign one is refused, not
-    receipted), the terminal descends from the admission, the first message is the admitted user
-    message and every message equals its entry.
+    closed range: the anchors match their stored entries and the session's key and generation (a
+    forged or foreign one is refused, not receipted), the terminal descends from the admission, the
+    first message is the admitted user message and every message equals its entry.
     """
     # Lock the session row: commits of one session serialize (PostgreSQL; SQLite writers already do),
     # so an engine's read-modify-write of its state in ``apply`` never loses a concurrent turn's update.
@@ -379,12 +382,22 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     params = session_params(turn.scope, turn.session_id, b_from=adm.seq, b_to=term.seq)
     if core.holds_lock(turn.scope, turn.session_id):
         rows = core.run(_RANGE_ROWS, params).all()
+        sess = core.require_session(turn.scope, turn.session_id)
+        key, generation = sess.session_key, sess.generation
     else:
         rows = core.run(_RANGE_ROWS_LOCKING, params).all()
         if not rows:
             raise UnknownSession(turn.scope, turn.session_id)
         core.note_locked(turn.scope, turn.session_id)
+        key, generation = rows[0].s_session_key, rows[0].s_generation
         rows = [r for r in rows if r.entry_id is not None]
+    # The anchors name the session's key and generation too, and the hash covers the key: a receipt
+    # under another key or generation than the session's would stand forever against the genuine turn.
+    if (adm.session_key, adm.generation) != (key, generation):
+        raise InvalidInput(
+            f"the anchors name session key {adm.session_key!r} and generation {adm.generation}; the session "
+            f"has {key!r} and {generation}"
+        )
     by_id = {r.entry_id: r for r in rows}
     first = by_id.get(adm.entry_id)
     if first is None or first.kind != "message" or first.role != "user":
