@@ -598,6 +598,14 @@ def test_import_refuses_bad_exports_before_writing(store_url: str) -> None:
         refused(header, edit(2, kind="bogus"), "kind")
         refused(header, edit(2, created_at="yesterday"), "created_at")
         refused(header, edit(2, created_at="2024-01-01T00:00:00"), "UTC offset")
+        # Past year 9999 in UTC: stored, then no read could make a datetime of it.
+        refused(header, edit(2, created_at="9999-12-31T23:59:59.999999-05:00"), "9999")
+        refused({**header, "updated_at": "9999-12-31T23:59:59.999999-00:01"}, entries, "9999")
+        # Past the INTEGER columns (a generation at the top could not be rewritten once more).
+        refused({**header, "generation": 2**31 - 1}, entries, "generation")
+        refused({**header, "generation": 2**63}, entries, "generation")
+        refused(header, edit(1, position=2**31), "position")
+        refused(header, edit(1, size_bytes=2**40), "size_bytes")
         # Before the epoch: stored times are non-negative microseconds since it.
         refused({**header, "created_at": "1969-12-31T23:59:59.999999+00:00"}, entries, "1970")
         refused(header, edit(2, created_at="1969-07-20T20:17:40+00:00"), "1970")

@@ -588,3 +588,24 @@ def test_a_database_error_inside_a_prefetch_is_retried_not_blamed_on_the_engine(
     assert out.engine_id == "dc" and out.degraded_reason is None and out.commit_status == "committed"
     assert "dc" not in host.quarantined and store.db.retries == retries + 1
     assert [e.message for e in store.read_visible(SCOPE, sid)] == out.messages
+
+
+def test_compaction_keeping_no_message_is_refused_and_writes_nothing(store: TranscriptStore, sid: str) -> None:
+    from engines.legacy import LegacyEngine
+
+    from transcript_store import compaction
+
+    for i in range(6):
+        store.append(SCOPE, sid, {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 20})
+    before = store.list_entries(SCOPE, sid)
+    for keep_last in (0, -1, True, 2.5):
+        with pytest.raises(InvalidInput, match="keep_last"):
+            compaction.compact_session(
+                store, SCOPE, sid, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
+                keep_last=keep_last,  # type: ignore[arg-type]
+                force=True,
+            )
+    assert store.list_entries(SCOPE, sid) == before
+    # The legacy engine refuses such a setting when it is built, not at its first compaction.
+    with pytest.raises(ValueError, match="keep_last"):
+        LegacyEngine(EngineContext(store=store, config={"keep_last": 0}))

@@ -81,6 +81,8 @@ BAD_MESSAGES: dict[str, Any] = {
     "a-set": {"role": "user", "content": "x", "tags": {"a"}},
     "bytes": {"role": "user", "content": "x", "raw": b"\x00"},
     "an-object": {"role": "user", "content": "x", "when": object()},
+    # More decimal digits than Python writes (4,300 by default): JSON is decimal.
+    "integer-too-long-for-json": {"role": "user", "content": "x", "n": 10**5000},
 }
 
 

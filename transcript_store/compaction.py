@@ -13,7 +13,7 @@ from typing import Any
 
 from .core import Core, prepare_entry
 from .engine import CompactResult
-from .errors import SummarizerError
+from .errors import InvalidInput, SummarizerError
 from .ledger import get_state, put_state
 from .models import Anchor, Entry
 
@@ -67,6 +67,8 @@ def compact_session(
     token_budget: int | None = None,
 ) -> CompactResult:
     """Summarize the older visible messages of a session (see module doc)."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise InvalidInput(f"keep_last must be an integer of at least 1, got {keep_last!r}")
     pointer = load_pointer(store, scope, session_id)
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from datetime import datetime
 from typing import Any, Literal
 
@@ -99,8 +100,18 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             raise InvalidInput("payload contains a lone surrogate (not valid Unicode)") from e
-    elif isinstance(value, bool) or value is None or isinstance(value, int):
+    elif isinstance(value, bool) or value is None:
         return
+    elif isinstance(value, int):
+        # JSON writes an integer in decimal, which Python refuses past sys.get_int_max_str_digits()
+        # (4,300 by default; 0 is no limit) with a bare ValueError. Fewer than 3 bits per allowed digit
+        # is always fewer digits than allowed (a decimal digit is 3.32 bits): no conversion needed.
+        limit = sys.get_int_max_str_digits()
+        if limit and value.bit_length() >= 3 * limit:
+            try:
+                str(value)
+            except ValueError:
+                raise InvalidInput("payload contains an integer with too many digits to write as JSON") from None
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidInput("payload contains a non-finite number")

@@ -20,13 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import insert
 
 from .config import StoreConfig
-from .core import Core, NewEntry, check_id, entry_values, new_incarnation, prepare_entry, session_info
+from .core import MAX_INT, Core, NewEntry, check_id, entry_values, new_incarnation, prepare_entry, session_info
 from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
 from .models import SessionInfo
 from .schema import active_path, entries, sessions
 
 FORMAT = "transcript-store.session.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_LAST = datetime.max.replace(tzinfo=UTC)
 _BATCH = 500
 
 
@@ -53,10 +54,12 @@ class SessionHeader(_Record):
     session_id: str
     session_key: str | None
     active: bool
-    generation: int = Field(ge=0)
+    # Below the INTEGER columns' top: a rewrite adds one to the generation, and a stored value past
+    # 2**31-1 is out of range on PostgreSQL and refused by every fence on SQLite.
+    generation: int = Field(ge=0, lt=MAX_INT)
     head_entry_id: str | None
-    entry_count: int = Field(ge=0)
-    visible_count: int = Field(ge=0)
+    entry_count: int = Field(ge=0, le=MAX_INT)
+    visible_count: int = Field(ge=0, le=MAX_INT)
     created_at: datetime = Field(strict=False)
     updated_at: datetime = Field(strict=False)
 
@@ -66,14 +69,14 @@ class EntryRecord(_Record):
 
     entry_id: str
     parent_id: str | None
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=MAX_INT)
     kind: str
     role: str | None
     message: dict[str, Any] | None
     payload: dict[str, Any] | None
-    position: int | None
-    generation: int = Field(ge=0)
-    size_bytes: int = Field(ge=0)
+    position: int | None = Field(ge=0, le=MAX_INT)
+    generation: int = Field(ge=0, le=MAX_INT)
+    size_bytes: int = Field(ge=0, le=MAX_INT)
     idempotency_key: str | None
     turn_id: str | None
     created_at: datetime = Field(strict=False)
@@ -93,6 +96,10 @@ def _parse(model: type[_Record], raw: Any, where: str) -> Any:
         stamp = getattr(record, name, None)
         if stamp is not None and stamp.tzinfo is None:
             raise InvalidInput(f"{where}: {name} must carry a UTC offset")
+        if stamp is not None and stamp > _LAST:
+            # Stored as microseconds, read back as a datetime: past year 9999 in UTC no datetime holds
+            # it, and every later read of the session would fail.
+            raise InvalidInput(f"{where}: {name} must not be after 9999-12-31T23:59:59.999999Z")
         if stamp is not None and stamp < _EPOCH:
             # Every time this store writes is a non-negative count of microseconds since the epoch; an
             # import is held to the same (until revision 0007 the creation time was also the session's

@@ -77,6 +77,8 @@ class LegacyEngine:
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
         self.keep_last = int(ctx.config.get("keep_last", 6))
+        if self.keep_last < 1:  # compaction keeps at least the last message
+            raise ValueError(f"legacy engine: keep_last must be at least 1, got {self.keep_last}")
         self.max_sessions = int(ctx.config.get("max_sessions", 256))
         self._projections: OrderedDict[tuple[str, str], _Projection] = OrderedDict()
         self._lock = threading.Lock()
