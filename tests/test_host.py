@@ -592,7 +592,6 @@ def test_a_database_error_inside_a_prefetch_is_retried_not_blamed_on_the_engine(
 
 def test_compaction_keeping_no_message_is_refused_and_writes_nothing(store: TranscriptStore, sid: str) -> None:
     from engines.legacy import LegacyEngine
-
     from transcript_store import compaction
 
     for i in range(6):
