@@ -21,6 +21,8 @@ from conftest import BACKENDS, RUN_ID, _admin_exec, pg_url
 from service_process import ServiceProcess
 
 from transcript_store import TranscriptStore
+from transcript_store.errors import InvalidInput
+from transcript_store.service import TokenMap
 
 TOKEN_A = "token-a-0123456789abcdef"
 TOKEN_B = "token-b-0123456789abcdef"
@@ -95,6 +97,18 @@ def test_every_request_needs_a_known_token(server: ServiceProcess) -> None:
     status, doc = server.call("GET", "/openapi.json", TOKEN_B)
     assert status == 200 and "/v1/engines/{engine}/sessions/{session_id}/commit_turn" in doc["paths"]
     assert doc["components"]["securitySchemes"]
+
+
+def test_tokens_from_the_environment_split_at_the_last_equals_sign() -> None:
+    padded = "c2VjcmV0LXRva2VuIQ=="  # base64 with '=' padding
+    tokens = TokenMap.load(env=f" {padded}=openclaw , plain-token-0123=scope-b ")
+    assert len(tokens) == 2
+    assert tokens.scope_for(padded) == "openclaw"
+    assert tokens.scope_for("plain-token-0123") == "scope-b"
+    assert tokens.scope_for("c2VjcmV0LXRva2VuIQ") is None  # a prefix of the token opens nothing
+    for bad in ("no-separator", "=openclaw", "token-0123=", "token-0123= ", "==="):
+        with pytest.raises(InvalidInput):
+            TokenMap.load(env=bad)
 
 
 # ---------------------------------------------------------------------------------------------- sessions
@@ -209,6 +223,10 @@ def test_commit_turn_committed_duplicate_collision(server: ServiceProcess, engin
     assert status == 409 and clash["error"]["code"] == "advancement_key_collision"
     status, clash = commit(server, engine, sid, "turn-1", 0, turn[:2])
     assert status == 409 and clash["error"]["code"] == "advancement_key_collision"
+    # The ledger's hash covers the admission and terminal entries: a replay naming others collides.
+    for ids, start in ((("other-u", "other-a"), 0), (("turn-1-u", "other-a"), 0), (None, 7)):
+        status, clash = commit(server, engine, sid, "turn-1", start, turn, ids=ids)
+        assert status == 409 and clash["error"]["code"] == "advancement_key_collision", (ids, start, clash)
     status, second = commit(server, engine, sid, "turn-2", 4, [user("again"), assistant("sure")])
     assert status == 200 and second["status"] == "committed"
 
@@ -297,10 +315,13 @@ def test_engine_descriptions_compaction_and_maintenance(server: ServiceProcess) 
     assert lossless["durable"] and lossless["info"]["owns_compaction"] is True
     status, legacy = server.call("GET", "/v1/engines/legacy", TOKEN_A)
     assert legacy["durable"] and legacy["info"]["owns_compaction"] is False
-    status, err = server.call("GET", "/v1/engines/nope", TOKEN_A)
-    assert status == 404 and err["error"]["code"] == "engine_not_found"
     sid = new_id("s")
     open_session(server, session_id=sid)
+    for method, path in (("GET", "/v1/engines/nope"), ("GET", f"/v1/engines/nope/sessions/{sid}/bootstrap"),
+                         ("POST", f"/v1/engines/nope/sessions/{sid}/assemble"),
+                         ("GET", f"/v1/engines/nope/sessions/{sid}/receipts")):
+        status, err = server.call(method, path, TOKEN_A, {} if method == "POST" else None)
+        assert status == 404 and err["error"]["code"] == "engine_not_found", (method, path, err)
     for i in range(12):
         status, _ = commit(server, "lossless", sid, f"k{i}", 2 * i, [user(f"question {i} " * 30),
                                                                       assistant(f"answer {i} " * 30)])

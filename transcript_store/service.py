@@ -109,13 +109,17 @@ class TokenMap:
 
     @classmethod
     def parse_env(cls, value: str) -> list[tuple[str, str]]:
-        """``tok1=scopeA,tok2=scopeB``."""
+        """``tok1=scopeA,tok2=scopeB``; each item splits at its LAST '=' (a token may end in base64 '='
+        padding, a scope never holds '='), and an empty token or scope is refused."""
         pairs = []
         for part in filter(None, (p.strip() for p in value.split(","))):
-            token, sep, scope = part.partition("=")
+            token, sep, scope = part.rpartition("=")
             if not sep:
                 raise InvalidInput(f"{TOKENS_ENV}: expected TOKEN=SCOPE, got an item without '='")
-            pairs.append((token.strip(), scope.strip()))
+            token, scope = token.strip(), scope.strip()
+            if not token or not scope:
+                raise InvalidInput(f"{TOKENS_ENV}: expected TOKEN=SCOPE, got an item with an empty token or scope")
+            pairs.append((token, scope))
         return pairs
 
     @classmethod
@@ -209,13 +213,17 @@ class Service:
 
     def engine(self, engine_id: str) -> tuple[Any, EngineInfo]:
         """The live engine (created once per process); UnknownEngine when none has this id."""
+        self._known_engine(engine_id)
+        with self._lock:
+            return self.runtime.engine(engine_id)
+
+    def _known_engine(self, engine_id: str) -> None:
+        """UnknownEngine when no registered engine has this id (the engine is not created)."""
         check_id("engine", engine_id)
         registry = self.runtime.registry
         assert registry is not None
         if engine_id not in registry.specs:
             raise UnknownEngine(f"no context engine {engine_id!r}")
-        with self._lock:
-            return self.runtime.engine(engine_id)
 
     def describe(self, engine_id: str) -> EngineDescription:
         """An engine's declarations."""
@@ -374,8 +382,8 @@ class Service:
         return CommitTurnResponse(status=result.status, receipt=result.receipt, admission=first, terminal=last)
 
     def receipts(self, scope: str, engine_id: str, session_id: str) -> list[Any]:
-        """The engine's ledger for one session."""
-        check_id("engine", engine_id)
+        """The engine's ledger for one session (UnknownEngine when none has this id, like every engine route)."""
+        self._known_engine(engine_id)
 
         def run(c: Core) -> list[Any]:
             c.require_session(scope, session_id)
@@ -405,15 +413,26 @@ class Service:
 def _committed_range(
     c: Core, scope: str, session_id: str, engine_id: str, req: CommitTurnRequest
 ) -> tuple[Anchor, Anchor] | None:
-    """The anchors of an already committed key (a replay), or None; another message count collides."""
+    """The anchors of an already committed key (a replay), or None.
+
+    The ledger's hash covers the admission and terminal entries (ids and positions), so a replay that
+    names other entries, gives other positions or holds another message count collides.
+    """
     receipt = get_receipt(c, scope, session_id, engine_id, req.advancement_key)
     if receipt is None:
         return None
-    if receipt.message_count != len(req.messages):
+    if (
+        receipt.message_count != len(req.messages)
+        or req.admission.entry_id != receipt.admission_entry_id
+        or req.terminal.entry_id != receipt.terminal_entry_id
+    ):
         raise AdvancementKeyCollision(req.advancement_key)
     sess = c.require_session(scope, session_id)
     rows = c.entry_rows(scope, session_id, [receipt.admission_entry_id, receipt.terminal_entry_id])
     first, last = rows.get(receipt.admission_entry_id), rows.get(receipt.terminal_entry_id)
     if first is None or last is None:  # pragma: no cover - entries are never deleted by normal operation
         return None
+    for ref, row in ((req.admission, first), (req.terminal, last)):
+        if ref.position is not None and ref.position != row.position:
+            raise AdvancementKeyCollision(req.advancement_key)
     return c.anchor_for(sess, first), c.anchor_for(sess, last)
