@@ -152,6 +152,30 @@ def test_fence_rewritten_mid_turn_degrades_that_turn_only(store: TranscriptStore
     assert "t1" not in receipts(store, "rw")
 
 
+def test_a_degraded_turn_id_in_one_session_does_not_degrade_the_same_id_in_another(
+    store: TranscriptStore, sid: str
+) -> None:
+    """Turn ids are the caller's: the engine decided for a failed, degraded turn of one session (kept
+    for that turn's retry) is not the decision of a turn with the same id in another session."""
+    other = store.create_session(SCOPE, session_id="other").session_id
+    store.append(SCOPE, sid, {"role": "system", "content": "be brief"})
+
+    def rewrite_then_fail(scope: str, session_id: str, admission: Any) -> None:
+        if session_id == sid and store.get_session(scope, session_id).generation == 0:
+            first = store.read_visible(scope, session_id)[0]
+            edit = {"entry_id": first.entry_id, "message": {"role": "system", "content": "be briefer"}}
+            store.rewrite_entries(scope, session_id, [edit])
+
+    host, model = make_host(store, "counting", {"counting": lambda ctx: CountingEngine(ctx, "counting")})
+    host.before_assemble = rewrite_then_fail
+    model.fail_next = [RuntimeError("provider 500")]  # the degraded attempt fails too
+    with pytest.raises(RuntimeError):
+        host.run_turn(SCOPE, sid, "hello", turn_id="turn-1")
+    host.before_assemble = None
+    out = host.run_turn(SCOPE, other, "hello", turn_id="turn-1")
+    assert (out.engine_id, out.degraded_reason) == ("counting", None)
+
+
 def test_cursor_crossing_engine_is_degraded(store: TranscriptStore, sid: str) -> None:
     class Crosser(CountingEngine):
         def assemble(self, **kw: Any) -> Any:

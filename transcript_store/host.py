@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +57,8 @@ from .turns import CommitIn, Turns
 log = logging.getLogger("transcript_store.host")
 
 LEGACY = "legacy"
+#: engine decisions kept for turns not (yet) finished: a retry of a failed turn reuses its decision
+_MAX_DECISIONS = 10_000
 T = TypeVar("T")
 
 HostTool = tuple[dict[str, Any], Callable[[dict[str, Any]], str]]
@@ -207,7 +210,9 @@ class HostRuntime:
     turns: Turns = field(init=False)
     quarantined: dict[str, tuple[str, str]] = field(init=False, default_factory=dict)
     _engines: dict[str, tuple[Any, EngineInfo]] = field(init=False, default_factory=dict)
-    _decisions: dict[str, _Decision] = field(init=False, default_factory=dict)
+    # Per (scope, session, turn id): turn ids are the caller's, and the same id in another session is
+    # another turn. Kept after a failed turn (its retry runs on the same engine), so bounded.
+    _decisions: OrderedDict[tuple[str, str, str], _Decision] = field(init=False, default_factory=OrderedDict)
     _bootstrapped: set[tuple[str, str, str]] = field(init=False, default_factory=set)
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
@@ -344,8 +349,10 @@ class HostRuntime:
 
     def decide(self, scope: str, session_id: str, turn_id: str) -> _Decision:
         """The engine of a logical turn, decided once before it starts (retries reuse it)."""
-        if turn_id in self._decisions:
-            return self._decisions[turn_id]
+        key = (scope, session_id, turn_id)
+        if key in self._decisions:
+            self._decisions.move_to_end(key)
+            return self._decisions[key]
         configured = self.settings.engine
         decision = _Decision(configured, None)
         if configured != LEGACY:
@@ -362,7 +369,7 @@ class HostRuntime:
                     )
                 if not durable:
                     decision = _Decision(LEGACY, reason)
-        self._decisions[turn_id] = decision
+        self._remember(key, decision)
         if decision.reason:
             log.warning("turn %s runs on the legacy context path: %s", turn_id, decision.reason)
         return decision
@@ -375,9 +382,15 @@ class HostRuntime:
                 f"Missing host capabilities: {', '.join(missing)}." + (f" {message}" if message else "")
             )
 
-    def _degrade(self, turn_id: str, reason: str) -> _Decision:
+    def _remember(self, key: tuple[str, str, str], decision: _Decision) -> None:
+        self._decisions[key] = decision
+        self._decisions.move_to_end(key)
+        while len(self._decisions) > _MAX_DECISIONS:
+            self._decisions.popitem(last=False)
+
+    def _degrade(self, scope: str, session_id: str, turn_id: str, reason: str) -> _Decision:
         decision = _Decision(LEGACY, reason)
-        self._decisions[turn_id] = decision
+        self._remember((scope, session_id, turn_id), decision)
         log.warning("turn %s runs on the legacy context path: %s", turn_id, reason)
         return decision
 
@@ -416,7 +429,7 @@ class HostRuntime:
                 if decision.engine_id == LEGACY:
                     raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
                 self.turns.discard(scope, session_id, turn_id)
-                decision = self._degrade(turn_id, d.reason)
+                decision = self._degrade(scope, session_id, turn_id, d.reason)
                 attempts -= 1
                 continue
             except ModelTimeout as e:
@@ -429,7 +442,7 @@ class HostRuntime:
                 self.turns.discard(scope, session_id, turn_id)
                 raise
             outcome.attempts = attempts
-            self._decisions.pop(turn_id, None)
+            self._decisions.pop((scope, session_id, turn_id), None)
             return outcome
 
     def _already_accepted(self, scope: str, session_id: str, turn_id: str, engine_id: str) -> TurnOutcome | None:
