@@ -311,3 +311,35 @@ def test_a_large_import_refreshes_postgresql_statistics(store: TranscriptStore, 
             ).scalar()
 
         assert store.db.read(analyzed) is True
+
+
+def test_concurrent_open_session_of_one_key_all_get_the_one_session(store: TranscriptStore) -> None:
+    """Workers opening the same key at once (the host, the service and Hermes all do) each get the
+    session one of them created, never SessionKeyConflict: on PostgreSQL the losing inserts wait for
+    the winner and then find its row."""
+    import threading
+
+    keys = [f"agent:main:race:{k}" for k in range(12)]
+    results: dict[str, list[str]] = {k: [] for k in keys}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def worker() -> None:
+        try:
+            for key in keys:
+                barrier.wait(timeout=30)
+                results[key].append(store.open_session(A, key).session_id)
+        except BaseException as e:  # reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for key, ids in results.items():
+        assert len(ids) == 4 and len(set(ids)) == 1, (key, ids)
+        assert store.find_session(A, key).session_id == ids[0]
+    assert len(store.list_sessions(A, limit=100)) == len(keys)

@@ -13,7 +13,7 @@ from . import fences, migrate, paths, reads
 from .config import StoreConfig
 from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
-from .errors import InvalidInput, InvalidMessage, TranscriptStoreError, UnknownEntry, UnknownSession
+from .errors import InvalidInput, InvalidMessage, SessionKeyConflict, TranscriptStoreError, UnknownEntry, UnknownSession
 from .models import (
     Admission,
     Anchor,
@@ -149,7 +149,17 @@ class TranscriptStore:
 
         def run(c: Core) -> SessionInfo:
             row = c.find_session_by_key(scope, session_key)
-            return session_info(row) if row is not None else c.create_session(scope, sid, session_key)
+            if row is not None:
+                return session_info(row)
+            try:
+                return c.create_session(scope, sid, session_key)
+            except SessionKeyConflict:
+                # Another open_session of the key created it after the lookup (on PostgreSQL the insert
+                # waited for it and did nothing): that session is the answer, as if it had been first.
+                row = c.find_session_by_key(scope, session_key)
+                if row is None:
+                    raise
+                return session_info(row)
 
         return self.write(run)
 
