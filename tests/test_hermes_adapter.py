@@ -244,3 +244,75 @@ def test_install_command_writes_plugin_and_merges_config(tmp_path: Path) -> None
     assert cfg["plugins"]["enabled"] == ["other", "transcript-store"]
     assert cfg["context"]["engine"] == "lossless" and cfg["model"]["context_length"] >= 64000
     assert cfg["model"]["default"] == "m"
+
+
+def visible(engine: Any, session: str) -> list[dict[str, Any]]:
+    """The store session's visible transcript (the active branch), in order."""
+    rt = engine.runtime()
+    store_session = engine._store_session(rt, session)
+    return [e.message for e in rt.store.read_visible(engine.scope, store_session)]
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def reply(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_undo_then_repeated_message_stores_the_new_branch(store_url: str, tmp_path: Path, engine_id: str) -> None:
+    engine = make(tmp_path, engine=engine_id, db_url=store_url)
+    engine.on_session_start("s1")
+    system = {"role": "system", "content": "sys"}
+    engine.on_turn_complete([system, user("hi"), reply("hello")])
+    engine.on_turn_complete([system, user("hi"), reply("hello"), user("continue"), reply("done")])
+    # /undo drops the last exchange; the user asks something new, then says "continue" again: the
+    # repeated message must not make the adapter skip what comes before it.
+    convo = [user("hi"), reply("hello"), user("what is the tide at noon?"), reply("high tide, 3.2 m"),
+             user("continue"), reply("next high tide 00:41")]
+    for _ in range(2):  # the second pass is a re-send: nothing new
+        engine.on_turn_complete([system, *convo])
+    assert visible(engine, "s1") == convo
+    every = engine.stored_messages("s1")
+    assert reply("done") in every, "the undone reply stays stored, off the visible transcript"
+    assert all(m in every for m in convo)
+    assert len(every) == len(convo) + 2  # the new branch, plus the undone "continue" and "done"
+    # The next turn only appends to the new branch.
+    more = [*convo, user("thanks"), reply("you are welcome")]
+    engine.on_turn_complete([system, *more])
+    assert visible(engine, "s1") == more
+    assert len(engine.stored_messages("s1")) == len(more) + 2
+
+
+def test_edits_rewrite_the_visible_transcript_and_lose_nothing(store_url: str, tmp_path: Path) -> None:
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    first = [user("plan a trip"), reply("where to?"), user("ok"), reply("Lisbon it is")]
+    engine.on_turn_complete(first)
+    # The first message edited: the new branch repeats "ok" at the ordinal the old branch had it.
+    edited = [user("plan a short trip"), reply("where to?"), user("ok"), reply("Porto it is")]
+    engine.on_turn_complete(edited)
+    assert visible(engine, "s1") == edited
+    # Back to the first version (a redo): the visible transcript follows the host again.
+    engine.on_turn_complete(first)
+    assert visible(engine, "s1") == first
+    # A host list that is a stale prefix of what is stored writes nothing and moves nothing.
+    engine.on_turn_complete(first[:2])
+    assert visible(engine, "s1") == first
+    every = engine.stored_messages("s1")
+    assert all(m in every for m in first + edited)
+
+
+def test_an_edit_after_a_taken_compaction_aligns_after_the_compacted_view(tmp_path: Path) -> None:
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    convo = conversation("theta", 10)
+    out = engine.compress(convo)
+    assert any(is_context_message(m) for m in out)
+    engine.on_turn_complete([*out, user("theta next"), reply("theta reply")])
+    # The host regenerates the last reply: only that reply changes, after the compacted view.
+    engine.on_turn_complete([*out, user("theta next"), reply("theta other reply")])
+    assert visible(engine, "s1") == [*convo, user("theta next"), reply("theta other reply")]
+    assert reply("theta reply") in engine.stored_messages("s1")

@@ -8,6 +8,12 @@ How the adapter maps Hermes onto the store:
   ``sha256(store session | ordinal | canonical message)``; the ordinal is the message's index in the
   uncompressed conversation. Re-sending the same list (``compress``, ``on_session_end``,
   ``on_turn_complete``, a retry after a host timeout) stores nothing new.
+- The host's list is aligned with the store session's visible transcript in order: only its longest
+  common prefix is skipped. A list that differs after that (an undo, an edit, a regenerated reply)
+  branches the session after the last message both agree on and appends the rest, as the OpenClaw
+  mirror does (``mirror.align``): nothing is deleted, the visible transcript becomes the host's list.
+  Once the session has off-branch entries, a key also names the seq the write follows, so that it can
+  never name an off-branch entry at the same ordinal.
 - ``compress`` compacts in the engine, assembles its context, and records the answer as an unreferenced
   *candidate* (a metadata entry keyed by the answer's hash). A later call whose messages start with a
   candidate proves the host took it: the candidate is adopted (lineage, ordinals of what follows) and only
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import paths
+from .core import Core, entry_from_row
 from .engine import EngineContext
 from .registry import EngineRegistry
 from .store import AppendItem, TranscriptStore
@@ -69,9 +77,12 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in message.items() if not str(k).startswith("_")}
 
 
-def message_key(store_session: str, ordinal: int, message: dict[str, Any]) -> str:
-    """The idempotency key of one Hermes message: (store session, ordinal, canonical message)."""
-    return "hm-" + digest(store_session, str(ordinal), canonical(message))
+def message_key(store_session: str, ordinal: int, message: dict[str, Any], after_seq: int | None = None) -> str:
+    """The idempotency key of one Hermes message: (store session, ordinal, canonical message[, after_seq])."""
+    parts = [store_session, str(ordinal), canonical(message)]
+    if after_seq is not None:
+        parts.append(str(after_seq))
+    return "hm-" + digest(*parts)
 
 
 def split_system(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -179,6 +190,41 @@ class _Candidate:
     next_ordinal: int
 
 
+@dataclass(frozen=True)
+class _Visible:
+    """A store session's visible transcript as ingest last saw it (what host lists are aligned with)."""
+
+    head: str | None  # the session's head entry then: unchanged head, unchanged transcript
+    generation: int
+    digests: tuple[str, ...]
+    entry_ids: tuple[str, ...]
+    seqs: tuple[int, ...]
+
+
+EMPTY = _Visible(None, -1, (), (), ())
+
+
+def align(stored: Sequence[str], host: Sequence[str], start: int | None) -> tuple[int, int]:
+    """(host messages already stored, visible messages to keep): where the host's list leaves the transcript.
+
+    ``start`` is the visible position the host's list begins at (0; after a taken compaction, the
+    candidate's next ordinal), None for a compacted view without a known candidate.
+    """
+    skip = 0
+    if start is None:
+        # A compacted view we hold no candidate for: its tail is the end of what was stored, so it is
+        # anchored at the latest copy of its first stored message; messages before that one are the
+        # view's own (repaired) copies, not new ones. Nothing found: all of it follows the transcript.
+        latest = {d: i for i, d in enumerate(stored)}
+        found = next((k for k, d in enumerate(host) if d in latest), None)
+        skip, start = (0, len(stored)) if found is None else (found, latest[host[found]])
+    start = min(start, len(stored))
+    n = 0
+    while skip + n < len(host) and start + n < len(stored) and host[skip + n] == stored[start + n]:
+        n += 1
+    return skip + n, start + n
+
+
 @dataclass
 class _Runtime:
     """Everything that must not be copied: store, engine, locks, caches."""
@@ -192,7 +238,8 @@ class _Runtime:
     pending: dict[str, str] = field(default_factory=dict)  # store session -> newest unadopted fp
     aliases: dict[str, str] = field(default_factory=dict)  # hermes session -> store session
     selections: dict[str, tuple[str, list[dict[str, Any]] | None]] = field(default_factory=dict)
-    stored: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # store session -> (last seq, digests)
+    visible: dict[str, _Visible] = field(default_factory=dict)  # store session -> its visible transcript
+    index_seq: int = -1  # the candidate index is read up to here
     loaded: bool = False
 
     def session_lock(self, store_session: str) -> threading.Lock:
@@ -303,19 +350,24 @@ class TranscriptStoreEngineMixin:
 
     # ------------------------------------------------------------------------------------ ingestion
 
-    def _load_candidates(self, rt: _Runtime) -> None:
-        """Read the durable candidate index once per runtime."""
-        if rt.loaded:
+    def _load_candidates(self, rt: _Runtime, *, refresh: bool = False) -> None:
+        """Read the durable candidate index once per runtime (``refresh``: what was added since)."""
+        if rt.loaded and not refresh:
             return
         index = rt.store.open_session(self.scope, INDEX_KEY)
-        after = -1
+        with rt.lock:
+            after = rt.index_seq
         while True:
             page = rt.store.list_entries(self.scope, index.session_id, after_seq=after, limit=1000)
-            for e in page:
-                p = e.payload or {}
-                if e.kind == "metadata" and p.get("type") == CANDIDATE:
-                    rt.candidates[p["fp"]] = _Candidate(p["fp"], p["length"], p["store_session"], p["next_ordinal"])
-                after = e.seq
+            with rt.lock:
+                for e in page:
+                    p = e.payload or {}
+                    if e.kind == "metadata" and p.get("type") == CANDIDATE:
+                        rt.candidates[p["fp"]] = _Candidate(
+                            p["fp"], p["length"], p["store_session"], p["next_ordinal"]
+                        )
+                    after = e.seq
+                rt.index_seq = max(rt.index_seq, after)
             if len(page) < 1000:
                 break
         rt.loaded = True
@@ -330,9 +382,9 @@ class TranscriptStoreEngineMixin:
         with rt.lock:
             return rt.aliases.setdefault(key, sid)
 
-    def _match(self, rt: _Runtime, body: list[dict[str, Any]]) -> _Candidate | None:
+    def _match(self, rt: _Runtime, body: list[dict[str, Any]], *, refresh: bool = False) -> _Candidate | None:
         """The longest candidate the message list starts with."""
-        self._load_candidates(rt)
+        self._load_candidates(rt, refresh=refresh)
         with rt.lock:
             lengths = sorted({c.length for c in rt.candidates.values() if c.length <= len(body)}, reverse=True)
         for n in lengths:
@@ -343,33 +395,75 @@ class TranscriptStoreEngineMixin:
                 return cand
         return None
 
-    def _stored_digests(self, rt: _Runtime, store_session: str) -> list[str]:
-        """Digests of the session's stored messages in order (read incrementally, cached per runtime)."""
+    def _visible_in(self, c: Core, rt: _Runtime, store_session: str) -> tuple[Any, _Visible]:
+        """The session's row, locked, and its visible transcript (the cache, brought up to date)."""
+        sess = c.require_session(self.scope, store_session, lock=True)
         with rt.lock:
-            last, digests = rt.stored.get(store_session, (-1, []))
-            digests = list(digests)
-        while True:
-            page = rt.store.list_entries(self.scope, store_session, after_seq=last, limit=1000)
-            for e in page:
-                if e.kind == "message" and e.message is not None:
-                    digests.append(digest(canonical(e.message)))
-                last = e.seq
-            if len(page) < 1000:
-                break
-        with rt.lock:
-            rt.stored[store_session] = (last, digests)
-        return digests
+            known = rt.visible.get(store_session, EMPTY)
+        if known.generation == sess.generation and known.head == sess.head_entry_id:
+            return sess, known
+        # Another writer moved the head. Appends after our last message keep the cached part; a
+        # branch or a rewrite below it does not, and the whole transcript is read again.
+        keep = known if known.generation == sess.generation else EMPTY
+        if keep.seqs and c.path_seq_at_position(self.scope, store_session, len(keep.seqs) - 1) != keep.seqs[-1]:
+            keep = EMPTY
+        entries = [
+            entry_from_row(r, True)
+            for r in c.visible_rows(self.scope, store_session, len(keep.seqs) - 1, None, None)
+        ]
+        return sess, _Visible(
+            sess.head_entry_id,
+            sess.generation,
+            keep.digests + tuple(digest(canonical(e.message)) for e in entries),
+            keep.entry_ids + tuple(e.entry_id for e in entries),
+            keep.seqs + tuple(e.seq for e in entries),
+        )
+
+    def _write_in(
+        self, c: Core, rt: _Runtime, store_session: str, host: list[dict[str, Any]], digests: list[str],
+        start: int | None,
+    ) -> _Visible:
+        """Make the visible transcript follow the host's list (one transaction, the session locked)."""
+        sess, vis = self._visible_in(c, rt, store_session)
+        skipped, kept = align(vis.digests, digests, start)
+        rest = host[skipped:]
+        if not rest:
+            return vis  # a list we hold all of (or a stale prefix of it): nothing moves
+        # Off-branch entries may hold the same message at the same ordinal: a key naming the seq this
+        # write follows can never find one of them (it would be "already stored", silently).
+        forked = kept < len(vis.entry_ids) or sess.path_length < sess.last_seq + 1
+        if kept < len(vis.entry_ids):
+            # The host's list differs from here on: branch after the last message both agree on.
+            paths.branch(c, self.scope, store_session, vis.entry_ids[kept - 1] if kept else None)
+        after_seq = int(sess.last_seq) if forked else None
+        items = rt.store.prepare([
+            AppendItem(message=m, idempotency_key=message_key(store_session, kept + k, m, after_seq))
+            for k, m in enumerate(rest)
+        ])
+        entries = c.append(self.scope, store_session, items)
+        return _Visible(
+            entries[-1].entry_id,  # the head now; neither a branch nor an append rotates the generation
+            int(sess.generation),
+            vis.digests[:kept] + tuple(digests[skipped:]),
+            vis.entry_ids[:kept] + tuple(e.entry_id for e in entries),
+            vis.seqs[:kept] + tuple(e.seq for e in entries),
+        )
 
     def ingest(self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None) -> tuple[str, int]:
-        """Store the conversation's messages once each; (store session, originals in the lineage so far).
+        """Store the conversation's messages once each; (store session, visible messages in the lineage).
 
-        Our own context messages (summaries) are never stored; the rest is aligned in order against what
-        the session already holds, and only messages after the last aligned one are appended, each with
-        the idempotency key (session, ordinal, canonical message).
+        Our own context messages (summaries) are never stored. The rest is aligned in order with the
+        session's visible transcript: the longest common prefix is skipped and everything after the
+        first difference is written (see the module doc), each with the idempotency key (session,
+        ordinal, canonical message). The common case, the stored list plus new messages, reads nothing
+        but the session's row and writes only the new messages.
         """
         rt = self.runtime()
         _system, body = split_system([m for m in messages if isinstance(m, dict)])
-        cand = self._match(rt, body)
+        compacted = any(is_context_message(m) for m in body)
+        # A compacted view whose candidate another runtime recorded after our index was read.
+        cand = self._match(rt, body) or (self._match(rt, body, refresh=True) if compacted else None)
+        start: int | None = 0
         if cand is not None:
             store_session = cand.store_session
             with rt.lock:
@@ -377,29 +471,29 @@ class TranscriptStoreEngineMixin:
                 newly = rt.adopted.get(store_session) != cand.fp
             if newly:
                 self._adopt(rt, cand)
+            # The candidate stands for the transcript up to its next ordinal: what follows it in the
+            # host's list follows that position (its copies of the fresh tail are not compared).
+            start, body = cand.next_ordinal, body[cand.length:]
         else:
             store_session = self._store_session(rt, hermes_session)
-        originals = [clean(m) for m in body if not is_context_message(m)]
+            if compacted:
+                start = None
+        host = [clean(m) for m in body if not is_context_message(m)]
+        digests = [digest(canonical(m)) for m in host]
         with rt.session_lock(store_session):
-            stored = self._stored_digests(rt, store_session)
-            pos, first_new = 0, 0
-            index: dict[str, list[int]] = {}
-            for i, d in enumerate(stored):
-                index.setdefault(d, []).append(i)
-            for k, m in enumerate(originals):
-                hits = [i for i in index.get(digest(canonical(m)), []) if i >= pos]
-                if hits:
-                    pos, first_new = hits[0] + 1, k + 1
-            rest = originals[first_new:]
-            if rest:
-                base = len(stored)
-                items = [
-                    AppendItem(message=m, idempotency_key=message_key(store_session, base + k, m))
-                    for k, m in enumerate(rest)
-                ]
-                rt.store.append_many(self.scope, store_session, items)
-                stored = self._stored_digests(rt, store_session)
-        return store_session, len(stored)
+            with rt.lock:
+                known = rt.visible.get(store_session)
+            if known is not None:
+                skipped, _kept = align(known.digests, digests, start)
+                if skipped == len(host):
+                    # Nothing new against the cache: one read of the session's head proves it current.
+                    info = rt.store.get_session(self.scope, store_session)
+                    if info.head_entry_id == known.head and info.generation == known.generation:
+                        return store_session, len(known.entry_ids)
+            vis = rt.store.write(lambda c: self._write_in(c, rt, store_session, host, digests, start))
+            with rt.lock:  # only after the commit: a retried transaction starts from the same cache
+                rt.visible[store_session] = vis
+        return store_session, len(vis.entry_ids)
 
     def _adopt(self, rt: _Runtime, cand: _Candidate) -> None:
         """The host took a compress answer: record it (idempotently) and make the compacted view visible."""
