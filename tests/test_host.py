@@ -176,6 +176,28 @@ def test_a_degraded_turn_id_in_one_session_does_not_degrade_the_same_id_in_anoth
     assert (out.engine_id, out.degraded_reason) == ("counting", None)
 
 
+def test_a_second_worker_on_the_same_turn_learns_duplicate(store: TranscriptStore, sid: str) -> None:
+    """A dispatcher re-sent a turn after a timeout while its first worker was slow, not dead: the
+    attempt that completes second learns "duplicate" (with the other attempt's reply), never an
+    error, and its own reply is not written."""
+    first, _ = make_host(store)
+    second, _ = make_host(store)
+    ran: list[str] = []
+
+    class Slow(RecordingModel):
+        def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+            if not ran:  # while the first worker's model runs, the second worker runs the whole turn
+                ran.append(second.run_turn(SCOPE, sid, "hello", turn_id="turn-1").commit_status)
+            return super().complete(messages, tools, **kw)
+
+    first.model = Slow()
+    out = first.run_turn(SCOPE, sid, "hello", turn_id="turn-1")
+    assert ran == ["committed"]
+    stored = [e.message["content"] for e in store.read_visible(SCOPE, sid)]
+    assert out.commit_status == "duplicate" and out.reply["content"] == stored[-1]
+    assert len(stored) == 2 and receipts(store, "legacy") == ["turn-1"]
+
+
 def test_cursor_crossing_engine_is_degraded(store: TranscriptStore, sid: str) -> None:
     class Crosser(CountingEngine):
         def assemble(self, **kw: Any) -> Any:

@@ -42,6 +42,7 @@ from .errors import (
     HostRequirementError,
     InvalidInput,
     ModelTimeout,
+    OutboxCollision,
     ReadFenceError,
     StoreUnavailable,
     TranscriptStoreError,
@@ -578,9 +579,18 @@ class HostRuntime:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
         replies = self._model_loop(engine, info, scope, session_id, user, assembled)
-        completion = self.turns.complete(
-            scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
-        )
+        try:
+            completion = self.turns.complete(
+                scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
+            )
+        except OutboxCollision:
+            # Another attempt of this turn id (a worker given the same turn after a timeout, alive
+            # and slower) completed it while this one ran its model: it is that attempt's turn, and
+            # this one learns what became of it ("duplicate" once committed), its replies unwritten.
+            done = self._already_accepted(scope, session_id, turn_id, engine_id)
+            if done is None:
+                raise
+            return done
         status: str = completion.commit.status if completion.commit else completion.intent.state
         if completion.commit is None and completion.intent.state in ("accepted", "ready"):
             drained = self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
