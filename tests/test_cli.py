@@ -620,3 +620,134 @@ def test_import_refuses_bad_exports_before_writing(store_url: str) -> None:
         with pytest.raises(SessionKeyConflict):
             store.import_session("other", header, entries, session_id="imported-2")
         assert store.export_session("other", "imported")[1] == entries
+
+
+# ---------------------------------------------------------------------------------- settings and option refusals
+
+
+def test_a_missing_config_file_named_by_the_environment_is_a_usage_error(tmp_path: Path) -> None:
+    env = {"TRANSCRIPT_STORE_CONFIG": str(tmp_path / "missing.toml")}
+    line = one_error_line(run("engines", "list", "--db", f"sqlite:///{tmp_path / 'x.db'}", cwd=tmp_path, code=2,
+                              env=env))
+    assert "missing.toml" in line and "does not exist" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('[engine]\nplugin_dirs = "./my-engines"\n', "engine.plugin_dirs must be a list"),
+        ("turn = 3\n", "turn must be a table"),
+        ("engine = 5\n", "engine must be a table"),
+        ('engine = "lossless"\n', "engine must be a table"),
+        ('slot = "lossless"\n', "unknown key 'slot'"),
+        ('[turn]\nengine = "lossless"\n', "unknown key turn.engine"),
+        ('[turn]\nengine_source = "env"\n', "unknown key turn.engine_source"),
+        ("[engine]\nslot = 5\n", "engine.slot must be a non-empty string"),
+        ('[engine]\nslots = "lossless"\n', "unknown key engine.slots"),
+        ("[engine.config]\nlegacy = 3\n", "engine.config.legacy must be a table"),
+        ('[turn]\ntoken_budget = "9000"\n', "turn.token_budget"),
+    ],
+)
+def test_bad_config_files_are_usage_errors(tmp_path: Path, text: str, words: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text, encoding="utf-8")
+    line = one_error_line(run("engines", "list", "--config", str(config), "--db", f"sqlite:///{tmp_path / 'x.db'}",
+                              cwd=tmp_path, code=2))
+    assert words in line and "internal error" not in line
+
+
+def test_the_engine_slot_of_the_config_file_reports_its_source(tmp_path: Path) -> None:
+    (tmp_path / "transcript-store.toml").write_text('[engine]\nslot = "lossless"\n', encoding="utf-8")
+    listed = run_json("engines", "list", "--db", f"sqlite:///{tmp_path / 'x.db'}", cwd=tmp_path)
+    assert (listed["selected"], listed["selection_source"]) == ("lossless", "config")
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "words"),
+    [
+        ("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", "abc", "max_payload_bytes"),
+        ("TRANSCRIPT_STORE_RETRY_ATTEMPTS", "0", "retry_attempts"),
+        ("TRANSCRIPT_STORE_AUTO_UPGRADE", "y", "TRANSCRIPT_STORE_AUTO_UPGRADE"),
+        ("TRANSCRIPT_STORE_PG_GENERIC_PLANS", "maybe", "TRANSCRIPT_STORE_PG_GENERIC_PLANS"),
+    ],
+)
+def test_bad_store_settings_in_the_environment_are_usage_errors(tmp_path: Path, var: str, value: str,
+                                                                words: str) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    line = one_error_line(run("sessions", "list", "--db", url, cwd=tmp_path, code=2, env={var: value}))
+    assert line.startswith("error: invalid store setting") and words in line
+
+
+def test_boolean_store_settings_accept_only_known_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    for word, expected in [("1", True), ("Yes", True), ("ON", True), (" true ", True), ("0", False),
+                           ("no", False), ("Off", False), ("FALSE", False)]:
+        monkeypatch.setenv("TRANSCRIPT_STORE_AUTO_UPGRADE", word)
+        assert StoreConfig.from_env().auto_upgrade is expected, word
+    for word in ("y", "n", "maybe", "2", "  "):
+        monkeypatch.setenv("TRANSCRIPT_STORE_AUTO_UPGRADE", word)
+        with pytest.raises(InvalidInput, match="TRANSCRIPT_STORE_AUTO_UPGRADE"):
+            StoreConfig.from_env()
+
+
+def test_an_empty_scope_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    assert "scope" in run("--scope", "", "sessions", "list", "--db", url, cwd=tmp_path, code=2).stderr
+    assert "scope" in run("sessions", "list", "--scope", "", "--db", url, cwd=tmp_path, code=2).stderr
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf", "-inf", "-0.5", "0", "1.5"])
+def test_hermes_install_refuses_a_bad_threshold(tmp_path: Path, threshold: str) -> None:
+    home = tmp_path / "home"
+    result = run("hermes", "install", "--home", str(home), f"--threshold={threshold}", cwd=tmp_path, code=2)
+    assert "--threshold" in result.stderr
+    assert not home.exists()
+
+
+def test_hermes_install_accepts_a_fraction_or_tokens(tmp_path: Path) -> None:
+    for threshold, home in (("0.8", tmp_path / "a"), ("1", tmp_path / "b"), ("64000", tmp_path / "c")):
+        run("hermes", "install", "--home", str(home), "--threshold", threshold, cwd=tmp_path)
+        settings = json.loads(next(home.glob("plugins/*/settings.json")).read_text(encoding="utf-8"))
+        assert settings["threshold_percent"] == float(threshold)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("model: [1\n", "invalid YAML"),
+        ("model:\n  context_length: lots\n", "model.context_length"),
+        ("model:\n  context_length: [1]\n", "model.context_length"),
+        ("- a list\n", "not a YAML mapping"),
+    ],
+)
+def test_hermes_merge_config_refuses_a_bad_config_before_writing(tmp_path: Path, text: str, words: str) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.yaml").write_text(text, encoding="utf-8")
+    line = one_error_line(run("hermes", "install", "--home", str(home), "--merge-config", cwd=tmp_path, code=2))
+    assert words in line and "internal error" not in line
+    assert [p.name for p in home.iterdir()] == ["config.yaml"]
+    assert (home / "config.yaml").read_text(encoding="utf-8") == text
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{\"x\": 1}\n", ("[" * 100_000 + "]" * 100_000 + "\n").encode()])
+def test_import_of_an_unreadable_file_is_one_error_line(tmp_path: Path, content: bytes) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    db_file = tmp_path / "x.db"
+    line = one_error_line(run("sessions", "import", str(bad), "--db", f"sqlite:///{db_file}", cwd=tmp_path, code=1))
+    assert "internal error" not in line and "Error:" not in line
+    assert not db_file.exists()
+
+
+@pytest.mark.parametrize("url", ["http://h:99999", "http://h:abc", " http://h:8765", "http://h:8765\n",
+                                 "http://:8765", "http://h:0", "ftp://h"])
+def test_openclaw_install_line_refuses_bad_urls(tmp_path: Path, url: str) -> None:
+    line = one_error_line(run("openclaw", "install-line", "--service-url", url, cwd=tmp_path, code=2))
+    assert "--service-url" in line
+
+
+def test_openclaw_install_line_accepts_good_urls(tmp_path: Path) -> None:
+    for url in ("http://127.0.0.1:8765", "https://[::1]/base/", "http://service.internal"):
+        info = run_json("openclaw", "install-line", "--service-url", url, cwd=tmp_path)
+        assert info["line"].startswith("openclaw plugins install")

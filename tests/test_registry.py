@@ -111,6 +111,42 @@ def test_settings_precedence_file_env_argument(tmp_path: Path, monkeypatch: pyte
         load_settings(str(tmp_path / "missing.toml"))
 
 
+def test_settings_file_values_are_type_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRANSCRIPT_STORE_ENGINE", raising=False)
+    monkeypatch.delenv("TRANSCRIPT_STORE_PLUGIN_DIRS", raising=False)
+    config = tmp_path / "transcript-store.toml"
+    for text, words in [
+        ('[engine]\nplugin_dirs = "./my-engines"\n', "engine.plugin_dirs must be a list"),
+        ("[engine]\nplugin_dirs = [1]\n", "engine.plugin_dirs must be a list"),
+        ("turn = 3\n", "turn must be a table"),
+        ('engine = "lossless"\n', "engine must be a table"),
+        ("other = 1\n", "unknown key 'other'"),
+        ('[turn]\nengine = "lossless"\n', r"unknown key turn\.engine \(the engine slot is \[engine\] slot\)"),
+        ("[turn]\nno_such_knob = 1\n", r"unknown key turn\.no_such_knob"),
+        ('[engine]\nslot = ""\n', r"engine\.slot must be a non-empty string"),
+        ("[engine.config]\nlossless = 16\n", r"engine\.config\.lossless must be a table"),
+        ("[turn]\ncompaction_threshold = \"0.5\"\n", r"turn\.compaction_threshold"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(InvalidInput, match=words):
+            load_settings(str(config))
+    config.write_text("[turn]\ncompaction_threshold = 1\ntoken_budget = 9000\n[engine]\nplugin_dirs = []\n")
+    s = load_settings(str(config))
+    assert (s.compaction_threshold, s.token_budget, s.plugin_dirs, s.engine_source) == (1.0, 9000, [], "default")
+
+
+def test_a_missing_config_file_named_by_the_environment_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRANSCRIPT_STORE_ENGINE", raising=False)
+    monkeypatch.setenv("TRANSCRIPT_STORE_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(InvalidInput, match="TRANSCRIPT_STORE_CONFIG"):
+        load_settings()
+    monkeypatch.delenv("TRANSCRIPT_STORE_CONFIG")
+    assert load_settings().engine_source == "default"  # no ./transcript-store.toml: the defaults
+
+
 def test_quarantine_records_of_dead_processes_are_ignored(store: TranscriptStore) -> None:
     dead = ProcessIdentity("some-other-host", 999_999, 1.0, "deadbeef")
     store.write(

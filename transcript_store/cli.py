@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -21,9 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import click
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -81,14 +82,15 @@ class State:
         """Store settings from TRANSCRIPT_STORE_* variables and --db."""
         try:
             return StoreConfig.from_env(url=self.db)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise CommandError(f"invalid store setting {where}: {first['msg']}", EXIT_USAGE) from None
+        except InvalidInput as e:  # a bad TRANSCRIPT_STORE_* value: a usage error
+            raise CommandError(str(e), EXIT_USAGE) from None
 
     def settings(self, engine: str | None = None) -> HostSettings:
         """Host settings from the TOML file, TRANSCRIPT_STORE_* variables and --engine."""
-        return load_settings(self.config, engine=engine)
+        try:
+            return load_settings(self.config, engine=engine)
+        except InvalidInput as e:  # a bad settings file or variable: a usage error
+            raise CommandError(str(e), EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -96,6 +98,8 @@ class State:
 
 def _remember(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if name == "scope" and value is not None and not value:
+            raise click.BadParameter("the scope must not be empty")
         if value is not None and value is not False:
             setattr(ctx.ensure_object(State), name, value)
             if name == "debug":
@@ -433,13 +437,18 @@ def sessions_export(session: str, output: str | None) -> None:
 
 def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
     records: list[Any] = []
-    for number, line in enumerate(stream, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
+    try:
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
+            except RecursionError:
+                raise InvalidInput(f"line {number}: not JSON this store can read: nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"not UTF-8 text: {e.reason} (byte {e.object[e.start:e.start + 1]!r})") from None
     if not records:
         raise InvalidInput("the export is empty (no header line)")
     return records[0], records[1:]
@@ -1041,6 +1050,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
+    st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
@@ -1108,6 +1118,24 @@ def openclaw() -> None:
     """The OpenClaw context-engine plugin (integrations/openclaw) backed by `transcript-store serve`."""
 
 
+def check_service_url(url: str) -> None:
+    """Refuse a --service-url that is not a plain http(s) URL with a host and a valid port, as a usage error."""
+    parts = urlsplit(url)
+    problem = None
+    if url != url.strip() or any(c.isspace() or not c.isprintable() for c in url):
+        problem = "it contains whitespace or control characters"
+    elif parts.scheme not in ("http", "https") or not parts.hostname:
+        problem = "it is not an http(s) URL with a host"
+    else:
+        try:
+            if parts.port == 0:
+                problem = "bad port: 0"
+        except ValueError as e:  # not a number, or not in 0..65535
+            problem = f"bad port: {e}"
+    if problem:
+        raise CommandError(f"--service-url {url!r}: {problem}", EXIT_USAGE)
+
+
 @openclaw.command("install-line")
 @click.option("--service-url", required=True, metavar="URL", help="Where `transcript-store serve` listens.")
 @click.option("--engine", default="lossless", show_default=True, help="The service engine the plugin runs.")
@@ -1117,6 +1145,7 @@ def openclaw_install_line(service_url: str, engine: str, plugin_dir: str | None)
     """Print the `openclaw plugins install -l ...` line and the config for a service URL."""
     from .openclaw import install_instructions
 
+    check_service_url(service_url)
     try:
         info = install_instructions(service_url, engine=engine, plugin_dir=plugin_dir)
     except InvalidInput as e:
@@ -1133,10 +1162,47 @@ def hermes() -> None:
     """The Hermes Agent context-engine plugin (integrations/hermes) backed by this store."""
 
 
+def _check_threshold(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
+    """A finite --threshold: a fraction in (0, 1], or a whole number of tokens above 1."""
+    if value is not None and not (math.isfinite(value) and value > 0 and (value <= 1 or value.is_integer())):
+        raise click.BadParameter(f"{value} is not a fraction in (0, 1] or a whole number of tokens above 1")
+    return value
+
+
+def _check_hermes_config(path: Path) -> None:
+    """Refuse a config.yaml that --merge-config could not merge, before anything is written."""
+    import yaml
+
+    if not path.exists():
+        return
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise CommandError(f"cannot merge into {path}: invalid YAML{where}: {problem}", EXIT_USAGE) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"cannot merge into {path}: {e}", EXIT_USAGE) from None
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise CommandError(f"cannot merge into {path}: not a YAML mapping", EXIT_USAGE)
+    model = data.get("model")
+    length = model.get("context_length") if isinstance(model, dict) else None
+    try:
+        int(length or 0)  # what the merge makes of it
+    except (TypeError, ValueError, OverflowError):
+        raise CommandError(
+            f"cannot merge into {path}: model.context_length is not a number: {length!r}", EXIT_USAGE
+        ) from None
+
+
 @hermes.command("install")
 @click.option("--home", required=True, type=click.Path(file_okay=False), help="The HERMES_HOME to install into.")
 @click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
-@click.option("--threshold", type=float, help="Compaction threshold: a fraction of the window, or tokens when > 1.")
+@click.option("--threshold", type=float, callback=_check_threshold,
+              help="Compaction threshold: a fraction of the window, or tokens when > 1.")
 @click.option("--merge-config", is_flag=True, help="Merge the config keys into HOME/config.yaml.")
 @common
 def hermes_install(home: str, engine: str, threshold: float | None, merge_config: bool) -> None:
@@ -1145,6 +1211,8 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
 
     from .hermes import install_plugin
 
+    if merge_config:
+        _check_hermes_config(Path(home).expanduser() / "config.yaml")
     info = install_plugin(home, engine=engine, db_url=state().db, merge_config=merge_config, threshold=threshold)
     if state().json:
         emit_json(info)

@@ -22,6 +22,20 @@ ENV_VARS: dict[str, str] = {
     "pg_generic_plans": "TRANSCRIPT_STORE_PG_GENERIC_PLANS",
 }
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(var: str, raw: str) -> bool:
+    """A boolean environment value (1/0, true/false, yes/no, on/off; any case); InvalidInput otherwise."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    words = ", ".join((*TRUE_WORDS, *FALSE_WORDS))
+    raise InvalidInput(f"invalid store setting {var}={raw!r}: expected one of {words} (any case)")
+
 
 class StoreConfig(BaseModel):
     """How a store connects and what it accepts."""
@@ -55,7 +69,7 @@ class StoreConfig(BaseModel):
             if raw is None or raw == "":
                 continue
             if name in ("auto_upgrade", "pg_generic_plans"):
-                values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                values[name] = parse_bool(var, raw)
             else:
                 values[name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})

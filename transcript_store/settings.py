@@ -59,21 +59,59 @@ class HostSettings(BaseModel):
     system_prompt: str = Field("You are a helpful assistant.", description="the base system prompt")
 
 
+#: [turn] keys that are not turn knobs: the engine slot and its plugins live in [engine]
+_NOT_TURN = frozenset({"engine", "engine_source", "plugin_dirs", "engine_config"})
+_ENGINE_KEYS = ("slot", "plugin_dirs", "config")
+
+
+def _table(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
+    """``data[key]`` as a TOML table ({} when absent); InvalidInput naming the key otherwise."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{path}: {key} must be a table ([{key}]), got {type(value).__name__} {value!r}")
+    return value
+
+
 def _from_file(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise InvalidInput(f"cannot read {path}: {e}") from e
+    for key in data:
+        if key not in ("engine", "turn"):
+            raise InvalidInput(f"{path}: unknown key {key!r} (expected the tables [engine] and [turn])")
+    engine, turn = _table(path, data, "engine"), _table(path, data, "turn")
     out: dict[str, Any] = {}
-    engine = data.get("engine", {})
+    for key in engine:
+        if key not in _ENGINE_KEYS:
+            raise InvalidInput(f"{path}: unknown key engine.{key} (expected one of {', '.join(_ENGINE_KEYS)})")
     if "slot" in engine:
-        out["engine"], out["engine_source"] = engine["slot"], "config"
+        slot = engine["slot"]
+        if not isinstance(slot, str) or not slot.strip():
+            raise InvalidInput(f"{path}: engine.slot must be a non-empty string (an engine id), got {slot!r}")
+        out["engine"], out["engine_source"] = slot, "config"
     if "plugin_dirs" in engine:
-        base = path.parent
-        out["plugin_dirs"] = [str((base / p).resolve()) for p in engine["plugin_dirs"]]
+        dirs = engine["plugin_dirs"]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+            raise InvalidInput(f"{path}: engine.plugin_dirs must be a list of folder names, got {dirs!r}")
+        out["plugin_dirs"] = [str((path.parent / d).resolve()) for d in dirs]
     if "config" in engine:
-        out["engine_config"] = engine["config"]
-    out.update(data.get("turn", {}))
+        config = _table(path, engine, "config")
+        for engine_id, value in config.items():
+            if not isinstance(value, dict):
+                raise InvalidInput(f"{path}: engine.config.{engine_id} must be a table, got {value!r}")
+        out["engine_config"] = config
+    for key in turn:
+        if key in _NOT_TURN or key not in HostSettings.model_fields:
+            hint = " (the engine slot is [engine] slot)" if key == "engine" else ""
+            raise InvalidInput(f"{path}: unknown key turn.{key}{hint}")
+    try:  # TOML values are typed: no string-to-number coercion here
+        HostSettings.model_validate(turn, strict=True)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidInput(f"{path}: invalid setting turn.{where}: {first['msg']}") from None
+    out.update(turn)
     return out
 
 
@@ -85,6 +123,8 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
         values.update(_from_file(path))
     elif config_path is not None:
         raise InvalidInput(f"config file {config_path} does not exist")
+    elif os.environ.get("TRANSCRIPT_STORE_CONFIG"):
+        raise InvalidInput(f"config file {path} (TRANSCRIPT_STORE_CONFIG) does not exist")
     env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
     if env_engine:
         values["engine"], values["engine_source"] = env_engine, "env"
