@@ -521,8 +521,8 @@ def test_anchors_naming_another_key_or_generation_are_refused_and_write_nothing(
     sid = store.create_session(A, session_id="keyed", session_key="agent:main:real").session_id
     adm, term, msgs = finished_turn(store, sid, "t1")
     apply = None if path == "one statement" else (lambda c, t: None)  # apply= takes the transaction
-    for forged in ({"session_key": "agent:main:forged"}, {"session_key": None}, {"generation": 7}):
-        with pytest.raises(InvalidInput, match="session key"):
+    for forged in ({"session_key": "agent:main:forged"}, {"session_key": None}, {"generation": 7}, {"incarnation": 5}):
+        with pytest.raises(InvalidInput, match=r"session key|earlier session"):
             turns.commit_turn(
                 E, "t1", Admission(anchor=adm.anchor.model_copy(update=forged), turn_id="t1"),
                 term.model_copy(update=forged), msgs, apply=apply,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ from transcript_store import (
     InvalidInput,
     TranscriptStore,
 )
+from transcript_store.ledger import prepare_turn
+from transcript_store.models import canonical_json
 from transcript_store.schema import entries
 
 A, B = "scope-a", "scope-b"
@@ -229,6 +232,100 @@ def test_session_rebound_across_a_rewrite(store: TranscriptStore, sid: str) -> N
     new_terminal = store.anchor(A, sid, store.get_session(A, sid).head_entry_id or "")
     assert new_terminal.generation == 1 != adm.anchor.generation
     failed(store.read_closed_range(adm, new_terminal), "session_rebound")
+
+
+def test_stale_when_the_session_was_imported_again(store: TranscriptStore, sid: str) -> None:
+    """A turn's anchors taken before the session was exported, deleted and imported again under the same
+    id (with an edit) match the new session's entries field for field; they are another session's:
+    stale, as anchors of a deleted session or another scope's are. Mixed with the new session's anchors
+    they disagree on the session: session_rebound."""
+    store.append(A, sid, {"role": "system", "content": "ORIGINAL system prompt"})
+    adm, messages, terminal = finished_turn(store, sid)
+    assert ok(store.read_closed_range(adm, terminal)).messages[-1] == assistant("answer t1")
+    header, records = store.export_session(A, sid)
+    store.delete_session(A, sid)
+    records[0]["message"]["content"] = "RESTORED, different system prompt"
+    final = next(r for r in records if r["entry_id"] == messages[-1].entry_id)
+    final["message"]["content"] = "another answer"
+    store.import_session(A, header, records)
+    new_adm, new_terminal = (store.anchor(A, sid, a.entry_id) for a in (adm.anchor, terminal))
+    assert new_terminal.incarnation == store.get_session(A, sid).incarnation != terminal.incarnation
+    assert new_adm.model_copy(update={"incarnation": adm.anchor.incarnation}) == adm.anchor
+    assert new_terminal.model_copy(update={"incarnation": terminal.incarnation}) == terminal
+    failed(store.read_closed_range(adm, terminal), "stale")
+    failed(store.read_closed_range(adm.anchor, new_terminal), "session_rebound")
+    failed(store.read_closed_range(new_adm, terminal), "session_rebound")
+    assert ok(store.read_closed_range(new_adm, new_terminal)).messages[-1] == assistant("another answer")
+
+
+def test_session_rebound_when_the_anchors_disagree_on_the_incarnation(store: TranscriptStore, sid: str) -> None:
+    adm, _, terminal = finished_turn(store, sid)
+    assert terminal.incarnation is not None and terminal.incarnation == adm.anchor.incarnation
+    other = terminal.model_copy(update={"incarnation": terminal.incarnation + 1})
+    failed(store.read_closed_range(adm, other), "session_rebound")
+    failed(store.read_closed_range(adm.anchor.model_copy(update={"incarnation": 0}), terminal), "session_rebound")
+    # Agreeing with each other but not with the session: stale. The fast completion's range does not
+    # vouch for them either: the read reports it.
+    both = [a.model_copy(update={"incarnation": 1}) for a in (adm.anchor, terminal)]
+    failed(store.read_closed_range(*both), "stale")
+    adm = store.admit(A, sid, user("q2"), turn_id="t2")
+    elsewhere = Admission(anchor=adm.anchor.model_copy(update={"incarnation": 1}), turn_id="t2")
+    fast, read = _append_and_both(store, sid, elsewhere, [{"message": assistant("a2")}])
+    assert fast is None
+    failed(read, "session_rebound")  # the terminal the append takes is of the session's incarnation
+
+
+def test_anchors_without_an_incarnation_still_read_their_range(store: TranscriptStore, sid: str) -> None:
+    """Anchors made before they carried an incarnation (an outbox row, an older client) are honoured."""
+    adm, messages, terminal = finished_turn(store, sid)
+    result = ok(store.read_closed_range(adm, terminal))
+    bare = [a.model_copy(update={"incarnation": None}) for a in (adm.anchor, terminal)]
+    for first, last in ((bare[0], bare[1]), (bare[0], terminal), (adm.anchor, bare[1])):
+        assert ok(store.read_closed_range(first, last)) == result
+    # Stored as JSON before the field existed: read back without it.
+    texts = [a.model_dump_json(exclude={"incarnation"}) for a in (adm.anchor, terminal)]
+    assert "incarnation" not in texts[0]
+    first, last = (Anchor.model_validate_json(t) for t in texts)
+    assert (first, last) == (bare[0], bare[1])
+    assert ok(store.read_closed_range(first, last)) == result
+    admission = Admission.model_validate_json(adm.model_dump_json(exclude={"anchor": {"incarnation"}}))
+    assert admission.anchor == bare[0] and ok(store.read_closed_range(admission, last)) == result
+    assert [e.entry_id for e in result.entries] == [e.entry_id for e in messages]
+
+
+def test_the_turn_hash_does_not_cover_the_incarnation(store: TranscriptStore, sid: str) -> None:
+    """A turn's canonical hash is what it was before anchors carried an incarnation: the same for an
+    anchor with one, without one, or with another."""
+    adm, messages, terminal = finished_turn(store, sid)
+    texts = [m.message for m in messages]
+
+    def digest(admission: Anchor, last: Anchor) -> str:
+        return prepare_turn("engine", "t1", admission, last, texts).payload_hash
+
+    expected = digest(adm.anchor, terminal)
+    for incarnation in (None, 0, 12345):
+        change = {"incarnation": incarnation}
+        assert digest(adm.anchor.model_copy(update=change), terminal.model_copy(update=change)) == expected
+    # The hash of the named fields, as ledger.prepare_turn has always computed it.
+    hashed = {
+        "scope": A, "session_id": sid, "session_key": "k",
+        "admission": [adm.anchor.entry_id, adm.anchor.seq, adm.anchor.position],
+        "terminal": [terminal.entry_id, terminal.seq, terminal.position],
+        "messages": texts, "is_heartbeat": False,
+    }
+    assert expected == hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest()
+
+
+def test_an_anchors_incarnation_is_none_or_a_non_negative_integer(store: TranscriptStore, sid: str) -> None:
+    adm, messages, terminal = finished_turn(store, sid)
+    texts = [m.message for m in messages]
+    for bad in (-1, 2**63, True, "1", 1.5):
+        wrong = terminal.model_copy(update={"incarnation": bad})
+        with pytest.raises(InvalidInput):
+            store.read_closed_range(adm, wrong)
+        with pytest.raises(InvalidInput):
+            prepare_turn("engine", "t1", adm, wrong, texts)
+    assert prepare_turn("engine", "t1", adm, terminal.model_copy(update={"incarnation": 2**63 - 1}), texts)
 
 
 # ---------------------------------------------------------------------------------------------- too_large

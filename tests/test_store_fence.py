@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -211,6 +212,80 @@ def test_scope_when_the_fence_belongs_elsewhere(store: TranscriptStore, sid: str
     # Same for a session that does not exist at all: nothing about it leaks either way.
     expect_fence_error("scope", lambda: store.read_visible(A, "nope", fence=adm.fence))
     expect_fence_error("scope", lambda: store.read_visible_delta(A, "nope", fence=adm.fence))
+
+
+def contents(entries: list[Entry]) -> list[Any]:
+    return [e.message["content"] if e.message is not None else None for e in entries]
+
+
+def reimported(store: TranscriptStore, sid: str) -> Admission:
+    """The reviewer's scenario: a turn admitted, the session exported, deleted and imported again under
+    the same id from the export with its system message edited. Returns the old admission."""
+    store.append(A, sid, {"role": "system", "content": "ORIGINAL system prompt"})
+    store.append(A, sid, user("earlier"))
+    adm = store.admit(A, sid, user("question"), turn_id="t1")
+    assert contents(store.read_visible(A, sid, fence=adm.fence)) == ["ORIGINAL system prompt", "earlier"]
+    header, records = store.export_session(A, sid)
+    store.delete_session(A, sid)
+    records[0]["message"]["content"] = "RESTORED, different system prompt"
+    store.import_session(A, header, records)
+    return adm
+
+
+def test_scope_when_the_fence_is_of_an_earlier_incarnation_of_the_session(store: TranscriptStore, sid: str) -> None:
+    """A fence taken before the session was deleted and imported again is another session's: the new
+    session's entry matches it field for field (ids, seqs, positions, generation) but its prefix differs."""
+    adm = reimported(store, sid)
+    now = store.anchor(A, sid, adm.fence.entry_id)
+    assert now.incarnation == store.get_session(A, sid).incarnation != adm.fence.incarnation
+    assert now.model_copy(update={"incarnation": adm.fence.incarnation}) == adm.fence
+    expect_fence_error("scope", *fenced_reads(store, A, sid, adm.fence))
+    # The new session's own anchor of the same entry reads the new prefix.
+    new = ["RESTORED, different system prompt", "earlier"]
+    assert contents(store.read_visible(A, sid, fence=now)) == new
+    assert contents(page_of(store.read_visible_delta(A, sid, fence=now)).entries) == new
+
+
+def test_anchors_carry_the_sessions_incarnation(store: TranscriptStore, sid: str) -> None:
+    _, adm = turn(store, sid)
+    incarnation = store.get_session(A, sid).incarnation
+    assert adm.fence.incarnation == incarnation and incarnation > 0
+    assert store.anchor(A, sid, adm.fence.entry_id).incarnation == incarnation
+    assert store.admit(A, sid, user("the question"), turn_id="turn-1").fence.incarnation == incarnation
+
+
+def test_a_fence_without_an_incarnation_is_still_honoured(store: TranscriptStore, sid: str) -> None:
+    """Anchors made before they carried an incarnation (an outbox row, an older client) are honoured:
+    read as JSON without the field, or with it set to None, they fence as before."""
+    before, adm = turn(store, sid)
+    ids = [e.entry_id for e in before]
+    old = adm.fence.model_copy(update={"incarnation": None})
+    dumped = json.loads(adm.fence.model_dump_json())
+    del dumped["incarnation"]
+    assert Anchor.model_validate_json(json.dumps(dumped)) == old
+    admission = json.loads(adm.model_dump_json())
+    del admission["anchor"]["incarnation"]
+    assert Admission.model_validate_json(json.dumps(admission)).fence == old
+    assert Anchor.model_validate_json(adm.fence.model_dump_json()) == adm.fence  # and with it
+    for fence in (old, Anchor.model_validate_json(json.dumps(dumped))):
+        assert [e.entry_id for e in store.read_visible(A, sid, fence=fence)] == ids
+        assert [e.entry_id for e in page_of(store.read_visible_delta(A, sid, fence=fence)).entries] == ids
+    # Every other check still applies to it.
+    store.rewrite_entries(A, sid, [{"entry_id": before[1].entry_id, "message": assistant("edit")}])
+    expect_fence_error("rewritten", *fenced_reads(store, A, sid, old))
+
+
+def test_a_fences_incarnation_is_none_or_a_non_negative_integer(store: TranscriptStore, sid: str) -> None:
+    _, adm = turn(store, sid)
+    for bad in (-1, 2**63, True, "1", 1.5):
+        fence = adm.fence.model_copy(update={"incarnation": bad})
+        with pytest.raises(InvalidInput):
+            store.read_visible(A, sid, fence=fence)
+        with pytest.raises(InvalidInput):
+            store.read_visible_delta(A, sid, fence=fence)
+    # Well-formed but another incarnation's (0 is no session's): another session's fence.
+    for other in (0, 2**63 - 1):
+        expect_fence_error("scope", *fenced_reads(store, A, sid, adm.fence.model_copy(update={"incarnation": other})))
 
 
 def test_a_fence_must_be_an_anchor(store: TranscriptStore, sid: str) -> None:

@@ -136,6 +136,7 @@ def make_machine(store: TranscriptStore) -> type[RuleBasedStateMachine]:
                 scope=SCOPE, session_id=self.sid, session_key=f"key-{self.sid}", generation=self.model.generation,
                 entry_id=entry_id, seq=node.seq, parent_id=node.parent_id, position=self.model.position(entry_id),
                 idempotency_key=node.idempotency_key,
+                incarnation=self.store.get_session(SCOPE, self.sid).incarnation,
             )
 
         def check_new_entry(self, got: Any, kind: str, body: dict[str, Any], key: str | None, turn: str | None) -> None:

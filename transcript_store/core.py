@@ -123,6 +123,8 @@ def check_id(what: str, value: object, *, optional: bool = False) -> None:
 
 #: the largest seq, position or generation a column holds (32-bit INTEGER on PostgreSQL)
 MAX_INT = 2**31 - 1
+#: the largest session incarnation a column holds (BIGINT)
+MAX_INCARNATION = 2**63 - 1
 
 
 def check_anchor(what: str, anchor: object) -> Anchor:
@@ -144,6 +146,11 @@ def check_anchor(what: str, anchor: object) -> Anchor:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
             raise InvalidInput(f"{what}.{name} must be an integer in 0..{MAX_INT}")
+    incarnation = getattr(anchor, "incarnation", None)  # None: an anchor from before the field, unchecked
+    if incarnation is not None and (
+        isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 <= incarnation <= MAX_INCARNATION
+    ):
+        raise InvalidInput(f"{what}.incarnation must be None or an integer in 0..{MAX_INCARNATION}")
     return anchor
 
 
@@ -658,7 +665,7 @@ class Core:
         self._checked: dict[int, tuple[object, list[int]]] = {}
         #: (scope, session, entry id) -> (seq, parent, position, generation) of the user messages this
         #: transaction appended (the fences it may trust without a check)
-        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int]] = {}
+        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int, int]] = {}
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""
@@ -720,7 +727,10 @@ class Core:
         """
         key = (anchor.scope, anchor.session_id)
         placed = self._appended.get((anchor.scope, anchor.session_id, anchor.entry_id))
-        return key in self._locked and placed == (anchor.seq, anchor.parent_id, anchor.position, anchor.generation)
+        if key not in self._locked or placed is None:
+            return False
+        incarnation = placed[4] if anchor.incarnation is None else anchor.incarnation  # None: not checked
+        return placed == (anchor.seq, anchor.parent_id, anchor.position, anchor.generation, incarnation)
 
     def transaction_failed(self) -> bool:
         """Whether a statement of this transaction failed (PostgreSQL: it can only roll back now)."""
@@ -977,7 +987,7 @@ class Core:
                 self.run(_ADVANCE_HEAD, head)
             for r in new_rows:
                 if r["kind"] == "message" and r["role"] == "user":
-                    placed = (r["seq"], r["parent_id"], r["position"], r["generation"])
+                    placed = (r["seq"], r["parent_id"], r["position"], r["generation"], sess.incarnation)
                     self._appended[(scope, session_id, r["entry_id"])] = placed
         return sess, out
 
@@ -1022,7 +1032,7 @@ class Core:
         return bool(self.run(_PATH_SEQ_AT_DEPTH, params).scalar() == row.seq)
 
     def anchor_for(self, sess: Row[Any], row: Any) -> Anchor:
-        """The anchor of an entry row, taken in the session's current generation."""
+        """The anchor of an entry row, taken in the session's current generation and incarnation."""
         return Anchor.model_construct(
             scope=sess.scope,
             session_id=sess.session_id,
@@ -1033,6 +1043,7 @@ class Core:
             parent_id=row.parent_id,
             position=row.position,
             idempotency_key=row.idempotency_key,
+            incarnation=sess.incarnation,
         )
 
     def visible_rows(

@@ -22,8 +22,13 @@ MAX_TURN_BYTES = 8 * 1024 * 1024
 def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: Any = None) -> Any:
     """Validate a fence for a read of (scope, session); return the session row or raise.
 
-    ``sess``: the session's row (or what the read fetched of it: its generation and session_key), when
-    the read already has it from this transaction.
+    ``sess``: the session's row (or what the read fetched of it: its generation, session_key and
+    incarnation), when the read already has it from this transaction.
+
+    A fence taken in an earlier incarnation of the session (deleted, then created or imported again
+    under the same id) is refused as ``scope``: it belongs to another session, as a cursor of an earlier
+    incarnation is another session's (``scope_mismatch``), however alike the new session's entry is.
+    A fence without an incarnation (made before anchors carried one) is not checked for it.
     """
     check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:
@@ -32,6 +37,8 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
         sess = core.session_row(scope, session_id)
     if sess is None:
         raise ReadFenceError("missing", "the session is gone")
+    if fence.incarnation is not None and sess.incarnation != fence.incarnation:
+        raise ReadFenceError("scope", "the fence belongs to an earlier session under this id")
     rows = core.entries_with_path(scope, session_id, [fence.entry_id])
     row = rows.get(fence.entry_id)
     if row is None:
@@ -54,15 +61,27 @@ def read_closed_range(
 
     ``session``: the session's row as this transaction holds it locked (the fast completion has it from
     its append), instead of reading it again.
+
+    Anchors taken in different incarnations of the session disagree on its identity: ``session_rebound``.
+    Anchors of an earlier incarnation than the session under their id now (deleted, then created or
+    imported again) are ``stale``, as anchors of a session that is gone or of another scope's session
+    are, however alike the new session's entries are. An anchor without an incarnation (made before
+    anchors carried one) is not checked for it.
     """
     if not isinstance(admission, Anchor) or not isinstance(terminal, Anchor):
         raise InvalidInput("a closed range takes two anchors")
     identity = ("scope", "session_id", "session_key", "generation")
-    if any(getattr(admission, k) != getattr(terminal, k) for k in identity):
+    if any(getattr(admission, k) != getattr(terminal, k) for k in identity) or not _same_incarnation(
+        admission, terminal
+    ):
         return ClosedRangeFailure(reason="session_rebound", detail="the anchors disagree on session identity")
     scope, session_id = admission.scope, admission.session_id
     sess = session if session is not None else core.session_row(scope, session_id)
-    if sess is None or sess.generation != admission.generation or sess.session_key != admission.session_key:
+    if sess is None:
+        return ClosedRangeFailure(reason="stale", detail="the session is gone")
+    if any(a.incarnation is not None and a.incarnation != sess.incarnation for a in (admission, terminal)):
+        return ClosedRangeFailure(reason="stale", detail="the anchors are of an earlier session under this id")
+    if sess.generation != admission.generation or sess.session_key != admission.session_key:
         return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
     rows = core.entries_with_path(scope, session_id, [admission.entry_id, terminal.entry_id])
     for anchor in (admission, terminal):
@@ -112,6 +131,8 @@ def closed_range_of_append(
         return None
     if session.generation != admission.generation or session.session_key != admission.session_key:
         return None
+    if any(a.incarnation is not None and a.incarnation != session.incarnation for a in (admission, terminal)):
+        return None
     head = head_view(session)
     if head is None or head.entry_id != admission.entry_id or not _matches(head, admission):
         return None
@@ -133,6 +154,11 @@ def closed_range_of_append(
     if len(messages) != terminal.position - admission.position + 1:
         return None
     return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
+
+
+def _same_incarnation(a: Anchor, b: Anchor) -> bool:
+    """Whether two anchors may be of one session incarnation (one without an incarnation always may)."""
+    return a.incarnation is None or b.incarnation is None or a.incarnation == b.incarnation
 
 
 def _matches(row: Row[Any], anchor: Anchor) -> bool:

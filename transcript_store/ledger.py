@@ -64,7 +64,12 @@ _RANGE_ROWS = select(*ENTRY_COLUMNS).where(
 # it yet: a commit_turn of its own): one round trip instead of two. The outer join returns one row
 # of NULLs for an existing session with no entry in the range, and nothing for an unknown session.
 _RANGE_ROWS_LOCKING = (
-    select(*ENTRY_COLUMNS, sessions.c.session_key.label("s_session_key"), sessions.c.generation.label("s_generation"))
+    select(
+        *ENTRY_COLUMNS,
+        sessions.c.session_key.label("s_session_key"),
+        sessions.c.generation.label("s_generation"),
+        sessions.c.incarnation.label("s_incarnation"),
+    )
     .select_from(
         sessions.outerjoin(
             entries,
@@ -287,6 +292,7 @@ WITH s AS (
     SELECT scope, session_id FROM ts_sessions
     WHERE scope = :b_scope AND session_id = :b_session
       AND session_key {same} CAST(:b_session_key AS TEXT) AND generation = CAST(:b_generation AS INTEGER)
+      AND (CAST(:b_incarnation AS BIGINT) IS NULL OR incarnation = CAST(:b_incarnation AS BIGINT))
     {lock}
 ), a AS (
     SELECT count(*) AS n_rows,
@@ -342,7 +348,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
         turn.scope, turn.session_id,
         b_from=adm.seq, b_to=term.seq, b_key=turn.advancement_key, b_engine=turn.engine_id, b_ts=ts,
         b_count=count, b_heartbeat=turn.is_heartbeat, b_hash=bytes.fromhex(turn.payload_hash),
-        b_session_key=adm.session_key, b_generation=adm.generation,
+        b_session_key=adm.session_key, b_generation=adm.generation, b_incarnation=adm.incarnation,
         b_adm_id=adm.entry_id, b_term_id=term.entry_id, b_seqs=",".join(map(str, range(adm.seq, term.seq + 1))),
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
         b_term_position=term.position, **{f"b_t{i}": stored_text(m) for i, m in enumerate(turn.messages)},
@@ -383,13 +389,13 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     if core.holds_lock(turn.scope, turn.session_id):
         rows = core.run(_RANGE_ROWS, params).all()
         sess = core.require_session(turn.scope, turn.session_id)
-        key, generation = sess.session_key, sess.generation
+        key, generation, incarnation = sess.session_key, sess.generation, sess.incarnation
     else:
         rows = core.run(_RANGE_ROWS_LOCKING, params).all()
         if not rows:
             raise UnknownSession(turn.scope, turn.session_id)
         core.note_locked(turn.scope, turn.session_id)
-        key, generation = rows[0].s_session_key, rows[0].s_generation
+        key, generation, incarnation = rows[0].s_session_key, rows[0].s_generation, rows[0].s_incarnation
         rows = [r for r in rows if r.entry_id is not None]
     # The anchors name the session's key and generation too, and the hash covers the key: a receipt
     # under another key or generation than the session's would stand forever against the genuine turn.
@@ -398,6 +404,10 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
             f"the anchors name session key {adm.session_key!r} and generation {adm.generation}; the session "
             f"has {key!r} and {generation}"
         )
+    if any(a.incarnation is not None and a.incarnation != incarnation for a in (adm, term)):
+        # Anchors of an earlier session under this id (deleted, then created or imported again): its
+        # entries may look the same, but the turn was never this session's.
+        raise InvalidInput("the anchors are of an earlier session under this id")
     by_id = {r.entry_id: r for r in rows}
     first = by_id.get(adm.entry_id)
     if first is None or first.kind != "message" or first.role != "user":

@@ -240,6 +240,12 @@ class Anchor(_Frozen):
     parent_id: str | None
     position: int | None
     idempotency_key: str | None = None
+    #: the incarnation of the session it was taken in (``SessionInfo.incarnation``): a session deleted
+    #: and created or imported again under the same id may hold an entry with the very same ids, seqs
+    #: and positions, and an anchor of the earlier one must not match it. None: an anchor made before
+    #: this field existed (stored in an outbox row, sent by an older client), then not checked. Not
+    #: part of a turn's hash (``ledger.prepare_turn`` hashes named fields only).
+    incarnation: int | None = None
 
 
 class Admission(_Frozen):

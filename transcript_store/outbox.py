@@ -273,12 +273,20 @@ def check_accept(
     if any(getattr(terminal, k) != getattr(admission.anchor, k) for k in identity_fields):
         raise InvalidInput("the terminal anchor names another session than the admission")
     if row.state != "admitted":
-        if row.terminal is not None and Anchor.model_validate_json(row.terminal) == terminal:
+        if row.terminal is not None and _same_anchor(Anchor.model_validate_json(row.terminal), terminal):
             return _intent(row), False, bool(row.earlier_pending)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
     # The row as _ACCEPT leaves it, without reading it back (a statement, a round trip, per turn).
     accepted = {"state": "accepted", "terminal": terminal, "lease_owner": None, "lease_expires_at": None}
     return _intent(row).model_copy(update=accepted), True, bool(row.earlier_pending)
+
+
+def _same_anchor(a: Anchor, b: Anchor) -> bool:
+    """Equal anchors; one without an incarnation (stored before anchors had one, or sent by an older
+    client) is compared on everything else."""
+    if a.incarnation is None or b.incarnation is None:
+        return a.model_copy(update={"incarnation": None}) == b.model_copy(update={"incarnation": None})
+    return a == b
 
 
 def persist_accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> None:
