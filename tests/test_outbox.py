@@ -567,3 +567,21 @@ def test_recovery_is_per_session_and_per_engine(store: TranscriptStore, turns: T
     report = turns.recover(A, sid, E, engines())
     assert not report.must_degrade  # engine-2's queue is not this engine's
     assert turns.intent(A, s2, "u1") is not None  # another session is not touched
+
+
+def test_accept_refuses_a_terminal_that_names_no_stored_message(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """Refused, not accepted and blocked later at the drain: the intent stays admitted."""
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    reply = store.append(A, sid, assistant("a"))
+    real = store.anchor(A, sid, reply.entry_id)
+    event = store.append(A, sid, kind="metadata", payload={"note": "not a message"})
+    for forged in (
+        real.model_copy(update={"entry_id": "no-such-entry"}),
+        real.model_copy(update={"seq": real.seq + 5}),
+        real.model_copy(update={"position": 9}),
+        real.model_copy(update={"entry_id": event.entry_id, "seq": event.seq, "parent_id": event.parent_id}),
+    ):
+        with pytest.raises(InvalidInput, match="terminal"):
+            turns.accept(A, sid, "t1", forged)
+        assert turns.intent(A, sid, "t1").state == "admitted"
+    assert turns.accept(A, sid, "t1", real).state == "accepted"

@@ -251,6 +251,13 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
     """admitted -> accepted with the terminal anchor; the same acceptance again is a no-op."""
     intent, fresh, _ = check_accept(core, scope, session_id, turn_id, terminal)
     if fresh:
+        # A terminal the caller built (the fast completion's comes from its own append): it must name
+        # a stored message as it is, or the acceptance would stand only to be blocked at the drain.
+        row = core.entry_rows(scope, session_id, [terminal.entry_id]).get(terminal.entry_id)
+        if row is None or row.kind != "message" or (row.seq, row.parent_id, row.position) != (
+            terminal.seq, terminal.parent_id, terminal.position
+        ):
+            raise InvalidInput(f"the terminal anchor names no stored message as it is: {terminal.entry_id!r}")
         persist_accept(core, scope, session_id, turn_id, terminal)
     return intent
 
