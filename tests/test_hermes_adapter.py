@@ -216,6 +216,9 @@ def test_thresholds_and_counters(tmp_path: Path) -> None:
     assert engine.should_compress(95000) and not engine.should_compress(1000)
     engine.last_prompt_tokens = -1  # what Hermes writes after each compaction
     assert not engine.should_compress()
+    # ... and its status shows 0, not a negative count or usage (as Hermes's own base class clamps it).
+    status = engine.get_status()
+    assert status["last_prompt_tokens"] == 0 and status["usage_percent"] == 0
 
 
 def test_valid_sequence_never_splits_tool_pairs() -> None:

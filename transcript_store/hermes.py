@@ -656,14 +656,17 @@ class TranscriptStoreEngineMixin:
 
     def get_status(self) -> dict[str, Any]:
         """Token counters, threshold and the store in use."""
+        # Hermes sets last_prompt_tokens to -1 after a compression ("unknown until the next call"):
+        # reported as 0, never a negative usage.
+        prompt = max(0, self.last_prompt_tokens)
         return {
             "engine": self.engine_id,
-            "last_prompt_tokens": self.last_prompt_tokens,
+            "last_prompt_tokens": prompt,
             "threshold_tokens": self.threshold_tokens,
             "context_length": self.context_length,
             "compression_count": self.compression_count,
             "usage_percent": (
-                min(100, self.last_prompt_tokens / self.context_length * 100) if self.context_length else 0
+                min(100, prompt / self.context_length * 100) if self.context_length else 0
             ),
             "store": self.scope,
         }
