@@ -37,7 +37,7 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
         sess = core.session_row(scope, session_id)
     if sess is None:
         raise ReadFenceError("missing", "the session is gone")
-    if fence.incarnation is not None and sess.incarnation != fence.incarnation:
+    if of_another_incarnation(sess.incarnation, fence):
         raise ReadFenceError("scope", "the fence belongs to an earlier session under this id")
     rows = core.entries_with_path(scope, session_id, [fence.entry_id])
     row = rows.get(fence.entry_id)
@@ -79,7 +79,7 @@ def read_closed_range(
     sess = session if session is not None else core.session_row(scope, session_id)
     if sess is None:
         return ClosedRangeFailure(reason="stale", detail="the session is gone")
-    if any(a.incarnation is not None and a.incarnation != sess.incarnation for a in (admission, terminal)):
+    if of_another_incarnation(sess.incarnation, admission, terminal):
         return ClosedRangeFailure(reason="stale", detail="the anchors are of an earlier session under this id")
     if sess.generation != admission.generation or sess.session_key != admission.session_key:
         return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
@@ -131,7 +131,7 @@ def closed_range_of_append(
         return None
     if session.generation != admission.generation or session.session_key != admission.session_key:
         return None
-    if any(a.incarnation is not None and a.incarnation != session.incarnation for a in (admission, terminal)):
+    if of_another_incarnation(session.incarnation, admission, terminal):
         return None
     head = head_view(session)
     if head is None or head.entry_id != admission.entry_id or not _matches(head, admission):
@@ -154,6 +154,12 @@ def closed_range_of_append(
     if len(messages) != terminal.position - admission.position + 1:
         return None
     return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
+
+
+def of_another_incarnation(incarnation: int, *anchors: Anchor) -> bool:
+    """Whether any anchor names another incarnation of its session than ``incarnation`` (an anchor
+    without one, made before anchors carried it, names none)."""
+    return any(a.incarnation is not None and a.incarnation != incarnation for a in anchors)
 
 
 def _same_incarnation(a: Anchor, b: Anchor) -> bool:

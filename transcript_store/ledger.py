@@ -33,7 +33,7 @@ from .core import (
     stored_text,
 )
 from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
-from .fences import MAX_TURN_EVENTS
+from .fences import MAX_TURN_EVENTS, of_another_incarnation
 from .models import Admission, Anchor, canonical_json, validate_message
 from .schema import engine_state, entries, receipts, sessions, turn_messages
 
@@ -404,7 +404,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
             f"the anchors name session key {adm.session_key!r} and generation {adm.generation}; the session "
             f"has {key!r} and {generation}"
         )
-    if any(a.incarnation is not None and a.incarnation != incarnation for a in (adm, term)):
+    if of_another_incarnation(incarnation, adm, term):
         # Anchors of an earlier session under this id (deleted, then created or imported again): its
         # entries may look the same, but the turn was never this session's.
         raise InvalidInput("the anchors are of an earlier session under this id")
