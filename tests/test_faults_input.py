@@ -417,6 +417,7 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore, tmp_pat
         (lambda: TranscriptStore("sqlite:///\ud800"), InvalidInput),  # UnicodeEncodeError
     ]
     # Forged anchors were receipted: a terminal naming no stored entry, an admission at another seq.
+    turns.discard(A, "s1", "T3")  # the world's running turn: a session runs one turn at a time
     fresh, _ = turns.admit(A, "s1", w["messages"][0], turn_id="T7", engine_id=ENGINE)
     reply = store.append(A, "s1", w["messages"][1], entry_id="T7.r0")
     terminal = store.anchor(A, "s1", reply.entry_id)

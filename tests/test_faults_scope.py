@@ -203,6 +203,7 @@ def test_scopes_never_see_or_change_each_other(
                                                                              "content": "A's TB answer"}}],
                                             counting_engine)),
         ("open_session", lambda: store.open_session(A, "k1")),
+        ("discard", lambda: turns.discard(A, "s1", "T4")),  # its running turn: one turn at a time
         ("turns.admit", lambda: turns.admit(A, "s1", {"role": "user", "content": "A again"}, turn_id="T5",
                                             engine_id=ENGINE)),
         ("drain", lambda: turns.drain(engines, scope=A)),

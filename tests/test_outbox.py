@@ -138,16 +138,6 @@ def test_a_payload_derived_from_the_fast_paths_is_checked_against_the_transcript
         sid = store.create_session(A, session_id="s1").session_id
 
 
-def test_a_later_admitted_turn_does_not_hold_the_fast_path(
-    store: TranscriptStore, turns: Turns, sid: str
-) -> None:
-    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
-    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
-    done = turns.complete(A, sid, "t1", [{"message": assistant("a1")}], counting_engine)
-    assert done.commit is not None and done.commit.status == "committed"
-    assert engine_view(store, sid)[0] == ["t1"]
-
-
 def test_an_earlier_queued_turn_is_never_overtaken_by_the_fast_path(
     store: TranscriptStore, turns: Turns, sid: str
 ) -> None:
@@ -431,12 +421,12 @@ def test_a_replayed_delivery_is_a_duplicate_and_completes_the_row(
 
 
 def test_strict_enqueue_order_per_session(store: TranscriptStore, turns: Turns, sid: str) -> None:
-    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
-    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
-    turns.complete(A, sid, "t2", [{"message": assistant("a2")}], None)
-    report = turns.drain(engines())
-    assert report.delivered == 0 and report.stopped_sessions == [sid]  # t1 is in progress: t2 waits
-    turns.complete(A, sid, "t1", [{"message": assistant("a1")}], None)  # accepted after t2, admitted before
+    accepted(turns, sid, "t1")
+    accepted(turns, sid, "t2")
+    refusing = Recorder(lambda t: t.advancement_key == "t1")
+    report = turns.drain(engines(refusing))
+    assert report.delivered == 0 and report.stopped_sessions == [sid]  # t1 failed: t2 waits behind it
+    assert refusing.calls == ["t1"]
     assert turns.drain(engines()).committed == 2
     assert engine_view(store, sid)[0] == ["t1", "t2"]
 
@@ -512,11 +502,11 @@ def test_recovery_never_discards_a_turn_a_retry_has_just_taken_over(
 ) -> None:
     short = Turns(store, OutboxConfig(turn_lease_seconds=0.0))
     short.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
-    seen_expired = store.read(lambda c: outbox.expired_admitted(c, A, sid))
+    seen_expired = store.read(lambda c: outbox.abandoned_admitted(c, A, sid))
     assert [i.turn_id for i in seen_expired] == ["t1"]
     # Between recovery's read and its discard, a retrying worker takes the turn over (a fresh lease).
     turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
-    monkeypatch.setattr(outbox, "expired_admitted", lambda c, scope, session_id: seen_expired)
+    monkeypatch.setattr(outbox, "abandoned_admitted", lambda c, scope, session_id: seen_expired)
     report = short.recover(A, sid, E, engines())
     assert report.discarded == [] and report.pending == ["t1"]
     done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], counting_engine)

@@ -7,6 +7,7 @@ retried around the whole transaction; every other error is final and nothing was
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 FenceReason = Literal["missing", "rewritten", "moved", "not_user", "scope", "crossed"]
@@ -85,6 +86,35 @@ class MirrorConflict(TranscriptStoreError):
 
 class OutboxCollision(TranscriptStoreError):
     """A turn intent was rewritten with another payload, owner or an illegal transition."""
+
+
+class SessionBusy(TranscriptStoreError):
+    """Another logical turn of the session is admitted and still running (its worker's lease is live).
+
+    A session runs one turn at a time: admitting a second one before the first is completed or
+    discarded would put the second turn's messages inside the first one's range. Nothing was written;
+    retry once that turn ends, or after ``lease_expires_at`` (when its worker has died, recovery
+    discards it then).
+    """
+
+    def __init__(self, session_id: str, turn_id: str, lease_expires_at: datetime | None) -> None:
+        super().__init__(f"session {session_id!r} is running turn {turn_id!r}; one turn at a time")
+        self.session_id = session_id
+        self.turn_id = turn_id
+        self.lease_expires_at = lease_expires_at
+
+
+class TurnOvertaken(TranscriptStoreError):
+    """A retried logical turn whose admission a later turn has followed: it can no longer complete.
+
+    Its reply would land after the later turn's messages, and its range would hold them a second
+    time. Nothing was written; present the user message again under a new turn id.
+    """
+
+    def __init__(self, turn_id: str, later_turn_id: str) -> None:
+        super().__init__(f"turn {turn_id!r} was overtaken by turn {later_turn_id!r}; admit it under a new turn id")
+        self.turn_id = turn_id
+        self.later_turn_id = later_turn_id
 
 
 class SchemaNotCurrent(TranscriptStoreError):

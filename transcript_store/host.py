@@ -44,8 +44,10 @@ from .errors import (
     ModelTimeout,
     OutboxCollision,
     ReadFenceError,
+    SessionBusy,
     StoreUnavailable,
     TranscriptStoreError,
+    TurnOvertaken,
 )
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .models import Admission, Anchor, Replacement, RewriteResult, validate_message
@@ -439,6 +441,11 @@ class HostRuntime:
                 if attempts >= self.settings.max_attempts:
                     raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}") from e
                 continue
+            except (SessionBusy, TurnOvertaken):
+                # Refused before this attempt admitted anything: the turn has not started, and its
+                # engine is decided again when it is presented again.
+                self._decisions.pop((scope, session_id, turn_id), None)
+                raise
             except BaseException:
                 self.turns.discard(scope, session_id, turn_id)
                 raise
@@ -534,6 +541,10 @@ class HostRuntime:
             done = self._already_accepted(scope, session_id, turn_id, engine_id)
             if done is not None:
                 return done
+            running = [t for t in report.running if t != turn_id]
+            if running:  # the admission below would refuse it; say so before any degradation
+                other = self.turns.intent(scope, session_id, running[0])
+                raise SessionBusy(session_id, running[0], other.lease_expires_at if other else None)
             if [t for t in report.pending if t != turn_id]:
                 raise _Degrade("an earlier turn of the session is still pending")
             admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)

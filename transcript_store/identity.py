@@ -39,6 +39,10 @@ class ProcessIdentity:
         start = process_start_time(self.pid)
         return start is not None and abs(start - self.start_time) < 2
 
+    def is_dead_here(self) -> bool:
+        """Whether this identity names a process of this machine that is gone (False when unknown)."""
+        return self.host == socket.gethostname() and not self.is_alive_here()
+
 
 def process_start_time(pid: int) -> float | None:
     """Wall-clock start time of a live process (Linux /proc), or None."""

@@ -3,8 +3,10 @@
 States: ``admitted`` (user entry admitted, provider call dispatched) -> ``accepted`` (terminal anchor
 recorded) -> ``ready`` (closed range read, messages captured) or ``blocked`` (the range can never be
 read: kept as audit evidence). Failed attempts delete their admitted intent: admission alone never
-advances an engine. Delivery is at-least-once (a lease with expiry per claimed row, so a crashed
-worker's claim is taken over); the ledger's idempotency makes the effect exactly-once.
+advances an engine. A session runs one turn at a time: a turn is admitted only while no other turn of
+the session is admitted (``SessionBusy``), so no turn's range ever holds another turn's messages.
+Delivery is at-least-once (a lease with expiry per claimed row, so a crashed worker's claim is taken
+over); the ledger's idempotency makes the effect exactly-once.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from sqlalchemy import Row, bindparam, delete, literal, select, union_all, updat
 
 from . import identity
 from .core import Core, by_session, from_us, now_us, session_params
-from .errors import InvalidInput, OutboxCollision
+from .errors import InvalidInput, OutboxCollision, SessionBusy, TurnOvertaken
 from .fences import closed_range_of_append, read_closed_range
 from .ledger import CommitResult
 from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
-from .schema import outbox, receipts
+from .schema import entries, outbox, receipts
 
 log = logging.getLogger("transcript_store.outbox")
 
@@ -152,12 +154,30 @@ _GET_ROW_FOR_ACCEPT = select(outbox, _EARLIER_PENDING).where(_BY_TURN)
 _GET_ROW_FOR_ACCEPT_LOCKED = _GET_ROW_FOR_ACCEPT.with_for_update(of=outbox)
 _PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
 _PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
-_EXPIRED_ADMITTED = select(outbox).where(
-    by_session(outbox), outbox.c.state == "admitted", outbox.c.lease_expires_us < bindparam("b_now")
+_ADMITTED = (
+    select(outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us)
+    .where(by_session(outbox), outbox.c.state == "admitted")
+    .order_by(outbox.c.enqueue_seq)
+)
+_ADMITTED_OTHERS = _ADMITTED.where(outbox.c.turn_id != bindparam("b_turn"))
+# A primary-key range scan from the admitted entry: empty when nothing was appended after it.
+_LATER_ADMISSION = (
+    select(entries.c.turn_id)
+    .where(
+        by_session(entries), entries.c.seq > bindparam("b_seq"), entries.c.turn_id.is_not(None),
+        entries.c.turn_id != bindparam("b_turn"),
+    )
+    .order_by(entries.c.seq)
+    .limit(1)
 )
 #: dialect name -> INSERT .. ON CONFLICT DO NOTHING RETURNING of an admitted intent
 _INSERT_ADMITTED: dict[str, Any] = {}
 _DELETE_TURN = delete(outbox).where(_BY_TURN)
+_DELETE_ADMITTED = _DELETE_TURN.where(outbox.c.state == "admitted")
+# Only the very lease recovery judged abandoned: a retry that took the turn over since has another one.
+_DELETE_ABANDONED = _DELETE_ADMITTED.where(
+    outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires")
+)
 # What a new turn must know of its session's outbox and ledger before it is admitted, in ONE statement
 # (a round trip on PostgreSQL): every non-blocked intent, and any row or receipt of this very turn id.
 _TURN_PRECHECK = union_all(
@@ -172,6 +192,37 @@ _TURN_PRECHECK = union_all(
 
 def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict[str, Any]:
     return session_params(scope, session_id, b_turn=turn_id, **more)
+
+
+def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -> bool:
+    """Whether an admitted intent's worker is gone: its lease expired, or its process left this machine."""
+    if lease_expires_us is None or lease_expires_us < now:
+        return True
+    who = identity.ProcessIdentity.parse(lease_owner) if lease_owner else None
+    return who is not None and who.is_dead_here()
+
+
+def claim_session(core: Core, scope: str, session_id: str, turn_id: str) -> None:
+    """Make ``turn_id`` the session's only running turn, with the session locked (one statement).
+
+    Another admitted turn whose worker lives: ``SessionBusy``. One whose worker is gone is discarded
+    here, as recovery would (no acceptance was recorded for it, so it never reaches an engine).
+    """
+    now = now_us()
+    for row in core.run(_ADMITTED_OTHERS, _turn_params(scope, session_id, turn_id)).all():
+        if not abandoned(row.lease_owner, row.lease_expires_us, now):
+            raise SessionBusy(session_id, row.turn_id, from_us(row.lease_expires_us))
+        core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, row.turn_id))
+        log.warning("turn %s of session %s was abandoned by its worker: discarded before turn %s",
+                    row.turn_id, session_id, turn_id)
+
+
+def check_not_overtaken(core: Core, admission: Admission) -> None:
+    """Refuse to continue an admission that a later turn's admission follows (``TurnOvertaken``)."""
+    a = admission.anchor
+    later = core.run(_LATER_ADMISSION, _turn_params(a.scope, a.session_id, admission.turn_id, b_seq=a.seq)).first()
+    if later is not None:
+        raise TurnOvertaken(admission.turn_id, later.turn_id)
 
 
 def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool = False) -> Row[Any] | None:
@@ -347,16 +398,16 @@ def capture_range(
     return intent.model_copy(update={"state": "blocked", "block_reason": reason}), None
 
 
-def discard(core: Core, scope: str, session_id: str, turn_id: str, *, expired_only: bool = False) -> bool:
-    """Delete an intent that is still only admitted (a failed, aborted or errored attempt).
+def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
+    """Delete an intent that is still only admitted (a failed, aborted or errored attempt)."""
+    return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
-    ``expired_only`` (recovery): only while its worker lease is expired, re-checked here, because a
-    retrying worker may have taken the turn over since recovery read it.
-    """
-    q = delete(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted")
-    if expired_only:
-        q = q.where(outbox.c.lease_expires_us < now_us())
-    return core.conn.execute(q).rowcount == 1
+
+def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLease) -> bool:
+    """Recovery's discard of an abandoned admitted intent: only while it still holds the lease that
+    recovery saw (a retrying worker may have taken the turn over since, with a lease of its own)."""
+    params = _turn_params(scope, session_id, lease.turn_id, b_owner=lease.owner, b_expires=lease.expires_us)
+    return core.run(_DELETE_ABANDONED, params).rowcount == 1
 
 
 def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
@@ -497,6 +548,21 @@ def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> No
     )
 
 
-def expired_admitted(core: Core, scope: str, session_id: str) -> list[TurnIntent]:
-    """Admitted-only intents of a session whose worker lease has expired."""
-    return [_intent(r) for r in core.run(_EXPIRED_ADMITTED, session_params(scope, session_id, b_now=now_us()))]
+@dataclass(frozen=True)
+class AdmittedLease:
+    """An admitted intent's worker lease, as recovery read it."""
+
+    turn_id: str
+    owner: str | None
+    expires_us: int | None
+
+
+def abandoned_admitted(core: Core, scope: str, session_id: str) -> list[AdmittedLease]:
+    """Admitted-only intents of a session whose worker is gone (see ``abandoned``), in enqueue order."""
+    now = now_us()
+    rows = core.run(_ADMITTED, session_params(scope, session_id)).all()
+    return [
+        AdmittedLease(r.turn_id, r.lease_owner, r.lease_expires_us)
+        for r in rows
+        if abandoned(r.lease_owner, r.lease_expires_us, now)
+    ]

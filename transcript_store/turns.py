@@ -35,7 +35,7 @@ from .ledger import (
 )
 from .models import Admission, Anchor, Entry
 from .outbox import DrainReport, OutboxConfig, TurnIntent
-from .store import AppendItem, TranscriptStore, admit_in
+from .store import AppendItem, TranscriptStore, admit_and_tell
 
 log = logging.getLogger("transcript_store.turns")
 
@@ -52,6 +52,9 @@ class RecoveryReport:
     discarded: list[str] = field(default_factory=list)
     drain: DrainReport = field(default_factory=DrainReport)
     pending: list[str] = field(default_factory=list)
+    #: admitted turns of the session (any engine) whose worker still runs them: a new turn is refused
+    #: (``SessionBusy``) until they end
+    running: list[str] = field(default_factory=list)
 
     @property
     def must_degrade(self) -> bool:
@@ -184,11 +187,16 @@ class Turns:
         owner = str(identity.current())
 
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
-            if only_if_clear and not outbox.turn_is_clear(c, scope, session_id, turn_id):
-                return None
             faults.point("admit.before")
-            admission = admit_in(c, scope, session_id, item)
+            # The session is locked by the append: the checks below cannot race another admission.
+            admission, followed = admit_and_tell(c, scope, session_id, item)
+            if only_if_clear and not outbox.turn_is_clear(c, scope, session_id, turn_id):
+                raise _NotClear
             faults.point("admit.after_entry")
+            if followed:  # a retry of a stored admission: was it overtaken by a later turn?
+                outbox.check_not_overtaken(c, admission)
+            if not only_if_clear:  # (clear: the outbox holds no other running turn)
+                outbox.claim_session(c, scope, session_id, turn_id)
             intent = outbox.record_admitted(
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
                 is_heartbeat=is_heartbeat, owner=owner,
@@ -197,9 +205,11 @@ class Turns:
                 within(c, admission)
             return admission, intent
 
-        result = self.store.write(run)
-        if result is not None:
-            faults.point("admit.after_commit")
+        try:
+            result = self.store.write(run)
+        except _NotClear:  # the append rolled back with the transaction: nothing was written
+            return None
+        faults.point("admit.after_commit")
         return result
 
     def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
@@ -425,37 +435,36 @@ class Turns:
     def recover(
         self, scope: str, session_id: str, engine_id: str, commit_in: Callable[[str], CommitIn | None]
     ) -> RecoveryReport:
-        """Before a turn: discard dead admitted intents, capture accepted ones, drain ready ones."""
+        """Before a turn: discard abandoned admitted intents, capture accepted ones, drain ready ones."""
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id)
         _check_callable("commit_in", commit_in)
         report = RecoveryReport()
 
-        def look(c: Core) -> tuple[list[TurnIntent], list[outbox.Group], list[TurnIntent]]:
+        def look(c: Core) -> tuple[list[outbox.AdmittedLease], list[outbox.Group], list[TurnIntent]]:
             return (
-                outbox.expired_admitted(c, scope, session_id),
+                outbox.abandoned_admitted(c, scope, session_id),
                 outbox.drainable_groups(c, scope, session_id),
-                outbox.pending(c, scope, session_id, engine_id),
+                outbox.pending(c, scope, session_id),
             )
+
+        def tell(pending: list[TurnIntent]) -> None:
+            report.pending = [i.turn_id for i in pending if i.engine_id == engine_id]
+            report.running = [i.turn_id for i in pending if i.state == "admitted"]
 
         # Every turn runs this first; almost always there is nothing to recover. One snapshot answers
         # all three questions then, instead of three read transactions (see bench/README.md).
         expired, groups, pending = self.store.read(look)
         if not expired and not groups:
-            report.pending = [i.turn_id for i in pending]
+            tell(pending)
             return report
-        for intent in expired:
-            turn_id = intent.turn_id
-            if self.store.write(
-                lambda c: outbox.discard(c, scope, session_id, turn_id, expired_only=True)  # noqa: B023
-            ):
+        for lease in expired:
+            if self.store.write(lambda c: outbox.discard_abandoned(c, scope, session_id, lease)):  # noqa: B023
                 log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
-                            intent.turn_id, session_id)
-                report.discarded.append(intent.turn_id)
+                            lease.turn_id, session_id)
+                report.discarded.append(lease.turn_id)
         report.drain = self.drain(commit_in, scope=scope, session_id=session_id, limit=10_000)
-        report.pending = [
-            i.turn_id for i in self.store.read(lambda c: outbox.pending(c, scope, session_id, engine_id))
-        ]
+        tell(self.store.read(lambda c: outbox.pending(c, scope, session_id)))
         return report
 
     def intents(self, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
@@ -469,6 +478,10 @@ class Turns:
         """One outbox row, or None."""
         _check_turn(self.store, scope, session_id, turn_id)
         return self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
+
+
+class _NotClear(Exception):
+    """``admit_if_clear`` found recovery or a retry to handle first: roll the admission back."""
 
 
 class _EngineUnavailable(Exception):

@@ -9,6 +9,8 @@ Modes (``python tests/workers/turn_worker.py MODE --url URL ...``):
   ``Turns.commit_turn``; print each key's status.
 - ``drain``: wait for "go" on stdin, then drain the outbox until no accepted or ready row is left;
   print what it committed.
+- ``admit``: wait for "go" on stdin, then admit one turn (``--turn-id``) into ``--sessions``; print
+  whether it was admitted or which turn holds the session, and keep running until stdin closes.
 
 Every mode prints ``ready`` once its store is open, and one JSON line at the end. The counting engine
 (``count_turn``) is shared with the in-process tests: its state (a counter and the committed keys in
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from transcript_store import Admission, Anchor, TranscriptStore, faults
+from transcript_store import Admission, Anchor, SessionBusy, TranscriptStore, faults
 from transcript_store.core import Core
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, get_state, put_state
 from transcript_store.outbox import OutboxConfig
@@ -211,6 +213,28 @@ def main_drain(args: argparse.Namespace) -> dict[str, Any]:
     return {"committed": committed, "duplicates": duplicates}
 
 
+def main_admit(args: argparse.Namespace) -> dict[str, Any]:
+    """Admit one turn when told "go", report it, and hold it (alive) until stdin closes."""
+    store = TranscriptStore(args.url)
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=args.turn_lease))
+    ready()
+    wait_for_go()
+    message = user_message(args.turn_id)
+    result: dict[str, Any] = {"admitted": True, "busy": None}
+    try:
+        if args.if_clear:  # None: the session's outbox is not clear (another turn runs)
+            admitted = turns.admit_if_clear(args.scope, args.sessions, message, turn_id=args.turn_id, engine_id=ENGINE)
+            result["admitted"] = admitted is not None
+        else:
+            turns.admit(args.scope, args.sessions, message, turn_id=args.turn_id, engine_id=ENGINE)
+    except SessionBusy as e:
+        result = {"admitted": False, "busy": e.turn_id}
+    print(json.dumps(result), flush=True)
+    sys.stdin.read()
+    store.close()
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -225,7 +249,7 @@ def wait_for_go() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("turns", "commit", "drain"))
+    parser.add_argument("mode", choices=("turns", "commit", "drain", "admit"))
     parser.add_argument("--url", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions", default="s0")
@@ -235,8 +259,14 @@ def main() -> None:
     parser.add_argument("--turn-lease", type=float, default=0.0)
     parser.add_argument("--delivery-lease", type=float, default=0.0)
     parser.add_argument("--plan", default="")
+    parser.add_argument("--scope", default=SCOPE)
+    parser.add_argument("--turn-id", default="t1")
+    parser.add_argument("--if-clear", action="store_true", help="admit mode: admit_if_clear instead of admit")
     args = parser.parse_args()
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
+    if args.mode == "admit":  # prints its own line as soon as it has one, then holds its turn
+        main_admit(args)
+        return
     run = {"turns": main_turns, "commit": main_commit, "drain": main_drain}[args.mode]
     print(json.dumps(run(args)), flush=True)
 

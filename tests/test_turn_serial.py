@@ -1,0 +1,236 @@
+"""One turn at a time per session: a second admission waits for the first turn to end (``SessionBusy``),
+an abandoned turn (lease expired, or its worker process gone) is discarded by the next one, and a retry
+of a turn that a later turn has overtaken is refused (``TurnOvertaken``). Without these, a turn's
+closed range held another turn's messages, and the engine received them twice."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hosting import CountingEngine
+from test_host import SCOPE, make_host
+from workers.turn_worker import ENGINE, counting_engine
+
+from transcript_store import SessionBusy, TranscriptStore, TurnOvertaken
+from transcript_store.ledger import committed_messages, count_turn_messages
+from transcript_store.outbox import OutboxConfig
+from transcript_store.turns import Turns
+
+WORKER = Path(__file__).parent / "workers" / "turn_worker.py"
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(SCOPE, session_id="sess", session_key="agent:main:serial").session_id
+
+
+def snapshot(store: TranscriptStore, turns: Turns, sid: str) -> tuple[list[Any], list[Any]]:
+    """The session's entries and the outbox's rows: what a refused call must leave as it found."""
+    entries = [(e.seq, e.entry_id, e.turn_id) for e in store.list_entries(SCOPE, sid, limit=1000)]
+    intents = [(i.turn_id, i.state, i.lease_owner) for i in turns.intents(SCOPE)]
+    return entries, intents
+
+
+def test_a_second_turn_waits_for_the_running_one(store: TranscriptStore, sid: str) -> None:
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    before = snapshot(store, turns, sid)
+    with pytest.raises(SessionBusy) as caught:
+        turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    assert (caught.value.session_id, caught.value.turn_id) == (sid, "t1")
+    expires = caught.value.lease_expires_at
+    assert expires is not None and timedelta(seconds=250) < expires - datetime.now(UTC) <= timedelta(seconds=300)
+    assert turns.admit_if_clear(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE) is None
+    with pytest.raises(SessionBusy):  # another engine's turn runs in the same conversation
+        turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="other-engine")
+    assert snapshot(store, turns, sid) == before  # nothing written
+    # The same turn again (a retry of t1) is not another turn: it takes its admission over.
+    again, _ = turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    assert again.anchor.seq == 0
+
+    done = turns.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    done = turns.complete(SCOPE, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    # Each turn's range holds its own messages only: the engine got every message once.
+    first = store.read(lambda c: committed_messages(c, SCOPE, sid, ENGINE, "t1"))
+    second = store.read(lambda c: committed_messages(c, SCOPE, sid, ENGINE, "t2"))
+    assert [m["content"] for m in first] == ["q1", "a1"] and [m["content"] for m in second] == ["q2", "a2"]
+    assert store.read(lambda c: count_turn_messages(c, SCOPE, sid, ENGINE)) == 4
+
+
+def test_queued_turns_do_not_hold_the_session(store: TranscriptStore, sid: str) -> None:
+    """Only a running (admitted) turn holds the session: an accepted one, queued for its engine, or a
+    blocked one, has its range closed already."""
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    assert turns.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], None).intent.state == "accepted"
+    turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    assert turns.complete(SCOPE, sid, "t2", [{"message": assistant("a2")}], None).intent.state == "accepted"
+    assert turns.drain(lambda e: counting_engine if e == ENGINE else None).committed == 2
+
+
+def test_another_session_is_not_held(store: TranscriptStore, sid: str) -> None:
+    turns = Turns(store)
+    other = store.create_session(SCOPE, session_id="other").session_id
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    admission, _ = turns.admit(SCOPE, other, user("q1"), turn_id="t1", engine_id=ENGINE)
+    assert admission.anchor.session_id == "other"
+
+
+def test_a_turn_whose_lease_expired_is_discarded_by_the_next(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    Turns(store, OutboxConfig(turn_lease_seconds=0.0)).admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    turns = Turns(store)
+    with caplog.at_level(logging.WARNING, logger="transcript_store.outbox"):
+        turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    assert "turn t1 of session sess was abandoned by its worker" in caplog.text
+    assert [(i.turn_id, i.state) for i in turns.intents(SCOPE)] == [("t2", "admitted")]
+    assert [e.turn_id for e in store.read_visible(SCOPE, sid)] == ["t1", "t2"]  # t1's entry stays
+    done = turns.complete(SCOPE, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert done.commit is not None and done.commit.status == "committed"
+    assert [m["content"] for m in store.read(lambda c: committed_messages(c, SCOPE, sid, ENGINE, "t2"))] == [
+        "q2", "a2",
+    ]
+
+
+def start_admitter(url: str, turn_id: str, *, if_clear: bool = False) -> subprocess.Popen[str]:
+    """A real worker process that admits ``turn_id`` into session ``sess`` (lease 300 s) and then waits."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    args = [sys.executable, str(WORKER), "admit", "--url", url, "--sessions", "sess", "--scope", SCOPE,
+            "--turn-id", turn_id, "--turn-lease", "300", *(["--if-clear"] if if_clear else [])]
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def admitter_result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, f"worker exited with {proc.wait(timeout=30)}"
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def test_a_killed_workers_turn_is_discarded_at_once(store_url: str, store: TranscriptStore, sid: str) -> None:
+    """Its lease has minutes to run, but its process is gone from this machine: nobody can finish it."""
+    proc = start_admitter(store_url, "t1")
+    try:
+        assert admitter_result(proc) == {"admitted": True, "busy": None}
+        turns = Turns(store)
+        with pytest.raises(SessionBusy):  # its worker still lives
+            turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    report = turns.recover(SCOPE, sid, ENGINE, lambda e: counting_engine)
+    assert report.discarded == ["t1"] and report.running == [] and not report.must_degrade
+    admitted = turns.admit_if_clear(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    assert admitted is not None
+
+
+@pytest.mark.parametrize("if_clear", [False, True], ids=["admit", "admit_if_clear"])
+def test_8_processes_admitting_into_one_session_get_one_turn(
+    store_url: str, store: TranscriptStore, sid: str, if_clear: bool
+) -> None:
+    """On PostgreSQL they really race: the checks run with the session row locked, after the append."""
+    procs = [start_admitter(store_url, f"t{i}", if_clear=if_clear) for i in range(8)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for proc in procs:  # the go signal, as close together as the pipes allow
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            assert proc.stdout is not None
+            results.append(json.loads(proc.stdout.readline()))
+    finally:
+        for proc in procs:  # closing stdin lets each one exit (they hold their turns until then)
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+    winners = [i for i, r in enumerate(results) if r["admitted"]]
+    assert len(winners) == 1, results
+    assert all(r["busy"] == (None if if_clear else f"t{winners[0]}") for r in results if not r["admitted"])
+    assert [e.turn_id for e in store.list_entries(SCOPE, sid)] == [f"t{winners[0]}"]
+    assert [i.turn_id for i in Turns(store).intents(SCOPE)] == [f"t{winners[0]}"]
+
+
+def test_a_retry_overtaken_by_a_later_turn_is_refused(store: TranscriptStore, sid: str) -> None:
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    turns.discard(SCOPE, sid, "t1")  # its attempt failed; the user's message stays in the transcript
+    turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    turns.complete(SCOPE, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    before = snapshot(store, turns, sid)
+    for admit in (turns.admit, turns.admit_if_clear):
+        with pytest.raises(TurnOvertaken) as caught:
+            admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+        assert (caught.value.turn_id, caught.value.later_turn_id) == ("t1", "t2")
+    assert snapshot(store, turns, sid) == before
+    # Under a new turn id the same question is a new turn, after t2.
+    admission, _ = turns.admit(SCOPE, sid, user("q1"), turn_id="t1b", engine_id=ENGINE)
+    assert admission.anchor.seq == 3
+
+
+def test_a_retry_followed_only_by_entries_of_no_turn_continues(store: TranscriptStore, sid: str) -> None:
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    turns.discard(SCOPE, sid, "t1")
+    store.append(SCOPE, sid, kind="custom", payload={"note": "the host's own event"})
+    admission, intent = turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    assert admission.anchor.seq == 0 and intent.state == "admitted"
+
+
+def test_the_host_reports_a_busy_session_without_degrading(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    host, model = make_host(store, "counting", {"counting": lambda ctx: CountingEngine(ctx, "counting")})
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="counting")  # another worker's running turn
+    with caplog.at_level(logging.WARNING), pytest.raises(SessionBusy):
+        host.run_turn(SCOPE, sid, "q2", turn_id="t2")
+    assert "legacy" not in caplog.text and model.requests == []
+    assert [e.turn_id for e in store.list_entries(SCOPE, sid)] == ["t1"]
+    turns.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], None)  # the other worker finishes
+    out = host.run_turn(SCOPE, sid, "q2", turn_id="t2")  # the same turn again: the configured engine
+    assert (out.engine_id, out.degraded_reason, out.commit_status) == ("counting", None, "committed")
+    assert [r.advancement_key for r in turns.receipts(SCOPE, sid, "counting")] == ["t1", "t2"]
+
+
+def test_the_host_refuses_an_overtaken_retry(store: TranscriptStore, sid: str) -> None:
+    host, model = make_host(store)
+    model.fail_next = [RuntimeError("provider 500")]
+    with pytest.raises(RuntimeError):
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    host.run_turn(SCOPE, sid, "q2", turn_id="t2")
+    calls = len(model.requests)
+    with pytest.raises(TurnOvertaken):
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert len(model.requests) == calls
+    ledger = store.read(lambda c: count_turn_messages(c, SCOPE, sid, "legacy"))
+    assert ledger == 2  # t2's question and answer, once
