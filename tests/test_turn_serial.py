@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from hosting import CountingEngine
 from test_host import SCOPE, make_host
 from workers.turn_worker import ENGINE, counting_engine
 
-from transcript_store import SessionBusy, TranscriptStore, TurnOvertaken
+from transcript_store import SessionBusy, TranscriptStore, TurnOvertaken, identity, outbox
+from transcript_store.errors import ModelTimeout
+from transcript_store.identity import ProcessIdentity
 from transcript_store.ledger import committed_messages, count_turn_messages
 from transcript_store.outbox import OutboxConfig
 from transcript_store.turns import Turns
@@ -234,3 +237,90 @@ def test_the_host_refuses_an_overtaken_retry(store: TranscriptStore, sid: str) -
     assert len(model.requests) == calls
     ledger = store.read(lambda c: count_turn_messages(c, SCOPE, sid, "legacy"))
     assert ledger == 2  # t2's question and answer, once
+
+
+# ---------------------------------------------------------------------------------------------- review fixes
+
+
+def test_a_retry_of_an_accepted_turn_after_a_later_turn_is_answered(store: TranscriptStore, sid: str) -> None:
+    """Only a turn that is to run again can be overtaken: an accepted one's range closed before."""
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    turns.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], None)
+    turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+    turns.complete(SCOPE, sid, "t2", [{"message": assistant("a2")}], None)
+    before = snapshot(store, turns, sid)
+    admission, intent = turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=ENGINE)
+    assert (admission.anchor.seq, intent.state) == (0, "accepted")
+    assert snapshot(store, turns, sid) == before
+
+
+class _Broken(CountingEngine):
+    def assemble(self, **kw: Any) -> Any:
+        raise RuntimeError("engine bug")
+
+
+@pytest.mark.parametrize("between", ["model timeout", "degraded to legacy"])
+def test_the_host_keeps_the_session_between_attempts(store: TranscriptStore, sid: str, between: str) -> None:
+    """A model timeout retries the turn, and a turn degraded after its admission reruns on legacy,
+    without handing the session back in between: another turn presented meanwhile is refused."""
+    if between == "model timeout":
+        host, model = make_host(store)
+        model.fail_next = [ModelTimeout("slow provider")]
+    else:
+        host, model = make_host(store, "broken", {"broken": lambda ctx: _Broken(ctx, "broken")})
+    others: list[str] = []
+    calls: list[int] = []
+    admit_if_clear = host.turns.admit_if_clear
+
+    def meanwhile(*args: Any, **kwargs: Any) -> Any:  # another worker, right before the second attempt
+        calls.append(1)
+        if len(calls) >= 2:
+            try:
+                Turns(store).admit(SCOPE, sid, user("other"), turn_id="o1", engine_id="legacy")
+                others.append("admitted")
+            except SessionBusy as e:
+                others.append(f"busy {e.turn_id}")
+        return admit_if_clear(*args, **kwargs)
+
+    host.turns.admit_if_clear = meanwhile  # type: ignore[method-assign]
+    out = host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert others == ["busy t1"]
+    assert out.commit_status == "committed" and out.engine_id == "legacy"
+    assert [e.turn_id for e in store.read_visible(SCOPE, sid) if e.turn_id] == ["t1"]
+    assert Turns(store).intents(SCOPE) == []
+
+
+def test_a_refusal_raised_inside_a_turn_frees_the_session(store: TranscriptStore, sid: str) -> None:
+    """``SessionBusy`` raised after the admission (by a tool or model that reaches another session) is
+    a failed attempt like any other: its intent is discarded, the session is not left held."""
+    host, model = make_host(store)
+    model.fail_next = [SessionBusy("elsewhere", "x", None)]
+    with pytest.raises(SessionBusy):
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert Turns(store).intents(SCOPE) == []
+    assert host.run_turn(SCOPE, sid, "q2", turn_id="t2").commit_status == "committed"
+
+
+def test_identity_judges_a_process_dead_only_on_evidence(tmp_path: Path) -> None:
+    me = identity.current()
+    assert str(ProcessIdentity.parse(str(me))) == str(me) and not me.is_dead_here() and me.is_alive_here()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from transcript_store import identity; "
+                              "print(identity.current(), flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdin is not None
+    theirs = ProcessIdentity.parse(child.stdout.readline().strip())
+    assert theirs is not None and theirs.machine == me.machine and not theirs.is_dead_here()
+    child.stdin.close()
+    child.wait(timeout=30)
+    assert theirs.is_dead_here()  # gone: no process has its pid
+    reused = replace(me, start_ticks=(me.start_ticks or 0) + 1)  # the pid, now another process's
+    assert reused.is_dead_here()
+    # Unknown is not dead: another machine, a pid namespace or boot of its own, an identity without
+    # the machine key (written before it, or where /proc is missing), an unparsable owner.
+    assert not replace(theirs, machine="0" * 12).is_dead_here()
+    assert not replace(theirs, machine=None, start_ticks=None).is_dead_here()
+    legacy = ProcessIdentity.parse(f"{me.host}:{theirs.pid}:{int(me.start_time)}:deadbeef")
+    assert legacy is not None and legacy.machine is None and not legacy.is_dead_here()
+    assert ProcessIdentity.parse("not an identity") is None
+    assert not outbox.abandoned("garbage", 2**62, 0) and outbox.abandoned(str(theirs), 2**62, 0)

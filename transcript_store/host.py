@@ -77,6 +77,14 @@ class _Degrade(Exception):
         self.reason = reason
 
 
+class _Refused(Exception):
+    """The admission refused the turn (``SessionBusy``, ``TurnOvertaken``): raised to the caller as is."""
+
+    def __init__(self, error: SessionBusy | TurnOvertaken) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _PrefetchFailed(Exception):
     """An engine's ``prefetch_in`` raised inside the admission (which rolled back because of it)."""
 
@@ -424,28 +432,37 @@ class HostRuntime:
     ) -> TurnOutcome:
         decision = self.decide(scope, session_id, turn_id)
         attempts = 0
+        first = True
+        # Between attempts the turn keeps its admitted intent (and so the session: a session runs one
+        # turn at a time): the next attempt takes its admission and lease over. Handing the session
+        # back in between would let another turn in, and this one would then be overtaken.
         while True:
             attempts += 1
             try:
                 outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context)
             except _Degrade as d:
                 if decision.engine_id == LEGACY:
+                    self.turns.discard(scope, session_id, turn_id)
                     raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
-                self.turns.discard(scope, session_id, turn_id)
+                self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY))
                 decision = self._degrade(scope, session_id, turn_id, d.reason)
                 attempts -= 1
+                first = False
                 continue
             except ModelTimeout as e:
-                self.turns.discard(scope, session_id, turn_id)
                 log.warning("turn %s attempt %d: model timeout, retrying the same logical turn", turn_id, attempts)
                 if attempts >= self.settings.max_attempts:
+                    self.turns.discard(scope, session_id, turn_id)
                     raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}") from e
+                first = False
                 continue
-            except (SessionBusy, TurnOvertaken):
-                # Refused before this attempt admitted anything: the turn has not started, and its
-                # engine is decided again when it is presented again.
+            except _Refused as r:
+                # The admission refused the turn: on its first attempt nothing of it was written, and
+                # its engine is decided again when it is presented again.
+                if not first:
+                    self.turns.discard(scope, session_id, turn_id)
                 self._decisions.pop((scope, session_id, turn_id), None)
-                raise
+                raise r.error from None
             except BaseException:
                 self.turns.discard(scope, session_id, turn_id)
                 raise
@@ -528,6 +545,8 @@ class HostRuntime:
             admitted = self.turns.admit_if_clear(
                 scope, session_id, user, turn_id=turn_id, engine_id=engine_id, within=within
             )
+        except TurnOvertaken as e:
+            raise _Refused(e) from None
         except _PrefetchFailed as e:  # the admission rolled back: nothing of this attempt was written
             if engine_id == LEGACY:
                 raise e.error from None
@@ -544,10 +563,13 @@ class HostRuntime:
             running = [t for t in report.running if t != turn_id]
             if running:  # the admission below would refuse it; say so before any degradation
                 other = self.turns.intent(scope, session_id, running[0])
-                raise SessionBusy(session_id, running[0], other.lease_expires_at if other else None)
+                raise _Refused(SessionBusy(session_id, running[0], other.lease_expires_at if other else None))
             if [t for t in report.pending if t != turn_id]:
                 raise _Degrade("an earlier turn of the session is still pending")
-            admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+            try:
+                admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+            except (SessionBusy, TurnOvertaken) as e:
+                raise _Refused(e) from None
         admission = admitted[0]
         fence = admission.anchor
         if self.before_assemble is not None:

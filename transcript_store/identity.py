@@ -1,7 +1,8 @@
-"""Who this process is: pid + start time + a random token, for leases and quarantine records."""
+"""Who this process is: pid, start time, a random token and its machine, for leases and quarantine records."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
@@ -17,9 +18,14 @@ class ProcessIdentity:
     pid: int
     start_time: float
     token: str
+    #: this machine's boot, pid namespace and host name, hashed (None: not known, e.g. without /proc)
+    machine: str | None = None
+    #: the process's start in clock ticks after boot (immune to wall-clock steps; None: not known)
+    start_ticks: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{int(self.start_time)}:{self.token}"
+        tail = self.token if self.machine is None else f"{self.token}.{self.machine}.{self.start_ticks}"
+        return f"{self.host}:{self.pid}:{int(self.start_time)}:{tail}"
 
     @classmethod
     def parse(cls, text: str) -> ProcessIdentity | None:
@@ -27,8 +33,15 @@ class ProcessIdentity:
         parts = text.rsplit(":", 3)
         if len(parts) != 4:
             return None
+        token, machine, ticks = parts[3], None, None
+        if token.count(".") == 2:  # token.machine.start_ticks (identities since the lease checks)
+            token, machine, raw_ticks = token.split(".")
+            try:
+                ticks = int(raw_ticks)
+            except ValueError:
+                machine = None
         try:
-            return cls(parts[0], int(parts[1]), float(parts[2]), parts[3])
+            return cls(parts[0], int(parts[1]), float(parts[2]), token, machine, ticks)
         except ValueError:
             return None
 
@@ -40,22 +53,66 @@ class ProcessIdentity:
         return start is not None and abs(start - self.start_time) < 2
 
     def is_dead_here(self) -> bool:
-        """Whether this identity names a process of this machine that is gone (False when unknown)."""
-        return self.host == socket.gethostname() and not self.is_alive_here()
+        """Whether this identity names a process of this machine that is gone, on positive evidence only.
+
+        Same boot, pid namespace and host name as this process (else: unknown, False), and then either
+        no process has the pid (``kill(pid, 0)``: no such process) or the one that has it started at
+        another clock tick (the pid was reused). A process that exists but cannot be signalled or
+        inspected is not dead.
+        """
+        if self.machine is None or self.start_ticks is None or self.machine != machine_key():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # PermissionError: it exists, under another user
+            return False
+        ticks = process_start_ticks(self.pid)
+        return ticks is not None and ticks != self.start_ticks
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """A live process's start, in clock ticks after boot (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def process_start_time(pid: int) -> float | None:
     """Wall-clock start time of a live process (Linux /proc), or None."""
+    ticks = process_start_ticks(pid)
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
         with open("/proc/uptime", encoding="ascii") as f:
             uptime = float(f.read().split()[0])
     except (OSError, IndexError, ValueError):
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    started_after_boot = int(fields[19]) / ticks
-    return time.time() - uptime + started_after_boot
+    if ticks is None:
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+_machine: tuple[int, str | None] | None = None
+
+
+def machine_key() -> str | None:
+    """This machine's boot, pid namespace and host name, hashed: processes with the same key can see
+    each other's pids (Linux /proc; None elsewhere)."""
+    global _machine
+    if _machine is None or _machine[0] != os.getpid():
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                boot = f.read().strip()
+            namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            key = None
+        else:
+            seen = f"{socket.gethostname()}|{boot}|{namespace}".encode()
+            key = hashlib.blake2b(seen, digest_size=6).hexdigest()
+        _machine = (os.getpid(), key)
+    return _machine[1]
 
 
 _current: ProcessIdentity | None = None
@@ -66,7 +123,10 @@ def current() -> ProcessIdentity:
     global _current
     if _current is None or _current.pid != os.getpid():
         pid = os.getpid()
+        ticks = process_start_ticks(pid)
+        machine = machine_key() if ticks is not None else None
         _current = ProcessIdentity(
-            socket.gethostname(), pid, process_start_time(pid) or time.time(), secrets.token_hex(4)
+            socket.gethostname(), pid, process_start_time(pid) or time.time(), secrets.token_hex(4),
+            machine, ticks if machine is not None else None,
         )
     return _current

@@ -403,6 +403,13 @@ def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
     return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
 
+def reassign(core: Core, scope: str, session_id: str, turn_id: str, engine_id: str) -> bool:
+    """Hand a still only admitted turn to another engine (the host's turn-local degradation), keeping
+    its admission and so the session: discarding and admitting again would let another turn in."""
+    q = update(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted")
+    return core.conn.execute(q.values(engine_id=engine_id, updated_us=now_us())).rowcount == 1
+
+
 def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLease) -> bool:
     """Recovery's discard of an abandoned admitted intent: only while it still holds the lease that
     recovery saw (a retrying worker may have taken the turn over since, with a lease of its own)."""

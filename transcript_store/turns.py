@@ -193,14 +193,16 @@ class Turns:
             if only_if_clear and not outbox.turn_is_clear(c, scope, session_id, turn_id):
                 raise _NotClear
             faults.point("admit.after_entry")
-            if followed:  # a retry of a stored admission: was it overtaken by a later turn?
-                outbox.check_not_overtaken(c, admission)
             if not only_if_clear:  # (clear: the outbox holds no other running turn)
                 outbox.claim_session(c, scope, session_id, turn_id)
             intent = outbox.record_admitted(
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
                 is_heartbeat=is_heartbeat, owner=owner,
             )
+            if followed and intent.state == "admitted":
+                # A stored admission that is to run (again): was it overtaken by a later turn? (An
+                # accepted one is answered as it is: its range was closed before the later turn.)
+                outbox.check_not_overtaken(c, admission)
             if within is not None:
                 within(c, admission)
             return admission, intent
