@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -778,3 +779,135 @@ def test_a_cycle_is_refused_as_json_dumps_refuses_it() -> None:
     loop.append(loop)
     _encodes_as_json_dumps(loop, False)
     assert compact_json(["x"]) == '["x"]'
+
+
+def _work_of_fenced_read(store: TranscriptStore, sid: str, cursor: str, fence: Any) -> tuple[int, list[Any]]:
+    """(SQLite virtual-machine steps, the statements sent) of one fenced delta read."""
+    steps = [0]
+    sent: list[Any] = []
+
+    def count() -> int:
+        steps[0] += 1
+        return 0
+
+    def on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        if store.backend == "sqlite":
+            dbapi_conn.set_progress_handler(count, 1)
+
+    def on_statement(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        sent.append((statement, parameters))
+
+    event.listen(store.db.engine, "checkout", on_checkout)
+    event.listen(store.db.engine, "before_cursor_execute", on_statement)
+    try:
+        page = page_of(store.read_visible_delta(A, sid, cursor, max_messages=50, fence=fence))
+    finally:
+        event.remove(store.db.engine, "checkout", on_checkout)
+        event.remove(store.db.engine, "before_cursor_execute", on_statement)
+        if store.backend == "sqlite":
+            with store.db.engine.connect() as conn:  # the pool's connections, as they were
+                conn.connection.driver_connection.set_progress_handler(None, 1)
+    assert [e.position for e in page.entries] == list(range(61, 100)) and not page.has_more
+    return steps[0], sent
+
+
+def test_a_fence_far_behind_the_head_bounds_the_page_scan(store: TranscriptStore) -> None:
+    """A fenced page whose fence lies far behind the head (a retried turn's pre-turn read, long after):
+    the read stops at the fence instead of walking every entry after it and filtering them out."""
+    work = {}
+    for n in (300, 3000):
+        sid = store.create_session(A, session_id=f"fenced-{n}").session_id
+        made = store.append_many(A, sid, [{"message": (user if i % 2 == 0 else assistant)(f"m{i}")} for i in range(n)])
+        fence = store.anchor(A, sid, made[100].entry_id)  # a user message
+        cursor = CursorState(A, sid, 0, made[60].seq, 60, inc(store, sid)).encode()
+        steps, sent = _work_of_fenced_read(store, sid, cursor, fence)
+        work[n] = steps
+        if store.backend == "postgresql":
+            from test_pg_plans import _generic_plan
+
+            pages = [(s, p) for s, p in sent if "LIMIT" in s and "b_before" in s]
+            assert pages, sent
+            with store.db.engine.connect() as conn:
+                for sql, params in pages:
+                    plan = _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF")
+                    removed = [int(x) for x in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
+                    assert max(removed, default=0) <= 1, plan
+                conn.rollback()
+    if store.backend == "sqlite":
+        assert work[3000] < 1.5 * work[300], work
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pages_of_sessions_that_branch_and_rewrite_match_the_visible_transcript(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Random appends, events, branches and rewrites; after each, a reader that kept its cursor, a
+    fresh cursor chain and fenced chains all agree with ``read_visible`` (invariants 3 and 4). A
+    session read with the one-table page while it had no branch, and with the active path's page once
+    it had one; the process-wide hint of branched sessions is forgotten at random, as a process that
+    never read the session would have none."""
+    import random
+
+    from transcript_store import core as core_module
+
+    rng = random.Random(seed)
+    sid = store.create_session(A, session_id=f"walk-{seed}").session_id
+    kept: list[Entry] = []
+    cursor: str | None = None
+    for step in range(60):
+        op = rng.random()
+        visible = store.read_visible(A, sid)
+        if op < 0.55 or not visible:
+            items = [{"message": (user if rng.random() < 0.5 else assistant)(f"s{step}.{i}")}
+                     for i in range(rng.randint(1, 6))]
+            if rng.random() < 0.3:
+                items.insert(rng.randrange(len(items) + 1), {"kind": "custom", "payload": {"step": step}})
+            store.append_many(A, sid, items)
+        elif op < 0.75:
+            store.branch(A, sid, rng.choice(visible).entry_id)
+        elif op < 0.9:
+            target = rng.choice(visible)
+            store.rewrite_entries(A, sid, [{"entry_id": target.entry_id, "message": user(f"edit {step}")}])
+        else:
+            store.append(A, sid, user(f"lone {step}"))
+        if rng.random() < 0.3:
+            monkeypatch.setattr(core_module, "_BRANCHED", type(core_module._BRANCHED)())
+        visible = store.read_visible(A, sid)
+        want = [(e.entry_id, e.position) for e in visible]
+        fresh, _ = read_all(store, sid, None, rng.randint(1, 7))
+        assert [(e.entry_id, e.position) for e in fresh] == want
+        # The reader that kept its cursor: a page continues it, a reset restarts it.
+        result = store.read_visible_delta(A, sid, cursor, max_messages=1000)
+        if isinstance(result, DeltaReset):
+            kept, result = [], store.read_visible_delta(A, sid, result.cursor, max_messages=1000)
+        page = page_of(result)
+        kept += page.entries
+        cursor = page.cursor
+        assert [(e.entry_id, e.position) for e in kept] == want
+        users = [e for e in visible if e.role == "user"]
+        if users:
+            fence = store.anchor(A, sid, rng.choice(users).entry_id)
+            before = [(e.entry_id, e.position) for e in store.read_visible(A, sid, fence=fence)]
+            got: list[Entry] = []
+            at: str | None = None
+            while True:
+                fenced = page_of(store.read_visible_delta(A, sid, at, max_messages=rng.randint(1, 5), fence=fence))
+                got += fenced.entries
+                at = fenced.cursor
+                if not fenced.has_more:
+                    break
+            assert [(e.entry_id, e.position) for e in got] == before
+
+
+def test_a_cursor_before_the_first_message_claiming_a_later_seq_reads_from_the_start(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A start cursor (position -1) whose seq says otherwise is read by its position: from the start,
+    never after the seq it claims (which would skip messages)."""
+    made = fill(store, sid, 12)
+    forged = CursorState(A, sid, 0, made[5].seq, -1, inc(store, sid)).encode()
+    result = store.read_visible_delta(A, sid, forged, max_messages=100)
+    if isinstance(result, DeltaPage):
+        assert [e.entry_id for e in result.entries] == [e.entry_id for e in made]
+    else:
+        assert reset_of(result).reason == "invalid_cursor"

@@ -50,13 +50,16 @@ def read_visible_delta(
     # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
     claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
     after = decoded.last_position if claimed and decoded is not None else -1
+    # The seq the cursor claims for that position (the linear page reads after it; checked below).
+    after_seq = decoded.last_seq if claimed and decoded is not None and after >= 0 else -1
     fence_written = (
         fence is not None and fence.scope == scope and fence.session_id == session_id and core.appended_here(fence)
     )
     if fence is not None and not fence_written and not snapshot:
         raise NeedsSnapshot
     before = fence.position if fence is not None else None  # a fence without one fails its check below
-    head, found = core.delta_page_rows(scope, session_id, after, before, max_messages + 1)
+    before_seq = fence.seq if fence is not None else None
+    head, found = core.delta_page_rows(scope, session_id, after, before, max_messages + 1, after_seq, before_seq)
     if head is None:
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
