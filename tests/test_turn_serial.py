@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assistant, user
 from hosting import CountingEngine
 from test_host import SCOPE, make_host
 from workers.turn_worker import ENGINE, counting_engine
@@ -29,14 +30,6 @@ from transcript_store.outbox import OutboxConfig
 from transcript_store.turns import Turns
 
 WORKER = Path(__file__).parent / "workers" / "turn_worker.py"
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
 
 
 @pytest.fixture

@@ -132,7 +132,12 @@ class Turns:
         engine_id: str,
         is_heartbeat: bool = False,
     ) -> tuple[Admission, TurnIntent]:
-        """Admit the user message and write the admitted intent, in one transaction."""
+        """Admit the user message and write the admitted intent, in one transaction.
+
+        One turn at a time per session: ``SessionBusy`` while another turn of the session is admitted
+        and its worker lives (one whose worker is gone is discarded first); ``TurnOvertaken`` when this
+        turn id's stored admission is to run again but a later turn's admission follows it.
+        """
         result = self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False)
         assert result is not None
         return result
@@ -151,7 +156,9 @@ class Turns:
         """``admit``, in the same one transaction as the check that no recovery is needed first.
 
         None (nothing written) when the session's outbox holds a non-blocked intent or the turn id is
-        already known to the outbox or the ledger: the caller runs ``recover`` and ``admit``. This is
+        already known to the outbox or the ledger: the caller runs ``recover`` and ``admit``. The
+        check runs after the append has locked the session, so two admissions racing on PostgreSQL
+        cannot both find the session clear. ``TurnOvertaken`` as for ``admit``. This is
         the common case of a turn costing one transaction before the model call, instead of the
         recovery snapshot, the retry lookup and the admission (bench/README.md).
 
