@@ -781,8 +781,8 @@ def test_a_cycle_is_refused_as_json_dumps_refuses_it() -> None:
     assert compact_json(["x"]) == '["x"]'
 
 
-def _work_of_fenced_read(store: TranscriptStore, sid: str, cursor: str, fence: Any) -> tuple[int, list[Any]]:
-    """(SQLite virtual-machine steps, the statements sent) of one fenced delta read."""
+def _work_of_read(store: TranscriptStore, read: Any) -> tuple[int, list[Any], Any]:
+    """(SQLite virtual-machine steps, the statements sent, the result) of ``read()``."""
     steps = [0]
     sent: list[Any] = []
 
@@ -800,15 +800,29 @@ def _work_of_fenced_read(store: TranscriptStore, sid: str, cursor: str, fence: A
     event.listen(store.db.engine, "checkout", on_checkout)
     event.listen(store.db.engine, "before_cursor_execute", on_statement)
     try:
-        page = page_of(store.read_visible_delta(A, sid, cursor, max_messages=50, fence=fence))
+        result = read()
     finally:
         event.remove(store.db.engine, "checkout", on_checkout)
         event.remove(store.db.engine, "before_cursor_execute", on_statement)
         if store.backend == "sqlite":
             with store.db.engine.connect() as conn:  # the pool's connections, as they were
                 conn.connection.driver_connection.set_progress_handler(None, 1)
-    assert [e.position for e in page.entries] == list(range(61, 100)) and not page.has_more
-    return steps[0], sent
+    return steps[0], sent, result
+
+
+def _rows_thrown_away(store: TranscriptStore, sent: list[Any]) -> int:
+    """PostgreSQL: the most rows any node of the page statements' generic plans read and filtered out."""
+    from test_pg_plans import _generic_plan
+
+    pages = [(s, p) for s, p in sent if "LIMIT" in s and "b_after_seq" in s]
+    assert pages, sent
+    removed = [0]
+    with store.db.engine.connect() as conn:
+        for sql, params in pages:
+            plan = _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF")
+            removed += [int(x) for x in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
+        conn.rollback()
+    return max(removed)
 
 
 def test_a_fence_far_behind_the_head_bounds_the_page_scan(store: TranscriptStore) -> None:
@@ -820,19 +834,38 @@ def test_a_fence_far_behind_the_head_bounds_the_page_scan(store: TranscriptStore
         made = store.append_many(A, sid, [{"message": (user if i % 2 == 0 else assistant)(f"m{i}")} for i in range(n)])
         fence = store.anchor(A, sid, made[100].entry_id)  # a user message
         cursor = CursorState(A, sid, 0, made[60].seq, 60, inc(store, sid)).encode()
-        steps, sent = _work_of_fenced_read(store, sid, cursor, fence)
-        work[n] = steps
+        work[n], sent, result = _work_of_read(
+            store, lambda: store.read_visible_delta(A, sid, cursor, max_messages=50, fence=fence)  # noqa: B023
+        )
+        page = page_of(result)
+        assert [e.position for e in page.entries] == list(range(61, 100)) and not page.has_more
         if store.backend == "postgresql":
-            from test_pg_plans import _generic_plan
+            assert _rows_thrown_away(store, sent) <= 1
+    if store.backend == "sqlite":
+        assert work[3000] < 1.5 * work[300], work
 
-            pages = [(s, p) for s, p in sent if "LIMIT" in s and "b_before" in s]
-            assert pages, sent
-            with store.db.engine.connect() as conn:
-                for sql, params in pages:
-                    plan = _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF")
-                    removed = [int(x) for x in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
-                    assert max(removed, default=0) <= 1, plan
-                conn.rollback()
+
+def test_events_after_the_last_message_are_not_walked_by_each_read(store: TranscriptStore) -> None:
+    """A reader polling at the tail of a session that ends in many non-message entries (events, or a
+    session of events only) reads the page's window, not every event after it, on every poll."""
+    work = {}
+    for n in (300, 3000):
+        sid = store.create_session(A, session_id=f"events-{n}").session_id
+        store.append_many(A, sid, [{"message": user(f"m{i}")} for i in range(20)])
+        store.append_many(A, sid, [{"kind": "custom", "payload": {"i": i}} for i in range(n)])
+        tail = page_of(store.read_visible_delta(A, sid, None, max_messages=1000)).cursor
+        work[n], sent, result = _work_of_read(
+            store, lambda: store.read_visible_delta(A, sid, tail, max_messages=20)  # noqa: B023
+        )
+        assert page_of(result).entries == [] and not page_of(result).has_more
+        only = store.create_session(A, session_id=f"only-events-{n}").session_id
+        store.append_many(A, only, [{"kind": "custom", "payload": {"i": i}} for i in range(n)])
+        steps, more, result = _work_of_read(store, lambda: store.read_visible_delta(A, only, None))  # noqa: B023
+        assert page_of(result).entries == []
+        work[n] += steps
+        sent += more
+        if store.backend == "postgresql":
+            assert _rows_thrown_away(store, sent) <= 1
     if store.backend == "sqlite":
         assert work[3000] < 1.5 * work[300], work
 

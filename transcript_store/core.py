@@ -547,13 +547,31 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
         (sessions.c.path_length == sessions.c.last_seq + 1).label("s_linear"),
         *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
     ).where(by_session(sessions))
+    # The scan ends at the seq of the window's last message, found through the path's position index
+    # (one probe): without it, events after the page's messages (a tail of non-message entries, or a
+    # session of events only) were walked and filtered out on every read, 20,000 of them in 2 ms.
+    window = [
+        by_session(active_path),
+        active_path.c.position > bindparam("b_after"),
+        active_path.c.position <= bindparam("b_after") + bindparam("b_limit", type_=Integer),
+    ]
+    if bounded:
+        window.append(active_path.c.position < bindparam("b_before"))
+    last = (
+        select(active_path.c.seq).where(*window).order_by(active_path.c.position.desc()).limit(literal_column("1"))
+    )
     q = (
         select(*ENTRY_COLUMNS)
-        .where(by_session(entries), entries.c.seq > bindparam("b_after_seq"), entries.c.position.is_not(None))
+        .where(
+            by_session(entries),
+            entries.c.seq > bindparam("b_after_seq"),
+            entries.c.seq <= last.scalar_subquery(),
+            entries.c.position.is_not(None),
+        )
         .order_by(entries.c.seq)
         .limit(bindparam("b_limit", type_=Integer))
     )
-    if bounded:  # the fence's seq bounds the scan (its position alone would be a filter over the rest)
+    if bounded:  # the fence's seq bounds the scan too (its position alone would be a filter)
         q = q.where(entries.c.seq < bindparam("b_before_seq"), entries.c.position < bindparam("b_before"))
     page = q.subquery("page")
     return union_all(head, select(null(), null(), null(), null(), null(), *page.c))
@@ -827,7 +845,9 @@ class Core:
         )
         bounded = before_position is not None
         key = (self.config.url, scope, session_id)
-        if key not in _BRANCHED and (not bounded or before_seq is not None):
+        if key in _BRANCHED:
+            _BRANCHED.move_to_end(key)  # least recently read first out
+        elif not bounded or before_seq is not None:
             head, page = self._page_rows(_LINEAR_DELTA_PAGE[bounded], params)
             if head is None or head.s_linear:
                 return head, page

@@ -46,7 +46,8 @@ def read_visible_delta(
     """
     decoded = None if cursor is None else decode_cursor(cursor)
     # The session, the seq at the cursor's position and the page after it come back in ONE statement
-    # (core.delta_page_rows): on PostgreSQL every statement is a round trip (bench/README.md). The page
+    # (core.delta_page_rows; for a session that has branched, the first read of it in a process takes
+    # a second, self-contained one): on PostgreSQL every statement is a round trip (bench/README.md). The page
     # is read from the position the cursor claims; if the cursor turns out not to hold, it is dropped.
     claimed = decoded is not None and decoded.scope == scope and decoded.session_id == session_id
     after = decoded.last_position if claimed and decoded is not None else -1

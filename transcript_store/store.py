@@ -126,7 +126,9 @@ class TranscriptStore:
 
     def statement(self, fn: Callable[[Core], T]) -> T:
         """Run ``fn``, which executes ONE statement through the core's ``run``, outside any transaction
-        (``Database.statement``: atomic by itself, retried whole, so it must be idempotent)."""
+        (``Database.statement``: atomic by itself, retried whole, so it must be idempotent). ``fn`` may
+        run a second one whose answer stands alone (a delta page of a branched session: the first
+        statement's rows are dropped), never one that needs the first's snapshot."""
         return self.db.statement(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
 
     # ------------------------------------------------------------------------------------ sessions
