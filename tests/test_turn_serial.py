@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import assistant, user
-from hosting import CountingEngine
+from hosting import CountingEngine, RecordingModel
 from test_host import SCOPE, make_host
 from workers.turn_worker import ENGINE, counting_engine
 
@@ -317,3 +318,37 @@ def test_identity_judges_a_process_dead_only_on_evidence(tmp_path: Path) -> None
     assert legacy is not None and legacy.machine is None and not legacy.is_dead_here()
     assert ProcessIdentity.parse("not an identity") is None
     assert not outbox.abandoned("garbage", 2**62, 0) and outbox.abandoned(str(theirs), 2**62, 0)
+
+
+def test_a_long_tool_loop_keeps_its_turn_past_the_lease(store: TranscriptStore, sid: str) -> None:
+    """The host renews a running turn's lease between model calls: a tool loop longer than the lease
+    is not discarded by another worker's turn (which gets SessionBusy instead), and commits."""
+    lease = 1.5
+    host, _ = make_host(store)
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
+    others: list[str] = []
+
+    class SlowModel(RecordingModel):
+        def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+            if len(self.requests) == 1:  # the second call, after the tool: past the first lease
+                time.sleep(1.0)
+                try:
+                    Turns(store).admit(SCOPE, sid, user("other"), turn_id="o1", engine_id="legacy")
+                    others.append("admitted")
+                except SessionBusy as e:
+                    others.append(f"busy {e.turn_id}")
+            return super().complete(messages, tools, **kw)
+
+    schema, lookup = host.host_tools["lookup"]
+
+    def slow_lookup(args: dict[str, Any]) -> str:
+        time.sleep(0.8)
+        return lookup(args)
+
+    host.host_tools["lookup"] = (schema, slow_lookup)
+    host.model = SlowModel()
+    out = host.run_turn(SCOPE, sid, "please use tool lookup now", turn_id="t1")
+    assert others == ["busy t1"]  # 1.8 s after the admission: renewed at 0.8 s, so still t1's
+    assert out.commit_status == "committed" and [m["role"] for m in out.messages] == [
+        "user", "assistant", "tool", "assistant",
+    ]

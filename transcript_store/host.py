@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import compaction, outbox, quarantine
+from . import compaction, identity, outbox, quarantine
 from .core import Core, new_id
 from .engine import (
     AssembleResult,
@@ -611,7 +612,9 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled)
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled, self._lease_keeper(
+            scope, session_id, turn_id
+        ))
         try:
             completion = self.turns.complete(
                 scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
@@ -736,6 +739,7 @@ class HostRuntime:
         session_id: str,
         user: dict[str, Any],
         assembled: AssembleResult,
+        keep_lease: Callable[[], None],
     ) -> list[dict[str, Any]]:
         system = self.settings.system_prompt
         if assembled.system_prompt_addition:
@@ -752,6 +756,7 @@ class HostRuntime:
         tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         replies: list[dict[str, Any]] = []
         for _step in range(self.settings.max_tool_steps):
+            keep_lease()
             request = [{"role": "system", "content": system}, *context, user, *replies]
             response = self.model.complete(
                 request,
@@ -768,6 +773,27 @@ class HostRuntime:
                 replies.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
         replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
         return replies
+
+    def _lease_keeper(self, scope: str, session_id: str, turn_id: str) -> Callable[[], None]:
+        """What the tool loop calls before each model call: once a third of the turn's worker lease
+        has passed since it was last set, extend it (one short write). A session runs one turn at a
+        time, and a turn whose lease ran out is discarded by the next one: a long tool loop keeps
+        its turn this way (a single model or tool call longer than the lease still loses it)."""
+        lease = self.turns.config.turn_lease_seconds
+        owner = str(identity.current())  # the admission's owner (Turns.admit, this process)
+        last = [time.monotonic()]  # the admission set the lease just before the loop starts
+
+        def keep() -> None:
+            if time.monotonic() - last[0] < lease / 3:
+                return
+            renewed = self.store.write(
+                lambda c: outbox.renew_lease(c, scope, session_id, turn_id, owner, lease)
+            )
+            last[0] = time.monotonic()
+            if not renewed:
+                log.warning("turn %s: its lease could not be renewed (discarded or taken over meanwhile)", turn_id)
+
+        return keep
 
     def _run_tool(
         self,

@@ -403,6 +403,15 @@ def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
     return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
 
+def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:
+    """Extend a running turn's worker lease from now (False: the turn is no longer this owner's)."""
+    q = update(outbox).where(
+        _key(scope, session_id, turn_id), outbox.c.state == "admitted", outbox.c.lease_owner == owner
+    )
+    expires = now_us() + int(lease_seconds * 1_000_000)
+    return core.conn.execute(q.values(lease_expires_us=expires, updated_us=now_us())).rowcount == 1
+
+
 def reassign(core: Core, scope: str, session_id: str, turn_id: str, engine_id: str) -> bool:
     """Hand a still only admitted turn to another engine (the host's turn-local degradation), keeping
     its admission and so the session: discarding and admitting again would let another turn in."""
