@@ -784,7 +784,7 @@ class HostRuntime:
         last = [time.monotonic()]  # the admission set the lease just before the loop starts
 
         def keep() -> None:
-            if time.monotonic() - last[0] < lease / 3:
+            if lease <= 0 or time.monotonic() - last[0] < lease / 3:  # (a zero lease: nothing to keep)
                 return
             renewed = self.store.write(
                 lambda c: outbox.renew_lease(c, scope, session_id, turn_id, owner, lease)
