@@ -513,16 +513,25 @@ def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     # on every row and had SQLite materialize the page before joining it ("Profiling" 34). No ORDER
     # BY: SQLite would copy the payloads into a temporary B-tree to sort what the index search
     # already produced in order; delta_page_rows sorts the few rows.
-    head = select(
+    return _session_and_page(_visible_rows_statement(bounded, True, lateral).subquery("page"))
+
+
+def _session_and_page(page: Any, *more: Any) -> CompoundSelect[Any]:
+    """The session's row (``s_`` columns and ``more``, its entry columns NULL) UNION ALL the page's rows
+    (their ``s_`` columns NULL): a delta page's one statement."""
+    head_columns = [
         sessions.c.generation.label("s_generation"),
         sessions.c.session_key.label("s_session_key"),
         sessions.c.incarnation.label("s_incarnation"),
         _PATH_SEQ_AT_POSITION.scalar_subquery().label("s_at_seq"),
+        *more,
+    ]
+    head = select(
+        *head_columns,
         # typed: PostgreSQL takes a UNION column's type from its first branch
         *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
     ).where(by_session(sessions))
-    page = _visible_rows_statement(bounded, True, lateral).subquery("page")
-    return union_all(head, select(null(), null(), null(), null(), *page.c))
+    return union_all(head, select(*(null() for _ in head_columns), *page.c))
 
 
 #: (bounded above, PostgreSQL) -> a delta page's statement
@@ -539,14 +548,6 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     # page is not used and delta_page_rows reads the path statement instead. Two statements chosen in
     # Python, not one with both pages behind conditions on the session's row: that one was slower
     # than the path page alone (PostgreSQL planned and started both).
-    head = select(
-        sessions.c.generation.label("s_generation"),
-        sessions.c.session_key.label("s_session_key"),
-        sessions.c.incarnation.label("s_incarnation"),
-        _PATH_SEQ_AT_POSITION.scalar_subquery().label("s_at_seq"),
-        (sessions.c.path_length == sessions.c.last_seq + 1).label("s_linear"),
-        *(cast(null(), c.type).label(c.key) for c in ENTRY_COLUMNS),
-    ).where(by_session(sessions))
     # The scan ends at the seq of the window's last message, found through the path's position index
     # (one probe): without it, events after the page's messages (a tail of non-message entries, or a
     # session of events only) were walked and filtered out on every read, 20,000 of them in 2 ms.
@@ -573,8 +574,8 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     )
     if bounded:  # the fence's seq bounds the scan too (its position alone would be a filter)
         q = q.where(entries.c.seq < bindparam("b_before_seq"), entries.c.position < bindparam("b_before"))
-    page = q.subquery("page")
-    return union_all(head, select(null(), null(), null(), null(), null(), *page.c))
+    linear = (sessions.c.path_length == sessions.c.last_seq + 1).label("s_linear")
+    return _session_and_page(q.subquery("page"), linear)
 
 
 #: bounded above -> a delta page's statement for a session without branches (see above)

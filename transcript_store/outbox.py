@@ -174,6 +174,7 @@ _LATER_ADMISSION = (
 _INSERT_ADMITTED: dict[str, Any] = {}
 _DELETE_TURN = delete(outbox).where(_BY_TURN)
 _DELETE_ADMITTED = _DELETE_TURN.where(outbox.c.state == "admitted")
+_UPDATE_ADMITTED = update(outbox).where(_BY_TURN, outbox.c.state == "admitted")
 # Only the very lease recovery judged abandoned: a retry that took the turn over since has another one.
 _DELETE_ABANDONED = _DELETE_ADMITTED.where(
     outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires")
@@ -405,18 +406,19 @@ def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
 
 def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:
     """Extend a running turn's worker lease from now (False: the turn is no longer this owner's)."""
-    q = update(outbox).where(
-        _key(scope, session_id, turn_id), outbox.c.state == "admitted", outbox.c.lease_owner == owner
-    )
-    expires = now_us() + int(lease_seconds * 1_000_000)
-    return core.conn.execute(q.values(lease_expires_us=expires, updated_us=now_us())).rowcount == 1
+    ts = now_us()
+    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner)
+    return core.conn.execute(
+        q.values(lease_expires_us=ts + int(lease_seconds * 1_000_000), updated_us=ts),
+        _turn_params(scope, session_id, turn_id),
+    ).rowcount == 1
 
 
 def reassign(core: Core, scope: str, session_id: str, turn_id: str, engine_id: str) -> bool:
     """Hand a still only admitted turn to another engine (the host's turn-local degradation), keeping
     its admission and so the session: discarding and admitting again would let another turn in."""
-    q = update(outbox).where(_key(scope, session_id, turn_id), outbox.c.state == "admitted")
-    return core.conn.execute(q.values(engine_id=engine_id, updated_us=now_us())).rowcount == 1
+    q = _UPDATE_ADMITTED.values(engine_id=engine_id, updated_us=now_us())
+    return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
 
 def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLease) -> bool:
