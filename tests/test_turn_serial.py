@@ -26,6 +26,7 @@ from workers.turn_worker import ENGINE, counting_engine
 from transcript_store import SessionBusy, TranscriptStore, TurnOvertaken, identity, outbox
 from transcript_store.errors import ModelTimeout
 from transcript_store.identity import ProcessIdentity
+from transcript_store.leases import LeaseKeeper
 from transcript_store.ledger import committed_messages, count_turn_messages
 from transcript_store.outbox import OutboxConfig
 from transcript_store.turns import Turns
@@ -321,8 +322,8 @@ def test_identity_judges_a_process_dead_only_on_evidence(tmp_path: Path) -> None
 
 
 def test_a_long_tool_loop_keeps_its_turn_past_the_lease(store: TranscriptStore, sid: str) -> None:
-    """The host renews a running turn's lease between model calls: a tool loop longer than the lease
-    is not discarded by another worker's turn (which gets SessionBusy instead), and commits."""
+    """The host renews a running turn's lease while it runs: a tool loop longer than the lease is not
+    discarded by another worker's turn (which gets SessionBusy instead), and commits."""
     lease = 1.5
     host, _ = make_host(store)
     host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
@@ -348,7 +349,100 @@ def test_a_long_tool_loop_keeps_its_turn_past_the_lease(store: TranscriptStore, 
     host.host_tools["lookup"] = (schema, slow_lookup)
     host.model = SlowModel()
     out = host.run_turn(SCOPE, sid, "please use tool lookup now", turn_id="t1")
-    assert others == ["busy t1"]  # 1.8 s after the admission: renewed at 0.8 s, so still t1's
+    assert others == ["busy t1"]  # 1.8 s after the admission: renewed since, so still t1's
     assert out.commit_status == "committed" and [m["role"] for m in out.messages] == [
         "user", "assistant", "tool", "assistant",
     ]
+
+
+# ---------------------------------------------------------------------------------------------- heartbeat
+
+
+class _OneSlowCall(RecordingModel):
+    """A model whose one call outlasts the turn's lease and runs ``meanwhile`` (another worker) in it."""
+
+    def __init__(self, seconds: float, meanwhile: Any) -> None:
+        super().__init__()
+        self.seconds, self.meanwhile = seconds, meanwhile
+
+    def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+        time.sleep(self.seconds)
+        self.meanwhile()
+        return super().complete(messages, tools, **kw)
+
+
+def _other_worker(store: TranscriptStore, sid: str, seen: list[str]) -> Any:
+    def admit() -> None:
+        try:
+            Turns(store).admit(SCOPE, sid, user("other"), turn_id="o1", engine_id="legacy")
+            seen.append("admitted")
+        except SessionBusy as e:
+            seen.append(f"busy {e.turn_id}")
+
+    return admit
+
+
+def test_a_model_call_longer_than_the_lease_keeps_its_turn(store: TranscriptStore, sid: str) -> None:
+    """One model call of twice the lease (a slow provider, a reasoning model): the lease is renewed in
+    the background meanwhile, so another worker's turn is refused, and this one commits."""
+    lease = 0.6
+    host, _ = make_host(store)
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
+    seen: list[str] = []
+    host.model = _OneSlowCall(2 * lease, _other_worker(store, sid, seen))
+    out = host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert seen == ["busy t1"]
+    assert out.commit_status == "committed" and host._leases.renewals >= 2
+    assert [e.turn_id for e in store.read_visible(SCOPE, sid) if e.turn_id] == ["t1"]
+    assert not host._leases.holds(SCOPE, sid, "t1") and Turns(store).intents(SCOPE) == []
+
+
+def test_a_turn_discarded_while_it_ran_is_reported_overtaken(store: TranscriptStore, sid: str) -> None:
+    """If the turn's intent is discarded anyway while its model runs (its worker stalled past the lease:
+    recovery took it for dead) and another turn is admitted, completing says ``TurnOvertaken``, and
+    writes none of its replies after the other turn's message."""
+    host, _ = make_host(store)
+    seen: list[str] = []
+    admit_other = _other_worker(store, sid, seen)
+
+    def stalled() -> None:
+        Turns(store).discard(SCOPE, sid, "t1")
+        admit_other()
+
+    host.model = _OneSlowCall(0.0, stalled)
+    with pytest.raises(TurnOvertaken) as raised:
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert (raised.value.turn_id, raised.value.later_turn_id) == ("t1", "o1") and seen == ["admitted"]
+    assert [(e.turn_id, e.message["role"]) for e in store.read_visible(SCOPE, sid)] == [
+        ("t1", "user"), ("o1", "user"),
+    ]
+    assert [(i.turn_id, i.state) for i in Turns(store).intents(SCOPE)] == [("o1", "admitted")]
+
+
+def test_the_lease_keeper_renews_only_what_it_holds(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Held turns are renewed; a released one is not; one discarded meanwhile is dropped with a warning;
+    a zero lease holds nothing."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
+    keeper = LeaseKeeper(store)
+    keeper.hold(SCOPE, sid, "t1", 0.3)
+    keeper.hold(SCOPE, sid, "zero", 0.0)
+    assert not keeper.holds(SCOPE, sid, "zero")
+    time.sleep(0.5)
+    first = turns.intent(SCOPE, sid, "t1")
+    assert first is not None and first.lease_expires_at is not None and keeper.renewals >= 1
+    assert first.lease_expires_at > datetime.now(UTC)  # 0.5 s after a 0.3 s lease was set: renewed
+    keeper.release(SCOPE, sid, "t1")
+    renewals = keeper.renewals
+    time.sleep(0.4)
+    assert keeper.renewals == renewals
+    keeper.hold(SCOPE, sid, "t1", 0.3)
+    turns.discard(SCOPE, sid, "t1")
+    with caplog.at_level(logging.WARNING, logger="transcript_store.leases"):
+        deadline = time.monotonic() + 5
+        while keeper.holds(SCOPE, sid, "t1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not keeper.holds(SCOPE, sid, "t1")
+    assert "turn t1: its lease could not be renewed" in caplog.text

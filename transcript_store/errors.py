@@ -105,10 +105,12 @@ class SessionBusy(TranscriptStoreError):
 
 
 class TurnOvertaken(TranscriptStoreError):
-    """A retried logical turn whose admission a later turn has followed: it can no longer complete.
+    """A logical turn whose admission a later turn has followed: it can no longer complete.
 
-    Its reply would land after the later turn's messages, and its range would hold them a second
-    time. Nothing was written; present the user message again under a new turn id.
+    Raised for a retried turn id, and by the host runtime for a running turn whose intent was discarded
+    while it ran (its worker looked dead past its lease) once another turn was admitted. Its reply would
+    land after the later turn's messages, and its range would hold them a second time. Nothing of this
+    attempt was written; present the user message again under a new turn id.
     """
 
     def __init__(self, turn_id: str, later_turn_id: str) -> None:

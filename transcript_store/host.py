@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import compaction, identity, outbox, quarantine
+from . import compaction, outbox, quarantine
 from .core import Core, new_id
 from .engine import (
     AssembleResult,
@@ -50,6 +49,7 @@ from .errors import (
     TranscriptStoreError,
     TurnOvertaken,
 )
+from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .models import Admission, Anchor, Replacement, RewriteResult, validate_message
 from .outbox import TurnIntent
@@ -228,6 +228,7 @@ class HostRuntime:
     _bootstrapped: set[tuple[str, str, str]] = field(init=False, default_factory=set)
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
+    _leases: LeaseKeeper = field(init=False)
 
     def __post_init__(self) -> None:
         if self.registry is None:
@@ -241,6 +242,7 @@ class HostRuntime:
 
             self.estimator = default_estimator()
         self.turns = Turns(self.store)
+        self._leases = LeaseKeeper(self.store)
 
     # ------------------------------------------------------------------------------------ engines
 
@@ -440,7 +442,10 @@ class HostRuntime:
         while True:
             attempts += 1
             try:
-                outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context)
+                try:
+                    outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context)
+                finally:
+                    self._leases.release(scope, session_id, turn_id)
             except _Degrade as d:
                 if decision.engine_id == LEGACY:
                     self.turns.discard(scope, session_id, turn_id)
@@ -572,6 +577,9 @@ class HostRuntime:
             except (SessionBusy, TurnOvertaken) as e:
                 raise _Refused(e) from None
         admission = admitted[0]
+        # From the admission until the completion, the turn's lease is renewed in the background, so
+        # no model or tool call, however long, lets another turn take the session over (leases.py).
+        self._leases.hold(scope, session_id, turn_id, self.turns.config.turn_lease_seconds)
         fence = admission.anchor
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
@@ -612,9 +620,9 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled, self._lease_keeper(
-            scope, session_id, turn_id
-        ))
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled)
+        # The completion locks the turn's row and ends its lease: nothing to renew from here on.
+        self._leases.release(scope, session_id, turn_id)
         try:
             completion = self.turns.complete(
                 scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
@@ -625,6 +633,9 @@ class HostRuntime:
             # this one learns what became of it ("duplicate" once committed), its replies unwritten.
             done = self._already_accepted(scope, session_id, turn_id, engine_id)
             if done is None:
+                # Or its intent was discarded while it ran (its worker looked dead: the lease could not
+                # be renewed in time) and the session moved on: say so, as an admission retry would.
+                self.store.read(lambda c: outbox.check_not_overtaken(c, admission))
                 raise
             return done
         status: str = completion.commit.status if completion.commit else completion.intent.state
@@ -739,7 +750,6 @@ class HostRuntime:
         session_id: str,
         user: dict[str, Any],
         assembled: AssembleResult,
-        keep_lease: Callable[[], None],
     ) -> list[dict[str, Any]]:
         system = self.settings.system_prompt
         if assembled.system_prompt_addition:
@@ -756,7 +766,6 @@ class HostRuntime:
         tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         replies: list[dict[str, Any]] = []
         for _step in range(self.settings.max_tool_steps):
-            keep_lease()
             request = [{"role": "system", "content": system}, *context, user, *replies]
             response = self.model.complete(
                 request,
@@ -773,27 +782,6 @@ class HostRuntime:
                 replies.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
         replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
         return replies
-
-    def _lease_keeper(self, scope: str, session_id: str, turn_id: str) -> Callable[[], None]:
-        """What the tool loop calls before each model call: once a third of the turn's worker lease
-        has passed since it was last set, extend it (one short write). A session runs one turn at a
-        time, and a turn whose lease ran out is discarded by the next one: a long tool loop keeps
-        its turn this way (a single model or tool call longer than the lease still loses it)."""
-        lease = self.turns.config.turn_lease_seconds
-        owner = str(identity.current())  # the admission's owner (Turns.admit, this process)
-        last = [time.monotonic()]  # the admission set the lease just before the loop starts
-
-        def keep() -> None:
-            if lease <= 0 or time.monotonic() - last[0] < lease / 3:  # (a zero lease: nothing to keep)
-                return
-            renewed = self.store.write(
-                lambda c: outbox.renew_lease(c, scope, session_id, turn_id, owner, lease)
-            )
-            last[0] = time.monotonic()
-            if not renewed:
-                log.warning("turn %s: its lease could not be renewed (discarded or taken over meanwhile)", turn_id)
-
-        return keep
 
     def _run_tool(
         self,
