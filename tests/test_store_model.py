@@ -336,7 +336,7 @@ def make_machine(store: TranscriptStore) -> type[RuleBasedStateMachine]:
             start, end = m.position(adm.fence.entry_id), m.position(terminal_id)
             assert start is not None and end is not None
             if adm.fence.generation != m.generation:
-                assert isinstance(result, ClosedRangeFailure) and result.reason == "session_rebound", result
+                assert isinstance(result, ClosedRangeFailure) and result.reason == "stale", result
             elif not m.on_path(adm.fence.entry_id) or end < start:
                 assert isinstance(result, ClosedRangeFailure) and result.reason == "non_descendant", result
             else:

@@ -62,19 +62,23 @@ def read_closed_range(
     ``session``: the session's row as this transaction holds it locked (the fast completion has it from
     its append), instead of reading it again.
 
-    Anchors taken in different incarnations of the session disagree on its identity: ``session_rebound``.
-    Anchors of an earlier incarnation than the session under their id now (deleted, then created or
-    imported again) are ``stale``, as anchors of a session that is gone or of another scope's session
-    are, however alike the new session's entries are. An anchor without an incarnation (made before
-    anchors carried one) is not checked for it.
+    Anchors that disagree on the session (scope, id, key) or were taken in different incarnations of it
+    are ``session_rebound``. Anchors of one session taken in different generations (the transcript was
+    replaced or rewritten during the turn) are ``stale``, as a turn both of whose anchors are of an
+    earlier generation is. Anchors of an earlier incarnation than the session under their id now
+    (deleted, then created or imported again) are ``stale``, as anchors of a session that is gone or of
+    another scope's session are, however alike the new session's entries are. An anchor without an
+    incarnation (made before anchors carried one) is not checked for it.
     """
     if not isinstance(admission, Anchor) or not isinstance(terminal, Anchor):
         raise InvalidInput("a closed range takes two anchors")
-    identity = ("scope", "session_id", "session_key", "generation")
+    identity = ("scope", "session_id", "session_key")
     if any(getattr(admission, k) != getattr(terminal, k) for k in identity) or not _same_incarnation(
         admission, terminal
     ):
         return ClosedRangeFailure(reason="session_rebound", detail="the anchors disagree on session identity")
+    if admission.generation != terminal.generation:
+        return ClosedRangeFailure(reason="stale", detail="the session moved to another generation during the turn")
     scope, session_id = admission.scope, admission.session_id
     sess = session if session is not None else core.session_row(scope, session_id)
     if sess is None:
