@@ -67,5 +67,5 @@ def ensure_current(db: Database, auto_upgrade: bool) -> None:
         return
     raise SchemaNotCurrent(
         f"database schema is at revision {current or 'none'}, this library needs {head}: "
-        "run `transcript-store upgrade --db URL` (or TranscriptStore.upgrade())"
+        "run `transcript-store upgrade --db URL` (or, in Python, TranscriptStore.upgrade_url(url))"
     )
