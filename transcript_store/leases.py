@@ -34,7 +34,6 @@ MAX_TICK = 30.0
 @dataclass
 class _Held:
     lease: float  # seconds
-    owner: str  # the admission's lease owner: this process
     set_at: float  # time.monotonic() when the lease was last set
 
 
@@ -63,7 +62,7 @@ class LeaseKeeper:
             return
         if os.getpid() != self._pid:
             self._start()
-        held = _Held(float(lease_seconds), str(identity.current()), time.monotonic())
+        held = _Held(float(lease_seconds), time.monotonic())
         with self._lock:
             self._held[(scope, session_id, turn_id)] = held
             if self._thread is None or not self._thread.is_alive():
@@ -104,11 +103,10 @@ class LeaseKeeper:
 
     def _renew(self, key: tuple[str, str, str], held: _Held) -> None:
         scope, session_id, turn_id = key
+        owner = str(identity.current())  # the admission's lease owner: this process (Turns.admit)
         started = time.monotonic()
         try:
-            renewed = self.store.write(
-                lambda c: outbox.renew_lease(c, scope, session_id, turn_id, held.owner, held.lease)
-            )
+            renewed = self.store.write(lambda c: outbox.renew_lease(c, scope, session_id, turn_id, owner, held.lease))
         except Exception as e:  # the store is unreachable for now: try again at the next look
             log.warning("turn %s: could not renew its lease (%s: %s); retrying", turn_id, type(e).__name__, e)
             return
