@@ -1,16 +1,19 @@
 """The ``transcript-store`` command: stores, sessions, the outbox, engines, chat and the gateway run.
 
 Every command takes ``--db URL`` (else TRANSCRIPT_STORE_URL, else ``sqlite:///transcripts.db`` in the
-working directory), ``--scope`` (else TRANSCRIPT_STORE_SCOPE, else ``default``), ``--json``,
-``--config PATH`` (host settings TOML) and ``--debug``, before or after the command name.
+working directory), ``--scope`` (else TRANSCRIPT_STORE_SCOPE, else ``default``; ``gateway`` for the
+gateway), ``--json``, ``--config PATH`` (host settings TOML) and ``--debug``, before or after the command
+name. A settings file named by --config or TRANSCRIPT_STORE_CONFIG is checked by every command.
 
-Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL);
+Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL, a
+bad settings file or TRANSCRIPT_STORE_* value);
 3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
 unavailable. An error is one line on stderr, ``error: ...``; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -25,6 +28,7 @@ from typing import IO, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -43,6 +47,7 @@ from .errors import (
     UnknownEntry,
     UnknownSession,
 )
+from .gateway import GATEWAY_SCOPE
 from .models import Entry, SessionInfo
 from .settings import HostSettings, load_settings
 from .store import TranscriptStore
@@ -92,6 +97,12 @@ class State:
         except InvalidInput as e:  # a bad settings file or variable: a usage error
             raise CommandError(str(e), EXIT_USAGE) from None
 
+    def check_named_settings(self) -> None:
+        """Refuse a settings file named by --config or TRANSCRIPT_STORE_CONFIG that is missing or invalid,
+        also for a command that reads no settings: naming a file and having it ignored is a usage error."""
+        if self.config or os.environ.get("TRANSCRIPT_STORE_CONFIG"):
+            self.settings()
+
 
 # ---------------------------------------------------------------------------------------------- options
 
@@ -109,11 +120,14 @@ def _remember(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]
     return callback
 
 
+def _scope_option(default: str) -> Callable[[F], F]:
+    return click.option("--scope", metavar="SCOPE", expose_value=False, callback=_remember("scope"),
+                        help=f"Scope of the sessions [env TRANSCRIPT_STORE_SCOPE; default {default!r}].")
+
+
 _COMMON = (
     click.option("--db", metavar="URL", expose_value=False, callback=_remember("db"),
                  help="Database URL [env TRANSCRIPT_STORE_URL; default sqlite:///transcripts.db]."),
-    click.option("--scope", metavar="SCOPE", expose_value=False, callback=_remember("scope"),
-                 help="Scope of the sessions [env TRANSCRIPT_STORE_SCOPE; default 'default']."),
     click.option("--json", "json_output", is_flag=True, default=False, expose_value=False,
                  callback=_remember("json"), help="Machine-readable JSON output."),
     click.option("--config", metavar="PATH", type=click.Path(exists=True, dir_okay=False), expose_value=False,
@@ -124,11 +138,30 @@ _COMMON = (
 )
 
 
-def common(fn: F) -> F:
-    """Attach the global options, so they work before or after the command name."""
-    for option in reversed(_COMMON):
-        fn = option(fn)
-    return fn
+def common_options(scope_default: str) -> Callable[[F], F]:
+    """The global options, so they work before or after the command name; ``scope_default`` for --help.
+
+    A command (not a group: its subcommand's options are not parsed yet when it runs) first refuses a
+    named settings file that is missing or invalid, before any work.
+    """
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            ctx = click.get_current_context()
+            if not isinstance(ctx.command, click.Group):
+                ctx.ensure_object(State).check_named_settings()
+            return fn(*args, **kwargs)
+
+        out: Any = checked
+        for option in reversed((_COMMON[0], _scope_option(scope_default), *_COMMON[1:])):
+            out = option(out)
+        return out  # type: ignore[no-any-return]
+
+    return decorate
+
+
+common = common_options(DEFAULT_SCOPE)
 
 
 def state() -> State:
@@ -367,10 +400,16 @@ def sessions_list() -> None:
     if st.json:
         emit_json([{**s.model_dump(mode="json"), "bytes": size} for s, size in rows])
         return
-    table = Table(title=f"sessions in scope {scope!r}", title_justify="left")
-    for name, justify in (("session", "left"), ("key", "left"), ("entries", "right"), ("visible", "right"),
-                          ("bytes", "right"), ("gen", "right"), ("active", "left"), ("updated", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "key")  # type: ignore[arg-type]
+    # Readable at 80 columns (a pipe's width): no vertical rules and shared padding; the id and the key
+    # fold (never shrink to nothing), the time wraps at its space, the short columns stay whole.
+    table = Table(title=f"sessions in scope {scope!r}", title_justify="left", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
+    for name in ("session", "key"):
+        table.add_column(name, overflow="fold", min_width=8)
+    for name in ("entries", "visible", "bytes", "gen"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("active", no_wrap=True)
+    table.add_column("updated", min_width=10)
     for s, size in rows:
         table.add_row(s.session_id, Text(s.session_key or ""), str(s.entry_count), str(s.visible_count), str(size),
                       str(s.generation), "yes" if s.active else "no", s.updated_at.strftime("%Y-%m-%d %H:%M:%S"))
@@ -822,9 +861,10 @@ def compact_json(result: Any) -> dict[str, Any]:
 def compact(session: str, focus: str | None, engine: str | None) -> None:
     """Compact SESSION now through the selected engine; exit 1 when the compaction failed."""
     st = state()
+    settings = st.settings(engine)
     with store_session() as store:
         sid = find_session(store, st.scope_name, session).session_id
-        runtime = _runtime(store, st.settings(engine))
+        runtime = _runtime(store, settings)
         try:
             result = runtime.compact(st.scope_name, sid, focus=focus)
         finally:
@@ -871,9 +911,9 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     from .model import model_from_settings
 
     st = state()
+    settings = st.settings(engine)  # a bad settings file or variable: refused before the store is created
     with store_session(create=True) as store:
         info = store.open_session(st.scope_name, session_key)
-        settings = st.settings(engine)
         runtime = _runtime(store, settings, model_from_settings(model_url, model_name, api_key))
         loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json)
         try:
@@ -1041,7 +1081,7 @@ class ChatLoop:
 @click.option("--api-key", metavar="KEY", help="API key [env OPENAI_API_KEY].")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject crashes, timeouts and rewrites.")
 @click.option("--seed", type=int, help="Seed of the workload and the faults [default: the gateway's].")
-@common
+@common_options(GATEWAY_SCOPE)
 def gateway(workers: int, session_count: int, turns: int, engine: str | None, model_url: str | None,
             model_name: str | None, api_key: str | None, faults: bool, seed: int | None) -> None:
     """Run the main job: a multi-worker gateway with injected faults, ending with an exactly-once report."""
@@ -1099,9 +1139,10 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, access_l
     tokens = TokenMap.load(tokens_file)
     if not len(tokens):
         raise CommandError("no tokens: pass --tokens FILE or set TRANSCRIPT_STORE_TOKENS", EXIT_USAGE)
+    settings = state().settings()
     store = open_store(create=True)
     try:
-        app = create_app(Service(store, state().settings()), tokens, max_body_bytes=max_body)
+        app = create_app(Service(store, settings), tokens, max_body_bytes=max_body)
         sock = bind(host, port)
         if host not in ("127.0.0.1", "::1", "localhost"):
             click.echo(f"warning: listening on {host}, beyond this machine", err=True)
@@ -1198,6 +1239,14 @@ def _check_hermes_config(path: Path) -> None:
         ) from None
 
 
+def _merged_keys(path: Path, snippet: dict[str, Any]) -> dict[str, Any]:
+    """The snippet's keys with the values ``path`` holds, read back after the merge wrote it."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return {section: {key: data[section][key] for key in keys} for section, keys in snippet.items()}
+
+
 @hermes.command("install")
 @click.option("--home", required=True, type=click.Path(file_okay=False), help="The HERMES_HOME to install into.")
 @click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
@@ -1214,6 +1263,8 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
     if merge_config:
         _check_hermes_config(Path(home).expanduser() / "config.yaml")
     info = install_plugin(home, engine=engine, db_url=state().db, merge_config=merge_config, threshold=threshold)
+    if merge_config:  # what the file now holds (the merge keeps a larger context_length, other plugins)
+        info["config"] = _merged_keys(Path(info["config_path"]), info["config"])
     if state().json:
         emit_json(info)
     else:

@@ -304,6 +304,11 @@ class Database:
         """The one translation of a driver error into this library's tree."""
         detail = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
         if self.dialect.is_transient(error):
+            if getattr(error.orig, "pgconn", None) is not None and getattr(error.orig, "sqlstate", None) is None:
+                # A failed connection attempt (psycopg attaches its pgconn to those alone, with no
+                # SQLSTATE): retried, as the server may be starting or out of connection slots, but a
+                # wrong database or role name fails the same way, so the message does not call it passing.
+                return TransientStoreError(f"cannot connect to the database: {detail}")
             return TransientStoreError(f"transient database error: {detail}")
         if self.dialect.is_storage_full(error):
             return StorageFull(f"database storage is full: {detail}")

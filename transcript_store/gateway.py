@@ -15,6 +15,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import random
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,8 +28,15 @@ from rich.table import Table
 from rich.text import Text
 
 from . import faults
-from .errors import ModelTimeout
+from .config import DEFAULT_URL
+from .core import from_us, now_us
+from .db import mask_url
+from .errors import ModelTimeout, TranscriptStoreError
 from .models import Admission
+
+#: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
+#: conversations stay apart from the CLI's own (``default``).
+GATEWAY_SCOPE = "gateway"
 
 TOPICS = (
     "the weather in Lisbon",
@@ -65,7 +73,7 @@ class GatewayOptions:
     api_key: str | None = None
     faults: bool = True
     seed: int = 7
-    scope: str = "gateway"
+    scope: str = GATEWAY_SCOPE
     config_path: str | None = None
     progress: bool = True
     kill_rate: float = 0.12
@@ -92,6 +100,7 @@ class GatewayReport:
     engine: str
     workers: int
     planned_turns: int
+    scope: str = GATEWAY_SCOPE
     admitted: int = 0
     accepted: int = 0
     committed: int = 0
@@ -116,6 +125,13 @@ class GatewayReport:
         """The report as plain data (for --json)."""
         return {**asdict(self), "ok": self.ok}
 
+    def inspect_command(self) -> str:
+        """The command that lists this run's sessions (its scope, and its store unless the default one)."""
+        command = f"transcript-store sessions list --scope {shlex.quote(self.scope)}"
+        if self.url != mask_url(DEFAULT_URL):
+            command += f" --db {shlex.quote(self.url)}"
+        return command
+
     def render(self, console: Console) -> None:
         """Print the report as a table and the exactly-once verdict."""
         table = Table(title=f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")
@@ -129,7 +145,7 @@ class GatewayReport:
             ("turns blocked (kept as evidence)", self.blocked),
             ("duplicates absorbed by the ledger", self.duplicates_absorbed),
             ("degraded turns", sum(self.degraded.values())),
-            ("quarantined engines", self.quarantines),
+            ("engines quarantined by this run", self.quarantines),
             ("recovered intents", self.recovered_intents),
             ("workers killed (SIGKILL)", self.kills),
             ("provider timeouts (retried)", self.provider_timeouts),
@@ -142,6 +158,7 @@ class GatewayReport:
         for reason, count in sorted(self.degraded.items()):
             console.print(f"  degraded x{count}: {reason}")
         console.print(f"  {self.seconds:.1f} s")
+        console.print(f"  sessions in scope {self.scope!r}: {self.inspect_command()}")
         if self.ok:
             console.print(
                 Text("exactly-once check passed:", style="bold green"), "every accepted turn is in the engine once"
@@ -179,10 +196,15 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
 
     # The faults are on purpose: their warnings would drown the progress bar; the report counts them.
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
-    store = TranscriptStore(url)
-    settings = load_settings(options.config_path, engine=options.engine)
-    model = _FaultyModel(model_from_settings(options.model_url, options.model, options.api_key))
-    host = HostRuntime(store, settings, model)
+    try:
+        store = TranscriptStore(url)
+        settings = load_settings(options.config_path, engine=options.engine)
+        model = _FaultyModel(model_from_settings(options.model_url, options.model, options.api_key))
+        host = HostRuntime(store, settings, model)
+    except TranscriptStoreError as e:
+        # A configuration the dispatcher let through: one line to it for every job, never a traceback.
+        _refuse_jobs(conn, f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return
     while True:
         job: Job | None = conn.recv()
         if job is None:
@@ -213,6 +235,13 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
             faults.disarm()
             model.timeouts = 0
     store.close()
+
+
+def _refuse_jobs(conn: Connection, problem: str) -> None:
+    """A worker that could not start: answer every job with why, until told to stop."""
+    with contextlib.suppress(EOFError, OSError):  # the dispatcher is gone: nothing left to answer
+        while conn.recv() is not None:
+            conn.send(("unusable", problem))
 
 
 def _rewrite_previous_reply(store: Any) -> Any:
@@ -270,20 +299,19 @@ def _plan(options: GatewayOptions, session_ids: list[str], rng: random.Random) -
 def run_gateway(options: GatewayOptions, console: Console | None = None) -> GatewayReport:
     """Run the gateway (see module doc) and return its report."""
     from .config import StoreConfig
-    from .db import mask_url
     from .settings import load_settings
     from .store import TranscriptStore
 
     console = console or Console()
-    started = time.monotonic()
+    started, started_us = time.monotonic(), now_us()
     lib_log = logging.getLogger("transcript_store")
     level = lib_log.level
     lib_log.setLevel(logging.ERROR)  # the faults are on purpose; the report counts them
     try:
         config = StoreConfig.from_env(url=options.db_url)
+        engine = load_settings(options.config_path, engine=options.engine).engine  # refused before any write
         store = TranscriptStore(config=config)
         url = config.url
-        engine = load_settings(options.config_path, engine=options.engine).engine
         rng = random.Random(options.seed)
         run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}"
         session_ids = [
@@ -294,10 +322,11 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
         ]
         plan = _plan(options, session_ids, rng)
         report = GatewayReport(
-            url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns
+            url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns,
+            scope=options.scope,
         )
         outcomes = _dispatch(options, url, plan, report, rng, console)
-        _finish(store, options, engine, plan, outcomes, report)
+        _finish(store, options, engine, plan, outcomes, report, started_us)
         report.seconds = time.monotonic() - started
         store.close()
         return report
@@ -328,19 +357,21 @@ def _dispatch(
         disable=not options.progress,
         transient=False,
     )
-    with progress:
-        task = progress.add_task("turns", total=total)
-        while len(outcomes) < total:
-            for w in workers:
-                if w.job is None:
-                    _assign(w, plan, next_index, in_flight, rng, report)
-            _wait_some(workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task)
-    for w in workers:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            w.conn.send(None)
-        w.proc.join(timeout=10)
-        if w.proc.is_alive():
-            w.proc.kill()
+    try:
+        with progress:
+            task = progress.add_task("turns", total=total)
+            while len(outcomes) < total:
+                for w in workers:
+                    if w.job is None:
+                        _assign(w, plan, next_index, in_flight, rng, report)
+                _wait_some(workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task)
+    finally:
+        for w in workers:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                w.conn.send(None)
+            w.proc.join(timeout=10)
+            if w.proc.is_alive():
+                w.proc.kill()
     return outcomes
 
 
@@ -404,6 +435,8 @@ def _wait_some(
             continue
         job = w.job
         w.job = None
+        if kind == "unusable":  # the worker could not start: every dispatch would fail the same way
+            raise TranscriptStoreError(f"a gateway worker could not start: {data}")
         if kind == "ok":
             outcomes[job.turn_id] = data
             if data["status"] == "duplicate":
@@ -440,6 +473,7 @@ def _finish(
     plan: dict[str, list[Job]],
     outcomes: dict[str, dict[str, Any]],
     report: GatewayReport,
+    started_us: int,
 ) -> None:
     """Recovery pass, then the exactly-once check from the store alone."""
     from .host import HostRuntime
@@ -455,7 +489,10 @@ def _finish(
         report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
         report.duplicates_absorbed += rec.drain.duplicates
     host.flush_quarantines()
-    report.quarantines = len(store.read(lambda c: records(c, live_only=False)))
+    # This run's quarantines only (its workers are gone, hence not live_only): a record written (or
+    # refreshed) since it started; older ones belong to earlier runs or other commands.
+    since = from_us(started_us)
+    report.quarantines = sum(r.created_at >= since for r in store.read(lambda c: records(c, live_only=False)))
     scope = options.scope
     for sid, jobs in plan.items():
         admitted = {e.turn_id: e for e in _all_entries(store, scope, sid) if e.turn_id}

@@ -116,7 +116,16 @@ def _from_file(path: Path) -> dict[str, Any]:
 
 
 def load_settings(config_path: str | None = None, **overrides: Any) -> HostSettings:
-    """Settings from defaults, the TOML file, TRANSCRIPT_STORE_* variables and ``overrides``."""
+    """Settings from defaults, the TOML file, TRANSCRIPT_STORE_* variables and ``overrides``.
+
+    InvalidInput for a bad file or variable, including the tokenizer and summarizer variables the host
+    runtime reads when it starts: refused here, before a command (or a gateway worker) does any work.
+    """
+    from .summarize import summarizer_choice
+    from .tokens import tokenizer_choice
+
+    tokenizer_choice()
+    summarizer_choice()
     values: dict[str, Any] = {}
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
     if path.is_file():

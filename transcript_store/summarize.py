@@ -303,13 +303,18 @@ class OpenAISummarizer:
         ]
 
 
+def summarizer_choice() -> str:
+    """TRANSCRIPT_STORE_SUMMARIZER: ``extractive`` (also when unset) or ``openai``; InvalidInput otherwise."""
+    choice = os.environ.get(SUMMARIZER_ENV, "").strip().lower() or "extractive"
+    if choice not in ("extractive", "openai"):
+        raise InvalidInput(f"{SUMMARIZER_ENV} must be 'extractive' or 'openai', not {choice!r}")
+    return choice
+
+
 def summarizer_from_env() -> Summarizer:
     """``OpenAISummarizer`` when TRANSCRIPT_STORE_SUMMARIZER=openai, else ``ExtractiveSummarizer``."""
-    choice = os.environ.get(SUMMARIZER_ENV, "").strip().lower()
-    if choice in ("", "extractive"):
+    if summarizer_choice() == "extractive":
         return ExtractiveSummarizer()
-    if choice != "openai":
-        raise InvalidInput(f"{SUMMARIZER_ENV} must be 'extractive' or 'openai', not {choice!r}")
     url = os.environ.get("OPENAI_BASE_URL", "").strip() or DEFAULT_OPENAI_URL
     model = os.environ.get(SUMMARIZER_MODEL_ENV, "").strip() or DEFAULT_OPENAI_MODEL
     return OpenAISummarizer(url, model, os.environ.get("OPENAI_API_KEY", "").strip() or None)

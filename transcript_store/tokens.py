@@ -222,11 +222,14 @@ def count_from_parts(estimator: object, counts: Sequence[int]) -> int | None:
     return sum(counts) - (len(counts) - 1) * priming
 
 
+def tokenizer_choice() -> str:
+    """TRANSCRIPT_STORE_TOKENIZER: ``rough`` (also when unset) or ``tiktoken``; InvalidInput otherwise."""
+    choice = os.environ.get(TOKENIZER_ENV, "").strip().lower() or "rough"
+    if choice not in ("rough", "tiktoken"):
+        raise InvalidInput(f"{TOKENIZER_ENV} must be 'rough' or 'tiktoken', not {choice!r}")
+    return choice
+
+
 def default_estimator() -> TokenEstimator:
     """``TiktokenEstimator`` when TRANSCRIPT_STORE_TOKENIZER=tiktoken, else ``RoughEstimator``."""
-    choice = os.environ.get(TOKENIZER_ENV, "").strip().lower()
-    if choice == "tiktoken":
-        return TiktokenEstimator()
-    if choice not in ("", "rough"):
-        raise InvalidInput(f"{TOKENIZER_ENV} must be 'rough' or 'tiktoken', not {choice!r}")
-    return RoughEstimator()
+    return TiktokenEstimator() if tokenizer_choice() == "tiktoken" else RoughEstimator()

@@ -1,0 +1,214 @@
+"""Findings of the documentation review: the gateway's scope and its quarantine count, settings refused
+by every command, the Hermes merge report, the sessions table at 80 columns, connection refusals."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import shlex
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import _pg_reachable, pg_url
+from rich.console import Console
+from test_cli import CLI, SCOPE, one_error_line, run, run_json, seed
+
+from transcript_store import StoreConfig, TranscriptStore, TranscriptStoreError, quarantine
+from transcript_store.db import Database
+from transcript_store.errors import TransientStoreError
+from transcript_store.gateway import GatewayOptions, GatewayReport, Job, _dispatch, run_gateway
+
+# ---------------------------------------------------------------------------------------------- 1, 2: gateway
+
+
+def test_gateway_help_and_report_name_its_scope(store_url: str, tmp_path: Path) -> None:
+    assert "default 'gateway'" in " ".join(run("gateway", "--help", cwd=tmp_path).stdout.split())
+    out = run("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults", "--db", store_url,
+              cwd=tmp_path).stdout
+    line = next(line for line in out.splitlines() if "sessions in scope 'gateway':" in line)
+    command = shlex.split(line.split(":", 1)[1])
+    assert command[:5] == ["transcript-store", "sessions", "list", "--scope", "gateway"]
+    listed = run_json(*command[1:], cwd=tmp_path)  # the printed command, as printed, finds the run
+    assert len(listed) == 1 and listed[0]["session_key"].startswith("gateway:")
+    assert run_json("sessions", "list", "--db", store_url, cwd=tmp_path) == []  # the default scope: not there
+
+
+def test_gateway_counts_only_the_quarantines_of_its_own_run(store_url: str) -> None:
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        store.write(lambda c: quarantine.record(c, "flaky-engine", "assemble", "RuntimeError: an earlier run"))
+    options = GatewayOptions(db_url=store_url, engine="nosuch", workers=1, sessions=1, turns=1, faults=False,
+                             progress=False)
+    report = run_gateway(options, Console(quiet=True))
+    assert report.ok, report.problems
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        stored = store.read(lambda c: quarantine.records(c, live_only=False))
+    assert report.quarantines >= 1  # this run's unknown engine, quarantined by its worker
+    assert report.quarantines == len(stored) - 1  # not the earlier one
+    clean = run_gateway(GatewayOptions(db_url=store_url, workers=1, sessions=1, turns=1, faults=False,
+                                       progress=False), Console(quiet=True))
+    assert clean.ok and clean.quarantines == 0
+
+
+# ---------------------------------------------------------------------------------------------- 3: env values
+
+
+@pytest.mark.parametrize("var", ["TRANSCRIPT_STORE_TOKENIZER", "TRANSCRIPT_STORE_SUMMARIZER"])
+@pytest.mark.parametrize(
+    "command",
+    [("chat",), ("compact", "s1"), ("outbox", "drain"), ("outbox", "recover"), ("engines", "list"), ("doctor",),
+     ("gateway", "--workers", "2", "--sessions", "1", "--turns", "1")],
+)
+def test_bad_tokenizer_or_summarizer_values_are_usage_errors(store_url: str, tmp_path: Path, var: str,
+                                                             command: tuple[str, ...]) -> None:
+    seed(store_url)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        before = store.list_sessions("gateway") + store.list_sessions(SCOPE)
+    line = one_error_line(run(*command, "--db", store_url, cwd=tmp_path, stdin="hello\n", code=2,
+                              env={var: "bogus"}))
+    assert var in line and "'bogus'" in line
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions("gateway") + store.list_sessions(SCOPE) == before
+
+
+def test_bad_tokenizer_value_creates_no_store(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    run("chat", "--db", f"sqlite:///{path}", cwd=tmp_path, stdin="hello\n", code=2,
+        env={"TRANSCRIPT_STORE_TOKENIZER": "bogus"})
+    assert not path.exists()
+
+
+def test_the_real_gateway_prints_no_traceback_for_a_bad_value(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "TRANSCRIPT_STORE_SUMMARIZER": "bogus", "COLUMNS": "200"}
+    result = subprocess.run([*CLI, "gateway", "--workers", "2", "--sessions", "1", "--turns", "1"], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    one_error_line(result)
+    assert not (tmp_path / "transcripts.db").exists()
+
+
+def test_a_gateway_worker_that_cannot_start_reports_one_line(store_url: str, capfd: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the dispatcher's own checks (a library caller of _dispatch): the workers still print no traceback."""
+    monkeypatch.setenv("TRANSCRIPT_STORE_TOKENIZER", "bogus")
+    options = GatewayOptions(db_url=store_url, workers=2, sessions=1, turns=1, faults=False, progress=False)
+    report = GatewayReport(url=store_url, engine="legacy", workers=2, planned_turns=1)
+    plan = {"s-1": [Job("s-1", "s-1:turn-0", "hello")]}
+    with pytest.raises(TranscriptStoreError, match="worker could not start: InvalidInput: TRANSCRIPT_STORE_TOKENIZER"):
+        _dispatch(options, store_url, plan, report, random.Random(1), Console(quiet=True))
+    assert not mp.active_children()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- 4: settings file
+
+READS_NO_SETTINGS = [
+    ("sessions", "list"), ("sessions", "show", "s1"), ("sessions", "export", "s1"), ("outbox", "status"),
+    ("current",), ("upgrade",), ("init",), ("openclaw", "install-line", "--service-url", "http://127.0.0.1:8765"),
+]
+
+
+@pytest.mark.parametrize("command", READS_NO_SETTINGS)
+@pytest.mark.parametrize("how", ["option", "variable", "missing variable"])
+def test_every_command_refuses_a_named_bad_settings_file(store_url: str, tmp_path: Path, command: tuple[str, ...],
+                                                         how: str) -> None:
+    seed(store_url)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = 1\n", encoding="utf-8")
+    args: tuple[str, ...] = ("--config", str(bad)) if how == "option" else ()
+    named = bad if how == "variable" else tmp_path / "nothere.toml"
+    env = {} if how == "option" else {"TRANSCRIPT_STORE_CONFIG": str(named)}
+    line = one_error_line(run(*command, *args, "--db", store_url, cwd=tmp_path, code=2, env=env))
+    assert ("unknown key 'x'" in line) if how != "missing variable" else ("does not exist" in line)
+
+
+def test_a_named_bad_settings_file_creates_no_store(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    run("init", "--db", f"sqlite:///{path}", cwd=tmp_path, code=2,
+        env={"TRANSCRIPT_STORE_CONFIG": str(tmp_path / "nothere.toml")})
+    hermes_home = tmp_path / "hermes"
+    run("hermes", "install", "--home", str(hermes_home), "--config", str(tmp_path / "x.toml"), cwd=tmp_path, code=2)
+    assert not path.exists() and not hermes_home.exists()
+
+
+def test_a_good_named_settings_file_is_accepted_everywhere(store_url: str, tmp_path: Path) -> None:
+    seed(store_url)
+    good = tmp_path / "good.toml"
+    good.write_text('[engine]\nslot = "lossless"\n', encoding="utf-8")
+    assert len(run_json("sessions", "list", "--config", str(good), "--db", store_url, cwd=tmp_path)) == 2
+    env = {"TRANSCRIPT_STORE_CONFIG": str(good)}
+    assert len(run_json("sessions", "list", "--db", store_url, cwd=tmp_path, env=env)) == 2
+
+
+# ---------------------------------------------------------------------------------------------- 5: hermes merge
+
+
+@pytest.mark.parametrize("existing", [None, "model:\n  context_length: 200000\nplugins:\n  enabled: [other]\n"])
+def test_hermes_merge_prints_what_it_wrote(tmp_path: Path, existing: str | None) -> None:
+    home = tmp_path / "hermes"
+    if existing is not None:
+        home.mkdir()
+        (home / "config.yaml").write_text(existing, encoding="utf-8")
+    out = run("hermes", "install", "--home", str(home), "--engine", "lossless", "--merge-config", cwd=tmp_path).stdout
+    printed = yaml.safe_load(out.split(":\n", 1)[1])
+    written = yaml.safe_load((home / "config.yaml").read_text(encoding="utf-8"))
+    assert printed["model"]["context_length"] == written["model"]["context_length"]
+    assert printed["plugins"]["enabled"] == written["plugins"]["enabled"]
+    assert printed["context"]["engine"] == written["context"]["engine"] == "lossless"
+    as_json = run_json("hermes", "install", "--home", str(home), "--merge-config", cwd=tmp_path)
+    assert as_json["config"]["model"] == written["model"]
+
+
+# ---------------------------------------------------------------------------------------------- 6: 80 columns
+
+
+def _column(lines: list[str], header: str, name: str, after: str) -> str:
+    """The text of one column, its folded lines joined: from ``name``'s start to ``after``'s in the header."""
+    start, end = header.index(name), header.index(after)
+    return "".join(line[start:end].strip() for line in lines)
+
+
+def test_sessions_list_is_readable_at_80_columns(store_url: str, tmp_path: Path) -> None:
+    ids = [f"run-1715000000-{uuid.uuid4().hex[:8]}-conv-{i}" for i in range(2)]
+    keys = [f"gateway:1715000000-{sid[15:23]}:{i}" for i, sid in enumerate(ids)]
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        for sid, key in zip(ids, keys, strict=True):
+            store.create_session(SCOPE, session_id=sid, session_key=key)
+    out = run("sessions", "list", "--db", store_url, cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in out
+    header = next(line for line in lines if "session" in line and "updated" in line)
+    body = [line for line in lines[lines.index(header) + 1:] if line.strip() and set(line.strip()) != {"─"}]
+    assert _column(body, header, "key", "entries") == "".join(sorted(keys, key=lambda k: ids[keys.index(k)]))
+    assert _column(body, header, "session", "key") == "".join(sorted(ids))
+
+
+# ---------------------------------------------------------------------------------------------- 7: refusals
+
+
+@pytest.fixture
+def pg_server() -> None:
+    problem = _pg_reachable()
+    if problem is not None:
+        pytest.skip(f"PostgreSQL unreachable: {problem}")
+
+
+def test_a_failed_connection_attempt_is_not_called_transient(pg_server: None, tmp_path: Path) -> None:
+    """A database or role that does not exist fails the connection attempt as a server out of slots
+    does (psycopg gives no SQLSTATE for either): retried, exit 5, but reported as a failed connection,
+    not as a passing error."""
+    url = pg_url(f"ts_missing_{uuid.uuid4().hex[:8]}")
+    db = Database(StoreConfig(url=url, retry_attempts=2))
+    with pytest.raises(TransientStoreError, match=r"cannot connect to the database: .*does not exist"):
+        db.read(lambda conn: 1)
+    db.dispose()
+    line = one_error_line(run("sessions", "list", "--db", url, cwd=tmp_path, code=5,
+                              env={"TRANSCRIPT_STORE_RETRY_ATTEMPTS": "2"}))
+    assert "transient" not in line and "cannot connect to the database" in line and "does not exist" in line
+    gone = Database(StoreConfig(url="postgresql+psycopg://postgres@127.0.0.1:1/x", retry_attempts=3))
+    with pytest.raises(TransientStoreError, match="cannot connect to the database"):
+        gone.read(lambda conn: 1)
+    assert gone.retries == 2
+    gone.dispose()
