@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import paths
+from . import bundled, paths
 from .core import Core, entry_from_row
 from .engine import EngineContext
 from .registry import EngineRegistry
@@ -52,7 +52,7 @@ ADOPTED = "hermes-adopted"
 DEFAULT_THRESHOLD = 0.75
 PLUGIN_NAME = "transcript-store"
 PLUGIN_DIR = "transcript_store_hermes"
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "integrations" / "hermes" / "plugin"
+TEMPLATE_DIR = bundled.integration("hermes", "plugin")
 MIN_CONTEXT_LENGTH = 64000
 
 _RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copied state
@@ -802,7 +802,7 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
     if not (TEMPLATE_DIR / "plugin.yaml").is_file():
         from .errors import InvalidInput
 
-        raise InvalidInput(f"no Hermes plugin template at {TEMPLATE_DIR} (install transcript-store from a checkout)")
+        raise InvalidInput(f"no Hermes plugin template at {TEMPLATE_DIR} (this installation lacks the bundled plugin)")
     target = home / "plugins" / PLUGIN_DIR
     target.mkdir(parents=True, exist_ok=True)
     manifest = (TEMPLATE_DIR / "plugin.yaml").read_text(encoding="utf-8")

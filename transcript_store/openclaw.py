@@ -8,18 +8,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import bundled
 from .errors import InvalidInput
 
 PLUGIN_ID = "transcript-store"
 TOKEN_ENV = "TRANSCRIPT_STORE_TOKEN"
-BUNDLED_PLUGIN = Path(__file__).resolve().parent.parent / "integrations" / "openclaw"
+BUNDLED_PLUGIN = bundled.integration("openclaw")
 
 
 def find_plugin(path: str | None = None) -> Path:
-    """The plugin folder: ``path``, else the one in this checkout; InvalidInput when it has no manifest."""
+    """The plugin folder: ``path``, else the bundled one; InvalidInput when it has no manifest."""
     folder = Path(path).expanduser().resolve() if path else BUNDLED_PLUGIN
     if not (folder / "openclaw.plugin.json").is_file():
-        hint = "" if path else " (an installed package does not carry it: pass --plugin-dir)"
+        hint = "" if path else " (this installation lacks the bundled plugin: pass --plugin-dir)"
         raise InvalidInput(f"no OpenClaw plugin at {folder}{hint}")
     return folder
 
