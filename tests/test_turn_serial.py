@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from test_host import SCOPE, make_host
 from workers.turn_worker import ENGINE, counting_engine
 
 from transcript_store import SessionBusy, TranscriptStore, TurnOvertaken, identity, outbox
-from transcript_store.errors import ModelTimeout
+from transcript_store.errors import InvalidInput, ModelTimeout
 from transcript_store.identity import ProcessIdentity
 from transcript_store.leases import LeaseKeeper
 from transcript_store.ledger import committed_messages, count_turn_messages
@@ -419,16 +420,22 @@ def test_a_turn_discarded_while_it_ran_is_reported_overtaken(store: TranscriptSt
     assert [(i.turn_id, i.state) for i in Turns(store).intents(SCOPE)] == [("o1", "admitted")]
 
 
+def _owner(turns: Turns, sid: str, turn_id: str) -> str:
+    intent = turns.intent(SCOPE, sid, turn_id)
+    assert intent is not None and intent.lease_owner is not None
+    return intent.lease_owner
+
+
 def test_the_lease_keeper_renews_only_what_it_holds(
     store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Held turns are renewed; a released one is not; one discarded meanwhile is dropped with a warning;
-    a zero lease holds nothing."""
+    """Held turns are renewed under the admission's owner; a released one is not; one discarded
+    meanwhile is dropped with a warning; a zero lease holds nothing; close stops everything."""
     turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
     turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
     keeper = LeaseKeeper(store)
-    keeper.hold(SCOPE, sid, "t1", 0.3)
-    keeper.hold(SCOPE, sid, "zero", 0.0)
+    keeper.hold(SCOPE, sid, "t1", 0.3, _owner(turns, sid, "t1"))
+    keeper.hold(SCOPE, sid, "zero", 0.0, "anyone")
     assert not keeper.holds(SCOPE, sid, "zero")
     time.sleep(0.5)
     first = turns.intent(SCOPE, sid, "t1")
@@ -438,7 +445,7 @@ def test_the_lease_keeper_renews_only_what_it_holds(
     renewals = keeper.renewals
     time.sleep(0.4)
     assert keeper.renewals == renewals
-    keeper.hold(SCOPE, sid, "t1", 0.3)
+    keeper.hold(SCOPE, sid, "t1", 0.3, _owner(turns, sid, "t1"))
     turns.discard(SCOPE, sid, "t1")
     with caplog.at_level(logging.WARNING, logger="transcript_store.leases"):
         deadline = time.monotonic() + 5
@@ -446,3 +453,91 @@ def test_the_lease_keeper_renews_only_what_it_holds(
             time.sleep(0.05)
     assert not keeper.holds(SCOPE, sid, "t1")
     assert "turn t1: its lease could not be renewed" in caplog.text
+    turns.admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="legacy")
+    keeper.hold(SCOPE, sid, "t2", 0.3, _owner(turns, sid, "t2"))
+    keeper.close()
+    assert not keeper.holds(SCOPE, sid, "t2") and keeper._thread is None
+    renewals = keeper.renewals
+    time.sleep(0.3)
+    assert keeper.renewals == renewals
+
+
+def test_the_keeper_renews_under_the_admissions_owner_only(store: TranscriptStore, sid: str) -> None:
+    """The renewal matches the owner the admission wrote: the keeper is given it, it does not guess it
+    (threads starting a process's first turns at once could each have made an identity of their own)."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
+    keeper = LeaseKeeper(store)
+    keeper.hold(SCOPE, sid, "t1", 0.3, "another-process:1:2:3")
+    deadline = time.monotonic() + 5
+    while keeper.holds(SCOPE, sid, "t1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not keeper.holds(SCOPE, sid, "t1") and keeper.renewals == 0
+    keeper.close()
+
+
+def test_threads_of_a_new_process_agree_on_its_identity() -> None:
+    """16 threads asking a fresh process for its identity at once get one (a lease owner)."""
+    code = (
+        "import threading; from transcript_store import identity\n"
+        "barrier = threading.Barrier(16); seen = set()\n"
+        "def ask():\n    barrier.wait(); seen.add(str(identity.current()))\n"
+        "threads = [threading.Thread(target=ask) for _ in range(16)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]; print(len(seen))\n"
+    )
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.strip() == "1"
+
+
+def test_a_held_turn_past_its_time_limit_lets_the_session_go(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn stuck in a live process (a tool that never returns) is renewed only up to its time
+    limit; then its lease runs out and the session's next turn takes over."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
+    keeper = LeaseKeeper(store)
+    with caplog.at_level(logging.WARNING, logger="transcript_store.leases"):
+        keeper.hold(SCOPE, sid, "t1", 0.3, _owner(turns, sid, "t1"), max_seconds=0.4)
+        time.sleep(0.35)
+        with pytest.raises(SessionBusy):  # still within its limit: renewed
+            Turns(store).admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="legacy")
+        time.sleep(0.9)
+    assert "turn t1: held past its time limit" in caplog.text and not keeper.holds(SCOPE, sid, "t1")
+    Turns(store).admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="legacy")
+    keeper.close()
+
+
+def _release_in_child(keeper: LeaseKeeper, sid: str, done: Any) -> None:
+    keeper.release(SCOPE, sid, "t1")
+    done.set()
+
+
+def test_a_keeper_inherited_across_fork_does_not_hang(store: TranscriptStore, sid: str) -> None:
+    """A child forked while the parent's keeper held its lock (its thread mid-look) starts a keeper of its
+    own: releasing a turn there returns at once instead of waiting on a lock nobody will free."""
+    keeper = LeaseKeeper(store)
+    ctx = mp.get_context("fork")
+    done = ctx.Event()
+    with keeper._lock:  # as the parent's keeper thread holds it while it looks at its turns
+        child = ctx.Process(target=_release_in_child, args=(keeper, sid, done))
+        child.start()
+    child.join(timeout=20)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and done.is_set()
+    keeper.close()
+
+
+def test_an_outbox_config_refuses_leases_it_cannot_store() -> None:
+    for bad in (float("nan"), float("inf"), -1.0, 1e13, True, "300"):
+        with pytest.raises(InvalidInput):
+            OutboxConfig(turn_lease_seconds=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            OutboxConfig(delivery_lease_seconds=bad)  # type: ignore[arg-type]
+    for bad_limit in (0, -1, True, 1.5):
+        with pytest.raises(InvalidInput):
+            OutboxConfig(drain_limit=bad_limit)  # type: ignore[arg-type]
+    assert OutboxConfig(turn_lease_seconds=0, delivery_lease_seconds=0.5).turn_lease_seconds == 0

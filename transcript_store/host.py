@@ -579,7 +579,10 @@ class HostRuntime:
         admission = admitted[0]
         # From the admission until the completion, the turn's lease is renewed in the background, so
         # no model or tool call, however long, lets another turn take the session over (leases.py).
-        self._leases.hold(scope, session_id, turn_id, self.turns.config.turn_lease_seconds)
+        owner = admitted[1].lease_owner  # the admission's (renewal must match it: leases.py)
+        if admitted[1].state == "admitted" and owner is not None:
+            self._leases.hold(scope, session_id, turn_id, self.turns.config.turn_lease_seconds, owner,
+                              self.settings.max_turn_seconds)
         fence = admission.anchor
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
@@ -905,7 +908,8 @@ class HostRuntime:
         return result
 
     def dispose(self) -> None:
-        """Write pending quarantine records and dispose of every live engine."""
+        """Write pending quarantine records, stop renewing leases and dispose of every live engine."""
+        self._leases.close()
         self.flush_quarantines()
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)

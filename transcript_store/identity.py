@@ -6,6 +6,7 @@ import hashlib
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -116,17 +117,31 @@ def machine_key() -> str | None:
 
 
 _current: ProcessIdentity | None = None
+#: threads starting a process's first turns at once must agree on one identity (a lease's owner)
+_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def current() -> ProcessIdentity:
     """This process's identity (a fresh one after fork)."""
     global _current
-    if _current is None or _current.pid != os.getpid():
-        pid = os.getpid()
-        ticks = process_start_ticks(pid)
-        machine = machine_key() if ticks is not None else None
-        _current = ProcessIdentity(
-            socket.gethostname(), pid, process_start_time(pid) or time.time(), secrets.token_hex(4),
-            machine, ticks if machine is not None else None,
-        )
-    return _current
+    found = _current
+    pid = os.getpid()
+    if found is not None and found.pid == pid:
+        return found
+    with _lock:
+        if _current is None or _current.pid != pid:
+            ticks = process_start_ticks(pid)
+            machine = machine_key() if ticks is not None else None
+            _current = ProcessIdentity(
+                socket.gethostname(), pid, process_start_time(pid) or time.time(), secrets.token_hex(4),
+                machine, ticks if machine is not None else None,
+            )
+        return _current

@@ -8,10 +8,12 @@ the running turn, and the turn's replies would be refused when it completes.
 
 One daemon thread per keeper renews every turn it holds once a third of its lease has passed since
 the lease was last set, so a lease is never older than half its length while its worker lives; a
-worker that dies stops renewing with it. Holding and releasing a turn is a dict operation under a
-lock: a turn shorter than a third of its lease (almost all of them) writes nothing and starts no
-thread of its own. The thread starts on the first hold and ends after half a minute with nothing
-to hold; a keeper used again after ``fork()`` starts a thread of its own in the child.
+worker that dies stops renewing with it, and a turn held longer than its ``max_seconds`` (a tool that
+never returns) stops being renewed, so the session is not held forever by a live but stuck process.
+Holding and releasing a turn is a dict operation under a lock: a turn shorter than a third of its
+lease (almost all of them) writes nothing and starts no thread of its own. The thread starts on the
+first hold and ends after half a minute with nothing to hold, or at ``close``; in a child after
+``fork()`` the keeper starts afresh (the parent's thread is not there, its lock may have been held).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import identity, outbox
+from . import outbox
 from .store import TranscriptStore
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,9 @@ MAX_TICK = 30.0
 @dataclass
 class _Held:
     lease: float  # seconds
+    owner: str  # the lease owner the admission wrote (renewal matches it)
     set_at: float  # time.monotonic() when the lease was last set
+    until: float  # time.monotonic() after which it is not renewed any more
 
 
 class LeaseKeeper:
@@ -47,8 +51,6 @@ class LeaseKeeper:
         self._start()
 
     def _start(self) -> None:
-        # Also in a child after fork(): the parent's thread is not there, and its lock may have been
-        # held by that thread at the fork.
         self._pid = os.getpid()
         self._held: dict[tuple[str, str, str], _Held] = {}
         self._lock = threading.Lock()
@@ -56,13 +58,22 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._tick = MAX_TICK  # how long the thread sleeps now
 
-    def hold(self, scope: str, session_id: str, turn_id: str, lease_seconds: float) -> None:
-        """Keep renewing this turn's lease (just set by its admission) until ``release``."""
-        if not lease_seconds > 0:  # a zero lease: nothing to keep (and NaN is refused by the config)
-            return
-        if os.getpid() != self._pid:
+    def _own(self) -> None:
+        if os.getpid() != self._pid:  # a child after fork(): nothing of the parent's keeper is ours
             self._start()
-        held = _Held(float(lease_seconds), time.monotonic())
+
+    def hold(
+        self, scope: str, session_id: str, turn_id: str, lease_seconds: float, owner: str,
+        max_seconds: float | None = None,
+    ) -> None:
+        """Keep renewing this turn's lease (just set by its admission, to ``owner``) until ``release``,
+        for at most ``max_seconds`` from now (None: as long as it is held)."""
+        if not 0 < lease_seconds < float("inf"):  # a zero lease: nothing to keep
+            return
+        now = time.monotonic()
+        until = now + max_seconds if max_seconds is not None else float("inf")
+        held = _Held(float(lease_seconds), owner, now, until)
+        self._own()
         with self._lock:
             self._held[(scope, session_id, turn_id)] = held
             if self._thread is None or not self._thread.is_alive():
@@ -73,26 +84,45 @@ class LeaseKeeper:
 
     def release(self, scope: str, session_id: str, turn_id: str) -> None:
         """Stop renewing this turn's lease (the turn is completing, or its attempt ended)."""
+        self._own()
         with self._lock:
             self._held.pop((scope, session_id, turn_id), None)
 
     def holds(self, scope: str, session_id: str, turn_id: str) -> bool:
         """Whether this keeper is renewing the turn's lease."""
+        self._own()
         with self._lock:
             return (scope, session_id, turn_id) in self._held
 
+    def close(self) -> None:
+        """Stop renewing every turn and end the thread (a later ``hold`` starts a new one)."""
+        self._own()
+        with self._lock:
+            self._held.clear()
+            thread, self._thread = self._thread, None
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
     def _run(self) -> None:
+        me = threading.current_thread()
         idle_since: float | None = None
         while True:
             self._wake.clear()  # before looking: a hold from here on wakes the wait below at once
             with self._lock:
-                due = [(k, h) for k, h in self._held.items() if time.monotonic() - h.set_at >= h.lease / 3]
+                if self._thread is not me:
+                    return  # closed (or replaced): a later hold starts another thread
+                now = time.monotonic()
+                for key in [k for k, h in self._held.items() if now >= h.until]:
+                    del self._held[key]
+                    log.warning("turn %s: held past its time limit; its lease is no longer renewed", key[2])
+                due = [(k, h) for k, h in self._held.items() if now - h.set_at >= h.lease / 3]
                 leases = [h.lease for h in self._held.values()]
                 if leases:
                     idle_since = None
                 elif idle_since is None:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > MAX_TICK:
+                    idle_since = now
+                elif now - idle_since > MAX_TICK:
                     self._thread = None  # the next hold starts a new one
                     return
                 # Looking every sixth of the shortest lease renews each at most half a lease after it was set.
@@ -103,10 +133,11 @@ class LeaseKeeper:
 
     def _renew(self, key: tuple[str, str, str], held: _Held) -> None:
         scope, session_id, turn_id = key
-        owner = str(identity.current())  # the admission's lease owner: this process (Turns.admit)
         started = time.monotonic()
         try:
-            renewed = self.store.write(lambda c: outbox.renew_lease(c, scope, session_id, turn_id, owner, held.lease))
+            renewed = self.store.write(
+                lambda c: outbox.renew_lease(c, scope, session_id, turn_id, held.owner, held.lease)
+            )
         except Exception as e:  # the store is unreachable for now: try again at the next look
             log.warning("turn %s: could not renew its lease (%s: %s); retrying", turn_id, type(e).__name__, e)
             return
@@ -118,4 +149,5 @@ class LeaseKeeper:
                 self.renewals += 1
                 return
             del self._held[key]
-        log.warning("turn %s: its lease could not be renewed (discarded or taken over meanwhile)", turn_id)
+        log.warning("turn %s: its lease could not be renewed (the turn was discarded, completed by another "
+                    "attempt or taken over meanwhile)", turn_id)

@@ -56,6 +56,10 @@ class TurnIntent(BaseModel):
     lease_expires_at: datetime | None
 
 
+#: the longest lease OutboxConfig accepts (seconds): a year
+MAX_LEASE_SECONDS = 365 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class OutboxConfig:
     """Lease timeouts (seconds). A crashed worker blocks nothing longer than its lease."""
@@ -66,6 +70,15 @@ class OutboxConfig:
     delivery_lease_seconds: float = 60.0
     #: Rows delivered per drain call, round-robin one per session per round.
     drain_limit: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("turn_lease_seconds", "delivery_lease_seconds"):
+            value = getattr(self, name)
+            # A lease is stored as microseconds in a 64-bit column: a finite number of seconds, up to a year.
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_LEASE_SECONDS:
+                raise InvalidInput(f"{name} must be a number of seconds in 0..{MAX_LEASE_SECONDS:g}, got {value!r}")
+        if isinstance(self.drain_limit, bool) or not isinstance(self.drain_limit, int) or self.drain_limit < 1:
+            raise InvalidInput(f"drain_limit must be a positive integer, got {self.drain_limit!r}")
 
 
 def _intent(row: Row[Any]) -> TurnIntent:

@@ -53,6 +53,10 @@ class HostSettings(BaseModel):
     max_tool_steps: int = Field(8, ge=1, description="model calls per turn (tool loop bound)")
     max_attempts: int = Field(3, ge=1, description="attempts of one logical turn on provider timeouts")
     model_timeout_seconds: float = Field(60.0, gt=0, description="one model call's timeout")
+    max_turn_seconds: float = Field(
+        3600.0, gt=0, allow_inf_nan=False,
+        description="a turn running longer stops renewing its lease: another turn may then take the session over",
+    )
     capabilities: list[str] = Field(
         default_factory=lambda: ["assemble-before-prompt"], description="what this host can do for engines"
     )
