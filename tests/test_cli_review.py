@@ -3,9 +3,11 @@ by every command, the Hermes merge report, the sessions table at 80 columns, con
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import random
 import shlex
+import socket
 import subprocess
 import uuid
 from pathlib import Path
@@ -212,3 +214,48 @@ def test_a_failed_connection_attempt_is_not_called_transient(pg_server: None, tm
         gone.read(lambda conn: 1)
     assert gone.retries == 2
     gone.dispose()
+
+
+# ---------------------------------------------------------------------------------------------- integrations
+
+
+def test_install_commands_refuse_an_engine_that_is_not_installed(tmp_path: Path) -> None:
+    home = tmp_path / "hermes"
+    line = one_error_line(run("hermes", "install", "--home", str(home), "--engine", "nosuch", cwd=tmp_path, code=2))
+    assert "'nosuch'" in line and "lossless" in line and not home.exists()
+    line = one_error_line(run("openclaw", "install-line", "--service-url", "http://127.0.0.1:8765",
+                              "--engine", "nosuch", cwd=tmp_path, code=2))
+    assert "'nosuch'" in line
+
+
+def test_hermes_install_takes_the_url_and_scope_like_every_command(tmp_path: Path) -> None:
+    """--db, else TRANSCRIPT_STORE_URL (a relative SQLite path made absolute: Hermes starts elsewhere);
+    --scope, else TRANSCRIPT_STORE_SCOPE; neither: the Hermes home's own file and the adapter's scope."""
+    home = tmp_path / "hermes"
+    settings = home / "plugins" / "transcript_store_hermes" / "settings.json"
+    run("hermes", "install", "--home", str(home), cwd=tmp_path,
+        env={"TRANSCRIPT_STORE_URL": "sqlite:///rel/x.db", "TRANSCRIPT_STORE_SCOPE": "team-a"})
+    written = json.loads(settings.read_text(encoding="utf-8"))
+    assert written["db_url"] == f"sqlite:///{(tmp_path / 'rel' / 'x.db').resolve()}" and written["scope"] == "team-a"
+    run("hermes", "install", "--home", str(home), "--db", "sqlite:///y.db", "--scope", "team-b", cwd=tmp_path)
+    written = json.loads(settings.read_text(encoding="utf-8"))
+    assert written["db_url"] == f"sqlite:///{(tmp_path / 'y.db').resolve()}" and written["scope"] == "team-b"
+    run("hermes", "install", "--home", str(home), cwd=tmp_path)
+    written = json.loads(settings.read_text(encoding="utf-8"))
+    assert written["db_url"] == f"sqlite:///{home.resolve() / 'transcript-store.db'}" and "scope" not in written
+
+
+def test_serve_refuses_bad_tokens_as_usage_errors_and_a_busy_port_before_the_store(tmp_path: Path) -> None:
+    for env in ({"TRANSCRIPT_STORE_TOKENS": "tok"}, {"TRANSCRIPT_STORE_TOKENS": "tok=a,tok=b"}):
+        run("serve", "--port", "0", cwd=tmp_path, env=env, code=2)
+    bad = tmp_path / "tokens.txt"
+    bad.write_text("tok=openclaw\n", encoding="utf-8")
+    run("serve", "--port", "0", "--tokens", str(bad), cwd=tmp_path, code=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        busy = run("serve", "--port", port, cwd=tmp_path, env={"TRANSCRIPT_STORE_TOKENS": "t=s"}, code=1)
+        line = one_error_line(busy)
+    assert f"cannot listen on 127.0.0.1:{port}" in line
+    assert not (tmp_path / "transcripts.db").exists()

@@ -70,4 +70,4 @@ def test_serve_refuses_to_start_without_tokens(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no tokens" in done.stderr
     (tmp_path / "tokens").write_text("tok-1 scope-a\ntok-1 scope-b\n")
     done = cli("serve", "--tokens", str(tmp_path / "tokens"), "--port", "0", env=env)
-    assert done.returncode == 1 and "exactly one scope" in done.stderr
+    assert done.returncode == 2 and "exactly one scope" in done.stderr

@@ -55,6 +55,7 @@ from .store import TranscriptStore
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
 DEFAULT_SCOPE = "default"
 SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
+URL_ENV = "TRANSCRIPT_STORE_URL"
 CHAT_KEY = "cli:chat"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -1136,14 +1137,25 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, access_l
     from .service_app import bind, create_app
     from .service_app import serve as run_server
 
-    tokens = TokenMap.load(tokens_file)
+    try:
+        tokens = TokenMap.load(tokens_file)
+    except InvalidInput as e:  # a malformed tokens file or TRANSCRIPT_STORE_TOKENS: a usage error
+        raise CommandError(str(e), EXIT_USAGE) from None
     if not len(tokens):
         raise CommandError("no tokens: pass --tokens FILE or set TRANSCRIPT_STORE_TOKENS", EXIT_USAGE)
     settings = state().settings()
-    store = open_store(create=True)
+    # The port first: a port in use must not leave a new store behind (the default is a file here).
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}", EXIT_FAILED) from None
+    try:
+        store = open_store(create=True)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = create_app(Service(store, settings), tokens, max_body_bytes=max_body)
-        sock = bind(host, port)
         if host not in ("127.0.0.1", "::1", "localhost"):
             click.echo(f"warning: listening on {host}, beyond this machine", err=True)
         logging.getLogger("transcript_store").setLevel(logging.INFO)
@@ -1187,6 +1199,7 @@ def openclaw_install_line(service_url: str, engine: str, plugin_dir: str | None)
     from .openclaw import install_instructions
 
     check_service_url(service_url)
+    _check_engine_id(engine)
     try:
         info = install_instructions(service_url, engine=engine, plugin_dir=plugin_dir)
     except InvalidInput as e:
@@ -1247,6 +1260,28 @@ def _merged_keys(path: Path, snippet: dict[str, Any]) -> dict[str, Any]:
     return {section: {key: data[section][key] for key in keys} for section, keys in snippet.items()}
 
 
+def _check_engine_id(engine: str) -> None:
+    """Refuse an engine id that no engine installed here has (the settings' plugin folders included)."""
+    from .registry import EngineRegistry
+
+    known = EngineRegistry(state().settings().plugin_dirs).specs
+    if engine not in known:
+        raise CommandError(f"--engine {engine!r}: no such engine here (installed: {', '.join(sorted(known))})",
+                           EXIT_USAGE)
+
+
+def _absolute_sqlite(url: str) -> str:
+    """A SQLite URL with a relative path made absolute (the plugin runs from wherever Hermes starts)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise CommandError(f"--db: not a database URL: {url!r}", EXIT_USAGE) from None
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or Path(path).is_absolute():
+        return url
+    return parsed.set(database=str(Path(path).expanduser().resolve())).render_as_string(hide_password=False)
+
+
 @hermes.command("install")
 @click.option("--home", required=True, type=click.Path(file_okay=False), help="The HERMES_HOME to install into.")
 @click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
@@ -1260,9 +1295,16 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
 
     from .hermes import install_plugin
 
+    st = state()
+    _check_engine_id(engine)
     if merge_config:
         _check_hermes_config(Path(home).expanduser() / "config.yaml")
-    info = install_plugin(home, engine=engine, db_url=state().db, merge_config=merge_config, threshold=threshold)
+    # --db, else TRANSCRIPT_STORE_URL, else a file in the Hermes home; --scope, else
+    # TRANSCRIPT_STORE_SCOPE, else the adapter's own ("hermes").
+    url = st.db or os.environ.get(URL_ENV) or None
+    scope = st.scope or os.environ.get(SCOPE_ENV) or None
+    info = install_plugin(home, engine=engine, db_url=_absolute_sqlite(url) if url else None,
+                          merge_config=merge_config, threshold=threshold, scope=scope)
     if merge_config:  # what the file now holds (the merge keeps a larger context_length, other plugins)
         info["config"] = _merged_keys(Path(info["config_path"]), info["config"])
     if state().json:

@@ -794,7 +794,8 @@ def config_snippet(engine: str = "lossless", context_length: int = 128000) -> di
 
 
 def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | None = None,
-                   merge_config: bool = False, threshold: float | None = None) -> dict[str, Any]:
+                   merge_config: bool = False, threshold: float | None = None,
+                   scope: str | None = None) -> dict[str, Any]:
     """Write the plugin into ``home``/plugins/<dir>/ (and optionally merge config.yaml); what was done."""
     import yaml
 
@@ -810,6 +811,8 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
     if db_url is None:
         db_url = f"sqlite:///{home.resolve() / 'transcript-store.db'}"
     settings: dict[str, Any] = {"engine": engine, "db_url": db_url}
+    if scope is not None:
+        settings["scope"] = scope
     if threshold is not None:
         settings["threshold_percent"] = threshold
     (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
