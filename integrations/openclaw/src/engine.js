@@ -262,8 +262,20 @@ export async function createEngine(options) {
       if (!ownsCompaction) {
         return (await sdk()).delegateCompactionToRuntime(params);
       }
-      await ensureSession(params.sessionId, params.sessionKey);
-      const answer = await client.post(`${sessionPath(params.sessionId)}/compact`, {
+      const target = targetOf(params);
+      await ensureSession(target.sessionId, target.sessionKey);
+      // The host transcript may hold messages the mirror never saw: a turn that timed out or was
+      // aborted before its commit (its tool results can be what makes the host ask to compact). Import
+      // them first, or the engine compacts a mirror without them, makes no progress, and the host's
+      // pre-prompt compaction fails on every later turn of the session. An import that fails leaves the
+      // compaction to what the mirror holds.
+      try {
+        const imported = await importTranscript(target);
+        if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
+      } catch (error) {
+        info(`transcript-store: compacting without importing the host transcript first: ${error.message}`);
+      }
+      const answer = await client.post(`${sessionPath(target.sessionId)}/compact`, {
         force: params.force === true,
         token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
         focus: typeof params.customInstructions === "string" ? params.customInstructions : null,

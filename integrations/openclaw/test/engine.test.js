@@ -163,3 +163,36 @@ test("compaction is delegated to OpenClaw when the service engine does not own i
   assert.deepEqual(await engine.compact({ sessionId: "s", sessionKey: "k", force: true }), { ok: true, compacted: true });
   assert.equal(delegated.length, 1);
 });
+
+test("compaction imports what the mirror has not seen of the host transcript first", async () => {
+  // A turn that timed out before its commit left its messages in the host transcript only: compacting
+  // the mirror without them makes no progress, and the host's pre-prompt compaction then fails forever.
+  let state = { cursor: null, position: 0, visible_count: 0 };
+  const { calls, fetchImpl } = service({
+    "GET /v1/engines/:e": describe,
+    "POST /v1/sessions": opened,
+    "GET /v1/engines/:e/sessions/:sid/bootstrap": () => [200, state],
+    "POST /v1/engines/:e/sessions/:sid/bootstrap": (body) => {
+      state = { cursor: body.page.next_cursor, position: state.position + body.page.entries.length, visible_count: 3 };
+      return [200, { imported: body.page.entries.length, matched: 0, rewound: false, ...state }];
+    },
+    "POST /v1/engines/:e/sessions/:sid/compact": () => [200, { ok: true, compacted: true, tokens_before: 900, tokens_after: 300 }],
+  });
+  let unavailable = false;
+  const sdk = {
+    readSessionTranscriptVisibleMessageDelta: async () => unavailable
+      ? { kind: "unavailable", reason: "locked" }
+      : { kind: "page", cursor: "c3", hasMore: false, entries: [
+        { entryId: "h0", message: user }, { entryId: "h1", message: reply }, { entryId: "h2", message: result }] },
+  };
+  const engine = await createEngine({ serviceUrl: "http://svc3", token: "tok", fetchImpl, sdk });
+  const params = { sessionId: "s1", sessionKey: "k", force: true, sessionTarget: { agentId: "main", sessionId: "s1" } };
+  const out = await engine.compact(params);
+  assert.deepEqual(out, { ok: true, compacted: true, result: { tokensBefore: 900, tokensAfter: 300 } });
+  const posts = calls.filter((c) => c.method === "POST" && c.path.startsWith("/v1/engines/")).map((c) => c.path.split("/").pop());
+  assert.deepEqual(posts, ["bootstrap", "compact"]);
+  assert.deepEqual(calls.find((c) => c.path.endsWith("/bootstrap") && c.method === "POST").body.page.entries.map((e) => e.entry_id),
+    ["h0", "h1", "h2"]);
+  unavailable = true; // a host transcript that cannot be read: the compaction still runs on the mirror
+  assert.equal((await engine.compact(params)).compacted, true);
+});
