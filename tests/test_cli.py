@@ -689,6 +689,15 @@ def test_boolean_store_settings_accept_only_known_words(monkeypatch: pytest.Monk
             StoreConfig.from_env()
 
 
+def test_sqlite_durability_accepts_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    for word, expected in [("normal", "NORMAL"), (" Full ", "FULL"), ("NORMAL", "NORMAL")]:
+        monkeypatch.setenv("TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS", word)
+        assert StoreConfig.from_env().sqlite_synchronous == expected, word
+    monkeypatch.setenv("TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS", "off")
+    with pytest.raises(InvalidInput, match="sqlite_synchronous"):
+        StoreConfig.from_env()
+
+
 def test_an_empty_scope_is_refused(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"
     run("init", "--db", url, cwd=tmp_path)

@@ -70,6 +70,8 @@ class StoreConfig(BaseModel):
                 continue
             if name in ("auto_upgrade", "pg_generic_plans"):
                 values[name] = parse_bool(var, raw)
+            elif name == "sqlite_synchronous":
+                values[name] = raw.strip().upper()  # any case, as the boolean settings
             else:
                 values[name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
