@@ -82,19 +82,29 @@ test("commitTurn forwards the turn and returns the service's status", async () =
   assert.equal(calls.filter((c) => c.path === "/v1/sessions").length, 1); // the session is opened once
 });
 
-test("a commit behind the mirror imports the host transcript up to the turn, then commits", async () => {
-  let committed = false;
-  let state = { cursor: null, position: 0, visible_count: 0 };
-  const { calls, fetchImpl } = service({
+// The service's mirror of one session, scripted: each imported page moves its import resume point.
+function mirrorRoutes(visibleCount) {
+  const mirror = { state: { cursor: null, position: 0, visible_count: 0 } };
+  mirror.routes = {
     "GET /v1/engines/:e": describe,
     "POST /v1/sessions": opened,
-    "GET /v1/engines/:e/sessions/:sid/bootstrap": () => [200, state],
+    "GET /v1/engines/:e/sessions/:sid/bootstrap": () => [200, mirror.state],
     "POST /v1/engines/:e/sessions/:sid/bootstrap": (body) => {
-      state = { cursor: body.page.next_cursor, position: state.position + body.page.entries.length, visible_count: 2 };
-      return [200, { imported: body.page.entries.length, matched: 0, rewound: false, ...state }];
+      const position = mirror.state.position + body.page.entries.length;
+      mirror.state = { cursor: body.page.next_cursor, position, visible_count: visibleCount };
+      return [200, { imported: body.page.entries.length, matched: 0, rewound: false, ...mirror.state }];
     },
+  };
+  return mirror;
+}
+
+test("a commit behind the mirror imports the host transcript up to the turn, then commits", async () => {
+  let committed = false;
+  const mirror = mirrorRoutes(2);
+  const { calls, fetchImpl } = service({
+    ...mirror.routes,
     "POST /v1/engines/:e/sessions/:sid/commit_turn": () => {
-      if (!committed && state.position < 2) return [409, { error: { code: "transcript_mirror", message: "behind", reason: "behind" } }];
+      if (!committed && mirror.state.position < 2) return [409, { error: { code: "transcript_mirror", message: "behind", reason: "behind" } }];
       committed = true;
       return [200, { status: "committed" }];
     },
@@ -167,15 +177,8 @@ test("compaction is delegated to OpenClaw when the service engine does not own i
 test("compaction imports what the mirror has not seen of the host transcript first", async () => {
   // A turn that timed out before its commit left its messages in the host transcript only: compacting
   // the mirror without them makes no progress, and the host's pre-prompt compaction then fails forever.
-  let state = { cursor: null, position: 0, visible_count: 0 };
   const { calls, fetchImpl } = service({
-    "GET /v1/engines/:e": describe,
-    "POST /v1/sessions": opened,
-    "GET /v1/engines/:e/sessions/:sid/bootstrap": () => [200, state],
-    "POST /v1/engines/:e/sessions/:sid/bootstrap": (body) => {
-      state = { cursor: body.page.next_cursor, position: state.position + body.page.entries.length, visible_count: 3 };
-      return [200, { imported: body.page.entries.length, matched: 0, rewound: false, ...state }];
-    },
+    ...mirrorRoutes(3).routes,
     "POST /v1/engines/:e/sessions/:sid/compact": () => [200, { ok: true, compacted: true, tokens_before: 900, tokens_after: 300 }],
   });
   let unavailable = false;
