@@ -180,3 +180,16 @@ def user(text: str) -> dict[str, object]:
 
 def assistant(text: str) -> dict[str, object]:
     return {"role": "assistant", "content": text}
+
+
+def make_legacy(store: TranscriptStore, scope: str, session_id: str) -> None:
+    """Give a session the incarnation schema revision 0007 gave every session that existed before it (its
+    creation time): such a session may hold cursors and anchors made before they carried an incarnation."""
+    from sqlalchemy import text
+
+    with store.db.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ts_sessions SET incarnation = CASE WHEN created_us > 0 THEN created_us ELSE 1 END"
+                 " WHERE scope = :scope AND session_id = :sid"),
+            {"scope": scope, "sid": session_id},
+        )

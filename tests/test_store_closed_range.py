@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 import pytest
+from conftest import make_legacy
 from sqlalchemy import update
 
 import transcript_store.core as core
@@ -279,10 +280,15 @@ def test_session_rebound_when_the_anchors_disagree_on_the_incarnation(store: Tra
 
 
 def test_anchors_without_an_incarnation_still_read_their_range(store: TranscriptStore, sid: str) -> None:
-    """Anchors made before they carried an incarnation (an outbox row, an older client) are honoured."""
+    """Anchors made before they carried an incarnation (an outbox row written before the upgrade) are
+    honoured by a session that existed then; a session created since never made one: stale there."""
     adm, messages, terminal = finished_turn(store, sid)
     result = ok(store.read_closed_range(adm, terminal))
     bare = [a.model_copy(update={"incarnation": None}) for a in (adm.anchor, terminal)]
+    failed(store.read_closed_range(bare[0], bare[1]), "stale")
+    make_legacy(store, A, sid)
+    adm = adm.model_copy(update={"anchor": store.anchor(A, sid, adm.anchor.entry_id)})
+    terminal = store.anchor(A, sid, terminal.entry_id)
     for first, last in ((bare[0], bare[1]), (bare[0], terminal), (adm.anchor, bare[1])):
         assert ok(store.read_closed_range(first, last)) == result
     # Stored as JSON before the field existed: read back without it.

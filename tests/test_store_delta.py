@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from conftest import make_legacy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
@@ -439,14 +440,22 @@ def test_a_cursor_of_an_imported_session_resets_on_another_import_of_the_same_ex
 def test_a_format_1_cursor_is_still_read_and_answered_with_a_format_2_cursor(
     store: TranscriptStore, sid: str
 ) -> None:
-    """Engines keep cursors in their own tables: an upgrade must not make every one of them reset."""
+    """Engines keep cursors in their own tables: an upgrade must not make every one of them reset. Only a
+    session from before incarnations (revision 0007) can have issued a format-1 cursor, though: on any
+    other (one created since, or deleted and created again under the id) it resets, never reads a page."""
     made = fill(store, sid, 4)
     old = _token([1, A, sid, 0, made[1].seq, 1], prefix="tsc1.")
+    assert reset_of(store.read_visible_delta(A, sid, old)).reason == "scope_mismatch"  # a new session's
+    make_legacy(store, A, sid)
     page = page_of(store.read_visible_delta(A, sid, old))
     assert [e.entry_id for e in page.entries] == [e.entry_id for e in made[2:]]
     assert page.cursor.startswith("tsc2.") and _body(page.cursor)[4] == inc(store, sid)
     other = _token([1, B, sid, 0, -1, -1], prefix="tsc1.")
     assert reset_of(store.read_visible_delta(A, sid, other)).reason == "scope_mismatch"
+    store.delete_session(A, sid)
+    store.create_session(A, session_id=sid)
+    fill(store, sid, 4)
+    assert reset_of(store.read_visible_delta(A, sid, old)).reason == "scope_mismatch"  # not the old session's
 
 
 # ---------------------------------------------------------------------------------------------- full reads

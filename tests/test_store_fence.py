@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from conftest import make_legacy
 
 from transcript_store import (
     CURRENT_TURN_FENCE,
@@ -255,11 +256,14 @@ def test_anchors_carry_the_sessions_incarnation(store: TranscriptStore, sid: str
 
 
 def test_a_fence_without_an_incarnation_is_still_honoured(store: TranscriptStore, sid: str) -> None:
-    """Anchors made before they carried an incarnation (an outbox row, an older client) are honoured:
-    read as JSON without the field, or with it set to None, they fence as before."""
+    """Anchors made before they carried an incarnation (an outbox row written before the upgrade) are
+    honoured by a session that existed then: read as JSON without the field, or with it set to None,
+    they fence as before. A session created since can never have made one: there it is refused."""
     before, adm = turn(store, sid)
     ids = [e.entry_id for e in before]
     old = adm.fence.model_copy(update={"incarnation": None})
+    expect_fence_error("scope", *fenced_reads(store, A, sid, old))
+    make_legacy(store, A, sid)
     dumped = json.loads(adm.fence.model_dump_json())
     del dumped["incarnation"]
     assert Anchor.model_validate_json(json.dumps(dumped)) == old

@@ -109,6 +109,13 @@ def new_incarnation() -> int:
     return secrets.randbelow(2**53 - 1) + 1
 
 
+def predates_incarnations(incarnation: int, created_us: int) -> bool:
+    """Whether a session existed before sessions had incarnations of their own (schema revision 0007
+    gave those their creation time, and a session made since draws a random one): only such a session
+    can have issued cursors (format 1) and anchors that carry no incarnation."""
+    return incarnation == (created_us if created_us > 0 else 1)
+
+
 def check_id(what: str, value: object, *, optional: bool = False) -> None:
     """Refuse ids that are empty, too long, not text, or carry control characters or NUL."""
     if value is None and optional:
@@ -523,6 +530,7 @@ def _session_and_page(page: Any, *more: Any) -> CompoundSelect[Any]:
         sessions.c.generation.label("s_generation"),
         sessions.c.session_key.label("s_session_key"),
         sessions.c.incarnation.label("s_incarnation"),
+        sessions.c.created_us.label("s_created_us"),
         _PATH_SEQ_AT_POSITION.scalar_subquery().label("s_at_seq"),
         *more,
     ]

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from .core import Core, check_anchor, entry_from_row, head_view
+from .core import Core, check_anchor, entry_from_row, head_view, predates_incarnations
 from .errors import InvalidInput, ReadFenceError
 from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult, Entry
 
@@ -28,7 +28,8 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
     A fence taken in an earlier incarnation of the session (deleted, then created or imported again
     under the same id) is refused as ``scope``: it belongs to another session, as a cursor of an earlier
     incarnation is another session's (``scope_mismatch``), however alike the new session's entry is.
-    A fence without an incarnation (made before anchors carried one) is not checked for it.
+    A fence without an incarnation (made before anchors carried one) is honoured only by a session that
+    existed then (``core.predates_incarnations``).
     """
     check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:
@@ -37,7 +38,7 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
         sess = core.session_row(scope, session_id)
     if sess is None:
         raise ReadFenceError("missing", "the session is gone")
-    if of_another_incarnation(sess.incarnation, fence):
+    if of_another_incarnation(sess.incarnation, sess.created_us, fence):
         raise ReadFenceError("scope", "the fence belongs to an earlier session under this id")
     rows = core.entries_with_path(scope, session_id, [fence.entry_id])
     row = rows.get(fence.entry_id)
@@ -68,7 +69,7 @@ def read_closed_range(
     earlier generation is. Anchors of an earlier incarnation than the session under their id now
     (deleted, then created or imported again) are ``stale``, as anchors of a session that is gone or of
     another scope's session are, however alike the new session's entries are. An anchor without an
-    incarnation (made before anchors carried one) is not checked for it.
+    incarnation (made before anchors carried one) is honoured only by a session that existed then.
     """
     if not isinstance(admission, Anchor) or not isinstance(terminal, Anchor):
         raise InvalidInput("a closed range takes two anchors")
@@ -83,7 +84,7 @@ def read_closed_range(
     sess = session if session is not None else core.session_row(scope, session_id)
     if sess is None:
         return ClosedRangeFailure(reason="stale", detail="the session is gone")
-    if of_another_incarnation(sess.incarnation, admission, terminal):
+    if of_another_incarnation(sess.incarnation, sess.created_us, admission, terminal):
         return ClosedRangeFailure(reason="stale", detail="the anchors are of an earlier session under this id")
     if sess.generation != admission.generation or sess.session_key != admission.session_key:
         return ClosedRangeFailure(reason="stale", detail="the session moved to another generation")
@@ -135,7 +136,7 @@ def closed_range_of_append(
         return None
     if session.generation != admission.generation or session.session_key != admission.session_key:
         return None
-    if of_another_incarnation(session.incarnation, admission, terminal):
+    if of_another_incarnation(session.incarnation, session.created_us, admission, terminal):
         return None
     head = head_view(session)
     if head is None or head.entry_id != admission.entry_id or not _matches(head, admission):
@@ -160,10 +161,12 @@ def closed_range_of_append(
     return ClosedRange(entries=messages, serialized_bytes=sum(m.size_bytes for m in messages))
 
 
-def of_another_incarnation(incarnation: int, *anchors: Anchor) -> bool:
-    """Whether any anchor names another incarnation of its session than ``incarnation`` (an anchor
-    without one, made before anchors carried it, names none)."""
-    return any(a.incarnation is not None and a.incarnation != incarnation for a in anchors)
+def of_another_incarnation(incarnation: int, created_us: int, *anchors: Anchor) -> bool:
+    """Whether any anchor names another incarnation of its session (``incarnation``, created at
+    ``created_us``) than this one. An anchor without an incarnation (made before anchors carried one)
+    can only be of a session that existed then: for any other it is of an earlier session under the id."""
+    legacy = predates_incarnations(incarnation, created_us)
+    return any(a.incarnation != incarnation if a.incarnation is not None else not legacy for a in anchors)
 
 
 def _same_incarnation(a: Anchor, b: Anchor) -> bool:

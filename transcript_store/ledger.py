@@ -69,6 +69,7 @@ _RANGE_ROWS_LOCKING = (
         sessions.c.session_key.label("s_session_key"),
         sessions.c.generation.label("s_generation"),
         sessions.c.incarnation.label("s_incarnation"),
+        sessions.c.created_us.label("s_created_us"),
     )
     .select_from(
         sessions.outerjoin(
@@ -389,13 +390,16 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
     if core.holds_lock(turn.scope, turn.session_id):
         rows = core.run(_RANGE_ROWS, params).all()
         sess = core.require_session(turn.scope, turn.session_id)
-        key, generation, incarnation = sess.session_key, sess.generation, sess.incarnation
+        key, generation, incarnation, created_us = sess.session_key, sess.generation, sess.incarnation, sess.created_us
     else:
         rows = core.run(_RANGE_ROWS_LOCKING, params).all()
         if not rows:
             raise UnknownSession(turn.scope, turn.session_id)
         core.note_locked(turn.scope, turn.session_id)
-        key, generation, incarnation = rows[0].s_session_key, rows[0].s_generation, rows[0].s_incarnation
+        head = rows[0]
+        key, generation, incarnation, created_us = (
+            head.s_session_key, head.s_generation, head.s_incarnation, head.s_created_us
+        )
         rows = [r for r in rows if r.entry_id is not None]
     # The anchors name the session's key and generation too, and the hash covers the key: a receipt
     # under another key or generation than the session's would stand forever against the genuine turn.
@@ -404,7 +408,7 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
             f"the anchors name session key {adm.session_key!r} and generation {adm.generation}; the session "
             f"has {key!r} and {generation}"
         )
-    if of_another_incarnation(incarnation, adm, term):
+    if of_another_incarnation(incarnation, created_us, adm, term):
         # Anchors of an earlier session under this id (deleted, then created or imported again): its
         # entries may look the same, but the turn was never this session's.
         raise InvalidInput("the anchors are of an earlier session under this id")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .core import Core, entry_from_row
+from .core import Core, entry_from_row, predates_incarnations
 from .cursors import CursorState, decode_cursor, start_cursor
 from .errors import ReadFenceError
 from .fences import check_fence
@@ -65,7 +65,7 @@ def read_visible_delta(
         if fence is not None and (fence.scope != scope or fence.session_id != session_id):
             raise ReadFenceError("scope", "the fence belongs to another scope or session")
         return DeltaMissing()
-    sess = _SessionHead(head.s_generation, head.s_session_key, head.s_incarnation)
+    sess = _SessionHead(head.s_generation, head.s_session_key, head.s_incarnation, head.s_created_us)
     if fence is not None and not fence_written:
         check_fence(core, scope, session_id, fence, sess)
     incarnation = sess.incarnation
@@ -78,9 +78,15 @@ def read_visible_delta(
     else:
         if decoded is None:
             return DeltaReset(cursor=fresh(), reason="invalid_cursor")
-        if not claimed or (decoded.incarnation is not None and decoded.incarnation != incarnation):
-            # Another scope's or session's cursor, or one of an earlier session under this id (a
-            # format-1 cursor does not say which incarnation it was issued for).
+        of_another = (
+            decoded.incarnation != incarnation
+            if decoded.incarnation is not None
+            # A format-1 cursor does not say which incarnation it was issued for: only a session that
+            # existed before incarnations can have issued it.
+            else not predates_incarnations(incarnation, sess.created_us)
+        )
+        if not claimed or of_another:
+            # Another scope's or session's cursor, or one of an earlier session under this id.
             return DeltaReset(cursor=fresh(), reason="scope_mismatch")
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh(), reason="generation_mismatch")
@@ -123,3 +129,4 @@ class _SessionHead(NamedTuple):
     generation: int
     session_key: str | None
     incarnation: int
+    created_us: int
