@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -470,6 +472,24 @@ def test_a_live_delivery_claim_holds_the_session(store: TranscriptStore, turns: 
     assert report.delivered == 0 and report.stopped_sessions == [sid]
     assert turns.recover(A, sid, E, engines()).must_degrade
     assert engine_view(store, sid) == ([], 0, None)
+
+
+def test_a_delivery_claim_of_a_dead_process_is_taken_over_at_once(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """A drain killed mid-delivery leaves its claim (60 s lease): where its process is provably gone from
+    this machine, the next drain takes the row over at once instead of stopping the session a minute."""
+    accepted(turns, sid, "t1")
+    child = subprocess.run(
+        [sys.executable, "-c", "from transcript_store import identity; print(identity.current())"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    gone = f"{child.stdout.strip()}/0badc0de"  # a drain's owner: process identity / token
+    claimed = store.write(lambda c: claim_head(c, (A, sid, E), gone, 60.0))
+    assert isinstance(claimed, TurnIntent) and claimed.lease_owner == gone
+    report = turns.drain(engines())
+    assert report.committed == 1 and report.stopped_sessions == []
+    assert engine_view(store, sid) == (["t1"], 2, 1)
 
 
 def test_an_expired_delivery_claim_is_taken_over(store: TranscriptStore, turns: Turns, sid: str) -> None:

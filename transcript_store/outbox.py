@@ -208,6 +208,12 @@ def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict
     return session_params(scope, session_id, b_turn=turn_id, **more)
 
 
+def _claimant_dead(claim_owner: str) -> bool:
+    """Whether a drain claim's process (the owner's part before ``/``) is provably gone from this machine."""
+    who = identity.ProcessIdentity.parse(claim_owner.split("/", 1)[0])
+    return who is not None and who.is_dead_here()
+
+
 def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -> bool:
     """Whether an admitted intent's worker is gone: its lease expired, or its process left this machine."""
     if lease_expires_us is None or lease_expires_us < now:
@@ -551,8 +557,10 @@ def claim_head(
             if intent.state == "accepted":
                 return "projection_unavailable"
         ts = now_us()
+        # A drain claim's owner is "<process identity>/<token>": a claim of a process gone from this
+        # machine is free at once, as an admitted turn's lease is (``abandoned``), not a lease later.
         live = row.lease_expires_us is not None and row.lease_expires_us > ts
-        if row.lease_owner is not None and row.lease_owner != owner and live:
+        if row.lease_owner is not None and row.lease_owner != owner and live and not _claimant_dead(row.lease_owner):
             return "leased"
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(
