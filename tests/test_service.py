@@ -498,3 +498,67 @@ def test_fuzzing_the_openapi_document_finds_no_server_error(server: ServiceProce
                 run()
     assert not failures, "\n".join(failures[:10])
     assert len(statuses) >= 100 and any(s < 300 for s in statuses), statuses
+
+
+# ---------------------------------------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_nul_character_in_a_message_commits_and_assembles(server: ServiceProcess, engine: str) -> None:
+    """U+0000 is legal JSON text (a binary tool output): the lossless engine's own text columns cannot hold
+    it on PostgreSQL, and every commit of the turn failed as 'store unavailable' (503), for good."""
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "bin\u0000ary"}
+    turn = [user("read it"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "cat\u0000", "arguments": "{}"}}]}, tool, assistant("ok")]
+    status, done = commit(server, engine, sid, "nul-1", 0, turn)
+    assert status == 200 and done["status"] == "committed", done
+    status, assembled = server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/assemble", TOKEN_A, {})
+    assert status == 200 and tool in assembled["messages"], assembled
+    status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+    assert status == 200 and page["entries"][2]["message"] == tool
+
+
+def test_out_of_range_anchors_and_bad_path_ids_are_400s(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    status, admission = server.call(
+        "POST", f"/v1/sessions/{sid}/admissions", TOKEN_A, {"message": user("q"), "turn_id": "t1"}
+    )
+    assert status == 200
+    for field, value in (("seq", 2**63), ("seq", 2**40), ("position", -5), ("generation", 2**62)):
+        fence = {**admission["anchor"], field: value}
+        for engine in ENGINES:
+            status, err = server.call("POST", f"/v1/engines/{engine}/sessions/{sid}/assemble", TOKEN_A,
+                                      {"fence": fence})
+            assert status == 400 and err["error"]["code"] == "invalid_input", (engine, field, err)
+    for path in ("bootstrap", "receipts"):
+        status, err = server.call("GET", f"/v1/engines/lossless/sessions/a%00b/{path}", TOKEN_A)
+        assert status == 400 and err["error"]["code"] == "invalid_input", (path, err)
+
+
+def test_bootstrap_cursors_must_be_printable_and_bounded(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    for bad in ("c\u0000", "c\u0001", "x" * 5000):
+        page = {"cursor": None, "next_cursor": bad, "entries": [{"entry_id": "h0", "message": user("hi")}]}
+        status, err = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/bootstrap", TOKEN_A,
+                                  {"page": page, "done": False})
+        assert 400 <= status < 500, (bad[:10], err)
+    status, state = server.call("GET", f"/v1/engines/lossless/sessions/{sid}/bootstrap", TOKEN_A)
+    assert status == 200 and state["cursor"] is None and state["visible_count"] == 0  # nothing written
+
+
+def test_an_ended_session_never_takes_its_key_back(server: ServiceProcess) -> None:
+    """Rebinding a key to a session that has ended would end the live holder and leave the key to nobody
+    (a late replay of an old host session): refused, and the holder keeps it."""
+    key = new_id("key")
+    first = open_session(server, session_id=new_id("s"), session_key=key, rebind_key=True)
+    second = open_session(server, session_id=new_id("s"), session_key=key, rebind_key=True)
+    status, err = server.call("POST", "/v1/sessions", TOKEN_A,
+                              {"session_id": first["session_id"], "session_key": key, "rebind_key": True})
+    assert status == 409 and err["error"]["code"] == "session_key_conflict", err
+    status, live = server.call("GET", f"/v1/sessions/{second['session_id']}", TOKEN_A)
+    assert status == 200 and live["active"] is True
+    assert open_session(server, session_key=key)["session_id"] == second["session_id"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import mirror
-from .core import Core, check_id
+from .core import Core, check_anchor, check_id
 from .engine import (
     AssembleResult,
     BootstrapResult,
@@ -35,7 +35,14 @@ from .engine import (
     durable_declaration,
     project_params,
 )
-from .errors import AdvancementKeyCollision, EngineContractError, InvalidInput, UnknownEngine, UnknownSession
+from .errors import (
+    AdvancementKeyCollision,
+    EngineContractError,
+    InvalidInput,
+    SessionKeyConflict,
+    UnknownEngine,
+    UnknownSession,
+)
 from .host import HostRuntime, RuntimeContext
 from .ledger import CommitResult, get_receipt, list_receipts
 from .models import Admission, Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry, SessionInfo
@@ -169,6 +176,13 @@ class Service:
             if req.rebind_key and key is not None:
                 holder = c.find_session_by_key(scope, key)
                 if holder is not None and holder.session_id != sid:
+                    own = c.session_row(scope, sid)
+                    if own is not None and not own.active:
+                        # An ended session never holds a key again: ending the holder would leave the
+                        # key to nobody (a late replay of an old host session ending the live one).
+                        raise SessionKeyConflict(
+                            f"session {sid!r} has ended and cannot take key {key!r} back from {holder.session_id!r}"
+                        )
                     c.end_session(scope, holder.session_id)
             return c.create_session(scope, sid, key)
 
@@ -262,6 +276,7 @@ class Service:
     def bootstrap_state(self, scope: str, engine_id: str, session_id: str) -> BootstrapState:
         """Where the next import page of the session resumes."""
         self.engine(engine_id)
+        check_id("session_id", session_id)
 
         def run(c: Core) -> BootstrapState:
             sess = c.require_session(scope, session_id)
@@ -384,6 +399,7 @@ class Service:
     def receipts(self, scope: str, engine_id: str, session_id: str) -> list[Any]:
         """The engine's ledger for one session (UnknownEngine when none has this id, like every engine route)."""
         self._known_engine(engine_id)
+        check_id("session_id", session_id)
 
         def run(c: Core) -> list[Any]:
             c.require_session(scope, session_id)
@@ -398,6 +414,7 @@ class Service:
         """An anchor the caller sent, if it is of the caller's scope and session; else as if unknown."""
         if anchor is None:
             return None
+        check_anchor("anchor", anchor)  # its integers in range too: an engine may read with it directly
         if anchor.scope != scope:
             raise UnknownSession(scope, anchor.session_id)
         if anchor.session_id != session_id:

@@ -7,9 +7,10 @@ Ids are checked by the store (``check_id``) when used, so every refusal carries 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .engine import BootstrapResult, EngineInfo
 from .ledger import Receipt
@@ -18,6 +19,9 @@ from .reads import MAX_BYTES, MAX_MESSAGES
 from .store import AppendItem
 
 MAX_ITEMS = 10_000
+#: the longest host cursor an import page may carry (an opaque token of the host's; OpenClaw's are short)
+MAX_HOST_CURSOR_CHARS = 4096
+_BAD_CURSOR_CHAR = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 Message = dict[str, Any]
 
 
@@ -129,9 +133,20 @@ class HostEntry(_Request):
 class ImportPage(_Request):
     """One page of the host's visible transcript, read from ``cursor`` (None: the start)."""
 
-    cursor: str | None = None
-    next_cursor: str | None = Field(None, description="the host's cursor after this page")
+    cursor: str | None = Field(None, max_length=MAX_HOST_CURSOR_CHARS)
+    next_cursor: str | None = Field(
+        None, max_length=MAX_HOST_CURSOR_CHARS, description="the host's cursor after this page"
+    )
     entries: list[HostEntry] = Field(default_factory=list, max_length=MAX_ITEMS)
+
+    @field_validator("cursor", "next_cursor")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        # Stored as engine state and echoed on every call: no NUL (PostgreSQL's text cannot hold it),
+        # control characters or lone surrogates.
+        if value is not None and _BAD_CURSOR_CHAR.search(value):
+            raise ValueError("a host cursor must not contain NUL, control characters or lone surrogates")
+        return value
 
 
 class BootstrapRequest(_Request):

@@ -29,7 +29,7 @@ from transcript_store.tokens import TokenEstimator
 
 from .config import Budget, LosslessConfig
 from .context import Item, SummaryInfo, render_summary, units
-from .ingest import searchable_text
+from .ingest import column_text, searchable_text
 from .tables import View, context_items, message_id, summaries, summary_children, summary_id, summary_sources
 
 Step = tuple[str, int, int]  # (leaf | condense, start index, end index)
@@ -350,6 +350,6 @@ def _summary_row(key: dict[str, str], s: NewSummary, ts: int) -> dict[str, Any]:
         "earliest_ordinal": s.info.earliest,
         "latest_ordinal": s.info.latest,
         "message_count": s.info.message_count,
-        "content": s.info.content,
+        "content": column_text(s.info.content),
         "created_us": ts,
     }

@@ -35,6 +35,13 @@ class ImportResult:
     missing: bool = False
 
 
+def column_text(text: str) -> str:
+    """Text for one of the engine's own text columns: PostgreSQL's text cannot hold U+0000, which a message
+    may (a binary tool output), so it is shown as U+FFFD there. The transcript keeps the message exactly
+    (its stored JSON escapes the character), and so does the engine's copy of it (``message``, JSON too)."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def searchable_text(message: dict[str, Any]) -> str:
     """The text search sees for a message: its content plus the tool calls it made (names and arguments)."""
     parts = [message_text(message)]
@@ -44,7 +51,7 @@ def searchable_text(message: dict[str, Any]) -> str:
             parts.append(f"{function.get('name')}({function.get('arguments')})")
     if isinstance(message.get("name"), str):
         parts.append(message["name"])
-    return "\n".join(p for p in parts if p)
+    return column_text("\n".join(p for p in parts if p))
 
 
 def rebuild(core: Core, scope: str, session_id: str, view: View, cursor: str, generation: int) -> None:
