@@ -551,14 +551,36 @@ def test_bootstrap_cursors_must_be_printable_and_bounded(server: ServiceProcess)
 
 
 def test_an_ended_session_never_takes_its_key_back(server: ServiceProcess) -> None:
-    """Rebinding a key to a session that has ended would end the live holder and leave the key to nobody
-    (a late replay of an old host session): refused, and the holder keeps it."""
+    """Rebinding a key to a session that has ended ended the live holder and left the key to nobody (a
+    late replay of an old host session): the ended session is answered as it is, the holder keeps the
+    key, and a commit of the late replay still lands in the old session."""
     key = new_id("key")
     first = open_session(server, session_id=new_id("s"), session_key=key, rebind_key=True)
     second = open_session(server, session_id=new_id("s"), session_key=key, rebind_key=True)
-    status, err = server.call("POST", "/v1/sessions", TOKEN_A,
-                              {"session_id": first["session_id"], "session_key": key, "rebind_key": True})
-    assert status == 409 and err["error"]["code"] == "session_key_conflict", err
+    again = open_session(server, session_id=first["session_id"], session_key=key, rebind_key=True)
+    assert again["session_id"] == first["session_id"] and again["active"] is False
     status, live = server.call("GET", f"/v1/sessions/{second['session_id']}", TOKEN_A)
     assert status == 200 and live["active"] is True
     assert open_session(server, session_key=key)["session_id"] == second["session_id"]
+    status, done = commit(server, "legacy", first["session_id"], "late-1", 0, [user("late"), assistant("reply")])
+    assert status == 200 and done["status"] == "committed"
+
+
+def test_new_sessions_rebinding_one_key_at_once_all_succeed(server: ServiceProcess) -> None:
+    """Eight new sessions rebinding one key concurrently: each is answered (the last one holds the key),
+    none with a conflict (PostgreSQL's unique index refused the later insert of a race)."""
+    key = new_id("key")
+    results: list[tuple[int, Any]] = []
+
+    def rebind() -> None:
+        results.append(server.call("POST", "/v1/sessions", TOKEN_A,
+                                   {"session_id": new_id("s"), "session_key": key, "rebind_key": True}))
+
+    threads = [threading.Thread(target=rebind) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [status for status, _ in results] == [200] * 8, results
+    status, holders = server.call("GET", f"/v1/sessions?session_key={key}", TOKEN_A)
+    assert status == 200 and len(holders["sessions"]) == 1

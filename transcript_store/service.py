@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
+
 from . import mirror
-from .core import Core, check_anchor, check_id
+from .core import Core, check_anchor, check_id, session_info
 from .engine import (
     AssembleResult,
     BootstrapResult,
@@ -39,7 +41,6 @@ from .errors import (
     AdvancementKeyCollision,
     EngineContractError,
     InvalidInput,
-    SessionKeyConflict,
     UnknownEngine,
     UnknownSession,
 )
@@ -76,6 +77,9 @@ TOKENS_ENV = "TRANSCRIPT_STORE_TOKENS"
 def _digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
+
+#: a transaction-scoped lock on one (scope, session key): rebinds of a key queue up on PostgreSQL
+_KEY_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 
 class TokenMap:
     """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept."""
@@ -174,15 +178,18 @@ class Service:
 
         def run(c: Core) -> SessionInfo:
             if req.rebind_key and key is not None:
+                if not c.dialect.is_sqlite:
+                    # Rebinds of one key wait for each other (SQLite's writers already do): each then
+                    # finds the one before it as the holder instead of racing it into the unique index.
+                    c.conn.execute(_KEY_LOCK, {"k": f"{scope}\x1f{key}"})
                 holder = c.find_session_by_key(scope, key)
                 if holder is not None and holder.session_id != sid:
                     own = c.session_row(scope, sid)
                     if own is not None and not own.active:
-                        # An ended session never holds a key again: ending the holder would leave the
-                        # key to nobody (a late replay of an old host session ending the live one).
-                        raise SessionKeyConflict(
-                            f"session {sid!r} has ended and cannot take key {key!r} back from {holder.session_id!r}"
-                        )
+                        # An ended session never holds a key again: ending the holder would leave the key
+                        # to nobody (a late replay of an old host session ending the live one). It is
+                        # still the session of its id: answered as it is, the holder keeps the key.
+                        return session_info(own)
                     c.end_session(scope, holder.session_id)
             return c.create_session(scope, sid, key)
 
