@@ -81,6 +81,7 @@ def _digest(token: str) -> str:
 #: a transaction-scoped lock on one (scope, session key): rebinds of a key queue up on PostgreSQL
 _KEY_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 
+
 class TokenMap:
     """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept."""
 
