@@ -109,11 +109,16 @@ def new_incarnation() -> int:
     return secrets.randbelow(2**53 - 1) + 1
 
 
-def predates_incarnations(incarnation: int, created_us: int) -> bool:
-    """Whether a session existed before sessions had incarnations of their own (schema revision 0007
-    gave those their creation time, and a session made since draws a random one): only such a session
-    can have issued cursors (format 1) and anchors that carry no incarnation."""
-    return incarnation == (created_us if created_us > 0 else 1)
+def foreign_incarnation(token: int | None, incarnation: int, created_us: int) -> bool:
+    """Whether a cursor or anchor naming ``token`` as its session's incarnation is of another session
+    under the id than the one whose incarnation is ``incarnation`` (created at ``created_us``).
+
+    A token without one (a format-1 cursor, an anchor made before anchors carried it) can only be of a
+    session that existed before sessions had incarnations of their own: schema revision 0007 gave those
+    their creation time, and a session made since draws a random one."""
+    if token is not None:
+        return token != incarnation
+    return incarnation != (created_us if created_us > 0 else 1)
 
 
 def check_id(what: str, value: object, *, optional: bool = False) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from .core import Core, check_anchor, entry_from_row, head_view, predates_incarnations
+from .core import Core, check_anchor, entry_from_row, foreign_incarnation, head_view
 from .errors import InvalidInput, ReadFenceError
 from .models import Anchor, ClosedRange, ClosedRangeFailure, ClosedRangeResult, Entry
 
@@ -29,7 +29,7 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
     under the same id) is refused as ``scope``: it belongs to another session, as a cursor of an earlier
     incarnation is another session's (``scope_mismatch``), however alike the new session's entry is.
     A fence without an incarnation (made before anchors carried one) is honoured only by a session that
-    existed then (``core.predates_incarnations``).
+    existed then (``core.foreign_incarnation``).
     """
     check_anchor("fence", fence)
     if fence.scope != scope or fence.session_id != session_id:
@@ -165,8 +165,7 @@ def of_another_incarnation(incarnation: int, created_us: int, *anchors: Anchor) 
     """Whether any anchor names another incarnation of its session (``incarnation``, created at
     ``created_us``) than this one. An anchor without an incarnation (made before anchors carried one)
     can only be of a session that existed then: for any other it is of an earlier session under the id."""
-    legacy = predates_incarnations(incarnation, created_us)
-    return any(a.incarnation != incarnation if a.incarnation is not None else not legacy for a in anchors)
+    return any(foreign_incarnation(a.incarnation, incarnation, created_us) for a in anchors)
 
 
 def _same_incarnation(a: Anchor, b: Anchor) -> bool:

@@ -208,9 +208,9 @@ def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict
     return session_params(scope, session_id, b_turn=turn_id, **more)
 
 
-def _claimant_dead(claim_owner: str) -> bool:
-    """Whether a drain claim's process (the owner's part before ``/``) is provably gone from this machine."""
-    who = identity.ProcessIdentity.parse(claim_owner.split("/", 1)[0])
+def _gone_here(process: str) -> bool:
+    """Whether the process an identity string names is provably gone from this machine."""
+    who = identity.ProcessIdentity.parse(process)
     return who is not None and who.is_dead_here()
 
 
@@ -218,8 +218,7 @@ def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -
     """Whether an admitted intent's worker is gone: its lease expired, or its process left this machine."""
     if lease_expires_us is None or lease_expires_us < now:
         return True
-    who = identity.ProcessIdentity.parse(lease_owner) if lease_owner else None
-    return who is not None and who.is_dead_here()
+    return bool(lease_owner) and _gone_here(str(lease_owner))
 
 
 def claim_session(core: Core, scope: str, session_id: str, turn_id: str) -> None:
@@ -560,7 +559,8 @@ def claim_head(
         # A drain claim's owner is "<process identity>/<token>": a claim of a process gone from this
         # machine is free at once, as an admitted turn's lease is (``abandoned``), not a lease later.
         live = row.lease_expires_us is not None and row.lease_expires_us > ts
-        if row.lease_owner is not None and row.lease_owner != owner and live and not _claimant_dead(row.lease_owner):
+        other = row.lease_owner is not None and row.lease_owner != owner
+        if other and live and not _gone_here(row.lease_owner.split("/", 1)[0]):
             return "leased"
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(

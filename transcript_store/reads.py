@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .core import Core, entry_from_row, predates_incarnations
+from .core import Core, entry_from_row, foreign_incarnation
 from .cursors import CursorState, decode_cursor, start_cursor
 from .errors import ReadFenceError
 from .fences import check_fence
@@ -78,14 +78,8 @@ def read_visible_delta(
     else:
         if decoded is None:
             return DeltaReset(cursor=fresh(), reason="invalid_cursor")
-        of_another = (
-            decoded.incarnation != incarnation
-            if decoded.incarnation is not None
-            # A format-1 cursor does not say which incarnation it was issued for: only a session that
-            # existed before incarnations can have issued it.
-            else not predates_incarnations(incarnation, sess.created_us)
-        )
-        if not claimed or of_another:
+        # (A format-1 cursor does not say which incarnation it was issued for: see foreign_incarnation.)
+        if not claimed or foreign_incarnation(decoded.incarnation, incarnation, sess.created_us):
             # Another scope's or session's cursor, or one of an earlier session under this id.
             return DeltaReset(cursor=fresh(), reason="scope_mismatch")
         if decoded.generation != sess.generation:
