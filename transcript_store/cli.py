@@ -32,7 +32,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from . import migrate
@@ -1110,10 +1110,10 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         raise CommandError(f"the gateway run failed its checks: {'; '.join(report.problems)}")
 
 
-def make_url_or_usage(url: str) -> None:
-    """Refuse a --db value that is not a database URL, as a usage error."""
+def make_url_or_usage(url: str) -> URL:
+    """The parsed --db value; a value that is not a database URL is a usage error."""
     try:
-        make_url(url)
+        return make_url(url)
     except ArgumentError:
         raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
 
@@ -1272,10 +1272,7 @@ def _check_engine_id(engine: str) -> None:
 
 def _absolute_sqlite(url: str) -> str:
     """A SQLite URL with a relative path made absolute (the plugin runs from wherever Hermes starts)."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise CommandError(f"--db: not a database URL: {url!r}", EXIT_USAGE) from None
+    parsed = make_url_or_usage(url)
     path = parsed.database
     if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or Path(path).is_absolute():
         return url
