@@ -21,6 +21,7 @@ from transcript_store import (
     InvalidInput,
     StoreConfig,
     TranscriptStore,
+    TurnKeyConflict,
     UnknownSession,
     migrate,
 )
@@ -529,6 +530,70 @@ def test_anchors_naming_another_key_or_generation_are_refused_and_write_nothing(
             )
         assert ledger(store, sid)[0] == []
     assert turns.commit_turn(E, "t1", adm, term, msgs, apply=apply).status == "committed"
+
+
+def entry_turn_id(store: TranscriptStore, sid: str, entry_id: str) -> str | None:
+    """The logical turn id stored on an entry."""
+    return store.read(
+        lambda c: c.conn.execute(
+            text("SELECT turn_id FROM ts_entries WHERE scope = :a AND session_id = :s AND entry_id = :e"),
+            {"a": A, "s": sid, "e": entry_id},
+        ).scalar_one()
+    )
+
+
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_an_admitted_turn_is_committed_under_its_own_turn_id_only(
+    store: TranscriptStore, turns: Turns, sid: str, path: str
+) -> None:
+    """Bare anchors carry no turn id: a key other than the admission's would receipt the same closed
+    range a second time, and the engine would take the turn twice. Both commit paths refuse it."""
+    apply = None if path == "one statement" else count_turn
+    adm, term, msgs = finished_turn(store, sid, "t1")
+    assert turns.commit_turn(E, "t1", adm.anchor, term, msgs, apply=apply).status == "committed"
+    for key in ("t1-again", "t2"):
+        with pytest.raises(TurnKeyConflict, match="admission of logical turn 't1'") as info:
+            turns.commit_turn(E, key, adm.anchor, term, msgs, apply=apply)
+        assert (info.value.key, info.value.entry_id, info.value.turn_key) == (key, adm.anchor.entry_id, "t1")
+        assert isinstance(info.value, AdvancementKeyCollision)
+    assert ledger(store, sid)[0] == ["t1"]
+    # Before its first commit too (the engine of another slot, the same rule).
+    adm2, term2, msgs2 = finished_turn(store, sid, "t2")
+    with pytest.raises(TurnKeyConflict):
+        turns.commit_turn("engine-2", "invented", adm2.anchor, term2, msgs2, apply=apply)
+    assert ledger(store, sid, "engine-2")[0] == []
+    assert turns.commit_turn("engine-2", "t2", adm2.anchor, term2, msgs2, apply=apply).status == "committed"
+
+
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_an_appended_user_message_is_bound_to_the_first_key_it_is_committed_under(
+    store: TranscriptStore, turns: Turns, sid: str, path: str
+) -> None:
+    """An entry appended without a logical turn id (a mirrored host transcript) takes its first commit's
+    key as its turn id, in that commit: another key for it, or a key that is another entry's turn id,
+    is refused and writes nothing; every engine commits it under that key."""
+    apply = None if path == "one statement" else count_turn
+    first = store.append(A, sid, user("appended, not admitted"))
+    last = store.append(A, sid, assistant("reply"))
+    adm, term = store.anchor(A, sid, first.entry_id), store.anchor(A, sid, last.entry_id)
+    msgs = [user("appended, not admitted"), assistant("reply")]
+    admitted, _, _ = finished_turn(store, sid, "taken")
+    with pytest.raises(TurnKeyConflict, match="another entry's logical turn id"):
+        turns.commit_turn(E, "taken", adm, term, msgs, apply=apply)
+    assert entry_turn_id(store, sid, first.entry_id) is None and ledger(store, sid)[0] == []
+
+    assert turns.commit_turn(E, "k1", adm, term, msgs, apply=apply).status == "committed"
+    assert entry_turn_id(store, sid, first.entry_id) == "k1"
+    assert turns.commit_turn(E, "k1", adm, term, msgs, apply=apply).status == "duplicate"
+    with pytest.raises(TurnKeyConflict, match="admission of logical turn 'k1'"):
+        turns.commit_turn(E, "k2", adm, term, msgs, apply=apply)
+    assert turns.commit_turn("engine-2", "k1", adm, term, msgs, apply=apply).status == "committed"
+    with pytest.raises(TurnKeyConflict):
+        turns.commit_turn("engine-3", "k2", adm, term, msgs, apply=apply)
+    assert ledger(store, sid)[0] == ["k1"] and ledger(store, sid, "engine-3")[0] == []
+    # The key is now the entry's logical turn id: admitting it again is the same admission.
+    assert store.admit(A, sid, user("appended, not admitted"), turn_id="k1").anchor == adm
+    assert admitted.anchor.entry_id != adm.entry_id
 
 
 def test_one_statement_commits_any_text_and_long_turns_take_the_transaction(

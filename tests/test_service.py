@@ -239,6 +239,21 @@ def test_commit_turn_committed_duplicate_collision(server: ServiceProcess, engin
     assert assembled["messages"][-2:] == [user("again"), assistant("sure")]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_host_turn_committed_under_a_second_key_is_refused(server: ServiceProcess, engine: str) -> None:
+    """The same host entries under another advancement key would reach the engine twice: the mirrored
+    admission keeps the key it was first committed under (409 turn_key_conflict, nothing written)."""
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    turn = [user("hello"), assistant("hi")]
+    assert commit(server, engine, sid, "run-1", 0, turn, ids=("h-u", "h-a"))[1]["status"] == "committed"
+    status, clash = commit(server, engine, sid, "run-2", 0, turn, ids=("h-u", "h-a"))
+    assert status == 409 and clash["error"]["code"] == "turn_key_conflict", clash
+    status, receipts = server.call("GET", f"/v1/engines/{engine}/sessions/{sid}/receipts", TOKEN_A)
+    assert status == 200 and [r["advancement_key"] for r in receipts["receipts"]] == ["run-1"]
+    assert commit(server, engine, sid, "run-1", 0, turn, ids=("h-u", "h-a"))[1]["status"] == "duplicate"
+
+
 def test_commit_turn_past_the_mirror_is_behind(server: ServiceProcess) -> None:
     sid = new_id("s")
     open_session(server, session_id=sid)

@@ -67,6 +67,26 @@ class AdvancementKeyCollision(TranscriptStoreError):
         self.key = key
 
 
+class TurnKeyConflict(AdvancementKeyCollision):
+    """The admitted entry belongs to another logical turn: commit it under that turn's key.
+
+    An entry admitted with a logical turn id is committed under that id; an entry appended without
+    one is bound to the first key it is committed under. A turn committed under two keys would reach
+    an engine twice.
+    """
+
+    def __init__(self, key: str, entry_id: str, turn_key: str | None) -> None:
+        TranscriptStoreError.__init__(
+            self,
+            f"advancement key {key!r} cannot commit entry {entry_id!r}: "
+            + (f"it is the admission of logical turn {turn_key!r}" if turn_key is not None
+               else "the key is another entry's logical turn id"),
+        )
+        self.key = key
+        self.entry_id = entry_id
+        self.turn_key = turn_key
+
+
 MirrorReason = Literal["behind", "cursor", "turn_mismatch"]
 
 

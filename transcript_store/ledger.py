@@ -5,6 +5,11 @@ inserted before anything else is written, so two racing commits of one key seria
 the loser finds the winner's receipt. The canonical payload hash turns a reused key with other content into
 ``AdvancementKeyCollision`` instead of a silent no-op. The engine's own state rides in the same
 transaction (``apply``), so after a crash the receipt, the messages and the engine state agree.
+
+A turn is committed under one key: its admitted entry's logical turn id. An entry admitted without one
+(appended, or mirrored from a host's transcript) takes the first key it is committed under as its turn
+id, in the commit's transaction; another key for it, or a key that is another entry's turn id, is
+``TurnKeyConflict`` (else one turn under two keys would reach the engine twice).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import String, and_, bindparam, func, select, text
+from sqlalchemy import String, and_, bindparam, func, select, text, update
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
@@ -32,7 +37,7 @@ from .core import (
     session_params,
     stored_text,
 )
-from .errors import AdvancementKeyCollision, InvalidInput, UnknownSession
+from .errors import AdvancementKeyCollision, InvalidInput, TurnKeyConflict, UnknownSession
 from .fences import MAX_TURN_EVENTS, of_another_incarnation
 from .models import Admission, Anchor, canonical_json, validate_message
 from .schema import engine_state, entries, receipts, sessions, turn_messages
@@ -84,6 +89,13 @@ _RANGE_ROWS_LOCKING = (
     )
     .where(by_session(sessions))
     .with_for_update(of=sessions)
+)
+# Binding an admitted entry without a logical turn id to the key it is first committed under.
+_TURN_ENTRY = select(entries.c.seq).where(by_session(entries), entries.c.turn_id == bindparam("b_key"))
+_CLAIM_TURN = (
+    update(entries)
+    .where(by_session(entries), entries.c.seq == bindparam("b_seq"), entries.c.turn_id.is_(None))
+    .values(turn_id=bindparam("b_key"))
 )
 _RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
@@ -217,10 +229,11 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     # it costs what a first commit costs, session lock included (a retry, not the common case). The
     # check is skipped only for the very payload object this transaction built from the closed range
     # it read (the fast completion, ``Core.note_checked``): a payload derived from it is checked.
+    unbound = False  # the admitted entry has no logical turn id yet: this key becomes it
     try:
         seqs = core.checked_seqs(turn) if core.holds_lock(turn.scope, turn.session_id) else None
         if seqs is None:
-            seqs = _check_range(core, turn)
+            seqs, unbound = _check_range(core, turn)
     except InvalidInput:
         existing = _receipt(core, turn)
         if existing is None:
@@ -241,6 +254,9 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         if winner is None:  # pragma: no cover - only if the winner rolled back between the two statements
             raise AdvancementKeyCollision(turn.advancement_key)
         return _replay(turn, winner)
+    if unbound:
+        core.run(_CLAIM_TURN, session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq,
+                                             b_key=turn.advancement_key))
     faults.point("commit.after_receipt")
     if apply is not None:
         apply(core, turn)
@@ -276,12 +292,12 @@ def _committed(values: dict[str, Any]) -> CommitResult:
 # stored range is, beyond doubt, the turn: every entry of the seq range is a message on the active
 # path, at consecutive depths (so they are the parent chain from the admission to the terminal), each
 # stored text equal to the message's, the anchors matching (the session's key and generation too), the
-# first a user message. That is a subset of what ``_check_range`` accepts; anything else (a replay, a
-# collision, a range with events or branches, a text stored in another spelling, an unknown session)
-# inserts nothing and ``commit_turn`` takes the transactional path, which decides. The session's row is
-# locked for the statement (PostgreSQL), so commits of a session still serialize; a SQLite write
-# statement outside a transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE
-# does.
+# first a user message admitted under this key as its logical turn id. That is a subset of what
+# ``_check_range`` accepts; anything else (a replay, a collision, a range with events or branches, a
+# text stored in another spelling, an admission without a turn id, an unknown session) inserts nothing
+# and ``commit_turn`` takes the transactional path, which decides. The session's row is locked for the
+# statement (PostgreSQL), so commits of a session still serialize; a SQLite write statement outside a
+# transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE does.
 @functools.cache  # one statement per (message count, backend), each expected text its own bind (below)
 def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
@@ -304,6 +320,7 @@ WITH s AS (
            sum(CASE WHEN e.seq = CAST(:b_from AS BIGINT) AND e.entry_id = CAST(:b_adm_id AS TEXT)
                      AND e.parent_id {same} CAST(:b_adm_parent AS TEXT)
                      AND e.position = CAST(:b_adm_position AS INTEGER) AND e.role = 'user'
+                     AND e.turn_id = CAST(:b_key AS TEXT)
                     THEN 1 ELSE 0 END) AS n_admission,
            sum(CASE WHEN e.seq = CAST(:b_to AS BIGINT) AND e.entry_id = CAST(:b_term_id AS TEXT)
                      AND e.parent_id {same} CAST(:b_term_parent AS TEXT)
@@ -369,8 +386,9 @@ def _receipt(core: Core, turn: TurnPayload) -> Receipt | None:
     return get_receipt(core, turn.scope, turn.session_id, turn.engine_id, turn.advancement_key)
 
 
-def _check_range(core: Core, turn: TurnPayload) -> list[int]:
-    """Check the turn against the transcript; returns the raw seqs of its message entries.
+def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
+    """Check the turn against the transcript; returns the raw seqs of its message entries, and
+    whether the admitted entry has no logical turn id yet (the commit binds it to its key).
 
     The ledger references these entries instead of copying them, so a commit must BE the transcript's
     closed range: the anchors match their stored entries and the session's key and generation (a
@@ -439,7 +457,15 @@ def _check_range(core: Core, turn: TurnPayload) -> list[int]:
             if i == 0:
                 raise InvalidInput("the first message differs from the admitted user message")
             raise InvalidInput(f"message {i} of the turn differs from its transcript entry {row.entry_id!r}")
-    return [r.seq for r in found]
+    unbound = first.turn_id is None
+    if unbound:
+        # Bound by the commit (after its receipt is in): unless the key is another entry's turn id.
+        taken = core.run(_TURN_ENTRY, session_params(turn.scope, turn.session_id, b_key=turn.advancement_key))
+        if taken.first() is not None:
+            raise TurnKeyConflict(turn.advancement_key, adm.entry_id, None)
+    elif first.turn_id != turn.advancement_key:
+        raise TurnKeyConflict(turn.advancement_key, adm.entry_id, first.turn_id)
+    return [r.seq for r in found], unbound
 
 
 # ---------------------------------------------------------------------------------------------- reads
