@@ -411,6 +411,41 @@ def create_engine(ctx):
 """
 
 
+def test_an_unavailable_store_answers_503_without_naming_the_database(
+    pg_template: str, tmp_path: Path
+) -> None:
+    """PostgreSQL's messages name the server's host, port and database: the client is told the kind
+    of failure and a correlation id, the server log the whole message. (SQLite's name no file; a
+    server's pooled SQLite connection keeps even a deleted file open.)"""
+    name = f"ts_gone_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
+    try:
+        with ServiceProcess(pg_url(name), TOKENS, tmp_path / "serve.log",
+                            env={"TRANSCRIPT_STORE_RETRY_ATTEMPTS": "1"}) as server:
+            sid = new_id("s")
+            open_session(server, session_id=sid)
+            _admin_exec(f"DROP DATABASE {name} WITH (FORCE)")
+            status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+            assert status == 503 and data["error"]["code"] == "store_unavailable", data
+            text = json.dumps(data)
+            assert name not in text and "127.0.0.1" not in text and "5432" not in text, text
+            # The pooled connection was terminated (a transient error); a new one cannot connect.
+            assert data["error"]["message"] in (
+                "transient database error; see the server log", "cannot connect to the database; see the server log"
+            ), data
+            status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+            assert status == 503 and name not in json.dumps(data), data
+            assert data["error"]["message"] == "cannot connect to the database; see the server log", data
+            cid = data["error"]["correlation_id"]
+            deadline = time.monotonic() + 5
+            while cid not in server.log() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            line = next(x for x in server.log().splitlines() if cid in x)
+            assert "store_unavailable" in line and name in line, line
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: Path) -> None:
     plugin = tmp_path / "plugins" / "exploding"
     plugin.mkdir(parents=True)

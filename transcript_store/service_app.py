@@ -252,6 +252,14 @@ def _errors(app: FastAPI) -> None:
         status, code = error_for(exc)
         if status == 500:
             raise exc
+        if isinstance(exc, StoreUnavailable):
+            # The driver's message names the database's host, port and name: the client gets what kind
+            # of failure it was ("cannot connect to the database", "database storage is full", ...),
+            # the server log the whole message under the correlation id.
+            cid = uuid.uuid4().hex[:16]
+            log.warning("%s %s on %s %s: %s", code, cid, request.method, request.url.path, exc)
+            kind = str(exc).split(":", 1)[0]
+            return error_json(status, code, f"{kind}; see the server log", correlation_id=cid)
         return error_json(status, code, str(exc), reason=getattr(exc, "reason", None))
 
     async def http(request: Request, exc: Exception) -> JSONResponse:
