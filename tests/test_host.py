@@ -119,6 +119,31 @@ def test_broken_engine_is_quarantined_and_turns_go_to_legacy(store: TranscriptSt
     assert receipts(store, "legacy") == ["t1", "t2"]
 
 
+def test_a_driver_error_is_described_without_its_statement_and_parameters(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLAlchemy's error text carries the statement's SQL and parameters: an engine failing on a turn
+    with a 2 MB tool output logged, queued and recorded those 2 MB of the user's content. What the
+    host keeps of an engine's error is its driver message's first line, bounded."""
+    secret = "user-content-" + "x" * 2_000_000
+
+    class Failing(CountingEngine):
+        def commit_turn(self, *, tx: Any, **kw: Any) -> Any:  # inside the completion's transaction
+            mark = "?" if tx.dialect.is_sqlite else "%s"
+            tx.conn.exec_driver_sql(f"SELECT * FROM no_such_table WHERE x = {mark}", (secret,))
+
+    host, _ = make_host(store, "failing", {"failing": lambda ctx: Failing(ctx, "failing")})
+    with caplog.at_level(logging.WARNING):
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "failing" and out.commit_status == "queued"
+    recs = store.read(lambda c: records(c))
+    assert [(r.engine_id, r.operation) for r in recs] == [("failing", "commit_turn")]
+    reason = host.quarantined["failing"][1]
+    assert "no_such_table" in reason and "no_such_table" in recs[0].reason
+    for text in (reason, recs[0].reason, caplog.text):
+        assert "user-content" not in text and "[SQL:" not in text and len(text) < 5_000, text[:300]
+
+
 def test_factory_exception_quarantines(store: TranscriptStore, sid: str) -> None:
     def factory(ctx: EngineContext) -> Any:
         raise RuntimeError("cannot start")

@@ -524,6 +524,22 @@ def test_grep_full_text_is_cjk_safe_and_regexes_work(store: TranscriptStore, sid
     assert grep(engine, sid, pattern="kiwi", search_in="summaries")["count"] == 0
 
 
+def test_a_huge_tool_output_of_distinct_words_commits_and_stays_searchable(store: TranscriptStore, sid: str) -> None:
+    """PostgreSQL refuses a word vector over 1 MiB: a ~2 MB file listing failed every commit of its turn
+    (the turn stayed queued, the session ran on legacy for good). The word index reads the start of a
+    text (revision 0008); a word past it is found by the trigram index, as any search also uses."""
+    engine = make_engine(store)
+    lines = [f"/var/lib/app/{uuid.uuid4().hex}/chunk-{n}.bin" for n in range(30_000)]
+    listing = "\n".join(lines)
+    assert len(listing.encode()) > 1_800_000
+    turn = finished_turn(store, sid, "t1", [*tool_round("c1", listing), assistant("listed the files")])
+    assert commit(store, engine, turn).status == "committed"
+    check(store, sid)
+    for line in (lines[0], lines[-1]):  # inside the word index's part of the text, and far past it
+        word = line.split("/")[4]
+        assert grep(engine, sid, pattern=word)["count"] == 1, word
+
+
 def test_full_text_search_plans_for_its_terms(store: TranscriptStore, sid: str) -> None:
     """The store's PostgreSQL connections plan statements once for any values; a full-text search,
     whose best plan depends on its terms, switches its own transaction back to per-execution plans

@@ -1,10 +1,12 @@
 """The migrations are the schema: at head they produce schema.py's tables on both backends, and the
 ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 32 bytes) go down and up
-again without losing a committed turn's messages or its hash, and 0007 (the session's incarnation) keeps
-every row of every table and every cursor issued before it."""
+again without losing a committed turn's messages or its hash, 0007 (the session's incarnation) keeps
+every row of every table and every cursor issued before it, and 0008 (the lossless engine's word index
+over the start of a text, PostgreSQL) keeps every engine row searchable."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,12 +17,16 @@ from conftest import assistant, user
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
+from engines.lossless import LosslessEngine
 from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, migrate
 from transcript_store.core import Core
 from transcript_store.cursors import CursorState
 from transcript_store.db import Database
+from transcript_store.engine import EngineContext
 from transcript_store.ledger import CommitResult, committed_messages, count_turn_messages
 from transcript_store.schema import metadata
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
 from transcript_store.turns import Turns
 
 A = "scope-a"
@@ -147,3 +153,43 @@ def test_the_session_incarnation_revision_keeps_every_row_and_every_cursor(store
 
 
 _TABLES = ("ts_sessions", "ts_entries", "ts_active_path", "ts_receipts")
+
+
+def test_the_word_index_revision_keeps_every_lossless_row_searchable(store_url: str) -> None:
+    """0008 adds the lossless engine's word-vector columns again over the first 100,000 characters of a
+    text (PostgreSQL; nothing on SQLite): rows written before it stay, and stay searchable, both ways."""
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        engine = LosslessEngine(EngineContext(store=store, config={}, summarizer=ExtractiveSummarizer(),
+                                              estimator=RoughEstimator()))
+        sid = store.create_session(A, session_id="s1").session_id
+        admission = store.admit(A, sid, user("where is the kiwi orchard"), turn_id="t1")
+        last = store.append(A, sid, assistant("behind the melon field"))
+        terminal = store.anchor(A, sid, last.entry_id)
+        store.write(lambda c: engine.commit_turn(tx=c, advancement_key="t1", admission=admission.anchor,
+                                                 terminal=terminal, messages=[user("where is the kiwi orchard"),
+                                                                              assistant("behind the melon field")]))
+
+        def found(word: str) -> int:
+            out = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": word}, scope=A, session_id=sid))
+            return int(out["count"])
+
+        assert (found("kiwi"), found("melon")) == (1, 1)
+        db = Database(StoreConfig(url=store_url))
+        try:
+            for revision in ("0007", None):
+                if revision is None:
+                    migrate.upgrade(db)
+                else:
+                    _downgrade(db, revision)
+                with db.engine.connect() as conn:
+                    assert conn.execute(text("SELECT count(*) FROM ts_lcm_messages")).scalar_one() == 2
+                    if not db.dialect.is_sqlite:
+                        expression = conn.execute(text(
+                            "SELECT pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d JOIN pg_attribute a"
+                            " ON a.attrelid = d.adrelid AND a.attnum = d.adnum"
+                            " WHERE d.adrelid = 'ts_lcm_messages'::regclass AND a.attname = 'search_tsv'"
+                        )).scalar_one()
+                        assert ("100000" in expression) == (revision is None), expression
+                assert (found("kiwi"), found("melon")) == (1, 1)
+        finally:
+            db.dispose()

@@ -13,6 +13,20 @@ from typing import Literal
 FenceReason = Literal["missing", "rewritten", "moved", "not_user", "scope", "crossed"]
 
 
+#: characters of an error's description kept in logs, outbox rows, quarantine records and tool results
+DESCRIBE_LIMIT = 1000
+
+
+def describe(error: BaseException, limit: int = DESCRIBE_LIMIT) -> str:
+    """``Type: message`` of an error, one line, bounded; a driver error (SQLAlchemy's) without its SQL
+    and parameters, which hold whatever the statement wrote (messages, megabytes of tool output)."""
+    orig = getattr(error, "orig", None)
+    shown = orig if isinstance(orig, BaseException) else error
+    lines = str(shown).strip().splitlines()
+    text = f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[: limit - 14] + " ... (cut)"
+
+
 class TranscriptStoreError(Exception):
     """Base class of every error raised by transcript-store."""
 

@@ -31,7 +31,7 @@ from . import faults
 from .config import DEFAULT_URL
 from .core import from_us, now_us
 from .db import mask_url
-from .errors import ModelTimeout, TranscriptStoreError
+from .errors import ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
@@ -230,7 +230,7 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
                 )
             )
         except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("error", describe(e)))
         finally:
             faults.disarm()
             model.timeouts = 0

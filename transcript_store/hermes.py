@@ -39,6 +39,7 @@ from typing import Any
 from . import bundled, paths
 from .core import Core, entry_from_row
 from .engine import EngineContext
+from .errors import describe
 from .registry import EngineRegistry
 from .store import AppendItem, TranscriptStore
 from .tokens import RoughEstimator
@@ -652,7 +653,7 @@ class TranscriptStoreEngineMixin:
             store_session = self._store_session(rt, hermes_session)
             return str(fn(name, args, scope=self.scope, session_id=store_session))
         except Exception as e:
-            return json.dumps({"error": f"{type(e).__name__}: {e}"})
+            return json.dumps({"error": describe(e)})
 
     def get_status(self) -> dict[str, Any]:
         """Token counters, threshold and the store in use."""

@@ -48,6 +48,7 @@ from .errors import (
     StoreUnavailable,
     TranscriptStoreError,
     TurnOvertaken,
+    describe,
 )
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
@@ -276,7 +277,7 @@ class HostRuntime:
         """
         if engine_id == LEGACY:
             return  # the fallback itself cannot be isolated: its errors surface to the caller
-        reason = f"{type(error).__name__}: {error}"
+        reason = describe(error)
         log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
         self.quarantined[engine_id] = (operation, reason)
         self._engines.pop(engine_id, None)
@@ -619,7 +620,7 @@ class HostRuntime:
         except Exception as e:
             if engine_id == LEGACY:
                 raise
-            raise _Degrade(f"engine {engine_id} failed: {type(e).__name__}: {e}") from None
+            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.

@@ -21,7 +21,7 @@ from sqlalchemy import Row
 
 from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
-from .errors import InvalidInput, OutboxCollision, TranscriptStoreError
+from .errors import InvalidInput, OutboxCollision, TranscriptStoreError, describe
 from .ledger import (
     ApplyTurn,
     CommitResult,
@@ -273,9 +273,9 @@ class Turns:
                     return landed[0]
                 raise
             except Exception as e:  # the engine raised or the commit conflicted: take the slow path
-                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, e)
+                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, describe(e))
                 slow = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
-                return CompletionResult(slow[0], slow[1], None, fast_path_error=f"{type(e).__name__}: {e}")
+                return CompletionResult(slow[0], slow[1], None, fast_path_error=describe(e))
         intent, terminal = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
         return CompletionResult(intent, terminal, None)
 
@@ -424,7 +424,7 @@ class Turns:
 
             result = self.store.write(run)
         except Exception as e:
-            error = str(e) if isinstance(e, _EngineUnavailable) else f"{type(e).__name__}: {e}"
+            error = str(e) if isinstance(e, _EngineUnavailable) else describe(e)
             log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
             self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
             report.failed.append((intent.session_id, intent.turn_id, error))
