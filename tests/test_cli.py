@@ -244,6 +244,57 @@ def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Pat
     assert run_json("doctor", "--db", empty_url, cwd=tmp_path)["ok"]
 
 
+def test_a_schema_newer_than_the_library_asks_for_a_newer_library(
+    empty_url: str, backend: str, tmp_path: Path
+) -> None:
+    """A store migrated by a newer release: every command says so and exits 4 (upgrade/init crashed
+    with alembic's "Can't locate revision" and exit 1; `current` advised `transcript-store upgrade`)."""
+    run("init", "--db", empty_url, cwd=tmp_path)
+    db = Database(StoreConfig(url=empty_url))
+    try:
+        db.write(lambda conn: conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'"))
+    finally:
+        db.dispose()
+    for command in (("upgrade",), ("init",), ("current",), ("sessions", "list")):
+        line = one_error_line(run(*command, "--db", empty_url, cwd=tmp_path, code=4))
+        assert "upgrade the library" in line and "9999" in line, (command, line)
+    assert run_json("current", "--db", empty_url, cwd=tmp_path, code=4)["state"] == "ahead"
+
+
+@pytest.mark.real_script
+def test_processes_migrating_one_store_at_once_all_succeed(empty_url: str, backend: str, tmp_path: Path) -> None:
+    """Three `init` commands at once: on SQLite the migration's write lock is taken up front, so
+    the others wait for it (they failed at once with "database is locked"); on PostgreSQL they queue
+    on an advisory lock and find the work done (they replayed migrations and failed). One creates."""
+    procs = [
+        subprocess.Popen([*CLI, "init", "--db", empty_url], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [(p.wait(120), *p.communicate()) for p in procs]
+    assert [code for code, _, _ in outs] == [0, 0, 0], outs
+    said = sorted("created" if "created the schema" in out else "already" for _, out, _ in outs)
+    assert said == ["already", "already", "created"], outs
+
+
+def test_sqlite_urls_with_a_home_folder_or_in_uri_mode(tmp_path: Path) -> None:
+    """``sqlite:///~/x.db`` made the folder under the home directory and then asked sqlite3 for a file
+    under a folder named "~" (exit 5); sqlite3's URI mode made a stray "file:" folder, and the CLI's
+    check then said there was no store."""
+    home = tmp_path / "home"
+    home.mkdir()
+    run("init", "--db", "sqlite:///~/stores/x.db", cwd=tmp_path, env={"HOME": str(home)})
+    assert (home / "stores" / "x.db").is_file() and not (tmp_path / "~").exists()
+    with TranscriptStore(f"sqlite:///{home / 'stores' / 'x.db'}") as store:
+        store.create_session("default", session_id="s1")
+    listed = run_json("sessions", "list", "--db", "sqlite:///~/stores/x.db", cwd=tmp_path, env={"HOME": str(home)})
+    assert [s["session_id"] for s in listed] == ["s1"]
+    uri = f"sqlite:///file:{tmp_path / 'u.db'}?uri=true"
+    run("init", "--db", uri, cwd=tmp_path)
+    assert run_json("sessions", "list", "--db", uri, cwd=tmp_path) == []
+    assert (tmp_path / "u.db").is_file() and not (tmp_path / "file:").exists()
+
+
 @pytest.mark.real_script
 def test_default_store_is_a_file_in_the_working_directory(tmp_path: Path) -> None:
     run("init", cwd=tmp_path)

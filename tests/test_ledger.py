@@ -627,3 +627,20 @@ def test_a_stored_turn_is_prepared_as_any_turn_without_validating_its_messages_a
         prepare_turn(E, "t1", admission, terminal, [assistant("x"), *messages[1:]], messages_validated=True)
     with pytest.raises(InvalidInput, match="logical turn id"):
         prepare_turn(E, "t2", admission, terminal, messages, messages_validated=True)
+
+
+def test_a_hash_written_as_text_by_a_process_from_before_0006_reads_as_any(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """SQLite stores what a writer gives: a process of a release before revision 0006 (the hash as 32
+    bytes) still running after the upgrade writes the hash's hex text. Reading such a receipt raised
+    a bare TypeError; it is the same receipt (PostgreSQL's bytea refuses the old writer instead)."""
+    if not store.db.dialect.is_sqlite:
+        pytest.skip("PostgreSQL refuses text in a bytea column: the old writer fails, nothing to read")
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    first = turns.commit_turn(E, "t1", admission, terminal, messages)
+    store.write(lambda c: c.conn.execute(text("UPDATE ts_receipts SET payload_hash = :h"),
+                                         {"h": first.receipt.payload_hash.upper()}))
+    assert [r.payload_hash for r in turns.receipts(A, sid)] == [first.receipt.payload_hash]
+    again = turns.commit_turn(E, "t1", admission, terminal, messages)
+    assert again.status == "duplicate" and again.receipt == first.receipt

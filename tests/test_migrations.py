@@ -7,6 +7,7 @@ over the start of a text, PostgreSQL) keeps every engine row searchable."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -193,3 +194,59 @@ def test_the_word_index_revision_keeps_every_lossless_row_searchable(store_url: 
                 assert (found("kiwi"), found("melon")) == (1, 1)
         finally:
             db.dispose()
+
+
+def test_stores_migrated_by_earlier_versions_of_two_revisions_upgrade_to_the_same_schema(store_url: str) -> None:
+    """0002 gained ts_receipts_key and 0007 its SQLite trigger and its 0 -> 1 fill after stores had run
+    them: a store without that index failed 0005 ("no such index"), and one from the first 0007 kept a
+    session with incarnation 0 and no trigger. Both upgrade to the head's schema now."""
+    _one_committed_turn(store_url)
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0004")
+        with db.engine.begin() as conn:
+            conn.execute(text("DROP INDEX ts_receipts_key"))  # as 366c9a8's 0002 left it
+        migrate.upgrade(db, "0008")
+        with db.engine.begin() as conn:  # as the first 0007 left it
+            conn.execute(text("UPDATE ts_sessions SET incarnation = 0 WHERE session_id = 's1'"))
+            if db.dialect.is_sqlite:
+                conn.execute(text("DROP TRIGGER ts_sessions_incarnation_required"))
+        migrate.upgrade(db)
+        assert migrate.current_revision(db) == migrate.head_revision() and _differences(db) == []
+        with db.engine.connect() as conn:
+            assert conn.execute(text("SELECT incarnation FROM ts_sessions WHERE session_id = 's1'")).scalar_one() == 1
+        with pytest.raises(IntegrityError), db.engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO ts_sessions (scope, session_id, active, generation, last_seq, path_length, "
+                "visible_count, created_us, updated_us) VALUES ('scope-a', 'old', true, 0, -1, 0, 0, 1, 1)"
+            ))
+    finally:
+        db.dispose()
+
+
+def test_the_receipts_rebuild_keeps_the_grants_of_an_application_role(store_url: str) -> None:
+    """0006 builds ts_receipts again; on PostgreSQL the old table's grants went with it, so workers
+    running as a role that may only read and write rows had every commit refused after the upgrade."""
+    if store_url.startswith("sqlite"):
+        pytest.skip("SQLite has no roles or grants")
+    role = f"ts_app_{uuid.uuid4().hex[:8]}"
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0005")
+        with db.engine.begin() as conn:
+            conn.execute(text(f"CREATE ROLE {role}"))
+            conn.execute(text(f"GRANT SELECT, INSERT, DELETE ON ts_receipts TO {role}"))
+            conn.execute(text(f"GRANT UPDATE ON ts_receipts TO {role} WITH GRANT OPTION"))
+        migrate.upgrade(db)
+        with db.engine.connect() as conn:
+            def can(privilege: str) -> bool:
+                return bool(conn.execute(text(f"SELECT has_table_privilege('{role}', 'ts_receipts', '{privilege}')"))
+                            .scalar_one())
+
+            assert [can(p) for p in ("SELECT", "INSERT", "DELETE", "UPDATE", "TRUNCATE")] == [True] * 4 + [False]
+            assert can("UPDATE WITH GRANT OPTION") and not can("INSERT WITH GRANT OPTION")
+    finally:
+        with db.engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        db.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -295,6 +296,46 @@ def test_append_only_change_after_acceptance_still_commits_once(
     assert turns.drain(engines()).delivered == 0
     receipts = turns.receipts(A, sid, E)
     assert [(r.advancement_key, r.message_count) for r in receipts] == [("t1", 3)]
+
+
+def _as_written_without_incarnations(store: TranscriptStore, sid: str, turn_id: str) -> None:
+    """Rewrite an outbox row as a release whose anchors had no incarnation wrote it."""
+    from sqlalchemy import text
+
+    def run(c: Core) -> None:
+        row = c.conn.execute(text("SELECT admission, terminal FROM ts_outbox WHERE session_id = :s AND turn_id = :t"),
+                             {"s": sid, "t": turn_id}).one()
+        admission = json.loads(row.admission)
+        del admission["anchor"]["incarnation"]
+        terminal = None if row.terminal is None else json.loads(row.terminal)
+        if terminal is not None:
+            del terminal["incarnation"]
+        c.conn.execute(
+            text("UPDATE ts_outbox SET admission = :a, terminal = :m WHERE session_id = :s AND turn_id = :t"),
+            {"a": json.dumps(admission), "m": terminal and json.dumps(terminal), "s": sid, "t": turn_id},
+        )
+
+    store.write(run)
+
+
+def test_turns_queued_by_a_release_without_anchor_incarnations_are_delivered(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """Releases between b80616f and 8d8a4a9 gave new sessions random incarnations but wrote anchors
+    without one; such a session honours no anchor without one, so after an update their queued turns
+    were blocked as stale and never reached the engine. An outbox row goes with its session, so it is
+    of the session's present incarnation: delivered, once; an admitted one completes."""
+    assert store.get_session(A, sid).incarnation != int(store.get_session(A, sid).created_at.timestamp() * 1e6)
+    accepted(turns, sid, "t1")
+    _as_written_without_incarnations(store, sid, "t1")
+    assert row_of(turns, sid, "t1").admission.anchor.incarnation == store.get_session(A, sid).incarnation
+    report = turns.drain(engines())
+    assert (report.committed, report.blocked) == (1, 0), report
+    turns.admit(A, sid, user("q t2"), turn_id="t2", engine_id=E)
+    _as_written_without_incarnations(store, sid, "t2")
+    done = turns.complete(A, sid, "t2", [{"message": assistant("a t2")}], None)
+    assert done.intent.state == "accepted"
+    assert (turns.drain(engines()).committed, engine_view(store, sid)[0]) == (1, ["t1", "t2"])
 
 
 # ---------------------------------------------------------------------------------------------- failures

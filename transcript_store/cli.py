@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError
 
 from . import migrate
 from .config import StoreConfig
-from .db import mask_url
+from .db import mask_url, sqlite_file
 from .errors import (
     EngineError,
     InvalidInput,
@@ -183,21 +183,10 @@ def emit_json(data: Any) -> None:
 # ---------------------------------------------------------------------------------------------- stores
 
 
-def _sqlite_path(url: str) -> Path | None:
-    """The file of a SQLite URL (None for other backends or unparseable URLs)."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return None
-    return Path(parsed.database).expanduser()
-
-
 def open_store(*, create: bool = False, check_schema: bool = True) -> TranscriptStore:
     """The store named by --db; ``create`` allows a new SQLite file, ``check_schema`` refuses old ones."""
     config = state().store_config()
-    path = _sqlite_path(config.url)
+    path = sqlite_file(config.url)
     if path is not None and not create and not path.exists():
         raise SchemaNotCurrent(
             f"no store at {mask_url(config.url)} (the file does not exist): run `transcript-store init`"
@@ -235,10 +224,7 @@ def schema_state(revision: str | None, head: str) -> str:
         return "current"
     if revision is None:
         return "none"
-    from alembic.script import ScriptDirectory
-
-    known = {s.revision for s in ScriptDirectory.from_config(migrate.alembic_config()).walk_revisions()}
-    return "behind" if revision in known else "ahead"
+    return "behind" if revision in migrate.known_revisions() else "ahead"
 
 
 # ---------------------------------------------------------------------------------------------- rendering
@@ -319,8 +305,7 @@ def cli() -> None:
 def _migrate(*, create: bool) -> None:
     st = state()
     with store_session(create=create, check_schema=False) as store:
-        before = store.current_revision()
-        after = store.upgrade()
+        before, after = migrate.upgrade_from(store.db)  # "before" as read under the migration's lock
         head = migrate.head_revision()
         report = {"url": store.url, "backend": store.backend, "before": before, "revision": after, "head": head}
     if st.json:
@@ -363,9 +348,9 @@ def current() -> None:
         for key in ("url", "revision", "head", "state"):
             click.echo(f"{key + ':':9} {report.get(key) or '(none)'}")
     if revision != head:
+        advice = "upgrade the library" if report["state"] == "ahead" else "run `transcript-store upgrade`"
         raise CommandError(
-            f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): "
-            "run `transcript-store upgrade`",
+            f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): {advice}",
             EXIT_SCHEMA,
         )
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, Table, create_engine, event
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
@@ -173,10 +173,14 @@ def create_db_engine(config: StoreConfig) -> Engine:
     if backend == "sqlite":
         if url.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
-        try:
-            Path(url.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
+        if not _sqlite_uri(url):  # a file: URI is sqlite3's to read; its path is not a file name
+            path = Path(url.database).expanduser()
+            if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
+                url = url.set(database=str(path))
+            try:
+                path.resolve().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         _sqlite_connect_listeners(engine, config)
         return engine
@@ -196,6 +200,22 @@ def create_db_engine(config: StoreConfig) -> Engine:
             event.listen(engine, "connect", _pg_on_connect)
         return engine
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+
+
+def _sqlite_uri(url: URL) -> bool:
+    """True for a SQLite URL in sqlite3's URI mode (``sqlite:///file:x.db?uri=true``)."""
+    return str(url.query.get("uri", "")).lower() in ("true", "1")
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names, ``~`` expanded (None for other backends, URI mode or in-memory)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return None if _sqlite_uri(parsed) else Path(parsed.database).expanduser()
 
 
 def mask_url(url: str) -> str:

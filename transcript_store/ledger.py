@@ -496,7 +496,10 @@ def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None
 def _receipt_of(row: Any) -> Receipt:
     """A stored receipt row as the API's Receipt (the hash is stored as bytes, spoken as hex)."""
     values = row._asdict()
-    values["payload_hash"] = bytes(values["payload_hash"]).hex()
+    stored = values["payload_hash"]
+    # SQLite keeps whatever a writer gives: a process of a release before revision 0006 still running
+    # after the upgrade writes the hash as its hex text, which is what the API speaks anyway.
+    values["payload_hash"] = stored.lower() if isinstance(stored, str) else bytes(stored).hex()
     return Receipt.model_construct(**values)
 
 

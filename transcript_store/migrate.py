@@ -8,6 +8,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .db import Database
@@ -39,16 +40,58 @@ def current_revision(db: Database) -> str | None:
         raise db.translate(e) from e
 
 
+#: PostgreSQL: upgrades of one database queue on this transaction-scoped advisory lock
+_MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('transcript-store schema migration'))"
+
+
+def known_revisions() -> set[str]:
+    """Every revision this library's migrations know."""
+    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def _newer(current: str | None) -> SchemaNotCurrent | None:
+    """The error for a database at a revision this library does not know (a newer library's), or None."""
+    if current is None or current in known_revisions():
+        return None
+    return SchemaNotCurrent(
+        f"database schema is at revision {current}, newer than this library ({head_revision()}); "
+        "upgrade the library"
+    )
+
+
 def upgrade(db: Database, revision: str = "head") -> str:
-    """Migrate the database to ``revision``; a failed migration leaves no half-applied step."""
+    """Migrate the database to ``revision`` (see ``upgrade_from``); returns the revision it is at."""
+    return upgrade_from(db, revision)[1]
+
+
+def upgrade_from(db: Database, revision: str = "head") -> tuple[str | None, str]:
+    """Migrate the database to ``revision``; returns (the revision it was at, the one it is at).
+
+    A failed migration leaves no half-applied step.
+
+    One write transaction (SQLite: ``BEGIN IMMEDIATE``, so that processes opening a store at once wait
+    for each other instead of failing on the lock), retried whole on transient errors; on PostgreSQL
+    concurrent upgrades queue on an advisory lock, and each reads the revision only once it holds it,
+    so the second finds the work done. A database newer than this library is ``SchemaNotCurrent``.
+    """
     cfg = alembic_config()
+
+    def run(conn: Connection) -> str | None:
+        if not db.dialect.is_sqlite:
+            conn.exec_driver_sql(_MIGRATION_LOCK)
+        before = MigrationContext.configure(conn).get_current_revision()
+        newer = _newer(before)
+        if newer is not None:
+            raise newer
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+        return before
+
     try:
-        with db.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-    except DBAPIError as e:
+        before = db.write(run)
+    except DBAPIError as e:  # pragma: no cover - db.write translates what its transaction raises
         raise db.translate(e) from e
-    return current_revision(db) or ""
+    return before, current_revision(db) or ""
 
 
 def ensure_current(db: Database, auto_upgrade: bool) -> None:
@@ -57,11 +100,9 @@ def ensure_current(db: Database, auto_upgrade: bool) -> None:
     head = head_revision()
     if current == head:
         return
-    known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
-    if current is not None and current not in known:
-        raise SchemaNotCurrent(
-            f"database schema is at revision {current}, newer than this library ({head}); upgrade the library"
-        )
+    newer = _newer(current)
+    if newer is not None:
+        raise newer
     if auto_upgrade:
         upgrade(db)
         return

@@ -81,7 +81,20 @@ class OutboxConfig:
             raise InvalidInput(f"drain_limit must be a positive integer, got {self.drain_limit!r}")
 
 
-def _intent(row: Row[Any]) -> TurnIntent:
+def _intent(core: Core, row: Row[Any]) -> TurnIntent:
+    admission = Admission.model_validate_json(row.admission)
+    terminal = None if row.terminal is None else Anchor.model_validate_json(row.terminal)
+    if admission.anchor.incarnation is None or (terminal is not None and terminal.incarnation is None):
+        # Written by a release whose anchors carried no incarnation, some of which already gave new
+        # sessions random ones (which honour no anchor without one). An outbox row goes with its
+        # session (ON DELETE CASCADE), so it is of the session's present incarnation: say so.
+        sess = core.session_row(row.scope, row.session_id)
+        if sess is not None:
+            fill = {"incarnation": sess.incarnation}
+            if admission.anchor.incarnation is None:
+                admission = admission.model_copy(update={"anchor": admission.anchor.model_copy(update=fill)})
+            if terminal is not None and terminal.incarnation is None:
+                terminal = terminal.model_copy(update=fill)
     return TurnIntent.model_construct(
         scope=row.scope,
         session_id=row.session_id,
@@ -89,8 +102,8 @@ def _intent(row: Row[Any]) -> TurnIntent:
         engine_id=row.engine_id,
         state=row.state,
         enqueue_seq=row.enqueue_seq,
-        admission=Admission.model_validate_json(row.admission),
-        terminal=None if row.terminal is None else Anchor.model_validate_json(row.terminal),
+        admission=admission,
+        terminal=terminal,
         messages=None if row.messages is None else json.loads(row.messages),
         is_heartbeat=bool(row.is_heartbeat),
         block_reason=row.block_reason,
@@ -253,7 +266,7 @@ def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool
 def get_intent(core: Core, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
     """The intent of a turn, or None."""
     row = get_row(core, scope, session_id, turn_id)
-    return None if row is None else _intent(row)
+    return None if row is None else _intent(core, row)
 
 
 def record_admitted(
@@ -314,7 +327,7 @@ def record_admitted(
         )
         row = get_row(core, a.scope, a.session_id, admission.turn_id)
         assert row is not None
-    return _intent(row)
+    return _intent(core, row)
 
 
 def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
@@ -351,11 +364,11 @@ def check_accept(
         raise InvalidInput("the terminal anchor names another session than the admission")
     if row.state != "admitted":
         if row.terminal is not None and _same_anchor(Anchor.model_validate_json(row.terminal), terminal):
-            return _intent(row), False, bool(row.earlier_pending)
+            return _intent(core, row), False, bool(row.earlier_pending)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
     # The row as _ACCEPT leaves it, without reading it back (a statement, a round trip, per turn).
     accepted = {"state": "accepted", "terminal": terminal, "lease_owner": None, "lease_expires_at": None}
-    return _intent(row).model_copy(update=accepted), True, bool(row.earlier_pending)
+    return _intent(core, row).model_copy(update=accepted), True, bool(row.earlier_pending)
 
 
 def _same_anchor(a: Anchor, b: Anchor) -> bool:
@@ -469,7 +482,7 @@ def turn_is_clear(core: Core, scope: str, session_id: str, turn_id: str) -> bool
 def pending(core: Core, scope: str, session_id: str, engine_id: str | None = None) -> list[TurnIntent]:
     """Every non-blocked intent of a session (of one engine, when given), in enqueue order."""
     q = _PENDING if engine_id is None else _PENDING_OF_ENGINE
-    return [_intent(r) for r in core.run(q, session_params(scope, session_id, b_engine=engine_id))]
+    return [_intent(core, r) for r in core.run(q, session_params(scope, session_id, b_engine=engine_id))]
 
 
 def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
@@ -478,7 +491,7 @@ def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> lis
     if scope is not None:
         q = q.where(outbox.c.scope == scope)
     q = q.order_by(outbox.c.scope, outbox.c.session_id, outbox.c.enqueue_seq).limit(limit)
-    return [_intent(r) for r in core.conn.execute(q)]
+    return [_intent(core, r) for r in core.conn.execute(q)]
 
 
 # ---------------------------------------------------------------------------------------------- drain
@@ -546,7 +559,7 @@ def claim_head(
         row = core.conn.execute(q).first()
         if row is None:
             return "locked"
-        intent = _intent(row)
+        intent = _intent(core, row)
         if intent.state == "accepted":
             intent = capture(core, intent)
             if intent.state == "blocked":

@@ -44,7 +44,8 @@ def _primary_key(columns: list[str]) -> None:
 def upgrade() -> None:
     with op.batch_alter_table("ts_receipts") as batch:
         batch.add_column(sa.Column("message_seqs", sa.Text, nullable=True))
-    op.drop_index("ts_receipts_key", table_name="ts_receipts")
+    # IF EXISTS: stores created before ts_receipts_key was added to 0002 (366c9a8) never had it.
+    op.drop_index("ts_receipts_key", table_name="ts_receipts", if_exists=True)
     _primary_key(NEW_KEY)
 
 

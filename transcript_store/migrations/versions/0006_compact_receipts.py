@@ -80,10 +80,29 @@ def _rebuild(hash_type: Any, convert: str, python: Callable[[Any], Any]) -> None
             name="ts_receipts_session_fk",
         ),
     )
+    if bind.dialect.name == "postgresql":
+        _grant_as(OLD, "ts_receipts")
     names = ", ".join(COLUMNS)
     expression = convert if bind.dialect.name == "postgresql" else "ts_convert_hash(payload_hash)"
     op.execute(f"INSERT INTO ts_receipts ({names}, payload_hash) SELECT {names}, {expression} FROM {OLD}")
     op.drop_table(OLD)
+
+
+#: (grantee, privilege, grantable) of a table's explicit grants, its owner's own left out
+_GRANTS = sa.text(
+    "SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END AS grantee,"
+    " a.privilege_type, a.is_grantable"
+    " FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a LEFT JOIN pg_roles r ON r.oid = a.grantee"
+    " WHERE c.oid = CAST(:t AS regclass) AND a.grantee <> c.relowner"
+)
+
+
+def _grant_as(old: str, new: str) -> None:
+    """Grant on ``new`` what was granted on ``old`` (PostgreSQL): dropping the old table drops its
+    grants, and a deployment whose workers run as a role that may only read and write rows (not own
+    tables) would find every commit refused after the upgrade ("permission denied for table")."""
+    for grantee, privilege, grantable in op.get_bind().execute(_GRANTS, {"t": old}).all():
+        op.execute(f"GRANT {privilege} ON {new} TO {grantee}" + (" WITH GRANT OPTION" if grantable else ""))
 
 
 def upgrade() -> None:
