@@ -442,6 +442,29 @@ def test_outbox_status_drain_recover(db: tuple[str, Path]) -> None:
     one_error_line(run("outbox", "recover", "nope", "--db", url, cwd=work, code=3))
 
 
+def test_outbox_block_lets_the_later_turns_of_a_poisoned_engine_go_on(db: tuple[str, Path]) -> None:
+    """A turn queued for an engine that can never take it (here: not installed) fails every drain; an
+    operator blocks it with a reason (--yes), `outbox status` shows who blocked it and why."""
+    url, work = db
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="s5")
+        turns = Turns(store)
+        turns.admit(SCOPE, "s5", user("q"), turn_id="turn-5", engine_id="gone-engine")
+        turns.complete(SCOPE, "s5", "turn-5", [{"message": assistant("a")}], None)
+    failed = run_json("outbox", "drain", "--db", url, cwd=work, code=1)["failed"]
+    assert [(f["turn_id"], f["error"]) for f in failed] == [("turn-5", "engine unavailable")]
+    assert "--yes" in one_error_line(run("outbox", "block", "s5", "turn-5", "--reason", "engine retired",
+                                         "--db", url, cwd=work, code=1))
+    one_error_line(run("outbox", "block", "s5", "turn-9", "--reason", "x", "--yes", "--db", url, cwd=work, code=3))
+    one_error_line(run("outbox", "block", "s5", "turn-5", "--reason", " ", "--yes", "--db", url, cwd=work, code=1))
+    assert run_json("outbox", "status", "--db", url, cwd=work)[-1]["state"] == "ready"  # refused: unchanged
+    done = run_json("outbox", "block", "s5", "turn-5", "--reason", "engine retired", "--yes", "--db", url, cwd=work)
+    assert (done["state"], done["block_reason"]) == ("blocked", "blocked by hand: engine retired")
+    row = next(r for r in run_json("outbox", "status", "--db", url, cwd=work) if r["turn_id"] == "turn-5")
+    assert (row["state"], row["block_reason"]) == ("blocked", "blocked by hand: engine retired")
+    assert run_json("outbox", "drain", "--db", url, cwd=work)["failed"] == []
+
+
 # ---------------------------------------------------------------------------------------------- engines, doctor
 
 

@@ -11,7 +11,7 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages``, ``max_bytes``), and names that argument;
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 36 functions, the ``TranscriptStore`` constructor and 24 of its methods, and 11 methods of
+Drawn: 37 functions, the ``TranscriptStore`` constructor and 24 of its methods, and 12 methods of
 ``Turns`` (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
 outside any), ``close``, ``upgrade`` and ``current_revision`` (no arguments), the ``Turns`` constructor
@@ -268,6 +268,8 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
                                    on_committed=data.draw(st.one_of(st.none(), wrong))),
         "recover": lambda data: call(turns.recover, data.draw(ids), data.draw(ids), data.draw(ids),
                                      data.draw(engines(w))),
+        "block": lambda data: call(turns.block, data.draw(ids), data.draw(ids), data.draw(ids),
+                                   data.draw(st.one_of(ids, payloads))),
         "intents": lambda data: call(turns.intents, data.draw(optional_ids), data.draw(limits)),
         "intent": lambda data: call(turns.intent, data.draw(ids), data.draw(ids), data.draw(ids)),
     }
@@ -377,7 +379,7 @@ def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore)
     drawn = {name if name == "TranscriptStore" else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 36, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 37, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 

@@ -14,7 +14,7 @@ from workers.turn_worker import count_turn, counting_engine
 
 from transcript_store import IdempotencyConflict, InvalidInput, TranscriptStore, outbox
 from transcript_store.core import Core
-from transcript_store.errors import OutboxCollision
+from transcript_store.errors import OutboxCollision, UnknownSession, UnknownTurn
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, count_turn_messages, get_state
 from transcript_store.outbox import OutboxConfig, TurnIntent, capture, claim_head
 from transcript_store.turns import CommitIn, CompletionResult, Turns, turn_payload
@@ -368,6 +368,37 @@ def test_failed_commit_is_not_overtaken_while_other_sessions_proceed(
     fixed = turns.drain(engines())
     assert fixed.committed == 2
     assert engine_view(store, sid) == (["t1", "t2"], 4, 2)
+
+
+def test_a_turn_its_engine_can_never_take_is_blocked_by_hand_and_the_next_ones_go_on(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """A delivery that fails the same way every time held every later turn of its engine and session
+    back for good (and the host ran that session on legacy meanwhile): an operator blocks it."""
+    accepted(turns, sid, "t1")
+    accepted(turns, sid, "t2")
+    turns.admit(A, sid, user("q t3"), turn_id="t3", engine_id=E)
+    engine = Recorder(lambda t: t.advancement_key == "t1")
+    for _ in range(2):
+        assert turns.drain(engines(engine)).committed == 0
+    assert [i.turn_id for i in store.read(lambda c: outbox.pending(c, A, sid, E))] == ["t1", "t2", "t3"]
+    before = turns.intents(A)
+    refused = [(("t9", "never works"), UnknownTurn), (("t3", "running"), InvalidInput), (("t1", "  "), InvalidInput),
+               (("t1", "x\x00"), InvalidInput), (("t1", "y" * 501), InvalidInput)]
+    for bad, error in refused:
+        with pytest.raises(error):
+            turns.block(A, sid, *bad)
+    with pytest.raises(UnknownSession):
+        turns.block("other-scope", sid, "t1", "not its scope")
+    assert turns.intents(A) == before  # refused: nothing written
+    blocked = turns.block(A, sid, "t1", "the engine refuses it:\n every time")
+    assert (blocked.state, blocked.block_reason) == ("blocked", "blocked by hand: the engine refuses it: every time")
+    assert turns.block(A, sid, "t1", "again") == blocked  # already blocked: unchanged
+    report = turns.drain(engines(engine))
+    assert (report.committed, report.failed) == (1, [])
+    assert engine_view(store, sid)[0] == ["t2"] and engine.calls.count("t1") == 2  # t1 never committed
+    assert [i.turn_id for i in store.read(lambda c: outbox.pending(c, A, sid, E))] == ["t3"]
+    assert [(i.turn_id, i.state) for i in turns.intents(A)] == [("t1", "blocked"), ("t3", "admitted")]
 
 
 @pytest.mark.parametrize("bad", [None, "committed", 42, "bogus-status"], ids=repr)

@@ -19,6 +19,7 @@ from .errors import (
     TurnOvertaken,
     UnknownEntry,
     UnknownSession,
+    UnknownTurn,
 )
 from .models import (
     CURRENT_TURN_FENCE,
@@ -73,4 +74,5 @@ __all__ = [
     "TurnOvertaken",
     "UnknownEntry",
     "UnknownSession",
+    "UnknownTurn",
 ]

@@ -46,6 +46,7 @@ from .errors import (
     TranscriptStoreError,
     UnknownEntry,
     UnknownSession,
+    UnknownTurn,
 )
 from .gateway import GATEWAY_SCOPE
 from .models import Entry, SessionInfo
@@ -522,7 +523,7 @@ def sessions_delete(session: str, yes: bool) -> None:
 @cli.group()
 @common
 def outbox() -> None:
-    """Turn intents waiting for their engine: status, drain, recover."""
+    """Turn intents waiting for their engine: status, drain, recover, block."""
 
 
 def _runtime(store: TranscriptStore, settings: HostSettings, model: Any = None) -> Any:
@@ -591,6 +592,29 @@ def outbox_drain(session: str | None, limit: int) -> None:
             click.echo(f"  failed: session {s} turn {t}: {e}")
     if report.failed:
         raise CommandError(f"{len(report.failed)} deliveries failed; their rows stay queued")
+
+
+@outbox.command("block")
+@click.argument("session")
+@click.argument("turn_id", metavar="TURN")
+@click.option("--reason", required=True, help="Why (kept with the row, shown by `outbox status`).")
+@click.option("--yes", is_flag=True, help="Really block it: the turn never reaches its engine.")
+@common
+def outbox_block(session: str, turn_id: str, reason: str, yes: bool) -> None:
+    """Block a queued TURN of SESSION that its engine can never take, so that the later ones go on."""
+    from .turns import Turns
+
+    st = state()
+    if not yes:
+        raise CommandError("blocking a turn keeps it from its engine for good: add --yes", EXIT_FAILED)
+    with store_session() as store:
+        sid = find_session(store, st.scope_name, session).session_id
+        intent = Turns(store).block(st.scope_name, sid, turn_id, reason)
+    if st.json:
+        emit_json({"session_id": sid, "turn_id": turn_id, "engine_id": intent.engine_id, "state": intent.state,
+                   "block_reason": intent.block_reason})
+    else:
+        click.echo(f"session {sid} turn {turn_id} ({intent.engine_id}): {intent.state} ({intent.block_reason})")
 
 
 @outbox.command("recover")
@@ -1304,7 +1328,7 @@ def exit_code(error: BaseException) -> int:
     """The documented exit code of an error."""
     if isinstance(error, CommandError):
         return error.code
-    if isinstance(error, UnknownSession | UnknownEntry):
+    if isinstance(error, UnknownSession | UnknownEntry | UnknownTurn):
         return EXIT_NOT_FOUND
     if isinstance(error, SchemaNotCurrent):
         return EXIT_SCHEMA

@@ -56,6 +56,15 @@ class UnknownEntry(TranscriptStoreError, LookupError):
     """No such entry in this session."""
 
 
+class UnknownTurn(TranscriptStoreError, LookupError):
+    """No outbox row of this logical turn in this session."""
+
+    def __init__(self, session_id: str, turn_id: str) -> None:
+        super().__init__(f"no turn intent {turn_id!r} in session {session_id!r}")
+        self.session_id = session_id
+        self.turn_id = turn_id
+
+
 class SessionKeyConflict(TranscriptStoreError):
     """Another active session in the scope already holds this session key."""
 

@@ -23,7 +23,7 @@ from sqlalchemy import Row, bindparam, delete, literal, select, union_all, updat
 
 from . import identity
 from .core import Core, by_session, from_us, now_us, session_params
-from .errors import InvalidInput, OutboxCollision, SessionBusy, TurnOvertaken
+from .errors import InvalidInput, OutboxCollision, SessionBusy, TurnOvertaken, UnknownTurn
 from .fences import closed_range_of_append, read_closed_range
 from .ledger import CommitResult
 from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
@@ -582,6 +582,39 @@ def claim_head(
             .values(lease_owner=owner, lease_expires_us=expires, last_attempt_us=ts, updated_us=ts)
         )
         return intent.model_copy(update={"lease_owner": owner, "lease_expires_at": from_us(expires)})
+
+
+#: most characters of an operator's reason kept with a row blocked by hand
+MAX_BLOCK_REASON = 500
+
+
+def block(core: Core, scope: str, session_id: str, turn_id: str, reason: str) -> TurnIntent:
+    """Block a queued turn by hand: never delivered; the turns after it of its engine go on.
+
+    For a turn its engine can never take (every delivery fails the same way), which would otherwise
+    hold the later turns of that engine and session back for good. Only accepted or ready rows that
+    no drain is delivering right now; blocking a blocked row again changes nothing.
+    """
+    row = get_row(core, scope, session_id, turn_id, lock=True)
+    if row is None:
+        raise UnknownTurn(session_id, turn_id)
+    intent = _intent(core, row)
+    if intent.state == "blocked":
+        return intent
+    if intent.state == "admitted":
+        raise InvalidInput(f"turn {turn_id!r} is still running (admitted): it completes or is discarded")
+    ts = now_us()
+    if row.lease_owner is not None and row.lease_expires_us is not None and row.lease_expires_us > ts:
+        raise InvalidInput(f"turn {turn_id!r} is being delivered now (claimed by {row.lease_owner}); try again")
+    why = f"blocked by hand: {reason}"
+    core.conn.execute(
+        update(outbox)
+        .where(_key(scope, session_id, turn_id))
+        .values(state="blocked", block_reason=why, lease_owner=None, lease_expires_us=None, updated_us=ts)
+    )
+    log.warning("turn %s of session %s blocked by hand: %s", turn_id, session_id, reason)
+    return intent.model_copy(update={"state": "blocked", "block_reason": why, "lease_owner": None,
+                                     "lease_expires_at": None})
 
 
 def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> None:

@@ -235,6 +235,18 @@ class Turns:
 
         return self.store.write(run)
 
+    def block(self, scope: str, session_id: str, turn_id: str, reason: str) -> TurnIntent:
+        """Block a queued turn by hand, so that its engine's later turns of the session go on (see
+        ``outbox.block``); the turn never reaches that engine. UnknownTurn when there is no such row."""
+        _check_turn(self.store, scope, session_id, turn_id)
+        if not isinstance(reason, str) or not reason.strip():
+            raise InvalidInput("a reason is required to block a turn by hand")
+        reason = " ".join(reason.split())
+        if len(reason) > outbox.MAX_BLOCK_REASON or any(c == "\x00" or "\ud800" <= c <= "\udfff" for c in reason):
+            raise InvalidInput(f"the reason must be at most {outbox.MAX_BLOCK_REASON} characters of text")
+        self.store.get_session(scope, session_id)  # UnknownSession first, as every call of a session
+        return self.store.write(lambda c: outbox.block(c, scope, session_id, turn_id, reason))
+
     def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
         """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction."""
         _check_turn(self.store, scope, session_id, turn_id)
