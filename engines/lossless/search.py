@@ -9,16 +9,23 @@ indexes, the one place this engine branches on the dialect (the migration explai
 - PostgreSQL: the 'simple' tsvector column's GIN index OR the pg_trgm GIN index (ILIKE), ranked by
   ts_rank.
 
-Regular expressions (Python syntax) scan the session's rows newest first, in bounded batches.
+Regular expressions (Python syntax, run by the ``regex`` package) scan the session's rows newest
+first, in bounded batches. The model writes them, so each is bounded: a pattern whose counted
+repetitions expand past REGEX_MAX_SIZE is refused before compiling (compiling expands them, unbounded
+in time), each row's first REGEX_MAX_TEXT characters are searched, and matching stops with a
+SearchError after REGEX_SECONDS over the whole search. Matching releases the GIL (``concurrent``), so
+a slow pattern never freezes the process's other threads (heartbeats, other sessions' turns).
 """
 
 from __future__ import annotations
 
-import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Literal
 
+import regex
 from sqlalchemy import Table, select, text
 
 from transcript_store.core import Core
@@ -30,8 +37,20 @@ Kind = Literal["message", "summary"]
 Mode = Literal["full_text", "regex"]
 Sort = Literal["recency", "relevance"]
 SCAN_BATCH = 500
+#: seconds of regex matching one search may take, in all
+REGEX_SECONDS = 2.0
+#: characters of each row a regex searches (a longer tool result is searched from its start)
+REGEX_MAX_TEXT = 100_000
+#: the size of a regex once its counted repetitions are expanded (``(a{100}){100}``: 10,000)
+REGEX_MAX_SIZE = 100_000
+#: matches of one row that count towards its score
+REGEX_MAX_MATCHES = 1000
 
 _SOURCES: dict[Kind, tuple[Table, str]] = {"message": (messages, "ordinal"), "summary": (summaries, "summary_seq")}
+
+
+class SearchError(ValueError):
+    """A search refused or stopped: an invalid or too large regex, or one that ran past its time bound."""
 
 
 @dataclass
@@ -59,16 +78,18 @@ def grep(
     sort: Sort,
     limit: int,
 ) -> list[Hit]:
-    """The best ``limit`` hits over ``kinds`` (see module doc); a bad regex raises re.error."""
+    """The best ``limit`` hits over ``kinds`` (see module doc); a bad or too slow regex raises SearchError."""
     hits: list[Hit] = []
+    compiled = compile_regex(pattern) if mode == "regex" else None
+    deadline = time.monotonic() + REGEX_SECONDS
     if not core.dialect.is_sqlite and core.config.pg_generic_plans and mode != "regex":
         # The store's connections plan statements once, for any values (transcript_store/db.py); a
         # full-text search's best plan depends on its terms (a rare word: the text indexes; a short
         # or common one: the session's own rows), so this transaction plans per execution again.
         core.conn.exec_driver_sql(PG_VALUE_PLANS)
     for kind in kinds:
-        if mode == "regex":
-            hits += _regex(core, scope, session_id, kind, re.compile(pattern), sort, limit)
+        if compiled is not None:
+            hits += _regex(core, scope, session_id, kind, compiled, sort, limit, deadline)
         else:
             hits += _full_text(core, scope, session_id, kind, pattern.split(), sort, limit)
     if sort == "relevance":
@@ -76,6 +97,70 @@ def grep(
     else:
         hits.sort(key=lambda h: (-h.recency, -h.score))
     return hits[:limit]
+
+
+def compile_regex(pattern: str) -> regex.Pattern[str]:
+    """The compiled pattern; SearchError when it is invalid or expands past REGEX_MAX_SIZE."""
+    size = expanded_size(pattern)
+    if size > REGEX_MAX_SIZE:
+        raise SearchError(
+            f"regular expression too large: its counted repetitions expand to about {size} items "
+            f"(at most {REGEX_MAX_SIZE})"
+        )
+    try:
+        return regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError, RecursionError) as e:
+        raise SearchError(f"invalid regular expression: {e}") from None
+
+
+_COUNTED = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
+
+
+def expanded_size(pattern: str) -> int:
+    """An upper bound of the pattern's items once counted repetitions (``x{n,m}``) are expanded.
+
+    A repetition multiplies its atom, and a group's repetition everything inside it; ``*``/``+`` do not
+    expand. Escapes and character classes count as one atom (a brace after ``\\p`` or ``\\x`` may be
+    read as a repetition: that only overestimates).
+    """
+    stack = [0]  # items of each open group so far
+    last = 0  # items of the atom a repetition would apply to
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i, last = i + 2, 1
+        elif c == "[":
+            i, last = _class_end(pattern, i), 1
+        elif c == "(":
+            stack.append(0)
+            i, last = i + 1, 0
+            continue
+        elif c == ")" and len(stack) > 1:
+            last = max(1, stack.pop())
+            i += 1
+        elif c == "{" and (m := _COUNTED.match(pattern, i)) and (m.group(1) or m.group(2)):
+            bound = int(m.group(2) or m.group(1))
+            stack[-1] += last * (max(bound, 1) - 1)
+            last *= max(bound, 1)
+            i = m.end()
+            continue
+        else:
+            i, last = i + 1, 1
+        stack[-1] += last
+    return sum(stack)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class opened at ``start`` (``]`` first in it is literal)."""
+    i = start + 1
+    if pattern[i : i + 1] == "^":
+        i += 1
+    if pattern[i : i + 1] == "]":
+        i += 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
 
 
 def _columns(kind: Kind) -> str:
@@ -145,11 +230,18 @@ def _find(content: str, needle: str) -> tuple[int, int] | None:
 
 
 def _regex(
-    core: Core, scope: str, session_id: str, kind: Kind, pattern: re.Pattern[str], sort: str, limit: int
+    core: Core,
+    scope: str,
+    session_id: str,
+    kind: Kind,
+    pattern: regex.Pattern[str],
+    sort: str,
+    limit: int,
+    deadline: float,
 ) -> list[Hit]:
     hits: list[Hit] = []
     for row in _scan(core, scope, session_id, kind):
-        found = list(pattern.finditer(row["content"]))
+        found = _matches(pattern, row["content"][:REGEX_MAX_TEXT], deadline)
         if not found:
             continue
         first = found[0]
@@ -160,6 +252,20 @@ def _regex(
         if sort == "recency" and len(hits) >= limit:
             break  # rows come newest first
     return hits
+
+
+def _matches(pattern: regex.Pattern[str], content: str, deadline: float) -> list[regex.Match[str]]:
+    """The first REGEX_MAX_MATCHES matches, matched without the GIL; SearchError past the deadline."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise TimeoutError
+        return list(islice(pattern.finditer(content, concurrent=True, timeout=left), REGEX_MAX_MATCHES))
+    except TimeoutError:
+        raise SearchError(
+            f"the regular expression ran past its {REGEX_SECONDS:g} s bound over this session's text "
+            "(nested repetition such as (a+)+ backtracks exponentially): simplify it, or use full_text"
+        ) from None
 
 
 def _scan(core: Core, scope: str, session_id: str, kind: Kind) -> Iterator[dict[str, Any]]:

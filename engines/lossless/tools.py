@@ -9,14 +9,13 @@ Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and ca
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, cast
 
 from sqlalchemy import func, select
 
 from transcript_store.core import Core, from_us
 
-from .search import Kind, Mode, Sort, grep, snippet
+from .search import Kind, Mode, SearchError, Sort, grep, snippet
 from .tables import (
     context_items,
     message_id,
@@ -114,8 +113,8 @@ def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> d
     limit = _int(args, "limit", 20, 1, MAX_LIMIT)
     try:
         hits = grep(core, scope, session_id, pattern, mode=mode, kinds=_TARGETS[target], sort=sort, limit=limit)
-    except re.error as e:
-        raise ToolError(f"invalid regular expression: {e}") from None
+    except SearchError as e:
+        raise ToolError(str(e)) from None
     results = []
     for h in hits:
         row: dict[str, Any] = {"id": message_id(h.ref) if h.kind == "message" else summary_id(h.ref), "kind": h.kind}
