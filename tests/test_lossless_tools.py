@@ -15,13 +15,20 @@ from typing import Any
 
 import pytest
 from conftest import BACKENDS, fresh_url
+from sqlalchemy.exc import DataError
 
 from engines.lossless import LosslessEngine
 from engines.lossless import search as search_module
+from engines.lossless import tools as tools_module
 from engines.lossless.context import load_items
 from transcript_store import StoreConfig, TranscriptStore
 from transcript_store.engine import EngineContext
+from transcript_store.errors import StoreUnavailable, TransientStoreError
+from transcript_store.host import HostRuntime
+from transcript_store.model import ModelResponse
 from transcript_store.models import ClosedRange
+from transcript_store.registry import EngineRegistry
+from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
@@ -88,6 +95,106 @@ def call(engine: LosslessEngine, sid: str, name: str, args: dict[str, Any]) -> d
 
 def context_tokens(store: TranscriptStore, sid: str) -> int:
     return sum(i.tokens for i in store.read(lambda c: load_items(c, A, sid)))
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(("name", "args"), BAD_ARGUMENTS, ids=[repr(a)[:40] for _, a in BAD_ARGUMENTS])
+def test_bad_arguments_are_answered_not_raised(
+    store: TranscriptStore, sid: str, name: str, args: dict[str, Any]
+) -> None:
+    engine = make_engine(store, SMALL)
+    for n in range(6):
+        turn(store, engine, sid, f"t{n}")
+    engine.compact(scope=A, session_id=sid, force=True)
+    assert set(call(engine, sid, name, args)) == {"error"}
+    assert call(engine, sid, "lcm_describe", {"id": "msg_0"})["id"] == "msg_0"  # and the engine goes on
+
+
+class ToolCallingModel:
+    """Calls one tool with the given arguments on the user's message, then answers."""
+
+    name = "m"
+
+    def __init__(self, tool: str, args: dict[str, Any]) -> None:
+        self.tool, self.args = tool, args
+
+    def complete(self, messages: list[dict[str, Any]], tools: Any = None, *, max_tokens: Any = None,
+                 timeout: Any = None) -> ModelResponse:
+        if messages[-1]["role"] == "user":
+            fn = {"name": self.tool, "arguments": json.dumps(self.args)}
+            msg: dict[str, Any] = {"role": "assistant", "content": None,
+                                   "tool_calls": [{"id": "c1", "type": "function", "function": fn}]}
+        else:
+            msg = {"role": "assistant", "content": "ok"}
+        return ModelResponse(message=msg, usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                             model="m")
+
+
+@pytest.mark.parametrize(("name", "args"), BAD_ARGUMENTS[:8], ids=[repr(a)[:40] for _, a in BAD_ARGUMENTS[:8]])
+def test_a_bad_tool_call_never_quarantines_the_engine(
+    store: TranscriptStore, sid: str, name: str, args: dict[str, Any]
+) -> None:
+    host = HostRuntime(store, load_settings(config_path=None, engine="lossless"), ToolCallingModel(name, args),
+                       registry=EngineRegistry(), summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    out = host.run_turn(A, sid, "hello", turn_id="t1")
+    assert out.engine_id == "lossless" and "lossless" not in host.quarantined
+    assert set(json.loads(out.messages[2]["content"])) == {"error"}
+
+
+def test_only_argument_failures_become_tool_errors(
+    store: TranscriptStore, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last line of defence: a value the checks let through is the model's to hear about; a database
+    outage, a full disk or a transient error is not, and propagates to the host."""
+    engine = make_engine(store)
+    turn(store, engine, sid, "t1")
+    refused = DataError("SELECT", {}, Exception("integer out of range"))
+
+    def failing(error: BaseException) -> None:
+        def run(*_args: Any) -> Any:
+            raise error
+        monkeypatch.setattr(tools_module, "run_describe", run)
+
+    for error in (OverflowError("too large"), UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogate")):
+        failing(error)
+        assert set(call(engine, sid, "lcm_describe", {"id": "msg_0"})) == {"error"}
+    outage = StoreUnavailable("database error: the server closed the connection")
+    failing(outage)
+    with pytest.raises(StoreUnavailable):
+        call(engine, sid, "lcm_describe", {"id": "msg_0"})
+    data = StoreUnavailable("database error: integer out of range")
+    data.__cause__ = refused
+    failing(data)
+    assert set(call(engine, sid, "lcm_describe", {"id": "msg_0"})) == {"error"}
+    transient = TransientStoreError("transient database error")
+    transient.__cause__ = refused
+    failing(transient)
+    with pytest.raises(TransientStoreError):
+        call(engine, sid, "lcm_describe", {"id": "msg_0"})
+    failing(RuntimeError("a bug"))
+    with pytest.raises(RuntimeError):
+        call(engine, sid, "lcm_describe", {"id": "msg_0"})
+
+
+def test_full_text_takes_any_text(store: TranscriptStore, sid: str) -> None:
+    """Every pattern is a search, never an FTS5 query syntax or LIKE/GLOB wildcard error."""
+    engine = make_engine(store)
+    nasty = ['"quoted" NEAR(x y) -z *', 'a"b', '""', "'", "a%_\\", "* ? [ ] [x ^ - +", "AND OR NOT", "^a$",
+             "col:umn", "(((", "\t\x01\x1f", "\u200b\u202e", "e\u0301t\u00e9", "🙂🙂🙂", "x" * 1000,
+             " ".join(["ab"] * 32)]
+    turn(store, engine, sid, "t1", *nasty[:-2], "2*3 and 23", "why? [x] found")
+    for pattern in nasty:
+        for sort in ("recency", "relevance"):
+            out = call(engine, sid, "lcm_grep", {"pattern": pattern, "sort": sort})
+            assert "error" not in out and out["count"] >= 0, (pattern, out)
+    assert call(engine, sid, "lcm_grep", {"pattern": '"quoted"'})["count"] == 1
+    snippets = [r["snippet"] for r in call(engine, sid, "lcm_grep", {"pattern": "2*", "search_in": "messages"})
+                ["results"]]
+    assert snippets == ["2*3 and 23"]  # GLOB's wildcards are literal
+    brackets = {r["snippet"] for r in call(engine, sid, "lcm_grep", {"pattern": "[x"})["results"]}
+    assert {"* ? [ ] [x ^ - +", "why? [x] found"} <= brackets  # (PostgreSQL's tsvector also finds "x")
 
 
 # ---------------------------------------------------------------------------------------------- regex

@@ -316,6 +316,13 @@ class LosslessEngine:
             out = self.store.read(handlers[name])
         except tools.ToolError as e:
             out = {"error": str(e)}
+        except Exception as e:
+            # The last line of defence: a value the checks in ``tools`` let through must not quarantine
+            # the engine for the process. A database outage is not the arguments' and propagates.
+            if not tools.caused_by_arguments(e):
+                raise
+            log.warning("lossless %s: arguments failed past the checks: %r", name, e, exc_info=True)
+            out = {"error": f"the arguments could not be used: {type(e).__name__}"}
         return json.dumps(out, ensure_ascii=False)
 
     def dispose(self) -> None:

@@ -6,6 +6,7 @@ they differ per backend and are only ever queried through ``search``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from sqlalchemy import (
     Text,
 )
 
-from transcript_store.core import Core
+from transcript_store.core import MAX_INT, Core
 from transcript_store.ledger import get_state, put_state
 
 ENGINE_ID = "lossless"
@@ -30,6 +31,7 @@ VIEW_KEY = "view"
 
 metadata = MetaData()
 ID = String(255)
+_DIGITS = re.compile(r"[0-9]{1,10}")
 
 
 def _key() -> list[Column[Any]]:
@@ -158,10 +160,13 @@ def message_id(ordinal: int) -> str:
 
 
 def parse_id(raw: object) -> tuple[str, int] | None:
-    """("summary" | "message", number) from ``sum_N`` / ``msg_N``, else None."""
+    """("summary" | "message", number) from ``sum_N`` / ``msg_N`` with N in column range, else None."""
     if not isinstance(raw, str):
         return None
     for prefix, kind in (("sum_", "summary"), ("msg_", "message")):
-        if raw.startswith(prefix) and raw[len(prefix) :].isdigit():
-            return kind, int(raw[len(prefix) :])
+        digits = raw[len(prefix) :]
+        # ASCII digits only: str.isdigit() also takes '²' or '٣', which int() refuses or reads as another
+        # number; and no more than the INTEGER columns hold (PostgreSQL refuses a larger bound value).
+        if raw.startswith(prefix) and _DIGITS.fullmatch(digits) and int(digits) <= MAX_INT:
+            return kind, int(digits)
     return None

@@ -3,17 +3,29 @@
 Every original message stays reachable from the assembled context: a summary in context names its id,
 ``lcm_expand`` walks a condensed summary to its children and a leaf to its source messages, and
 ``lcm_describe`` walks the other way (a message -> the summaries that cover it, up to the one in context).
-Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and can try again.
+Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and can try again. Arguments
+are checked before any query (ids as the store takes them, numbers within the INTEGER columns, no NUL or
+lone surrogate that a database cannot take, bounded patterns); ``caused_by_arguments`` tells the engine
+which failure that slipped past the checks is still the arguments' (never a database outage).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, cast
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import DataError
 
-from transcript_store.core import Core, from_us
+from transcript_store.core import MAX_INT, Core, check_id, from_us
+from transcript_store.errors import (
+    InvalidInput,
+    StorageFull,
+    StoreUnavailable,
+    TranscriptStoreError,
+    TransientStoreError,
+)
 
 from .search import Kind, Mode, SearchError, Sort, grep, snippet
 from .tables import (
@@ -28,6 +40,11 @@ from .tables import (
 )
 
 MAX_LIMIT = 200
+#: characters of an lcm_grep pattern, and whitespace-separated terms of a full-text one
+MAX_PATTERN_CHARS = 1000
+MAX_TERMS = 32
+#: what no database takes in a bound text value: NUL (PostgreSQL) and lone surrogates (UTF-8 cannot encode)
+_UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 _MODES = ("full_text", "regex")
 _SORTS = ("recency", "relevance")
 _TARGETS: dict[str, tuple[Kind, ...]] = {
@@ -46,7 +63,11 @@ def schemas() -> list[dict[str, Any]]:
             "Search the whole conversation, including everything summarized away: full text (every word must "
             "appear; works for Chinese/Japanese too) or a Python regular expression, over messages and/or summaries.",
             {
-                "pattern": {"type": "string", "description": "words to find, or a regex when mode is regex"},
+                "pattern": {
+                    "type": "string",
+                    "maxLength": MAX_PATTERN_CHARS,
+                    "description": "words to find, or a regex when mode is regex",
+                },
                 "mode": {"type": "string", "enum": list(_MODES), "default": "full_text"},
                 "search_in": {"type": "string", "enum": list(_TARGETS), "default": "all"},
                 "sort": {"type": "string", "enum": list(_SORTS), "default": "recency"},
@@ -88,6 +109,41 @@ class ToolError(ValueError):
     """A bad tool argument: reported to the model, never raised to the host."""
 
 
+def caused_by_arguments(error: BaseException) -> bool:
+    """Whether a handler's failure came from an argument's value (the model's to fix), not the database."""
+    if isinstance(error, (TransientStoreError, StorageFull)):
+        return False
+    if isinstance(error, StoreUnavailable):
+        # A value the database or its driver refused (DB-API DataError: SQLSTATE class 22 on PostgreSQL,
+        # a NUL in a text value); anything else, an outage included, stays the host's.
+        return isinstance(error.__cause__, DataError)
+    if isinstance(error, TranscriptStoreError):
+        return isinstance(error, InvalidInput)
+    return isinstance(error, (ValueError, OverflowError))  # UnicodeError is a ValueError
+
+
+def _text(args: dict[str, Any], name: str, what: str) -> str:
+    value = args.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ToolError(f"{name} must be {what}")
+    if len(value) > MAX_PATTERN_CHARS:
+        raise ToolError(f"{name} is too long: at most {MAX_PATTERN_CHARS} characters")
+    if _UNSENDABLE.search(value) is not None:
+        raise ToolError(f"{name} must not contain NUL characters or lone surrogates")
+    return value
+
+
+def _ident(args: dict[str, Any], what: str) -> str:
+    raw = args.get("id")
+    if not isinstance(raw, str) or not raw:
+        raise ToolError(f"id must be {what}")
+    try:
+        check_id("id", raw)  # an entry id the store could hold, so any query on it is a plain lookup
+    except InvalidInput as e:
+        raise ToolError(str(e)) from None
+    return raw
+
+
 def _int(args: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
     value = args.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -104,10 +160,10 @@ def _choice(args: dict[str, Any], name: str, options: tuple[str, ...] | dict[str
 
 def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
     """lcm_grep."""
-    pattern = args.get("pattern")
-    if not isinstance(pattern, str) or not pattern.strip():
-        raise ToolError("pattern must be a non-empty string")
+    pattern = _text(args, "pattern", "a non-empty string")
     mode = cast(Mode, _choice(args, "mode", _MODES, "full_text"))
+    if mode == "full_text" and len(pattern.split()) > MAX_TERMS:
+        raise ToolError(f"pattern has too many words: at most {MAX_TERMS}")
     target = _choice(args, "search_in", _TARGETS, "all")
     sort = cast(Sort, _choice(args, "sort", _SORTS, "recency"))
     limit = _int(args, "limit", 20, 1, MAX_LIMIT)
@@ -182,9 +238,7 @@ def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
 
 def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
     """lcm_describe."""
-    raw = args.get("id")
-    if not isinstance(raw, str) or not raw:
-        raise ToolError("id must be a summary id (sum_N), a message id (msg_N) or an entry id")
+    raw = _ident(args, "a summary id (sum_N), a message id (msg_N) or an entry id")
     row = _find_summary(core, scope, session_id, raw)
     if row is not None:
         return _describe_summary(core, scope, session_id, row)
@@ -263,10 +317,8 @@ def _cut(content: str, limit: int) -> tuple[str, bool]:
 
 def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """lcm_expand."""
-    raw = args.get("id")
-    if not isinstance(raw, str) or not raw:
-        raise ToolError("id must be a summary id (sum_N) or a message id")
-    offset = _int(args, "offset", 0, 0, 2**31 - 1)
+    raw = _ident(args, "a summary id (sum_N) or a message id")
+    offset = _int(args, "offset", 0, 0, MAX_INT)
     limit = _int(args, "limit", 50, 1, MAX_LIMIT)
     row = _find_summary(core, scope, session_id, raw)
     if row is None:
