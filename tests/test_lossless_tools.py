@@ -197,6 +197,22 @@ def test_full_text_takes_any_text(store: TranscriptStore, sid: str) -> None:
     assert {"* ? [ ] [x ^ - +", "why? [x] found"} <= brackets  # (PostgreSQL's tsvector also finds "x")
 
 
+def test_short_terms_fold_case_beyond_ascii(store: TranscriptStore, sid: str) -> None:
+    """Terms under a trigram (SQLite: not in the FTS index) fold non-ASCII letters like PostgreSQL's ILIKE."""
+    engine = make_engine(store)
+    turn(store, engine, sid, "t1", "ÉTÉ à Paris", "ΣΟΦΙΑ says hi", "plain ascii OX")
+
+    def found(pattern: str) -> list[str]:
+        out = call(engine, sid, "lcm_grep", {"pattern": pattern, "search_in": "messages"})
+        return [r["snippet"] for r in out["results"]]
+
+    assert found("ét") == ["ÉTÉ à Paris"]
+    assert found("É") == ["ÉTÉ à Paris"]
+    assert found("\u03c3\u03bf") == ["ΣΟΦΙΑ says hi"]  # Greek sigma, omicron
+    assert found("ox") == ["plain ascii OX"]
+    assert found("été") == ["ÉTÉ à Paris"]  # a trigram: the index folds it too
+
+
 # ---------------------------------------------------------------------------------------------- regex
 
 

@@ -5,7 +5,8 @@ substring (so CJK words, which have no spaces, are found). The backends reach th
 indexes, the one place this engine branches on the dialect (the migration explains why):
 
 - SQLite: the FTS5 trigram table (terms of 3+ characters), ranked by bm25; terms shorter than a
-  trigram fall back to LIKE on the session's rows.
+  trigram fall back to GLOB on the session's rows, each letter as a class of its cases (SQLite's LIKE
+  folds ASCII letters only; PostgreSQL's ILIKE and the trigram tokenizer fold every letter).
 - PostgreSQL: the 'simple' tsvector column's GIN index OR the pg_trgm GIN index (ILIKE), ranked by
   ts_rank.
 
@@ -173,6 +174,19 @@ def _like(term: str) -> str:
     return "%" + term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
+def _glob(term: str) -> str:
+    """A GLOB pattern finding ``term`` anywhere, case-insensitively like ILIKE: each letter as a class
+    of the single characters that lower-case as it does (SQLite's LIKE folds ASCII letters only)."""
+    out = []
+    for ch in term:
+        forms = "".join(dict.fromkeys(
+            f for f in (ch, ch.lower(), ch.upper(), ch.title()) if len(f) == 1 and f.lower() == ch.lower()
+        ))
+        # *, ? and [ are GLOB's wildcards: a class of one makes them literal ("]" outside a class is).
+        out.append(f"[{forms}]" if len(forms) > 1 or ch in "*?[" else ch)
+    return "*" + "".join(out) + "*"
+
+
 def _full_text(
     core: Core, scope: str, session_id: str, kind: Kind, terms: list[str], sort: str, limit: int
 ) -> list[Hit]:
@@ -187,7 +201,8 @@ def _full_text(
     if core.dialect.is_sqlite:
         long = [t for t in terms if len(t) >= 3]
         short = [n for n, t in enumerate(terms) if len(t) < 3]
-        likes = [f"t.content LIKE :t{n} ESCAPE '\\'" for n in short]
+        likes = [f"t.content GLOB :g{n}" for n in short]
+        params.update({f"g{n}": _glob(terms[n]) for n in short})
         if long:
             params["match"] = " AND ".join('"' + t.replace('"', '""') + '"' for t in long)
             # CROSS JOIN fixes the join order: the FTS index drives (SQLite's planner would otherwise
