@@ -22,7 +22,7 @@ from engines.lossless import search as search_module
 from engines.lossless import tools as tools_module
 from engines.lossless.context import load_items
 from transcript_store import StoreConfig, TranscriptStore
-from transcript_store.engine import EngineContext
+from transcript_store.engine import EngineContext, EngineSelection, Limits, RuntimeSettings
 from transcript_store.errors import StoreUnavailable, TransientStoreError
 from transcript_store.host import HostRuntime
 from transcript_store.model import ModelResponse
@@ -259,3 +259,41 @@ def test_regex_size_is_bounded_before_compiling(store: TranscriptStore, sid: str
         assert call(engine, sid, "lcm_grep", {"pattern": pattern, "mode": "regex"})["count"] == 1, pattern
     assert search_module.expanded_size("(a{1000}){1000}") == 1_000_000
     assert search_module.expanded_size("ab{3}(cd){2,5}[x{9}]") == 1 + 3 + 10 + 1
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+
+
+def test_a_configured_window_above_the_budget_still_compacts(store: TranscriptStore, sid: str) -> None:
+    """context_window above the host's budget: the budget in force is the smaller, so assemble compacts
+    (summaries take the old messages' place) instead of cutting raw history silently."""
+    engine = make_engine(store, {**SMALL, "context_window": 128_000})
+    for n in range(30):
+        turn(store, engine, sid, f"t{n}", f"answer {n} " + "detail " * 40)
+        engine.after_turn(scope=A, session_id=sid)
+    budget = 2000
+    assert context_tokens(store, sid) > budget
+    out = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=budget)
+    items = store.read(lambda c: load_items(c, A, sid))
+    assert len(out.messages) == len(items)  # nothing cut: all of the context fits
+    assert any(i.summary is not None for i in items) and out.system_prompt_addition is not None
+    assert engine.budget(A, sid).window == budget
+
+
+def test_maintain_uses_the_runs_prompt_budget(store: TranscriptStore, sid: str) -> None:
+    """A process that never assembled the session (the service, a restarted worker) compacts against the
+    prompt token budget the host passes in runtime_settings, not a built-in default window."""
+    engine = make_engine(store, SMALL)
+    for n in range(30):
+        turn(store, engine, sid, f"t{n}", f"answer {n} " + "detail " * 40)
+    before = context_tokens(store, sid)
+
+    def settings(prompt_budget: int) -> RuntimeSettings:
+        return RuntimeSettings(context_engine_selection=EngineSelection(id="lossless", source="config"),
+                               limits=Limits(prompt_token_budget=prompt_budget, max_output_tokens=256))
+
+    large = make_engine(store, SMALL).maintain(scope=A, session_id=sid, runtime_settings=settings(before * 2))
+    assert not large.changed and context_tokens(store, sid) == before
+    small = make_engine(store, SMALL).maintain(scope=A, session_id=sid, runtime_settings=settings(before // 2))
+    assert small.changed
+    assert context_tokens(store, sid) <= int(before // 2 * 0.75)

@@ -1,6 +1,8 @@
 """Configuration of the lossless engine and the token thresholds of one session's context.
 
-Thresholds are fractions of the context window: compaction starts when the context exceeds
+Thresholds are fractions of the context window in force: the smaller of ``context_window`` and the
+host's budget (the assemble budget, else the run's ``limits.prompt_token_budget``), whichever of them
+is known, else DEFAULT_WINDOW. Compaction starts when the context exceeds
 ``threshold`` and runs until it is under ``target``. ``model_thresholds`` overrides ``threshold`` per
 model: the longest configured substring found in the run's resolved (else requested) model name wins.
 """
@@ -23,7 +25,9 @@ class LosslessConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    context_window: int | None = Field(None, ge=256, description="tokens; default: the host's assemble budget")
+    context_window: int | None = Field(
+        None, ge=256, description="tokens; the host's budget caps it; default: the host's budget"
+    )
     threshold: float = Field(0.75, gt=0, le=1, description="compact when the context exceeds this share")
     target: float = Field(0.5, gt=0, le=1, description="compact until the context is under this share")
     model_thresholds: dict[str, float] = Field(default_factory=dict, description="model substring -> threshold")
@@ -83,8 +87,12 @@ def model_threshold(config: LosslessConfig, settings: RuntimeSettings | None) ->
 
 
 def budget(config: LosslessConfig, window: int | None, settings: RuntimeSettings | None) -> Budget:
-    """The marks for a window (config first, then the caller's, then the default)."""
-    size = config.context_window or window or DEFAULT_WINDOW
+    """The marks for the window in force: the smaller of the configured one and the host's (see module doc)."""
+    host = window or (settings.limits.prompt_token_budget if settings is not None else None)
+    # A configured window above the host's budget would let the context outgrow what assemble can show:
+    # compaction would wait for a threshold the context never reaches, and assemble would cut raw history.
+    known = [size for size in (config.context_window, host) if size]
+    size = min(known) if known else DEFAULT_WINDOW
     threshold = model_threshold(config, settings)
     trigger = int(size * threshold)
     # A per-model threshold moves the target with it: the hysteresis keeps its configured proportion.

@@ -93,7 +93,8 @@ class LosslessEngine:
                 self._runs.popitem(last=False)
 
     def budget(self, scope: str, session_id: str, window: int | None = None) -> Budget:
-        """The session's token marks: the caller's window, else the last assemble budget seen, else config."""
+        """The session's token marks: the caller's window, else the last assemble budget seen, else the
+        run's prompt token budget; capped by ``context_window`` (``config.budget``)."""
         with self._lock:
             seen, settings = self._runs.get((scope, session_id), (None, None))
         return budget(self.config, window or seen, settings)
