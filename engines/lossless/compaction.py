@@ -10,8 +10,10 @@ Each round takes one step, in this order of preference:
 
 A summary must be smaller than what it replaces: normal, then aggressive, then a deterministic
 truncation. A step that cannot shrink is skipped; a summarizer that raises ends the plan (the raw
-messages stay in context). The write checks the view's epoch, so a plan made on a context that a
-rebuild or another compaction changed meanwhile is refused instead of applied to the wrong items.
+messages stay in context). The write checks the session's incarnation and the view's epoch, so a
+plan made on a context that a reset or another compaction changed meanwhile, or on an earlier session
+under the same id (deleted and created again while the summarizer ran), is refused instead of
+applied to the wrong items.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 from sqlalchemy import delete, insert
 
 from transcript_store import faults
-from transcript_store.core import Core, now_us
+from transcript_store.core import Core, foreign_incarnation, now_us
+from transcript_store.cursors import decode_cursor
 from transcript_store.summarize import Level, Summarizer
 from transcript_store.tokens import TokenEstimator
 
@@ -49,8 +52,13 @@ class NewSummary:
 
 @dataclass
 class Plan:
-    """What a compaction would write: new summaries and the context list before and after."""
+    """What a compaction would write: new summaries and the context list before and after.
 
+    ``incarnation``: of the session the context was read from, as its view's cursor names it (None: no
+    cursor, or a format-1 one that does not say).
+    """
+
+    incarnation: int | None
     epoch: int
     next_summary: int
     before: list[Item]
@@ -175,7 +183,7 @@ class Planner:
 
     def plan(self, items: list[Item], view: View, *, force: bool) -> Plan:
         """Compact until under the target (or until nothing can shrink, or the round limit)."""
-        plan = Plan(view.epoch, view.next_summary, list(items), list(items))
+        plan = Plan(incarnation_of(view), view.epoch, view.next_summary, list(items), list(items))
         skip: set[tuple[str, int, int]] = set()
         for _ in range(self.config.max_rounds):
             after = plan.after
@@ -295,8 +303,14 @@ def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEsti
 
 def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
     """Write a plan in the caller's transaction; False when the context changed since it was planned."""
-    core.session_row(scope, session_id, lock=True)
+    sess = core.session_row(scope, session_id, lock=True)
+    if sess is None:
+        return False
     view = View.load(core, scope, session_id)
+    # A session deleted and created again under the id starts over at the same epoch and counters:
+    # only its incarnation tells it apart (a plan of the earlier one must never land in it).
+    if view.cursor is None or foreign_incarnation(plan.incarnation, sess.incarnation, sess.created_us):
+        return False
     if view.epoch != plan.epoch or view.next_summary != plan.next_summary:
         return False
     key = {"scope": scope, "session_id": session_id}
@@ -336,6 +350,12 @@ def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
     view.epoch += 1
     view.save(core, scope, session_id)
     return True
+
+
+def incarnation_of(view: View) -> int | None:
+    """The session incarnation the view's cursor was issued for (None: no cursor, or a format-1 one)."""
+    state = None if view.cursor is None else decode_cursor(view.cursor)
+    return None if state is None else state.incarnation
 
 
 def _summary_row(key: dict[str, str], s: NewSummary, ts: int) -> dict[str, Any]:
