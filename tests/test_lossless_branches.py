@@ -9,6 +9,10 @@ under the same id never lands in the new one. Both backends.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -193,3 +197,130 @@ def test_a_plan_of_a_deleted_session_never_lands_in_the_session_made_again(store
     shown = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
     assert "OLD" not in json.dumps(shown)
     consistent(store, sid)
+
+
+# ---------------------------------------------------------------------------------------------- B
+
+
+def test_regenerating_the_last_reply_keeps_the_summaries(store: TranscriptStore, sid: str) -> None:
+    counting = Counting()
+    engine = make_engine(store, SMALL, counting)
+    turns = chat(store, engine, sid, 40)
+    before = context(store, sid)
+    kept_summaries = [i.summary.seq for i in before if i.summary is not None]
+    assert kept_summaries
+    store.branch(A, sid, turns[-1][0].anchor.parent_id)  # regenerate the last turn
+    counting.calls = 0
+    admission = store.admit(A, sid, user("question again"), turn_id="again")
+    out = engine.assemble(scope=A, session_id=sid, fence=admission.anchor, token_budget=1500)
+    after = context(store, sid)
+    assert [i.summary.seq for i in after if i.summary is not None] == kept_summaries
+    assert [i.target for i in after] == [i.target for i in before][: len(after)]
+    assert len(after) == len(before) - 2  # only the last turn's question and answer left
+    assert counting.calls == 0  # nothing to summarize again
+    assert pairing(out.messages) == []
+    assert out.estimated_tokens <= 1500
+    consistent(store, sid, admission)
+
+
+def test_a_rewrite_inside_a_summary_keeps_what_is_still_true(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    turns = chat(store, engine, sid, 40)
+    deep = [i for i in context(store, sid) if i.summary is not None and i.summary.depth > 0]
+    assert deep, "the chat is long enough for a condensed summary"
+    target = turns[8][1]  # an answer summarized deep inside the DAG
+    store.rewrite_entries(A, sid, [{"entry_id": target.entry_id, "message": assistant("[edited]")}])
+    out = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+    assert pairing(out.messages) == []
+    after = context(store, sid)
+    # Summaries that cover only messages before the edit stay (some from inside a dropped condensed one).
+    assert any(i.summary is not None for i in after)
+    assert target.position is not None  # (ordinals are positions in this linear chat)
+    assert all(i.summary.latest < target.position for i in after if i.summary is not None)
+    consistent(store, sid)
+    engine.compact(scope=A, session_id=sid, force=True, token_budget=1500)
+    consistent(store, sid)
+
+
+def test_branching_back_imports_the_abandoned_branch_again(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    turns = chat(store, engine, sid, 12)
+    fork = turns[9][0].anchor.parent_id
+    old_head = store.read_visible(A, sid)[-1].entry_id
+    store.branch(A, sid, fork)
+    chat(store, engine, sid, 3, prefix="b")
+    consistent(store, sid)
+    assert tool(engine, sid, "lcm_grep", pattern="answer t10")["count"] == 0
+    store.branch(A, sid, old_head)
+    out = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+    assert "answer t11" in json.dumps(out.messages) and "question b0" not in json.dumps(out.messages)
+    assert tool(engine, sid, "lcm_grep", pattern="answer t11")["count"] >= 1
+    assert tool(engine, sid, "lcm_grep", pattern="question b0")["count"] == 0
+    consistent(store, sid)
+
+
+# ---------------------------------------------------------------------------------------------- C
+
+
+def test_a_redaction_leaves_nothing_for_the_recall_tools(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    secret = None
+    for i in range(24):
+        text = "my password is hunter2-SECRET" if i == 3 else f"answer {i} " * 10
+        turn = finished_turn(store, sid, f"t{i}", [assistant(text)])
+        secret = turn[1] if i == 3 else secret
+        commit(store, engine, turn)
+        engine.after_turn(scope=A, session_id=sid)
+    engine.compact(scope=A, session_id=sid, force=True, token_budget=1500)
+    assert secret is not None and "hunter2" in engine_text(store, sid)
+    with_secret = [r["id"] for r in tool(engine, sid, "lcm_grep", pattern="hunter2", search_in="all")["results"]]
+    assert any(i.startswith("sum_") for i in with_secret)
+    store.rewrite_entries(A, sid, [{"entry_id": secret.entry_id, "message": assistant("[redacted]")}])
+    engine.assemble(scope=A, session_id=sid, fence=None, token_budget=1500)
+    assert "hunter2" not in engine_text(store, sid)
+    assert tool(engine, sid, "lcm_grep", pattern="hunter2", search_in="all")["count"] == 0
+    assert tool(engine, sid, "lcm_grep", pattern="hunter.*SECRET", mode="regex", search_in="all")["count"] == 0
+    assert "error" in tool(engine, sid, "lcm_describe", id=secret.entry_id)
+    for old in with_secret:
+        assert "hunter2" not in json.dumps(tool(engine, sid, "lcm_expand", id=old))
+        assert "hunter2" not in json.dumps(tool(engine, sid, "lcm_describe", id=old))
+    if store.backend == "sqlite":  # the FTS5 index rows went with their rows (0004 triggers)
+        left = store.read(lambda c: c.conn.exec_driver_sql(
+            "SELECT count(*) FROM ts_lcm_search WHERE content LIKE '%hunter2%'").scalar())
+        assert left == 0
+    assert tool(engine, sid, "lcm_grep", pattern="redacted", search_in="messages")["count"] == 1
+    consistent(store, sid)
+
+
+# ---------------------------------------------------------------------------------------------- crash
+
+CRASH_WORKER = """
+import sys
+sys.path[:0] = [sys.argv[3]]
+from test_lossless_branches import SMALL, make_engine
+from transcript_store import StoreConfig, TranscriptStore
+store = TranscriptStore(config=StoreConfig(url=sys.argv[1], auto_upgrade=False))
+make_engine(store, SMALL).assemble(scope="scope-b", session_id=sys.argv[2], fence=None, token_budget=1500)
+"""
+
+
+def test_sigkill_in_the_middle_of_a_reset_leaves_the_engine_as_it_was(
+    store: TranscriptStore, sid: str, shared_url: str
+) -> None:
+    engine = make_engine(store, SMALL)
+    turns = chat(store, engine, sid, 16)
+    before = rows_of(store, sid)
+    store.rewrite_entries(A, sid, [{"entry_id": turns[5][1].entry_id, "message": assistant("[edited]")}])
+    env = {**os.environ, "TRANSCRIPT_STORE_FAULTS": "lossless.reset.mid_forget=1"}
+    proc = subprocess.run([sys.executable, "-c", CRASH_WORKER, shared_url, sid, os.path.dirname(__file__)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert rows_of(store, sid) == before  # the reset's deletes died with its transaction
+    assert store.read(lambda c: audit(c, A, sid)).problems == []
+    engine.assemble(scope=A, session_id=sid, fence=None, token_budget=1500)
+    assert rows_of(store, sid) != before
+    consistent(store, sid)
+
+
+def rows_of(store: TranscriptStore, sid: str) -> tuple[str, list[Any]]:
+    return engine_text(store, sid), [i.target for i in context(store, sid)]

@@ -2,7 +2,8 @@
 
 It reads the whole session (O(session), never on a turn's path) and reports what is wrong: context
 items that point nowhere, messages covered twice by the context (raw and summarized, or by two
-summaries), summaries without sources or children, and a view whose counters disagree with the rows.
+summaries), summaries without sources or children or unreachable from the context, and a view whose
+counters disagree with the rows.
 """
 
 from __future__ import annotations
@@ -83,13 +84,20 @@ def audit(core: Core, scope: str, session_id: str) -> Audit:
         return found
 
     count: dict[int, int] = defaultdict(int)
+    reached: set[int] = set()
     for item in raw:
-        covered = [item.message_ordinal] if item.message_ordinal is not None else descendants(item.summary_seq, set())
+        seen: set[int] = set()
+        covered = [item.message_ordinal] if item.message_ordinal is not None else descendants(item.summary_seq, seen)
+        reached |= seen
         for ordinal in covered:
             count[ordinal] += 1
     for ordinal, n in sorted(count.items()):
         if n > 1:
             out.problems.append(f"{message_id(ordinal)} is covered {n} times by the context (raw and summarized?)")
+    # Every summary is in context or under one that is: a reset forgets the others (they cover
+    # messages that left the active path), so none is left for the recall tools to find.
+    for seq in sorted(set(rows) - reached):
+        out.problems.append(f"{summary_id(seq)} is neither in context nor under a summary that is")
     out.covered_entry_ids = {entry_of[o] for o in count if o in entry_of}
     _audit_view(core, out, key, raw, entry_of, rows)
     return out

@@ -2,8 +2,9 @@
 
 Everything here runs inside the caller's write transaction, so the imported rows, the context items
 and the view (cursor, counters) always agree. The entry id is the idempotency of an import: an entry
-already ingested is never inserted twice; after a cursor reset (the transcript was rewritten) the
-context list is rebuilt from the new visible transcript, reusing the messages already stored.
+already ingested is never inserted twice. A cursor reset (a branch or a rewrite moved the active
+path) keeps the context items that are still true and forgets the rest (``reset``); the import then
+goes on from where the paths diverge, reusing the messages still stored.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import insert, select
 
 from transcript_store.core import Core, now_us
 from transcript_store.model import message_text
@@ -22,6 +23,7 @@ from transcript_store.reads import read_visible_delta
 from transcript_store.tokens import TokenEstimator
 
 from .config import LosslessConfig
+from .reset import keep_true_prefix
 from .tables import View, context_items, messages
 
 
@@ -54,15 +56,6 @@ def searchable_text(message: dict[str, Any]) -> str:
     return column_text("\n".join(p for p in parts if p))
 
 
-def rebuild(core: Core, scope: str, session_id: str, view: View, cursor: str, generation: int) -> None:
-    """Forget the context list (the summaries and messages stay stored) and restart from ``cursor``."""
-    core.conn.execute(
-        delete(context_items).where(context_items.c.scope == scope, context_items.c.session_id == session_id)
-    )
-    view.cursor, view.generation, view.position, view.tokens = cursor, generation, -1, 0
-    view.epoch += 1
-
-
 def import_pages(
     core: Core,
     scope: str,
@@ -77,7 +70,7 @@ def import_pages(
     """Import visible messages after the view's cursor: before ``fence``, through position ``until``.
 
     Pages honour ``required_bytes`` (a message larger than a page enlarges the next page) and resets
-    (rebuild). ``max_pages`` bounds the work of one transaction; ``more`` says whether to call again.
+    (``reset.keep_true_prefix``). ``max_pages`` bounds the work of one transaction; ``more`` says whether to call again.
     """
     result = ImportResult()
     sess = core.session_row(scope, session_id, lock=True)
@@ -100,7 +93,7 @@ def import_pages(
             result.missing = True
             return result
         if isinstance(page, DeltaReset):
-            rebuild(core, scope, session_id, view, page.cursor, sess.generation)
+            keep_true_prefix(core, scope, session_id, view, sess, page.cursor)
             result.rebuilt = True
             continue
         assert isinstance(page, DeltaPage)
