@@ -199,6 +199,37 @@ def test_a_plan_of_a_deleted_session_never_lands_in_the_session_made_again(store
     consistent(store, sid)
 
 
+# ---------------------------------------------------------------------------------------------- D
+
+
+def test_a_commit_after_a_branch_ingests_its_turn(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    for i in range(3):
+        commit(store, engine, finished_turn(store, sid, f"t{i}"))
+    rejected = finished_turn(store, sid, "t3", [assistant("OLD ANSWER the user rejected")])
+    commit(store, engine, rejected)
+    store.branch(A, sid, rejected[0].anchor.parent_id)  # regenerate turn 3, no assemble in between
+    again = finished_turn(store, sid, "t3-again", [assistant("NEW ANSWER")], question="question t3 again")
+    assert commit(store, engine, again).status == "committed"
+    # Right after the commit (an outbox drain runs no assemble): the engine holds the new turn.
+    assert [i.message["content"] for i in context(store, sid)][-2:] == ["question t3 again", "NEW ANSWER"]
+    assert tool(engine, sid, "lcm_grep", pattern="NEW ANSWER")["count"] == 1
+    assert tool(engine, sid, "lcm_grep", pattern="OLD ANSWER")["count"] == 0
+    consistent(store, sid)
+    shown = [m["content"] for m in engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages]
+    assert shown[-2:] == ["question t3 again", "NEW ANSWER"]
+
+
+def test_a_commit_of_a_turn_the_view_already_holds_ingests_nothing_twice(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store)
+    turns = [finished_turn(store, sid, f"t{i}") for i in range(3)]
+    engine.bootstrap(scope=A, session_id=sid, fence=None)  # the view is ahead of every commit below
+    for turn in turns:
+        assert commit(store, engine, turn).status == "committed"
+    assert len(context(store, sid)) == 6
+    consistent(store, sid)
+
+
 # ---------------------------------------------------------------------------------------------- B
 
 

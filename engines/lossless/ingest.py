@@ -84,9 +84,13 @@ def import_pages(
         limit = config.page_messages
         # The view's position counts only in the session's generation (or from the very start); with
         # any other cursor the read below answers a reset, whatever the limit.
-        if until is not None and (view.cursor is None or view.generation == sess.generation):
-            if view.position >= until:
-                break
+        same = until is not None and (view.cursor is None or view.generation == sess.generation)
+        # A view already at ``until`` holds the turn only if its path is still the active one: a
+        # branch moves the path without rotating the generation. A one-message read from its cursor
+        # tells (a reset when the path moved). Rare: a commit normally follows an assemble that
+        # stopped before the turn, and reads anyway; the common path gains no statement.
+        checking = same and until is not None and view.position >= until
+        if same and until is not None:
             limit = max(1, min(limit, until - view.position))
         page = read_visible_delta(core, scope, session_id, view.cursor, limit, max_bytes, fence)
         if isinstance(page, DeltaMissing):  # pragma: no cover - the session row is locked above
@@ -97,6 +101,8 @@ def import_pages(
             result.rebuilt = True
             continue
         assert isinstance(page, DeltaPage)
+        if checking:
+            break  # the cursor holds: the view's path runs through ``until``, the turn included
         if page.required_bytes is not None:
             max_bytes = page.required_bytes  # one message is larger than a page: enlarge this page
             continue
