@@ -308,6 +308,8 @@ def test_host_params_are_projected(store: TranscriptStore, sid: str, accepted: A
         rs = kw["runtime_settings"]
         assert rs.schema_version == 1 and rs.context_engine_selection.id == "p"
         assert rs.runtime.mode == "normal" and rs.model.requested is not None
+        # The prompt's budget is the one assemble gets (the window less the reply), not the window.
+        assert rs.limits.prompt_token_budget == kw["token_budget"] == 32000 - rs.limits.max_output_tokens
 
 
 def test_model_timeout_retries_the_same_logical_turn(store: TranscriptStore, sid: str) -> None:

@@ -526,8 +526,11 @@ class HostRuntime:
             model=ModelSettings(
                 requested=getattr(self.model, "name", None), resolved=getattr(self.model, "name", None)
             ),
+            # The prompt's budget is what assemble gets (the window less the reply's tokens), as the
+            # service says it too: an engine reading it in maintain compacts to what assemble will fit.
             limits=Limits(
-                prompt_token_budget=self.settings.token_budget, max_output_tokens=self.settings.max_output_tokens
+                prompt_token_budget=self.settings.token_budget - self.settings.max_output_tokens,
+                max_output_tokens=self.settings.max_output_tokens,
             ),
         )
 
