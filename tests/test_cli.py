@@ -279,8 +279,8 @@ def test_processes_migrating_one_store_at_once_all_succeed(empty_url: str, backe
 
 def test_sqlite_urls_with_a_home_folder_or_in_uri_mode(tmp_path: Path) -> None:
     """``sqlite:///~/x.db`` made the folder under the home directory and then asked sqlite3 for a file
-    under a folder named "~" (exit 5); sqlite3's URI mode made a stray "file:" folder, and the CLI's
-    check then said there was no store."""
+    under a folder named "~" (exit 5); sqlite3's URI mode made a stray "file:" folder, a read command
+    created a store in it, and `hermes install` wrote a path to another file: refused (exit 2)."""
     home = tmp_path / "home"
     home.mkdir()
     run("init", "--db", "sqlite:///~/stores/x.db", cwd=tmp_path, env={"HOME": str(home)})
@@ -289,10 +289,11 @@ def test_sqlite_urls_with_a_home_folder_or_in_uri_mode(tmp_path: Path) -> None:
         store.create_session("default", session_id="s1")
     listed = run_json("sessions", "list", "--db", "sqlite:///~/stores/x.db", cwd=tmp_path, env={"HOME": str(home)})
     assert [s["session_id"] for s in listed] == ["s1"]
+    # URI mode: refused (a read command created the store in it, hermes install made its path wrong).
     uri = f"sqlite:///file:{tmp_path / 'u.db'}?uri=true"
-    run("init", "--db", uri, cwd=tmp_path)
-    assert run_json("sessions", "list", "--db", uri, cwd=tmp_path) == []
-    assert (tmp_path / "u.db").is_file() and not (tmp_path / "file:").exists()
+    for command in (("init",), ("sessions", "list"), ("hermes", "install", "--home", str(tmp_path / "h"))):
+        assert "URI mode" in one_error_line(run(*command, "--db", uri, cwd=tmp_path, code=2)), command
+    assert not (tmp_path / "u.db").exists() and not (tmp_path / "file:").exists()
 
 
 @pytest.mark.real_script

@@ -644,3 +644,65 @@ def test_a_hash_written_as_text_by_a_process_from_before_0006_reads_as_any(
     assert [r.payload_hash for r in turns.receipts(A, sid)] == [first.receipt.payload_hash]
     again = turns.commit_turn(E, "t1", admission, terminal, messages)
     assert again.status == "duplicate" and again.receipt == first.receipt
+
+
+def _commit_in_process(url: str, key: str, turn: tuple[Any, Any, Any], hold: float, out: Any) -> None:
+    """commit_turn in a process of its own, holding its transaction ``hold`` seconds in ``apply``."""
+    import time
+
+    def slow(_core: Core, _turn: TurnPayload) -> None:
+        time.sleep(hold)
+
+    with TranscriptStore(url) as store:
+        try:
+            out.put((key, Turns(store).commit_turn(E, key, *turn, apply=slow).status))
+        except Exception as e:  # the test reads the error's type
+            out.put((key, type(e).__name__))
+
+
+def test_two_processes_binding_one_appended_message_to_two_keys_commit_one(store: TranscriptStore, sid: str) -> None:
+    """The second commit waits for the first's session lock; on PostgreSQL it then read the entry as it
+    was before the first bound it (READ COMMITTED re-checks only the locked session row), bound nothing
+    and committed too: one turn under two keys. Its bind finding the entry taken refuses it."""
+    import multiprocessing
+    import time
+
+    first = store.append(A, sid, user("appended"))
+    last = store.append(A, sid, assistant("reply"))
+    turn = (store.anchor(A, sid, first.entry_id), store.anchor(A, sid, last.entry_id),
+            [user("appended"), assistant("reply")])
+    out: Any = multiprocessing.get_context("spawn").Queue()
+    procs = []
+    for key, hold in (("k1", 3.0), ("k2", 0.0)):
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_commit_in_process, args=(store.config.url, key, turn, hold, out))
+        proc.start()
+        procs.append(proc)
+        time.sleep(1.5)  # k1 holds the session's lock in its commit when k2 starts
+    for proc in procs:
+        proc.join(60)
+    assert dict(out.get(timeout=5) for _ in procs) == {"k1": "committed", "k2": "TurnKeyConflict"}
+    assert ledger(store, sid)[0] == ["k1"] and entry_turn_id(store, sid, first.entry_id) == "k1"
+
+
+def test_a_replay_of_a_turn_committed_under_another_key_before_keys_were_bound_is_a_duplicate(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """A release before this one let a caller commit admitted turn t1 under a key of its own (k1): the
+    replay of that commit must stay a duplicate, not become TurnKeyConflict."""
+    admission, terminal, messages = finished_turn(store, sid, "t1")
+    seq = admission.anchor.seq
+
+    def set_turn_id(value: str | None) -> None:
+        store.write(lambda c: c.conn.execute(text("UPDATE ts_entries SET turn_id = :v WHERE seq = :q"),
+                                             {"v": value, "q": seq}))
+
+    set_turn_id(None)
+    assert turns.commit_turn(E, "k1", admission.anchor, terminal, messages).status == "committed"
+    set_turn_id("t1")  # the entry as the old release left it: admitted as t1, committed as k1
+    for _ in range(2):
+        assert turns.commit_turn(E, "k1", admission.anchor, terminal, messages).status == "duplicate"
+    with pytest.raises(AdvancementKeyCollision):
+        turns.commit_turn(E, "k1", admission.anchor, terminal, messages, is_heartbeat=True)
+    with pytest.raises(TurnKeyConflict):
+        turns.commit_turn(E, "k2", admission.anchor, terminal, messages)

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
 from engines.lossless import LosslessEngine
-from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, migrate
+from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, TurnKeyConflict, migrate
 from transcript_store.core import Core
 from transcript_store.cursors import CursorState
 from transcript_store.db import Database
@@ -250,3 +250,28 @@ def test_the_receipts_rebuild_keeps_the_grants_of_an_application_role(store_url:
             conn.execute(text(f"DROP OWNED BY {role}"))
             conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
         db.dispose()
+
+
+def test_entries_committed_before_keys_were_bound_take_their_key(store_url: str) -> None:
+    """0010: a turn of an appended message committed before this release is bound to its key, so it
+    cannot be committed again under another one; its replay is still a duplicate."""
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        sid = store.create_session(A, session_id="s1").session_id
+        first = store.append(A, sid, user("appended"))
+        last = store.append(A, sid, assistant("reply"))
+        turn = (store.anchor(A, sid, first.entry_id), store.anchor(A, sid, last.entry_id),
+                [user("appended"), assistant("reply")])
+        turns = Turns(store)
+        assert turns.commit_turn("e", "k1", *turn).status == "committed"
+        db = Database(StoreConfig(url=store_url))
+        try:
+            _downgrade(db, "0009")
+            with db.engine.begin() as conn:  # as a release before this one left it
+                conn.execute(text("UPDATE ts_entries SET turn_id = NULL"))
+            migrate.upgrade(db)
+        finally:
+            db.dispose()
+        assert turns.commit_turn("e", "k1", *turn).status == "duplicate"
+        with pytest.raises(TurnKeyConflict):
+            turns.commit_turn("e", "k2", *turn)
+        assert [r.advancement_key for r in turns.receipts(A, sid)] == ["k1"]

@@ -401,6 +401,40 @@ def test_a_turn_its_engine_can_never_take_is_blocked_by_hand_and_the_next_ones_g
     assert [(i.turn_id, i.state) for i in turns.intents(A)] == [("t1", "blocked"), ("t3", "admitted")]
 
 
+def test_a_turn_blocked_by_hand_while_an_overdue_delivery_runs_is_never_committed(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A delivery that outlives its claim's lease: an operator may block the row meanwhile. The
+    delivery's commit then finds the row no longer its own and rolls back with the engine's commit
+    (it ignored that and left a "blocked" row whose turn the engine had). On SQLite writes queue: the
+    block waits for the delivery, which commits, and finds no row left."""
+    import threading
+    import time
+
+    turns = Turns(store, OutboxConfig(delivery_lease_seconds=0.3))
+    accepted(turns, sid, "t1")
+
+    def slow(c: Core, turn: TurnPayload) -> CommitResult:
+        time.sleep(1.2)
+        return counting_engine(c, turn)
+
+    reports: list[Any] = []
+    drain = threading.Thread(target=lambda: reports.append(turns.drain(engines(slow))))
+    drain.start()
+    time.sleep(0.7)  # the claim's lease has run out; the delivery is still in the engine
+    if store.db.dialect.is_sqlite:
+        with pytest.raises(UnknownTurn):
+            turns.block(A, sid, "t1", "taking it out")
+        drain.join()
+        assert reports[0].committed == 1 and engine_view(store, sid)[0] == ["t1"]
+        return
+    assert turns.block(A, sid, "t1", "taking it out").state == "blocked"
+    drain.join()
+    assert (reports[0].committed, reports[0].failed) == (0, [])
+    assert engine_view(store, sid) == ([], 0, None) and turns.receipts(A, sid, E) == []
+    assert row_of(turns, sid, "t1").state == "blocked"
+
+
 @pytest.mark.parametrize("bad", [None, "committed", 42, "bogus-status"], ids=repr)
 def test_invalid_commit_result_is_recorded_and_keeps_the_row_queued(
     store: TranscriptStore, turns: Turns, sid: str, bad: Any

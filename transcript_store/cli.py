@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError
 
 from . import migrate
 from .config import StoreConfig
-from .db import mask_url, sqlite_file
+from .db import mask_url, sqlite_file, sqlite_uri
 from .errors import (
     EngineError,
     InvalidInput,
@@ -1122,9 +1122,13 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
 def make_url_or_usage(url: str) -> URL:
     """The parsed --db value; a value that is not a database URL is a usage error."""
     try:
-        return make_url(url)
+        parsed = make_url(url)
     except ArgumentError:
         raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
+    if parsed.get_backend_name() == "sqlite" and sqlite_uri(parsed):
+        raise CommandError("--db: SQLite URI mode (?uri=true) is not supported: give the database file's path",
+                           EXIT_USAGE)
+    return parsed
 
 
 # ---------------------------------------------------------------------------------------------- serve

@@ -173,14 +173,17 @@ def create_db_engine(config: StoreConfig) -> Engine:
     if backend == "sqlite":
         if url.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
-        if not _sqlite_uri(url):  # a file: URI is sqlite3's to read; its path is not a file name
-            path = Path(url.database).expanduser()
-            if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
-                url = url.set(database=str(path))
-            try:
-                path.resolve().parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
+        if sqlite_uri(url):
+            # A file: URI's path is not a file name: the store's file checks (a read command never
+            # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
+            raise InvalidInput("SQLite URI mode (?uri=true) is not supported: give the database file's path")
+        path = Path(url.database).expanduser()
+        if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
+            url = url.set(database=str(path))
+        try:
+            path.resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         _sqlite_connect_listeners(engine, config)
         return engine
@@ -202,20 +205,21 @@ def create_db_engine(config: StoreConfig) -> Engine:
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
 
 
-def _sqlite_uri(url: URL) -> bool:
+def sqlite_uri(url: URL) -> bool:
     """True for a SQLite URL in sqlite3's URI mode (``sqlite:///file:x.db?uri=true``)."""
     return str(url.query.get("uri", "")).lower() in ("true", "1")
 
 
 def sqlite_file(url: str) -> Path | None:
-    """The file a SQLite URL names, ``~`` expanded (None for other backends, URI mode or in-memory)."""
+    """The file a SQLite URL names, ``~`` expanded (None for other backends, in-memory, or URI mode,
+    which opening the store refuses)."""
     try:
         parsed = make_url(url)
     except ArgumentError:
         return None
     if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
         return None
-    return None if _sqlite_uri(parsed) else Path(parsed.database).expanduser()
+    return None if sqlite_uri(parsed) else Path(parsed.database).expanduser()
 
 
 def mask_url(url: str) -> str:

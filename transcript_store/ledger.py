@@ -97,6 +97,7 @@ _CLAIM_TURN = (
     .where(by_session(entries), entries.c.seq == bindparam("b_seq"), entries.c.turn_id.is_(None))
     .values(turn_id=bindparam("b_key"))
 )
+_TURN_ID_AT = select(entries.c.turn_id).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
 _RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
 )
@@ -234,11 +235,13 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
         seqs = core.checked_seqs(turn) if core.holds_lock(turn.scope, turn.session_id) else None
         if seqs is None:
             seqs, unbound = _check_range(core, turn)
-    except InvalidInput:
+    except (InvalidInput, TurnKeyConflict):
+        # A committed key answers as committed: another payload under it is a collision; the same one
+        # a duplicate, also where the turn is bound to another key (committed before keys were bound).
         existing = _receipt(core, turn)
         if existing is None:
             raise
-        return _replay(turn, existing)  # another payload under a committed key: a collision
+        return _replay(turn, existing)
     ts = now_us()
     values = _receipt_values(turn, ts)
     # RETURNING, not rowcount: SQLAlchemy does not keep an INSERT's rowcount (psycopg reports -1).
@@ -255,8 +258,13 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
             raise AdvancementKeyCollision(turn.advancement_key)
         return _replay(turn, winner)
     if unbound:
-        core.run(_CLAIM_TURN, session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq,
-                                             b_key=turn.advancement_key))
+        params = session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq, b_key=turn.advancement_key)
+        if core.run(_CLAIM_TURN, params).rowcount != 1:
+            # Another commit bound the entry after this one read it (PostgreSQL: the range was read
+            # with the rows as they were before the session's lock was granted): its key holds.
+            at = session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq)
+            bound = core.run(_TURN_ID_AT, at).scalar()
+            raise TurnKeyConflict(turn.advancement_key, turn.admission.entry_id, bound)
     faults.point("commit.after_receipt")
     if apply is not None:
         apply(core, turn)

@@ -430,11 +430,19 @@ class Turns:
             def run(c: Core) -> CommitResult:
                 result = deliver(c, payload)
                 _check_result(result)
-                outbox.complete(c, intent.scope, intent.session_id, intent.turn_id, owner)
+                if not outbox.complete(c, intent.scope, intent.session_id, intent.turn_id, owner):
+                    raise _ClaimLost  # rolls the engine's commit back with it
                 faults.point("drain.after_commit")
                 return result
 
             result = self.store.write(run)
+        except _ClaimLost:
+            # The claim outlived its lease and the row changed hands meanwhile: blocked by hand, or
+            # delivered by another drain (whose commit holds). This delivery is undone, not failed.
+            log.warning("turn %s (session %s) changed hands during its delivery: rolled back", intent.turn_id,
+                        intent.session_id)
+            report.stopped_sessions.append(intent.session_id)
+            return False
         except Exception as e:
             error = str(e) if isinstance(e, _EngineUnavailable) else describe(e)
             log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
@@ -503,6 +511,10 @@ class Turns:
 
 class _NotClear(Exception):
     """``admit_if_clear`` found recovery or a retry to handle first: roll the admission back."""
+
+
+class _ClaimLost(Exception):
+    """A delivery's claim was no longer its own when it committed (see ``_deliver_one``)."""
 
 
 class _EngineUnavailable(Exception):

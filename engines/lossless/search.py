@@ -20,10 +20,13 @@ a slow pattern never freezes the process's other threads (heartbeats, other sess
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
+from re import _constants as _sre  # type: ignore[attr-defined]  # Python's own regex parser (3.11+)
+from re import _parser as _sre_parse  # type: ignore[attr-defined]
 from typing import Any, Literal
 
 import regex
@@ -114,54 +117,55 @@ def compile_regex(pattern: str) -> regex.Pattern[str]:
         raise SearchError(f"invalid regular expression: {e}") from None
 
 
-_COUNTED = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
+# The size is computed on the parse tree of Python's own ``re`` parser, which reads the pattern as the
+# ``regex`` package's default (re-compatible) mode does: comments, verbose mode, escapes and classes
+# are the parser's to read, not a hand-written scanner's (one was fooled by ``(?#[)``, which hid the
+# repetitions after it, and the compile then ran for seconds holding the GIL). ``regex``'s own
+# Unicode property escapes are read as the one character they match; syntax ``re`` refuses (recursion,
+# version flags) is refused here too. (``regex``'s fuzzy constraints, ``{e<=1}``, read as literal text
+# by ``re``, expand nothing when compiled; their matching is bounded in time like any.)
+_PROPERTY = regex.compile(r"\\\\|\\[pP]\{[^}]*\}|\\[pP][A-Za-z]|\\X")
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
 
 
 def expanded_size(pattern: str) -> int:
-    """An upper bound of the pattern's items once counted repetitions (``x{n,m}``) are expanded.
+    """The pattern's items once its counted repetitions (``x{n,m}``) are expanded, as compiling does.
 
-    A repetition multiplies its atom, and a group's repetition everything inside it; ``*``/``+`` do not
-    expand. Escapes and character classes count as one atom (a brace after ``\\p`` or ``\\x`` may be
-    read as a repetition: that only overestimates).
+    A repetition multiplies its item by its upper bound (by its lower one when it has none: ``*`` and
+    ``+`` do not expand); a group, a branch or a lookaround counts what it holds. SearchError for a
+    pattern Python's ``re`` parser refuses (``regex``'s property escapes aside).
     """
-    stack = [0]  # items of each open group so far
-    last = 0  # items of the atom a repetition would apply to
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i, last = i + 2, 1
-        elif c == "[":
-            i, last = _class_end(pattern, i), 1
-        elif c == "(":
-            stack.append(0)
-            i, last = i + 1, 0
-            continue
-        elif c == ")" and len(stack) > 1:
-            last = max(1, stack.pop())
-            i += 1
-        elif c == "{" and (m := _COUNTED.match(pattern, i)) and (m.group(1) or m.group(2)):
-            bound = int(m.group(2) or m.group(1))
-            stack[-1] += last * (max(bound, 1) - 1)
-            last *= max(bound, 1)
-            i = m.end()
-            continue
+    plain = _PROPERTY.sub(lambda m: m.group() if m.group() == "\\\\" else "x", pattern)
+    try:
+        tree = _sre_parse.parse(plain)
+        return _size(tree)
+    except (re.error, OverflowError, RecursionError) as e:
+        if "too large" in str(e) or isinstance(e, OverflowError):
+            return REGEX_MAX_SIZE + 1
+        raise SearchError(
+            f"invalid regular expression (Python re syntax; \\p{{...}} classes allowed): {e}"
+        ) from None
+
+
+def _size(items: Any) -> int:
+    total = 0
+    for op, av in items:
+        if op in _REPEATS:
+            low, high, item = av
+            total += max(low if high == _sre.MAXREPEAT else high, 1) * _size(item)
+        elif op is _sre.SUBPATTERN:
+            total += _size(av[-1])
+        elif op is _sre.ATOMIC_GROUP:
+            total += _size(av)
+        elif op is _sre.BRANCH:
+            total += sum(_size(branch) for branch in av[1])
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            total += _size(av[1])
+        elif op is _sre.GROUPREF_EXISTS:
+            total += _size(av[1]) + (_size(av[2]) if av[2] is not None else 0)
         else:
-            i, last = i + 1, 1
-        stack[-1] += last
-    return sum(stack)
-
-
-def _class_end(pattern: str, start: int) -> int:
-    """The index after the character class opened at ``start`` (``]`` first in it is literal)."""
-    i = start + 1
-    if pattern[i : i + 1] == "^":
-        i += 1
-    if pattern[i : i + 1] == "]":
-        i += 1
-    while i < len(pattern) and pattern[i] != "]":
-        i += 2 if pattern[i] == "\\" else 1
-    return i + 1
+            total += 1
+    return total
 
 
 def _columns(kind: Kind) -> str:

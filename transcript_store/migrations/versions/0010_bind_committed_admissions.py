@@ -1,0 +1,49 @@
+"""Entries committed without a logical turn id take the key they were committed under.
+
+Revision ID: 0010
+Revises: 0009
+Create Date: 2026-12-01
+
+From this release a turn is committed under one key: its admitted entry's logical turn id, and an
+entry appended without one (a mirrored host transcript) takes the key of its first commit. Entries
+committed before had no such binding, so the same closed range could still be committed again under
+another key, and reach an engine twice. Each one takes the smallest key a receipt names it under,
+unless that key is already another entry's turn id (the same key reused for another admission of
+the session: that entry keeps it, and this one stays unbound, as before).
+
+One pass over the receipts (joined to their admitted entries through the entry-id index), in the
+upgrade's transaction; an update only for entries appended without a turn id and committed since.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0010"
+down_revision = "0009"
+branch_labels = None
+depends_on = None
+
+_UNBOUND = sa.text(
+    "SELECT e.scope, e.session_id, e.seq, min(r.advancement_key) AS key FROM ts_receipts r"
+    " JOIN ts_entries e ON e.scope = r.scope AND e.session_id = r.session_id AND e.entry_id = r.admission_entry_id"
+    " WHERE e.turn_id IS NULL GROUP BY e.scope, e.session_id, e.seq"
+)
+_BIND = sa.text(
+    "UPDATE ts_entries SET turn_id = :key WHERE scope = :scope AND session_id = :session_id AND seq = :seq"
+    " AND turn_id IS NULL AND NOT EXISTS (SELECT 1 FROM ts_entries x"
+    " WHERE x.scope = :scope AND x.session_id = :session_id AND x.turn_id = :key)"
+)
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    for row in bind.execute(_UNBOUND).all():
+        bind.execute(_BIND, {"scope": row.scope, "session_id": row.session_id, "seq": row.seq, "key": row.key})
+
+
+def downgrade() -> None:
+    # The bound turn ids stay: they name the key each turn was committed under, which every release
+    # reads as a logical turn id (an admission under it again is the same admission).
+    pass
