@@ -17,6 +17,7 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -150,6 +151,38 @@ def fresh_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
         yield pg_url(name)
     finally:
         _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def module_store_fixtures(scope: str, folder: str) -> tuple[Any, Any, Any]:
+    """Fixtures ``shared_url`` and ``store`` (one migrated database per backend for a module) and ``sid``
+    (a fresh session of ``scope`` per test). For modules whose tests each work in their own session:
+    creating a PostgreSQL database per test would be most of such a module's time. Assign the three
+    to module names (``shared_url, store, sid = module_store_fixtures(...)``) for pytest to find them."""
+
+    @pytest.fixture(scope="module", params=BACKENDS, name="shared_url")
+    def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        yield from fresh_url(str(request.param), request, tmp_path_factory.mktemp(folder))
+
+    @pytest.fixture(scope="module", name="store")
+    def store(shared_url: str) -> Iterator[TranscriptStore]:
+        s = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
+        yield s
+        s.close()
+
+    @pytest.fixture(name="sid")
+    def sid(store: TranscriptStore) -> str:
+        return store.create_session(scope, session_id=f"s-{uuid.uuid4().hex[:12]}").session_id
+
+    return shared_url, store, sid
+
+
+def tool_round(call_id: str, result: str) -> list[dict[str, Any]]:
+    """An assistant message calling one tool, and the tool's result."""
+    call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _admin_exec, _pg_reachable, pg_url
+from conftest import _admin_exec, _pg_reachable, assistant, pg_url, tool_round, user
 from hosting import count_transactions
 from sqlalchemy import event, func, insert, select, text
 from workers.turn_worker import count_turn
@@ -42,22 +42,6 @@ from transcript_store.turns import Turns
 
 A = "scope-a"
 E = "engine-1"
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
-def tool_round(call_id: str, result: str) -> list[dict[str, Any]]:
-    call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}}
-    return [
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call_id, "content": result},
-    ]
 
 
 def finished_turn(

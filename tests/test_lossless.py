@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conftest import BACKENDS, fresh_url
+from conftest import module_store_fixtures
 from hosting import RecordingModel
 from sqlalchemy import func, select
 
@@ -48,29 +48,15 @@ def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None, su
     return LosslessEngine(ctx)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One migrated database per backend for this module: creating and dropping a PostgreSQL database
-    per test would be most of the module's time. Each test has its own session, and every lossless
-    row is keyed by session, so the tests stay isolated."""
-    yield from fresh_url(str(request.param), request, tmp_path_factory.mktemp("lossless"))
-
-
-@pytest.fixture(scope="module")
-def store(shared_url: str) -> Iterator[TranscriptStore]:
-    s = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
-    yield s
-    s.close()
+# One migrated database per backend for this module: creating and dropping a PostgreSQL database per
+# test would be most of the module's time. Each test has its own session, and every lossless row is
+# keyed by session, so the tests stay isolated.
+shared_url, store, sid = module_store_fixtures(A, "lossless")
 
 
 @pytest.fixture
 def store_url(shared_url: str) -> str:
     return shared_url
-
-
-@pytest.fixture
-def sid(store: TranscriptStore) -> str:
-    return store.create_session(A, session_id=f"s-{uuid.uuid4().hex[:12]}").session_id
 
 
 def user(text: str) -> dict[str, Any]:

@@ -13,19 +13,17 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import pytest
-from conftest import BACKENDS, fresh_url
+from conftest import assistant, module_store_fixtures, tool_round, user
 from sqlalchemy import select
 
 from engines.lossless import LosslessEngine
 from engines.lossless.audit import audit
 from engines.lossless.context import load_items
 from engines.lossless.tables import messages, summaries
-from transcript_store import StoreConfig, TranscriptStore
+from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
 from transcript_store.ledger import CommitResult
 from transcript_store.models import Admission, Anchor, ClosedRange
@@ -53,40 +51,12 @@ class Counting(ExtractiveSummarizer):
         return str(super().summarize(*args, **kwargs))
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from fresh_url(str(request.param), request, tmp_path_factory.mktemp("branches"))
-
-
-@pytest.fixture(scope="module")
-def store(shared_url: str) -> Iterator[TranscriptStore]:
-    s = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def sid(store: TranscriptStore) -> str:
-    return store.create_session(A, session_id=f"s-{uuid.uuid4().hex[:12]}").session_id
+shared_url, store, sid = module_store_fixtures(A, "branches")
 
 
 def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None, summarizer: Any = None) -> LosslessEngine:
     return LosslessEngine(EngineContext(store=store, config=config or {}, summarizer=summarizer or Counting(),
                                         estimator=RoughEstimator()))
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
-def tool_round(call_id: str, result: str) -> list[dict[str, Any]]:
-    call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}}
-    return [{"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
 def finished_turn(

@@ -9,19 +9,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import BACKENDS, fresh_url
+from conftest import module_store_fixtures
 from sqlalchemy.exc import DataError
 
 from engines.lossless import LosslessEngine
 from engines.lossless import search as search_module
 from engines.lossless import tools as tools_module
 from engines.lossless.context import load_items
-from transcript_store import StoreConfig, TranscriptStore
+from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext, EngineSelection, Limits, RuntimeSettings
 from transcript_store.errors import StoreUnavailable, TransientStoreError
 from transcript_store.host import HostRuntime
@@ -51,21 +49,7 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from fresh_url(str(request.param), request, tmp_path_factory.mktemp("lossless_tools"))
-
-
-@pytest.fixture(scope="module")
-def store(shared_url: str) -> Iterator[TranscriptStore]:
-    s = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def sid(store: TranscriptStore) -> str:
-    return store.create_session(A, session_id=f"s-{uuid.uuid4().hex[:12]}").session_id
+shared_url, store, sid = module_store_fixtures(A, "lossless_tools")
 
 
 def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None) -> LosslessEngine:

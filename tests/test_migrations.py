@@ -56,6 +56,16 @@ def test_the_migrated_schema_is_schema_py(store_url: str) -> None:
         db.dispose()
 
 
+def _refuses_a_session_without_incarnation(db: Database) -> None:
+    """A session written without an incarnation (as a process of a release before 0007 writes it) is
+    refused on both backends (NOT NULL; on SQLite, whose added column needs a default, a trigger)."""
+    with pytest.raises(IntegrityError), db.engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO ts_sessions (scope, session_id, active, generation, last_seq, path_length, "
+            "visible_count, created_us, updated_us) VALUES ('scope-a', 'old', true, 0, -1, 0, 0, 1, 1)"
+        ))
+
+
 def _one_committed_turn(store_url: str) -> tuple[Admission, Anchor, list[dict[str, Any]], CommitResult]:
     """Session s1 with turn t1 (a question and an answer) committed by engine "e"."""
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
@@ -130,11 +140,7 @@ def test_the_session_incarnation_revision_keeps_every_row_and_every_cursor(store
             assert {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in _TABLES} == counts
         # A session written without an incarnation (a process of an older release) is refused on both
         # backends (NOT NULL; on SQLite, whose added column needs a default, a trigger), not stored as 0.
-        with pytest.raises(IntegrityError), db.engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO ts_sessions (scope, session_id, active, generation, last_seq, path_length, "
-                "visible_count, created_us, updated_us) VALUES ('scope-a', 'old', true, 0, -1, 0, 0, 1, 1)"
-            ))
+        _refuses_a_session_without_incarnation(db)
     finally:
         db.dispose()
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
@@ -215,11 +221,7 @@ def test_stores_migrated_by_earlier_versions_of_two_revisions_upgrade_to_the_sam
         assert migrate.current_revision(db) == migrate.head_revision() and _differences(db) == []
         with db.engine.connect() as conn:
             assert conn.execute(text("SELECT incarnation FROM ts_sessions WHERE session_id = 's1'")).scalar_one() == 1
-        with pytest.raises(IntegrityError), db.engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO ts_sessions (scope, session_id, active, generation, last_seq, path_length, "
-                "visible_count, created_us, updated_us) VALUES ('scope-a', 'old', true, 0, -1, 0, 0, 1, 1)"
-            ))
+        _refuses_a_session_without_incarnation(db)
     finally:
         db.dispose()
 
