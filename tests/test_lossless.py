@@ -374,6 +374,25 @@ def test_leaf_passes_then_condensation_keep_the_context_bounded(store: Transcrip
     assert view.tokens <= budget(engine.config, 1500, None).trigger
 
 
+def test_a_chunk_that_cannot_shrink_is_passed_over_for_the_next(store: TranscriptStore, sid: str) -> None:
+    """A tiny first exchange before a tool unit too large to join it: its chunk cannot be summarized
+    smaller, and compaction offered that same oldest chunk again and again, so nothing after it was
+    ever summarized (the context grew and assemble cut raw history). The next chunk is taken instead."""
+    engine = make_engine(store, SMALL)
+    calls = [{"id": f"c{k}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for k in (1, 2)]
+    results = [{"role": "tool", "tool_call_id": f"c{k}", "content": f"r{k}"} for k in (1, 2)]
+    first = [user("hi"), assistant("hello"), {"role": "assistant", "content": None, "tool_calls": calls}, *results]
+    store.append_many(A, sid, [{"message": m} for m in first])
+    for i in range(40):
+        store.append_many(A, sid, [{"message": user(f"Question {i}. " + "Long text here. " * 40)},
+                                   {"message": assistant(f"Answer {i}. " + "More long text. " * 40)}])
+    engine.bootstrap(scope=A, session_id=sid, fence=None)
+    result = engine.compact(scope=A, session_id=sid, force=True, token_budget=2000)
+    assert result.compacted and result.tokens_after < result.tokens_before / 2, result
+    assert count(store, summaries, sid) > 0
+    check(store, sid)
+
+
 def test_compaction_reports_no_progress_honestly(store: TranscriptStore, sid: str) -> None:
     engine = make_engine(store)
     commit(store, engine, finished_turn(store, sid, "t1"))

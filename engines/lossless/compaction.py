@@ -96,10 +96,19 @@ def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) ->
     return start
 
 
-def leaf_chunk(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> tuple[int, int] | None:
-    """[start, end) of the oldest raw chunk outside the tail; at least one whole unit, else bounded."""
+def leaf_chunks(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> Iterator[tuple[int, int]]:
+    """[start, end) of each raw chunk outside the tail, oldest first; each at least one whole unit, else
+    bounded. The planner takes the first it can summarize smaller: a chunk it cannot (a tiny exchange
+    before a large tool unit) is passed over, not the end of compaction."""
     limit = tail_start(items, config, budget)
-    first = next((i for i, item in enumerate(items) if item.summary is None), None)
+    start = 0
+    while (chunk := _chunk_from(items, config, start, limit)) is not None:
+        yield chunk
+        start = chunk[1]
+
+
+def _chunk_from(items: Sequence[Item], config: LosslessConfig, start: int, limit: int) -> tuple[int, int] | None:
+    first = next((i for i in range(start, len(items)) if items[i].summary is None), None)
     if first is None or first >= limit:
         return None
     end = count = tokens = 0
@@ -130,8 +139,7 @@ def candidates(
             yield "condense", i, i + fanin
         i = max(j, i + 1)
     if over or forced:
-        chunk = leaf_chunk(items, config, budget)
-        if chunk is not None:
+        for chunk in leaf_chunks(items, config, budget):
             yield "leaf", *chunk
     if over:
         block = _newest_block(items, fanin)
