@@ -93,6 +93,8 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (EngineError, 503, "engine_unavailable"),
     (ValueError, 400, "invalid_input"),  # the store's range checks on limits
 )
+#: FastAPI's detail for a request body it could not decode other than as malformed JSON
+_BODY_NOT_PARSED = "There was an error parsing the body"
 HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
               413: "request_too_large", 415: "unsupported_media_type"}
 
@@ -264,6 +266,11 @@ def _errors(app: FastAPI) -> None:
 
     async def http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
+            # FastAPI's answer to a body json.loads refused without a JSONDecodeError (invalid UTF-8, an
+            # integer past Python's 4,300 digits, nesting past the recursion limit): malformed JSON
+            # answers 422 invalid_request, so does every body that is not JSON.
+            return error_json(422, "invalid_request", "body: not a JSON document this service can read")
         code = HTTP_CODES.get(exc.status_code, "http_error")
         return error_json(exc.status_code, code, str(exc.detail))
 
