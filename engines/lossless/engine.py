@@ -39,7 +39,7 @@ from transcript_store.reads import read_visible_delta
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
-from . import tools
+from . import ingest, tools
 from .compaction import Planner, write_plan
 from .config import Budget, LosslessConfig, budget
 from .context import Item, epoch, fit, load_items, render
@@ -313,8 +313,15 @@ class LosslessEngine:
             return json.dumps({"error": f"unknown tool {name!r}"})
         if not isinstance(args, dict):
             return json.dumps({"error": "arguments must be a JSON object"})
+        def answer(c: Core) -> Any:
+            # A branch or rewrite since the last import: forget what left the active path first.
+            return _RESET_FIRST if ingest.reset_pending(c, scope, session_id) else handlers[name](c)
+
         try:
-            out = self.store.read(handlers[name])
+            out = self.store.read(answer)
+            if out is _RESET_FIRST:
+                self.store.write(lambda c: ingest.apply_reset(c, scope, session_id))
+                out = self.store.read(handlers[name])
         except tools.ToolError as e:
             out = {"error": str(e)}
         except Exception as e:
@@ -330,6 +337,10 @@ class LosslessEngine:
         """Forget the remembered budgets."""
         with self._lock:
             self._runs.clear()
+
+
+#: what a recall tool's read returns instead of its answer when a reset must be applied first
+_RESET_FIRST = object()
 
 
 def _progress_reason(progressed: bool, after: int, marks: Budget) -> str | None:

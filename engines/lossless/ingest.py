@@ -122,6 +122,31 @@ def import_pages(
     return result
 
 
+def reset_pending(core: Core, scope: str, session_id: str) -> bool:
+    """True when the active path moved under the view (a branch or rewrite since the last import): a
+    one-message read from the view's cursor answers a reset. The recall tools ask before they answer,
+    so that what left the active path is never found between the move and the next import."""
+    view = View.load(core, scope, session_id)
+    if view.cursor is None:
+        return False
+    return isinstance(read_visible_delta(core, scope, session_id, view.cursor, 1, 1 << 30, None), DeltaReset)
+
+
+def apply_reset(core: Core, scope: str, session_id: str) -> None:
+    """Apply a pending reset (``reset.keep_true_prefix``) without importing anything: a plain import
+    here could cross a running turn's fence. In the caller's write transaction."""
+    sess = core.session_row(scope, session_id, lock=True)
+    if sess is None:
+        return
+    view = View.load(core, scope, session_id)
+    if view.cursor is None:
+        return
+    page = read_visible_delta(core, scope, session_id, view.cursor, 1, 1 << 30, None)
+    if isinstance(page, DeltaReset):
+        keep_true_prefix(core, scope, session_id, view, sess, page.cursor)
+        view.save(core, scope, session_id)
+
+
 def ingest_entries(
     core: Core, scope: str, session_id: str, view: View, entries: Sequence[Entry], estimator: TokenEstimator
 ) -> int:
