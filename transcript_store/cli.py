@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError
 
 from . import migrate
 from .config import StoreConfig
-from .db import mask_url, sqlite_file, sqlite_uri
+from .db import SQLITE_URI_REFUSED, mask_url, sqlite_file, sqlite_uri
 from .errors import (
     EngineError,
     InvalidInput,
@@ -1126,8 +1126,7 @@ def make_url_or_usage(url: str) -> URL:
     except ArgumentError:
         raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
     if parsed.get_backend_name() == "sqlite" and sqlite_uri(parsed):
-        raise CommandError("--db: SQLite URI mode (?uri=true) is not supported: give the database file's path",
-                           EXIT_USAGE)
+        raise CommandError(f"--db: {SQLITE_URI_REFUSED}", EXIT_USAGE)
     return parsed
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -161,9 +162,13 @@ def _reset_read_only(conn: Connection, driver: Any) -> None:
         conn.invalidate(e)
 
 
+#: what no database takes in a bound text value: NUL (PostgreSQL) and lone surrogates (UTF-8 cannot encode)
+UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+
+
 def create_db_engine(config: StoreConfig) -> Engine:
     """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
-    if any(c == "\x00" or "\ud800" <= c <= "\udfff" for c in config.url):
+    if UNSENDABLE.search(config.url) is not None:
         raise InvalidInput("a database URL must not contain NUL or lone surrogates")
     try:
         url = make_url(config.url)
@@ -176,7 +181,7 @@ def create_db_engine(config: StoreConfig) -> Engine:
         if sqlite_uri(url):
             # A file: URI's path is not a file name: the store's file checks (a read command never
             # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
-            raise InvalidInput("SQLite URI mode (?uri=true) is not supported: give the database file's path")
+            raise InvalidInput(SQLITE_URI_REFUSED)
         path = Path(url.database).expanduser()
         if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
             url = url.set(database=str(path))
@@ -203,6 +208,10 @@ def create_db_engine(config: StoreConfig) -> Engine:
             event.listen(engine, "connect", _pg_on_connect)
         return engine
     raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+
+
+#: why a SQLite URL in sqlite3's URI mode is refused (opening a store, and the CLI's --db check)
+SQLITE_URI_REFUSED = "SQLite URI mode (?uri=true) is not supported: give the database file's path"
 
 
 def sqlite_uri(url: URL) -> bool:

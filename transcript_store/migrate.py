@@ -87,10 +87,7 @@ def upgrade_from(db: Database, revision: str = "head") -> tuple[str | None, str]
         command.upgrade(cfg, revision)
         return before
 
-    try:
-        before = db.write(run)
-    except DBAPIError as e:  # pragma: no cover - db.write translates what its transaction raises
-        raise db.translate(e) from e
+    before = db.write(run)  # driver errors leave it translated, as from every transaction
     return before, current_revision(db) or ""
 
 

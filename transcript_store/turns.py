@@ -21,6 +21,7 @@ from sqlalchemy import Row
 
 from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
+from .db import UNSENDABLE
 from .errors import InvalidInput, OutboxCollision, TranscriptStoreError, describe
 from .ledger import (
     ApplyTurn,
@@ -242,7 +243,7 @@ class Turns:
         if not isinstance(reason, str) or not reason.strip():
             raise InvalidInput("a reason is required to block a turn by hand")
         reason = " ".join(reason.split())
-        if len(reason) > outbox.MAX_BLOCK_REASON or any(c == "\x00" or "\ud800" <= c <= "\udfff" for c in reason):
+        if len(reason) > outbox.MAX_BLOCK_REASON or UNSENDABLE.search(reason) is not None:
             raise InvalidInput(f"the reason must be at most {outbox.MAX_BLOCK_REASON} characters of text")
         self.store.get_session(scope, session_id)  # UnknownSession first, as every call of a session
         return self.store.write(lambda c: outbox.block(c, scope, session_id, turn_id, reason))

@@ -84,13 +84,13 @@ def import_pages(
         limit = config.page_messages
         # The view's position counts only in the session's generation (or from the very start); with
         # any other cursor the read below answers a reset, whatever the limit.
-        same = until is not None and (view.cursor is None or view.generation == sess.generation)
-        # A view already at ``until`` holds the turn only if its path is still the active one: a
-        # branch moves the path without rotating the generation. A one-message read from its cursor
-        # tells (a reset when the path moved). Rare: a commit normally follows an assemble that
-        # stopped before the turn, and reads anyway; the common path gains no statement.
-        checking = same and until is not None and view.position >= until
-        if same and until is not None:
+        checking = False
+        if until is not None and (view.cursor is None or view.generation == sess.generation):
+            # A view already at ``until`` holds the turn only if its path is still the active one: a
+            # branch moves the path without rotating the generation. A one-message read from its cursor
+            # tells (a reset when the path moved). Rare: a commit normally follows an assemble that
+            # stopped before the turn, and reads anyway; the common path gains no statement.
+            checking = view.position >= until
             limit = max(1, min(limit, until - view.position))
         page = read_visible_delta(core, scope, session_id, view.cursor, limit, max_bytes, fence)
         if isinstance(page, DeltaMissing):  # pragma: no cover - the session row is locked above
@@ -126,10 +126,7 @@ def reset_pending(core: Core, scope: str, session_id: str) -> bool:
     """True when the active path moved under the view (a branch or rewrite since the last import): a
     one-message read from the view's cursor answers a reset. The recall tools ask before they answer,
     so that what left the active path is never found between the move and the next import."""
-    view = View.load(core, scope, session_id)
-    if view.cursor is None:
-        return False
-    return isinstance(read_visible_delta(core, scope, session_id, view.cursor, 1, 1 << 30, None), DeltaReset)
+    return _pending_reset(core, scope, session_id, View.load(core, scope, session_id)) is not None
 
 
 def apply_reset(core: Core, scope: str, session_id: str) -> None:
@@ -139,12 +136,18 @@ def apply_reset(core: Core, scope: str, session_id: str) -> None:
     if sess is None:
         return
     view = View.load(core, scope, session_id)
-    if view.cursor is None:
-        return
-    page = read_visible_delta(core, scope, session_id, view.cursor, 1, 1 << 30, None)
-    if isinstance(page, DeltaReset):
-        keep_true_prefix(core, scope, session_id, view, sess, page.cursor)
+    reset = _pending_reset(core, scope, session_id, view)
+    if reset is not None:
+        keep_true_prefix(core, scope, session_id, view, sess, reset.cursor)
         view.save(core, scope, session_id)
+
+
+def _pending_reset(core: Core, scope: str, session_id: str, view: View) -> DeltaReset | None:
+    """The reset a one-message read from the view's cursor answers, or None (no cursor yet, or a page)."""
+    if view.cursor is None:
+        return None
+    page = read_visible_delta(core, scope, session_id, view.cursor, 1, 1 << 30, None)
+    return page if isinstance(page, DeltaReset) else None
 
 
 def ingest_entries(

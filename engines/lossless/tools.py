@@ -12,13 +12,13 @@ which failure that slipped past the checks is still the arguments' (never a data
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, cast
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import DataError
 
 from transcript_store.core import MAX_INT, Core, check_id, from_us
+from transcript_store.db import UNSENDABLE
 from transcript_store.errors import (
     InvalidInput,
     StorageFull,
@@ -43,8 +43,6 @@ MAX_LIMIT = 200
 #: characters of an lcm_grep pattern, and whitespace-separated terms of a full-text one
 MAX_PATTERN_CHARS = 1000
 MAX_TERMS = 32
-#: what no database takes in a bound text value: NUL (PostgreSQL) and lone surrogates (UTF-8 cannot encode)
-_UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 _MODES = ("full_text", "regex")
 _SORTS = ("recency", "relevance")
 _TARGETS: dict[str, tuple[Kind, ...]] = {
@@ -128,7 +126,7 @@ def _text(args: dict[str, Any], name: str, what: str) -> str:
         raise ToolError(f"{name} must be {what}")
     if len(value) > MAX_PATTERN_CHARS:
         raise ToolError(f"{name} is too long: at most {MAX_PATTERN_CHARS} characters")
-    if _UNSENDABLE.search(value) is not None:
+    if UNSENDABLE.search(value) is not None:
         raise ToolError(f"{name} must not contain NUL characters or lone surrogates")
     return value
 
