@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _admin_exec, _pg_reachable, assistant, pg_url, tool_round, user
+from conftest import _admin_exec, _pg_reachable, assistant, make_legacy, pg_url, tool_round, user
 from hosting import count_transactions
 from sqlalchemy import event, func, insert, select, text
 from workers.turn_worker import count_turn
@@ -514,6 +514,29 @@ def test_anchors_naming_another_key_or_generation_are_refused_and_write_nothing(
             )
         assert ledger(store, sid)[0] == []
     assert turns.commit_turn(E, "t1", adm, term, msgs, apply=apply).status == "committed"
+
+
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_anchors_without_or_of_another_incarnation_are_refused_on_both_paths(
+    store: TranscriptStore, turns: Turns, path: str
+) -> None:
+    """An anchor without an incarnation is honoured only by a session from before anchors carried one,
+    and a terminal of another incarnation never: the one-statement commit receipted both (it checked
+    the admission's incarnation only, and only when it had one), where the transaction refuses them."""
+    sid = store.create_session(A, session_id="bare").session_id
+    adm, term, msgs = finished_turn(store, sid, "t1")
+    apply = None if path == "one statement" else (lambda c, t: None)
+    for admission, terminal in (
+        (adm.anchor.model_copy(update={"incarnation": None}), term.model_copy(update={"incarnation": None})),
+        (adm.anchor, term.model_copy(update={"incarnation": None})),
+        (adm.anchor, term.model_copy(update={"incarnation": 5})),
+    ):
+        with pytest.raises(InvalidInput, match="earlier session"):
+            turns.commit_turn(E, "t1", admission, terminal, msgs, apply=apply)
+        assert ledger(store, sid)[0] == []
+    make_legacy(store, A, sid)  # a session from before revision 0007 honours bare anchors
+    bare = [a.model_copy(update={"incarnation": None}) for a in (adm.anchor, term)]
+    assert turns.commit_turn(E, "t1", bare[0], bare[1], msgs, apply=apply).status == "committed"
 
 
 def entry_turn_id(store: TranscriptStore, sid: str, entry_id: str) -> str | None:

@@ -299,13 +299,14 @@ def _committed(values: dict[str, Any]) -> CommitResult:
 # SQL instead of decoded and compared in Python ("Profiling" 25). It inserts the receipt only when the
 # stored range is, beyond doubt, the turn: every entry of the seq range is a message on the active
 # path, at consecutive depths (so they are the parent chain from the admission to the terminal), each
-# stored text equal to the message's, the anchors matching (the session's key and generation too), the
-# first a user message admitted under this key as its logical turn id. That is a subset of what
-# ``_check_range`` accepts; anything else (a replay, a collision, a range with events or branches, a
-# text stored in another spelling, an admission without a turn id, an unknown session) inserts nothing
-# and ``commit_turn`` takes the transactional path, which decides. The session's row is locked for the
-# statement (PostgreSQL), so commits of a session still serialize; a SQLite write statement outside a
-# transaction takes the database's write lock when it starts, as BEGIN IMMEDIATE does.
+# stored text equal to the message's, the anchors matching (the session's key, generation and
+# incarnation too), the first a user message admitted under this key as its logical turn id. That is a
+# subset of what ``_check_range`` accepts; anything else (a replay, a collision, a range with events or
+# branches, a text stored in another spelling, an admission without a turn id, an anchor without an
+# incarnation, an unknown session) inserts nothing and ``commit_turn`` takes the transactional path,
+# which decides. The session's row is locked for the statement (PostgreSQL), so commits of a session
+# still serialize; a SQLite write statement outside a transaction takes the database's write lock when
+# it starts, as BEGIN IMMEDIATE does.
 @functools.cache  # one statement per (message count, backend), each expected text its own bind (below)
 def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
@@ -317,7 +318,7 @@ WITH s AS (
     SELECT scope, session_id FROM ts_sessions
     WHERE scope = :b_scope AND session_id = :b_session
       AND session_key {same} CAST(:b_session_key AS TEXT) AND generation = CAST(:b_generation AS INTEGER)
-      AND (CAST(:b_incarnation AS BIGINT) IS NULL OR incarnation = CAST(:b_incarnation AS BIGINT))
+      AND incarnation = CAST(:b_incarnation AS BIGINT)
     {lock}
 ), a AS (
     SELECT count(*) AS n_rows,
@@ -368,6 +369,10 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
     count = len(turn.messages)
     if term.seq - adm.seq + 1 != count or count > _ONE_STATEMENT_MAX:
         return None  # events or branches inside the turn, or a long one: the full check
+    if adm.incarnation is None or term.incarnation != adm.incarnation:
+        # An anchor without an incarnation is honoured only by a session from before them, and a terminal
+        # of another incarnation never: ``foreign_incarnation`` decides that in the transaction.
+        return None
     stmt = _one_statement_commit(count, core.dialect.is_sqlite)
     ts = now_us()
     params = session_params(
