@@ -402,6 +402,18 @@ def test_forged_cursors_reset_never_read_a_wrong_page(store: TranscriptStore, si
     assert [e.position for e in page_of(store.read_visible_delta(A, sid, honest)).entries] == [2, 3]
 
 
+def test_a_forged_cursor_at_the_top_of_the_integer_range_resets(store: TranscriptStore, sid: str) -> None:
+    """A cursor that decodes may name any position up to 2**31-1: its page bound (position + limit)
+    overflowed PostgreSQL's INTEGER, a StoreUnavailable instead of the reset SQLite gave."""
+    fill(store, sid, 3)
+    top = 2**31 - 1
+    for position, generation in ((top, 0), (top - 5, 0), (top, top)):
+        forged = CursorState(A, sid, generation, position, position, inc(store, sid)).encode()
+        for limit in (1, 10_000):
+            result = reset_of(store.read_visible_delta(A, sid, forged, max_messages=limit))
+            assert result.reason in ("anchor_missing", "generation_mismatch")
+
+
 def test_a_cursor_of_a_deleted_and_recreated_session_resets(store: TranscriptStore, sid: str) -> None:
     fill(store, sid, 4)
     cursor = page_of(store.read_visible_delta(A, sid, max_messages=2)).cursor

@@ -567,7 +567,9 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     window = [
         by_session(active_path),
         active_path.c.position > bindparam("b_after"),
-        active_path.c.position <= bindparam("b_after") + bindparam("b_limit", type_=Integer),
+        # Added in Python and capped (``b_upto``): in SQL, a cursor's position near the top of the
+        # INTEGER range plus the limit overflowed on PostgreSQL ("integer out of range").
+        active_path.c.position <= bindparam("b_upto"),
     ]
     if bounded:
         window.append(active_path.c.position < bindparam("b_before"))
@@ -855,7 +857,7 @@ class Core:
         """
         params = session_params(
             scope, session_id, b_position=position, b_after=position, b_before=before_position, b_limit=limit,
-            b_after_seq=after_seq, b_before_seq=before_seq,
+            b_after_seq=after_seq, b_before_seq=before_seq, b_upto=min(position + limit, MAX_INT),
         )
         bounded = before_position is not None
         key = (self.config.url, scope, session_id)
