@@ -257,6 +257,23 @@ def test_append_many_with_one_bad_item_writes_nothing(store: TranscriptStore, si
     assert [e.message for e in store.list_entries(A, sid)] == [user("before")]
 
 
+def test_an_idempotency_key_twice_in_one_append_conflicts_and_writes_nothing(
+    store: TranscriptStore, sid: str
+) -> None:
+    """As an entry id twice: the second row's insert hit the key's unique index, a StoreUnavailable
+    (a database error) for what is the caller's input."""
+    store.append(A, sid, user("before"))
+    for second in (user("x"), user("y")):
+        with pytest.raises(IdempotencyConflict, match="appears twice"):
+            store.append_many(A, sid, [{"message": user("x"), "idempotency_key": "k"},
+                                       {"message": second, "idempotency_key": "k"}])
+    # A key already stored answers each of its items with the stored entry, as a retry does.
+    stored = store.append(A, sid, user("x"), idempotency_key="k")
+    again = store.append_many(A, sid, [{"message": user("x"), "idempotency_key": "k"}] * 2)
+    assert again == [stored, stored]
+    assert [e.message for e in store.list_entries(A, sid)] == [user("before"), user("x")]
+
+
 def test_every_chat_message_shape_round_trips_with_unknown_keys(store: TranscriptStore, sid: str) -> None:
     shapes: list[dict[str, Any]] = [
         {"role": "system", "content": "rules", "x_origin": "config"},

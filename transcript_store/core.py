@@ -1028,6 +1028,7 @@ class Core:
         new_rows: list[dict[str, Any]] = []
         path_rows: list[dict[str, Any]] = []
         new_ids: set[str] = set()
+        new_keys: set[str] = set()
         # Items keyed by entry_id alone (replies, bulk appends) are looked up in one batched query,
         # not one query each: a 2,000-item append_many made 2,000 round trips before.
         plain = [i.entry_id for i in items if i.idempotency_key is None and i.turn_id is None]
@@ -1036,6 +1037,11 @@ class Core:
             existing = None if none_stored else self._existing(scope, session_id, item, by_id)
             if existing is None and item.entry_id in new_ids:
                 raise IdempotencyConflict(f"entry_id {item.entry_id!r} appears twice in one append")
+            if existing is None and item.idempotency_key is not None:
+                # Else the second row's insert hits the key's unique index: a database error.
+                if item.idempotency_key in new_keys:
+                    raise IdempotencyConflict(f"idempotency_key {item.idempotency_key!r} appears twice in one append")
+                new_keys.add(item.idempotency_key)
             if existing is not None:
                 out.append(entry_from_row(existing, active=self.on_active_path(scope, session_id, existing)))
                 continue
