@@ -11,7 +11,7 @@ import pytest
 from conftest import _admin_exec, _pg_reachable, assistant, make_legacy, pg_url, tool_round, user
 from hosting import count_transactions
 from sqlalchemy import event, func, insert, select, text
-from workers.turn_worker import count_turn
+from workers.turn_worker import count_turn, counting_engine
 
 from transcript_store import (
     Admission,
@@ -383,6 +383,30 @@ def test_a_reply_that_differs_from_its_transcript_entry_is_refused(
     # A copy with other key order or whitespace is the same JSON: accepted.
     reordered = [messages[0], {"content": "a", "role": "assistant"}, messages[2]]
     assert turns.commit_turn(E, "t1", admission, terminal, reordered, apply=count_turn).status == "committed"
+
+
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_a_reply_equal_in_python_but_not_as_json_is_refused_and_the_drain_finds_its_duplicate(
+    store: TranscriptStore, turns: Turns, sid: str, path: str
+) -> None:
+    """1.0 and True are ``== 1`` in Python, not in JSON: the check took them for the entry's 1 and
+    receipted the turn hashed with them, so the drain of the queued turn (read from the transcript)
+    collided with that receipt for ever, and the session's later turns waited behind it."""
+    apply = None if path == "one statement" else count_turn
+    turns.admit(A, sid, user("2+2?"), turn_id="t1", engine_id=E)
+    reply = {"role": "assistant", "content": "4", "meta": {"n": 1, "ok": True, "z": 0.0, "l": [1]}}
+    done = turns.complete(A, sid, "t1", [{"message": reply}], commit_in=None)
+    admission = store.anchor(A, sid, store.list_entries(A, sid)[0].entry_id)
+    for meta in ({"n": 1.0}, {"n": True}, {"ok": 1}, {"z": -0.0}, {"z": 0}, {"l": [1.0]}):
+        changed = {**reply, "meta": {**reply["meta"], **meta}}
+        with pytest.raises(InvalidInput, match="differs from its transcript entry"):
+            turns.commit_turn(E, "t1", admission, done.terminal, [user("2+2?"), changed], apply=apply)
+        assert ledger(store, sid)[0] == []
+    # The same JSON in other key order, a tuple for a list: the turn.
+    same = {"meta": {"l": (1,), "z": 0.0, "ok": True, "n": 1}, "content": "4", "role": "assistant"}
+    assert turns.commit_turn(E, "t1", admission, done.terminal, [user("2+2?"), same], apply=apply).status == "committed"
+    drained = turns.drain(lambda _engine: counting_engine)
+    assert (drained.duplicates, drained.failed) == (1, [])
 
 
 def test_a_terminal_on_a_branch_that_does_not_descend_from_the_admission_is_refused(

@@ -125,6 +125,21 @@ def test_an_idempotency_key_with_other_content_conflicts(store: TranscriptStore,
     assert len(store.list_entries(A, sid)) == 1
 
 
+def test_a_retry_equal_in_python_but_not_as_json_is_other_content(store: TranscriptStore, sid: str) -> None:
+    """1, 1.0 and True are one value to ``==``; stored, they are three texts: a retry under the key with
+    another of them is other content, not the stored entry."""
+    stored = store.append(A, sid, {"role": "user", "content": "x", "n": 1, "z": 0.0}, idempotency_key="k")
+    admitted = store.admit(A, sid, {"role": "user", "content": "q", "ok": True}, turn_id="t1")
+    for n, z in ((1.0, 0.0), (True, 0.0), (1, -0.0), (1, 0)):
+        with pytest.raises(IdempotencyConflict):
+            store.append(A, sid, {"role": "user", "content": "x", "n": n, "z": z}, idempotency_key="k")
+    with pytest.raises(IdempotencyConflict):
+        store.admit(A, sid, {"role": "user", "content": "q", "ok": 1}, turn_id="t1")
+    assert store.append(A, sid, {"z": 0.0, "n": 1, "content": "x", "role": "user"}, idempotency_key="k") == stored
+    assert store.admit(A, sid, {"role": "user", "content": "q", "ok": True}, turn_id="t1") == admitted
+    assert len(store.list_entries(A, sid)) == 2
+
+
 def test_append_many_is_one_chain_in_one_transaction(store: TranscriptStore, sid: str) -> None:
     store.append(A, sid, user("before"))
     made = store.append_many(

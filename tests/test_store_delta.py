@@ -29,9 +29,9 @@ from transcript_store import (
     UnknownSession,
     hot,
 )
-from transcript_store.core import MAX_ID_CHARS, Core, decode_stored, stored_text
+from transcript_store.core import MAX_ID_CHARS, Core, decode_stored, same_json, stored_text
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
-from transcript_store.models import compact_json
+from transcript_store.models import canonical_json, compact_json
 
 A, B = "scope-a", "scope-b"
 
@@ -779,6 +779,23 @@ def test_stored_and_canonical_texts_are_what_json_dumps_writes(value: Any, sort_
     """compact_json (every stored payload, every turn's hashed text) against json.dumps: the same text
     for ASCII and non-ASCII values alike, the same error for NaN, unsortable or non-JSON values."""
     _encodes_as_json_dumps(value, sort_keys)
+
+
+_NUMBERS_AND_CO = st.sampled_from([0, 1, -1, 0.0, -0.0, 1.0, 1e16, 10**16, True, False, None, "1", "a"])
+_ALIKE_VALUES = st.recursive(
+    _NUMBERS_AND_CO,
+    lambda inner: st.lists(inner, max_size=3).map(lambda v: v if len(v) % 2 else tuple(v))
+    | st.dictionaries(st.sampled_from("ab"), inner, max_size=2),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=_ALIKE_VALUES, b=_ALIKE_VALUES)
+def test_same_json_is_equality_of_the_canonical_texts(a: Any, b: Any) -> None:
+    """What an idempotency or commit check takes for the same content hashes the same: 1, 1.0 and True
+    (``==`` in Python) are three values, a tuple is the list it is written as, key order is no matter."""
+    assert same_json(a, b) == (canonical_json(a) == canonical_json(b)) == same_json(b, a)
 
 
 @pytest.mark.parametrize(

@@ -668,6 +668,27 @@ def decode_stored(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two JSON values are the same JSON: ``==``, except that a bool, an integer and a float are
+    never equal to one another, nor 0.0 to -0.0 (JSON writes each its own way, and a turn's hash with it)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and len(a) == len(b) and all(k in b and same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(same_json, a, b))
+    if isinstance(a, int | float) or isinstance(b, int | float):
+        return _number_text(a) == _number_text(b)
+    return bool(a == b)
+
+
+def _number_text(value: Any) -> str | None:
+    """How JSON writes a number (a bool is ``True``/``False`` here); None for anything else."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    return float.__repr__(value) if isinstance(value, float) else None
+
+
 def entry_values(row: Any, active: bool) -> dict[str, Any]:
     """The fields of an Entry from a trusted row, as a dict."""
     body = decode_stored(row.payload)
@@ -993,7 +1014,9 @@ class Core:
         if len(rows) > 1:
             raise IdempotencyConflict("entry_id, idempotency_key and turn_id name different entries")
         row = rows[0]
-        same_body = row.payload == new.payload_json or decode_stored(row.payload) == decode_stored(new.payload_json)
+        same_body = row.payload == new.payload_json or same_json(
+            decode_stored(row.payload), decode_stored(new.payload_json)
+        )
         if row.kind != new.kind or not same_body:
             raise IdempotencyConflict(f"{self._key_name(row, new)} already names an entry with other content")
         if (new.turn_id is not None and row.turn_id != new.turn_id) or (
