@@ -687,11 +687,13 @@ def test_recovery_is_per_session_and_per_engine(store: TranscriptStore, turns: T
 
 def test_accept_refuses_a_terminal_that_names_no_stored_message(store: TranscriptStore, turns: Turns, sid: str) -> None:
     """Refused, not accepted and blocked later at the drain: the intent stays admitted."""
+    before = store.anchor(A, sid, store.append(A, sid, user("earlier")).entry_id)
     turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
     reply = store.append(A, sid, assistant("a"))
     real = store.anchor(A, sid, reply.entry_id)
     event = store.append(A, sid, kind="metadata", payload={"note": "not a message"})
     for forged in (
+        before,  # a stored message as it is, but before the admission: never the turn's terminal
         real.model_copy(update={"entry_id": "no-such-entry"}),
         real.model_copy(update={"seq": real.seq + 5}),
         real.model_copy(update={"position": 9}),

@@ -341,6 +341,10 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
             terminal.seq, terminal.parent_id, terminal.position
         ):
             raise InvalidInput(f"the terminal anchor names no stored message as it is: {terminal.entry_id!r}")
+        if row.seq < intent.admission.anchor.seq:
+            # Written before the admitted entry, so not its descendant (a child's seq is its parent's
+            # and more): the range would be ``non_descendant`` and the turn blocked at the drain.
+            raise InvalidInput(f"the terminal anchor precedes the admitted entry: {terminal.entry_id!r}")
         persist_accept(core, scope, session_id, turn_id, terminal)
     return intent
 
