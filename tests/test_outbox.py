@@ -685,6 +685,33 @@ def test_recovery_is_per_session_and_per_engine(store: TranscriptStore, turns: T
     assert turns.intent(A, s2, "u1") is not None  # another session is not touched
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_reply_keyed_as_an_earlier_turns_entry_is_refused_not_blocked_at_the_drain(
+    store: TranscriptStore, turns: Turns, sid: str, fast: bool
+) -> None:
+    """A reply whose idempotency key (or entry id) names an earlier turn's entry is not appended again:
+    the turn was accepted with that entry as its terminal and blocked as non_descendant, or accepted
+    without that reply. Refused instead, before anything is written; the intent stays admitted."""
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    first = turns.complete(A, sid, "t1", [{"message": assistant("ok"), "idempotency_key": "r"}], counting_engine)
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    before = store.list_entries(A, sid)
+    for replies in (
+        [{"message": assistant("ok"), "idempotency_key": "r"}],
+        [{"message": assistant("ok"), "idempotency_key": "r"}, {"message": assistant("more")}],
+        [{"message": assistant("ok"), "entry_id": first.terminal.entry_id}],
+    ):
+        with pytest.raises(IdempotencyConflict, match="before its admission"):
+            turns.complete(A, sid, "t2", replies, counting_engine if fast else None)
+        assert turns.intent(A, sid, "t2").state == "admitted"
+        assert store.list_entries(A, sid) == before
+    done = turns.complete(A, sid, "t2", [{"message": assistant("ok"), "idempotency_key": "r2"}], None)
+    # A retry of that completion finds its own replies, after the admission: the same acceptance.
+    again = turns.complete(A, sid, "t2", [{"message": assistant("ok"), "idempotency_key": "r2"}], None)
+    assert again.terminal == done.terminal and again.intent.state == "accepted"
+    assert turns.drain(engines()).committed == 1
+
+
 def test_accept_refuses_a_terminal_that_names_no_stored_message(store: TranscriptStore, turns: Turns, sid: str) -> None:
     """Refused, not accepted and blocked later at the drain: the intent stays admitted."""
     before = store.anchor(A, sid, store.append(A, sid, user("earlier")).entry_id)

@@ -22,7 +22,7 @@ from sqlalchemy import Row
 from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
 from .db import UNSENDABLE
-from .errors import InvalidInput, OutboxCollision, TranscriptStoreError, describe
+from .errors import IdempotencyConflict, InvalidInput, OutboxCollision, TranscriptStoreError, describe
 from .ledger import (
     ApplyTurn,
     CommitResult,
@@ -322,6 +322,15 @@ class Turns:
         faults.point("complete.after_replies")
         terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
         intent, fresh, earlier = outbox.check_accept(c, scope, session_id, turn_id, terminal)
+        admitted = intent.admission.anchor
+        stale = next((e for e in appended if e.seq <= admitted.seq), None)
+        if stale is not None:
+            # A reply whose entry id or idempotency key names an entry the turn did not write (an
+            # earlier turn's reply under the same key): it is not appended again, so the turn would be
+            # accepted without it, or with an earlier entry as its terminal and blocked at the drain.
+            raise IdempotencyConflict(
+                f"a reply of turn {turn_id!r} names entry {stale.entry_id!r}, written before its admission"
+            )
         return intent, terminal, fresh, earlier, sess, appended
 
     def _complete_fast(
