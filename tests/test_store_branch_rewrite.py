@@ -217,6 +217,12 @@ def test_an_unchanged_rewrite_changes_nothing(store: TranscriptStore, sid: str) 
     assert (result.changed, result.rewritten_entries, result.bytes_freed, result.generation) == (False, 0, 0, 0)
     assert result.reason == "unchanged"
     assert snapshot(store) == before
+    # The same message with its keys in another order is the same message (as for an idempotency key).
+    reordered = dict(reversed(list(made[1].message.items())))
+    assert list(reordered) != list(made[1].message)
+    result = store.rewrite_entries(A, sid, [{"entry_id": made[1].entry_id, "message": reordered}])
+    assert (result.changed, result.reason, result.generation) == (False, "unchanged", 0)
+    assert snapshot(store) == before
 
 
 def test_the_allowed_suffix_must_cover_every_active_entry_from_the_first_replacement(
