@@ -686,6 +686,30 @@ def test_recovery_is_per_session_and_per_engine(store: TranscriptStore, turns: T
 
 
 @pytest.mark.parametrize("fast", [True, False])
+def test_re_admitting_a_committed_turn_is_refused_and_writes_nothing(
+    store: TranscriptStore, turns: Turns, sid: str, fast: bool
+) -> None:
+    """A worker retrying a turn id another attempt already delivered (its intent deleted then) was
+    given a fresh admitted intent: its replies landed a second time and its commit collided with the
+    receipt on every drain, holding the session's later turns back. Refused instead."""
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    turns.complete(A, sid, "t1", [{"message": assistant("a1")}], counting_engine if fast else None)
+    if not fast:
+        assert turns.drain(engines()).committed == 1
+    assert turns.intent(A, sid, "t1") is None
+    before = store.list_entries(A, sid)
+    with pytest.raises(OutboxCollision, match="already committed"):
+        turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    assert turns.intent(A, sid, "t1") is None and store.list_entries(A, sid) == before
+    # The session goes on; a turn id whose attempt failed before it was accepted is still admitted again.
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    assert turns.discard(A, sid, "t2")
+    assert turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)[1].state == "admitted"
+    turns.complete(A, sid, "t2", [{"message": assistant("a2")}], counting_engine)
+    assert engine_view(store, sid)[0] == ["t1", "t2"]
+
+
+@pytest.mark.parametrize("fast", [True, False])
 def test_a_reply_keyed_as_an_earlier_turns_entry_is_refused_not_blocked_at_the_drain(
     store: TranscriptStore, turns: Turns, sid: str, fast: bool
 ) -> None:

@@ -580,6 +580,12 @@ class HostRuntime:
                 admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
             except (SessionBusy, TurnOvertaken) as e:
                 raise _Refused(e) from None
+            except OutboxCollision:
+                # Another attempt of this turn id committed it since the look above: report that one.
+                done = self._already_accepted(scope, session_id, turn_id, engine_id)
+                if done is None:
+                    raise
+                return done
         admission = admitted[0]
         # From the admission until the completion, the turn's lease is renewed in the background, so
         # no model or tool call, however long, lets another turn take the session over (leases.py).

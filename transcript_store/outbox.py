@@ -196,6 +196,9 @@ _LATER_ADMISSION = (
     .order_by(entries.c.seq)
     .limit(1)
 )
+_RECEIPT_OF_TURN = (
+    select(receipts.c.engine_id).where(by_session(receipts), receipts.c.advancement_key == bindparam("b_turn")).limit(1)
+)
 #: dialect name -> INSERT .. ON CONFLICT DO NOTHING RETURNING of an admitted intent
 _INSERT_ADMITTED: dict[str, Any] = {}
 _DELETE_TURN = delete(outbox).where(_BY_TURN)
@@ -255,6 +258,16 @@ def check_not_overtaken(core: Core, admission: Admission) -> None:
     later = core.run(_LATER_ADMISSION, _turn_params(a.scope, a.session_id, admission.turn_id, b_seq=a.seq)).first()
     if later is not None:
         raise TurnOvertaken(admission.turn_id, later.turn_id)
+
+
+def check_not_committed(core: Core, admission: Admission) -> None:
+    """Refuse to run again a turn the ledger holds a receipt of (``OutboxCollision``): it reached an
+    engine, and its intent was deleted then; admitted again, its second replies would land in the
+    transcript and its commit collide with the receipt on every drain, holding the session's queue."""
+    a = admission.anchor
+    found = core.run(_RECEIPT_OF_TURN, _turn_params(a.scope, a.session_id, admission.turn_id)).first()
+    if found is not None:
+        raise OutboxCollision(f"turn {admission.turn_id!r} was already committed (engine {found.engine_id!r})")
 
 
 def get_row(core: Core, scope: str, session_id: str, turn_id: str, *, lock: bool = False) -> Row[Any] | None:

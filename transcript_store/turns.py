@@ -137,7 +137,8 @@ class Turns:
 
         One turn at a time per session: ``SessionBusy`` while another turn of the session is admitted
         and its worker lives (one whose worker is gone is discarded first); ``TurnOvertaken`` when this
-        turn id's stored admission is to run again but a later turn's admission follows it.
+        turn id's stored admission is to run again but a later turn's admission follows it;
+        ``OutboxCollision`` when the ledger holds its receipt already (nothing to run again).
         """
         result = self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False)
         assert result is not None
@@ -208,9 +209,11 @@ class Turns:
                 is_heartbeat=is_heartbeat, owner=owner,
             )
             if followed and intent.state == "admitted":
-                # A stored admission that is to run (again): was it overtaken by a later turn? (An
-                # accepted one is answered as it is: its range was closed before the later turn.)
+                # A stored admission that is to run (again): was it overtaken by a later turn, or
+                # delivered already? (An accepted one is answered as it is: its range was closed
+                # before the later turn.)
                 outbox.check_not_overtaken(c, admission)
+                outbox.check_not_committed(c, admission)
             if within is not None:
                 within(c, admission)
             return admission, intent
