@@ -428,3 +428,20 @@ def test_an_admission_must_be_a_user_message(store: TranscriptStore, sid: str) -
         with pytest.raises(InvalidMessage):
             store.admit(A, sid, message, turn_id="turn-1")  # type: ignore[arg-type]
     assert store.list_entries(A, sid) == []
+
+
+def test_a_mirror_compares_host_messages_as_json(store: TranscriptStore, sid: str) -> None:
+    """A host message that equals the mirrored one only to ``==`` (1.0 for 1) is a change: the mirror
+    branches there and holds the host's text."""
+    from transcript_store.mirror import HostMessage, align
+
+    first = [HostMessage(None, {"role": "user", "content": "x", "n": 1}), HostMessage(None, assistant("a"))]
+    done = store.write(lambda c: align(c, store.config, A, sid, 0, first))
+    assert (done.imported, done.matched, done.rewound) == (2, 0, False)
+    again = store.write(lambda c: align(c, store.config, A, sid, 0, first))
+    assert (again.imported, again.matched, again.rewound) == (0, 2, False)
+    moved = [HostMessage(None, {"role": "user", "content": "x", "n": 1.0})]
+    done = store.write(lambda c: align(c, store.config, A, sid, 0, moved))
+    assert (done.imported, done.matched, done.rewound) == (1, 0, True)
+    page = store.read_visible_delta(A, sid, None)
+    assert [repr(e.message) for e in page.entries] == [repr(moved[0].message)]

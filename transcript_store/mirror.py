@@ -18,7 +18,7 @@ from typing import Any
 
 from . import fences, paths
 from .config import StoreConfig
-from .core import Core, NewEntry, decode_stored, prepare_entry
+from .core import Core, NewEntry, decode_stored, prepare_entry, same_json
 from .errors import MirrorConflict
 from .ledger import get_state, put_state
 from .models import Anchor, ClosedRange
@@ -102,7 +102,8 @@ def align(
     stored = core.visible_rows(scope, session_id, start - 1, end, None) if end > start else []
     matched = 0
     for row, host in zip(stored, messages, strict=False):
-        if row.entry_id != host.entry_id and decode_stored(row.payload) != host.message:
+        # JSON equality, not ``==`` (1, 1.0 and True are three texts: core.same_json).
+        if row.entry_id != host.entry_id and not same_json(decode_stored(row.payload), host.message):
             break
         matched += 1
     rewound = False
@@ -154,7 +155,7 @@ def mirror_turn(
     first = _anchor_at(core, sess, start)
     last = _anchor_at(core, sess, start + len(messages) - 1)
     closed = fences.read_closed_range(core, first, last)
-    if not isinstance(closed, ClosedRange) or closed.messages != list(messages):
+    if not isinstance(closed, ClosedRange) or not same_json(closed.messages, list(messages)):
         raise MirrorConflict("turn_mismatch", "the mirrored range differs from the turn's messages")
     return first, last, closed.messages
 
