@@ -29,7 +29,7 @@ from transcript_store import (
     UnknownSession,
     hot,
 )
-from transcript_store.core import MAX_ID_CHARS, Core, decode_stored, same_json, stored_text
+from transcript_store.core import MAX_ID_BYTES, MAX_ID_CHARS, Core, decode_stored, same_json, stored_text
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
 from transcript_store.models import canonical_json, compact_json
 
@@ -321,7 +321,8 @@ def test_a_cursor_this_process_issued_decodes_from_memory_and_only_that_token(
 def test_the_longest_legal_cursor_is_canonical(store: TranscriptStore) -> None:
     """Ids of 255 characters that JSON escapes still make a cursor the store accepts back."""
     for char in ("é", "🙂", '"', "\\"):
-        scope, sid = char * MAX_ID_CHARS, (char * MAX_ID_CHARS)[:-1] + "x"
+        longest = min(MAX_ID_CHARS, MAX_ID_BYTES // len(char.encode()))
+        scope, sid = char * longest, (char * longest)[:-1] + "x"
         store.create_session(scope, session_id=sid)
         made = [store.append(scope, sid, user(str(i))) for i in range(3)]
         page = page_of(store.read_visible_delta(scope, sid, max_messages=2))

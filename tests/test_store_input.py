@@ -17,7 +17,9 @@ from transcript_store import (
     TranscriptStore,
     UnknownSession,
 )
+from transcript_store.ledger import commit_turn_in
 from transcript_store.schema import active_path, entries, sessions
+from transcript_store.turns import Turns
 
 A = "scope-a"
 
@@ -156,6 +158,7 @@ BAD_IDS: dict[str, Any] = {
     "c1-next-line": "a\x85b",
     "c1-csi": "\x9b31m",
     "too-long": "x" * 256,
+    "too-many-bytes": "🙂" * 161,
     "lone-surrogate": "a\ud800b",
     "not-a-string": 42,
     "bytes": b"s1",
@@ -193,13 +196,21 @@ def test_invalid_ids_are_refused_everywhere(store: TranscriptStore, sid: str) ->
         )
 
 
-def test_the_longest_id_is_accepted(store: TranscriptStore) -> None:
-    longest = "é" * 255
+@pytest.mark.parametrize("longest", ["é" * 255, "漢" * 213, "🙂" * 160], ids=["2-byte", "3-byte", "4-byte"])
+def test_the_longest_id_is_accepted(store: TranscriptStore, longest: str) -> None:
+    """255 characters, or 640 bytes of UTF-8: four such ids share an index row within PostgreSQL's limit."""
     store.create_session(longest, session_id=longest, session_key=longest)
     entry = store.append(longest, longest, user("x"), entry_id=longest, idempotency_key=longest)
     adm = store.admit(longest, longest, user("q"), turn_id=longest)
     assert store.get_entries(longest, longest, [longest]) == [entry]
     assert adm.turn_id == longest
+    # A receipt's key holds four ids: scope, session, advancement key and engine.
+    turns = Turns(store)
+    turn_id = longest[:-1] + "t"
+    turns.admit(longest, longest, user("q2"), turn_id=turn_id, engine_id=longest)
+    reply = {"message": {"role": "assistant", "content": "a"}}
+    done = turns.complete(longest, longest, turn_id, [reply], commit_turn_in)
+    assert done.commit is not None and done.commit.status == "committed"
 
 
 SQLISH = [

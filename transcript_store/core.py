@@ -68,6 +68,10 @@ from .models import (
 from .schema import active_path, entries, sessions
 
 MAX_ID_CHARS = 255
+#: An id's UTF-8 bytes: a PostgreSQL B-tree index row holds at most 2,704 bytes, and one row holds up to
+#: four ids (a receipt's scope, session, key and engine): 255 astral characters (1,020 bytes) each did
+#: not fit, and a write failed as a database error on PostgreSQL where SQLite took it.
+MAX_ID_BYTES = 640
 #: control characters (C0, DEL, C1), NUL and lone surrogates; one regex search, not a loop per character
 _BAD_ID_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -122,7 +126,7 @@ def foreign_incarnation(token: int | None, incarnation: int, created_us: int) ->
 
 
 def check_id(what: str, value: object, *, optional: bool = False) -> None:
-    """Refuse ids that are empty, too long, not text, or carry control characters or NUL."""
+    """Refuse ids that are empty, too long (in characters or UTF-8 bytes), not text, or with control characters."""
     if value is None and optional:
         return
     if not isinstance(value, str):
@@ -132,6 +136,8 @@ def check_id(what: str, value: object, *, optional: bool = False) -> None:
     # C0, DEL and C1 (U+0080..U+009F: NEL, CSI, ...) are all control characters: none belongs in an id.
     if _BAD_ID_CHAR.search(value) is not None:
         raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
+    if len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8")) > MAX_ID_BYTES:
+        raise InvalidInput(f"{what} must be at most {MAX_ID_BYTES} bytes in UTF-8")
 
 
 #: the largest seq, position or generation a column holds (32-bit INTEGER on PostgreSQL)
