@@ -119,6 +119,22 @@ def test_broken_engine_is_quarantined_and_turns_go_to_legacy(store: TranscriptSt
     assert receipts(store, "legacy") == ["t1", "t2"]
 
 
+def test_an_engine_failing_to_give_its_tools_degrades_the_turn_to_legacy(store: TranscriptStore, sid: str) -> None:
+    """get_tool_schemas runs before the model is first called: an engine raising there is quarantined
+    and the turn is answered on legacy, as for assemble, not failed."""
+
+    class NoSchemas(CountingEngine):
+        def get_tool_schemas(self) -> Any:
+            raise RuntimeError("schema bug")
+
+    host, _ = make_host(store, "noschemas", {"noschemas": lambda ctx: NoSchemas(ctx, "noschemas")})
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert (out.engine_id, out.commit_status) == ("legacy", "committed")
+    assert "schema bug" in (out.degraded_reason or "")
+    assert host.quarantined["noschemas"][0] == "get_tool_schemas"
+    assert receipts(store, "legacy") == ["t1"]
+
+
 def test_a_driver_error_is_described_without_its_statement_and_parameters(
     store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -632,8 +632,15 @@ class HostRuntime:
             raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
+        try:
+            engine_tools = self._engine_tools(engine, info)
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            # Before the model is first called: the turn may still run on legacy, as for assemble.
+            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled)
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
         self._leases.release(scope, session_id, turn_id)
         try:
@@ -763,6 +770,7 @@ class HostRuntime:
         session_id: str,
         user: dict[str, Any],
         assembled: AssembleResult,
+        engine_tools: dict[str, Any],
     ) -> list[dict[str, Any]]:
         system = self.settings.system_prompt
         if assembled.system_prompt_addition:
@@ -770,12 +778,6 @@ class HostRuntime:
         context = prune_tool_results(
             assembled.messages, self.settings.prune_keep_recent_tool_results, self.settings.prune_tool_result_max_chars
         )
-        engine_tools = {}
-        get_schemas = getattr(engine, "get_tool_schemas", None)
-        if get_schemas is not None:
-            for schema in self._call(info.id, "get_tool_schemas", get_schemas) or []:
-                fn = schema.get("function", schema)
-                engine_tools[fn["name"]] = {"type": "function", "function": fn}
         tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         replies: list[dict[str, Any]] = []
         for _step in range(self.settings.max_tool_steps):
@@ -795,6 +797,21 @@ class HostRuntime:
                 replies.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
         replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
         return replies
+
+    def _engine_tools(self, engine: Any, info: EngineInfo) -> dict[str, Any]:
+        """The engine's tools by name, as OpenAI function schemas (a schema without a name is its fault)."""
+        get_schemas = getattr(engine, "get_tool_schemas", None)
+        if get_schemas is None:
+            return {}
+
+        def read() -> dict[str, Any]:
+            out = {}
+            for schema in get_schemas() or []:
+                fn = schema.get("function", schema)
+                out[fn["name"]] = {"type": "function", "function": fn}
+            return out
+
+        return self._call(info.id, "get_tool_schemas", read)
 
     def _run_tool(
         self,
