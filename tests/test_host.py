@@ -605,6 +605,21 @@ def test_builtin_compaction_runs_for_non_owning_engines_only(store: TranscriptSt
     assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid2)]
 
 
+def test_builtin_compaction_before_the_prompt_keeps_the_configured_keep_last(store: TranscriptStore, sid: str) -> None:
+    """[engine.config.legacy] keep_last protects recent messages from the built-in compaction: the one
+    the host runs before the prompt too, not only a manual one."""
+    big = "word " * 150
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": big}} for i in range(30)]
+    )
+    host, _ = make_host(store, token_budget=4000, engine_config={"legacy": {"keep_last": 12}})
+    out = host.run_turn(SCOPE, sid, "go")
+    [marker] = [e for e in store.list_entries(SCOPE, sid) if e.kind == "compaction"]
+    kept = store.get_entries(SCOPE, sid, [marker.payload["first_kept_entry_id"]])[0]
+    assert out.admission is not None and out.admission.anchor.position == 30
+    assert kept.position == 30 - 12
+
+
 def test_legacy_estimate_is_the_count_of_the_assembled_messages(store: TranscriptStore, sid: str) -> None:
     """The legacy engine sums the per-message counts it keeps instead of counting its context again:
     the estimate must still be exactly the estimator's count of what it assembled, with a compaction

@@ -19,6 +19,8 @@ from .models import Anchor, Entry
 
 STATE_OWNER = "runtime"
 STATE_KEY = "compaction"
+#: recent messages a compaction never summarizes, unless ``[engine.config.legacy] keep_last`` says otherwise
+KEEP_LAST = 6
 
 
 def load_pointer(store: Any, scope: str, session_id: str) -> dict[str, Any] | None:
@@ -61,7 +63,7 @@ def compact_session(
     summarizer: Any,
     estimator: Any,
     fence: Anchor | None = None,
-    keep_last: int = 6,
+    keep_last: int = KEEP_LAST,
     focus: str | None = None,
     force: bool = False,
     token_budget: int | None = None,

@@ -144,6 +144,9 @@ def delegate_compaction_to_runtime(
 ) -> CompactResult:
     """The built-in summarising compaction, for non-owning engines' ``compact``."""
     h = ctx.host
+    # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
+    # messages whether a compaction is asked for or fires before the prompt.
+    keep_last = h.settings.engine_config.get(LEGACY, {}).get("keep_last", compaction.KEEP_LAST)
     return compaction.compact_session(
         h.store,
         ctx.scope,
@@ -151,6 +154,7 @@ def delegate_compaction_to_runtime(
         summarizer=h.summarizer,
         estimator=h.estimator,
         fence=ctx.fence,
+        keep_last=int(keep_last),
         focus=focus,
         force=force,
         token_budget=int(h.settings.token_budget * h.settings.compaction_threshold),

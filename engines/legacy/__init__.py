@@ -76,7 +76,7 @@ class LegacyEngine:
         self.store = ctx.store
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
-        self.keep_last = int(ctx.config.get("keep_last", 6))
+        self.keep_last = int(ctx.config.get("keep_last", compaction.KEEP_LAST))
         if self.keep_last < 1:  # compaction keeps at least the last message
             raise ValueError(f"legacy engine: keep_last must be at least 1, got {self.keep_last}")
         self.max_sessions = int(ctx.config.get("max_sessions", 256))
