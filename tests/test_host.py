@@ -13,7 +13,13 @@ from sqlalchemy import event
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import CompactResult, EngineContext, HostRequirement, SessionTarget
-from transcript_store.errors import HostRequirementError, InvalidInput, ModelTimeout, UnknownSession
+from transcript_store.errors import (
+    HostRequirementError,
+    InvalidInput,
+    ModelTimeout,
+    TransientStoreError,
+    UnknownSession,
+)
 from transcript_store.host import HostRuntime, TurnFailed, prune_tool_results
 from transcript_store.ledger import committed_messages, get_state
 from transcript_store.quarantine import records
@@ -692,6 +698,51 @@ def test_a_database_error_inside_a_prefetch_is_retried_not_blamed_on_the_engine(
     assert out.engine_id == "dc" and out.degraded_reason is None and out.commit_status == "committed"
     assert "dc" not in host.quarantined and store.db.retries == retries + 1
     assert [e.message for e in store.read_visible(SCOPE, sid)] == out.messages
+
+
+def test_a_database_error_inside_a_commit_is_retried_not_blamed_on_the_engine(store: TranscriptStore, sid: str) -> None:
+    """The completion's connection is terminated while the engine commits: the transaction is retried
+    whole and commits; the engine is not isolated for the rest of the process because of it."""
+    if store.backend != "postgresql":
+        pytest.skip("terminating the transaction's own connection is a PostgreSQL operation")
+
+    class DropsItsConnectionOnce(CountingEngine):
+        commits = 0
+
+        def commit_turn(self, *, tx: Any, **kw: Any) -> Any:
+            self.commits += 1
+            if self.commits == 1:
+                tx.conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+            return super().commit_turn(tx=tx, **kw)
+
+    host, _ = make_host(store, "dc", {"dc": lambda ctx: DropsItsConnectionOnce(ctx, "dc")})
+    retries = store.db.retries
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert (out.engine_id, out.commit_status) == ("dc", "committed") and store.db.retries == retries + 1
+    assert "dc" not in host.quarantined and store.read(lambda c: records(c)) == []
+    assert host.run_turn(SCOPE, sid, "again", turn_id="t2").engine_id == "dc"
+
+
+def test_an_engine_call_failing_with_the_database_leaves_the_engine_selectable(
+    store: TranscriptStore, sid: str
+) -> None:
+    """An assemble that fails because the database did (its retries ran out) runs that turn on legacy;
+    the configured engine is tried again on the next turn instead of being isolated for the process."""
+
+    class Outage(CountingEngine):
+        failures = [TransientStoreError("transient database error: the server closed the connection")]
+
+        def assemble(self, **kw: Any) -> Any:
+            if self.failures:
+                raise self.failures.pop()
+            return super().assemble(**kw)
+
+    host, _ = make_host(store, "outage", {"outage": lambda ctx: Outage(ctx, "outage")})
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "legacy" and "transient database error" in (out.degraded_reason or "")
+    assert "outage" not in host.quarantined and store.read(lambda c: records(c)) == []
+    out = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+    assert (out.engine_id, out.degraded_reason, out.commit_status) == ("outage", None, "committed")
 
 
 def test_compaction_keeping_no_message_is_refused_and_writes_nothing(store: TranscriptStore, sid: str) -> None:

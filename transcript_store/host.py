@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import compaction, outbox, quarantine
 from .core import Core, new_id
@@ -45,8 +45,10 @@ from .errors import (
     OutboxCollision,
     ReadFenceError,
     SessionBusy,
+    StorageFull,
     StoreUnavailable,
     TranscriptStoreError,
+    TransientStoreError,
     TurnOvertaken,
     describe,
 )
@@ -305,8 +307,17 @@ class HostRuntime:
         except (ReadFenceError, HostRequirementError):
             raise
         except Exception as e:
-            self.quarantine(engine_id, operation, e)
+            if not self._database_failed(e):
+                self.quarantine(engine_id, operation, e)
             raise
+
+    def _database_failed(self, error: BaseException) -> bool:
+        """Whether an engine's call failed because the database did (a lost connection, a deadlock, a
+        full disk): the transaction is retried whole or the turn fails, but it is not the engine's
+        fault, and isolating the engine for the process would outlive the outage."""
+        if isinstance(error, DBAPIError):
+            error = self.store.db.translate(error)  # raised inside a transaction, not translated yet
+        return isinstance(error, (TransientStoreError, StorageFull))
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
@@ -340,7 +351,8 @@ class HostRuntime:
                 )
                 return result
             except Exception as e:
-                self.quarantine(engine_id, "commit_turn", e, in_transaction=True)
+                if not self._database_failed(e):
+                    self.quarantine(engine_id, "commit_turn", e, in_transaction=True)
                 raise
 
         return run
