@@ -469,6 +469,27 @@ def test_failing_summarizer_through_the_host_keeps_the_engine(store: TranscriptS
     assert count(store, context_items, sid) == count(store, messages, sid) == 24
 
 
+def test_a_manual_compaction_through_the_host_compacts_what_the_engine_has_not_ingested_yet(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A long session from before lossless was selected (or turns that ran on legacy): the engine has
+    ingested none of it, and a manual compaction must not answer "no progress" on 0 tokens. A turn
+    still running on the session is not read (its admission fences the import)."""
+    store.append_many(A, sid, [{"message": (user if i % 2 == 0 else assistant)(f"old {i} " + "words " * 200)}
+                               for i in range(30)])
+    settings = load_settings(config_path=None, engine="lossless", token_budget=8000, engine_config={"lossless": SMALL})
+    host = HostRuntime(store, settings, RecordingModel(), registry=EngineRegistry(),
+                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    running = host.turns.admit(A, sid, user("a turn still running"), turn_id="running", engine_id="lossless")[0]
+    result = host.compact(A, sid)
+    assert result.ok and result.compacted and (result.tokens_before or 0) > 6000
+    assert (result.tokens_after or 0) < (result.tokens_before or 0)
+    check(store, sid)
+    ingested = store.read(lambda c: c.conn.execute(
+        select(messages.c.entry_id).where(messages.c.scope == A, messages.c.session_id == sid)).scalars().all())
+    assert len(ingested) == 30 and running.anchor.entry_id not in ingested
+
+
 # ---------------------------------------------------------------------------------------------- lifecycle
 
 

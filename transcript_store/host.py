@@ -892,6 +892,8 @@ class HostRuntime:
             engine, info = self.engine(LEGACY)
         self._check_requirements(info, "manual-compact")
         rt = RuntimeContext(self, scope, session_id, None, None)
+        host = {"session_key": sess.session_key, "runtime_context": rt}
+        self._bootstrap_before_compaction(engine, info, scope, session_id, host)
         base = {
             "scope": scope,
             "session_id": session_id,
@@ -899,10 +901,33 @@ class HostRuntime:
             "focus": focus,
             "token_budget": self.settings.token_budget,
         }
-        params = project_params(info, base, {"session_key": sess.session_key, "runtime_context": rt})
+        params = project_params(info, base, host)
         result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
         self.follow(scope, session_id, result.session_target)
         return result
+
+    def _bootstrap_before_compaction(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, host: dict[str, Any]
+    ) -> None:
+        """Let an engine ingest what the transcript holds and it has not seen before it compacts.
+
+        An engine that keeps its own copy (lossless) compacts that copy: messages it never ingested (turns
+        that ran on legacy, the history of a session from before the engine was selected) would be
+        missing from it, and the compaction would make no progress on a long transcript. Fenced at the
+        admission of a turn still running on the session, whose messages no engine may read yet.
+        """
+        bootstrap = getattr(engine, "bootstrap", None)
+        if bootstrap is None:
+            return
+        running = [
+            i for i in self.store.read(lambda c: outbox.pending(c, scope, session_id)) if i.state == "admitted"
+        ]
+        fence = running[0].admission.anchor if running else None
+        params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
+        try:
+            self._call(info.id, "bootstrap", lambda: bootstrap(**params))
+        except ReadFenceError as e:  # the running turn's entry moved: compact what the engine holds
+            log.warning("compaction of %s: the engine could not import first: %s", session_id, e.reason)
 
     def spawn_subagent(
         self,
