@@ -12,7 +12,7 @@ from hosting import CountingEngine, RecordingModel, count_transactions
 from sqlalchemy import event
 
 from transcript_store import TranscriptStore
-from transcript_store.engine import CompactResult, EngineContext, HostRequirement, SessionTarget
+from transcript_store.engine import AssembleResult, CompactResult, EngineContext, HostRequirement, SessionTarget
 from transcript_store.errors import (
     HostRequirementError,
     InvalidInput,
@@ -609,6 +609,41 @@ def test_builtin_compaction_runs_for_non_owning_engines_only(store: TranscriptSt
     )
     host2.run_turn(SCOPE, sid2, "go")
     assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid2)]
+
+
+def test_the_pre_prompt_safeguard_of_an_owning_engine_runs_its_own_compaction(
+    store: TranscriptStore, sid: str
+) -> None:
+    """An engine that owns compaction and answers prompt_authority="preassembly_may_overflow" keeps the
+    pre-prompt safeguard on: over the threshold, the host asks the engine's compact(), never the
+    built-in compaction (whose summary the engine would not read), and assembles again."""
+
+    class Owning(CountingEngine):
+        compacted = False
+
+        def assemble(self, **kw: Any) -> AssembleResult:
+            window = super().assemble(**kw).messages[-2:]
+            tokens = 100 if self.compacted else 5000
+            return AssembleResult(messages=window, estimated_tokens=tokens, prompt_authority="preassembly_may_overflow")
+
+        def compact(self, **kw: Any) -> CompactResult:
+            self.calls.append(("compact", kw))
+            self.compacted = True
+            return CompactResult(ok=True, compacted=True)
+
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 300}}
+                     for i in range(20)]
+    )
+    engines: dict[str, Owning] = {}
+    host, _ = make_host(
+        store, "own", {"own": lambda ctx: engines.setdefault("own", Owning(ctx, "own", owns_compaction=True))},
+        token_budget=4000,
+    )
+    out = host.run_turn(SCOPE, sid, "hello")
+    assert (out.engine_id, out.assembled_tokens) == ("own", 100)
+    assert [name for name, _ in engines["own"].calls] == ["assemble", "compact", "assemble", "commit_turn"]
+    assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid)]
 
 
 def test_builtin_compaction_before_the_prompt_keeps_the_configured_keep_last(store: TranscriptStore, sid: str) -> None:

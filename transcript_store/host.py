@@ -768,15 +768,30 @@ class HostRuntime:
         precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
         threshold = int(budget * self.settings.compaction_threshold)
         if precheck and result.estimated_tokens > threshold:
-            # Built-in auto-compaction before the prompt, then assemble again from the new pointer.
+            # Compaction before the prompt, then assemble again from the new pointer: the built-in one,
+            # unless the engine owns compaction (its safeguard asks the engine, never the built-in).
             rt: RuntimeContext = host["runtime_context"]
-            done = delegate_compaction_to_runtime(rt, force=False)
+            if info.owns_compaction:
+                done = self._owned_compaction(engine, info, scope, session_id, budget, host)
+            else:
+                done = delegate_compaction_to_runtime(rt, force=False)
             if done.compacted:
                 params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )
         return result
+
+    def _owned_compaction(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, budget: int, host: dict[str, Any]
+    ) -> CompactResult:
+        """The engine's own compaction, for the pre-prompt safeguard of an engine that owns compaction."""
+        method = getattr(engine, "compact", None)
+        if method is None:
+            return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
+        base = {"scope": scope, "session_id": session_id, "force": False, "focus": None, "token_budget": budget}
+        params = project_params(info, base, host)
+        return self._call(info.id, "compact", lambda: CompactResult.model_validate(method(**params)))
 
     def _model_loop(
         self,
