@@ -141,6 +141,31 @@ def test_an_engine_failing_to_give_its_tools_degrades_the_turn_to_legacy(store: 
     assert receipts(store, "legacy") == ["t1"]
 
 
+def test_an_engine_tool_that_raises_is_answered_as_an_error_and_the_turn_goes_on(
+    store: TranscriptStore, sid: str
+) -> None:
+    """handle_tool_call runs after the model was called (host tools may have run): the turn cannot move
+    to legacy, but it must not fail either. The engine is quarantined, the model gets an error for the
+    call and answers, and the accepted turn waits in the outbox for the engine."""
+
+    class ToolBroken(CountingEngine):
+        def get_tool_schemas(self) -> Any:
+            return [{"name": "recall", "parameters": {"type": "object", "properties": {}}}]
+
+        def handle_tool_call(self, name: str, args: Any, **kw: Any) -> str:
+            raise RuntimeError("tool bug")
+
+    host, _ = make_host(store, "broken", {"broken": lambda ctx: ToolBroken(ctx, "broken")})
+    out = host.run_turn(SCOPE, sid, "please use tool recall now", turn_id="t1")
+    assert (out.engine_id, out.commit_status) == ("broken", "queued")
+    assert [m["role"] for m in out.messages] == ["user", "assistant", "tool", "assistant"]
+    assert "tool 'recall' failed" in out.messages[2]["content"]
+    assert host.quarantined["broken"][0] == "handle_tool_call"
+    assert [e.message for e in store.read_visible(SCOPE, sid)] == out.messages
+    nxt = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+    assert (nxt.engine_id, nxt.commit_status) == ("legacy", "committed")
+
+
 def test_a_driver_error_is_described_without_its_statement_and_parameters(
     store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -858,11 +858,21 @@ class HostRuntime:
             args = json.loads(call["function"].get("arguments") or "{}")
         except json.JSONDecodeError:
             args = {}
-        if name in engine_tools:
+        if name in engine_tools and info.id in self.quarantined:
+            content = json.dumps({"error": f"tool {name!r} is unavailable: its context engine failed"})
+        elif name in engine_tools:
             handler = engine.handle_tool_call
-            content = self._call(
-                info.id, "handle_tool_call", lambda: handler(name, args, scope=scope, session_id=session_id)
-            )
+            try:
+                content = self._call(
+                    info.id, "handle_tool_call", lambda: handler(name, args, scope=scope, session_id=session_id)
+                )
+            except Exception as e:
+                if info.id == LEGACY or self._database_failed(e):
+                    raise
+                # The engine is quarantined now, but the turn has started: the host tools it ran must not
+                # run again on legacy. The model learns the tool failed and answers; the accepted turn
+                # waits in the outbox for the engine, as after a failed commit.
+                content = json.dumps({"error": f"tool {name!r} failed: {type(e).__name__}"})
         elif name in self.host_tools:
             content = self.host_tools[name][1](args)
         else:
@@ -881,7 +891,9 @@ class HostRuntime:
     ) -> None:
         for op in ("after_turn", "maintain"):
             method = getattr(engine, op, None)
-            if method is None or (op == "maintain" and info.turn_maintenance_mode == "background"):
+            if method is None or info.id in self.quarantined:
+                continue  # an engine quarantined during the turn (its tool failed) is not called again
+            if op == "maintain" and info.turn_maintenance_mode == "background":
                 continue
             params = project_params(
                 info, {"scope": scope, "session_id": session_id, "admission": admission, "terminal": terminal}, host
