@@ -352,6 +352,24 @@ def test_engine_descriptions_compaction_and_maintenance(server: ServiceProcess) 
     assert status == 200 and assembled["messages"] and assembled["estimated_tokens"] <= 3000
 
 
+def test_a_compaction_reaches_pages_imported_without_done(server: ServiceProcess) -> None:
+    """The OpenClaw plugin imports the host's pages (``done`` unset) and then compacts: the lossless
+    engine, which compacts its own copy, must see those pages, not answer "no progress" on a long
+    transcript it never ingested."""
+    sid = new_id("s")
+    open_session(server, session_id=sid, session_key=new_id("k"))
+    host = [(user if i % 2 == 0 else assistant)(f"message {i} " * 60) for i in range(40)]
+    page = {"cursor": None, "next_cursor": "c40", "entries": [{"entry_id": f"h{i}", "message": m}
+                                                               for i, m in enumerate(host)]}
+    status, out = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/bootstrap", TOKEN_A,
+                              {"page": page, "done": False})
+    assert status == 200 and out["imported"] == 40
+    status, result = server.call("POST", f"/v1/engines/lossless/sessions/{sid}/compact", TOKEN_A,
+                                 {"force": True, "token_budget": 2000})
+    assert status == 200 and result["ok"] is True, result
+    assert result["tokens_before"] > 5000 and result["compacted"] is True, result
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

@@ -314,16 +314,17 @@ class Service:
             update={"cursor": current.cursor, "position": current.position, "visible_count": current.visible_count}
         )
         if req.done:
-            method = getattr(call.engine, "bootstrap", None)
-            if callable(method):
-                base = {"scope": scope, "session_id": session_id, "fence": None}
-                params = project_params(call.info, base, self._host(call, None, self.default_budget))
-                raw = method(**params)
-                result = raw if isinstance(raw, BootstrapResult) else BootstrapResult.model_validate(raw or {})
-            else:
-                result = BootstrapResult(bootstrapped=True, reason="the engine reads the transcript itself")
-            out = out.model_copy(update={"result": result})
+            out = out.model_copy(update={"result": self._engine_bootstrap(call, scope, session_id)})
         return out
+
+    def _engine_bootstrap(self, call: _Call, scope: str, session_id: str) -> BootstrapResult:
+        """The engine's bootstrap over what the mirror holds (nothing to do for an engine without one)."""
+        method = getattr(call.engine, "bootstrap", None)
+        if not callable(method):
+            return BootstrapResult(bootstrapped=True, reason="the engine reads the transcript itself")
+        base = {"scope": scope, "session_id": session_id, "fence": None}
+        raw = method(**project_params(call.info, base, self._host(call, None, self.default_budget)))
+        return raw if isinstance(raw, BootstrapResult) else BootstrapResult.model_validate(raw or {})
 
     def assemble(self, scope: str, engine_id: str, session_id: str, req: AssembleRequest) -> AssembleResult:
         """The engine's context for the next model call (before ``fence`` when given)."""
@@ -348,6 +349,10 @@ class Service:
         """The engine's compaction."""
         call = self._call(scope, engine_id, session_id)
         method = self._lifecycle(call, "compact")
+        # An engine that keeps its own copy (lossless) compacts that copy: pages a host imported without
+        # ``done`` (the OpenClaw plugin's import before a compaction) must reach it first, or a long
+        # transcript compacts to "no progress".
+        self._engine_bootstrap(call, scope, session_id)
         budget = req.token_budget or self.settings.token_budget
         base = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
                 "token_budget": budget}
