@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import _pg_reachable, pg_url
+from rich.cells import cell_len
 from rich.console import Console
 from test_cli import CLI, SCOPE, one_error_line, run, run_json, seed
 
@@ -185,6 +186,23 @@ def test_sessions_list_is_readable_at_80_columns(store_url: str, tmp_path: Path)
     body = [line for line in lines[lines.index(header) + 1:] if line.strip() and set(line.strip()) != {"─"}]
     assert _column(body, header, "key", "entries") == "".join(sorted(keys, key=lambda k: ids[keys.index(k)]))
     assert _column(body, header, "session", "key") == "".join(sorted(ids))
+
+
+def test_sessions_show_all_is_readable_at_80_columns(store_url: str, tmp_path: Path) -> None:
+    seed(store_url)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        every = store.list_entries(SCOPE, "s1")
+    out = run("sessions", "show", "s1", "--all", "--db", store_url, cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    lines = out.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80 and "…" not in out
+    header = next(line for line in lines if "seq" in line and "content" in line)
+    body = "".join(line[header.index("content"):].strip(" │") for line in lines[lines.index(header) + 2:])
+    for text in ("FIRST", "alternative", "a turn", "its reply", '"note"'):  # every content, whole
+        assert text in body, (text, out)
+    marks = [line[:header.index("seq")].strip(" │") for line in lines[lines.index(header) + 2:]]
+    assert marks.count("*") == sum(e.active for e in every) and marks.count("off") == sum(not e.active for e in every)
+    ids = "".join(line[header.index("entry"):header.index("parent")] for line in lines)
+    assert all(e.entry_id in ids.replace("│", "").replace(" ", "") for e in every)
 
 
 # ---------------------------------------------------------------------------------------------- 7: refusals

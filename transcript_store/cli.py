@@ -264,16 +264,18 @@ def entry_json(entry: Entry) -> dict[str, Any]:
 
 def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str) -> None:
     """A transcript table; ``every`` adds seq, kind, ids and the active marker."""
+    # Readable at 80 columns (a pipe's width) with every column: the ids fold, the content takes what the
+    # others leave (rich would otherwise squeeze it to nothing, and the marker with it).
     table = Table(title=title, title_justify="left", show_lines=False)
     if every:
         table.add_column("", no_wrap=True)
         table.add_column("seq", justify="right", no_wrap=True)
-        table.add_column("entry", no_wrap=True)
-        table.add_column("parent", no_wrap=True)
+        table.add_column("entry", overflow="fold", min_width=8)
+        table.add_column("parent", overflow="fold", min_width=8)
         table.add_column("kind", no_wrap=True)
     table.add_column("pos", justify="right", no_wrap=True)
     table.add_column("role", no_wrap=True)
-    table.add_column("content", overflow="fold")
+    table.add_column("content", overflow="fold", ratio=1 if every else None)
     for e in entries:
         pos = "" if e.position is None else str(e.position)
         cells: list[str | Text] = [pos, e.role or "", Text(entry_text(e))]
