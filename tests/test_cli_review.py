@@ -205,6 +205,21 @@ def test_sessions_show_all_is_readable_at_80_columns(store_url: str, tmp_path: P
     assert all(e.entry_id in ids.replace("│", "").replace(" ", "") for e in every)
 
 
+def test_escape_sequences_in_messages_are_shown_not_obeyed(store_url: str, tmp_path: Path) -> None:
+    hostile = "red \x1b[31mtext\x1b[0m, a title \x1b]0;owned\x07, a rewind\r and a NUL \x00"
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        store.create_session(SCOPE, session_id="esc")
+        store.append(SCOPE, "esc", {"role": "user", "content": hostile})
+    for every in ((), ("--all",)):
+        out = run("sessions", "show", "esc", *every, "--db", store_url, cwd=tmp_path).stdout
+        assert not any(c in out for c in "\x1b\x07\r\x00"), repr(out)
+        assert "\\x1b[31mtext\\x1b[0m" in out and "\\x1b]0;owned\\x07" in out and "\\x00" in out
+    chat = run("chat", "--session", "esc-chat", "--db", store_url, cwd=tmp_path, stdin=hostile + "\n").stdout
+    assert "\\x1b[31m" in chat and not any(c in chat for c in "\x1b\x07\x00"), repr(chat)  # the reply quotes it
+    shown = run_json("sessions", "show", "esc", "--db", store_url, cwd=tmp_path)  # JSON keeps the text as stored
+    assert shown["entries"][0]["message"]["content"] == hostile
+
+
 # ---------------------------------------------------------------------------------------------- 7: refusals
 
 

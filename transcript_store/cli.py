@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -247,6 +248,16 @@ def message_text(message: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+#: what a terminal would act on instead of showing (ESC sequences, NUL, CR, DEL, C1), but newline and tab
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """Stored text for a terminal: its control characters as ``\\xNN``, so that a message holding an escape
+    sequence (a user's, a model's) is read, not obeyed by the terminal. JSON output keeps them as they are."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def entry_text(entry: Entry) -> str:
     """An entry as one readable text; events show their payload."""
     if entry.message is not None:
@@ -278,7 +289,7 @@ def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str
     table.add_column("content", overflow="fold", ratio=1 if every else None)
     for e in entries:
         pos = "" if e.position is None else str(e.position)
-        cells: list[str | Text] = [pos, e.role or "", Text(entry_text(e))]
+        cells: list[str | Text] = [pos, e.role or "", Text(shown(entry_text(e)))]
         if every:
             mark = "*" if e.active else "off"
             cells = [mark, str(e.seq), e.entry_id, e.parent_id or "", e.kind, *cells]
@@ -999,7 +1010,7 @@ class ChatLoop:
         self.last = outcome
         self.session_id = outcome.session_id
         for m in outcome.messages[1:-1]:
-            self.emit("step", {"message": m}, f"  [{m['role']}] {message_text(m)}")
+            self.emit("step", {"message": m}, f"  [{m['role']}] {shown(message_text(m))}")
         if outcome.degraded_reason:
             self.emit("degraded", {"reason": outcome.degraded_reason},
                       f"  (this turn ran on {outcome.engine_id}: {outcome.degraded_reason})")
@@ -1008,7 +1019,7 @@ class ChatLoop:
             "degraded_reason": outcome.degraded_reason, "commit_status": outcome.commit_status,
             "attempts": outcome.attempts, "reply": message_text(outcome.reply),
         }
-        self.emit("reply", data, f"assistant: {message_text(outcome.reply)}")
+        self.emit("reply", data, f"assistant: {shown(message_text(outcome.reply))}")
 
     def command(self, line: str) -> bool:
         """Run a slash command; False ends the conversation."""
