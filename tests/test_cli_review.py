@@ -284,6 +284,8 @@ def test_serve_refuses_bad_tokens_as_usage_errors_and_a_busy_port_before_the_sto
     bad = tmp_path / "tokens.txt"
     bad.write_text("tok=openclaw\n", encoding="utf-8")
     run("serve", "--port", "0", "--tokens", str(bad), cwd=tmp_path, code=2)
+    bad.write_bytes(b"tok\xff openclaw\n")  # not UTF-8: a usage error too, not an internal one
+    assert "cannot read" in one_error_line(run("serve", "--port", "0", "--tokens", str(bad), cwd=tmp_path, code=2))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)

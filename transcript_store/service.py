@@ -108,8 +108,12 @@ class TokenMap:
     @classmethod
     def parse_file(cls, path: str | Path) -> list[tuple[str, str]]:
         """``token scope`` per line; blank lines and ``#`` comments are skipped."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"cannot read {path}: {e}") from e
         pairs = []
-        for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        for number, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
