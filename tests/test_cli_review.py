@@ -136,6 +136,22 @@ def test_a_named_bad_settings_file_creates_no_store(tmp_path: Path) -> None:
     assert not path.exists() and not hermes_home.exists()
 
 
+@pytest.mark.parametrize(("config", "words"), [
+    ('keep_last = "abc"', "keep_last must be an integer"), ("keep_last = 0", "keep_last must be an integer"),
+    ("max_sessions = 2.5", "max_sessions must be an integer"), ("keep_lst = 3", "unknown key 'keep_lst'"),
+])
+def test_a_bad_legacy_engine_config_is_one_typed_error_line(store_url: str, tmp_path: Path, config: str,
+                                                            words: str) -> None:
+    seed(store_url)
+    settings = tmp_path / "transcript-store.toml"
+    settings.write_text(f"[engine.config.legacy]\n{config}\n", encoding="utf-8")
+    line = one_error_line(run("compact", "s1", "--db", store_url, "--config", str(settings), cwd=tmp_path, code=1))
+    assert words in line and "internal error" not in line
+    chat = run("chat", "--session", "s1", "--db", store_url, "--config", str(settings), cwd=tmp_path, stdin="hi\n",
+               code=1)
+    assert words in chat.stderr and "internal error" not in chat.stderr and "Traceback" not in chat.stderr
+
+
 def test_a_good_named_settings_file_is_accepted_everywhere(store_url: str, tmp_path: Path) -> None:
     seed(store_url)
     good = tmp_path / "good.toml"

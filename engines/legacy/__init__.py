@@ -22,6 +22,7 @@ from transcript_store.engine import (
     EngineInfo,
     TranscriptSemantics,
 )
+from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset
 from transcript_store.summarize import ExtractiveSummarizer
@@ -76,10 +77,12 @@ class LegacyEngine:
         self.store = ctx.store
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
-        self.keep_last = int(ctx.config.get("keep_last", compaction.KEEP_LAST))
-        if self.keep_last < 1:  # compaction keeps at least the last message
-            raise ValueError(f"legacy engine: keep_last must be at least 1, got {self.keep_last}")
-        self.max_sessions = int(ctx.config.get("max_sessions", 256))
+        unknown = sorted(set(ctx.config) - {"keep_last", "max_sessions"})
+        if unknown:
+            raise InvalidInput(f"legacy config: unknown key {unknown[0]!r} (expected keep_last, max_sessions)")
+        # Compaction keeps at least the last message.
+        self.keep_last = _count(ctx.config, "keep_last", compaction.KEEP_LAST)
+        self.max_sessions = _count(ctx.config, "max_sessions", 256)
         self._projections: OrderedDict[tuple[str, str], _Projection] = OrderedDict()
         self._lock = threading.Lock()
         self.rows_read = 0  # visible rows fetched by assembly (tests assert it does not grow with history)
@@ -275,6 +278,15 @@ class LegacyEngine:
         """Forget every projection."""
         with self._lock:
             self._projections.clear()
+
+
+def _count(config: dict[str, Any], key: str, default: int) -> int:
+    """A whole number of at least 1 from the engine's config; InvalidInput names the key (a settings file's
+    mistake, refused when the engine is built, as the lossless engine's)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput(f"legacy config: {key} must be an integer of at least 1, got {value!r}")
+    return value
 
 
 def create_engine(ctx: EngineContext) -> LegacyEngine:
