@@ -152,6 +152,24 @@ def test_a_bad_legacy_engine_config_is_one_typed_error_line(store_url: str, tmp_
     assert words in chat.stderr and "internal error" not in chat.stderr and "Traceback" not in chat.stderr
 
 
+@pytest.mark.parametrize("command", [("chat",), ("gateway", "--workers", "1", "--sessions", "1", "--turns", "1")])
+def test_a_bad_model_url_is_a_usage_error_before_any_write(store_url: str, tmp_path: Path,
+                                                           command: tuple[str, ...]) -> None:
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        before = store.list_sessions("gateway") + store.list_sessions(SCOPE)
+    line = one_error_line(run(*command, "--model-url", "api.example.com/v1", "--db", store_url, cwd=tmp_path,
+                              stdin="hello\n", code=2))
+    assert "model URL must start with http:// or https://" in line
+    one_error_line(run(*command, "--db", store_url, cwd=tmp_path, stdin="hello\n", code=2,
+                       env={"OPENAI_BASE_URL": "api.example.com/v1"}))
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions("gateway") + store.list_sessions(SCOPE) == before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    run(*command, "--model-url", "api.example.com/v1", cwd=fresh, stdin="hello\n", code=2)
+    assert list(fresh.iterdir()) == []  # no store created either
+
+
 def test_a_good_named_settings_file_is_accepted_everywhere(store_url: str, tmp_path: Path) -> None:
     seed(store_url)
     good = tmp_path / "good.toml"

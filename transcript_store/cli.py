@@ -931,13 +931,12 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
 
     Slash commands: /compact [focus], /branch, /history, /engine, /help, /quit.
     """
-    from .model import model_from_settings
-
     st = state()
     settings = st.settings(engine)  # a bad settings file or variable: refused before the store is created
+    model = chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     with store_session(create=True) as store:
         info = store.open_session(st.scope_name, session_key)
-        runtime = _runtime(store, settings, model_from_settings(model_url, model_name, api_key))
+        runtime = _runtime(store, settings, model)
         loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json)
         try:
             if not st.json:
@@ -947,6 +946,17 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
             runtime.dispose()
     if loop.failed:
         raise CommandError(f"{loop.failed} turn(s) or command(s) failed")
+
+
+def chosen_model(model_url: str | None, model_name: str | None, api_key: str | None) -> Any:
+    """The model of --model-url/--model/--api-key (or their variables); a URL that is not http(s) is a usage
+    error, refused before any work."""
+    from .model import model_from_settings
+
+    try:
+        return model_from_settings(model_url, model_name, api_key)
+    except InvalidInput as e:
+        raise CommandError(str(e), EXIT_USAGE) from None
 
 
 CHAT_HELP = "/compact [focus]  /branch  /history  /engine  /help  /quit"
@@ -1114,6 +1124,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     config = st.store_config()
     make_url_or_usage(config.url)
     st.settings(engine)  # a bad settings file is a usage error here, not in the workers
+    chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
