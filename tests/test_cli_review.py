@@ -19,7 +19,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from test_cli import CLI, SCOPE, one_error_line, run, run_json, seed
 
-from transcript_store import StoreConfig, TranscriptStore, TranscriptStoreError, quarantine
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError, quarantine
 from transcript_store.db import Database
 from transcript_store.errors import TransientStoreError
 from transcript_store.gateway import GatewayOptions, GatewayReport, Job, _dispatch, run_gateway
@@ -284,6 +284,16 @@ def test_a_failed_connection_attempt_is_not_called_transient(pg_server: None, tm
 
 
 # ---------------------------------------------------------------------------------------------- integrations
+
+
+@pytest.mark.parametrize("command", [("current",), ("init",), ("sessions", "list"), ("doctor",), ("gateway",)])
+def test_a_url_with_a_port_that_is_not_a_number_is_a_usage_error(tmp_path: Path, command: tuple[str, ...]) -> None:
+    bad = "postgresql+psycopg://app:s3cret@db-host:5432x/transcripts"  # a typo in the port
+    line = one_error_line(run(*command, "--db", bad, cwd=tmp_path, code=2))
+    assert "not a database URL" in line and "s3cret" not in line
+    one_error_line(run(*command, cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": bad}))
+    with pytest.raises(InvalidInput, match="not a database URL"):  # the library refuses it typed, too
+        TranscriptStore(bad)
 
 
 def test_install_commands_refuse_an_engine_that_is_not_installed(tmp_path: Path) -> None:

@@ -34,11 +34,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
 
 from . import migrate
 from .config import StoreConfig
-from .db import SQLITE_URI_REFUSED, mask_url, sqlite_file, sqlite_uri
+from .db import NOT_A_URL, SQLITE_URI_REFUSED, mask_url, sqlite_file, sqlite_uri
 from .errors import (
     EngineError,
     InvalidInput,
@@ -1147,7 +1146,7 @@ def make_url_or_usage(url: str) -> URL:
     """The parsed --db value; a value that is not a database URL is a usage error."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except NOT_A_URL:
         raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
     if parsed.get_backend_name() == "sqlite" and sqlite_uri(parsed):
         raise CommandError(f"--db: {SQLITE_URI_REFUSED}", EXIT_USAGE)
@@ -1373,7 +1372,7 @@ def error_line(error: BaseException, url: str | None) -> str:
     if url:
         try:
             password = make_url(url).password
-        except ArgumentError:
+        except NOT_A_URL:
             password = None
     if password:
         text = text.replace(str(password), "***")

@@ -166,13 +166,18 @@ def _reset_read_only(conn: Connection, driver: Any) -> None:
 UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 
 
+#: what make_url raises for a string that is not a database URL: ArgumentError, or ValueError for a port
+#: that is not a number (``postgresql://host:5432x/db``)
+NOT_A_URL = (ArgumentError, ValueError)
+
+
 def create_db_engine(config: StoreConfig) -> Engine:
     """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
     if UNSENDABLE.search(config.url) is not None:
         raise InvalidInput("a database URL must not contain NUL or lone surrogates")
     try:
         url = make_url(config.url)
-    except ArgumentError as e:
+    except NOT_A_URL as e:
         raise InvalidInput(f"not a database URL: {mask_url(config.url)}") from e
     backend = url.get_backend_name()
     if backend == "sqlite":
@@ -224,7 +229,7 @@ def sqlite_file(url: str) -> Path | None:
     which opening the store refuses)."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except NOT_A_URL:
         return None
     if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
         return None
@@ -235,7 +240,7 @@ def mask_url(url: str) -> str:
     """The URL with any password replaced by ***."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except NOT_A_URL:
         return "<unparseable URL>"
 
 
