@@ -814,7 +814,8 @@ def test_hermes_merge_config_refuses_a_bad_config_before_writing(tmp_path: Path,
     assert (home / "config.yaml").read_text(encoding="utf-8") == text
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe{\"x\": 1}\n", ("[" * 100_000 + "]" * 100_000 + "\n").encode()])
+@pytest.mark.parametrize("content", [b"\xff\xfe{\"x\": 1}\n", ("[" * 100_000 + "]" * 100_000 + "\n").encode(),
+                                     b'{"x": ' + b"9" * 5000 + b"}\n"])
 def test_import_of_an_unreadable_file_is_one_error_line(tmp_path: Path, content: bytes) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content)

@@ -485,6 +485,11 @@ def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
                 raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
             except RecursionError:
                 raise InvalidInput(f"line {number}: not JSON this store can read: nested too deeply") from None
+            except ValueError:  # past Python's limit on the digits of an integer
+                raise InvalidInput(
+                    f"line {number}: not JSON this store can read: an integer of more than "
+                    f"{sys.get_int_max_str_digits()} digits"
+                ) from None
     except UnicodeDecodeError as e:
         raise InvalidInput(f"not UTF-8 text: {e.reason} (byte {e.object[e.start:e.start + 1]!r})") from None
     if not records:
