@@ -721,6 +721,7 @@ def test_a_missing_config_file_named_by_the_environment_is_a_usage_error(tmp_pat
         ('[engine]\nslots = "lossless"\n', "unknown key engine.slots"),
         ("[engine.config]\nlegacy = 3\n", "engine.config.legacy must be a table"),
         ('[turn]\ntoken_budget = "9000"\n', "turn.token_budget"),
+        ("[turn]\ntoken_budget = " + "9" * 5000 + "\n", "an integer of more than"),
     ],
 )
 def test_bad_config_files_are_usage_errors(tmp_path: Path, text: str, words: str) -> None:

@@ -17,6 +17,7 @@ file is ``transcript-store.toml`` in the working directory, or the path in TRANS
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -81,6 +82,10 @@ def _from_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise InvalidInput(f"cannot read {path}: {e}") from e
+    except ValueError:  # tomllib's int() past Python's limit on the digits of an integer
+        raise InvalidInput(
+            f"cannot read {path}: an integer of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     for key in data:
         if key not in ("engine", "turn"):
             raise InvalidInput(f"{path}: unknown key {key!r} (expected the tables [engine] and [turn])")
