@@ -803,6 +803,7 @@ def test_hermes_install_accepts_a_fraction_or_tokens(tmp_path: Path) -> None:
         ("model:\n  context_length: lots\n", "model.context_length"),
         ("model:\n  context_length: [1]\n", "model.context_length"),
         ("- a list\n", "not a YAML mapping"),
+        ("other: " + "9" * 5000 + "\n", "an integer of more than"),
     ],
 )
 def test_hermes_merge_config_refuses_a_bad_config_before_writing(tmp_path: Path, text: str, words: str) -> None:

@@ -1278,6 +1278,10 @@ def _check_hermes_config(path: Path) -> None:
         raise CommandError(f"cannot merge into {path}: invalid YAML{where}: {problem}", EXIT_USAGE) from None
     except (OSError, UnicodeDecodeError) as e:
         raise CommandError(f"cannot merge into {path}: {e}", EXIT_USAGE) from None
+    except ValueError:  # PyYAML's int() past Python's limit on the digits of an integer
+        raise CommandError(
+            f"cannot merge into {path}: an integer of more than {sys.get_int_max_str_digits()} digits", EXIT_USAGE
+        ) from None
     if data is None:
         return
     if not isinstance(data, dict):
