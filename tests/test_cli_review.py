@@ -296,6 +296,13 @@ def test_a_url_with_a_port_that_is_not_a_number_is_a_usage_error(tmp_path: Path,
         TranscriptStore(bad)
 
 
+def test_a_drain_limit_past_the_librarys_bound_is_a_usage_error(store_url: str, tmp_path: Path) -> None:
+    for limit in ("1000001", "99999999999999999999"):
+        usage = run("outbox", "drain", "--limit", limit, "--db", store_url, cwd=tmp_path, code=2)
+        assert "not in the range 1<=x<=1000000" in usage.stderr and "internal error" not in usage.stderr
+    run("outbox", "drain", "--limit", "1000000", "--db", store_url, cwd=tmp_path)
+
+
 def test_install_commands_refuse_an_engine_that_is_not_installed(tmp_path: Path) -> None:
     home = tmp_path / "hermes"
     line = one_error_line(run("hermes", "install", "--home", str(home), "--engine", "nosuch", cwd=tmp_path, code=2))

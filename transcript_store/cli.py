@@ -52,6 +52,7 @@ from .gateway import GATEWAY_SCOPE
 from .models import Entry, SessionInfo
 from .settings import HostSettings, load_settings
 from .store import TranscriptStore
+from .turns import MAX_DRAIN
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
 DEFAULT_SCOPE = "default"
@@ -581,7 +582,7 @@ def outbox_status() -> None:
 
 @outbox.command("drain")
 @click.option("--session", "session", metavar="SESSION", help="Only this session.")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True, help="Rows to deliver.")
+@click.option("--limit", type=click.IntRange(1, MAX_DRAIN), default=1000, show_default=True, help="Rows to deliver.")
 @common
 def outbox_drain(session: str | None, limit: int) -> None:
     """Deliver ready intents to their engines' commit_turn, in order; exit 1 if any failed."""
