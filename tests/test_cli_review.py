@@ -39,6 +39,18 @@ def test_gateway_help_and_report_name_its_scope(store_url: str, tmp_path: Path) 
     assert run_json("sessions", "list", "--db", store_url, cwd=tmp_path) == []  # the default scope: not there
 
 
+def test_the_gateway_prints_its_sessions_command_on_one_line_at_80_columns(tmp_path: Path) -> None:
+    deep = tmp_path / "a-folder-with-a-long-name" / "another-one-below-it"
+    url = f"sqlite:///{deep / 'gateway-store.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    out = run("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults", "--db", url,
+              cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    line = next(line for line in out.splitlines() if "sessions in scope 'gateway':" in line)
+    command = shlex.split(line.split(":", 1)[1])
+    assert command[-2:] == ["--db", url]  # whole: pasted as printed, it lists this run's store
+    assert len(run_json(*command[1:], cwd=tmp_path)) == 1
+
+
 def test_gateway_counts_only_the_quarantines_of_its_own_run(store_url: str) -> None:
     with TranscriptStore(config=StoreConfig(url=store_url)) as store:
         store.write(lambda c: quarantine.record(c, "flaky-engine", "assemble", "RuntimeError: an earlier run"))

@@ -158,7 +158,8 @@ class GatewayReport:
         for reason, count in sorted(self.degraded.items()):
             console.print(f"  degraded x{count}: {reason}")
         console.print(f"  {self.seconds:.1f} s")
-        console.print(f"  sessions in scope {self.scope!r}: {self.inspect_command()}")
+        # One line whatever the width (the terminal may wrap it): a command split in two cannot be pasted.
+        console.print(f"  sessions in scope {self.scope!r}: {self.inspect_command()}", soft_wrap=True)
         if self.ok:
             console.print(
                 Text("exactly-once check passed:", style="bold green"), "every accepted turn is in the engine once"
