@@ -82,6 +82,18 @@ def test_plugin_dirs_entry_points_and_duplicates(tmp_path: Path, monkeypatch: py
     sys.modules.pop("thirdparty_engine", None)
 
 
+def test_a_plugin_that_fails_to_load_is_reported_under_its_name(tmp_path: Path, store: TranscriptStore) -> None:
+    plugins = tmp_path / "plugins"
+    plugin(plugins / "window-1.2", "window", "def create_engine(ctx):\n    return 1 +\n")  # a syntax error
+    plugin(plugins / "shadow", "legacy", "raise ImportError('missing dependency')\n")
+    registry = EngineRegistry([str(plugins)])
+    assert "window-1.2" not in registry.specs and "shadow" not in registry.specs
+    status = registry.check("window", EngineContext(store=store))  # doctor says why the selected id fails
+    assert not status.valid and "SyntaxError" in (status.reason or "")
+    assert registry.specs["legacy"].source == "bundled"  # a taken id is refused, broken or not
+    assert any("'legacy'" in w and "shadow" in w and "refused" in w for w in registry.warnings)
+
+
 def test_settings_precedence_file_env_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "transcript-store.toml"
     config.write_text(

@@ -120,6 +120,7 @@ class EngineRegistry:
             self._discover_folder(folder, source, importable)
 
     def _discover_folder(self, folder: Path, source: str, importable: bool) -> None:
+        engine_id = folder.name
         try:
             manifest = _manifest(folder)
             engine_id = str(manifest.get("name") or folder.name)
@@ -130,8 +131,7 @@ class EngineRegistry:
             else:
                 factory = _load_from_folder(folder, entry)
             self.register(EngineSpec(engine_id, source, str(folder), factory, manifest))
-        except Exception as e:  # a broken plugin is reported, never fatal for the host
-            engine_id = folder.name
+        except Exception as e:  # a broken plugin is reported (under the name it gives), never fatal for the host
             self.register(EngineSpec(engine_id, source, str(folder), None, {}, f"{type(e).__name__}: {e}"))
 
     def _discover_entry_points(self) -> None:
