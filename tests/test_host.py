@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import types
@@ -355,8 +356,11 @@ def test_host_params_are_projected(store: TranscriptStore, sid: str, accepted: A
         rs = kw["runtime_settings"]
         assert rs.schema_version == 1 and rs.context_engine_selection.id == "p"
         assert rs.runtime.mode == "normal" and rs.model.requested is not None
-        # The prompt's budget is the one assemble gets (the window less the reply), not the window.
-        assert rs.limits.prompt_token_budget == kw["token_budget"] == 32000 - rs.limits.max_output_tokens
+        # The prompt's budget is the one assemble gets (the window less the reply, the system prompt,
+        # the user message and the tools), not the window.
+        reserved = RoughEstimator().count_messages([{"role": "system", "content": host.settings.system_prompt},
+                                                    {"role": "user", "content": "hi"}])
+        assert rs.limits.prompt_token_budget == kw["token_budget"] <= 32000 - rs.limits.max_output_tokens - reserved
 
 
 def test_model_timeout_retries_the_same_logical_turn(store: TranscriptStore, sid: str) -> None:
@@ -494,7 +498,7 @@ def test_assembly_read_in_the_admission_gives_what_its_own_snapshot_gives(store:
 def test_auto_compaction_inside_a_turn_assembles_again_from_the_new_pointer(store: TranscriptStore) -> None:
     """A budget the long turns overflow: the host compacts before the prompt and assembles again; the
     second assembly must not reuse what the admission read before that compaction."""
-    fast, slow = _same_turns_two_ways(store, token_budget=1400, max_output_tokens=100)
+    fast, slow = _same_turns_two_ways(store, token_budget=1400, max_output_tokens=100, compaction_threshold=0.5)
     assert fast.requests == slow.requests
     kinds = [e.kind for e in store.list_entries(SCOPE, store.list_sessions(SCOPE)[0].session_id)]
     assert kinds.count("compaction") >= 2  # the manual one and at least one automatic one
@@ -823,3 +827,27 @@ def test_compaction_keeping_no_message_is_refused_and_writes_nothing(store: Tran
     # The legacy engine refuses such a setting when it is built, not at its first compaction.
     with pytest.raises(ValueError, match="keep_last"):
         LegacyEngine(EngineContext(store=store, config={"keep_last": 0}))
+
+
+@pytest.mark.parametrize("engine", ["legacy", "lossless"])
+def test_every_model_request_fits_the_prompt_budget_with_the_system_prompt_and_tools(
+    store: TranscriptStore, sid: str, engine: str
+) -> None:
+    """The budget is the prompt's, not the transcript's: assemble gets it less the system prompt, the
+    user message and the tools' schemas, so the request the model receives fits (it did not: a long
+    system prompt and a tool's schema went over the budget by their size)."""
+    estimator = RoughEstimator()
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Look things up. " * 60,
+                                                "parameters": {"type": "object", "properties": {}}}}
+    settings = load_settings(config_path=None, engine=engine, token_budget=3000, max_output_tokens=200,
+                             system_prompt="You are careful and brief. " * 120)
+    model = RecordingModel()
+    host = HostRuntime(store, settings, model, summarizer=ExtractiveSummarizer(), estimator=estimator,
+                       host_tools={"lookup": (schema, lambda _args: "found it")})
+    for i in range(14):
+        host.run_turn(SCOPE, sid, f"question {i}: " + "tell me more about this " * 40)
+    assert len(model.requests) == 14
+    for request in model.requests:
+        tools = [schema] + [t for t in (host.engine(engine)[0].get_tool_schemas() if engine == "lossless" else [])]
+        size = estimator.count_messages(request) + estimator.count_text(json.dumps(tools))
+        assert size <= 3000 - 200, size

@@ -142,10 +142,12 @@ class RuntimeContext:
 
 
 def delegate_compaction_to_runtime(
-    ctx: RuntimeContext, *, force: bool = False, focus: str | None = None
+    ctx: RuntimeContext, *, force: bool = False, focus: str | None = None, prompt_budget: int | None = None
 ) -> CompactResult:
-    """The built-in summarising compaction, for non-owning engines' ``compact``."""
+    """The built-in summarising compaction, for non-owning engines' ``compact`` (to ``compaction_threshold``
+    of ``prompt_budget``: by default the budget less the reply's tokens)."""
     h = ctx.host
+    budget = h.prompt_budget() if prompt_budget is None else prompt_budget
     # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
     # messages whether a compaction is asked for or fires before the prompt.
     keep_last = h.settings.engine_config.get(LEGACY, {}).get("keep_last", compaction.KEEP_LAST)
@@ -159,7 +161,7 @@ def delegate_compaction_to_runtime(
         keep_last=int(keep_last),
         focus=focus,
         force=force,
-        token_budget=int(h.settings.token_budget * h.settings.compaction_threshold),
+        token_budget=max(1, int(budget * h.settings.compaction_threshold)),
     )
 
 
@@ -534,7 +536,7 @@ class HostRuntime:
             terminal=intent.terminal if intent else None,
         )
 
-    def _runtime_settings(self, decision: _Decision) -> RuntimeSettings:
+    def _runtime_settings(self, decision: _Decision, reserved: int) -> RuntimeSettings:
         source = "fallback" if decision.reason else self.settings.engine_source
         return RuntimeSettings(
             runtime=RuntimeInfo(mode="degraded" if decision.reason else "normal"),
@@ -542,10 +544,11 @@ class HostRuntime:
             model=ModelSettings(
                 requested=getattr(self.model, "name", None), resolved=getattr(self.model, "name", None)
             ),
-            # The prompt's budget is what assemble gets (the window less the reply's tokens), as the
-            # service says it too: an engine reading it in maintain compacts to what assemble will fit.
+            # The prompt's budget is what assemble gets (the window less the reply's tokens and what the
+            # request carries besides the context), as the service says it too: an engine reading it
+            # in maintain compacts to what assemble will fit.
             limits=Limits(
-                prompt_token_budget=self.settings.token_budget - self.settings.max_output_tokens,
+                prompt_token_budget=self.prompt_budget(reserved),
                 max_output_tokens=self.settings.max_output_tokens,
             ),
         )
@@ -614,10 +617,21 @@ class HostRuntime:
             self.before_assemble(scope, session_id, admission)
         session_key = fence.session_key
         rt = RuntimeContext(self, scope, session_id, fence, turn_id)
+        try:
+            engine_tools = self._engine_tools(engine, info)
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            # Before the model is first called: the turn may still run on legacy, as for assemble.
+            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
+        # What every request of the turn carries besides the assembled context: the system prompt, the
+        # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
+        # request the model receives fits the budget, not just the transcript part of it.
+        reserved = self._reserved_tokens(user, engine_tools)
         host_params = {
             "session_key": session_key,
             "prompt": user,
-            "runtime_settings": self._runtime_settings(decision),
+            "runtime_settings": self._runtime_settings(decision, reserved),
             "runtime_context": rt,
         }
         read_fence: Anchor | None = fence
@@ -632,7 +646,7 @@ class HostRuntime:
             except ReadFenceError as e:
                 raise _Degrade(f"read fence: {e.reason}") from None
         try:
-            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, ahead)
+            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, ahead, reserved)
         except ReadFenceError as e:
             if engine_id != LEGACY:
                 raise _Degrade(f"read fence: {e.reason}") from None
@@ -641,20 +655,13 @@ class HostRuntime:
             log.warning("turn %s: fence cannot be honoured (%s); legacy reads unfenced", turn_id, e.reason)
             read_fence = None
             unfenced = f"read fence: {e.reason} (legacy read unfenced)"
-            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params)
+            assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, None, reserved)
         except Exception as e:
             if engine_id == LEGACY:
                 raise
             raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
-        try:
-            engine_tools = self._engine_tools(engine, info)
-        except Exception as e:
-            if engine_id == LEGACY:
-                raise
-            # Before the model is first called: the turn may still run on legacy, as for assemble.
-            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
         # From here the turn has started on this engine: no switch, ever.
         replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
@@ -746,6 +753,7 @@ class HostRuntime:
         fence: Anchor | None,
         host: dict[str, Any],
         prefetched: Any = None,
+        reserved: int = 0,
     ) -> AssembleResult:
         key = (info.id, scope, session_id)
         bootstrap = getattr(engine, "bootstrap", None)
@@ -753,7 +761,7 @@ class HostRuntime:
             params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
             self._call(info.id, "bootstrap", lambda: bootstrap(**params))
             self._bootstrapped.add(key)
-        budget = self.settings.token_budget - self.settings.max_output_tokens
+        budget = self.prompt_budget(reserved)
         base = {
             "scope": scope,
             "session_id": session_id,
@@ -774,13 +782,25 @@ class HostRuntime:
             if info.owns_compaction:
                 done = self._owned_compaction(engine, info, scope, session_id, budget, host)
             else:
-                done = delegate_compaction_to_runtime(rt, force=False)
+                done = delegate_compaction_to_runtime(rt, force=False, prompt_budget=budget)
             if done.compacted:
                 params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )
         return result
+
+    def prompt_budget(self, reserved: int = 0) -> int:
+        """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
+        return max(1, self.settings.token_budget - self.settings.max_output_tokens - reserved)
+
+    def _reserved_tokens(self, user: dict[str, Any], engine_tools: dict[str, Any]) -> int:
+        """The tokens of what a request carries besides the assembled context (system prompt, the user
+        message, the tools' schemas as JSON); the engine's system-prompt addition is its own to count."""
+        est = self.estimator
+        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
+        reserved = int(est.count_messages([{"role": "system", "content": self.settings.system_prompt}, user]))
+        return reserved + (int(est.count_text(json.dumps(tools))) if tools else 0)
 
     def _owned_compaction(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str, budget: int, host: dict[str, Any]

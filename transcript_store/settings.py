@@ -40,7 +40,7 @@ class HostSettings(BaseModel):
     engine_source: SelectionSource = Field("default", description="where the slot value came from")
     plugin_dirs: list[str] = Field(default_factory=list, description="extra engine plugin folders")
     engine_config: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-engine config")
-    token_budget: int = Field(32_000, ge=256, description="prompt token budget of a turn")
+    token_budget: int = Field(32_000, ge=256, description="tokens of a whole model request, reply included")
     max_output_tokens: int = Field(1024, ge=1, description="model output cap per call")
     compaction_threshold: float = Field(
         0.8, gt=0, le=1, description="built-in auto-compaction fires above this share of the budget"
