@@ -111,6 +111,13 @@ def test_tokens_from_the_environment_split_at_the_last_equals_sign() -> None:
             TokenMap.load(env=bad)
 
 
+def test_a_tokens_file_saved_with_a_byte_order_mark_opens_its_first_token(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.txt"
+    path.write_bytes("\ufefffirst-token-0123 scope-a\nsecond-token-0123 scope-b\n".encode())
+    tokens = TokenMap.load(path=str(path))
+    assert tokens.scope_for("first-token-0123") == "scope-a" and tokens.scope_for("second-token-0123") == "scope-b"
+
+
 # ---------------------------------------------------------------------------------------------- sessions
 
 

@@ -109,7 +109,9 @@ class TokenMap:
     def parse_file(cls, path: str | Path) -> list[tuple[str, str]]:
         """``token scope`` per line; blank lines and ``#`` comments are skipped."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            # utf-8-sig: an editor's byte-order mark would otherwise be part of the first token, which
+            # then never matched a request's.
+            text = Path(path).read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError) as e:
             raise InvalidInput(f"cannot read {path}: {e}") from e
         pairs = []
