@@ -342,6 +342,19 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+def test_an_export_never_overwrites_the_store_it_reads(tmp_path: Path) -> None:
+    """``-o`` naming the SQLite store's own file (or its WAL) is a usage error, the store untouched."""
+    url = f"sqlite:///{tmp_path / 'transcripts.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    seed(url)
+    before = (tmp_path / "transcripts.db").read_bytes()
+    for target in ("transcripts.db", "./transcripts.db-wal"):
+        err = one_error_line(run("sessions", "export", "s1", "-o", target, "--db", url, cwd=tmp_path, code=2))
+        assert "own database file" in err
+    assert (tmp_path / "transcripts.db").read_bytes() == before
+    assert run_json("sessions", "show", "s1", "--db", url, cwd=tmp_path)["entries"]
+
+
 def test_export_import_round_trip(db: tuple[str, Path]) -> None:
     url, work = db
     seed(url)

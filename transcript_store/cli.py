@@ -457,6 +457,11 @@ def sessions_show(session: str, every: bool) -> None:
 def sessions_export(session: str, output: str | None) -> None:
     """Export SESSION losslessly as JSONL: a header line, then one line per stored entry."""
     st = state()
+    database = sqlite_file(st.store_config().url)
+    if output is not None and database is not None:
+        own = {Path(f"{database}{suffix}").resolve() for suffix in ("", "-wal", "-shm", "-journal")}
+        if Path(output).resolve() in own:
+            raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
     with store_session() as store:
         info = find_session(store, st.scope_name, session)
         header, records = store.export_session(st.scope_name, info.session_id)
