@@ -851,3 +851,42 @@ def test_every_model_request_fits_the_prompt_budget_with_the_system_prompt_and_t
         tools = [schema] + [t for t in (host.engine(engine)[0].get_tool_schemas() if engine == "lossless" else [])]
         size = estimator.count_messages(request) + estimator.count_text(json.dumps(tools))
         assert size <= 3000 - 200, size
+
+
+def _tool_rounds_are_closed(request: list[dict[str, Any]]) -> bool:
+    """Every tool call answered right after its message, every tool result answering such a call."""
+    open_calls: list[str] = []
+    for m in request:
+        if m["role"] == "tool":
+            if m.get("tool_call_id") not in open_calls:
+                return False
+            open_calls.remove(m["tool_call_id"])
+            continue
+        if open_calls:
+            return False
+        open_calls = [c["id"] for c in m.get("tool_calls") or []]
+    return not open_calls
+
+
+@pytest.mark.parametrize("engine", ["legacy", "lossless"])
+def test_a_branch_into_a_tool_round_still_sends_a_request_chat_apis_take(
+    store: TranscriptStore, sid: str, engine: str
+) -> None:
+    """Branching onto the assistant's tool call (its result left behind) or appending a stray result
+    leaves the transcript with an open tool round: the request answers the call with a stand-in and
+    leaves the stray result out, and the transcript itself is not touched."""
+    host, model = make_host(store, engine)
+    host.run_turn(SCOPE, sid, "please use tool lookup now", turn_id="t1")
+    call = next(e for e in store.read_visible(SCOPE, sid) if e.message and e.message.get("tool_calls"))
+    store.branch(SCOPE, sid, call.entry_id)
+    host.run_turn(SCOPE, sid, "and now?", turn_id="t2")
+    store.append(SCOPE, sid, {"role": "tool", "tool_call_id": "nobody-asked", "content": "stray"})
+    host.run_turn(SCOPE, sid, "once more", turn_id="t3")
+    assert all(_tool_rounds_are_closed(r) for r in model.requests), model.requests
+    sent = next(r for r in model.requests if r[-1].get("content") == "and now?")
+    at = next(i for i, m in enumerate(sent) if m.get("tool_calls"))
+    assert sent[at + 1]["role"] == "tool" and "no result" in sent[at + 1]["content"]
+    last = next(r for r in model.requests if r[-1].get("content") == "once more")
+    assert not any(m.get("tool_call_id") == "nobody-asked" for m in last)
+    stored = [e.message for e in store.read_visible(SCOPE, sid)]
+    assert stored[stored.index(call.message) + 1]["role"] == "user"  # the stand-in was never stored

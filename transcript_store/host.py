@@ -191,6 +191,35 @@ def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_cha
     return out
 
 
+#: the stand-in result of a tool call the transcript holds no result for (request only, never stored)
+UNANSWERED_TOOL_CALL = "(no result: the transcript holds no answer to this tool call)"
+
+
+def pair_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages with every tool call answered and every tool result answering a call.
+
+    A branch to the middle of a tool round, or a rewrite, can leave an assistant's tool call without its
+    result, or a result after another message than its call: chat APIs refuse such a request outright.
+    A call without a result gets a stand-in result right after its round; a result that answers no open
+    call is left out. Request only: storage is never touched.
+    """
+    out: list[dict[str, Any]] = []
+    open_calls: list[str] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id in open_calls:
+                open_calls.remove(call_id)
+                out.append(m)
+            continue
+        out.extend({"role": "tool", "tool_call_id": c, "content": UNANSWERED_TOOL_CALL} for c in open_calls)
+        out.append(m)
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        open_calls = [c["id"] for c in calls or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    out.extend({"role": "tool", "tool_call_id": c, "content": UNANSWERED_TOOL_CALL} for c in open_calls)
+    return out
+
+
 def default_host_tools() -> dict[str, HostTool]:
     """Small deterministic host tools, so the local responder can exercise the tool loop offline."""
 
@@ -827,7 +856,9 @@ class HostRuntime:
         if assembled.system_prompt_addition:
             system = f"{assembled.system_prompt_addition}\n\n{system}"
         context = prune_tool_results(
-            assembled.messages, self.settings.prune_keep_recent_tool_results, self.settings.prune_tool_result_max_chars
+            pair_tool_calls(assembled.messages),
+            self.settings.prune_keep_recent_tool_results,
+            self.settings.prune_tool_result_max_chars,
         )
         tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         replies: list[dict[str, Any]] = []
