@@ -477,6 +477,14 @@ def test_outbox_block_lets_the_later_turns_of_a_poisoned_engine_go_on(db: tuple[
     row = next(r for r in run_json("outbox", "status", "--db", url, cwd=work) if r["turn_id"] == "turn-5")
     assert (row["state"], row["block_reason"]) == ("blocked", "blocked by hand: engine retired")
     assert run_json("outbox", "drain", "--db", url, cwd=work)["failed"] == []
+    # A reason is text for the terminal to show, never to obey: its escape sequences come out escaped.
+    with open_store(url) as store:
+        Turns(store).admit(SCOPE, "s5", user("q2"), turn_id="turn-6", engine_id="gone-engine")
+        Turns(store).complete(SCOPE, "s5", "turn-6", [{"message": assistant("a2")}], None)
+    said = run("outbox", "block", "s5", "turn-6", "--reason", "red \x1b[31m alert", "--yes", "--db", url,
+               cwd=work).stdout
+    shown = run("outbox", "status", "--db", url, cwd=work).stdout
+    assert "\x1b" not in said + shown and "\\x1b[31m" in said and "\\x1b[31m" in shown
 
 
 # ---------------------------------------------------------------------------------------------- engines, doctor

@@ -576,7 +576,7 @@ def outbox_status() -> None:
     for i in intents:
         why = " | ".join(x for x in (i.last_error, i.block_reason) if x)
         table.add_row(i.session_id, i.turn_id, i.engine_id, i.state, str(i.enqueue_seq), str(i.attempt_count),
-                      Text(why))
+                      Text(shown(why)))  # an engine's error or an operator's reason: read, not obeyed
     if intents:
         console().print(table)
     counts: dict[str, int] = {}
@@ -637,7 +637,8 @@ def outbox_block(session: str, turn_id: str, reason: str, yes: bool) -> None:
         emit_json({"session_id": sid, "turn_id": turn_id, "engine_id": intent.engine_id, "state": intent.state,
                    "block_reason": intent.block_reason})
     else:
-        click.echo(f"session {sid} turn {turn_id} ({intent.engine_id}): {intent.state} ({intent.block_reason})")
+        reason = shown(intent.block_reason or "")
+        click.echo(f"session {sid} turn {turn_id} ({intent.engine_id}): {intent.state} ({reason})")
 
 
 @outbox.command("recover")
