@@ -106,7 +106,8 @@ def test_tokens_from_the_environment_split_at_the_last_equals_sign() -> None:
     assert tokens.scope_for(padded) == "openclaw"
     assert tokens.scope_for("plain-token-0123") == "scope-b"
     assert tokens.scope_for("c2VjcmV0LXRva2VuIQ") is None  # a prefix of the token opens nothing
-    for bad in ("no-separator", "=openclaw", "token-0123=", "token-0123= ", "==="):
+    for bad in ("no-separator", "=openclaw", "token-0123=", "token-0123= ", "===", "tökén-0123=scope-a",
+                "tok\x7fen-0123=scope-a"):
         with pytest.raises(InvalidInput):
             TokenMap.load(env=bad)
 

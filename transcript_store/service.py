@@ -91,6 +91,9 @@ class TokenMap:
         for token, scope in pairs:
             if not token or any(c.isspace() for c in token):
                 raise InvalidInput("a token must be non-empty and contain no whitespace")
+            if not (token.isascii() and token.isprintable()):
+                # A request's Authorization header is read as Latin-1: such a token could never match.
+                raise InvalidInput("a token must be printable ASCII (an HTTP header carries no other)")
             check_id("scope", scope)
             digest = _digest(token)
             if self._scopes.get(digest, scope) != scope:
