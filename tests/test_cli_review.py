@@ -3,6 +3,7 @@ by every command, the Hermes merge report, the sessions table at 80 columns, con
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing as mp
 import random
@@ -93,6 +94,17 @@ def test_bad_tokenizer_value_creates_no_store(tmp_path: Path) -> None:
     run("chat", "--db", f"sqlite:///{path}", cwd=tmp_path, stdin="hello\n", code=2,
         env={"TRANSCRIPT_STORE_TOKENIZER": "bogus"})
     assert not path.exists()
+
+
+def test_tiktoken_asked_for_but_not_installed_is_a_usage_error_before_any_write(tmp_path: Path) -> None:
+    if importlib.util.find_spec("tiktoken") is not None:
+        pytest.skip("tiktoken is installed here")
+    path = tmp_path / "new.db"
+    for command in (("chat",), ("gateway", "--workers", "2", "--sessions", "1", "--turns", "1")):
+        line = one_error_line(run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, stdin="hello\n", code=2,
+                                  env={"TRANSCRIPT_STORE_TOKENIZER": "tiktoken"}))
+        assert "pip install tiktoken" in line
+        assert not path.exists()
 
 
 def test_the_real_gateway_prints_no_traceback_for_a_bad_value(tmp_path: Path) -> None:

@@ -131,9 +131,9 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     runtime reads when it starts: refused here, before a command (or a gateway worker) does any work.
     """
     from .summarize import summarizer_choice
-    from .tokens import tokenizer_choice
+    from .tokens import check_tokenizer
 
-    tokenizer_choice()
+    check_tokenizer()
     summarizer_choice()
     values: dict[str, Any] = {}
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)

@@ -8,10 +8,12 @@ estimator from ``TRANSCRIPT_STORE_TOKENIZER`` (``rough``, the default, or ``tikt
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -227,6 +229,26 @@ def tokenizer_choice() -> str:
     choice = os.environ.get(TOKENIZER_ENV, "").strip().lower() or "rough"
     if choice not in ("rough", "tiktoken"):
         raise InvalidInput(f"{TOKENIZER_ENV} must be 'rough' or 'tiktoken', not {choice!r}")
+    return choice
+
+
+def _importable(name: str) -> bool:
+    """Whether ``import name`` would find a module, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module put in sys.modules by hand has no spec
+        return sys.modules.get(name) is not None
+
+
+def check_tokenizer() -> str:
+    """``tokenizer_choice``, also refusing ``tiktoken`` when the package is not installed (InvalidInput):
+    a command checks it before it writes anything, not when its host runtime starts."""
+    choice = tokenizer_choice()
+    if choice == "tiktoken" and not _importable("tiktoken"):
+        raise InvalidInput(
+            f"{TOKENIZER_ENV}=tiktoken needs the optional 'tiktoken' package (pip install tiktoken), "
+            "or unset it to use the rough estimator"
+        )
     return choice
 
 
