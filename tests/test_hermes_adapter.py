@@ -134,11 +134,9 @@ def test_select_context_is_fail_open_and_stable(tmp_path: Path) -> None:
     out = engine.compress(convo)
     assert engine.select_context(convo, budget_tokens=500) is None  # compacted but not taken by the host
     taken = [*out, {"role": "user", "content": "gamma next"}]
-    # compress answers below the trigger (three quarters of it at most): a budget under what it answered
-    budget = RoughEstimator().count_messages(taken) - 100
-    first = engine.select_context(taken, budget_tokens=budget)
+    first = engine.select_context(taken, budget_tokens=500)
     assert isinstance(first, list) and is_valid_sequence(first)
-    assert engine.select_context(taken, budget_tokens=budget) is first  # stable while nothing changed
+    assert engine.select_context(taken, budget_tokens=500) is first  # stable while nothing changed
     assert_once(engine, "s1", convo)
 
 
