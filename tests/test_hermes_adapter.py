@@ -23,7 +23,6 @@ from click.testing import CliRunner
 from transcript_store.cli import cli
 from transcript_store.hermes import (
     CONTEXT_MARKER,
-    compress_budget,
     create_engine,
     is_context_message,
     is_valid_sequence,
@@ -31,7 +30,6 @@ from transcript_store.hermes import (
     valid_sequence,
 )
 from transcript_store.summarize import ExtractiveSummarizer, SummarizerError
-from transcript_store.tokens import RoughEstimator
 
 
 def conversation(tag: str, turns: int) -> list[dict[str, Any]]:
@@ -91,22 +89,6 @@ def test_compress_keeps_everything_and_answers_a_valid_list(tmp_path: Path) -> N
     assert names == {"lcm_grep", "lcm_describe", "lcm_expand"}
     found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}))
     assert found["results"]
-
-
-def test_a_compressed_context_is_below_the_trigger(tmp_path: Path) -> None:
-    """compress answers "too long, make it shorter": what it returns must not still be at the trigger, or
-    Hermes compresses again on every call (it compacted to the whole window: 27,416 tokens against a
-    trigger of 19,200)."""
-    engine = make(tmp_path, threshold_percent=0.1)  # 6,400 of a 64,000 window
-    engine.on_session_start("s1")
-    system = {"role": "system", "content": "You are a test agent."}
-    convo = conversation("gamma", 60)
-    assert engine.should_compress_preflight([system, *convo])
-    out = engine.compress([system, *convo])
-    assert is_valid_sequence(out) and not engine.should_compress_preflight(out)
-    assert RoughEstimator().count_messages(out) <= 0.75 * engine.threshold_tokens + 200
-    assert compress_budget(64000, 0) == 48000 and compress_budget(64000, 6400) == 4800
-    assert compress_budget(0, 0) == 1000 and compress_budget(64000, 70000) == 48000
 
 
 def test_deepcopy_and_pickle_carry_no_runtime(tmp_path: Path) -> None:

@@ -205,17 +205,6 @@ class _Visible:
 EMPTY = _Visible(None, -1, (), (), ())
 
 
-#: the share of the trigger a compressed context may fill: the system prompt, the tools and the next
-#: messages go on top of it, and a context at the trigger would be compressed again on the next call
-COMPRESS_TARGET = 0.75
-
-
-def compress_budget(context_length: int, threshold: int) -> int:
-    """The tokens ``compress`` compacts and assembles to: below the trigger (else the window), at least 1000."""
-    limit = threshold if 0 < threshold < (context_length or threshold + 1) else context_length
-    return max(1000, int(limit * COMPRESS_TARGET))
-
-
 def align(stored: Sequence[str], host: Sequence[str], start: int | None) -> tuple[int, int]:
     """(host messages already stored, visible messages to keep): where the host's list leaves the transcript.
 
@@ -575,7 +564,7 @@ class TranscriptStoreEngineMixin:
             log.exception("transcript-store: storing the conversation failed; leaving it uncompressed")
             return snapshot
         system, _body = split_system(snapshot)
-        budget = compress_budget(self.context_length, self.threshold_tokens)
+        budget = max(1000, self.context_length or self.threshold_tokens)
         try:
             boot = getattr(rt.engine, "bootstrap", None)
             if callable(boot):  # import what was just stored, so the compaction sees all of it
