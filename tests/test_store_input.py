@@ -158,7 +158,6 @@ BAD_IDS: dict[str, Any] = {
     "c1-next-line": "a\x85b",
     "c1-csi": "\x9b31m",
     "too-long": "x" * 256,
-    "too-many-bytes": "🙂" * 161,
     "lone-surrogate": "a\ud800b",
     "not-a-string": 42,
     "bytes": b"s1",
@@ -211,6 +210,43 @@ def test_the_longest_id_is_accepted(store: TranscriptStore, longest: str) -> Non
     reply = {"message": {"role": "assistant", "content": "a"}}
     done = turns.complete(longest, longest, turn_id, [reply], commit_turn_in)
     assert done.commit is not None and done.commit.status == "committed"
+
+
+def test_a_new_id_past_640_bytes_is_refused_and_one_stored_before_the_limit_still_works(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The byte limit applies to ids given to something new; a session whose id an earlier release
+    stored (the limit lifted here to make one) is still read, written to, committed, drained, deleted."""
+    import transcript_store.core as core_module
+
+    wide = "🙂" * 161  # 644 bytes
+    turns = Turns(store)
+    for make_new in (
+        lambda: store.create_session(A, session_id=wide),
+        lambda: store.create_session(wide),
+        lambda: store.open_session(A, wide),
+        lambda: store.append(A, "plain", user("x"), entry_id=wide),
+        lambda: store.append(A, "plain", user("x"), idempotency_key=wide),
+        lambda: store.admit(A, "plain", user("x"), turn_id=wide),
+        lambda: turns.admit(A, "plain", user("x"), turn_id="t-wide", engine_id=wide),
+    ):
+        store.create_session(A, session_id="plain")
+        before = snapshot(store)
+        with pytest.raises(InvalidInput, match="640 bytes"):
+            make_new()
+        assert snapshot(store) == before
+    monkeypatch.setattr(core_module, "MAX_ID_BYTES", 10_000)  # an earlier release
+    store.create_session(A, session_id=wide)
+    turns.admit(A, wide, user("queued before the upgrade"), turn_id="t0", engine_id="legacy")
+    turns.complete(A, wide, "t0", [{"message": {"role": "assistant", "content": "a0"}}], None)
+    monkeypatch.undo()
+    assert [e.message["content"] for e in store.read_visible(A, wide) if e.message] == [
+        "queued before the upgrade", "a0"]
+    store.append(A, wide, user("after the upgrade"))
+    assert turns.drain(lambda _engine: commit_turn_in).committed == 1
+    assert store.export_session(A, wide)[0]["session_id"] == wide
+    store.delete_session(A, wide)
+    assert store.find_session(A, wide) is None
 
 
 SQLISH = [

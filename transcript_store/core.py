@@ -125,8 +125,10 @@ def foreign_incarnation(token: int | None, incarnation: int, created_us: int) ->
     return incarnation != (created_us if created_us > 0 else 1)
 
 
-def check_id(what: str, value: object, *, optional: bool = False) -> None:
-    """Refuse ids that are empty, too long (in characters or UTF-8 bytes), not text, or with control characters."""
+def check_id(what: str, value: object, *, optional: bool = False, new: bool = False) -> None:
+    """Refuse ids that are empty, too long, not text, or with control characters; ``new``: an id being given
+    to a new session, entry, turn or key, which must also fit MAX_ID_BYTES (an id stored by a release
+    without that limit can still be named everywhere else: read, written to, drained, deleted)."""
     if value is None and optional:
         return
     if not isinstance(value, str):
@@ -136,7 +138,7 @@ def check_id(what: str, value: object, *, optional: bool = False) -> None:
     # C0, DEL and C1 (U+0080..U+009F: NEL, CSI, ...) are all control characters: none belongs in an id.
     if _BAD_ID_CHAR.search(value) is not None:
         raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
-    if len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8")) > MAX_ID_BYTES:
+    if new and len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8")) > MAX_ID_BYTES:
         raise InvalidInput(f"{what} must be at most {MAX_ID_BYTES} bytes in UTF-8")
 
 
@@ -199,9 +201,9 @@ def prepare_entry(
     """Validate and serialize one entry; raises before anything is written."""
     if kind not in ENTRY_KINDS:
         raise InvalidInput(f"unknown entry kind {kind!r}; one of {', '.join(ENTRY_KINDS)}")
-    check_id("entry_id", entry_id, optional=True)
-    check_id("idempotency_key", idempotency_key, optional=True)
-    check_id("turn_id", turn_id, optional=True)
+    check_id("entry_id", entry_id, optional=True, new=True)
+    check_id("idempotency_key", idempotency_key, optional=True, new=True)
+    check_id("turn_id", turn_id, optional=True, new=True)
     if kind == "message":
         if payload is not None:
             raise InvalidInput("a message entry takes `message`, not `payload`")

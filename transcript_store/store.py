@@ -137,16 +137,16 @@ class TranscriptStore:
         self, scope: str, *, session_id: str | None = None, session_key: str | None = None
     ) -> SessionInfo:
         """Create a session (id generated when omitted); the same id and key again is a no-op."""
-        check_id("scope", scope)
-        check_id("session_id", session_id, optional=True)
-        check_id("session_key", session_key, optional=True)
+        check_id("scope", scope, new=True)
+        check_id("session_id", session_id, optional=True, new=True)
+        check_id("session_key", session_key, optional=True, new=True)
         sid = session_id or new_id()
         return self.write(lambda c: c.create_session(scope, sid, session_key))
 
     def open_session(self, scope: str, session_key: str) -> SessionInfo:
         """The active session holding ``session_key``, created when there is none."""
-        check_id("scope", scope)
-        check_id("session_key", session_key)
+        check_id("scope", scope, new=True)
+        check_id("session_key", session_key, new=True)
         sid = new_id()
 
         def run(c: Core) -> SessionInfo:

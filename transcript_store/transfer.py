@@ -164,14 +164,14 @@ def plan_import(
     session_key: str | None = None,
 ) -> ImportPlan:
     """Validate an export completely; raises InvalidInput (nothing written) on the first problem."""
-    check_id("scope", scope)
+    check_id("scope", scope, new=True)
     head = _parse(SessionHeader, header, "header")
     if head.format != FORMAT:
         raise InvalidInput(f"header: format {head.format!r} is not {FORMAT!r}")
     sid = session_id if session_id is not None else head.session_id
     key = session_key if session_key is not None else head.session_key
-    check_id("session_id", sid)
-    check_id("session_key", key, optional=True)
+    check_id("session_id", sid, new=True)
+    check_id("session_key", key, optional=True, new=True)
     if isinstance(records, str | bytes) or not isinstance(records, Sequence):
         raise InvalidInput("entries must be a list of entry records")
     if len(records) != head.entry_count:

@@ -105,6 +105,8 @@ class Turns:
         apply: ApplyTurn | None = None,
     ) -> CommitResult:
         """ONE atomic idempotent write: ``committed``, ``duplicate``, or AdvancementKeyCollision."""
+        check_id("engine_id", engine_id, new=True)
+        check_id("advancement_key", advancement_key, new=True)
         turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
         _check_callable("apply", apply, optional=True)
         if apply is None:
@@ -189,7 +191,7 @@ class Turns:
         within: Callable[[Core, Admission], None] | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         self.store._ids(scope, session_id)
-        check_id("engine_id", engine_id)
+        check_id("engine_id", engine_id, new=True)
         if not isinstance(is_heartbeat, bool):
             raise InvalidInput("is_heartbeat must be a bool")
         item = self.store.prepare_admission(message, turn_id=turn_id)
