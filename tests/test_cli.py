@@ -519,6 +519,21 @@ def test_engines_list_and_doctor(db: tuple[str, Path], backend: str) -> None:
     records = run_json("doctor", "--db", url, cwd=work)["quarantine"]
     assert [(r["engine_id"], r["operation"], r["alive"]) for r in records] == [("flaky-engine", "assemble", True)]
     assert "flaky-engine" in run("doctor", "--db", url, cwd=work).stdout
+    # The reason is an engine's error text: its escape sequences are shown, never obeyed (as outbox status).
+    with open_store(url) as store:
+        store.write(lambda c: quarantine.record(c, "flaky-engine", "assemble", "RuntimeError: \x1b]0;owned\x07"))
+    shown = run("doctor", "--db", url, cwd=work).stdout
+    assert "\x1b" not in shown and "\\x1b]0;owned\\x07" in shown
+    # So is a plugin's load error in the engines table (doctor's and engines list's).
+    plugin = work / "plugins" / "hostile"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: hostile\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text("raise RuntimeError('boom \\x1b]0;owned\\x07')\n", encoding="utf-8")
+    (work / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\n', encoding="utf-8")
+    for command in (("doctor",), ("engines", "list")):
+        shown = run(*command, "--db", url, cwd=work).stdout
+        assert "hostile" in shown and "\x1b" not in shown and "\\x1b]0;owned\\x07" in shown, repr(shown)
+    (work / "transcript-store.toml").unlink()
 
     env = {"TRANSCRIPT_STORE_ENGINE": "missing-engine"}
     bad = run_json("doctor", "--db", url, cwd=work, code=1, env=env)

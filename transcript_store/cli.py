@@ -739,7 +739,7 @@ def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Tab
             ">" if e["selected"] else "", e["id"], e.get("source") or "-", str(e.get("version") or "-"),
             "owns" if e.get("owns_compaction") else "runtime", e.get("fence") or "-", e.get("idempotency") or "-",
             "all" if params is None else ", ".join(params) or "none",
-            Text("yes" if e["valid"] else f"NO: {e['reason']}"),
+            Text("yes" if e["valid"] else f"NO: {shown(e['reason'])}"),  # a plugin's error text, read not obeyed
         )
     return table
 
@@ -868,7 +868,8 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
         for name in ("engine", "process", "operation", "reason", "since"):
             table.add_column(name, overflow="fold")
         for r in data["quarantine"]:
-            table.add_row(r["engine_id"], r["process"], r["operation"], Text(r["reason"]), r["created_at"])
+            # An engine's error text: read, not obeyed (as outbox status shows it).
+            table.add_row(r["engine_id"], r["process"], r["operation"], Text(shown(r["reason"])), r["created_at"])
         out.print(table)
     else:
         click.echo("quarantine: none")
