@@ -278,6 +278,22 @@ def test_escape_sequences_in_messages_are_shown_not_obeyed(store_url: str, tmp_p
     assert shown["entries"][0]["message"]["content"] == hostile
 
 
+def test_an_engine_error_in_chat_is_shown_not_obeyed(store_url: str, tmp_path: Path) -> None:
+    """The reason a turn ran on legacy (an engine's error text) and /engine's echo of it are escaped too."""
+    plugin = tmp_path / "plugins" / "hostile"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: hostile\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(
+        "def create_engine(ctx):\n    raise RuntimeError('boom \\x1b]0;owned\\x07 \\x1b[31mred')\n", encoding="utf-8"
+    )
+    (tmp_path / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\n', encoding="utf-8")
+    out = run("chat", "--session", "esc", "--engine", "hostile", "--db", store_url, cwd=tmp_path,
+              stdin="hello\n/engine\n").stdout
+    assert "ran on legacy" in out and "degraded: " in out
+    assert not any(c in out for c in "\x1b\x07"), repr(out)
+    assert out.count("\\x1b]0;owned\\x07") == 2
+
+
 # ---------------------------------------------------------------------------------------------- 7: refusals
 
 

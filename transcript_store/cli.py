@@ -1035,7 +1035,7 @@ class ChatLoop:
             self.emit("step", {"message": m}, f"  [{m['role']}] {shown(message_text(m))}")
         if outcome.degraded_reason:
             self.emit("degraded", {"reason": outcome.degraded_reason},
-                      f"  (this turn ran on {outcome.engine_id}: {outcome.degraded_reason})")
+                      f"  (this turn ran on {outcome.engine_id}: {shown(outcome.degraded_reason)})")
         data = {
             "turn_id": outcome.turn_id, "session_id": outcome.session_id, "engine_id": outcome.engine_id,
             "degraded_reason": outcome.degraded_reason, "commit_status": outcome.commit_status,
@@ -1105,7 +1105,8 @@ class ChatLoop:
         text = f"engine: {s.engine} (from {s.engine_source})"
         if last is not None:
             text += f"; last turn ran on {last.engine_id}"
-            text += f" (degraded: {last.degraded_reason})" if last.degraded_reason else " (not degraded)"
+            # An engine's error text, as outbox status and doctor show it: read, not obeyed.
+            text += f" (degraded: {shown(last.degraded_reason)})" if last.degraded_reason else " (not degraded)"
         if self.runtime.quarantined:
             text += "; quarantined: " + ", ".join(sorted(self.runtime.quarantined))
         self.emit("engine", data, text)
