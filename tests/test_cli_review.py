@@ -194,6 +194,18 @@ def test_a_bad_model_url_is_a_usage_error_before_any_write(store_url: str, tmp_p
     assert list(fresh.iterdir()) == []  # no store created either
 
 
+@pytest.mark.parametrize("url", ["http://localhost:80x/v1", "http://user:pw@localhost:80x/v1",
+                                 "http://localhost:99999/v1"])
+def test_a_model_url_with_a_bad_port_is_a_usage_error_before_any_write(store_url: str, tmp_path: Path,
+                                                                       url: str) -> None:
+    """As a database URL's: a port that is not a number (or past 65535) is refused typed, before the chat's
+    session is created, not at the first turn (or, with a user:password part, as an internal error)."""
+    line = one_error_line(run("chat", "--model-url", url, "--db", store_url, cwd=tmp_path, stdin="hello\n", code=2))
+    assert "port" in line and "internal error" not in line and "pw" not in line
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions(SCOPE) == []
+
+
 def test_a_good_named_settings_file_is_accepted_everywhere(store_url: str, tmp_path: Path) -> None:
     seed(store_url)
     good = tmp_path / "good.toml"

@@ -279,8 +279,8 @@ def mask_url(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.username is None and parts.password is None:
         return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    # The host and port as written: ``parts.port`` raises ValueError for a port that is not a number.
+    netloc = "***@" + parts.netloc.rpartition("@")[2]
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -351,6 +351,10 @@ class OpenAIChatModel:
         """Talk to ``base_url`` (e.g. ``https://api.openai.com/v1``) as ``model``; ``timeout`` in seconds."""
         if not base_url.startswith(("http://", "https://")):
             raise InvalidInput(f"model URL must start with http:// or https://, not {mask_url(base_url)!r}")
+        try:  # else the first turn fails, after the chat's session was written
+            _port = urllib.parse.urlsplit(base_url).port
+        except ValueError as e:  # not a number, or not in 0..65535
+            raise InvalidInput(f"model URL {mask_url(base_url)!r}: bad port: {e}") from None
         if timeout <= 0:
             raise InvalidInput("model timeout must be positive")
         self.base_url = base_url.rstrip("/")
