@@ -306,6 +306,32 @@ def test_an_engine_error_in_chat_is_shown_not_obeyed(store_url: str, tmp_path: P
     assert out.count("\\x1b]0;owned\\x07") == 2
 
 
+def test_an_error_line_shows_an_engine_error_escaped(store_url: str, tmp_path: Path) -> None:
+    """A command failing with an engine's exception prints its text as the one error line: escaped too."""
+    plugin = tmp_path / "plugins" / "hostile"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: hostile\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(
+        "from engines.legacy import LegacyEngine\n\n"
+        "class Hostile(LegacyEngine):\n"
+        "    def __init__(self, ctx):\n"
+        "        super().__init__(ctx)\n"
+        "        self.info = self.info.model_copy(update={'id': 'hostile'})\n\n"
+        "    def compact(self, **kw):\n"
+        "        raise RuntimeError('boom \\x1b]0;owned\\x07')\n\n"
+        "def create_engine(ctx):\n"
+        "    return Hostile(ctx)\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\nslot = "hostile"\n',
+                                                    encoding="utf-8")
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        store.create_session(SCOPE, session_id="esc")
+        store.append(SCOPE, "esc", {"role": "user", "content": "hello"})
+    line = one_error_line(run("compact", "esc", "--db", store_url, cwd=tmp_path, code=1))
+    assert "boom \\x1b]0;owned\\x07" in line and not any(c in line for c in "\x1b\x07"), repr(line)
+
+
 # ---------------------------------------------------------------------------------------------- 7: refusals
 
 

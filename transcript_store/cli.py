@@ -1396,7 +1396,8 @@ def error_line(error: BaseException, url: str | None) -> str:
         text = text.replace(str(password), "***")
     if isinstance(error, EngineError):
         text = f"engine: {text}"
-    return f"error: {text}"
+    # The text may quote an engine's exception or a server's answer: shown, never obeyed by the terminal.
+    return f"error: {shown(text)}"
 
 
 def _fail(error: BaseException, st: State) -> NoReturn:
