@@ -1,8 +1,9 @@
 """The migrations are the schema: at head they produce schema.py's tables on both backends, and the
 ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 32 bytes) go down and up
 again without losing a committed turn's messages or its hash, 0007 (the session's incarnation) keeps
-every row of every table and every cursor issued before it, and 0008 (the lossless engine's word index
-over the start of a text, PostgreSQL) keeps every engine row searchable."""
+every row of every table and every cursor issued before it, 0008 (the lossless engine's word index
+over the start of a text, PostgreSQL) keeps every engine row searchable, and 0011 forgets the engine
+rows an earlier release's reset kept."""
 
 from __future__ import annotations
 
@@ -15,11 +16,22 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from conftest import assistant, user
-from sqlalchemy import text
+from sqlalchemy import Select, Table, select, text
 from sqlalchemy.exc import IntegrityError
 
 from engines.lossless import LosslessEngine
-from transcript_store import Admission, Anchor, DeltaPage, StoreConfig, TranscriptStore, TurnKeyConflict, migrate
+from engines.lossless.audit import audit
+from engines.lossless.tables import messages, summaries, summary_children, summary_sources
+from transcript_store import (
+    Admission,
+    Anchor,
+    ClosedRange,
+    DeltaPage,
+    StoreConfig,
+    TranscriptStore,
+    TurnKeyConflict,
+    migrate,
+)
 from transcript_store.core import Core
 from transcript_store.cursors import CursorState
 from transcript_store.db import Database
@@ -277,3 +289,64 @@ def test_entries_committed_before_keys_were_bound_take_their_key(store_url: str)
         with pytest.raises(TurnKeyConflict):
             turns.commit_turn("e", "k2", *turn)
         assert [r.advancement_key for r in turns.receipts(A, sid)] == ["k1"]
+
+
+def test_what_an_earlier_release_kept_after_a_reset_is_forgotten(store_url: str) -> None:
+    """0011: before 0bafff9 a reset emptied the context and kept every engine row, so the original of a
+    redacted message (and the summaries made from it) stayed findable by the recall tools after the
+    upgrade, and stayed so until the session's next branch or rewrite. The upgrade forgets them; the
+    context, and what it covers, stays as it was."""
+    legacy_tables = (messages, summaries, summary_sources, summary_children)
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        engine = LosslessEngine(EngineContext(
+            store=store, config={"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4,
+                                 "condense_fanin": 2},
+            summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+        sid = store.create_session(A, session_id="s1").session_id
+
+        def turn(i: int, question: str) -> None:
+            admission = store.admit(A, sid, user(question), turn_id=f"t{i}")
+            last = store.append(A, sid, assistant(f"answer {i} " + "words " * 20))
+            terminal = store.anchor(A, sid, last.entry_id)
+            closed = store.read_closed_range(admission, terminal)
+            assert isinstance(closed, ClosedRange)
+            store.write(lambda c: engine.commit_turn(tx=c, advancement_key=f"t{i}", admission=admission.anchor,
+                                                     terminal=terminal, messages=closed.messages))
+            engine.compact(scope=A, session_id=sid, force=True)
+
+        def found(pattern: str) -> int:
+            out = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": pattern}, scope=A, session_id=sid))
+            return int(out["count"])
+
+        for i in range(8):
+            turn(i, "the zucchini secret " * 5 if i == 2 else f"question {i} " + "words " * 20)
+        before = {t.name: store.read(lambda c, t=t: c.conn.execute(select_all(t)).all()) for t in legacy_tables}
+        secret = next(e for e in store.read_visible(A, sid) if "zucchini" in str(e.message["content"]))
+        store.rewrite_entries(A, sid, [{"entry_id": secret.entry_id, "message": user("[redacted]")}])
+        turn(8, "after the redaction " + "words " * 20)
+        assert found("zucchini") == 0
+        context = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=4000).messages
+        db = Database(StoreConfig(url=store_url))
+        try:
+            _downgrade(db, "0010")
+            with db.engine.begin() as conn:  # as an earlier release's reset left them: every row kept
+                for table in legacy_tables:
+                    now = conn.execute(select_all(table)).all()
+                    # A summary has one parent: one the reset gave back and compaction condensed since keeps it.
+                    parented = {row.child_seq for row in now} if table is summary_children else set()
+                    gone = [r._asdict() for r in before[table.name]
+                            if r not in now and getattr(r, "child_seq", None) not in parented]
+                    if gone:
+                        conn.execute(table.insert(), gone)
+            assert found("zucchini") > 0 and store.read(lambda c: audit(c, A, sid)).problems
+            migrate.upgrade(db)
+        finally:
+            db.dispose()
+        assert found("zucchini") == 0 and found("redaction") == 1
+        assert store.read(lambda c: audit(c, A, sid)).problems == []
+        assert engine.assemble(scope=A, session_id=sid, fence=None, token_budget=4000).messages == context
+
+
+def select_all(table: Table) -> Select[Any]:
+    """Every row of a lossless table (every column but PostgreSQL's generated search column), in key order."""
+    return select(table).order_by(*table.primary_key.columns)
