@@ -261,6 +261,22 @@ def test_branching_back_imports_the_abandoned_branch_again(store: TranscriptStor
     consistent(store, sid)
 
 
+def test_a_branch_after_a_reset_by_the_recall_tools_leaves_nothing_behind(store: TranscriptStore, sid: str) -> None:
+    """The recall tools apply a pending reset without importing; the still-true messages of the leaf it
+    dropped waited for the next import to come back into the context. A branch before them in between
+    left the view's cursor valid (no reset came for them): they stayed stored out of the context, and
+    lcm_grep found them after they had left the active path."""
+    engine = make_engine(store, SMALL)
+    turns = chat(store, engine, sid, 12)
+    assert context(store, sid)[0].summary is not None
+    store.branch(A, sid, turns[0][1].entry_id)  # the first turn only: the leaf over it reaches past it
+    assert tool(engine, sid, "lcm_grep", pattern="answer t0")["count"] == 1  # the tool applies the reset
+    store.branch(A, sid, None)  # the first turn leaves the path too
+    chat(store, engine, sid, 2, prefix="n")
+    assert tool(engine, sid, "lcm_grep", pattern="answer t0")["count"] == 0
+    consistent(store, sid)
+
+
 # ---------------------------------------------------------------------------------------------- C
 
 

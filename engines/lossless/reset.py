@@ -8,14 +8,14 @@ point (one indexed entry lookup per probe). Then, in the caller's transaction:
 - the context items that cover only messages before the divergence stay (raw messages and summaries);
 - the first item that reaches past it goes: a condensed summary gives back those of its children
   (recursively) that are still true, a leaf nothing; its still-visible messages are appended raw again
-  by the import that follows (their rows and ``msg_N`` ids stay), and later compaction re-summarizes;
+  (their rows and ``msg_N`` ids stay), and later compaction re-summarizes;
 - every other row of the session goes: the messages that left the active path (an abandoned branch,
   the originals of a rewrite) and every summary not reachable from the kept items, with their
   sources and children edges, so the recall tools cannot find them any more (SQLite's FTS rows go
   with them through the 0004 triggers; PostgreSQL's search column is part of the row). The
   transcript keeps every entry: branching back imports them again, as new rows.
 
-The view then points just after the kept prefix, so the import reads only from the divergence on.
+The view then ends just before the divergence point, so the import reads only from there on.
 Cost: one pass over the session's engine rows (messages without their text, the summary edges) and
 O(log n) entry lookups. A reset is rare (a branch or a rewrite) and never on a turn's common path.
 """
@@ -175,11 +175,26 @@ def keep_true_prefix(core: Core, scope: str, session_id: str, view: View, sess: 
     faults.point("lossless.reset.mid_forget")
     new_items = []
     for seq in reinstated:
-        new_items.append({"scope": scope, "session_id": session_id, "item_ordinal": view.next_item, "summary_seq": seq})
+        new_items.append({"scope": scope, "session_id": session_id, "item_ordinal": view.next_item,
+                          "summary_seq": seq, "message_ordinal": None})
         view.next_item += 1
+    # The still-true messages of a dropped leaf go back raw now, as the import would add them: a reset
+    # the recall tools apply imports nothing, and if the path then moved again with the view's cursor
+    # still on it (a branch before it), no reset would come for them: out of the context, never deleted,
+    # the recall tools would find them after they left the active path.
+    given_back = chain[done:true]
+    for ordinal in given_back:
+        new_items.append({"scope": scope, "session_id": session_id, "item_ordinal": view.next_item,
+                          "summary_seq": None, "message_ordinal": ordinal})
+        view.next_item += 1
+    done = true
     if new_items:
         core.conn.execute(insert(context_items), new_items)
-    view.tokens = sum(map(rows.item_tokens, kept)) + sum(rows.summary_tokens[s] for s in reinstated)
+    view.tokens = (
+        sum(map(rows.item_tokens, kept))
+        + sum(rows.summary_tokens[s] for s in reinstated)
+        + sum(rows.tokens[o] for o in given_back)
+    )
     view.generation, view.position, view.cursor = sess.generation, done - 1, fresh_cursor
     if done > 0:
         if done - 1 not in seqs:  # the binary search may not have probed it (it is on the path)

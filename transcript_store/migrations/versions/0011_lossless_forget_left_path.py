@@ -13,7 +13,8 @@ branch or rewrite, maybe never. This revision deletes what that reset forgets: e
 in the context nor under a summary that is, and every message that the context does not cover (raw
 or through a kept summary) and that is no longer on the active path. A store written by this release
 has neither (``audit`` reports the first); the context items, the view and the transcript stay as
-they are.
+they are. The messages also go that a reset the recall tools applied left out of the context, before
+such a reset gave them back at once, when the path moved away from them before the next import.
 
 One statement per table over the engine's tables, in the upgrade's transaction; SQLite's search rows
 go with their rows through the 0004 triggers, PostgreSQL's search column is part of the row.
