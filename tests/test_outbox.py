@@ -709,6 +709,20 @@ def test_re_admitting_a_committed_turn_is_refused_and_writes_nothing(
     assert engine_view(store, sid)[0] == ["t1", "t2"]
 
 
+def test_re_admitting_a_turn_delivered_with_its_admission_as_terminal_is_refused(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """A turn accepted with the admitted entry itself as its terminal (nothing follows it) and delivered:
+    admitted again, it ran again, its new replies collided with the receipt on every drain."""
+    admission, _ = turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    turns.accept(A, sid, "t1", admission.anchor)
+    assert turns.drain(engines()).committed == 1 and turns.intent(A, sid, "t1") is None
+    before = store.list_entries(A, sid)
+    with pytest.raises(OutboxCollision, match="already committed"):
+        turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    assert turns.intent(A, sid, "t1") is None and store.list_entries(A, sid) == before
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_reply_keyed_as_an_earlier_turns_entry_is_refused_not_blocked_at_the_drain(
     store: TranscriptStore, turns: Turns, sid: str, fast: bool

@@ -465,15 +465,16 @@ def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:
     return admit_and_tell(c, scope, session_id, item)[0]
 
 
-def admit_and_tell(c: Core, scope: str, session_id: str, item: NewEntry) -> tuple[Admission, bool]:
-    """``admit_in``, also telling whether entries follow the admitted one (a stored admission, replayed)."""
+def admit_and_tell(c: Core, scope: str, session_id: str, item: NewEntry) -> tuple[Admission, bool, bool]:
+    """``admit_in``, also telling whether entries follow the admitted one and whether it was stored
+    already (an admission replayed)."""
     sess, appended = c.append_to_session(scope, session_id, [item])
     entry = appended[0]
     assert item.turn_id is not None
     # The appended Entry carries every field of its row that an anchor takes: no second lookup.
     admission = Admission.model_construct(anchor=c.anchor_for(sess, entry), turn_id=item.turn_id)
     # ``sess`` is the row as locked, before this append: a new entry's seq is past its last_seq.
-    return admission, entry.seq < sess.last_seq
+    return admission, entry.seq < sess.last_seq, entry.seq <= sess.last_seq
 
 
 def _append_item(raw: Any) -> AppendItem:

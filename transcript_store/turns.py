@@ -200,7 +200,7 @@ class Turns:
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
             faults.point("admit.before")
             # The session is locked by the append: the checks below cannot race another admission.
-            admission, followed = admit_and_tell(c, scope, session_id, item)
+            admission, followed, stored = admit_and_tell(c, scope, session_id, item)
             if only_if_clear and not outbox.turn_is_clear(c, scope, session_id, turn_id):
                 raise _NotClear
             faults.point("admit.after_entry")
@@ -210,11 +210,12 @@ class Turns:
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
                 is_heartbeat=is_heartbeat, owner=owner,
             )
-            if followed and intent.state == "admitted":
+            if stored and intent.state == "admitted":
                 # A stored admission that is to run (again): was it overtaken by a later turn, or
-                # delivered already? (An accepted one is answered as it is: its range was closed
-                # before the later turn.)
-                outbox.check_not_overtaken(c, admission)
+                # delivered already (its terminal may be the admission itself: nothing follows it)?
+                # An accepted one is answered as it is: its range was closed before the later turn.
+                if followed:
+                    outbox.check_not_overtaken(c, admission)
                 outbox.check_not_committed(c, admission)
             if within is not None:
                 within(c, admission)
