@@ -688,6 +688,11 @@ def same_json(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def same_stored_text(a: str, b: str) -> bool:
+    """Whether two stored texts hold the same JSON (equal texts, or equal as ``same_json`` when decoded)."""
+    return a == b or same_json(decode_stored(a), decode_stored(b))
+
+
 def _number_text(value: Any) -> str | None:
     """How JSON writes a number (a bool is ``True``/``False`` here); None for anything else."""
     if isinstance(value, bool):
@@ -1022,10 +1027,7 @@ class Core:
         if len(rows) > 1:
             raise IdempotencyConflict("entry_id, idempotency_key and turn_id name different entries")
         row = rows[0]
-        same_body = row.payload == new.payload_json or same_json(
-            decode_stored(row.payload), decode_stored(new.payload_json)
-        )
-        if row.kind != new.kind or not same_body:
+        if row.kind != new.kind or not same_stored_text(row.payload, new.payload_json):
             raise IdempotencyConflict(f"{self._key_name(row, new)} already names an entry with other content")
         if (new.turn_id is not None and row.turn_id != new.turn_id) or (
             new.idempotency_key is not None and row.idempotency_key != new.idempotency_key

@@ -668,7 +668,8 @@ class HostRuntime:
         # What every request of the turn carries besides the assembled context: the system prompt, the
         # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
         # request the model receives fits the budget, not just the transcript part of it.
-        reserved = self._reserved_tokens(user, engine_tools)
+        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
+        reserved = self._reserved_tokens(user, tools)
         host_params = {
             "session_key": session_key,
             "prompt": user,
@@ -704,7 +705,7 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools)
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
         self._leases.release(scope, session_id, turn_id)
         try:
@@ -835,13 +836,12 @@ class HostRuntime:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
         return max(1, self.settings.token_budget - self.settings.max_output_tokens - reserved)
 
-    def _reserved_tokens(self, user: dict[str, Any], engine_tools: dict[str, Any]) -> int:
+    def _reserved_tokens(self, user: dict[str, Any], tools: list[dict[str, Any]]) -> int:
         """The tokens of what a request carries besides the assembled context (system prompt, the user
         message, the tools' schemas as JSON); the engine's system-prompt addition is its own to count."""
         # Counted once per distinct system prompt and tool list (they rarely change), the user message
         # every turn: a host turn is ~2 ms of CPU, and counting the schemas each time was 15 µs of it.
         est = self.estimator
-        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         key = (self.settings.system_prompt, json.dumps(tools) if tools else "")
         fixed = self._fixed_tokens.get(key)
         if fixed is None:
@@ -872,6 +872,7 @@ class HostRuntime:
         user: dict[str, Any],
         assembled: AssembleResult,
         engine_tools: dict[str, Any],
+        tools: list[dict[str, Any]],
     ) -> list[dict[str, Any]]:
         system = self.settings.system_prompt
         if assembled.system_prompt_addition:
@@ -881,7 +882,6 @@ class HostRuntime:
             self.settings.prune_keep_recent_tool_results,
             self.settings.prune_tool_result_max_chars,
         )
-        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
         replies: list[dict[str, Any]] = []
         for _step in range(self.settings.max_tool_steps):
             request = [{"role": "system", "content": system}, *context, user, *replies]

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import Row, insert, update
 
-from .core import Core, NewEntry, check_id, decode_stored, new_id, now_us, same_json, session_info
+from .core import Core, NewEntry, check_id, new_id, now_us, same_stored_text, session_info
 from .errors import InvalidInput, UnknownEntry
 from .models import Replacement, RewriteResult, SessionInfo, validate_message
 from .schema import entries, sessions
@@ -115,7 +115,9 @@ def rewrite_entries(
             return unchanged.model_copy(
                 update={"reason": f"suffix_not_allowed: {len(outside)} active entries, first {outside[0]}"}
             )
-    if all(_same_text(wanted[eid].payload_json, found[eid].payload) for eid in wanted):
+    # The same message with its keys in another order is unchanged too, as an append's idempotency check
+    # takes it: a rewrite of it would rotate the generation and reset every reader for nothing.
+    if all(same_stored_text(wanted[eid].payload_json, found[eid].payload) for eid in wanted):
         return unchanged.model_copy(update={"reason": "unchanged"})
     generation = sess.generation + 1
     seq = sess.last_seq
@@ -167,13 +169,6 @@ def rewrite_entries(
     return RewriteResult.model_construct(
         changed=True, bytes_freed=freed, rewritten_entries=len(new_rows), reason=None, generation=generation
     )
-
-
-def _same_text(new: str, stored: str) -> bool:
-    """Whether a replacement's text is the stored one's JSON (the same message with its keys in another
-    order too, as an append's idempotency check takes it: a rewrite of it would rotate the generation
-    and reset every reader for nothing)."""
-    return new == stored or same_json(decode_stored(new), decode_stored(stored))
 
 
 class _Row:
