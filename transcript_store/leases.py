@@ -148,6 +148,8 @@ class LeaseKeeper:
                 held.set_at = started
                 self.renewals += 1
                 return
+            # Warned before the turn is dropped, under the lock: whoever sees it no longer held (holds())
+            # can already find the warning (a test polling holds() read the log before it was written).
+            log.warning("turn %s: its lease could not be renewed (the turn was discarded, completed by another "
+                        "attempt or taken over meanwhile)", turn_id)
             del self._held[key]
-        log.warning("turn %s: its lease could not be renewed (the turn was discarded, completed by another "
-                    "attempt or taken over meanwhile)", turn_id)
