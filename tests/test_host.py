@@ -621,6 +621,67 @@ def test_subagent_prepare_rollback_and_end(store: TranscriptStore, sid: str) -> 
     assert events == ["prepare:fork", "ended:child:1", "prepare:isolated", "rollback"]
 
 
+def test_subagent_hooks_that_raise_never_cost_the_child_run(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine failing a subagent hook is quarantined like any lifecycle failure, and the spawn goes on
+    without it: a failing prepare runs the child unprepared (legacy has no such hook), a failing
+    on_subagent_ended does not lose the finished child's result, and a failing rollback does not hide why
+    the child failed."""
+    from transcript_store.engine import SubagentSpawnPreparation
+
+    events: list[str] = []
+
+    class Sub(CountingEngine):
+        fail: str = ""
+
+        def prepare_subagent_spawn(self, **kw: Any) -> Any:
+            events.append("prepare")
+            if self.fail == "prepare":
+                raise RuntimeError("prepare broke")
+
+            def rollback() -> None:
+                events.append("rollback")
+                if self.fail == "rollback":
+                    raise RuntimeError("rollback broke")
+
+            return SubagentSpawnPreparation(rollback=rollback)
+
+        def on_subagent_ended(self, **kw: Any) -> None:
+            events.append("ended")
+            if self.fail == "ended":
+                raise RuntimeError("ended broke")
+
+    for fail, child_fails in (("prepare", False), ("ended", False), ("rollback", True)):
+        events.clear()
+        Sub.fail = fail
+        host, _ = make_host(store, "sub", {"sub": lambda ctx: Sub(ctx, "sub")})
+
+        def child(child_sid: str, fails: bool = child_fails) -> str:
+            events.append("child")
+            if fails:
+                raise ValueError("the child failed")
+            return f"ran {child_sid}"
+
+        with caplog.at_level(logging.WARNING):
+            if child_fails:
+                with pytest.raises(ValueError, match="the child failed"):
+                    host.spawn_subagent(SCOPE, sid, f"child:{fail}", child)
+            else:
+                assert host.spawn_subagent(SCOPE, sid, f"child:{fail}", child).startswith("ran ")
+        assert host.quarantined["sub"][0] == {
+            "prepare": "prepare_subagent_spawn", "ended": "on_subagent_ended", "rollback": "subagent_rollback"
+        }[fail]
+        assert f"{fail} broke" in caplog.text
+        # A quarantined engine is not called again: no on_subagent_ended after a failed prepare.
+        assert events == {
+            "prepare": ["prepare", "child"], "ended": ["prepare", "child", "ended"],
+            "rollback": ["prepare", "child", "rollback"],
+        }[fail]
+        assert store.read(records)[-1].engine_id == "sub"
+        caplog.clear()
+
+
 def test_builtin_compaction_runs_for_non_owning_engines_only(store: TranscriptStore, sid: str) -> None:
     big = "word " * 400
     store.append_many(

@@ -1048,7 +1048,7 @@ class HostRuntime:
         prep: SubagentSpawnPreparation | None = None
         prepare = getattr(engine, "prepare_subagent_spawn", None)
         if prepare is not None:
-            prep = self._call(
+            prep = self._best_effort(
                 info.id,
                 "prepare_subagent_spawn",
                 lambda: prepare(
@@ -1062,17 +1062,31 @@ class HostRuntime:
         try:
             result = run_child(child.session_id)
         except BaseException:
-            if prep is not None and prep.rollback is not None:
-                prep.rollback()
-            raise
+            rollback = getattr(prep, "rollback", None)  # None, or whatever the engine returned
+            if rollback is not None:
+                self._best_effort(info.id, "subagent_rollback", rollback)
+            raise  # the child's own failure, never one of the hooks'
         ended = getattr(engine, "on_subagent_ended", None)
         if ended is not None:
-            self._call(
+            self._best_effort(
                 info.id,
                 "on_subagent_ended",
                 lambda: ended(scope=scope, child_session_key=child_session_key, reason="completed"),
             )
         return result
+
+    def _best_effort(self, engine_id: str, operation: str, fn: Callable[[], T]) -> T | None:
+        """A subagent hook: its failure quarantines the engine (``_call``) and is logged, but the spawn goes
+        on as it would on legacy, which has no such hooks (a failing prepare leaves the child unprepared, a
+        failing end hook does not lose the finished child's result). A quarantined engine is not called."""
+        if engine_id in self.quarantined:
+            return None
+        try:
+            return self._call(engine_id, operation, fn)
+        except Exception as e:
+            log.warning("%s of engine %s failed; the subagent goes on without it: %s", operation, engine_id,
+                        describe(e))
+            return None
 
     def dispose(self) -> None:
         """Write pending quarantine records, stop renewing leases and dispose of every live engine."""
