@@ -890,3 +890,53 @@ def test_a_branch_into_a_tool_round_still_sends_a_request_chat_apis_take(
     assert not any(m.get("tool_call_id") == "nobody-asked" for m in last)
     stored = [e.message for e in store.read_visible(SCOPE, sid)]
     assert stored[stored.index(call.message) + 1]["role"] == "user"  # the stand-in was never stored
+
+
+class _BudgetFilling(CountingEngine):
+    """Fills its whole token budget with the newest messages and adds a long system-prompt addition."""
+
+    addition = "Recall what was said before you answer; the summaries hold the rest. " * 30
+
+    def assemble(self, **kw: Any) -> AssembleResult:
+        seen = super().assemble(**kw).messages
+        est = RoughEstimator()
+        shown: list[dict[str, Any]] = []
+        for m in reversed(seen):
+            if est.count_messages([m, *shown]) > kw["token_budget"]:
+                break
+            shown.insert(0, m)
+        return AssembleResult(
+            messages=shown, estimated_tokens=est.count_messages(shown), system_prompt_addition=self.addition
+        )
+
+
+def _request_tokens(request: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    est = RoughEstimator()
+    return est.count_messages(request) + (est.count_text(json.dumps(tools)) if tools else 0)
+
+
+def test_the_engines_system_prompt_addition_is_counted_in_the_budget(store: TranscriptStore, sid: str) -> None:
+    """assemble's system_prompt_addition goes into the request's system prompt: the request, addition
+    included, fits the budget (it did not: the engine had filled the whole budget it was given, and the
+    addition came on top of it)."""
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 200}}
+                     for i in range(40)]
+    )
+    engines: dict[str, _BudgetFilling] = {}
+
+    def factory(ctx: EngineContext) -> _BudgetFilling:
+        # owning compaction: no pre-prompt compaction, so the only second assembly is the addition's
+        return engines.setdefault("fill", _BudgetFilling(ctx, "fill", owns_compaction=True))
+
+    host, model = make_host(store, "fill", {"fill": factory}, token_budget=3000, max_output_tokens=200)
+    out = host.run_turn(SCOPE, sid, "hello")
+    assert out.engine_id == "fill" and out.degraded_reason is None
+    [request] = model.requests
+    assert request[0]["content"].startswith(_BudgetFilling.addition)
+    tools = [schema for schema, _ in host.host_tools.values()]
+    assert _request_tokens(request, tools) <= 3000 - 200
+    # The engine was asked again, with the addition reserved: what it returned is what the model saw.
+    asked = [kw for name, kw in engines["fill"].calls if name == "assemble"]
+    assert len(asked) == 2 and asked[1]["token_budget"] < asked[0]["token_budget"]
+    assert asked[1]["runtime_settings"].limits.prompt_token_budget == asked[1]["token_budget"]

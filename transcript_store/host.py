@@ -230,6 +230,11 @@ def _stand_in(call_id: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_CALL}
 
 
+def with_addition(system_prompt: str, addition: str | None) -> str:
+    """The request's system prompt: an engine's ``system_prompt_addition`` goes in front (OpenClaw's place)."""
+    return f"{addition}\n\n{system_prompt}" if addition else system_prompt
+
+
 def default_host_tools() -> dict[str, HostTool]:
     """Small deterministic host tools, so the local responder can exercise the tool loop offline."""
 
@@ -830,7 +835,59 @@ class HostRuntime:
                 result = self._call(
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )
+        return self._fit_addition(engine, info, params, host, result, reserved)
+
+    def _fit_addition(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        params: dict[str, Any],
+        host: dict[str, Any],
+        result: AssembleResult,
+        reserved: int,
+    ) -> AssembleResult:
+        """The assembly again with the engine's system-prompt addition reserved, when it did not fit.
+
+        The addition goes into the request's system prompt, but it is known only once assemble has
+        answered, so the first assembly cannot have left room for it. When the context and the addition
+        together are over the prompt's budget, the engine is asked once more with the addition's tokens
+        reserved as well: the engine still decides what the model sees (the host never cuts its
+        context), and an engine whose addition does not grow as its room shrinks (the lossless engine's
+        is one fixed hint, or none) then fits. Only once: asking until the answer settles could go on
+        forever for an engine whose addition grows as its room shrinks, and such an answer is logged.
+        """
+        extra = self._addition_tokens(result.system_prompt_addition)
+        budget = self.prompt_budget(reserved)
+        if result.estimated_tokens + extra <= budget:
+            return result  # the common case: no addition, or room for it: one assembly
+        again = {**params, "token_budget": self.prompt_budget(reserved + extra)}
+        again.pop("prefetched", None)  # the engine reads in its own snapshot, as after a compaction
+        if "runtime_settings" in host:
+            # after_turn and maintain see the budget the assembly the model gets was made for
+            host["runtime_settings"] = self._with_budget(host["runtime_settings"], again["token_budget"])
+            if "runtime_settings" in again:
+                again["runtime_settings"] = host["runtime_settings"]
+        result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**again)))
+        over = result.estimated_tokens + self._addition_tokens(result.system_prompt_addition) - budget
+        if over > 0:
+            log.warning("engine %s: the assembled context and its system-prompt addition are %d tokens over the"
+                        " prompt's budget even with the addition reserved", info.id, over)
         return result
+
+    @staticmethod
+    def _with_budget(settings: RuntimeSettings, budget: int) -> RuntimeSettings:
+        limits = settings.limits.model_copy(update={"prompt_token_budget": budget})
+        return settings.model_copy(update={"limits": limits})
+
+    def _addition_tokens(self, addition: str | None) -> int:
+        """What an engine's system-prompt addition adds to the request's system message (``with_addition``):
+        the difference of the two counts, exact whatever the estimator's framing or merges across the join."""
+        if not addition:
+            return 0
+        system = self.settings.system_prompt
+        est = self.estimator
+        joined = int(est.count_messages([{"role": "system", "content": with_addition(system, addition)}]))
+        return max(0, joined - int(est.count_messages([{"role": "system", "content": system}])))
 
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
@@ -838,7 +895,8 @@ class HostRuntime:
 
     def _reserved_tokens(self, user: dict[str, Any], tools: list[dict[str, Any]]) -> int:
         """The tokens of what a request carries besides the assembled context (system prompt, the user
-        message, the tools' schemas as JSON); the engine's system-prompt addition is its own to count."""
+        message, the tools' schemas as JSON); the engine's system-prompt addition, known only once it has
+        assembled, is reserved after that (``_fit_addition``)."""
         # Counted once per distinct system prompt and tool list (they rarely change), the user message
         # every turn: a host turn is ~2 ms of CPU, and counting the schemas each time was 15 µs of it.
         est = self.estimator
@@ -874,9 +932,7 @@ class HostRuntime:
         engine_tools: dict[str, Any],
         tools: list[dict[str, Any]],
     ) -> list[dict[str, Any]]:
-        system = self.settings.system_prompt
-        if assembled.system_prompt_addition:
-            system = f"{assembled.system_prompt_addition}\n\n{system}"
+        system = with_addition(self.settings.system_prompt, assembled.system_prompt_addition)
         context = prune_tool_results(
             pair_tool_calls(assembled.messages),
             self.settings.prune_keep_recent_tool_results,
