@@ -940,3 +940,24 @@ def test_the_engines_system_prompt_addition_is_counted_in_the_budget(store: Tran
     asked = [kw for name, kw in engines["fill"].calls if name == "assemble"]
     assert len(asked) == 2 and asked[1]["token_budget"] < asked[0]["token_budget"]
     assert asked[1]["runtime_settings"].limits.prompt_token_budget == asked[1]["token_budget"]
+
+
+@pytest.mark.parametrize("engine", ["legacy", "lossless"])
+def test_a_user_message_the_budget_cannot_hold_is_refused_before_anything_is_written(
+    store: TranscriptStore, sid: str, engine: str
+) -> None:
+    """A request that cannot fit the budget even with no context at all (the system prompt, the user
+    message, the tools' schemas and the reply's tokens) is refused with PromptTooLarge, no model call and
+    nothing written (it was admitted, assemble got 1 token and the request went over the budget)."""
+    from transcript_store.errors import PromptTooLarge
+
+    host, model = make_host(store, engine, token_budget=1000, max_output_tokens=200)
+    with pytest.raises(PromptTooLarge) as caught:
+        host.run_turn(SCOPE, sid, "tell me more about this " * 200, turn_id="t1")
+    assert isinstance(caught.value, InvalidInput) and caught.value.budget == 1000
+    assert caught.value.tokens > 1000 - 200
+    assert model.requests == [] and store.get_session(SCOPE, sid).entry_count == 0
+    assert Turns(store).intents(SCOPE) == []
+    # The session is not held: a message the budget can hold runs as usual, and the same turn id too.
+    out = host.run_turn(SCOPE, sid, "a short one", turn_id="t1")
+    assert out.commit_status == "committed" and out.engine_id == engine

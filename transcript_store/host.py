@@ -43,6 +43,7 @@ from .errors import (
     InvalidInput,
     ModelTimeout,
     OutboxCollision,
+    PromptTooLarge,
     ReadFenceError,
     SessionBusy,
     StorageFull,
@@ -82,9 +83,10 @@ class _Degrade(Exception):
 
 
 class _Refused(Exception):
-    """The admission refused the turn (``SessionBusy``, ``TurnOvertaken``): raised to the caller as is."""
+    """The turn is refused (the admission's ``SessionBusy``, ``TurnOvertaken``; ``PromptTooLarge`` before
+    it): raised to the caller as is."""
 
-    def __init__(self, error: SessionBusy | TurnOvertaken) -> None:
+    def __init__(self, error: SessionBusy | TurnOvertaken | PromptTooLarge) -> None:
         super().__init__(str(error))
         self.error = error
 
@@ -482,7 +484,10 @@ class HostRuntime:
         turn_id: str | None = None,
         runtime_context: dict[str, Any] | None = None,
     ) -> TurnOutcome:
-        """Run one logical turn to its commit (see module doc); retries reuse the same turn id."""
+        """Run one logical turn to its commit (see module doc); retries reuse the same turn id.
+
+        ``PromptTooLarge`` before anything is written when the budget cannot hold the request even
+        without any context."""
         user = validate_message({"role": "user", "content": message} if isinstance(message, str) else message)
         if user["role"] != "user":
             raise InvalidInput("a turn starts with a user message")
@@ -528,8 +533,9 @@ class HostRuntime:
                 first = False
                 continue
             except _Refused as r:
-                # The admission refused the turn: on its first attempt nothing of it was written, and
-                # its engine is decided again when it is presented again.
+                # The turn was refused (by the admission, or before it: PromptTooLarge): on its first
+                # attempt nothing of it was written, and its engine is decided again when it is
+                # presented again.
                 if not first:
                     self.turns.discard(scope, session_id, turn_id)
                 self._decisions.pop((scope, session_id, turn_id), None)
@@ -613,6 +619,20 @@ class HostRuntime:
             engine, info = self.engine(engine_id)
         except EngineError as e:
             raise _Degrade(f"engine unavailable: {e}") from None
+        try:
+            engine_tools = self._engine_tools(engine, info)
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            # Before the model is first called: the turn may still run on legacy, as for assemble.
+            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
+        # What every request of the turn carries besides the assembled context: the system prompt, the
+        # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
+        # request the model receives fits the budget, not just the transcript part of it; known before
+        # the admission, so a turn no budget can hold is refused before anything is written.
+        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
+        reserved = self._reserved_tokens(user, tools)
+        self._check_room(reserved)
         # The common case in one transaction: nothing to recover, not a retry, admitted, and (for an
         # engine that can) the assembly's reads done there too, under the admission's session lock.
         within, prefetched = self._prefetch(engine, info, scope, session_id)
@@ -663,18 +683,6 @@ class HostRuntime:
             self.before_assemble(scope, session_id, admission)
         session_key = fence.session_key
         rt = RuntimeContext(self, scope, session_id, fence, turn_id)
-        try:
-            engine_tools = self._engine_tools(engine, info)
-        except Exception as e:
-            if engine_id == LEGACY:
-                raise
-            # Before the model is first called: the turn may still run on legacy, as for assemble.
-            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
-        # What every request of the turn carries besides the assembled context: the system prompt, the
-        # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
-        # request the model receives fits the budget, not just the transcript part of it.
-        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
-        reserved = self._reserved_tokens(user, tools)
         host_params = {
             "session_key": session_key,
             "prompt": user,
@@ -892,6 +900,13 @@ class HostRuntime:
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
         return max(1, self.settings.token_budget - self.settings.max_output_tokens - reserved)
+
+    def _check_room(self, reserved: int) -> None:
+        """PromptTooLarge (as a refusal: nothing written yet) when ``reserved`` and the reply leave the
+        context not even one token: the request would overflow whatever the engine assembled."""
+        settings = self.settings
+        if reserved + settings.max_output_tokens >= settings.token_budget:
+            raise _Refused(PromptTooLarge(reserved, settings.max_output_tokens, settings.token_budget))
 
     def _reserved_tokens(self, user: dict[str, Any], tools: list[dict[str, Any]]) -> int:
         """The tokens of what a request carries besides the assembled context (system prompt, the user
