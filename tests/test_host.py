@@ -961,3 +961,38 @@ def test_a_user_message_the_budget_cannot_hold_is_refused_before_anything_is_wri
     # The session is not held: a message the budget can hold runs as usual, and the same turn id too.
     out = host.run_turn(SCOPE, sid, "a short one", turn_id="t1")
     assert out.commit_status == "committed" and out.engine_id == engine
+
+
+class _Recording(CountingEngine):
+    """Records the budget its compact() gets, and what the built-in compaction it delegates to does."""
+
+    delegated: list[CompactResult]
+
+    def compact(self, **kw: Any) -> CompactResult:
+        self.calls.append(("compact", kw))
+        done = kw["runtime_context"].delegate_compaction_to_runtime(force=False)
+        self.delegated = [*getattr(self, "delegated", []), done]
+        return done
+
+
+def test_a_manual_compaction_gets_the_budget_the_pre_prompt_one_does(store: TranscriptStore, sid: str) -> None:
+    """The engine's compact, and the built-in compaction it delegates to, work to the prompt's budget
+    (the budget less the reply, the system prompt and the tools' schemas), as before a prompt; they got
+    the whole token_budget, so a compaction asked for left more than assemble could then take."""
+    estimator = RoughEstimator()
+    system = "You are careful and brief. " * 80
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 100}}
+                     for i in range(19)]
+    )
+    engines: dict[str, _Recording] = {}
+    host, _ = make_host(store, "rec", {"rec": lambda ctx: engines.setdefault("rec", _Recording(ctx, "rec"))},
+                        token_budget=4000, max_output_tokens=500, system_prompt=system)
+    carried = estimator.count_messages([{"role": "system", "content": system}]) + estimator.count_text(
+        json.dumps([schema for schema, _ in host.host_tools.values()]))
+    result = host.compact(SCOPE, sid, force=False)
+    [(_name, kw)] = engines["rec"].calls
+    assert kw["token_budget"] == 4000 - 500 - carried
+    # ~2450 tokens of history: under 0.8 of 4000 - 500, over 0.8 of what the system prompt also leaves.
+    assert result.compacted, result
+    assert "compaction" in [e.kind for e in store.list_entries(SCOPE, sid)]

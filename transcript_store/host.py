@@ -127,6 +127,9 @@ class RuntimeContext:
     session_id: str
     fence: Anchor | None
     turn_id: str | None
+    #: the prompt's budget of the operation (what the delegated compaction works to); None: the
+    #: budget less the reply's tokens
+    budget: int | None = None
 
     def rewrite_transcript_entries(
         self,
@@ -147,9 +150,11 @@ def delegate_compaction_to_runtime(
     ctx: RuntimeContext, *, force: bool = False, focus: str | None = None, prompt_budget: int | None = None
 ) -> CompactResult:
     """The built-in summarising compaction, for non-owning engines' ``compact`` (to ``compaction_threshold``
-    of ``prompt_budget``: by default the budget less the reply's tokens)."""
+    of ``prompt_budget``: by default the operation's, ``ctx.budget``, as the engine's ``compact`` got it)."""
     h = ctx.host
-    budget = h.prompt_budget() if prompt_budget is None else prompt_budget
+    budget = prompt_budget if prompt_budget is not None else ctx.budget
+    if budget is None:
+        budget = h.prompt_budget()
     # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
     # messages whether a compaction is asked for or fires before the prompt.
     keep_last = h.settings.engine_config.get(LEGACY, {}).get("keep_last", compaction.KEEP_LAST)
@@ -682,7 +687,7 @@ class HostRuntime:
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
         session_key = fence.session_key
-        rt = RuntimeContext(self, scope, session_id, fence, turn_id)
+        rt = RuntimeContext(self, scope, session_id, fence, turn_id, self.prompt_budget(reserved))
         host_params = {
             "session_key": session_key,
             "prompt": user,
@@ -912,6 +917,10 @@ class HostRuntime:
         """The tokens of what a request carries besides the assembled context (system prompt, the user
         message, the tools' schemas as JSON); the engine's system-prompt addition, known only once it has
         assembled, is reserved after that (``_fit_addition``)."""
+        return self._carried_tokens(tools) + int(self.estimator.count_messages([user]))
+
+    def _carried_tokens(self, tools: list[dict[str, Any]]) -> int:
+        """The tokens every request carries whatever its user message: the system prompt and the tools."""
         # Counted once per distinct system prompt and tool list (they rarely change), the user message
         # every turn: a host turn is ~2 ms of CPU, and counting the schemas each time was 15 µs of it.
         est = self.estimator
@@ -923,7 +932,7 @@ class HostRuntime:
             if len(self._fixed_tokens) >= 64:
                 self._fixed_tokens.clear()
             self._fixed_tokens[key] = fixed
-        return fixed + int(est.count_messages([user]))
+        return fixed
 
     def _owned_compaction(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str, budget: int, host: dict[str, Any]
@@ -1061,16 +1070,15 @@ class HostRuntime:
             engine_id = LEGACY
             engine, info = self.engine(LEGACY)
         self._check_requirements(info, "manual-compact")
-        rt = RuntimeContext(self, scope, session_id, None, None)
+        # The prompt's budget, as before a prompt (the budget less the reply, the system prompt and the
+        # tools' schemas; no user message is known here): a compaction to the whole token_budget would
+        # leave more than assemble then takes.
+        tools = [s for s, _ in self.host_tools.values()] + list(self._engine_tools(engine, info).values())
+        budget = self.prompt_budget(self._carried_tokens(tools))
+        rt = RuntimeContext(self, scope, session_id, None, None, budget)
         host = {"session_key": sess.session_key, "runtime_context": rt}
         self._bootstrap_before_compaction(engine, info, scope, session_id, host)
-        base = {
-            "scope": scope,
-            "session_id": session_id,
-            "force": force,
-            "focus": focus,
-            "token_budget": self.settings.token_budget,
-        }
+        base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
         params = project_params(info, base, host)
         result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
         self.follow(scope, session_id, result.session_target)
