@@ -996,3 +996,36 @@ def test_a_manual_compaction_gets_the_budget_the_pre_prompt_one_does(store: Tran
     # ~2450 tokens of history: under 0.8 of 4000 - 500, over 0.8 of what the system prompt also leaves.
     assert result.compacted, result
     assert "compaction" in [e.kind for e in store.list_entries(SCOPE, sid)]
+
+
+def test_a_pre_prompt_compaction_that_changes_the_session_is_followed(store: TranscriptStore, sid: str) -> None:
+    """An owning engine's compact, run by the pre-prompt safeguard, may answer a session_target (the
+    successor session): the next turn runs on it, as after a manual compaction (it was ignored, and the
+    next turn went to the session the engine had ended). The turn in flight ends where it was admitted."""
+
+    class Rotating(CountingEngine):
+        rotated = False
+
+        def assemble(self, **kw: Any) -> AssembleResult:
+            window = super().assemble(**kw).messages[-2:]
+            tokens = 100 if self.rotated else 5000
+            return AssembleResult(messages=window, estimated_tokens=tokens, prompt_authority="preassembly_may_overflow")
+
+        def compact(self, **kw: Any) -> CompactResult:
+            self.calls.append(("compact", kw))
+            store.end_session(SCOPE, kw["session_id"])
+            new = store.create_session(SCOPE, session_id="sess-2", session_key="agent:main:test")
+            self.rotated = True
+            target = SessionTarget(scope=SCOPE, session_id=new.session_id, session_key=new.session_key)
+            return CompactResult(ok=True, compacted=True, session_target=target)
+
+    host, _ = make_host(
+        store, "rot", {"rot": lambda ctx: Rotating(ctx, "rot", owns_compaction=True)}, token_budget=4000
+    )
+    first = host.run_turn(SCOPE, sid, "before", turn_id="t1")
+    assert (first.session_id, first.commit_status) == (sid, "committed")
+    assert store.read_visible(SCOPE, sid)[0].message == {"role": "user", "content": "before"}
+    assert host.resolve_session(SCOPE, sid) == "sess-2"
+    second = host.run_turn(SCOPE, sid, "after", turn_id="t2")
+    assert (second.session_id, second.commit_status) == ("sess-2", "committed")
+    assert store.read_visible(SCOPE, "sess-2")[0].message == {"role": "user", "content": "after"}

@@ -843,6 +843,10 @@ class HostRuntime:
                 done = self._owned_compaction(engine, info, scope, session_id, budget, host)
             else:
                 done = delegate_compaction_to_runtime(rt, force=False, prompt_budget=budget)
+            # A compaction that changed the session identity names the successor (OpenClaw's
+            # sessionTarget), as a manual one does: the next turn runs on it. This turn, and a retry of
+            # it, keep the session they were admitted to: their admission, fence and commit are there.
+            self.follow(scope, session_id, done.session_target)
             if done.compacted:
                 params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
