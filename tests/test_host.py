@@ -1029,3 +1029,17 @@ def test_a_pre_prompt_compaction_that_changes_the_session_is_followed(store: Tra
     second = host.run_turn(SCOPE, sid, "after", turn_id="t2")
     assert (second.session_id, second.commit_status) == ("sess-2", "committed")
     assert store.read_visible(SCOPE, "sess-2")[0].message == {"role": "user", "content": "after"}
+
+
+@pytest.mark.parametrize("keep_last", ["12", 2.5, True, 0, "many"])
+def test_the_built_in_compactions_keep_last_is_validated_as_the_legacy_engine_does(
+    store: TranscriptStore, sid: str, keep_last: Any
+) -> None:
+    """[engine.config.legacy] keep_last, which the built-in compaction reads for every engine that
+    delegates to it, is refused with InvalidInput when the host is built, as the legacy engine refuses
+    it (it was int()ed: "12" and 2.5 passed as 12 and 2, and "many" raised a bare ValueError inside an
+    engine's compaction, which quarantined that engine)."""
+    with pytest.raises(InvalidInput, match="legacy config: keep_last must be an integer of at least 1"):
+        make_host(store, "counting", {"counting": lambda ctx: CountingEngine(ctx)},
+                  engine_config={"legacy": {"keep_last": keep_last}})
+    assert store.get_session(SCOPE, sid).entry_count == 0

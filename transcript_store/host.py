@@ -155,9 +155,6 @@ def delegate_compaction_to_runtime(
     budget = prompt_budget if prompt_budget is not None else ctx.budget
     if budget is None:
         budget = h.prompt_budget()
-    # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
-    # messages whether a compaction is asked for or fires before the prompt.
-    keep_last = h.settings.engine_config.get(LEGACY, {}).get("keep_last", compaction.KEEP_LAST)
     return compaction.compact_session(
         h.store,
         ctx.scope,
@@ -165,7 +162,7 @@ def delegate_compaction_to_runtime(
         summarizer=h.summarizer,
         estimator=h.estimator,
         fence=ctx.fence,
-        keep_last=int(keep_last),
+        keep_last=h.keep_last,
         focus=focus,
         force=force,
         token_budget=max(1, int(budget * h.settings.compaction_threshold)),
@@ -291,8 +288,17 @@ class HostRuntime:
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
     _leases: LeaseKeeper = field(init=False)
+    #: the built-in compaction's ``keep_last`` (``delegate_compaction_to_runtime``)
+    keep_last: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
+        # messages whether a compaction is asked for or fires before the prompt, for every engine that
+        # delegates to it. Checked as the legacy engine checks it, and here, when the host is built: at
+        # the first compaction it would fail inside an engine's compact, and isolate that engine for a
+        # mistake of the settings.
+        legacy = self.settings.engine_config.get(LEGACY, {})
+        self.keep_last = compaction.check_keep_last(legacy.get("keep_last", compaction.KEEP_LAST), "legacy config: ")
         if self.registry is None:
             self.registry = EngineRegistry(self.settings.plugin_dirs)
         if self.summarizer is None:
