@@ -951,3 +951,156 @@ def test_a_branch_into_a_tool_round_still_sends_a_request_chat_apis_take(
     assert not any(m.get("tool_call_id") == "nobody-asked" for m in last)
     stored = [e.message for e in store.read_visible(SCOPE, sid)]
     assert stored[stored.index(call.message) + 1]["role"] == "user"  # the stand-in was never stored
+
+
+class _BudgetFilling(CountingEngine):
+    """Fills its whole token budget with the newest messages and adds a long system-prompt addition."""
+
+    addition = "Recall what was said before you answer; the summaries hold the rest. " * 30
+
+    def assemble(self, **kw: Any) -> AssembleResult:
+        seen = super().assemble(**kw).messages
+        est = RoughEstimator()
+        shown: list[dict[str, Any]] = []
+        for m in reversed(seen):
+            if est.count_messages([m, *shown]) > kw["token_budget"]:
+                break
+            shown.insert(0, m)
+        return AssembleResult(
+            messages=shown, estimated_tokens=est.count_messages(shown), system_prompt_addition=self.addition
+        )
+
+
+def _request_tokens(request: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    est = RoughEstimator()
+    return est.count_messages(request) + (est.count_text(json.dumps(tools)) if tools else 0)
+
+
+def test_the_engines_system_prompt_addition_is_counted_in_the_budget(store: TranscriptStore, sid: str) -> None:
+    """assemble's system_prompt_addition goes into the request's system prompt: the request, addition
+    included, fits the budget (it did not: the engine had filled the whole budget it was given, and the
+    addition came on top of it)."""
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 200}}
+                     for i in range(40)]
+    )
+    engines: dict[str, _BudgetFilling] = {}
+
+    def factory(ctx: EngineContext) -> _BudgetFilling:
+        # owning compaction: no pre-prompt compaction, so the only second assembly is the addition's
+        return engines.setdefault("fill", _BudgetFilling(ctx, "fill", owns_compaction=True))
+
+    host, model = make_host(store, "fill", {"fill": factory}, token_budget=3000, max_output_tokens=200)
+    out = host.run_turn(SCOPE, sid, "hello")
+    assert out.engine_id == "fill" and out.degraded_reason is None
+    [request] = model.requests
+    assert request[0]["content"].startswith(_BudgetFilling.addition)
+    tools = [schema for schema, _ in host.host_tools.values()]
+    assert _request_tokens(request, tools) <= 3000 - 200
+    # The engine was asked again, with the addition reserved: what it returned is what the model saw.
+    asked = [kw for name, kw in engines["fill"].calls if name == "assemble"]
+    assert len(asked) == 2 and asked[1]["token_budget"] < asked[0]["token_budget"]
+    assert asked[1]["runtime_settings"].limits.prompt_token_budget == asked[1]["token_budget"]
+
+
+@pytest.mark.parametrize("engine", ["legacy", "lossless"])
+def test_a_user_message_the_budget_cannot_hold_is_refused_before_anything_is_written(
+    store: TranscriptStore, sid: str, engine: str
+) -> None:
+    """A request that cannot fit the budget even with no context at all (the system prompt, the user
+    message, the tools' schemas and the reply's tokens) is refused with PromptTooLarge, no model call and
+    nothing written (it was admitted, assemble got 1 token and the request went over the budget)."""
+    from transcript_store.errors import PromptTooLarge
+
+    host, model = make_host(store, engine, token_budget=1000, max_output_tokens=200)
+    with pytest.raises(PromptTooLarge) as caught:
+        host.run_turn(SCOPE, sid, "tell me more about this " * 200, turn_id="t1")
+    assert isinstance(caught.value, InvalidInput) and caught.value.budget == 1000
+    assert caught.value.tokens > 1000 - 200
+    assert model.requests == [] and store.get_session(SCOPE, sid).entry_count == 0
+    assert Turns(store).intents(SCOPE) == []
+    # The session is not held: a message the budget can hold runs as usual, and the same turn id too.
+    out = host.run_turn(SCOPE, sid, "a short one", turn_id="t1")
+    assert out.commit_status == "committed" and out.engine_id == engine
+
+
+class _Recording(CountingEngine):
+    """Records the budget its compact() gets, and what the built-in compaction it delegates to does."""
+
+    delegated: list[CompactResult]
+
+    def compact(self, **kw: Any) -> CompactResult:
+        self.calls.append(("compact", kw))
+        done = kw["runtime_context"].delegate_compaction_to_runtime(force=False)
+        self.delegated = [*getattr(self, "delegated", []), done]
+        return done
+
+
+def test_a_manual_compaction_gets_the_budget_the_pre_prompt_one_does(store: TranscriptStore, sid: str) -> None:
+    """The engine's compact, and the built-in compaction it delegates to, work to the prompt's budget
+    (the budget less the reply, the system prompt and the tools' schemas), as before a prompt; they got
+    the whole token_budget, so a compaction asked for left more than assemble could then take."""
+    estimator = RoughEstimator()
+    system = "You are careful and brief. " * 80
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 100}}
+                     for i in range(19)]
+    )
+    engines: dict[str, _Recording] = {}
+    host, _ = make_host(store, "rec", {"rec": lambda ctx: engines.setdefault("rec", _Recording(ctx, "rec"))},
+                        token_budget=4000, max_output_tokens=500, system_prompt=system)
+    carried = estimator.count_messages([{"role": "system", "content": system}]) + estimator.count_text(
+        json.dumps([schema for schema, _ in host.host_tools.values()]))
+    result = host.compact(SCOPE, sid, force=False)
+    [(_name, kw)] = engines["rec"].calls
+    assert kw["token_budget"] == 4000 - 500 - carried
+    # ~2450 tokens of history: under 0.8 of 4000 - 500, over 0.8 of what the system prompt also leaves.
+    assert result.compacted, result
+    assert "compaction" in [e.kind for e in store.list_entries(SCOPE, sid)]
+
+
+def test_a_pre_prompt_compaction_that_changes_the_session_is_followed(store: TranscriptStore, sid: str) -> None:
+    """An owning engine's compact, run by the pre-prompt safeguard, may answer a session_target (the
+    successor session): the next turn runs on it, as after a manual compaction (it was ignored, and the
+    next turn went to the session the engine had ended). The turn in flight ends where it was admitted."""
+
+    class Rotating(CountingEngine):
+        rotated = False
+
+        def assemble(self, **kw: Any) -> AssembleResult:
+            window = super().assemble(**kw).messages[-2:]
+            tokens = 100 if self.rotated else 5000
+            return AssembleResult(messages=window, estimated_tokens=tokens, prompt_authority="preassembly_may_overflow")
+
+        def compact(self, **kw: Any) -> CompactResult:
+            self.calls.append(("compact", kw))
+            store.end_session(SCOPE, kw["session_id"])
+            new = store.create_session(SCOPE, session_id="sess-2", session_key="agent:main:test")
+            self.rotated = True
+            target = SessionTarget(scope=SCOPE, session_id=new.session_id, session_key=new.session_key)
+            return CompactResult(ok=True, compacted=True, session_target=target)
+
+    host, _ = make_host(
+        store, "rot", {"rot": lambda ctx: Rotating(ctx, "rot", owns_compaction=True)}, token_budget=4000
+    )
+    first = host.run_turn(SCOPE, sid, "before", turn_id="t1")
+    assert (first.session_id, first.commit_status) == (sid, "committed")
+    assert store.read_visible(SCOPE, sid)[0].message == {"role": "user", "content": "before"}
+    assert host.resolve_session(SCOPE, sid) == "sess-2"
+    second = host.run_turn(SCOPE, sid, "after", turn_id="t2")
+    assert (second.session_id, second.commit_status) == ("sess-2", "committed")
+    assert store.read_visible(SCOPE, "sess-2")[0].message == {"role": "user", "content": "after"}
+
+
+@pytest.mark.parametrize("keep_last", ["12", 2.5, True, 0, "many"])
+def test_the_built_in_compactions_keep_last_is_validated_as_the_legacy_engine_does(
+    store: TranscriptStore, sid: str, keep_last: Any
+) -> None:
+    """[engine.config.legacy] keep_last, which the built-in compaction reads for every engine that
+    delegates to it, is refused with InvalidInput when the host is built, as the legacy engine refuses
+    it (it was int()ed: "12" and 2.5 passed as 12 and 2, and "many" raised a bare ValueError inside an
+    engine's compaction, which quarantined that engine)."""
+    with pytest.raises(InvalidInput, match="legacy config: keep_last must be an integer of at least 1"):
+        make_host(store, "counting", {"counting": lambda ctx: CountingEngine(ctx)},
+                  engine_config={"legacy": {"keep_last": keep_last}})
+    assert store.get_session(SCOPE, sid).entry_count == 0

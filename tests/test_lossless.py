@@ -434,8 +434,10 @@ def test_a_summary_that_does_not_shrink_escalates(
 class Failing:
     def __init__(self, error: Exception) -> None:
         self.error = error
+        self.calls = 0
 
     def summarize(self, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+        self.calls += 1
         raise self.error
 
 
@@ -456,16 +458,21 @@ def test_a_failing_summarizer_never_loses_messages(store: TranscriptStore, sid: 
 
 
 def test_failing_summarizer_through_the_host_keeps_the_engine(store: TranscriptStore, sid: str) -> None:
+    # The budget leaves ~500 tokens of context once the reply, the system prompt, the user message and
+    # the recall tools' schemas (~670 tokens) are set aside: the turns outgrow it and compaction is tried.
     model = RecordingModel()
-    settings = load_settings(config_path=None, engine="lossless", token_budget=600, max_output_tokens=100,
+    settings = load_settings(config_path=None, engine="lossless", token_budget=1300, max_output_tokens=100,
                              engine_config={"lossless": SMALL})
-    host = HostRuntime(store, settings, model, registry=EngineRegistry(),
-                       summarizer=Failing(SummarizerError("down")), estimator=RoughEstimator())
+    failing = Failing(SummarizerError("down"))
+    host = HostRuntime(store, settings, model, registry=EngineRegistry(), summarizer=failing,
+                       estimator=RoughEstimator())
+    est = RoughEstimator()
+    tools = json.dumps([s for s, _ in host.host_tools.values()] + host.engine("lossless")[0].get_tool_schemas())
     for i in range(12):
         out = host.run_turn(A, sid, f"message {i} " + "words " * 40, turn_id=f"t{i}")
         assert out.engine_id == "lossless" and out.commit_status == "committed"
-        assert out.assembled_tokens <= 500
-    assert "lossless" not in host.quarantined
+        assert est.count_messages(model.requests[-1]) + est.count_text(tools) <= 1300 - 100
+    assert failing.calls > 0 and "lossless" not in host.quarantined
     assert count(store, context_items, sid) == count(store, messages, sid) == 24
 
 

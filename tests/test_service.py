@@ -663,3 +663,32 @@ def test_new_sessions_rebinding_one_key_at_once_all_succeed(server: ServiceProce
     assert [status for status, _ in results] == [200] * 8, results
     status, holders = server.call("GET", f"/v1/sessions?session_key={key}", TOKEN_A)
     assert status == 200 and len(holders["sessions"]) == 1
+
+
+def test_a_compaction_without_a_budget_gets_the_prompt_budget_assemble_gets(store: TranscriptStore) -> None:
+    """Service.compact without a token_budget works to the same prompt budget (the budget less the reply)
+    as assemble and maintain, not to the whole token_budget."""
+    from transcript_store.engine import CompactResult, EngineInfo
+    from transcript_store.service import Service
+    from transcript_store.service_models import CompactRequest
+    from transcript_store.settings import load_settings
+
+    seen: list[int] = []
+
+    class Recording:
+        info = EngineInfo(id="rec", name="Recording")
+
+        def assemble(self, **kw: Any) -> Any:
+            raise AssertionError("not assembled")
+
+        def compact(self, **kw: Any) -> CompactResult:
+            seen.append(kw["token_budget"])
+            return CompactResult(ok=True, compacted=False, reason="recorded")
+
+    service = Service(store, load_settings(config_path=None, token_budget=4000, max_output_tokens=500))
+    assert service.runtime.registry is not None
+    service.runtime.registry.register_factory("rec", lambda ctx: Recording())
+    sid = store.create_session("scope-a").session_id
+    service.compact("scope-a", "rec", sid, CompactRequest())
+    service.compact("scope-a", "rec", sid, CompactRequest(token_budget=1234))
+    assert seen == [4000 - 500, 1234] and service.default_budget == 4000 - 500

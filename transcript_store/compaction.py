@@ -55,6 +55,14 @@ def summary_message(summary: str) -> dict[str, Any]:
     return {"role": "user", "content": f"[Summary of the earlier conversation]\n{summary}"}
 
 
+def check_keep_last(value: object, where: str = "") -> int:
+    """``keep_last`` as compaction takes it: an integer of at least 1, never a bool, a float or a string
+    (``int()`` would turn "12" and 2.5 into counts nobody wrote); InvalidInput otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput(f"{where}keep_last must be an integer of at least 1, got {value!r}")
+    return value
+
+
 def compact_session(
     store: Any,
     scope: str,
@@ -69,8 +77,7 @@ def compact_session(
     token_budget: int | None = None,
 ) -> CompactResult:
     """Summarize the older visible messages of a session (see module doc)."""
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise InvalidInput(f"keep_last must be an integer of at least 1, got {keep_last!r}")
+    check_keep_last(keep_last)
     pointer = load_pointer(store, scope, session_id)
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0

@@ -43,6 +43,23 @@ class PayloadTooLarge(InvalidInput):
     """A payload is larger than the store's configured cap."""
 
 
+class PromptTooLarge(InvalidInput):
+    """A turn's request cannot fit the token budget even with no context at all: the system prompt, the
+    user message and the tools' schemas (``tokens``) and the reply's ``max_output_tokens`` are over
+    ``token_budget``. No engine can help (compaction never shortens the message being sent): refused
+    before the admission, so nothing was written and the session is not held."""
+
+    def __init__(self, tokens: int, max_output_tokens: int, token_budget: int) -> None:
+        super().__init__(
+            f"the request needs {tokens} tokens before any context (system prompt, user message, tool schemas)"
+            f" and {max_output_tokens} for the reply: over the token budget of {token_budget}; shorten the"
+            " message or raise the budget"
+        )
+        self.tokens = tokens
+        self.max_output_tokens = max_output_tokens
+        self.budget = token_budget
+
+
 class UnknownSession(TranscriptStoreError, LookupError):
     """No such session in this scope (a session of another scope looks exactly like this)."""
 

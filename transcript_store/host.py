@@ -43,6 +43,7 @@ from .errors import (
     InvalidInput,
     ModelTimeout,
     OutboxCollision,
+    PromptTooLarge,
     ReadFenceError,
     SessionBusy,
     StorageFull,
@@ -82,9 +83,10 @@ class _Degrade(Exception):
 
 
 class _Refused(Exception):
-    """The admission refused the turn (``SessionBusy``, ``TurnOvertaken``): raised to the caller as is."""
+    """The turn is refused (the admission's ``SessionBusy``, ``TurnOvertaken``; ``PromptTooLarge`` before
+    it): raised to the caller as is."""
 
-    def __init__(self, error: SessionBusy | TurnOvertaken) -> None:
+    def __init__(self, error: SessionBusy | TurnOvertaken | PromptTooLarge) -> None:
         super().__init__(str(error))
         self.error = error
 
@@ -125,6 +127,9 @@ class RuntimeContext:
     session_id: str
     fence: Anchor | None
     turn_id: str | None
+    #: the prompt's budget of the operation (what the delegated compaction works to); None: the
+    #: budget less the reply's tokens
+    budget: int | None = None
 
     def rewrite_transcript_entries(
         self,
@@ -145,12 +150,11 @@ def delegate_compaction_to_runtime(
     ctx: RuntimeContext, *, force: bool = False, focus: str | None = None, prompt_budget: int | None = None
 ) -> CompactResult:
     """The built-in summarising compaction, for non-owning engines' ``compact`` (to ``compaction_threshold``
-    of ``prompt_budget``: by default the budget less the reply's tokens)."""
+    of ``prompt_budget``: by default the operation's, ``ctx.budget``, as the engine's ``compact`` got it)."""
     h = ctx.host
-    budget = h.prompt_budget() if prompt_budget is None else prompt_budget
-    # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
-    # messages whether a compaction is asked for or fires before the prompt.
-    keep_last = h.settings.engine_config.get(LEGACY, {}).get("keep_last", compaction.KEEP_LAST)
+    budget = prompt_budget if prompt_budget is not None else ctx.budget
+    if budget is None:
+        budget = h.prompt_budget()
     return compaction.compact_session(
         h.store,
         ctx.scope,
@@ -158,7 +162,7 @@ def delegate_compaction_to_runtime(
         summarizer=h.summarizer,
         estimator=h.estimator,
         fence=ctx.fence,
-        keep_last=int(keep_last),
+        keep_last=h.keep_last,
         focus=focus,
         force=force,
         token_budget=max(1, int(budget * h.settings.compaction_threshold)),
@@ -230,6 +234,11 @@ def _stand_in(call_id: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_CALL}
 
 
+def with_addition(system_prompt: str, addition: str | None) -> str:
+    """The request's system prompt: an engine's ``system_prompt_addition`` goes in front (OpenClaw's place)."""
+    return f"{addition}\n\n{system_prompt}" if addition else system_prompt
+
+
 def default_host_tools() -> dict[str, HostTool]:
     """Small deterministic host tools, so the local responder can exercise the tool loop offline."""
 
@@ -279,8 +288,17 @@ class HostRuntime:
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
     _leases: LeaseKeeper = field(init=False)
+    #: the built-in compaction's ``keep_last`` (``delegate_compaction_to_runtime``)
+    keep_last: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
+        # messages whether a compaction is asked for or fires before the prompt, for every engine that
+        # delegates to it. Checked as the legacy engine checks it, and here, when the host is built: at
+        # the first compaction it would fail inside an engine's compact, and isolate that engine for a
+        # mistake of the settings.
+        legacy = self.settings.engine_config.get(LEGACY, {})
+        self.keep_last = compaction.check_keep_last(legacy.get("keep_last", compaction.KEEP_LAST), "legacy config: ")
         if self.registry is None:
             self.registry = EngineRegistry(self.settings.plugin_dirs)
         if self.summarizer is None:
@@ -477,7 +495,10 @@ class HostRuntime:
         turn_id: str | None = None,
         runtime_context: dict[str, Any] | None = None,
     ) -> TurnOutcome:
-        """Run one logical turn to its commit (see module doc); retries reuse the same turn id."""
+        """Run one logical turn to its commit (see module doc); retries reuse the same turn id.
+
+        ``PromptTooLarge`` before anything is written when the budget cannot hold the request even
+        without any context."""
         user = validate_message({"role": "user", "content": message} if isinstance(message, str) else message)
         if user["role"] != "user":
             raise InvalidInput("a turn starts with a user message")
@@ -523,8 +544,9 @@ class HostRuntime:
                 first = False
                 continue
             except _Refused as r:
-                # The admission refused the turn: on its first attempt nothing of it was written, and
-                # its engine is decided again when it is presented again.
+                # The turn was refused (by the admission, or before it: PromptTooLarge): on its first
+                # attempt nothing of it was written, and its engine is decided again when it is
+                # presented again.
                 if not first:
                     self.turns.discard(scope, session_id, turn_id)
                 self._decisions.pop((scope, session_id, turn_id), None)
@@ -608,6 +630,20 @@ class HostRuntime:
             engine, info = self.engine(engine_id)
         except EngineError as e:
             raise _Degrade(f"engine unavailable: {e}") from None
+        try:
+            engine_tools = self._engine_tools(engine, info)
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            # Before the model is first called: the turn may still run on legacy, as for assemble.
+            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
+        # What every request of the turn carries besides the assembled context: the system prompt, the
+        # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
+        # request the model receives fits the budget, not just the transcript part of it; known before
+        # the admission, so a turn no budget can hold is refused before anything is written.
+        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
+        reserved = self._reserved_tokens(user, tools)
+        self._check_room(reserved)
         # The common case in one transaction: nothing to recover, not a retry, admitted, and (for an
         # engine that can) the assembly's reads done there too, under the admission's session lock.
         within, prefetched = self._prefetch(engine, info, scope, session_id)
@@ -657,19 +693,7 @@ class HostRuntime:
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
         session_key = fence.session_key
-        rt = RuntimeContext(self, scope, session_id, fence, turn_id)
-        try:
-            engine_tools = self._engine_tools(engine, info)
-        except Exception as e:
-            if engine_id == LEGACY:
-                raise
-            # Before the model is first called: the turn may still run on legacy, as for assemble.
-            raise _Degrade(f"engine {engine_id} failed: {describe(e)}") from None
-        # What every request of the turn carries besides the assembled context: the system prompt, the
-        # user message and the tools' schemas. Assemble gets the prompt's budget less these, so the
-        # request the model receives fits the budget, not just the transcript part of it.
-        tools = [s for s, _ in self.host_tools.values()] + list(engine_tools.values())
-        reserved = self._reserved_tokens(user, tools)
+        rt = RuntimeContext(self, scope, session_id, fence, turn_id, self.prompt_budget(reserved))
         host_params = {
             "session_key": session_key,
             "prompt": user,
@@ -825,20 +849,88 @@ class HostRuntime:
                 done = self._owned_compaction(engine, info, scope, session_id, budget, host)
             else:
                 done = delegate_compaction_to_runtime(rt, force=False, prompt_budget=budget)
+            # A compaction that changed the session identity names the successor (OpenClaw's
+            # sessionTarget), as a manual one does: the next turn runs on it. This turn, and a retry of
+            # it, keep the session they were admitted to: their admission, fence and commit are there.
+            self.follow(scope, session_id, done.session_target)
             if done.compacted:
                 params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )
+        return self._fit_addition(engine, info, params, host, result, reserved)
+
+    def _fit_addition(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        params: dict[str, Any],
+        host: dict[str, Any],
+        result: AssembleResult,
+        reserved: int,
+    ) -> AssembleResult:
+        """The assembly again with the engine's system-prompt addition reserved, when it did not fit.
+
+        The addition goes into the request's system prompt, but it is known only once assemble has
+        answered, so the first assembly cannot have left room for it. When the context and the addition
+        together are over the prompt's budget, the engine is asked once more with the addition's tokens
+        reserved as well: the engine still decides what the model sees (the host never cuts its
+        context), and an engine whose addition does not grow as its room shrinks (the lossless engine's
+        is one fixed hint, or none) then fits. Only once: asking until the answer settles could go on
+        forever for an engine whose addition grows as its room shrinks, and such an answer is logged.
+        """
+        extra = self._addition_tokens(result.system_prompt_addition)
+        budget = self.prompt_budget(reserved)
+        if result.estimated_tokens + extra <= budget:
+            return result  # the common case: no addition, or room for it: one assembly
+        again = {**params, "token_budget": self.prompt_budget(reserved + extra)}
+        again.pop("prefetched", None)  # the engine reads in its own snapshot, as after a compaction
+        if "runtime_settings" in host:
+            # after_turn and maintain see the budget the assembly the model gets was made for
+            host["runtime_settings"] = self._with_budget(host["runtime_settings"], again["token_budget"])
+            if "runtime_settings" in again:
+                again["runtime_settings"] = host["runtime_settings"]
+        result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**again)))
+        over = result.estimated_tokens + self._addition_tokens(result.system_prompt_addition) - budget
+        if over > 0:
+            log.warning("engine %s: the assembled context and its system-prompt addition are %d tokens over the"
+                        " prompt's budget even with the addition reserved", info.id, over)
         return result
+
+    @staticmethod
+    def _with_budget(settings: RuntimeSettings, budget: int) -> RuntimeSettings:
+        limits = settings.limits.model_copy(update={"prompt_token_budget": budget})
+        return settings.model_copy(update={"limits": limits})
+
+    def _addition_tokens(self, addition: str | None) -> int:
+        """What an engine's system-prompt addition adds to the request's system message (``with_addition``):
+        the difference of the two counts, exact whatever the estimator's framing or merges across the join."""
+        if not addition:
+            return 0
+        system = self.settings.system_prompt
+        est = self.estimator
+        joined = int(est.count_messages([{"role": "system", "content": with_addition(system, addition)}]))
+        return max(0, joined - int(est.count_messages([{"role": "system", "content": system}])))
 
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
         return max(1, self.settings.token_budget - self.settings.max_output_tokens - reserved)
 
+    def _check_room(self, reserved: int) -> None:
+        """PromptTooLarge (as a refusal: nothing written yet) when ``reserved`` and the reply leave the
+        context not even one token: the request would overflow whatever the engine assembled."""
+        settings = self.settings
+        if reserved + settings.max_output_tokens >= settings.token_budget:
+            raise _Refused(PromptTooLarge(reserved, settings.max_output_tokens, settings.token_budget))
+
     def _reserved_tokens(self, user: dict[str, Any], tools: list[dict[str, Any]]) -> int:
         """The tokens of what a request carries besides the assembled context (system prompt, the user
-        message, the tools' schemas as JSON); the engine's system-prompt addition is its own to count."""
+        message, the tools' schemas as JSON); the engine's system-prompt addition, known only once it has
+        assembled, is reserved after that (``_fit_addition``)."""
+        return self._carried_tokens(tools) + int(self.estimator.count_messages([user]))
+
+    def _carried_tokens(self, tools: list[dict[str, Any]]) -> int:
+        """The tokens every request carries whatever its user message: the system prompt and the tools."""
         # Counted once per distinct system prompt and tool list (they rarely change), the user message
         # every turn: a host turn is ~2 ms of CPU, and counting the schemas each time was 15 µs of it.
         est = self.estimator
@@ -850,7 +942,7 @@ class HostRuntime:
             if len(self._fixed_tokens) >= 64:
                 self._fixed_tokens.clear()
             self._fixed_tokens[key] = fixed
-        return fixed + int(est.count_messages([user]))
+        return fixed
 
     def _owned_compaction(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str, budget: int, host: dict[str, Any]
@@ -874,9 +966,7 @@ class HostRuntime:
         engine_tools: dict[str, Any],
         tools: list[dict[str, Any]],
     ) -> list[dict[str, Any]]:
-        system = self.settings.system_prompt
-        if assembled.system_prompt_addition:
-            system = f"{assembled.system_prompt_addition}\n\n{system}"
+        system = with_addition(self.settings.system_prompt, assembled.system_prompt_addition)
         context = prune_tool_results(
             pair_tool_calls(assembled.messages),
             self.settings.prune_keep_recent_tool_results,
@@ -990,16 +1080,15 @@ class HostRuntime:
             engine_id = LEGACY
             engine, info = self.engine(LEGACY)
         self._check_requirements(info, "manual-compact")
-        rt = RuntimeContext(self, scope, session_id, None, None)
+        # The prompt's budget, as before a prompt (the budget less the reply, the system prompt and the
+        # tools' schemas; no user message is known here): a compaction to the whole token_budget would
+        # leave more than assemble then takes.
+        tools = [s for s, _ in self.host_tools.values()] + list(self._engine_tools(engine, info).values())
+        budget = self.prompt_budget(self._carried_tokens(tools))
+        rt = RuntimeContext(self, scope, session_id, None, None, budget)
         host = {"session_key": sess.session_key, "runtime_context": rt}
         self._bootstrap_before_compaction(engine, info, scope, session_id, host)
-        base = {
-            "scope": scope,
-            "session_id": session_id,
-            "force": force,
-            "focus": focus,
-            "token_budget": self.settings.token_budget,
-        }
+        base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
         params = project_params(info, base, host)
         result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
         self.follow(scope, session_id, result.session_target)

@@ -274,7 +274,7 @@ class Service:
             context_engine_selection=EngineSelection(id=call.info.id, source="argument"),
             limits=Limits(prompt_token_budget=budget, max_output_tokens=self.settings.max_output_tokens),
         )
-        rt = RuntimeContext(self.runtime, sess.scope, sess.session_id, fence, None)
+        rt = RuntimeContext(self.runtime, sess.scope, sess.session_id, fence, None, budget)
         host = {"session_key": sess.session_key, "runtime_settings": settings, "runtime_context": rt}
         host.update({k: v for k, v in more.items() if v is not None})
         return host
@@ -362,7 +362,9 @@ class Service:
         # ``done`` (the OpenClaw plugin's import before a compaction) must reach it first, or a long
         # transcript compacts to "no progress".
         self._engine_bootstrap(call, scope, session_id)
-        budget = req.token_budget or self.settings.token_budget
+        # The prompt's budget, as assemble and maintain get it: the whole token_budget would compact to
+        # more than the assembly then takes (the host's own compaction uses the prompt's budget too).
+        budget = req.token_budget or self.default_budget
         base = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
                 "token_budget": budget}
         return CompactResult.model_validate(method(**project_params(call.info, base, self._host(call, None, budget))))
