@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
 
+import transcript_store.core as core_module
 import transcript_store.cursors as cursors_module
 import transcript_store.models as models_module
 import transcript_store.store as store_module
@@ -29,7 +32,15 @@ from transcript_store import (
     UnknownSession,
     hot,
 )
-from transcript_store.core import MAX_ID_BYTES, MAX_ID_CHARS, Core, decode_stored, same_json, stored_text
+from transcript_store.core import (
+    MAX_ID_BYTES,
+    MAX_ID_CHARS,
+    Core,
+    RecentKeys,
+    decode_stored,
+    same_json,
+    stored_text,
+)
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
 from transcript_store.models import canonical_json, compact_json
 
@@ -920,8 +931,6 @@ def test_pages_of_sessions_that_branch_and_rewrite_match_the_visible_transcript(
     never read the session would have none."""
     import random
 
-    from transcript_store import core as core_module
-
     rng = random.Random(seed)
     sid = store.create_session(A, session_id=f"walk-{seed}").session_id
     kept: list[Entry] = []
@@ -943,7 +952,7 @@ def test_pages_of_sessions_that_branch_and_rewrite_match_the_visible_transcript(
         else:
             store.append(A, sid, user(f"lone {step}"))
         if rng.random() < 0.3:
-            monkeypatch.setattr(core_module, "_BRANCHED", type(core_module._BRANCHED)())
+            monkeypatch.setattr(core_module, "_BRANCHED", RecentKeys(core_module._BRANCHED.limit))
         visible = store.read_visible(A, sid)
         want = [(e.entry_id, e.position) for e in visible]
         fresh, _ = read_all(store, sid, None, rng.randint(1, 7))
@@ -983,3 +992,53 @@ def test_a_cursor_before_the_first_message_claiming_a_later_seq_reads_from_the_s
         assert [e.entry_id for e in result.entries] == [e.entry_id for e in made]
     else:
         assert reset_of(result).reason == "invalid_cursor"
+
+
+class _SlowKey:
+    """A key whose hashing lets other threads run: a thread switch between any two steps of the set's
+    operations, as a free-threaded interpreter may make at any point (with the GIL, CPython 3.11 never
+    switches between a look and the touch after it, so plain keys would not find the race)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        time.sleep(0)  # releases the GIL
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SlowKey) and other.value == self.value
+
+
+def test_the_branched_sessions_hint_is_shared_by_threads_safely(store: TranscriptStore, sid: str) -> None:
+    """The hint of sessions found branched is process-wide: a threaded gateway's readers share it. Its
+    look-and-touch and its add-and-drop are each one step: a reader never finds a key that another
+    thread dropped between its look and its touch (a KeyError out of a delta read).
+
+    Hammered with a limit of two over four keys, so that nearly every add drops a key some other
+    thread is about to touch."""
+    made = fill(store, sid, 3)
+    store.branch(A, sid, made[0].entry_id)
+    store.append(A, sid, user("elsewhere"))
+    page_of(store.read_visible_delta(A, sid))
+    assert core_module._BRANCHED.touch((store.config.url, A, sid))  # the hint a delta read uses
+    hint = RecentKeys(2)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def hammer(n: int) -> None:
+        start.wait()
+        try:
+            for i in range(500):
+                key = _SlowKey((n + i) % 4)
+                if not hint.touch(key):
+                    hint.add(key)
+        except BaseException as e:  # any error is the failure this test looks for
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(hint) <= 2
