@@ -482,6 +482,28 @@ def test_a_format_1_cursor_is_still_read_and_answered_with_a_format_2_cursor(
     assert reset_of(store.read_visible_delta(A, sid, old)).reason == "scope_mismatch"  # not the old session's
 
 
+def test_every_page_after_a_format_1_cursor_carries_a_format_2_cursor(store: TranscriptStore, sid: str) -> None:
+    """Not only a page with entries: a page that stops before a message larger than ``max_bytes``
+    (``required_bytes``), and the empty page of a reader that is caught up, hand back the same position
+    as a format-2 cursor, as every cursor the store issues is (cursors.py). Both used to hand the
+    format-1 token back, so a reader that was caught up, or stuck on a large message, kept a cursor
+    that says nothing of the session's incarnation (what the lossless engine's compaction reads)."""
+    made = fill(store, sid, 2)
+    big = store.append(A, sid, user("x" * 4000))
+    make_legacy(store, A, sid)
+    stuck_at = _token([1, A, sid, 0, made[1].seq, 1], prefix="tsc1.")
+    stuck = page_of(store.read_visible_delta(A, sid, stuck_at, max_bytes=1000))
+    assert (stuck.entries, stuck.required_bytes, stuck.has_more) == ([], big.size_bytes, True)
+    assert stuck.cursor.startswith("tsc2.") and _body(stuck.cursor) == [2, A, sid, 0, inc(store, sid), made[1].seq, 1]
+    after = page_of(store.read_visible_delta(A, sid, stuck.cursor, max_bytes=big.size_bytes))
+    assert [e.entry_id for e in after.entries] == [big.entry_id]
+    caught_up_at = _token([1, A, sid, 0, big.seq, 2], prefix="tsc1.")
+    caught_up = page_of(store.read_visible_delta(A, sid, caught_up_at))
+    assert (caught_up.entries, caught_up.has_more, caught_up.cursor) == ([], False, after.cursor)
+    # A format-2 cursor is handed back as it was presented: the same token, which is canonical.
+    assert page_of(store.read_visible_delta(A, sid, stuck.cursor, max_bytes=1000)).cursor == stuck.cursor
+
+
 # ---------------------------------------------------------------------------------------------- full reads
 
 
