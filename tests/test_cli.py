@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -353,6 +354,37 @@ def test_an_export_never_overwrites_the_store_it_reads(tmp_path: Path) -> None:
         assert "own database file" in err
     assert (tmp_path / "transcripts.db").read_bytes() == before
     assert run_json("sessions", "show", "s1", "--db", url, cwd=tmp_path)["entries"]
+
+
+def test_an_export_never_overwrites_the_store_through_a_link(tmp_path: Path) -> None:
+    """A hard link or a symbolic link to the store's file (or to its WAL) is that file: ``-o`` naming one
+    is refused as the file itself is. SQLite only: the guard is about the SQLite database file (a
+    PostgreSQL store has no file an export could name)."""
+    url = f"sqlite:///{tmp_path / 'transcripts.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    seed(url)
+    db = tmp_path / "transcripts.db"
+    links = tmp_path / "elsewhere"
+    links.mkdir()
+    os.link(db, links / "hard.db")
+    (links / "soft.db").symlink_to(db)
+    (links / "via").symlink_to(tmp_path, target_is_directory=True)
+    before = db.read_bytes()
+    live = sqlite3.connect(db)  # another process using the store: its WAL exists meanwhile
+    try:
+        live.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        os.link(tmp_path / "transcripts.db-wal", links / "hard.wal")
+        targets = ("elsewhere/hard.db", "elsewhere/hard.wal", "elsewhere/soft.db", "elsewhere/via/transcripts.db")
+        for target in targets:
+            err = one_error_line(run("sessions", "export", "s1", "-o", target, "--db", url, cwd=tmp_path, code=2))
+            assert "own database file" in err, target
+    finally:
+        live.close()
+    assert db.read_bytes() == before and (links / "hard.db").read_bytes() == before
+    assert run_json("sessions", "show", "s1", "--db", url, cwd=tmp_path)["entries"]
+    # Another file, even one in the same directory named like it, is written as asked.
+    run("sessions", "export", "s1", "-o", "elsewhere/transcripts.db", "--db", url, cwd=tmp_path)
+    assert (links / "transcripts.db").read_text(encoding="utf-8").startswith("{")
 
 
 def test_export_import_round_trip(db: tuple[str, Path]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
 
+import transcript_store.core as core_module
 import transcript_store.cursors as cursors_module
 import transcript_store.models as models_module
 import transcript_store.store as store_module
@@ -29,7 +32,15 @@ from transcript_store import (
     UnknownSession,
     hot,
 )
-from transcript_store.core import MAX_ID_BYTES, MAX_ID_CHARS, Core, decode_stored, same_json, stored_text
+from transcript_store.core import (
+    MAX_ID_BYTES,
+    MAX_ID_CHARS,
+    Core,
+    RecentKeys,
+    decode_stored,
+    same_json,
+    stored_text,
+)
 from transcript_store.cursors import MAX_CURSOR_CHARS, CursorState, start_cursor
 from transcript_store.models import canonical_json, compact_json
 
@@ -469,6 +480,28 @@ def test_a_format_1_cursor_is_still_read_and_answered_with_a_format_2_cursor(
     store.create_session(A, session_id=sid)
     fill(store, sid, 4)
     assert reset_of(store.read_visible_delta(A, sid, old)).reason == "scope_mismatch"  # not the old session's
+
+
+def test_every_page_after_a_format_1_cursor_carries_a_format_2_cursor(store: TranscriptStore, sid: str) -> None:
+    """Not only a page with entries: a page that stops before a message larger than ``max_bytes``
+    (``required_bytes``), and the empty page of a reader that is caught up, hand back the same position
+    as a format-2 cursor, as every cursor the store issues is (cursors.py). Both used to hand the
+    format-1 token back, so a reader that was caught up, or stuck on a large message, kept a cursor
+    that says nothing of the session's incarnation (what the lossless engine's compaction reads)."""
+    made = fill(store, sid, 2)
+    big = store.append(A, sid, user("x" * 4000))
+    make_legacy(store, A, sid)
+    stuck_at = _token([1, A, sid, 0, made[1].seq, 1], prefix="tsc1.")
+    stuck = page_of(store.read_visible_delta(A, sid, stuck_at, max_bytes=1000))
+    assert (stuck.entries, stuck.required_bytes, stuck.has_more) == ([], big.size_bytes, True)
+    assert stuck.cursor.startswith("tsc2.") and _body(stuck.cursor) == [2, A, sid, 0, inc(store, sid), made[1].seq, 1]
+    after = page_of(store.read_visible_delta(A, sid, stuck.cursor, max_bytes=big.size_bytes))
+    assert [e.entry_id for e in after.entries] == [big.entry_id]
+    caught_up_at = _token([1, A, sid, 0, big.seq, 2], prefix="tsc1.")
+    caught_up = page_of(store.read_visible_delta(A, sid, caught_up_at))
+    assert (caught_up.entries, caught_up.has_more, caught_up.cursor) == ([], False, after.cursor)
+    # A format-2 cursor is handed back as it was presented: the same token, which is canonical.
+    assert page_of(store.read_visible_delta(A, sid, stuck.cursor, max_bytes=1000)).cursor == stuck.cursor
 
 
 # ---------------------------------------------------------------------------------------------- full reads
@@ -920,8 +953,6 @@ def test_pages_of_sessions_that_branch_and_rewrite_match_the_visible_transcript(
     never read the session would have none."""
     import random
 
-    from transcript_store import core as core_module
-
     rng = random.Random(seed)
     sid = store.create_session(A, session_id=f"walk-{seed}").session_id
     kept: list[Entry] = []
@@ -943,7 +974,7 @@ def test_pages_of_sessions_that_branch_and_rewrite_match_the_visible_transcript(
         else:
             store.append(A, sid, user(f"lone {step}"))
         if rng.random() < 0.3:
-            monkeypatch.setattr(core_module, "_BRANCHED", type(core_module._BRANCHED)())
+            monkeypatch.setattr(core_module, "_BRANCHED", RecentKeys(core_module._BRANCHED.limit))
         visible = store.read_visible(A, sid)
         want = [(e.entry_id, e.position) for e in visible]
         fresh, _ = read_all(store, sid, None, rng.randint(1, 7))
@@ -983,3 +1014,53 @@ def test_a_cursor_before_the_first_message_claiming_a_later_seq_reads_from_the_s
         assert [e.entry_id for e in result.entries] == [e.entry_id for e in made]
     else:
         assert reset_of(result).reason == "invalid_cursor"
+
+
+class _SlowKey:
+    """A key whose hashing lets other threads run: a thread switch between any two steps of the set's
+    operations, as a free-threaded interpreter may make at any point (with the GIL, CPython 3.11 never
+    switches between a look and the touch after it, so plain keys would not find the race)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        time.sleep(0)  # releases the GIL
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SlowKey) and other.value == self.value
+
+
+def test_the_branched_sessions_hint_is_shared_by_threads_safely(store: TranscriptStore, sid: str) -> None:
+    """The hint of sessions found branched is process-wide: a threaded gateway's readers share it. Its
+    look-and-touch and its add-and-drop are each one step: a reader never finds a key that another
+    thread dropped between its look and its touch (a KeyError out of a delta read).
+
+    Hammered with a limit of two over four keys, so that nearly every add drops a key some other
+    thread is about to touch."""
+    made = fill(store, sid, 3)
+    store.branch(A, sid, made[0].entry_id)
+    store.append(A, sid, user("elsewhere"))
+    page_of(store.read_visible_delta(A, sid))
+    assert core_module._BRANCHED.touch((store.config.url, A, sid))  # the hint a delta read uses
+    hint = RecentKeys(2)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def hammer(n: int) -> None:
+        start.wait()
+        try:
+            for i in range(500):
+                key = _SlowKey((n + i) % 4)
+                if not hint.touch(key):
+                    hint.add(key)
+        except BaseException as e:  # any error is the failure this test looks for
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(hint) <= 2

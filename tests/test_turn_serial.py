@@ -541,3 +541,41 @@ def test_an_outbox_config_refuses_leases_it_cannot_store() -> None:
         with pytest.raises(InvalidInput):
             OutboxConfig(drain_limit=bad_limit)  # type: ignore[arg-type]
     assert OutboxConfig(turn_lease_seconds=0, delivery_lease_seconds=0.5).turn_lease_seconds == 0
+
+
+# ------------------------------------------------------------------------------------- a retry on another engine
+
+
+@pytest.mark.parametrize(("running", "retry"), [("counting", "legacy"), ("legacy", "counting")])
+def test_a_retry_on_another_engine_leaves_the_running_attempt_alone(
+    store: TranscriptStore, sid: str, running: str, retry: str
+) -> None:
+    """Worker A runs turn t1 on one engine (its lease lives); a retry of t1 reaches a host that decides
+    another engine (legacy after a degradation, or the configured engine where A had degraded). The
+    retry cannot continue A's attempt (a started turn never switches engines), so it is refused as a
+    turn running elsewhere is (``SessionBusy``): A's intent stays, A's completion reaches its engine once,
+    and the retry presented afterwards learns what became of the turn."""
+    worker_a = Turns(store)
+    worker_a.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id=running)
+    before = snapshot(store, worker_a, sid)
+    host, model = make_host(store, retry, {"counting": lambda ctx: CountingEngine(ctx, "counting")})
+    with pytest.raises(SessionBusy) as caught:
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert (caught.value.session_id, caught.value.turn_id) == (sid, "t1") and model.requests == []
+    assert snapshot(store, worker_a, sid) == before  # A's intent and lease as they were: nothing written
+    done = worker_a.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], host.commit_in(running))
+    assert done.commit is not None and done.commit.status == "committed"
+    again = host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert (again.commit_status, again.engine_id, model.requests) == ("duplicate", running, [])
+    assert [r.advancement_key for r in worker_a.receipts(SCOPE, sid)] == ["t1"]
+    assert [e.turn_id for e in store.list_entries(SCOPE, sid)] == ["t1", None]
+
+
+def test_a_retry_on_another_engine_runs_once_the_attempt_is_abandoned(store: TranscriptStore, sid: str) -> None:
+    """The refusal lasts as long as the running attempt's worker: once its lease ran out, recovery
+    discards its intent, and the retry runs on the engine its host decided."""
+    Turns(store, OutboxConfig(turn_lease_seconds=0.0)).admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="counting")
+    host, model = make_host(store)
+    out = host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert (out.commit_status, out.engine_id, len(model.requests)) == ("committed", "legacy", 1)
+    assert [(r.engine_id, r.advancement_key) for r in Turns(store).receipts(SCOPE, sid)] == [("legacy", "t1")]

@@ -458,10 +458,8 @@ def sessions_export(session: str, output: str | None) -> None:
     """Export SESSION losslessly as JSONL: a header line, then one line per stored entry."""
     st = state()
     database = sqlite_file(st.store_config().url)
-    if output is not None and database is not None:
-        own = {Path(f"{database}{suffix}").resolve() for suffix in ("", "-wal", "-shm", "-journal")}
-        if Path(output).resolve() in own:
-            raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
+    if output is not None and database is not None and _names_the_store(Path(output), database):
+        raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
     with store_session() as store:
         info = find_session(store, st.scope_name, session)
         header, records = store.export_session(st.scope_name, info.session_id)
@@ -477,6 +475,28 @@ def sessions_export(session: str, output: str | None) -> None:
         emit_json({"session_id": info.session_id, "entries": len(records), "file": output})
     else:
         click.echo(f"exported session {info.session_id}: {len(records)} entries to {output}")
+
+
+def _names_the_store(output: Path, database: Path) -> bool:
+    """Whether writing ``output`` would write the SQLite store's database, WAL, shared memory or journal."""
+    own = [Path(f"{database}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]
+    # By name, for the files that do not exist now: a WAL appears while the store is in use, and a file
+    # written under its name would be taken for one. resolve() follows symbolic links.
+    if output.resolve() in {path.resolve() for path in own}:
+        return True
+    # By identity, for the files that do: a hard link (or a bind mount) is the same file under a name
+    # that resolves elsewhere, and writing it would truncate the store.
+    try:
+        target = output.stat()
+    except OSError:  # not there (or not reachable): the export creates a new file
+        return False
+    for path in own:
+        try:
+            if os.path.samestat(target, path.stat()):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:

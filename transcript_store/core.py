@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import secrets
 import string
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -603,11 +605,50 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
 
 #: bounded above -> a delta page's statement for a session without branches (see above)
 _LINEAR_DELTA_PAGE = {b: _linear_delta_page_statement(b) for b in (False, True)}
-#: (store URL, scope, session id) of sessions a delta read found branched, most recent last: their
-#: pages are read with the path statement straight away. A hint only (a session deleted and created
-#: again under the same id is read the longer way until it drops out); bounded.
-_BRANCHED: OrderedDict[tuple[str, str, str], None] = OrderedDict()
-_BRANCHED_MAX = 10_000
+
+
+class RecentKeys:
+    """A bounded set of keys, the least recently touched dropped first, shared by threads.
+
+    Each operation holds a lock: a look followed by a touch is two steps, and another thread's add may
+    drop the key between them (a KeyError out of the touch). CPython with the GIL happens not to switch
+    threads there today; a free-threaded build may at any point. Nothing slow runs under the lock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._lock = threading.Lock()
+        # A thread of the parent may hold the lock at a fork(): the child would wait on it forever.
+        os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def touch(self, key: Hashable) -> bool:
+        """Whether ``key`` is in the set; if it is, it is now the most recent."""
+        with self._lock:
+            if key not in self._keys:
+                return False
+            self._keys.move_to_end(key)
+            return True
+
+    def add(self, key: Hashable) -> None:
+        """Put ``key`` in as the most recent, dropping the least recent beyond the limit."""
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self.limit:
+                self._keys.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+#: (store URL, scope, session id) of sessions a delta read found branched: their pages are read with
+#: the path statement straight away. A hint only (a session deleted and created again under the same
+#: id is read the longer way until it drops out); bounded. Process-wide, so shared by every thread.
+_BRANCHED = RecentKeys(10_000)
 #: psycopg's ``pq.TransactionStatus.INERROR`` (libpq's PQTRANS_INERROR), without importing psycopg here
 _PG_INERROR = 3
 
@@ -895,15 +936,11 @@ class Core:
         )
         bounded = before_position is not None
         key = (self.config.url, scope, session_id)
-        if key in _BRANCHED:
-            _BRANCHED.move_to_end(key)  # least recently read first out
-        elif not bounded or before_seq is not None:
+        if not _BRANCHED.touch(key) and (not bounded or before_seq is not None):
             head, page = self._page_rows(_LINEAR_DELTA_PAGE[bounded], params)
             if head is None or head.s_linear:
                 return head, page
-            _BRANCHED[key] = None
-            while len(_BRANCHED) > _BRANCHED_MAX:
-                _BRANCHED.popitem(last=False)
+            _BRANCHED.add(key)
         return self._page_rows(_DELTA_PAGE[(bounded, not self.dialect.is_sqlite)], params)
 
     def _page_rows(self, statement: Any, params: dict[str, Any]) -> tuple[Row[Any] | None, list[Row[Any]]]:

@@ -149,7 +149,8 @@ class OutboxCollision(TranscriptStoreError):
 
 
 class SessionBusy(TranscriptStoreError):
-    """Another logical turn of the session is admitted and still running (its worker's lease is live).
+    """Another logical turn of the session is admitted and still running (its worker's lease is live),
+    or this very turn is, by an attempt on another engine (``turn_id`` names it then).
 
     A session runs one turn at a time: admitting a second one before the first is completed or
     discarded would put the second turn's messages inside the first one's range. Nothing was written;

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import compaction, outbox, quarantine
-from .core import Core, new_id
+from .core import Core, from_us, new_id
 from .engine import (
     AssembleResult,
     CompactResult,
@@ -546,8 +546,9 @@ class HostRuntime:
             except _Refused as r:
                 # The turn was refused (by the admission, or before it: PromptTooLarge): on its first
                 # attempt nothing of it was written, and its engine is decided again when it is
-                # presented again.
-                if not first:
+                # presented again. A refusal naming this very turn is about another attempt's intent
+                # (on another engine), never this attempt's.
+                if not first and not (isinstance(r.error, SessionBusy) and r.error.turn_id == turn_id):
                     self.turns.discard(scope, session_id, turn_id)
                 self._decisions.pop((scope, session_id, turn_id), None)
                 raise r.error from None
@@ -567,7 +568,7 @@ class HostRuntime:
         found, intent = self.store.read(look)
         if intent is not None and intent.state == "admitted":
             if intent.engine_id != engine_id:
-                self.turns.discard(scope, session_id, turn_id)  # this turn's own dead attempt, other engine
+                self._leave_running_attempt(scope, session_id, turn_id)
             return None
         if intent is not None and intent.state in ("accepted", "ready"):
             self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
@@ -598,6 +599,20 @@ class HostRuntime:
             admission=intent.admission if intent else None,
             terminal=intent.terminal if intent else None,
         )
+
+    def _leave_running_attempt(self, scope: str, session_id: str, turn_id: str) -> None:
+        """An attempt of this turn on another engine holds its admitted intent: refuse this one while
+        that attempt's worker lives (``SessionBusy``), discard the intent once the worker is gone.
+
+        A retry on the same engine takes the intent's lease over and runs on: the first completion
+        wins, the other learns "duplicate". One on another engine cannot: a started turn never switches
+        engines, and discarding the running attempt's intent to admit it again here would throw that
+        attempt's work away (its completion finds no intent) or hand its turn to this engine.
+        """
+        live = self.store.write(lambda c: outbox.discard_unless_running(c, scope, session_id, turn_id))
+        if live is not None:
+            expires = None if live.expires_us is None else from_us(live.expires_us)
+            raise _Refused(SessionBusy(session_id, turn_id, expires))
 
     def _runtime_settings(self, decision: _Decision, reserved: int) -> RuntimeSettings:
         source = "fallback" if decision.reason else self.settings.engine_source

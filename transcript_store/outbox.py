@@ -476,6 +476,19 @@ def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLe
     return core.run(_DELETE_ABANDONED, params).rowcount == 1
 
 
+def discard_unless_running(core: Core, scope: str, session_id: str, turn_id: str) -> AdmittedLease | None:
+    """Discard a turn's admitted intent whose worker is gone (see ``abandoned``); the lease of one whose
+    worker lives is returned instead, and nothing written. None: discarded, or no admitted intent."""
+    row = get_row(core, scope, session_id, turn_id, lock=True)
+    if row is None or row.state != "admitted":
+        return None
+    lease = AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us)
+    if not abandoned(lease.owner, lease.expires_us, now_us()):
+        return lease
+    discard_abandoned(core, scope, session_id, lease)
+    return None
+
+
 def complete(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
     """Delete a delivered intent (only the lease owner's claim, when an owner is given)."""
     q = _COMPLETE if owner is None else _COMPLETE_OWNED

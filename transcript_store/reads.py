@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from .core import Core, entry_from_row, foreign_incarnation
@@ -84,7 +85,9 @@ def read_visible_delta(
             return DeltaReset(cursor=fresh(), reason="scope_mismatch")
         if decoded.generation != sess.generation:
             return DeltaReset(cursor=fresh(), reason="generation_mismatch")
-        state = decoded
+        # A format-1 cursor held here is of this very session (checked above): every cursor handed
+        # back from here on, an empty page's too, is format 2 and says so (cursors.py).
+        state = decoded if decoded.incarnation is not None else replace(decoded, incarnation=incarnation)
     if state.last_position >= 0 and head.s_at_seq != state.last_seq:
         if not snapshot:
             raise NeedsSnapshot
@@ -105,8 +108,7 @@ def read_visible_delta(
         used += row.size_bytes
     if not page and found:
         return DeltaPage(
-            entries=[], cursor=cursor or state.encode(), has_more=True, serialized_bytes=0,
-            required_bytes=found[0].size_bytes,
+            entries=[], cursor=state.encode(), has_more=True, serialized_bytes=0, required_bytes=found[0].size_bytes
         )
     if page:
         last = page[-1]
