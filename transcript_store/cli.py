@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -52,6 +51,7 @@ from .gateway import GATEWAY_SCOPE
 from .models import Entry, SessionInfo
 from .settings import HostSettings, load_settings
 from .store import TranscriptStore
+from .terminal import ShownFormatter, shown
 from .turns import MAX_DRAIN
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
@@ -246,16 +246,6 @@ def message_text(message: dict[str, Any]) -> str:
     if message.get("role") == "tool":
         parts.insert(0, f"[{message.get('tool_call_id')}]")
     return " ".join(parts)
-
-
-#: what a terminal would act on instead of showing (ESC sequences, NUL, CR, DEL, C1), but newline and tab
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def shown(text: str) -> str:
-    """Stored text for a terminal: its control characters as ``\\xNN``, so that a message holding an escape
-    sequence (a user's, a model's) is read, not obeyed by the terminal. JSON output keeps them as they are."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def entry_text(entry: Entry) -> str:
@@ -777,9 +767,9 @@ def engines_list() -> None:
     out = console()
     out.print(_engines_table(data, settings))
     for e in data:
-        click.echo(f"{e['id']}: {e.get('location') or '-'}")
+        click.echo(shown(f"{e['id']}: {e.get('location') or '-'}"))
     for w in warnings:
-        click.echo(f"warning: {w}")
+        click.echo(f"warning: {shown(w)}")
 
 
 # ---------------------------------------------------------------------------------------------- doctor
@@ -861,7 +851,8 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     for key, value in (s.get("settings") or {}).items():
         click.echo(f"  {key}: {value}")
     e = data["engine"]
-    click.echo(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}")
+    # The engine's load error and the problems that quote it: read, not obeyed (as the engines table).
+    click.echo(shown(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}"))
     out.print(_engines_table(data["engines"], settings))
     if data["quarantine"]:
         table = Table(title="quarantined engines (live processes)", title_justify="left")
@@ -874,9 +865,9 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     else:
         click.echo("quarantine: none")
     for w in data["warnings"]:
-        click.echo(f"warning: {w}")
+        click.echo(f"warning: {shown(w)}")
     for p in data["problems"]:
-        click.echo(f"problem: {p}")
+        click.echo(f"problem: {shown(p)}")
     click.echo("ok" if data["ok"] else "NOT OK")
 
 
@@ -1413,7 +1404,10 @@ def _fail(error: BaseException, st: State) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """The console script: run the command, map errors to one line and a documented exit code."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    # A record quotes engines' errors and operators' reasons: shown on the terminal, never obeyed by it.
+    handler.setFormatter(ShownFormatter("%(levelname)s: %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     st = State()
     try:
         rv = cli.main(args=argv, prog_name="transcript-store", obj=st, standalone_mode=False)

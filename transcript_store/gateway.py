@@ -33,6 +33,7 @@ from .core import from_us, now_us
 from .db import mask_url
 from .errors import ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
+from .terminal import shown
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
@@ -133,8 +134,12 @@ class GatewayReport:
         return command
 
     def render(self, console: Console) -> None:
-        """Print the report as a table and the exactly-once verdict."""
-        table = Table(title=f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")
+        """Print the report as a table and the exactly-once verdict.
+
+        Degraded reasons and problems quote engines' errors: shown escaped, as Text (never read as rich
+        markup, which a caller's console may parse), so the terminal reads them and obeys none of them.
+        """
+        table = Table(title=Text(shown(f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")))
         table.add_column("what")
         table.add_column("count", justify="right")
         rows = [
@@ -156,10 +161,10 @@ class GatewayReport:
             table.add_row(what, str(count))
         console.print(table)
         for reason, count in sorted(self.degraded.items()):
-            console.print(f"  degraded x{count}: {reason}")
+            console.print(Text(f"  degraded x{count}: {shown(reason, one_line=True)}"))
         console.print(f"  {self.seconds:.1f} s")
         # One line whatever the width (the terminal may wrap it): a command split in two cannot be pasted.
-        console.print(f"  sessions in scope {self.scope!r}: {self.inspect_command()}", soft_wrap=True)
+        console.print(Text(shown(f"  sessions in scope {self.scope!r}: {self.inspect_command()}")), soft_wrap=True)
         if self.ok:
             console.print(
                 Text("exactly-once check passed:", style="bold green"), "every accepted turn is in the engine once"
@@ -167,7 +172,7 @@ class GatewayReport:
         else:
             console.print(Text("exactly-once check FAILED:", style="bold red"))
             for p in self.problems:
-                console.print(f"  - {p}")
+                console.print(Text(f"  - {shown(p, one_line=True)}"))
 
 
 # ---------------------------------------------------------------------------------------------- worker

@@ -1,0 +1,96 @@
+"""Defects the CLI review left open: engine text in the gateway report and the log lines, reads that wrote
+into an empty SQLite file, control characters in a SQLite file name, unbounded numeric settings and
+flags, and a PostgreSQL permission error reported as an outage."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from test_cli import _script_mode, one_error_line, run  # noqa: F401 (autouse: honours real_script)
+
+from transcript_store.gateway import GatewayReport
+from transcript_store.terminal import ShownFormatter
+
+#: what a terminal would obey: a window title (OSC ... BEL), a colour (CSI), and rich's markup
+HOSTILE = "boom \x1b]0;owned\x07 \x1b[31mred [/oops]"
+HOSTILE_SHOWN = "boom \\x1b]0;owned\\x07 \\x1b[31mred [/oops]"
+
+
+def _hostile_plugin(root: Path, operation: str) -> None:
+    """A plugin engine ``hostile`` (the legacy engine) whose ``operation`` raises HOSTILE."""
+    plugin = root / "plugins" / "hostile"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: hostile\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(
+        "from engines.legacy import LegacyEngine\n\n"
+        "class Hostile(LegacyEngine):\n"
+        "    def __init__(self, ctx):\n"
+        "        super().__init__(ctx)\n"
+        "        self.info = self.info.model_copy(update={'id': 'hostile'})\n\n"
+        f"    def {operation}(self, **kw):\n"
+        f"        raise RuntimeError({HOSTILE!r})\n\n"
+        "def create_engine(ctx):\n"
+        "    return Hostile(ctx)\n",
+        encoding="utf-8",
+    )
+    (root / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\n', encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- 1: engine text
+
+
+def test_the_gateway_report_shows_engine_text_escaped() -> None:
+    """Degraded reasons and problems quote engines' errors: read, not obeyed (nor taken as rich markup)."""
+    report = GatewayReport(url="sqlite:///x.db", engine="lossless", workers=1, planned_turns=1,
+                           degraded={f"fence: {HOSTILE}": 1}, problems=[f"turn t-1 attempt 0 raised {HOSTILE}"])
+    for markup in (True, False):  # the CLI's console has no markup; a library caller's default one has
+        out = io.StringIO()
+        report.render(Console(file=out, width=200, markup=markup, highlight=False))
+        text = out.getvalue()
+        assert "\x1b" not in text and "\x07" not in text, repr(text)
+        assert f"degraded x1: fence: {HOSTILE_SHOWN}" in text and f"raised {HOSTILE_SHOWN}" in text
+
+
+@pytest.mark.real_script
+def test_log_lines_show_engine_text_escaped(store_url: str, tmp_path: Path) -> None:
+    """The stderr log lines (a turn that ran on legacy, a quarantine) quote an engine's error: escaped, one line."""
+    _hostile_plugin(tmp_path, "assemble")
+    result = run("chat", "--session", "esc", "--engine", "hostile", "--db", store_url, cwd=tmp_path,
+                 stdin="hello\n")
+    logged = [line for line in result.stderr.splitlines() if "hostile" in line]
+    assert logged and all(line.startswith(("WARNING: ", "ERROR: ")) for line in logged), result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr, repr(result.stderr)
+    assert any(HOSTILE_SHOWN in line for line in logged), result.stderr
+
+
+def test_a_log_record_stays_one_line_and_a_traceback_keeps_its_lines() -> None:
+    """A newline in an engine's error would forge a second record on the operator's stderr."""
+    try:
+        raise RuntimeError("boom\x1b[2J")
+    except RuntimeError:
+        info = sys.exc_info()
+    record = logging.LogRecord("transcript_store.host", logging.WARNING, __file__, 1, "failed: %s",
+                               ("a\nERROR: forged \x1b[2J",), info)
+    text = ShownFormatter("%(levelname)s: %(message)s").format(record)
+    first, *trace = text.splitlines()
+    assert first == "WARNING: failed: a\\x0aERROR: forged \\x1b[2J"
+    assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "RuntimeError: boom\\x1b[2J"
+
+
+def test_doctor_problems_and_warnings_show_engine_text_escaped(store_url: str, tmp_path: Path) -> None:
+    """doctor's problem lines quote the selected engine's load error."""
+    plugin = tmp_path / "plugins" / "hostile"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: hostile\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(f"raise RuntimeError({HOSTILE!r})\n", encoding="utf-8")
+    (tmp_path / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\nslot = "hostile"\n',
+                                                    encoding="utf-8")
+    result = run("doctor", "--db", store_url, cwd=tmp_path, code=1)
+    assert "\x1b" not in result.stdout + result.stderr, repr(result.stdout)
+    assert any(line.startswith("problem: ") and HOSTILE_SHOWN in line for line in result.stdout.splitlines())
+    one_error_line(result)
