@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -94,3 +95,48 @@ def test_doctor_problems_and_warnings_show_engine_text_escaped(store_url: str, t
     assert "\x1b" not in result.stdout + result.stderr, repr(result.stdout)
     assert any(line.startswith("problem: ") and HOSTILE_SHOWN in line for line in result.stdout.splitlines())
     one_error_line(result)
+
+
+# ---------------------------------------------------------------------------------------------- 2: no store, no write
+
+#: (command, exit code) of every command that opens a store it must not create: 4 "no store yet" as for a
+#: missing file; doctor reports it as a failed check (1); engines list lists the engines without it
+READS = [
+    (("current",), 4), (("upgrade",), 4), (("sessions", "list"), 4), (("sessions", "show", "s1"), 4),
+    (("sessions", "export", "s1"), 4), (("sessions", "delete", "s1", "--yes"), 4), (("outbox", "status"), 4),
+    (("outbox", "drain"), 4), (("outbox", "recover"), 4), (("compact", "s1"), 4), (("doctor",), 1),
+    (("engines", "list"), 0),
+]
+
+
+@pytest.mark.parametrize(("command", "code"), READS)
+def test_a_read_leaves_an_empty_sqlite_file_untouched(tmp_path: Path, command: tuple[str, ...], code: int) -> None:
+    """A zero-byte file is no store: sqlite3 would write a header into it on the first connection (and the
+    reads that migrate a SQLite store on open, a whole schema)."""
+    path = tmp_path / "empty.db"
+    path.touch()
+    result = run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=code)
+    assert path.stat().st_size == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+    if code == 4:
+        line = one_error_line(result)
+        assert "no store at" in line and "the file is empty" in line and "transcript-store init" in line, line
+    run("init", "--db", f"sqlite:///{path}", cwd=tmp_path)  # init creates the store in it
+    assert run("current", "--db", f"sqlite:///{path}", cwd=tmp_path).stdout
+
+
+@pytest.mark.parametrize(("command", "code"), [c for c in READS if c[0] not in (("current",), ("upgrade",))])
+def test_a_read_creates_no_schema_in_a_sqlite_file_without_one(tmp_path: Path, command: tuple[str, ...],
+                                                               code: int) -> None:
+    """Another program's SQLite file given by mistake: a read that migrates a store on open created the
+    store's tables in it."""
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE app (x)")
+    conn.close()
+    result = run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=code)
+    with sqlite3.connect(path) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["app"]
+    conn.close()
+    if code == 4:
+        line = one_error_line(result)
+        assert "no store at" in line and "no transcript-store schema" in line and "init" in line, line

@@ -185,18 +185,46 @@ def emit_json(data: Any) -> None:
 # ---------------------------------------------------------------------------------------------- stores
 
 
+def _no_store_file(path: Path) -> str | None:
+    """Why a SQLite file holds no store without opening it (None: it may hold one)."""
+    if not path.exists():
+        return "the file does not exist"
+    # A zero-byte file is an empty database to sqlite3, which writes a header into it on the first
+    # connection (the WAL mode): a read would change the file it was pointed at.
+    if path.is_file() and path.stat().st_size == 0:
+        return "the file is empty"
+    return None
+
+
 def open_store(*, create: bool = False, check_schema: bool = True) -> TranscriptStore:
-    """The store named by --db; ``create`` allows a new SQLite file, ``check_schema`` refuses old ones."""
+    """The store named by --db; ``create`` allows a new SQLite store, ``check_schema`` refuses old ones.
+
+    Without ``create`` a SQLite file that holds no store (missing, empty, or a database without the
+    store's schema: another program's, given by mistake) is refused as no store yet, untouched: a SQLite
+    store migrates itself on open, which would create one in it.
+    """
     config = state().store_config()
+    url = mask_url(config.url)
     path = sqlite_file(config.url)
-    if path is not None and not create and not path.exists():
-        raise SchemaNotCurrent(
-            f"no store at {mask_url(config.url)} (the file does not exist): run `transcript-store init`"
-        )
+    why = _no_store_file(path) if path is not None and not create else None
+    if why is not None:
+        raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
     try:
-        return TranscriptStore(config=config, create=check_schema)
+        store = TranscriptStore(config=config, create=False)
     except InvalidInput as e:  # only the URL is validated before the first connection
         raise CommandError(f"--db: {e}", EXIT_USAGE) from e
+    if not check_schema:
+        return store
+    try:
+        if path is not None and not create and store.current_revision() is None:
+            raise SchemaNotCurrent(
+                f"no store at {url} (the database holds no transcript-store schema): run `transcript-store init`"
+            )
+        store.ensure_current()
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 @contextmanager
