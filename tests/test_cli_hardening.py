@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 from test_cli import _script_mode, one_error_line, run  # noqa: F401 (autouse: honours real_script)
 
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore
 from transcript_store.gateway import GatewayReport
 from transcript_store.terminal import ShownFormatter
 
@@ -140,3 +141,43 @@ def test_a_read_creates_no_schema_in_a_sqlite_file_without_one(tmp_path: Path, c
     if code == 4:
         line = one_error_line(result)
         assert "no store at" in line and "no transcript-store schema" in line and "init" in line, line
+
+
+# ---------------------------------------------------------------------------------------------- 3: control characters
+
+BAD_NAMES = ["a\nb.db", "a\x1b[31mb.db", "a\tb.db", "a\rb.db", "a\x7fb.db", "a\x85b.db"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_the_library_refuses_a_url_with_control_characters(tmp_path: Path, name: str) -> None:
+    """A file name with a newline or an escape sequence is no store's name: every line that shows it (an
+    error, doctor, the gateway's report) would be split or obeyed. Refused like any bad URL, typed."""
+    for url in (f"sqlite:///{tmp_path / name}", f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"):
+        with pytest.raises(InvalidInput, match="control characters"):
+            TranscriptStore(url)
+        with pytest.raises(InvalidInput, match="control characters"):
+            TranscriptStore.upgrade_url(url)
+        with pytest.raises(InvalidInput, match="control characters"):
+            TranscriptStore(config=StoreConfig(), url=url)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [
+    ("current",), ("init",), ("upgrade",), ("sessions", "list"), ("sessions", "export", "s1"), ("doctor",),
+    ("engines", "list"), ("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults"),
+])
+def test_the_cli_refuses_a_url_with_control_characters_as_a_usage_error(tmp_path: Path,
+                                                                        command: tuple[str, ...]) -> None:
+    for name in ("a\nb.db", "a\x1b]0;owned\x07.db"):
+        url = f"sqlite:///{tmp_path / name}"
+        line = one_error_line(run(*command, "--db", url, cwd=tmp_path, code=2))
+        assert "--db" in line and "control characters" in line and "\x1b" not in line, line
+        one_error_line(run(*command, cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": url}))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gateway_refuses_a_bad_url_as_a_usage_error_like_every_command(tmp_path: Path) -> None:
+    for bad in ("sqlite://", "mysql://u@h/x", "not a url"):
+        line = one_error_line(run("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--db", bad,
+                                  cwd=tmp_path, code=2))
+        assert line.startswith("error: --db: "), line

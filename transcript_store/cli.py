@@ -36,7 +36,7 @@ from sqlalchemy.engine import URL, make_url
 
 from . import migrate
 from .config import StoreConfig
-from .db import NOT_A_URL, SQLITE_URI_REFUSED, mask_url, sqlite_file, sqlite_uri
+from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
 from .errors import (
     EngineError,
     InvalidInput,
@@ -204,6 +204,7 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     store migrates itself on open, which would create one in it.
     """
     config = state().store_config()
+    make_url_or_usage(config.url)  # a bad URL is a usage error before its file is looked at
     url = mask_url(config.url)
     path = sqlite_file(config.url)
     why = _no_store_file(path) if path is not None and not create else None
@@ -1176,14 +1177,11 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
 
 
 def make_url_or_usage(url: str) -> URL:
-    """The parsed --db value; a value that is not a database URL is a usage error."""
+    """The parsed --db value; a URL no store accepts is a usage error."""
     try:
-        parsed = make_url(url)
-    except NOT_A_URL:
-        raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
-    if parsed.get_backend_name() == "sqlite" and sqlite_uri(parsed):
-        raise CommandError(f"--db: {SQLITE_URI_REFUSED}", EXIT_USAGE)
-    return parsed
+        return parse_url(url)
+    except InvalidInput as e:
+        raise CommandError(f"--db: {e}", EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------------------------- serve
