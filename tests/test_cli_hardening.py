@@ -15,7 +15,8 @@ from rich.console import Console
 from test_cli import _script_mode, one_error_line, run  # noqa: F401 (autouse: honours real_script)
 
 from transcript_store import InvalidInput, StoreConfig, TranscriptStore
-from transcript_store.gateway import GatewayReport
+from transcript_store.gateway import GatewayOptions, GatewayReport, run_gateway
+from transcript_store.settings import load_settings
 from transcript_store.terminal import ShownFormatter
 
 #: what a terminal would obey: a window title (OSC ... BEL), a colour (CSI), and rich's markup
@@ -181,3 +182,56 @@ def test_the_gateway_refuses_a_bad_url_as_a_usage_error_like_every_command(tmp_p
         line = one_error_line(run("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--db", bad,
                                   cwd=tmp_path, code=2))
         assert line.startswith("error: --db: "), line
+
+
+# ---------------------------------------------------------------------------------------------- 4: bounds
+
+@pytest.mark.parametrize(("key", "bad", "good"), [
+    ("token_budget", "100000001", "100000000"), ("token_budget", "100000000000000000000000000000", "256"),
+    ("max_output_tokens", "100000001", "100000000"),
+])
+def test_token_settings_past_their_bound_are_a_usage_error(store_url: str, tmp_path: Path, key: str, bad: str,
+                                                          good: str) -> None:
+    """A token budget past any model's window was taken, and failed deep in a model call (or a bound
+    parameter) at the first turn; the service already refuses a request's budget past 100,000,000."""
+    config = tmp_path / "transcript-store.toml"
+    config.write_text(f"[turn]\n{key} = {bad}\n", encoding="utf-8")
+    line = one_error_line(run("sessions", "list", "--config", str(config), "--db", store_url, cwd=tmp_path, code=2))
+    assert f"turn.{key}" in line and "100000000" in line, line
+    with pytest.raises(InvalidInput, match=key):
+        load_settings(None, **{key: int(bad)})
+    config.write_text(f"[turn]\n{key} = {good}\n", encoding="utf-8")
+    run("sessions", "list", "--config", str(config), "--db", store_url, cwd=tmp_path)
+
+
+def test_a_hermes_threshold_past_the_token_bound_is_a_usage_error(tmp_path: Path) -> None:
+    for threshold in ("100000001", "1e300"):
+        result = run("hermes", "install", "--home", str(tmp_path / "home"), "--threshold", threshold, cwd=tmp_path,
+                     code=2)
+        assert "--threshold" in result.stderr and "100000000" in result.stderr
+    assert not (tmp_path / "home").exists()
+    run("hermes", "install", "--home", str(tmp_path / "home"), "--threshold", "100000000", cwd=tmp_path)
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--workers", "65"), "1<=x<=64"), (("--sessions", "1001"), "1<=x<=1000"), (("--turns", "1001"), "1<=x<=1000"),
+    (("--workers", "99999999999999999999"), "1<=x<=64"),
+    (("--sessions", "1000", "--turns", "101"), "at most 100000 turns"),
+])
+def test_gateway_numbers_past_their_bounds_are_a_usage_error(tmp_path: Path, flags: tuple[str, ...],
+                                                             words: str) -> None:
+    """A million workers were spawned, or a plan of a billion turns allocated, before anything failed."""
+    args = {"--workers": "1", "--sessions": "1", "--turns": "1"}
+    args.update(dict(zip(flags[::2], flags[1::2], strict=True)))
+    result = run("gateway", *[x for kv in args.items() for x in kv], cwd=tmp_path, code=2)
+    assert words in result.stderr and "internal error" not in result.stderr, result.stderr
+    assert not (tmp_path / "transcripts.db").exists()
+
+
+@pytest.mark.parametrize("options", [{"workers": 65}, {"sessions": 1001}, {"turns": 1001}, {"workers": 0},
+                                     {"sessions": 1000, "turns": 101}])
+def test_the_library_gateway_refuses_the_same_numbers(tmp_path: Path, options: dict[str, int]) -> None:
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    with pytest.raises(InvalidInput):
+        run_gateway(GatewayOptions(db_url=url, progress=False, **options), Console(quiet=True))  # type: ignore[arg-type]
+    assert not (tmp_path / "g.db").exists()

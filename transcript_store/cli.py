@@ -47,9 +47,9 @@ from .errors import (
     UnknownSession,
     UnknownTurn,
 )
-from .gateway import GATEWAY_SCOPE
+from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
 from .models import Entry, SessionInfo
-from .settings import HostSettings, load_settings
+from .settings import MAX_TOKENS, HostSettings, load_settings
 from .store import TranscriptStore
 from .terminal import ShownFormatter, shown
 from .turns import MAX_DRAIN
@@ -1136,10 +1136,12 @@ class ChatLoop:
 
 
 @cli.command()
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Worker processes.")
-@click.option("--sessions", "session_count", type=click.IntRange(min=1), default=6, show_default=True,
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=4, show_default=True,
+              help="Worker processes.")
+@click.option("--sessions", "session_count", type=click.IntRange(1, MAX_SESSIONS), default=6, show_default=True,
               help="Conversations.")
-@click.option("--turns", type=click.IntRange(min=1), default=5, show_default=True, help="Turns per conversation.")
+@click.option("--turns", type=click.IntRange(1, MAX_TURNS), default=5, show_default=True,
+              help=f"Turns per conversation (at most {MAX_RUN_TURNS} turns in all).")
 @click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
 @click.option("--model-url", metavar="URL",
               help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
@@ -1163,6 +1165,10 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
         progress=not st.json,
     )
+    try:
+        options.check()
+    except InvalidInput as e:  # sessions x turns past the bound of a run: a usage error
+        raise CommandError(str(e), EXIT_USAGE) from None
     if seed is not None:
         options.seed = seed
     if st.scope or os.environ.get(SCOPE_ENV):
@@ -1283,9 +1289,13 @@ def hermes() -> None:
 
 
 def _check_threshold(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
-    """A finite --threshold: a fraction in (0, 1], or a whole number of tokens above 1."""
-    if value is not None and not (math.isfinite(value) and value > 0 and (value <= 1 or value.is_integer())):
-        raise click.BadParameter(f"{value} is not a fraction in (0, 1] or a whole number of tokens above 1")
+    """A finite --threshold: a fraction in (0, 1], or a whole number of tokens above 1 up to MAX_TOKENS."""
+    if value is not None and not (
+        math.isfinite(value) and value > 0 and (value <= 1 or (value.is_integer() and value <= MAX_TOKENS))
+    ):
+        raise click.BadParameter(
+            f"{value} is not a fraction in (0, 1] or a whole number of tokens above 1 up to {MAX_TOKENS}"
+        )
     return value
 
 

@@ -31,13 +31,20 @@ from . import faults
 from .config import DEFAULT_URL
 from .core import from_us, now_us
 from .db import mask_url
-from .errors import ModelTimeout, TranscriptStoreError, describe
+from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
 from .terminal import shown
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
 GATEWAY_SCOPE = "gateway"
+#: A run's bounds: each worker is a process (a few dozen fill any machine), and the plan of every turn is
+#: made up front, so a mistyped count spawned a million processes or allocated a billion turns first.
+MAX_WORKERS = 64
+MAX_SESSIONS = 1000
+MAX_TURNS = 1000
+#: sessions x turns
+MAX_RUN_TURNS = 100_000
 
 TOPICS = (
     "the weather in Lisbon",
@@ -80,6 +87,18 @@ class GatewayOptions:
     kill_rate: float = 0.12
     timeout_rate: float = 0.1
     rewrite_rate: float = 0.06
+
+    def check(self) -> None:
+        """Refuse counts past a run's bounds (InvalidInput), before anything starts."""
+        for name, bound in (("workers", MAX_WORKERS), ("sessions", MAX_SESSIONS), ("turns", MAX_TURNS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+                raise InvalidInput(f"{name} must be an integer in 1..{bound}, got {value!r}")
+        if self.sessions * self.turns > MAX_RUN_TURNS:
+            raise InvalidInput(
+                f"{self.sessions} sessions x {self.turns} turns is {self.sessions * self.turns} turns: "
+                f"at most {MAX_RUN_TURNS} turns in a run"
+            )
 
 
 @dataclass
@@ -308,6 +327,7 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     from .settings import load_settings
     from .store import TranscriptStore
 
+    options.check()
     console = console or Console()
     started, started_us = time.monotonic(), now_us()
     lib_log = logging.getLogger("transcript_store")
