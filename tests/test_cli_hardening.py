@@ -8,13 +8,17 @@ import io
 import logging
 import sqlite3
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from rich.console import Console
-from test_cli import _script_mode, one_error_line, run  # noqa: F401 (autouse: honours real_script)
+from sqlalchemy import text
+from test_cli import SCOPE, _script_mode, one_error_line, run, run_json  # noqa: F401 (autouse: honours real_script)
 
 from transcript_store import InvalidInput, StoreConfig, TranscriptStore
+from transcript_store.db import Database
+from transcript_store.errors import PermissionDenied, StoreUnavailable, TransientStoreError
 from transcript_store.gateway import GatewayOptions, GatewayReport, run_gateway
 from transcript_store.settings import load_settings
 from transcript_store.terminal import ShownFormatter
@@ -235,3 +239,42 @@ def test_the_library_gateway_refuses_the_same_numbers(tmp_path: Path, options: d
     with pytest.raises(InvalidInput):
         run_gateway(GatewayOptions(db_url=url, progress=False, **options), Console(quiet=True))  # type: ignore[arg-type]
     assert not (tmp_path / "g.db").exists()
+
+
+# ---------------------------------------------------------------------------------------------- 5: grants
+
+
+def test_a_missing_grant_is_its_own_error_and_exit_code(store_url: str, tmp_path: Path) -> None:
+    """A role without a privilege (42501) is no outage: retrying cannot help until someone grants it, and
+    an operator must be told it is a grant to fix, not a server to wait for (exit 5 said that)."""
+    if store_url.startswith("sqlite"):
+        pytest.skip("SQLite has no roles or grants")
+    role = f"ts_ro_{uuid.uuid4().hex[:8]}"
+    admin = Database(StoreConfig(url=store_url))
+    with TranscriptStore(config=StoreConfig(url=store_url)) as owner:
+        owner.create_session(SCOPE, session_id="s1")
+    try:
+        with admin.engine.begin() as conn:
+            conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+            conn.execute(text(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"))  # a read-only role
+        url = store_url.replace("postgres@", f"{role}@", 1)
+        with TranscriptStore(config=StoreConfig(url=url)) as store:
+            assert [s.session_id for s in store.list_sessions(SCOPE)] == ["s1"]
+            with pytest.raises(PermissionDenied, match="permission denied for table ts_sessions") as refused:
+                store.create_session(SCOPE, session_id="s2")
+            # Still a StoreUnavailable for callers that catch those, and final: never retried.
+            assert isinstance(refused.value, StoreUnavailable) and not isinstance(refused.value, TransientStoreError)
+            assert store.db.retries == 0
+        assert [s["session_id"] for s in run_json("sessions", "list", "--db", url, cwd=tmp_path)] == ["s1"]
+        line = one_error_line(run("sessions", "delete", "s1", "--yes", "--db", url, cwd=tmp_path, code=6))
+        assert "permission denied for table" in line, line
+        with admin.engine.begin() as conn:
+            conn.execute(text(f"REVOKE SELECT ON ALL TABLES IN SCHEMA public FROM {role}"))
+        assert "permission denied" in one_error_line(run("sessions", "list", "--db", url, cwd=tmp_path, code=6))
+        doctor = run_json("doctor", "--db", url, cwd=tmp_path, code=6)
+        assert not doctor["ok"] and any("permission denied" in p for p in doctor["problems"]), doctor["problems"]
+    finally:
+        with admin.engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()

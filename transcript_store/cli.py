@@ -8,7 +8,8 @@ name. A settings file named by --config or TRANSCRIPT_STORE_CONFIG is checked by
 Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL, a
 bad settings file or TRANSCRIPT_STORE_* value);
 3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
-unavailable. An error is one line on stderr, ``error: ...``; ``--debug`` adds the traceback.
+unavailable; 6 permission denied (the database role lacks a grant). An error is one line on stderr,
+``error: ...``; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
 from .errors import (
     EngineError,
     InvalidInput,
+    PermissionDenied,
     SchemaNotCurrent,
     StoreUnavailable,
     TranscriptStoreError,
@@ -54,7 +56,7 @@ from .store import TranscriptStore
 from .terminal import ShownFormatter, shown
 from .turns import MAX_DRAIN
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_SCOPE = "default"
 SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
 URL_ENV = "TRANSCRIPT_STORE_URL"
@@ -327,7 +329,8 @@ def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str
 def cli() -> None:
     """A durable conversation-transcript store with turn commits, for agent hosts and their engines.
 
-    Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable.
+    Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable,
+    6 permission denied.
     """
     state()
 
@@ -804,7 +807,9 @@ def engines_list() -> None:
 # ---------------------------------------------------------------------------------------------- doctor
 
 
-def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore | None]:
+def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore | None, StoreUnavailable | None]:
+    """The store's part of the report, the open store (None when there is none to check further), and the
+    database's refusal when there was one."""
     config = state().store_config()
     head = migrate.head_revision()
     info: dict[str, Any] = {"url": mask_url(config.url), "head": head}
@@ -812,7 +817,7 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
         store = open_store(check_schema=False)
     except SchemaNotCurrent as e:
         problems.append(str(e))
-        return {**info, "revision": None, "state": "none"}, None
+        return {**info, "revision": None, "state": "none"}, None, None
     try:
         revision = store.current_revision()
         info.update(backend=store.backend, revision=revision, state=schema_state(revision, head))
@@ -820,13 +825,13 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
     except StoreUnavailable as e:
         store.close()
         info["error"] = str(e)
-        problems.append(f"database unavailable: {e}")
-        return info, None
+        problems.append(str(e) if isinstance(e, PermissionDenied) else f"database unavailable: {e}")
+        return info, None, e
     if info["state"] == "none":
         problems.append(f"no schema yet (head is {head}): run `transcript-store init`")
     elif info["state"] != "current":
         problems.append(f"schema is {info['state']}: revision {revision}, head {head}")
-    return info, store
+    return info, store, None
 
 
 @cli.command()
@@ -838,7 +843,7 @@ def doctor() -> None:
     st = state()
     settings = st.settings()
     problems: list[str] = []
-    store_info, store = _doctor_store(problems)
+    store_info, store, refusal = _doctor_store(problems)
     records: list[dict[str, Any]] = []
     try:
         engines_found, warnings = engine_report(settings, store if store_info.get("state") == "current" else None)
@@ -868,7 +873,7 @@ def doctor() -> None:
     else:
         _print_doctor(data, settings)
     if problems:
-        code = EXIT_UNAVAILABLE if "error" in store_info else EXIT_FAILED
+        code = exit_code(refusal) if refusal is not None else EXIT_FAILED  # 5 or 6: the database's refusal
         raise CommandError(f"{len(problems)} problem(s): {'; '.join(problems)}", code)
 
 
@@ -1403,6 +1408,8 @@ def exit_code(error: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(error, SchemaNotCurrent):
         return EXIT_SCHEMA
+    if isinstance(error, PermissionDenied):  # a grant to fix, not a server to wait for
+        return EXIT_DENIED
     if isinstance(error, StoreUnavailable):
         return EXIT_UNAVAILABLE
     return EXIT_FAILED

@@ -28,7 +28,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from .config import StoreConfig
-from .errors import InvalidInput, StorageFull, StoreUnavailable, TransientStoreError
+from .errors import InvalidInput, PermissionDenied, StorageFull, StoreUnavailable, TransientStoreError
 
 T = TypeVar("T")
 
@@ -36,6 +36,7 @@ _PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03"
 _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
+_PG_INSUFFICIENT_PRIVILEGE = "42501"
 _WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
 #: psycopg's IsolationLevel.REPEATABLE_READ (an IntEnum; psycopg is imported only for PostgreSQL)
 _REPEATABLE_READ = 3
@@ -78,6 +79,10 @@ class Dialect:
             code = getattr(error.orig, "sqlite_errorcode", None)
             return code is not None and (code & 0xFF) == _SQLITE_FULL
         return getattr(error.orig, "sqlstate", None) == _PG_DISK_FULL
+
+    def is_permission_denied(self, error: DBAPIError) -> bool:
+        """The role lacks a privilege: PostgreSQL's insufficient_privilege (42501). SQLite has no roles."""
+        return not self.is_sqlite and getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
 
 
 def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
@@ -364,6 +369,8 @@ class Database:
             return TransientStoreError(f"transient database error: {detail}")
         if self.dialect.is_storage_full(error):
             return StorageFull(f"database storage is full: {detail}")
+        if self.dialect.is_permission_denied(error):
+            return PermissionDenied(f"database permission denied: {detail}")
         return StoreUnavailable(f"database error: {detail}")
 
     def _run(self, fn: Callable[[Connection], T], write: bool, statement: bool = False) -> T:
