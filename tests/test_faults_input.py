@@ -284,7 +284,7 @@ READS = {
 #: public functions deliberately not drawn (the module docstring says why)
 NOT_DRAWN = {
     "TranscriptStore.write", "TranscriptStore.read", "TranscriptStore.statement", "TranscriptStore.close",
-    "TranscriptStore.upgrade", "TranscriptStore.current_revision", "Turns",
+    "TranscriptStore.upgrade", "TranscriptStore.current_revision", "TranscriptStore.ensure_current", "Turns",
 }
 #: functions whose out-of-range limits are a plain ValueError naming the argument
 LIMITS = {

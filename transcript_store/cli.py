@@ -8,7 +8,8 @@ name. A settings file named by --config or TRANSCRIPT_STORE_CONFIG is checked by
 Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL, a
 bad settings file or TRANSCRIPT_STORE_* value);
 3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
-unavailable. An error is one line on stderr, ``error: ...``; ``--debug`` adds the traceback.
+unavailable; 6 permission denied (the database role lacks a grant). An error is one line on stderr,
+``error: ...``; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -37,10 +37,11 @@ from sqlalchemy.engine import URL, make_url
 
 from . import migrate
 from .config import StoreConfig
-from .db import NOT_A_URL, SQLITE_URI_REFUSED, mask_url, sqlite_file, sqlite_uri
+from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
 from .errors import (
     EngineError,
     InvalidInput,
+    PermissionDenied,
     SchemaNotCurrent,
     StoreUnavailable,
     TranscriptStoreError,
@@ -48,13 +49,14 @@ from .errors import (
     UnknownSession,
     UnknownTurn,
 )
-from .gateway import GATEWAY_SCOPE
+from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
 from .models import Entry, SessionInfo
-from .settings import HostSettings, load_settings
+from .settings import MAX_TOKENS, HostSettings, load_settings
 from .store import TranscriptStore
+from .terminal import ShownFormatter, shown
 from .turns import MAX_DRAIN
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_SCOPE = "default"
 SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
 URL_ENV = "TRANSCRIPT_STORE_URL"
@@ -185,18 +187,47 @@ def emit_json(data: Any) -> None:
 # ---------------------------------------------------------------------------------------------- stores
 
 
+def _no_store_file(path: Path) -> str | None:
+    """Why a SQLite file holds no store without opening it (None: it may hold one)."""
+    if not path.exists():
+        return "the file does not exist"
+    # A zero-byte file is an empty database to sqlite3, which writes a header into it on the first
+    # connection (the WAL mode): a read would change the file it was pointed at.
+    if path.is_file() and path.stat().st_size == 0:
+        return "the file is empty"
+    return None
+
+
 def open_store(*, create: bool = False, check_schema: bool = True) -> TranscriptStore:
-    """The store named by --db; ``create`` allows a new SQLite file, ``check_schema`` refuses old ones."""
+    """The store named by --db; ``create`` allows a new SQLite store, ``check_schema`` refuses old ones.
+
+    Without ``create`` a SQLite file that holds no store (missing, empty, or a database without the
+    store's schema: another program's, given by mistake) is refused as no store yet, untouched: a SQLite
+    store migrates itself on open, which would create one in it.
+    """
     config = state().store_config()
+    make_url_or_usage(config.url)  # a bad URL is a usage error before its file is looked at
+    url = mask_url(config.url)
     path = sqlite_file(config.url)
-    if path is not None and not create and not path.exists():
-        raise SchemaNotCurrent(
-            f"no store at {mask_url(config.url)} (the file does not exist): run `transcript-store init`"
-        )
+    why = _no_store_file(path) if path is not None and not create else None
+    if why is not None:
+        raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
     try:
-        return TranscriptStore(config=config, create=check_schema)
+        store = TranscriptStore(config=config, create=False)
     except InvalidInput as e:  # only the URL is validated before the first connection
         raise CommandError(f"--db: {e}", EXIT_USAGE) from e
+    if not check_schema:
+        return store
+    try:
+        if path is not None and not create and store.current_revision() is None:
+            raise SchemaNotCurrent(
+                f"no store at {url} (the database holds no transcript-store schema): run `transcript-store init`"
+            )
+        store.ensure_current()
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 @contextmanager
@@ -246,16 +277,6 @@ def message_text(message: dict[str, Any]) -> str:
     if message.get("role") == "tool":
         parts.insert(0, f"[{message.get('tool_call_id')}]")
     return " ".join(parts)
-
-
-#: what a terminal would act on instead of showing (ESC sequences, NUL, CR, DEL, C1), but newline and tab
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def shown(text: str) -> str:
-    """Stored text for a terminal: its control characters as ``\\xNN``, so that a message holding an escape
-    sequence (a user's, a model's) is read, not obeyed by the terminal. JSON output keeps them as they are."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def entry_text(entry: Entry) -> str:
@@ -308,7 +329,8 @@ def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str
 def cli() -> None:
     """A durable conversation-transcript store with turn commits, for agent hosts and their engines.
 
-    Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable.
+    Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable,
+    6 permission denied.
     """
     state()
 
@@ -797,15 +819,17 @@ def engines_list() -> None:
     out = console()
     out.print(_engines_table(data, settings))
     for e in data:
-        click.echo(f"{e['id']}: {e.get('location') or '-'}")
+        click.echo(shown(f"{e['id']}: {e.get('location') or '-'}"))
     for w in warnings:
-        click.echo(f"warning: {w}")
+        click.echo(f"warning: {shown(w)}")
 
 
 # ---------------------------------------------------------------------------------------------- doctor
 
 
-def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore | None]:
+def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore | None, StoreUnavailable | None]:
+    """The store's part of the report, the open store (None when there is none to check further), and the
+    database's refusal when there was one."""
     config = state().store_config()
     head = migrate.head_revision()
     info: dict[str, Any] = {"url": mask_url(config.url), "head": head}
@@ -813,7 +837,7 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
         store = open_store(check_schema=False)
     except SchemaNotCurrent as e:
         problems.append(str(e))
-        return {**info, "revision": None, "state": "none"}, None
+        return {**info, "revision": None, "state": "none"}, None, None
     try:
         revision = store.current_revision()
         info.update(backend=store.backend, revision=revision, state=schema_state(revision, head))
@@ -821,13 +845,13 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
     except StoreUnavailable as e:
         store.close()
         info["error"] = str(e)
-        problems.append(f"database unavailable: {e}")
-        return info, None
+        problems.append(str(e) if isinstance(e, PermissionDenied) else f"database unavailable: {e}")
+        return info, None, e
     if info["state"] == "none":
         problems.append(f"no schema yet (head is {head}): run `transcript-store init`")
     elif info["state"] != "current":
         problems.append(f"schema is {info['state']}: revision {revision}, head {head}")
-    return info, store
+    return info, store, None
 
 
 @cli.command()
@@ -839,7 +863,7 @@ def doctor() -> None:
     st = state()
     settings = st.settings()
     problems: list[str] = []
-    store_info, store = _doctor_store(problems)
+    store_info, store, refusal = _doctor_store(problems)
     records: list[dict[str, Any]] = []
     try:
         engines_found, warnings = engine_report(settings, store if store_info.get("state") == "current" else None)
@@ -869,7 +893,7 @@ def doctor() -> None:
     else:
         _print_doctor(data, settings)
     if problems:
-        code = EXIT_UNAVAILABLE if "error" in store_info else EXIT_FAILED
+        code = exit_code(refusal) if refusal is not None else EXIT_FAILED  # 5 or 6: the database's refusal
         raise CommandError(f"{len(problems)} problem(s): {'; '.join(problems)}", code)
 
 
@@ -881,7 +905,8 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     for key, value in (s.get("settings") or {}).items():
         click.echo(f"  {key}: {value}")
     e = data["engine"]
-    click.echo(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}")
+    # The engine's load error and the problems that quote it: read, not obeyed (as the engines table).
+    click.echo(shown(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}"))
     out.print(_engines_table(data["engines"], settings))
     if data["quarantine"]:
         table = Table(title="quarantined engines (live processes)", title_justify="left")
@@ -894,9 +919,9 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     else:
         click.echo("quarantine: none")
     for w in data["warnings"]:
-        click.echo(f"warning: {w}")
+        click.echo(f"warning: {shown(w)}")
     for p in data["problems"]:
-        click.echo(f"problem: {p}")
+        click.echo(f"problem: {shown(p)}")
     click.echo("ok" if data["ok"] else "NOT OK")
 
 
@@ -1136,10 +1161,12 @@ class ChatLoop:
 
 
 @cli.command()
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Worker processes.")
-@click.option("--sessions", "session_count", type=click.IntRange(min=1), default=6, show_default=True,
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=4, show_default=True,
+              help="Worker processes.")
+@click.option("--sessions", "session_count", type=click.IntRange(1, MAX_SESSIONS), default=6, show_default=True,
               help="Conversations.")
-@click.option("--turns", type=click.IntRange(min=1), default=5, show_default=True, help="Turns per conversation.")
+@click.option("--turns", type=click.IntRange(1, MAX_TURNS), default=5, show_default=True,
+              help=f"Turns per conversation (at most {MAX_RUN_TURNS} turns in all).")
 @click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
 @click.option("--model-url", metavar="URL",
               help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
@@ -1163,6 +1190,10 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
         progress=not st.json,
     )
+    try:
+        options.check()
+    except InvalidInput as e:  # sessions x turns past the bound of a run: a usage error
+        raise CommandError(str(e), EXIT_USAGE) from None
     if seed is not None:
         options.seed = seed
     if st.scope or os.environ.get(SCOPE_ENV):
@@ -1177,14 +1208,11 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
 
 
 def make_url_or_usage(url: str) -> URL:
-    """The parsed --db value; a value that is not a database URL is a usage error."""
+    """The parsed --db value; a URL no store accepts is a usage error."""
     try:
-        parsed = make_url(url)
-    except NOT_A_URL:
-        raise CommandError(f"--db: not a database URL: {mask_url(url)}", EXIT_USAGE) from None
-    if parsed.get_backend_name() == "sqlite" and sqlite_uri(parsed):
-        raise CommandError(f"--db: {SQLITE_URI_REFUSED}", EXIT_USAGE)
-    return parsed
+        return parse_url(url)
+    except InvalidInput as e:
+        raise CommandError(f"--db: {e}", EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------------------------- serve
@@ -1286,9 +1314,13 @@ def hermes() -> None:
 
 
 def _check_threshold(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
-    """A finite --threshold: a fraction in (0, 1], or a whole number of tokens above 1."""
-    if value is not None and not (math.isfinite(value) and value > 0 and (value <= 1 or value.is_integer())):
-        raise click.BadParameter(f"{value} is not a fraction in (0, 1] or a whole number of tokens above 1")
+    """A finite --threshold: a fraction in (0, 1], or a whole number of tokens above 1 up to MAX_TOKENS."""
+    if value is not None and not (
+        math.isfinite(value) and value > 0 and (value <= 1 or (value.is_integer() and value <= MAX_TOKENS))
+    ):
+        raise click.BadParameter(
+            f"{value} is not a fraction in (0, 1] or a whole number of tokens above 1 up to {MAX_TOKENS}"
+        )
     return value
 
 
@@ -1396,6 +1428,8 @@ def exit_code(error: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(error, SchemaNotCurrent):
         return EXIT_SCHEMA
+    if isinstance(error, PermissionDenied):  # a grant to fix, not a server to wait for
+        return EXIT_DENIED
     if isinstance(error, StoreUnavailable):
         return EXIT_UNAVAILABLE
     return EXIT_FAILED
@@ -1433,7 +1467,10 @@ def _fail(error: BaseException, st: State) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """The console script: run the command, map errors to one line and a documented exit code."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    # A record quotes engines' errors and operators' reasons: shown on the terminal, never obeyed by it.
+    handler.setFormatter(ShownFormatter("%(levelname)s: %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     st = State()
     try:
         rv = cli.main(args=argv, prog_name="transcript-store", obj=st, standalone_mode=False)

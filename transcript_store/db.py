@@ -28,7 +28,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from .config import StoreConfig
-from .errors import InvalidInput, StorageFull, StoreUnavailable, TransientStoreError
+from .errors import InvalidInput, PermissionDenied, StorageFull, StoreUnavailable, TransientStoreError
 
 T = TypeVar("T")
 
@@ -36,6 +36,7 @@ _PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03"
 _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
+_PG_INSUFFICIENT_PRIVILEGE = "42501"
 _WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
 #: psycopg's IsolationLevel.REPEATABLE_READ (an IntEnum; psycopg is imported only for PostgreSQL)
 _REPEATABLE_READ = 3
@@ -78,6 +79,10 @@ class Dialect:
             code = getattr(error.orig, "sqlite_errorcode", None)
             return code is not None and (code & 0xFF) == _SQLITE_FULL
         return getattr(error.orig, "sqlstate", None) == _PG_DISK_FULL
+
+    def is_permission_denied(self, error: DBAPIError) -> bool:
+        """The role lacks a privilege: PostgreSQL's insufficient_privilege (42501). SQLite has no roles."""
+        return not self.is_sqlite and getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
 
 
 def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
@@ -171,22 +176,38 @@ UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 NOT_A_URL = (ArgumentError, ValueError)
 
 
-def create_db_engine(config: StoreConfig) -> Engine:
-    """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
-    if UNSENDABLE.search(config.url) is not None:
-        raise InvalidInput("a database URL must not contain NUL or lone surrogates")
+#: control characters (C0, DEL, C1), NUL and lone surrogates: none belongs in a database URL
+_BAD_URL_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def parse_url(url: str) -> URL:
+    """The database URL a store accepts, parsed; InvalidInput for any other (the CLI: a usage error)."""
+    # A file or database name with a newline or an escape sequence would split or act on every line that
+    # shows it (an error, doctor, the gateway's report); NUL and lone surrogates no driver can take.
+    if _BAD_URL_CHAR.search(url) is not None:
+        raise InvalidInput("a database URL must not contain control characters, NUL or lone surrogates")
     try:
-        url = make_url(config.url)
+        parsed = make_url(url)
     except NOT_A_URL as e:
-        raise InvalidInput(f"not a database URL: {mask_url(config.url)}") from e
-    backend = url.get_backend_name()
+        raise InvalidInput(f"not a database URL: {mask_url(url)}") from e
+    backend = parsed.get_backend_name()
     if backend == "sqlite":
-        if url.database in (None, "", ":memory:"):
+        if parsed.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
-        if sqlite_uri(url):
+        if sqlite_uri(parsed):
             # A file: URI's path is not a file name: the store's file checks (a read command never
             # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
             raise InvalidInput(SQLITE_URI_REFUSED)
+    elif backend != "postgresql":
+        raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+    return parsed
+
+
+def create_db_engine(config: StoreConfig) -> Engine:
+    """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
+    url = parse_url(config.url)
+    if url.get_backend_name() == "sqlite":
+        assert url.database is not None  # parse_url refuses an in-memory database
         path = Path(url.database).expanduser()
         if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
             url = url.set(database=str(path))
@@ -197,22 +218,20 @@ def create_db_engine(config: StoreConfig) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         _sqlite_connect_listeners(engine, config)
         return engine
-    if backend == "postgresql":
-        if url.get_driver_name() != "psycopg":
-            url = url.set(drivername="postgresql+psycopg")
-        engine = create_engine(
-            url,
-            pool_size=config.pool_size,
-            max_overflow=config.pool_size,
-            # No pool_pre_ping: it costs a round trip per transaction. A connection that died in the
-            # pool fails its first statement, which is a transient error: the transaction is retried
-            # whole on a fresh connection (the pool drops the invalidated one).
-            connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
-        )
-        if config.pg_generic_plans:
-            event.listen(engine, "connect", _pg_on_connect)
-        return engine
-    raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+    if url.get_driver_name() != "psycopg":
+        url = url.set(drivername="postgresql+psycopg")
+    engine = create_engine(
+        url,
+        pool_size=config.pool_size,
+        max_overflow=config.pool_size,
+        # No pool_pre_ping: it costs a round trip per transaction. A connection that died in the
+        # pool fails its first statement, which is a transient error: the transaction is retried
+        # whole on a fresh connection (the pool drops the invalidated one).
+        connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
+    )
+    if config.pg_generic_plans:
+        event.listen(engine, "connect", _pg_on_connect)
+    return engine
 
 
 #: why a SQLite URL in sqlite3's URI mode is refused (opening a store, and the CLI's --db check)
@@ -350,6 +369,8 @@ class Database:
             return TransientStoreError(f"transient database error: {detail}")
         if self.dialect.is_storage_full(error):
             return StorageFull(f"database storage is full: {detail}")
+        if self.dialect.is_permission_denied(error):
+            return PermissionDenied(f"database permission denied: {detail}")
         return StoreUnavailable(f"database error: {detail}")
 
     def _run(self, fn: Callable[[Connection], T], write: bool, statement: bool = False) -> T:

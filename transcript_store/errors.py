@@ -195,6 +195,15 @@ class StorageFull(StoreUnavailable):
     """
 
 
+class PermissionDenied(StoreUnavailable):
+    """The database refused the operation to this role (PostgreSQL insufficient_privilege, 42501): a grant
+    is missing. Nothing was written.
+
+    Not transient, and no outage: retrying cannot help until the role is granted the privilege (the
+    message names the object). A StoreUnavailable still, for callers that handle every database refusal.
+    """
+
+
 class TransientStoreError(StoreUnavailable):
     """A transient database error (40001, 40P01, a lost connection, SQLite busy); safe to retry."""
 

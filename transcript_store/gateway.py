@@ -31,12 +31,20 @@ from . import faults
 from .config import DEFAULT_URL
 from .core import from_us, now_us
 from .db import mask_url
-from .errors import ModelTimeout, TranscriptStoreError, describe
+from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
+from .terminal import shown
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
 GATEWAY_SCOPE = "gateway"
+#: A run's bounds: each worker is a process (a few dozen fill any machine), and the plan of every turn is
+#: made up front, so a mistyped count spawned a million processes or allocated a billion turns first.
+MAX_WORKERS = 64
+MAX_SESSIONS = 1000
+MAX_TURNS = 1000
+#: sessions x turns
+MAX_RUN_TURNS = 100_000
 
 TOPICS = (
     "the weather in Lisbon",
@@ -79,6 +87,18 @@ class GatewayOptions:
     kill_rate: float = 0.12
     timeout_rate: float = 0.1
     rewrite_rate: float = 0.06
+
+    def check(self) -> None:
+        """Refuse counts past a run's bounds (InvalidInput), before anything starts."""
+        for name, bound in (("workers", MAX_WORKERS), ("sessions", MAX_SESSIONS), ("turns", MAX_TURNS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+                raise InvalidInput(f"{name} must be an integer in 1..{bound}, got {value!r}")
+        if self.sessions * self.turns > MAX_RUN_TURNS:
+            raise InvalidInput(
+                f"{self.sessions} sessions x {self.turns} turns is {self.sessions * self.turns} turns: "
+                f"at most {MAX_RUN_TURNS} turns in a run"
+            )
 
 
 @dataclass
@@ -133,8 +153,12 @@ class GatewayReport:
         return command
 
     def render(self, console: Console) -> None:
-        """Print the report as a table and the exactly-once verdict."""
-        table = Table(title=f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")
+        """Print the report as a table and the exactly-once verdict.
+
+        Degraded reasons and problems quote engines' errors: shown escaped, as Text (never read as rich
+        markup, which a caller's console may parse), so the terminal reads them and obeys none of them.
+        """
+        table = Table(title=Text(shown(f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")))
         table.add_column("what")
         table.add_column("count", justify="right")
         rows = [
@@ -156,10 +180,10 @@ class GatewayReport:
             table.add_row(what, str(count))
         console.print(table)
         for reason, count in sorted(self.degraded.items()):
-            console.print(f"  degraded x{count}: {reason}")
+            console.print(Text(f"  degraded x{count}: {shown(reason, one_line=True)}"))
         console.print(f"  {self.seconds:.1f} s")
         # One line whatever the width (the terminal may wrap it): a command split in two cannot be pasted.
-        console.print(f"  sessions in scope {self.scope!r}: {self.inspect_command()}", soft_wrap=True)
+        console.print(Text(shown(f"  sessions in scope {self.scope!r}: {self.inspect_command()}")), soft_wrap=True)
         if self.ok:
             console.print(
                 Text("exactly-once check passed:", style="bold green"), "every accepted turn is in the engine once"
@@ -167,7 +191,7 @@ class GatewayReport:
         else:
             console.print(Text("exactly-once check FAILED:", style="bold red"))
             for p in self.problems:
-                console.print(f"  - {p}")
+                console.print(Text(f"  - {shown(p, one_line=True)}"))
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -303,6 +327,7 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     from .settings import load_settings
     from .store import TranscriptStore
 
+    options.check()
     console = console or Console()
     started, started_us = time.monotonic(), now_us()
     lib_log = logging.getLogger("transcript_store")

@@ -16,6 +16,7 @@ from .engine import BootstrapResult, EngineInfo
 from .ledger import Receipt
 from .models import Anchor, Entry, SessionInfo
 from .reads import MAX_BYTES, MAX_MESSAGES
+from .settings import MAX_TOKENS
 from .store import AppendItem
 
 MAX_ITEMS = 10_000
@@ -179,7 +180,7 @@ class BootstrapResponse(BaseModel):
 class AssembleRequest(_Request):
     """Assemble the model's context; the service's budget applies when ``token_budget`` is omitted."""
 
-    token_budget: int | None = Field(None, ge=1, le=100_000_000)
+    token_budget: int | None = Field(None, ge=1, le=MAX_TOKENS)
     fence: Anchor | None = None
     available_tools: list[str] = Field(default_factory=list, max_length=1000)
     prompt: Message | str | None = None
@@ -190,7 +191,7 @@ class CompactRequest(_Request):
 
     force: bool = True
     focus: str | None = Field(None, max_length=10_000)
-    token_budget: int | None = Field(None, ge=1, le=100_000_000)
+    token_budget: int | None = Field(None, ge=1, le=MAX_TOKENS)
 
 
 class MaintainRequest(_Request):

@@ -27,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import InvalidInput
 
 CONFIG_FILE = "transcript-store.toml"
+#: the largest token count a setting takes (a budget, an output cap, a threshold): past any model's context
+#: window, as the service's own bound on a request's budget; more is a typo, taken until a model call failed
+MAX_TOKENS = 100_000_000
 
 SelectionSource = Literal["default", "config", "env", "argument", "fallback"]
 
@@ -40,8 +43,10 @@ class HostSettings(BaseModel):
     engine_source: SelectionSource = Field("default", description="where the slot value came from")
     plugin_dirs: list[str] = Field(default_factory=list, description="extra engine plugin folders")
     engine_config: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-engine config")
-    token_budget: int = Field(32_000, ge=256, description="tokens of a whole model request, reply included")
-    max_output_tokens: int = Field(1024, ge=1, description="model output cap per call")
+    token_budget: int = Field(
+        32_000, ge=256, le=MAX_TOKENS, description="tokens of a whole model request, reply included"
+    )
+    max_output_tokens: int = Field(1024, ge=1, le=MAX_TOKENS, description="model output cap per call")
     compaction_threshold: float = Field(
         0.8, gt=0, le=1, description="built-in auto-compaction fires above this share of the budget"
     )

@@ -68,9 +68,8 @@ class TranscriptStore:
         self.config = config
         self.db = Database(config)
         if create:
-            auto = config.auto_upgrade if config.auto_upgrade is not None else self.db.dialect.is_sqlite
             try:
-                migrate.ensure_current(self.db, auto_upgrade=auto)
+                self.ensure_current()
             except BaseException:
                 self.db.dispose()
                 raise
@@ -85,6 +84,12 @@ class TranscriptStore:
             return migrate.upgrade(db)
         finally:
             db.dispose()
+
+    def ensure_current(self) -> None:
+        """Refuse a schema that is not at head (``SchemaNotCurrent``), or migrate it when the config allows
+        (``auto_upgrade``; unset: yes for SQLite, no for PostgreSQL)."""
+        auto = self.config.auto_upgrade if self.config.auto_upgrade is not None else self.db.dialect.is_sqlite
+        migrate.ensure_current(self.db, auto_upgrade=auto)
 
     def upgrade(self) -> str:
         """Migrate this store's database to the newest revision; returns the revision."""

@@ -1,0 +1,43 @@
+"""Text for a terminal: stored messages, engines' errors and operators' reasons are read there, never obeyed.
+
+The CLI's tables and lines, the gateway's report and the log lines on stderr all show text that the store
+holds or an engine wrote: an escape sequence in it (a window title, a colour, a cursor move) would act on
+the operator's terminal instead. Machine output (--json) keeps the text as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from logging import _SysExcInfoType
+
+#: what a terminal would act on instead of showing (ESC sequences, NUL, CR, DEL, C1), but newline and tab
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: the same and newlines too: a line that must stay one line (a log record)
+_CONTROL_OR_NEWLINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def shown(text: str, *, one_line: bool = False) -> str:
+    """Stored text for a terminal: its control characters as ``\\xNN``, so that a message holding an escape
+    sequence (a user's, a model's, an engine's error) is read, not obeyed by the terminal; ``one_line``
+    escapes newlines as well."""
+    pattern = _CONTROL_OR_NEWLINE if one_line else _CONTROL
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class ShownFormatter(logging.Formatter):
+    """A log formatter for a terminal: a record is one line with its control characters shown (the message
+    quotes engines' errors and reasons: a newline in one would forge a second record); a traceback keeps its
+    lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return shown(super().formatMessage(record), one_line=True)
+
+    def formatException(self, ei: _SysExcInfoType) -> str:
+        return shown(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return shown(super().formatStack(stack_info))
