@@ -319,3 +319,18 @@ def test_an_edit_after_a_taken_compaction_aligns_after_the_compacted_view(tmp_pa
     engine.on_turn_complete([*out, user("theta next"), reply("theta other reply")])
     assert visible(engine, "s1") == [*convo, user("theta next"), reply("theta other reply")]
     assert reply("theta reply") in engine.stored_messages("s1")
+
+
+def test_a_reply_hermes_merged_into_our_acknowledgement_is_stored(tmp_path: Path) -> None:
+    """Hermes merges consecutive assistant messages: a reply merged into our acknowledgement is the
+    host's message (stored), not ours (skipped)."""
+    from transcript_store.hermes import ACK_MESSAGE
+
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    ack = {"role": "assistant", "content": ACK_MESSAGE}
+    merged = {"role": "assistant", "content": f"{ACK_MESSAGE}\nthe model's reply"}
+    assert is_context_message(ack) and not is_context_message(merged)
+    out = engine.compress(conversation("lambda", 10))
+    engine.on_turn_complete([*out, merged, user("lambda next")])
+    assert merged in engine.stored_messages("s1")

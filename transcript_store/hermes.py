@@ -129,12 +129,23 @@ CONTEXT_MARKER = "[transcript-store context]"
 ACK = "Understood: earlier turns are condensed above; I will use the recall tools for details."
 
 
+ACK_MESSAGE = f"{CONTEXT_MARKER} {ACK}"
+
+
 def is_context_message(message: dict[str, Any]) -> bool:
-    """Whether a message is one the adapter produced (a summary block or its acknowledgement)."""
+    """Whether a message is one the adapter produced (a summary block or its acknowledgement).
+
+    An assistant message that only starts with the acknowledgement is not ours: Hermes merges
+    consecutive assistant messages, and a reply merged into it is the host's, to be stored.
+    """
     content = message.get("content")
     if message.get("_transcript_store_context"):
         return True
-    return isinstance(content, str) and (content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_"))
+    if not isinstance(content, str):
+        return False
+    if message.get("role") == "assistant" and content.startswith(CONTEXT_MARKER):
+        return content == ACK_MESSAGE
+    return content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_")
 
 
 def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,7 +163,7 @@ def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [{"role": "user", "content": f"{CONTEXT_MARKER}\n{text}"}]
     rest = msgs[n:]
     if not rest or rest[0].get("role") in ("user", "tool"):
-        out.append({"role": "assistant", "content": f"{CONTEXT_MARKER} {ACK}"})
+        out.append({"role": "assistant", "content": ACK_MESSAGE})
     return out + rest
 
 
