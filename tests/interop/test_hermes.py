@@ -212,7 +212,6 @@ def test_real_hermes_cli_oneshot(home: Path, server: FakeOpenAI) -> None:
     assert len(hits) == 1, f"one-shot prompt stored {len(hits)} times"
 
 
-@pytest.mark.xfail(strict=True, reason="compress compacts to the whole window: its answer stays over the trigger")
 @pytest.mark.parametrize("engine_id", ["lossless", "legacy"])
 def test_compression_runs_once_per_crossing_and_keeps_the_turn(home: Path, server: FakeOpenAI, engine_id: str) -> None:
     """Crossing the trigger compresses once: the answer Hermes sends next is under the trigger, so the
