@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import pickle
 import threading
 import time
@@ -30,6 +31,7 @@ from transcript_store.hermes import (
     valid_sequence,
 )
 from transcript_store.summarize import ExtractiveSummarizer, SummarizerError
+from transcript_store.tokens import RoughEstimator
 
 
 def conversation(tag: str, turns: int) -> list[dict[str, Any]]:
@@ -116,9 +118,11 @@ def test_select_context_is_fail_open_and_stable(tmp_path: Path) -> None:
     out = engine.compress(convo)
     assert engine.select_context(convo, budget_tokens=500) is None  # compacted but not taken by the host
     taken = [*out, {"role": "user", "content": "gamma next"}]
-    first = engine.select_context(taken, budget_tokens=500)
+    # compress answers below the trigger: the request is over a budget under its own size
+    budget = RoughEstimator().count_messages(taken) - 100
+    first = engine.select_context(taken, budget_tokens=budget)
     assert isinstance(first, list) and is_valid_sequence(first)
-    assert engine.select_context(taken, budget_tokens=500) is first  # stable while nothing changed
+    assert engine.select_context(taken, budget_tokens=budget) is first  # stable while nothing changed
     assert_once(engine, "s1", convo)
 
 
@@ -319,3 +323,99 @@ def test_an_edit_after_a_taken_compaction_aligns_after_the_compacted_view(tmp_pa
     engine.on_turn_complete([*out, user("theta next"), reply("theta other reply")])
     assert visible(engine, "s1") == [*convo, user("theta next"), reply("theta other reply")]
     assert reply("theta reply") in engine.stored_messages("s1")
+
+
+class CountingSummarizer(ExtractiveSummarizer):
+    """Extractive, counting its calls (each would be a model call with a real summarizer)."""
+
+    calls = 0
+
+    def summarize(self, *args: Any, **kwargs: Any) -> str:
+        CountingSummarizer.calls += 1
+        return super().summarize(*args, **kwargs)
+
+
+def turn_with_tool(tag: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The current user message and its pending exchange: a tool call and its result."""
+    call = {"id": f"call_{tag}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    return user(f"{tag} now: " + "lorem ipsum " * 60), [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": f"{tag} pending result"},
+    ]
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_compress_answers_below_the_trigger_with_the_fresh_tail_verbatim(
+    store_url: str, tmp_path: Path, engine_id: str
+) -> None:
+    """The answer, with the system prompt and tools Hermes adds, is under the trigger: Hermes does not
+    compress again on its next call. The current user message and the pending tool exchange are kept
+    verbatim, never summarised away (Hermes would then send the model our summary instead of the turn)."""
+    engine = make(tmp_path, engine=engine_id, db_url=store_url, threshold_percent=3000,
+                  summarizer_factory=CountingSummarizer)
+    engine.on_session_start("s1")
+    est = RoughEstimator()
+    current, pending = turn_with_tool("iota")
+    messages = [*conversation("iota", 12), current, *pending]
+    overhead = 800  # system prompt and tool schemas: in Hermes' count, not in the list
+    tokens = est.count_messages(messages) + overhead
+    assert engine.should_compress(tokens)
+    out = engine.compress(copy.deepcopy(messages), current_tokens=tokens)
+    assert engine.compression_count == 1 and engine.request_overhead == overhead
+    assert is_valid_sequence(out) and any(is_context_message(m) for m in out)
+    assert est.count_messages(out) + overhead <= 0.75 * engine.threshold_tokens
+    assert not engine.should_compress(est.count_messages(out) + overhead)
+    assert out[-2:] == pending and current in out[:-2]
+    assert_once(engine, "s1", messages)
+    # Hermes retries a request up to three times: our answer back with nothing new costs nothing.
+    calls = CountingSummarizer.calls
+    assert engine.compress(copy.deepcopy(out), current_tokens=tokens) == out
+    assert engine.compression_count == 1 and CountingSummarizer.calls == calls
+    # The next turns grow it back over the trigger: one compression more, the new turn kept verbatim.
+    grown = [*out, reply("iota reply " * 30)]
+    while not engine.should_compress(est.count_messages(grown) + overhead):
+        grown += [user(f"iota later {len(grown)} " + "lorem ipsum " * 60), reply(f"iota {len(grown)} " * 30)]
+    again = engine.compress(copy.deepcopy(grown), current_tokens=est.count_messages(grown) + overhead)
+    assert engine.compression_count == 2 and again[-2:] == grown[-2:]
+    assert not engine.should_compress(est.count_messages(again) + overhead)
+    assert_once(engine, "s1", [m for m in grown if not is_context_message(m)])
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_turn_larger_than_the_trigger_is_kept_whole_and_compressed_once(
+    tmp_path: Path, engine_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fresh tail alone over the trigger: the answer keeps it (the summaries get MIN_CONTEXT), is
+    still over, a warning says so once, and compressing the same list again is no progress."""
+    engine = make(tmp_path, engine=engine_id, threshold_percent=2000)
+    engine.on_session_start("s1")
+    current = user("kappa now: " + "lorem ipsum " * 800)  # ~2,400 tokens alone
+    messages = [*conversation("kappa", 10), current]
+    with caplog.at_level(logging.WARNING, logger="transcript_store.hermes"):
+        out = engine.compress(copy.deepcopy(messages))
+        assert out[-1] == current and engine.compression_count == 1
+        assert any(is_context_message(m) for m in out)
+        assert engine.should_compress(RoughEstimator().count_messages(out))  # still over: it cannot help
+        assert engine.compress(copy.deepcopy(out)) == out and engine.compression_count == 1
+        # The turn goes on (a tool round): the tail grows, is kept, and is not warned about again.
+        _current, pending = turn_with_tool("kappa")
+        more = engine.compress([*copy.deepcopy(out), *pending])
+        assert more[-3:] == [current, *pending]
+    warnings = [r for r in caplog.records if "fresh tail" in r.getMessage()]
+    assert len(warnings) == 1
+    assert_once(engine, "s1", [*messages, *pending])
+
+
+def test_a_reply_hermes_merged_into_our_acknowledgement_is_stored(tmp_path: Path) -> None:
+    """Hermes merges consecutive assistant messages: a reply merged into our acknowledgement is the
+    host's message (stored), not ours (skipped)."""
+    from transcript_store.hermes import ACK_MESSAGE
+
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    ack = {"role": "assistant", "content": ACK_MESSAGE}
+    merged = {"role": "assistant", "content": f"{ACK_MESSAGE}\nthe model's reply"}
+    assert is_context_message(ack) and not is_context_message(merged)
+    out = engine.compress(conversation("lambda", 10))
+    engine.on_turn_complete([*out, merged, user("lambda next")])
+    assert merged in engine.stored_messages("s1")

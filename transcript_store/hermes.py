@@ -14,6 +14,10 @@ How the adapter maps Hermes onto the store:
   mirror does (``mirror.align``): nothing is deleted, the visible transcript becomes the host's list.
   Once the session has off-branch entries, a key also names the seq the write follows, so that it can
   never name an off-branch entry at the same ordinal.
+- ``compress`` aims below Hermes' trigger: three quarters of it, less the system prompt and tools (what
+  Hermes' count of the request exceeds the messages by). The fresh tail (the current user message and
+  the pending exchange) is kept verbatim whatever the budget; the engine's context gets the rest. A
+  list the engine cannot shorten, or our own answer sent back, comes back unchanged and is not counted.
 - ``compress`` compacts in the engine, assembles its context, and records the answer as an unreferenced
   *candidate* (a metadata entry keyed by the answer's hash). A later call whose messages start with a
   candidate proves the host took it: the candidate is adopted (lineage, ordinals of what follows) and only
@@ -129,12 +133,28 @@ CONTEXT_MARKER = "[transcript-store context]"
 ACK = "Understood: earlier turns are condensed above; I will use the recall tools for details."
 
 
+ACK_MESSAGE = f"{CONTEXT_MARKER} {ACK}"
+
+
 def is_context_message(message: dict[str, Any]) -> bool:
-    """Whether a message is one the adapter produced (a summary block or its acknowledgement)."""
+    """Whether a message is one the adapter produced (a summary block or its acknowledgement).
+
+    An assistant message that only starts with the acknowledgement is not ours: Hermes merges
+    consecutive assistant messages, and a reply merged into it is the host's, to be stored.
+    """
     content = message.get("content")
     if message.get("_transcript_store_context"):
         return True
-    return isinstance(content, str) and (content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_"))
+    if not isinstance(content, str):
+        return False
+    if message.get("role") == "assistant" and content.startswith(CONTEXT_MARKER):
+        return content == ACK_MESSAGE
+    return content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_")
+
+
+def is_summary(message: dict[str, Any]) -> bool:
+    """Whether a message is an engine's summary (lossless ``[Summary sum_N ...]``, legacy ``[Summary of ...]``)."""
+    return message.get("role") == "user" and str(message.get("content") or "").startswith("[Summary")
 
 
 def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,7 +164,7 @@ def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     msgs = list(messages)
     n = 0
-    while n < len(msgs) and msgs[n].get("role") == "user" and str(msgs[n].get("content") or "").startswith("[Summary"):
+    while n < len(msgs) and is_summary(msgs[n]):
         n += 1
     if n == 0:
         return msgs
@@ -152,8 +172,60 @@ def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [{"role": "user", "content": f"{CONTEXT_MARKER}\n{text}"}]
     rest = msgs[n:]
     if not rest or rest[0].get("role") in ("user", "tool"):
-        out.append({"role": "assistant", "content": f"{CONTEXT_MARKER} {ACK}"})
+        out.append({"role": "assistant", "content": ACK_MESSAGE})
     return out + rest
+
+
+def is_user_turn(message: dict[str, Any]) -> bool:
+    """Whether a message is a turn the user typed: a user message that is neither ours nor Hermes'
+    scaffolding (flagged ``_..._synthetic``, or a ``[System: ...]`` note it adds to recover a turn)."""
+    if message.get("role") != "user" or is_context_message(message):
+        return False
+    if any(str(k).endswith("_synthetic") and v for k, v in message.items()):
+        return False
+    content = message.get("content")
+    return not (isinstance(content, str) and content.lstrip().startswith("[System:"))
+
+
+def fresh_tail(body: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(the current user message, the pending exchange): what ``compress`` keeps verbatim, whatever the budget.
+
+    The current user message is the last turn the user typed; the pending exchange is what follows the
+    last assistant message after it, that message included (a tool call and its results, which Hermes
+    needs to continue the turn), or, before any reply, whatever follows the user message. Both are clean
+    copies (``clean``); None / [] when the host's list has no such message.
+    """
+    at = next((i for i in range(len(body) - 1, -1, -1) if is_user_turn(body[i])), -1)
+    last = next(
+        (i for i in range(len(body) - 1, at, -1)
+         if body[i].get("role") == "assistant" and not is_context_message(body[i])),
+        at + 1,
+    )
+    pending = [clean(m) for m in body[last:] if not is_context_message(m)]
+    return (clean(body[at]) if at >= 0 else None), pending
+
+
+def with_fresh_tail(
+    assembled: Sequence[dict[str, Any]], current: dict[str, Any] | None, pending: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The engine's context with the fresh tail verbatim: the answer's body (see ``fresh_tail``).
+
+    The pending exchange ends the list (the engine's copies of it are dropped). The current user message
+    stays where the engine kept it; summarised or cut away by the engine, it goes right after the
+    summaries: an engine summarises and cuts oldest first, so what it kept raw came after it.
+    """
+    own = {canonical(m) for m in pending}
+    context = valid_sequence(copy.deepcopy(list(assembled)))
+    while context and canonical(context[-1]) in own:  # the engine's copies are its newest messages
+        context.pop()
+    if current is not None and canonical(current) not in {canonical(m) for m in context}:
+        n = 0
+        while n < len(context) and is_summary(context[n]):
+            n += 1
+        context.insert(n, copy.deepcopy(current))
+    # One merge over the whole list: the acknowledgement goes in only before a user or tool message,
+    # never before an assistant message Hermes would merge it with.
+    return merge_context(context + copy.deepcopy(pending))
 
 
 def is_valid_sequence(messages: Sequence[dict[str, Any]]) -> bool:
@@ -205,6 +277,13 @@ class _Visible:
 EMPTY = _Visible(None, -1, (), (), ())
 
 
+#: the share of Hermes' trigger a compress answer aims at (with the system prompt and tools): the next
+#: turns grow it back to the trigger, and Hermes' estimate, ours and the provider's count differ
+COMPRESS_TARGET = 0.75
+#: the least room a compress answer leaves the engine's context (its summaries) beside the fresh tail
+MIN_CONTEXT = 1000
+
+
 def align(stored: Sequence[str], host: Sequence[str], start: int | None) -> tuple[int, int]:
     """(host messages already stored, visible messages to keep): where the host's list leaves the transcript.
 
@@ -240,6 +319,7 @@ class _Runtime:
     aliases: dict[str, str] = field(default_factory=dict)  # hermes session -> store session
     selections: dict[str, tuple[str, list[dict[str, Any]] | None]] = field(default_factory=dict)
     visible: dict[str, _Visible] = field(default_factory=dict)  # store session -> its visible transcript
+    warned: set[str] = field(default_factory=set)  # user turns whose fresh tail alone was at the trigger
     index_seq: int = -1  # the candidate index is read up to here
     loaded: bool = False
 
@@ -258,6 +338,7 @@ class TranscriptStoreEngineMixin:
     threshold_tokens: int = 0
     context_length: int = 0
     compression_count: int = 0
+    request_overhead: int = 0
 
     def __init__(
         self,
@@ -285,6 +366,7 @@ class TranscriptStoreEngineMixin:
         self.last_completion_tokens = 0
         self.last_total_tokens = 0
         self.compression_count = 0
+        self.request_overhead = 0  # what Hermes' requests carry besides the messages (compress_target)
         self.context_length = int(context_length)
         self.threshold_tokens = threshold_tokens(self.context_length, threshold_percent)
         self._rt: _Runtime | None = None
@@ -555,7 +637,13 @@ class TranscriptStoreEngineMixin:
         session_id: str | None = None,
         **_kwargs: Any,
     ) -> list[dict[str, Any]]:
-        """Store the conversation, compact in the engine, answer with the engine's context (system kept)."""
+        """Store the conversation, compact in the engine, answer below the trigger with the fresh tail kept.
+
+        The answer is the system prompt, the engine's context and the fresh tail (``fresh_tail``),
+        aimed at ``compress_target`` tokens. The input list itself comes back (no progress, not counted)
+        when nothing changes: our last answer sent back with nothing new, or an engine that cannot
+        make it shorter.
+        """
         snapshot = copy.deepcopy(list(messages))
         try:
             rt = self.runtime()
@@ -563,36 +651,95 @@ class TranscriptStoreEngineMixin:
         except Exception:
             log.exception("transcript-store: storing the conversation failed; leaving it uncompressed")
             return snapshot
-        system, _body = split_system(snapshot)
-        budget = max(1000, self.context_length or self.threshold_tokens)
+        system, body = split_system(snapshot)
+        current, pending = fresh_tail(body)
+        if current is None and not pending:
+            return snapshot  # nothing but our own context messages
+        if not force and self._is_our_answer(rt, body):
+            # Hermes asks again with our last answer and nothing new (it retries up to three times a
+            # request): compacting again could only squeeze the summaries, a summarizer call each time.
+            return snapshot
+        estimator = RoughEstimator()
+        room = self.compress_target(snapshot, current_tokens) - estimator.count_messages(system)
+        tail = estimator.count_messages(([current] if current else []) + pending)
+        if tail + MIN_CONTEXT > room:
+            self._warn_tail_over(rt, store_session, current or pending[0], tail, room)
+        # The engine compacts and assembles to what the answer may take: its copies of the fresh tail
+        # are in it, and its summaries get MIN_CONTEXT at least, however large the tail.
+        budget = max(room, tail + MIN_CONTEXT)
+        assembled = self._compact_and_assemble(rt, store_session, budget, focus_topic, force)
+        if assembled is None or not assembled.messages:
+            return snapshot
+        answer = with_fresh_tail(assembled.messages, current, pending)
+        if canonical(answer) == canonical([clean(m) for m in body]):
+            return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
+        self._record_candidate(rt, answer, store_session, n)
+        head = copy.deepcopy(system)
+        addition = getattr(assembled, "system_prompt_addition", None)
+        if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
+            head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
+        self.compression_count += 1
+        return head + answer
+
+    def _trigger(self) -> int:
+        """Hermes' compression trigger in tokens (the window when no threshold is set)."""
+        return self.threshold_tokens if self.threshold_tokens > 0 else self.context_length
+
+    def compress_target(self, messages: Sequence[dict[str, Any]], current_tokens: int | None = None) -> int:
+        """The tokens a compress answer aims at: COMPRESS_TARGET of the trigger, less what Hermes' request
+        carries besides the messages (system prompt, tool schemas).
+
+        That part is what ``current_tokens`` (Hermes' count of the whole request) exceeds the messages by;
+        the largest seen is kept (``request_overhead``), for the calls that pass no count (``/compress``)
+        or a count of the previous request (after a tool call).
+        """
+        if current_tokens is not None and current_tokens > 0:
+            measured = int(current_tokens) - RoughEstimator().count_messages(list(messages))
+            self.request_overhead = max(self.request_overhead, measured)
+        return int(self._trigger() * COMPRESS_TARGET) - self.request_overhead
+
+    def _is_our_answer(self, rt: _Runtime, body: list[dict[str, Any]]) -> bool:
+        """Whether the host's list is exactly a compress answer (a candidate), with nothing after it."""
+        cand = self._match(rt, body)
+        return cand is not None and cand.length == len(body)
+
+    def _warn_tail_over(
+        self, rt: _Runtime, store_session: str, first: dict[str, Any], tokens: int, room: int
+    ) -> None:
+        """Say once per user turn that its fresh tail leaves the engine's context too little room."""
+        key = digest(store_session, canonical(first))
+        with rt.lock:
+            if key in rt.warned:
+                return
+            rt.warned.add(key)
+        log.warning(
+            "transcript-store: the current turn's fresh tail (%d tokens) leaves the summaries less than %d "
+            "of the %d tokens compress aims at (%d%% of the %d-token trigger, less ~%d for the system "
+            "prompt and tools); it is kept whole, so the answer may stay over the trigger until the next "
+            "user message (Hermes then compresses once a request and gets its answer back unchanged)",
+            tokens, MIN_CONTEXT, room, int(COMPRESS_TARGET * 100), self._trigger(), self.request_overhead,
+        )
+
+    def _compact_and_assemble(
+        self, rt: _Runtime, store_session: str, budget: int, focus: str | None, force: bool
+    ) -> Any:
+        """The engine's context after its compaction to ``budget`` tokens (None: assembling failed)."""
         try:
             boot = getattr(rt.engine, "bootstrap", None)
             if callable(boot):  # import what was just stored, so the compaction sees all of it
                 boot(scope=self.scope, session_id=store_session, fence=None)
             result = rt.engine.compact(
-                scope=self.scope, session_id=store_session, force=True, focus=focus_topic, token_budget=budget
+                scope=self.scope, session_id=store_session, force=force, focus=focus, token_budget=budget
             )
             if not getattr(result, "ok", True):
                 log.warning("transcript-store compaction: %s (nothing lost)", getattr(result, "reason", ""))
         except Exception as e:  # a failing summarizer loses nothing: the originals are stored
             log.warning("transcript-store compaction failed: %s (nothing lost)", e)
         try:
-            assembled = rt.engine.assemble(
-                scope=self.scope, session_id=store_session, fence=None, token_budget=budget
-            )
+            return rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=budget)
         except Exception:
             log.exception("transcript-store: assembling failed; leaving the conversation uncompressed")
-            return snapshot
-        body = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
-        if not body:
-            return snapshot
-        self._record_candidate(rt, body, store_session, n)
-        head = copy.deepcopy(system)
-        addition = getattr(assembled, "system_prompt_addition", None)
-        if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
-            head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
-        self.compression_count += 1
-        return head + body
+            return None
 
     def on_session_start(self, session_id: str, **kwargs: Any) -> None:
         """Remember the Hermes session id (the store session opens lazily)."""

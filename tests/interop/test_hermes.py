@@ -210,3 +210,65 @@ def test_real_hermes_cli_oneshot(home: Path, server: FakeOpenAI) -> None:
                 if e.role == "user" and "melon0 one-shot" in str((e.message or {}).get("content"))
             ]
     assert len(hits) == 1, f"one-shot prompt stored {len(hits)} times"
+
+
+@pytest.mark.parametrize("engine_id", ["lossless", "legacy"])
+def test_compression_runs_once_per_crossing_and_keeps_the_turn(home: Path, server: FakeOpenAI, engine_id: str) -> None:
+    """Crossing the trigger compresses once: the answer Hermes sends next is under the trigger, so the
+    following turns do not compress again until the conversation grows back over it. The current user
+    message reaches the model verbatim each turn (never merged into, nor summarised away), and nothing
+    Hermes held or sent is lost."""
+    from agent.model_metadata import estimate_request_tokens_rough
+
+    from transcript_store.hermes import is_valid_sequence
+
+    server.reset()
+    agent = make_agent(server)
+    engine = agent.context_compressor
+    engine.close()
+    engine.engine_id = engine_id  # the plugin runs either engine; the runtime reopens with this one
+    calls: list[int] = []
+    compress = engine.compress
+
+    def counted(messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        calls.append(len(server.chat_requests))  # the request the answer goes out with
+        return compress(messages, *args, **kwargs)
+
+    engine.compress = counted  # Hermes calls the instance's compress; this one counts the calls
+    # A trigger the answer can get well under beside the ~1,500 tokens of system prompt and tools, and
+    # turns large enough that a compaction to the whole window (8 fresh messages) stays over it.
+    engine.threshold_percent = 6000
+    engine.update_model(engine.model, engine.context_length)
+    trigger = engine.threshold_tokens
+    words = " ".join(["filler"] * 700)
+    turns = 12
+    history: list[dict[str, Any]] | None = None
+    seen: list[list[dict[str, Any]]] = []
+    texts = [f"fig{i} turn {i}: about topic fig{i}. {words}" for i in range(turns)]
+    turn_of: list[int] = []
+    for i, text in enumerate(texts):
+        result = agent.run_conversation(text, conversation_history=history)
+        history = result["messages"]
+        seen.append(list(history))
+        turn_of += [i] * (len(server.chat_requests) - len(turn_of))
+    agent.shutdown_memory_provider(history)
+
+    requests = server.chat_requests
+    # The conversation crossed the trigger, and each crossing compressed once (several turns apart).
+    assert calls, "the conversation never reached the trigger"
+    assert len({turn_of[n] for n in calls}) == len(calls), f"compressed twice in one turn: {calls}"
+    assert len(calls) <= turns // 2, f"{len(calls)} compressions in {turns} turns"
+    assert engine.compression_count == len(calls)
+    for n in set(calls):  # what Hermes sent with each answer is under the trigger, by its own estimate
+        msgs = requests[n]["messages"]
+        tokens = estimate_request_tokens_rough(msgs[1:], system_prompt=msgs[0]["content"], tools=requests[n]["tools"])
+        assert tokens < trigger, f"request {n} after a compression: {tokens} >= {trigger}"
+    # Every turn's user message went out verbatim, as a message of its own.
+    for n, r in enumerate(requests):
+        assert {"role": "user", "content": texts[turn_of[n]]} in r["messages"], f"request {n} lost its turn"
+        assert is_valid_sequence(r["messages"])
+    # Nothing Hermes held or sent is lost: each is stored once.
+    expected = originals([r["messages"] for r in requests] + seen)
+    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert not [k for k in expected if k not in stored], "a message was never stored"
+    assert len(stored) == len(set(stored))
