@@ -320,6 +320,11 @@ def test_identity_judges_a_process_dead_only_on_evidence(tmp_path: Path) -> None
     assert legacy is not None and legacy.machine is None and not legacy.is_dead_here()
     assert ProcessIdentity.parse("not an identity") is None
     assert not outbox.abandoned("garbage", 2**62, 0) and outbox.abandoned(str(theirs), 2**62, 0)
+    # Alive by the start in clock ticks, not by a wall-clock start derived again now: a clock stepped
+    # since the identity was made (NTP, a virtual machine resumed after a pause) moves the latter.
+    stepped = replace(me, start_time=me.start_time - 3600)
+    assert stepped.is_alive_here() and not stepped.is_dead_here() and not reused.is_alive_here()
+    assert not theirs.is_alive_here() and not replace(me, machine="0" * 12).is_alive_here()
 
 
 def test_a_long_tool_loop_keeps_its_turn_past_the_lease(store: TranscriptStore, sid: str) -> None:
@@ -579,3 +584,4 @@ def test_a_retry_on_another_engine_runs_once_the_attempt_is_abandoned(store: Tra
     out = host.run_turn(SCOPE, sid, "q1", turn_id="t1")
     assert (out.commit_status, out.engine_id, len(model.requests)) == ("committed", "legacy", 1)
     assert [(r.engine_id, r.advancement_key) for r in Turns(store).receipts(SCOPE, sid)] == [("legacy", "t1")]
+

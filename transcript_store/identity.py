@@ -47,9 +47,18 @@ class ProcessIdentity:
             return None
 
     def is_alive_here(self) -> bool:
-        """Whether this identity names a live process on this machine (False when unknown)."""
+        """Whether this identity names a live process on this machine (False when unknown).
+
+        By the process's start in clock ticks after boot where the identity has it (the same evidence as
+        ``is_dead_here``): a wall-clock start derived again now moves with the clock, and a clock stepped
+        by more than the tolerance (NTP, a virtual machine resumed after a pause) made every live process
+        look gone (seen: a test run's quarantine records vanished mid-run). Older identities, without
+        ticks, are compared by wall-clock start time.
+        """
         if self.host != socket.gethostname():
             return False
+        if self.machine is not None and self.start_ticks is not None:
+            return self.machine == machine_key() and process_start_ticks(self.pid) == self.start_ticks
         start = process_start_time(self.pid)
         return start is not None and abs(start - self.start_time) < 2
 
