@@ -585,3 +585,44 @@ def test_a_retry_on_another_engine_runs_once_the_attempt_is_abandoned(store: Tra
     assert (out.commit_status, out.engine_id, len(model.requests)) == ("committed", "legacy", 1)
     assert [(r.engine_id, r.advancement_key) for r in Turns(store).receipts(SCOPE, sid)] == [("legacy", "t1")]
 
+
+def test_a_failing_attempt_discards_only_the_intent_it_still_holds(store: TranscriptStore, sid: str) -> None:
+    """Host A runs turn t1; while its model call is out, a retry of t1 by another worker (or another
+    thread of the same process) takes the turn's intent over, and then A's model call fails. A discards
+    the intent only while its own attempt holds it: the retry's intent stays, and its completion reaches
+    the engine once."""
+    host, _model = make_host(store)
+    retry = Turns(store)
+    taken: list[str] = []
+
+    class TakenOverThenFailing:
+        name = "taken-over"
+
+        def complete(self, messages: Any, tools: Any = None, **_kw: Any) -> Any:
+            _admission, intent = retry.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
+            assert intent.lease_owner is not None
+            taken.append(intent.lease_owner)
+            raise RuntimeError("the provider broke")
+
+    host.model = TakenOverThenFailing()
+    with pytest.raises(RuntimeError, match="the provider broke"):
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    intent = retry.intent(SCOPE, sid, "t1")
+    assert intent is not None and (intent.state, intent.lease_owner) == ("admitted", taken[0])
+    done = retry.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], host.commit_in("legacy"))
+    assert done.commit is not None and done.commit.status == "committed"
+    assert [r.advancement_key for r in retry.receipts(SCOPE, sid)] == ["t1"]
+    # Two attempts of one process are told apart: each admission names an owner of its own.
+    assert taken[0].split("/")[0] == str(identity.current()) and retry.discard(SCOPE, sid, "t1", owner="x") is False
+
+
+def test_a_discard_by_owner_refuses_a_bad_owner(store: TranscriptStore, sid: str) -> None:
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker-1/a")
+    for bad in ("", "x" * 129, "a\x00b", 7):
+        with pytest.raises(InvalidInput):
+            turns.discard(SCOPE, sid, "t1", owner=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput):
+            turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy", owner=bad)  # type: ignore[arg-type]
+    assert turns.discard(SCOPE, sid, "t1", owner="worker-2/b") is False
+    assert turns.discard(SCOPE, sid, "t1", owner="worker-1/a") is True

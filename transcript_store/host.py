@@ -60,7 +60,7 @@ from .outbox import TurnIntent
 from .registry import EngineRegistry
 from .settings import HostSettings
 from .store import AppendItem, TranscriptStore
-from .turns import CommitIn, Turns
+from .turns import CommitIn, Turns, new_owner
 
 log = logging.getLogger("transcript_store.host")
 
@@ -515,6 +515,10 @@ class HostRuntime:
         self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, runtime_context: dict[str, Any] | None
     ) -> TurnOutcome:
         decision = self.decide(scope, session_id, turn_id)
+        # This call's attempts hold the turn's intent under one lease owner of their own, and a failing
+        # one discards the intent only while they still hold it: a retry of the turn by another worker
+        # or thread may have taken it over meanwhile, and is running on.
+        owner = new_owner()
         attempts = 0
         first = True
         # Between attempts the turn keeps its admitted intent (and so the session: a session runs one
@@ -524,12 +528,12 @@ class HostRuntime:
             attempts += 1
             try:
                 try:
-                    outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context)
+                    outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context, owner)
                 finally:
                     self._leases.release(scope, session_id, turn_id)
             except _Degrade as d:
                 if decision.engine_id == LEGACY:
-                    self.turns.discard(scope, session_id, turn_id)
+                    self.turns.discard(scope, session_id, turn_id, owner=owner)
                     raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
                 self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY))
                 decision = self._degrade(scope, session_id, turn_id, d.reason)
@@ -539,7 +543,7 @@ class HostRuntime:
             except ModelTimeout as e:
                 log.warning("turn %s attempt %d: model timeout, retrying the same logical turn", turn_id, attempts)
                 if attempts >= self.settings.max_attempts:
-                    self.turns.discard(scope, session_id, turn_id)
+                    self.turns.discard(scope, session_id, turn_id, owner=owner)
                     raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}") from e
                 first = False
                 continue
@@ -549,11 +553,11 @@ class HostRuntime:
                 # presented again. A refusal naming this very turn is about another attempt's intent
                 # (on another engine), never this attempt's.
                 if not first and not (isinstance(r.error, SessionBusy) and r.error.turn_id == turn_id):
-                    self.turns.discard(scope, session_id, turn_id)
+                    self.turns.discard(scope, session_id, turn_id, owner=owner)
                 self._decisions.pop((scope, session_id, turn_id), None)
                 raise r.error from None
             except BaseException:
-                self.turns.discard(scope, session_id, turn_id)
+                self.turns.discard(scope, session_id, turn_id, owner=owner)
                 raise
             outcome.attempts = attempts
             self._decisions.pop((scope, session_id, turn_id), None)
@@ -639,6 +643,7 @@ class HostRuntime:
         turn_id: str,
         decision: _Decision,
         runtime_context: dict[str, Any] | None,
+        owner: str,
     ) -> TurnOutcome:
         engine_id = decision.engine_id
         try:
@@ -664,7 +669,7 @@ class HostRuntime:
         within, prefetched = self._prefetch(engine, info, scope, session_id)
         try:
             admitted = self.turns.admit_if_clear(
-                scope, session_id, user, turn_id=turn_id, engine_id=engine_id, within=within
+                scope, session_id, user, turn_id=turn_id, engine_id=engine_id, within=within, owner=owner
             )
         except TurnOvertaken as e:
             raise _Refused(e) from None
@@ -688,7 +693,9 @@ class HostRuntime:
             if [t for t in report.pending if t != turn_id]:
                 raise _Degrade("an earlier turn of the session is still pending")
             try:
-                admitted = self.turns.admit(scope, session_id, user, turn_id=turn_id, engine_id=engine_id)
+                admitted = self.turns.admit(
+                    scope, session_id, user, turn_id=turn_id, engine_id=engine_id, owner=owner
+                )
             except (SessionBusy, TurnOvertaken) as e:
                 raise _Refused(e) from None
             except OutboxCollision:
@@ -700,8 +707,7 @@ class HostRuntime:
         admission = admitted[0]
         # From the admission until the completion, the turn's lease is renewed in the background, so
         # no model or tool call, however long, lets another turn take the session over (leases.py).
-        owner = admitted[1].lease_owner  # the admission's (renewal must match it: leases.py)
-        if admitted[1].state == "admitted" and owner is not None:
+        if admitted[1].state == "admitted" and admitted[1].lease_owner == owner:  # renewal matches it
             self._leases.hold(scope, session_id, turn_id, self.turns.config.turn_lease_seconds, owner,
                               self.settings.max_turn_seconds)
         fence = admission.anchor

@@ -204,6 +204,7 @@ _INSERT_ADMITTED: dict[str, Any] = {}
 _DELETE_TURN = delete(outbox).where(_BY_TURN)
 _DELETE_ADMITTED = _DELETE_TURN.where(outbox.c.state == "admitted")
 _UPDATE_ADMITTED = update(outbox).where(_BY_TURN, outbox.c.state == "admitted")
+_DELETE_OWNED = _DELETE_ADMITTED.where(outbox.c.lease_owner == bindparam("b_owner"))
 # Only the very lease recovery judged abandoned: a retry that took the turn over since has another one.
 _DELETE_ABANDONED = _DELETE_ADMITTED.where(
     outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires")
@@ -224,9 +225,10 @@ def _turn_params(scope: str, session_id: str, turn_id: str, **more: Any) -> dict
     return session_params(scope, session_id, b_turn=turn_id, **more)
 
 
-def _gone_here(process: str) -> bool:
-    """Whether the process an identity string names is provably gone from this machine."""
-    who = identity.ProcessIdentity.parse(process)
+def _gone_here(owner: str) -> bool:
+    """Whether the process a lease owner names is provably gone from this machine (an owner is the
+    process's identity, and since attempts and claims carry one, "/" and a token of its own)."""
+    who = identity.ProcessIdentity.parse(owner.split("/", 1)[0])
     return who is not None and who.is_dead_here()
 
 
@@ -447,9 +449,12 @@ def capture_range(
     return intent.model_copy(update={"state": "blocked", "block_reason": reason}), None
 
 
-def discard(core: Core, scope: str, session_id: str, turn_id: str) -> bool:
-    """Delete an intent that is still only admitted (a failed, aborted or errored attempt)."""
-    return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
+def discard(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
+    """Delete an intent that is still only admitted (a failed, aborted or errored attempt); with ``owner``,
+    only while that attempt holds its lease (a retry may have taken the turn over since)."""
+    if owner is None:
+        return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
+    return core.run(_DELETE_OWNED, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
 
 
 def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:
@@ -603,7 +608,7 @@ def claim_head(
         # machine is free at once, as an admitted turn's lease is (``abandoned``), not a lease later.
         live = row.lease_expires_us is not None and row.lease_expires_us > ts
         other = row.lease_owner is not None and row.lease_owner != owner
-        if other and live and not _gone_here(row.lease_owner.split("/", 1)[0]):
+        if other and live and not _gone_here(row.lease_owner):
             return "leased"
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(
@@ -616,6 +621,8 @@ def claim_head(
 
 #: most characters of an operator's reason kept with a row blocked by hand
 MAX_BLOCK_REASON = 500
+#: the longest lease owner (the column's width)
+MAX_OWNER = 128
 
 
 def block(core: Core, scope: str, session_id: str, turn_id: str, reason: str) -> TurnIntent:

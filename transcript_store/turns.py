@@ -134,6 +134,7 @@ class Turns:
         turn_id: str,
         engine_id: str,
         is_heartbeat: bool = False,
+        owner: str | None = None,
     ) -> tuple[Admission, TurnIntent]:
         """Admit the user message and write the admitted intent, in one transaction.
 
@@ -141,8 +142,14 @@ class Turns:
         and its worker lives (one whose worker is gone is discarded first); ``TurnOvertaken`` when this
         turn id's stored admission is to run again but a later turn's admission follows it;
         ``OutboxCollision`` when the ledger holds its receipt already (nothing to run again).
+
+        ``owner`` names this attempt in the intent's lease (``new_owner()`` when not given); an admitted
+        intent of the same turn id is taken over by it. ``discard(..., owner=)`` then deletes the intent
+        only while this attempt still holds it.
         """
-        result = self._admit(scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False)
+        result = self._admit(
+            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False, owner=owner
+        )
         assert result is not None
         return result
 
@@ -156,6 +163,7 @@ class Turns:
         engine_id: str,
         is_heartbeat: bool = False,
         within: Callable[[Core, Admission], None] | None = None,
+        owner: str | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         """``admit``, in the same one transaction as the check that no recovery is needed first.
 
@@ -175,7 +183,8 @@ class Turns:
         """
         _check_callable("within", within, optional=True)
         return self._admit(
-            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=True, within=within
+            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=True, within=within,
+            owner=owner,
         )
 
     def _admit(
@@ -189,13 +198,14 @@ class Turns:
         *,
         only_if_clear: bool,
         within: Callable[[Core, Admission], None] | None = None,
+        owner: str | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id, new=True)
         if not isinstance(is_heartbeat, bool):
             raise InvalidInput("is_heartbeat must be a bool")
+        owner = new_owner() if owner is None else _check_owner(owner)
         item = self.store.prepare_admission(message, turn_id=turn_id)
-        owner = str(identity.current())
 
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
             faults.point("admit.before")
@@ -228,13 +238,19 @@ class Turns:
         faults.point("admit.after_commit")
         return result
 
-    def discard(self, scope: str, session_id: str, turn_id: str) -> bool:
-        """A failed, aborted or errored attempt: delete its admitted intent (nothing else)."""
+    def discard(self, scope: str, session_id: str, turn_id: str, *, owner: str | None = None) -> bool:
+        """A failed, aborted or errored attempt: delete its admitted intent (nothing else).
+
+        With ``owner`` (the attempt's, as admitted), only while that attempt still holds the intent's
+        lease: a retry that took the turn over since (another worker, another thread) keeps running.
+        """
         _check_turn(self.store, scope, session_id, turn_id)
+        if owner is not None:
+            _check_owner(owner)
         landed: list[bool] = []
 
         def run(c: Core) -> bool:
-            deleted = outbox.discard(c, scope, session_id, turn_id)
+            deleted = outbox.discard(c, scope, session_id, turn_id, owner)
             # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it.
             answer = deleted or bool(landed and landed[0])
             landed[:] = [answer]
@@ -536,6 +552,21 @@ class _ClaimLost(Exception):
 class _EngineUnavailable(Exception):
     def __init__(self) -> None:
         super().__init__("engine unavailable")
+
+
+def new_owner() -> str:
+    """A lease owner for one attempt of a turn: this process's identity and a token of the attempt.
+
+    Recovery tells a dead worker by the identity (``outbox.abandoned``); the token tells two attempts of
+    one process apart (threads of a gateway), so that a failing attempt discards only its own intent.
+    """
+    return f"{identity.current()}/{secrets.token_hex(4)}"
+
+
+def _check_owner(owner: object) -> str:
+    if not isinstance(owner, str) or not 1 <= len(owner) <= outbox.MAX_OWNER or UNSENDABLE.search(owner):
+        raise InvalidInput(f"a lease owner is a string of 1..{outbox.MAX_OWNER} characters")
+    return owner
 
 
 def _check_turn(store: TranscriptStore, scope: str, session_id: str, turn_id: str) -> None:
