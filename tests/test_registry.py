@@ -138,6 +138,8 @@ def test_settings_file_values_are_type_checked(tmp_path: Path, monkeypatch: pyte
         ('[engine]\nslot = ""\n', r"engine\.slot must be a non-empty string"),
         ("[engine.config]\nlossless = 16\n", r"engine\.config\.lossless must be a table"),
         ("[turn]\ncompaction_threshold = \"0.5\"\n", r"turn\.compaction_threshold"),
+        # the reply's tokens come out of the budget: no room left for a prompt is refused here, not per turn
+        ("[turn]\ntoken_budget = 1000\nmax_output_tokens = 1000\n", r"max_output_tokens \(1000\) must be below"),
     ]:
         config.write_text(text)
         with pytest.raises(InvalidInput, match=words):

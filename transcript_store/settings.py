@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import InvalidInput
 
@@ -67,6 +67,17 @@ class HostSettings(BaseModel):
         default_factory=lambda: ["assemble-before-prompt"], description="what this host can do for engines"
     )
     system_prompt: str = Field("You are a helpful assistant.", description="the base system prompt")
+
+    @model_validator(mode="after")
+    def _room_for_a_prompt(self) -> HostSettings:
+        # The reply's tokens come out of the request's budget: a cap at or above it leaves no prompt,
+        # and every turn would be refused (PromptTooLarge) instead of the settings.
+        if self.max_output_tokens >= self.token_budget:
+            raise ValueError(
+                f"max_output_tokens ({self.max_output_tokens}) must be below token_budget ({self.token_budget}):"
+                " the reply's tokens are part of the request's budget"
+            )
+        return self
 
 
 #: [turn] keys that are not turn knobs: the engine slot and its plugins live in [engine]
@@ -124,7 +135,8 @@ def _from_file(path: Path) -> dict[str, Any]:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise InvalidInput(f"{path}: invalid setting turn.{where}: {first['msg']}") from None
+        what = f"setting turn.{where}" if where else "settings in [turn]"
+        raise InvalidInput(f"{path}: invalid {what}: {_reason(first['msg'])}") from None
     out.update(turn)
     return out
 
@@ -161,4 +173,10 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
         return HostSettings.model_validate(values)
     except ValidationError as e:
         first = e.errors()[0]
-        raise InvalidInput(f"invalid setting {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidInput(f"invalid setting{f' {where}' if where else 's'}: {_reason(first['msg'])}") from None
+
+
+def _reason(message: str) -> str:
+    """pydantic's message of a rule of ours, without the "Value error, " it puts in front."""
+    return message.removeprefix("Value error, ")
