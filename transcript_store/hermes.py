@@ -711,6 +711,8 @@ class TranscriptStoreEngineMixin:
         with rt.lock:
             if key in rt.warned:
                 return
+            if len(rt.warned) >= 4096:  # a long-lived gateway: forget old turns rather than grow for ever
+                rt.warned.clear()
             rt.warned.add(key)
         log.warning(
             "transcript-store: the current turn's fresh tail (%d tokens) leaves the summaries less than %d "
