@@ -279,3 +279,17 @@ def test_a_missing_grant_is_its_own_error_and_exit_code(store_url: str, tmp_path
             conn.execute(text(f"DROP OWNED BY {role}"))
             conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
         admin.dispose()
+
+
+@pytest.mark.parametrize(("key", "bad", "good"), [
+    ("max_tool_steps", 10_001, 10_000), ("max_attempts", 101, 100), ("prune_keep_recent_tool_results", 10_001, 0),
+    ("model_timeout_seconds", float("inf"), 604_800.0), ("model_timeout_seconds", 604_801.0, 0.5),
+    ("max_turn_seconds", 1e300, 604_800.0),
+])
+def test_turn_settings_past_their_bound_are_refused(key: str, bad: object, good: object) -> None:
+    """A tool loop, a retry count or a time span past any sensible value is a typo: refused when the
+    settings load (naming the key), not found out inside the first turn (an infinite timeout fails in the
+    HTTP client, ten thousand attempts retry a dead provider for hours)."""
+    with pytest.raises(InvalidInput, match=key):
+        load_settings(None, **{key: bad})
+    assert getattr(load_settings(None, **{key: good}), key) == good

@@ -31,6 +31,12 @@ CONFIG_FILE = "transcript-store.toml"
 #: window, as the service's own bound on a request's budget; more is a typo, taken until a model call failed
 MAX_TOKENS = 100_000_000
 
+#: the largest count of steps or messages a setting takes: a turn's tool loop past it is a typo
+MAX_COUNT = 10_000
+#: the longest a setting's time span may be (a week): a model call or a turn past it is a typo, and a
+#: timeout past what the clock and the HTTP client take fails inside the first model call
+MAX_SECONDS = 604_800.0
+
 SelectionSource = Literal["default", "config", "env", "argument", "fallback"]
 
 
@@ -51,16 +57,18 @@ class HostSettings(BaseModel):
         0.8, gt=0, le=1, description="built-in auto-compaction fires above this share of the budget"
     )
     prune_keep_recent_tool_results: int = Field(
-        4, ge=0, description="tool results this recent are never trimmed in the request"
+        4, ge=0, le=MAX_COUNT, description="tool results this recent are never trimmed in the request"
     )
     prune_tool_result_max_chars: int = Field(
-        2000, ge=200, description="older tool results longer than this are trimmed in the request only"
+        2000, ge=200, le=MAX_TOKENS, description="older tool results longer than this are trimmed in the request only"
     )
-    max_tool_steps: int = Field(8, ge=1, description="model calls per turn (tool loop bound)")
-    max_attempts: int = Field(3, ge=1, description="attempts of one logical turn on provider timeouts")
-    model_timeout_seconds: float = Field(60.0, gt=0, description="one model call's timeout")
+    max_tool_steps: int = Field(8, ge=1, le=MAX_COUNT, description="model calls per turn (tool loop bound)")
+    max_attempts: int = Field(3, ge=1, le=100, description="attempts of one logical turn on provider timeouts")
+    model_timeout_seconds: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False, description="one model call's timeout"
+    )
     max_turn_seconds: float = Field(
-        3600.0, gt=0, allow_inf_nan=False,
+        3600.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False,
         description="a turn running longer stops renewing its lease: another turn may then take the session over",
     )
     capabilities: list[str] = Field(
