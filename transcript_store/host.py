@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from .errors import (
 )
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
+from .maintenance import BackgroundMaintenance
 from .models import Admission, Anchor, Replacement, RewriteResult, validate_message
 from .outbox import TurnIntent
 from .registry import EngineRegistry
@@ -288,6 +290,9 @@ class HostRuntime:
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
     _leases: LeaseKeeper = field(init=False)
+    #: maintain() of background-mode engines, off the reply path (maintenance.py)
+    maintenance: BackgroundMaintenance = field(init=False)
+    _quarantine_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     #: the built-in compaction's ``keep_last`` (``delegate_compaction_to_runtime``)
     keep_last: int = field(init=False)
 
@@ -311,6 +316,7 @@ class HostRuntime:
             self.estimator = default_estimator()
         self.turns = Turns(self.store)
         self._leases = LeaseKeeper(self.store)
+        self.maintenance = BackgroundMaintenance(self._maintain_in_background)
 
     # ------------------------------------------------------------------------------------ engines
 
@@ -354,8 +360,11 @@ class HostRuntime:
 
     def flush_quarantines(self) -> None:
         """Write the quarantine records not written yet (best effort: isolation already happened)."""
-        while self._unrecorded:
-            engine_id, operation, reason = self._unrecorded.pop(0)
+        while True:
+            with self._quarantine_lock:  # the maintenance thread flushes too
+                if not self._unrecorded:
+                    return
+                engine_id, operation, reason = self._unrecorded.pop(0)
             try:
                 self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
             except TranscriptStoreError as e:
@@ -1076,13 +1085,15 @@ class HostRuntime:
             method = getattr(engine, op, None)
             if method is None or info.id in self.quarantined:
                 continue  # an engine quarantined during the turn (its tool failed) is not called again
-            if op == "maintain" and info.turn_maintenance_mode == "background":
-                continue
             params = project_params(
                 info, {"scope": scope, "session_id": session_id, "admission": admission, "terminal": terminal}, host
             )
             if op == "maintain":
                 params = project_params(info, {"scope": scope, "session_id": session_id}, host)
+                if info.turn_maintenance_mode == "background":
+                    # Deferred work (OpenClaw's background mode): the reply does not wait for it.
+                    self.maintenance.schedule((info.id, scope, session_id), params)
+                    continue
             try:
                 self._call(info.id, op, lambda m=method, p=params: m(**p))  # type: ignore[misc]
             except Exception as e:  # after the commit: never fails the turn
@@ -1198,8 +1209,26 @@ class HostRuntime:
                         describe(e))
             return None
 
+    def _maintain_in_background(self, key: tuple[str, str, str], params: dict[str, Any]) -> None:
+        """One deferred ``maintain`` pass (the maintenance thread): an engine quarantined since it was
+        asked for is not called; a failure quarantines the engine as in a turn, and is logged."""
+        engine_id, scope, session_id = key
+        if engine_id in self.quarantined:
+            return
+        try:
+            engine, _info = self.engine(engine_id)
+            method = engine.maintain
+            self._call(engine_id, "maintain", lambda: method(**params))
+        except Exception as e:
+            log.warning("background maintain of engine %s for %s/%s failed: %s", engine_id, scope, session_id,
+                        describe(e))
+        finally:
+            self.flush_quarantines()
+
     def dispose(self) -> None:
-        """Write pending quarantine records, stop renewing leases and dispose of every live engine."""
+        """Let deferred maintenance finish (bounded), write pending quarantine records, stop renewing
+        leases and dispose of every live engine."""
+        self.maintenance.close()
         self._leases.close()
         self.flush_quarantines()
         for engine_id, (engine, _info) in list(self._engines.items()):

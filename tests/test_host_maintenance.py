@@ -1,0 +1,172 @@
+"""Deferred maintenance over both backends: a background-mode engine's ``maintain`` runs after the turn,
+off the caller's thread, once per waiting session; a foreground engine's runs inline; failures stay
+the engine's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+from hosting import CountingEngine, RecordingModel
+
+from transcript_store import TranscriptStore
+from transcript_store.engine import EngineContext, MaintainResult
+from transcript_store.host import HostRuntime
+from transcript_store.maintenance import BackgroundMaintenance
+from transcript_store.quarantine import records
+from transcript_store.registry import EngineRegistry
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+SCOPE = "tenant-m"
+
+
+class Upkeep(CountingEngine):
+    """Records every maintain call with the thread it ran on; ``gate`` (when set) holds it."""
+
+    def __init__(self, ctx: EngineContext, mode: str, fail: bool = False) -> None:
+        super().__init__(ctx, "upkeep", turn_maintenance_mode=mode)
+        self.maintained: list[tuple[str, str]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail = fail
+
+    def maintain(self, *, scope: str, session_id: str, **_kw: Any) -> MaintainResult:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate"
+        self.maintained.append((session_id, threading.current_thread().name))
+        if self.fail:
+            raise RuntimeError("maintenance bug")
+        return MaintainResult(changed=False, reason="checked")
+
+
+def make(store: TranscriptStore, mode: str, fail: bool = False) -> tuple[HostRuntime, Upkeep]:
+    made: list[Upkeep] = []
+
+    def factory(ctx: EngineContext) -> Upkeep:
+        made.append(Upkeep(ctx, mode, fail))
+        return made[-1]
+
+    registry = EngineRegistry()
+    registry.register_factory("upkeep", factory)
+    host = HostRuntime(
+        store,
+        load_settings(config_path=None, engine="upkeep"),
+        RecordingModel(),
+        registry=registry,
+        summarizer=ExtractiveSummarizer(),
+        estimator=RoughEstimator(),
+    )
+    host.engine("upkeep")
+    return host, made[0]
+
+
+@pytest.fixture
+def sessions(store: TranscriptStore) -> tuple[str, str]:
+    return (
+        store.create_session(SCOPE, session_id="m-a").session_id,
+        store.create_session(SCOPE, session_id="m-b").session_id,
+    )
+
+
+def test_background_maintain_runs_after_the_reply_off_the_callers_thread(
+    store: TranscriptStore, sessions: tuple[str, str]
+) -> None:
+    host, engine = make(store, "background")
+    engine.gate = threading.Event()
+    try:
+        out = host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
+        # The turn is committed and returned while its maintenance is still held.
+        assert out.commit_status == "committed" and out.engine_id == "upkeep"
+        assert engine.entered.wait(10) and engine.maintained == []
+        assert host.maintenance.pending() == 1
+    finally:
+        engine.gate.set()
+    assert host.maintenance.wait(10)
+    assert engine.maintained == [("m-a", "transcript-store-maintain")]
+    host.dispose()
+
+
+def test_waiting_passes_for_one_session_are_coalesced(store: TranscriptStore, sessions: tuple[str, str]) -> None:
+    host, engine = make(store, "background")
+    engine.gate = threading.Event()
+    a, b = sessions
+    try:
+        host.run_turn(SCOPE, a, "first", turn_id="a1")
+        assert engine.entered.wait(10)  # a's first pass is running (held)
+        for i in range(3):
+            host.run_turn(SCOPE, a, f"more {i}", turn_id=f"a{i + 2}")
+            host.run_turn(SCOPE, b, f"b {i}", turn_id=f"b{i}")
+        # One pass running, and one waiting per session however many turns asked.
+        assert host.maintenance.pending() == 3
+    finally:
+        engine.gate.set()
+    assert host.maintenance.wait(10)
+    assert [s for s, _ in engine.maintained] == ["m-a", "m-a", "m-b"]
+    assert host.maintenance.runs == 3
+    host.dispose()
+
+
+def test_foreground_maintain_runs_inline_before_the_turn_returns(
+    store: TranscriptStore, sessions: tuple[str, str]
+) -> None:
+    host, engine = make(store, "foreground")
+    host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
+    assert engine.maintained == [("m-a", threading.current_thread().name)]
+    assert host.maintenance.runs == 0 and host.maintenance.pending() == 0
+    host.dispose()
+
+
+def test_a_failing_background_maintain_quarantines_the_engine_not_the_turn(
+    store: TranscriptStore, sessions: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    host, engine = make(store, "background", fail=True)
+    with caplog.at_level(logging.WARNING):
+        out = host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
+        assert out.commit_status == "committed" and out.engine_id == "upkeep"
+        assert host.maintenance.wait(10)
+    assert "upkeep" in host.quarantined
+    assert "background maintain of engine upkeep" in caplog.text and "maintenance bug" in caplog.text
+    recs = store.read(lambda c: records(c))
+    assert [(r.engine_id, r.operation) for r in recs] == [("upkeep", "maintain")]
+    # The next turn goes to the fallback, and the quarantined engine is not asked again.
+    out2 = host.run_turn(SCOPE, sessions[0], "again", turn_id="t2")
+    assert out2.engine_id == "legacy" and out2.commit_status == "committed"
+    assert host.maintenance.wait(10) and len(engine.maintained) == 1
+    host.dispose()
+
+
+def test_dispose_lets_waiting_maintenance_finish(store: TranscriptStore, sessions: tuple[str, str]) -> None:
+    host, engine = make(store, "background")
+    engine.gate = threading.Event()
+    host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
+    host.run_turn(SCOPE, sessions[1], "hello", turn_id="t2")
+    assert engine.entered.wait(10)
+    threading.Timer(0.3, engine.gate.set).start()
+    host.dispose()
+    assert [s for s, _ in engine.maintained] == ["m-a", "m-b"]
+    # After dispose nothing new is queued.
+    host.maintenance.schedule(("upkeep", SCOPE, "m-a"), {})
+    assert host.maintenance.pending() == 0
+
+
+def test_close_gives_up_on_a_stuck_pass_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    release = threading.Event()
+    ran: list[str] = []
+
+    def run(key: tuple[str, str, str], _params: dict[str, Any]) -> None:
+        release.wait(10)
+        ran.append(key[2])
+
+    queue = BackgroundMaintenance(run)
+    queue.schedule(("e", "s", "one"), {})
+    queue.schedule(("e", "s", "two"), {})
+    with caplog.at_level(logging.WARNING):
+        queue.close(timeout=0.2)
+    assert "still running at close" in caplog.text and "1 waiting pass(es) dropped" in caplog.text
+    release.set()
+    assert ran in ([], ["one"])  # the running pass may finish; the waiting one never starts
