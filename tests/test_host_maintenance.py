@@ -12,7 +12,7 @@ import pytest
 from hosting import CountingEngine, RecordingModel
 
 from transcript_store import TranscriptStore
-from transcript_store.engine import EngineContext, MaintainResult
+from transcript_store.engine import CompactResult, EngineContext, MaintainResult
 from transcript_store.host import HostRuntime
 from transcript_store.maintenance import BackgroundMaintenance
 from transcript_store.quarantine import records
@@ -170,3 +170,38 @@ def test_close_gives_up_on_a_stuck_pass_and_says_so(caplog: pytest.LogCaptureFix
     assert "still running at close" in caplog.text and "1 waiting pass(es) dropped" in caplog.text
     release.set()
     assert ran in ([], ["one"])  # the running pass may finish; the waiting one never starts
+
+
+class Compacting(Upkeep):
+    """Compacts (or not, per ``compacts``) on every manual compaction."""
+
+    compacts = True
+
+    def compact(self, **kw: Any) -> CompactResult:
+        self.calls.append(("compact", kw))
+        return CompactResult(ok=True, compacted=self.compacts, reason="done" if self.compacts else "nothing to do")
+
+
+@pytest.mark.parametrize("mode", ["foreground", "background"])
+def test_maintain_follows_a_manual_compaction_that_compacted(
+    store: TranscriptStore, sessions: tuple[str, str], mode: str
+) -> None:
+    made: list[Compacting] = []
+
+    def factory(ctx: EngineContext) -> Compacting:
+        made.append(Compacting(ctx, mode))
+        return made[-1]
+
+    registry = EngineRegistry()
+    registry.register_factory("upkeep", factory)
+    host = HostRuntime(store, load_settings(config_path=None, engine="upkeep"), RecordingModel(), registry=registry,
+                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host.engine("upkeep")
+    engine = made[0]
+    assert host.compact(SCOPE, sessions[1]).compacted
+    assert host.maintenance.wait(10)
+    assert [s for s, _ in engine.maintained] == ["m-b"]
+    engine.compacts = False  # nothing changed: nothing to maintain
+    assert not host.compact(SCOPE, sessions[1]).compacted
+    assert host.maintenance.wait(10) and len(engine.maintained) == 1
+    host.dispose()

@@ -1081,23 +1081,34 @@ class HostRuntime:
         terminal: Anchor,
         host: dict[str, Any],
     ) -> None:
-        for op in ("after_turn", "maintain"):
-            method = getattr(engine, op, None)
-            if method is None or info.id in self.quarantined:
-                continue  # an engine quarantined during the turn (its tool failed) is not called again
+        method = getattr(engine, "after_turn", None)
+        if method is not None and info.id not in self.quarantined:  # quarantined during the turn: not again
             params = project_params(
                 info, {"scope": scope, "session_id": session_id, "admission": admission, "terminal": terminal}, host
             )
-            if op == "maintain":
-                params = project_params(info, {"scope": scope, "session_id": session_id}, host)
-                if info.turn_maintenance_mode == "background":
-                    # Deferred work (OpenClaw's background mode): the reply does not wait for it.
-                    self.maintenance.schedule((info.id, scope, session_id), params)
-                    continue
             try:
-                self._call(info.id, op, lambda m=method, p=params: m(**p))  # type: ignore[misc]
+                self._call(info.id, "after_turn", lambda: method(**params))
             except Exception as e:  # after the commit: never fails the turn
-                log.warning("%s of engine %s failed after the turn committed: %s", op, info.id, e)
+                log.warning("after_turn of engine %s failed after the turn committed: %s", info.id, e)
+        self._maintain(engine, info, scope, session_id, host, "the turn committed")
+
+    def _maintain(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, host: dict[str, Any], after: str
+    ) -> None:
+        """The engine's ``maintain`` after a completed turn or a compaction: inline in foreground mode,
+        deferred to the maintenance thread in background mode; a failure never reaches the caller."""
+        method = getattr(engine, "maintain", None)
+        if method is None or info.id in self.quarantined:
+            return
+        params = project_params(info, {"scope": scope, "session_id": session_id}, host)
+        if info.turn_maintenance_mode == "background":
+            # Deferred work (OpenClaw's background mode): the reply does not wait for it.
+            self.maintenance.schedule((info.id, scope, session_id), params)
+            return
+        try:
+            self._call(info.id, "maintain", lambda: method(**params))
+        except Exception as e:
+            log.warning("maintain of engine %s failed after %s: %s", info.id, after, e)
 
     # ------------------------------------------------------------------------------------ operations
 
@@ -1123,7 +1134,10 @@ class HostRuntime:
         base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
         params = project_params(info, base, host)
         result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
-        self.follow(scope, session_id, result.session_target)
+        current = self.follow(scope, session_id, result.session_target)
+        if result.compacted:  # the contract's "maintain follows a compaction"
+            # a successor session is not the one the runtime context and session key were made for
+            self._maintain(engine, info, scope, current, host if current == session_id else {}, "a compaction")
         return result
 
     def _bootstrap_before_compaction(
