@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from sqlalchemy import text
+from sqlalchemy import event, text
 from test_cli import SCOPE, _script_mode, one_error_line, run, run_json  # noqa: F401 (autouse: honours real_script)
 
 from transcript_store import InvalidInput, StoreConfig, TranscriptStore
+from transcript_store.cli import exit_code
 from transcript_store.db import Database
 from transcript_store.errors import PermissionDenied, StoreUnavailable, TransientStoreError
 from transcript_store.gateway import GatewayOptions, GatewayReport, run_gateway
@@ -279,6 +280,23 @@ def test_a_missing_grant_is_its_own_error_and_exit_code(store_url: str, tmp_path
             conn.execute(text(f"DROP OWNED BY {role}"))
             conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
         admin.dispose()
+
+
+def test_a_read_only_sqlite_database_is_permission_denied_and_changes_nothing(tmp_path: Path) -> None:
+    """A SQLite file this process may only read (chmod, a read-only mount; here a read-only connection,
+    since tests run as root) is no outage either: PermissionDenied at once, never retried."""
+    url = f"sqlite:///{tmp_path / 'ro.db'}"
+    with TranscriptStore(config=StoreConfig(url=url)) as owner:
+        owner.create_session(SCOPE, session_id="s1")
+    with TranscriptStore(config=StoreConfig(url=url)) as store:
+        event.listen(store.db.engine, "connect", lambda dbapi, _rec: dbapi.execute("PRAGMA query_only = ON"))
+        store.db.engine.dispose()  # connections opened from now on are read-only
+        assert [s.session_id for s in store.list_sessions(SCOPE)] == ["s1"]
+        with pytest.raises(PermissionDenied, match="readonly database") as refused:
+            store.create_session(SCOPE, session_id="s2")
+        assert exit_code(refused.value) == 6 and store.db.retries == 0
+    with TranscriptStore(config=StoreConfig(url=url)) as store:
+        assert [s.session_id for s in store.list_sessions(SCOPE)] == ["s1"]
 
 
 @pytest.mark.parametrize(("key", "bad", "good"), [

@@ -35,6 +35,9 @@ T = TypeVar("T")
 _PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "55P03", "53300"})
 _SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (extended codes are masked)
 _SQLITE_FULL = 13
+#: SQLITE_PERM, SQLITE_READONLY, SQLITE_AUTH (primary result codes)
+_SQLITE_REFUSED = (3, 8, 23)
+_SQLITE_READONLY_DBMOVED = 8 | (4 << 8)
 _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 _WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
@@ -81,8 +84,16 @@ class Dialect:
         return getattr(error.orig, "sqlstate", None) == _PG_DISK_FULL
 
     def is_permission_denied(self, error: DBAPIError) -> bool:
-        """The role lacks a privilege: PostgreSQL's insufficient_privilege (42501). SQLite has no roles."""
-        return not self.is_sqlite and getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
+        """The operation is refused to this process: PostgreSQL's insufficient_privilege (42501); on
+        SQLite a database this process may only read (SQLITE_READONLY: the file or its folder is not
+        writable to it, or the connection is read-only) or an access refusal (SQLITE_PERM, SQLITE_AUTH).
+        A file deleted or moved under an open store (SQLITE_READONLY_DBMOVED) is not a permission."""
+        if self.is_sqlite:
+            code = getattr(error.orig, "sqlite_errorcode", None)
+            if code is None or code == _SQLITE_READONLY_DBMOVED:
+                return False
+            return (code & 0xFF) in _SQLITE_REFUSED
+        return getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
 
 
 def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
