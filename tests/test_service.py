@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from conftest import BACKENDS, RUN_ID, _admin_exec, pg_url
 from service_process import ServiceProcess
 
 from transcript_store import TranscriptStore
-from transcript_store.errors import InvalidInput
+from transcript_store.errors import InvalidInput, StorageFull
 from transcript_store.service import TokenMap
+from transcript_store.service_app import error_for
 
 TOKEN_A = "token-a-0123456789abcdef"
 TOKEN_B = "token-b-0123456789abcdef"
@@ -473,6 +475,28 @@ def test_an_unavailable_store_answers_503_without_naming_the_database(
             assert "store_unavailable" in line and name in line, line
     finally:
         _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_missing_grant_and_a_full_disk_have_their_own_503_codes(pg_template: str, tmp_path: Path) -> None:
+    """A role the database refuses is not an outage a client should wait out: the code says so (the
+    message, as for any database failure, names no table, host or database)."""
+    name = f"ts_ro_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    role = f"ts_svc_ro_{uuid.uuid4().hex[:8]}"
+    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
+    try:
+        _admin_exec(f"CREATE ROLE {role} LOGIN")
+        with psycopg.connect(pg_url(name).replace("+psycopg", ""), autocommit=True) as conn:
+            conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")  # reads only
+        url = pg_url(name).replace("postgres@", f"{role}@", 1)
+        with ServiceProcess(url, TOKENS, tmp_path / "serve.log") as server:
+            status, data = server.call("POST", "/v1/sessions", TOKEN_A, {"session_id": new_id("s")})
+            assert status == 503 and data["error"]["code"] == "store_permission_denied", data
+            assert data["error"]["message"] == "database permission denied; see the server log", data
+            assert "ts_sessions" not in json.dumps(data) and name not in json.dumps(data), data
+    finally:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        _admin_exec(f"DROP ROLE IF EXISTS {role}")
+    assert error_for(StorageFull("database storage is full: x")) == (503, "store_full")
 
 
 def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: Path) -> None:

@@ -34,9 +34,11 @@ from .errors import (
     InvalidMessage,
     MirrorConflict,
     PayloadTooLarge,
+    PermissionDenied,
     ReadFenceError,
     SchemaNotCurrent,
     SessionKeyConflict,
+    StorageFull,
     StoreUnavailable,
     TranscriptStoreError,
     TurnKeyConflict,
@@ -89,6 +91,9 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidMessage, 400, "invalid_message"),
     (InvalidInput, 400, "invalid_input"),
     (SchemaNotCurrent, 503, "schema_not_current"),
+    # the server's database refuses this role or file, or is full: no retry fixes them, an operator does
+    (PermissionDenied, 503, "store_permission_denied"),
+    (StorageFull, 503, "store_full"),
     (StoreUnavailable, 503, "store_unavailable"),
     (EngineError, 503, "engine_unavailable"),
     (ValueError, 400, "invalid_input"),  # the store's range checks on limits
