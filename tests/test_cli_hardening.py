@@ -140,13 +140,31 @@ def test_a_read_creates_no_schema_in_a_sqlite_file_without_one(tmp_path: Path, c
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE app (x)")
     conn.close()
+    before = path.read_bytes()
     result = run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=code)
+    # Not a byte changed: not even the journal mode a store's connection sets (WAL), and no WAL files.
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
     with sqlite3.connect(path) as conn:
         assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["app"]
     conn.close()
     if code == 4:
         line = one_error_line(result)
         assert "no store at" in line and "no transcript-store schema" in line and "init" in line, line
+
+
+@pytest.mark.parametrize(("command", "code"), [c for c in READS if c[0] not in (("current",), ("upgrade",))])
+def test_a_read_of_a_file_that_is_no_database_is_no_store(tmp_path: Path, command: tuple[str, ...],
+                                                          code: int) -> None:
+    """A text file given as --db was a driver error ("file is not a database", exit 5: an outage to wait
+    out); it is no store, like a missing or empty file, and stays as it was."""
+    path = tmp_path / "notes.db"
+    path.write_text("not a database\n" * 20)
+    before = path.read_bytes()
+    result = run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=code)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["notes.db"]
+    if code == 4:
+        line = one_error_line(result)
+        assert "no store at" in line and "not a SQLite database" in line, line
 
 
 # ---------------------------------------------------------------------------------------------- 3: control characters

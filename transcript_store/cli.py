@@ -19,10 +19,11 @@ import json
 import logging
 import math
 import os
+import sqlite3
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn, TypeVar
@@ -195,7 +196,37 @@ def _no_store_file(path: Path) -> str | None:
     # connection (the WAL mode): a read would change the file it was pointed at.
     if path.is_file() and path.stat().st_size == 0:
         return "the file is empty"
-    return None
+    return _not_a_store_database(path) if path.is_file() else None
+
+
+#: the first 16 bytes of every SQLite database file
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _not_a_store_database(path: Path) -> str | None:
+    """Why a non-empty file holds no store, judged without changing it (None: it may hold one).
+
+    Opening it as the store does would switch another program's database to WAL mode (a store's
+    connections set it) before the schema check refused it. A store's file is in WAL mode, where that
+    setting changes nothing, so only a file in rollback-journal mode is looked into, read-only.
+    """
+    try:
+        with path.open("rb") as f:
+            header = f.read(100)
+    except OSError:
+        return None  # the store's own open reports it
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        return "the file is not a SQLite database"
+    if header[18] == 2 or header[19] == 2:  # WAL mode: may be a store
+        return None
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as conn:
+            found = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"
+            ).fetchone()
+    except sqlite3.Error:
+        return None  # locked, a hot journal to roll back...: the store's own open decides
+    return None if found is not None else "the database holds no transcript-store schema"
 
 
 def open_store(*, create: bool = False, check_schema: bool = True) -> TranscriptStore:
