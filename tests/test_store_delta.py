@@ -1064,3 +1064,41 @@ def test_the_branched_sessions_hint_is_shared_by_threads_safely(store: Transcrip
     for t in threads:
         t.join()
     assert errors == [] and len(hint) <= 2
+
+
+def test_a_recent_keys_set_is_not_kept_alive_and_its_lock_is_fresh_in_a_forked_child() -> None:
+    """The fork hook that renews each set's lock held every set alive for the life of the process (a
+    hook per instance); and a lock a parent's thread held at the fork would block the child for ever."""
+    import gc
+    import os
+    import signal
+    import weakref
+
+    dropped = RecentKeys(4)
+    gone = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert gone() is None
+
+    held = RecentKeys(4)
+    held.add("k")
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with held._lock:
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the lock a parent's thread held is a fresh one here
+            signal.alarm(10)  # a lock still held would block for ever: the alarm ends the child instead
+            os._exit(0 if held.touch("k") else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -15,6 +15,7 @@ import secrets
 import string
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -607,6 +608,18 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
 _LINEAR_DELTA_PAGE = {b: _linear_delta_page_statement(b) for b in (False, True)}
 
 
+#: every RecentKeys, to give each a fresh lock in a forked child (held weakly)
+_RENEW_AT_FORK: weakref.WeakSet[RecentKeys] = weakref.WeakSet()
+
+
+def _renew_locks_in_child() -> None:
+    for keys in list(_RENEW_AT_FORK):
+        keys._new_lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_in_child)
+
+
 class RecentKeys:
     """A bounded set of keys, the least recently touched dropped first, shared by threads.
 
@@ -619,8 +632,9 @@ class RecentKeys:
         self.limit = limit
         self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self._lock = threading.Lock()
-        # A thread of the parent may hold the lock at a fork(): the child would wait on it forever.
-        os.register_at_fork(after_in_child=self._new_lock)
+        # A thread of the parent may hold the lock at a fork(): the child would wait on it forever. One
+        # hook for every instance, which holds them weakly (a hook per instance would keep each alive).
+        _RENEW_AT_FORK.add(self)
 
     def _new_lock(self) -> None:
         self._lock = threading.Lock()
