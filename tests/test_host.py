@@ -18,6 +18,8 @@ from transcript_store.errors import (
     HostRequirementError,
     InvalidInput,
     ModelTimeout,
+    PermissionDenied,
+    StorageFull,
     TransientStoreError,
     UnknownSession,
 )
@@ -848,14 +850,20 @@ def test_a_database_error_inside_a_commit_is_retried_not_blamed_on_the_engine(st
     assert host.run_turn(SCOPE, sid, "again", turn_id="t2").engine_id == "dc"
 
 
+@pytest.mark.parametrize("failure", [
+    TransientStoreError("transient database error: the server closed the connection"),
+    StorageFull("database storage is full: database or disk is full"),
+    PermissionDenied("database permission denied: attempt to write a readonly database"),
+])
 def test_an_engine_call_failing_with_the_database_leaves_the_engine_selectable(
-    store: TranscriptStore, sid: str
+    store: TranscriptStore, sid: str, failure: Exception
 ) -> None:
-    """An assemble that fails because the database did (its retries ran out) runs that turn on legacy;
-    the configured engine is tried again on the next turn instead of being isolated for the process."""
+    """An assemble that fails because the database did (its retries ran out, a full disk, a missing
+    grant or a read-only file) runs that turn on legacy; the configured engine is tried again on the
+    next turn instead of being isolated for the process."""
 
     class Outage(CountingEngine):
-        failures = [TransientStoreError("transient database error: the server closed the connection")]
+        failures = [failure]
 
         def assemble(self, **kw: Any) -> Any:
             if self.failures:
@@ -864,7 +872,7 @@ def test_an_engine_call_failing_with_the_database_leaves_the_engine_selectable(
 
     host, _ = make_host(store, "outage", {"outage": lambda ctx: Outage(ctx, "outage")})
     out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
-    assert out.engine_id == "legacy" and "transient database error" in (out.degraded_reason or "")
+    assert out.engine_id == "legacy" and str(failure) in (out.degraded_reason or "")
     assert "outage" not in host.quarantined and store.read(lambda c: records(c)) == []
     out = host.run_turn(SCOPE, sid, "again", turn_id="t2")
     assert (out.engine_id, out.degraded_reason, out.commit_status) == ("outage", None, "committed")

@@ -13,13 +13,14 @@ from hosting import CountingEngine, RecordingModel
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import CompactResult, EngineContext, MaintainResult
-from transcript_store.host import HostRuntime
+from transcript_store.host import HostRuntime, RuntimeContext
 from transcript_store.maintenance import BackgroundMaintenance
 from transcript_store.quarantine import records
 from transcript_store.registry import EngineRegistry
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
+from transcript_store.turns import Turns
 
 SCOPE = "tenant-m"
 
@@ -129,14 +130,82 @@ def test_a_failing_background_maintain_quarantines_the_engine_not_the_turn(
         out = host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
         assert out.commit_status == "committed" and out.engine_id == "upkeep"
         assert host.maintenance.wait(10)
-    assert "upkeep" in host.quarantined
     assert "background maintain of engine upkeep" in caplog.text and "maintenance bug" in caplog.text
-    recs = store.read(lambda c: records(c))
-    assert [(r.engine_id, r.operation) for r in recs] == [("upkeep", "maintain")]
-    # The next turn goes to the fallback, and the quarantined engine is not asked again.
+    # The next turn quarantines it before it starts (recorded in the store) and goes to the fallback;
+    # the quarantined engine is not asked again.
     out2 = host.run_turn(SCOPE, sessions[0], "again", turn_id="t2")
     assert out2.engine_id == "legacy" and out2.commit_status == "committed"
+    assert "upkeep" in host.quarantined
+    recs = store.read(lambda c: records(c))
+    assert [(r.engine_id, r.operation) for r in recs] == [("upkeep", "maintain")]
     assert host.maintenance.wait(10) and len(engine.maintained) == 1
+    host.dispose()
+
+
+class _CallsBack(RecordingModel):
+    """Runs ``during`` (once) inside its first model call: while the turn is in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.during: Any = None
+
+    def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        return super().complete(messages, tools, **kw)
+
+
+def test_a_pass_failing_while_another_turn_runs_leaves_that_turn_on_its_engine(
+    store: TranscriptStore, sessions: tuple[str, str]
+) -> None:
+    """The maintenance thread's failure is the engine's, but a turn already running on it (on the
+    caller's thread) commits through it: pulling the engine from under it would leave its accepted turn
+    waiting in the outbox. The quarantine lands before the next turn."""
+    host, engine = make(store, "background", fail=True)
+    model = _CallsBack()
+    host.model = model
+    engine.gate = threading.Event()
+    a, b = sessions
+    assert host.run_turn(SCOPE, a, "first", turn_id="a1").engine_id == "upkeep"
+    assert engine.entered.wait(10)  # a's pass is held until b's turn is at its model call
+
+    def fail_now() -> None:
+        assert engine.gate is not None
+        engine.gate.set()
+        assert host.maintenance.wait(10) and len(engine.maintained) == 1  # it ran, and raised
+
+    model.during = fail_now
+    out = host.run_turn(SCOPE, b, "second", turn_id="b1")
+    assert (out.engine_id, out.commit_status) == ("upkeep", "committed")
+    assert receipts_of(store, b) == ["b1"]
+    nxt = host.run_turn(SCOPE, b, "third", turn_id="b2")
+    assert nxt.engine_id == "legacy" and "upkeep" in host.quarantined
+    host.dispose()
+
+
+def receipts_of(store: TranscriptStore, sid: str) -> list[str]:
+    return [r.advancement_key for r in Turns(store).receipts(SCOPE, sid, "upkeep")]
+
+
+def test_a_deferred_pass_gets_a_runtime_context_without_the_finished_turns_fence(
+    store: TranscriptStore, sessions: tuple[str, str]
+) -> None:
+    seen: list[Any] = []
+
+    class Looks(Upkeep):
+        def maintain(self, *, scope: str, session_id: str, **kw: Any) -> MaintainResult:
+            seen.append(kw.get("runtime_context"))
+            return MaintainResult(changed=False, reason="looked")
+
+    registry = EngineRegistry()
+    registry.register_factory("upkeep", lambda ctx: Looks(ctx, "background"))  # every host param
+    host = HostRuntime(store, load_settings(config_path=None, engine="upkeep"), RecordingModel(), registry=registry,
+                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
+    assert host.maintenance.wait(10)
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeContext)
+    assert (seen[0].session_id, seen[0].fence, seen[0].turn_id) == ("m-a", None, None)
     host.dispose()
 
 

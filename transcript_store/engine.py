@@ -68,6 +68,8 @@ class EngineInfo(_Model):
     accepted_host_params: list[str] | None = None
     transcript_semantics: TranscriptSemantics = Field(default_factory=TranscriptSemantics)
     host_requirements: dict[Operation, HostRequirement] = Field(default_factory=dict)
+    #: ``background``: the host runtime defers ``maintain`` to its maintenance thread, where it may run
+    #: while the same instance serves another turn (maintenance.py): the engine must be thread-safe
     turn_maintenance_mode: Literal["foreground", "background"] = "foreground"
 
 

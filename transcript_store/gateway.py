@@ -259,6 +259,7 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
         finally:
             faults.disarm()
             model.timeouts = 0
+    host.dispose()  # deferred maintenance finishes (bounded) before the worker ends
     store.close()
 
 
@@ -514,7 +515,7 @@ def _finish(
         rec = host.turns.recover(options.scope, sid, engine, host.commit_in)
         report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
         report.duplicates_absorbed += rec.drain.duplicates
-    host.flush_quarantines()
+    host.dispose()  # writes its quarantine records; its engines are not needed any more
     # This run's quarantines only (its workers are gone, hence not live_only): a record written (or
     # refreshed) since it started; older ones belong to earlier runs or other commands.
     since = from_us(started_us)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -44,6 +43,7 @@ from .errors import (
     InvalidInput,
     ModelTimeout,
     OutboxCollision,
+    PermissionDenied,
     PromptTooLarge,
     ReadFenceError,
     SessionBusy,
@@ -292,7 +292,9 @@ class HostRuntime:
     _leases: LeaseKeeper = field(init=False)
     #: maintain() of background-mode engines, off the reply path (maintenance.py)
     maintenance: BackgroundMaintenance = field(init=False)
-    _quarantine_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    #: (engine id, error) of deferred passes that failed: the caller's thread quarantines them before its
+    #: next turn or compaction (a deque: appended by the maintenance thread, taken by the caller's)
+    _failed_in_background: deque[tuple[str, BaseException]] = field(init=False, default_factory=deque)
     #: the built-in compaction's ``keep_last`` (``delegate_compaction_to_runtime``)
     keep_last: int = field(init=False)
 
@@ -360,11 +362,8 @@ class HostRuntime:
 
     def flush_quarantines(self) -> None:
         """Write the quarantine records not written yet (best effort: isolation already happened)."""
-        while True:
-            with self._quarantine_lock:  # the maintenance thread flushes too
-                if not self._unrecorded:
-                    return
-                engine_id, operation, reason = self._unrecorded.pop(0)
+        while self._unrecorded:
+            engine_id, operation, reason = self._unrecorded.pop(0)
             try:
                 self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
             except TranscriptStoreError as e:
@@ -383,11 +382,12 @@ class HostRuntime:
 
     def _database_failed(self, error: BaseException) -> bool:
         """Whether an engine's call failed because the database did (a lost connection, a deadlock, a
-        full disk): the transaction is retried whole or the turn fails, but it is not the engine's
-        fault, and isolating the engine for the process would outlive the outage."""
+        full disk, a missing grant or a read-only file): the transaction is retried whole or the turn
+        fails, but it is not the engine's fault, and isolating the engine for the process would outlive
+        the outage."""
         if isinstance(error, DBAPIError):
             error = self.store.db.translate(error)  # raised inside a transaction, not translated yet
-        return isinstance(error, (TransientStoreError, StorageFull))
+        return isinstance(error, (TransientStoreError, StorageFull, PermissionDenied))
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
@@ -513,6 +513,7 @@ class HostRuntime:
             raise InvalidInput("a turn starts with a user message")
         turn_id = turn_id or new_id()
         session_id = self.resolve_session(scope, session_id)
+        self._settle_background_failures()
         # An unknown session is refused by the admission's transaction (UnknownSession), before any
         # write: no read transaction of its own to ask first.
         try:
@@ -1116,6 +1117,7 @@ class HostRuntime:
         """Manual compaction through the selected engine (host requirements fail closed)."""
         session_id = self.resolve_session(scope, session_id)
         sess = self.store.get_session(scope, session_id)
+        self._settle_background_failures()
         engine_id = self.settings.engine if self.settings.engine not in self.quarantined else LEGACY
         try:
             engine, info = self.engine(engine_id)
@@ -1224,26 +1226,43 @@ class HostRuntime:
             return None
 
     def _maintain_in_background(self, key: tuple[str, str, str], params: dict[str, Any]) -> None:
-        """One deferred ``maintain`` pass (the maintenance thread): an engine quarantined since it was
-        asked for is not called; a failure quarantines the engine as in a turn, and is logged."""
+        """One deferred ``maintain`` pass (the maintenance thread), logged when it fails.
+
+        It changes nothing of the runtime's own: it calls the live instance only (an engine quarantined
+        or disposed since is skipped, none is created here), and a failure is handed to the caller's
+        thread, which quarantines the engine before its next turn or compaction. Quarantining it here
+        would pull it from under a turn already running on it on the caller's thread (that turn's
+        commit would find the engine gone, and its accepted turn would wait in the outbox).
+        """
         engine_id, scope, session_id = key
-        if engine_id in self.quarantined:
+        live = self._engines.get(engine_id)
+        if live is None or engine_id in self.quarantined or any(f[0] == engine_id for f in self._failed_in_background):
             return
+        params = dict(params)
+        ctx = params.get("runtime_context")
+        if isinstance(ctx, RuntimeContext):  # the turn that asked is over: no fence, no turn id
+            params["runtime_context"] = RuntimeContext(self, scope, session_id, None, None, ctx.budget)
         try:
-            engine, _info = self.engine(engine_id)
-            method = engine.maintain
-            self._call(engine_id, "maintain", lambda: method(**params))
+            live[0].maintain(**params)
         except Exception as e:
             log.warning("background maintain of engine %s for %s/%s failed: %s", engine_id, scope, session_id,
                         describe(e))
-        finally:
-            self.flush_quarantines()
+            if not self._database_failed(e):
+                self._failed_in_background.append((engine_id, e))
+
+    def _settle_background_failures(self) -> None:
+        """Quarantine the engines whose deferred maintenance failed (the caller's thread, between turns)."""
+        while self._failed_in_background:
+            engine_id, error = self._failed_in_background.popleft()
+            if engine_id not in self.quarantined:
+                self.quarantine(engine_id, "maintain", error)
 
     def dispose(self) -> None:
         """Let deferred maintenance finish (bounded), write pending quarantine records, stop renewing
         leases and dispose of every live engine."""
         self.maintenance.close()
         self._leases.close()
+        self._settle_background_failures()
         self.flush_quarantines()
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)

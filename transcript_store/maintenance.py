@@ -52,7 +52,9 @@ class BackgroundMaintenance:
 
     def _own(self) -> None:
         if os.getpid() != self._pid:  # a child after fork(): nothing of the parent's queue is ours
+            closed = self._closed
             self._start()
+            self._closed = closed  # but a queue closed before the fork stays closed
 
     def schedule(self, key: Key, params: dict[str, Any]) -> None:
         """Ask for a pass of ``key`` with ``params`` (a pass already waiting takes the newer parameters)."""

@@ -85,6 +85,11 @@ class LosslessEngine:
 
     # ------------------------------------------------------------------------------------ budgets
 
+    def _count(self, name: str, n: int) -> None:
+        """Add to a counter of ``stats`` (the host's maintenance thread counts too)."""
+        with self._lock:
+            self.stats[name] += int(n)
+
     def _remember(self, scope: str, session_id: str, window: int | None, settings: RuntimeSettings | None) -> None:
         with self._lock:
             old = self._runs.pop((scope, session_id), (None, None))
@@ -114,7 +119,7 @@ class LosslessEngine:
             total.rebuilt = total.rebuilt or step.rebuilt
             total.missing = step.missing
             if step.missing or not step.more:
-                self.stats["imported"] += total.imported
+                self._count("imported", total.imported)
                 return total
 
     def _probe(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> Probe:
@@ -184,7 +189,7 @@ class LosslessEngine:
             # Over the hard budget (a large import, or a failed earlier compaction): compact now.
             self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=False, focus=None)
             items = self._current(scope, session_id, fence)
-        self.stats["context_rows_read"] += len(items)
+        self._count("context_rows_read", len(items))
         shown = fit(items, token_budget)
         messages = render(shown)
         has_summaries = any(i.summary is not None for i in shown)
@@ -216,7 +221,7 @@ class LosslessEngine:
             core, turn.scope, turn.session_id, config=self.config, estimator=self.estimator, fence=None,
             until=turn.terminal.position,
         )
-        self.stats["imported"] += result.imported
+        self._count("imported", result.imported)
 
     def after_turn(
         self,
@@ -286,7 +291,7 @@ class LosslessEngine:
             plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
             if plan.summaries and not self.store.write(lambda c, p=plan: write_plan(c, scope, session_id, p)):
                 continue
-            self.stats["compactions"] += bool(plan.summaries)
+            self._count("compactions", bool(plan.summaries))
             return CompactResult(
                 ok=plan.error is None,
                 compacted=bool(plan.summaries),
