@@ -4,7 +4,9 @@ A turn: recover and drain the session's outbox, admit the user message, open a f
 let the engine bootstrap/assemble from cursor deltas, call the model (engine tools dispatched to the
 engine), append the replies, accept, and commit through the engine's ``commit_turn`` (in the same
 transaction when possible). The engine for a turn is decided before the turn starts and kept for the
-whole logical turn, retries included; the configured engine is tried again on the next turn.
+whole logical turn, retries included; the configured engine is tried again on the next turn. After
+the commit: ``after_turn``, then ``maintain`` (inline, or on the maintenance thread for an engine in
+background mode: maintenance.py).
 """
 
 from __future__ import annotations
