@@ -274,3 +274,34 @@ def test_maintain_follows_a_manual_compaction_that_compacted(
     assert not host.compact(SCOPE, sessions[1]).compacted
     assert host.maintenance.wait(10) and len(engine.maintained) == 1
     host.dispose()
+
+
+def test_a_forked_child_gets_a_queue_of_its_own_and_a_closed_one_stays_closed() -> None:
+    """The parent's thread is not in the child and its lock may have been held at the fork: the child
+    starts afresh (its passes run on its own thread); a queue closed before the fork takes nothing."""
+    import os
+    import signal
+
+    release = threading.Event()
+    open_queue = BackgroundMaintenance(lambda _k, _p: release.wait(10))
+    open_queue.schedule(("e", "s", "parent"), {})  # the parent's thread is busy at the fork
+    closed_ran: list[str] = []
+    closed_queue = BackgroundMaintenance(lambda key, _p: closed_ran.append(key[2]))
+    closed_queue.close()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            ran: list[str] = []
+            open_queue._run_one = lambda key, _p: ran.append(key[2])
+            open_queue.schedule(("e", "s", "child"), {})
+            ok = open_queue.wait(5) and ran == ["child"]
+            closed_queue.schedule(("e", "s", "child"), {})
+            ok = ok and closed_queue.wait(5) and closed_ran == []
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert open_queue.wait(10)
+    open_queue.close()
