@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import shutil
 import sqlite3
+import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -315,6 +319,39 @@ def test_a_read_only_sqlite_database_is_permission_denied_and_changes_nothing(tm
         assert exit_code(refused.value) == 6 and store.db.retries == 0
     with TranscriptStore(config=StoreConfig(url=url)) as store:
         assert [s.session_id for s in store.list_sessions(SCOPE)] == ["s1"]
+
+
+def _as_unprivileged(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The CLI run by a process the file permissions apply to: ``nobody`` when the tests run as root."""
+    command = [sys.executable, "-m", "transcript_store", *args]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: file permissions do not apply to root")
+        command = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(cwd)})
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_a_store_file_this_process_may_not_use_is_permission_denied(mode: int) -> None:
+    """A store file another user owns: unreadable (0600: SQLITE_CANTOPEN) or read-only with its folder
+    (0644: the WAL index cannot be made) is a permission to fix (exit 6), not an outage (exit 5); the
+    file is left as it was."""
+    folder = Path(tempfile.mkdtemp(prefix="ts-perm-", dir="/tmp"))
+    try:
+        folder.chmod(0o755)
+        path = folder / "owned.db"
+        with TranscriptStore(config=StoreConfig(url=f"sqlite:///{path}")) as owner:
+            owner.create_session(SCOPE, session_id="s1")
+        path.chmod(mode)
+        before = path.read_bytes()
+        done = _as_unprivileged(["sessions", "list", "--scope", SCOPE, "--db", f"sqlite:///{path}"], folder)
+        assert done.returncode == 6, (done.returncode, done.stdout, done.stderr)
+        assert "permission denied" in done.stderr, done.stderr
+        assert path.read_bytes() == before and sorted(p.name for p in folder.iterdir()) == ["owned.db"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("key", "bad", "good"), [

@@ -38,6 +38,7 @@ _SQLITE_FULL = 13
 #: SQLITE_PERM, SQLITE_READONLY, SQLITE_AUTH (primary result codes)
 _SQLITE_REFUSED = (3, 8, 23)
 _SQLITE_READONLY_DBMOVED = 8 | (4 << 8)
+_SQLITE_CANTOPEN = 14
 _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 _WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
@@ -382,7 +383,28 @@ class Database:
             return StorageFull(f"database storage is full: {detail}")
         if self.dialect.is_permission_denied(error):
             return PermissionDenied(f"database permission denied: {detail}")
+        if self._file_refused(error):
+            return PermissionDenied(
+                f"database permission denied: {detail} (the file or its folder is not readable and writable "
+                "by this process)"
+            )
         return StoreUnavailable(f"database error: {detail}")
+
+    def _file_refused(self, error: DBAPIError) -> bool:
+        """SQLITE_CANTOPEN because the file (or, for one not there yet, its folder) is not readable and
+        writable to this process: a permission, told apart from other reasons by asking the system."""
+        code = getattr(error.orig, "sqlite_errorcode", None)
+        if not self.dialect.is_sqlite or code is None or (code & 0xFF) != _SQLITE_CANTOPEN:
+            return False
+        path = sqlite_file(self.config.url)
+        if path is None:
+            return False
+        try:
+            if path.exists():
+                return not os.access(path, os.R_OK | os.W_OK)
+            return path.parent.is_dir() and not os.access(path.parent, os.W_OK | os.X_OK)
+        except OSError:  # a folder on the way this process may not enter
+            return False
 
     def _run(self, fn: Callable[[Connection], T], write: bool, statement: bool = False) -> T:
         # The first attempt runs bare: building tenacity's Retrying and its attempt state costs more
