@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -449,7 +450,7 @@ def test_a_failing_summarizer_never_loses_messages(store: TranscriptStore, sid: 
     result = engine.compact(scope=A, session_id=sid, force=True, token_budget=1000)
     assert not result.ok and not result.compacted and type(error).__name__ in (result.reason or "")
     assert rows(store, sid) == before  # every raw message still in context, nothing written
-    engine.after_turn(scope=A, session_id=sid)  # proactive compaction fails quietly, never raises
+    engine.maintain(scope=A, session_id=sid)  # proactive compaction fails quietly, never raises
     fitted = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=1000)
     assert fitted.estimated_tokens <= 1000  # the request still fits, the context list keeps everything
     engine.summarizer = ExtractiveSummarizer()
@@ -474,6 +475,37 @@ def test_failing_summarizer_through_the_host_keeps_the_engine(store: TranscriptS
         assert est.count_messages(model.requests[-1]) + est.count_text(tools) <= 1300 - 100
     assert failing.calls > 0 and "lossless" not in host.quarantined
     assert count(store, context_items, sid) == count(store, messages, sid) == 24
+
+
+class _Where(ExtractiveSummarizer):
+    """Records the thread each summary is written on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def summarize(self, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+        self.threads.append(threading.current_thread().name)
+        return super().summarize(messages, **kw)
+
+
+def test_proactive_compaction_through_the_host_runs_after_the_reply(store: TranscriptStore, sid: str) -> None:
+    """Above the threshold but within what assemble may show, the compaction is maintenance (background
+    mode): the summarizer (a model call, in production) runs on the host's maintenance thread, not
+    before ``run_turn`` returns; the next turns see its summaries."""
+    settings = load_settings(config_path=None, engine="lossless", token_budget=4000, max_output_tokens=100,
+                             engine_config={"lossless": SMALL})
+    where = _Where()
+    host = HostRuntime(store, settings, RecordingModel(), registry=EngineRegistry(), summarizer=where,
+                       estimator=RoughEstimator())
+    for i in range(30):
+        out = host.run_turn(A, sid, f"message {i} " + "words " * 40, turn_id=f"t{i}")
+        assert out.engine_id == "lossless" and out.commit_status == "committed"
+    assert host.maintenance.wait(30)
+    assert where.threads and set(where.threads) == {"transcript-store-maintain"}, where.threads
+    assert count(store, summaries, sid) > 0 and "lossless" not in host.quarantined
+    check(store, sid)
+    host.dispose()
 
 
 def test_a_manual_compaction_through_the_host_compacts_what_the_engine_has_not_ingested_yet(

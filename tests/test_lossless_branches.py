@@ -94,7 +94,7 @@ def chat(store: TranscriptStore, engine: LosslessEngine, sid: str, n: int, prefi
         assert isinstance(closed, ClosedRange)
         turn = (admission, terminal, closed.messages)
         assert commit(store, engine, turn).status == "committed"
-        engine.after_turn(scope=A, session_id=sid)
+        engine.maintain(scope=A, session_id=sid)
         turns.append(turn)
     return turns
 
@@ -291,7 +291,7 @@ def test_a_redaction_leaves_nothing_for_the_recall_tools(store: TranscriptStore,
         turn = finished_turn(store, sid, f"t{i}", [assistant(text)])
         secret = turn[1] if i == 3 else secret
         commit(store, engine, turn)
-        engine.after_turn(scope=A, session_id=sid)
+        engine.maintain(scope=A, session_id=sid)
     engine.compact(scope=A, session_id=sid, force=True, token_budget=1500)
     assert secret is not None and "hunter2" in engine_text(store, sid)
     with_secret = [r["id"] for r in tool(engine, sid, "lcm_grep", pattern="hunter2", search_in="all")["results"]]

@@ -261,7 +261,7 @@ def test_a_configured_window_above_the_budget_still_compacts(store: TranscriptSt
     engine = make_engine(store, {**SMALL, "context_window": 128_000})
     for n in range(30):
         turn(store, engine, sid, f"t{n}", f"answer {n} " + "detail " * 40)
-        engine.after_turn(scope=A, session_id=sid)
+        engine.maintain(scope=A, session_id=sid)
     budget = 2000
     assert context_tokens(store, sid) > budget
     out = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=budget)

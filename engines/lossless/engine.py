@@ -9,7 +9,8 @@ Lifecycle:
   has not ingested (an existing session, or turns another engine committed during a degraded turn).
 - ``assemble``: the context list in order (summaries rendered as messages) within the budget; reads
   the context list and the engine's rows for it, never the transcript's history.
-- ``after_turn`` / ``maintain`` / ``compact``: compaction above the threshold (see ``compaction``).
+- ``maintain`` / ``compact``: compaction above the threshold (see ``compaction``); ``maintain`` is
+  deferred by the host (background mode), ``after_turn`` only remembers the run's budget.
 - ``get_tool_schemas`` / ``handle_tool_call``: lcm_grep, lcm_describe, lcm_expand (see ``tools``).
 """
 
@@ -233,11 +234,9 @@ class LosslessEngine:
         session_key: str | None = None,
         runtime_settings: RuntimeSettings | None = None,
     ) -> None:
-        """Proactive compaction above the threshold (a failing summarizer is logged, never raised)."""
+        """Remember the run's budget; the proactive compaction is ``maintain``'s, which the host runs
+        after the reply (background mode), so a summarizer's time is not the reply's."""
         self._remember(scope, session_id, None, runtime_settings)
-        result = self._compact_if_needed(scope, session_id)
-        if result is not None and not result.ok:
-            log.warning("lossless compaction of %s/%s after the turn: %s", scope, session_id, result.reason)
 
     def maintain(
         self,
@@ -247,11 +246,14 @@ class LosslessEngine:
         session_key: str | None = None,
         runtime_settings: RuntimeSettings | None = None,
     ) -> MaintainResult:
-        """Deferred upkeep (background mode): compaction when over the threshold."""
+        """Deferred upkeep (background mode): compaction when over the threshold (a failing summarizer
+        is logged and answered, never raised)."""
         self._remember(scope, session_id, None, runtime_settings)
         result = self._compact_if_needed(scope, session_id)
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
+        if not result.ok:
+            log.warning("lossless compaction of %s/%s after the turn: %s", scope, session_id, result.reason)
         return MaintainResult(changed=result.compacted, reason=result.reason)
 
     def compact(
