@@ -45,11 +45,14 @@ class Upkeep(CountingEngine):
         return MaintainResult(changed=False, reason="checked")
 
 
-def make(store: TranscriptStore, mode: str, fail: bool = False) -> tuple[HostRuntime, Upkeep]:
+def make(
+    store: TranscriptStore, mode: str, fail: bool = False, kind: type[Upkeep] | None = None
+) -> tuple[HostRuntime, Any]:
+    """A host whose engine ``upkeep`` is a ``kind`` (default Upkeep), made at once and returned with it."""
     made: list[Upkeep] = []
 
     def factory(ctx: EngineContext) -> Upkeep:
-        made.append(Upkeep(ctx, mode, fail))
+        made.append((kind or Upkeep)(ctx, mode, fail))
         return made[-1]
 
     registry = EngineRegistry()
@@ -198,10 +201,7 @@ def test_a_deferred_pass_gets_a_runtime_context_without_the_finished_turns_fence
             seen.append(kw.get("runtime_context"))
             return MaintainResult(changed=False, reason="looked")
 
-    registry = EngineRegistry()
-    registry.register_factory("upkeep", lambda ctx: Looks(ctx, "background"))  # every host param
-    host = HostRuntime(store, load_settings(config_path=None, engine="upkeep"), RecordingModel(), registry=registry,
-                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host, _ = make(store, "background", kind=Looks)  # every host param
     host.run_turn(SCOPE, sessions[0], "hello", turn_id="t1")
     assert host.maintenance.wait(10)
     assert len(seen) == 1 and isinstance(seen[0], RuntimeContext)
@@ -255,18 +255,7 @@ class Compacting(Upkeep):
 def test_maintain_follows_a_manual_compaction_that_compacted(
     store: TranscriptStore, sessions: tuple[str, str], mode: str
 ) -> None:
-    made: list[Compacting] = []
-
-    def factory(ctx: EngineContext) -> Compacting:
-        made.append(Compacting(ctx, mode))
-        return made[-1]
-
-    registry = EngineRegistry()
-    registry.register_factory("upkeep", factory)
-    host = HostRuntime(store, load_settings(config_path=None, engine="upkeep"), RecordingModel(), registry=registry,
-                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
-    host.engine("upkeep")
-    engine = made[0]
+    host, engine = make(store, mode, kind=Compacting)
     assert host.compact(SCOPE, sessions[1]).compacted
     assert host.maintenance.wait(10)
     assert [s for s, _ in engine.maintained] == ["m-b"]

@@ -1238,7 +1238,9 @@ class HostRuntime:
         """
         engine_id, scope, session_id = key
         live = self._engines.get(engine_id)
-        if live is None or engine_id in self.quarantined or any(f[0] == engine_id for f in self._failed_in_background):
+        # list() copies the deque in one step: the caller's thread may be taking from it meanwhile
+        failed = [f[0] for f in list(self._failed_in_background)]
+        if live is None or engine_id in self.quarantined or engine_id in failed:
             return
         params = dict(params)
         ctx = params.get("runtime_context")

@@ -5,7 +5,7 @@ OpenClaw runs such an engine's ``maintain`` after a turn as deferred work, not h
 runtime: a session whose maintenance is already waiting is not queued twice (the pass reads the
 session as it is when it runs, so one pass covers every turn before it), passes run one at a time in
 the order they were first asked for, and a failing pass is the engine's failure like any other (the
-runner quarantines it) and never reaches the turn.
+runner hands it to the host, which quarantines the engine between turns) and never reaches a turn.
 
 The thread starts with the first pass asked for and ends after half a minute with nothing to do, or at
 ``close``, which lets what is waiting finish first (bounded by its timeout). In a child after

@@ -253,7 +253,7 @@ class LosslessEngine:
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
         if not result.ok:
-            log.warning("lossless compaction of %s/%s after the turn: %s", scope, session_id, result.reason)
+            log.warning("lossless compaction of %s/%s in maintenance: %s", scope, session_id, result.reason)
         return MaintainResult(changed=result.compacted, reason=result.reason)
 
     def compact(
