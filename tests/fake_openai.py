@@ -157,11 +157,12 @@ class FakeOpenAI:
     # ------------------------------------------------------------------------------------ answering
 
     def _record(self, request: RecordedRequest) -> Fault:
-        """Record a request and take the fault that applies to it."""
+        """Record a request and take the fault that applies to it (queued faults go to chat requests only)."""
+        chat = request.method == "POST" and request.path in CHAT_PATHS
         with self._lock:
             self.requests.append(request)
             self._counter += 1
-            queued = self._faults.popleft() if self._faults else None
+            queued = self._faults.popleft() if chat and self._faults else None
         if queued is not None:
             return queued
         return Fault(delay=self.delay, status=self.fail_status)

@@ -272,3 +272,61 @@ def test_compression_runs_once_per_crossing_and_keeps_the_turn(home: Path, serve
     stored = [key(m) for m in engine.stored_messages(agent.session_id)]
     assert not [k for k in expected if k not in stored], "a message was never stored"
     assert len(stored) == len(set(stored))
+
+
+
+
+def test_a_turn_over_the_trigger_by_itself_reaches_the_model_whole_and_the_next_turn_compresses(
+    home: Path, server: FakeOpenAI
+) -> None:
+    """A user message over the trigger's room by itself, answered after three tool rounds with long
+    replies: Hermes asks to compress before and after each round; every request of the turn carries the
+    user message verbatim and every round whole (within the engine's fresh window), as valid sequences.
+    The next turn, the big one being history, compresses under the trigger; each message is stored once."""
+    from agent.model_metadata import estimate_request_tokens_rough
+    from fake_openai import Fault
+
+    from transcript_store.hermes import is_valid_sequence
+
+    server.reset()
+    agent = make_agent(server)
+    engine = agent.context_compressor
+    engine.close()
+    engine.threshold_percent = 6000  # room for the summaries beside ~2,000 tokens of system prompt and tools
+    engine.update_model(engine.model, engine.context_length)
+    trigger = engine.threshold_tokens
+    history, seen = run_turns(agent, 4, "pear")
+    big = "pear-big turn: " + " ".join(["filler"] * 3600)  # over the trigger's room by itself
+    musings = [f"pear-round{r} thinking aloud: " + " ".join([f"step{r}"] * 900) for r in range(3)]
+    server.queue(*(
+        Fault(reply={"role": "assistant", "content": musings[r], "tool_calls": [{
+            "id": f"call_pear_{r}", "type": "function",
+            "function": {"name": "lcm_grep", "arguments": json.dumps({"pattern": f"pear{r}"})},
+        }]})
+        for r in range(3)
+    ))
+    before, count_before = len(server.chat_requests), engine.compression_count
+    result = agent.run_conversation(big, conversation_history=history)
+    seen.append(list(result["messages"]))
+    requests = server.chat_requests[before:]
+    assert len(requests) == 4, "three tool rounds and the answer"
+    for n, r in enumerate(requests):
+        assert {"role": "user", "content": big} in r["messages"], "the turn was summarised away"
+        assert is_valid_sequence(r["messages"])
+        texts = [m.get("content") for m in r["messages"]]
+        assert all(musings[k] in texts for k in range(n)), f"request {n} lost a round of its own turn"
+    # The history before the turn was compacted (once: later passes have nothing more to compact).
+    assert engine.compression_count - count_before == 1
+    # The next turn: the big one is history now, and compressing gets the request under the trigger.
+    follow = agent.run_conversation("pear-after a short question", conversation_history=result["messages"])
+    seen.append(list(follow["messages"]))
+    last = server.chat_requests[-1]
+    msgs = last["messages"]
+    tokens = estimate_request_tokens_rough(msgs[1:], system_prompt=msgs[0]["content"], tools=last["tools"])
+    assert tokens < trigger and big not in [m.get("content") for m in msgs]
+    assert engine.compression_count - count_before == 2
+    agent.shutdown_memory_provider(follow["messages"])
+    expected = originals([r["messages"] for r in server.chat_requests] + seen)
+    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert not [k for k in expected if k not in stored], "a message was never stored"
+    assert len(stored) == len(set(stored))
