@@ -128,6 +128,43 @@ def test_broken_engine_is_quarantined_and_turns_go_to_legacy(store: TranscriptSt
     assert receipts(store, "legacy") == ["t1", "t2"]
 
 
+def test_a_quarantine_record_the_database_cannot_take_yet_is_written_by_a_later_flush(
+    store: TranscriptStore, store_url: str, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record of a quarantine is what other processes see (doctor, the gateway's report). A database
+    that cannot take it at the time (StoreUnavailable: here its table is renamed away) keeps it queued,
+    and the flush after a later turn writes it; nothing else of that turn is held up."""
+    from sqlalchemy import create_engine, text
+
+    class Broken(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            raise RuntimeError("engine bug")
+
+    admin = create_engine(store_url)
+
+    def rename(old: str, new: str) -> None:
+        with admin.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {old} RENAME TO {new}"))
+
+    host, _ = make_host(store, "broken", {"broken": lambda ctx: Broken(ctx, "broken")})
+    rename("ts_quarantine", "ts_quarantine_away")
+    try:
+        with caplog.at_level(logging.WARNING, logger="transcript_store.host"):
+            out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.engine_id == "legacy" and out.commit_status == "committed" and "broken" in host.quarantined
+        assert any("kept for the next try" in r.getMessage() for r in caplog.records)
+    finally:
+        rename("ts_quarantine_away", "ts_quarantine")
+        admin.dispose()
+    assert store.read(lambda c: records(c)) == []
+    out2 = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+    assert out2.engine_id == "legacy" and out2.commit_status == "committed"
+    recs = store.read(lambda c: records(c))
+    assert [(r.engine_id, r.operation, r.alive) for r in recs] == [("broken", "assemble", True)]
+    host.dispose()
+    assert len(store.read(lambda c: records(c))) == 1
+
+
 def test_an_engine_failing_to_give_its_tools_degrades_the_turn_to_legacy(store: TranscriptStore, sid: str) -> None:
     """get_tool_schemas runs before the model is first called: an engine raising there is quarantined
     and the turn is answered on legacy, as for assemble, not failed."""

@@ -362,14 +362,24 @@ class HostRuntime:
         if not in_transaction:
             self.flush_quarantines()
 
-    def flush_quarantines(self) -> None:
-        """Write the quarantine records not written yet (best effort: isolation already happened)."""
+    def flush_quarantines(self) -> bool:
+        """Write the quarantine records not written yet; whether none is left (isolation already happened).
+
+        A record the database cannot take now (StoreUnavailable, after the store's own retries) stays
+        queued, in order, for the next flush: after the next turn, or at ``dispose``. Each engine is
+        quarantined once per process, so the queue is at most one record per engine.
+        """
         while self._unrecorded:
-            engine_id, operation, reason = self._unrecorded.pop(0)
+            engine_id, operation, reason = self._unrecorded[0]
             try:
                 self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
+            except StoreUnavailable as e:
+                log.warning("could not record quarantine of %s yet (kept for the next try): %s", engine_id, e)
+                return False
             except TranscriptStoreError as e:
                 log.warning("could not record quarantine of %s: %s", engine_id, e)
+            self._unrecorded.pop(0)
+        return True
 
     def _call(self, engine_id: str, operation: str, fn: Callable[[], T]) -> T:
         """Run a lifecycle call; an exception quarantines the engine (fence errors are not its fault)."""
@@ -1267,7 +1277,11 @@ class HostRuntime:
         self.maintenance.close()
         self._leases.close()
         self._settle_background_failures()
-        self.flush_quarantines()
+        if not self.flush_quarantines():
+            log.error(
+                "quarantine records not written, the database being unavailable: %s (this process isolated "
+                "them; other processes will not see them)", ", ".join(e for e, _o, _r in self._unrecorded),
+            )
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)
             if dispose is not None:
