@@ -1191,7 +1191,9 @@ class Core:
         for at in range(0, len(entry_ids), _IN_CHUNK):
             params = session_params(scope, session_id, b_ids=list(entry_ids[at : at + _IN_CHUNK]))
             if self.dialect.is_sqlite:
-                out.update((r.entry_id, r) for r in self.conn.execute(_ENTRY_ROWS, params))
+                # (untyped: SQLAlchemy 2.1 types a row by its columns, 2.0 by one tuple type)
+                rows: Any = self.conn.execute(_ENTRY_ROWS, params)
+                out.update((r.entry_id, r) for r in rows)
             else:  # a repeated id comes back once per time it is named: the dict keeps one
                 out.update((r.entry_id, r) for r in self.run(_ENTRY_ROWS_OF_ARRAY, params))
         return out
