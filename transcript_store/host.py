@@ -449,6 +449,30 @@ class HostRuntime:
             session_id = self._successors[(scope, session_id)]
         return session_id
 
+    def _session_of_turn(self, scope: str, session_id: str, turn_id: str) -> str:
+        """The session a turn runs in: the successor of ``session_id`` (``resolve_session``), unless a
+        session on the way holds the turn (its intent or its receipt).
+
+        A retry of a turn admitted before a compaction named a successor (its own pre-prompt one, say)
+        belongs where it was admitted: there it is joined, or answered "duplicate" once committed; in
+        the successor it would run, and reach the engine, a second time. A turn that left nothing there
+        (a failed attempt's intent is discarded) runs on the successor, as OpenClaw's next retry does.
+        Only sessions with a successor are looked at, in one read; none in the common case.
+        """
+        chain = [session_id]
+        while (scope, chain[-1]) in self._successors and self._successors[(scope, chain[-1])] not in chain:
+            chain.append(self._successors[(scope, chain[-1])])
+        if len(chain) == 1:
+            return session_id
+
+        def first_holding(c: Core) -> str:
+            for at in chain[:-1]:
+                if outbox.get_intent(c, scope, at, turn_id) is not None or receipts_for_key(c, scope, at, turn_id):
+                    return at
+            return chain[-1]
+
+        return self.store.read(first_holding)
+
     def follow(self, scope: str, old_session_id: str, target: SessionTarget | None) -> str:
         """Record a successor session target; returns the session the next turn uses."""
         if target is None or target.session_id == old_session_id:
@@ -524,7 +548,7 @@ class HostRuntime:
         if user["role"] != "user":
             raise InvalidInput("a turn starts with a user message")
         turn_id = turn_id or new_id()
-        session_id = self.resolve_session(scope, session_id)
+        session_id = self._session_of_turn(scope, session_id, turn_id)
         self._settle_background_failures()
         # An unknown session is refused by the admission's transaction (UnknownSession), before any
         # write: no read transaction of its own to ask first.
@@ -933,6 +957,9 @@ class HostRuntime:
             host["runtime_settings"] = self._with_budget(host["runtime_settings"], again["token_budget"])
             if "runtime_settings" in again:
                 again["runtime_settings"] = host["runtime_settings"]
+        rt = host.get("runtime_context")
+        if isinstance(rt, RuntimeContext):  # and so does a built-in compaction delegated from there
+            rt.budget = again["token_budget"]
         result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**again)))
         over = result.estimated_tokens + self._addition_tokens(result.system_prompt_addition) - budget
         if over > 0:
