@@ -54,7 +54,7 @@ from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_
 from .models import Entry, SessionInfo
 from .settings import MAX_TOKENS, HostSettings, load_settings
 from .store import TranscriptStore
-from .terminal import ShownFormatter, shown
+from .terminal import shown, shown_log_handler
 from .turns import MAX_DRAIN
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
@@ -1257,9 +1257,11 @@ def make_url_or_usage(url: str) -> URL:
               help="Bearer tokens, one 'TOKEN SCOPE' per line [also env TRANSCRIPT_STORE_TOKENS='tok=scope,...'].")
 @click.option("--max-body", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes (413 above).")
+@click.option("--body-timeout", type=click.IntRange(1, 3600), default=30, show_default=True, metavar="SECONDS",
+              help="A request body that pauses this long gets 408, and its connection is closed.")
 @click.option("--access-log", is_flag=True, help="Log every request.")
 @common
-def serve(host: str, port: int, tokens_file: str | None, max_body: int, access_log: bool) -> None:
+def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_timeout: int, access_log: bool) -> None:
     """Serve the store and its engines over HTTP: JSON API, OpenAPI at /openapi.json, one scope per token."""
     from .service import Service, TokenMap
     from .service_app import bind, create_app
@@ -1283,7 +1285,7 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, access_l
         sock.close()
         raise
     try:
-        app = create_app(Service(store, settings), tokens, max_body_bytes=max_body)
+        app = create_app(Service(store, settings), tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
         if host not in ("127.0.0.1", "::1", "localhost"):
             click.echo(f"warning: listening on {host}, beyond this machine", err=True)
         logging.getLogger("transcript_store").setLevel(logging.INFO)
@@ -1498,10 +1500,8 @@ def _fail(error: BaseException, st: State) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """The console script: run the command, map errors to one line and a documented exit code."""
-    handler = logging.StreamHandler(sys.stderr)
     # A record quotes engines' errors and operators' reasons: shown on the terminal, never obeyed by it.
-    handler.setFormatter(ShownFormatter("%(levelname)s: %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.basicConfig(level=logging.WARNING, handlers=[shown_log_handler()])
     st = State()
     try:
         rv = cli.main(args=argv, prog_name="transcript-store", obj=st, standalone_mode=False)

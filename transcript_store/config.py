@@ -49,7 +49,10 @@ class StoreConfig(BaseModel):
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="SQLite durability: FULL survives power loss, NORMAL only process crashes"
     )
-    busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy timeout per statement")
+    # SQLite keeps it in a C int: a value past 2**31 - 1 ms was read back as 0, no wait for any lock.
+    busy_timeout_ms: int = Field(
+        10_000, ge=0, le=86_400_000, description="SQLite busy timeout per statement (a day at most)"
+    )
     retry_attempts: int = Field(12, ge=1, le=100, description="tries of one transaction on transient errors")
     auto_upgrade: bool | None = Field(
         None, description="migrate an existing database on open; None: yes for SQLite, no for PostgreSQL"

@@ -33,7 +33,7 @@ from .core import from_us, now_us
 from .db import mask_url
 from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
-from .terminal import shown
+from .terminal import shown, shown_log_handler
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
@@ -219,7 +219,10 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
     from .settings import load_settings
     from .store import TranscriptStore
 
-    # The faults are on purpose: their warnings would drown the progress bar; the report counts them.
+    # A spawned process configures no logging: its records (an engine's error quoted in a quarantine's)
+    # reached stderr through logging's last resort, raw. The faults are on purpose: their warnings would
+    # drown the progress bar; the report counts them.
+    logging.basicConfig(level=logging.WARNING, handlers=[shown_log_handler()])
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
     try:
         store = TranscriptStore(url)

@@ -4,11 +4,13 @@ Every route needs ``Authorization: Bearer <token>``; the token's scope is the on
 can touch. Errors are ``{"error": {"code": ..., "message": ...}}`` with a stable code per error type
 (``ERRORS``); an unexpected exception is a 500 whose body carries only a correlation id, the traceback
 going to the server log under the same id. Bodies over the size limit are refused with 413 while they
-are read, whatever Content-Length claims.
+are read, whatever Content-Length claims; a body that stops coming is answered 408 and its connection
+closed (uvicorn has no timeout for a request's body).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import uuid
@@ -73,6 +75,8 @@ from .service_models import (
 log = logging.getLogger("transcript_store.service")
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+#: seconds a request body may pause (between two reads, not in all) before its 408
+DEFAULT_BODY_TIMEOUT = 30.0
 
 #: error type -> (HTTP status, stable code); the first matching entry wins, so subclasses come first.
 ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
@@ -101,10 +105,12 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
 #: FastAPI's detail for a request body it could not decode other than as malformed JSON
 _BODY_NOT_PARSED = "There was an error parsing the body"
 HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-              413: "request_too_large", 415: "unsupported_media_type"}
+              408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type"}
+#: the header of an answer after which the connection cannot go on: its request's body was not all read
+_CLOSE = {"Connection": "close"}
 
 _ERROR_DOCS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 503)
+    status: {"model": ErrorBody} for status in (400, 401, 404, 408, 409, 413, 422, 503)
 }
 
 
@@ -130,31 +136,43 @@ def error_for(exc: BaseException) -> tuple[int, str]:
 class _TooLarge(StarletteHTTPException):
     """Raised while reading a body past the limit; FastAPI passes HTTP exceptions through as they are."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request bodies are limited to {limit} bytes")
+    def __init__(self, limit: int, *, stalled: bool = False) -> None:
+        super().__init__(413, f"request bodies are limited to {limit} bytes", headers=_CLOSE if stalled else None)
+
+
+class _Stalled(StarletteHTTPException):
+    """Raised when a request's body pauses past the timeout: 408, and the connection closes."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body stopped coming: nothing for {seconds:g} s", headers=_CLOSE)
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes (413), by Content-Length and while streaming.
+    """Refuse request bodies over ``limit`` bytes (413), by Content-Length and while streaming, and bodies
+    that pause ``timeout`` seconds (408).
 
     The excess is read and dropped (up to a few times the limit) before the 413 goes out: a server that
     answers and closes while the client is still sending makes the client see a reset, not the 413.
     """
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         """Wrap an ASGI app."""
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """Pass through, counting body bytes."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = _patient(receive, self.timeout)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                await _drain(receive, 4 * self.limit)
+                stalled = not await _drain(receive, 4 * self.limit)
                 response = error_json(413, "request_too_large", f"request bodies are limited to {self.limit} bytes")
+                if stalled:
+                    response.headers.update(_CLOSE)
                 await response(scope, receive, send)
                 return
         seen = 0
@@ -165,23 +183,46 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    if message.get("more_body", False):
-                        await _drain(receive, 3 * self.limit)
-                    raise _TooLarge(self.limit)
+                    stalled = message.get("more_body", False) and not await _drain(receive, 3 * self.limit)
+                    raise _TooLarge(self.limit, stalled=stalled)
             return message
 
         await self.app(scope, counted, send)
 
 
-async def _drain(receive: Any, budget: int) -> None:
-    """Read and drop request body chunks until the body ends or ``budget`` bytes were dropped."""
+def _patient(receive: Any, seconds: float) -> Any:
+    """``receive`` that raises _Stalled when the request's body pauses ``seconds``; once the body ended,
+    ``receive`` as it is (a wait for the client's disconnect is no stalled body)."""
+    ended = False
+
+    async def timed() -> Any:
+        nonlocal ended
+        if ended:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), seconds)
+        except TimeoutError:
+            raise _Stalled(seconds) from None
+        ended = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return timed
+
+
+async def _drain(receive: Any, budget: int) -> bool:
+    """Read and drop request body chunks until the body ends or ``budget`` bytes were dropped; False when
+    it stalled instead (the rest may never come: the answer closes the connection)."""
     while budget > 0:
-        message = await receive()
+        try:
+            message = await receive()
+        except _Stalled:
+            return False
         if message["type"] != "http.request":
-            return
+            return True
         budget -= len(message.get("body", b""))
         if not message.get("more_body", False):
-            return
+            return True
+    return True
 
 
 class CatchAll:
@@ -233,7 +274,8 @@ Scope = Annotated[str, Depends(caller)]
 
 
 
-def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFAULT_MAX_BODY,
+               body_timeout_seconds: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The ASGI app over ``service``; ``tokens`` decide each request's scope."""
     app = FastAPI(
         title="transcript-store",
@@ -249,7 +291,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     _errors(app)
     _routes(app, service)
     app.add_middleware(CatchAll)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     _protect_openapi(app)
     return app
 
@@ -277,7 +319,9 @@ def _errors(app: FastAPI) -> None:
             # answers 422 invalid_request, so does every body that is not JSON.
             return error_json(422, "invalid_request", "body: not a JSON document this service can read")
         code = HTTP_CODES.get(exc.status_code, "http_error")
-        return error_json(exc.status_code, code, str(exc.detail))
+        response = error_json(exc.status_code, code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # Connection: close after a body not all read
+        return response
 
     async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from logging import _SysExcInfoType
 
+#: a log record on stderr: its level, its logger, its message
+LOG_FORMAT = "%(levelname)s: %(name)s: %(message)s"
 #: what a terminal would act on instead of showing (ESC sequences, NUL, CR, DEL, C1), but newline and tab
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 #: the same and newlines too: a line that must stay one line (a log record)
@@ -41,3 +44,10 @@ class ShownFormatter(logging.Formatter):
 
     def formatStack(self, stack_info: str) -> str:
         return shown(super().formatStack(stack_info))
+
+
+def shown_log_handler() -> logging.Handler:
+    """The stderr handler of the CLI's processes (the gateway's workers too): one shown line per record."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ShownFormatter(LOG_FORMAT))
+    return handler
