@@ -165,6 +165,54 @@ def test_a_quarantine_record_the_database_cannot_take_yet_is_written_by_a_later_
     assert len(store.read(lambda c: records(c))) == 1
 
 
+def test_an_engine_error_with_a_nul_and_a_lone_surrogate_is_recorded_escaped(store: TranscriptStore, sid: str) -> None:
+    """PostgreSQL's text takes no NUL and no driver encodes a lone surrogate: the quarantine record of an
+    engine whose error held them was refused (and an intent's last error would have been too)."""
+
+    class Broken(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            raise RuntimeError("bad \x00 byte and \ud800 half")
+
+    host, _ = make_host(store, "broken", {"broken": lambda ctx: Broken(ctx, "broken")})
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.engine_id == "legacy" and out.commit_status == "committed"
+    [rec] = store.read(lambda c: records(c))
+    assert rec.engine_id == "broken" and rec.reason == "RuntimeError: bad \\x00 byte and \\ud800 half"
+
+
+def test_a_quarantine_record_the_database_keeps_refusing_is_given_up(
+    store: TranscriptStore, store_url: str, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record is retried at QUARANTINE_RECORD_TRIES flushes at most (it must not be tried, and warned
+    about, after every turn for ever); a later engine's record is written once the database takes it."""
+    from sqlalchemy import create_engine, text
+
+    from transcript_store.host import QUARANTINE_RECORD_TRIES
+
+    admin = create_engine(store_url)
+
+    def rename(old: str, new: str) -> None:
+        with admin.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {old} RENAME TO {new}"))
+
+    host, _ = make_host(store)
+    rename("ts_quarantine", "ts_quarantine_away")
+    try:
+        with caplog.at_level(logging.WARNING, logger="transcript_store.host"):
+            host.quarantine("first", "assemble", RuntimeError("one"))
+            for _ in range(QUARANTINE_RECORD_TRIES - 2):
+                assert host.flush_quarantines() is False
+            assert host.flush_quarantines() is True  # the last try: given up
+            assert host.flush_quarantines() is True  # nothing left to try
+        assert any(f"after {QUARANTINE_RECORD_TRIES} tries" in r.getMessage() for r in caplog.records)
+    finally:
+        rename("ts_quarantine_away", "ts_quarantine")
+        admin.dispose()
+    host.quarantine("second", "after_turn", RuntimeError("two"))
+    assert [r.engine_id for r in store.read(lambda c: records(c))] == ["second"]
+    assert "first" in host.quarantined and "second" in host.quarantined
+
+
 def test_an_engine_failing_to_give_its_tools_degrades_the_turn_to_legacy(store: TranscriptStore, sid: str) -> None:
     """get_tool_schemas runs before the model is first called: an engine raising there is quarantined
     and the turn is answered on legacy, as for assemble, not failed."""

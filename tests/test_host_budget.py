@@ -15,6 +15,7 @@ from test_host import SCOPE, make_host
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import AssembleResult, CompactResult, EngineContext, SessionTarget
+from transcript_store.errors import InvalidInput
 from transcript_store.tokens import RoughEstimator
 from transcript_store.turns import Turns
 
@@ -63,6 +64,35 @@ def test_a_retry_of_a_turn_committed_before_its_session_rotated_is_a_duplicate(
     # A new turn runs on the successor, as before.
     second = host.run_turn(SCOPE, sid, "after", turn_id="t2")
     assert (second.session_id, second.commit_status) == ("sess-2", "committed")
+
+
+@pytest.mark.parametrize("bad", ["t\ud800x", "t\x00x", "t" * 5000, 7])
+def test_a_bad_turn_id_is_refused_before_the_retry_lookup_once_the_session_has_a_successor(
+    store: TranscriptStore, sid: str, bad: Any
+) -> None:
+    """The retry lookup reads the sessions on the way by turn id before the admission checks it: a lone
+    surrogate reached the driver (UnicodeEncodeError, untyped), a NUL PostgreSQL (StoreUnavailable)."""
+    host, model = make_host(store, "rot", {"rot": lambda ctx: _Rotating(ctx, "rot", owns_compaction=True)},
+                            token_budget=4000)
+    host.run_turn(SCOPE, sid, "before", turn_id="t1")
+    counts = (store.get_session(SCOPE, sid).entry_count, store.get_session(SCOPE, "sess-2").entry_count)
+    with pytest.raises(InvalidInput, match="turn_id"):
+        host.run_turn(SCOPE, sid, "again", turn_id=bad)
+    assert (store.get_session(SCOPE, sid).entry_count, store.get_session(SCOPE, "sess-2").entry_count) == counts
+    assert len(model.requests) == 1
+
+
+def test_a_session_rotated_back_to_is_the_one_in_use(store: TranscriptStore, sid: str) -> None:
+    """sess -> sess-2, then sess-2 -> sess: new turns, from either id, run in sess (the chain had a cycle,
+    and the retry lookup and resolve_session walked it to different ends)."""
+    host, _ = make_host(store)
+    store.create_session(SCOPE, session_id="sess-2")
+    host.follow(SCOPE, sid, SessionTarget(scope=SCOPE, session_id="sess-2"))
+    host.follow(SCOPE, "sess-2", SessionTarget(scope=SCOPE, session_id=sid))
+    for start in (sid, "sess-2"):
+        assert host.resolve_session(SCOPE, start) == sid
+        assert host.run_turn(SCOPE, start, "hi", turn_id=f"from-{start}").session_id == sid
+        assert host.run_turn(SCOPE, start, "hi").session_id == sid
 
 
 def test_a_retry_of_a_turn_that_failed_after_its_session_rotated_runs_on_the_successor(

@@ -24,6 +24,9 @@ def describe(error: BaseException, limit: int = DESCRIBE_LIMIT) -> str:
     shown = orig if isinstance(orig, BaseException) else error
     lines = str(shown).strip().splitlines()
     text = f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    # Storable as it is (quarantine reasons, an intent's last error): PostgreSQL's text takes no NUL,
+    # and neither backend's driver encodes a lone surrogate; both are spelled as escapes instead.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
     return text if len(text) <= limit else text[: limit - 14] + " ... (cut)"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import compaction, outbox, quarantine
-from .core import Core, from_us, new_id
+from .core import Core, check_id, from_us, new_id
 from .engine import (
     AssembleResult,
     CompactResult,
@@ -67,6 +68,8 @@ from .store import AppendItem, TranscriptStore
 from .turns import CommitIn, Turns, new_owner
 
 log = logging.getLogger("transcript_store.host")
+#: failed writes of one quarantine record before it is given up (logged): the database refusing it for good
+QUARANTINE_RECORD_TRIES = 5
 
 LEGACY = "legacy"
 #: engine decisions kept for turns not (yet) finished: a retry of a failed turn reuses its decision
@@ -290,7 +293,11 @@ class HostRuntime:
     _decisions: OrderedDict[tuple[str, str, str], _Decision] = field(init=False, default_factory=OrderedDict)
     _bootstrapped: set[tuple[str, str, str]] = field(init=False, default_factory=set)
     _successors: dict[tuple[str, str], str] = field(init=False, default_factory=dict)
+    #: quarantine records not written yet (engine id, operation, reason), with the failed tries of each
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
+    _record_tries: dict[str, int] = field(init=False, default_factory=dict)
+    _unrecorded_lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # the list's, held briefly
+    _flush_lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one flush at a time
     _leases: LeaseKeeper = field(init=False)
     #: maintain() of background-mode engines, off the reply path (maintenance.py)
     maintenance: BackgroundMaintenance = field(init=False)
@@ -358,28 +365,43 @@ class HostRuntime:
         log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
         self.quarantined[engine_id] = (operation, reason)
         self._engines.pop(engine_id, None)
-        self._unrecorded.append((engine_id, operation, reason))
+        with self._unrecorded_lock:
+            self._unrecorded.append((engine_id, operation, reason))
         if not in_transaction:
             self.flush_quarantines()
 
     def flush_quarantines(self) -> bool:
         """Write the quarantine records not written yet; whether none is left (isolation already happened).
 
-        A record the database cannot take now (StoreUnavailable, after the store's own retries) stays
-        queued, in order, for the next flush: after the next turn, or at ``dispose``. Each engine is
-        quarantined once per process, so the queue is at most one record per engine.
+        A record the database refuses (StoreUnavailable, after the store's own retries of a transient
+        error) stays queued for the next flush (after the next turn, or at ``dispose``), up to
+        ``QUARANTINE_RECORD_TRIES`` failed writes; the records after it are still written. Each engine
+        is quarantined once per process, so the queue holds at most one record per engine. One flush
+        runs at a time (threads sharing a runtime); the list's own lock is never held across a write,
+        so an engine failing inside a transaction can queue its record while a flush waits on that
+        transaction's lock.
         """
-        while self._unrecorded:
-            engine_id, operation, reason = self._unrecorded[0]
-            try:
-                self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
-            except StoreUnavailable as e:
-                log.warning("could not record quarantine of %s yet (kept for the next try): %s", engine_id, e)
-                return False
-            except TranscriptStoreError as e:
-                log.warning("could not record quarantine of %s: %s", engine_id, e)
-            self._unrecorded.pop(0)
-        return True
+        with self._flush_lock:
+            with self._unrecorded_lock:
+                pending, self._unrecorded = self._unrecorded, []
+            left: list[tuple[str, str, str]] = []
+            for item in pending:
+                engine_id, operation, reason = item
+                try:
+                    self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
+                except StoreUnavailable as e:
+                    tries = self._record_tries[engine_id] = self._record_tries.get(engine_id, 0) + 1
+                    if tries < QUARANTINE_RECORD_TRIES:
+                        log.warning("could not record quarantine of %s yet (kept for the next try): %s", engine_id, e)
+                        left.append(item)
+                        continue
+                    log.error("could not record quarantine of %s after %d tries: %s", engine_id, tries, e)
+                except TranscriptStoreError as e:
+                    log.warning("could not record quarantine of %s: %s", engine_id, e)
+                self._record_tries.pop(engine_id, None)
+            with self._unrecorded_lock:
+                self._unrecorded[:0] = left
+                return not self._unrecorded
 
     def _call(self, engine_id: str, operation: str, fn: Callable[[], T]) -> T:
         """Run a lifecycle call; an exception quarantines the engine (fence errors are not its fault)."""
@@ -443,11 +465,14 @@ class HostRuntime:
 
     def resolve_session(self, scope: str, session_id: str) -> str:
         """Follow successor sessions (after a compaction that changed the session identity)."""
-        seen = set()
-        while (scope, session_id) in self._successors and session_id not in seen:
-            seen.add(session_id)
-            session_id = self._successors[(scope, session_id)]
-        return session_id
+        return self._chain(scope, session_id)[-1]
+
+    def _chain(self, scope: str, session_id: str) -> list[str]:
+        """``session_id`` and its successors in order, the session now in use last."""
+        chain = [session_id]
+        while (scope, chain[-1]) in self._successors and self._successors[(scope, chain[-1])] not in chain:
+            chain.append(self._successors[(scope, chain[-1])])
+        return chain
 
     def _session_of_turn(self, scope: str, session_id: str, turn_id: str) -> str:
         """The session a turn runs in: the successor of ``session_id`` (``resolve_session``), unless a
@@ -459,9 +484,7 @@ class HostRuntime:
         (a failed attempt's intent is discarded) runs on the successor, as OpenClaw's next retry does.
         Only sessions with a successor are looked at, in one read; none in the common case.
         """
-        chain = [session_id]
-        while (scope, chain[-1]) in self._successors and self._successors[(scope, chain[-1])] not in chain:
-            chain.append(self._successors[(scope, chain[-1])])
+        chain = self._chain(scope, session_id)
         if len(chain) == 1:
             return session_id
 
@@ -480,6 +503,9 @@ class HostRuntime:
         if target.scope != scope:
             raise InvalidInput("a successor session must stay in the same scope")
         self._successors[(scope, old_session_id)] = target.session_id
+        # The target is the session in use now: a successor it had (a rotation back to it) is over, and
+        # the chains stay without cycles.
+        self._successors.pop((scope, target.session_id), None)
         return target.session_id
 
     # ------------------------------------------------------------------------------------ turns
@@ -547,8 +573,16 @@ class HostRuntime:
         user = validate_message({"role": "user", "content": message} if isinstance(message, str) else message)
         if user["role"] != "user":
             raise InvalidInput("a turn starts with a user message")
-        turn_id = turn_id or new_id()
-        session_id = self._session_of_turn(scope, session_id, turn_id)
+        check_id("scope", scope)
+        check_id("session_id", session_id)
+        if turn_id:
+            # A turn id given may be a retry's: the session on the way that holds it (one read, only for
+            # a session with successors). Checked first: it is looked up before the admission checks it.
+            check_id("turn_id", turn_id)
+            session_id = self._session_of_turn(scope, session_id, turn_id)
+        else:
+            turn_id = new_id()
+            session_id = self.resolve_session(scope, session_id)
         self._settle_background_failures()
         # An unknown session is refused by the admission's transaction (UnknownSession), before any
         # write: no read transaction of its own to ask first.
@@ -1306,8 +1340,9 @@ class HostRuntime:
         self._settle_background_failures()
         if not self.flush_quarantines():
             log.error(
-                "quarantine records not written, the database being unavailable: %s (this process isolated "
-                "them; other processes will not see them)", ", ".join(e for e, _o, _r in self._unrecorded),
+                "quarantine records not written, the database refusing them: %s (this process isolated "
+                "those engines; other processes will not see the records)",
+                ", ".join(e for e, _o, _r in self._unrecorded),
             )
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)
