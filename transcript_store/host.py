@@ -55,6 +55,7 @@ from .errors import (
     TranscriptStoreError,
     TransientStoreError,
     TurnOvertaken,
+    UnknownEngine,
     describe,
 )
 from .leases import LeaseKeeper
@@ -333,6 +334,10 @@ class HostRuntime:
 
     def engine(self, engine_id: str) -> tuple[Any, EngineInfo]:
         """The live instance of an engine (created on first use); EngineError if it cannot be."""
+        try:
+            check_id("engine", engine_id)
+        except InvalidInput as e:  # no engine has such an id: nothing to load, nor to quarantine and record
+            raise UnknownEngine(str(e)) from None
         if engine_id in self.quarantined:
             op, reason = self.quarantined[engine_id]
             raise EngineError(f"context engine {engine_id!r} is quarantined ({op}: {reason})")
@@ -359,6 +364,10 @@ class HostRuntime:
         ``in_transaction``: the failure happened inside an open write transaction (commit_turn); the
         record is written after it ends, since a second writer would wait on SQLite's write lock.
         """
+        check_id("engine_id", engine_id)
+        check_id("operation", operation)
+        if len(operation) > quarantine.MAX_OPERATION_CHARS:
+            raise InvalidInput(f"operation must be at most {quarantine.MAX_OPERATION_CHARS} characters")
         if engine_id == LEGACY:
             return  # the fallback itself cannot be isolated: its errors surface to the caller
         reason = describe(error)
@@ -465,6 +474,8 @@ class HostRuntime:
 
     def resolve_session(self, scope: str, session_id: str) -> str:
         """Follow successor sessions (after a compaction that changed the session identity)."""
+        check_id("scope", scope)
+        check_id("session_id", session_id)
         return self._chain(scope, session_id)[-1]
 
     def _chain(self, scope: str, session_id: str) -> list[str]:
@@ -498,6 +509,13 @@ class HostRuntime:
 
     def follow(self, scope: str, old_session_id: str, target: SessionTarget | None) -> str:
         """Record a successor session target; returns the session the next turn uses."""
+        check_id("scope", scope)
+        check_id("session_id", old_session_id)
+        if target is not None:
+            if not isinstance(target, SessionTarget):
+                raise InvalidInput(f"a session target must be a SessionTarget, not {type(target).__name__}")
+            check_id("session_target.scope", target.scope)
+            check_id("session_target.session_id", target.session_id)
         if target is None or target.session_id == old_session_id:
             return old_session_id
         if target.scope != scope:
@@ -512,6 +530,9 @@ class HostRuntime:
 
     def decide(self, scope: str, session_id: str, turn_id: str) -> _Decision:
         """The engine of a logical turn, decided once before it starts (retries reuse it)."""
+        check_id("scope", scope)
+        check_id("session_id", session_id)
+        check_id("turn_id", turn_id)
         key = (scope, session_id, turn_id)
         if key in self._decisions:
             self._decisions.move_to_end(key)
@@ -1018,6 +1039,8 @@ class HostRuntime:
 
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
+        if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+            raise InvalidInput(f"reserved must be a non-negative integer, not {reserved!r}")
         return max(1, self.settings.token_budget - self.settings.max_output_tokens - reserved)
 
     def _check_room(self, reserved: int) -> None:
@@ -1188,6 +1211,15 @@ class HostRuntime:
 
     def compact(self, scope: str, session_id: str, *, focus: str | None = None, force: bool = True) -> CompactResult:
         """Manual compaction through the selected engine (host requirements fail closed)."""
+        if focus is not None and not isinstance(focus, str):
+            raise InvalidInput(f"focus must be a string or None, not {type(focus).__name__}")
+        if focus is not None and not focus.isascii():
+            try:
+                focus.encode("utf-8")  # a summary holds it: refused here, not in the engine (isolated for it)
+            except UnicodeEncodeError:
+                raise InvalidInput("focus must not contain lone surrogates") from None
+        if not isinstance(force, bool):
+            raise InvalidInput(f"force must be a bool, not {type(force).__name__}")
         session_id = self.resolve_session(scope, session_id)
         sess = self.store.get_session(scope, session_id)
         self._settle_background_failures()
@@ -1251,6 +1283,8 @@ class HostRuntime:
         """Run a child session: prepare_subagent_spawn first, rollback if the spawn fails, then ended."""
         if context_mode not in ("isolated", "fork"):
             raise InvalidInput("context_mode is isolated or fork")
+        if not callable(run_child):
+            raise InvalidInput(f"run_child must be callable, not {type(run_child).__name__}")
         parent = self.store.get_session(scope, parent_session_id)
         engine, info = self.engine(self.settings.engine if self.settings.engine not in self.quarantined else LEGACY)
         self._check_requirements(info, "subagent-spawn")

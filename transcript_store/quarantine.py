@@ -27,6 +27,10 @@ class QuarantineRecord:
     alive: bool
 
 
+#: the longest operation name a quarantine record holds (its column)
+MAX_OPERATION_CHARS = 64
+
+
 def record(core: Core, engine_id: str, operation: str, reason: str) -> None:
     """Write (or refresh) this process's quarantine record of an engine."""
     process = str(identity.current())

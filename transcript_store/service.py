@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import text
 
 from . import mirror
@@ -177,6 +178,7 @@ class Service:
 
     def open_session(self, scope: str, req: OpenSession) -> SessionInfo:
         """Create by id (idempotent), or open by key; ``rebind_key`` ends the key's other holder first."""
+        _check_request(req, OpenSession)
         if req.session_id is None:
             if req.session_key is None:
                 return self.store.create_session(scope)
@@ -218,6 +220,7 @@ class Service:
 
     def delta(self, scope: str, session_id: str, req: DeltaRequest) -> DeltaPage | DeltaReset:
         """A visible-delta page or reset; an unknown session is UnknownSession (a 404), not ``missing``."""
+        _check_request(req, DeltaRequest)
         fence = self._own(scope, session_id, req.fence)
         result = self.store.read_visible_delta(
             scope, session_id, req.cursor, max_messages=req.max_messages, max_bytes=req.max_bytes, fence=fence
@@ -228,10 +231,12 @@ class Service:
 
     def append(self, scope: str, session_id: str, req: AppendRequest) -> list[Entry]:
         """Append entries as one chain."""
+        _check_request(req, AppendRequest)
         return self.store.append_many(scope, session_id, req.items)
 
     def admit(self, scope: str, session_id: str, req: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""
+        _check_request(req, AdmitRequest)
         return self.store.admit(scope, session_id, req.message, turn_id=req.turn_id, entry_id=req.entry_id)
 
     # ------------------------------------------------------------------------------------ engines
@@ -293,6 +298,7 @@ class Service:
     def bootstrap_state(self, scope: str, engine_id: str, session_id: str) -> BootstrapState:
         """Where the next import page of the session resumes."""
         self.engine(engine_id)
+        check_id("scope", scope)
         check_id("session_id", session_id)
 
         def run(c: Core) -> BootstrapState:
@@ -304,6 +310,7 @@ class Service:
 
     def bootstrap(self, scope: str, engine_id: str, session_id: str, req: BootstrapRequest) -> BootstrapResponse:
         """Mirror one host page (idempotent), then on ``done`` run the engine's bootstrap."""
+        _check_request(req, BootstrapRequest)
         call = self._call(scope, engine_id, session_id)
         out = BootstrapResponse(cursor=None, position=0, visible_count=0)
         if req.page is not None:
@@ -337,6 +344,7 @@ class Service:
 
     def assemble(self, scope: str, engine_id: str, session_id: str, req: AssembleRequest) -> AssembleResult:
         """The engine's context for the next model call (before ``fence`` when given)."""
+        _check_request(req, AssembleRequest)
         call = self._call(scope, engine_id, session_id)
         fence = self._own(scope, session_id, req.fence)
         budget = req.token_budget or self.default_budget
@@ -356,6 +364,7 @@ class Service:
 
     def compact(self, scope: str, engine_id: str, session_id: str, req: CompactRequest) -> CompactResult:
         """The engine's compaction."""
+        _check_request(req, CompactRequest)
         call = self._call(scope, engine_id, session_id)
         method = self._lifecycle(call, "compact")
         # An engine that keeps its own copy (lossless) compacts that copy: pages a host imported without
@@ -381,6 +390,7 @@ class Service:
 
     def commit_turn(self, scope: str, engine_id: str, session_id: str, req: CommitTurnRequest) -> CommitTurnResponse:
         """Mirror the turn and commit it through the engine's ledger, in ONE transaction."""
+        _check_request(req, CommitTurnRequest)
         call = self._call(scope, engine_id, session_id)
         durable, reason, _broken = durable_declaration(call.engine, call.info)
         if not durable:
@@ -423,6 +433,7 @@ class Service:
     def receipts(self, scope: str, engine_id: str, session_id: str) -> list[Any]:
         """The engine's ledger for one session (UnknownEngine when none has this id, like every engine route)."""
         self._known_engine(engine_id)
+        check_id("scope", scope)
         check_id("session_id", session_id)
 
         def run(c: Core) -> list[Any]:
@@ -449,6 +460,12 @@ class Service:
         """Dispose of the engines and release the store."""
         self.runtime.dispose()
         self.store.close()
+
+
+def _check_request(req: object, model: type[BaseModel]) -> None:
+    """InvalidInput unless ``req`` is a ``model`` (what the HTTP layer validates a request body into)."""
+    if not isinstance(req, model):
+        raise InvalidInput(f"the request must be a {model.__name__}, not {type(req).__name__}")
 
 
 def _committed_range(
