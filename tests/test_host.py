@@ -213,6 +213,35 @@ def test_a_quarantine_record_the_database_keeps_refusing_is_given_up(
     assert "first" in host.quarantined and "second" in host.quarantined
 
 
+def test_the_callers_runtime_context_reaches_the_engine_as_values(store: TranscriptStore, sid: str) -> None:
+    """run_turn's runtime_context was accepted and dropped: the engine never saw it. It is now the
+    RuntimeContext's ``values``, a copy, in every call of the turn; anything but a JSON object of at
+    most 64 KiB is refused before the turn starts, nothing written."""
+
+    class Seeing(CountingEngine):
+        def assemble(self, **kw: Any) -> AssembleResult:
+            self.calls.append(("values", {"values": kw["runtime_context"].values}))
+            return super().assemble(**kw)
+
+    engines: dict[str, Seeing] = {}
+    host, _ = make_host(store, "seeing", {"seeing": lambda ctx: engines.setdefault("e", Seeing(ctx, "seeing"))})
+    mine = {"workspace": "/srv/agent", "user": {"tier": "pro", "tags": ["a", "b"]}}
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1", runtime_context=mine)
+    assert out.engine_id == "seeing" and out.commit_status == "committed"
+    seen = [kw["values"] for name, kw in engines["e"].calls if name == "values"]
+    assert seen == [mine]
+    mine["user"]["tier"] = "changed"  # the engine holds a copy, not the caller's object
+    assert seen[0]["user"]["tier"] == "pro"
+    host.run_turn(SCOPE, sid, "again", turn_id="t2")  # none given: empty
+    assert [kw["values"] for name, kw in engines["e"].calls if name == "values"][-1] == {}
+    before = store.get_session(SCOPE, sid).entry_count
+    for bad in (["a"], "text", {1: "x"}, {"x": float("nan")}, {"x": "\ud800"}, {"x": object()},
+                {"x": "y" * (64 * 1024)}):
+        with pytest.raises(InvalidInput, match="runtime_context"):
+            host.run_turn(SCOPE, sid, "bad", runtime_context=bad)  # type: ignore[arg-type]
+    assert store.get_session(SCOPE, sid).entry_count == before
+
+
 def test_an_engine_failing_to_give_its_tools_degrades_the_turn_to_legacy(store: TranscriptStore, sid: str) -> None:
     """get_tool_schemas runs before the model is first called: an engine raising there is quarantined
     and the turn is answered on legacy, as for assemble, not failed."""

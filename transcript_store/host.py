@@ -61,7 +61,15 @@ from .errors import (
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .maintenance import BackgroundMaintenance
-from .models import Admission, Anchor, Replacement, RewriteResult, validate_message
+from .models import (
+    Admission,
+    Anchor,
+    Replacement,
+    RewriteResult,
+    compact_json,
+    validate_event_payload,
+    validate_message,
+)
 from .outbox import TurnIntent
 from .registry import EngineRegistry
 from .settings import HostSettings
@@ -126,6 +134,28 @@ class TurnOutcome:
     terminal: Anchor | None
 
 
+#: the largest ``runtime_context`` a caller may hand ``run_turn``, as compact JSON
+MAX_RUNTIME_CONTEXT_BYTES = 64 * 1024
+
+
+def host_values(runtime_context: object) -> dict[str, Any]:
+    """``run_turn``'s ``runtime_context`` checked (a JSON object of at most 64 KiB, or None) and copied."""
+    if runtime_context is None:
+        return {}
+    if not isinstance(runtime_context, dict):
+        kind = type(runtime_context).__name__
+        raise InvalidInput(f"runtime_context must be a dict (a JSON object) or None, not {kind}")
+    try:
+        validate_event_payload(runtime_context)
+    except InvalidInput as e:
+        raise InvalidInput(f"runtime_context: {e}") from None
+    text = compact_json(runtime_context)
+    if len(text.encode("utf-8")) > MAX_RUNTIME_CONTEXT_BYTES:
+        raise InvalidInput(f"runtime_context must be at most {MAX_RUNTIME_CONTEXT_BYTES} bytes of JSON")
+    copied: dict[str, Any] = json.loads(text)
+    return copied
+
+
 @dataclass
 class RuntimeContext:
     """What the host offers an engine during one turn (the ``runtime_context`` host param)."""
@@ -138,6 +168,8 @@ class RuntimeContext:
     #: the prompt's budget of the operation (what the delegated compaction works to); None: the
     #: budget less the reply's tokens
     budget: int | None = None
+    #: the caller's own facts for the engine (``run_turn``'s ``runtime_context``: a JSON object, copied)
+    values: dict[str, Any] = field(default_factory=dict)
 
     def rewrite_transcript_entries(
         self,
@@ -596,6 +628,7 @@ class HostRuntime:
             raise InvalidInput("a turn starts with a user message")
         check_id("scope", scope)
         check_id("session_id", session_id)
+        values = host_values(runtime_context)
         if turn_id:
             # A turn id given may be a retry's: the session on the way that holds it (one read, only for
             # a session with successors). Checked first: it is looked up before the admission checks it.
@@ -608,12 +641,12 @@ class HostRuntime:
         # An unknown session is refused by the admission's transaction (UnknownSession), before any
         # write: no read transaction of its own to ask first.
         try:
-            return self._run_turn(scope, session_id, user, turn_id, runtime_context)
+            return self._run_turn(scope, session_id, user, turn_id, values)
         finally:
             self.flush_quarantines()
 
     def _run_turn(
-        self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, runtime_context: dict[str, Any] | None
+        self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, values: dict[str, Any]
     ) -> TurnOutcome:
         decision = self.decide(scope, session_id, turn_id)
         # This call's attempts hold the turn's intent under one lease owner of their own, and a failing
@@ -629,7 +662,7 @@ class HostRuntime:
             attempts += 1
             try:
                 try:
-                    outcome = self._attempt(scope, session_id, user, turn_id, decision, runtime_context, owner)
+                    outcome = self._attempt(scope, session_id, user, turn_id, decision, values, owner)
                 finally:
                     self._leases.release(scope, session_id, turn_id)
             except _Degrade as d:
@@ -743,7 +776,7 @@ class HostRuntime:
         user: dict[str, Any],
         turn_id: str,
         decision: _Decision,
-        runtime_context: dict[str, Any] | None,
+        values: dict[str, Any],
         owner: str,
     ) -> TurnOutcome:
         engine_id = decision.engine_id
@@ -815,7 +848,7 @@ class HostRuntime:
         if self.before_assemble is not None:
             self.before_assemble(scope, session_id, admission)
         session_key = fence.session_key
-        rt = RuntimeContext(self, scope, session_id, fence, turn_id, self.prompt_budget(reserved))
+        rt = RuntimeContext(self, scope, session_id, fence, turn_id, self.prompt_budget(reserved), values)
         host_params = {
             "session_key": session_key,
             "prompt": user,
@@ -1350,7 +1383,7 @@ class HostRuntime:
         params = dict(params)
         ctx = params.get("runtime_context")
         if isinstance(ctx, RuntimeContext):  # the turn that asked is over: no fence, no turn id
-            params["runtime_context"] = RuntimeContext(self, scope, session_id, None, None, ctx.budget)
+            params["runtime_context"] = RuntimeContext(self, scope, session_id, None, None, ctx.budget, ctx.values)
         try:
             live[0].maintain(**params)
         except Exception as e:
