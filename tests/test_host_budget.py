@@ -82,6 +82,15 @@ def test_a_bad_turn_id_is_refused_before_the_retry_lookup_once_the_session_has_a
     assert len(model.requests) == 1
 
 
+def test_a_successor_in_another_scope_is_refused_even_under_the_same_id(store: TranscriptStore, sid: str) -> None:
+    """A target in another scope named like the session was taken as "no change", silently."""
+    host, _ = make_host(store)
+    for target in (SessionTarget(scope="other", session_id=sid), SessionTarget(scope="other", session_id="x")):
+        with pytest.raises(InvalidInput, match="same scope"):
+            host.follow(SCOPE, sid, target)
+    assert host.resolve_session(SCOPE, sid) == sid
+
+
 def test_a_session_rotated_back_to_is_the_one_in_use(store: TranscriptStore, sid: str) -> None:
     """sess -> sess-2, then sess-2 -> sess: new turns, from either id, run in sess (the chain had a cycle,
     and the retry lookup and resolve_session walked it to different ends)."""

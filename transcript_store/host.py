@@ -548,10 +548,12 @@ class HostRuntime:
                 raise InvalidInput(f"a session target must be a SessionTarget, not {type(target).__name__}")
             check_id("session_target.scope", target.scope)
             check_id("session_target.session_id", target.session_id)
-        if target is None or target.session_id == old_session_id:
+        if target is None:
             return old_session_id
-        if target.scope != scope:
+        if target.scope != scope:  # even under the same id: that is another scope's session
             raise InvalidInput("a successor session must stay in the same scope")
+        if target.session_id == old_session_id:
+            return old_session_id
         self._successors[(scope, old_session_id)] = target.session_id
         # The target is the session in use now: a successor it had (a rotation back to it) is over, and
         # the chains stay without cycles.
