@@ -543,13 +543,12 @@ class HostRuntime:
         """Record a successor session target; returns the session the next turn uses."""
         check_id("scope", scope)
         check_id("session_id", old_session_id)
-        if target is not None:
-            if not isinstance(target, SessionTarget):
-                raise InvalidInput(f"a session target must be a SessionTarget, not {type(target).__name__}")
-            check_id("session_target.scope", target.scope)
-            check_id("session_target.session_id", target.session_id)
         if target is None:
             return old_session_id
+        if not isinstance(target, SessionTarget):
+            raise InvalidInput(f"a session target must be a SessionTarget, not {type(target).__name__}")
+        check_id("session_target.scope", target.scope)
+        check_id("session_target.session_id", target.session_id)
         if target.scope != scope:  # even under the same id: that is another scope's session
             raise InvalidInput("a successor session must stay in the same scope")
         if target.session_id == old_session_id:
@@ -567,6 +566,10 @@ class HostRuntime:
         check_id("scope", scope)
         check_id("session_id", session_id)
         check_id("turn_id", turn_id)
+        return self._decide(scope, session_id, turn_id)
+
+    def _decide(self, scope: str, session_id: str, turn_id: str) -> _Decision:
+        """``decide`` for ids already checked (``run_turn`` checks them once, before anything else)."""
         key = (scope, session_id, turn_id)
         if key in self._decisions:
             self._decisions.move_to_end(key)
@@ -638,7 +641,7 @@ class HostRuntime:
             session_id = self._session_of_turn(scope, session_id, turn_id)
         else:
             turn_id = new_id()
-            session_id = self.resolve_session(scope, session_id)
+            session_id = self._chain(scope, session_id)[-1]  # resolve_session, the ids checked above
         self._settle_background_failures()
         # An unknown session is refused by the admission's transaction (UnknownSession), before any
         # write: no read transaction of its own to ask first.
@@ -650,7 +653,7 @@ class HostRuntime:
     def _run_turn(
         self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, values: dict[str, Any]
     ) -> TurnOutcome:
-        decision = self.decide(scope, session_id, turn_id)
+        decision = self._decide(scope, session_id, turn_id)
         # This call's attempts hold the turn's intent under one lease owner of their own, and a failing
         # one discards the intent only while they still hold it: a retry of the turn by another worker
         # or thread may have taken it over meanwhile, and is running on.
