@@ -39,6 +39,7 @@ class ServiceProcess:
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.stdout_rest = ""
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         """Start and wait for the 'listening on URL' line."""
@@ -84,6 +85,8 @@ class ServiceProcess:
             except ProcessLookupError:
                 pass
         if proc.stdout is not None:
+            if proc.returncode is not None:  # what it wrote after the 'listening' line, to its end
+                self.stdout_rest = proc.stdout.read().decode("utf-8", "replace")
             proc.stdout.close()
 
     def __enter__(self) -> ServiceProcess:

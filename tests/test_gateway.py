@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from rich.console import Console
 
 from transcript_store.gateway import GatewayOptions, run_gateway
@@ -30,3 +33,47 @@ def test_gateway_run_with_faults_is_exactly_once(store_url: str) -> None:
     # Every rewrite forced a turn-local degradation that the report explains.
     assert sum(report.degraded.values()) >= 1
     assert report.engine == "lossless"
+
+
+LOUD_ENGINE = """
+import warnings
+
+from engines.legacy import LegacyEngine
+
+
+class Loud(LegacyEngine):
+    info = LegacyEngine.info.model_copy(update={"id": "loud", "name": "loud"})
+
+    def assemble(self, **kw):
+        print("printed \\x1b]0;owned\\x07 \\ud800 end")
+        warnings.warn("warned \\x1b[2J here")
+        return super().assemble(**kw)
+
+
+def create_engine(ctx):
+    return Loud(ctx)
+"""
+
+
+def test_an_engines_own_output_in_a_worker_is_shown_not_obeyed(
+    store_url: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # An engine quoting stored text in print() or warnings.warn() must not move the operator's terminal
+    # (a window title, a cleared screen), and a lone surrogate must not fail its turn.
+    folder = tmp_path / "plugins" / "loud"
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text("name: loud\nversion: 1.0\nentry: create_engine\n")
+    (folder / "__init__.py").write_text(LOUD_ENGINE)
+    config = tmp_path / "transcript-store.toml"
+    config.write_text('[engine]\nplugin_dirs = ["plugins"]\n')
+    options = GatewayOptions(
+        db_url=store_url, engine="loud", workers=1, sessions=1, turns=2, faults=False, progress=False,
+        config_path=str(config),
+    )
+    report = run_gateway(options, Console(quiet=True))
+    assert report.ok, report.problems
+    assert report.committed == 2 and not report.degraded
+    out, err = capfd.readouterr()
+    assert "printed \\x1b]0;owned\\x07 \\ud800 end" in out
+    assert "warned \\x1b[2J here" in err
+    assert "\x1b" not in out + err

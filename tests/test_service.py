@@ -716,3 +716,25 @@ def test_a_compaction_without_a_budget_gets_the_prompt_budget_assemble_gets(stor
     service.compact("scope-a", "rec", sid, CompactRequest())
     service.compact("scope-a", "rec", sid, CompactRequest(token_budget=1234))
     assert seen == [4000 - 500, 1234] and service.default_budget == 4000 - 500
+
+
+def test_an_engines_own_output_in_serve_is_shown_not_obeyed(db_url: str, tmp_path: Path) -> None:
+    """An engine's print() and warnings.warn() in the server process quote stored text: shown on the
+    operator's terminal, never obeyed by it, and a lone surrogate in them fails no request."""
+    from test_gateway import LOUD_ENGINE
+
+    folder = tmp_path / "plugins" / "loud"
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text("name: loud\nversion: 1.0\nentry: create_engine\n")
+    (folder / "__init__.py").write_text(LOUD_ENGINE)
+    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    with ServiceProcess(db_url, TOKENS, tmp_path / "serve.log", env=env) as server:
+        sid = open_session(server)["session_id"]
+        status, done = commit(server, "loud", sid, "loud-1", 0, [user("hi"), assistant("hello")])
+        assert status == 200 and done["status"] == "committed", done
+        status, assembled = server.call("POST", f"/v1/engines/loud/sessions/{sid}/assemble", TOKEN_A, {})
+        assert status == 200 and len(assembled["messages"]) == 2, assembled
+    log = server.log()
+    assert "printed \\x1b]0;owned\\x07 \\ud800 end" in server.stdout_rest
+    assert "warned \\x1b[2J here" in log
+    assert "\x1b" not in server.stdout_rest + log

@@ -54,7 +54,7 @@ from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_
 from .models import Entry, SessionInfo
 from .settings import MAX_TOKENS, HostSettings, load_settings
 from .store import TranscriptStore
-from .terminal import shown, shown_log_handler
+from .terminal import show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
@@ -1289,6 +1289,9 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
         if host not in ("127.0.0.1", "::1", "localhost"):
             click.echo(f"warning: listening on {host}, beyond this machine", err=True)
         logging.getLogger("transcript_store").setLevel(logging.INFO)
+        # Engines run in this process: their print() and warnings.warn() quote stored text as their log
+        # records do (uvicorn logs through the root handler here: log_config=None).
+        show_process_output()
         run_server(app, sock, access_log=access_log,
                    announce=lambda url: click.echo(f"transcript-store serve: listening on {url} ({store.url})"))
     finally:

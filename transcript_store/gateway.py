@@ -33,7 +33,7 @@ from .core import from_us, now_us
 from .db import mask_url
 from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
-from .terminal import shown, shown_log_handler
+from .terminal import show_process_output, shown, shown_log_handler
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
@@ -224,6 +224,8 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
     # drown the progress bar; the report counts them.
     logging.basicConfig(level=logging.WARNING, handlers=[shown_log_handler()])
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
+    # An engine's print() or warnings.warn() quotes stored text as freely as its log records do.
+    show_process_output()
     try:
         store = TranscriptStore(url)
         settings = load_settings(options.config_path, engine=options.engine)

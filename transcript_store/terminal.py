@@ -7,10 +7,11 @@ the operator's terminal instead. Machine output (--json) keeps the text as it is
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from logging import _SysExcInfoType
@@ -51,3 +52,50 @@ def shown_log_handler() -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ShownFormatter(LOG_FORMAT))
     return handler
+
+
+class ShownStream(io.TextIOBase):
+    """A text stream for a terminal that shows what is written to it: control characters as ``\\xNN``
+    (newlines and tabs kept) and what the terminal's encoding cannot take (a lone surrogate) as a
+    backslash escape. A gateway worker's ``sys.stdout`` / ``sys.stderr``: an engine's ``print`` or a
+    library's direct write quotes stored text as freely as a log record does."""
+
+    def __init__(self, inner: TextIO) -> None:
+        super().__init__()
+        self._inner = inner
+        self._encoding = getattr(inner, "encoding", None) or "utf-8"
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        """The encoding of the stream written to."""
+        return self._encoding
+
+    def writable(self) -> bool:
+        """A shown stream is written to, never read."""
+        return True
+
+    def isatty(self) -> bool:
+        """Whether the stream written to is a terminal."""
+        return self._inner.isatty()
+
+    def write(self, text: str) -> int:
+        """Write ``text`` shown; the count is of the characters given, as a text stream's is."""
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        out = shown(text).encode(self._encoding, "backslashreplace").decode(self._encoding, "replace")
+        self._inner.write(out)
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the stream written to."""
+        self._inner.flush()
+
+
+def show_process_output() -> None:
+    """Route a worker process's own output through :class:`ShownStream` and its warnings through logging
+    (configure the log handler first: it keeps the stream it was given)."""
+    logging.captureWarnings(True)
+    if not isinstance(sys.stdout, ShownStream) and sys.stdout is not None:
+        sys.stdout = ShownStream(sys.stdout)
+    if not isinstance(sys.stderr, ShownStream) and sys.stderr is not None:
+        sys.stderr = ShownStream(sys.stderr)
