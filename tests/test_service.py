@@ -528,6 +528,49 @@ def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: P
         assert cid in log and "Traceback" in log and "secret internals" in log
 
 
+MISSHAPEN = """
+from transcript_store.engine import EngineInfo, TranscriptSemantics
+
+class Misshapen:
+    info = EngineInfo(id="misshapen", transcript_semantics=TranscriptSemantics(
+        current_turn_fence="before-current-turn-entry-v1", turn_advancement_idempotency="atomic-idempotent-v1"))
+
+    def __init__(self, ctx):
+        pass
+
+    def assemble(self, **kw):
+        return {"messages": "secret not a list", "estimated_tokens": -1}
+
+    def commit_turn(self, **kw):
+        raise ValueError("secret internals of a bug")
+
+def create_engine(ctx):
+    return Misshapen(ctx)
+"""
+
+
+def test_an_engines_value_error_is_the_servers_fault_not_the_requests(db_url: str, tmp_path: Path) -> None:
+    """An engine raising ValueError, or returning a result that does not validate (pydantic's error is a
+    ValueError), answered 400 invalid_input with the engine's message: the client was blamed, the
+    internals shown, and nothing logged. It is a 500 with a correlation id, as any engine bug."""
+    plugin = tmp_path / "plugins" / "misshapen"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: misshapen\nentry: create_engine\n")
+    (plugin / "__init__.py").write_text(MISSHAPEN)
+    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    with ServiceProcess(db_url, TOKENS, tmp_path / "serve.log", env=env) as server:
+        sid = open_session(server)["session_id"]
+        status, data = server.call("POST", f"/v1/engines/misshapen/sessions/{sid}/assemble", TOKEN_A, {})
+        assert status == 500 and data["error"]["code"] == "internal_error", data
+        assert "secret" not in json.dumps(data)
+        status, data = commit(server, "misshapen", sid, "k", 0, [user("q"), assistant("a")])
+        assert status == 500 and data["error"]["code"] == "internal_error", data
+        assert "secret" not in json.dumps(data)
+        status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+        assert status == 200 and page["entries"] == []  # the failed commit wrote nothing
+    assert "secret internals of a bug" in server.log()
+
+
 # ---------------------------------------------------------------------------------------------- fleets
 
 

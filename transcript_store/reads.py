@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from .core import Core, entry_from_row, foreign_incarnation
 from .cursors import CursorState, decode_cursor, start_cursor
-from .errors import ReadFenceError
+from .errors import InvalidInput, ReadFenceError
 from .fences import check_fence
 from .models import Anchor, DeltaMissing, DeltaPage, DeltaReset, DeltaResult, Entry
 
@@ -16,10 +16,10 @@ MAX_BYTES = 64 * 1024 * 1024
 
 
 def check_limits(max_messages: int, max_bytes: int) -> None:
-    """Out-of-range limits are a ValueError, not a clamp."""
+    """Out-of-range limits are refused (InvalidInput), not clamped."""
     for name, value, top in (("max_messages", max_messages, MAX_MESSAGES), ("max_bytes", max_bytes, MAX_BYTES)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ValueError(f"{name} must be an integer in 1..{top}, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer in 1..{top}, got {value!r}")
 
 
 class NeedsSnapshot(Exception):

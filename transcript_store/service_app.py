@@ -100,7 +100,8 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (StorageFull, 503, "store_full"),
     (StoreUnavailable, 503, "store_unavailable"),
     (EngineError, 503, "engine_unavailable"),
-    (ValueError, 400, "invalid_input"),  # the store's range checks on limits
+    # Nothing untyped: an engine's own ValueError (a pydantic error of the result it returned among them) is
+    # the server's fault, a 500 with a correlation id, never a 400 blaming the request.
 )
 #: FastAPI's detail for a request body it could not decode other than as malformed JSON
 _BODY_NOT_PARSED = "There was an error parsing the body"
@@ -330,8 +331,7 @@ def _errors(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first.get("loc", ()))
         return error_json(422, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
 
-    for kind in (TranscriptStoreError, ValueError):
-        app.add_exception_handler(kind, library)
+    app.add_exception_handler(TranscriptStoreError, library)
     app.add_exception_handler(StarletteHTTPException, http)
     app.add_exception_handler(RequestValidationError, validation)
 

@@ -191,7 +191,7 @@ class TranscriptStore:
         check_id("scope", scope)
         check_id("after", after, optional=True)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ValueError(f"limit must be an integer in 1..10000, got {limit!r}")
+            raise InvalidInput(f"limit must be an integer in 1..10000, got {limit!r}")
         return self.read(lambda c: c.list_sessions(scope, after, limit))
 
     def session_bytes(self, scope: str, session_id: str) -> int:
@@ -367,9 +367,9 @@ class TranscriptStore:
         """Every stored entry (off-branch and non-message ones too) in raw seq order."""
         self._ids(scope, session_id)
         if isinstance(after_seq, bool) or not isinstance(after_seq, int) or not -1 <= after_seq <= MAX_INT:
-            raise ValueError(f"after_seq must be an integer in -1..{MAX_INT}")
+            raise InvalidInput(f"after_seq must be an integer in -1..{MAX_INT}, got {after_seq!r}")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ValueError("limit must be an integer in 1..10000")
+            raise InvalidInput(f"limit must be an integer in 1..10000, got {limit!r}")
 
         def run(c: Core) -> list[Entry]:
             c.require_session(scope, session_id)

@@ -407,7 +407,7 @@ class Turns:
         check_id("session_id", session_id, optional=True)
         limit = self.config.drain_limit if limit is None else limit
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_DRAIN:
-            raise ValueError(f"limit must be None or an integer in 1..{MAX_DRAIN}, got {limit!r}")
+            raise InvalidInput(f"limit must be None or an integer in 1..{MAX_DRAIN}, got {limit!r}")
         _check_callable("on_committed", on_committed, optional=True)
         # One owner per drain call: a claim retried after an uncertain commit recognises its own lease
         # (instead of waiting for it to expire), and two drains of one process never share a claim.
@@ -532,7 +532,7 @@ class Turns:
         """Every outbox row (pending, blocked, in progress), at most ``limit`` (1..10000)."""
         check_id("scope", scope, optional=True)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ValueError(f"limit must be an integer in 1..10000, got {limit!r}")
+            raise InvalidInput(f"limit must be an integer in 1..10000, got {limit!r}")
         return self.store.read(lambda c: outbox.list_intents(c, scope, limit))
 
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
