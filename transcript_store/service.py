@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,23 +79,53 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+def _printable_token(token: str) -> bool:
+    """Whether ``token`` can be a bearer token: non-empty printable ASCII without whitespace (what an HTTP
+    header carries: the service reads its Authorization header as Latin-1)."""
+    return bool(token) and token.isascii() and token.isprintable() and not any(c.isspace() for c in token)
+
+
+def _shown(path: object) -> str:
+    """A path for an error message, on one printable line (a NUL or lone surrogate escaped)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+#: the largest tokens file read (bytes): a device (/dev/zero) or a stray huge file must not fill memory
+MAX_TOKENS_FILE_BYTES = 16 * 1024 * 1024
+
 #: a transaction-scoped lock on one (scope, session key): rebinds of a key queue up on PostgreSQL
 _KEY_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 
 
 class TokenMap:
-    """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept."""
+    """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept.
 
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+    A token is non-empty printable ASCII without whitespace; a scope is an id a session can be created
+    under. Anything else, from a file, the environment or a caller, is refused with ``InvalidInput``.
+    A presented token is looked up by its digest: its own characters are never compared with a known
+    token's, so the time a lookup takes says nothing about them.
+    """
+
+    def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Map each (token, scope); a token given twice with two scopes is refused."""
+        if isinstance(pairs, str | bytes | Mapping) or not isinstance(pairs, Iterable):
+            # A dict's keys would be unpacked as pairs: {"ab": "s"} mapped the token "a" to scope "b".
+            raise InvalidInput("tokens must be (token, scope) pairs, not a " + type(pairs).__name__)
         self._scopes: dict[str, str] = {}
-        for token, scope in pairs:
+        for pair in pairs:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise InvalidInput(f"tokens must be (token, scope) pairs, got a {type(pair).__name__}")
+            token, scope = pair
+            if not isinstance(token, str):
+                raise InvalidInput(f"a token must be a string, not {type(token).__name__}")
             if not token or any(c.isspace() for c in token):
                 raise InvalidInput("a token must be non-empty and contain no whitespace")
-            if not (token.isascii() and token.isprintable()):
+            if not _printable_token(token):
                 # A request's Authorization header is read as Latin-1: such a token could never match.
                 raise InvalidInput("a token must be printable ASCII (an HTTP header carries no other)")
-            check_id("scope", scope)
+            # new: a scope the store cannot create a session under would refuse every request of its token
+            check_id("scope", scope, new=True)
             digest = _digest(token)
             if self._scopes.get(digest, scope) != scope:
                 raise InvalidInput("a token maps to exactly one scope; one is listed with two")
@@ -106,18 +136,29 @@ class TokenMap:
         return len(self._scopes)
 
     def scope_for(self, token: str) -> str | None:
-        """The scope of a presented token, or None."""
+        """The scope of a presented token, or None (for anything that is not exactly a known token)."""
+        if not isinstance(token, str) or not _printable_token(token):
+            return None  # never a known token; and a lone surrogate could not even be hashed
         return self._scopes.get(_digest(token))
 
     @classmethod
     def parse_file(cls, path: str | Path) -> list[tuple[str, str]]:
         """``token scope`` per line; blank lines and ``#`` comments are skipped."""
+        if not isinstance(path, str | os.PathLike):
+            raise InvalidInput(f"a tokens file path must be a string, not {type(path).__name__}")
         try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_TOKENS_FILE_BYTES + 1)
+            if len(data) > MAX_TOKENS_FILE_BYTES:
+                raise InvalidInput(f"{_shown(path)}: a tokens file is at most {MAX_TOKENS_FILE_BYTES} bytes")
             # utf-8-sig: an editor's byte-order mark would otherwise be part of the first token, which
             # then never matched a request's.
-            text = Path(path).read_text(encoding="utf-8-sig")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"cannot read {path}: {e}") from e
+            text = data.decode("utf-8-sig")
+        except InvalidInput:
+            raise
+        # ValueError: a NUL in the path; UnicodeError: a lone surrogate in it, or a file that is not UTF-8
+        except (OSError, ValueError) as e:
+            raise InvalidInput(f"cannot read {_shown(path)}: {e}") from e
         pairs = []
         for number, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
@@ -125,7 +166,7 @@ class TokenMap:
                 continue
             words = line.split()
             if len(words) != 2:
-                raise InvalidInput(f"{path}:{number}: expected 'TOKEN SCOPE'")
+                raise InvalidInput(f"{_shown(path)}:{number}: expected 'TOKEN SCOPE'")
             pairs.append((words[0], words[1]))
         return pairs
 
@@ -133,6 +174,8 @@ class TokenMap:
     def parse_env(cls, value: str) -> list[tuple[str, str]]:
         """``tok1=scopeA,tok2=scopeB``; each item splits at its LAST '=' (a token may end in base64 '='
         padding, a scope never holds '='), and an empty token or scope is refused."""
+        if not isinstance(value, str):
+            raise InvalidInput(f"{TOKENS_ENV} must be a string, not {type(value).__name__}")
         pairs = []
         for part in filter(None, (p.strip() for p in value.split(","))):
             token, sep, scope = part.rpartition("=")
@@ -145,10 +188,10 @@ class TokenMap:
         return pairs
 
     @classmethod
-    def load(cls, path: str | None = None, env: str | None = None) -> TokenMap:
+    def load(cls, path: str | Path | None = None, env: str | None = None) -> TokenMap:
         """Tokens from ``path`` and the TRANSCRIPT_STORE_TOKENS value (``env``; default: the environment)."""
         value = os.environ.get(TOKENS_ENV, "") if env is None else env
-        pairs = (cls.parse_file(path) if path else []) + cls.parse_env(value)
+        pairs = (cls.parse_file(path) if path is not None and path != "" else []) + cls.parse_env(value)
         return cls(pairs)
 
 

@@ -260,12 +260,26 @@ class CatchAll:
 _bearer = HTTPBearer(auto_error=False, description="a token from --tokens FILE or TRANSCRIPT_STORE_TOKENS")
 
 
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization`` value ``Bearer <token>`` (scheme in any case, then one or more
+    spaces), with only spaces and tabs around it dropped; None for any other value."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip(" \t")
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def caller(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> str:
     """The scope of the request's bearer token; 401 without a known one."""
     tokens: TokenMap = request.app.state.tokens
-    scope = tokens.scope_for(credentials.credentials) if credentials is not None else None
+    # ``credentials`` (which declares the scheme in the OpenAPI document) has the token stripped of any
+    # Unicode whitespace of the Latin-1 header: "tok\x85" or "\xa0tok" would open tok's scope. The token
+    # is read again here with only the spaces around it dropped: it must be exactly a known token.
+    token = bearer_token(request.headers.get("authorization")) if credentials is not None else None
+    scope = tokens.scope_for(token) if token is not None else None
     if scope is None:
         raise StarletteHTTPException(401, "a valid bearer token is required")
     return scope
