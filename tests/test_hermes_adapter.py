@@ -419,3 +419,67 @@ def test_a_reply_hermes_merged_into_our_acknowledgement_is_stored(tmp_path: Path
     out = engine.compress(conversation("lambda", 10))
     engine.on_turn_complete([*out, merged, user("lambda next")])
     assert merged in engine.stored_messages("s1")
+
+
+FILLER_ENGINE = """
+from engines.legacy import LegacyEngine
+
+ADDITION = "Standing orders: " + "keep every promise made earlier in this conversation. " * 10
+
+
+class Filler(LegacyEngine):
+    info = LegacyEngine.info.model_copy(update={"id": "filler", "name": "filler"})
+
+    def assemble(self, **kw):
+        result = super().assemble(**kw)  # the legacy engine fills its budget with the latest messages
+        return result.model_copy(update={"system_prompt_addition": ADDITION})
+
+
+def create_engine(ctx):
+    return Filler(ctx)
+"""
+
+
+def test_a_plugin_folder_engine_installed_for_hermes_loads_and_its_addition_is_reserved(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hermes install --engine X` accepted an engine of the settings' plugin folders, but the adapter
+    looked only at entry points: every compress then failed to load it. And an engine that fills its
+    budget and adds to the system prompt put the answer over the aim by its addition."""
+    import importlib.util
+
+    import transcript_store.hermes as adapter
+
+    folder = tmp_path / "my-engines" / "filler"
+    folder.mkdir(parents=True)
+    (folder / "plugin.yaml").write_text("name: filler\nversion: 1.0\nentry: create_engine\n")
+    (folder / "__init__.py").write_text(FILLER_ENGINE)
+    monkeypatch.setenv("TRANSCRIPT_STORE_PLUGIN_DIRS", str(tmp_path / "my-engines"))
+    home = tmp_path / "home"
+    home.mkdir()
+    result = CliRunner().invoke(cli, ["--db", store_url, "hermes", "install", "--home", str(home), "--engine", "filler",
+                                      "--threshold", "3000"])
+    assert result.exit_code == 0, result.output
+    monkeypatch.delenv("TRANSCRIPT_STORE_PLUGIN_DIRS")  # Hermes runs with its own environment
+    registered: list[Any] = []
+    monkeypatch.setattr(adapter, "create_engine", lambda **kw: create_engine(allow_stand_in=True, **kw))
+    plugin = home / "plugins" / "transcript_store_hermes"
+    spec = importlib.util.spec_from_file_location("hermes_plugin_under_test", plugin / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.register(type("Ctx", (), {"register_context_engine": staticmethod(registered.append)})())
+    engine = registered[0]
+    engine.on_session_start("s1")
+    est = RoughEstimator()
+    system = {"role": "system", "content": "You are a careful assistant."}
+    current = user("omega now: what did we settle?")
+    messages = [system, *conversation("omega", 30), current]
+    overhead = 800
+    out = engine.compress(copy.deepcopy(messages), current_tokens=est.count_messages(messages) + overhead)
+    assert engine.compression_count == 1 and out[-1] == current
+    assert out[0]["content"].startswith(system["content"]) and "Standing orders" in out[0]["content"]
+    aim = 0.75 * engine.threshold_tokens
+    assert est.count_messages(out) + overhead <= aim, (est.count_messages(out) + overhead, aim)
+    assert_once(engine, "s1", messages[1:])
+    engine.close()

@@ -45,6 +45,7 @@ from .core import Core, entry_from_row
 from .engine import EngineContext
 from .errors import describe
 from .registry import EngineRegistry
+from .settings import PLUGIN_DIRS_ENV
 from .store import AppendItem, TranscriptStore
 from .tokens import RoughEstimator
 
@@ -96,6 +97,15 @@ def split_system(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any
     while n < len(messages) and messages[n].get("role") == "system":
         n += 1
     return list(messages[:n]), list(messages[n:])
+
+
+def with_addition(system: Sequence[dict[str, Any]], addition: str | None) -> list[dict[str, Any]]:
+    """A copy of the leading system messages with an engine's system-prompt addition after the first one's
+    text (once: not again when it is there already; nowhere without a text system prompt)."""
+    head = copy.deepcopy(list(system))
+    if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
+        head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
+    return head
 
 
 def valid_sequence(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -282,6 +292,8 @@ EMPTY = _Visible(None, -1, (), (), ())
 COMPRESS_TARGET = 0.75
 #: the least room a compress answer leaves the engine's context (its summaries) beside the fresh tail
 MIN_CONTEXT = 1000
+#: assemblies asked for to make room for an engine's system-prompt addition (compress)
+FIT_ATTEMPTS = 3
 
 
 def align(stored: Sequence[str], host: Sequence[str], start: int | None) -> tuple[int, int]:
@@ -351,9 +363,13 @@ class TranscriptStoreEngineMixin:
         engine_config: dict[str, Any] | None = None,
         summarizer_factory: Callable[[], Any] | None = None,
         model_thresholds: dict[str, Any] | None = None,
+        plugin_dirs: Sequence[str] | None = None,
     ) -> None:
         """Configure the adapter; nothing is opened until the first call that needs the store."""
         self.engine_id = engine
+        # Engine plugin folders besides entry points (those of TRANSCRIPT_STORE_PLUGIN_DIRS are added
+        # when the runtime opens): an engine ``hermes install`` found in one must load here too.
+        self.plugin_dirs: list[str] = [str(d) for d in plugin_dirs or ()]
         self.db_url = db_url
         self.scope = scope
         self.engine_config = dict(engine_config or {})
@@ -420,7 +436,9 @@ class TranscriptStoreEngineMixin:
                 store = TranscriptStore(self.database_url())
                 summarizer = self.summarizer_factory() if self.summarizer_factory else None
                 ctx = EngineContext(store=store, config=self.engine_config, summarizer=summarizer)
-                engine, _info = EngineRegistry().create(self.engine_id, ctx)
+                env_dirs = os.environ.get(PLUGIN_DIRS_ENV, "").split(os.pathsep)
+                registry = EngineRegistry([*getattr(self, "plugin_dirs", []), *filter(None, env_dirs)])
+                engine, _info = registry.create(self.engine_id, ctx)
                 self._rt = _Runtime(store=store, engine=engine)
             return self._rt
 
@@ -670,16 +688,52 @@ class TranscriptStoreEngineMixin:
         assembled = self._compact_and_assemble(rt, store_session, budget, focus_topic, force)
         if assembled is None or not assembled.messages:
             return snapshot
-        answer = with_fresh_tail(assembled.messages, current, pending)
+        fit = self._fit_addition(rt, store_session, system, budget, tail + MIN_CONTEXT, current, pending, assembled)
+        if fit is None:
+            answer = with_fresh_tail(assembled.messages, current, pending)
+        else:
+            assembled, answer = fit
         if canonical(answer) == canonical([clean(m) for m in body]):
             return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
         self._record_candidate(rt, answer, store_session, n)
-        head = copy.deepcopy(system)
-        addition = getattr(assembled, "system_prompt_addition", None)
-        if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
-            head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
         self.compression_count += 1
-        return head + answer
+        return with_addition(system, getattr(assembled, "system_prompt_addition", None)) + answer
+
+    def _fit_addition(
+        self, rt: _Runtime, store_session: str, system: list[dict[str, Any]], budget: int, floor: int,
+        current: dict[str, Any] | None, pending: list[dict[str, Any]], assembled: Any,
+    ) -> tuple[Any, list[dict[str, Any]]] | None:
+        """The assembly again, and its answer, with the engine's system-prompt addition reserved when the
+        answer and the addition are over ``budget`` (None: the first assembly stands).
+
+        The addition joins the system prompt (``with_addition``), which ``budget`` is already net of, and
+        is known only once the engine has assembled: an engine that fills its budget put the answer over
+        the aim by its addition. It is asked again for its budget less what the answer is over by (not
+        below ``floor``: the fresh tail and the least context), at most ``FIT_ATTEMPTS`` times (a smaller
+        assembly can leave out a fresh-tail message the answer then adds back); no compaction again.
+        """
+        est = RoughEstimator()
+        fit: tuple[Any, list[dict[str, Any]]] | None = None
+        answer = with_fresh_tail(assembled.messages, current, pending)
+        asked = budget
+        for _ in range(FIT_ATTEMPTS):
+            extra = est.count_messages(with_addition(system, getattr(assembled, "system_prompt_addition", None)))
+            extra -= est.count_messages(system)
+            over = est.count_messages(answer) + extra - budget
+            smaller = max(asked - over, floor)
+            if extra <= 0 or over <= 0 or smaller >= asked:
+                break  # the common case: no addition, or room for it; or nothing smaller to ask for
+            try:
+                again = rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None,
+                                           token_budget=smaller)
+            except Exception:
+                log.exception("transcript-store: assembling with the system-prompt addition reserved failed")
+                break
+            if again is None or not getattr(again, "messages", None):
+                break
+            assembled, answer, asked = again, with_fresh_tail(again.messages, current, pending), smaller
+            fit = (assembled, answer)
+        return fit
 
     def _trigger(self) -> int:
         """Hermes' compression trigger in tokens (the window when no threshold is set)."""
@@ -945,7 +999,7 @@ def config_snippet(engine: str = "lossless", context_length: int = 128000) -> di
 
 def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | None = None,
                    merge_config: bool = False, threshold: float | None = None,
-                   scope: str | None = None) -> dict[str, Any]:
+                   scope: str | None = None, plugin_dirs: Sequence[str] = ()) -> dict[str, Any]:
     """Write the plugin into ``home``/plugins/<dir>/ (and optionally merge config.yaml); what was done."""
     import yaml
 
@@ -965,6 +1019,8 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         settings["scope"] = scope
     if threshold is not None:
         settings["threshold_percent"] = threshold
+    if plugin_dirs:  # absolute: Hermes may start anywhere
+        settings["plugin_dirs"] = [str(Path(d).expanduser().resolve()) for d in plugin_dirs]
     (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
     (target / "__init__.py").write_text(init, encoding="utf-8")
     (target / "settings.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")

@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import InvalidInput
 
 CONFIG_FILE = "transcript-store.toml"
+#: extra engine plugin folders, os.pathsep-separated (after the settings file's)
+PLUGIN_DIRS_ENV = "TRANSCRIPT_STORE_PLUGIN_DIRS"
 #: the largest token count a setting takes (a budget, an output cap, a threshold): past any model's context
 #: window, as the service's own bound on a request's budget; more is a typo, taken until a model call failed
 MAX_TOKENS = 100_000_000
@@ -171,7 +173,7 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
     if env_engine:
         values["engine"], values["engine_source"] = env_engine, "env"
-    env_dirs = os.environ.get("TRANSCRIPT_STORE_PLUGIN_DIRS")
+    env_dirs = os.environ.get(PLUGIN_DIRS_ENV)
     if env_dirs:
         values["plugin_dirs"] = [*values.get("plugin_dirs", []), *filter(None, env_dirs.split(os.pathsep))]
     if overrides.get("engine"):

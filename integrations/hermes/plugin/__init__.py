@@ -24,7 +24,7 @@ def register(ctx: Any) -> None:
 
     settings = _settings()
     kwargs: dict[str, Any] = {"engine": settings.get("engine") or "lossless", "db_url": settings.get("db_url")}
-    for key in ("scope", "threshold_percent", "model_thresholds", "engine_config", "context_length"):
+    for key in ("scope", "threshold_percent", "model_thresholds", "engine_config", "context_length", "plugin_dirs"):
         if settings.get(key) is not None:
             kwargs[key] = settings[key]
     ctx.register_context_engine(create_engine(**kwargs))
