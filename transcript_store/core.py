@@ -19,7 +19,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -84,9 +84,13 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def from_us(us: int) -> datetime:
-    """A UTC datetime from stored microseconds."""
-    return datetime.fromtimestamp(us / 1_000_000, tz=UTC)
+    """A UTC datetime from stored microseconds, exactly (integer arithmetic: through float seconds, a time
+    after about 2242 came back a microsecond off, and the last microsecond of 9999 as year 10000)."""
+    return _EPOCH + timedelta(microseconds=us)
 
 
 #: the id alphabet: letters and digits only, so an id never starts with "-" (a CLI option) or needs

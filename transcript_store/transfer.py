@@ -5,22 +5,33 @@ in raw seq order: every branch, every kind, with the fields that make the tree (
 seq, position, generation) and the keys that make retries idempotent (idempotency key, turn id).
 An import validates all of it before the transaction (a dense seq, parents that exist and came earlier,
 positions that count the message ancestors, active flags that are exactly the path to the head, every
-payload through the same checks as an append) and then writes the session, its entries and its active
-path in ONE transaction, or nothing.
+payload through the same checks as an append, turn ids only on user messages, times as ISO 8601 texts
+with at most microseconds) and then writes the session, its entries and its active path in ONE
+transaction, or nothing.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import insert
 
 from .config import StoreConfig
-from .core import MAX_INT, Core, NewEntry, check_id, entry_values, new_incarnation, prepare_entry, session_info
+from .core import (
+    MAX_INT,
+    Core,
+    NewEntry,
+    check_id,
+    entry_values,
+    new_incarnation,
+    prepare_entry,
+    session_info,
+)
 from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
 from .models import SessionInfo
 from .schema import active_path, entries, sessions
@@ -29,6 +40,9 @@ FORMAT = "transcript-store.session.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _LAST = datetime.max.replace(tzinfo=UTC)
 _BATCH = 500
+#: the shape of a time an export holds: ISO 8601 date and time, at most microseconds, an optional offset
+#: (its absence is refused with its own message after parsing)
+_STAMP = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d{1,6})?)?(?:[Zz]|[+-]\d{2}(?::?\d{2})?)?")
 
 
 def iso_us(us: int) -> str:
@@ -44,6 +58,21 @@ def us_from_iso(value: datetime) -> int:
 class _Record(BaseModel):
     # Strict: lax mode would turn "3" into 3 or 1 into True, and an import must not guess.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @field_validator("created_at", "updated_at", mode="before", check_fields=False)
+    @classmethod
+    def _stamp_text(cls, value: Any) -> Any:
+        # The times are parsed in lax mode (a text is no datetime in strict mode), which also takes a
+        # number, a numeric text or bytes for Unix seconds or milliseconds (a guess), and cuts a
+        # seventh fractional digit off: only an ISO 8601 text (or a datetime) is a time here.
+        if isinstance(value, datetime):
+            return value
+        if not isinstance(value, str) or _STAMP.fullmatch(value) is None:
+            raise ValueError(
+                "must be an ISO 8601 date and time with at most 6 fractional digits and a UTC offset, "
+                "like 2024-01-31T12:00:00.000000+00:00"
+            )
+        return value
 
 
 class SessionHeader(_Record):
@@ -168,6 +197,11 @@ def plan_import(
     head = _parse(SessionHeader, header, "header")
     if head.format != FORMAT:
         raise InvalidInput(f"header: format {head.format!r} is not {FORMAT!r}")
+    # The header's own ids, used or not (an import names its scope, and may name a new id and key): ids
+    # the store held, so ids as every call takes them (not held to MAX_ID_BYTES, as a new id is).
+    check_id("header: scope", head.scope)
+    check_id("header: session_id", head.session_id)
+    check_id("header: session_key", head.session_key, optional=True)
     sid = session_id if session_id is not None else head.session_id
     key = session_key if session_key is not None else head.session_key
     check_id("session_id", sid, new=True)
@@ -225,6 +259,12 @@ def _entry_rows(
             raise InvalidInput(f"{where}: role {rec.role!r} does not match the message")
         _unique(keys, rec.idempotency_key, f"{where}: idempotency_key appears twice")
         _unique(turns, rec.turn_id, f"{where}: turn_id appears twice")
+        if rec.turn_id is not None and new.role != "user":
+            # The store gives a logical turn id only to an admitted user message (``admit``, or a commit
+            # binding its admission): anywhere else it names no turn, and every admission of it would be
+            # refused as an IdempotencyConflict.
+            what = f"a message of role {new.role!r}" if new.kind == "message" else f"a {new.kind!r} entry"
+            raise InvalidInput(f"{where}: turn_id {rec.turn_id!r} on {what}; only a user message has one")
         if rec.generation > head.generation:
             raise InvalidInput(f"{where}: generation {rec.generation} is after the session's {head.generation}")
         parent = None
