@@ -895,6 +895,30 @@ def test_import_of_an_unreadable_file_is_one_error_line(tmp_path: Path, content:
     assert not db_file.exists()
 
 
+def test_import_refuses_json_python_would_read_by_guessing(db: tuple[str, Path]) -> None:
+    """A key twice in one object (json.loads kept the last, silently: the file said two things) and NaN or
+    Infinity (no JSON; Python reads them) are refused at their line, and nothing is written."""
+    url, work = db
+    seed(url)
+    good = work / "s1.jsonl"
+    run("sessions", "export", "s1", "-o", str(good), "--db", url, cwd=work)
+    lines = good.read_text(encoding="utf-8").splitlines()
+    first = lines[1]
+    assert first.startswith('{') and '"message":{' in first
+    cases = [
+        (first[:-1] + ', "entry_id": "forged"}', 2, "'entry_id' appears twice"),
+        (first.replace('"message":{', '"message":{"role":"assistant",', 1), 2, "'role' appears twice"),
+        (first.replace('"message":{', '"message":{"score":NaN,', 1), 2, "NaN is not a JSON number"),
+        (first.replace('"message":{', '"message":{"score":-Infinity,', 1), 2, "-Infinity is not"),
+    ]
+    for i, (changed, number, words) in enumerate(cases):
+        bad = work / f"bad{i}.jsonl"
+        bad.write_text("\n".join([lines[0], changed, *lines[2:]]) + "\n", encoding="utf-8")
+        line = one_error_line(run("--scope", "copy", "sessions", "import", str(bad), "--db", url, cwd=work, code=1))
+        assert f"line {number}:" in line and words in line, line
+    assert run_json("--scope", "copy", "sessions", "list", "--db", url, cwd=work) == []
+
+
 @pytest.mark.parametrize("url", ["http://h:99999", "http://h:abc", " http://h:8765", "http://h:8765\n",
                                  "http://:8765", "http://h:0", "ftp://h"])
 def test_openclaw_install_line_refuses_bad_urls(tmp_path: Path, url: str) -> None:

@@ -552,14 +552,36 @@ def _names_the_store(output: Path, database: Path) -> bool:
     return False
 
 
+class _Ambiguous(Exception):
+    """JSON that Python would read by guessing: a key twice in one object, NaN or Infinity."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of an export line; a key given twice is refused (json.loads kept the last silently)."""
+    seen: set[str] = set()
+    for key, _value in pairs:
+        if key in seen:
+            raise _Ambiguous(f"the key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity and -Infinity are no JSON (Python's json reads them): refused where they stand."""
+    raise _Ambiguous(f"{name} is not a JSON number")
+
+
 def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
+    """The header and the records of an export file (JSON lines), each line read strictly."""
     records: list[Any] = []
     try:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant))
+            except _Ambiguous as e:
+                raise InvalidInput(f"line {number}: not JSON this store can read: {e}") from None
             except json.JSONDecodeError as e:
                 raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
             except RecursionError:
