@@ -33,6 +33,9 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(), timeoutMs);
     let response;
+    let text;
+    // The timeout covers the whole answer, its body too: a service that sent its headers and then
+    // stalled held the host's turn for ever, and a connection cut mid-body threw an untyped error.
     try {
       response = await fetchImpl(base + path, {
         method,
@@ -44,13 +47,13 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
         body: body === undefined ? undefined : JSON.stringify(body),
         signal: controller.signal,
       });
+      text = await response.text();
     } catch (error) {
       const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error);
       throw new ServiceError(0, "service_unreachable", `transcript-store service at ${base} is unreachable: ${why}`);
     } finally {
       clearTimeout(timer);
     }
-    const text = await response.text();
     let data = null;
     try {
       data = text ? JSON.parse(text) : null;

@@ -1,0 +1,64 @@
+// The client against a real local HTTP server (node:http) and the real fetch: `node --test test/`.
+import assert from "node:assert/strict";
+import { once } from "node:events";
+import { createServer } from "node:http";
+import { test } from "node:test";
+
+import { createClient, ServiceError } from "../src/client.js";
+
+async function serving(handler) {
+  const sockets = new Set();
+  const server = createServer(handler);
+  server.on("connection", (socket) => { sockets.add(socket); socket.on("close", () => sockets.delete(socket)); });
+  server.listen(0, "127.0.0.1");
+  await once(server, "listening");
+  const { port } = server.address();
+  return {
+    url: `http://127.0.0.1:${port}`,
+    close: () => { for (const socket of sockets) socket.destroy(); server.close(); },
+  };
+}
+
+test("a service that sends its headers and then stalls times out as unreachable", async () => {
+  const svc = await serving((req, res) => {
+    res.writeHead(200, { "content-type": "application/json", "content-length": "100" });
+    res.write('{"partial": ');  // and never the rest
+  });
+  try {
+    const client = createClient({ serviceUrl: svc.url, token: "tok", timeoutMs: 300 });
+    const started = Date.now();
+    await assert.rejects(client.get("/v1/engines"), (error) =>
+      error instanceof ServiceError && error.code === "service_unreachable" && /no answer within 300 ms/.test(error.message));
+    assert.ok(Date.now() - started < 5000);
+  } finally {
+    svc.close();
+  }
+});
+
+test("a connection cut in the middle of the body is a typed error", async () => {
+  const svc = await serving((req, res) => {
+    res.writeHead(200, { "content-type": "application/json", "content-length": "100" });
+    res.write('{"partial": ', () => req.socket.destroy());
+  });
+  try {
+    const client = createClient({ serviceUrl: svc.url, token: "tok", timeoutMs: 5000 });
+    await assert.rejects(client.post("/v1/sessions", {}), (error) =>
+      error instanceof ServiceError && error.code === "service_unreachable" && error.status === 0);
+  } finally {
+    svc.close();
+  }
+});
+
+test("the service's error body becomes the error's code and reason", async () => {
+  const svc = await serving((req, res) => {
+    res.writeHead(409, { "content-type": "application/json" });
+    res.end(JSON.stringify({ error: { code: "read_fence", message: "moved", reason: "generation" } }));
+  });
+  try {
+    const client = createClient({ serviceUrl: svc.url, token: "tok" });
+    await assert.rejects(client.get("/v1/x"), (error) =>
+      error.status === 409 && error.code === "read_fence" && error.reason === "generation");
+  } finally {
+    svc.close();
+  }
+});
