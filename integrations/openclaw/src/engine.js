@@ -31,8 +31,18 @@ export function resolveConfig(pluginConfig = {}, env = process.env) {
     serviceUrl: pluginConfig.serviceUrl || env.TRANSCRIPT_STORE_SERVICE_URL || "",
     token: pluginConfig.token || env.TRANSCRIPT_STORE_TOKEN || "",
     engine: pluginConfig.engine || env.TRANSCRIPT_STORE_ENGINE || "lossless",
-    timeoutMs: Number(pluginConfig.timeoutMs || env.TRANSCRIPT_STORE_TIMEOUT_MS || 15000),
+    timeoutMs: timeoutOf(pluginConfig.timeoutMs || env.TRANSCRIPT_STORE_TIMEOUT_MS || 15000),
   };
+}
+
+// The bounds of the config schema, for the environment's value too: "15s" was NaN, and a timer
+// of NaN fires at once, so every request to the service failed as "no answer within NaN ms".
+function timeoutOf(value) {
+  const ms = Number(value);
+  if (!Number.isInteger(ms) || ms < 100 || ms > 600000) {
+    throw new Error(`transcript-store: timeoutMs (or TRANSCRIPT_STORE_TIMEOUT_MS) must be a whole number of milliseconds in 100..600000, got ${JSON.stringify(String(value))}`);
+  }
+  return ms;
 }
 
 async function defaultSdk() {

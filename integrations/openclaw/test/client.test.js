@@ -62,3 +62,13 @@ test("the service's error body becomes the error's code and reason", async () =>
     svc.close();
   }
 });
+
+test("a timeout from the environment is checked like the config's", async () => {
+  const { resolveConfig } = await import("../src/engine.js");
+  assert.equal(resolveConfig({}, { TRANSCRIPT_STORE_TIMEOUT_MS: "2500" }).timeoutMs, 2500);
+  assert.equal(resolveConfig({ timeoutMs: 300 }, { TRANSCRIPT_STORE_TIMEOUT_MS: "nope" }).timeoutMs, 300);
+  assert.equal(resolveConfig({}, {}).timeoutMs, 15000);
+  for (const bad of ["15s", "99", "600001", "1.5", "-1"]) {
+    assert.throws(() => resolveConfig({}, { TRANSCRIPT_STORE_TIMEOUT_MS: bad }), /100\.\.600000/);
+  }
+});
