@@ -316,10 +316,15 @@ class LosslessEngine:
             "lcm_describe": lambda c: tools.run_describe(c, scope, session_id, args),
             "lcm_expand": lambda c: tools.run_expand(c, scope, session_id, args, self.config.expand_max_chars),
         }
-        if name not in handlers:
+        if not isinstance(name, str) or name not in handlers:  # a list or an object is unhashable
             return json.dumps({"error": f"unknown tool {name!r}"})
         if not isinstance(args, dict):
             return json.dumps({"error": "arguments must be a JSON object"})
+        try:
+            tools.check(name, args)  # before any read: a refused call writes nothing (no pending reset either)
+        except tools.ToolError as e:
+            return json.dumps({"error": str(e)}, ensure_ascii=False)
+
         def answer(c: Core) -> Any:
             # A branch or rewrite since the last import: forget what left the active path first.
             return _RESET_FIRST if ingest.reset_pending(c, scope, session_id) else handlers[name](c)

@@ -7,8 +7,12 @@ indexes, the one place this engine branches on the dialect (the migration explai
 - SQLite: the FTS5 trigram table (terms of 3+ characters), ranked by bm25; terms shorter than a
   trigram fall back to GLOB on the session's rows, each letter as a class of its cases (SQLite's LIKE
   folds ASCII letters only; PostgreSQL's ILIKE and the trigram tokenizer fold every letter).
-- PostgreSQL: the 'simple' tsvector column's GIN index OR the pg_trgm GIN index (ILIKE), ranked by
-  ts_rank.
+- PostgreSQL: ILIKE for every term (the pg_trgm GIN index), ranked by ts_rank on the 'simple'
+  tsvector column. A word match is not a substring match (the parser drops punctuation), so the word
+  index never decides alone: it found "foo s" for foo's, where SQLite found nothing.
+
+Hits are ordered without ties (see ``_recency``), so a search answers the same page on both backends
+(``relevance`` aside: bm25 and ts_rank score differently).
 
 Regular expressions (Python syntax, run by the ``regex`` package) scan the session's rows newest
 first, in bounded batches. The model writes them, so each is bounded: a pattern whose counted
@@ -96,11 +100,20 @@ def grep(
             hits += _regex(core, scope, session_id, kind, compiled, sort, limit, deadline)
         else:
             hits += _full_text(core, scope, session_id, kind, pattern.split(), sort, limit)
-    if sort == "relevance":
-        hits.sort(key=lambda h: (-h.score, -h.recency))
-    else:
-        hits.sort(key=lambda h: (-h.recency, -h.score))
+    hits.sort(key=_relevance if sort == "relevance" else _recency)
     return hits[:limit]
+
+
+# Orders with no ties, so that a page is the same on every backend and every limit's page starts the
+# next larger one: recency (the latest message covered; a summary and its condensed parent share it),
+# then a message before a summary, then the newer id. Recency never falls back on the score: the
+# backends score differently (bm25, ts_rank), and the order of ties was the database's to pick.
+def _recency(h: Hit) -> tuple[int, str, int]:
+    return -h.recency, h.kind, -h.ref
+
+
+def _relevance(h: Hit) -> tuple[float, int, str, int]:
+    return -h.score, -h.recency, h.kind, -h.ref
 
 
 def compile_regex(pattern: str) -> regex.Pattern[str]:
@@ -201,7 +214,7 @@ def _full_text(
     likes = []
     for n, term in enumerate(terms):
         params[f"t{n}"] = _like(term)
-    order = "score DESC, recency DESC" if sort == "relevance" else "recency DESC"
+    order = "score DESC, recency DESC, ref DESC" if sort == "relevance" else "recency DESC, ref DESC"
     if core.dialect.is_sqlite:
         long = [t for t in terms if len(t) >= 3]
         short = [n for n, t in enumerate(terms) if len(t) < 3]
@@ -228,11 +241,12 @@ def _full_text(
     else:
         params["q"] = " ".join(terms)
         likes = [f"t.content ILIKE :t{n} ESCAPE '\\'" for n in range(len(terms))]
-        query = "plainto_tsquery('simple', :q)"
+        # Every term as a substring (the pg_trgm index): a word match alone is not one (the parser
+        # drops punctuation: "foo's" is the words foo & s, "[x" the word x). The word vector ranks.
         sql = (
-            f"SELECT {_columns(kind)}, ts_rank(t.search_tsv, {query}) AS score"
+            f"SELECT {_columns(kind)}, ts_rank(t.search_tsv, plainto_tsquery('simple', :q)) AS score"
             f" FROM {table.name} AS t WHERE t.scope = :scope AND t.session_id = :session_id"
-            f" AND (t.search_tsv @@ {query} OR ({' AND '.join(likes)}))"
+            f" AND {' AND '.join(likes)}"
         )
     sql += f" ORDER BY {order} LIMIT :limit"
     rows = core.conn.execute(text(sql), params).all()
@@ -268,8 +282,9 @@ def _regex(
             Hit(kind, row["ref"], row["recency"], float(len(found)), row["content"], row["role"], row["entry_id"],
                 (first.start(), first.end()))
         )
-        if sort == "recency" and len(hits) >= limit:
-            break  # rows come newest first
+        if sort == "recency" and kind == "message" and len(hits) >= limit:
+            break  # messages come newest first (summaries by id, which is not their recency: a condensed
+            # summary made after a leaf covers older messages)
     return hits
 
 

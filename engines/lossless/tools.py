@@ -4,9 +4,11 @@ Every original message stays reachable from the assembled context: a summary in 
 ``lcm_expand`` walks a condensed summary to its children and a leaf to its source messages, and
 ``lcm_describe`` walks the other way (a message -> the summaries that cover it, up to the one in context).
 Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and can try again. Arguments
-are checked before any query (ids as the store takes them, numbers within the INTEGER columns, no NUL or
-lone surrogate that a database cannot take, bounded patterns); ``caused_by_arguments`` tells the engine
-which failure that slipped past the checks is still the arguments' (never a database outage).
+are checked before any query (``check``, before the engine's first read: a refused call reads and
+writes nothing, not even a pending reset): ids as the store takes them, choices as strings, numbers
+within the INTEGER columns, no NUL or lone surrogate that a database cannot take, bounded patterns and
+regexes. ``caused_by_arguments`` tells the engine which failure that slipped past the checks is still
+the arguments' (never a database outage).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transcript_store.errors import (
     TransientStoreError,
 )
 
-from .search import Kind, Mode, SearchError, Sort, grep, snippet
+from .search import Kind, Mode, SearchError, Sort, compile_regex, grep, snippet
 from .tables import (
     context_items,
     message_id,
@@ -151,13 +153,13 @@ def _int(args: dict[str, Any], name: str, default: int, low: int, high: int) -> 
 
 def _choice(args: dict[str, Any], name: str, options: tuple[str, ...] | dict[str, Any], default: str) -> str:
     value = args.get(name, default)
-    if value not in options:
+    # A string first: ``in`` a dict hashes the value, and a list or an object is unhashable (TypeError).
+    if not isinstance(value, str) or value not in options:
         raise ToolError(f"{name} must be one of {', '.join(options)}")
-    return str(value)
+    return value
 
 
-def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
-    """lcm_grep."""
+def _grep_args(args: dict[str, Any]) -> tuple[str, Mode, str, Sort, int]:
     pattern = _text(args, "pattern", "a non-empty string")
     mode = cast(Mode, _choice(args, "mode", _MODES, "full_text"))
     if mode == "full_text" and len(pattern.split()) > MAX_TERMS:
@@ -165,6 +167,37 @@ def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> d
     target = _choice(args, "search_in", _TARGETS, "all")
     sort = cast(Sort, _choice(args, "sort", _SORTS, "recency"))
     limit = _int(args, "limit", 20, 1, MAX_LIMIT)
+    return pattern, mode, target, sort, limit
+
+
+def _describe_args(args: dict[str, Any]) -> str:
+    return _ident(args, "a summary id (sum_N), a message id (msg_N) or an entry id")
+
+
+def _expand_args(args: dict[str, Any]) -> tuple[str, int, int]:
+    raw = _ident(args, "a summary id (sum_N) or a message id")
+    return raw, _int(args, "offset", 0, 0, MAX_INT), _int(args, "limit", 50, 1, MAX_LIMIT)
+
+
+def check(name: str, args: dict[str, Any]) -> None:
+    """ToolError for a call whose arguments a handler would refuse, found without touching the database:
+    the engine asks before its first read, so a refused call never writes (a pending reset included)."""
+    if name == "lcm_grep":
+        pattern, mode, *_ = _grep_args(args)
+        if mode == "regex":
+            try:
+                compile_regex(pattern)
+            except SearchError as e:
+                raise ToolError(str(e)) from None
+    elif name == "lcm_describe":
+        _describe_args(args)
+    elif name == "lcm_expand":
+        _expand_args(args)
+
+
+def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
+    """lcm_grep."""
+    pattern, mode, target, sort, limit = _grep_args(args)
     try:
         hits = grep(core, scope, session_id, pattern, mode=mode, kinds=_TARGETS[target], sort=sort, limit=limit)
     except SearchError as e:
@@ -236,7 +269,7 @@ def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
 
 def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
     """lcm_describe."""
-    raw = _ident(args, "a summary id (sum_N), a message id (msg_N) or an entry id")
+    raw = _describe_args(args)
     row = _find_summary(core, scope, session_id, raw)
     if row is not None:
         return _describe_summary(core, scope, session_id, row)
@@ -315,9 +348,7 @@ def _cut(content: str, limit: int) -> tuple[str, bool]:
 
 def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """lcm_expand."""
-    raw = _ident(args, "a summary id (sum_N) or a message id")
-    offset = _int(args, "offset", 0, 0, MAX_INT)
-    limit = _int(args, "limit", 50, 1, MAX_LIMIT)
+    raw, offset, limit = _expand_args(args)
     row = _find_summary(core, scope, session_id, raw)
     if row is None:
         message = _find_message(core, scope, session_id, raw)
