@@ -126,7 +126,9 @@ def compile_regex(pattern: str) -> regex.Pattern[str]:
         )
     try:
         return regex.compile(pattern)
-    except (regex.error, ValueError, OverflowError, RecursionError) as e:
+    # Warning: a host running with warnings as errors (-W error) gets the parser's FutureWarning of a
+    # pattern like "[[a]" raised; the pattern is refused like an invalid one, not the engine quarantined.
+    except (regex.error, ValueError, OverflowError, RecursionError, Warning) as e:
         raise SearchError(f"invalid regular expression: {e}") from None
 
 
@@ -152,7 +154,7 @@ def expanded_size(pattern: str) -> int:
     try:
         tree = _sre_parse.parse(plain)
         return _size(tree)
-    except (re.error, OverflowError, RecursionError) as e:
+    except (re.error, OverflowError, RecursionError, Warning) as e:  # Warning: see compile_regex
         if "too large" in str(e) or isinstance(e, OverflowError):
             return REGEX_MAX_SIZE + 1
         raise SearchError(

@@ -144,15 +144,22 @@ def _ident(args: dict[str, Any], what: str) -> str:
     return raw
 
 
+def _optional(args: dict[str, Any], name: str, default: Any) -> Any:
+    """An optional argument; null is its default too (models in strict function-calling mode send every
+    property, null for the ones they leave out)."""
+    value = args.get(name)
+    return default if value is None else value
+
+
 def _int(args: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
-    value = args.get(name, default)
+    value = _optional(args, name, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ToolError(f"{name} must be an integer")
     return max(low, min(high, value))
 
 
 def _choice(args: dict[str, Any], name: str, options: tuple[str, ...] | dict[str, Any], default: str) -> str:
-    value = args.get(name, default)
+    value = _optional(args, name, default)
     # A string first: ``in`` a dict hashes the value, and a list or an object is unhashable (TypeError).
     if not isinstance(value, str) or value not in options:
         raise ToolError(f"{name} must be one of {', '.join(options)}")
