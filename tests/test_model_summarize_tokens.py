@@ -476,3 +476,84 @@ def test_fake_server_runs_as_a_script() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+class _Misbehaving:
+    """A real HTTP server on loopback whose answers misbehave: trickled, endless or with an endless error."""
+
+    def __init__(self, mode: str) -> None:
+        import http.server
+        import threading
+
+        outer = self
+        self.mode = mode
+        self.stop = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status = 500 if outer.mode == "endless-error" else 200
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                try:
+                    if outer.mode == "trickle":  # a byte well inside every socket timeout, never the end
+                        self.wfile.write(b'{"choices": ')
+                        while not outer.stop.wait(0.05):
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                    else:  # more than any answer may be
+                        block = b" " * 65536
+                        while not outer.stop.is_set():
+                            self.wfile.write(block)
+                except OSError:
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["trickle", "endless-error"])
+def test_an_answer_that_never_ends_is_a_timeout_within_about_the_timeout(mode: str) -> None:
+    """urllib's timeout bounds each socket read: a server sending a byte every 50 ms held the call (and
+    the host's turn) for ever, and the body of an error answer was read to its end before the error."""
+    server = _Misbehaving(mode)
+    try:
+        model = OpenAIChatModel(server.base_url, "m", KEY, timeout=1.0)
+        started = time.monotonic()
+        with pytest.raises(ModelError) as caught:
+            model.complete([{"role": "user", "content": "hi"}])
+        assert time.monotonic() - started < 4.0
+        if mode == "trickle":
+            assert isinstance(caught.value, ModelTimeout) and "timed out" in str(caught.value)
+        else:
+            assert "HTTP 500" in str(caught.value)
+    finally:
+        server.close()
+
+
+def test_an_answer_larger_than_any_completion_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server streaming without end filled the host's memory: the answer is read up to a bound."""
+    import transcript_store.model as model_module
+
+    monkeypatch.setattr(model_module, "MAX_RESPONSE_BYTES", 1024 * 1024)
+    server = _Misbehaving("endless")
+    try:
+        model = OpenAIChatModel(server.base_url, "m", KEY, timeout=30.0)
+        started = time.monotonic()
+        with pytest.raises(ModelError, match="more than 1048576 bytes") as caught:
+            model.complete([{"role": "user", "content": "hi"}])
+        assert not isinstance(caught.value, ModelTimeout) and time.monotonic() - started < 10
+    finally:
+        server.close()

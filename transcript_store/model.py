@@ -14,6 +14,7 @@ import json
 import os
 import re
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -289,12 +290,53 @@ def _redact(text: str, secret: str | None) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-def _error_body(error: urllib.error.HTTPError) -> str:
-    """The body of an HTTP error answer, or "" when it cannot be read."""
-    try:
-        return error.read().decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException):
+#: what is read of an error answer's body (bytes): an excerpt of it is all the error shows
+_ERROR_BODY_BYTES = 4096
+
+
+def _error_body(error: urllib.error.HTTPError, deadline: float) -> str:
+    """The start of an HTTP error answer's body, or "" when it cannot be read by the deadline."""
+    if getattr(error, "fp", None) is None:  # an error raised without an answer to read
         return ""
+    try:
+        return _read_answer(error, deadline, limit=_ERROR_BODY_BYTES).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException, _ResponseTooLarge):
+        return ""
+
+
+#: the largest answer read from a model endpoint (bytes): a completion is kilobytes, and a server that
+#: streams without end must not fill the host's memory
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+#: what one read of an answer takes at most (bytes)
+_CHUNK = 64 * 1024
+
+
+class _ResponseTooLarge(Exception):
+    """An answer past MAX_RESPONSE_BYTES."""
+
+
+def _read_answer(response: Any, deadline: float, *, limit: int | None = None) -> bytes:
+    """The whole body of ``response``, by the deadline and within MAX_RESPONSE_BYTES (``limit``: its first
+    ``limit`` bytes at most, the rest unread).
+
+    urllib's timeout bounds each socket read, not the answer: a server trickling a byte before every
+    timeout held the turn for ever. The deadline is checked after each read (``read1``: what one read
+    returns, not a full buffer), so an answer takes at most the timeout and one more read.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while limit is None or size < limit:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer did not finish in time")
+        chunk = response.read1(_CHUNK)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise _ResponseTooLarge()
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    return body if limit is None else body[:limit]
 
 
 def post_chat_completion(
@@ -308,11 +350,14 @@ def post_chat_completion(
         headers["Authorization"] = f"Bearer {api_key}"
     body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
+            raw = _read_answer(response, deadline)
+    except _ResponseTooLarge:
+        raise ModelError(f"model endpoint {where} answered more than {MAX_RESPONSE_BYTES} bytes") from None
     except urllib.error.HTTPError as e:
-        excerpt = _redact(_excerpt(_error_body(e), 300), api_key)
+        excerpt = _redact(_excerpt(_error_body(e, deadline), 300), api_key)
         # 408 and 504 are the provider (or its gateway) timing out: the same turn may simply be retried
         error = ModelTimeout if e.code in (408, 504) else ModelError
         raise error(f"model endpoint {where} answered HTTP {e.code}: {excerpt}", status=e.code) from None
