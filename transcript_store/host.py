@@ -669,7 +669,7 @@ class HostRuntime:
                 try:
                     outcome = self._attempt(scope, session_id, user, turn_id, decision, values, owner)
                 finally:
-                    self._leases.release(scope, session_id, turn_id)
+                    self._leases.release(scope, session_id, turn_id, owner)
             except _Degrade as d:
                 if decision.engine_id == LEGACY:
                     self.turns.discard(scope, session_id, turn_id, owner=owner)
@@ -891,7 +891,7 @@ class HostRuntime:
         # From here the turn has started on this engine: no switch, ever.
         replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
-        self._leases.release(scope, session_id, turn_id)
+        self._leases.release(scope, session_id, turn_id, owner)
         try:
             completion = self.turns.complete(
                 scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from . import outbox
+from .errors import InvalidInput
 from .store import TranscriptStore
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class _Held:
     owner: str  # the lease owner the admission wrote (renewal matches it)
     set_at: float  # time.monotonic() when the lease was last set
     until: float  # time.monotonic() after which it is not renewed any more
+    thread: int  # the thread that holds it (its attempt's): ``release`` without an owner releases its own
 
 
 class LeaseKeeper:
@@ -67,12 +69,23 @@ class LeaseKeeper:
         max_seconds: float | None = None,
     ) -> None:
         """Keep renewing this turn's lease (just set by its admission, to ``owner``) until ``release``,
-        for at most ``max_seconds`` from now (None: as long as it is held)."""
+        for at most ``max_seconds`` from now (None: as long as it is held).
+
+        One hold per turn: the admission that set the lease is the turn's truth, and replaces a hold of
+        another attempt of the turn (an earlier one, whose lease a retry has just taken over)."""
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
+            raise InvalidInput(f"lease_seconds must be a number of seconds, got {lease_seconds!r}")
+        if lease_seconds > outbox.MAX_LEASE_SECONDS:  # it could not be stored (microseconds, 64 bits)
+            raise InvalidInput(f"lease_seconds must be at most {outbox.MAX_LEASE_SECONDS:g}, got {lease_seconds!r}")
+        if max_seconds is not None and (
+            isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) or not max_seconds >= 0
+        ):
+            raise InvalidInput(f"max_seconds must be None or a number of seconds >= 0, got {max_seconds!r}")
         if not 0 < lease_seconds < float("inf"):  # a zero lease: nothing to keep
             return
         now = time.monotonic()
         until = now + max_seconds if max_seconds is not None else float("inf")
-        held = _Held(float(lease_seconds), owner, now, until)
+        held = _Held(float(lease_seconds), owner, now, until, threading.get_ident())
         self._own()
         with self._lock:
             self._held[(scope, session_id, turn_id)] = held
@@ -82,11 +95,20 @@ class LeaseKeeper:
             elif held.lease / 6 < self._tick:
                 self._wake.set()  # a shorter lease than the thread sleeps for: look again sooner
 
-    def release(self, scope: str, session_id: str, turn_id: str) -> None:
-        """Stop renewing this turn's lease (the turn is completing, or its attempt ended)."""
+    def release(self, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> None:
+        """Stop renewing this turn's lease (the turn is completing, or its attempt ended): the renewal
+        ``owner`` holds, or without one, the one the calling thread holds (its attempt's).
+
+        Never another attempt's: a retry of the turn (another thread) may have taken its lease over
+        meanwhile, and is running on; releasing its renewal would let its lease run out while it runs.
+        """
         self._own()
+        key = (scope, session_id, turn_id)
+        me = threading.get_ident()
         with self._lock:
-            self._held.pop((scope, session_id, turn_id), None)
+            held = self._held.get(key)
+            if held is not None and (held.owner == owner if owner is not None else held.thread == me):
+                del self._held[key]
 
     def holds(self, scope: str, session_id: str, turn_id: str) -> bool:
         """Whether this keeper is renewing the turn's lease."""

@@ -23,7 +23,7 @@ from sqlalchemy import Row, bindparam, delete, literal, select, union_all, updat
 
 from . import identity
 from .core import Core, by_session, from_us, now_us, session_params
-from .errors import InvalidInput, OutboxCollision, SessionBusy, TurnOvertaken, UnknownTurn
+from .errors import InvalidInput, OutboxCollision, SessionBusy, TransientStoreError, TurnOvertaken, UnknownTurn
 from .fences import closed_range_of_append, read_closed_range
 from .ledger import CommitResult
 from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
@@ -186,6 +186,8 @@ _ADMITTED = (
     .order_by(outbox.c.enqueue_seq)
 )
 _ADMITTED_OTHERS = _ADMITTED.where(outbox.c.turn_id != bindparam("b_turn"))
+# Locked (PostgreSQL): a renewal by a live worker cannot land between the look and the discard.
+_ADMITTED_OTHERS_LOCKED = _ADMITTED_OTHERS.with_for_update()
 # A primary-key range scan from the admitted entry: empty when nothing was appended after it.
 _LATER_ADMISSION = (
     select(entries.c.turn_id)
@@ -229,7 +231,12 @@ def _gone_here(owner: str) -> bool:
     """Whether the process a lease owner names is provably gone from this machine (an owner is the
     process's identity, and since attempts and claims carry one, "/" and a token of its own)."""
     who = identity.ProcessIdentity.parse(owner.split("/", 1)[0])
-    return who is not None and who.is_dead_here()
+    if who is None or not 0 < who.pid < 2**31:  # no pid a process can have here (a caller's own owner)
+        return False
+    try:
+        return who.is_dead_here()
+    except (OverflowError, ValueError):  # unknown is not dead
+        return False
 
 
 def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -> bool:
@@ -246,7 +253,11 @@ def claim_session(core: Core, scope: str, session_id: str, turn_id: str) -> None
     here, as recovery would (no acceptance was recorded for it, so it never reaches an engine).
     """
     now = now_us()
-    for row in core.run(_ADMITTED_OTHERS, _turn_params(scope, session_id, turn_id)).all():
+    # The rows are locked as they are read: a worker's renewal committed between this look and the
+    # discard below (its lease seen expired, then renewed) was deleted with the turn all the same,
+    # while its keeper had been told the lease was renewed.
+    q = _ADMITTED_OTHERS if core.dialect.is_sqlite else _ADMITTED_OTHERS_LOCKED
+    for row in core.run(q, _turn_params(scope, session_id, turn_id)).all():
         if not abandoned(row.lease_owner, row.lease_expires_us, now):
             raise SessionBusy(session_id, row.turn_id, from_us(row.lease_expires_us))
         core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, row.turn_id))
@@ -328,7 +339,11 @@ def record_admitted(
         # The row is what was just written: no statement to read it back.
         return _intent_of(values, admission)
     row = get_row(core, a.scope, a.session_id, admission.turn_id, lock=True)
-    assert row is not None
+    if row is None:
+        # Deleted since the INSERT met it (PostgreSQL's ON CONFLICT DO NOTHING does not lock the row it
+        # conflicts with: a discard of the attempt it belonged to committed meanwhile). The transaction
+        # is run again whole, and inserts then.
+        raise TransientStoreError(f"turn {admission.turn_id!r}: its intent was deleted while it was admitted again")
     if row.engine_id != engine_id:
         raise OutboxCollision(f"turn {admission.turn_id!r} is owned by engine {row.engine_id!r}, not {engine_id!r}")
     if Admission.model_validate_json(row.admission).anchor.entry_id != a.entry_id:
@@ -594,6 +609,8 @@ def claim_head(
         row = core.conn.execute(q).first()
         if row is None:
             return "locked"
+        if row.state == "blocked":  # blocked (by hand) since the head was read: never claimed
+            continue
         intent = _intent(core, row)
         if intent.state == "accepted":
             intent = capture(core, intent)
@@ -641,7 +658,10 @@ def block(core: Core, scope: str, session_id: str, turn_id: str, reason: str) ->
     if intent.state == "admitted":
         raise InvalidInput(f"turn {turn_id!r} is still running (admitted): it completes or is discarded")
     ts = now_us()
-    if row.lease_owner is not None and row.lease_expires_us is not None and row.lease_expires_us > ts:
+    # A claim of a process provably gone from this machine is no delivery (a drain takes it over at once,
+    # ``claim_head``): the turn an operator blocks is often the one whose delivery kills the drain.
+    live = row.lease_owner is not None and row.lease_expires_us is not None and row.lease_expires_us > ts
+    if live and not _gone_here(row.lease_owner):
         raise InvalidInput(f"turn {turn_id!r} is being delivered now (claimed by {row.lease_owner}); try again")
     why = f"blocked by hand: {reason}"
     core.conn.execute(

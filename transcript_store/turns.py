@@ -251,8 +251,12 @@ class Turns:
 
         def run(c: Core) -> bool:
             deleted = outbox.discard(c, scope, session_id, turn_id, owner)
-            # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it.
-            answer = deleted or bool(landed and landed[0])
+            # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it, if
+            # the intent is gone (a COMMIT that did not land, and a retry of the turn that took the
+            # intent over meanwhile, leave it standing: not discarded).
+            answer = deleted or bool(
+                landed and landed[0] and outbox.get_row(c, scope, session_id, turn_id) is None
+            )
             landed[:] = [answer]
             return answer
 
@@ -458,13 +462,20 @@ class Turns:
             if deliver is None:
                 raise _EngineUnavailable
             payload = turn_payload(intent)
+            landed: list[CommitResult] = []
 
             def run(c: Core) -> CommitResult:
                 result = deliver(c, payload)
                 _check_result(result)
                 if not outbox.complete(c, intent.scope, intent.session_id, intent.turn_id, owner):
+                    if landed and result.status == "duplicate" and _delivered(c, intent):
+                        # A retry after an uncertain COMMIT: the run before it reached its end and its
+                        # commit landed (the ledger holds this very payload, the row is gone). It is
+                        # that delivery, not a claim lost to another drain.
+                        return landed[0]
                     raise _ClaimLost  # rolls the engine's commit back with it
                 faults.point("drain.after_commit")
+                landed[:] = [result]
                 return result
 
             result = self.store.write(run)
@@ -482,6 +493,16 @@ class Turns:
             report.failed.append((intent.session_id, intent.turn_id, error))
             report.stopped_sessions.append(intent.session_id)
             return False
+        except BaseException as e:
+            # Interrupted (KeyboardInterrupt, SystemExit in a worker thread): the delivery rolled back.
+            # Release the claim on the way out, or a process that lives on would hold the session's
+            # deliveries for the claim's whole lease; the interruption goes on up whatever happens here.
+            error = f"interrupted: {type(e).__name__}"
+            try:
+                self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
+            except Exception as failed:  # the store is unreachable: the claim's lease frees it
+                log.warning("turn %s: could not release its drain claim: %s", intent.turn_id, describe(failed))
+            raise
         if result.status == "committed":
             report.committed += 1
         else:
@@ -520,7 +541,18 @@ class Turns:
             tell(pending)
             return report
         for lease in expired:
-            if self.store.write(lambda c: outbox.discard_abandoned(c, scope, session_id, lease)):  # noqa: B023
+            landed: list[bool] = []
+
+            def discard(c: Core, lease: outbox.AdmittedLease = lease, landed: list[bool] = landed) -> bool:
+                deleted = outbox.discard_abandoned(c, scope, session_id, lease)
+                # A retry after an uncertain COMMIT finds nothing to delete: the run before it did.
+                answer = deleted or bool(
+                    landed and landed[0] and outbox.get_row(c, scope, session_id, lease.turn_id) is None
+                )
+                landed[:] = [answer]
+                return answer
+
+            if self.store.write(discard):
                 log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
                             lease.turn_id, session_id)
                 report.discarded.append(lease.turn_id)
@@ -552,6 +584,12 @@ class _ClaimLost(Exception):
 class _EngineUnavailable(Exception):
     def __init__(self) -> None:
         super().__init__("engine unavailable")
+
+
+def _delivered(c: Core, intent: TurnIntent) -> bool:
+    """Whether a ready intent was delivered: its row is gone (the ledger holds its payload: the caller's
+    commit just answered ``duplicate``)."""
+    return outbox.get_row(c, intent.scope, intent.session_id, intent.turn_id) is None
 
 
 def new_owner() -> str:
