@@ -9,6 +9,7 @@ import types
 from typing import Any
 
 import pytest
+from conftest import assistant, user
 from hosting import CountingEngine, RecordingModel, count_transactions
 from sqlalchemy import event
 
@@ -19,6 +20,7 @@ from transcript_store.errors import (
     InvalidInput,
     ModelTimeout,
     PermissionDenied,
+    SessionBusy,
     StorageFull,
     TransientStoreError,
     UnknownSession,
@@ -1226,3 +1228,36 @@ def test_the_built_in_compactions_keep_last_is_validated_as_the_legacy_engine_do
         make_host(store, "counting", {"counting": lambda ctx: CountingEngine(ctx)},
                   engine_config={"legacy": {"keep_last": keep_last}})
     assert store.get_session(SCOPE, sid).entry_count == 0
+
+
+def test_a_degrading_attempt_never_moves_a_turn_a_retry_took_over(store: TranscriptStore, sid: str) -> None:
+    """Host A runs turn t1 on an engine; a retry of t1 (another worker) takes the turn over, and then
+    A's engine fails. A's turn-local degradation moved the intent to legacy under the retry, its next
+    attempt took the retry's lease and committed on legacy, and the retry that ran on the engine learnt
+    'duplicate'. The intent is the retry's now: A is SessionBusy, and the retry commits on its engine."""
+    from engines.legacy import LegacyEngine
+
+    retry = Turns(store)
+    taken: list[str] = []
+
+    class TakenOverThenFailing(LegacyEngine):
+        info = LegacyEngine.info.model_copy(update={"id": "flaky", "name": "flaky"})
+
+        def assemble(self, **kw: Any) -> Any:
+            _admission, intent = retry.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="flaky")
+            assert intent.lease_owner is not None
+            taken.append(intent.lease_owner)
+            raise RuntimeError("the engine broke")
+
+    host, model = make_host(store, engine="flaky", factories={"flaky": TakenOverThenFailing})
+    with pytest.raises(SessionBusy) as caught:
+        host.run_turn(SCOPE, sid, "q1", turn_id="t1")
+    assert caught.value.turn_id == "t1" and not model.requests
+    intent = retry.intent(SCOPE, sid, "t1")
+    assert intent is not None
+    assert (intent.state, intent.engine_id, intent.lease_owner) == ("admitted", "flaky", taken[0])
+    # The retry completes its turn for its engine (queued: this process quarantined the engine), and
+    # nothing of it was committed on legacy.
+    done = retry.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], None)
+    assert done.intent.engine_id == "flaky" and done.intent.state in ("accepted", "ready")
+    assert retry.receipts(SCOPE, sid) == []

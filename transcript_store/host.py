@@ -674,7 +674,8 @@ class HostRuntime:
                 if decision.engine_id == LEGACY:
                     self.turns.discard(scope, session_id, turn_id, owner=owner)
                     raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
-                self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY))
+                # Only while this call's attempts hold the turn: a retry that took it over runs on.
+                self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY, owner))
                 decision = self._degrade(scope, session_id, turn_id, d.reason)
                 attempts -= 1
                 first = False

@@ -482,9 +482,21 @@ def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: st
     ).rowcount == 1
 
 
-def reassign(core: Core, scope: str, session_id: str, turn_id: str, engine_id: str) -> bool:
+def reassign(
+    core: Core, scope: str, session_id: str, turn_id: str, engine_id: str, owner: str | None = None
+) -> bool:
     """Hand a still only admitted turn to another engine (the host's turn-local degradation), keeping
-    its admission and so the session: discarding and admitting again would let another turn in."""
+    its admission and so the session: discarding and admitting again would let another turn in.
+
+    With ``owner``, only while that attempt holds the turn: a retry that took it over (another worker,
+    another thread) is running on its engine, and is ``SessionBusy`` for this one. False: no admitted
+    intent (the next admission writes one)."""
+    row = get_row(core, scope, session_id, turn_id, lock=True)
+    if row is None or row.state != "admitted":
+        return False
+    if owner is not None and row.lease_owner != owner:
+        expires = row.lease_expires_us
+        raise SessionBusy(session_id, turn_id, from_us(expires) if expires is not None else None)
     q = _UPDATE_ADMITTED.values(engine_id=engine_id, updated_us=now_us())
     return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
