@@ -8,11 +8,12 @@ the Python form of OpenClaw's ContextEngine contract, with the store underneath.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import EngineContractError
 from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
@@ -35,6 +36,40 @@ LIFECYCLE = (
     "handle_tool_call",
     "dispose",
 )
+
+#: the longest engine id: a manifest's name, an entry point's name, an engine slot, ``info.id``
+MAX_ENGINE_ID_CHARS = 128
+#: the longest ``info.name`` / ``info.version`` an engine declares
+MAX_ENGINE_LABEL_CHARS = 256
+#: what no engine id, name or version may hold (C0, DEL, C1, lone surrogates): they are shown on terminals by
+#: ``doctor`` and ``engines list``, written to quarantine records, and compared as the engine slot
+_BAD_ENGINE_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def engine_id_problem(value: object) -> str | None:
+    """Why ``value`` cannot be an engine id (None when it can): a string of 1..128 characters, without control
+    characters, NUL or lone surrogates, and without whitespace around it (``" legacy"`` is no other engine)."""
+    if not isinstance(value, str):
+        return f"an engine id must be a string, not {type(value).__name__}"
+    if not value or len(value) > MAX_ENGINE_ID_CHARS:
+        return f"an engine id must be 1..{MAX_ENGINE_ID_CHARS} characters"
+    if _BAD_ENGINE_CHAR.search(value) is not None:
+        return "an engine id must not contain control characters, NUL or lone surrogates"
+    if value != value.strip():
+        return "an engine id must not start or end with whitespace"
+    return None
+
+
+def engine_label_problem(value: str) -> str | None:
+    """Why ``value`` cannot be an engine's name or version (None when it can): at most 256 characters, without
+    control characters, NUL or lone surrogates (``engines list`` shows it: an escape sequence would act on the
+    operator's terminal)."""
+    if len(value) > MAX_ENGINE_LABEL_CHARS:
+        return f"at most {MAX_ENGINE_LABEL_CHARS} characters"
+    if _BAD_ENGINE_CHAR.search(value) is not None:
+        return "no control characters, NUL or lone surrogates"
+    return None
+
 
 DEGRADE_NO_FENCE = "current-turn transcript fencing is not declared"
 DEGRADE_NO_IDEMPOTENCY = "atomic idempotent turn advancement is not declared"
@@ -71,6 +106,22 @@ class EngineInfo(_Model):
     #: ``background``: the host runtime defers ``maintain`` to its maintenance thread, where it may run
     #: while the same instance serves another turn (maintenance.py): the engine must be thread-safe
     turn_maintenance_mode: Literal["foreground", "background"] = "foreground"
+
+    @field_validator("id")
+    @classmethod
+    def _an_engine_id(cls, value: str) -> str:
+        problem = engine_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("name", "version")
+    @classmethod
+    def _a_label(cls, value: str) -> str:
+        problem = engine_label_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 # ---------------------------------------------------------------------------------------------- runtime settings
@@ -236,18 +287,27 @@ EngineFactory = Callable[[EngineContext], Any]
 
 
 def coerce_info(raw: object) -> EngineInfo:
-    """An EngineInfo from an engine's ``info`` (a model or a dict), or EngineContractError."""
+    """A validated EngineInfo from an engine's ``info`` (a model or a dict), or EngineContractError.
+
+    An EngineInfo instance is validated again, from its fields: ``model_construct`` and ``model_copy(update=...)``
+    make one without validation, whose fields may be anything (a dict for ``transcript_semantics``, a None id).
+    """
     if isinstance(raw, EngineInfo):
-        return raw
-    if isinstance(raw, dict):
         try:
-            return EngineInfo.model_validate(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise EngineContractError(
-                f"invalid info.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
-            ) from None
-    raise EngineContractError("engine has no info (EngineInfo)")
+            data: object = raw.model_dump(warnings=False)
+        except Exception as e:  # a field pydantic cannot even read back
+            raise EngineContractError(f"invalid info: {type(e).__name__}") from None
+    elif isinstance(raw, dict):
+        data = raw
+    else:
+        raise EngineContractError("engine has no info (EngineInfo)")
+    try:
+        return EngineInfo.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise EngineContractError(f"invalid info{'.' + where if where else ''}: {message}") from None
 
 
 def validate_engine(engine: object, expected_id: str | None = None) -> EngineInfo:

@@ -1,10 +1,14 @@
 """Engine discovery: bundled plugin folders, Python entry points, and extra plugin folders.
 
-A plugin folder holds ``plugin.yaml`` (name, description, version, entry) and the code. ``entry`` is
-``package.module:factory`` for an importable package (bundled engines) or ``module:factory`` /
-``factory`` relative to the folder (extra plugin folders; ``__init__`` by default). Third-party
+A plugin folder holds ``plugin.yaml`` (name, description, version, entry: strings, a version may be a
+number; at most 64 KiB) and the code. ``entry`` is ``package.module:factory`` for an importable package
+(bundled engines) or ``module:factory`` / ``factory`` relative to the folder (extra plugin folders;
+``__init__`` by default; dotted names only: never a path, nor a module outside the folder). Third-party
 packages register a factory under the ``transcript_store.engines`` entry-point group. A second engine
-registering an id that is taken is refused with a warning; nothing is ever auto-activated.
+registering an id that is taken, or an id that is no engine id (control characters, whitespace around
+it, over 128 characters), is refused with a warning before its code is loaded; nothing is ever
+auto-activated. A plugin that fails to load (SystemExit included) is registered with its error, so that
+``doctor`` says why; it never stops the discovery of the others.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -20,8 +25,15 @@ from typing import Any
 
 import yaml
 
-from .engine import EngineContext, EngineFactory, EngineInfo, validate_engine
-from .errors import EngineContractError, EngineError
+from .engine import (
+    EngineContext,
+    EngineFactory,
+    EngineInfo,
+    engine_id_problem,
+    engine_label_problem,
+    validate_engine,
+)
+from .errors import DESCRIBE_LIMIT, EngineContractError, UnknownEngine
 
 log = logging.getLogger("transcript_store.registry")
 
@@ -51,16 +63,101 @@ class EngineStatus:
     reason: str | None
 
 
-def _manifest(folder: Path) -> dict[str, Any]:
-    data = yaml.safe_load((folder / "plugin.yaml").read_text(encoding="utf-8")) or {}
+#: the largest plugin.yaml read: a manifest is four short strings; past this it is no manifest
+MAX_MANIFEST_BYTES = 64 * 1024
+#: the manifest's keys that are read (others are ignored, and not kept)
+_MANIFEST_KEYS = ("name", "description", "version", "entry")
+
+
+def _why(error: BaseException) -> str:
+    """``Type: message`` of a plugin's error, bounded: an engine's exception says whatever it likes."""
+    try:
+        text = str(error)
+    except Exception:  # an exception whose __str__ raises
+        text = "(a message that cannot be read)"
+    line = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return line if len(line) <= DESCRIBE_LIMIT else line[: DESCRIBE_LIMIT - 10] + " ... (cut)"
+
+
+def _quoted(value: object) -> str:
+    """An id as a warning quotes it: escaped by repr, and short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _manifest(folder: Path) -> dict[str, str]:
+    """The plugin.yaml of ``folder``: its name, description, version and entry, as strings (absent ones left out);
+    EngineContractError naming the file and the problem otherwise."""
+    path = folder / "plugin.yaml"
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise EngineContractError(f"cannot read {path}: {_why(e)}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise EngineContractError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: no plugin manifest")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EngineContractError(f"{path} is not UTF-8 (byte {e.start})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise EngineContractError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise EngineContractError(f"{path} is nested too deeply") from None
+    except ValueError:  # PyYAML's int() past Python's limit on the digits of an integer
+        raise EngineContractError(f"{path} holds an integer of too many digits") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise EngineContractError(f"{folder / 'plugin.yaml'} is not a mapping")
-    return data
+        raise EngineContractError(
+            f"{path} is not a mapping (name, description, version, entry): a {type(data).__name__}"
+        )
+    out: dict[str, str] = {}
+    for key in _MANIFEST_KEYS:
+        value = data.get(key)
+        if value is None:
+            continue
+        # Only a string is taken (a version may be a number): `name: yes` is YAML's True, and an aliased list
+        # (a "billion laughs") would be expanded by every str() or JSON dump of it.
+        if key == "version" and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            hint = " (quote it)" if isinstance(value, bool | int | float) else ""
+            raise EngineContractError(f"{path}: {key} must be a string, not {type(value).__name__}{hint}")
+        if key == "version" and (problem := engine_label_problem(value)) is not None:
+            raise EngineContractError(f"{path}: version must have {problem}")
+        out[key] = value
+    return out
 
 
-def _load_from_folder(folder: Path, entry: str) -> EngineFactory:
-    module_name, _, attr = entry.rpartition(":") if ":" in entry else ("__init__", ":", entry)
-    path = folder / ("__init__.py" if module_name == "__init__" else f"{module_name.replace('.', '/')}.py")
+def _entry(entry: str, importable: bool) -> tuple[str, str]:
+    """``(module, factory)`` of a manifest's entry: ``module:factory`` or ``factory`` (in ``__init__``), the module
+    dotted names only: a plugin folder's entry names a module inside that folder, never a path."""
+    module, sep, attr = entry.rpartition(":")
+    if not sep:
+        module = "__init__"
+    if importable and module == "__init__":
+        raise EngineContractError(f"entry {entry!r} must be package.module:factory")
+    if not attr.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+        raise EngineContractError(
+            f"entry {_quoted(entry)} is not module:factory (a module of the plugin's folder, dotted names only)"
+        )
+    return module, attr
+
+
+def _forget(name: str) -> None:
+    """Drop a plugin module that failed to load (and its submodules) from sys.modules: nothing half-loaded."""
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        sys.modules.pop(key, None)
+
+
+def _load_from_folder(folder: Path, module_name: str, attr: str) -> EngineFactory:
+    rel = "__init__.py" if module_name == "__init__" else "/".join(module_name.split(".")) + ".py"
+    path = folder / rel
+    if not path.is_file():  # missing, a folder, or a FIFO (whose read would never end)
+        raise EngineContractError(f"entry module {path} is not a file")
     unique = f"_transcript_store_plugin_{folder.name}_{abs(hash(str(folder)))}"
     spec = importlib.util.spec_from_file_location(
         unique, path, submodule_search_locations=[str(folder)] if module_name == "__init__" else None
@@ -69,10 +166,14 @@ def _load_from_folder(folder: Path, entry: str) -> EngineFactory:
         raise EngineContractError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[unique] = module
-    spec.loader.exec_module(module)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise EngineContractError(f"{path} has no callable {attr!r}")
+    try:
+        spec.loader.exec_module(module)
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise EngineContractError(f"{path} has no callable {attr!r}")
+    except BaseException:
+        _forget(unique)
+        raise
     return factory  # type: ignore[no-any-return]
 
 
@@ -86,18 +187,42 @@ class EngineRegistry:
         if discover:
             self._discover_folder_tree(BUNDLED_DIR, "bundled", importable=True)
             self._discover_entry_points()
+            seen: set[str] = set()
             for d in plugin_dirs:
-                self._discover_folder_tree(Path(d), "plugin_dir", importable=False)
+                try:
+                    key = os.path.realpath(d)
+                except (OSError, ValueError):
+                    key = str(d)
+                if key not in seen:  # a folder named twice (the settings file and the environment) is read once
+                    seen.add(key)
+                    self._discover_folder_tree(Path(d), "plugin_dir", importable=False)
 
-    def register(self, spec: EngineSpec) -> bool:
-        """Add an engine; an id already taken is refused with a warning."""
-        if spec.id in self.specs:
-            msg = (
-                f"engine id {spec.id!r} from {spec.location} refused: "
-                f"already registered from {self.specs[spec.id].location}"
+    def _refusal(self, engine_id: object, location: str) -> str | None:
+        """Why an engine claiming ``engine_id`` is refused (None when it is not): a bad id, or one taken."""
+        problem = engine_id_problem(engine_id)
+        if problem is not None:
+            return f"engine id {_quoted(engine_id)} from {location} refused: {problem}"
+        assert isinstance(engine_id, str)
+        if engine_id in self.specs:
+            return (
+                f"engine id {engine_id!r} from {location} refused: "
+                f"already registered from {self.specs[engine_id].location}"
             )
+        return None
+
+    def _claim(self, engine_id: object, location: str) -> bool:
+        """Whether ``engine_id`` is free to register; a warning otherwise. Checked before a plugin's code is
+        loaded: a refused plugin's module is never run."""
+        msg = self._refusal(engine_id, location)
+        if msg is not None:
             log.warning(msg)
             self.warnings.append(msg)
+            return False
+        return True
+
+    def register(self, spec: EngineSpec) -> bool:
+        """Add an engine; an id already taken, or no engine id at all, is refused with a warning."""
+        if not self._claim(spec.id, spec.location):
             return False
         self.specs[spec.id] = spec
         return True
@@ -107,62 +232,123 @@ class EngineRegistry:
         return self.register(EngineSpec(engine_id, "code", location, factory))
 
     def _discover_folder_tree(self, root: Path, source: str, importable: bool) -> None:
-        if not root.is_dir():
-            if source == "plugin_dir":
-                self.warnings.append(f"plugin dir {root} does not exist")
+        try:
+            if not root.is_dir():
+                if source == "plugin_dir":
+                    what = "is not a folder" if root.exists() else "does not exist"
+                    self.warnings.append(f"plugin dir {root} {what}")
+                return
+            children = [root] if _has_manifest(root) else sorted(root.iterdir())
+        except (OSError, ValueError) as e:
+            self.warnings.append(f"plugin dir {root} cannot be read: {_why(e)}")
             return
-        folders = (
-            [root]
-            if (root / "plugin.yaml").is_file()
-            else sorted(p for p in root.iterdir() if (p / "plugin.yaml").is_file())
-        )
-        for folder in folders:
+        for folder in children:
+            try:
+                if folder is not root and not _has_manifest(folder):
+                    continue
+            except (OSError, ValueError) as e:  # one unreadable folder hides no other
+                self.warnings.append(f"plugin folder {folder} cannot be read: {_why(e)}")
+                continue
             self._discover_folder(folder, source, importable)
 
     def _discover_folder(self, folder: Path, source: str, importable: bool) -> None:
-        engine_id = folder.name
+        location = str(folder)
         try:
             manifest = _manifest(folder)
-            engine_id = str(manifest.get("name") or folder.name)
-            entry = str(manifest.get("entry") or "create_engine")
+        except Exception as e:  # a broken plugin is reported (under its folder's name), never fatal for the host
+            if self._claim(folder.name, location):
+                self.register(EngineSpec(folder.name, source, location, None, {}, _why(e)))
+            return
+        engine_id = manifest.get("name") or folder.name
+        if not self._claim(engine_id, location):
+            return
+        try:
+            module_name, attr = _entry(manifest.get("entry") or "create_engine", importable)
             if importable:
-                module_name, _, attr = entry.partition(":")
-                factory = getattr(importlib.import_module(module_name), attr or "create_engine")
+                factory = getattr(importlib.import_module(module_name), attr, None)
+                if not callable(factory):
+                    raise EngineContractError(f"{module_name} has no callable {attr!r}")
             else:
-                factory = _load_from_folder(folder, entry)
-            self.register(EngineSpec(engine_id, source, str(folder), factory, manifest))
-        except Exception as e:  # a broken plugin is reported (under the name it gives), never fatal for the host
-            self.register(EngineSpec(engine_id, source, str(folder), None, {}, f"{type(e).__name__}: {e}"))
+                factory = _load_from_folder(folder, module_name, attr)
+        except KeyboardInterrupt:  # the operator's, as far as anyone can tell: it stops the process
+            raise
+        except BaseException as e:  # SystemExit from a plugin's import is its failure, not the host's exit
+            self.register(EngineSpec(engine_id, source, location, None, manifest, _why(e)))
+            return
+        self.register(EngineSpec(engine_id, source, location, factory, manifest))
 
     def _discover_entry_points(self) -> None:
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            found = list(entry_points(group=ENTRY_POINT_GROUP))
+        except Exception as e:  # an installed distribution's unreadable metadata
+            self.warnings.append(f"entry points of {ENTRY_POINT_GROUP} cannot be read: {_why(e)}")
+            return
+        for ep in found:
+            if not self._claim(ep.name, ep.value):
+                continue
             try:
                 factory = ep.load()
-                self.register(EngineSpec(ep.name, "entry_point", ep.value, factory))
-            except Exception as e:
-                self.register(EngineSpec(ep.name, "entry_point", ep.value, None, {}, f"{type(e).__name__}: {e}"))
+                if not callable(factory):
+                    raise EngineContractError(f"entry point {ep.value!r} is not callable: a {type(factory).__name__}")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                self.register(EngineSpec(ep.name, "entry_point", ep.value, None, {}, _why(e)))
+                continue
+            self.register(EngineSpec(ep.name, "entry_point", ep.value, factory))
 
     def create(self, engine_id: str, ctx: EngineContext) -> tuple[Any, EngineInfo]:
-        """Make and validate an engine; EngineError when unknown, broken or invalid."""
+        """Make and validate an engine; UnknownEngine when unknown, EngineError when broken or invalid (an
+        engine that fails validation is disposed of again). A factory's own exception is raised as it is,
+        but one that would end the process (SystemExit) is an EngineContractError."""
         spec = self.specs.get(engine_id)
         if spec is None:
-            raise EngineError(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
+            raise UnknownEngine(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
         if spec.factory is None:
             raise EngineContractError(f"engine {engine_id!r} failed to load: {spec.error}")
-        engine = spec.factory(ctx)
-        return engine, validate_engine(engine, expected_id=engine_id)
+        try:
+            engine = spec.factory(ctx)
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            raise EngineContractError(f"engine {engine_id!r} factory raised {_why(e)}") from e
+        if engine is None:
+            raise EngineContractError(f"engine {engine_id!r}: its factory returned None, not an engine")
+        try:
+            info = validate_engine(engine, expected_id=engine_id)
+        except BaseException as e:
+            _dispose(engine, engine_id)
+            if isinstance(e, Exception | KeyboardInterrupt):
+                raise
+            raise EngineContractError(f"engine {engine_id!r}: its validation raised {_why(e)}") from e
+        return engine, info
 
     def check(self, engine_id: str, ctx: EngineContext) -> EngineStatus:
-        """Load and validate one engine, disposing of it again."""
-        spec = self.specs[engine_id]
+        """Load and validate one engine, disposing of it again; UnknownEngine for an id not registered."""
+        spec = self.specs.get(engine_id)
+        if spec is None:
+            raise UnknownEngine(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
         try:
             engine, info = self.create(engine_id, ctx)
-        except Exception as e:
-            return EngineStatus(spec, None, False, f"{type(e).__name__}: {e}")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            return EngineStatus(spec, None, False, _why(e))
+        _dispose(engine, engine_id)
+        return EngineStatus(spec, info, True, None)
+
+
+def _has_manifest(folder: Path) -> bool:
+    return (folder / "plugin.yaml").is_file()
+
+
+def _dispose(engine: Any, engine_id: str) -> None:
+    """Dispose of an engine made only to be checked (or found invalid); a failure is logged, never raised."""
+    try:
         dispose = getattr(engine, "dispose", None)
         if callable(dispose):
-            try:
-                dispose()
-            except Exception as e:
-                log.warning("dispose of %s failed: %s", engine_id, e)
-        return EngineStatus(spec, info, True, None)
+            dispose()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        log.warning("dispose of %s failed: %s", engine_id, _why(e))

@@ -22,8 +22,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .engine import engine_id_problem
 from .errors import InvalidInput
 
 CONFIG_FILE = "transcript-store.toml"
@@ -78,6 +79,14 @@ class HostSettings(BaseModel):
     )
     system_prompt: str = Field("You are a helpful assistant.", description="the base system prompt")
 
+    @field_validator("engine")
+    @classmethod
+    def _an_engine_id(cls, value: str) -> str:
+        problem = engine_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _room_for_a_prompt(self) -> HostSettings:
         # The reply's tokens come out of the request's budget: a cap at or above it leaves no prompt,
@@ -108,6 +117,8 @@ def _from_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise InvalidInput(f"cannot read {path}: {e}") from e
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise InvalidInput(f"cannot read {path}: arrays or tables nested too deeply") from None
     except ValueError:  # tomllib's int() past Python's limit on the digits of an integer
         raise InvalidInput(
             f"cannot read {path}: an integer of more than {sys.get_int_max_str_digits()} digits"
@@ -124,12 +135,14 @@ def _from_file(path: Path) -> dict[str, Any]:
         slot = engine["slot"]
         if not isinstance(slot, str) or not slot.strip():
             raise InvalidInput(f"{path}: engine.slot must be a non-empty string (an engine id), got {slot!r}")
+        if (problem := engine_id_problem(slot)) is not None:
+            raise InvalidInput(f"{path}: engine.slot {_quoted(slot)}: {problem}")
         out["engine"], out["engine_source"] = slot, "config"
     if "plugin_dirs" in engine:
         dirs = engine["plugin_dirs"]
         if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
             raise InvalidInput(f"{path}: engine.plugin_dirs must be a list of folder names, got {dirs!r}")
-        out["plugin_dirs"] = [str((path.parent / d).resolve()) for d in dirs]
+        out["plugin_dirs"] = [_folder(path, d) for d in dirs]
     if "config" in engine:
         config = _table(path, engine, "config")
         for engine_id, value in config.items():
@@ -149,6 +162,31 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise InvalidInput(f"{path}: invalid {what}: {_reason(first['msg'])}") from None
     out.update(turn)
     return out
+
+
+def _quoted(value: str) -> str:
+    """A value as an error quotes it: escaped by repr, and short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _folder(path: Path, name: str) -> str:
+    """A plugin folder of the settings file at ``path``, absolute (relative to the file's folder)."""
+    if "\x00" in name:
+        raise InvalidInput(f"{path}: engine.plugin_dirs: {_quoted(name)} is no folder name (it holds NUL)")
+    folder = path.parent / name
+    try:
+        return str(folder.resolve())
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13): the registry warns
+        return str(folder.absolute())
+
+
+def _engine_id(value: str, where: str) -> str:
+    """``value`` as the engine slot, or InvalidInput naming ``where`` it came from."""
+    problem = engine_id_problem(value)
+    if problem is not None:
+        raise InvalidInput(f"{where} {_quoted(value)} is no engine id: {problem}")
+    return value
 
 
 def load_settings(config_path: str | None = None, **overrides: Any) -> HostSettings:
@@ -171,13 +209,15 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     elif os.environ.get("TRANSCRIPT_STORE_CONFIG"):
         raise InvalidInput(f"config file {path} (TRANSCRIPT_STORE_CONFIG) does not exist")
     env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
-    if env_engine:
-        values["engine"], values["engine_source"] = env_engine, "env"
+    if env_engine:  # empty: not set; anything else is an engine id (" " or " legacy" is none)
+        values["engine"] = _engine_id(env_engine, "TRANSCRIPT_STORE_ENGINE")
+        values["engine_source"] = "env"
     env_dirs = os.environ.get(PLUGIN_DIRS_ENV)
     if env_dirs:
         values["plugin_dirs"] = [*values.get("plugin_dirs", []), *filter(None, env_dirs.split(os.pathsep))]
-    if overrides.get("engine"):
-        values["engine"], values["engine_source"] = overrides.pop("engine"), "argument"
+    engine = overrides.pop("engine", None)
+    if engine is not None:  # an empty one too: "" names no engine, and is no reason to use another
+        values["engine"], values["engine_source"] = _engine_id(engine, "engine argument"), "argument"
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return HostSettings.model_validate(values)
