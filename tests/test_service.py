@@ -8,7 +8,6 @@ an engine that raises. The OpenAPI document is fuzzed with schemathesis for a bo
 from __future__ import annotations
 
 import json
-import textwrap
 import threading
 import time
 import uuid
@@ -421,25 +420,40 @@ def test_request_bodies_over_the_limit_are_refused(server: ServiceProcess) -> No
     assert page["entries"] == []
 
 
-EXPLODING = """
+def broken_engine(engine_id: str, assemble: str, commit_turn: str) -> str:
+    """The source of a plugin engine declaring both guarantees whose two methods run the given lines."""
+    return f"""
 from transcript_store.engine import EngineInfo, TranscriptSemantics
 
-class Exploding:
-    info = EngineInfo(id="exploding", transcript_semantics=TranscriptSemantics(
+class Broken:
+    info = EngineInfo(id="{engine_id}", transcript_semantics=TranscriptSemantics(
         current_turn_fence="before-current-turn-entry-v1", turn_advancement_idempotency="atomic-idempotent-v1"))
 
     def __init__(self, ctx):
         pass
 
     def assemble(self, **kw):
-        raise RuntimeError("secret internals at /etc/exploding")
+        {assemble}
 
     def commit_turn(self, **kw):
-        raise RuntimeError("secret internals at /etc/exploding")
+        {commit_turn}
 
 def create_engine(ctx):
-    return Exploding(ctx)
+    return Broken(ctx)
 """
+
+
+def plugin_env(tmp_path: Path, engine_id: str, source: str) -> dict[str, str]:
+    """A plugin folder holding ``source`` as engine ``engine_id``, and the environment that finds it."""
+    plugin = tmp_path / "plugins" / engine_id
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text(f"name: {engine_id}\nentry: create_engine\n")
+    (plugin / "__init__.py").write_text(source)
+    return {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+
+
+EXPLODING = broken_engine("exploding", 'raise RuntimeError("secret internals at /etc/exploding")',
+                          'raise RuntimeError("secret internals at /etc/exploding")')
 
 
 def test_an_unavailable_store_answers_503_without_naming_the_database(
@@ -500,11 +514,7 @@ def test_a_missing_grant_and_a_full_disk_have_their_own_503_codes(pg_template: s
 
 
 def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: Path) -> None:
-    plugin = tmp_path / "plugins" / "exploding"
-    plugin.mkdir(parents=True)
-    (plugin / "plugin.yaml").write_text("name: exploding\nentry: create_engine\n")
-    (plugin / "__init__.py").write_text(textwrap.dedent(EXPLODING))
-    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    env = plugin_env(tmp_path, "exploding", EXPLODING)
     with ServiceProcess(f"sqlite:///{tmp_path / 's.db'}", TOKENS, tmp_path / "serve.log", env=env,
                         extra_args=("--max-body", "4096")) as server:
         sid = new_id("s")
@@ -528,36 +538,15 @@ def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: P
         assert cid in log and "Traceback" in log and "secret internals" in log
 
 
-MISSHAPEN = """
-from transcript_store.engine import EngineInfo, TranscriptSemantics
-
-class Misshapen:
-    info = EngineInfo(id="misshapen", transcript_semantics=TranscriptSemantics(
-        current_turn_fence="before-current-turn-entry-v1", turn_advancement_idempotency="atomic-idempotent-v1"))
-
-    def __init__(self, ctx):
-        pass
-
-    def assemble(self, **kw):
-        return {"messages": "secret not a list", "estimated_tokens": -1}
-
-    def commit_turn(self, **kw):
-        raise ValueError("secret internals of a bug")
-
-def create_engine(ctx):
-    return Misshapen(ctx)
-"""
+MISSHAPEN = broken_engine("misshapen", 'return {"messages": "secret not a list", "estimated_tokens": -1}',
+                          'raise ValueError("secret internals of a bug")')
 
 
 def test_an_engines_value_error_is_the_servers_fault_not_the_requests(db_url: str, tmp_path: Path) -> None:
     """An engine raising ValueError, or returning a result that does not validate (pydantic's error is a
     ValueError), answered 400 invalid_input with the engine's message: the client was blamed, the
     internals shown, and nothing logged. It is a 500 with a correlation id, as any engine bug."""
-    plugin = tmp_path / "plugins" / "misshapen"
-    plugin.mkdir(parents=True)
-    (plugin / "plugin.yaml").write_text("name: misshapen\nentry: create_engine\n")
-    (plugin / "__init__.py").write_text(MISSHAPEN)
-    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    env = plugin_env(tmp_path, "misshapen", MISSHAPEN)
     with ServiceProcess(db_url, TOKENS, tmp_path / "serve.log", env=env) as server:
         sid = open_session(server)["session_id"]
         status, data = server.call("POST", f"/v1/engines/misshapen/sessions/{sid}/assemble", TOKEN_A, {})
@@ -766,11 +755,7 @@ def test_an_engines_own_output_in_serve_is_shown_not_obeyed(db_url: str, tmp_pat
     operator's terminal, never obeyed by it, and a lone surrogate in them fails no request."""
     from test_gateway import LOUD_ENGINE
 
-    folder = tmp_path / "plugins" / "loud"
-    folder.mkdir(parents=True)
-    (folder / "plugin.yaml").write_text("name: loud\nversion: 1.0\nentry: create_engine\n")
-    (folder / "__init__.py").write_text(LOUD_ENGINE)
-    env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "plugins")}
+    env = plugin_env(tmp_path, "loud", LOUD_ENGINE)
     with ServiceProcess(db_url, TOKENS, tmp_path / "serve.log", env=env) as server:
         sid = open_session(server)["session_id"]
         status, done = commit(server, "loud", sid, "loud-1", 0, [user("hi"), assistant("hello")])

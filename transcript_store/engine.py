@@ -60,6 +60,14 @@ def engine_id_problem(value: object) -> str | None:
     return None
 
 
+def require_engine_id(value: str) -> str:
+    """``value`` when it can be an engine id (``engine_id_problem``), else ValueError (a pydantic validator's)."""
+    problem = engine_id_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 def engine_label_problem(value: str) -> str | None:
     """Why ``value`` cannot be an engine's name or version (None when it can): at most 256 characters, without
     control characters, NUL or lone surrogates (``engines list`` shows it: an escape sequence would act on the
@@ -110,16 +118,12 @@ class EngineInfo(_Model):
     @field_validator("id")
     @classmethod
     def _an_engine_id(cls, value: str) -> str:
-        problem = engine_id_problem(value)
-        if problem is not None:
-            raise ValueError(problem)
-        return value
+        return require_engine_id(value)
 
     @field_validator("name", "version")
     @classmethod
     def _a_label(cls, value: str) -> str:
-        problem = engine_label_problem(value)
-        if problem is not None:
+        if (problem := engine_label_problem(value)) is not None:
             raise ValueError(problem)
         return value
 

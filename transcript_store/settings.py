@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine import engine_id_problem
+from .engine import engine_id_problem, require_engine_id
 from .errors import InvalidInput
 
 CONFIG_FILE = "transcript-store.toml"
@@ -82,10 +82,7 @@ class HostSettings(BaseModel):
     @field_validator("engine")
     @classmethod
     def _an_engine_id(cls, value: str) -> str:
-        problem = engine_id_problem(value)
-        if problem is not None:
-            raise ValueError(problem)
-        return value
+        return require_engine_id(value)
 
     @model_validator(mode="after")
     def _room_for_a_prompt(self) -> HostSettings:
