@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from conftest import module_store_fixtures
+from conftest import assistant, module_store_fixtures, user
 from hosting import RecordingModel
 from sqlalchemy import Connection
 from test_host import make_host
@@ -33,14 +33,6 @@ S = "review-scope"
 E = "engine-1"
 
 shared_url, store, sid = module_store_fixtures(S, "outbox-review")
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
 
 
 def engines(deliver: CommitIn = counting_engine) -> Callable[[str], CommitIn | None]:
