@@ -149,6 +149,32 @@ def test_settings_file_values_are_type_checked(tmp_path: Path, monkeypatch: pyte
     assert (s.compaction_threshold, s.token_budget, s.plugin_dirs, s.engine_source) == (1.0, 9000, [], "default")
 
 
+def test_a_settings_file_that_is_no_regular_file_or_too_large_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default ./transcript-store.toml as a folder was skipped silently (its settings never applied);
+    a folder or a FIFO named by --config said "does not exist"; and a huge file was read whole."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRANSCRIPT_STORE_ENGINE", raising=False)
+    monkeypatch.delenv("TRANSCRIPT_STORE_CONFIG", raising=False)
+    (tmp_path / "transcript-store.toml").mkdir()
+    with pytest.raises(InvalidInput, match=r"transcript-store\.toml is not a regular file"):
+        load_settings()
+    with pytest.raises(InvalidInput, match="is not a regular file"):
+        load_settings(str(tmp_path / "transcript-store.toml"))
+    fifo = tmp_path / "settings.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("TRANSCRIPT_STORE_CONFIG", str(fifo))
+    with pytest.raises(InvalidInput, match=r"\(TRANSCRIPT_STORE_CONFIG\) is not a regular file"):
+        load_settings()
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 200_000)  # 2 MB of comments: valid TOML, no settings file
+    with pytest.raises(InvalidInput, match="at most 1048576 bytes"):
+        load_settings(str(big))
+
+
 def test_a_missing_config_file_named_by_the_environment_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

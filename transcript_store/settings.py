@@ -109,9 +109,20 @@ def _table(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+#: the largest settings file read (bytes): a settings file is a few hundred bytes; a device or a stray
+#: huge file named by mistake must not be read into memory
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
 def _from_file(path: Path) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise InvalidInput(f"cannot read {path}: a settings file is at most {MAX_CONFIG_BYTES} bytes")
+        data = tomllib.loads(raw.decode("utf-8"))
+    except InvalidInput:  # a ValueError too: not one of the parser's below
+        raise
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise InvalidInput(f"cannot read {path}: {e}") from e
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
@@ -201,6 +212,10 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
     if path.is_file():
         values.update(_from_file(path))
+    elif path.exists():  # a folder, a FIFO, a device: never read as settings, never silently skipped
+        from_env = config_path is None and os.environ.get("TRANSCRIPT_STORE_CONFIG")
+        named = " (TRANSCRIPT_STORE_CONFIG)" if from_env else ""
+        raise InvalidInput(f"config file {path}{named} is not a regular file")
     elif config_path is not None:
         raise InvalidInput(f"config file {config_path} does not exist")
     elif os.environ.get("TRANSCRIPT_STORE_CONFIG"):
