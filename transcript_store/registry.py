@@ -34,6 +34,7 @@ from .engine import (
     validate_engine,
 )
 from .errors import DESCRIBE_LIMIT, EngineContractError, UnknownEngine
+from .terminal import quoted
 
 log = logging.getLogger("transcript_store.registry")
 
@@ -77,12 +78,6 @@ def _why(error: BaseException) -> str:
         text = "(a message that cannot be read)"
     line = f"{type(error).__name__}: {text}" if text else type(error).__name__
     return line if len(line) <= DESCRIBE_LIMIT else line[: DESCRIBE_LIMIT - 10] + " ... (cut)"
-
-
-def _quoted(value: object) -> str:
-    """An id as a warning quotes it: escaped by repr, and short."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _manifest(folder: Path) -> dict[str, str]:
@@ -142,7 +137,7 @@ def _entry(entry: str, importable: bool) -> tuple[str, str]:
         raise EngineContractError(f"entry {entry!r} must be package.module:factory")
     if not attr.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
         raise EngineContractError(
-            f"entry {_quoted(entry)} is not module:factory (a module of the plugin's folder, dotted names only)"
+            f"entry {quoted(entry)} is not module:factory (a module of the plugin's folder, dotted names only)"
         )
     return module, attr
 
@@ -201,7 +196,7 @@ class EngineRegistry:
         """Why an engine claiming ``engine_id`` is refused (None when it is not): a bad id, or one taken."""
         problem = engine_id_problem(engine_id)
         if problem is not None:
-            return f"engine id {_quoted(engine_id)} from {location} refused: {problem}"
+            return f"engine id {quoted(engine_id)} from {location} refused: {problem}"
         assert isinstance(engine_id, str)
         if engine_id in self.specs:
             return (

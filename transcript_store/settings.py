@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .engine import engine_id_problem, require_engine_id
 from .errors import InvalidInput
+from .terminal import quoted
 
 CONFIG_FILE = "transcript-store.toml"
 #: extra engine plugin folders, os.pathsep-separated (after the settings file's)
@@ -144,7 +145,7 @@ def _from_file(path: Path) -> dict[str, Any]:
         if not isinstance(slot, str) or not slot.strip():
             raise InvalidInput(f"{path}: engine.slot must be a non-empty string (an engine id), got {slot!r}")
         if (problem := engine_id_problem(slot)) is not None:
-            raise InvalidInput(f"{path}: engine.slot {_quoted(slot)}: {problem}")
+            raise InvalidInput(f"{path}: engine.slot {quoted(slot)}: {problem}")
         out["engine"], out["engine_source"] = slot, "config"
     if "plugin_dirs" in engine:
         dirs = engine["plugin_dirs"]
@@ -172,16 +173,10 @@ def _from_file(path: Path) -> dict[str, Any]:
     return out
 
 
-def _quoted(value: str) -> str:
-    """A value as an error quotes it: escaped by repr, and short."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _folder(path: Path, name: str) -> str:
     """A plugin folder of the settings file at ``path``, absolute (relative to the file's folder)."""
     if "\x00" in name:
-        raise InvalidInput(f"{path}: engine.plugin_dirs: {_quoted(name)} is no folder name (it holds NUL)")
+        raise InvalidInput(f"{path}: engine.plugin_dirs: {quoted(name)} is no folder name (it holds NUL)")
     folder = path.parent / name
     try:
         return str(folder.resolve())
@@ -193,7 +188,7 @@ def _engine_id(value: str, where: str) -> str:
     """``value`` as the engine slot, or InvalidInput naming ``where`` it came from."""
     problem = engine_id_problem(value)
     if problem is not None:
-        raise InvalidInput(f"{where} {_quoted(value)} is no engine id: {problem}")
+        raise InvalidInput(f"{where} {quoted(value)} is no engine id: {problem}")
     return value
 
 

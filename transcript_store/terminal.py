@@ -24,6 +24,13 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROL_OR_NEWLINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
+def quoted(value: object) -> str:
+    """A value as an error or a warning quotes it: escaped by repr (control characters, lone surrogates),
+    and cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def shown(text: str, *, one_line: bool = False) -> str:
     """Stored text for a terminal: its control characters as ``\\xNN``, so that a message holding an escape
     sequence (a user's, a model's, an engine's error) is read, not obeyed by the terminal; ``one_line``
