@@ -474,10 +474,13 @@ def test_the_keeper_renews_under_the_admissions_owner_only(store: TranscriptStor
     turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
     keeper = LeaseKeeper(store)
     keeper.hold(SCOPE, sid, "t1", 0.3, "another-process:1:2:3")
-    deadline = time.monotonic() + 5
-    while keeper.holds(SCOPE, sid, "t1") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not keeper.holds(SCOPE, sid, "t1") and keeper.renewals == 0
+    time.sleep(1.0)  # three leases: a renewal under the wrong owner would have kept it alive
+    intent = turns.intent(SCOPE, sid, "t1")
+    assert intent is not None and intent.lease_expires_at is not None
+    assert intent.lease_expires_at < datetime.now(UTC) and keeper.renewals == 0
+    # Still held (another attempt may hand the turn to this owner), until its attempt releases it.
+    keeper.release(SCOPE, sid, "t1", "another-process:1:2:3")
+    assert not keeper.holds(SCOPE, sid, "t1")
     keeper.close()
 
 

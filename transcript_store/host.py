@@ -89,7 +89,8 @@ HostTool = tuple[dict[str, Any], Callable[[dict[str, Any]], str]]
 
 
 class TurnFailed(TranscriptStoreError):
-    """A logical turn failed on every attempt; its intent was discarded and no engine advanced."""
+    """A logical turn failed on every attempt; its intent was discarded and no engine advanced (unless
+    the call took the turn over from an earlier attempt still running: handed back to it, as said)."""
 
 
 class _Degrade(Exception):
@@ -660,20 +661,41 @@ class HostRuntime:
         owner = new_owner()
         attempts = 0
         first = True
+        # The lease of a live attempt of this turn that this call's first admission took over (this
+        # call is a retry, presented while that attempt may still run): if this call fails, the turn
+        # is handed back to it, not discarded, since its work may still complete the turn.
+        displaced: list[outbox.AdmittedLease] = []
+
+        def give_up() -> str:
+            """This call's attempts failed: hand the turn back, or discard its intent (a note on which)."""
+            lease = displaced.pop() if displaced else None
+            if lease is not None and self.turns.hand_back(scope, session_id, turn_id, owner=owner, lease=lease):
+                return "; handed back to the earlier attempt of the turn, still running: it may complete it"
+            self.turns.discard(scope, session_id, turn_id, owner=owner)
+            return ""
+
         # Between attempts the turn keeps its admitted intent (and so the session: a session runs one
         # turn at a time): the next attempt takes its admission and lease over. Handing the session
         # back in between would let another turn in, and this one would then be overtaken.
         while True:
             attempts += 1
+            taken: list[outbox.AdmittedLease] = []
             try:
                 try:
-                    outcome = self._attempt(scope, session_id, user, turn_id, decision, values, owner)
+                    outcome = self._attempt(scope, session_id, user, turn_id, decision, values, owner, taken)
                 finally:
                     self._leases.release(scope, session_id, turn_id, owner)
+                    displaced[:] = displaced or taken
             except _Degrade as d:
                 if decision.engine_id == LEGACY:
-                    self.turns.discard(scope, session_id, turn_id, owner=owner)
-                    raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}") from None
+                    note = give_up()
+                    raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}{note}") from None
+                if displaced and give_up():
+                    # The turn runs on its engine in the attempt this call took it from: a started turn
+                    # never switches engines, so this call may not move it to legacy. It is busy.
+                    back = self.turns.intent(scope, session_id, turn_id)
+                    self._decisions.pop((scope, session_id, turn_id), None)
+                    raise SessionBusy(session_id, turn_id, back.lease_expires_at if back else None) from None
                 # Only while this call's attempts hold the turn: a retry that took it over runs on.
                 self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY, owner))
                 decision = self._degrade(scope, session_id, turn_id, d.reason)
@@ -683,8 +705,8 @@ class HostRuntime:
             except ModelTimeout as e:
                 log.warning("turn %s attempt %d: model timeout, retrying the same logical turn", turn_id, attempts)
                 if attempts >= self.settings.max_attempts:
-                    self.turns.discard(scope, session_id, turn_id, owner=owner)
-                    raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}") from e
+                    note = give_up()
+                    raise TurnFailed(f"turn {turn_id} failed after {attempts} attempts: {e}{note}") from e
                 first = False
                 continue
             except _Refused as r:
@@ -693,11 +715,11 @@ class HostRuntime:
                 # presented again. A refusal naming this very turn is about another attempt's intent
                 # (on another engine), never this attempt's.
                 if not first and not (isinstance(r.error, SessionBusy) and r.error.turn_id == turn_id):
-                    self.turns.discard(scope, session_id, turn_id, owner=owner)
+                    give_up()
                 self._decisions.pop((scope, session_id, turn_id), None)
                 raise r.error from None
             except BaseException:
-                self.turns.discard(scope, session_id, turn_id, owner=owner)
+                give_up()
                 raise
             outcome.attempts = attempts
             self._decisions.pop((scope, session_id, turn_id), None)
@@ -784,6 +806,7 @@ class HostRuntime:
         decision: _Decision,
         values: dict[str, Any],
         owner: str,
+        taken: list[outbox.AdmittedLease],
     ) -> TurnOutcome:
         engine_id = decision.engine_id
         try:
@@ -834,7 +857,7 @@ class HostRuntime:
                 raise _Degrade("an earlier turn of the session is still pending")
             try:
                 admitted = self.turns.admit(
-                    scope, session_id, user, turn_id=turn_id, engine_id=engine_id, owner=owner
+                    scope, session_id, user, turn_id=turn_id, engine_id=engine_id, owner=owner, taken_over=taken
                 )
             except (SessionBusy, TurnOvertaken) as e:
                 raise _Refused(e) from None

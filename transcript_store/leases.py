@@ -10,6 +10,11 @@ One daemon thread per keeper renews every turn it holds once a third of its leas
 the lease was last set, so a lease is never older than half its length while its worker lives; a
 worker that dies stops renewing with it, and a turn held longer than its ``max_seconds`` (a tool that
 never returns) stops being renewed, so the session is not held forever by a live but stuck process.
+A renewal that fails because a retry of the turn took it over keeps the hold (renewed again a third
+of a lease later): a retry that fails hands the turn back to the attempt it took it from (``Turns.
+hand_back``), whose lease must then be kept alive again. A hold is dropped when its turn is gone
+(discarded or completed), at ``release``, and past its ``max_seconds``.
+
 Holding and releasing a turn is a dict operation under a lock: a turn shorter than a third of its
 lease (almost all of them) writes nothing and starts no thread of its own. The thread starts on the
 first hold and ends after half a minute with nothing to hold, or at ``close``; in a child after
@@ -41,6 +46,7 @@ class _Held:
     set_at: float  # time.monotonic() when the lease was last set
     until: float  # time.monotonic() after which it is not renewed any more
     thread: int  # the thread that holds it (its attempt's): ``release`` without an owner releases its own
+    taken: bool = False  # its last renewal found the turn taken over by another attempt (warned once)
 
 
 class LeaseKeeper:
@@ -54,7 +60,9 @@ class LeaseKeeper:
 
     def _start(self) -> None:
         self._pid = os.getpid()
-        self._held: dict[tuple[str, str, str], _Held] = {}
+        # (scope, session_id, turn_id, owner): two attempts of a turn (a retry that took it over, the one
+        # it took it from) each hold their own; only the one owning the lease now renews it.
+        self._held: dict[tuple[str, str, str, str], _Held] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,8 +79,8 @@ class LeaseKeeper:
         """Keep renewing this turn's lease (just set by its admission, to ``owner``) until ``release``,
         for at most ``max_seconds`` from now (None: as long as it is held).
 
-        One hold per turn: the admission that set the lease is the turn's truth, and replaces a hold of
-        another attempt of the turn (an earlier one, whose lease a retry has just taken over)."""
+        One hold per turn and owner: an earlier attempt whose lease a retry took over keeps its own
+        hold (its renewals fail, harmlessly, until the retry hands the turn back or it is released)."""
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             raise InvalidInput(f"lease_seconds must be a number of seconds, got {lease_seconds!r}")
         if lease_seconds > outbox.MAX_LEASE_SECONDS:  # it could not be stored (microseconds, 64 bits)
@@ -88,7 +96,7 @@ class LeaseKeeper:
         held = _Held(float(lease_seconds), owner, now, until, threading.get_ident())
         self._own()
         with self._lock:
-            self._held[(scope, session_id, turn_id)] = held
+            self._held[(scope, session_id, turn_id, owner)] = held
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="transcript-store-leases", daemon=True)
                 self._thread.start()
@@ -103,18 +111,17 @@ class LeaseKeeper:
         meanwhile, and is running on; releasing its renewal would let its lease run out while it runs.
         """
         self._own()
-        key = (scope, session_id, turn_id)
         me = threading.get_ident()
         with self._lock:
-            held = self._held.get(key)
-            if held is not None and (held.owner == owner if owner is not None else held.thread == me):
-                del self._held[key]
+            for key in [k for k, h in self._held.items() if k[:3] == (scope, session_id, turn_id)]:
+                if key[3] == owner if owner is not None else self._held[key].thread == me:
+                    del self._held[key]
 
     def holds(self, scope: str, session_id: str, turn_id: str) -> bool:
-        """Whether this keeper is renewing the turn's lease."""
+        """Whether this keeper is renewing the turn's lease (for any of its attempts)."""
         self._own()
         with self._lock:
-            return (scope, session_id, turn_id) in self._held
+            return any(k[:3] == (scope, session_id, turn_id) for k in self._held)
 
     def close(self) -> None:
         """Stop renewing every turn and end the thread (a later ``hold`` starts a new one)."""
@@ -153,12 +160,12 @@ class LeaseKeeper:
                 self._renew(key, held)
             self._wake.wait(self._tick)
 
-    def _renew(self, key: tuple[str, str, str], held: _Held) -> None:
-        scope, session_id, turn_id = key
+    def _renew(self, key: tuple[str, str, str, str], held: _Held) -> None:
+        scope, session_id, turn_id, owner = key
         started = time.monotonic()
         try:
-            renewed = self.store.write(
-                lambda c: outbox.renew_lease(c, scope, session_id, turn_id, held.owner, held.lease)
+            outcome = self.store.write(
+                lambda c: outbox.renewal(c, scope, session_id, turn_id, owner, held.lease)
             )
         except Exception as e:  # the store is unreachable for now: try again at the next look
             log.warning("turn %s: could not renew its lease (%s: %s); retrying", turn_id, type(e).__name__, e)
@@ -166,12 +173,22 @@ class LeaseKeeper:
         with self._lock:
             if self._held.get(key) is not held:
                 return  # released meanwhile (the turn is completing: its intent may be gone already)
-            if renewed:
-                held.set_at = started
+            held.set_at = started  # renewed, or tried: the next try a third of a lease later
+            if outcome == "renewed":
+                if held.taken:
+                    held.taken = False
+                    log.warning("turn %s: handed back to this attempt; its lease is renewed again", turn_id)
                 self.renewals += 1
+                return
+            if outcome == "taken over":
+                # Kept: a retry of the turn holds it now, and gives it back should it fail.
+                if not held.taken:
+                    held.taken = True
+                    log.warning("turn %s: its lease was taken over by a retry of the turn; renewed again "
+                                "should the retry hand it back", turn_id)
                 return
             # Warned before the turn is dropped, under the lock: whoever sees it no longer held (holds())
             # can already find the warning (a test polling holds() read the log before it was written).
-            log.warning("turn %s: its lease could not be renewed (the turn was discarded, completed by another "
-                        "attempt or taken over meanwhile)", turn_id)
+            log.warning("turn %s: its lease could not be renewed (the turn was discarded or completed by "
+                        "another attempt meanwhile)", turn_id)
             del self._held[key]

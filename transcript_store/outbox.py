@@ -303,10 +303,17 @@ def record_admitted(
     lease_seconds: float,
     is_heartbeat: bool = False,
     owner: str | None = None,
+    taken_over: list[AdmittedLease] | None = None,
 ) -> TurnIntent:
-    """Write the admitted intent (same transaction as the admission); identical again is a no-op."""
+    """Write the admitted intent (same transaction as the admission); identical again is a no-op.
+
+    An admitted intent of the same turn is taken over by ``owner`` (a retry of the turn); the lease it
+    took, when that attempt's worker was alive, is put in ``taken_over`` (emptied first) so that a
+    retry which fails can give the turn back (``hand_back``) instead of discarding it."""
     a = admission.anchor
     ts = now_us()
+    if taken_over is not None:
+        taken_over.clear()  # the transaction may run again whole: only its last run counts
     owner = owner or str(identity.current())
     text = admission.model_dump_json()
     values = {
@@ -350,6 +357,10 @@ def record_admitted(
         raise OutboxCollision(f"turn {admission.turn_id!r} was admitted with another entry")
     if row.state == "admitted":
         # A retry of the same logical turn takes the lease over (the earlier attempt failed or died).
+        if taken_over is not None and row.lease_owner != owner and not abandoned(
+            row.lease_owner, row.lease_expires_us, ts
+        ):
+            taken_over.append(AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us))
         core.conn.execute(
             update(outbox)
             .where(_key(a.scope, a.session_id, admission.turn_id))
@@ -478,6 +489,40 @@ def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: st
     q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner)
     return core.conn.execute(
         q.values(lease_expires_us=ts + int(lease_seconds * 1_000_000), updated_us=ts),
+        _turn_params(scope, session_id, turn_id),
+    ).rowcount == 1
+
+
+RenewalOutcome = Literal["renewed", "taken over", "gone"]
+
+
+def renewal(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> RenewalOutcome:
+    """``renew_lease``, telling a turn another attempt holds now ("taken over": it may be handed back)
+    from one that is no longer running at all ("gone": discarded, or completed)."""
+    if renew_lease(core, scope, session_id, turn_id, owner, lease_seconds):
+        return "renewed"
+    row = get_row(core, scope, session_id, turn_id)
+    return "taken over" if row is not None and row.state == "admitted" else "gone"
+
+
+def hand_back(
+    core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease: AdmittedLease, lease_seconds: float
+) -> bool:
+    """Give a turn that ``owner`` took over back to the attempt it took it from (``lease``, as taken),
+    only while ``owner`` still holds it. That attempt may still be running (a retry is presented when
+    the first worker only looks slow), so the failing retry must not throw its work away.
+
+    The lease given back runs at least ``lease_seconds`` from now: the earlier attempt's renewals
+    failed while it was taken, and its keeper renews it again within that time if its worker lives.
+    A worker provably gone from this machine gets nothing back: the intent is discarded (False)."""
+    if lease.owner is None or _gone_here(str(lease.owner)):
+        discard(core, scope, session_id, turn_id, owner)
+        return False
+    ts = now_us()
+    expires = max(lease.expires_us or 0, ts + int(lease_seconds * 1_000_000))
+    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner)
+    return core.conn.execute(
+        q.values(lease_owner=lease.owner, lease_expires_us=expires, updated_us=ts),
         _turn_params(scope, session_id, turn_id),
     ).rowcount == 1
 

@@ -135,6 +135,7 @@ class Turns:
         engine_id: str,
         is_heartbeat: bool = False,
         owner: str | None = None,
+        taken_over: list[outbox.AdmittedLease] | None = None,
     ) -> tuple[Admission, TurnIntent]:
         """Admit the user message and write the admitted intent, in one transaction.
 
@@ -145,10 +146,14 @@ class Turns:
 
         ``owner`` names this attempt in the intent's lease (``new_owner()`` when not given); an admitted
         intent of the same turn id is taken over by it. ``discard(..., owner=)`` then deletes the intent
-        only while this attempt still holds it.
+        only while this attempt still holds it. The lease taken over from a live attempt is put in
+        ``taken_over`` (a list, emptied first), for ``hand_back`` should this attempt fail.
         """
+        if taken_over is not None and not isinstance(taken_over, list):
+            raise InvalidInput("taken_over must be a list (it receives the lease taken over)")
         result = self._admit(
-            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False, owner=owner
+            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False, owner=owner,
+            taken_over=taken_over,
         )
         assert result is not None
         return result
@@ -199,6 +204,7 @@ class Turns:
         only_if_clear: bool,
         within: Callable[[Core, Admission], None] | None = None,
         owner: str | None = None,
+        taken_over: list[outbox.AdmittedLease] | None = None,
     ) -> tuple[Admission, TurnIntent] | None:
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id, new=True)
@@ -218,7 +224,7 @@ class Turns:
                 outbox.claim_session(c, scope, session_id, turn_id)
             intent = outbox.record_admitted(
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
-                is_heartbeat=is_heartbeat, owner=owner,
+                is_heartbeat=is_heartbeat, owner=owner, taken_over=taken_over,
             )
             if stored and intent.state == "admitted":
                 # A stored admission that is to run (again): was it overtaken by a later turn, or
@@ -259,6 +265,29 @@ class Turns:
             )
             landed[:] = [answer]
             return answer
+
+        return self.store.write(run)
+
+    def hand_back(self, scope: str, session_id: str, turn_id: str, *, owner: str, lease: outbox.AdmittedLease) -> bool:
+        """A failing retry gives the turn it took over (``admit(..., taken_over=)``) back to the attempt
+        it took it from, which may still be running, instead of discarding it; only while ``owner``
+        still holds it. False: not handed back (discarded if that attempt's worker is provably gone,
+        or no longer this owner's)."""
+        _check_turn(self.store, scope, session_id, turn_id)
+        _check_owner(owner)
+        if not isinstance(lease, outbox.AdmittedLease) or lease.turn_id != turn_id:
+            raise InvalidInput("lease must be the AdmittedLease this turn's admission took over")
+        landed: list[bool] = []
+        seconds = self.config.turn_lease_seconds
+
+        def run(c: Core) -> bool:
+            handed = outbox.hand_back(c, scope, session_id, turn_id, owner, lease, seconds)
+            # A retry after an uncertain COMMIT finds the turn given back already: it was handed back.
+            if not handed and landed and landed[0]:
+                row = outbox.get_row(c, scope, session_id, turn_id)
+                handed = row is not None and row.state == "admitted" and row.lease_owner == lease.owner
+            landed[:] = [handed]
+            return handed
 
         return self.store.write(run)
 

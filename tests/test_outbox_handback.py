@@ -1,0 +1,256 @@
+"""A retry that takes a running turn over and then fails hands the turn back to the attempt it took it
+from, instead of discarding it: that attempt may still be running, and its work is the turn's.
+
+Two attempts of one logical turn run at once when a gateway presents the turn again (its first worker
+looked slow or dead). The retry takes the turn's lease over. Before, a retry that then failed (provider
+timeouts on every attempt, a degradation, an error) discarded the intent, and the first attempt, alive
+and about to succeed, found nothing at its completion (``OutboxCollision``): the turn was lost although
+one attempt of it succeeded. Each test here failed on the code before the hand-back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from conftest import module_store_fixtures, user
+from hosting import CountingEngine, RecordingModel
+from test_host import make_host
+
+from transcript_store import SessionBusy, StoreConfig, TranscriptStore
+from transcript_store.errors import ModelTimeout
+from transcript_store.host import HostRuntime, TurnFailed
+from transcript_store.leases import LeaseKeeper
+from transcript_store.outbox import OutboxConfig
+from transcript_store.turns import Turns
+
+S = "handback-scope"
+LEASE = 0.5
+
+shared_url, store, sid = module_store_fixtures(S, "outbox-handback")
+
+
+class _Gate:
+    """A model whose first attempt (the first thread to call it) waits for ``go``; every later call
+    (the retry's) fails with ``retry_error``, after the retry's admission took the turn over."""
+
+    name = "gated"
+
+    def __init__(self, retry_error: BaseException) -> None:
+        self.recording = RecordingModel()
+        self.first_thread: int | None = None
+        self.first_called = threading.Event()
+        self.go = threading.Event()
+        self.retry_error = retry_error
+        self.retry_calls = 0
+        self.lock = threading.Lock()
+
+    def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+        with self.lock:
+            if self.first_thread is None:
+                self.first_thread = threading.get_ident()
+            mine = self.first_thread == threading.get_ident()
+            if not mine:
+                self.retry_calls += 1
+        if mine:
+            self.first_called.set()
+            assert self.go.wait(60)
+            return self.recording.complete(messages, tools, **kw)
+        raise self.retry_error
+
+
+def _run_two(host: HostRuntime, model: _Gate, sid: str, retry_host: HostRuntime | None = None) -> dict[str, Any]:
+    """Start the first attempt, let its model call begin, run the retry to its end; the first attempt
+    is still waiting for ``model.go`` when this returns (the caller sets it)."""
+    results: dict[str, Any] = {}
+
+    def run(name: str, h: HostRuntime) -> None:
+        try:
+            results[name] = h.run_turn(S, sid, "q1", turn_id="t1")
+        except BaseException as e:  # reported by the caller
+            results[name] = e
+
+    first = threading.Thread(target=run, args=("first", host), daemon=True)
+    first.start()
+    assert model.first_called.wait(30)
+    retry = threading.Thread(target=run, args=("retry", retry_host or host), daemon=True)
+    retry.start()
+    retry.join(60)
+    assert not retry.is_alive()
+    results["first_thread"] = first
+    return results
+
+
+def _finish(model: _Gate, results: dict[str, Any]) -> Any:
+    model.go.set()
+    results["first_thread"].join(60)
+    return results.get("first")
+
+
+def _short_leases(host: HostRuntime, store: TranscriptStore) -> None:
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+
+
+def test_a_retry_failing_on_timeouts_hands_the_turn_back_to_the_running_attempt(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The retry times out on every attempt (``TurnFailed``); the first attempt, still in its model
+    call, keeps the turn: its lease is renewed again (the session stays busy for other turns long
+    after the retry's lease would have run out) and its completion commits the turn, once."""
+    host, _ = make_host(store)
+    _short_leases(host, store)
+    model = _Gate(ModelTimeout("the provider timed out"))
+    host.model = model
+    results = _run_two(host, model, sid)
+    try:
+        failed = results.get("retry")
+        assert isinstance(failed, TurnFailed), repr(failed)
+        assert "handed back" in str(failed)
+        assert model.retry_calls == host.settings.max_attempts
+        intent = host.turns.intent(S, sid, "t1")
+        assert intent is not None and intent.state == "admitted"
+        time.sleep(4 * LEASE)  # only renewals keep the first attempt's lease alive this long
+        with pytest.raises(SessionBusy):
+            Turns(store).admit(S, sid, user("other"), turn_id="o1", engine_id="legacy")
+    finally:
+        out = _finish(model, results)
+    assert out is not None and not isinstance(out, BaseException), repr(out)
+    assert out.commit_status == "committed"
+    assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]
+    host.dispose()
+
+
+def test_a_retry_in_another_worker_hands_the_turn_back(store: TranscriptStore, sid: str, shared_url: str) -> None:
+    """The same across two hosts (two workers, each its own store and lease keeper): the first worker's
+    keeper, whose renewals failed while the retry held the turn, renews it again once handed back."""
+    host, _ = make_host(store)
+    _short_leases(host, store)
+    other_store = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
+    other, _ = make_host(other_store)
+    _short_leases(other, other_store)
+    model = _Gate(ModelTimeout("the provider timed out"))
+    host.model = model
+    other.model = model
+    results = _run_two(host, model, sid, retry_host=other)
+    try:
+        assert isinstance(results.get("retry"), TurnFailed), repr(results.get("retry"))
+        time.sleep(4 * LEASE)
+        with pytest.raises(SessionBusy):
+            Turns(store).admit(S, sid, user("other"), turn_id="o1", engine_id="legacy")
+    finally:
+        out = _finish(model, results)
+    assert out is not None and not isinstance(out, BaseException), repr(out)
+    assert out.commit_status == "committed"
+    assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]
+    other.dispose()
+    other_store.close()
+    host.dispose()
+
+
+def test_a_retry_failing_with_an_error_hands_the_turn_back(store: TranscriptStore, sid: str) -> None:
+    """Any error of the retry (here the provider's connection breaking): raised to its caller as it is,
+    and the turn stays the first attempt's."""
+    host, _ = make_host(store)
+    _short_leases(host, store)
+    model = _Gate(ConnectionError("the provider went away"))
+    host.model = model
+    results = _run_two(host, model, sid)
+    out = _finish(model, results)
+    assert isinstance(results.get("retry"), ConnectionError), repr(results.get("retry"))
+    assert out is not None and not isinstance(out, BaseException), repr(out)
+    assert out.commit_status == "committed"
+    assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]
+    host.dispose()
+
+
+def test_a_degrading_retry_does_not_move_a_running_attempts_turn(
+    store: TranscriptStore, sid: str, shared_url: str
+) -> None:
+    """The retry's engine fails before the model call (a degradation, in another worker): it would have
+    handed the turn, still running on its engine in the first worker, to the legacy engine. It is
+    ``SessionBusy`` for the retry instead (an attempt of the turn runs), and the first attempt commits
+    on its engine."""
+    engines: list[CountingEngine] = []
+
+    def factory(ctx: Any) -> CountingEngine:
+        engines.append(CountingEngine(ctx))
+        return engines[-1]
+
+    host, _ = make_host(store, engine="counting", factories={"counting": factory})
+    _short_leases(host, store)
+    other_store = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
+    other, _ = make_host(other_store, engine="counting", factories={"counting": factory})
+    _short_leases(other, other_store)
+    model = _Gate(AssertionError("the retry never reaches its model call"))
+    host.model = model
+    other.model = model
+    first_thread: list[int] = []
+    real_assemble = CountingEngine.assemble
+
+    def assemble(self: CountingEngine, **kw: Any) -> Any:
+        if first_thread and threading.get_ident() != first_thread[0]:
+            raise RuntimeError("the engine broke for the retry")
+        first_thread.append(threading.get_ident())
+        return real_assemble(self, **kw)
+
+    CountingEngine.assemble = assemble  # type: ignore[method-assign]
+    try:
+        results = _run_two(host, model, sid, retry_host=other)
+    finally:
+        CountingEngine.assemble = real_assemble  # type: ignore[method-assign]
+    out = _finish(model, results)
+    refused = results.get("retry")
+    assert isinstance(refused, SessionBusy) and refused.turn_id == "t1", repr(refused)
+    assert out is not None and not isinstance(out, BaseException), repr(out)
+    assert out.commit_status == "committed" and out.engine_id == "counting" and out.degraded_reason is None
+    assert [r.advancement_key for r in Turns(store).receipts(S, sid, "counting")] == ["t1"]
+    assert Turns(store).receipts(S, sid, "legacy") == []
+    other.dispose()
+    other_store.close()
+    host.dispose()
+
+
+def test_a_retry_that_took_over_a_dead_attempt_still_discards(store: TranscriptStore, sid: str) -> None:
+    """Nothing is handed back to an attempt whose lease had run out when the retry took the turn over
+    (its worker is gone): the failing retry discards the intent, and the session is free at once."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.05))
+    turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="gone/worker")
+    time.sleep(0.1)
+    host, model = make_host(store)
+    model.fail_next = [ModelTimeout("timed out")] * host.settings.max_attempts
+    with pytest.raises(TurnFailed) as failed:
+        host.run_turn(S, sid, "q1", turn_id="t1")
+    assert "handed back" not in str(failed.value)
+    assert host.turns.intent(S, sid, "t1") is None
+    assert host.run_turn(S, sid, "next").commit_status == "committed"
+    host.dispose()
+
+
+def test_the_keeper_renews_a_handed_back_lease_again(store: TranscriptStore, sid: str) -> None:
+    """A hold whose renewal failed because a retry took the turn over is kept (not dropped) while its
+    attempt runs: renewed again once the turn is handed back; dropped when the intent is gone."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+    keeper = LeaseKeeper(store)
+    try:
+        turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker/a")
+        keeper.hold(S, sid, "t1", LEASE, "worker/a")
+        taken: list[Any] = []
+        turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker/b", taken_over=taken)
+        assert [lease.owner for lease in taken] == ["worker/a"]
+        time.sleep(LEASE)  # a renewal of worker/a's failed meanwhile
+        assert keeper.holds(S, sid, "t1")
+        assert turns.hand_back(S, sid, "t1", owner="worker/b", lease=taken[0])
+        intent = turns.intent(S, sid, "t1")
+        assert intent is not None and intent.lease_owner == "worker/a"
+        time.sleep(3 * LEASE)
+        with pytest.raises(SessionBusy):
+            turns.admit(S, sid, user("q2"), turn_id="t2", engine_id="legacy")
+        turns.discard(S, sid, "t1")
+        deadline = time.monotonic() + 10
+        while keeper.holds(S, sid, "t1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not keeper.holds(S, sid, "t1")
+    finally:
+        keeper.close()
