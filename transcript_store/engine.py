@@ -9,14 +9,15 @@ the Python form of OpenClaw's ContextEngine contract, with the store underneath.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import EngineContractError
 from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
+from .terminal import quoted
 
 HostParam = Literal["session_key", "prompt", "runtime_settings", "session_target", "runtime_context"]
 HOST_PARAMS: tuple[str, ...] = ("session_key", "prompt", "runtime_settings", "session_target", "runtime_context")
@@ -41,6 +42,17 @@ LIFECYCLE = (
 MAX_ENGINE_ID_CHARS = 128
 #: the longest ``info.name`` / ``info.version`` an engine declares
 MAX_ENGINE_LABEL_CHARS = 256
+#: the most ``info.accepted_host_params`` an engine lists (five are known: a repeated one is harmless), and the
+#: longest one (an unknown one is refused, quoted)
+MAX_ACCEPTED_HOST_PARAMS = 16
+MAX_HOST_PARAM_CHARS = 64
+#: the most capabilities one operation of ``info.host_requirements`` requires, and the longest one
+MAX_REQUIRED_CAPABILITIES = 64
+MAX_CAPABILITY_CHARS = 128
+#: the longest ``unsupported_message`` of a host requirement (quoted by HostRequirementError)
+MAX_UNSUPPORTED_MESSAGE_CHARS = 1024
+#: the longest refusal of an engine's info: the error quotes where, never the declaration it refuses
+MAX_INFO_ERROR_CHARS = 240
 #: what no engine id, name or version may hold (C0, DEL, C1, lone surrogates): they are shown on terminals by
 #: ``doctor`` and ``engines list``, written to quarantine records, and compared as the engine slot
 _BAD_ENGINE_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -79,6 +91,16 @@ def engine_label_problem(value: str) -> str | None:
     return None
 
 
+def _shown_text(value: str, limit: int) -> str:
+    """``value`` when it is at most ``limit`` characters without control characters, NUL or lone surrogates:
+    what an engine declares for a terminal, a log line or an error message (ValueError otherwise)."""
+    if len(value) > limit:
+        raise ValueError(f"at most {limit} characters")
+    if _BAD_ENGINE_CHAR.search(value) is not None:
+        raise ValueError("no control characters, NUL or lone surrogates")
+    return value
+
+
 DEGRADE_NO_FENCE = "current-turn transcript fencing is not declared"
 DEGRADE_NO_IDEMPOTENCY = "atomic idempotent turn advancement is not declared"
 
@@ -87,28 +109,56 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class TranscriptSemantics(_Model):
+class _Declaration(_Model):
+    """A part of an engine's info: a mapping of more keys than it has fields is refused before any is read (a
+    million unknown keys would be a million errors, each quoting its key)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            raise ValueError(f"at most {len(cls.model_fields)} fields, not {len(data)}")
+        return data
+
+
+class TranscriptSemantics(_Declaration):
     """What an engine promises about transcript reads and turn advancement."""
 
     current_turn_fence: Literal["before-current-turn-entry-v1"] | None = None
     turn_advancement_idempotency: Literal["atomic-idempotent-v1"] | None = None
 
 
-class HostRequirement(_Model):
-    """Host capabilities an operation needs, and what to tell the user when they are missing."""
+class HostRequirement(_Declaration):
+    """Host capabilities an operation needs, and what to tell the user when they are missing: at most 64
+    capabilities of at most 128 characters, a message of at most 1024, without control characters."""
 
-    required_capabilities: list[str] = Field(default_factory=list)
+    required_capabilities: list[str] = Field(default_factory=list, max_length=MAX_REQUIRED_CAPABILITIES)
     unsupported_message: str | None = None
 
+    @field_validator("required_capabilities")
+    @classmethod
+    def _capabilities(cls, value: list[str]) -> list[str]:
+        for capability in value:
+            _shown_text(capability, MAX_CAPABILITY_CHARS)
+        return value
 
-class EngineInfo(_Model):
-    """An engine's identity and declarations."""
+    @field_validator("unsupported_message")
+    @classmethod
+    def _message(cls, value: str | None) -> str | None:
+        return None if value is None else _shown_text(value, MAX_UNSUPPORTED_MESSAGE_CHARS)
+
+
+class EngineInfo(_Declaration):
+    """An engine's identity and declarations, each bounded: shown by ``doctor`` and ``engines list``, served by
+    the service's /engines, quoted by errors and logs."""
 
     id: str = Field(min_length=1, max_length=128)
     name: str = ""
     version: str = "0"
     owns_compaction: bool = False
-    accepted_host_params: list[str] | None = None
+    accepted_host_params: list[Annotated[str, Field(max_length=MAX_HOST_PARAM_CHARS)]] | None = Field(
+        default=None, max_length=MAX_ACCEPTED_HOST_PARAMS
+    )
     transcript_semantics: TranscriptSemantics = Field(default_factory=TranscriptSemantics)
     host_requirements: dict[Operation, HostRequirement] = Field(default_factory=dict)
     #: ``background``: the host runtime defers ``maintain`` to its maintenance thread, where it may run
@@ -125,6 +175,14 @@ class EngineInfo(_Model):
     def _a_label(cls, value: str) -> str:
         if (problem := engine_label_problem(value)) is not None:
             raise ValueError(problem)
+        return value
+
+    @field_validator("host_requirements", mode="before")
+    @classmethod
+    def _few_operations(cls, value: Any) -> Any:
+        # before the keys are read: each one not an operation would be an error quoting it
+        if isinstance(value, Sized) and len(value) > len(OPERATIONS):
+            raise ValueError(f"at most {len(OPERATIONS)} operations, not {len(value)}")
         return value
 
 
@@ -308,10 +366,21 @@ def coerce_info(raw: object) -> EngineInfo:
     try:
         return EngineInfo.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        first = e.errors(include_url=False, include_context=False, include_input=False)[0]
+        where = ".".join(_loc_part(p) for p in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
-        raise EngineContractError(f"invalid info{'.' + where if where else ''}: {message}") from None
+        line = f"invalid info{'.' + where if where else ''}: {message}"
+        if len(line) > MAX_INFO_ERROR_CHARS:
+            line = line[: MAX_INFO_ERROR_CHARS - 10] + " ... (cut)"
+        raise EngineContractError(line) from None
+
+
+def _loc_part(part: str | int) -> str:
+    """One step of a validation error's location: a field name as it is, a key an engine made up (an unknown
+    field, a mapping's key) quoted and cut."""
+    if isinstance(part, int) or (len(part) <= 40 and part.isprintable() and " " not in part):
+        return str(part)
+    return quoted(part)
 
 
 def validate_engine(engine: object, expected_id: str | None = None) -> EngineInfo:
@@ -323,8 +392,11 @@ def validate_engine(engine: object, expected_id: str | None = None) -> EngineInf
         raise EngineContractError(f"engine {info.id!r} has no assemble()")
     if info.accepted_host_params is not None:
         unknown = [p for p in info.accepted_host_params if p not in HOST_PARAMS]
-        if unknown:
-            raise EngineContractError(f"engine {info.id!r} accepts unknown host params {unknown}")
+        if unknown:  # each one quoted and cut: at most 16 of 64 characters
+            listed = ", ".join(quoted(p) for p in unknown[:3]) + (
+                f" and {len(unknown) - 3} more" if unknown[3:] else ""
+            )
+            raise EngineContractError(f"engine {info.id!r} accepts unknown host params {listed}")
     for name in LIFECYCLE:
         member = getattr(engine, name, None)
         if member is not None and not callable(member):

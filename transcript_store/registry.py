@@ -9,6 +9,11 @@ registering an id that is taken, or an id that is no engine id (control characte
 it, over 128 characters), is refused with a warning before its code is loaded; nothing is ever
 auto-activated. A plugin that fails to load (SystemExit included) is registered with its error, so that
 ``doctor`` says why; it never stops the discovery of the others.
+
+A KeyboardInterrupt is the operator's Ctrl-C only when a SIGINT arrived while the plugin's code ran (its import,
+its factory, the validation of what it made, its dispose): that one goes on and stops the process, even when
+the plugin caught it. One that plugin code raised by itself is that plugin's failure, as SystemExit is
+(``_plugin_code``).
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import yaml
 
@@ -37,6 +46,8 @@ from .errors import DESCRIBE_LIMIT, EngineContractError, UnknownEngine
 from .terminal import quoted
 
 log = logging.getLogger("transcript_store.registry")
+
+_T = TypeVar("_T")
 
 ENTRY_POINT_GROUP = "transcript_store.engines"
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "engines"
@@ -140,6 +151,57 @@ def _entry(entry: str, importable: bool) -> tuple[str, str]:
             f"entry {quoted(entry)} is not module:factory (a module of the plugin's folder, dotted names only)"
         )
     return module, attr
+
+
+def _plugin_code(what: str, call: Callable[[], _T]) -> _T:
+    """``call()``, plugin code, with a KeyboardInterrupt told apart from the operator's Ctrl-C.
+
+    Python raises KeyboardInterrupt for a SIGINT, but any code may raise it too. In the main thread, while a
+    Python handler of SIGINT is installed (``default_int_handler``: KeyboardInterrupt), a handler that notes a
+    KeyboardInterrupt it raised and then calls it is installed around the call (and the one found put back).
+    A KeyboardInterrupt is the operator's when that handler raised one during the call: it goes on, and is
+    raised again when the plugin caught it (swallowed, or turned into another error). Any other is the
+    plugin's own: an EngineContractError naming ``what``. Where no such handler can be installed no SIGINT
+    raises in this code (Python runs signal handlers in the main thread only; an ignored SIGINT raises
+    nothing, a default one ends the process without Python): every KeyboardInterrupt there is the plugin's.
+    """
+    interrupted = False
+    previous: Any = None
+    installed = False
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        try:
+            previous(signum, frame)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                signal.signal(signal.SIGINT, note)
+                installed = True
+        except (ValueError, OSError):  # not the main interpreter, or no signals here: nothing to tell apart
+            pass
+    try:
+        try:
+            result = call()
+        finally:
+            if installed:
+                signal.signal(signal.SIGINT, previous)
+    except KeyboardInterrupt as e:
+        if interrupted:
+            raise
+        raise EngineContractError(f"{what} raised KeyboardInterrupt (no interrupt signal arrived)") from e
+    except BaseException as e:
+        if interrupted:  # the operator's Ctrl-C, turned by the plugin into another error
+            raise KeyboardInterrupt from e
+        raise
+    if interrupted:  # the operator's Ctrl-C, caught by the plugin
+        raise KeyboardInterrupt
+    return result
 
 
 def _forget(name: str) -> None:
@@ -260,12 +322,14 @@ class EngineRegistry:
         try:
             module_name, attr = _entry(manifest.get("entry") or "create_engine", importable)
             if importable:
-                factory = getattr(importlib.import_module(module_name), attr, None)
+                factory = getattr(
+                    _plugin_code("the plugin's import", lambda: importlib.import_module(module_name)), attr, None
+                )
                 if not callable(factory):
                     raise EngineContractError(f"{module_name} has no callable {attr!r}")
             else:
-                factory = _load_from_folder(folder, module_name, attr)
-        except KeyboardInterrupt:  # the operator's, as far as anyone can tell: it stops the process
+                factory = _plugin_code("the plugin's import", lambda: _load_from_folder(folder, module_name, attr))
+        except KeyboardInterrupt:  # the operator's (a SIGINT arrived, _plugin_code): it stops the process
             raise
         except BaseException as e:  # SystemExit from a plugin's import is its failure, not the host's exit
             self.register(EngineSpec(engine_id, source, location, None, manifest, _why(e)))
@@ -282,7 +346,7 @@ class EngineRegistry:
             if not self._claim(ep.name, ep.value):
                 continue
             try:
-                factory = ep.load()
+                factory = _plugin_code("the entry point's import", ep.load)
                 if not callable(factory):
                     raise EngineContractError(f"entry point {ep.value!r} is not callable: a {type(factory).__name__}")
             except KeyboardInterrupt:
@@ -301,8 +365,9 @@ class EngineRegistry:
             raise UnknownEngine(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
         if spec.factory is None:
             raise EngineContractError(f"engine {engine_id!r} failed to load: {spec.error}")
+        factory = spec.factory
         try:
-            engine = spec.factory(ctx)
+            engine = _plugin_code(f"engine {engine_id!r} factory", lambda: factory(ctx))
         except (Exception, KeyboardInterrupt):
             raise
         except BaseException as e:
@@ -310,7 +375,9 @@ class EngineRegistry:
         if engine is None:
             raise EngineContractError(f"engine {engine_id!r}: its factory returned None, not an engine")
         try:
-            info = validate_engine(engine, expected_id=engine_id)
+            info = _plugin_code(
+                f"engine {engine_id!r}: its validation", lambda: validate_engine(engine, expected_id=engine_id)
+            )
         except BaseException as e:
             _dispose(engine, engine_id)
             if isinstance(e, Exception | KeyboardInterrupt):
@@ -339,11 +406,15 @@ def _has_manifest(folder: Path) -> bool:
 
 def _dispose(engine: Any, engine_id: str) -> None:
     """Dispose of an engine made only to be checked (or found invalid); a failure is logged, never raised."""
-    try:
+
+    def call() -> None:
         dispose = getattr(engine, "dispose", None)
         if callable(dispose):
             dispose()
-    except KeyboardInterrupt:
+
+    try:
+        _plugin_code(f"engine {engine_id!r} dispose", call)
+    except KeyboardInterrupt:  # the operator's
         raise
     except BaseException as e:
         log.warning("dispose of %s failed: %s", engine_id, _why(e))
