@@ -604,7 +604,11 @@ def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
 @click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
 @common
 def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> None:
-    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head."""
+    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head.
+
+    The file holds the transcript only (no turn intents, receipts or engine state): do not retry the
+    source's turns on the copy. Declared sizes and generations are checked; drop an entry's size_bytes
+    after editing it by hand."""
     st = state()
     header, records = _read_export(file)
     with store_session(create=True) as store:

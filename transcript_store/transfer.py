@@ -2,12 +2,31 @@
 
 An export is a header record (the session's identity and head) followed by one record per stored entry
 in raw seq order: every branch, every kind, with the fields that make the tree (entry id, parent id,
-seq, position, generation) and the keys that make retries idempotent (idempotency key, turn id).
+seq, position, generation), the keys that make retries idempotent (idempotency key, turn id) and each
+entry's size (the UTF-8 bytes of its stored text).
 An import validates all of it before the transaction (a dense seq, parents that exist and came earlier,
 positions that count the message ancestors, active flags that are exactly the path to the head, every
-payload through the same checks as an append, turn ids only on user messages, times as ISO 8601 texts
-with at most microseconds) and then writes the session, its entries and its active path in ONE
-transaction, or nothing.
+payload through the same checks as an append, each declared size_bytes equal to the size of the text
+the entry is stored as (a record without one, edited by hand, gets its size computed), generations as
+the store writes them, turn ids only on user messages, times as ISO 8601 texts with at most
+microseconds) and then writes the session, its entries and its active path in ONE transaction, or
+nothing. Generations as the store writes them: a session starts in generation 0
+and only a rewrite moves it, by one, re-appending entries in the new generation; so along seq the
+entries' generations start at 0 and never go back, each step up is one, and the header's generation is
+the last entry's (0 for a session without entries). Whatever an import refuses is an ``InvalidInput``
+naming the record and the field (an existing session or key: ``IdempotencyConflict`` or
+``SessionKeyConflict``), and nothing is written.
+
+An export carries the transcript only: no turn intents (the outbox), no receipts (the ledger) and no
+engine state. An imported session is therefore new to the host and to every engine, even under the
+source's scope and id: engines read it from its first entry, as a session they never saw. A turn that
+was admitted in the source but not answered when it was exported (its user message has a turn id and
+nothing follows it) has no intent in the copy: retried under its turn id there, it runs and commits as
+usual (if a new turn goes first instead, the unanswered one is ``TurnOvertaken``). A turn whose reply
+the source holds (committed, or accepted and not yet delivered to its engine) is not known as done in
+the copy: retried under its turn id there, it runs again and a second reply is appended (unless a later
+turn followed it: ``TurnOvertaken``), where the source answers ``duplicate``. So export a session while
+no turn of it runs, and do not retry the source's turns on a copy.
 """
 
 from __future__ import annotations
@@ -94,7 +113,8 @@ class SessionHeader(_Record):
 
 
 class EntryRecord(_Record):
-    """One stored entry, every field."""
+    """One stored entry, every field (``size_bytes``: the UTF-8 bytes of its stored text, checked on import
+    when given; a record edited by hand may leave it out)."""
 
     entry_id: str
     parent_id: str | None
@@ -105,7 +125,7 @@ class EntryRecord(_Record):
     payload: dict[str, Any] | None
     position: int | None = Field(ge=0, le=MAX_INT)
     generation: int = Field(ge=0, le=MAX_INT)
-    size_bytes: int = Field(ge=0, le=MAX_INT)
+    size_bytes: int | None = Field(default=None, ge=0, le=MAX_INT)
     idempotency_key: str | None
     turn_id: str | None
     created_at: datetime = Field(strict=False)
@@ -243,7 +263,7 @@ def plan_import(
 def _entry_rows(
     config: StoreConfig, scope: str, sid: str, head: SessionHeader, parsed: list[EntryRecord]
 ) -> list[dict[str, Any]]:
-    """Every entry validated as an append would be, with the tree's shape checked."""
+    """Every entry validated as an append would be, with the tree's shape and the generations checked."""
     by_id: dict[str, dict[str, Any]] = {}
     keys: set[str] = set()
     turns: set[str] = set()
@@ -253,6 +273,18 @@ def _entry_rows(
         if rec.seq != i:
             raise InvalidInput(f"{where}: seq {rec.seq}, expected {i} (entries are dense, in raw seq order)")
         new = _prepare(config, rec, where)
+        if new.kind != "message" and rec.payload is None:
+            # An append takes no payload for {} (prepare_entry's default), but the store always exports the
+            # object it stored: a null here is no export of this store, and taking it for {} would be a guess.
+            raise InvalidInput(f"{where}: payload must be an object for a {new.kind!r} entry, not null")
+        if rec.size_bytes is not None and rec.size_bytes != new.size_bytes:
+            # The size is declared, so it is checked: a file whose sizes disagree with its contents is not
+            # what it says it is (edited or cut), and the store keeps sizes for byte budgets and caps.
+            what = "message" if new.kind == "message" else "payload"
+            raise InvalidInput(
+                f"{where}: size_bytes {rec.size_bytes}, but its {what} is {new.size_bytes} bytes as stored "
+                "(compact JSON in UTF-8)"
+            )
         if rec.entry_id in by_id:
             raise InvalidInput(f"{where}: entry_id appears twice")
         if new.role != rec.role:
@@ -267,6 +299,7 @@ def _entry_rows(
             raise InvalidInput(f"{where}: turn_id {rec.turn_id!r} on {what}; only a user message has one")
         if rec.generation > head.generation:
             raise InvalidInput(f"{where}: generation {rec.generation} is after the session's {head.generation}")
+        _check_generation(where, rec.generation, parsed[i - 1].generation if i else None)
         parent = None
         if rec.parent_id is not None:
             parent = by_id.get(rec.parent_id)
@@ -296,7 +329,26 @@ def _entry_rows(
         }
         by_id[rec.entry_id] = {"depth": depth, "messages_through": messages_before + (rec.kind == "message")}
         rows.append(row)
+    last = parsed[-1].generation if parsed else 0
+    if head.generation != last:
+        # Only a rewrite moves the session's generation, and it writes its entries in the new one.
+        has = f"the last entry's is {last}" if parsed else "the session has no entries, so it is in 0"
+        raise InvalidInput(f"header: generation {head.generation}, but {has} (only a rewrite moves it, with entries)")
     return rows
+
+
+def _check_generation(where: str, generation: int, previous: int | None) -> None:
+    """An entry's generation after the one before it in seq (None: the first entry), as the store writes them."""
+    if previous is None:
+        if generation != 0:
+            raise InvalidInput(
+                f"{where}: generation {generation} on the first entry; a session starts in generation 0 "
+                "(a rewrite needs an entry to rewrite)"
+            )
+    elif generation < previous:
+        raise InvalidInput(f"{where}: generation {generation} goes back from {previous} (never along seq)")
+    elif generation > previous + 1:
+        raise InvalidInput(f"{where}: generation {generation} skips from {previous} (a rewrite adds one)")
 
 
 def _prepare(config: StoreConfig, rec: EntryRecord, where: str) -> NewEntry:
