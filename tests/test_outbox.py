@@ -404,14 +404,19 @@ def test_a_turn_its_engine_can_never_take_is_blocked_by_hand_and_the_next_ones_g
 def test_a_turn_blocked_by_hand_while_an_overdue_delivery_runs_is_never_committed(
     store: TranscriptStore, sid: str
 ) -> None:
-    """A delivery that outlives its claim's lease: an operator may block the row meanwhile. The
-    delivery's commit then finds the row no longer its own and rolls back with the engine's commit
-    (it ignored that and left a "blocked" row whose turn the engine had). On SQLite writes queue: the
-    block waits for the delivery, which commits, and finds no row left."""
+    """A delivery that outlives its claim's lease (its renewals stalled: a process paused past it): an
+    operator may block the row meanwhile. The delivery's commit then finds the row no longer its own
+    and rolls back with the engine's commit (it ignored that and left a "blocked" row whose turn the
+    engine had). While the claim is renewed, the block is refused. On SQLite writes queue: the block
+    waits for the delivery, which commits, and finds no row left."""
     import threading
     import time
 
-    turns = Turns(store, OutboxConfig(delivery_lease_seconds=0.3))
+    from sqlalchemy import update
+
+    from transcript_store.schema import outbox as outbox_table
+
+    turns = Turns(store, OutboxConfig(delivery_lease_seconds=3.0))
     accepted(turns, sid, "t1")
 
     def slow(c: Core, turn: TurnPayload) -> CommitResult:
@@ -421,13 +426,17 @@ def test_a_turn_blocked_by_hand_while_an_overdue_delivery_runs_is_never_committe
     reports: list[Any] = []
     drain = threading.Thread(target=lambda: reports.append(turns.drain(engines(slow))))
     drain.start()
-    time.sleep(0.7)  # the claim's lease has run out; the delivery is still in the engine
+    time.sleep(0.3)  # the delivery is in the engine; its claim is renewed a second after it was set
     if store.db.dialect.is_sqlite:
         with pytest.raises(UnknownTurn):
             turns.block(A, sid, "t1", "taking it out")
         drain.join()
         assert reports[0].committed == 1 and engine_view(store, sid)[0] == ["t1"]
         return
+    with pytest.raises(InvalidInput, match="being delivered now"):
+        turns.block(A, sid, "t1", "taking it out")
+    # The claim's lease runs out (the stalled renewals), and the operator blocks the row at once.
+    store.write(lambda c: c.conn.execute(update(outbox_table).values(lease_expires_us=0)))
     assert turns.block(A, sid, "t1", "taking it out").state == "blocked"
     drain.join()
     assert (reports[0].committed, reports[0].failed) == (0, [])

@@ -254,3 +254,42 @@ def test_the_keeper_renews_a_handed_back_lease_again(store: TranscriptStore, sid
         assert not keeper.holds(S, sid, "t1")
     finally:
         keeper.close()
+
+
+def test_a_long_delivery_keeps_its_drain_claim(store: TranscriptStore, sid: str) -> None:
+    """An engine's commit running longer than the drain's claim (``delivery_lease_seconds``): another
+    drain took the expired claim over and ran the engine's commit again, while the first delivery's
+    rolled back when it found its claim lost. The claim is renewed while the delivery runs, so the
+    second drain finds the session busy and the engine's commit runs once."""
+    if store.db.dialect.is_sqlite:
+        pytest.skip("SQLite: a delivery holds the write lock, so no other drain can claim meanwhile")
+    from workers.turn_worker import counting_engine
+
+    config = OutboxConfig(delivery_lease_seconds=0.4)
+    turns = Turns(store, config)
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id="slow")
+    done = turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "a"}}], None)
+    assert done.intent.state == "accepted"
+    calls: list[str] = []
+    started = threading.Event()
+
+    def slow(c: Any, payload: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        started.set()
+        time.sleep(2.0)  # five claim leases
+        return counting_engine(c, payload)
+
+    reports: dict[str, Any] = {}
+
+    def drain(name: str) -> None:
+        reports[name] = Turns(store, config).drain(lambda engine_id: slow, scope=S, session_id=sid)
+
+    first = threading.Thread(target=drain, args=("first",), name="first")
+    first.start()
+    assert started.wait(30)
+    time.sleep(1.0)  # the first claim would have expired twice over
+    drain("second")
+    first.join(60)
+    assert calls == ["first"], calls
+    assert reports["first"].committed == 1 and reports["second"].delivered == 0
+    assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]

@@ -15,6 +15,11 @@ of a lease later): a retry that fails hands the turn back to the attempt it took
 hand_back``), whose lease must then be kept alive again. A hold is dropped when its turn is gone
 (discarded or completed), at ``release``, and past its ``max_seconds``.
 
+A drain's claim of a ready row is held the same way while the row is delivered (``claim=True``), on
+PostgreSQL: an engine's commit longer than ``delivery_lease_seconds`` (a summarizing engine calling
+its model) was taken over by another drain, which ran the engine's commit again while the first one's
+rolled back. On SQLite a delivery holds the database's write lock, so no other drain claims meanwhile.
+
 Holding and releasing a turn is a dict operation under a lock: a turn shorter than a third of its
 lease (almost all of them) writes nothing and starts no thread of its own. The thread starts on the
 first hold and ends after half a minute with nothing to hold, or at ``close``; in a child after
@@ -47,6 +52,7 @@ class _Held:
     until: float  # time.monotonic() after which it is not renewed any more
     thread: int  # the thread that holds it (its attempt's): ``release`` without an owner releases its own
     taken: bool = False  # its last renewal found the turn taken over by another attempt (warned once)
+    claim: bool = False  # a drain's claim of a ready row (``outbox.renew_claim``), not a running turn
 
 
 class LeaseKeeper:
@@ -74,13 +80,14 @@ class LeaseKeeper:
 
     def hold(
         self, scope: str, session_id: str, turn_id: str, lease_seconds: float, owner: str,
-        max_seconds: float | None = None,
+        max_seconds: float | None = None, *, claim: bool = False,
     ) -> None:
         """Keep renewing this turn's lease (just set by its admission, to ``owner``) until ``release``,
         for at most ``max_seconds`` from now (None: as long as it is held).
 
         One hold per turn and owner: an earlier attempt whose lease a retry took over keeps its own
-        hold (its renewals fail, harmlessly, until the retry hands the turn back or it is released)."""
+        hold (its renewals fail, harmlessly, until the retry hands the turn back or it is released).
+        ``claim``: the lease is a drain's claim of the turn's ready row, renewed while it is delivered."""
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             raise InvalidInput(f"lease_seconds must be a number of seconds, got {lease_seconds!r}")
         if lease_seconds > outbox.MAX_LEASE_SECONDS:  # it could not be stored (microseconds, 64 bits)
@@ -93,7 +100,7 @@ class LeaseKeeper:
             return
         now = time.monotonic()
         until = now + max_seconds if max_seconds is not None else float("inf")
-        held = _Held(float(lease_seconds), owner, now, until, threading.get_ident())
+        held = _Held(float(lease_seconds), owner, now, until, threading.get_ident(), claim=claim)
         self._own()
         with self._lock:
             self._held[(scope, session_id, turn_id, owner)] = held
@@ -164,9 +171,8 @@ class LeaseKeeper:
         scope, session_id, turn_id, owner = key
         started = time.monotonic()
         try:
-            outcome = self.store.write(
-                lambda c: outbox.renewal(c, scope, session_id, turn_id, owner, held.lease)
-            )
+            renew = outbox.renew_claim if held.claim else outbox.renewal
+            outcome = self.store.write(lambda c: renew(c, scope, session_id, turn_id, owner, held.lease))
         except Exception as e:  # the store is unreachable for now: try again at the next look
             log.warning("turn %s: could not renew its lease (%s: %s); retrying", turn_id, type(e).__name__, e)
             return

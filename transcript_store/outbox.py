@@ -505,6 +505,20 @@ def renewal(core: Core, scope: str, session_id: str, turn_id: str, owner: str, l
     return "taken over" if row is not None and row.state == "admitted" else "gone"
 
 
+def renew_claim(
+    core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float
+) -> RenewalOutcome:
+    """Extend a drain's claim of a ready row from now, while its delivery runs ("gone": the claim
+    changed hands or the row was completed or blocked; a claim is never handed back)."""
+    ts = now_us()
+    q = update(outbox).where(_BY_TURN, outbox.c.state == "ready", outbox.c.lease_owner == owner)
+    renewed = core.conn.execute(
+        q.values(lease_expires_us=ts + int(lease_seconds * 1_000_000), updated_us=ts),
+        _turn_params(scope, session_id, turn_id),
+    ).rowcount == 1
+    return "renewed" if renewed else "gone"
+
+
 def hand_back(
     core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease: AdmittedLease, lease_seconds: float
 ) -> bool:

@@ -23,6 +23,7 @@ from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
 from .db import UNSENDABLE
 from .errors import IdempotencyConflict, InvalidInput, OutboxCollision, TranscriptStoreError, describe
+from .leases import LeaseKeeper
 from .ledger import (
     ApplyTurn,
     CommitResult,
@@ -90,6 +91,7 @@ class Turns:
         """Bind to a store; ``config`` sets leases and the drain limit."""
         self.store = store
         self.config = config or OutboxConfig()
+        self._claims: LeaseKeeper | None = None  # renews drain claims during deliveries (PostgreSQL)
 
     # ------------------------------------------------------------------------------------ ledger
 
@@ -485,6 +487,14 @@ class Turns:
             return False
         intent = claimed
         faults.point("drain.after_claim")
+        # The claim is renewed while the engine's commit runs (it may call a model): on PostgreSQL another
+        # drain would take an expired claim over and run the same commit again. On SQLite the delivery
+        # holds the write lock, so no drain can claim meanwhile, and a renewal could not be written.
+        claims = None
+        if not self.store.db.dialect.is_sqlite:
+            claims = self._claims = self._claims or LeaseKeeper(self.store)
+            claims.hold(intent.scope, intent.session_id, intent.turn_id, self.config.delivery_lease_seconds,
+                        owner, claim=True)
         try:
             # The engine lookup fails like a delivery: the row stays queued, its claim released.
             deliver = commit_in(intent.engine_id)
@@ -507,7 +517,11 @@ class Turns:
                 landed[:] = [result]
                 return result
 
-            result = self.store.write(run)
+            try:
+                result = self.store.write(run)
+            finally:
+                if claims is not None:
+                    claims.release(intent.scope, intent.session_id, intent.turn_id, owner)
         except _ClaimLost:
             # The claim outlived its lease and the row changed hands meanwhile: blocked by hand, or
             # delivered by another drain (whose commit holds). This delivery is undone, not failed.
