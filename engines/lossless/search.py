@@ -1,15 +1,43 @@
 """Search over the engine's messages and summaries: full text (indexed, CJK-safe) or a regular expression.
 
-Full text means: every whitespace-separated term occurs in the text, case-insensitively, as a
-substring (so CJK words, which have no spaces, are found). The backends reach that through their own
-indexes, the one place this engine branches on the dialect (the migration explains why):
+Full text means: every whitespace-separated term occurs in the text as a substring (so CJK words, which
+have no spaces, are found), case-insensitively by one rule, the same on both backends:
 
-- SQLite: the FTS5 trigram table (terms of 3+ characters), ranked by bm25; terms shorter than a
-  trigram fall back to GLOB on the session's rows, each letter as a class of its cases (SQLite's LIKE
-  folds ASCII letters only; PostgreSQL's ILIKE and the trigram tokenizer fold every letter).
-- PostgreSQL: ILIKE for every term (the pg_trgm GIN index), ranked by ts_rank on the 'simple'
-  tsvector column. A word match is not a substring match (the parser drops punctuation), so the word
-  index never decides alone: it found "foo s" for foo's, where SQLite found nothing.
+- Two characters match when they fold to the same code point. A character's fold is its Unicode simple
+  case folding, as Python's Unicode database (``unicodedata.unidata_version``) knows it:
+  ``ch.casefold()`` when that is one code point, else ``ch.lower()`` when that is one, else the
+  character itself. So K, k and the Kelvin sign (U+212A) match; ß matches ẞ but not "ss" (one code
+  point never matches two); the Greek sigmas U+03C3, U+03C2 (final) and U+03A3 match; the micro sign
+  U+00B5 matches the Greek mu; the long s U+017F matches s; İ (U+0130, whose lower case is i + U+0307,
+  two code points) matches only itself, and the dotless i U+0131 only itself. Besides, U+FFFE and
+  U+FFFF count as U+FFFD (SQLite reads all three as U+FFFD). Nothing else is normalized: é (one code
+  point) does not match e + U+0301.
+- A fold is one code point for one, so the folded text is as long as the text: a hit's ``span`` (the
+  first match of the first term) indexes the original text (``content.lower()`` does not: İ lowers
+  to two code points, and every İ before a match shifted the span and the snippet).
+
+The backends decide the rule exactly, in SQL (so LIMIT pages stay exact), each helped by its index,
+the one place this engine branches on the dialect (the migration explains why):
+
+- SQLite: GLOB with each character as the class of the characters that fold as it does (GLOB
+  compares code points). The FTS5 trigram table finds the candidates and ranks them (bm25): each
+  term's longest run of 3+ characters is a phrase, spelt every way the tokenizer tells apart. It folds
+  by its own table, older than Python's (not Cherokee, nor Georgian Mtavruli, nor U+1C80, an old form
+  of в), so ``в`` is the two spellings в and U+1C80; a run takes at most FTS5_SPELLINGS. How the
+  tokenizer folds a character is read once per process from an in-memory FTS5 table of the same
+  library (``sqlite3``, the store's driver). A term without such a run (under a trigram, say) adds no
+  phrase; when no term has one, the session's rows are scanned.
+- PostgreSQL: a case-sensitive regular expression (``~``) of the same classes, its characters written
+  as ``\\uXXXX`` escapes: it compares code points, whatever the database's collation and ctype. ILIKE
+  does not: it folds by the database's lower() (C.UTF-8 or en_US.UTF-8: İ is an i, and a final sigma,
+  the micro sign and the long s stay themselves; C: ASCII letters only; ICU: the locale's way). The
+  pg_trgm GIN index serves the expression (pg_trgm reads its classes of characters up to U+07FF:
+  PostgreSQL's regex library enumerates none beyond), and an ILIKE of the term with every cased
+  character as ``_`` (at least the rule's matches, under any ctype) serves runs of uncased characters
+  past U+07FF (CJK). So the hits do not depend on the ctype; how far the index narrows them does
+  (under C, pg_trgm makes trigrams of ASCII characters only). For a short or common term the planner
+  walks the session's rows instead. Hits are ranked by ts_rank on the 'simple' tsvector column, which
+  never decides (its parser drops punctuation: it found "foo s" for foo's).
 
 Hits are ordered without ties (see ``_recency``), so a search answers the same page on both backends
 (``relevance`` aside: bm25 and ts_rank score differently).
@@ -25,10 +53,14 @@ a slow pattern never freezes the process's other threads (heartbeats, other sess
 from __future__ import annotations
 
 import re
+import sqlite3
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import islice
+from functools import cache
+from itertools import islice, product
 from re import _constants as _sre  # type: ignore[attr-defined]  # Python's own regex parser (3.11+)
 from re import _parser as _sre_parse  # type: ignore[attr-defined]
 from typing import Any, Literal
@@ -53,6 +85,8 @@ REGEX_MAX_TEXT = 100_000
 REGEX_MAX_SIZE = 100_000
 #: matches of one row that count towards its score
 REGEX_MAX_MATCHES = 1000
+#: spellings of one run of a term an FTS5 query spells out (see ``_fts5_match``)
+FTS5_SPELLINGS = 16
 
 _SOURCES: dict[Kind, tuple[Table, str]] = {"message": (messages, "ordinal"), "summary": (summaries, "summary_seq")}
 
@@ -157,9 +191,7 @@ def expanded_size(pattern: str) -> int:
     except (re.error, OverflowError, RecursionError, Warning) as e:  # Warning: see compile_regex
         if "too large" in str(e) or isinstance(e, OverflowError):
             return REGEX_MAX_SIZE + 1
-        raise SearchError(
-            f"invalid regular expression (Python re syntax; \\p{{...}} classes allowed): {e}"
-        ) from None
+        raise SearchError(f"invalid regular expression (Python re syntax; \\p{{...}} classes allowed): {e}") from None
 
 
 def _size(items: Any) -> int:
@@ -189,21 +221,168 @@ def _columns(kind: Kind) -> str:
     return "t.summary_seq AS ref, t.latest_ordinal AS recency, NULL AS role, NULL AS entry_id, t.content AS content"
 
 
+# ---------------------------------------------------------------------------------------------- case folding
+
+
+def _fold_char(ch: str) -> str:
+    """The code point ``ch`` folds to (the module doc's rule)."""
+    if ch in "\ufffe\uffff":
+        return "\ufffd"
+    folded = ch.casefold()
+    if len(folded) != 1:
+        folded = ch.lower()
+    return folded if len(folded) == 1 else ch
+
+
+@cache
+def _folding() -> tuple[dict[int, str], dict[str, str]]:
+    """The rule as tables, built once: code point -> its fold (where it is another character), for
+    ``str.translate``; and fold -> every character that folds to it (where that is more than one)."""
+    table = {0xFFFE: "\ufffd", 0xFFFF: "\ufffd"}
+    # Every code point, a block at a time, as UTF-32: the block's offsets plus its base in each 4 bytes
+    # (an integer sum, no carries: the offsets stay under the base's lowest bit). Surrogates included:
+    # they fold to themselves.
+    step = 256
+    offsets = sum(n << (32 * n) for n in range(step))
+    ones = sum(1 << (32 * n) for n in range(step))
+    for base in range(0, sys.maxunicode + 1, step):
+        chars = (offsets + base * ones).to_bytes(4 * step, "little").decode("utf-32-le", "surrogatepass")
+        if chars.casefold() == chars:  # casefold() maps each character by itself: none folds here
+            continue
+        for offset, ch in enumerate(chars):
+            if (folded := _fold_char(ch)) != ch:
+                table[base + offset] = folded
+    classes: dict[str, set[str]] = {}
+    for code, folded in table.items():
+        classes.setdefault(folded, {folded}).add(chr(code))
+    return table, {folded: "".join(sorted(chars)) for folded, chars in classes.items()}
+
+
+def fold(text: str) -> str:
+    """``text`` folded by the module doc's rule: one code point for each, so as long as ``text``."""
+    return text.translate(_folding()[0])
+
+
+def _forms(ch: str) -> str:
+    """Every character that matches ``ch`` (``ch`` among them), in code point order."""
+    folded = fold(ch)
+    return _folding()[1].get(folded, folded)
+
+
 def _like(term: str) -> str:
     return "%" + term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def _glob(term: str) -> str:
-    """A GLOB pattern finding ``term`` anywhere, case-insensitively like ILIKE: each letter as a class
-    of the single characters that lower-case as it does (SQLite's LIKE folds ASCII letters only)."""
+    """A GLOB pattern finding ``term`` anywhere by the rule: each character as the class of its forms."""
     out = []
     for ch in term:
-        forms = "".join(dict.fromkeys(
-            f for f in (ch, ch.lower(), ch.upper(), ch.title()) if len(f) == 1 and f.lower() == ch.lower()
-        ))
+        forms = _forms(ch)
         # *, ? and [ are GLOB's wildcards: a class of one makes them literal ("]" outside a class is).
+        # A class of several holds letters only (no "]", "^" or "-" to escape).
         out.append(f"[{forms}]" if len(forms) > 1 or ch in "*?[" else ch)
     return "*" + "".join(out) + "*"
+
+
+def _pg_regex(term: str) -> str:
+    """A PostgreSQL regular expression (ARE) finding ``term`` anywhere by the rule, case-sensitively:
+    each character as the class of its forms, written as escapes (ASCII letters and digits aside)."""
+
+    def one(ch: str) -> str:
+        return (
+            ch if ch.isascii() and ch.isalnum() else f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
+        )
+
+    out = []
+    for ch in term:
+        forms = _forms(ch)
+        out.append("[" + "".join(map(one, forms)) + "]" if len(forms) > 1 else one(ch))
+    return "".join(out)
+
+
+def _pg_like(term: str) -> str | None:
+    """An ILIKE pattern finding at least the term's matches, whatever the database's ctype: each cased
+    character (one with other forms) as ``_``, the rest literal. Only for a term with a run of 3+
+    uncased letters or digits one of which is past U+07FF, which the regular expression's trigrams miss
+    (CJK); None otherwise."""
+    out = []
+    run = wide = 0
+    useful = False
+    for ch in term:
+        if len(_forms(ch)) > 1:
+            out.append("_")
+            run = wide = 0
+            continue
+        out.append(_like(ch)[1:-1])
+        run, wide = (run + 1, wide + 1 if ord(ch) > 0x7FF else wide) if ch.isalnum() else (0, 0)
+        useful = useful or (run >= 3 and wide > 0)
+    return "%" + "".join(out) + "%" if useful else None
+
+
+# How SQLite's trigram tokenizer folds a character (its own table: the module doc), read once per
+# character and process from an in-memory FTS5 table of the sqlite3 module's library.
+_FTS5_FOLDS: dict[str, str | None] = {}
+_FTS5_LOCK = threading.Lock()
+
+
+def _fts5_folds(chars: Set[str]) -> dict[str, str | None]:
+    with _FTS5_LOCK:
+        todo = sorted(chars - _FTS5_FOLDS.keys())
+        if todo:
+            db = sqlite3.connect(":memory:")
+            try:
+                db.execute("CREATE VIRTUAL TABLE probe USING fts5(x, tokenize = 'trigram')")
+                db.execute("CREATE VIRTUAL TABLE probe_terms USING fts5vocab(probe, 'instance')")
+                # One trigram a row: the character between two of a known fold.
+                db.executemany(
+                    "INSERT INTO probe (rowid, x) VALUES (?, ?)", enumerate((f"\x01{c}\x01" for c in todo), 1)
+                )
+                found = {todo[doc - 1]: term[1:-1] for term, doc in db.execute("SELECT term, doc FROM probe_terms")}
+            finally:
+                db.close()
+            for ch in todo:
+                _FTS5_FOLDS[ch] = found.get(ch)  # None: not read back, so never trusted
+        return {ch: _FTS5_FOLDS[ch] for ch in chars}
+
+
+def _fts5_match(terms: list[str]) -> str | None:
+    """An FTS5 query finding at least every text the rule finds the terms in, or None (no term has one).
+
+    A character whose forms the tokenizer folds to one character is itself in a phrase; one whose
+    forms it folds to several (в, and U+1C80, an old form of it that the tokenizer does not fold) is
+    each of them, so a run of a term stands for all its spellings: ``("привет" OR "приᲀет" ...)``. Each
+    term gives its longest run of 3+ characters of at most FTS5_SPELLINGS spellings (a shorter run
+    is no phrase: the index holds trigrams).
+    """
+    forms = {ch: _forms(ch) for ch in set("".join(terms))}
+    folds = _fts5_folds({f for fs in forms.values() if len(fs) > 1 for f in fs})
+    # ch -> one form for each way the tokenizer folds its forms (None: one of them could not be read)
+    options: dict[str, list[str] | None] = {}
+    for ch, fs in forms.items():
+        by_fold: dict[str | None, str] = {}
+        for f in (fold(ch), *fs) if len(fs) > 1 else ():
+            by_fold.setdefault(folds[f], f)
+        options[ch] = [ch] if len(fs) == 1 else None if None in by_fold else list(by_fold.values())
+    groups = []
+    for term in terms:
+        widths = [len(spelt) if (spelt := options[ch]) is not None else 0 for ch in term]  # 0: no phrase
+        best = (0, 0)
+        start, spellings = 0, 1
+        for end, width in enumerate(widths):
+            if width == 0:
+                start, spellings = end + 1, 1
+                continue
+            spellings *= width
+            while spellings > FTS5_SPELLINGS:
+                spellings //= widths[start]
+                start += 1
+            if end + 1 - start > best[1] - best[0]:
+                best = (start, end + 1)
+        if best[1] - best[0] >= 3:
+            run = [options[ch] or [] for ch in term[best[0] : best[1]]]
+            phrases = ['"' + "".join(p).replace('"', '""') + '"' for p in product(*run)]
+            groups.append(phrases[0] if len(phrases) == 1 else "(" + " OR ".join(phrases) + ")")
+    return " AND ".join(groups) or None
 
 
 def _full_text(
@@ -213,17 +392,14 @@ def _full_text(
         return []
     table, key = _SOURCES[kind]
     params: dict[str, Any] = {"scope": scope, "session_id": session_id, "limit": limit}
-    likes = []
-    for n, term in enumerate(terms):
-        params[f"t{n}"] = _like(term)
     order = "score DESC, recency DESC, ref DESC" if sort == "relevance" else "recency DESC, ref DESC"
     if core.dialect.is_sqlite:
-        long = [t for t in terms if len(t) >= 3]
-        short = [n for n, t in enumerate(terms) if len(t) < 3]
-        likes = [f"t.content GLOB :g{n}" for n in short]
-        params.update({f"g{n}": _glob(terms[n]) for n in short})
-        if long:
-            params["match"] = " AND ".join('"' + t.replace('"', '""') + '"' for t in long)
+        # GLOB decides (the rule, code point by code point); the FTS index only finds candidates.
+        exact = [f"t.content GLOB :g{n}" for n in range(len(terms))]
+        params.update({f"g{n}": _glob(term) for n, term in enumerate(terms)})
+        match = _fts5_match(terms)
+        if match is not None:
+            params["match"] = match
             # CROSS JOIN fixes the join order: the FTS index drives (SQLite's planner would otherwise
             # walk the session's rows and probe the FTS table once per row).
             sql = (
@@ -239,29 +415,38 @@ def _full_text(
                 f"SELECT {_columns(kind)}, 0.0 AS score FROM {table.name} AS t"
                 " WHERE t.scope = :scope AND t.session_id = :session_id"
             )
-        sql += "".join(f" AND {c}" for c in likes)
+        sql += "".join(f" AND {c}" for c in exact)
     else:
         params["q"] = " ".join(terms)
-        likes = [f"t.content ILIKE :t{n} ESCAPE '\\'" for n in range(len(terms))]
-        # Every term as a substring (the pg_trgm index): a word match alone is not one (the parser
-        # drops punctuation: "foo's" is the words foo & s, "[x" the word x). The word vector ranks.
+        # The regular expression decides (the rule, code point by code point, whatever the ctype) and
+        # the pg_trgm index serves it; an ILIKE helps the index with what the expression's trigrams
+        # miss. A word match alone is never one (the parser drops punctuation: "foo's" is the words
+        # foo & s, "[x" the word x); the word vector only ranks.
+        exact = []
+        for n, term in enumerate(terms):
+            params[f"r{n}"] = _pg_regex(term)
+            exact.append(f"t.content ~ :r{n}")
+            if (like := _pg_like(term)) is not None:
+                params[f"t{n}"] = like
+                exact.append(f"t.content ILIKE :t{n} ESCAPE '\\'")
         sql = (
             f"SELECT {_columns(kind)}, ts_rank(t.search_tsv, plainto_tsquery('simple', :q)) AS score"
             f" FROM {table.name} AS t WHERE t.scope = :scope AND t.session_id = :session_id"
-            f" AND {' AND '.join(likes)}"
+            f" AND {' AND '.join(exact)}"
         )
     sql += f" ORDER BY {order} LIMIT :limit"
     rows = core.conn.execute(text(sql), params).all()
-    needle = terms[0].lower()
     return [
-        Hit(kind, r.ref, r.recency, float(r.score or 0.0), r.content, r.role, r.entry_id, _find(r.content, needle))
+        Hit(kind, r.ref, r.recency, float(r.score or 0.0), r.content, r.role, r.entry_id, _find(r.content, terms[0]))
         for r in rows
     ]
 
 
-def _find(content: str, needle: str) -> tuple[int, int] | None:
-    at = content.lower().find(needle)
-    return (at, at + len(needle)) if at >= 0 else None
+def _find(content: str, term: str) -> tuple[int, int] | None:
+    """The first match of ``term`` in ``content`` by the rule, as indexes into ``content`` (a fold keeps
+    the length: see the module doc)."""
+    at = fold(content).find(fold(term))
+    return (at, at + len(term)) if at >= 0 else None
 
 
 def _regex(
@@ -281,8 +466,16 @@ def _regex(
             continue
         first = found[0]
         hits.append(
-            Hit(kind, row["ref"], row["recency"], float(len(found)), row["content"], row["role"], row["entry_id"],
-                (first.start(), first.end()))
+            Hit(
+                kind,
+                row["ref"],
+                row["recency"],
+                float(len(found)),
+                row["content"],
+                row["role"],
+                row["entry_id"],
+                (first.start(), first.end()),
+            )
         )
         if sort == "recency" and kind == "message" and len(hits) >= limit:
             break  # messages come newest first (summaries by id, which is not their recency: a condensed
