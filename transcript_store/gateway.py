@@ -12,10 +12,16 @@ report checks, from the store alone, that every accepted turn reached the engine
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import math
 import multiprocessing as mp
+import os
 import random
+import secrets
 import shlex
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,6 +51,16 @@ MAX_SESSIONS = 1000
 MAX_TURNS = 1000
 #: sessions x turns
 MAX_RUN_TURNS = 100_000
+#: dispatches of one logical turn before the run gives it up
+MAX_DISPATCHES = 6
+#: workers that die in a row, unplanned, with no turn answered in between: the run stops (a worker that
+#: cannot even start, an engine that ends its process on every turn) instead of respawning them for ever
+MAX_DEATHS_IN_A_ROW = 3
+#: how long the workers of a finished run get to end on their own (deferred maintenance is bounded by 10 s)
+STOP_SECONDS = 15.0
+#: a turn still running this long after its settings' max_turn_seconds (when its lease stopped being
+#: renewed: the store holds it abandoned) is a hung worker: SIGKILLed, and its turn sent again
+TURN_GRACE_SECONDS = 1.0
 
 TOPICS = (
     "the weather in Lisbon",
@@ -99,6 +115,18 @@ class GatewayOptions:
                 f"{self.sessions} sessions x {self.turns} turns is {self.sessions * self.turns} turns: "
                 f"at most {MAX_RUN_TURNS} turns in a run"
             )
+        # A rate is a share of the turns: NaN compared false with every roll and silently injected
+        # nothing, a negative one nothing, and rates adding up past 1 starved the later kinds of fault.
+        rates = []
+        for name in ("kill_rate", "timeout_rate", "rewrite_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise InvalidInput(f"{name} must be a number in 0..1, got {value!r}")
+            rates.append(float(value))
+        if math.fsum(rates) > 1.0:
+            raise InvalidInput(f"kill_rate + timeout_rate + rewrite_rate must be at most 1, got {math.fsum(rates)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidInput(f"seed must be an integer, got {self.seed!r}")
 
 
 @dataclass
@@ -130,6 +158,8 @@ class GatewayReport:
     quarantines: int = 0
     recovered_intents: int = 0
     kills: int = 0
+    #: workers that died without a planned kill (an exit of their own, a signal from elsewhere)
+    unexpected_exits: int = 0
     provider_timeouts: int = 0
     rewrites: int = 0
     retried_dispatches: int = 0
@@ -172,6 +202,7 @@ class GatewayReport:
             ("engines quarantined by this run", self.quarantines),
             ("recovered intents", self.recovered_intents),
             ("workers killed (SIGKILL)", self.kills),
+            ("workers that died unexpectedly", self.unexpected_exits),
             ("provider timeouts (retried)", self.provider_timeouts),
             ("transcript rewrites", self.rewrites),
             ("turns dispatched again", self.retried_dispatches),
@@ -212,8 +243,12 @@ class _FaultyModel:
         return self.inner.complete(messages, tools, **kw)
 
 
-def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
-    """A worker process: its own store and host runtime; runs jobs until told to stop."""
+def _worker_main(conn: Connection, options: GatewayOptions, url: str, dispatcher_pid: int | None = None) -> None:
+    """A worker process: its own store and host runtime; says "ready", then runs jobs until told to stop."""
+    # Ctrl-C reaches the whole process group: the dispatcher stops the workers (each printed a traceback of
+    # its own KeyboardInterrupt), and a worker never outlives it to go on running turns.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_dispatcher(dispatcher_pid)
     from .host import HostRuntime
     from .model import model_from_settings
     from .settings import load_settings
@@ -231,46 +266,68 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str) -> None:
         settings = load_settings(options.config_path, engine=options.engine)
         model = _FaultyModel(model_from_settings(options.model_url, options.model, options.api_key))
         host = HostRuntime(store, settings, model)
-    except TranscriptStoreError as e:
-        # A configuration the dispatcher let through: one line to it for every job, never a traceback.
+    except Exception as e:
+        # A configuration the dispatcher let through: one line to it, never a traceback.
         _refuse_jobs(conn, f"{type(e).__name__}: {' '.join(str(e).split())}")
         return
-    while True:
-        job: Job | None = conn.recv()
-        if job is None:
-            break
-        host.before_assemble = None
-        if job.fault and job.fault.startswith("kill:"):
-            faults.arm(job.fault.split(":", 1)[1])
-        elif job.fault == "timeout":
-            model.timeouts = 1
-        elif job.fault == "rewrite":
-            host.before_assemble = _rewrite_previous_reply(store)
-        try:
-            out = host.run_turn(options.scope, job.session_id, job.text, turn_id=job.turn_id)
-            conn.send(
-                (
-                    "ok",
-                    {
-                        "status": out.commit_status,
-                        "engine": out.engine_id,
-                        "degraded": out.degraded_reason,
-                        "attempts": out.attempts,
-                    },
-                )
-            )
-        except Exception as e:
-            conn.send(("error", describe(e)))
-        finally:
-            faults.disarm()
-            model.timeouts = 0
+    # The dispatcher starts a job's clock (a kill at a random instant of the turn) when it sends the job:
+    # sent to a worker still importing, that instant fell before the turn had even started.
+    with contextlib.suppress(EOFError, OSError):  # EOF / a broken pipe: the dispatcher is gone
+        conn.send(("ready", settings.max_turn_seconds))
+        while True:
+            job: Job | None = conn.recv()
+            if job is None:
+                break
+            conn.send(_run_job(host, store, model, options, job))
     host.dispose()  # deferred maintenance finishes (bounded) before the worker ends
     store.close()
 
 
+def _run_job(host: Any, store: Any, model: _FaultyModel, options: GatewayOptions, job: Job) -> tuple[str, Any]:
+    """Run one job in a worker (with its fault armed): the answer to send to the dispatcher."""
+    host.before_assemble = None
+    if job.fault and job.fault.startswith("kill:"):
+        faults.arm(job.fault.split(":", 1)[1])
+    elif job.fault == "timeout":
+        model.timeouts = 1
+    elif job.fault == "rewrite":
+        host.before_assemble = _rewrite_previous_reply(store)
+    try:
+        out = host.run_turn(options.scope, job.session_id, job.text, turn_id=job.turn_id)
+        return (
+            "ok",
+            {
+                "status": out.commit_status,
+                "engine": out.engine_id,
+                "degraded": out.degraded_reason,
+                "attempts": out.attempts,
+            },
+        )
+    except Exception as e:
+        return ("error", describe(e))
+    finally:
+        faults.disarm()
+        model.timeouts = 0
+
+
+def _die_with_dispatcher(dispatcher_pid: int | None) -> None:
+    """Make the kernel SIGKILL this worker when the dispatcher dies (Linux: a SIGTERM, a SIGKILL or a crash
+    of the dispatcher left its workers running their turns, and committing them, as orphans).
+
+    Elsewhere a worker ends when it next reads from the dispatcher (EOF), after its current turn."""
+    if dispatcher_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != dispatcher_pid:  # it died before that
+        os._exit(0)
+
+
 def _refuse_jobs(conn: Connection, problem: str) -> None:
-    """A worker that could not start: answer every job with why, until told to stop."""
+    """A worker that could not start: says why instead of "ready", and answers every job the same way."""
     with contextlib.suppress(EOFError, OSError):  # the dispatcher is gone: nothing left to answer
+        conn.send(("unusable", problem))
         while conn.recv() is not None:
             conn.send(("unusable", problem))
 
@@ -297,11 +354,22 @@ def _rewrite_previous_reply(store: Any) -> Any:
 class _Worker:
     def __init__(self, ctx: Any, options: GatewayOptions, url: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, options, url), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, options, url, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False  # its "ready" came: its store and host are up, a job sent now starts at once
+        self.turn_seconds = 0.0  # its settings' max_turn_seconds (in its "ready")
         self.job: Job | None = None
         self.kill_at: float | None = None
+        self.hung_at = 0.0  # when its job, still running, is past its max_turn_seconds
+
+    def end(self) -> None:
+        """SIGKILL it unless it has ended already; reap it (a zombie's pid still looks alive to the
+        recovery pass, which then left its intent alone); close the dispatcher's end of its pipe."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
 
 
 def _plan(options: GatewayOptions, session_ids: list[str], rng: random.Random) -> dict[str, list[Job]]:
@@ -339,19 +407,26 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     lib_log = logging.getLogger("transcript_store")
     level = lib_log.level
     lib_log.setLevel(logging.ERROR)  # the faults are on purpose; the report counts them
+    store = None
     try:
         config = StoreConfig.from_env(url=options.db_url)
         engine = load_settings(options.config_path, engine=options.engine).engine  # refused before any write
         store = TranscriptStore(config=config)
         url = config.url
         rng = random.Random(options.seed)
-        run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}"
-        session_ids = [
-            store.create_session(
+        # The seed makes the workload and its faults, never the run's identity: two runs of one seed in the
+        # same second (two `make run`s, two CI jobs on one PostgreSQL) took the same session ids, and as
+        # creating an existing session (same id, same key) is a no-op, the second run "checked" the
+        # first run's turns (every one a duplicate) and reported them as its own.
+        run_id = f"{int(time.time())}-{rng.randrange(1 << 30):x}{secrets.token_hex(4)}"
+        session_ids = []
+        for i in range(options.sessions):
+            info = store.create_session(
                 options.scope, session_id=f"run-{run_id}-conv-{i}", session_key=f"gateway:{run_id}:{i}"
-            ).session_id
-            for i in range(options.sessions)
-        ]
+            )
+            if info.entry_count:  # all the same: the checks below count only what this run wrote
+                raise TranscriptStoreError(f"session {info.session_id!r} of this run exists already")
+            session_ids.append(info.session_id)
         plan = _plan(options, session_ids, rng)
         report = GatewayReport(
             url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns,
@@ -360,9 +435,10 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
         outcomes = _dispatch(options, url, plan, report, rng, console)
         _finish(store, options, engine, plan, outcomes, report, started_us)
         report.seconds = time.monotonic() - started
-        store.close()
         return report
     finally:
+        if store is not None:
+            store.close()
         lib_log.setLevel(level)
 
 
@@ -375,10 +451,11 @@ def _dispatch(
     console: Console,
 ) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
-    workers = [_Worker(ctx, options, url) for _ in range(options.workers)]
+    workers: list[_Worker] = []
     next_index = dict.fromkeys(plan, 0)
     in_flight: set[str] = set()
     outcomes: dict[str, dict[str, Any]] = {}
+    deaths = [0]  # unplanned deaths in a row, with no turn answered in between
     total = sum(len(j) for j in plan.values())
     progress = Progress(
         TextColumn("turns"),
@@ -389,22 +466,60 @@ def _dispatch(
         disable=not options.progress,
         transient=False,
     )
+    finished = False
     try:
+        # Inside the try: an interrupt while they start ends those started already.
+        for _ in range(options.workers):
+            workers.append(_Worker(ctx, options, url))
         with progress:
             task = progress.add_task("turns", total=total)
             while len(outcomes) < total:
-                for w in workers:
-                    if w.job is None:
-                        _assign(w, plan, next_index, in_flight, rng, report)
-                _wait_some(workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task)
+                for i, w in enumerate(workers):
+                    if not w.ready or w.job is not None:
+                        continue
+                    if w.proc.is_alive() and _assign(w, plan, next_index, in_flight, rng, report):
+                        continue
+                    # Died between two jobs (seen dead, or its job could not be sent): given the next job
+                    # anyway, it was a BrokenPipeError out of the whole run.
+                    w.end()
+                    exitcode = w.proc.exitcode
+                    _unexpected(report, deaths, f"a worker died unexpectedly (exit code {exitcode} between two turns)")
+                    workers[i] = _Worker(ctx, options, url)
+                _wait_some(
+                    workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task, deaths
+                )
+        finished = True
     finally:
-        for w in workers:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                w.conn.send(None)
-            w.proc.join(timeout=10)
-            if w.proc.is_alive():
-                w.proc.kill()
+        _stop(workers, graceful=finished)
     return outcomes
+
+
+def _stop(workers: list[_Worker], *, graceful: bool) -> None:
+    """End every worker. A finished run tells them to stop and waits (bounded, all at once: not 10 s per
+    worker); an interrupted one (Ctrl-C, an error) SIGKILLs them at once: their turns are mid-flight, as
+    a kill leaves them, and the store's recovery is built for exactly that."""
+    if graceful:
+        # One not ready yet (a replacement still starting) ran nothing: no waiting for its start-up.
+        running = [w for w in workers if w.ready]
+        for w in running:
+            with contextlib.suppress(OSError):
+                w.conn.send(None)
+        deadline = time.monotonic() + STOP_SECONDS
+        for w in running:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        w.end()
+
+
+def _unexpected(report: GatewayReport, deaths: list[int], problem: str) -> None:
+    """A worker died without a planned kill (or hung, and was killed): a problem of the run, never one of
+    its kills. Too many in a row with no turn answered (workers that cannot start, an engine ending its
+    process on every turn): the run stops, instead of spawning workers up to MAX_DISPATCHES times per turn."""
+    report.unexpected_exits += 1
+    report.problems.append(problem)
+    deaths[0] += 1
+    if deaths[0] >= MAX_DEATHS_IN_A_ROW:
+        raise TranscriptStoreError(f"gateway workers keep dying: {deaths[0]} in a row with no turn answered; {problem}")
 
 
 def _assign(
@@ -414,22 +529,33 @@ def _assign(
     in_flight: set[str],
     rng: random.Random,
     report: GatewayReport,
-) -> None:
+) -> bool:
+    """Send ``w`` the next turn of a session with none in flight (if any); False if it could not be sent."""
     for sid, jobs in plan.items():
         if sid in in_flight or next_index[sid] >= len(jobs):
             continue
         job = jobs[next_index[sid]]
+        try:
+            w.conn.send(job)
+        except OSError:  # BrokenPipeError: the worker is gone; the turn stays where it was, not in flight
+            return False
         in_flight.add(sid)
         w.job = job
         w.kill_at = None
+        w.hung_at = time.monotonic() + w.turn_seconds + TURN_GRACE_SECONDS
         if job.fault == "kill_random":
             w.kill_at = time.monotonic() + rng.uniform(0.0, 0.08)
         elif job.fault == "timeout":
             report.provider_timeouts += 1
         elif job.fault == "rewrite":
             report.rewrites += 1
-        w.conn.send(job)
-        return
+        return True
+    return True
+
+
+def _planned_kill(job: Job, exitcode: int | None) -> bool:
+    """Whether a worker that died running ``job`` died of the kill planned for it."""
+    return exitcode == -signal.SIGKILL and job.fault is not None and job.fault.startswith("kill")
 
 
 def _wait_some(
@@ -444,19 +570,32 @@ def _wait_some(
     report: GatewayReport,
     progress: Progress,
     task: Any,
+    deaths: list[int],
 ) -> None:
-    busy = [w for w in workers if w.job is not None]
-    deadlines = [w.kill_at for w in busy if w.kill_at is not None]
-    timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 5.0
-    ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=timeout)
+    """Wait for a worker's message or death (or a kill's instant), and act on each that came."""
+    watched = [w for w in workers if w.job is not None or not w.ready]
+    busy = [w for w in watched if w.job is not None]
+    deadlines = [w.kill_at for w in busy if w.kill_at is not None] + [w.hung_at for w in busy]
+    timeout = min(5.0, max(0.0, min(deadlines) - time.monotonic())) if deadlines else 5.0
+    wait([w.conn for w in watched] + [w.proc.sentinel for w in watched], timeout=timeout)
     now = time.monotonic()
     for i, w in enumerate(workers):
-        if w.job is None:
+        if w.ready and w.job is None:
             continue
-        if w.kill_at is not None and now >= w.kill_at and w.proc.is_alive() and w.conn not in ready:
-            w.proc.kill()  # SIGKILL at a random instant of the turn
-            w.proc.join()
-        if w.conn in ready and w.conn.poll():
+        kind: str
+        data: Any
+        killed = hung = False
+        if w.job is not None and w.proc.is_alive() and not w.conn.poll():
+            if w.kill_at is not None and now >= w.kill_at:
+                killed = True  # SIGKILL at a random instant of the turn
+            elif now >= w.hung_at:
+                hung = True  # no engine, model or store call is bounded by anything else here
+            if killed or hung:
+                w.proc.kill()
+                w.proc.join()
+        if killed or hung:
+            kind, data = "died", None  # whatever it sent meanwhile: the job goes out again
+        elif w.conn.poll():  # a message, or EOF
             try:
                 kind, data = w.conn.recv()
             except (EOFError, OSError):
@@ -465,10 +604,30 @@ def _wait_some(
             kind, data = "died", None
         else:
             continue
-        job = w.job
-        w.job = None
         if kind == "unusable":  # the worker could not start: every dispatch would fail the same way
             raise TranscriptStoreError(f"a gateway worker could not start: {data}")
+        if kind == "ready":
+            w.ready, w.turn_seconds = True, float(data)
+            continue
+        job = w.job
+        w.job = None
+        if kind == "died":
+            w.end()
+            if job is not None and not hung and _planned_kill(job, w.proc.exitcode):
+                report.kills += 1
+            elif hung and job is not None:
+                problem = f"turn {job.turn_id} attempt {job.attempt} ran past max_turn_seconds ({w.turn_seconds:g} s)"
+                _unexpected(report, deaths, f"{problem}: its worker was SIGKILLed")
+            else:
+                when = f"running turn {job.turn_id} attempt {job.attempt}" if job else "before it was ready"
+                _unexpected(report, deaths, f"a worker died unexpectedly (exit code {w.proc.exitcode} {when})")
+            workers[i] = _Worker(ctx, options, url)
+            if job is None:
+                continue
+        else:
+            deaths[0] = 0  # a turn answered: the workers can run turns
+        if job is None:  # an answer with no job asked: nothing of the plan is waiting for it
+            continue
         if kind == "ok":
             outcomes[job.turn_id] = data
             if data["status"] == "duplicate":
@@ -479,23 +638,18 @@ def _wait_some(
             next_index[job.session_id] += 1
             progress.advance(task)
             continue
-        if kind == "died":
-            report.kills += 1
-            w.proc.join()
-            workers[i] = _Worker(ctx, options, url)
-        else:
+        if kind != "died":
             report.problems.append(f"turn {job.turn_id} attempt {job.attempt} raised {data}")
         # The same logical turn goes out again, without the injected fault this time.
-        report.retried_dispatches += 1
         job.fault, job.attempt = None, job.attempt + 1
-        if job.attempt > 5:
+        in_flight.discard(job.session_id)
+        if job.attempt >= MAX_DISPATCHES:
             report.problems.append(f"turn {job.turn_id} gave up after {job.attempt} dispatches")
             outcomes[job.turn_id] = {"status": "failed"}
-            in_flight.discard(job.session_id)
             next_index[job.session_id] += 1
             progress.advance(task)
         else:
-            in_flight.discard(job.session_id)
+            report.retried_dispatches += 1  # only a dispatch that happens: a turn given up goes out no more
 
 
 def _finish(
@@ -509,7 +663,7 @@ def _finish(
 ) -> None:
     """Recovery pass, then the exactly-once check from the store alone."""
     from .host import HostRuntime
-    from .ledger import committed_messages, receipts_for_key
+    from .ledger import committed_messages, list_receipts
     from .model import LocalResponder
     from .outbox import get_intent
     from .quarantine import records
@@ -528,10 +682,18 @@ def _finish(
     scope = options.scope
     for sid, jobs in plan.items():
         admitted = {e.turn_id: e for e in _all_entries(store, scope, sid) if e.turn_id}
+        by_key: dict[str, list[Any]] = {}
+        for r in store.read(lambda c, s=sid: list_receipts(c, scope, s)):
+            by_key.setdefault(r.advancement_key, []).append(r)
+        planned = {job.turn_id for job in jobs}
+        # "Nothing else reached the engine": a receipt in the run's sessions under a key that is none of
+        # its turns was never looked at.
+        for key in sorted(set(by_key) - planned):
+            report.problems.append(f"session {sid}: {key!r} reached the engine but is none of the run's turns")
         for job in jobs:
             tid = job.turn_id
-            found = store.read(lambda c, t=tid, s=sid: receipts_for_key(c, scope, s, t))
-            intent = store.read(lambda c, t=tid, s=sid: get_intent(c, scope, s, t))
+            found = by_key.get(tid, [])
+            intent = None if found else store.read(lambda c, t=tid, s=sid: get_intent(c, scope, s, t))
             if tid in admitted:
                 report.admitted += 1
             if len(found) > 1:
