@@ -389,6 +389,23 @@ def test_a_second_worker_on_the_same_turn_learns_duplicate(store: TranscriptStor
     assert len(stored) == 2 and receipts(store, "legacy") == ["turn-1"]
 
 
+def test_a_retry_that_delivers_an_accepted_turn_reports_it_committed(store: TranscriptStore, sid: str) -> None:
+    """The first attempt got as far as the acceptance (its delivery never ran: a crash, an engine out);
+    the retry delivers it, without calling the model: that is this call's commit, "committed" (it said
+    "duplicate", as for a turn committed before it, and the gateway counted it as a duplicate absorbed).
+    The next retry learns "duplicate"."""
+    turns = Turns(store)
+    turns.admit(SCOPE, sid, user("hello"), turn_id="turn-1", engine_id="legacy")
+    done = turns.complete(SCOPE, sid, "turn-1", [{"message": assistant("stored answer")}], None)
+    assert done.intent.state == "accepted"
+    host, model = make_host(store)
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="turn-1")
+    assert (out.commit_status, out.reply["content"], model.requests) == ("committed", "stored answer", [])
+    again = host.run_turn(SCOPE, sid, "hello", turn_id="turn-1")
+    assert (again.commit_status, again.reply["content"], model.requests) == ("duplicate", "stored answer", [])
+    assert receipts(store, "legacy") == ["turn-1"]
+
+
 def test_cursor_crossing_engine_is_degraded(store: TranscriptStore, sid: str) -> None:
     class Crosser(CountingEngine):
         def assemble(self, **kw: Any) -> Any:

@@ -725,8 +725,14 @@ class HostRuntime:
             self._decisions.pop((scope, session_id, turn_id), None)
             return outcome
 
-    def _already_accepted(self, scope: str, session_id: str, turn_id: str, engine_id: str) -> TurnOutcome | None:
-        """A retry of a turn an earlier attempt already accepted: report it, never run it twice."""
+    def _already_accepted(
+        self, scope: str, session_id: str, turn_id: str, engine_id: str, delivered_here: bool = False
+    ) -> TurnOutcome | None:
+        """A retry of a turn an earlier attempt already accepted: report it, never run it twice.
+
+        ``committed`` when this call delivered it (the recovery before it, ``delivered_here``, or the
+        drain here: the earlier attempt got as far as the acceptance), ``duplicate`` when it was
+        committed before this call."""
 
         def look(c: Core) -> tuple[list[Receipt], TurnIntent | None]:
             return receipts_for_key(c, scope, session_id, turn_id), outbox.get_intent(c, scope, session_id, turn_id)
@@ -737,14 +743,15 @@ class HostRuntime:
                 self._leave_running_attempt(scope, session_id, turn_id)
             return None
         if intent is not None and intent.state in ("accepted", "ready"):
-            self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
+            drained = self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
+            delivered_here = delivered_here or (session_id, turn_id) in drained.committed_turns
             found, intent = self.store.read(look)
         if not found and intent is None:
             return None
         if found:
             receipt = found[0]
             messages = self.store.read(lambda c: committed_messages(c, scope, session_id, receipt.engine_id, turn_id))
-            status, used = "duplicate", receipt.engine_id
+            status, used = "committed" if delivered_here else "duplicate", receipt.engine_id
         else:
             assert intent is not None
             messages = intent.messages or []
@@ -846,7 +853,8 @@ class HostRuntime:
         ahead = prefetched[-1] if admitted is not None and prefetched else None
         if admitted is None:
             report = self.turns.recover(scope, session_id, engine_id, self.commit_in)
-            done = self._already_accepted(scope, session_id, turn_id, engine_id)
+            recovered_here = (session_id, turn_id) in report.drain.committed_turns
+            done = self._already_accepted(scope, session_id, turn_id, engine_id, recovered_here)
             if done is not None:
                 return done
             running = [t for t in report.running if t != turn_id]

@@ -629,6 +629,8 @@ class DrainReport:
     duplicates: int = 0
     blocked: int = 0
     failed: list[tuple[str, str, str]] = field(default_factory=list)  # (session, turn, error)
+    #: (session, turn) of each row this drain committed (status ``committed``, not ``duplicate``)
+    committed_turns: list[tuple[str, str]] = field(default_factory=list)
     stopped_sessions: list[str] = field(default_factory=list)
 
     @property

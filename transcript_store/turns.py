@@ -548,6 +548,7 @@ class Turns:
             raise
         if result.status == "committed":
             report.committed += 1
+            report.committed_turns.append((intent.session_id, intent.turn_id))
         else:
             report.duplicates += 1
         if on_committed is not None:
