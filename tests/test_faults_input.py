@@ -10,7 +10,7 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages`` or ``max_bytes``, is ``InvalidInput`` naming that argument);
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 37 functions, the ``TranscriptStore`` constructor and 24 of its methods, and 12 methods of
+Drawn: 38 functions, the ``TranscriptStore`` constructor and 24 of its methods, and 13 methods of
 ``Turns`` (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
 outside any), ``close``, ``upgrade`` and ``current_revision`` (no arguments), the ``Turns`` constructor
@@ -47,6 +47,7 @@ from transcript_store import (
 )
 from transcript_store.cursors import CursorState
 from transcript_store.models import Anchor
+from transcript_store.outbox import AdmittedLease
 from transcript_store.turns import Turns
 
 A, B = "scope-a", "scope-b"
@@ -253,11 +254,16 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
         "receipts": lambda data: call(turns.receipts, data.draw(ids), data.draw(ids), data.draw(optional_ids)),
         "turns.admit": lambda data: call(turns.admit, data.draw(ids), data.draw(ids), data.draw(messages),
                                          turn_id=data.draw(ids), engine_id=data.draw(ids),
-                                         is_heartbeat=data.draw(st.one_of(st.booleans(), wrong))),
+                                         is_heartbeat=data.draw(st.one_of(st.booleans(), wrong)),
+                                         taken_over=data.draw(st.one_of(st.none(), st.just([]), wrong))),
         "admit_if_clear": lambda data: call(turns.admit_if_clear, data.draw(ids), data.draw(ids),
                                             data.draw(messages), turn_id=data.draw(ids), engine_id=data.draw(ids),
                                             is_heartbeat=data.draw(st.one_of(st.booleans(), wrong))),
         "discard": lambda data: call(turns.discard, data.draw(ids), data.draw(ids), data.draw(ids)),
+        "hand_back": lambda data: call(
+            turns.hand_back, data.draw(ids), data.draw(ids), data.draw(ids), owner=data.draw(st.one_of(ids, wrong)),
+            lease=data.draw(st.one_of(wrong, st.builds(
+                AdmittedLease, ids, optional_ids, st.one_of(st.none(), st.integers(), wrong))))),
         "accept": lambda data: call(turns.accept, data.draw(ids), data.draw(ids), data.draw(ids),
                                     data.draw(anchors(w))),
         "complete": lambda data: call(turns.complete, data.draw(ids), data.draw(ids), data.draw(ids),
@@ -368,7 +374,7 @@ def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore)
     drawn = {name if name == "TranscriptStore" else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 37, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 38, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 
