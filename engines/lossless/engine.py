@@ -281,9 +281,7 @@ class LosslessEngine:
     def _compact(self, scope: str, session_id: str, marks: Budget, *, force: bool, focus: str | None) -> CompactResult:
         """Plan outside any transaction, write in one; a plan raced by another writer is re-planned once."""
         for _attempt in range(2):
-            view, items = self.store.read(
-                lambda c: (View.load(c, scope, session_id), load_items(c, scope, session_id))
-            )
+            view, items = self._planning_state(scope, session_id)
             before = sum(i.tokens for i in items)
             if not force and before <= marks.trigger:
                 return CompactResult(
@@ -302,6 +300,28 @@ class LosslessEngine:
                 tokens_after=plan.tokens_after,
             )
         return CompactResult(ok=False, compacted=False, reason="the context changed during compaction; try again")
+
+    def _planning_state(self, scope: str, session_id: str) -> tuple[View, list[Item]]:
+        """The view and the context list a compaction plans on, a pending reset applied first.
+
+        A branch or a rewrite since the last import (``maintain`` runs in the background, and in a process
+        that may never import): planned on the old list, the summarizer was sent the messages that left the
+        active path (a redacted secret, to a model) and the next import threw its summaries away with them.
+        As the recall tools do, the reset is applied without importing (an import could cross a running
+        turn's fence); the check is a one-message read, on the compaction's path only.
+        """
+
+        def state(c: Core) -> tuple[View, list[Item]] | None:
+            if ingest.reset_pending(c, scope, session_id):
+                return None
+            return View.load(c, scope, session_id), load_items(c, scope, session_id)
+
+        for _ in range(8):
+            got: tuple[View, list[Item]] | None = self.store.read(state)
+            if got is not None:
+                return got
+            self.store.write(lambda c: ingest.apply_reset(c, scope, session_id))
+        raise RuntimeError("the transcript kept moving under the compaction")  # pragma: no cover
 
     # ------------------------------------------------------------------------------------ tools
 
