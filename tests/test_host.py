@@ -13,7 +13,7 @@ from conftest import assistant, user
 from hosting import CountingEngine, RecordingModel, count_transactions
 from sqlalchemy import event
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
 from transcript_store.engine import AssembleResult, CompactResult, EngineContext, HostRequirement, SessionTarget
 from transcript_store.errors import (
     HostRequirementError,
@@ -1013,7 +1013,6 @@ def test_an_engine_call_failing_with_the_database_leaves_the_engine_selectable(
 
 def test_compaction_keeping_no_message_is_refused_and_writes_nothing(store: TranscriptStore, sid: str) -> None:
     from engines.legacy import LegacyEngine
-    from transcript_store import compaction
 
     for i in range(6):
         store.append(SCOPE, sid, {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 20})
@@ -1278,3 +1277,45 @@ def test_a_degrading_attempt_never_moves_a_turn_a_retry_took_over(store: Transcr
     done = retry.complete(SCOPE, sid, "t1", [{"message": assistant("a1")}], None)
     assert done.intent.engine_id == "flaky" and done.intent.state in ("accepted", "ready")
     assert retry.receipts(SCOPE, sid) == []
+
+
+@pytest.mark.parametrize("answer", [None, b"summary", 42, ["summary"]], ids=repr)
+def test_legacy_compaction_refuses_a_summarizer_answer_that_is_no_text(
+    store: TranscriptStore, sid: str, answer: Any
+) -> None:
+    """``str()`` of it was the summary ("None" in context in place of the older messages): now the
+    summarizer failed, and nothing changes."""
+    for i in range(8):
+        store.append(SCOPE, sid, user(f"question {i} " + "words " * 40))
+        store.append(SCOPE, sid, assistant(f"answer {i} " + "words " * 40))
+    before = store.list_entries(SCOPE, sid)
+
+    class Broken:
+        def summarize(self, messages: Any, **kw: Any) -> Any:
+            return answer
+
+    done = compaction.compact_session(
+        store, SCOPE, sid, summarizer=Broken(), estimator=RoughEstimator(), keep_last=2, force=True
+    )
+    assert not done.ok and not done.compacted and "not a string" in (done.reason or "")
+    assert store.list_entries(SCOPE, sid) == before
+
+
+def test_legacy_compaction_stores_a_summary_with_nul_or_a_lone_surrogate(store: TranscriptStore, sid: str) -> None:
+    """A model's summary cut inside an emoji (a lone surrogate), or holding NUL: the marker's write was
+    refused (``InvalidInput``) at every turn's compaction, so ``run_turn`` failed for good. Shown as
+    U+FFFD instead."""
+    for i in range(8):
+        store.append(SCOPE, sid, user(f"question {i} " + "words " * 40))
+        store.append(SCOPE, sid, assistant(f"answer {i} " + "words " * 40))
+
+    class Cut:
+        def summarize(self, messages: Any, **kw: Any) -> str:
+            return "the user asked eight questions \ud83d and\x00 more"
+
+    done = compaction.compact_session(
+        store, SCOPE, sid, summarizer=Cut(), estimator=RoughEstimator(), keep_last=2, force=True
+    )
+    assert done.ok and done.compacted
+    pointer = compaction.load_pointer(store, SCOPE, sid)
+    assert pointer is not None and pointer["summary"] == "the user asked eight questions \ufffd and\ufffd more"

@@ -16,6 +16,7 @@ from .engine import CompactResult
 from .errors import InvalidInput, SummarizerError
 from .ledger import get_state, put_state
 from .models import Anchor, Entry
+from .summarize import summary_text
 
 STATE_OWNER = "runtime"
 STATE_KEY = "compaction"
@@ -96,7 +97,7 @@ def compact_session(
         )
     older = [e.message for e in live[:cut] if e.message]
     try:
-        summary = summarizer.summarize(older, previous_summary=previous, focus=focus)
+        summary = summary_text(summarizer.summarize(older, previous_summary=previous, focus=focus))
     except SummarizerError as e:
         # A failing summarizer never loses messages: nothing changes, the raw messages stay.
         return CompactResult(ok=False, compacted=False, reason=f"summarizer failed: {e}", tokens_before=tokens_before)

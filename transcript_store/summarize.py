@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from .db import UNSENDABLE
 from .errors import InvalidInput, ModelError, SummarizerError
 from .model import DEFAULT_OPENAI_MODEL, OpenAIChatModel, message_text
 from .tokens import RoughEstimator
@@ -38,6 +39,19 @@ class Summarizer(Protocol):
     ) -> str:
         """A summary of ``previous_summary`` + ``messages``, at most about ``max_tokens`` tokens."""
         ...
+
+
+def summary_text(answer: object) -> str:
+    """A summarizer's answer as the text a summary stores and shows (SummarizerError if it is no text).
+
+    Anything but a string is the summarizer's failure: ``str()`` of it made ``None`` (an adapter passing
+    on a model message without content) the summary "None", in context in place of what it covered.
+    NUL and lone surrogates (half of an emoji, a model's output cut) are shown as U+FFFD: no database
+    takes them, so such a summary failed the compaction's write, every time. Count a summary's tokens
+    on this text, the one shown."""
+    if not isinstance(answer, str):
+        raise SummarizerError(f"the summarizer returned {type(answer).__name__}, not a string")
+    return UNSENDABLE.sub("\ufffd", str(answer)).strip()
 
 
 def _check_args(level: str, max_tokens: int) -> None:

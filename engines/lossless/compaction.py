@@ -27,9 +27,7 @@ from sqlalchemy import delete, insert
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
-from transcript_store.db import UNSENDABLE
-from transcript_store.errors import SummarizerError
-from transcript_store.summarize import Level, Summarizer
+from transcript_store.summarize import Level, Summarizer, summary_text
 from transcript_store.tokens import TokenEstimator
 
 from .config import Budget, LosslessConfig
@@ -269,6 +267,8 @@ class Planner:
             answer = self.summarizer.summarize(
                 inputs, previous_summary=previous, focus=self.focus, level=level, max_tokens=max_tokens
             )
+            # Checked and cleaned before its tokens are counted: NUL, replaced only when written, was counted
+            # as another character than the one shown, and assemble went over its budget.
             made = self._made(shape, summary_text(answer), level, source_tokens)
             if made is not None:
                 return made
@@ -290,21 +290,6 @@ class Planner:
     def _tokens(self, shape: SummaryInfo, text: str) -> int:
         info = SummaryInfo(shape.seq, shape.kind, shape.depth, shape.earliest, shape.latest, shape.message_count, text)
         return int(self.estimator.count_messages([render_summary(info)]))
-
-
-def summary_text(answer: object) -> str:
-    """A summarizer's answer as the text of a summary, before its tokens are counted.
-
-    Anything but a string is a summarizer failure (SummarizerError ends the plan, the raw messages stay):
-    ``str()`` of it made ``None`` (an adapter passing on a model message without content) the summary
-    "None", in context in place of what it covered. NUL and lone surrogates (half of an emoji a model's
-    output cut) are shown as U+FFFD: no database takes them, so such a summary failed the plan's write
-    (the host isolated the engine for it), and NUL, replaced only when written, was counted as another
-    character than the one shown, so the stored tokens fell short of the rendered summary and assemble
-    went over its budget. Counted after the replacement, the tokens are those of the text shown."""
-    if not isinstance(answer, str):
-        raise SummarizerError(f"the summarizer returned {type(answer).__name__}, not a string")
-    return UNSENDABLE.sub("\ufffd", str(answer)).strip()
 
 
 def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEstimator) -> str:
