@@ -1319,3 +1319,23 @@ def test_legacy_compaction_stores_a_summary_with_nul_or_a_lone_surrogate(store: 
     assert done.ok and done.compacted
     pointer = compaction.load_pointer(store, SCOPE, sid)
     assert pointer is not None and pointer["summary"] == "the user asked eight questions \ufffd and\ufffd more"
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_bundled_engine_refuses_a_token_budget_that_is_no_count(
+    store: TranscriptStore, sid: str, engine_id: str
+) -> None:
+    """A library caller's budget of 0, a negative one, a bool, a float or a text: ``InvalidInput``. A
+    negative one was taken for no budget (lossless compacted everything, its fresh tail included, and
+    remembered it; legacy assembled nothing)."""
+    host, _ = make_host(store, engine_id)
+    host.run_turn(SCOPE, sid, "hello")
+    engine, _info = host.engine(engine_id)
+    for bad in (0, -5, True, 2.5, "100", 10**9):
+        with pytest.raises(InvalidInput, match="token_budget"):
+            engine.assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=bad)
+        with pytest.raises(InvalidInput, match="token_budget"):
+            engine.compact(scope=SCOPE, session_id=sid, token_budget=bad)
+    assert engine.assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=1000).messages
+    assert engine.compact(scope=SCOPE, session_id=sid, token_budget=None).ok
+    host.dispose()

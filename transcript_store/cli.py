@@ -39,6 +39,7 @@ from sqlalchemy.engine import URL, make_url
 from . import migrate
 from .config import StoreConfig
 from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
+from .engine import MAX_TOKENS
 from .errors import (
     EngineError,
     InvalidInput,
@@ -52,7 +53,7 @@ from .errors import (
 )
 from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
 from .models import Entry, SessionInfo
-from .settings import MAX_TOKENS, HostSettings, load_settings
+from .settings import HostSettings, load_settings
 from .store import TranscriptStore
 from .terminal import show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import EngineContractError
+from .errors import EngineContractError, InvalidInput
 from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
 from .terminal import quoted
 
@@ -98,6 +98,22 @@ def _shown_text(value: str, limit: int) -> str:
         raise ValueError(f"at most {limit} characters")
     if _BAD_ENGINE_CHAR.search(value) is not None:
         raise ValueError("no control characters, NUL or lone surrogates")
+    return value
+
+
+#: the largest token count any setting or budget takes
+MAX_TOKENS = 100_000_000
+
+
+def check_token_budget(value: object, *, optional: bool = False) -> int | None:
+    """A token budget given to an engine's assemble or compact: an integer in 1..MAX_TOKENS (or None when
+    ``optional``), else InvalidInput. The host and the service never pass another; a library caller
+    could, and a negative one was taken for no budget at all (lossless compacted everything, fresh
+    tail included; legacy assembled nothing)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
+        raise InvalidInput(f"token_budget must be an integer in 1..{MAX_TOKENS}, got {value!r}")
     return value
 
 

@@ -12,11 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .engine import BootstrapResult, EngineInfo
+from .engine import MAX_TOKENS, BootstrapResult, EngineInfo
 from .ledger import Receipt
 from .models import Anchor, Entry, SessionInfo
 from .reads import MAX_BYTES, MAX_MESSAGES
-from .settings import MAX_TOKENS
 from .store import AppendItem
 
 MAX_ITEMS = 10_000

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine import engine_id_problem, require_engine_id
+from .engine import MAX_TOKENS, engine_id_problem, require_engine_id
 from .errors import InvalidInput
 from .terminal import quoted
 
@@ -33,7 +33,6 @@ CONFIG_FILE = "transcript-store.toml"
 PLUGIN_DIRS_ENV = "TRANSCRIPT_STORE_PLUGIN_DIRS"
 #: the largest token count a setting takes (a budget, an output cap, a threshold): past any model's context
 #: window, as the service's own bound on a request's budget; more is a typo, taken until a model call failed
-MAX_TOKENS = 100_000_000
 
 #: the largest count of steps or messages a setting takes: a turn's tool loop past it is a typo
 MAX_COUNT = 10_000

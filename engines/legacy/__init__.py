@@ -21,6 +21,7 @@ from transcript_store.engine import (
     EngineContext,
     EngineInfo,
     TranscriptSemantics,
+    check_token_budget,
 )
 from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
@@ -183,6 +184,7 @@ class LegacyEngine:
 
         ``prefetched``: what ``prefetch_in`` read for this fence in its committed admission.
         """
+        check_token_budget(token_budget)
         if fence is not None:
             check_anchor("fence", fence)
 
@@ -243,6 +245,7 @@ class LegacyEngine:
         **_host: Any,
     ) -> CompactResult:
         """The built-in summarising compaction: one summary of the older messages."""
+        check_token_budget(token_budget, optional=True)
         return compaction.compact_session(
             self.store,
             scope,

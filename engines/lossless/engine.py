@@ -33,6 +33,7 @@ from transcript_store.engine import (
     MaintainResult,
     RuntimeSettings,
     TranscriptSemantics,
+    check_token_budget,
 )
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
@@ -184,6 +185,7 @@ class LosslessEngine:
         runtime_settings: RuntimeSettings | None = None,
     ) -> AssembleResult:
         """Summaries + fresh tail in context order, within ``token_budget``; stable while nothing changes."""
+        check_token_budget(token_budget)
         self._remember(scope, session_id, token_budget, runtime_settings)
         items = self._current(scope, session_id, fence)
         if sum(i.tokens for i in items) > token_budget:
@@ -268,6 +270,7 @@ class LosslessEngine:
         runtime_settings: RuntimeSettings | None = None,
     ) -> CompactResult:
         """Compact until under the target (``force``: at least one step even when under the threshold)."""
+        check_token_budget(token_budget, optional=True)
         self._remember(scope, session_id, None, runtime_settings)
         return self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=force, focus=focus)
 
