@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError, gateway
 from transcript_store.core import now_us
 from transcript_store.gateway import GatewayOptions, GatewayReport, Job, _dispatch, _finish, run_gateway
 from transcript_store.host import HostRuntime
@@ -326,3 +326,31 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
             proc.wait()
         if worker is not None and not _dead(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+STUCK_IMPORT = """
+import os, time
+MARKS = {marks!r}
+if not os.path.exists(os.path.join(MARKS, "stuck")):
+    open(os.path.join(MARKS, "stuck"), "w").write(str(os.getpid()))
+    time.sleep(60)  # a database that never answers, an import that never returns
+"""
+
+
+def test_a_worker_stuck_starting_is_killed_and_replaced(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that never said "ready" (stuck in a plugin's import, or opening its store) held the run
+    for ever: the dispatcher only watched it. Past the start-up bound it is SIGKILLed and replaced."""
+    config = _plugin(tmp_path, "slowstart", "pass")
+    init = tmp_path / "plugins" / "slowstart" / "__init__.py"
+    init.write_text(STUCK_IMPORT.format(marks=str(tmp_path)) + init.read_text())
+    monkeypatch.setattr(gateway, "STARTUP_SECONDS", 8.0, raising=False)
+    started = time.monotonic()
+    report = run_gateway(_options(store_url, config, "slowstart"), QUIET)
+    assert time.monotonic() - started < 50
+    assert (tmp_path / "stuck").exists()
+    assert not report.ok and report.unexpected_exits == 1 and report.committed == 1
+    [problem] = report.problems
+    assert "a worker did not start within 8 s: SIGKILLed" in problem
+    assert not mp.active_children()

@@ -61,6 +61,9 @@ STOP_SECONDS = 15.0
 #: a turn still running this long after its settings' max_turn_seconds (when its lease stopped being
 #: renewed: the store holds it abandoned) is a hung worker: SIGKILLed, and its turn sent again
 TURN_GRACE_SECONDS = 1.0
+#: how long a worker may take to start (import, open its store, load its engines) before it says "ready":
+#: one stuck there (a database that never answers, a plugin's import that never returns) held the run
+STARTUP_SECONDS = 120.0
 
 TOPICS = (
     "the weather in Lisbon",
@@ -362,6 +365,7 @@ class _Worker:
         self.job: Job | None = None
         self.kill_at: float | None = None
         self.hung_at = 0.0  # when its job, still running, is past its max_turn_seconds
+        self.start_by = time.monotonic() + STARTUP_SECONDS  # when, not ready yet, it is stuck starting
 
     def end(self) -> None:
         """SIGKILL it unless it has ended already; reap it (a zombie's pid still looks alive to the
@@ -576,6 +580,7 @@ def _wait_some(
     watched = [w for w in workers if w.job is not None or not w.ready]
     busy = [w for w in watched if w.job is not None]
     deadlines = [w.kill_at for w in busy if w.kill_at is not None] + [w.hung_at for w in busy]
+    deadlines += [w.start_by for w in watched if not w.ready]
     timeout = min(5.0, max(0.0, min(deadlines) - time.monotonic())) if deadlines else 5.0
     wait([w.conn for w in watched] + [w.proc.sentinel for w in watched], timeout=timeout)
     now = time.monotonic()
@@ -584,7 +589,11 @@ def _wait_some(
             continue
         kind: str
         data: Any
-        killed = hung = False
+        killed = hung = stuck = False
+        if not w.ready and w.proc.is_alive() and not w.conn.poll() and now >= w.start_by:
+            stuck = True
+            w.proc.kill()
+            w.proc.join()
         if w.job is not None and w.proc.is_alive() and not w.conn.poll():
             if w.kill_at is not None and now >= w.kill_at:
                 killed = True  # SIGKILL at a random instant of the turn
@@ -593,7 +602,7 @@ def _wait_some(
             if killed or hung:
                 w.proc.kill()
                 w.proc.join()
-        if killed or hung:
+        if killed or hung or stuck:
             kind, data = "died", None  # whatever it sent meanwhile: the job goes out again
         elif w.conn.poll():  # a message, or EOF
             try:
@@ -618,6 +627,8 @@ def _wait_some(
             elif hung and job is not None:
                 problem = f"turn {job.turn_id} attempt {job.attempt} ran past max_turn_seconds ({w.turn_seconds:g} s)"
                 _unexpected(report, deaths, f"{problem}: its worker was SIGKILLed")
+            elif stuck:
+                _unexpected(report, deaths, f"a worker did not start within {STARTUP_SECONDS:g} s: SIGKILLed")
             else:
                 when = f"running turn {job.turn_id} attempt {job.attempt}" if job else "before it was ready"
                 _unexpected(report, deaths, f"a worker died unexpectedly (exit code {w.proc.exitcode} {when})")
