@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test's worker processes (pytest-xdist): the suite mostly waits (fsync, child processes, leases),
+# so one per core halves its time; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 
 .PHONY: install run test test-slow test-openclaw test-hermes lint bench clean
 
@@ -19,7 +22,7 @@ run: install
 	$(BIN)/transcript-store gateway --engine lossless
 
 test: install
-	$(BIN)/python -m pytest -q -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

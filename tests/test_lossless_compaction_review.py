@@ -316,7 +316,7 @@ def test_garbage_that_never_shrinks_ends_and_keeps_the_dag(store: TranscriptStor
     assert invariants(store, sid, full=True) == []
 
 
-@pytest.mark.parametrize("budget", [1, 25, 300, 2500, 10**12])
+@pytest.mark.parametrize("budget", [1, 25, 300, 2500, 10**8])
 def test_assembly_stays_within_any_budget_and_keeps_the_newest_turn(
     store: TranscriptStore, sid: str, budget: int
 ) -> None:
