@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ import psycopg
 import pytest
 
 from transcript_store import StoreConfig, TranscriptStore
+from transcript_store.engine import ContextEngine
+from transcript_store.ledger import CommitResult
+from transcript_store.models import Admission, Anchor, ClosedRange
 
 PG_ADMIN = os.environ.get("TRANSCRIPT_STORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 RUN_ID = uuid.uuid4().hex[:8]
@@ -213,6 +216,32 @@ def user(text: str) -> dict[str, object]:
 
 def assistant(text: str) -> dict[str, object]:
     return {"role": "assistant", "content": text}
+
+
+#: a finished turn: its admission, the anchor of its last reply, and the closed range's messages
+EngineTurn = tuple[Admission, Anchor, list[dict[str, Any]]]
+
+
+def finished_turn(
+    store: TranscriptStore, scope: str, sid: str, turn_id: str,
+    replies: Sequence[dict[str, Any]] | None = None, question: str | None = None,
+) -> EngineTurn:
+    """Admit ``turn_id``'s question, append its replies (default: one answer) and read its closed range."""
+    admission = store.admit(scope, sid, user(question or f"question {turn_id} " + "words " * 30), turn_id=turn_id)
+    replies = replies or [assistant(f"answer {turn_id} " * 10)]
+    appended = store.append_many(scope, sid, [{"message": m} for m in replies])
+    terminal = store.anchor(scope, sid, appended[-1].entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    return admission, terminal, closed.messages
+
+
+def commit_with(store: TranscriptStore, engine: ContextEngine, turn: EngineTurn) -> CommitResult:
+    """Commit a finished turn through ``engine.commit_turn`` in one store transaction."""
+    admission, terminal, msgs = turn
+    return store.write(lambda c: engine.commit_turn(
+        tx=c, advancement_key=admission.turn_id, admission=admission.anchor, terminal=terminal, messages=msgs
+    ))
 
 
 def make_legacy(store: TranscriptStore, scope: str, session_id: str) -> None:

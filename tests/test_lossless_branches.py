@@ -13,11 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conftest import assistant, module_store_fixtures, tool_round, user
+from conftest import EngineTurn as Turn
+from conftest import assistant, finished_turn, module_store_fixtures, tool_round, user
+from conftest import commit_with as commit
 from sqlalchemy import select
 
 from engines.lossless import LosslessEngine
@@ -26,15 +27,13 @@ from engines.lossless.context import load_items
 from engines.lossless.tables import messages, summaries
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
-from transcript_store.ledger import CommitResult
-from transcript_store.models import Admission, Anchor, ClosedRange
+from transcript_store.models import Admission, ClosedRange
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
 A = "scope-b"
 SMALL = {"fresh_tail_messages": 4, "leaf_chunk_messages": 4, "leaf_summary_tokens": 120,
          "condensed_summary_tokens": 160, "condense_fanin": 3}
-Turn = tuple[Admission, Anchor, list[dict[str, Any]]]
 
 
 class Counting(ExtractiveSummarizer):
@@ -60,23 +59,6 @@ def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None, su
                                         estimator=RoughEstimator()))
 
 
-def finished_turn(
-    store: TranscriptStore, sid: str, turn_id: str, replies: Sequence[dict[str, Any]] | None = None,
-    question: str | None = None,
-) -> Turn:
-    admission = store.admit(A, sid, user(question or f"question {turn_id} " + "words " * 30), turn_id=turn_id)
-    appended = store.append_many(A, sid, [{"message": m} for m in replies or [assistant(f"answer {turn_id} " * 10)]])
-    terminal = store.anchor(A, sid, appended[-1].entry_id)
-    closed = store.read_closed_range(admission, terminal)
-    assert isinstance(closed, ClosedRange)
-    return admission, terminal, closed.messages
-
-
-def commit(store: TranscriptStore, engine: LosslessEngine, turn: Turn) -> CommitResult:
-    admission, terminal, msgs = turn
-    return store.write(lambda c: engine.commit_turn(
-        tx=c, advancement_key=admission.turn_id, admission=admission.anchor, terminal=terminal, messages=msgs
-    ))
 
 
 def chat(store: TranscriptStore, engine: LosslessEngine, sid: str, n: int, prefix: str = "t") -> list[Turn]:
@@ -155,12 +137,12 @@ def test_a_plan_of_a_deleted_session_never_lands_in_the_session_made_again(store
         store.create_session(A, session_id=sid)
         other = make_engine(store)
         for i in range(8):
-            commit(store, other, finished_turn(store, sid, f"new{i}", [assistant(f"new answer {i}")],
+            commit(store, other, finished_turn(store, A, sid, f"new{i}", [assistant(f"new answer {i}")],
                                                question=f"NEW question {i}"))
 
     engine = make_engine(store, {"fresh_tail_messages": 2, "leaf_chunk_messages": 6}, Counting(start_over))
     for i in range(8):
-        commit(store, engine, finished_turn(store, sid, f"old{i}", [assistant(f"OLD private detail {i} " * 10)],
+        commit(store, engine, finished_turn(store, A, sid, f"old{i}", [assistant(f"OLD private detail {i} " * 10)],
                                             question=f"OLD question {i} " + "words " * 30))
     result = engine.compact(scope=A, session_id=sid, force=True, token_budget=400)
     assert result.tokens_before < 400  # the old session's plan was refused; the retry read the new session
@@ -176,11 +158,11 @@ def test_a_plan_of_a_deleted_session_never_lands_in_the_session_made_again(store
 def test_a_commit_after_a_branch_ingests_its_turn(store: TranscriptStore, sid: str) -> None:
     engine = make_engine(store)
     for i in range(3):
-        commit(store, engine, finished_turn(store, sid, f"t{i}"))
-    rejected = finished_turn(store, sid, "t3", [assistant("OLD ANSWER the user rejected")])
+        commit(store, engine, finished_turn(store, A, sid, f"t{i}"))
+    rejected = finished_turn(store, A, sid, "t3", [assistant("OLD ANSWER the user rejected")])
     commit(store, engine, rejected)
     store.branch(A, sid, rejected[0].anchor.parent_id)  # regenerate turn 3, no assemble in between
-    again = finished_turn(store, sid, "t3-again", [assistant("NEW ANSWER")], question="question t3 again")
+    again = finished_turn(store, A, sid, "t3-again", [assistant("NEW ANSWER")], question="question t3 again")
     assert commit(store, engine, again).status == "committed"
     # Right after the commit (an outbox drain runs no assemble): the engine holds the new turn.
     assert [i.message["content"] for i in context(store, sid)][-2:] == ["question t3 again", "NEW ANSWER"]
@@ -193,7 +175,7 @@ def test_a_commit_after_a_branch_ingests_its_turn(store: TranscriptStore, sid: s
 
 def test_a_commit_of_a_turn_the_view_already_holds_ingests_nothing_twice(store: TranscriptStore, sid: str) -> None:
     engine = make_engine(store)
-    turns = [finished_turn(store, sid, f"t{i}") for i in range(3)]
+    turns = [finished_turn(store, A, sid, f"t{i}") for i in range(3)]
     engine.bootstrap(scope=A, session_id=sid, fence=None)  # the view is ahead of every commit below
     for turn in turns:
         assert commit(store, engine, turn).status == "committed"
@@ -288,7 +270,7 @@ def test_a_redaction_leaves_nothing_for_the_recall_tools(store: TranscriptStore,
     secret = None
     for i in range(24):
         text = "my password is hunter2-SECRET" if i == 3 else f"answer {i} " * 10
-        turn = finished_turn(store, sid, f"t{i}", [assistant(text)])
+        turn = finished_turn(store, A, sid, f"t{i}", [assistant(text)])
         secret = turn[1] if i == 3 else secret
         commit(store, engine, turn)
         engine.maintain(scope=A, session_id=sid)

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conftest import module_store_fixtures
+from conftest import commit_with as commit
+from conftest import finished_turn, module_store_fixtures
 from hosting import RecordingModel
 from sqlalchemy import select
 
@@ -33,8 +34,6 @@ from engines.lossless.tables import View, context_items, messages, summaries, su
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
 from transcript_store.host import HostRuntime
-from transcript_store.ledger import CommitResult
-from transcript_store.models import Admission, Anchor, ClosedRange
 from transcript_store.registry import EngineRegistry
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
@@ -43,7 +42,6 @@ from transcript_store.tokens import RoughEstimator
 A = "scope-cr"
 SMALL = {"fresh_tail_messages": 4, "leaf_chunk_messages": 4, "leaf_summary_tokens": 120,
          "condensed_summary_tokens": 160, "condense_fanin": 3}
-Turn = tuple[Admission, Anchor, list[dict[str, Any]]]
 
 shared_url, store, sid = module_store_fixtures(A, "compaction_review")
 
@@ -76,25 +74,11 @@ def make_engine(store: TranscriptStore, config: dict[str, Any] | None = None, su
                                         estimator=RoughEstimator()))
 
 
-def finished_turn(store: TranscriptStore, sid: str, turn_id: str, question: str | None = None) -> Turn:
-    admission = store.admit(A, sid, user(question or f"question {turn_id} " + "words " * 30), turn_id=turn_id)
-    appended = store.append_many(A, sid, [{"message": assistant(f"answer {turn_id} " * 10)}])
-    terminal = store.anchor(A, sid, appended[-1].entry_id)
-    closed = store.read_closed_range(admission, terminal)
-    assert isinstance(closed, ClosedRange)
-    return admission, terminal, closed.messages
-
-
-def commit(store: TranscriptStore, engine: LosslessEngine, turn: Turn) -> CommitResult:
-    admission, terminal, msgs = turn
-    return store.write(lambda c: engine.commit_turn(
-        tx=c, advancement_key=admission.turn_id, admission=admission.anchor, terminal=terminal, messages=msgs
-    ))
 
 
 def run_turns(store: TranscriptStore, engine: LosslessEngine, sid: str, n: int, start: int = 0) -> None:
     for i in range(start, start + n):
-        assert commit(store, engine, finished_turn(store, sid, f"t{i}")).status == "committed"
+        assert commit(store, engine, finished_turn(store, A, sid, f"t{i}")).status == "committed"
 
 
 def invariants(store: TranscriptStore, sid: str, *, full: bool = False) -> list[str]:
@@ -344,7 +328,7 @@ def test_maintain_applies_a_pending_reset_before_it_summarizes(store: Transcript
     engine.maintain(scope=A, session_id=sid)
     for i in range(4, 12):
         question = "my password is hunter2, keep it" if i == 9 else None
-        commit(store, engine, finished_turn(store, sid, f"t{i}", question))
+        commit(store, engine, finished_turn(store, A, sid, f"t{i}", question=question))
     secret = next(e for e in store.read_visible(A, sid) if "hunter2" in json.dumps(e.message))
     store.rewrite_entries(A, sid, [{"entry_id": secret.entry_id, "message": user("[redacted]")}])
     scripted.seen.clear()
@@ -406,13 +390,13 @@ def test_a_compaction_in_another_process_races_the_session(
         assert proc.stdout.readline().strip() == "planning", proc.stderr.read() if proc.stderr else ""
         visible = store.read_visible(A, sid)
         if meanwhile == "commit":
-            commit(store, engine, finished_turn(store, sid, "late"))
+            commit(store, engine, finished_turn(store, A, sid, "late"))
         elif meanwhile == "branch":
             store.branch(A, sid, visible[9].entry_id)
-            commit(store, engine, finished_turn(store, sid, "on-the-branch"))
+            commit(store, engine, finished_turn(store, A, sid, "on-the-branch"))
         elif meanwhile == "rewrite":
             store.rewrite_entries(A, sid, [{"entry_id": visible[2].entry_id, "message": user("rewritten")}])
-            commit(store, engine, finished_turn(store, sid, "after-the-rewrite"))
+            commit(store, engine, finished_turn(store, A, sid, "after-the-rewrite"))
         elif meanwhile == "compact":
             assert engine.compact(scope=A, session_id=sid, force=True, token_budget=700).compacted
         else:
