@@ -8,7 +8,6 @@ loaded by the workers as any engine is.
 
 from __future__ import annotations
 
-import logging
 import math
 import multiprocessing as mp
 import os
@@ -224,8 +223,6 @@ def test_two_runs_of_one_seed_in_the_same_second_keep_apart(store_url: str) -> N
     """The run id was the clock's second and a number from the seeded workload: two runs of one seed
     started in the same second (two `make run`s, two CI jobs on one PostgreSQL) took the same sessions (a
     create of an existing id and key is a no-op), and each checked the other's turns as its own."""
-    lib_log = logging.getLogger("transcript_store")
-    level = lib_log.level
     reports: list[GatewayReport] = []
     errors: list[BaseException] = []
 
@@ -237,13 +234,10 @@ def test_two_runs_of_one_seed_in_the_same_second_keep_apart(store_url: str) -> N
 
     time.sleep(1.02 - time.time() % 1)  # both start early in one second of the clock
     threads = [threading.Thread(target=one) for _ in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    finally:
-        lib_log.setLevel(level)  # run_gateway sets it for its run; two runs at once restore it out of order
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
     assert not errors, errors
     with TranscriptStore(config=StoreConfig(url=store_url)) as store:
         sessions = store.list_sessions("gateway")

@@ -1256,6 +1256,9 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         options.seed = seed
     if st.scope or os.environ.get(SCOPE_ENV):
         options.scope = st.scope_name
+    # The faults are on purpose and the report counts them: their records would drown the progress bar.
+    # Set here, for this process, never by run_gateway (a library call leaves its caller's logging alone).
+    logging.getLogger("transcript_store").setLevel(logging.ERROR)
     report = run_gateway(options, console())
     if st.json:
         emit_json(report.to_dict())

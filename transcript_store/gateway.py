@@ -7,12 +7,19 @@ and at random instants), provider timeouts that make the host retry the same log
 transcript rewrite between admission and assembly that forces a turn-local degradation. A killed
 turn is dispatched again with the same logical turn id. At the end a recovery pass runs and the
 report checks, from the store alone, that every accepted turn reached the engine exactly once.
+
+The report's turn counts (admitted, accepted, committed, blocked, the engine that holds each turn,
+degraded turns) are read from the store: a worker killed after its turn answers nothing, and a worker's
+answer is never proof. What the store cannot know (why a turn degraded, a replay absorbed as a duplicate)
+is the workers' word, and the report says so. ``run_gateway`` leaves the process's logging alone (it is
+the embedding application's); the CLI quiets the library's records for its run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
 import logging
 import math
 import multiprocessing as mp
@@ -145,7 +152,8 @@ class Job:
 
 @dataclass
 class GatewayReport:
-    """What happened, measured from the store after recovery."""
+    """What happened: the turns measured from the store after recovery, the faults counted by the
+    dispatcher, and (labelled so) what only the workers could say."""
 
     url: str
     engine: str
@@ -156,7 +164,17 @@ class GatewayReport:
     accepted: int = 0
     committed: int = 0
     blocked: int = 0
+    #: accepted turns (committed or blocked) by the engine that holds them: its receipt's, or its blocked
+    #: intent's (from the store)
+    turns_by_engine: dict[str, int] = field(default_factory=dict)
+    #: accepted turns held by another engine than the configured one: a turn-local degradation to legacy
+    #: (from the store; a degradation on a configured legacy engine leaves no such trace)
+    degraded_turns: int = 0
+    #: replays the ledger answered "duplicate", as the workers answered (the store keeps no count of
+    #: them), and those the recovery pass met
     duplicates_absorbed: int = 0
+    #: why turns degraded, as the workers answered: the store keeps no reason, and a worker killed after
+    #: degrading its turn answered nothing (its retry learns "duplicate"), so they may be fewer
     degraded: dict[str, int] = field(default_factory=dict)
     quarantines: int = 0
     recovered_intents: int = 0
@@ -186,7 +204,7 @@ class GatewayReport:
         return command
 
     def render(self, console: Console) -> None:
-        """Print the report as a table and the exactly-once verdict.
+        """Print the report as a table (each count with where it comes from) and the exactly-once verdict.
 
         Degraded reasons and problems quote engines' errors: shown escaped, as Text (never read as rich
         markup, which a caller's console may parse), so the terminal reads them and obeys none of them.
@@ -194,25 +212,32 @@ class GatewayReport:
         table = Table(title=Text(shown(f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")))
         table.add_column("what")
         table.add_column("count", justify="right")
+        table.add_column("from")
         rows = [
-            ("turns planned", self.planned_turns),
-            ("turns admitted", self.admitted),
-            ("turns accepted", self.accepted),
-            ("turns committed to the engine", self.committed),
-            ("turns blocked (kept as evidence)", self.blocked),
-            ("duplicates absorbed by the ledger", self.duplicates_absorbed),
-            ("degraded turns", sum(self.degraded.values())),
-            ("engines quarantined by this run", self.quarantines),
-            ("recovered intents", self.recovered_intents),
-            ("workers killed (SIGKILL)", self.kills),
-            ("workers that died unexpectedly", self.unexpected_exits),
-            ("provider timeouts (retried)", self.provider_timeouts),
-            ("transcript rewrites", self.rewrites),
-            ("turns dispatched again", self.retried_dispatches),
+            ("turns planned", self.planned_turns, "plan"),
+            ("turns admitted", self.admitted, "store"),
+            ("turns accepted", self.accepted, "store"),
+            ("turns committed to the engine", self.committed, "store"),
+            ("turns blocked (kept as evidence)", self.blocked, "store"),
+            ("degraded turns (held by another engine)", self.degraded_turns, "store"),
+            ("degraded turns the workers reported", sum(self.degraded.values()), "workers"),
+            ("duplicates absorbed by the ledger", self.duplicates_absorbed, "workers"),
+            ("engines quarantined by this run", self.quarantines, "store"),
+            ("recovered intents", self.recovered_intents, "recovery"),
+            ("workers killed (SIGKILL)", self.kills, "dispatcher"),
+            ("workers that died unexpectedly", self.unexpected_exits, "dispatcher"),
+            ("provider timeouts (retried)", self.provider_timeouts, "dispatcher"),
+            ("transcript rewrites", self.rewrites, "dispatcher"),
+            ("turns dispatched again", self.retried_dispatches, "dispatcher"),
         ]
-        for what, count in rows:
-            table.add_row(what, str(count))
+        for what, count, source in rows:
+            table.add_row(what, str(count), source)
         console.print(table)
+        if self.turns_by_engine:
+            held = ", ".join(f"{engine} {count}" for engine, count in sorted(self.turns_by_engine.items()))
+            console.print(Text(shown(f"  accepted turns by engine (store): {held}", one_line=True)))
+        if self.degraded:
+            console.print(Text("  why turns degraded, as workers answered (one killed after its turn answers none):"))
         for reason, count in sorted(self.degraded.items()):
             console.print(Text(f"  degraded x{count}: {shown(reason, one_line=True)}"))
         console.print(f"  {self.seconds:.1f} s")
@@ -400,7 +425,7 @@ def _plan(options: GatewayOptions, session_ids: list[str], rng: random.Random) -
 
 
 def run_gateway(options: GatewayOptions, console: Console | None = None) -> GatewayReport:
-    """Run the gateway (see module doc) and return its report."""
+    """Run the gateway (see module doc) and return its report; the process's logging is left alone."""
     from .config import StoreConfig
     from .settings import load_settings
     from .store import TranscriptStore
@@ -408,9 +433,9 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     options.check()
     console = console or Console()
     started, started_us = time.monotonic(), now_us()
-    lib_log = logging.getLogger("transcript_store")
-    level = lib_log.level
-    lib_log.setLevel(logging.ERROR)  # the faults are on purpose; the report counts them
+    # No logging level set here, not even for the run: logging is the embedding application's, process-wide
+    # (two runs in two threads restored each other's level out of order). The CLI, which owns its process,
+    # quiets the library's records of the faults on purpose; the workers (processes of their own) do too.
     store = None
     try:
         config = StoreConfig.from_env(url=options.db_url)
@@ -443,7 +468,6 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     finally:
         if store is not None:
             store.close()
-        lib_log.setLevel(level)
 
 
 def _dispatch(
@@ -456,8 +480,7 @@ def _dispatch(
 ) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     workers: list[_Worker] = []
-    next_index = dict.fromkeys(plan, 0)
-    in_flight: set[str] = set()
+    queue = _Queue(plan)
     outcomes: dict[str, dict[str, Any]] = {}
     deaths = [0]  # unplanned deaths in a row, with no turn answered in between
     total = sum(len(j) for j in plan.values())
@@ -481,7 +504,7 @@ def _dispatch(
                 for i, w in enumerate(workers):
                     if not w.ready or w.job is not None:
                         continue
-                    if w.proc.is_alive() and _assign(w, plan, next_index, in_flight, rng, report):
+                    if w.proc.is_alive() and _assign(w, queue, rng, report):
                         continue
                     # Died between two jobs (seen dead, or its job could not be sent): given the next job
                     # anyway, it was a BrokenPipeError out of the whole run.
@@ -489,9 +512,7 @@ def _dispatch(
                     exitcode = w.proc.exitcode
                     _unexpected(report, deaths, f"a worker died unexpectedly (exit code {exitcode} between two turns)")
                     workers[i] = _Worker(ctx, options, url)
-                _wait_some(
-                    workers, ctx, options, url, plan, next_index, in_flight, outcomes, report, progress, task, deaths
-                )
+                _wait_some(workers, ctx, options, url, queue, outcomes, report, progress, task, deaths)
         finished = True
     finally:
         _stop(workers, graceful=finished)
@@ -526,34 +547,59 @@ def _unexpected(report: GatewayReport, deaths: list[int], problem: str) -> None:
         raise TranscriptStoreError(f"gateway workers keep dying: {deaths[0]} in a row with no turn answered; {problem}")
 
 
-def _assign(
-    w: _Worker,
-    plan: dict[str, list[Job]],
-    next_index: dict[str, int],
-    in_flight: set[str],
-    rng: random.Random,
-    report: GatewayReport,
-) -> bool:
+class _Queue:
+    """The plan's turns waiting to be dispatched: a session's turns in order, one in flight at a time, and
+    the next job always from the first session in plan order that has a turn left and none in flight.
+
+    The sessions ready to send are a heap of their plan positions: O(log sessions) per dispatch. Scanning
+    every session for the first ready one made a run of S sessions cost O(S) per turn dispatched (and per
+    idle worker woken once all were in flight): quadratic in a run of a thousand sessions.
+    """
+
+    def __init__(self, plan: dict[str, list[Job]]) -> None:
+        self._jobs = list(plan.values())
+        self._position = {sid: i for i, sid in enumerate(plan)}
+        self._next = [0] * len(self._jobs)  # per session: the index of its next turn
+        self._ready = [i for i, jobs in enumerate(self._jobs) if jobs]  # in order: a heap already
+
+    def take(self) -> Job | None:
+        """The next job to send, its session now in flight; None while every session left has one in flight."""
+        if not self._ready:
+            return None
+        i = heapq.heappop(self._ready)
+        return self._jobs[i][self._next[i]]
+
+    def put_back(self, job: Job) -> None:
+        """A job taken and not sent, or to be sent again: its session is ready again, at the same turn."""
+        heapq.heappush(self._ready, self._position[job.session_id])
+
+    def done(self, job: Job) -> None:
+        """A job finished (answered, or given up): its session's next turn, if any, is ready."""
+        i = self._position[job.session_id]
+        self._next[i] += 1
+        if self._next[i] < len(self._jobs[i]):
+            heapq.heappush(self._ready, i)
+
+
+def _assign(w: _Worker, queue: _Queue, rng: random.Random, report: GatewayReport) -> bool:
     """Send ``w`` the next turn of a session with none in flight (if any); False if it could not be sent."""
-    for sid, jobs in plan.items():
-        if sid in in_flight or next_index[sid] >= len(jobs):
-            continue
-        job = jobs[next_index[sid]]
-        try:
-            w.conn.send(job)
-        except OSError:  # BrokenPipeError: the worker is gone; the turn stays where it was, not in flight
-            return False
-        in_flight.add(sid)
-        w.job = job
-        w.kill_at = None
-        w.hung_at = time.monotonic() + w.turn_seconds + TURN_GRACE_SECONDS
-        if job.fault == "kill_random":
-            w.kill_at = time.monotonic() + rng.uniform(0.0, 0.08)
-        elif job.fault == "timeout":
-            report.provider_timeouts += 1
-        elif job.fault == "rewrite":
-            report.rewrites += 1
+    job = queue.take()
+    if job is None:
         return True
+    try:
+        w.conn.send(job)
+    except OSError:  # BrokenPipeError: the worker is gone; the turn stays where it was, not in flight
+        queue.put_back(job)
+        return False
+    w.job = job
+    w.kill_at = None
+    w.hung_at = time.monotonic() + w.turn_seconds + TURN_GRACE_SECONDS
+    if job.fault == "kill_random":
+        w.kill_at = time.monotonic() + rng.uniform(0.0, 0.08)
+    elif job.fault == "timeout":
+        report.provider_timeouts += 1
+    elif job.fault == "rewrite":
+        report.rewrites += 1
     return True
 
 
@@ -567,9 +613,7 @@ def _wait_some(
     ctx: Any,
     options: GatewayOptions,
     url: str,
-    plan: dict[str, list[Job]],
-    next_index: dict[str, int],
-    in_flight: set[str],
+    queue: _Queue,
     outcomes: dict[str, dict[str, Any]],
     report: GatewayReport,
     progress: Progress,
@@ -645,21 +689,20 @@ def _wait_some(
                 report.duplicates_absorbed += 1
             if data["degraded"]:
                 report.degraded[data["degraded"]] = report.degraded.get(data["degraded"], 0) + 1
-            in_flight.discard(job.session_id)
-            next_index[job.session_id] += 1
+            queue.done(job)
             progress.advance(task)
             continue
         if kind != "died":
             report.problems.append(f"turn {job.turn_id} attempt {job.attempt} raised {data}")
         # The same logical turn goes out again, without the injected fault this time.
         job.fault, job.attempt = None, job.attempt + 1
-        in_flight.discard(job.session_id)
         if job.attempt >= MAX_DISPATCHES:
             report.problems.append(f"turn {job.turn_id} gave up after {job.attempt} dispatches")
             outcomes[job.turn_id] = {"status": "failed"}
-            next_index[job.session_id] += 1
+            queue.done(job)
             progress.advance(task)
         else:
+            queue.put_back(job)
             report.retried_dispatches += 1  # only a dispatch that happens: a turn given up goes out no more
 
 
@@ -713,6 +756,7 @@ def _finish(
                 report.accepted += 1
                 report.committed += 1
                 r = found[0]
+                _held_by(report, engine, r.engine_id)
                 msgs = store.read(lambda c, r=r, s=sid: committed_messages(c, scope, s, r.engine_id, r.advancement_key))
                 entry = admitted.get(tid)
                 if len(msgs) != r.message_count or entry is None or msgs[0] != entry.message:
@@ -720,9 +764,18 @@ def _finish(
             elif intent is not None and intent.state == "blocked":
                 report.accepted += 1
                 report.blocked += 1
+                _held_by(report, engine, intent.engine_id)
             elif outcomes.get(tid, {}).get("status") not in ("failed",):
                 state = intent.state if intent else "no intent"
                 report.problems.append(f"turn {tid} finished but is neither committed nor blocked ({state})")
+
+
+def _held_by(report: GatewayReport, configured: str, engine_id: str) -> None:
+    """Count an accepted turn under the engine the store says holds it; another than the configured one
+    is a degraded turn, whatever its worker answered (or did not: killed after its commit)."""
+    report.turns_by_engine[engine_id] = report.turns_by_engine.get(engine_id, 0) + 1
+    if engine_id != configured:
+        report.degraded_turns += 1
 
 
 def _all_entries(store: Any, scope: str, session_id: str) -> list[Any]:
