@@ -136,7 +136,10 @@ MirrorReason = Literal["behind", "cursor", "turn_mismatch"]
 class MirrorConflict(TranscriptStoreError):
     """A host transcript mirror cannot take a page or turn as given; ``reason`` says what to do.
 
-    ``behind``: the range starts past the mirror's end (import the host transcript first);
+    ``behind``: the mirror has not seen the host transcript this range follows: it starts past the
+    mirror's end, or (a turn) a turn admitted after this one's admission is mirrored already, so this
+    one is late or the host went back before it (import the host transcript first; a stale turn stays
+    refused);
     ``cursor``: the page was read from a host cursor the mirror no longer holds (re-read the state);
     ``turn_mismatch``: the stored range differs from the turn's messages.
     """

@@ -9,12 +9,22 @@ branches there (nothing is deleted) and appends the host's version. A range that
 mirror's end is refused (``behind``): the caller imports first. The import's resume point (the host's
 opaque cursor and the position after it) is engine state written in the same transaction.
 
+What the mirror puts after the last message both agree on is keyed, never drawn at random, so that
+the same range sent again finds what it stored (a turn's receipt names those entries). Each message
+hangs after a parent, and is there the entry of its host id when that id is free or already names
+this message after this parent; else (the host reuses an id the mirror holds for another message or
+place, after a rewrite of its own) the entry of an id derived from the host id, the parent and the
+message; a message without a host id (a turn's middle) likewise by parent and message. Such an entry
+found off the active branch (the host went back to a branch the mirror had left) is put back on it,
+not stored again; so is a turn's middle message imported under its host id, found through the
+terminal's parents.
+
 An entry id names one host message: a range that names one id at two positions is refused
 (``InvalidInput``), and so is one that names, at a later position, a message the mirror holds on its
 active branch at an earlier one (``MirrorConflict``: ``turn_mismatch`` for a turn, ``cursor`` for a
 page): appending it again under a fresh id would show that message twice. A turn's admission and
-terminal match by entry id alone, since the engine's receipt names them and a replay is checked
-against those names.
+terminal match by entry id (or the id derived for it there) alone, since the engine's receipt names
+them and a replay is checked against those names.
 
 Concurrent calls on one session (two gateway processes, a retry racing its original) run one after
 the other: each locks the session's row before it reads the mirror (SQLite: every writer's BEGIN
@@ -22,25 +32,37 @@ IMMEDIATE; PostgreSQL: SELECT ... FOR UPDATE, after which each READ COMMITTED st
 call it waited for committed). The second call therefore aligns against the first one's result:
 the same range matches (one copy, no branch); a conflicting range at the same position branches
 exactly once, after the last message both agree on, and the later call's messages are the active
-branch (the earlier ones stay stored, off it). A replayed turn key never reaches the mirror: the
-ledger answers it (``service.commit_turn``).
+branch (the earlier ones stay stored, off it). But a turn never branches away a turn admitted after
+its own admission: the mirror holds one mirrored past it, so this turn arrives late (the host has
+moved on since it was sent) or the host went back before it; either way ``behind``: an import brings
+the host's transcript (a page may branch anywhere), and a turn the host holds then commits. A
+replayed turn key never reaches the mirror: the ledger answers it (``service.commit_turn``).
+
+Every branch the mirror or the store makes (``branch``) keeps the resume point true: when it changes
+a position below it, the next import starts again from the host's beginning and matches what is
+mirrored; a resume point past the mirror's end (left by a path move outside ``branch``) reads so too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import fences, paths
 from .config import StoreConfig
-from .core import Core, NewEntry, decode_stored, prepare_entry, same_json
-from .errors import InvalidInput, MirrorConflict
+from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text
+from .errors import InvalidInput, MirrorConflict, MirrorReason
 from .ledger import get_state, put_state
-from .models import Anchor, ClosedRange
+from .models import Anchor, ClosedRange, SessionInfo
 
 STATE_OWNER = "service.import"
 STATE_KEY = "cursor"
+#: a derived entry id looks like one ``core.new_id`` draws: 22 letters and digits (128 bits of a SHA-256)
+_ID_ALPHABET = string.digits + string.ascii_letters
+_ID_CHARS = 22
 
 
 @dataclass(frozen=True)
@@ -69,13 +91,17 @@ class ImportState:
 
 
 def import_state(core: Core, scope: str, session_id: str) -> ImportState:
-    """The recorded resume point of a session's import (the start when there is none)."""
+    """The recorded resume point of a session's import (the start when there is none, or it is past the end)."""
     raw = get_state(core, scope, session_id, STATE_OWNER, STATE_KEY)
     if not isinstance(raw, dict):
         return ImportState(None, 0)
     cursor = raw.get("cursor")
     position = raw.get("position")
-    return ImportState(cursor if isinstance(cursor, str) else None, position if isinstance(position, int) else 0)
+    state = ImportState(cursor if isinstance(cursor, str) else None, position if isinstance(position, int) else 0)
+    if state.position > int(core.require_session(scope, session_id).visible_count):
+        # Past the mirror's end (a path move outside ``branch``): every page from it would be ``behind``.
+        return ImportState(None, 0)
+    return state
 
 
 def import_page(
@@ -104,6 +130,21 @@ def import_page(
     return alignment, after
 
 
+def branch(core: Core, scope: str, session_id: str, entry_id: str | None) -> SessionInfo:
+    """Move the head to ``entry_id`` (``paths.branch``), resetting a resume point the move went under."""
+    core.require_session(scope, session_id, lock=True)
+    state = import_state(core, scope, session_id)
+    last = state.position - 1  # the last imported position; the entry there fixes every one before it
+    held = core.path_seq_at_position(scope, session_id, last) if last >= 0 else None
+    info = paths.branch(core, scope, session_id, entry_id)
+    if last >= 0 and core.path_seq_at_position(scope, session_id, last) != held:
+        # The host's cursor was read from a transcript the mirror no longer shows there: resuming at it
+        # would skip or repeat, or put the host's next messages after others. The next import starts
+        # again from the host's beginning and matches (or puts back) what is already mirrored.
+        put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    return info
+
+
 def align(
     core: Core,
     config: StoreConfig,
@@ -117,12 +158,14 @@ def align(
     """Make visible positions start.. of the mirror hold ``messages`` (see module doc).
 
     ``turn``: the range of one turn: its named messages (the admission and the terminal) match by
-    entry id alone, and a message mirrored elsewhere is ``turn_mismatch`` (else ``cursor``).
+    entry id alone, a message mirrored elsewhere is ``turn_mismatch`` (else ``cursor``), and a turn
+    admitted after this one's admission is never branched away (``behind``).
     """
     sess = core.require_session(scope, session_id, lock=True)
     visible = int(sess.visible_count)
     if start > visible:
         raise MirrorConflict("behind", f"the range starts at position {start}; the mirror holds {visible} messages")
+    reason: MirrorReason = "turn_mismatch" if turn else "cursor"
     # Validate and serialize everything before the first write: invalid input writes nothing.
     prepared = [_prepare(config, m) for m in messages]
     seen: set[str] = set()
@@ -136,21 +179,16 @@ def align(
     end = min(start + len(messages), visible)
     stored = core.visible_rows(scope, session_id, start - 1, end, None) if end > start else []
     matched = 0
-    for row, host in zip(stored, messages, strict=False):
-        if row.entry_id != host.entry_id and (
-            # A turn's receipt names its admission and terminal: matched as another entry with the same
-            # message, the receipt named that one, and every replay of the turn was a key collision.
-            (turn and host.entry_id is not None)
-            # JSON equality, not ``==`` (1, 1.0 and True are three texts: core.same_json).
-            or not same_json(decode_stored(row.payload), host.message)
-        ):
+    for row, host, new in zip(stored, messages, prepared, strict=False):
+        if not _matches(row, host, new, turn):
             break
         matched += 1
     keep = start + matched  # the mirror's positions below this one stay on its active branch
-    rest = prepared[matched:]
-    taken = core.entry_rows(scope, session_id, [n.entry_id for n in rest]) if rest else {}
-    for i, n in enumerate(rest):
-        found = taken.get(n.entry_id)
+    rest = list(zip(messages[matched:], prepared[matched:], strict=True))
+    named = [h.entry_id for h, _ in rest if h.entry_id is not None]
+    taken = core.entry_rows(scope, session_id, named) if named else {}
+    for i, (host, _) in enumerate(rest):
+        found = None if host.entry_id is None else taken.get(host.entry_id)
         if found is not None and found.position is not None and found.position < keep and core.on_active_path(
             scope, session_id, found
         ):
@@ -158,24 +196,34 @@ def align(
             # stays: the range does not line up with the mirror (an overlapping page, a turn sent with a
             # stale position). A fresh id would show that message twice.
             raise MirrorConflict(
-                "turn_mismatch" if turn else "cursor",
-                f"entry {n.entry_id!r} is mirrored at position {found.position}; the range puts it at {keep + i}",
+                reason,
+                f"entry {host.entry_id!r} is mirrored at position {found.position}; the range puts it at {keep + i}",
             )
-    rewound = False
-    if keep < visible and matched < len(messages):
-        # The host's transcript differs from here on: branch after the last message both agree on.
-        before = keep - 1
-        branch_to = None if before < 0 else _entry_id_at(core, scope, session_id, before)
-        paths.branch(core, scope, session_id, branch_to)
-        rewound = True
-    if rest:
-        # An id the host reuses after a rewrite names an off-branch entry here: append under a fresh id.
-        rest = [
-            prepare_entry(config, message=messages[matched + i].message) if n.entry_id in taken else n
-            for i, n in enumerate(rest)
-        ]
-        core.append(scope, session_id, rest)
+    rewound = keep < visible and matched < len(messages)
+    if rewound and turn:
+        _refuse_late(core, scope, session_id, start, keep)
+    if not rest:
+        return Alignment(imported=0, matched=matched, rewound=False)
+    # The host's transcript differs from here on: its messages hang after the last one both agree on.
+    parent = sess.head_entry_id
+    if rewound:
+        parent = _entry_id_at(core, scope, session_id, keep - 1) if keep > 0 else None
+    reused, placed = _place(core, scope, session_id, parent, rest, taken, turn=turn, reason=reason)
+    if reused:
+        branch(core, scope, session_id, placed[reused - 1].entry_id)  # back on the branch, with its ancestors
+    elif rewound:
+        branch(core, scope, session_id, parent)
+    if reused < len(placed):
+        core.append(scope, session_id, placed[reused:])
     return Alignment(imported=len(rest), matched=matched, rewound=rewound)
+
+
+def names(config: StoreConfig, host_id: str, row: Any, message: dict[str, Any]) -> bool:
+    """Whether a stored entry row is where the mirror keeps host message ``host_id`` (its id, or one derived)."""
+    if row.entry_id == host_id:
+        return True
+    payload = prepare_entry(config, message=message).payload_json
+    return bool(row.entry_id == _derived_id(host_id, row.parent_id, payload))
 
 
 def mirror_turn(
@@ -208,13 +256,8 @@ def mirror_turn(
     ids[-1] = term_id
     ids[0] = adm_id
     hosted = [HostMessage(i, m) for i, m in zip(ids, messages, strict=True)]
-    done = align(core, config, scope, session_id, start, hosted, turn=True)
-    if done.rewound and import_state(core, scope, session_id).position > start + done.matched:
-        # The import's resume point lies past where the host's transcript just moved: its cursor was read
-        # from a transcript the mirror no longer shows (resuming there would skip or repeat, or start
-        # past the mirror's end: ``behind`` to the very import meant to catch up). The next import
-        # starts again from the host's beginning and matches what is already mirrored.
-        put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    # A branch here resets the import's resume point when it lies past the turn (``branch``).
+    align(core, config, scope, session_id, start, hosted, turn=True)
     sess = core.require_session(scope, session_id)
     first = _anchor_at(core, sess, start)
     last = _anchor_at(core, sess, start + len(messages) - 1)
@@ -226,6 +269,141 @@ def mirror_turn(
 
 def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:
     return prepare_entry(config, message=host.message, entry_id=host.entry_id)
+
+
+def _matches(row: Any, host: HostMessage, new: NewEntry, turn: bool) -> bool:
+    """Whether the mirrored row at a position is the host's message there."""
+    if row.entry_id == host.entry_id:
+        return True
+    if turn and host.entry_id is not None:
+        # A turn's receipt names its admission and terminal: matched as another entry with the same
+        # message, the receipt named that one, and every replay of the turn was a key collision.
+        return bool(row.entry_id == _derived_id(host.entry_id, row.parent_id, new.payload_json))
+    # JSON equality, not ``==`` (1, 1.0 and True are three texts: core.same_json).
+    return same_json(decode_stored(row.payload), host.message)
+
+
+def _derived_id(host_id: str | None, parent_id: str | None, payload_json: str) -> str:
+    """The entry id of a host message (``host_id`` None: unnamed) after ``parent_id``, when not its host id."""
+    # Ids and the parent hold no control characters (core.check_id): U+001F separates them unambiguously,
+    # and an empty host id (never a valid one) stands for none.
+    text = "\x1f".join(("mirror-v1", host_id or "", parent_id or "", payload_json))
+    n = int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:16], "big")
+    out = []
+    for _ in range(_ID_CHARS):
+        n, digit = divmod(n, 62)
+        out.append(_ID_ALPHABET[digit])
+    return "".join(out)
+
+
+def _same_entry(row: Any, parent: str | None, new: NewEntry) -> bool:
+    """Whether a stored row is this message after this parent (one that can go back on the branch there)."""
+    return bool(row.kind == "message" and row.parent_id == parent and same_stored_text(row.payload, new.payload_json))
+
+
+def _place(
+    core: Core,
+    scope: str,
+    session_id: str,
+    parent: str | None,
+    rest: list[tuple[HostMessage, NewEntry]],
+    taken: dict[str, Any],
+    *,
+    turn: bool,
+    reason: MirrorReason,
+) -> tuple[int, list[NewEntry]]:
+    """The entries ``rest`` is after ``parent`` (module doc): how many of the first exist already, and all."""
+    placed: list[NewEntry] = []
+    middles: dict[int, Any] | None = None  # a turn's entries by index in ``rest``, through the terminal's parents
+    for i, (host, new) in enumerate(rest):
+        found = _existing(core, scope, session_id, parent, host, new, taken, turn=turn, reason=reason)
+        if found is None and turn and host.entry_id is None:
+            middles = _through_terminal(core, scope, session_id, rest, taken) if middles is None else middles
+            hint = middles.get(i)
+            found = hint if hint is not None and _same_entry(hint, parent, new) else None
+        if found is None:
+            break
+        placed.append(replace(new, entry_id=str(found.entry_id)))
+        parent = str(found.entry_id)
+    reused = len(placed)
+    derived: list[str] = []
+    for host, new in rest[reused:]:
+        if host.entry_id is not None and host.entry_id not in taken:
+            entry_id = host.entry_id
+        else:
+            entry_id = _derived_id(host.entry_id, parent, new.payload_json)
+            derived.append(entry_id)
+        placed.append(replace(new, entry_id=entry_id))
+        parent = entry_id
+    # The first new entry's id was looked up above (and found free), the others hang after new entries:
+    # an id derived for one exists only when a host named an entry so (computing this module's ids). The
+    # append would take that entry for this message and break the chain: refused, nothing written.
+    clash = core.entry_rows(scope, session_id, derived) if derived else {}
+    if clash:
+        raise MirrorConflict(reason, f"entry id {next(iter(clash))!r} names another message of this session")
+    return reused, placed
+
+
+def _existing(
+    core: Core,
+    scope: str,
+    session_id: str,
+    parent: str | None,
+    host: HostMessage,
+    new: NewEntry,
+    taken: dict[str, Any],
+    *,
+    turn: bool,
+    reason: MirrorReason,
+) -> Any:
+    """The stored entry the host's message is after ``parent``, or None when it is a new one."""
+    candidates: list[str] = []
+    if host.entry_id is not None:
+        row = taken.get(host.entry_id)
+        if row is not None and _same_entry(row, parent, new):
+            return row
+        if row is not None:
+            candidates.append(_derived_id(host.entry_id, parent, new.payload_json))
+    if host.entry_id is None or not turn:
+        # A page's message may be mirrored as a turn's middle, which the turn did not name.
+        candidates.append(_derived_id(None, parent, new.payload_json))
+    rows = core.entry_rows(scope, session_id, candidates) if candidates else {}
+    for entry_id in candidates:
+        row = rows.get(entry_id)
+        if row is not None and not _same_entry(row, parent, new):
+            raise MirrorConflict(reason, f"entry id {entry_id!r} names another message of this session")
+        if row is not None:
+            return row
+    return None
+
+
+def _through_terminal(
+    core: Core, scope: str, session_id: str, rest: list[tuple[HostMessage, NewEntry]], taken: dict[str, Any]
+) -> dict[int, Any]:
+    """A turn's stored entries by index in ``rest``: its terminal's row and that row's parents."""
+    terminal = rest[-1][0].entry_id
+    row = None if terminal is None else taken.get(terminal)
+    out: dict[int, Any] = {}
+    for i in range(len(rest) - 1, -1, -1):
+        if row is None:
+            break
+        out[i] = row
+        parent_id = row.parent_id
+        row = None if parent_id is None else core.entry_rows(scope, session_id, [parent_id]).get(parent_id)
+    return out
+
+
+def _refuse_late(core: Core, scope: str, session_id: str, start: int, keep: int) -> None:
+    """``behind`` when the branch at ``keep`` would take off a turn admitted after position ``start``."""
+    # A turn's admitted entry carries its turn id (the ledger binds it at the commit). The rows read are
+    # the ones the branch takes off the path anyway: O(that tail), like the branch itself.
+    for row in core.visible_rows(scope, session_id, max(keep, start + 1) - 1, None, None):
+        if row.turn_id is not None:
+            raise MirrorConflict(
+                "behind",
+                f"a turn admitted at position {row.position} is mirrored past this turn's admission at {start}: "
+                "the host has moved on since this turn was sent, or went back before it (import first)",
+            )
 
 
 def _entry_id_at(core: Core, scope: str, session_id: str, position: int) -> str:

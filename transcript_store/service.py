@@ -344,34 +344,37 @@ class Service:
         check_id("scope", scope)
         check_id("session_id", session_id)
 
-        def run(c: Core) -> BootstrapState:
-            sess = c.require_session(scope, session_id)
-            state = mirror.import_state(c, scope, session_id)
-            return BootstrapState(cursor=state.cursor, position=state.position, visible_count=sess.visible_count)
-
-        return self.store.read(run)
+        return self.store.read(lambda c: _bootstrap_state(c, scope, session_id))
 
     def bootstrap(self, scope: str, engine_id: str, session_id: str, req: BootstrapRequest) -> BootstrapResponse:
         """Mirror one host page (idempotent), then on ``done`` run the engine's bootstrap."""
         _check_request(req, BootstrapRequest)
         call = self._call(scope, engine_id, session_id)
-        out = BootstrapResponse(cursor=None, position=0, visible_count=0)
-        if req.page is not None:
-            page = req.page
+        page = req.page
+        if page is None:
+            current = self.bootstrap_state(scope, engine_id, session_id)
+            out = BootstrapResponse(
+                cursor=current.cursor, position=current.position, visible_count=current.visible_count
+            )
+        else:
             hosted = [mirror.HostMessage(e.entry_id, e.message) for e in page.entries]
-            done, _after = self.store.write(
-                lambda c: mirror.import_page(
+
+            def run(c: Core) -> tuple[mirror.Alignment, BootstrapState]:
+                # The answer is what this page's transaction left: read after it commits, another
+                # importer's page (or a turn) could already have moved the resume point.
+                done, _after = mirror.import_page(
                     c, self.store.config, scope, session_id, cursor=page.cursor, next_cursor=page.next_cursor,
                     messages=hosted,
                 )
+                return done, _bootstrap_state(c, scope, session_id)
+
+            done, current = self.store.write(run)
+            out = BootstrapResponse(
+                imported=done.imported, matched=done.matched, rewound=done.rewound, cursor=current.cursor,
+                position=current.position, visible_count=current.visible_count,
             )
-            out = out.model_copy(update={"imported": done.imported, "matched": done.matched, "rewound": done.rewound})
             log.info("bootstrap page engine=%s scope=%s session=%s imported=%d matched=%d rewound=%s", engine_id,
                      scope, session_id, done.imported, done.matched, done.rewound)
-        current = self.bootstrap_state(scope, engine_id, session_id)
-        out = out.model_copy(
-            update={"cursor": current.cursor, "position": current.position, "visible_count": current.visible_count}
-        )
         if req.done:
             out = out.model_copy(update={"result": self._engine_bootstrap(call, scope, session_id)})
         return out
@@ -517,23 +520,31 @@ def _committed_range(
     """The anchors of an already committed key (a replay), or None.
 
     The ledger's hash covers the admission and terminal entries (ids and positions), so a replay that
-    names other entries, gives other positions or holds another message count collides.
+    names other entries, gives other positions or holds another message count collides. A receipt
+    names a host entry as the mirror stored it: under its host id, or an id derived from it
+    (``mirror.names``).
     """
     receipt = get_receipt(c, scope, session_id, engine_id, req.advancement_key)
     if receipt is None:
         return None
-    if (
-        receipt.message_count != len(req.messages)
-        or req.admission.entry_id != receipt.admission_entry_id
-        or req.terminal.entry_id != receipt.terminal_entry_id
-    ):
+    if receipt.message_count != len(req.messages):
         raise AdvancementKeyCollision(req.advancement_key)
     sess = c.require_session(scope, session_id)
     rows = c.entry_rows(scope, session_id, [receipt.admission_entry_id, receipt.terminal_entry_id])
     first, last = rows.get(receipt.admission_entry_id), rows.get(receipt.terminal_entry_id)
     if first is None or last is None:  # pragma: no cover - entries are never deleted by normal operation
         return None
-    for ref, row in ((req.admission, first), (req.terminal, last)):
-        if ref.position is not None and ref.position != row.position:
+    for ref, row, message in ((req.admission, first, req.messages[0]), (req.terminal, last, req.messages[-1])):
+        # The receipt names the host's entry, or the one the mirror derived for it (a reused host id).
+        if not mirror.names(c.config, ref.entry_id, row, message) or (
+            ref.position is not None and ref.position != row.position
+        ):
             raise AdvancementKeyCollision(req.advancement_key)
     return c.anchor_for(sess, first), c.anchor_for(sess, last)
+
+
+def _bootstrap_state(c: Core, scope: str, session_id: str) -> BootstrapState:
+    """The import's resume point and the mirror's size, read in the caller's transaction."""
+    sess = c.require_session(scope, session_id)
+    state = mirror.import_state(c, scope, session_id)
+    return BootstrapState(cursor=state.cursor, position=state.position, visible_count=sess.visible_count)

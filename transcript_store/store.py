@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import fences, migrate, paths, reads
+from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
 from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
@@ -389,7 +389,8 @@ class TranscriptStore:
         """Move the active head to ``entry_id`` (None: empty path); later appends go there."""
         self._ids(scope, session_id)
         check_id("entry_id", entry_id, optional=True)
-        return self.write(lambda c: paths.branch(c, scope, session_id, entry_id))
+        # Through the mirror: a host transcript import's resume point the move went under is reset.
+        return self.write(lambda c: mirror.branch(c, scope, session_id, entry_id))
 
     def rewrite_entries(
         self,
