@@ -8,16 +8,20 @@ Each round takes one step, in this order of preference:
 3. while over the target: condense the newest run of two or more summaries of one depth, else the
    newest two summaries (mixed depths).
 
-A summary must be smaller than what it replaces: normal, then aggressive, then a deterministic
-truncation. A step that cannot shrink is skipped; a summarizer that raises, or answers anything but a
-string, ends the plan (the raw messages stay in context). The write checks the session's incarnation
-and the view's epoch, so a plan made on a context that a reset or another compaction changed
-meanwhile, or on an earlier session under the same id (deleted and created again while the
-summarizer ran), is refused instead of applied to the wrong items.
+A summary must be smaller than what it replaces and hold to the ``max_tokens`` it was asked for
+(counted with the engine's estimator): normal, then aggressive, then a deterministic truncation (the
+summarizer's answer, if it summarized but ran long, cut at a clean boundary with a marker; else the
+start of every input message). A step that cannot shrink is skipped; a summarizer that raises, or
+answers anything but a string, ends the plan (the raw messages stay in context). The write checks
+the session's incarnation and the view's epoch, so a plan made on a context that a reset or another
+compaction changed meanwhile, or on an earlier session under the same id (deleted and created again
+while the summarizer ran), is refused instead of applied to the wrong items.
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -261,25 +265,41 @@ class Planner:
         self, inputs: list[dict[str, Any]], previous: str | None, max_tokens: int, source_tokens: int,
         shape: SummaryInfo,
     ) -> NewSummary | None:
-        """Escalate until the summary is smaller than its sources: normal, aggressive, truncation."""
+        """Escalate until the summary fits ``max_tokens`` and is smaller than its sources: normal,
+        aggressive, then truncation (of the last answer that summarized but ran long, else of the inputs)."""
         levels: tuple[Level, ...] = ("normal", "aggressive")
+        long: str | None = None
         for level in levels:
             answer = self.summarizer.summarize(
                 inputs, previous_summary=previous, focus=self.focus, level=level, max_tokens=max_tokens
             )
             # Checked and cleaned before its tokens are counted: NUL, replaced only when written, was counted
             # as another character than the one shown, and assemble went over its budget.
-            made = self._made(shape, summary_text(answer), level, source_tokens)
+            text = summary_text(answer)
+            made = self._made(shape, text, level, source_tokens, max_tokens)
+            if made is not None:
+                return made
+            # A summarizer that ignores max_tokens (a model asked for 600 tokens that writes 3000) made a
+            # summary all the same, only too long: cut to its budget it keeps its start, which beats the
+            # start of every message. An answer as long as its sources (an echo, garbage) summarized nothing.
+            if text and self._tokens(shape, text) < source_tokens:
+                long = text
+        if long is not None:
+            made = self._made(shape, hold(long, max_tokens, self.estimator), "truncated", source_tokens, max_tokens)
             if made is not None:
                 return made
         overhead = self._tokens(shape, "")
         room = min(max_tokens, source_tokens // 2) - overhead
         if room < 8:
             return None
-        return self._made(shape, truncate(inputs, room, self.estimator), "truncated", source_tokens)
+        text = truncate(inputs, room, self.estimator)
+        return self._made(shape, text, "truncated", source_tokens, max_tokens)
 
-    def _made(self, shape: SummaryInfo, text: str, level: str, source_tokens: int) -> NewSummary | None:
-        if not text:
+    def _made(
+        self, shape: SummaryInfo, text: str, level: str, source_tokens: int, max_tokens: int
+    ) -> NewSummary | None:
+        """The summary of ``text``, or None when it is empty, over ``max_tokens`` or not smaller than its sources."""
+        if not text or self.estimator.count_text(text) > max_tokens:
             return None
         tokens = self._tokens(shape, text)
         if tokens >= source_tokens:
@@ -306,6 +326,53 @@ def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEsti
         else:
             hi = mid - 1
     return text[:lo] + "…" if lo else ""
+
+
+CUT_MARK = "[… cut to {max_tokens} tokens]"
+# Where a cut may end, cleanest first: a line end, a sentence end (CJK full stops too), a space.
+_BOUNDARIES = (re.compile(r"\n"), re.compile(r"(?<=[.!?;:])\s|(?<=[\u3002\uff01\uff1f\uff1b])"), re.compile(r"\s"))
+# A variation selector belongs to the character before it, a zero-width joiner to both of its neighbours.
+_JOINERS = {"\u200d", "\ufe0e", "\ufe0f"}
+
+
+def hold(text: str, max_tokens: int, estimator: TokenEstimator) -> str:
+    """``text`` if within ``max_tokens`` (``estimator.count_text``), else its start cut cleanly + CUT_MARK."""
+    if estimator.count_text(text) <= max_tokens:
+        return text
+    mark = "\n" + CUT_MARK.format(max_tokens=max_tokens)
+    end = _longest_prefix(text, mark, max_tokens, estimator)
+    head = text[: _clean_end(text, end)].rstrip()
+    if head and estimator.count_text(head + mark) <= max_tokens:
+        return head + mark
+    head = text[:end].rstrip()  # fits, as the search found (an estimator need not count a shorter prefix lower)
+    return head + mark if head else ""
+
+
+def _longest_prefix(text: str, suffix: str, budget: int, estimator: TokenEstimator) -> int:
+    """The largest n with ``text[:n].rstrip() + suffix`` within ``budget`` tokens, or 0 (binary search)."""
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimator.count_text(text[:mid].rstrip() + suffix) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _clean_end(text: str, end: int) -> int:
+    """Where to cut ``text[:end]``: the last line end, else sentence end, else space in its last quarter; else
+    ``end``, moved back off a combining mark or joiner so a character is never split from its accents."""
+    floor = end - end // 4
+    for boundary in _BOUNDARIES:
+        last = max((m.start() for m in boundary.finditer(text, 0, end)), default=0)
+        if last >= max(floor, 1):
+            return last
+    cut = end
+    while 0 < cut < len(text) and (unicodedata.combining(text[cut]) or text[cut] in _JOINERS
+                                   or text[cut - 1] == "\u200d"):
+        cut -= 1
+    return cut
 
 
 # ---------------------------------------------------------------------------------------------- writing
