@@ -164,6 +164,20 @@ def test_a_library_run_leaves_the_process_logging_alone(
     assert _logging_state() == before
 
 
+def test_the_gateway_command_quiets_the_library_for_its_run_only(tmp_path: Path, lib_level: int) -> None:
+    """The command sets the package logger to ERROR for its run (the faults are on purpose) and gives
+    the level back after it: run inside another program's process (click's runner, a test) it left
+    every later warning of the library unlogged."""
+    from click.testing import CliRunner
+
+    from transcript_store.cli import cli
+
+    result = CliRunner().invoke(cli, ["gateway", "--workers", "1", "--sessions", "1", "--turns", "1",
+                                      "--no-faults", "--db", f"sqlite:///{tmp_path / 'g.db'}"])
+    assert result.exit_code == 0, result.output
+    assert logging.getLogger("transcript_store").level == lib_level
+
+
 def test_two_runs_in_two_threads_leave_the_logging_level_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib_level: int
 ) -> None:

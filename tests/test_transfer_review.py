@@ -27,7 +27,10 @@ SRC, DST = "src", "dst"
 #: JSON values whose texts differ although Python compares some of them equal (1 == 1.0 == True)
 NUMBERS = {"int": 1, "float": 1.0, "bool": True, "neg_zero": -0.0, "big": 10**30, "tiny": 1e-7,
            "wide": 2**53 + 1, "exp": 1e16, "zero": 0, "f_zero": 0.0, "null": None}
-TRICKY = "astral \U0001f600\U00010348, NUL \u0000, RTL \u202e, BOM \ufeff, e\u0301, tab\t, LS \u2028 PS \u2029 NEL \u0085 FS \u001c VT \u000b, \\u0000 as text"
+TRICKY = (
+    "astral \U0001f600\U00010348, NUL \u0000, RTL \u202e, BOM \ufeff, e\u0301, tab\t, "
+    "LS \u2028 PS \u2029 NEL \u0085 FS \u001c VT \u000b, \\u0000 as text"
+)
 
 
 def user(content: Any, **extra: Any) -> dict[str, Any]:

@@ -1257,9 +1257,15 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     if st.scope or os.environ.get(SCOPE_ENV):
         options.scope = st.scope_name
     # The faults are on purpose and the report counts them: their records would drown the progress bar.
-    # Set here, for this process, never by run_gateway (a library call leaves its caller's logging alone).
-    logging.getLogger("transcript_store").setLevel(logging.ERROR)
-    report = run_gateway(options, console())
+    # Set here, never by run_gateway (a library call leaves its caller's logging alone), and given back
+    # after the run: the command may run inside another program's process (click's runner, a test).
+    lib_log = logging.getLogger("transcript_store")
+    level = lib_log.level
+    lib_log.setLevel(logging.ERROR)
+    try:
+        report = run_gateway(options, console())
+    finally:
+        lib_log.setLevel(level)
     if st.json:
         emit_json(report.to_dict())
     else:
