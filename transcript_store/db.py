@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
 from .config import StoreConfig
 from .errors import InvalidInput, PermissionDenied, StorageFull, StoreUnavailable, TransientStoreError
@@ -41,7 +41,17 @@ _SQLITE_READONLY_DBMOVED = 8 | (4 << 8)
 _SQLITE_CANTOPEN = 14
 _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
-_WAIT = wait_random_exponential(multiplier=0.005, max=0.5)
+#: retry jitter from the operating system, never the ``random`` module's global generator: drawing from
+#: that one moved the sequence of an application that seeds it (reproducible runs, Hypothesis), from any
+#: thread that retried; a private seeded generator would draw the same waits in forked siblings.
+_JITTER = random.SystemRandom()
+
+
+def _wait(state: RetryCallState) -> float:
+    """Full jitter over an exponential bound: 5 ms before the second attempt, doubling, at most 0.5 s."""
+    return _JITTER.uniform(0, min(0.5, 0.005 * 2 ** min(state.attempt_number - 1, 16)))
+
+
 #: psycopg's IsolationLevel.REPEATABLE_READ (an IntEnum; psycopg is imported only for PostgreSQL)
 _REPEATABLE_READ = 3
 
@@ -298,7 +308,7 @@ class Database:
         return Retrying(
             retry=retry_if_exception_type(TransientStoreError),
             stop=stop_after_attempt(attempts),
-            wait=_WAIT,
+            wait=_wait,
             before_sleep=lambda state: self._retried(state.outcome.exception() if state.outcome else None),
             reraise=True,
         )
@@ -306,7 +316,7 @@ class Database:
     @staticmethod
     def _first_wait() -> float:
         """The pause before the first retry: what tenacity's wait gives its first attempt."""
-        return random.uniform(0, 0.005)
+        return _JITTER.uniform(0, 0.005)
 
     @contextmanager
     def _connected(self) -> Iterator[Connection]:
