@@ -138,8 +138,9 @@ class MirrorConflict(TranscriptStoreError):
 
     ``behind``: the mirror has not seen the host transcript this range follows: it starts past the
     mirror's end, or (a turn) a turn admitted after this one's admission is mirrored already, so this
-    one is late or the host went back before it (import the host transcript first; a stale turn stays
-    refused);
+    one is late or the host went back before it (import the host transcript first: a resume point past
+    this turn's admission is reset by the refusal, so that import reads the host from its start; a
+    stale turn stays refused);
     ``cursor``: the page was read from a host cursor the mirror no longer holds (re-read the state);
     ``turn_mismatch``: the stored range differs from the turn's messages.
     """

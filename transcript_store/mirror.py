@@ -40,7 +40,10 @@ replayed turn key never reaches the mirror: the ledger answers it (``service.com
 
 Every branch the mirror or the store makes (``branch``) keeps the resume point true: when it changes
 a position below it, the next import starts again from the host's beginning and matches what is
-mirrored; a resume point past the mirror's end (left by a path move outside ``branch``) reads so too.
+mirrored; a resume point past the mirror's end (left by a path move outside ``branch``) reads so too,
+and the next turn or branch resets it for good (else the mirror, grown past it again, revived it). A
+turn refused ``behind`` with the resume point past its admission resets it too (``reopen_import``, in
+a transaction of its own): the import its caller runs before retrying must reach the admission.
 """
 
 from __future__ import annotations
@@ -92,16 +95,35 @@ class ImportState:
 
 def import_state(core: Core, scope: str, session_id: str) -> ImportState:
     """The recorded resume point of a session's import (the start when there is none, or it is past the end)."""
+    state = _stored_state(core, scope, session_id)
+    if state.position > int(core.require_session(scope, session_id).visible_count):
+        # Past the mirror's end (a path move outside ``branch``): every page from it would be ``behind``.
+        return ImportState(None, 0)
+    return state
+
+
+def _stored_state(core: Core, scope: str, session_id: str) -> ImportState:
     raw = get_state(core, scope, session_id, STATE_OWNER, STATE_KEY)
     if not isinstance(raw, dict):
         return ImportState(None, 0)
     cursor = raw.get("cursor")
     position = raw.get("position")
-    state = ImportState(cursor if isinstance(cursor, str) else None, position if isinstance(position, int) else 0)
-    if state.position > int(core.require_session(scope, session_id).visible_count):
-        # Past the mirror's end (a path move outside ``branch``): every page from it would be ``behind``.
-        return ImportState(None, 0)
-    return state
+    return ImportState(cursor if isinstance(cursor, str) else None, position if isinstance(position, int) else 0)
+
+
+def _settled_state(core: Core, scope: str, session_id: str, visible: int) -> ImportState:
+    """``import_state`` for a writer that grows the mirror or moves its path (holding the session's lock):
+    a resume point stored past the mirror's end is reset for good, not only read as the start.
+
+    Read as the start only, it stood in the ledger as it was: once turns (or the store's own appends
+    after a ``branch``) had grown the mirror past it again, it read as true, and the next import
+    resumed from a host cursor of another transcript, after messages the host never sent from it.
+    """
+    state = _stored_state(core, scope, session_id)
+    if state.position <= visible:
+        return state
+    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    return ImportState(None, 0)
 
 
 def import_page(
@@ -132,8 +154,8 @@ def import_page(
 
 def branch(core: Core, scope: str, session_id: str, entry_id: str | None) -> SessionInfo:
     """Move the head to ``entry_id`` (``paths.branch``), resetting a resume point the move went under."""
-    core.require_session(scope, session_id, lock=True)
-    state = import_state(core, scope, session_id)
+    sess = core.require_session(scope, session_id, lock=True)
+    state = _settled_state(core, scope, session_id, int(sess.visible_count))
     last = state.position - 1  # the last imported position; the entry there fixes every one before it
     held = core.path_seq_at_position(scope, session_id, last) if last >= 0 else None
     info = paths.branch(core, scope, session_id, entry_id)
@@ -241,11 +263,8 @@ def mirror_turn(
         raise MirrorConflict("turn_mismatch", "a turn has at least its admitted message")
     (adm_id, adm_pos), (term_id, term_pos) = admission, terminal
     sess = core.require_session(scope, session_id, lock=True)
-    rows = core.entry_rows(scope, session_id, [adm_id, term_id])
-    start = adm_pos
-    if start is None:
-        found = rows.get(adm_id)
-        start = found.position if found is not None and found.position is not None else int(sess.visible_count)
+    _settled_state(core, scope, session_id, int(sess.visible_count))
+    start = _turn_start(core, scope, session_id, adm_id, adm_pos)
     if term_pos is not None and term_pos - start + 1 != len(messages):
         raise MirrorConflict("turn_mismatch", f"positions {start}..{term_pos} do not hold {len(messages)} messages")
     if (adm_id == term_id) != (len(messages) == 1):
@@ -265,6 +284,35 @@ def mirror_turn(
     if not isinstance(closed, ClosedRange) or not same_json(closed.messages, list(messages)):
         raise MirrorConflict("turn_mismatch", "the mirrored range differs from the turn's messages")
     return first, last, closed.messages
+
+
+def reopen_import(core: Core, scope: str, session_id: str, admission: tuple[str, int | None]) -> bool:
+    """After a turn was refused ``behind``: reset a resume point past its admission; whether it did.
+
+    The resume point says the host's messages up to it are the mirror's; a turn admitted below it that
+    the mirror refused says otherwise at its admission (the host went back and edited, or the turn is
+    stale). The plugin's import before its retry reads from the resume point only up to the turn's
+    end: from a point past the admission it read nothing, and the retry was ``behind`` again, for ever.
+    From the host's beginning it matches what is mirrored and branches where the host went back; a
+    stale turn stays refused (it costs that import one read of the host's transcript).
+    """
+    core.require_session(scope, session_id, lock=True)
+    start = _turn_start(core, scope, session_id, *admission)
+    if import_state(core, scope, session_id).position <= start:
+        return False
+    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    return True
+
+
+def _turn_start(core: Core, scope: str, session_id: str, adm_id: str, adm_pos: int | None) -> int:
+    """A turn's admission position: the host's, else where the admission is mirrored, else the end (the
+    caller holds the session's lock)."""
+    if adm_pos is not None:
+        return adm_pos
+    found = core.entry_rows(scope, session_id, [adm_id]).get(adm_id)
+    if found is not None and found.position is not None:
+        return int(found.position)
+    return int(core.require_session(scope, session_id).visible_count)
 
 
 def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:

@@ -42,6 +42,8 @@ from .errors import (
     AdvancementKeyCollision,
     EngineContractError,
     InvalidInput,
+    MirrorConflict,
+    TranscriptStoreError,
     UnknownEngine,
     UnknownSession,
 )
@@ -469,7 +471,20 @@ class Service:
             )
             return result, first, last
 
-        result, first, last = self.store.write(run)
+        try:
+            result, first, last = self.store.write(run)
+        except MirrorConflict as e:
+            if e.reason == "behind":
+                # The caller imports and retries: its import must be able to reach the turn's admission,
+                # in a transaction of its own (the refused one wrote nothing). See mirror.reopen_import.
+                admission = (req.admission.entry_id, req.admission.position)
+                try:
+                    if self.store.write(lambda c: mirror.reopen_import(c, scope, session_id, admission)):
+                        log.info("commit_turn behind: the import starts again engine=%s scope=%s session=%s key=%s",
+                                 engine_id, scope, session_id, req.advancement_key)
+                except TranscriptStoreError as failed:  # the answer stays ``behind``; the next refusal tries again
+                    log.warning("commit_turn behind: the import's resume point was not reset: %s", failed)
+            raise
         if result.status not in ("committed", "duplicate"):  # pragma: no cover - an engine breaking the contract
             raise EngineContractError(f"context engine {engine_id!r} returned status {result.status!r}")
         log.info("commit_turn engine=%s scope=%s session=%s key=%s status=%s messages=%d", engine_id, scope,
