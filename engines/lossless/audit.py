@@ -42,7 +42,7 @@ from .tables import (
 
 LEVELS = ("normal", "aggressive", "truncated")
 _MESSAGE_COLUMNS = (messages.c.ordinal, messages.c.entry_id, messages.c.position, messages.c.tokens)  # no text
-_ENTRY_PAGE = 1000
+_ENTRY_PAGE = 200  # entries per read: a page of payloads is what audit holds at most
 
 
 @dataclass
@@ -263,21 +263,30 @@ def _audit_branch(core: Core, out: Audit, scope: str, session_id: str, view: Vie
 
 
 def _branch(core: Core, scope: str, session_id: str, last_seq: int) -> dict[int, str]:
-    """position -> entry id of the message entries on the path from the root to the entry ``last_seq``."""
-    by_seq: dict[int, Any] = {}
+    """position -> entry id of the message entries on the path from the root to the entry ``last_seq``.
+
+    The session's entries are read a page at a time and only their links are kept: holding the rows
+    held every payload of the transcript at once (a session of large tool outputs, hundreds of MB).
+    """
+    links: dict[str, tuple[str | None, int | None]] = {}  # entry id -> (parent id, message position)
+    start: str | None = None
     after = -1
     while page := core.all_rows(scope, session_id, after, _ENTRY_PAGE):
-        by_seq.update((r.seq, r) for r, _active in page)
+        for r, _active in page:
+            message = r.kind == "message" and r.position is not None
+            links[r.entry_id] = (r.parent_id, int(r.position) if message else None)
+            if r.seq == last_seq:
+                start = r.entry_id
         after = page[-1][0].seq
-    by_id = {r.entry_id: r for r in by_seq.values()}
     out: dict[int, str] = {}
-    row = by_seq.get(last_seq)
-    for _ in range(len(by_seq)):  # a path is no longer than the session (a cycle would be)
-        if row is None:
+    entry = start
+    for _ in range(len(links)):  # a path is no longer than the session (a cycle would be)
+        if entry is None or entry not in links:
             break
-        if row.kind == "message" and row.position is not None:
-            out[int(row.position)] = row.entry_id
-        row = by_id.get(row.parent_id) if row.parent_id is not None else None
+        parent, position = links[entry]
+        if position is not None:
+            out[position] = entry
+        entry = parent
     return out
 
 
