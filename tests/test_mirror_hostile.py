@@ -23,33 +23,24 @@ import page of its own messages, a heartbeat the host prunes, a turn's cost on a
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
+from mirror_helpers import A, a, every_entry, legacy_service, race, state_of, u
 from sqlalchemy import event, text
 
 from transcript_store import StoreConfig, TranscriptStore, paths
 from transcript_store.errors import MirrorConflict
 from transcript_store.ledger import put_state
-from transcript_store.mirror import STATE_KEY, STATE_OWNER, HostMessage, import_page, import_state
+from transcript_store.mirror import STATE_KEY, STATE_OWNER, HostMessage, import_page
 from transcript_store.service import Service
 from transcript_store.service_models import BootstrapRequest, CommitTurnRequest, CommitTurnResponse
 from transcript_store.settings import load_settings
 
-A = "scope-a"
 shared_url, store, sid = module_store_fixtures(A, "mirror_hostile")
-
-
-def u(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
 
 
 def call(call_id: str) -> dict[str, Any]:
@@ -63,24 +54,11 @@ def result(call_id: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def service(store: TranscriptStore) -> Iterator[Service]:
-    svc = Service(store, load_settings(config_path=None, engine="legacy"))
-    yield svc
-    svc.runtime.dispose()  # not close(): the module's store outlives it
+    yield from legacy_service(store)
 
 
 def visible_ids(s: TranscriptStore, session_id: str) -> list[str]:
     return [e.entry_id for e in s.read_visible(A, session_id)]
-
-
-def every_entry(s: TranscriptStore, session_id: str) -> list[tuple[str, int | None, bool]]:
-    """Every stored entry of the session (any branch): its id, position and whether it is active."""
-    rows = s.read(lambda c: c.all_rows(A, session_id, -1, 1_000_000))
-    return [(r.entry_id, r.position, active) for r, active in rows]
-
-
-def state_of(s: TranscriptStore, session_id: str) -> tuple[str | None, int]:
-    st = s.read(lambda c: import_state(c, A, session_id))
-    return st.cursor, st.position
 
 
 @dataclass
@@ -260,27 +238,6 @@ def test_a_resume_point_past_the_end_is_not_revived_by_a_branch_and_appends(stor
 
 
 # ---------------------------------------------------------------------------------------------- what held
-
-
-def race(calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
-    """Run the calls at once, one thread each, released together; ("ok", result) or ("err", exception)."""
-    gate = threading.Barrier(len(calls))
-    out: list[tuple[str, Any]] = [("err", None)] * len(calls)
-
-    def run(i: int) -> None:
-        gate.wait()
-        try:
-            out[i] = ("ok", calls[i]())
-        except Exception as e:  # reported to the test, which asserts on it
-            out[i] = ("err", e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a racing call hung"
-    return out
 
 
 @pytest.fixture

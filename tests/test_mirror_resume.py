@@ -23,80 +23,28 @@ the fix; see each docstring for what it did then):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 from conftest import module_store_fixtures
+from mirror_helpers import A, a, commit, every_entry, hosted, legacy_service, page, state_of, turn_request, u, visible
 
 from transcript_store import TranscriptStore
 from transcript_store.core import Core, prepare_entry
 from transcript_store.errors import MirrorConflict, TurnKeyConflict
 from transcript_store.ledger import put_state
-from transcript_store.mirror import STATE_KEY, STATE_OWNER, Alignment, HostMessage, align, import_page, import_state
+from transcript_store.mirror import STATE_KEY, STATE_OWNER, HostMessage, align, import_page
 from transcript_store.models import ClosedRange
 from transcript_store.service import Service
-from transcript_store.service_models import BootstrapRequest, CommitTurnRequest, CommitTurnResponse
-from transcript_store.settings import load_settings
+from transcript_store.service_models import BootstrapRequest
 
-A = "scope-a"
 shared_url, store, sid = module_store_fixtures(A, "mirror_resume")
 T = TypeVar("T")
 
 
-def u(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
-def hosted(*items: tuple[str | None, dict[str, Any]]) -> list[HostMessage]:
-    return [HostMessage(entry_id, message) for entry_id, message in items]
-
-
-def page(s: TranscriptStore, session_id: str, cursor: str | None, next_cursor: str | None,
-         messages: list[HostMessage]) -> Alignment:
-    return s.write(
-        lambda c: import_page(c, s.config, A, session_id, cursor=cursor, next_cursor=next_cursor, messages=messages)
-    )[0]
-
-
-def visible(s: TranscriptStore, session_id: str) -> list[tuple[str, Any]]:
-    return [(e.entry_id, e.message) for e in s.read_visible(A, session_id)]
-
-
-def every_entry(s: TranscriptStore, session_id: str) -> list[tuple[str, int | None, bool]]:
-    """Every stored entry of the session (any branch): its id, position and whether it is active."""
-    rows = s.read(lambda c: c.all_rows(A, session_id, -1, 1_000_000))
-    return [(r.entry_id, r.position, active) for r, active in rows]
-
-
-def state_of(s: TranscriptStore, session_id: str) -> tuple[str | None, int]:
-    st = s.read(lambda c: import_state(c, A, session_id))
-    return st.cursor, st.position
-
-
-def turn_request(key: str, start: int, messages: list[dict[str, Any]], ids: tuple[str, str]) -> CommitTurnRequest:
-    return CommitTurnRequest.model_validate(
-        {
-            "advancement_key": key,
-            "admission": {"entry_id": ids[0], "position": start},
-            "terminal": {"entry_id": ids[1], "position": start + len(messages) - 1},
-            "messages": messages,
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def service(store: TranscriptStore) -> Iterator[Service]:
-    svc = Service(store, load_settings(config_path=None, engine="legacy"))
-    yield svc
-    svc.runtime.dispose()  # not close(): the module's store outlives it
-
-
-def commit(svc: Service, session_id: str, req: CommitTurnRequest) -> CommitTurnResponse:
-    return svc.commit_turn(A, "legacy", session_id, req)
+    yield from legacy_service(store)
 
 
 def receipt_keys(svc: Service, session_id: str) -> list[str]:

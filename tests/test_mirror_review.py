@@ -27,103 +27,40 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
+from mirror_helpers import (
+    A,
+    a,
+    commit,
+    every_entry,
+    hosted,
+    legacy_service,
+    page,
+    race,
+    state_of,
+    turn_request,
+    u,
+    visible,
+)
 
 from transcript_store import InvalidInput, StoreConfig, TranscriptStore
 from transcript_store.errors import MirrorConflict
-from transcript_store.mirror import Alignment, HostMessage, align, import_page, import_state
+from transcript_store.mirror import Alignment, HostMessage, align
 from transcript_store.service import Service
-from transcript_store.service_models import MAX_ITEMS, CommitTurnRequest, CommitTurnResponse
+from transcript_store.service_models import MAX_ITEMS
 from transcript_store.settings import load_settings
 
-A = "scope-a"
 B = "scope-b"
 shared_url, store, sid = module_store_fixtures(A, "mirror_review")
 
 
-def u(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
-def hosted(*items: tuple[str | None, dict[str, Any]]) -> list[HostMessage]:
-    return [HostMessage(entry_id, message) for entry_id, message in items]
-
-
-def page(
-    s: TranscriptStore, session_id: str, cursor: str | None, next_cursor: str | None, messages: list[HostMessage],
-    scope: str = A,
-) -> Alignment:
-    return s.write(
-        lambda c: import_page(
-            c, s.config, scope, session_id, cursor=cursor, next_cursor=next_cursor, messages=messages
-        )
-    )[0]
-
-
-def visible(s: TranscriptStore, session_id: str, scope: str = A) -> list[tuple[str, Any]]:
-    return [(e.entry_id, e.message) for e in s.read_visible(scope, session_id)]
-
-
-def every_entry(s: TranscriptStore, session_id: str, scope: str = A) -> list[tuple[str, int | None, bool]]:
-    """Every stored entry of the session (any branch): its id, position and whether it is active."""
-    rows = s.read(lambda c: c.all_rows(scope, session_id, -1, 1_000_000))
-    return [(r.entry_id, r.position, active) for r, active in rows]
-
-
-def state_of(s: TranscriptStore, session_id: str) -> tuple[str | None, int]:
-    st = s.read(lambda c: import_state(c, A, session_id))
-    return st.cursor, st.position
-
-
-def turn_request(key: str, start: int, messages: list[dict[str, Any]], ids: tuple[str, str]) -> CommitTurnRequest:
-    return CommitTurnRequest.model_validate(
-        {
-            "advancement_key": key,
-            "admission": {"entry_id": ids[0], "position": start},
-            "terminal": {"entry_id": ids[1], "position": start + len(messages) - 1},
-            "messages": messages,
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def service(store: TranscriptStore) -> Iterator[Service]:
-    svc = Service(store, load_settings(config_path=None, engine="legacy"))
-    yield svc
-    svc.runtime.dispose()  # not close(): the module's store outlives it
-
-
-def commit(svc: Service, session_id: str, req: CommitTurnRequest) -> CommitTurnResponse:
-    return svc.commit_turn(A, "legacy", session_id, req)
-
-
-def race(calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
-    """Run the calls at once, one thread each, released together; ("ok", result) or ("err", exception)."""
-    gate = threading.Barrier(len(calls))
-    out: list[tuple[str, Any]] = [("err", None)] * len(calls)
-
-    def run(i: int) -> None:
-        gate.wait()
-        try:
-            out[i] = ("ok", calls[i]())
-        except Exception as e:  # reported to the test, which asserts on it
-            out[i] = ("err", e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a racing call hung"
-    return out
+    yield from legacy_service(store)
 
 
 @pytest.fixture
