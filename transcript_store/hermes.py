@@ -33,7 +33,9 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,26 +63,56 @@ PLUGIN_DIR = "transcript_store_hermes"
 TEMPLATE_DIR = bundled.integration("hermes", "plugin")
 MIN_CONTEXT_LENGTH = 64000
 
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
 _RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copied state
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON the store accepts: keys as strings, tuples and sets as lists, surrogate code
+    points as U+FFFD (as Hermes' ``_sanitize_surrogates``: a list it sanitized later still aligns),
+    non-finite numbers and other objects as their ``str`` (as ``canonical`` writes them). Plain JSON comes
+    back equal, so its keys and digests are unchanged."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:  # each surrogate code point as U+FFFD, as Hermes' own sanitizer does
+            return _SURROGATES.sub("\ufffd", value)
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {jsonable(k) if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return [jsonable(v) for v in sorted(value, key=repr)]
+    return jsonable(str(value))
+
+
 def canonical(message: Any) -> str:
-    """A message as canonical JSON (sorted keys, no whitespace)."""
-    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    """A message as canonical JSON (sorted keys, no whitespace); ``jsonable`` first when it has keys that do
+    not sort (mixed types)."""
+    try:
+        return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    except TypeError:
+        return json.dumps(jsonable(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def digest(*parts: str) -> str:
-    """A short sha256 hex digest of the parts."""
+    """A short sha256 hex digest of the parts (a lone surrogate hashes as its code point, never raises)."""
     h = hashlib.sha256()
     for p in parts:
-        h.update(p.encode("utf-8"))
+        h.update(p.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()[:40]
 
 
 def clean(message: dict[str, Any]) -> dict[str, Any]:
-    """The message without host bookkeeping (keys starting with ``_``, e.g. Hermes' ``_db_persisted``)."""
-    return {k: v for k, v in message.items() if not str(k).startswith("_")}
+    """The message without host bookkeeping (keys starting with ``_``, e.g. Hermes' ``_db_persisted``),
+    as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable."""
+    return {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
 
 
 def message_key(store_session: str, ordinal: int, message: dict[str, Any], after_seq: int | None = None) -> str:
@@ -248,19 +280,41 @@ def is_valid_sequence(messages: Sequence[dict[str, Any]]) -> bool:
 def resolve_threshold(model: str, thresholds: dict[str, Any] | None, default: float) -> float:
     """The threshold of the longest key of ``thresholds`` contained in ``model`` (else ``default``)."""
     best: tuple[int, float] | None = None
-    for key, value in (thresholds or {}).items():
+    # Keys YAML reads as numbers (``3.5: 0.7``) are model name parts too; values that are no positive
+    # finite number are skipped, as is a map that is no mapping.
+    items = thresholds.items() if isinstance(thresholds, dict) else ()
+    for raw, value in items:
+        key = "" if raw is None else str(raw)
         try:
             number = float(value)
         except (TypeError, ValueError):
             continue
-        if key and str(key).lower() in (model or "").lower() and (best is None or len(key) > best[0]):
+        if not math.isfinite(number) or number <= 0:
+            continue
+        if key and key.lower() in str(model or "").lower() and (best is None or len(key) > best[0]):
             best = (len(key), number)
     return best[1] if best is not None else default
 
 
 def threshold_tokens(context_length: int, threshold: float) -> int:
-    """The trigger in tokens: ``threshold`` is a fraction of the window, or a token count when > 1."""
+    """The trigger in tokens: ``threshold`` is a fraction of the window, or a token count when > 1 (0 for
+    no finite number)."""
+    try:
+        threshold = float(threshold)
+    except (TypeError, ValueError):
+        return 0
+    if not math.isfinite(threshold):
+        return 0
     return int(threshold) if threshold > 1 else int(context_length * threshold)
+
+
+def as_int(value: Any) -> int:
+    """A token count from a host's usage value (0 for anything that is no finite number)."""
+    try:
+        number = float(value or 0)
+    except (TypeError, ValueError):
+        return 0
+    return int(number) if math.isfinite(number) else 0
 
 
 @dataclass
@@ -628,11 +682,11 @@ class TranscriptStoreEngineMixin:
         """Record the token counts of the last API response."""
         if not isinstance(usage, dict):
             return
-        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
-        completion = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+        prompt = as_int(usage.get("prompt_tokens") or usage.get("input_tokens"))
+        completion = as_int(usage.get("completion_tokens") or usage.get("output_tokens"))
         self.last_prompt_tokens = prompt
         self.last_completion_tokens = completion
-        self.last_total_tokens = int(usage.get("total_tokens") or prompt + completion)
+        self.last_total_tokens = as_int(usage.get("total_tokens")) or prompt + completion
 
     def should_compress(self, prompt_tokens: int | None = None) -> bool:
         """Whether the prompt reached the threshold."""
@@ -662,14 +716,30 @@ class TranscriptStoreEngineMixin:
         when nothing changes: our last answer sent back with nothing new, or an engine that cannot
         make it shorter.
         """
-        snapshot = copy.deepcopy(list(messages))
+        try:
+            snapshot = copy.deepcopy(list(messages))
+        except Exception:  # not a list of messages: nothing to store or compact
+            log.exception("transcript-store: compress got no message list; leaving it unchanged")
+            return messages
+        try:
+            return self._compress(snapshot, current_tokens, focus_topic, force, session_id)
+        except Exception:  # never an untyped error into Hermes: the originals are stored or still the host's
+            log.exception("transcript-store: compress failed; leaving the conversation uncompressed")
+            return snapshot
+
+    def _compress(
+        self, snapshot: list[Any], current_tokens: int | None, focus_topic: str | None, force: bool,
+        session_id: str | None,
+    ) -> list[dict[str, Any]]:
+        """``compress`` on the host's copied list (which it returns when nothing changes)."""
+        messages = [m for m in snapshot if isinstance(m, dict)]  # anything else is no message of ours
         try:
             rt = self.runtime()
-            store_session, n = self.ingest(snapshot, session_id)
+            store_session, n = self.ingest(messages, session_id)
         except Exception:
             log.exception("transcript-store: storing the conversation failed; leaving it uncompressed")
             return snapshot
-        system, body = split_system(snapshot)
+        system, body = split_system(messages)
         current, pending = fresh_tail(body)
         if current is None and not pending:
             return snapshot  # nothing but our own context messages
@@ -678,7 +748,7 @@ class TranscriptStoreEngineMixin:
             # request): compacting again could only squeeze the summaries, a summarizer call each time.
             return snapshot
         estimator = RoughEstimator()
-        room = self.compress_target(snapshot, current_tokens) - estimator.count_messages(system)
+        room = self.compress_target(messages, current_tokens) - estimator.count_messages(system)
         tail = estimator.count_messages(([current] if current else []) + pending)
         if tail + MIN_CONTEXT > room:
             self._warn_tail_over(rt, store_session, current or pending[0], tail, room)
@@ -826,9 +896,9 @@ class TranscriptStoreEngineMixin:
         **kwargs: Any,
     ) -> None:
         """A new model: its context window and threshold (``model_thresholds``: longest substring match)."""
-        self.model = model or ""
-        if context_length:
-            self.context_length = int(context_length)
+        self.model = str(model or "")
+        if as_int(context_length) > 0:
+            self.context_length = as_int(context_length)
         pct = resolve_threshold(self.model, getattr(self, "model_thresholds", None), self.threshold_percent)
         self.threshold_tokens = threshold_tokens(self.context_length, pct)
 

@@ -1,0 +1,193 @@
+"""The Hermes adapter against hostile input: what a host (or a user's paste) can put in a message list.
+
+Runs under plain pytest with the stand-in base class, as tests/test_hermes_adapter.py does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from transcript_store.hermes import create_engine, is_valid_sequence, resolve_threshold
+
+
+def conversation(tag: str, turns: int) -> list[dict[str, Any]]:
+    """A Hermes-style message list (no system prompt) with tool-call pairs."""
+    out: list[dict[str, Any]] = []
+    for i in range(turns):
+        out.append({"role": "user", "content": f"{tag} question {i} " + "lorem ipsum " * 60})
+        if i % 2 == 0:
+            call = {"id": f"call_{tag}_{i}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": f"{tag} tool result {i}"})
+        out.append({"role": "assistant", "content": f"{tag} answer {i} " + "dolor sit " * 40})
+    return out
+
+
+def make(db_url: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("context_length", 64000)
+    kwargs.setdefault("threshold_percent", 2000)
+    return create_engine(allow_stand_in=True, db_url=db_url, **kwargs)
+
+
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+def stored(engine: Any, session: str) -> list[str]:
+    return [json.dumps(m, sort_keys=True) for m in engine.stored_messages(session)]
+
+
+def test_compress_given_non_messages_never_raises_and_stores_the_messages(tmp_path: Path) -> None:
+    """A list holding non-dicts raised AttributeError into Hermes (split_system called .get on them)."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    convo = conversation("nd", 8)
+    for hostile in ([*convo, "junk", 5, None], ["junk", *convo], [*convo[:3], None, *convo[3:]]):
+        out = engine.compress(copy.deepcopy(hostile))
+        assert isinstance(out, list)
+    rows = stored(engine, "s1")
+    assert len(rows) == len(convo) == len(set(rows))
+    assert engine.compress(None) is None  # no list at all: handed back, never an exception
+
+
+ODD_VALUES: dict[str, dict[str, Any]] = {
+    "lone-surrogate": {"role": "user", "content": "pasted \ud800 text"},
+    "surrogate-pair": {"role": "user", "content": "emoji \ud83d\ude00 as a pair"},
+    "nul": {"role": "user", "content": "a\x00b"},
+    "set": {"role": "user", "content": "x", "meta": {1, 2}},
+    "bytes": {"role": "user", "content": b"raw bytes"},
+    "nan": {"role": "user", "content": "x", "score": float("nan")},
+    "int-key": {"role": "user", "content": "x", 1: "numbered"},
+    "tuple-parts": {"role": "user", "content": ({"type": "text", "text": "t"},)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_VALUES))
+def test_one_odd_value_does_not_make_the_whole_conversation_unstorable(tmp_path: Path, case: str) -> None:
+    """One message the store cannot take as it is (a lone surrogate from a paste, a set, bytes, NaN, a
+    non-string key) failed every ingest: nothing of the session was stored, on every later call too."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    convo = conversation("odd", 6)
+    odd = ODD_VALUES[case]
+    messages = [*convo, copy.deepcopy(odd), {"role": "assistant", "content": "after the odd one"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    engine.on_turn_complete(copy.deepcopy(messages))  # again: nothing twice
+    out = engine.compress(copy.deepcopy(messages))
+    engine.on_session_end("s1", copy.deepcopy(messages))
+    rows = stored(engine, "s1")
+    assert len(rows) == len(messages) == len(set(rows)), rows[-3:]
+    for m in convo:
+        assert json.dumps(m, sort_keys=True) in rows
+    assert isinstance(out, list) and all(isinstance(m, dict) for m in out)
+    json.dumps(engine.stored_messages("s1"), allow_nan=False).encode("utf-8")  # plain JSON, valid UTF-8
+
+
+def test_odd_values_on_every_backend(store_url: str) -> None:
+    """The same on the configured backend (PostgreSQL's jsonb is stricter than SQLite)."""
+    engine = make(store_url)
+    convo = conversation("pg", 3)
+    for case, odd in ODD_VALUES.items():
+        messages = [*convo, copy.deepcopy(odd)]
+        engine.on_turn_complete(copy.deepcopy(messages), session_id=case)
+        engine.compress(copy.deepcopy(messages), session_id=case)
+        rows = stored(engine, case)
+        assert len(rows) == len(messages) == len(set(rows)), case
+    engine.close()
+
+
+def test_odd_usage_and_model_values_never_raise(tmp_path: Path) -> None:
+    """update_from_response and update_model raised ValueError / TypeError / OverflowError into Hermes on
+    odd usage values or a model_thresholds map with numeric keys (YAML ``3.5: 0.7``) or an infinite value."""
+    engine = make(sqlite_url(tmp_path), threshold_percent=0.5)
+    for usage in ({"prompt_tokens": "abc"}, {"prompt_tokens": {"x": 1}}, {"prompt_tokens": float("inf")},
+                  {"prompt_tokens": None, "total_tokens": None}):
+        engine.update_from_response(usage)
+        assert isinstance(engine.last_prompt_tokens, int) and isinstance(engine.last_total_tokens, int)
+    engine.update_from_response({"prompt_tokens": "120", "completion_tokens": 3.0})
+    assert (engine.last_prompt_tokens, engine.last_total_tokens) == (120, 123)
+    engine.model_thresholds = {3.5: 0.7, None: 0.1, "": 0.9, "gpt": "nan"}
+    engine.update_model("gpt-3.5-turbo", 100000)
+    assert engine.threshold_tokens == 70000  # the numeric key is a model name part, the longest match
+    engine.model_thresholds = {"gpt": float("inf")}
+    engine.update_model("gpt-4", 100000)
+    assert engine.threshold_tokens == 50000  # no finite threshold: the configured one
+    engine.model_thresholds = {"gpt": -1}
+    engine.update_model("gpt-4", 100000)
+    assert engine.threshold_tokens == 50000
+    engine.model_thresholds = ["gpt"]  # not a map: ignored
+    engine.update_model(None, "80000")
+    assert engine.context_length == 80000 and engine.threshold_tokens == 40000
+    assert resolve_threshold("m", {"m": math.nan}, 0.5) == 0.5
+    status = engine.get_status()
+    assert status["threshold_tokens"] == 40000 and 0 <= status["usage_percent"] <= 100
+
+
+def test_concurrent_sessions_with_copies_taken_mid_use(store_url: str) -> None:
+    """Passes of several sessions on one instance, on several threads, while the host deep-copies and
+    pickles it: every message stored once per session, no session's message in another, valid answers."""
+    engine = make(store_url)
+    n = 4
+    convos = {f"sess{i}": conversation(f"t{i}x", 8) for i in range(n)}
+    barrier = threading.Barrier(n + 1)
+    results: dict[str, list[dict[str, Any]]] = {}
+    errors: list[BaseException] = []
+
+    def run(session: str) -> None:
+        barrier.wait()
+        try:
+            for k in range(2):
+                out = engine.compress(copy.deepcopy(convos[session]), session_id=session)
+                results[session] = out
+                engine.on_turn_complete([*out, {"role": "user", "content": f"{session} more {k}"}],
+                                        session_id=session)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def copier() -> None:
+        barrier.wait()
+        try:
+            for _ in range(20):
+                assert copy.deepcopy(engine)._rt is None
+                assert pickle.loads(pickle.dumps(engine))._rt is None
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in convos] + [threading.Thread(target=copier)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for session, convo in convos.items():
+        assert is_valid_sequence(results[session])
+        rows = stored(engine, session)
+        assert len(rows) == len(convo) + 2 == len(set(rows))
+        assert all(json.dumps(m, sort_keys=True) in rows for m in convo)
+        tag = session.replace("sess", "t")
+        assert all(f"{tag}x" in r for r in rows if "question" in r or "answer" in r)
+    engine.close()
+
+
+def test_a_list_hermes_sanitized_later_aligns_with_what_was_stored(tmp_path: Path) -> None:
+    """Hermes replaces each surrogate code point with U+FFFD in place when a request fails on one: the
+    stored message is the same, so its sanitized list neither branches nor stores anything again."""
+    import re
+
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    messages = [*conversation("san", 3), {"role": "user", "content": "pair \ud83d\ude00 lone \udc00 end"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    sanitized = copy.deepcopy(messages)
+    sanitized[-1]["content"] = re.sub(r"[\ud800-\udfff]", "\ufffd", sanitized[-1]["content"])
+    engine.on_turn_complete([*sanitized, {"role": "assistant", "content": "reply"}])
+    rows = stored(engine, "s1")
+    assert len(rows) == len(messages) + 1 == len(set(rows))
