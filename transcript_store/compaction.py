@@ -13,7 +13,7 @@ from typing import Any
 
 from .core import Core, prepare_entry
 from .engine import CompactResult
-from .errors import InvalidInput, SummarizerError
+from .errors import InvalidInput, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
 from .models import Anchor, Entry
 from .summarize import summary_text
@@ -83,7 +83,14 @@ def compact_session(
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0
     if pointer is not None:
-        start = next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), 0)
+        found = next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), None)
+        if found is None:
+            # The pointer's first kept entry is not among these messages (at or after the fence, or the
+            # path moved between the two reads): its summary covers messages this compaction would keep
+            # verbatim (or that left the path), so it is not carried on; the messages are summarized again.
+            pointer = None
+        else:
+            start = found
     live = visible[start:]
     previous = pointer["summary"] if pointer else None
     before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
@@ -98,9 +105,19 @@ def compact_session(
     older = [e.message for e in live[:cut] if e.message]
     try:
         summary = summary_text(summarizer.summarize(older, previous_summary=previous, focus=focus))
+        if not summary:
+            # An empty summary in place of the older messages would drop them from every context.
+            raise SummarizerError("the summarizer returned an empty summary")
     except SummarizerError as e:
         # A failing summarizer never loses messages: nothing changes, the raw messages stay.
         return CompactResult(ok=False, compacted=False, reason=f"summarizer failed: {e}", tokens_before=tokens_before)
+    except Exception as e:  # a pluggable summarizer's own bug: a failed compaction, never an untyped error
+        return CompactResult(
+            ok=False,
+            compacted=False,
+            reason=f"summarizer failed: {type(e).__name__}: {e}",
+            tokens_before=tokens_before,
+        )
     kept = live[cut]
     after_msgs = [summary_message(summary)] + [e.message for e in live[cut:] if e.message]
     tokens_after = int(estimator.count_messages(after_msgs))
@@ -112,18 +129,31 @@ def compact_session(
             tokens_before=tokens_before,
             tokens_after=tokens_before,
         )
-    marker = prepare_entry(
-        store.config,
-        kind="compaction",
-        payload={
-            "summary": summary,
-            "first_kept_entry_id": kept.entry_id,
-            "summarized_entry_ids": [e.entry_id for e in live[:cut]],
-            "tokens_before": tokens_before,
-            "tokens_after": tokens_after,
-            "focus": focus,
-        },
-    )
+    payload: dict[str, Any] = {
+        "summary": summary,
+        "first_kept_entry_id": kept.entry_id,
+        "summarized_entry_ids": [e.entry_id for e in live[:cut]],
+        "tokens_before": tokens_before,
+        "tokens_after": tokens_after,
+        "focus": focus,
+    }
+    try:
+        marker = prepare_entry(store.config, kind="compaction", payload=payload)
+    except PayloadTooLarge:
+        # Every summarized id over the store's payload cap (a long session never compacted, a small cap):
+        # the first one and how many instead (they are the path's messages before the first kept one).
+        del payload["summarized_entry_ids"]
+        payload["summarized_from_entry_id"] = live[0].entry_id
+        payload["summarized_count"] = cut
+        try:
+            marker = prepare_entry(store.config, kind="compaction", payload=payload)
+        except PayloadTooLarge as e:
+            return CompactResult(
+                ok=False,
+                compacted=False,
+                reason=f"the compaction entry (summary, focus) is too large to store: {e}",
+                tokens_before=tokens_before,
+            )
     new_pointer = {
         "summary": summary,
         "first_kept_entry_id": kept.entry_id,

@@ -56,6 +56,9 @@ class _Projection:
     entry_ids: list[str] = field(default_factory=list)
     #: each message's own token estimate, counted once when it is read (not on every turn)
     tokens: list[int] = field(default_factory=list)
+    #: held while the projection is read and advanced: two threads assembling one session at once took
+    #: the same page from the same cursor, each appending it (every message of it twice, for good)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 class LegacyEngine:
@@ -99,13 +102,13 @@ class LegacyEngine:
                 self._projections.popitem(last=False)
             return proj
 
-    def _advance(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> _Projection:
-        """Read the visible messages not seen yet (up to the fence), rebuilding on reset.
+    def _advance(self, c: Core, proj: _Projection, scope: str, session_id: str, fence: Anchor | None) -> None:
+        """Read the visible messages not seen yet (up to the fence) into ``proj`` (its lock held),
+        rebuilding on reset.
 
         Runs inside the one read transaction of ``assemble`` (pages, resets and the compaction
         pointer from one snapshot: one transaction per assembly instead of one per read).
         """
-        proj = self._projection(scope, session_id)
         if fence is not None and fence.position is not None and len(proj.messages) >= fence.position:
             # Already past the fence (an unfenced read earlier): validate the fence, then only check
             # the cursor's ground with an unfenced read; the slice below keeps the prefix exact.
@@ -120,7 +123,7 @@ class LegacyEngine:
             )
             if isinstance(result, DeltaMissing):
                 proj.cursor, proj.messages, proj.entry_ids, proj.tokens = None, [], [], []
-                return proj
+                return
             if isinstance(result, DeltaReset):
                 proj.cursor, proj.messages, proj.entry_ids, proj.tokens = result.cursor, [], [], []
                 continue
@@ -130,7 +133,7 @@ class LegacyEngine:
             max_bytes = PAGE_BYTES
             self._take(proj, result)
             if not result.has_more:
-                return proj
+                return
 
     def _take(self, proj: _Projection, page: DeltaPage) -> None:
         """Add a page's messages (each counted once, here) to the projection and move its cursor."""
@@ -156,17 +159,22 @@ class LegacyEngine:
         messages taken here are all before the fence: they stay valid if the admission rolls back.
         """
         proj = self._projection(scope, session_id)
-        if fence.position is None or len(proj.messages) > fence.position:
-            return None  # past the fence already (an unfenced read earlier): assemble's own path
-        result = reads.read_visible_delta(
-            c, scope, session_id, proj.cursor, PREFETCH_MESSAGES, PREFETCH_BYTES, fence
-        )
-        if not isinstance(result, DeltaPage) or result.required_bytes is not None:
-            return None
-        self._take(proj, result)
-        if result.has_more:
-            return None
-        return Prefetched(fence, compaction.pointer_in(c, scope, session_id))
+        if not proj.lock.acquire(blocking=False):
+            return None  # another thread is advancing it: assemble reads in its own snapshot
+        try:
+            if fence.position is None or len(proj.messages) > fence.position:
+                return None  # past the fence already (an unfenced read earlier): assemble's own path
+            result = reads.read_visible_delta(
+                c, scope, session_id, proj.cursor, PREFETCH_MESSAGES, PREFETCH_BYTES, fence
+            )
+            if not isinstance(result, DeltaPage) or result.required_bytes is not None:
+                return None
+            self._take(proj, result)
+            if result.has_more:
+                return None
+            return Prefetched(fence, compaction.pointer_in(c, scope, session_id))
+        finally:
+            proj.lock.release()
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -188,34 +196,64 @@ class LegacyEngine:
         if fence is not None:
             check_anchor("fence", fence)
 
-        def read(c: Core) -> tuple[_Projection, dict[str, Any] | None]:
-            return self._advance(c, scope, session_id, fence), compaction.pointer_in(c, scope, session_id)
-
         proj = self._projection(scope, session_id)
-        if (
-            isinstance(prefetched, Prefetched)
-            and fence is not None
-            and prefetched.fence == fence
-            and len(proj.messages) == fence.position
-        ):
-            pointer = prefetched.pointer  # read by prefetch_in in this fence's admission transaction
-        else:
-            proj, pointer = self.store.read(read)
-        end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
-        start = 0
-        if pointer is not None and pointer["first_kept_position"] < end:
-            start = pointer["first_kept_position"]
-        prefix = [compaction.summary_message(pointer["summary"])] if pointer is not None and start > 0 else []
-        prefix_tokens = int(self.estimator.count_messages(prefix))
-        first = self._fit(proj.messages, proj.tokens, start, end, token_budget - prefix_tokens)
-        messages = prefix + proj.messages[first:end]
-        # The estimate from the counts the projection keeps (each message was counted once, when read):
-        # counting the whole context again was ~10% of a host turn's CPU, and grows with what fits.
-        parts = ([prefix_tokens] if prefix else []) + proj.tokens[first:end]
+
+        def read(c: Core) -> dict[str, Any] | None:
+            self._advance(c, proj, scope, session_id, fence)
+            return compaction.pointer_in(c, scope, session_id)
+
+        with proj.lock:
+            if (
+                isinstance(prefetched, Prefetched)
+                and fence is not None
+                and prefetched.fence == fence
+                and len(proj.messages) == fence.position
+            ):
+                pointer = prefetched.pointer  # read by prefetch_in in this fence's admission transaction
+            else:
+                pointer = self.store.read(read)
+            end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
+            start = 0
+            if pointer is not None and pointer["first_kept_position"] < end:
+                start = pointer["first_kept_position"]
+            summary = pointer["summary"] if pointer is not None and start > 0 else None
+            prefix = [compaction.summary_message(summary)] if summary is not None else []
+            prefix_tokens = int(self.estimator.count_messages(prefix))
+            if summary is not None and prefix_tokens > token_budget:
+                # A summary larger than the whole budget (it shrank the transcript, not below this budget)
+                # was shown whole, over the budget: it is cut to half the budget, the newest messages get
+                # the rest.
+                prefix, prefix_tokens = self._cut_summary(summary, token_budget // 2)
+            # Under the lock: another thread's advance must not move the lists while they are sliced
+            # (the slices are what fits, never the whole history).
+            first = self._fit(proj.messages, proj.tokens, start, end, token_budget - prefix_tokens)
+            messages = prefix + proj.messages[first:end]
+            # The estimate from the counts the projection keeps (each message was counted once, when
+            # read): counting the whole context again was ~10% of a host turn's CPU, and grows with what
+            # fits.
+            parts = ([prefix_tokens] if prefix else []) + proj.tokens[first:end]
         estimated = count_from_parts(self.estimator, parts)
         if estimated is None:
             estimated = int(self.estimator.count_messages(messages))
         return AssembleResult(messages=messages, estimated_tokens=estimated)
+
+    def _cut_summary(self, summary: str, budget: int) -> tuple[list[dict[str, Any]], int]:
+        """The summary message cut at a word boundary to at most ``budget`` tokens and marked as cut, with
+        its count; none (and 0) when not even its header fits. O(log of its length) counts."""
+        best: tuple[list[dict[str, Any]], int] = ([], 0)
+        low, high = 0, len(summary)
+        while low <= high:
+            mid = (low + high) // 2
+            text = summary[:mid]
+            if mid < len(summary) and " " in text:
+                text = text[: text.rindex(" ")]
+            message = compaction.summary_message(f"{text.rstrip()} [… cut to {budget} tokens]")
+            tokens = int(self.estimator.count_messages([message]))
+            if tokens <= budget:
+                best, low = ([message], tokens), mid + 1
+            else:
+                high = mid - 1
+        return best
 
     def _fit(self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int) -> int:
         """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool result).
