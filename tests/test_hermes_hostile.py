@@ -14,21 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_hermes_adapter import conversation
 
 from transcript_store.hermes import create_engine, is_valid_sequence, resolve_threshold
-
-
-def conversation(tag: str, turns: int) -> list[dict[str, Any]]:
-    """A Hermes-style message list (no system prompt) with tool-call pairs."""
-    out: list[dict[str, Any]] = []
-    for i in range(turns):
-        out.append({"role": "user", "content": f"{tag} question {i} " + "lorem ipsum " * 60})
-        if i % 2 == 0:
-            call = {"id": f"call_{tag}_{i}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
-            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            out.append({"role": "tool", "tool_call_id": call["id"], "content": f"{tag} tool result {i}"})
-        out.append({"role": "assistant", "content": f"{tag} answer {i} " + "dolor sit " * 40})
-    return out
 
 
 def make(db_url: str, **kwargs: Any) -> Any:
