@@ -33,13 +33,12 @@ from sqlalchemy import select
 
 from engines.lossless import LosslessEngine
 from engines.lossless.audit import audit
-from engines.lossless.compaction import CUT_MARK, hold
 from engines.lossless.context import SummaryInfo, load_items, render_summary
 from engines.lossless.tables import View, summaries
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
 from transcript_store.model import message_text
-from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.summarize import CUT_MARK, ExtractiveSummarizer, hold
 from transcript_store.tokens import RoughEstimator, TokenEstimator
 
 A = "scope-hold-hostile"

@@ -256,7 +256,7 @@ TEXTS = {
 @pytest.mark.parametrize("name", list(TEXTS))
 @pytest.mark.parametrize("budget", [16, 50, 333])
 def test_hold_cuts_within_the_budget_deterministically(name: str, budget: int, estimator: TokenEstimator) -> None:
-    from engines.lossless.compaction import CUT_MARK, hold
+    from transcript_store.summarize import CUT_MARK, hold
 
     text = TEXTS[name]
     held = hold(text, budget, estimator)
@@ -284,7 +284,7 @@ def test_hold_cuts_within_the_budget_deterministically(name: str, budget: int, e
 
 
 def test_hold_keeps_a_text_within_the_budget_as_it_is() -> None:
-    from engines.lossless.compaction import hold
+    from transcript_store.summarize import hold
 
     assert hold("a short summary", 16, RoughEstimator()) == "a short summary"
     assert hold("x" * 100, 1, RoughEstimator()) == ""  # not even the marker fits

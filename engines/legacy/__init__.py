@@ -26,7 +26,7 @@ from transcript_store.engine import (
 from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset
-from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.summarize import ExtractiveSummarizer, hold
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
 ENGINE_ID = "legacy"
@@ -238,22 +238,19 @@ class LegacyEngine:
         return AssembleResult(messages=messages, estimated_tokens=estimated)
 
     def _cut_summary(self, summary: str, budget: int) -> tuple[list[dict[str, Any]], int]:
-        """The summary message cut at a word boundary to at most ``budget`` tokens and marked as cut, with
-        its count; none (and 0) when not even its header fits. O(log of its length) counts."""
-        best: tuple[list[dict[str, Any]], int] = ([], 0)
-        low, high = 0, len(summary)
-        while low <= high:
-            mid = (low + high) // 2
-            text = summary[:mid]
-            if mid < len(summary) and " " in text:
-                text = text[: text.rindex(" ")]
-            message = compaction.summary_message(f"{text.rstrip()} [… cut to {budget} tokens]")
+        """The summary message held to at most ``budget`` tokens (``summarize.hold`` of its text, in the room
+        the message's header leaves), with its count; none (and 0) when not even the header fits."""
+        room = budget - int(self.estimator.count_messages([compaction.summary_message("")]))
+        while room > 0:
+            text = hold(summary, room, self.estimator)
+            if not text:
+                break
+            message = compaction.summary_message(text)
             tokens = int(self.estimator.count_messages([message]))
             if tokens <= budget:
-                best, low = ([message], tokens), mid + 1
-            else:
-                high = mid - 1
-        return best
+                return [message], tokens
+            room -= max(1, tokens - budget)  # the message counts its text differently from the text alone
+        return [], 0
 
     def _fit(self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int) -> int:
         """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool result).

@@ -20,18 +20,16 @@ while the summarizer ran), is refused instead of applied to the wrong items.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import regex
 from sqlalchemy import delete, insert
 
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
-from transcript_store.summarize import Level, Summarizer, summary_text
+from transcript_store.summarize import Level, Summarizer, hold, summary_text
 from transcript_store.tokens import TokenEstimator
 
 from .config import Budget, LosslessConfig
@@ -326,83 +324,6 @@ def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEsti
         else:
             hi = mid - 1
     return text[:lo] + "…" if lo else ""
-
-
-CUT_MARK = "[… cut to {max_tokens} tokens]"
-# Where a cut may end, cleanest first: a line end, a sentence end (CJK full stops too), a space.
-_BOUNDARIES = (re.compile(r"\n"), re.compile(r"(?<=[.!?;:])\s|(?<=[\u3002\uff01\uff1f\uff1b])"), re.compile(r"\s"))
-# One user-perceived character (an extended grapheme cluster): a letter with its accents or vowel signs
-# (Thai and Devanagari ones too, which have combining class 0), an emoji with its joiners, modifiers or
-# keycap, a flag's two regional indicators, CR LF.
-_CHARACTER = regex.compile(r"\X")
-_FIRST_PROBE = 64  # characters: the prefix search doubles from here
-
-
-def hold(text: str, max_tokens: int, estimator: TokenEstimator) -> str:
-    """``text`` if within ``max_tokens`` (``estimator.count_text``), else its start cut cleanly + CUT_MARK
-    ("" when not even the marker fits). Never over ``max_tokens``, whatever the estimator counts."""
-    if estimator.count_text(text) <= max_tokens:
-        return text
-    mark = "\n" + CUT_MARK.format(max_tokens=max_tokens)
-    end = _longest_prefix(text, mark, max_tokens, estimator)
-    # The clean cut, else the last character boundary; else where the search ended, which it found to fit
-    # (an estimator need not count a shorter prefix lower; one character longer than the budget is split).
-    for cut in dict.fromkeys((_clean_end(text, end), _character_end(text, end), end)):
-        head = text[:cut].rstrip()
-        if head and estimator.count_text(head + mark) <= max_tokens:
-            return head + mark
-    return ""
-
-
-def _longest_prefix(text: str, suffix: str, budget: int, estimator: TokenEstimator) -> int:
-    """The largest n with ``text[:n].rstrip() + suffix`` within ``budget`` tokens, or 0.
-
-    Doubling from a short prefix, then bisecting: no probe counts more than twice what fits, so the cost
-    is that of the budget, not of the text (bisecting from the whole length counted half of a 2 MB answer,
-    then a quarter, ...). A probe that fits is the only way ``lo`` moves: the answer always fits.
-    """
-
-    def fits(n: int) -> bool:
-        return estimator.count_text(text[:n].rstrip() + suffix) <= budget
-
-    lo, hi, n = 0, len(text), _FIRST_PROBE
-    while n < hi:
-        if not fits(n):
-            hi = n - 1
-            break
-        lo, n = n, 2 * n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _clean_end(text: str, end: int) -> int:
-    """Where to cut ``text[:end]``: the last line end, else sentence end, else space in its last quarter;
-    else the last character boundary (``_character_end``)."""
-    floor = end - end // 4
-    for boundary in _BOUNDARIES:
-        last = max((m.start() for m in boundary.finditer(text, 0, end)), default=0)
-        if last >= max(floor, 1):
-            return _character_end(text, last)
-    return _character_end(text, end)
-
-
-def _character_end(text: str, end: int) -> int:
-    """The last boundary between two user-perceived characters at or before ``end`` (0 if none).
-
-    Not ``unicodedata.combining``: Thai and Devanagari vowel signs, the keycap mark, an emoji's skin tone
-    or a flag's second letter all have combining class 0, and were cut off their character.
-    """
-    if end >= len(text):
-        return len(text)
-    for m in _CHARACTER.finditer(text):
-        if m.end() > end:
-            return m.start()
-    return end  # pragma: no cover - the clusters cover the text
 
 
 # ---------------------------------------------------------------------------------------------- writing
