@@ -122,8 +122,13 @@ def _settled_state(core: Core, scope: str, session_id: str, visible: int) -> Imp
     state = _stored_state(core, scope, session_id)
     if state.position <= visible:
         return state
-    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    _restart_import(core, scope, session_id)
     return ImportState(None, 0)
+
+
+def _restart_import(core: Core, scope: str, session_id: str) -> None:
+    """Make the next import start from the host's beginning (it matches what is mirrored)."""
+    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
 
 
 def import_page(
@@ -163,7 +168,7 @@ def branch(core: Core, scope: str, session_id: str, entry_id: str | None) -> Ses
         # The host's cursor was read from a transcript the mirror no longer shows there: resuming at it
         # would skip or repeat, or put the host's next messages after others. The next import starts
         # again from the host's beginning and matches (or puts back) what is already mirrored.
-        put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+        _restart_import(core, scope, session_id)
     return info
 
 
@@ -300,7 +305,7 @@ def reopen_import(core: Core, scope: str, session_id: str, admission: tuple[str,
     start = _turn_start(core, scope, session_id, *admission)
     if import_state(core, scope, session_id).position <= start:
         return False
-    put_state(core, scope, session_id, STATE_OWNER, STATE_KEY, {"cursor": None, "position": 0})
+    _restart_import(core, scope, session_id)
     return True
 
 
