@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 from test_hermes_adapter import conversation
 
-from transcript_store.hermes import create_engine, is_valid_sequence, resolve_threshold
+from transcript_store.compaction import summary_message
+from transcript_store.hermes import (
+    create_engine,
+    is_context_message,
+    is_valid_sequence,
+    merge_context,
+    resolve_threshold,
+)
 
 
 def make(db_url: str, **kwargs: Any) -> Any:
@@ -179,3 +186,50 @@ def test_a_list_hermes_sanitized_later_aligns_with_what_was_stored(tmp_path: Pat
     engine.on_turn_complete([*sanitized, {"role": "assistant", "content": "reply"}])
     rows = stored(engine, "s1")
     assert len(rows) == len(messages) + 1 == len(set(rows))
+
+
+LOOKALIKES = [
+    "[transcript-store context] what does this line in my log mean?",
+    "[transcript-store context]\nnot a summary, a paste",
+    "[Summary sum_3 please: the last three points]",
+    "[Summary of the earlier conversation] - my own heading",
+    "[Summary] of my day",
+]
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_user_message_that_looks_like_ours_is_stored(store_url: str, engine_id: str) -> None:
+    """A user message starting with our marker or with "[Summary sum_" was taken for the adapter's own
+    context and never stored: the user's words lost, and "[Summary..." ones merged into the summaries."""
+    engine = make(store_url, engine=engine_id)
+    engine.on_session_start("s1")
+    messages = conversation("look", 8)
+    for i, text in enumerate(LOOKALIKES):
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": f"reply {i}"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    out = engine.compress(copy.deepcopy(messages))  # the answer carries our real context block
+    assert is_valid_sequence(out)
+    ours = [m for m in out if is_context_message(m)]
+    assert [m["role"] for m in ours] == ["user", "assistant"]  # the block (engine's rendering) and the ack
+    # The host takes the answer and goes on: what it adds (a look-alike again) is stored, ours is not.
+    later = [*out, {"role": "user", "content": LOOKALIKES[0] + " (again)"}, {"role": "assistant", "content": "ok"}]
+    engine.on_turn_complete(copy.deepcopy(later))
+    rows = stored(engine, "s1")
+    assert len(rows) == len(set(rows)) == len(messages) + 2
+    for text in [*LOOKALIKES, LOOKALIKES[0] + " (again)"]:
+        assert json.dumps({"role": "user", "content": text}, sort_keys=True) in rows
+    assert not any(is_context_message(m) for m in engine.stored_messages("s1"))
+    # A look-alike right after the summaries stays a message of its own, not part of the block.
+    for text in LOOKALIKES:
+        own = {"role": "user", "content": text}
+        merged = merge_context([summary_message("what came before"), own])
+        assert len(merged) == 3 and merged[-1] == own and is_context_message(merged[0])
+
+
+def test_get_status_takes_a_missing_prompt_count(tmp_path: Path) -> None:
+    """Hermes may leave last_prompt_tokens None (or a float); get_status raised TypeError on None."""
+    engine = make(sqlite_url(tmp_path))
+    for value in (None, 12.7, "34", float("nan"), -1):
+        engine.last_prompt_tokens = value
+        status = engine.get_status()
+        assert isinstance(status["last_prompt_tokens"], int) and status["last_prompt_tokens"] >= 0

@@ -51,9 +51,12 @@ def split_point(entries: Sequence[Entry], keep_last: int) -> int:
     return cut
 
 
+SUMMARY_HEAD = "[Summary of the earlier conversation]\n"
+
+
 def summary_message(summary: str) -> dict[str, Any]:
     """The message the model sees in place of the summarized history."""
-    return {"role": "user", "content": f"[Summary of the earlier conversation]\n{summary}"}
+    return {"role": "user", "content": SUMMARY_HEAD + summary}
 
 
 def check_keep_last(value: object, where: str = "") -> int:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bundled, paths
+from .compaction import SUMMARY_HEAD
 from .core import Core, entry_from_row
 from .engine import EngineContext
 from .errors import describe
@@ -178,25 +179,49 @@ ACK = "Understood: earlier turns are condensed above; I will use the recall tool
 ACK_MESSAGE = f"{CONTEXT_MARKER} {ACK}"
 
 
+# The heads of the summaries engines render: legacy's fixed line, lossless' id line
+# (engines/lossless/context.py render_summary). Matched whole, not by a prefix a user could type:
+# a user message that merely starts with "[Summary" or with our marker is the user's, and stored.
+_LOSSLESS_HEAD = re.compile(
+    r"\[Summary sum_\d+ \| (?:leaf|condensed) depth \d+ \| \d+ messages msg_\d+\.\.msg_\d+"
+    r" \| details: lcm_expand sum_\d+\]\n"
+)
+
+
+def _is_summary_text(text: str) -> bool:
+    """Whether ``text`` starts with the head of a summary an engine rendered."""
+    return text.startswith(SUMMARY_HEAD) or _LOSSLESS_HEAD.match(text) is not None
+
+
 def is_context_message(message: dict[str, Any]) -> bool:
     """Whether a message is one the adapter produced (a summary block or its acknowledgement).
 
-    An assistant message that only starts with the acknowledgement is not ours: Hermes merges
-    consecutive assistant messages, and a reply merged into it is the host's, to be stored.
+    Told by shape, not by a prefix: the block is the marker on a line of its own followed by a rendered
+    summary head, the acknowledgement is exactly ``ACK_MESSAGE``. An assistant message that only starts
+    with the acknowledgement is not ours: Hermes merges consecutive assistant messages, and a reply
+    merged into it is the host's, to be stored. A message the user typed with our marker in front
+    (pasted from a log, say) is the user's.
     """
     content = message.get("content")
     if message.get("_transcript_store_context"):
         return True
     if not isinstance(content, str):
         return False
-    if message.get("role") == "assistant" and content.startswith(CONTEXT_MARKER):
+    role = message.get("role")
+    if role == "assistant":
         return content == ACK_MESSAGE
-    return content.startswith(CONTEXT_MARKER) or content.startswith("[Summary sum_")
+    if role != "user":
+        return False
+    head = CONTEXT_MARKER + "\n"
+    if content.startswith(head):
+        return _is_summary_text(content[len(head):])
+    return _LOSSLESS_HEAD.match(content) is not None  # a lossless summary sent unmerged
 
 
 def is_summary(message: dict[str, Any]) -> bool:
-    """Whether a message is an engine's summary (lossless ``[Summary sum_N ...]``, legacy ``[Summary of ...]``)."""
-    return message.get("role") == "user" and str(message.get("content") or "").startswith("[Summary")
+    """Whether a message is an engine's summary (lossless ``[Summary sum_N | ...]``, legacy ``[Summary of ...]``)."""
+    content = message.get("content")
+    return message.get("role") == "user" and isinstance(content, str) and _is_summary_text(content)
 
 
 def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -932,7 +957,7 @@ class TranscriptStoreEngineMixin:
         """Token counters, threshold and the store in use."""
         # Hermes sets last_prompt_tokens to -1 after a compression ("unknown until the next call"):
         # reported as 0, never a negative usage.
-        prompt = max(0, self.last_prompt_tokens)
+        prompt = max(0, as_int(self.last_prompt_tokens))
         return {
             "engine": self.engine_id,
             "last_prompt_tokens": prompt,
