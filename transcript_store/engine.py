@@ -117,6 +117,23 @@ def check_token_budget(value: object, *, optional: bool = False) -> int | None:
     return value
 
 
+def check_focus(value: object) -> str | None:
+    """A compaction's focus: None or a string a summary can hold (valid UTF-8), else InvalidInput.
+
+    Checked before the summarizer runs: a lone surrogate was refused only when the summary holding it was
+    stored, after the (possibly paid) summarizer call."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidInput(f"focus must be a string or None, not {type(value).__name__}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInput("focus must not contain lone surrogates") from None
+    return value
+
+
 DEGRADE_NO_FENCE = "current-turn transcript fencing is not declared"
 DEGRADE_NO_IDEMPOTENCY = "atomic idempotent turn advancement is not declared"
 

@@ -35,6 +35,7 @@ from .engine import (
     RuntimeSettings,
     SessionTarget,
     SubagentSpawnPreparation,
+    check_focus,
     durable_declaration,
     missing_capabilities,
     project_params,
@@ -1281,13 +1282,7 @@ class HostRuntime:
 
     def compact(self, scope: str, session_id: str, *, focus: str | None = None, force: bool = True) -> CompactResult:
         """Manual compaction through the selected engine (host requirements fail closed)."""
-        if focus is not None and not isinstance(focus, str):
-            raise InvalidInput(f"focus must be a string or None, not {type(focus).__name__}")
-        if focus is not None and not focus.isascii():
-            try:
-                focus.encode("utf-8")  # a summary holds it: refused here, not in the engine (isolated for it)
-            except UnicodeEncodeError:
-                raise InvalidInput("focus must not contain lone surrogates") from None
+        check_focus(focus)  # refused here too, not only in the engine (which may be isolated)
         if not isinstance(force, bool):
             raise InvalidInput(f"force must be a bool, not {type(force).__name__}")
         session_id = self.resolve_session(scope, session_id)

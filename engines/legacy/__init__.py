@@ -21,6 +21,7 @@ from transcript_store.engine import (
     EngineContext,
     EngineInfo,
     TranscriptSemantics,
+    check_focus,
     check_token_budget,
 )
 from transcript_store.errors import InvalidInput
@@ -281,6 +282,7 @@ class LegacyEngine:
     ) -> CompactResult:
         """The built-in summarising compaction: one summary of the older messages."""
         check_token_budget(token_budget, optional=True)
+        check_focus(focus)
         return compaction.compact_session(
             self.store,
             scope,

@@ -33,6 +33,7 @@ from transcript_store.engine import (
     MaintainResult,
     RuntimeSettings,
     TranscriptSemantics,
+    check_focus,
     check_token_budget,
 )
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
@@ -271,6 +272,7 @@ class LosslessEngine:
     ) -> CompactResult:
         """Compact until under the target (``force``: at least one step even when under the threshold)."""
         check_token_budget(token_budget, optional=True)
+        check_focus(focus)
         self._remember(scope, session_id, None, runtime_settings)
         return self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=force, focus=focus)
 
