@@ -347,6 +347,43 @@ def test_racing_compactions_from_two_stores_leave_one_consistent_context(
         other.close()
 
 
+def test_a_compaction_planned_before_another_was_written_does_not_replace_it(
+    store: TranscriptStore, sid: str, shared_url: str
+) -> None:
+    """A read 12 messages and summarized slowly; meanwhile 8 more came and B compacted all 20. A wrote
+    last and its pointer (first kept: m006) replaced B's (m014): the context less compacted than it
+    was, B's summary lost from it. A compaction now writes only over the state it was planned on."""
+    fill(store, sid, 12)
+    other = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
+    a_in, b_done = threading.Event(), threading.Event()
+
+    class Waiting(Joining):
+        def summarize(self, messages: Sequence[dict[str, Any]], **kw: Any) -> object:
+            a_in.set()
+            assert b_done.wait(timeout=10)
+            return super().summarize(messages, **kw)
+
+    try:
+        results: list[Any] = []
+        a = threading.Thread(target=lambda: results.append(
+            engine(store, Waiting(), keep_last=6).compact(scope=SCOPE, session_id=sid, force=True)))
+        a.start()
+        assert a_in.wait(timeout=10)
+        fill(store, sid, 8, start=12)
+        b = engine(other, keep_last=6).compact(scope=SCOPE, session_id=sid, force=True)
+        assert b.compacted
+        b_done.set()
+        a.join()
+        assert results and not results[0].compacted and "first" in str(results[0].reason)
+        pointer = compaction.load_pointer(store, SCOPE, sid)
+        assert pointer is not None and pointer["first_kept_entry_id"] == visible_ids(store, sid)[14]
+        out = engine(store).assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=10**6)
+        assert contents(out.messages[1:]) == [f"m{i:03d}" for i in range(14, 20)]
+    finally:
+        b_done.set()
+        other.close()
+
+
 def test_a_redaction_while_the_summarizer_runs_never_reaches_the_context(store: TranscriptStore, sid: str) -> None:
     fill(store, sid, 20)
     ids = visible_ids(store, sid)

@@ -82,7 +82,10 @@ def compact_session(
 ) -> CompactResult:
     """Summarize the older visible messages of a session (see module doc)."""
     check_keep_last(keep_last)
-    pointer = load_pointer(store, scope, session_id)
+    # The state as read (valid or not) is what the write compares against: see run() below.
+    state, pointer = store.read(
+        lambda c: (get_state(c, scope, session_id, STATE_OWNER, STATE_KEY), pointer_in(c, scope, session_id))
+    )
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0
     if pointer is not None:
@@ -164,9 +167,22 @@ def compact_session(
         "marker_entry_id": marker.entry_id,
     }
 
-    def run(c: Core) -> None:
+    def run(c: Core) -> bool:
+        # Compare and set under the session's row lock: a compaction that wrote since our read (another
+        # thread or worker, over a longer transcript, say) stands; ours, planned on the older state,
+        # would put a less compacted pointer back in its place.
+        locked = c.lock_session(scope, session_id)  # False: no such session any more (append raises)
+        if locked and get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) != state:
+            return False
         c.append(scope, session_id, [marker])
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
+        return True
 
-    store.write(run)
+    if not store.write(run):
+        return CompactResult(
+            ok=True,
+            compacted=False,
+            reason="another compaction of the session was written first; its summary stands",
+            tokens_before=tokens_before,
+        )
     return CompactResult(ok=True, compacted=True, tokens_before=tokens_before, tokens_after=tokens_after)
