@@ -13,7 +13,8 @@ never returns) stops being renewed, so the session is not held forever by a live
 A renewal that fails because a retry of the turn took it over keeps the hold (renewed again a third
 of a lease later): a retry that fails hands the turn back to the attempt it took it from (``Turns.
 hand_back``), whose lease must then be kept alive again. A hold is dropped when its turn is gone
-(discarded or completed), at ``release``, and past its ``max_seconds``.
+(discarded or completed), at ``release``, and past its ``max_seconds``. A turn whose row another
+transaction holds locked (PostgreSQL) is skipped, not waited for, and tried again at the next look.
 
 A drain's claim of a ready row is held the same way while the row is delivered (``claim=True``), on
 PostgreSQL: an engine's commit longer than ``delivery_lease_seconds`` (a summarizing engine calling
@@ -34,14 +35,25 @@ import threading
 import time
 from dataclasses import dataclass
 
+from sqlalchemy import bindparam, select
+
 from . import outbox
+from .core import Core, by_session, session_params
 from .errors import InvalidInput
+from .schema import outbox as outbox_table
 from .store import TranscriptStore
 
 log = logging.getLogger(__name__)
 
 #: the longest the thread sleeps between looks at its turns, whatever their leases (seconds)
 MAX_TICK = 30.0
+
+# The turn's outbox row, locked unless another transaction holds it (PostgreSQL): see ``_renewal``.
+_LOCK_IF_FREE = (
+    select(outbox_table.c.turn_id)
+    .where(by_session(outbox_table), outbox_table.c.turn_id == bindparam("b_turn"))
+    .with_for_update(skip_locked=True)
+)
 
 
 @dataclass
@@ -167,18 +179,41 @@ class LeaseKeeper:
                 self._renew(key, held)
             self._wake.wait(self._tick)
 
-    def _renew(self, key: tuple[str, str, str, str], held: _Held) -> None:
+    @staticmethod
+    def _renewal(c: Core, key: tuple[str, str, str, str], held: _Held) -> outbox.RenewalOutcome | None:
+        """Renew the lease in this transaction; None: its row is locked by another transaction (skipped).
+
+        One thread renews every held lease, one after another: a renewal waiting on a row lock (the
+        turn's completion, an admission looking at it, a worker stuck mid-transaction) would leave every
+        other lease unrenewed for as long, and a live turn's lease would run out. So on PostgreSQL the
+        row is locked first with SKIP LOCKED, which never waits; a row that is there but locked is left
+        for the next look (a sixth of a lease later), never taken for a lost lease. On SQLite there are
+        no row locks: a write waits on the database's one write lock, which every renewal needs alike.
+        """
         scope, session_id, turn_id, owner = key
+        params = session_params(scope, session_id, b_turn=turn_id)
+        if (
+            not c.dialect.is_sqlite
+            and c.run(_LOCK_IF_FREE, params).first() is None
+            and outbox.get_row(c, scope, session_id, turn_id) is not None
+        ):
+            return None
+        renew = outbox.renew_claim if held.claim else outbox.renewal
+        return renew(c, scope, session_id, turn_id, owner, held.lease)
+
+    def _renew(self, key: tuple[str, str, str, str], held: _Held) -> None:
+        turn_id = key[2]
         started = time.monotonic()
         try:
-            renew = outbox.renew_claim if held.claim else outbox.renewal
-            outcome = self.store.write(lambda c: renew(c, scope, session_id, turn_id, owner, held.lease))
+            outcome = self.store.write(lambda c: self._renewal(c, key, held))
         except Exception as e:  # the store is unreachable for now: try again at the next look
             log.warning("turn %s: could not renew its lease (%s: %s); retrying", turn_id, type(e).__name__, e)
             return
         with self._lock:
             if self._held.get(key) is not held:
                 return  # released meanwhile (the turn is completing: its intent may be gone already)
+            if outcome is None:
+                return  # its row is locked: still due, so tried again at the next look
             held.set_at = started  # renewed, or tried: the next try a third of a lease later
             if outcome == "renewed":
                 if held.taken:
