@@ -234,6 +234,12 @@ class Service:
         sid, key = req.session_id, req.session_key
 
         def run(c: Core) -> SessionInfo:
+            if c.session_row(scope, sid) is None:
+                # Only a session this call creates takes the new-id byte limit: one whose id an earlier
+                # release stored longer is still opened by its id (and changes nothing below if so).
+                check_id("scope", scope, new=True)
+                check_id("session_id", sid, new=True)
+                check_id("session_key", key, optional=True, new=True)
             if req.rebind_key and key is not None:
                 if not c.dialect.is_sqlite:
                     # Rebinds of one key wait for each other (SQLite's writers already do): each then
@@ -459,6 +465,9 @@ class Service:
                 first, last = replay
                 messages = list(req.messages)
             else:
+                # A first commit stores the key: it takes the new-id byte limit (a replay above may name
+                # a longer one an earlier release stored).
+                check_id("advancement_key", req.advancement_key, new=True)
                 first, last, messages = mirror.mirror_turn(
                     c, self.store.config, scope, session_id,
                     admission=(req.admission.entry_id, req.admission.position),

@@ -169,7 +169,7 @@ class BodyLimit:
             return
         receive = _patient(receive, self.timeout)
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+            if name == b"content-length" and not _length_within(value, self.limit):
                 stalled = not await _drain(receive, 4 * self.limit)
                 response = error_json(413, "request_too_large", f"request bodies are limited to {self.limit} bytes")
                 if stalled:
@@ -189,6 +189,13 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+def _length_within(value: bytes, limit: int) -> bool:
+    """A Content-Length of ``limit`` bytes or fewer. Its digits are counted before ``int`` reads them:
+    ``int`` refuses a string of more than 4,300 digits (a ValueError, not the 413 such a length is)."""
+    digits = value.lstrip(b"0")
+    return value.isdigit() and len(digits) <= len(str(limit)) and int(digits or b"0") <= limit
 
 
 def _patient(receive: Any, seconds: float) -> Any:
