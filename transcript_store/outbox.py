@@ -22,8 +22,16 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Row, bindparam, delete, literal, select, union_all, update
 
 from . import identity
-from .core import Core, by_session, from_us, now_us, session_params
-from .errors import InvalidInput, OutboxCollision, SessionBusy, TransientStoreError, TurnOvertaken, UnknownTurn
+from .core import Core, by_session, foreign_incarnation, from_us, now_us, session_params
+from .errors import (
+    InvalidInput,
+    OutboxCollision,
+    SessionBusy,
+    TransientStoreError,
+    TurnOvertaken,
+    UnknownSession,
+    UnknownTurn,
+)
 from .fences import closed_range_of_append, read_closed_range
 from .ledger import CommitResult
 from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
@@ -58,6 +66,8 @@ class TurnIntent(BaseModel):
 
 #: the longest lease OutboxConfig accepts (seconds): a year
 MAX_LEASE_SECONDS = 365 * 24 * 3600.0
+#: The most rows one drain call may deliver (``drain_limit`` and ``drain(limit=)`` alike).
+MAX_DRAIN = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,10 @@ class OutboxConfig:
             # A lease is stored as microseconds in a 64-bit column: a finite number of seconds, up to a year.
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_LEASE_SECONDS:
                 raise InvalidInput(f"{name} must be a number of seconds in 0..{MAX_LEASE_SECONDS:g}, got {value!r}")
-        if isinstance(self.drain_limit, bool) or not isinstance(self.drain_limit, int) or self.drain_limit < 1:
-            raise InvalidInput(f"drain_limit must be a positive integer, got {self.drain_limit!r}")
+        limit = self.drain_limit
+        # Bounded as drain(limit=) is: a larger one was taken here and refused by every drain() after.
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_DRAIN:
+            raise InvalidInput(f"drain_limit must be an integer in 1..{MAX_DRAIN}, got {limit!r}")
 
 
 def _intent(core: Core, row: Row[Any]) -> TurnIntent:
@@ -376,16 +388,37 @@ def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anch
     intent, fresh, _ = check_accept(core, scope, session_id, turn_id, terminal)
     if fresh:
         # A terminal the caller built (the fast completion's comes from its own append): it must name
-        # a stored message as it is, or the acceptance would stand only to be blocked at the drain.
+        # a stored message of the session as it is now, descending from the admitted entry, or the
+        # acceptance would stand only to be blocked at the drain, and the genuine terminal could never
+        # be accepted after it.
+        sess = core.session_row(scope, session_id)
+        if sess is None:
+            raise UnknownSession(scope, session_id)
+        if foreign_incarnation(terminal.incarnation, sess.incarnation, sess.created_us):
+            raise InvalidInput("the terminal anchor is of another session under this id (its incarnation)")
+        if (terminal.session_key, terminal.generation) != (sess.session_key, sess.generation):
+            raise InvalidInput(
+                f"the terminal anchor is not of the session as it is now (key {terminal.session_key!r}, "
+                f"generation {terminal.generation}; the session has {sess.session_key!r}, {sess.generation})"
+            )
         row = core.entry_rows(scope, session_id, [terminal.entry_id]).get(terminal.entry_id)
-        if row is None or row.kind != "message" or (row.seq, row.parent_id, row.position) != (
-            terminal.seq, terminal.parent_id, terminal.position
+        if row is None or row.kind != "message" or (row.seq, row.parent_id, row.position, row.idempotency_key) != (
+            terminal.seq, terminal.parent_id, terminal.position, terminal.idempotency_key
         ):
             raise InvalidInput(f"the terminal anchor names no stored message as it is: {terminal.entry_id!r}")
         if row.seq < intent.admission.anchor.seq:
             # Written before the admitted entry, so not its descendant (a child's seq is its parent's
             # and more): the range would be ``non_descendant`` and the turn blocked at the drain.
             raise InvalidInput(f"the terminal anchor precedes the admitted entry: {terminal.entry_id!r}")
+        if intent.admission.anchor.generation == sess.generation:
+            # (An admission of an earlier generation is a rewrite during the turn: the drain blocks it
+            # ``stale``, as the host's own completion would be.)
+            check = read_closed_range(core, intent.admission.anchor, terminal, sess)
+            if not isinstance(check, ClosedRange) and check.reason == "non_descendant":
+                raise InvalidInput(
+                    f"the terminal anchor does not descend from the admitted entry ({check.detail}): "
+                    f"{terminal.entry_id!r}"
+                )
         persist_accept(core, scope, session_id, turn_id, terminal)
     return intent
 
@@ -468,11 +501,16 @@ def capture_range(
         return intent.model_copy(update={"state": "ready", "messages": messages}), result
     if result.reason == "projection_unavailable" or not persist:
         return intent, None
-    reason = f"{result.reason}: {result.detail}" if result.detail else result.reason
+    return _block_range(core, intent, result), None
+
+
+def _block_range(core: Core, intent: TurnIntent, failure: Any) -> TurnIntent:
+    """Block a queued row whose closed range cannot be read (a ``ClosedRangeFailure``); the blocked intent."""
+    reason = f"{failure.reason}: {failure.detail}" if failure.detail else failure.reason
     key = _key(intent.scope, intent.session_id, intent.turn_id)
-    core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=ts))
+    core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=now_us()))
     log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
-    return intent.model_copy(update={"state": "blocked", "block_reason": reason}), None
+    return intent.model_copy(update={"state": "blocked", "block_reason": reason})
 
 
 def discard(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
@@ -684,22 +722,31 @@ def claim_head(
             return "locked"
         if row.state == "blocked":  # blocked (by hand) since the head was read: never claimed
             continue
-        intent = _intent(core, row)
-        if intent.state == "accepted":
-            intent = capture(core, intent)
-            if intent.state == "blocked":
-                if blocked is not None:
-                    blocked.append(intent.turn_id)
-                continue
-            if intent.state == "accepted":
-                return "projection_unavailable"
-        ts = now_us()
         # A drain claim's owner is "<process identity>/<token>": a claim of a process gone from this
         # machine is free at once, as an admitted turn's lease is (``abandoned``), not a lease later.
+        # (An accepted row holds no claim: acceptance clears the lease.)
+        ts = now_us()
         live = row.lease_expires_us is not None and row.lease_expires_us > ts
         other = row.lease_owner is not None and row.lease_owner != owner
         if other and live and not _gone_here(row.lease_owner):
             return "leased"
+        intent = _intent(core, row)
+        if intent.state == "accepted":
+            intent = capture(core, intent)
+            if intent.state == "accepted":
+                return "projection_unavailable"
+        elif intent.terminal is not None:
+            # Captured by an earlier drain whose delivery failed: the transcript may have changed since
+            # (rewritten, branched away), and the ledger then refuses the turn at every delivery, holding
+            # the engine's later turns of the session back for good. It is checked again as an accepted
+            # row is, and blocked for the same reasons (a drain, not the fast completion: off the hot path).
+            check = read_closed_range(core, intent.admission.anchor, intent.terminal)
+            if not isinstance(check, ClosedRange) and check.reason != "projection_unavailable":
+                intent = _block_range(core, intent, check)
+        if intent.state == "blocked":
+            if blocked is not None:
+                blocked.append(intent.turn_id)
+            continue
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(
             update(outbox)

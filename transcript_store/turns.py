@@ -22,7 +22,15 @@ from sqlalchemy import Row
 from . import faults, identity, outbox
 from .core import Core, NewEntry, check_anchor, check_id
 from .db import UNSENDABLE
-from .errors import IdempotencyConflict, InvalidInput, OutboxCollision, TranscriptStoreError, describe
+from .errors import (
+    IdempotencyConflict,
+    InvalidInput,
+    OutboxCollision,
+    PayloadTooLarge,
+    TranscriptStoreError,
+    describe,
+)
+from .fences import MAX_TURN_BYTES
 from .leases import LeaseKeeper
 from .ledger import (
     ApplyTurn,
@@ -43,8 +51,7 @@ log = logging.getLogger("transcript_store.turns")
 
 #: Delivers one ready intent to its engine inside the given transaction (fast path) or on its own.
 CommitIn = Callable[[Core, TurnPayload], CommitResult]
-#: The most rows one drain call may deliver.
-MAX_DRAIN = 1_000_000
+MAX_DRAIN = outbox.MAX_DRAIN  # where the CLI and callers have imported it from
 
 
 @dataclass
@@ -111,13 +118,30 @@ class Turns:
         check_id("advancement_key", advancement_key, new=True)
         turn = prepare_turn(engine_id, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
         _check_callable("apply", apply, optional=True)
+        # Both ways below are retried whole on a lost connection. When an attempt's commit landed but
+        # its answer was lost, the retry finds the receipt that attempt wrote: that is this call's own
+        # commit, not a replay, and it answers ``committed``. The receipt's commit time (microseconds,
+        # fresh per attempt) tells it from another caller's commit of the same key.
+        mine: list[Receipt] = []
+
+        def own(result: CommitResult | None) -> CommitResult | None:
+            if result is None:
+                return None
+            if result.status == "committed":
+                mine.append(result.receipt)  # compared only on a duplicate: nothing more per commit
+            elif any(r.model_dump() == result.receipt.model_dump() for r in mine):
+                return CommitResult.model_construct(status="committed", receipt=result.receipt)
+            return result
+
         if apply is None:
             # A first commit is usually one statement outside any transaction; whatever it does not commit
             # (a replay, a collision, anything it cannot prove) the transaction below decides.
-            done = self.store.statement(lambda c: commit_turn_statement(c, turn))
+            done = self.store.statement(lambda c: own(commit_turn_statement(c, turn)))
             if done is not None:
                 return done
-        return self.store.write(lambda c: commit_turn_in(c, turn, apply))
+        result = self.store.write(lambda c: own(commit_turn_in(c, turn, apply)))
+        assert result is not None
+        return result
 
     def receipts(self, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
         """The ledger of a session."""
@@ -279,6 +303,14 @@ class Turns:
         _check_owner(owner)
         if not isinstance(lease, outbox.AdmittedLease) or lease.turn_id != turn_id:
             raise InvalidInput("lease must be the AdmittedLease this turn's admission took over")
+        # Its fields reach arithmetic and the row as they are: a lease built by hand is checked like one
+        # read from the store (an owner as admit takes it, or None; an expiry a BIGINT holds, or None).
+        if lease.owner is not None:
+            _check_owner(lease.owner)
+        expires = lease.expires_us
+        if expires is not None and (isinstance(expires, bool) or not isinstance(expires, int)
+                                    or not 0 <= expires < 2**63):
+            raise InvalidInput(f"lease.expires_us must be None or an integer in 0..2**63-1, got {expires!r}")
         landed: list[bool] = []
         seconds = self.config.turn_lease_seconds
 
@@ -325,6 +357,7 @@ class Turns:
         items = self.store.prepare(replies)
         if not items or items[-1].kind != "message":
             raise InvalidInput("a turn completes with at least one reply message, the terminal last")
+        self._check_turn_size(scope, session_id, turn_id, items)
         if commit_in is not None:
             landed: list[CompletionResult] = []
 
@@ -348,6 +381,28 @@ class Turns:
                 return CompletionResult(slow[0], slow[1], None, fast_path_error=describe(e))
         intent, terminal = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
         return CompletionResult(intent, terminal, None)
+
+    def _check_turn_size(self, scope: str, session_id: str, turn_id: str, items: list[NewEntry]) -> None:
+        """PayloadTooLarge, before anything is written, for replies that would make the turn's closed
+        range larger than MAX_TURN_BYTES: accepted, it would be blocked ``too_large`` at once and never
+        reach its engine. Only replies within one entry's cap of the limit read the admitted entry."""
+        total = sum(i.size_bytes for i in items)
+        if total <= MAX_TURN_BYTES - self.store.config.max_payload_bytes:
+            return  # whatever the admitted entry's size (at most one entry's cap), the turn fits
+
+        def admitted_size(c: Core) -> int:
+            row = outbox.get_row(c, scope, session_id, turn_id)
+            if row is None:
+                return 0  # no intent: the completion refuses it (OutboxCollision) as it always did
+            entry_id = Admission.model_validate_json(row.admission).anchor.entry_id
+            found = c.entry_rows(scope, session_id, [entry_id]).get(entry_id)
+            return int(found.size_bytes) if found is not None else 0
+
+        size = total + self.store.read(admitted_size)
+        if size > MAX_TURN_BYTES:
+            raise PayloadTooLarge(
+                f"turn {turn_id!r} would be {size} bytes with its replies, over the cap of {MAX_TURN_BYTES}"
+            )
 
     def _committed(self, done: CompletionResult) -> bool:
         """Whether the ledger holds the commit a fast completion reported (same key, same payload)."""
@@ -647,7 +702,7 @@ def new_owner() -> str:
 
 def _check_owner(owner: object) -> str:
     if not isinstance(owner, str) or not 1 <= len(owner) <= outbox.MAX_OWNER or UNSENDABLE.search(owner):
-        raise InvalidInput(f"a lease owner is a string of 1..{outbox.MAX_OWNER} characters")
+        raise InvalidInput(f"a lease owner is a string of 1..{outbox.MAX_OWNER} characters, no control characters")
     return owner
 
 
