@@ -1216,9 +1216,14 @@ class HostRuntime:
         name = call["function"]["name"]
         try:
             args = json.loads(call["function"].get("arguments") or "{}")
-        except json.JSONDecodeError:
-            args = {}
-        if name in engine_tools and info.id in self.quarantined:
+        except (ValueError, TypeError, RecursionError):
+            # Not only malformed JSON: an integer of more digits than Python converts (ValueError, not a
+            # JSONDecodeError), nesting past the recursion limit, arguments that are no string. The model
+            # hears it, as it hears any tool's error; the turn goes on.
+            args = None
+        if not isinstance(args, dict):
+            content = json.dumps({"error": f"the arguments of tool {name!r} are not a JSON object it can read"})
+        elif name in engine_tools and info.id in self.quarantined:
             content = json.dumps({"error": f"tool {name!r} is unavailable: its context engine failed"})
         elif name in engine_tools:
             handler = engine.handle_tool_call
