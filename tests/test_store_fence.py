@@ -160,6 +160,16 @@ def test_rewritten_when_the_generation_rotated(store: TranscriptStore, sid: str)
     expect_fence_error("rewritten", lambda: store.read_visible_delta(A, sid, "garbage", fence=adm.fence))
 
 
+def test_a_fence_naming_another_session_key_says_so(store: TranscriptStore, sid: str) -> None:
+    """Only the key differs: the error said "generation 0 is now 0"."""
+    _, adm = turn(store, sid)
+    fence = adm.fence.model_copy(update={"session_key": "another-key"})
+    for call in fenced_reads(store, A, sid, fence):
+        with pytest.raises(ReadFenceError) as info:
+            call()
+        assert info.value.reason == "rewritten" and "another-key" in str(info.value), info.value
+
+
 def test_rewritten_when_the_admitted_entry_itself_was_rewritten(store: TranscriptStore, sid: str) -> None:
     _, adm = turn(store, sid)
     store.rewrite_entries(A, sid, [{"entry_id": adm.fence.entry_id, "message": user("edited question")}])

@@ -44,8 +44,10 @@ def check_fence(core: Core, scope: str, session_id: str, fence: Anchor, sess: An
     row = rows.get(fence.entry_id)
     if row is None:
         raise ReadFenceError("missing", f"admitted entry {fence.entry_id} does not exist")
-    if sess.generation != fence.generation or sess.session_key != fence.session_key:
+    if sess.generation != fence.generation:
         raise ReadFenceError("rewritten", f"generation {fence.generation} is now {sess.generation}")
+    if sess.session_key != fence.session_key:
+        raise ReadFenceError("rewritten", f"session key {fence.session_key!r} is now {sess.session_key!r}")
     if row.seq != fence.seq or row.parent_id != fence.parent_id or row.position != fence.position:
         raise ReadFenceError("moved", "the admitted entry's seq, parent or position changed")
     if row.ts_path_seq != row.seq:
