@@ -249,6 +249,27 @@ def test_commit_turn_committed_duplicate_collision(server: ServiceProcess, engin
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_an_assemble_prompt_or_tool_name_no_engine_could_store_is_a_400(server: ServiceProcess, engine: str) -> None:
+    """The prompt and the tool names reached the engine (a third party's, perhaps) unchecked: NaN, a lone
+    surrogate, nesting 900 deep, a message no chat API takes all answered 200."""
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    path = f"/v1/engines/{engine}/sessions/{sid}/assemble"
+    deep = '{"role": "user", "content": "x", "meta": ' + "[" * 900 + "]" * 900 + "}"
+    for raw in (
+        b'{"prompt": {"role": "user", "content": "x", "score": NaN}}',
+        b'{"prompt": "pasted \\ud800 text"}',
+        b'{"prompt": {"role": "robot", "content": "x"}}',
+        ('{"prompt": ' + deep + "}").encode(),
+        b'{"available_tools": ["lookup", "bad \\udc00 name"]}',
+    ):
+        status, data = server.call("POST", path, TOKEN_A, raw=raw, headers={"Content-Type": "application/json"})
+        assert status == 400 and data["error"]["code"] in ("invalid_input", "invalid_message"), (raw[:60], data)
+    status, data = server.call("POST", path, TOKEN_A, {"prompt": "plain words", "available_tools": ["lookup"]})
+    assert status == 200, data
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_host_turn_committed_under_a_second_key_is_refused(server: ServiceProcess, engine: str) -> None:
     """The same host entries under another advancement key would reach the engine twice: the mirrored
     admission keeps the key it was first committed under (409 turn_key_conflict, nothing written)."""

@@ -128,6 +128,12 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
         raise InvalidInput(f"payload contains a non-JSON value of type {type(value).__name__}")
 
 
+def check_json(value: Any) -> None:
+    """InvalidInput unless ``value`` is JSON that UTF-8 carries losslessly (no NaN, lone surrogates, odd
+    types, nesting past 64 levels)."""
+    _check_json_value(value)
+
+
 def validate_message(message: Any) -> dict[str, Any]:
     """Validate one OpenAI chat message and return it as a plain dict, extras preserved."""
     if isinstance(message, ChatMessage):

@@ -49,7 +49,17 @@ from .errors import (
 )
 from .host import HostRuntime, RuntimeContext
 from .ledger import CommitResult, get_receipt, list_receipts
-from .models import Admission, Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry, SessionInfo
+from .models import (
+    Admission,
+    Anchor,
+    DeltaMissing,
+    DeltaPage,
+    DeltaReset,
+    Entry,
+    SessionInfo,
+    check_json,
+    validate_message,
+)
 from .registry import EngineRegistry
 from .service_models import (
     AdmitRequest,
@@ -403,6 +413,12 @@ class Service:
         fence = self._own(scope, session_id, req.fence)
         budget = req.token_budget or self.default_budget
         prompt = {"role": "user", "content": req.prompt} if isinstance(req.prompt, str) else req.prompt
+        # Checked as a stored message is (no NaN, lone surrogates, nesting past 64, a valid chat message),
+        # and the tool names as JSON text: an engine, perhaps a third party's, gets only what it could
+        # store and send on, and a bad value is a 400 here, not an engine's failure.
+        if prompt is not None:
+            prompt = validate_message(prompt)
+        check_json(list(req.available_tools))
         base = {
             "scope": scope,
             "session_id": session_id,
