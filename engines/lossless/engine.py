@@ -336,8 +336,9 @@ class LosslessEngine:
 
     def handle_tool_call(self, name: str, args: dict[str, Any], *, scope: str, session_id: str) -> str:
         """Run one recall tool; the answer (or ``{"error": ...}``) as a JSON string."""
+        compiled: list[Any] = [None]  # the regex tools.check compiles, for the grep of this call
         handlers = {
-            "lcm_grep": lambda c: tools.run_grep(c, scope, session_id, args),
+            "lcm_grep": lambda c: tools.run_grep(c, scope, session_id, args, compiled[0]),
             "lcm_describe": lambda c: tools.run_describe(c, scope, session_id, args),
             "lcm_expand": lambda c: tools.run_expand(c, scope, session_id, args, self.config.expand_max_chars),
         }
@@ -346,7 +347,8 @@ class LosslessEngine:
         if not isinstance(args, dict):
             return json.dumps({"error": "arguments must be a JSON object"})
         try:
-            tools.check(name, args)  # before any read: a refused call writes nothing (no pending reset either)
+            # Before any read: a refused call writes nothing (no pending reset either).
+            compiled[0] = tools.check(name, args)
         except tools.ToolError as e:
             return json.dumps({"error": str(e)}, ensure_ascii=False)
 

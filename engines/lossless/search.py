@@ -32,32 +32,41 @@ the one place this engine branches on the dialect (the migration explains why):
   does not: it folds by the database's lower() (C.UTF-8 or en_US.UTF-8: İ is an i, and a final sigma,
   the micro sign and the long s stay themselves; C: ASCII letters only; ICU: the locale's way). The
   pg_trgm GIN index serves the expression (pg_trgm reads its classes of characters up to U+07FF:
-  PostgreSQL's regex library enumerates none beyond), and an ILIKE of the term with every cased
-  character as ``_`` (at least the rule's matches, under any ctype) serves runs of uncased characters
-  past U+07FF (CJK). So the hits do not depend on the ctype; how far the index narrows them does
-  (under C, pg_trgm makes trigrams of ASCII characters only). For a short or common term the planner
-  walks the session's rows instead. Hits are ranked by ts_rank on the 'simple' tsvector column, which
-  never decides (its parser drops punctuation: it found "foo s" for foo's).
+  PostgreSQL's regex library enumerates none beyond), and a case-sensitive LIKE of the term with every
+  run of cased characters as ``%`` serves runs of uncased characters past U+07FF (CJK). The LIKE
+  compares code points too, so it finds at least the rule's matches whatever lower() does (an ILIKE,
+  with each cased character as ``_``, did not: ICU's Lithuanian lowers Ì to three code points). Its
+  escape character is ``!``: a backslash in ``ESCAPE '\\'`` is an unterminated literal under
+  ``standard_conforming_strings = off``. So the hits do not depend on the ctype or the server's
+  settings; how far the index narrows them does (under C, pg_trgm makes trigrams of ASCII characters
+  only). For a short or common term the planner walks the session's rows instead. Hits are ranked by
+  ts_rank on the 'simple' tsvector column, which never decides (its parser drops punctuation: it found
+  "foo s" for foo's).
 
 Hits are ordered without ties (see ``_recency``), so a search answers the same page on both backends
 (``relevance`` aside: bm25 and ts_rank score differently).
 
 Regular expressions (Python syntax, run by the ``regex`` package) scan the session's rows newest
-first, in bounded batches. The model writes them, so each is bounded: a pattern whose counted
-repetitions expand past REGEX_MAX_SIZE is refused before compiling (compiling expands them, unbounded
-in time), each row's first REGEX_MAX_TEXT characters are searched, and matching stops with a
-SearchError after REGEX_SECONDS over the whole search. Matching releases the GIL (``concurrent``), so
-a slow pattern never freezes the process's other threads (heartbeats, other sessions' turns).
+first, in bounded batches. The model writes them, so each is bounded: a pattern whose size (its
+counted repetitions expanded, see ``expanded_size``) passes REGEX_MAX_SIZE is refused before compiling
+(compiling expands them, unbounded in time and memory), each row's first REGEX_MAX_TEXT characters
+are searched, and matching stops with a SearchError after REGEX_SECONDS over the whole search.
+Matching releases the GIL (``concurrent``), so a slow pattern never freezes the process's other
+threads (heartbeats, other sessions' turns). A search holds what it needs, whatever the session's
+size: a pattern compiled once and cached nowhere (the ``regex`` module's cache kept 500, a large one
+100+ MiB), a batch of rows read up to their searched prefix, and the best ``limit`` hits, each with
+the piece of its text that its snippet shows.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Iterator, Set
+from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass
 from functools import cache
 from itertools import islice, product
@@ -66,7 +75,7 @@ from re import _parser as _sre_parse  # type: ignore[attr-defined]
 from typing import Any, Literal
 
 import regex
-from sqlalchemy import Table, select, text
+from sqlalchemy import Table, func, null, select, text
 
 from transcript_store.core import Core
 from transcript_store.db import PG_VALUE_PLANS
@@ -76,7 +85,8 @@ from .tables import messages, summaries
 Kind = Literal["message", "summary"]
 Mode = Literal["full_text", "regex"]
 Sort = Literal["recency", "relevance"]
-SCAN_BATCH = 500
+#: rows of a regex scan's batch (each read up to REGEX_MAX_TEXT characters and a snippet's margin)
+SCAN_BATCH = 100
 #: seconds of regex matching one search may take, in all
 REGEX_SECONDS = 2.0
 #: characters of each row a regex searches (a longer tool result is searched from its start)
@@ -85,6 +95,11 @@ REGEX_MAX_TEXT = 100_000
 REGEX_MAX_SIZE = 100_000
 #: matches of one row that count towards its score
 REGEX_MAX_MATCHES = 1000
+#: characters of a snippet (``snippet``)
+SNIPPET_WIDTH = 160
+# Characters of a row a regex scan reads: what it searches, and what the snippet of a match at its end
+# reads past it (half a snippet, and one character to tell whether the text goes on).
+_REGEX_READ = REGEX_MAX_TEXT + SNIPPET_WIDTH + 1
 #: spellings of one run of a term an FTS5 query spells out (see ``_fts5_match``)
 FTS5_SPELLINGS = 16
 
@@ -107,6 +122,8 @@ class Hit:
     role: str | None = None
     entry_id: str | None = None
     span: tuple[int, int] | None = None
+    #: where ``content`` starts in the text: a regex hit keeps only the piece its snippet shows
+    offset: int = 0
 
 
 def grep(
@@ -119,10 +136,15 @@ def grep(
     kinds: tuple[Kind, ...],
     sort: Sort,
     limit: int,
+    compiled: regex.Pattern[str] | None = None,
 ) -> list[Hit]:
-    """The best ``limit`` hits over ``kinds`` (see module doc); a bad or too slow regex raises SearchError."""
+    """The best ``limit`` hits over ``kinds`` (see module doc); a bad or too slow regex raises SearchError.
+
+    ``compiled``: the regex ``compile_regex`` made of ``pattern``, when the caller has it (a large one
+    takes its compile time and memory again otherwise)."""
     hits: list[Hit] = []
-    compiled = compile_regex(pattern) if mode == "regex" else None
+    if mode == "regex" and compiled is None:
+        compiled = compile_regex(pattern)
     deadline = time.monotonic() + REGEX_SECONDS
     if not core.dialect.is_sqlite and core.config.pg_generic_plans and mode != "regex":
         # The store's connections plan statements once, for any values (transcript_store/db.py); a
@@ -130,7 +152,7 @@ def grep(
         # or common one: the session's own rows), so this transaction plans per execution again.
         core.conn.exec_driver_sql(PG_VALUE_PLANS)
     for kind in kinds:
-        if compiled is not None:
+        if mode == "regex" and compiled is not None:
             hits += _regex(core, scope, session_id, kind, compiled, sort, limit, deadline)
         else:
             hits += _full_text(core, scope, session_id, kind, pattern.split(), sort, limit)
@@ -151,15 +173,17 @@ def _relevance(h: Hit) -> tuple[float, int, str, int]:
 
 
 def compile_regex(pattern: str) -> regex.Pattern[str]:
-    """The compiled pattern; SearchError when it is invalid or expands past REGEX_MAX_SIZE."""
+    """The compiled pattern, cached nowhere; SearchError when it is invalid or its size passes REGEX_MAX_SIZE."""
     size = expanded_size(pattern)
     if size > REGEX_MAX_SIZE:
         raise SearchError(
-            f"regular expression too large: its counted repetitions expand to about {size} items "
+            f"regular expression too large: about {size} items once its counted repetitions are expanded "
             f"(at most {REGEX_MAX_SIZE})"
         )
     try:
-        return regex.compile(pattern)
+        # Not in the regex module's cache: it keeps 500 patterns for the life of the process, and one
+        # within REGEX_MAX_SIZE can take 100+ MiB compiled. The caller keeps it for one search.
+        return regex.compile(pattern, cache_pattern=False)
     # Warning: a host running with warnings as errors (-W error) gets the parser's FutureWarning of a
     # pattern like "[[a]" raised; the pattern is refused like an invalid one, not the engine quarantined.
     except (regex.error, ValueError, OverflowError, RecursionError, Warning) as e:
@@ -175,44 +199,72 @@ def compile_regex(pattern: str) -> regex.Pattern[str]:
 # by ``re``, expand nothing when compiled; their matching is bounded in time like any.)
 _PROPERTY = regex.compile(r"\\\\|\\[pP]\{[^}]*\}|\\[pP][A-Za-z]|\\X")
 _REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
+# What some items cost compiled, in literals (measured: x{100000} takes 25 MiB compiled; (?:\X){100000}
+# 4.7 times as much, x? 2, x+ 3, x++ 4.4, (?=x) 2.9, (?>x) 2.4, (x) 2.5, ten nested groups 16). The
+# size once counted \X and loops as one literal: (?:\X?){99990} passed and took 170 MiB.
+_GRAPHEME = "(?:" + "x" * 5 + ")"  # \X, a grapheme cluster: a program of its own
+_LOOP = 3  # ?, * and + (lazy too): a loop around their item, which is never expanded
+_NODE = 2  # a lookaround, an atomic group, a possessive repetition: the group's own nodes
+_CAPTURE = 2  # a capture group: at least this much for each group it holds, itself included
 
 
 def expanded_size(pattern: str) -> int:
     """The pattern's items once its counted repetitions (``x{n,m}``) are expanded, as compiling does.
 
     A repetition multiplies its item by its upper bound (by its lower one when it has none: ``*`` and
-    ``+`` do not expand); a group, a branch or a lookaround counts what it holds. SearchError for a
-    pattern Python's ``re`` parser refuses (``regex``'s property escapes aside).
+    ``+`` do not expand); a group, a branch or a lookaround counts what it holds. Items that compile
+    large weigh more (``_GRAPHEME`` and after), so REGEX_MAX_SIZE holds a compiled pattern to some
+    25 MiB: ``\\X`` is 5 items, a loop (``?``, ``*``, ``+``) 3 times its item, a lookaround, an atomic
+    group or a possessive repetition 2 more than it holds, a capture group at least 2 for each group it
+    holds, itself included. SearchError for a pattern Python's ``re`` parser refuses (``regex``'s
+    property escapes aside).
     """
-    plain = _PROPERTY.sub(lambda m: m.group() if m.group() == "\\\\" else "x", pattern)
+    plain = _PROPERTY.sub(lambda m: {"\\\\": "\\\\", "\\X": _GRAPHEME}.get(m.group(), "x"), pattern)
     try:
         tree = _sre_parse.parse(plain)
-        return _size(tree)
+        return _size(tree)[0]
     except (re.error, OverflowError, RecursionError, Warning) as e:  # Warning: see compile_regex
         if "too large" in str(e) or isinstance(e, OverflowError):
             return REGEX_MAX_SIZE + 1
         raise SearchError(f"invalid regular expression (Python re syntax; \\p{{...}} classes allowed): {e}") from None
 
 
-def _size(items: Any) -> int:
-    total = 0
+def _size(items: Any) -> tuple[int, int]:
+    """The size of a parsed sequence (``expanded_size``) and the capture groups it holds."""
+    total = groups = 0
     for op, av in items:
+        size, held = 1, 0
         if op in _REPEATS:
             low, high, item = av
-            total += max(low if high == _sre.MAXREPEAT else high, 1) * _size(item)
+            size, held = _size(item)
+            if high == _sre.MAXREPEAT or (low, high) == (0, 1):
+                size *= _LOOP
+            size *= max(low if high == _sre.MAXREPEAT else high, 1)
+            size += _NODE if op is _sre.POSSESSIVE_REPEAT else 0
         elif op is _sre.SUBPATTERN:
-            total += _size(av[-1])
+            size, held = _size(av[-1])
+            if av[0] is not None:
+                held += 1
+                size = max(size, _CAPTURE * held)
         elif op is _sre.ATOMIC_GROUP:
-            total += _size(av)
+            size, held = _size(av)
+            size += _NODE
         elif op is _sre.BRANCH:
-            total += sum(_size(branch) for branch in av[1])
+            size, held = _sizes(av[1])
         elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            total += _size(av[1])
+            size, held = _size(av[1])
+            size += _NODE
         elif op is _sre.GROUPREF_EXISTS:
-            total += _size(av[1]) + (_size(av[2]) if av[2] is not None else 0)
-        else:
-            total += 1
-    return total
+            size, held = _sizes(part for part in av[1:] if part is not None)
+        total += size
+        groups += held
+    return total, groups
+
+
+def _sizes(parts: Iterable[Any]) -> tuple[int, int]:
+    """The sizes and groups of alternatives (a branch's, a conditional's), added."""
+    pairs = [_size(part) for part in parts]
+    return sum(size for size, _ in pairs), sum(held for _, held in pairs)
 
 
 def _columns(kind: Kind) -> str:
@@ -269,8 +321,14 @@ def _forms(ch: str) -> str:
     return _folding()[1].get(folded, folded)
 
 
-def _like(term: str) -> str:
-    return "%" + term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+#: the escape character of every LIKE pattern here: not a backslash, which would make ``ESCAPE '\\'`` an
+#: unterminated literal on a server with ``standard_conforming_strings = off``
+LIKE_ESCAPE = "!"
+
+
+def _like(text: str) -> str:
+    """``text`` as a LIKE pattern that matches only itself (``ESCAPE '!'``)."""
+    return text.replace("!", "!!").replace("%", "!%").replace("_", "!_")
 
 
 def _glob(term: str) -> str:
@@ -301,22 +359,26 @@ def _pg_regex(term: str) -> str:
 
 
 def _pg_like(term: str) -> str | None:
-    """An ILIKE pattern finding at least the term's matches, whatever the database's ctype: each cased
-    character (one with other forms) as ``_``, the rest literal. Only for a term with a run of 3+
+    """A case-sensitive LIKE pattern (``ESCAPE '!'``) finding at least the term's matches, whatever the
+    database's lower() and ctype: each run of cased characters (those with other forms) as ``%``, the
+    uncased ones literal (only itself matches such a character). Only for a term with a run of 3+
     uncased letters or digits one of which is past U+07FF, which the regular expression's trigrams miss
     (CJK); None otherwise."""
-    out = []
+    out = ["%"]
     run = wide = 0
     useful = False
     for ch in term:
         if len(_forms(ch)) > 1:
-            out.append("_")
+            if out[-1] != "%":
+                out.append("%")
             run = wide = 0
             continue
-        out.append(_like(ch)[1:-1])
+        out.append(_like(ch))
         run, wide = (run + 1, wide + 1 if ord(ch) > 0x7FF else wide) if ch.isalnum() else (0, 0)
         useful = useful or (run >= 3 and wide > 0)
-    return "%" + "".join(out) + "%" if useful else None
+    if out[-1] != "%":
+        out.append("%")
+    return "".join(out) if useful else None
 
 
 # How SQLite's trigram tokenizer folds a character (its own table: the module doc), read once per
@@ -419,16 +481,16 @@ def _full_text(
     else:
         params["q"] = " ".join(terms)
         # The regular expression decides (the rule, code point by code point, whatever the ctype) and
-        # the pg_trgm index serves it; an ILIKE helps the index with what the expression's trigrams
-        # miss. A word match alone is never one (the parser drops punctuation: "foo's" is the words
-        # foo & s, "[x" the word x); the word vector only ranks.
+        # the pg_trgm index serves it; a LIKE helps the index with what the expression's trigrams miss.
+        # A word match alone is never one (the parser drops punctuation: "foo's" is the words foo & s,
+        # "[x" the word x); the word vector only ranks.
         exact = []
         for n, term in enumerate(terms):
             params[f"r{n}"] = _pg_regex(term)
             exact.append(f"t.content ~ :r{n}")
             if (like := _pg_like(term)) is not None:
                 params[f"t{n}"] = like
-                exact.append(f"t.content ILIKE :t{n} ESCAPE '\\'")
+                exact.append(f"t.content LIKE :t{n} ESCAPE '{LIKE_ESCAPE}'")
         sql = (
             f"SELECT {_columns(kind)}, ts_rank(t.search_tsv, plainto_tsquery('simple', :q)) AS score"
             f" FROM {table.name} AS t WHERE t.scope = :scope AND t.session_id = :session_id"
@@ -459,28 +521,28 @@ def _regex(
     limit: int,
     deadline: float,
 ) -> list[Hit]:
-    hits: list[Hit] = []
+    found = _regex_hits(core, scope, session_id, kind, pattern, deadline)
+    if sort == "recency" and kind == "message":
+        # Messages come newest first, in their _recency order: the first ``limit`` are the page.
+        # (Summaries come by id, which is not their recency: a condensed summary made after a leaf
+        # covers older messages.)
+        return list(islice(found, limit))
+    # The best ``limit`` in a heap: what a search holds does not grow with the session.
+    return heapq.nsmallest(limit, found, key=_relevance if sort == "relevance" else _recency)
+
+
+def _regex_hits(
+    core: Core, scope: str, session_id: str, kind: Kind, pattern: regex.Pattern[str], deadline: float
+) -> Iterator[Hit]:
+    """Each row of the session the pattern matches, newest first, with the piece of its text that the
+    match's snippet shows."""
     for row in _scan(core, scope, session_id, kind):
-        found = _matches(pattern, row["content"][:REGEX_MAX_TEXT], deadline)
-        if not found:
-            continue
-        first = found[0]
-        hits.append(
-            Hit(
-                kind,
-                row["ref"],
-                row["recency"],
-                float(len(found)),
-                row["content"],
-                row["role"],
-                row["entry_id"],
-                (first.start(), first.end()),
-            )
-        )
-        if sort == "recency" and kind == "message" and len(hits) >= limit:
-            break  # messages come newest first (summaries by id, which is not their recency: a condensed
-            # summary made after a leaf covers older messages)
-    return hits
+        found = _matches(pattern, row.content[:REGEX_MAX_TEXT], deadline)
+        if found:
+            span = found[0].span()
+            start = _snippet_start(span, SNIPPET_WIDTH)
+            piece = row.content[start : start + SNIPPET_WIDTH + 1]  # + 1: is there more text after it
+            yield Hit(kind, row.ref, row.recency, float(len(found)), piece, row.role, row.entry_id, span, start)
 
 
 def _matches(pattern: regex.Pattern[str], content: str, deadline: float) -> list[regex.Match[str]]:
@@ -497,33 +559,40 @@ def _matches(pattern: regex.Pattern[str], content: str, deadline: float) -> list
         ) from None
 
 
-def _scan(core: Core, scope: str, session_id: str, kind: Kind) -> Iterator[dict[str, Any]]:
-    """Every row of the session, newest first, in indexed batches."""
+def _scan(core: Core, scope: str, session_id: str, kind: Kind) -> Iterator[Any]:
+    """Every row of the session, newest first, in indexed batches: its keys and its text up to what a
+    regex searches and the snippet of a match there reads (a long tool result is not read whole)."""
     table, key = _SOURCES[kind]
     column = table.c[key]
+    is_message = kind == "message"
+    columns = (
+        column.label("ref"),
+        (table.c.ordinal if is_message else table.c.latest_ordinal).label("recency"),
+        (table.c.role if is_message else null()).label("role"),
+        (table.c.entry_id if is_message else null()).label("entry_id"),
+        func.substr(table.c.content, 1, _REGEX_READ).label("content"),
+    )
     before: int | None = None
     while True:
-        q = select(table).where(table.c.scope == scope, table.c.session_id == session_id)
+        q = select(*columns).where(table.c.scope == scope, table.c.session_id == session_id)
         if before is not None:
             q = q.where(column < before)
         rows = core.conn.execute(q.order_by(column.desc()).limit(SCAN_BATCH)).all()
-        for r in rows:
-            is_message = kind == "message"
-            yield {
-                "ref": r._mapping[key],
-                "recency": r.ordinal if is_message else r.latest_ordinal,
-                "role": r.role if is_message else None,
-                "entry_id": r.entry_id if is_message else None,
-                "content": r.content,
-            }
+        yield from rows
         if len(rows) < SCAN_BATCH:
             return
-        before = rows[-1]._mapping[key]
+        before = rows[-1].ref
+        del rows  # before the next batch comes: one batch at a time in memory
 
 
-def snippet(content: str, span: tuple[int, int] | None, width: int = 160) -> str:
-    """About ``width`` characters around the match, whitespace collapsed."""
-    start = 0 if span is None else max(0, span[0] - width // 2)
-    piece = content[start : start + width]
+def _snippet_start(span: tuple[int, int] | None, width: int) -> int:
+    return 0 if span is None else max(0, span[0] - width // 2)
+
+
+def snippet(content: str, span: tuple[int, int] | None, width: int = SNIPPET_WIDTH, offset: int = 0) -> str:
+    """About ``width`` characters around the match, whitespace collapsed. ``content`` is the text from
+    ``offset`` on (``Hit.offset``), at least as far as the snippet reads and a character more if any."""
+    start = _snippet_start(span, width)
+    piece = content[start - offset : start - offset + width]
     flat = " ".join(piece.split())
-    return ("…" if start > 0 else "") + flat + ("…" if start + width < len(content) else "")
+    return ("…" if start > 0 else "") + flat + ("…" if start + width < offset + len(content) else "")

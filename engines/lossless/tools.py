@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
+import regex
 from sqlalchemy import func, select
 from sqlalchemy.exc import DataError
 
@@ -186,27 +187,38 @@ def _expand_args(args: dict[str, Any]) -> tuple[str, int, int]:
     return raw, _int(args, "offset", 0, 0, MAX_INT), _int(args, "limit", 50, 1, MAX_LIMIT)
 
 
-def check(name: str, args: dict[str, Any]) -> None:
+def check(name: str, args: dict[str, Any]) -> regex.Pattern[str] | None:
     """ToolError for a call whose arguments a handler would refuse, found without touching the database:
-    the engine asks before its first read, so a refused call never writes (a pending reset included)."""
+    the engine asks before its first read, so a refused call never writes (a pending reset included).
+
+    An ``lcm_grep`` regex is compiled here, once a call, and returned for ``run_grep`` to use: a large
+    pattern takes seconds and many MiB to compile, and nothing keeps it past the call."""
     if name == "lcm_grep":
         pattern, mode, *_ = _grep_args(args)
         if mode == "regex":
             try:
-                compile_regex(pattern)
+                return compile_regex(pattern)
             except SearchError as e:
                 raise ToolError(str(e)) from None
     elif name == "lcm_describe":
         _describe_args(args)
     elif name == "lcm_expand":
         _expand_args(args)
+    return None
 
 
-def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
-    """lcm_grep."""
+def run_grep(
+    core: Core, scope: str, session_id: str, args: dict[str, Any], compiled: regex.Pattern[str] | None = None
+) -> dict[str, Any]:
+    """lcm_grep (``compiled``: the regex ``check`` compiled for this call, else compiled here)."""
     pattern, mode, target, sort, limit = _grep_args(args)
+    if compiled is not None and compiled.pattern != pattern:
+        compiled = None
     try:
-        hits = grep(core, scope, session_id, pattern, mode=mode, kinds=_TARGETS[target], sort=sort, limit=limit)
+        hits = grep(
+            core, scope, session_id, pattern, mode=mode, kinds=_TARGETS[target], sort=sort, limit=limit,
+            compiled=compiled if mode == "regex" else None,
+        )
     except SearchError as e:
         raise ToolError(str(e)) from None
     results = []
@@ -214,7 +226,7 @@ def run_grep(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> d
         row: dict[str, Any] = {"id": message_id(h.ref) if h.kind == "message" else summary_id(h.ref), "kind": h.kind}
         if h.kind == "message":
             row.update(role=h.role, entry_id=h.entry_id)
-        row["snippet"] = snippet(h.content, h.span)
+        row["snippet"] = snippet(h.content, h.span, offset=h.offset)
         if sort == "relevance":
             row["score"] = round(h.score, 6)
         results.append(row)
