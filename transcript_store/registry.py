@@ -210,6 +210,48 @@ def _forget(name: str) -> None:
         sys.modules.pop(key, None)
 
 
+#: the name the bundled engines' package is loaded under when ``engines`` on sys.path is another package
+_BUNDLED_ALIAS = "_transcript_store_bundled_engines"
+
+
+def _import_bundled(module_name: str) -> Any:
+    """A bundled engine's module (``engines.<id>``), from BUNDLED_DIR whatever else is called ``engines``.
+
+    The manifests are read from BUNDLED_DIR; the code must come from there too. An application's own
+    top-level ``engines`` package, or a folder of that name in the working directory under ``python -m
+    transcript_store``, comes first on sys.path: importing ``engines.legacy`` by name ran its code (or
+    found no such module) in place of the default engine. The bundled package is then loaded from its
+    folder under a private name (its modules import each other relatively)."""
+    top, _, rest = module_name.partition(".")
+    if top != BUNDLED_DIR.name:
+        return importlib.import_module(module_name)
+    found = sys.modules.get(top)
+    if found is None:
+        try:
+            spec = importlib.util.find_spec(top)  # finds, runs nothing
+        except (ImportError, ValueError):
+            spec = None
+        places = list(spec.submodule_search_locations or []) if spec is not None else []
+    else:
+        places = list(getattr(found, "__path__", []))
+    if any(Path(p).resolve() == BUNDLED_DIR for p in places):
+        return importlib.import_module(module_name)
+    if _BUNDLED_ALIAS not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            _BUNDLED_ALIAS, BUNDLED_DIR / "__init__.py", submodule_search_locations=[str(BUNDLED_DIR)]
+        )
+        if spec is None or spec.loader is None:
+            raise EngineContractError(f"cannot load the bundled engines from {BUNDLED_DIR}")
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[_BUNDLED_ALIAS] = package
+        try:
+            spec.loader.exec_module(package)
+        except BaseException:
+            _forget(_BUNDLED_ALIAS)
+            raise
+    return importlib.import_module(f"{_BUNDLED_ALIAS}.{rest}" if rest else _BUNDLED_ALIAS)
+
+
 def _load_from_folder(folder: Path, module_name: str, attr: str) -> EngineFactory:
     rel = "__init__.py" if module_name == "__init__" else "/".join(module_name.split(".")) + ".py"
     path = folder / rel
@@ -323,7 +365,7 @@ class EngineRegistry:
             module_name, attr = _entry(manifest.get("entry") or "create_engine", importable)
             if importable:
                 factory = getattr(
-                    _plugin_code("the plugin's import", lambda: importlib.import_module(module_name)), attr, None
+                    _plugin_code("the plugin's import", lambda: _import_bundled(module_name)), attr, None
                 )
                 if not callable(factory):
                     raise EngineContractError(f"{module_name} has no callable {attr!r}")
