@@ -157,6 +157,31 @@ def test_uncertain_commits_of_rewrites_discards_and_deletes_answer_what_happened
         store.delete_session(scope, sid)
         again = store.get_session(scope, sid)
         assert again.incarnation != imported.incarnation and again.created_at == imported.created_at
+
+        # A branch whose COMMIT is lost, and before its retry another writer appends after the entry it
+        # moved to (and is told so): the retry must not take that append off the visible transcript.
+        made = store.append_many(scope, sid, [{"message": {"role": "user", "content": f"b{i}"}} for i in range(3)])
+        reply = {"role": "assistant", "content": "after the move"}
+        between.append(lambda: store.append(scope, sid, reply))
+        lose[0] = 1
+        store.branch(scope, sid, made[0].entry_id)
+        shown = [e.message["content"] for e in store.read_visible(scope, sid)]
+        assert shown[-2:] == ["b0", "after the move"], shown
+
+        # An end_session whose COMMIT is lost, and before its retry the session is deleted and another
+        # made under its id: the retry must not end that one.
+        store.create_session(scope, session_id="u3", session_key="chat:1")
+
+        def replace() -> None:
+            store.delete_session(scope, "u3")
+            store.create_session(scope, session_id="u3", session_key="chat:2")
+
+        between.append(replace)
+        lose[0] = 1
+        ended = store.end_session(scope, "u3")
+        assert not ended.active and ended.session_key == "chat:1"
+        successor = store.find_session(scope, "chat:2")
+        assert successor is not None and successor.active and successor.incarnation != ended.incarnation
     finally:
         store.close()
 

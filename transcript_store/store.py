@@ -49,6 +49,19 @@ log = logging.getLogger("transcript_store.store")
 ANALYZE_AFTER_IMPORT = 5_000
 
 
+def _moved_already(c: Core, scope: str, session_id: str, entry_id: str | None, last_seq: int) -> bool:
+    """Whether a branch to ``entry_id`` is in place, with only entries written after seq ``last_seq``
+    (the session's last seq when the branch ran) following it on the active path."""
+    if entry_id is None:
+        depth = 0
+    else:
+        found = c.entries_with_path(scope, session_id, [entry_id]).get(entry_id)
+        if found is None or found.ts_path_seq != found.seq:
+            return False
+        depth = found.depth + 1
+    return all(r.seq > last_seq for r in c.path_rows(scope, session_id, depth, None))
+
+
 class TranscriptStore:
     """A durable conversation-transcript store on SQLite (default) or PostgreSQL.
 
@@ -202,7 +215,20 @@ class TranscriptStore:
     def end_session(self, scope: str, session_id: str) -> SessionInfo:
         """Mark the session inactive (its key is free for a successor); its entries stay."""
         self._ids(scope, session_id)
-        return self.write(lambda c: c.end_session(scope, session_id))
+        landed: list[SessionInfo] = []  # what an attempt that ran to its end left
+
+        def run(c: Core) -> SessionInfo:
+            if landed:
+                row = c.session_row(scope, session_id)
+                if row is None or row.incarnation != landed[0].incarnation:
+                    # An earlier attempt ended the session and only its COMMIT was uncertain: it was
+                    # deleted since, perhaps made again under the id (someone else's, left active).
+                    return landed[0]
+            info = c.end_session(scope, session_id)
+            landed[:] = [info]
+            return info
+
+        return self.write(run)
 
     def delete_session(self, scope: str, session_id: str) -> None:
         """Delete the session and every entry of it, for good."""
@@ -389,8 +415,20 @@ class TranscriptStore:
         """Move the active head to ``entry_id`` (None: empty path); later appends go there."""
         self._ids(scope, session_id)
         check_id("entry_id", entry_id, optional=True)
-        # Through the mirror: a host transcript import's resume point the move went under is reset.
-        return self.write(lambda c: mirror.branch(c, scope, session_id, entry_id))
+        landed: list[int] = []  # the session's last seq when an attempt moved the head
+
+        def run(c: Core) -> SessionInfo:
+            row = c.require_session(scope, session_id, lock=True)
+            if landed and _moved_already(c, scope, session_id, entry_id, landed[0]):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain: what follows the
+                # entry on the path now was appended since, by writers that saw the move (moving again
+                # would take their entries off the visible transcript).
+                return session_info(row)
+            landed[:] = [int(row.last_seq)]
+            # Through the mirror: a host transcript import's resume point the move went under is reset.
+            return mirror.branch(c, scope, session_id, entry_id)
+
+        return self.write(run)
 
     def rewrite_entries(
         self,
