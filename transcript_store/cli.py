@@ -19,14 +19,16 @@ import json
 import logging
 import math
 import os
+import secrets
 import sqlite3
+import stat
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn, TypeVar
+from typing import IO, Any, BinaryIO, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import click
@@ -36,7 +38,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.engine import URL, make_url
 
-from . import migrate
+from . import migrate, transfer
 from .config import StoreConfig
 from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
 from .engine import MAX_TOKENS
@@ -55,7 +57,7 @@ from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_
 from .models import Entry, SessionInfo
 from .settings import HostSettings, load_settings
 from .store import TranscriptStore
-from .terminal import show_process_output, shown, shown_log_handler
+from .terminal import ShownStream, show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
@@ -518,17 +520,70 @@ def sessions_export(session: str, output: str | None) -> None:
         info = find_session(store, st.scope_name, session)
         header, records = store.export_session(st.scope_name, info.session_id)
     lines = [json.dumps(r, ensure_ascii=False, separators=(",", ":"), allow_nan=False) for r in [header, *records]]
-    text = "".join(line + "\n" for line in lines)
+    data = "".join(line + "\n" for line in lines).encode("utf-8")  # UTF-8 whatever the locale: lossless
     if output is None:
         sys.stdout.flush()
-        sys.stdout.buffer.write(text.encode("utf-8"))  # UTF-8 whatever the locale: the export is lossless
-        sys.stdout.buffer.flush()
+        try:
+            _write_all(sys.stdout.buffer, data)
+            sys.stdout.buffer.flush()
+        except OSError as e:
+            raise CommandError(f"cannot write the export to stdout: {e.strerror or e}") from e
         return
-    Path(output).write_text(text, encoding="utf-8")
+    try:
+        _write_file(Path(output), data)
+    except OSError as e:
+        raise CommandError(f"--output: cannot write {output}: {e.strerror or e}") from e
     if st.json:
         emit_json({"session_id": info.session_id, "entries": len(records), "file": output})
     else:
         click.echo(f"exported session {info.session_id}: {len(records)} entries to {output}")
+
+
+def _write_all(stream: BinaryIO, data: bytes) -> None:
+    """Write every byte of ``data``. A write may take fewer bytes than it was given and raise nothing (a
+    file size limit, a full disk, a pipe whose reader left): only the next write raises the real error, so
+    an export is never cut short with exit 0."""
+    view = memoryview(data)
+    while view:
+        written = stream.write(view)
+        if not written:  # None (a non-blocking stream) or 0: no progress, and no error to raise
+            raise OSError("the output took no more bytes")
+        view = view[written:]
+
+
+def _write_file(output: Path, data: bytes) -> None:
+    """Write ``data`` to ``output`` whole, or leave what was there: into a new file in the same folder,
+    synced, then renamed over it. A failed export never destroys an earlier good one, nor leaves a part."""
+    try:
+        old = output.stat()
+    except FileNotFoundError:
+        old = None
+    if old is not None and not stat.S_ISREG(old.st_mode):
+        # A device or a FIFO (/dev/stdout, a named pipe): no file to keep, none to rename over it.
+        with output.open("wb", buffering=0) as stream:
+            _write_all(stream, data)
+        return
+    target = Path(os.path.realpath(output))  # through a symbolic link: the file it names is replaced
+    temp = target.with_name(f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with open(fd, "wb", buffering=0) as stream:
+            _write_all(stream, data)
+            os.fsync(stream.fileno())
+        if old is not None:
+            os.chmod(temp, stat.S_IMODE(old.st_mode))  # the earlier export's mode, as an overwrite kept it
+        os.replace(temp, target)
+    except BaseException:
+        with suppress(OSError):
+            temp.unlink()
+        raise
+    with suppress(OSError):  # the rename made durable; a file system that cannot sync a folder keeps it
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def _names_the_store(output: Path, database: Path) -> bool:
@@ -611,9 +666,15 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     source's turns on the copy. Declared sizes and generations are checked; drop an entry's size_bytes
     after editing it by hand."""
     st = state()
+    config = st.store_config()
+    make_url_or_usage(config.url)
     header, records = _read_export(file)
+    # Checked whole before the store is opened: opening creates or migrates the database --db names (a
+    # mistyped path's new file; another program's SQLite file, switched to WAL and given the store's
+    # tables), which a refused import must leave as it was.
+    plan = transfer.plan_import(config, st.scope_name, header, records, session_id=new_id, session_key=new_key)
     with store_session(create=True) as store:
-        info = store.import_session(st.scope_name, header, records, session_id=new_id, session_key=new_key)
+        info = transfer.write_import(store, plan)
     if st.json:
         emit_json(info.model_dump(mode="json"))
     else:
@@ -789,8 +850,23 @@ def outbox_recover(session: str | None) -> None:
 # ---------------------------------------------------------------------------------------------- engines
 
 
+@contextmanager
+def engine_output_on_stderr() -> Iterator[None]:
+    """Engines loaded in this process (their imports, factories, dispose) write to stderr, shown: stdout
+    holds the command's own output only (one JSON document under --json), and an engine's ``print`` is
+    escaped as under ``serve``."""
+    shown_err = sys.stderr if isinstance(sys.stderr, ShownStream) else ShownStream(sys.stderr)
+    with redirect_stdout(shown_err), redirect_stderr(shown_err):
+        yield
+
+
 def engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
     """Every discovered engine, loaded and validated, with its declarations; and the registry's warnings."""
+    with engine_output_on_stderr():
+        return _engine_report(settings, store)
+
+
+def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
     from .engine import EngineContext
     from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
     from .registry import EngineRegistry

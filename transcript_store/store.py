@@ -13,7 +13,7 @@ from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
 from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
-from .errors import InvalidInput, InvalidMessage, SessionKeyConflict, TranscriptStoreError, UnknownEntry, UnknownSession
+from .errors import InvalidInput, InvalidMessage, SessionKeyConflict, UnknownEntry, UnknownSession
 from .models import (
     Admission,
     Anchor,
@@ -495,13 +495,7 @@ class TranscriptStore:
         plan = transfer.plan_import(
             self.config, scope, header, entries, session_id=session_id, session_key=session_key
         )
-        info = self.write(lambda c: transfer.import_in(c, plan))
-        if len(entries) >= ANALYZE_AFTER_IMPORT:
-            try:
-                self.db.analyze(("ts_entries", "ts_active_path"))
-            except TranscriptStoreError as e:  # the import landed; fresher statistics are a bonus
-                log.warning("ANALYZE after importing %d entries failed: %s", len(entries), e)
-        return info
+        return transfer.write_import(self, plan)
 
 
 def admit_in(c: Core, scope: str, session_id: str, item: NewEntry) -> Admission:

@@ -31,11 +31,12 @@ no turn of it runs, and do not retry the source's turns on a copy.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import insert
@@ -51,9 +52,14 @@ from .core import (
     prepare_entry,
     session_info,
 )
-from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict
+from .errors import IdempotencyConflict, InvalidInput, SessionKeyConflict, TranscriptStoreError
 from .models import SessionInfo
 from .schema import active_path, entries, sessions
+
+if TYPE_CHECKING:
+    from .store import TranscriptStore
+
+log = logging.getLogger("transcript_store.transfer")
 
 FORMAT = "transcript-store.session.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -422,6 +428,24 @@ def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
     return session_info(core.require_session(scope, sid))
 
 
+def write_import(store: TranscriptStore, plan: ImportPlan) -> SessionInfo:
+    """Write a plan of ``plan_import`` in one transaction of ``store``, then refresh the statistics of a
+    large import (as ``TranscriptStore.import_session`` does after planning).
+
+    Planning needs only the store's config, not the store: a caller that must not open, create or migrate
+    a database for an import that is refused (the CLI, whose store opens with ``create``) plans first.
+    """
+    from .store import ANALYZE_AFTER_IMPORT
+
+    info = store.write(lambda c: import_in(c, plan))
+    if len(plan.entry_rows) >= ANALYZE_AFTER_IMPORT:
+        try:
+            store.db.analyze(("ts_entries", "ts_active_path"))
+        except TranscriptStoreError as e:  # the import landed; fresher statistics are a bonus
+            log.warning("ANALYZE after importing %d entries failed: %s", len(plan.entry_rows), e)
+    return info
+
+
 __all__ = [
     "FORMAT",
     "EntryRecord",
@@ -430,4 +454,5 @@ __all__ = [
     "export_in",
     "import_in",
     "plan_import",
+    "write_import",
 ]

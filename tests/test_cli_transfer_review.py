@@ -1,0 +1,242 @@
+"""Review of the CLI's export and import and of its engine reports: a refused import that still created or
+changed the database --db names, an export cut short with exit 0 (a short write to stdout, a failed ``-o``
+that destroyed the earlier export), and a plugin's ``print`` in front of ``engines list --json`` and
+``doctor --json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, inspect
+from test_cli import (  # noqa: F401 (_script_mode: autouse, honours real_script; empty_url: a fixture)
+    CLI,
+    SCOPE,
+    _script_mode,
+    empty_url,
+    one_error_line,
+    run,
+    run_json,
+    seed,
+)
+
+from transcript_store import StoreConfig, TranscriptStore
+
+# ---------------------------------------------------------------------------------------------- 1: import
+
+
+@pytest.fixture
+def export_file(tmp_path: Path) -> Path:
+    """A good export of test_cli's s1 (branches, a rewrite, an event, a turn), from a store of its own."""
+    url = f"sqlite:///{tmp_path / 'source.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    seed(url)
+    path = tmp_path / "s1.jsonl"
+    run("sessions", "export", "s1", "-o", str(path), "--db", url, cwd=tmp_path)
+    return path
+
+
+def _refused_exports(good: Path) -> Iterator[tuple[Path, tuple[str, ...], str]]:
+    """Exports (and options) an import refuses, each with words of its error: the header, an entry deep in
+    the file, and a new id that no store takes."""
+    header, *entries = (json.loads(line) for line in good.read_text(encoding="utf-8").splitlines())
+    cases: list[tuple[list[dict[str, Any]], tuple[str, ...], str]] = [
+        ([{"format": "nope"}], (), "header"),
+        ([header, *entries[:-1], {**entries[-1], "position": 99}], (), "position"),
+        ([header, *entries], ("--session-id", ""), "session_id"),
+    ]
+    for i, (records, options, words) in enumerate(cases):
+        path = good.with_name(f"bad-{i}.jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        yield path, options, words
+
+
+def _tables(url: str) -> list[str]:
+    engine = create_engine(url)
+    try:
+        return inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+def test_a_refused_import_creates_no_store(empty_url: str, backend: str, export_file: Path,  # noqa: F811
+                                           tmp_path: Path) -> None:
+    """A mistyped --db path stays missing (its folder too); an empty PostgreSQL database gets no schema."""
+    for bad, options, words in _refused_exports(export_file):
+        err = one_error_line(run("sessions", "import", str(bad), *options, "--db", empty_url, cwd=tmp_path, code=1))
+        assert words in err
+        if backend == "sqlite":
+            assert not (tmp_path / "fresh").exists(), f"{bad.name} created {empty_url}"
+        else:
+            assert _tables(empty_url) == [], bad.name
+    # The same database takes a good import: the check comes first, the write still happens (a SQLite
+    # store is created by it; a PostgreSQL database is migrated by `init` only).
+    if backend == "postgresql":
+        run("init", "--db", empty_url, cwd=tmp_path)
+    info = run_json("sessions", "import", str(export_file), "--db", empty_url, cwd=tmp_path)
+    assert info["session_id"] == "s1" and info["entry_count"] == 9
+    assert run_json("sessions", "show", "s1", "--db", empty_url, cwd=tmp_path)["entries"]
+
+
+def test_a_refused_import_leaves_another_programs_sqlite_file_byte_for_byte(export_file: Path,
+                                                                             tmp_path: Path) -> None:
+    """--db naming another program's database by mistake: no WAL mode, no store tables, no -wal/-shm files."""
+    other = tmp_path / "contacts.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE contacts (name TEXT)")
+        conn.execute("INSERT INTO contacts VALUES ('ada')")
+    conn.close()
+    before = other.read_bytes()
+    for bad, options, words in _refused_exports(export_file):
+        err = one_error_line(run("sessions", "import", str(bad), *options, "--db", f"sqlite:///{other}",
+                                 cwd=tmp_path, code=1))
+        assert words in err
+        assert other.read_bytes() == before, f"{bad.name} changed {other}"
+        assert not any(Path(f"{other}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
+
+
+# ---------------------------------------------------------------------------------------------- 2: export
+
+#: the file size limit of an export that fails (a full disk, a quota): far below the export's size
+LIMIT = 64 * 1024
+
+
+@pytest.fixture
+def big_store(tmp_path: Path) -> str:
+    """A store whose session s1 exports to about 400 KB (more than LIMIT and than a pipe's buffer)."""
+    url = f"sqlite:///{tmp_path / 'big.db'}"
+    with TranscriptStore(config=StoreConfig(url=url)) as store:
+        store.create_session(SCOPE, session_id="s1")
+        store.append_many(SCOPE, "s1", [{"message": {"role": "user", "content": f"{i} " + "x" * 300}}
+                                        for i in range(1200)])
+    return url
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+def _export(url: str, *options: str, cwd: Path, stdout: Any = subprocess.PIPE,
+            limited: bool = False) -> subprocess.CompletedProcess[bytes]:
+    """The console script in a subprocess (a file size limit is per process), stdout as bytes."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return subprocess.run([*CLI, "sessions", "export", "s1", *options, "--db", url], cwd=cwd, stdout=stdout,
+                          stderr=subprocess.PIPE, env=env, timeout=120, preexec_fn=_limited if limited else None)
+
+
+def _error_line(result: subprocess.CompletedProcess[bytes]) -> str:
+    return one_error_line(subprocess.CompletedProcess(result.args, result.returncode, "", result.stderr.decode()))
+
+
+def test_an_export_to_stdout_that_cannot_be_written_whole_fails(big_store: str, tmp_path: Path) -> None:
+    """A write to stdout may take fewer bytes than given and raise nothing: the export is never cut short
+    with exit 0."""
+    full = _export(big_store, cwd=tmp_path).stdout
+    assert len(full) > 4 * LIMIT
+    out = tmp_path / "out.jsonl"
+    with out.open("wb") as stdout:
+        result = _export(big_store, cwd=tmp_path, stdout=stdout, limited=True)
+    assert out.stat().st_size < len(full)  # the limit held: the export could not land whole
+    assert result.returncode == 1, f"exit {result.returncode} with {out.stat().st_size} of {len(full)} bytes"
+    assert "cannot write the export to stdout" in _error_line(result)
+
+
+def test_an_export_into_a_pipe_whose_reader_leaves_fails(big_store: str, tmp_path: Path) -> None:
+    """`export | head -c 10`: the reader left mid-write, the export is not whole, exit 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    proc = subprocess.Popen([*CLI, "sessions", "export", "s1", "--db", big_store], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b'{"format":'
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, stderr
+    assert "cannot write the export to stdout" in stderr
+
+
+def test_a_failed_export_to_a_file_keeps_the_earlier_export(big_store: str, tmp_path: Path) -> None:
+    """-o PATH is written whole or not at all: the good export there survives, and no part file is left."""
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    path = folder / "s1.jsonl"
+    assert _export(big_store, "-o", str(path), cwd=tmp_path).returncode == 0
+    good = path.read_bytes()
+    assert len(good) > 4 * LIMIT and good.startswith(b'{"format":')
+    result = _export(big_store, "-o", str(path), cwd=tmp_path, limited=True)
+    assert path.read_bytes() == good, f"{path.stat().st_size} of {len(good)} bytes left"
+    assert result.returncode == 1
+    assert "cannot write" in _error_line(result)
+    assert sorted(p.name for p in folder.iterdir()) == ["s1.jsonl"]
+    # A new file that fails is not left behind in part either.
+    result = _export(big_store, "-o", str(folder / "new.jsonl"), cwd=tmp_path, limited=True)
+    assert result.returncode == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["s1.jsonl"]
+
+
+def test_an_export_replaces_the_file_a_link_names_and_keeps_its_mode(tmp_path: Path) -> None:
+    """The renamed file takes the place of the one a symbolic link names (the link stays) with its mode;
+    a device is written in place."""
+    url = f"sqlite:///{tmp_path / 'transcripts.db'}"
+    run("init", "--db", url, cwd=tmp_path)
+    seed(url)
+    real = tmp_path / "real.jsonl"
+    real.write_text("an earlier export\n", encoding="utf-8")
+    real.chmod(0o640)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    run("sessions", "export", "s1", "-o", str(link), "--db", url, cwd=tmp_path)
+    assert link.is_symlink() and real.read_text(encoding="utf-8").startswith('{"format":')
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    done = run_json("sessions", "export", "s1", "-o", os.devnull, "--db", url, cwd=tmp_path)
+    assert done["file"] == os.devnull and Path(os.devnull).is_char_device()
+
+
+# ---------------------------------------------------------------------------------------------- 3: engines
+
+def _chatty_plugin(root: Path) -> None:
+    """A valid plugin engine that prints at import (a window title a terminal would obey), in its factory and
+    in dispose."""
+    plugin = root / "plugins" / "chatty"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: chatty\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(
+        "print('chatty says: loading \\x1b]0;owned\\x07')\n"
+        "from engines.legacy import LegacyEngine\n\n"
+        "class Chatty(LegacyEngine):\n"
+        "    def __init__(self, ctx):\n"
+        "        print('chatty says: factory')\n"
+        "        super().__init__(ctx)\n"
+        "        self.info = self.info.model_copy(update={'id': 'chatty'})\n\n"
+        "    def dispose(self):\n"
+        "        print('chatty says: dispose')\n\n"
+        "def create_engine(ctx):\n"
+        "    return Chatty(ctx)\n",
+        encoding="utf-8",
+    )
+    (root / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\n', encoding="utf-8")
+
+
+@pytest.mark.real_script
+@pytest.mark.parametrize("command", [("engines", "list"), ("doctor",)])
+def test_a_plugins_print_goes_to_stderr_shown(store_url: str, tmp_path: Path, command: tuple[str, ...]) -> None:
+    """stdout holds the JSON document only; the plugin's output is on stderr, escaped."""
+    _chatty_plugin(tmp_path)
+    result = run(*command, "--json", "--db", store_url, cwd=tmp_path)
+    report = json.loads(result.stdout)  # nothing in front of it
+    chatty = next(e for e in report["engines"] if e["id"] == "chatty")
+    assert chatty["valid"], chatty
+    assert "chatty says" not in result.stdout
+    for said in ("chatty says: loading", "chatty says: factory", "chatty says: dispose"):
+        assert said in result.stderr, result.stderr
+    assert "\x1b" not in result.stderr and "\\x1b]0;owned\\x07" in result.stderr, repr(result.stderr)
+    table = run(*command, "--db", store_url, cwd=tmp_path)  # the table too: the command's output only
+    assert "chatty" in table.stdout and "chatty says" not in table.stdout and "\x1b" not in table.stdout
