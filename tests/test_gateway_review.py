@@ -23,10 +23,19 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError, gateway
-from transcript_store.core import now_us
-from transcript_store.gateway import GatewayOptions, GatewayReport, Job, _dispatch, _finish, run_gateway
-from transcript_store.host import HostRuntime
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError, gateway, quarantine
+from transcript_store.errors import ModelTimeout
+from transcript_store.gateway import (
+    GatewayOptions,
+    GatewayReport,
+    Job,
+    _dispatch,
+    _FaultyModel,
+    _finish,
+    _run_job,
+    run_gateway,
+)
+from transcript_store.host import HostRuntime, TurnFailed
 from transcript_store.model import LocalResponder
 from transcript_store.settings import load_settings
 
@@ -155,14 +164,14 @@ def test_a_worker_that_dies_between_two_turns_is_replaced(store_url: str, tmp_pa
         "s-a": [Job("s-a", "s-a:turn-0", "hello from a")],
         "s-b": [Job("s-b", "s-b:turn-0", "hello from b"), Job("s-b", "s-b:turn-1", "again from b")],
     }
-    started_us = now_us()
+    processes: set[str] = set()
     with TranscriptStore(config=StoreConfig(url=store_url)) as store:
         for sid in plan:
             store.create_session(options.scope, session_id=sid)
         report = GatewayReport(url=store_url, engine="idle", workers=2, planned_turns=3)
-        outcomes = _dispatch(options, store_url, plan, report, random.Random(1), QUIET)
+        outcomes = _dispatch(options, store_url, plan, report, random.Random(1), QUIET, processes)
         assert not mp.active_children()
-        _finish(store, options, "idle", plan, outcomes, report, started_us)
+        _finish(store, options, "idle", plan, outcomes, report, processes)
     assert report.committed == 3 and report.kills == 0
     assert report.unexpected_exits == 1
     assert len(report.problems) == 1 and "died unexpectedly (exit code 0 between two turns)" in report.problems[0]
@@ -251,7 +260,6 @@ def test_a_receipt_of_no_planned_turn_fails_the_check(store_url: str) -> None:
     """The report's "nothing else reached the engine" was never checked: a turn committed in one of the
     run's sessions under a key that is none of its turns passed unseen."""
     options = GatewayOptions(db_url=store_url, engine="legacy", progress=False)
-    started_us = now_us()
     with TranscriptStore(config=StoreConfig(url=store_url)) as store:
         store.create_session(options.scope, session_id="s-1")
         host = HostRuntime(store, load_settings(None, engine="legacy"), LocalResponder())
@@ -260,7 +268,7 @@ def test_a_receipt_of_no_planned_turn_fails_the_check(store_url: str) -> None:
         host.dispose()
         plan = {"s-1": [Job("s-1", "s-1:turn-0", "planned turn")]}
         report = GatewayReport(url=store_url, engine="legacy", workers=1, planned_turns=1)
-        _finish(store, options, "legacy", plan, {"s-1:turn-0": {"status": "committed"}}, report, started_us)
+        _finish(store, options, "legacy", plan, {"s-1:turn-0": {"status": "committed"}}, report, set())
     assert report.committed == 1
     [problem] = report.problems
     assert "'stray' reached the engine but is none of the run's turns" in problem
@@ -348,3 +356,85 @@ def test_a_worker_stuck_starting_is_killed_and_replaced(
     [problem] = report.problems
     assert "a worker did not start within 8 s: SIGKILLed" in problem
     assert not mp.active_children()
+
+
+# ---------------------------------------------------------------------------------------------- the report's counts
+
+
+BROKEN = """
+mark(f"in-{os.getpid()}")
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and len([n for n in os.listdir(MARKS) if n.startswith("in-")]) < 2:
+    time.sleep(0.02)  # both workers meet the engine
+wait_for("foreign")
+raise RuntimeError("always broken")
+"""
+
+
+def test_the_report_counts_the_engines_this_run_quarantined(store_url: str, tmp_path: Path) -> None:
+    """"engines quarantined by this run" summed quarantine records written since the run started: one per
+    engine per worker process, and those of any other process meanwhile. One broken engine met by both
+    workers, while this process quarantined an engine of its own, was reported as 3 engines."""
+    config = _plugin(tmp_path, "broken", BROKEN)
+
+    def quarantine_elsewhere() -> None:  # once both workers are in the engine, before it raises
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(tmp_path.glob("in-*"))) < 2:
+            time.sleep(0.02)
+        with TranscriptStore(config=StoreConfig(url=store_url)) as other:
+            other.write(lambda c: quarantine.record(c, "elsewhere", "assemble", "not this run's"))
+        (tmp_path / "foreign").write_text("")
+
+    thread = threading.Thread(target=quarantine_elsewhere)
+    thread.start()
+    try:
+        report = run_gateway(_options(store_url, config, "broken", workers=2, sessions=2), QUIET)
+    finally:
+        thread.join(timeout=60)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        held = store.read(lambda c: quarantine.records(c, live_only=False))
+    assert sorted(r.engine_id for r in held) == ["broken", "broken", "elsewhere"]
+    assert report.quarantines == 1
+    assert report.ok, report.problems
+    assert report.committed == 2 and report.turns_by_engine == {"legacy": 2}
+
+
+def test_a_turn_failed_by_its_planned_timeout_is_sent_again_not_a_problem(store_url: str, tmp_path: Path) -> None:
+    """With the valid setting [turn] max_attempts = 1 the host retries nothing: each provider timeout the
+    job injected failed its turn (TurnFailed), and the run reported it as a problem: its exactly-once
+    check failed on its own faults. Such a turn is sent again (without the fault) and must commit once."""
+    config = tmp_path / "once.toml"
+    config.write_text("[turn]\nmax_attempts = 1\n")
+    faulty = {"faults": True, "kill_rate": 0.0, "rewrite_rate": 0.0, "timeout_rate": 1.0}
+    report = run_gateway(_options(store_url, str(config), "legacy", sessions=2, turns=2, **faulty), QUIET)
+    assert report.ok, report.problems
+    assert report.provider_timeouts == 4 and report.retried_dispatches == 4
+    assert report.committed == 4 and report.duplicates_absorbed == 0
+
+
+class _TimingOutHost:
+    """A host whose turn calls the model (the worker's, which may inject its timeout) and then fails, as
+    HostRuntime fails a turn whose last attempt timed out: TurnFailed from the timeout."""
+
+    before_assemble = None
+
+    def __init__(self, model: _FaultyModel) -> None:
+        self.model = model
+
+    def run_turn(self, scope: str, session_id: str, text: str, *, turn_id: str) -> Any:
+        try:
+            self.model.complete([{"role": "user", "content": text}])
+            raise ModelTimeout("the provider itself timed out")
+        except ModelTimeout as e:
+            raise TurnFailed(f"turn {turn_id} failed after 1 attempts: {e}") from e
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("timeout", "fault"), (None, "error")])
+def test_only_the_injected_timeout_is_the_jobs_own_fault(fault: str | None, kind: str) -> None:
+    """A turn failed by the timeout the job injected is its fault; one failed by a provider's own timeout
+    (the same type, the same kind of message) is a problem of the run, as before."""
+    model = _FaultyModel(LocalResponder())
+    job = Job("s-1", "s-1:turn-0", "hello", fault)
+    answer, _ = _run_job(_TimingOutHost(model), None, model, GatewayOptions(), job)
+    assert answer == kind
+    assert model.injected is None and model.timeouts == 0

@@ -30,7 +30,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -40,9 +40,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from . import faults
+from . import faults, identity
 from .config import DEFAULT_URL
-from .core import from_us, now_us
 from .db import mask_url
 from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
@@ -176,6 +175,8 @@ class GatewayReport:
     #: why turns degraded, as the workers answered: the store keeps no reason, and a worker killed after
     #: degrading its turn answered nothing (its retry learns "duplicate"), so they may be fewer
     degraded: dict[str, int] = field(default_factory=dict)
+    #: distinct engines quarantined by this run: the workers' from the store (the quarantine records of their
+    #: process identities, one per engine and worker), and the recovery pass's own
     quarantines: int = 0
     recovered_intents: int = 0
     kills: int = 0
@@ -263,11 +264,14 @@ class _FaultyModel:
         self.inner = inner
         self.name = getattr(inner, "name", "model")
         self.timeouts = 0
+        #: the timeout it raised last (the job's own fault: a turn failed by it is no problem of the run)
+        self.injected: ModelTimeout | None = None
 
     def complete(self, messages: Sequence[dict[str, Any]], tools: Any = None, **kw: Any) -> Any:
         if self.timeouts > 0:
             self.timeouts -= 1
-            raise ModelTimeout("injected provider timeout")
+            self.injected = ModelTimeout("injected provider timeout")
+            raise self.injected
         return self.inner.complete(messages, tools, **kw)
 
 
@@ -289,6 +293,10 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str, dispatcher
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
     # An engine's print() or warnings.warn() quotes stored text as freely as its log records do.
     show_process_output()
+    # Who it is, before anything can quarantine an engine: the report counts the engines quarantined by
+    # this run's processes, and a quarantine record names its process only.
+    with contextlib.suppress(EOFError, OSError):
+        conn.send(("process", str(identity.current())))
     try:
         store = TranscriptStore(url)
         settings = load_settings(options.config_path, engine=options.engine)
@@ -332,10 +340,16 @@ def _run_job(host: Any, store: Any, model: _FaultyModel, options: GatewayOptions
             },
         )
     except Exception as e:
+        # The planned provider timeout failed the turn (the settings allow one attempt: [turn]
+        # max_attempts = 1): the job's own fault, not a problem of the run. The host raises TurnFailed from
+        # the timeout; this very one, not one like it, is the injected one.
+        if model.injected is not None and e.__cause__ is model.injected:
+            return ("fault", describe(e))
         return ("error", describe(e))
     finally:
         faults.disarm()
         model.timeouts = 0
+        model.injected = None
 
 
 def _die_with_dispatcher(dispatcher_pid: int | None) -> None:
@@ -432,7 +446,7 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
     options.check()
     console = console or Console()
-    started, started_us = time.monotonic(), now_us()
+    started = time.monotonic()
     # No logging level set here, not even for the run: logging is the embedding application's, process-wide
     # (two runs in two threads restored each other's level out of order). The CLI, which owns its process,
     # quiets the library's records of the faults on purpose; the workers (processes of their own) do too.
@@ -461,8 +475,9 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
             url=mask_url(url), engine=engine, workers=options.workers, planned_turns=options.sessions * options.turns,
             scope=options.scope,
         )
-        outcomes = _dispatch(options, url, plan, report, rng, console)
-        _finish(store, options, engine, plan, outcomes, report, started_us)
+        processes: set[str] = set()
+        outcomes = _dispatch(options, url, plan, report, rng, console, processes)
+        _finish(store, options, engine, plan, outcomes, report, processes)
         report.seconds = time.monotonic() - started
         return report
     finally:
@@ -477,7 +492,11 @@ def _dispatch(
     report: GatewayReport,
     rng: random.Random,
     console: Console,
+    processes: set[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
+    """Run the plan's turns on the workers; each turn's answer. The workers' process identities are
+    added to ``processes`` (the quarantine records the run's report counts)."""
+    processes = set() if processes is None else processes
     ctx = mp.get_context("spawn")
     workers: list[_Worker] = []
     queue = _Queue(plan)
@@ -512,7 +531,7 @@ def _dispatch(
                     exitcode = w.proc.exitcode
                     _unexpected(report, deaths, f"a worker died unexpectedly (exit code {exitcode} between two turns)")
                     workers[i] = _Worker(ctx, options, url)
-                _wait_some(workers, ctx, options, url, queue, outcomes, report, progress, task, deaths)
+                _wait_some(workers, ctx, options, url, queue, outcomes, report, progress, task, deaths, processes)
         finished = True
     finally:
         _stop(workers, graceful=finished)
@@ -619,6 +638,7 @@ def _wait_some(
     progress: Progress,
     task: Any,
     deaths: list[int],
+    processes: set[str],
 ) -> None:
     """Wait for a worker's message or death (or a kill's instant), and act on each that came."""
     watched = [w for w in workers if w.job is not None or not w.ready]
@@ -659,6 +679,9 @@ def _wait_some(
             continue
         if kind == "unusable":  # the worker could not start: every dispatch would fail the same way
             raise TranscriptStoreError(f"a gateway worker could not start: {data}")
+        if kind == "process":  # its identity, sent first
+            processes.add(str(data))
+            continue
         if kind == "ready":
             w.ready, w.turn_seconds = True, float(data)
             continue
@@ -692,7 +715,7 @@ def _wait_some(
             queue.done(job)
             progress.advance(task)
             continue
-        if kind != "died":
+        if kind not in ("died", "fault"):  # a "fault": the planned timeout failed it (max_attempts = 1)
             report.problems.append(f"turn {job.turn_id} attempt {job.attempt} raised {data}")
         # The same logical turn goes out again, without the injected fault this time.
         job.fault, job.attempt = None, job.attempt + 1
@@ -713,9 +736,10 @@ def _finish(
     plan: dict[str, list[Job]],
     outcomes: dict[str, dict[str, Any]],
     report: GatewayReport,
-    started_us: int,
+    processes: Collection[str],
 ) -> None:
-    """Recovery pass, then the exactly-once check from the store alone."""
+    """Recovery pass, then the exactly-once check from the store alone; ``processes``: the identities of
+    the run's worker processes."""
     from .host import HostRuntime
     from .ledger import committed_messages, list_receipts
     from .model import LocalResponder
@@ -729,10 +753,13 @@ def _finish(
         report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
         report.duplicates_absorbed += rec.drain.duplicates
     host.dispose()  # writes its quarantine records; its engines are not needed any more
-    # This run's quarantines only (its workers are gone, hence not live_only): a record written (or
-    # refreshed) since it started; older ones belong to earlier runs or other commands.
-    since = from_us(started_us)
-    report.quarantines = sum(r.created_at >= since for r in store.read(lambda c: records(c, live_only=False)))
+    # Engines, not records: a record is one engine in one process, so one broken engine met by every
+    # worker was counted once per worker. And this run's only: its workers' records (they are gone, hence
+    # not live_only; no other process has their identities), and the recovery pass's own quarantines, never
+    # a record another process wrote meanwhile (this one's other work, another command on the database).
+    ours = set(processes)
+    engines = {r.engine_id for r in store.read(lambda c: records(c, live_only=False)) if r.process in ours}
+    report.quarantines = len(engines | set(host.quarantined))
     scope = options.scope
     for sid, jobs in plan.items():
         admitted = {e.turn_id: e for e in _all_entries(store, scope, sid) if e.turn_id}
