@@ -418,15 +418,17 @@ class TranscriptStore:
         landed: list[int] = []  # the session's last seq when an attempt moved the head
 
         def run(c: Core) -> SessionInfo:
-            row = c.require_session(scope, session_id, lock=True)
-            if landed and _moved_already(c, scope, session_id, entry_id, landed[0]):
-                # An earlier attempt ran to its end and only its COMMIT was uncertain: what follows the
-                # entry on the path now was appended since, by writers that saw the move (moving again
-                # would take their entries off the visible transcript).
-                return session_info(row)
-            landed[:] = [int(row.last_seq)]
+            if landed:
+                row = c.require_session(scope, session_id, lock=True)
+                if _moved_already(c, scope, session_id, entry_id, landed[0]):
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain: what follows
+                    # the entry on the path now was appended since, by writers that saw the move (moving
+                    # again would take their entries off the visible transcript).
+                    return session_info(row)
             # Through the mirror: a host transcript import's resume point the move went under is reset.
-            return mirror.branch(c, scope, session_id, entry_id)
+            info = mirror.branch(c, scope, session_id, entry_id)
+            landed[:] = [info.entry_count - 1]  # the last seq: a move writes no entry
+            return info
 
         return self.write(run)
 
