@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -41,10 +41,12 @@ from .engine import (
     project_params,
 )
 from .errors import (
+    EngineContractError,
     EngineError,
     EngineSwitchError,
     HostRequirementError,
     InvalidInput,
+    ModelError,
     ModelTimeout,
     OutboxCollision,
     PermissionDenied,
@@ -235,6 +237,36 @@ def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_cha
             m = {**m, "content": trimmed}
         out.append(m)
     return out
+
+
+#: what a tool result of this turn becomes in a request it would take over the budget (request only)
+CUT_TOOL_RESULT = "[tool result cut: the request's token budget has no room left for it]"
+
+
+def fit_tool_round(
+    estimator: Any, context: list[dict[str, Any]], replies: list[dict[str, Any]], limit: int
+) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
+    """A tool round's request within ``limit`` tokens (system prompt, user message and tools reserved
+    apart): (the context, its tokens, the replies to send). The engine's context gives way first, oldest
+    messages first, a tool round never split; then this turn's own tool results, oldest first, are cut
+    to a marker in the request (storage is never touched). Only a request that would not fit runs this."""
+    def tokens(messages: list[dict[str, Any]]) -> int:
+        return int(estimator.count_messages(messages)) if messages else 0
+
+    own = tokens(replies)
+    context = list(context)
+    size = tokens(context)
+    while context and size + own > limit:
+        context = pair_tool_calls(context[1:])  # a result whose call left goes with it
+        size = tokens(context)
+    sent = list(replies)
+    for i, m in enumerate(sent):
+        if size + own <= limit:
+            break
+        if m.get("role") == "tool" and m.get("content") != CUT_TOOL_RESULT:
+            sent[i] = {**m, "content": CUT_TOOL_RESULT}
+            own = tokens(sent)
+    return context, size, sent
 
 
 #: the stand-in result of a tool call the transcript holds no result for (request only, never stored)
@@ -666,6 +698,9 @@ class HostRuntime:
         # call is a retry, presented while that attempt may still run): if this call fails, the turn
         # is handed back to it, not discarded, since its work may still complete the turn.
         displaced: list[outbox.AdmittedLease] = []
+        # The engine an attempt of this call reached the model on (its model call then timed out): the
+        # turn has started there, and a later attempt's degradation may not move it to legacy.
+        started_on: str | None = None
 
         def give_up() -> str:
             """This call's attempts failed: hand the turn back, or discard its intent (a note on which)."""
@@ -691,6 +726,12 @@ class HostRuntime:
                 if decision.engine_id == LEGACY:
                     note = give_up()
                     raise TurnFailed(f"turn {turn_id} cannot run even on legacy: {d.reason}{note}") from None
+                if started_on is not None and started_on != LEGACY:
+                    note = give_up()
+                    raise TurnFailed(
+                        f"turn {turn_id} started on engine {started_on!r} (an attempt reached the model) and "
+                        f"cannot switch engines; its retry failed there: {d.reason}{note}"
+                    ) from None
                 if displaced and give_up():
                     # The turn runs on its engine in the attempt this call took it from: a started turn
                     # never switches engines, so this call may not move it to legacy. It is busy.
@@ -704,6 +745,7 @@ class HostRuntime:
                 first = False
                 continue
             except ModelTimeout as e:
+                started_on = decision.engine_id
                 log.warning("turn %s attempt %d: model timeout, retrying the same logical turn", turn_id, attempts)
                 if attempts >= self.settings.max_attempts:
                     note = give_up()
@@ -914,6 +956,9 @@ class HostRuntime:
             log.warning("turn %s: fence cannot be honoured (%s); legacy reads unfenced", turn_id, e.reason)
             read_fence = None
             unfenced = f"read fence: {e.reason} (legacy read unfenced)"
+            # Every read of this turn from here is unfenced, the compaction before the prompt's included
+            # (it read with the broken fence and raised again, failing the turn).
+            host_params["runtime_context"] = replace(rt, fence=None)
             assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, None, reserved)
         except Exception as e:
             if engine_id == LEGACY:
@@ -922,7 +967,7 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools)
+        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
         self._leases.release(scope, session_id, turn_id, owner)
         try:
@@ -1163,6 +1208,7 @@ class HostRuntime:
         assembled: AssembleResult,
         engine_tools: dict[str, Any],
         tools: list[dict[str, Any]],
+        reserved: int = 0,
     ) -> list[dict[str, Any]]:
         system = with_addition(self.settings.system_prompt, assembled.system_prompt_addition)
         context = prune_tool_results(
@@ -1171,21 +1217,42 @@ class HostRuntime:
             self.settings.prune_tool_result_max_chars,
         )
         replies: list[dict[str, Any]] = []
+        # The budget covers every request of the turn, the tool rounds' too: what this turn's replies add
+        # is counted as they come (a few messages), and a request they would take over the budget gets
+        # less of the engine's context, oldest first (see ``fit_tool_round``).
+        limit, context_tokens, replies_tokens = self.prompt_budget(reserved), -1, 0
         for _step in range(self.settings.max_tool_steps):
-            request = [{"role": "system", "content": system}, *context, user, *replies]
+            if replies and context_tokens < 0:
+                # Counted by the host's estimator once a turn has a tool round (the engine's own estimate
+                # may count otherwise, and the request's stand-in tool results are the host's).
+                context_tokens = int(self.estimator.count_messages(context)) if context else 0
+            if replies and context_tokens + replies_tokens > limit:
+                context, context_tokens, sent = fit_tool_round(self.estimator, context, replies, limit)
+            else:
+                sent = replies
+            request = [{"role": "system", "content": system}, *context, user, *sent]
             response = self.model.complete(
                 request,
                 tools or None,
                 max_tokens=self.settings.max_output_tokens,
                 timeout=self.settings.model_timeout_seconds,
             )
-            reply = validate_message(response.message)
+            # The model's answer, not the caller's input: an invalid one is the provider's failure
+            # (ModelError; InvalidInput would read as the caller's mistake), and only an assistant
+            # message answers (a user, system or tool one was committed as the turn's answer).
+            try:
+                reply = validate_message(response.message)
+            except InvalidInput as e:
+                raise ModelError(f"the model answered an invalid message: {e}") from None
+            if reply.get("role") != "assistant":
+                raise ModelError(f"the model answered a {reply.get('role')!r} message, not an assistant's")
             replies.append(reply)
             calls = reply.get("tool_calls") or []
             if not calls:
                 return replies
-            for call in calls:
-                replies.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
+            results = [self._run_tool(engine, info, scope, session_id, call, engine_tools) for call in calls]
+            replies += results
+            replies_tokens += int(self.estimator.count_messages([reply, *results]))
         replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
         return replies
 
@@ -1226,11 +1293,15 @@ class HostRuntime:
         elif name in engine_tools and info.id in self.quarantined:
             content = json.dumps({"error": f"tool {name!r} is unavailable: its context engine failed"})
         elif name in engine_tools:
-            handler = engine.handle_tool_call
+            handler = getattr(engine, "handle_tool_call", None)
+
+            def run() -> Any:
+                if handler is None:  # offered tools, cannot run them: the engine's failure, quarantined
+                    raise EngineContractError(f"engine {info.id!r} offers tools but has no handle_tool_call()")
+                return handler(name, args, scope=scope, session_id=session_id)
+
             try:
-                content = self._call(
-                    info.id, "handle_tool_call", lambda: handler(name, args, scope=scope, session_id=session_id)
-                )
+                content = self._call(info.id, "handle_tool_call", run)
             except Exception as e:
                 if info.id == LEGACY or self._database_failed(e):
                     raise
@@ -1293,12 +1364,7 @@ class HostRuntime:
         session_id = self.resolve_session(scope, session_id)
         sess = self.store.get_session(scope, session_id)
         self._settle_background_failures()
-        engine_id = self.settings.engine if self.settings.engine not in self.quarantined else LEGACY
-        try:
-            engine, info = self.engine(engine_id)
-        except EngineError:
-            engine_id = LEGACY
-            engine, info = self.engine(LEGACY)
+        engine, info = self._engine_or_legacy()
         self._check_requirements(info, "manual-compact")
         # The prompt's budget, as before a prompt (the budget less the reply, the system prompt and the
         # tools' schemas; no user message is known here): a compaction to the whole token_budget would
@@ -1340,6 +1406,15 @@ class HostRuntime:
         except ReadFenceError as e:  # the running turn's entry moved: compact what the engine holds
             log.warning("compaction of %s: the engine could not import first: %s", session_id, e.reason)
 
+    def _engine_or_legacy(self) -> tuple[Any, EngineInfo]:
+        """The configured engine for an operation outside a turn, or legacy when it is quarantined, not
+        installed or fails to load (as a turn would degrade)."""
+        engine_id = self.settings.engine if self.settings.engine not in self.quarantined else LEGACY
+        try:
+            return self.engine(engine_id)
+        except EngineError:
+            return self.engine(LEGACY)
+
     def spawn_subagent(
         self,
         scope: str,
@@ -1356,7 +1431,7 @@ class HostRuntime:
         if not callable(run_child):
             raise InvalidInput(f"run_child must be callable, not {type(run_child).__name__}")
         parent = self.store.get_session(scope, parent_session_id)
-        engine, info = self.engine(self.settings.engine if self.settings.engine not in self.quarantined else LEGACY)
+        engine, info = self._engine_or_legacy()  # best effort: a broken engine spawns on legacy
         self._check_requirements(info, "subagent-spawn")
         child = self.store.open_session(scope, child_session_key)
         prep: SubagentSpawnPreparation | None = None
@@ -1439,7 +1514,7 @@ class HostRuntime:
     def dispose(self) -> None:
         """Let deferred maintenance finish (bounded), write pending quarantine records, stop renewing
         leases and dispose of every live engine."""
-        self.maintenance.close()
+        running = self.maintenance.close()
         self._leases.close()
         self._settle_background_failures()
         if not self.flush_quarantines():
@@ -1450,6 +1525,11 @@ class HostRuntime:
             )
         for engine_id, (engine, _info) in list(self._engines.items()):
             dispose = getattr(engine, "dispose", None)
+            if engine_id == running:
+                # Its maintenance pass outlived close's wait: disposing the engine under it would pull
+                # its state (and perhaps its store) from a pass that still writes. Left to end on its own.
+                log.warning("a maintenance pass of %s is still running: the engine is not disposed", engine_id)
+                continue
             if dispose is not None:
                 try:
                     dispose()

@@ -46,6 +46,7 @@ class BackgroundMaintenance:
         self._pid = os.getpid()
         self._waiting: OrderedDict[Key, dict[str, Any]] = OrderedDict()
         self._busy = False
+        self._running: Key | None = None
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -86,9 +87,10 @@ class BackgroundMaintenance:
                 self._cond.wait(left)
             return True
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> str | None:
         """Let the waiting passes finish (at most ``timeout`` seconds), then end the thread; later
-        requests are dropped."""
+        requests are dropped. The engine id of a pass still running then (None: none is): its engine
+        must not be disposed under it."""
         self._own()
         finished = self.wait(timeout)
         with self._cond:
@@ -101,6 +103,8 @@ class BackgroundMaintenance:
             log.warning("background maintenance still running at close; %d waiting pass(es) dropped", dropped)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=1.0)
+        with self._cond:
+            return self._running[0] if self._running is not None and self._busy else None
 
     def _loop(self) -> None:
         me = threading.current_thread()
@@ -116,6 +120,7 @@ class BackgroundMaintenance:
                     self._cond.wait(left)
                 key, params = self._waiting.popitem(last=False)
                 self._busy = True
+                self._running = key
             try:
                 self._run_one(key, params)
             except Exception as e:  # the runner reports engine failures; this is the last line only
@@ -123,5 +128,6 @@ class BackgroundMaintenance:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._running = None
                     self.runs += 1
                     self._cond.notify_all()
