@@ -1220,12 +1220,19 @@ class HostRuntime:
         # The budget covers every request of the turn, the tool rounds' too: what this turn's replies add
         # is counted as they come (a few messages), and a request they would take over the budget gets
         # less of the engine's context, oldest first (see ``fit_tool_round``).
-        limit, context_tokens, replies_tokens = self.prompt_budget(reserved), -1, 0
+        # The system prompt's addition rides on the request too, outside what was reserved for it.
+        addition = assembled.system_prompt_addition
+        limit = self.prompt_budget(reserved) - (int(self.estimator.count_text(addition)) if addition else 0)
+        context_tokens, replies_tokens = assembled.estimated_tokens, 0
+        near = limit - max(64, limit // 20)  # past it, the engine's estimate is not trusted to the token
+        counted = False
         for _step in range(self.settings.max_tool_steps):
-            if replies and context_tokens < 0:
-                # Counted by the host's estimator once a turn has a tool round (the engine's own estimate
-                # may count otherwise, and the request's stand-in tool results are the host's).
+            if replies and not counted and context_tokens + replies_tokens > near:
+                # Counted by the host's estimator when the round comes near the budget (the engine may
+                # count otherwise, and stand-in tool results are the host's); far from it, the engine's
+                # own estimate stands: counting every turn's whole context costs a quarter of a host turn.
                 context_tokens = int(self.estimator.count_messages(context)) if context else 0
+                counted = True
             if replies and context_tokens + replies_tokens > limit:
                 context, context_tokens, sent = fit_tool_round(self.estimator, context, replies, limit)
             else:
