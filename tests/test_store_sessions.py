@@ -343,3 +343,32 @@ def test_concurrent_open_session_of_one_key_all_get_the_one_session(store: Trans
         assert len(ids) == 4 and len(set(ids)) == 1, (key, ids)
         assert store.find_session(A, key).session_id == ids[0]
     assert len(store.list_sessions(A, limit=100)) == len(keys)
+
+
+def test_open_session_whose_racing_holder_ended_at_once_creates_one(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving the threads above rarely hit: the lookup finds no holder, another open creates
+    one (the insert conflicts), and it is ended before the second lookup. That raised SessionKeyConflict
+    from a call documented to find or create. The lookup is steered to stand for the first two steps."""
+    from transcript_store.core import Core
+
+    if store.db.dialect.is_sqlite:
+        pytest.skip("SQLite runs one writer at a time: no holder can be ended inside the open")
+    holder = store.open_session(A, KEY)
+    real = Core.find_session_by_key
+    calls = [0]
+
+    def lookup(self: Core, scope: str, key: str) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return None  # before the holder's commit
+        if calls[0] == 2:
+            store.end_session(A, holder.session_id)  # another connection ends it meanwhile
+        return real(self, scope, key)
+
+    monkeypatch.setattr(Core, "find_session_by_key", lookup)
+    opened = store.open_session(A, KEY)
+    monkeypatch.undo()
+    assert opened.session_id != holder.session_id and opened.active
+    assert store.find_session(A, KEY) == opened

@@ -13,7 +13,14 @@ from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
 from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
 from .db import Database, mask_url
-from .errors import InvalidInput, InvalidMessage, SessionKeyConflict, UnknownEntry, UnknownSession
+from .errors import (
+    InvalidInput,
+    InvalidMessage,
+    SessionKeyConflict,
+    TransientStoreError,
+    UnknownEntry,
+    UnknownSession,
+)
 from .models import (
     Admission,
     Anchor,
@@ -178,7 +185,9 @@ class TranscriptStore:
                 # waited for it and did nothing): that session is the answer, as if it had been first.
                 row = c.find_session_by_key(scope, session_key)
                 if row is None:
-                    raise
+                    # ... and ended since (PostgreSQL: this transaction reads each statement's latest
+                    # commits): the key is free again. The whole transaction runs again and creates it.
+                    raise TransientStoreError(f"the holder of key {session_key!r} ended while it was opened") from None
                 return session_info(row)
 
         return self.write(run)
