@@ -16,7 +16,7 @@ from hosting import CountingEngine, RecordingModel
 from test_host import make_host
 
 from transcript_store import TranscriptStore
-from transcript_store.errors import ModelError, ModelTimeout
+from transcript_store.errors import EngineContractError, ModelError, ModelTimeout
 from transcript_store.host import HostRuntime, TurnFailed
 from transcript_store.ledger import list_receipts
 from transcript_store.maintenance import BackgroundMaintenance
@@ -239,3 +239,21 @@ def test_every_request_of_a_tool_round_fits_the_budget(store: TranscriptStore, s
     assert len(model.requests) == 28
     sizes = [estimator.count_messages(r) + estimator.count_text(json.dumps(tools)) for r in model.requests]
     assert max(sizes) <= 3000 - 200, sizes
+
+
+class GarbageCompact(CountingEngine):
+    def compact(self, **_kw: Any) -> Any:
+        return "compacted, sort of"
+
+
+def test_a_compact_answer_that_is_no_result_is_the_engines_failure(store: TranscriptStore, sid: str) -> None:
+    """host.compact validated the engine's answer outside the engine guard: a pydantic ValidationError
+    escaped and the engine was not quarantined."""
+    host, _ = make_host(store, "x", factories={"x": lambda ctx: GarbageCompact(ctx, "x", owns_compaction=True)})
+    try:
+        with pytest.raises(EngineContractError, match="no CompactResult"):
+            host.compact(SCOPE, sid)
+        assert "x" in host.quarantined
+        assert host.compact(SCOPE, sid).ok  # the next one runs on legacy
+    finally:
+        host.dispose()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import compaction, outbox, quarantine
@@ -1383,7 +1384,16 @@ class HostRuntime:
         self._bootstrap_before_compaction(engine, info, scope, session_id, host)
         base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
         params = project_params(info, base, host)
-        result = CompactResult.model_validate(self._call(info.id, "compact", lambda: engine.compact(**params)))
+        # Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
+        # (quarantined), as an exception of its compact is, not a ValidationError out of the host.
+        def run() -> CompactResult:
+            answer = engine.compact(**params)
+            try:
+                return CompactResult.model_validate(answer)
+            except ValidationError as e:
+                raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+
+        result = self._call(info.id, "compact", run)
         current = self.follow(scope, session_id, result.session_target)
         if result.compacted:  # the contract's "maintain follows a compaction"
             # a successor session is not the one the runtime context and session key were made for
