@@ -27,7 +27,7 @@ shared_url, store, sid = module_store_fixtures(SCOPE, "tool-args")
 USAGE = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
 UNREADABLE = {
     "huge integer": '{"id": "msg_0", "offset": 1' + "0" * 5000 + "}",
-    "deep nesting": "[" * 200_000 + "]" * 200_000,
+    "deep nesting": "[" * 5_000 + "]" * 5_000,
     "a list": "[1, 2]",
     "malformed": '{"id": ',
 }
