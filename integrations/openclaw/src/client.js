@@ -27,7 +27,24 @@ export class ServiceError extends Error {
 export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl = globalThis.fetch }) {
   if (!serviceUrl) throw new Error("transcript-store: serviceUrl is not configured");
   if (!token) throw new Error("transcript-store: token is not configured");
-  const base = serviceUrl.replace(/\/+$/, "");
+  // Checked here, never quoted: fetch's own errors for a bad header or a URL with credentials quote
+  // the whole value, and OpenClaw logs the message.
+  if (typeof token !== "string" || !/^[\x21-\x7e]+$/.test(token)) {
+    throw new Error(`transcript-store: the token (${typeof token === "string" ? token.length : 0} characters, not shown) must be printable ASCII without spaces or line breaks`);
+  }
+  let url;
+  try {
+    url = new URL(String(serviceUrl));
+  } catch {
+    throw new Error("transcript-store: serviceUrl is not a valid URL (not shown)");
+  }
+  if (url.username || url.password) {
+    throw new Error("transcript-store: serviceUrl must not contain credentials (user:password@); the value is not shown");
+  }
+  if (url.protocol !== "http:" && url.protocol !== "https:") {
+    throw new Error("transcript-store: serviceUrl must be an http:// or https:// URL");
+  }
+  const base = url.href.replace(/\/+$/, "");
 
   async function request(method, path, body) {
     const controller = new AbortController();
@@ -49,7 +66,7 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
       });
       text = await response.text();
     } catch (error) {
-      const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error);
+      const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error, token);
       throw new ServiceError(0, "service_unreachable", `transcript-store service at ${base} is unreachable: ${why}`);
     } finally {
       clearTimeout(timer);
@@ -79,7 +96,11 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
   };
 }
 
-function describe(error) {
+// A network failure's cause; never the message of an error building the request (it quotes the
+// header or URL it refused), and never the token.
+function describe(error, token) {
   const cause = error && error.cause;
-  return (cause && (cause.code || cause.message)) || (error && error.message) || String(error);
+  const text = cause && (cause.code || cause.message);
+  if (!text) return `the request could not be made (${(error && error.name) || "error"}; its message is not shown, as it can quote the headers)`;
+  return String(text).split(token).join("[token]");
 }

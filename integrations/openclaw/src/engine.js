@@ -15,7 +15,7 @@
 // the commit in its outbox, replaying it later with the same key.
 
 import { createClient, ServiceError } from "./client.js";
-import { fromStored, toStored } from "./messages.js";
+import { ENTRY_CAP_BYTES, fromStored, jsonBytes, toStored, wellFormed } from "./messages.js";
 
 export const PLUGIN_ID = "transcript-store";
 export const VERSION = "0.1.0";
@@ -23,6 +23,13 @@ const CURRENT_TURN_FENCE = "before-current-turn-entry-v1";
 const TURN_ADVANCEMENT_IDEMPOTENCY = "atomic-idempotent-v1";
 const PAGE_MESSAGES = 500;
 const PAGE_BYTES = 4 * 1024 * 1024;
+// An import page's request body: at most half the service's default --max-body (8 MiB), as a page's
+// stored form (the host's message and its projection, tool-call arguments escaped twice) can weigh
+// more than the host's bytes the page was read by.
+const PAGE_BODY_BYTES = 4 * 1024 * 1024;
+// The service's bounds on assemble's available_tools and compact's focus.
+const MAX_TOOLS = 1000;
+const MAX_FOCUS_CHARS = 10000;
 const MAX_PAGES = 100000;
 
 /** Plugin config (plugins.entries.transcript-store.config) with environment fallbacks. */
@@ -56,6 +63,14 @@ async function defaultSdk() {
   };
 }
 
+// At most `max` UTF-16 units (so at most `max` characters for the service), a pair never split.
+function cutText(text, max) {
+  let end = Math.min(text.length, max);
+  const code = text.charCodeAt(end - 1);
+  if (end < text.length && code >= 0xd800 && code <= 0xdbff) end -= 1;
+  return wellFormed(text.slice(0, end));
+}
+
 const described = new Map();
 
 async function describeEngine(client, engine) {
@@ -73,7 +88,8 @@ async function describeEngine(client, engine) {
  * here, before the turn starts).
  * @param {{serviceUrl: string, token: string, engine?: string, timeoutMs?: number,
  *          sdk?: object, fetchImpl?: typeof fetch, logger?: {warn?: Function, info?: Function},
- *          pageMessages?: number, pageBytes?: number}} options
+ *          pageMessages?: number, pageBytes?: number, pageBodyBytes?: number,
+ *          maxEntryBytes?: number}} options
  */
 export async function createEngine(options) {
   const engineId = options.engine || "lossless";
@@ -84,6 +100,9 @@ export async function createEngine(options) {
   }
   const pageMessages = options.pageMessages || PAGE_MESSAGES;
   const pageBytes = options.pageBytes || PAGE_BYTES;
+  const pageBodyBytes = options.pageBodyBytes || PAGE_BODY_BYTES;
+  const maxEntryBytes = options.maxEntryBytes || ENTRY_CAP_BYTES;
+  const stored = (message) => toStored(message, { maxBytes: maxEntryBytes });
   const ownsCompaction = description.info.owns_compaction === true;
   let sdkPromise = options.sdk ? Promise.resolve(options.sdk) : null;
   const sdk = () => (sdkPromise ??= defaultSdk());
@@ -107,6 +126,21 @@ export async function createEngine(options) {
     ensured.add(sessionId);
   }
 
+  // Run `call` in the session; a session the store no longer has (deleted, a database restored) is
+  // created again once and the call retried, instead of every call answering 404 until a restart.
+  async function inSession(sessionId, sessionKey, call) {
+    await ensureSession(sessionId, sessionKey);
+    try {
+      return await call();
+    } catch (error) {
+      if (!(error instanceof ServiceError && error.status === 404 && error.code === "session_not_found")) throw error;
+      ensured.delete(sessionId);
+      info(`transcript-store: session ${sessionId} is gone from the store; creating it again`);
+      await ensureSession(sessionId, sessionKey);
+      return call();
+    }
+  }
+
   // Import the host's visible transcript into the service's mirror, page by page, from where the
   // last import stopped. `until`: stop after this host position (a commit catching up), else read on
   // to the end (under the host's read fence during bootstrap).
@@ -120,6 +154,7 @@ export async function createEngine(options) {
     let sentCursor = state.cursor ?? null; // what the service is told the page was read from
     let position = state.cursor ? state.position : 0;
     let maxBytes = pageBytes;
+    let fewer; // a page too large to send: read again with at most this many messages
     for (let pages = 0; pages < MAX_PAGES; pages += 1) {
       const remaining = until === undefined ? pageMessages : until + 1 - position;
       if (remaining <= 0) return imported;
@@ -129,7 +164,7 @@ export async function createEngine(options) {
         sessionKey: target.sessionKey,
         storePath: target.storePath,
         ...(readCursor !== undefined ? { cursor: readCursor } : {}),
-        maxMessages: Math.min(pageMessages, remaining),
+        maxMessages: Math.min(pageMessages, remaining, fewer ?? Infinity),
         maxBytes,
       });
       if (page.kind === "missing") return imported;
@@ -146,17 +181,24 @@ export async function createEngine(options) {
         continue;
       }
       maxBytes = pageBytes;
+      const entries = page.entries.map((entry) => ({ entry_id: entry.entryId, message: stored(entry.message) }));
+      const body = { done: false, page: { cursor: sentCursor, next_cursor: page.cursor, entries } };
+      if (entries.length > 1 && jsonBytes(body) > pageBodyBytes) {
+        // Read the page again with as many messages as fit in the body (one at least).
+        let size = jsonBytes({ ...body, page: { ...body.page, entries: [] } });
+        let fit = 0;
+        while (fit < entries.length - 1 && (size += jsonBytes(entries[fit]) + 1) <= pageBodyBytes) fit += 1;
+        fewer = Math.max(1, fit);
+        continue;
+      }
       let answer;
       try {
-        answer = await client.post(`${path}/bootstrap`, {
-          done: false,
-          page: {
-            cursor: sentCursor,
-            next_cursor: page.cursor,
-            entries: page.entries.map((entry) => ({ entry_id: entry.entryId, message: toStored(entry.message) })),
-          },
-        });
+        answer = await client.post(`${path}/bootstrap`, body);
       } catch (error) {
+        if (error instanceof ServiceError && error.status === 413 && error.code === "request_too_large" && entries.length > 1) {
+          fewer = Math.ceil(entries.length / 2); // a service with a smaller --max-body
+          continue;
+        }
         if (error instanceof ServiceError && error.reason === "cursor" && restarts < 3) {
           // Another importer moved the mirror's resume point: continue from the recorded one.
           restarts += 1;
@@ -168,6 +210,7 @@ export async function createEngine(options) {
         }
         throw error;
       }
+      fewer = undefined;
       imported += answer.imported;
       position = answer.position;
       readCursor = page.cursor;
@@ -203,9 +246,10 @@ export async function createEngine(options) {
 
     async bootstrap(params) {
       const target = targetOf(params);
-      await ensureSession(target.sessionId, target.sessionKey);
-      const importedMessages = await importTranscript(target);
-      const answer = await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true });
+      const [importedMessages, answer] = await inSession(target.sessionId, target.sessionKey, async () => {
+        const imported = await importTranscript(target);
+        return [imported, await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true })];
+      });
       const result = answer.result || {};
       return {
         bootstrapped: result.bootstrapped !== false,
@@ -224,12 +268,12 @@ export async function createEngine(options) {
     },
 
     async assemble(params) {
-      await ensureSession(params.sessionId, params.sessionKey);
-      const answer = await client.post(`${sessionPath(params.sessionId)}/assemble`, {
+      // The service takes at most 1000 tool names: the first 1000 the host lists are sent.
+      const answer = await inSession(params.sessionId, params.sessionKey, () => client.post(`${sessionPath(params.sessionId)}/assemble`, {
         token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
-        available_tools: params.availableTools ? [...params.availableTools].map(String) : [],
-        prompt: typeof params.prompt === "string" ? params.prompt : null,
-      });
+        available_tools: params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [],
+        prompt: typeof params.prompt === "string" ? wellFormed(params.prompt) : null,
+      }));
       return {
         messages: answer.messages.map(fromStored),
         estimatedTokens: answer.estimated_tokens,
@@ -240,12 +284,11 @@ export async function createEngine(options) {
 
     async commitTurn(params) {
       const target = targetOf(params);
-      await ensureSession(target.sessionId, target.sessionKey);
       const body = {
         advancement_key: params.advancementKey,
         admission: { entry_id: params.admission.entryId, position: params.admission.activeMessagePosition },
         terminal: { entry_id: params.terminal.entryId, position: params.terminal.activeMessagePosition },
-        messages: params.messages.map(toStored),
+        messages: params.messages.map(stored),
         is_heartbeat: params.isHeartbeat === true,
         session_target: {
           session_id: target.sessionId,
@@ -254,17 +297,18 @@ export async function createEngine(options) {
         },
       };
       const path = `${sessionPath(target.sessionId)}/commit_turn`;
-      let answer;
-      try {
-        answer = await client.post(path, body);
-      } catch (error) {
-        if (!(error instanceof ServiceError && error.reason === "behind")) throw error;
-        // Host messages before this turn never reached the mirror (a degraded turn, host-written
-        // messages): import up to the turn's end, then commit.
-        const imported = await importTranscript(target, params.terminal.activeMessagePosition);
-        info(`transcript-store: imported ${imported} host messages before committing turn ${params.advancementKey}`);
-        answer = await client.post(path, body);
-      }
+      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+        try {
+          return await client.post(path, body);
+        } catch (error) {
+          if (!(error instanceof ServiceError && error.reason === "behind")) throw error;
+          // Host messages before this turn never reached the mirror (a degraded turn, host-written
+          // messages): import up to the turn's end, then commit.
+          const imported = await importTranscript(target, params.terminal.activeMessagePosition);
+          info(`transcript-store: imported ${imported} host messages before committing turn ${params.advancementKey}`);
+          return client.post(path, body);
+        }
+      });
       return { status: answer.status };
     },
 
@@ -273,22 +317,26 @@ export async function createEngine(options) {
         return (await sdk()).delegateCompactionToRuntime(params);
       }
       const target = targetOf(params);
-      await ensureSession(target.sessionId, target.sessionKey);
       // The host transcript may hold messages the mirror never saw: a turn that timed out or was
       // aborted before its commit (its tool results can be what makes the host ask to compact). Import
       // them first, or the engine compacts a mirror without them, makes no progress, and the host's
       // pre-prompt compaction fails on every later turn of the session. An import that fails leaves the
       // compaction to what the mirror holds.
-      try {
-        const imported = await importTranscript(target);
-        if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
-      } catch (error) {
-        info(`transcript-store: compacting without importing the host transcript first: ${error.message}`);
-      }
-      const answer = await client.post(`${sessionPath(target.sessionId)}/compact`, {
-        force: params.force === true,
-        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
-        focus: typeof params.customInstructions === "string" ? params.customInstructions : null,
+      // The service takes a focus of at most 10000 characters: longer instructions are cut there.
+      const focus = typeof params.customInstructions === "string" ? cutText(params.customInstructions, MAX_FOCUS_CHARS) : null;
+      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+        try {
+          const imported = await importTranscript(target);
+          if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
+        } catch (error) {
+          if (error instanceof ServiceError && error.code === "session_not_found") throw error;
+          info(`transcript-store: compacting without importing the host transcript first: ${error.message}`);
+        }
+        return client.post(`${sessionPath(target.sessionId)}/compact`, {
+          force: params.force === true,
+          token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
+          focus,
+        });
       });
       return {
         ok: answer.ok,
@@ -302,8 +350,8 @@ export async function createEngine(options) {
     },
 
     async maintain(params) {
-      await ensureSession(params.sessionId, params.sessionKey);
-      const answer = await client.post(`${sessionPath(params.sessionId)}/maintain`, {});
+      const answer = await inSession(params.sessionId, params.sessionKey,
+        () => client.post(`${sessionPath(params.sessionId)}/maintain`, {}));
       return {
         changed: answer.changed,
         bytesFreed: answer.bytes_freed,

@@ -72,3 +72,20 @@ test("a timeout from the environment is checked like the config's", async () => 
     assert.throws(() => resolveConfig({}, { TRANSCRIPT_STORE_TIMEOUT_MS: bad }), /100\.\.600000/);
   }
 });
+
+test("a token or URL fetch would refuse is a config error that never quotes it", async () => {
+  for (const token of ["secret-token-abc\nsecond-line", "\u201csecret-token-abc\u201d", "secret token-abc"]) {
+    assert.throws(() => createClient({ serviceUrl: "http://127.0.0.1:9", token }), (error) =>
+      /token .*printable ASCII/.test(error.message) && !error.message.includes("secret"));
+  }
+  for (const serviceUrl of ["https://svc:proxy-password-xyz@127.0.0.1:8765", "http://user@h:1", "not a url proxy-password-xyz", "ftp://h/x"]) {
+    assert.throws(() => createClient({ serviceUrl, token: "tok" }), (error) =>
+      /serviceUrl/.test(error.message) && !error.message.includes("proxy-password-xyz") && !error.message.includes("user@"));
+  }
+  assert.equal(createClient({ serviceUrl: "http://127.0.0.1:8765/prefix/", token: "tok" }).base, "http://127.0.0.1:8765/prefix");
+  // An error building the request is never passed on verbatim (undici's quote the header value).
+  const fetchImpl = async (url, init) => { throw new TypeError(`Headers.append: "${init.headers.authorization}" is an invalid header value.`); };
+  const client = createClient({ serviceUrl: "http://127.0.0.1:9", token: "secret-token-abc", fetchImpl });
+  await assert.rejects(client.get("/v1/engines"), (error) =>
+    error.code === "service_unreachable" && !error.message.includes("secret-token-abc"));
+});

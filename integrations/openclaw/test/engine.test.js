@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import { createEngine, PLUGIN_ID } from "../src/engine.js";
-import { fromStored, ORIGINAL, toStored } from "../src/messages.js";
+import { contentText, fromStored, ORIGINAL, toStored } from "../src/messages.js";
 import plugin from "../index.js";
 
 const user = { role: "user", content: "hello", timestamp: 1 };
@@ -198,4 +198,176 @@ test("compaction imports what the mirror has not seen of the host transcript fir
     ["h0", "h1", "h2"]);
   unavailable = true; // a host transcript that cannot be read: the compaction still runs on the mirror
   assert.equal((await engine.compact(params)).compacted, true);
+});
+
+// What the service refuses, as it does: an entry over its cap (4 MiB of compact JSON), a body over its
+// --max-body, a lone surrogate anywhere, a focus over 10000 characters, more than 1000 tool names.
+const CAP = 4 * 1024 * 1024;
+function strictService(routes, { maxBody = 8 * 1024 * 1024 } = {}) {
+  const svc = service(routes);
+  const fetchImpl = async (url, init) => {
+    if (init.body && Buffer.byteLength(init.body) > maxBody) {
+      return new Response(JSON.stringify({ error: { code: "request_too_large", message: "too large" } }), { status: 413 });
+    }
+    if (init.body && /\\ud[89a-f][0-9a-f]{2}/i.test(init.body)) {
+      return new Response(JSON.stringify({ error: { code: "invalid_input", message: "lone surrogate" } }), { status: 400 });
+    }
+    const body = init.body ? JSON.parse(init.body) : {};
+    const messages = [...(body.messages || []), ...((body.page && body.page.entries) || []).map((e) => e.message)];
+    if (messages.some((m) => Buffer.byteLength(JSON.stringify(m)) > CAP)) {
+      return new Response(JSON.stringify({ error: { code: "payload_too_large", message: "entry over the cap" } }), { status: 413 });
+    }
+    if ((body.focus && body.focus.length > 10000) || (body.available_tools && body.available_tools.length > 1000)) {
+      return new Response(JSON.stringify({ error: { code: "invalid_request", message: "bounds" } }), { status: 422 });
+    }
+    return svc.fetchImpl(url, init);
+  };
+  return { calls: svc.calls, fetchImpl };
+}
+
+function turnOf(key, messages, start = 0) {
+  return {
+    advancementKey: key, sessionId: "s1", sessionKey: "k",
+    sessionTarget: { agentId: "main", sessionId: "s1", sessionKey: "k" },
+    admission: { entryId: `${key}-0`, activeMessagePosition: start },
+    terminal: { entryId: `${key}-${messages.length - 1}`, activeMessagePosition: start + messages.length - 1 },
+    messages,
+  };
+}
+
+test("a message too large to be kept twice is kept once, read back whole, and commits", async () => {
+  const big = { ...result, content: [{ type: "text", text: "head" }, { type: "text", text: "x".repeat(2.5 * 1024 * 1024) }],
+    details: { echo: "y".repeat(2000) } };
+  const stored = toStored(big);
+  assert.ok(Buffer.byteLength(JSON.stringify(stored)) <= CAP);
+  assert.equal(stored.content, contentText(big.content)); // what engines read is unchanged
+  assert.equal(stored[ORIGINAL], undefined);
+  assert.deepEqual(fromStored(stored), big);
+  assert.deepEqual(toStored(JSON.parse(JSON.stringify(big))), stored); // deterministic
+  const args = { ...reply, content: [{ type: "toolCall", id: "w", name: "write", arguments: { content: '"\\\n'.repeat(250000) } }] };
+  assert.ok(Buffer.byteLength(JSON.stringify(args)) < CAP && !toStored(args)[ORIGINAL]);
+  assert.deepEqual(fromStored(toStored(args)), args);
+  // Over the cap even once: cut, with a marker, under the cap.
+  const huge = { ...result, content: [{ type: "text", text: "z".repeat(9 * 1024 * 1024) }] };
+  const cut = toStored(huge);
+  assert.ok(Buffer.byteLength(JSON.stringify(cut)) <= CAP);
+  assert.match(cut.content, /characters cut by transcript-store/);
+  assert.match(fromStored(cut).content[0].text, /^z{1000000,}\n\[\.\.\. \d+ characters cut by transcript-store/);
+  assert.equal(fromStored(cut).toolCallId, "c1");
+
+  const { calls, fetchImpl } = strictService({
+    "GET /v1/engines/:e": describe, "POST /v1/sessions": opened,
+    "POST /v1/engines/:e/sessions/:sid/commit_turn": () => [200, { status: "committed" }],
+  });
+  const engine = await createEngine({ serviceUrl: "http://svc-big", token: "tok", fetchImpl, sdk: {} });
+  assert.deepEqual(await engine.commitTurn(turnOf("big", [user, reply, big, huge])), { status: "committed" });
+  assert.equal(calls.filter((c) => c.path.endsWith("commit_turn")).length, 1);
+});
+
+test("lone surrogates in what the host wrote are sent as U+FFFD", async () => {
+  const cutEmoji = "log line \u{1F600}".slice(0, -1);
+  const broken = { ...result, content: [{ type: "text", text: cutEmoji }], details: { ["k\udc00"]: "\ud800" } };
+  const stored = toStored(broken);
+  assert.equal(stored.content, "log line \ufffd");
+  assert.deepEqual(stored[ORIGINAL].details, { "k\ufffd": "\ufffd" });
+  const { calls, fetchImpl } = strictService({
+    ...mirrorRoutes(1).routes,
+    "POST /v1/engines/:e/sessions/:sid/commit_turn": () => [200, { status: "committed" }],
+    "POST /v1/engines/:e/sessions/:sid/assemble": () => [200, { messages: [], estimated_tokens: 0 }],
+    "POST /v1/engines/:e/sessions/:sid/compact": () => [200, { ok: true, compacted: false }],
+  });
+  const sdk = { readSessionTranscriptVisibleMessageDelta: async () =>
+    ({ kind: "page", cursor: "c1", hasMore: false, entries: [{ entryId: "h0", message: broken }] }) };
+  const engine = await createEngine({ serviceUrl: "http://svc-sur", token: "tok", fetchImpl, sdk });
+  assert.deepEqual(await engine.commitTurn(turnOf("sur", [broken])), { status: "committed" });
+  await engine.assemble({ sessionId: "s1", sessionKey: "k", prompt: `why ${cutEmoji}`, availableTools: ["t\udbff"] });
+  await engine.compact({ sessionId: "s1", sessionKey: "k", customInstructions: `keep ${cutEmoji}` });
+  assert.equal(calls.find((c) => c.path.endsWith("/assemble")).body.prompt, "why log line \ufffd");
+  assert.equal(calls.find((c) => c.path.endsWith("/compact")).body.focus, "keep log line \ufffd");
+  assert.equal(calls.find((c) => c.method === "POST" && c.path.endsWith("/bootstrap")).body.page.entries[0].message.content,
+    "log line \ufffd");
+});
+
+test("import pages are sized by the request body, and a page refused as too large is read again smaller", async () => {
+  // Source code written by tool calls: its arguments are escaped twice in the projection, so 3.9 MB
+  // of host bytes (one host page) made a body over the service's 8 MiB.
+  const source = 'print("a\\\\b", "c")\n'.repeat(15000);
+  const host = [];
+  for (let k = 0; k < 10; k += 1) {
+    host.push({ entryId: `h${k}a`, message: { ...reply, content: [{ type: "toolCall", id: `c${k}`, name: "write", arguments: { content: source } }] } });
+    host.push({ entryId: `h${k}b`, message: { ...result, toolCallId: `c${k}` } });
+  }
+  const reads = [];
+  const sdk = {
+    readSessionTranscriptVisibleMessageDelta: async ({ cursor, maxMessages }) => {
+      reads.push(maxMessages);
+      const start = cursor === undefined ? 0 : Number(cursor);
+      const entries = host.slice(start, start + maxMessages);
+      return { kind: "page", cursor: String(start + entries.length), hasMore: start + entries.length < host.length, entries };
+    },
+  };
+  for (const maxBody of [8 * 1024 * 1024, 1024 * 1024]) { // the default --max-body, and a smaller one
+    const mirror = mirrorRoutes(host.length);
+    const importPage = mirror.routes["POST /v1/engines/:e/sessions/:sid/bootstrap"];
+    const { calls, fetchImpl } = strictService({ ...mirror.routes,
+      "POST /v1/engines/:e/sessions/:sid/bootstrap": (body, all) => (body.done ? [200, { result: { bootstrapped: true } }] : importPage(body, all)),
+    }, { maxBody });
+    const engine = await createEngine({ serviceUrl: `http://svc-pages-${maxBody}`, token: "tok", fetchImpl, sdk });
+    const out = await engine.bootstrap({ sessionId: "s1", sessionKey: "k", sessionTarget: { agentId: "main", sessionId: "s1" } });
+    assert.equal(out.importedMessages, host.length);
+    const pages = calls.filter((c) => c.method === "POST" && c.path.endsWith("/bootstrap") && c.body.page);
+    assert.ok(pages.every((c) => c.body.done === false));
+    assert.ok(pages.length > 1);
+  }
+});
+
+test("a session gone from the store is created again and the call retried", async () => {
+  const sessions = new Set();
+  const gone = (f) => (body, all) => {
+    const sid = all[all.length - 1].path.split("/")[5];
+    if (!sessions.has(sid)) return [404, { error: { code: "session_not_found", message: "unknown session" } }];
+    return f(body, all);
+  };
+  const { calls, fetchImpl } = service({
+    "GET /v1/engines/:e": describe,
+    "POST /v1/sessions": (body) => { sessions.add(body.session_id); return [200, {}]; },
+    "POST /v1/engines/:e/sessions/:sid/assemble": gone(() => [200, { messages: [], estimated_tokens: 0 }]),
+    "POST /v1/engines/:e/sessions/:sid/maintain": gone(() => [200, { changed: false, bytes_freed: 0, rewritten_entries: 0 }]),
+    "POST /v1/engines/:e/sessions/:sid/commit_turn": gone(() => [200, { status: "committed" }]),
+  });
+  const engine = await createEngine({ serviceUrl: "http://svc-gone", token: "tok", fetchImpl, sdk: {} });
+  assert.deepEqual(await engine.commitTurn(turnOf("g1", [user, reply])), { status: "committed" });
+  sessions.clear(); // deleted from the store, or the database restored
+  assert.equal((await engine.assemble({ sessionId: "s1", sessionKey: "k" })).estimatedTokens, 0);
+  sessions.clear();
+  assert.deepEqual(await engine.commitTurn(turnOf("g2", [user, reply], 2)), { status: "committed" });
+  sessions.clear();
+  assert.equal((await engine.maintain({ sessionId: "s1", sessionKey: "k" })).changed, false);
+  assert.equal(calls.filter((c) => c.path === "/v1/sessions").length, 4);
+  // Retried once only: a session that cannot be created again stays an error.
+  const { fetchImpl: never } = service({
+    "GET /v1/engines/:e": describe, "POST /v1/sessions": opened,
+    "POST /v1/engines/:e/sessions/:sid/assemble": () => [404, { error: { code: "session_not_found", message: "unknown" } }],
+  });
+  const stuck = await createEngine({ serviceUrl: "http://svc-gone2", token: "tok", fetchImpl: never, sdk: {} });
+  await assert.rejects(stuck.assemble({ sessionId: "s1", sessionKey: "k" }), (error) => error.code === "session_not_found");
+});
+
+test("instructions and tool lists longer than the service takes are cut", async () => {
+  const { calls, fetchImpl } = strictService({
+    ...mirrorRoutes(0).routes,
+    "POST /v1/engines/:e/sessions/:sid/assemble": () => [200, { messages: [], estimated_tokens: 0 }],
+    "POST /v1/engines/:e/sessions/:sid/compact": () => [200, { ok: true, compacted: false }],
+  });
+  const sdk = { readSessionTranscriptVisibleMessageDelta: async () => ({ kind: "page", cursor: "c", hasMore: false, entries: [] }) };
+  const engine = await createEngine({ serviceUrl: "http://svc-bounds", token: "tok", fetchImpl, sdk });
+  const tools = new Set(Array.from({ length: 1200 }, (_, i) => `mcp__srv__tool_${i}`));
+  await engine.assemble({ sessionId: "s1", sessionKey: "k", availableTools: tools });
+  const sent = calls.find((c) => c.path.endsWith("/assemble")).body.available_tools;
+  assert.deepEqual(sent, [...tools].slice(0, 1000));
+  const instructions = "keep the API decisions. ".repeat(499) + "\u{1F600}".repeat(10);
+  await engine.compact({ sessionId: "s1", sessionKey: "k", customInstructions: instructions });
+  const focus = calls.find((c) => c.path.endsWith("/compact")).body.focus;
+  assert.ok(focus.length <= 10000 && focus.length >= 9999 && focus.isWellFormed());
+  assert.ok(instructions.startsWith(focus));
 });
