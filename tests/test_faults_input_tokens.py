@@ -206,6 +206,14 @@ def check_lookups(tm: TokenMap, known: dict[str, str]) -> None:
 
 def asgi_request(app: Any, headers: list[tuple[bytes, bytes]], path: str = "/v1/whoami") -> tuple[int, dict[str, str]]:
     """One GET through the ASGI app in this process: (status, response headers)."""
+    status, answered, _body = asgi_exchange(app, headers, path)
+    return status, answered
+
+
+def asgi_exchange(
+    app: Any, headers: list[tuple[bytes, bytes]], path: str = "/v1/whoami"
+) -> tuple[int, dict[str, str], bytes]:
+    """One GET with an empty body through the ASGI app in this process: (status, headers, body)."""
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
         "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
@@ -221,7 +229,8 @@ def asgi_request(app: Any, headers: list[tuple[bytes, bytes]], path: str = "/v1/
 
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start["headers"]}
+    answered = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start["headers"]}
+    return start["status"], answered, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ opened and replayed. A Content-Length of more digits than ``int`` reads is a 413
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,10 @@ from typing import Any
 import pytest
 from conftest import assistant, user
 from service_process import ServiceProcess
-from test_faults_input_tokens import app  # noqa: F401 (fixture: the service's app in this process)
+from test_faults_input_tokens import (
+    app,  # noqa: F401 (fixture: the service's app in this process)
+    asgi_exchange,
+)
 from test_service import TOKEN_A, TOKENS, commit, open_session
 
 import transcript_store.core as core_module
@@ -97,21 +99,6 @@ def test_a_content_length_with_thousands_of_leading_zeros_is_read_as_its_value(a
 
 
 def whoami(asgi_app: Any, headers: list[tuple[bytes, bytes]]) -> tuple[int, Any]:
-    """One GET /v1/whoami with an empty body through the ASGI app in this process: (status, JSON body).
-    (``asgi_request`` answers the headers only; a refusal's code is in the body.)"""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-        "path": "/v1/whoami", "raw_path": b"/v1/whoami", "query_string": b"", "root_path": "", "headers": headers,
-        "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1234),
-    }
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(asgi_app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    """One GET /v1/whoami through the ASGI app in this process: (status, JSON body)."""
+    status, _headers, body = asgi_exchange(asgi_app, headers)
+    return status, json.loads(body)

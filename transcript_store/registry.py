@@ -237,19 +237,26 @@ def _import_bundled(module_name: str) -> Any:
     if any(Path(p).resolve() == BUNDLED_DIR for p in places):
         return importlib.import_module(module_name)
     if _BUNDLED_ALIAS not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            _BUNDLED_ALIAS, BUNDLED_DIR / "__init__.py", submodule_search_locations=[str(BUNDLED_DIR)]
-        )
-        if spec is None or spec.loader is None:
-            raise EngineContractError(f"cannot load the bundled engines from {BUNDLED_DIR}")
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[_BUNDLED_ALIAS] = package
-        try:
-            spec.loader.exec_module(package)
-        except BaseException:
-            _forget(_BUNDLED_ALIAS)
-            raise
+        _exec_file(_BUNDLED_ALIAS, BUNDLED_DIR / "__init__.py", BUNDLED_DIR)
     return importlib.import_module(f"{_BUNDLED_ALIAS}.{rest}" if rest else _BUNDLED_ALIAS)
+
+
+def _exec_file(name: str, path: Path, package_dir: Path | None) -> Any:
+    """Run the module at ``path`` as ``name`` (a package of ``package_dir`` when given), registered in
+    sys.modules; one that fails to load is dropped from it again (``_forget``)."""
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[str(package_dir)] if package_dir is not None else None
+    )
+    if spec is None or spec.loader is None:
+        raise EngineContractError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        _forget(name)
+        raise
+    return module
 
 
 def _load_from_folder(folder: Path, module_name: str, attr: str) -> EngineFactory:
@@ -258,15 +265,8 @@ def _load_from_folder(folder: Path, module_name: str, attr: str) -> EngineFactor
     if not path.is_file():  # missing, a folder, or a FIFO (whose read would never end)
         raise EngineContractError(f"entry module {path} is not a file")
     unique = f"_transcript_store_plugin_{folder.name}_{abs(hash(str(folder)))}"
-    spec = importlib.util.spec_from_file_location(
-        unique, path, submodule_search_locations=[str(folder)] if module_name == "__init__" else None
-    )
-    if spec is None or spec.loader is None:
-        raise EngineContractError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[unique] = module
+    module = _exec_file(unique, path, folder if module_name == "__init__" else None)
     try:
-        spec.loader.exec_module(module)
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise EngineContractError(f"{path} has no callable {attr!r}")
