@@ -36,11 +36,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
 from . import migrate, transfer
 from .config import StoreConfig
-from .db import NOT_A_URL, mask_url, parse_url, sqlite_file
+from .db import mask_url, parse_url, sqlite_file, url_secrets
 from .engine import MAX_TOKENS
 from .errors import (
     EngineError,
@@ -237,7 +237,8 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
 
     Without ``create`` a SQLite file that holds no store (missing, empty, or a database without the
     store's schema: another program's, given by mistake) is refused as no store yet, untouched: a SQLite
-    store migrates itself on open, which would create one in it.
+    store migrates itself on open, which would create one in it. So is a PostgreSQL database without the
+    schema: with TRANSCRIPT_STORE_AUTO_UPGRADE=1 its migration on open would create one too.
     """
     config = state().store_config()
     make_url_or_usage(config.url)  # a bad URL is a usage error before its file is looked at
@@ -253,7 +254,7 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     if not check_schema:
         return store
     try:
-        if path is not None and not create and store.current_revision() is None:
+        if not create and store.current_revision() is None:
             raise SchemaNotCurrent(
                 f"no store at {url} (the database holds no transcript-store schema): run `transcript-store init`"
             )
@@ -717,6 +718,22 @@ def _runtime(store: TranscriptStore, settings: HostSettings, model: Any = None) 
     return HostRuntime(store=store, settings=settings, model=model if model is not None else LocalResponder())
 
 
+#: the most outbox rows `outbox status` lists (its counts are of every row); Turns.intents reads at most 10,000
+OUTBOX_STATUS_ROWS = 10_000
+#: session ids per read when `outbox recover` lists every session with outbox rows
+OUTBOX_PAGE = 1000
+
+
+def _outbox_counts(store: TranscriptStore, scope: str) -> dict[str, int]:
+    """Outbox rows of ``scope`` per state, every row counted."""
+    from sqlalchemy import func, select
+
+    from .schema import outbox as rows
+
+    q = select(rows.c.state, func.count()).where(rows.c.scope == scope).group_by(rows.c.state)
+    return store.read(lambda c: {str(state): int(n) for state, n in c.conn.execute(q)})
+
+
 @outbox.command("status")
 @common
 def outbox_status() -> None:
@@ -725,7 +742,12 @@ def outbox_status() -> None:
 
     st = state()
     with store_session() as store:
-        intents = Turns(store).intents(st.scope_name, limit=10_000)
+        intents = Turns(store).intents(st.scope_name, limit=OUTBOX_STATUS_ROWS)
+        counts = _outbox_counts(store, st.scope_name)
+    total = sum(counts.values())
+    if total > len(intents):  # never a silent cut: the counts below are of every row
+        click.echo(f"warning: the outbox holds {total} rows; showing the first {len(intents)} "
+                   "(by session and enqueue order)", err=True)
     fields = ("session_id", "turn_id", "engine_id", "state", "enqueue_seq", "attempt_count", "last_error",
               "block_reason", "lease_owner", "last_attempt_at")
     if st.json:
@@ -740,9 +762,6 @@ def outbox_status() -> None:
                       Text(shown(why)))  # an engine's error or an operator's reason: read, not obeyed
     if intents:
         console().print(table)
-    counts: dict[str, int] = {}
-    for i in intents:
-        counts[i.state] = counts.get(i.state, 0) + 1
     click.echo(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) if counts else "the outbox is empty")
 
 
@@ -755,11 +774,13 @@ def outbox_drain(session: str | None, limit: int) -> None:
     st = state()
     with store_session() as store:
         sid = find_session(store, st.scope_name, session).session_id if session else None
-        runtime = _runtime(store, st.settings())
-        try:
-            report = runtime.turns.drain(runtime.commit_in, scope=st.scope_name, session_id=sid, limit=limit)
-        finally:
-            runtime.dispose()
+        settings = st.settings()
+        with engine_output_on_stderr():
+            runtime = _runtime(store, settings)
+            try:
+                report = runtime.turns.drain(runtime.commit_in, scope=st.scope_name, session_id=sid, limit=limit)
+            finally:
+                runtime.dispose()
     data = {
         "committed": report.committed,
         "duplicates": report.duplicates,
@@ -802,37 +823,54 @@ def outbox_block(session: str, turn_id: str, reason: str, yes: bool) -> None:
         click.echo(f"session {sid} turn {turn_id} ({intent.engine_id}): {intent.state} ({reason})")
 
 
+def _outbox_sessions(store: TranscriptStore, scope: str) -> list[str]:
+    """Every session of ``scope`` with outbox rows, read in keyset pages of OUTBOX_PAGE ids: however many."""
+    from sqlalchemy import select
+
+    from .schema import outbox as rows
+
+    def page(after: str | None) -> Callable[[Any], list[str]]:
+        q = select(rows.c.session_id).where(rows.c.scope == scope).distinct()
+        if after is not None:
+            q = q.where(rows.c.session_id > after)
+        q = q.order_by(rows.c.session_id).limit(OUTBOX_PAGE)
+        return lambda c: [str(r.session_id) for r in c.conn.execute(q)]
+
+    out: list[str] = []
+    while True:
+        ids = store.read(page(out[-1] if out else None))
+        out.extend(ids)
+        if len(ids) < OUTBOX_PAGE:
+            return out
+
+
 @outbox.command("recover")
 @click.argument("session", required=False)
 @common
 def outbox_recover(session: str | None) -> None:
     """Discard dead admitted intents and drain ready ones (SESSION, or every session with intents)."""
-    from .turns import Turns
-
     st = state()
     scope = st.scope_name
     with store_session() as store:
-        if session:
-            targets = [find_session(store, scope, session).session_id]
-        else:
-            targets = sorted({i.session_id for i in Turns(store).intents(scope, limit=10_000)})
+        targets = [find_session(store, scope, session).session_id] if session else _outbox_sessions(store, scope)
         settings = st.settings()
-        runtime = _runtime(store, settings)
         results = []
-        try:
-            for sid in targets:
-                r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
-                results.append({
-                    "session_id": sid,
-                    "discarded": r.discarded,
-                    "committed": r.drain.committed,
-                    "duplicates": r.drain.duplicates,
-                    "blocked": r.drain.blocked,
-                    "failed": [{"turn_id": t, "error": e} for _s, t, e in r.drain.failed],
-                    "pending": r.pending,
-                })
-        finally:
-            runtime.dispose()
+        with engine_output_on_stderr():
+            runtime = _runtime(store, settings)
+            try:
+                for sid in targets:
+                    r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
+                    results.append({
+                        "session_id": sid,
+                        "discarded": r.discarded,
+                        "committed": r.drain.committed,
+                        "duplicates": r.drain.duplicates,
+                        "blocked": r.drain.blocked,
+                        "failed": [{"turn_id": t, "error": e} for _s, t, e in r.drain.failed],
+                        "pending": r.pending,
+                    })
+            finally:
+                runtime.dispose()
     if st.json:
         emit_json(results)
     else:
@@ -1078,11 +1116,12 @@ def compact(session: str, focus: str | None, engine: str | None) -> None:
     settings = st.settings(engine)
     with store_session() as store:
         sid = find_session(store, st.scope_name, session).session_id
-        runtime = _runtime(store, settings)
-        try:
-            result = runtime.compact(st.scope_name, sid, focus=focus)
-        finally:
-            runtime.dispose()
+        with engine_output_on_stderr():
+            runtime = _runtime(store, settings)
+            try:
+                result = runtime.compact(st.scope_name, sid, focus=focus)
+            finally:
+                runtime.dispose()
     if st.json:
         emit_json(compact_json(result))
     else:
@@ -1125,18 +1164,21 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     st = state()
     settings = st.settings(engine)  # a bad settings file or variable: refused before the store is created
     model = chosen_model(model_url, model_name, api_key)  # so is a bad model URL
+    stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
     with store_session(create=True) as store:
         info = store.open_session(st.scope_name, session_key)
-        runtime = _runtime(store, settings, model)
-        loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json)
-        try:
-            if not st.json:
-                loop.banner(session_key)
-            loop.run(sys.stdin)
-        finally:
-            runtime.dispose()
+        with engine_output_on_stderr():
+            runtime = _runtime(store, settings, model)
+            loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json, stdout)
+            try:
+                if not st.json:
+                    loop.banner(session_key)
+                loop.run(sys.stdin)
+            finally:
+                runtime.dispose()
     if loop.failed:
-        raise CommandError(f"{loop.failed} turn(s) or command(s) failed")
+        # The database's refusal (5 unavailable, 6 permission denied) keeps its own exit code.
+        raise CommandError(f"{loop.failed} turn(s) or command(s) failed", loop.code)
 
 
 def chosen_model(model_url: str | None, model_name: str | None, api_key: str | None) -> Any:
@@ -1156,15 +1198,24 @@ CHAT_HELP = "/compact [focus]  /branch  /history  /engine  /help  /quit"
 class ChatLoop:
     """One conversation: user lines become logical turns, slash lines become commands."""
 
-    def __init__(self, runtime: Any, scope: str, session_id: str, as_json: bool) -> None:
-        """Bind to a host runtime and an open session."""
+    def __init__(self, runtime: Any, scope: str, session_id: str, as_json: bool, stdout: IO[str] | None = None) -> None:
+        """Bind to a host runtime and an open session; write the conversation to ``stdout`` (default
+        sys.stdout now: the chat command passes its own, engines' output going to stderr meanwhile)."""
         self.runtime = runtime
         self.scope = scope
         self.session_id = session_id
         self.as_json = as_json
-        self.out = console()
+        self.stdout = stdout if stdout is not None else sys.stdout
+        self.out = Console(file=self.stdout, highlight=False, soft_wrap=False, markup=False, emoji=False)
         self.last: Any = None  # the last TurnOutcome
         self.failed = 0
+        self.code = EXIT_FAILED  # the exit code of the failures: the worst error's (see exit_code)
+
+    def failure(self, error: TranscriptStoreError) -> None:
+        """Count a failed turn or command and show its error line."""
+        self.failed += 1
+        self.code = max(self.code, exit_code(error))
+        click.echo(error_line(error, None), err=True)
 
     def banner(self, session_key: str) -> None:
         """Say what this conversation runs on."""
@@ -1172,15 +1223,15 @@ class ChatLoop:
         model = self.runtime.model
         where = f" at {mask_url(model.base_url)}" if getattr(model, "base_url", None) else ""
         click.echo(f"chat: session {session_key} ({self.session_id}), engine {s.engine} "
-                   f"(from {s.engine_source}), model {getattr(model, 'name', '?')}{where}")
-        click.echo(f"commands: {CHAT_HELP}")
+                   f"(from {s.engine_source}), model {getattr(model, 'name', '?')}{where}", file=self.stdout)
+        click.echo(f"commands: {CHAT_HELP}", file=self.stdout)
 
     def run(self, stream: IO[str]) -> None:
         """Read lines until /quit or the end of input."""
         interactive = stream.isatty()
         while True:
             if interactive:
-                click.echo("you> ", nl=False)
+                click.echo("you> ", nl=False, file=self.stdout)
             line = stream.readline()
             if not line:
                 return
@@ -1196,17 +1247,16 @@ class ChatLoop:
     def emit(self, event: str, data: dict[str, Any], text: str | None) -> None:
         """One event: a JSON line, or text for people."""
         if self.as_json:
-            click.echo(json.dumps({"event": event, **data}, ensure_ascii=False, default=str))
+            click.echo(json.dumps({"event": event, **data}, ensure_ascii=False, default=str), file=self.stdout)
         elif text is not None:
-            click.echo(text)
+            click.echo(text, file=self.stdout)
 
     def turn(self, text: str) -> None:
         """Run one logical turn and show the replies."""
         try:
             outcome = self.runtime.run_turn(self.scope, self.session_id, text)
         except TranscriptStoreError as e:
-            self.failed += 1
-            click.echo(error_line(e, None), err=True)
+            self.failure(e)
             return
         self.last = outcome
         self.session_id = outcome.session_id
@@ -1239,8 +1289,7 @@ class ChatLoop:
         try:
             handler(arg.strip())
         except TranscriptStoreError as e:
-            self.failed += 1
-            click.echo(error_line(e, None), err=True)
+            self.failure(e)
         return True
 
     def compact(self, focus: str) -> None:
@@ -1248,6 +1297,8 @@ class ChatLoop:
         result = self.runtime.compact(self.scope, self.session_id, focus=focus or None)
         self.session_id = self.runtime.resolve_session(self.scope, self.session_id)
         self.emit("compact", compact_json(result), _compact_line(result))
+        if not result.ok:  # a failed compaction, as `compact` counts it (exit 1)
+            self.failed += 1
 
     def branch(self, _arg: str) -> None:
         """/branch: move the head to before the last user message; the next message regenerates."""
@@ -1590,14 +1641,8 @@ def error_line(error: BaseException, url: str | None) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     if not isinstance(error, TranscriptStoreError | CommandError | OSError):
         text = f"{type(error).__name__}: {text}"
-    password = None
-    if url:
-        try:
-            password = make_url(url).password
-        except NOT_A_URL:
-            password = None
-    if password:
-        text = text.replace(str(password), "***")
+    for secret in url_secrets(url) if url else []:  # the userinfo's password, ?password=, ?sslpassword=
+        text = text.replace(secret, "***")
     if isinstance(error, EngineError):
         text = f"engine: {text}"
     # The text may quote an engine's exception or a server's answer: shown, never obeyed by the terminal.

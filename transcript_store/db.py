@@ -214,6 +214,12 @@ def parse_url(url: str) -> URL:
         raise InvalidInput(f"not a database URL: {mask_url(url)}") from e
     backend = parsed.get_backend_name()
     if backend == "sqlite":
+        # The store's connections are sqlite3's (pysqlite): another driver (an async one, a typo) would
+        # fail inside SQLAlchemy, or open the file without the store's connection settings.
+        if parsed.get_driver_name() != "pysqlite":
+            raise InvalidInput(
+                f"unsupported SQLite driver {parsed.get_driver_name()!r}: use sqlite:// (or sqlite+pysqlite://)"
+            )
         if parsed.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
         if sqlite_uri(parsed):
@@ -277,12 +283,34 @@ def sqlite_file(url: str) -> Path | None:
     return None if sqlite_uri(parsed) else Path(parsed.database).expanduser()
 
 
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ***."""
+def _secret_key(key: str) -> bool:
+    """Whether a URL query parameter carries a secret: libpq takes ``password`` and ``sslpassword`` there."""
+    name = key.lower()
+    return any(word in name for word in ("password", "passwd", "secret", "token"))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets a database URL holds: its password and the values of its secret query parameters."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+    except NOT_A_URL:
+        return []
+    found = [str(parsed.password)] if parsed.password else []
+    for key, value in parsed.query.items():
+        if _secret_key(key):
+            found.extend(v for v in ((value,) if isinstance(value, str) else value) if v)
+    return found
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password (in its userinfo or a secret query parameter) replaced by ***."""
+    try:
+        parsed = make_url(url)
     except NOT_A_URL:
         return "<unparseable URL>"
+    hidden = {key: "***" for key in parsed.query if _secret_key(key)}
+    rendered = parsed.update_query_dict(hidden).render_as_string(hide_password=True)
+    return rendered.replace("=%2A%2A%2A", "=***")  # the query's *** as the userinfo's, not percent-encoded
 
 
 class Database:

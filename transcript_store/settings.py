@@ -197,11 +197,15 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     InvalidInput for a bad file or variable, including the tokenizer and summarizer variables the host
     runtime reads when it starts: refused here, before a command (or a gateway worker) does any work.
     """
-    from .summarize import summarizer_choice
+    from .summarize import summarizer_choice, summarizer_from_env
     from .tokens import check_tokenizer
 
     check_tokenizer()
-    summarizer_choice()
+    if summarizer_choice() == "openai":
+        try:  # its endpoint too: else refused only when an engine is built, after a chat wrote its session
+            summarizer_from_env()
+        except InvalidInput as e:
+            raise InvalidInput(f"TRANSCRIPT_STORE_SUMMARIZER=openai: OPENAI_BASE_URL: {e}") from None
     values: dict[str, Any] = {}
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
     if path.is_file():
