@@ -221,3 +221,18 @@ def test_outbox_status_says_it_shows_part_and_recover_reaches_every_session(
     recovered = run_json("outbox", "recover", "--db", store_url, cwd=tmp_path)
     assert [r["session_id"] for r in recovered] == [f"s{n}" for n in range(5)]
     assert run("outbox", "status", "--db", store_url, cwd=tmp_path).stdout.strip() == "the outbox is empty"
+
+
+# ---------------------------------------------------------------------------------------------- config tables
+
+
+def test_a_config_table_of_no_engine_is_said_by_engines_list_and_doctor(store_url: str, tmp_path: Path) -> None:
+    """[engine.config.legcy] (a typo) was taken without a word: legacy ran on its defaults and doctor said
+    ok, where a typo in a key inside [engine.config.legacy] is refused."""
+    (tmp_path / "typo.toml").write_text("[engine.config.legcy]\nkeep_last = 2\n")
+    (tmp_path / "right.toml").write_text("[engine.config.legacy]\nkeep_last = 2\n")
+    for command in (("engines", "list"), ("doctor",)):
+        typo = run_json(*command, "--config", "typo.toml", "--db", store_url, cwd=tmp_path)
+        assert any("[engine.config.legcy]" in w and "nothing reads it" in w for w in typo["warnings"]), typo
+        right = run_json(*command, "--config", "right.toml", "--db", store_url, cwd=tmp_path)
+        assert not any("engine.config" in w for w in right["warnings"]), right

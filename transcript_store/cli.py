@@ -940,7 +940,14 @@ def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tup
     if settings.engine not in registry.specs:
         out.append({"id": settings.engine, "selected": True, "source": None, "location": None, "valid": False,
                     "reason": f"unknown context engine; known: {', '.join(sorted(registry.specs))}"})
-    return out, list(registry.warnings)
+    # A config table of no engine here is read by none (a typo in its name left the engine on defaults,
+    # where a typo in a key inside it is refused): said, not refused (the engine may be another host's).
+    unread = [
+        f"[engine.config.{shown(name, one_line=True)}] names no engine found here; nothing reads it "
+        f"(known: {', '.join(sorted(registry.specs))})"
+        for name in sorted(settings.engine_config) if name not in registry.specs
+    ]
+    return out, [*registry.warnings, *unread]
 
 
 def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Table:
