@@ -809,8 +809,8 @@ def test_the_engine_slot_of_the_config_file_reports_its_source(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("var", "value", "words"),
     [
-        ("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", "abc", "max_payload_bytes"),
-        ("TRANSCRIPT_STORE_RETRY_ATTEMPTS", "0", "retry_attempts"),
+        ("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", "abc", "TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES='abc'"),
+        ("TRANSCRIPT_STORE_RETRY_ATTEMPTS", "0", "TRANSCRIPT_STORE_RETRY_ATTEMPTS='0'"),
         ("TRANSCRIPT_STORE_AUTO_UPGRADE", "y", "TRANSCRIPT_STORE_AUTO_UPGRADE"),
         ("TRANSCRIPT_STORE_PG_GENERIC_PLANS", "maybe", "TRANSCRIPT_STORE_PG_GENERIC_PLANS"),
     ],
@@ -838,7 +838,7 @@ def test_sqlite_durability_accepts_any_case(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS", word)
         assert StoreConfig.from_env().sqlite_synchronous == expected, word
     monkeypatch.setenv("TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS", "off")
-    with pytest.raises(InvalidInput, match="sqlite_synchronous"):
+    with pytest.raises(InvalidInput, match="TRANSCRIPT_STORE_SQLITE_SYNCHRONOUS='off'"):
         StoreConfig.from_env()
 
 

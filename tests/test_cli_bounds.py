@@ -45,7 +45,7 @@ def test_a_busy_timeout_past_sqlites_range_is_a_usage_error(tmp_path: Path) -> N
     for bad in ("2147483648", "99999999999999999999", "86400001"):
         result = run("init", cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_BUSY_TIMEOUT_MS": bad})
         line = one_error_line(result)
-        assert "busy_timeout_ms" in line and "86400000" in line, line
+        assert "TRANSCRIPT_STORE_BUSY_TIMEOUT_MS" in line and "86400000" in line, line
         with pytest.raises(InvalidInput, match="busy_timeout_ms"):
             StoreConfig.from_env(busy_timeout_ms=int(bad))
     assert list(tmp_path.iterdir()) == []

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import sqlite3
 import stat
@@ -55,7 +56,7 @@ from .errors import (
 )
 from .gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
 from .models import Entry, SessionInfo
-from .settings import HostSettings, load_settings
+from .settings import HostSettings, check_settings_env, load_settings
 from .store import TranscriptStore
 from .terminal import ShownStream, show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN
@@ -111,6 +112,11 @@ class State:
         also for a command that reads no settings: naming a file and having it ignored is a usage error."""
         if self.config or os.environ.get("TRANSCRIPT_STORE_CONFIG"):
             self.settings()
+        else:
+            try:
+                check_settings_env()
+            except InvalidInput as e:
+                raise CommandError(str(e), EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -134,9 +140,12 @@ def _scope_option(default: str) -> Callable[[F], F]:
                         help=f"Scope of the sessions [env TRANSCRIPT_STORE_SCOPE; default {default!r}].")
 
 
+def _db_option(default: str) -> Callable[[F], F]:
+    return click.option("--db", metavar="URL", expose_value=False, callback=_remember("db"),
+                        help=f"Database URL [env TRANSCRIPT_STORE_URL; default {default}].")
+
+
 _COMMON = (
-    click.option("--db", metavar="URL", expose_value=False, callback=_remember("db"),
-                 help="Database URL [env TRANSCRIPT_STORE_URL; default sqlite:///transcripts.db]."),
     click.option("--json", "json_output", is_flag=True, default=False, expose_value=False,
                  callback=_remember("json"), help="Machine-readable JSON output."),
     click.option("--config", metavar="PATH", type=click.Path(exists=True, dir_okay=False), expose_value=False,
@@ -147,8 +156,8 @@ _COMMON = (
 )
 
 
-def common_options(scope_default: str) -> Callable[[F], F]:
-    """The global options, so they work before or after the command name; ``scope_default`` for --help.
+def common_options(scope_default: str, db_default: str = "sqlite:///transcripts.db") -> Callable[[F], F]:
+    """The global options, so they work before or after the command name; the defaults for --help.
 
     A command (not a group: its subcommand's options are not parsed yet when it runs) first refuses a
     named settings file that is missing or invalid, before any work.
@@ -163,7 +172,7 @@ def common_options(scope_default: str) -> Callable[[F], F]:
             return fn(*args, **kwargs)
 
         out: Any = checked
-        for option in reversed((_COMMON[0], _scope_option(scope_default), *_COMMON[1:])):
+        for option in reversed((_db_option(db_default), _scope_option(scope_default), *_COMMON)):
             out = option(out)
         return out  # type: ignore[no-any-return]
 
@@ -376,6 +385,12 @@ def cli() -> None:
 def _migrate(*, create: bool) -> None:
     st = state()
     with store_session(create=create, check_schema=False) as store:
+        if not create and store.current_revision() is None:
+            # upgrade migrates a store; a database without one (an empty PostgreSQL database, another
+            # program's SQLite file in WAL mode) is left as it is: creating one is init's to do.
+            raise SchemaNotCurrent(
+                f"no store at {store.url} (the database holds no transcript-store schema): run `transcript-store init`"
+            )
         before, after = migrate.upgrade_from(store.db)  # "before" as read under the migration's lock
         head = migrate.head_revision()
         report = {"url": store.url, "backend": store.backend, "before": before, "revision": after, "head": head}
@@ -419,7 +434,10 @@ def current() -> None:
         for key in ("url", "revision", "head", "state"):
             click.echo(f"{key + ':':9} {report.get(key) or '(none)'}")
     if revision != head:
-        advice = "upgrade the library" if report["state"] == "ahead" else "run `transcript-store upgrade`"
+        state_now = schema_state(revision, head)
+        advice = {"ahead": "upgrade the library", "none": "run `transcript-store init`"}.get(
+            state_now, "run `transcript-store upgrade`"
+        )
         raise CommandError(
             f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): {advice}",
             EXIT_SCHEMA,
@@ -628,15 +646,18 @@ def _no_constant(name: str) -> Any:
     raise _Ambiguous(f"{name} is not a JSON number")
 
 
-def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
-    """The header and the records of an export file (JSON lines), each line read strictly."""
+def _read_export(stream: IO[str]) -> tuple[Any, list[Any], list[int]]:
+    """The header and the records of an export file (JSON lines), each line read strictly, and the line
+    number of each record (blank lines are skipped, so entry i is not always on line i + 2)."""
     records: list[Any] = []
+    numbers: list[int] = []
     try:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant))
+                numbers.append(number)
             except _Ambiguous as e:
                 raise InvalidInput(f"line {number}: not JSON this store can read: {e}") from None
             except json.JSONDecodeError as e:
@@ -652,7 +673,23 @@ def _read_export(stream: IO[str]) -> tuple[Any, list[Any]]:
         raise InvalidInput(f"not UTF-8 text: {e.reason} (byte {e.object[e.start:e.start + 1]!r})") from None
     if not records:
         raise InvalidInput("the export is empty (no header line)")
-    return records[0], records[1:]
+    return records[0], records[1:], numbers
+
+
+_ENTRY_AT = re.compile(r"entry (\d+)\b")
+
+
+def _at_line(e: InvalidInput, numbers: list[int]) -> InvalidInput:
+    """``e`` (a refused export, naming the entry or header it is about) led by that record's line number."""
+    message = str(e)
+    if message.startswith("line "):
+        return e
+    found = _ENTRY_AT.match(message)
+    if found is not None and int(found.group(1)) + 1 < len(numbers):
+        return InvalidInput(f"line {numbers[int(found.group(1)) + 1]}: {message}")
+    if message.startswith("header") and numbers:
+        return InvalidInput(f"line {numbers[0]}: {message}")
+    return e
 
 
 @sessions.command("import")
@@ -669,11 +706,14 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
-    header, records = _read_export(file)
+    header, records, numbers = _read_export(file)
     # Checked whole before the store is opened: opening creates or migrates the database --db names (a
     # mistyped path's new file; another program's SQLite file, switched to WAL and given the store's
     # tables), which a refused import must leave as it was.
-    plan = transfer.plan_import(config, st.scope_name, header, records, session_id=new_id, session_key=new_key)
+    try:
+        plan = transfer.plan_import(config, st.scope_name, header, records, session_id=new_id, session_key=new_key)
+    except InvalidInput as e:
+        raise _at_line(e, numbers) from None
     with store_session(create=True) as store:
         info = transfer.write_import(store, plan)
     if st.json:
@@ -1080,7 +1120,8 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     out = console()
     s = data["store"]
     click.echo(f"store:     {s['url']} ({s.get('backend', '?')})")
-    click.echo(f"schema:    {s.get('state')} (revision {s.get('revision') or '(none)'}, head {s['head']})")
+    # state None: the database could not be read (unreachable, refused), so nothing is known of it
+    click.echo(f"schema:    {s.get('state') or 'unknown'} (revision {s.get('revision') or '(none)'}, head {s['head']})")
     for key, value in (s.get("settings") or {}).items():
         click.echo(f"  {key}: {value}")
     e = data["engine"]
@@ -1478,6 +1519,11 @@ def check_service_url(url: str) -> None:
     """Refuse a --service-url that is not a plain http(s) URL with a host and a valid port, as a usage error."""
     parts = urlsplit(url)
     problem = None
+    if "@" in parts.netloc:
+        # The plugin refuses it when OpenClaw builds the engine; quoted here, the password would be on the
+        # terminal (the token goes in its own variable).
+        raise CommandError("--service-url must not contain credentials (user:password@); the value is not shown",
+                           EXIT_USAGE)
     if url != url.strip() or any(c.isspace() or not c.isprintable() for c in url):
         problem = "it contains whitespace or control characters"
     elif parts.scheme not in ("http", "https") or not parts.hostname:
@@ -1596,7 +1642,7 @@ def _absolute_sqlite(url: str) -> str:
 @click.option("--threshold", type=float, callback=_check_threshold,
               help="Compaction threshold: a fraction of the window, or tokens when > 1.")
 @click.option("--merge-config", is_flag=True, help="Merge the config keys into HOME/config.yaml.")
-@common
+@common_options("hermes", db_default="sqlite:///HOME/transcript-store.db")
 def hermes_install(home: str, engine: str, threshold: float | None, merge_config: bool) -> None:
     """Write the plugin into HOME/plugins/ and print (or merge) the config snippet; --db picks the store."""
     import yaml

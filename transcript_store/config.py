@@ -77,10 +77,14 @@ class StoreConfig(BaseModel):
                 values[name] = raw.strip().upper()  # any case, as the boolean settings
             else:
                 values[name] = raw
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        values.update(given)
         try:
             return cls.model_validate(values)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "config"
+            if where in ENV_VARS and where not in given:  # the value came from the environment: name it
+                shown = "(not shown)" if where == "url" else repr(os.environ.get(ENV_VARS[where]))
+                where = f"{ENV_VARS[where]}={shown}"
             raise InvalidInput(f"invalid store setting {where}: {first['msg']}") from None

@@ -220,6 +220,14 @@ def parse_url(url: str) -> URL:
             raise InvalidInput(
                 f"unsupported SQLite driver {parsed.get_driver_name()!r}: use sqlite:// (or sqlite+pysqlite://)"
             )
+        if parsed.host or parsed.port is not None or parsed.username or parsed.password:
+            # sqlite://x.db puts the file name in the host part (two slashes, not three): the driver would
+            # have opened an in-memory database, or another file than the one meant.
+            raise InvalidInput(
+                "a SQLite URL takes no host, port or credentials: name the file after three slashes, sqlite:///relative.db"
+                " or sqlite:////absolute/path.db"
+                + (f" (sqlite:///{parsed.host}?)" if parsed.host and not parsed.database else "")
+            )
         if parsed.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
         if sqlite_uri(parsed):

@@ -40,6 +40,10 @@ def install_instructions(
 ) -> dict[str, Any]:
     """The install command, the config fragment and the token variable, as data and as text."""
     parts = urlsplit(service_url)
+    if "@" in parts.netloc:
+        # The plugin refuses such a URL when OpenClaw builds the engine; printed here, the password would
+        # land in a terminal and in openclaw.json. The token goes in its own variable (step 3).
+        raise InvalidInput("--service-url must not contain credentials (user:password@); the value is not shown")
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidInput(f"--service-url must be an http(s) URL, got {service_url!r}")
     folder = find_plugin(plugin_dir)

@@ -8,7 +8,7 @@ file is ``transcript-store.toml`` in the working directory, or the path in TRANS
     plugin_dirs = ["./my-engines"]  # TRANSCRIPT_STORE_PLUGIN_DIRS (os.pathsep-separated)
 
     [engine.config.lossless]        # passed to that engine's factory as ctx.config
-    fresh_tail = 16
+    fresh_tail_messages = 16
 
     [turn]
     token_budget = 32000
@@ -189,6 +189,22 @@ def _engine_id(value: str, where: str) -> str:
     if problem is not None:
         raise InvalidInput(f"{where} {quoted(value)} is no engine id: {problem}")
     return value
+
+
+def check_settings_env() -> None:
+    """Refuse a bad TRANSCRIPT_STORE_ENGINE, _TOKENIZER or _SUMMARIZER value (InvalidInput), files unread.
+
+    For a command that reads no host settings: a variable set wrong is a usage error there too, as the
+    README's exit codes say, not something only the commands that build engines notice.
+    """
+    from .summarize import summarizer_choice
+    from .tokens import check_tokenizer
+
+    check_tokenizer()
+    summarizer_choice()
+    env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
+    if env_engine:
+        _engine_id(env_engine, "TRANSCRIPT_STORE_ENGINE")
 
 
 def load_settings(config_path: str | None = None, **overrides: Any) -> HostSettings:
