@@ -47,6 +47,7 @@ from .errors import (
     UnknownEngine,
     UnknownSession,
 )
+from .fences import MAX_TURN_BYTES
 from .host import HostRuntime, RuntimeContext
 from .ledger import CommitResult, get_receipt, list_receipts
 from .models import (
@@ -327,6 +328,11 @@ class Service:
         engine, info = self.engine(engine_id)
         durable, _reason, _broken = durable_declaration(engine, info)
         return EngineDescription(id=engine_id, info=info, durable=durable)
+
+    def limits(self) -> dict[str, int]:
+        """What one stored entry and one turn's closed range may weigh (their JSON in bytes): a client
+        sizing what it sends reads them instead of assuming the defaults (``service_app`` adds its body limit)."""
+        return {"max_entry_bytes": self.store.config.max_payload_bytes, "max_turn_bytes": MAX_TURN_BYTES}
 
     def _call(self, scope: str, engine_id: str, session_id: str) -> _Call:
         engine, info = self.engine(engine_id)

@@ -61,18 +61,20 @@ from .service_models import (
     CommitTurnResponse,
     CompactRequest,
     DeltaRequest,
-    EngineDescription,
+    EngineDescriptionWithLimits,
     EngineList,
     EntryList,
     ErrorBody,
     MaintainRequest,
     OpenSession,
     ReceiptList,
+    ServiceLimits,
     SessionList,
     WhoAmI,
 )
 
 log = logging.getLogger("transcript_store.service")
+
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 #: seconds a request body may pause (between two reads, not in all) before its 408
@@ -310,6 +312,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
         responses=_ERROR_DOCS,
     )
     app.state.tokens = tokens
+    app.state.max_body_bytes = max_body_bytes
     _errors(app)
     _routes(app, service)
     app.add_middleware(CatchAll)
@@ -414,10 +417,11 @@ def _routes(app: FastAPI, service: Service) -> None:
         """Every engine the service can run."""
         return EngineList(engines=service.engines())
 
-    @app.get("/v1/engines/{engine}", response_model=EngineDescription, tags=["engines"])
-    def describe(scope: Scope, engine: str) -> EngineDescription:
-        """An engine's declarations."""
-        return service.describe(engine)
+    @app.get("/v1/engines/{engine}", response_model=EngineDescriptionWithLimits, tags=["engines"])
+    def describe(scope: Scope, engine: str) -> EngineDescriptionWithLimits:
+        """An engine's declarations, and the service's limits (``limits``, bytes) on what its sessions take."""
+        limits = ServiceLimits(**service.limits(), max_body_bytes=app.state.max_body_bytes)
+        return EngineDescriptionWithLimits(**dict(service.describe(engine)), limits=limits)
 
     prefix = "/v1/engines/{engine}/sessions/{session_id}"
 

@@ -123,6 +123,20 @@ class EngineDescription(BaseModel):
     durable: bool = Field(description="declares both transcript semantics and implements commit_turn")
 
 
+class ServiceLimits(BaseModel):
+    """What this service accepts, in bytes (read-only; clients size what they send by it)."""
+
+    max_entry_bytes: int = Field(description="one stored entry's JSON (the store's max_payload_bytes)")
+    max_turn_bytes: int = Field(description="one turn's closed range: its entries' JSON summed")
+    max_body_bytes: int = Field(description="one request body (serve --max-body)")
+
+
+class EngineDescriptionWithLimits(EngineDescription):
+    """An engine's declarations and the service's limits on what its sessions take."""
+
+    limits: ServiceLimits
+
+
 class HostEntry(_Request):
     """One visible host message with the host's stable entry id."""
 

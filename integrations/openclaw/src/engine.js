@@ -5,17 +5,26 @@
 // - bootstrap imports the host transcript through readSessionTranscriptVisibleMessageDelta, page by
 //   page from where the last import stopped (the service records the host's cursor), honouring
 //   `reset` (start again from the fresh cursor) and `requiredBytes` (re-read with a page that fits);
-// - assemble returns the service engine's messages and estimatedTokens;
+// - assemble returns the service engine's messages and estimatedTokens (images and thinking blocks,
+//   which the service's count does not see, counted here and held to the budget), and as its
+//   systemPromptAddition the memory plugin's prompt guidance (buildMemorySystemPromptAddition) with the
+//   service engine's own;
 // - commitTurn forwards the accepted turn (advancementKey, admission, terminal, messages,
 //   isHeartbeat, sessionTarget); the service mirrors it and commits it through its ledger in one
 //   transaction, so a host replay of the same key comes back "duplicate";
 // - compact runs the service engine's compaction when it owns compaction, else OpenClaw's own
-//   (delegateCompactionToRuntime).
+//   (delegateCompactionToRuntime), after which the compacted host transcript is imported, so the next
+//   assemble returns it.
+// What is sent is sized by the service's limits (entry cap, turn cap, body limit), read from its
+// description of the engine.
 // Every failure to reach the service throws: the host then runs the turn on its legacy path and keeps
 // the commit in its outbox, replaying it later with the same key.
 
 import { createClient, ServiceError } from "./client.js";
-import { ENTRY_CAP_BYTES, fromStored, jsonBytes, toStored, wellFormed } from "./messages.js";
+import {
+  ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn, TURN_CAP_BYTES,
+  wellFormed,
+} from "./messages.js";
 
 export const PLUGIN_ID = "transcript-store";
 export const VERSION = "0.1.0";
@@ -23,10 +32,16 @@ const CURRENT_TURN_FENCE = "before-current-turn-entry-v1";
 const TURN_ADVANCEMENT_IDEMPOTENCY = "atomic-idempotent-v1";
 const PAGE_MESSAGES = 500;
 const PAGE_BYTES = 4 * 1024 * 1024;
-// An import page's request body: at most half the service's default --max-body (8 MiB), as a page's
+// An import page's request body: at most half the service's --max-body (8 MiB by default), as a page's
 // stored form (the host's message and its projection, tool-call arguments escaped twice) can weigh
 // more than the host's bytes the page was read by.
 const PAGE_BODY_BYTES = 4 * 1024 * 1024;
+// The service's default --max-body, for a service that does not describe its limits (older than them).
+const BODY_LIMIT_BYTES = 8 * 1024 * 1024;
+// What a body holds besides one entry (an import page's or a commit's keys and ids).
+const BODY_OVERHEAD = 64 * 1024;
+// Assembling again with a smaller budget when images and thinking blocks put the context over it.
+const ASSEMBLE_ROUNDS = 4;
 // The service's bounds on assemble's available_tools and compact's focus.
 const MAX_TOOLS = 1000;
 const MAX_FOCUS_CHARS = 10000;
@@ -52,6 +67,44 @@ function timeoutOf(value) {
   return ms;
 }
 
+// The session a compaction continues in: its successor when it names one, else the caller's.
+function successorOf(target, result) {
+  const next = result.result && typeof result.result === "object" ? result.result : {};
+  const named = next.sessionTarget && typeof next.sessionTarget === "object" ? next.sessionTarget : null;
+  const sessionId = named?.sessionId ?? next.sessionId;
+  if (!sessionId || sessionId === target.sessionId) return target;
+  return {
+    agentId: named?.agentId ?? target.agentId,
+    sessionId,
+    sessionKey: named?.sessionKey ?? target.sessionKey,
+    storePath: named?.storePath ?? target.storePath,
+  };
+}
+
+// A token budget that leaves out the oldest of `stored` (the service's answer) until the rest fits in
+// `budget` with their images and thinking blocks (`media`): the service's count of that rest. Each
+// message's share of the service's `estimated` count is estimated by the service's rough rule (scaled
+// to `estimated`, which a tiktoken count differs from); an engine fitting messages one by one counts
+// each with the reply priming (3 tokens) of a list. Null when nothing fits.
+function budgetWithout(stored, media, estimated, budget) {
+  const rough = stored.map(roughMessageTokens);
+  const total = rough.reduce((sum, tokens) => sum + tokens, 0);
+  if (total <= 0) return null;
+  const scale = Math.max(estimated - 3, 1) / total;
+  let asked = 0;
+  let used = 3;
+  let kept = 0;
+  for (let i = stored.length - 1; i >= 0; i -= 1) {
+    const text = rough[i] * scale;
+    if (used + text + media[i] > budget) break;
+    used += text + media[i];
+    asked += text + 3;
+    kept += 1;
+  }
+  if (kept === 0) return null;
+  return Math.min(Math.ceil(asked), estimated - 1); // at least one message fewer than now
+}
+
 async function defaultSdk() {
   const [transcripts, core] = await Promise.all([
     import("openclaw/plugin-sdk/session-transcript-runtime"),
@@ -60,6 +113,7 @@ async function defaultSdk() {
   return {
     readSessionTranscriptVisibleMessageDelta: transcripts.readSessionTranscriptVisibleMessageDelta,
     delegateCompactionToRuntime: core.delegateCompactionToRuntime,
+    buildMemorySystemPromptAddition: core.buildMemorySystemPromptAddition,
   };
 }
 
@@ -71,11 +125,30 @@ function cutText(text, max) {
   return wellFormed(text.slice(0, end));
 }
 
+/**
+ * What the plugin sends, sized by the service's limits (`limits` of its engine description: max_entry_bytes,
+ * max_turn_bytes, max_body_bytes; the service's defaults when it gives none) and the explicit options.
+ */
+export function sizesOf(limits, options = {}) {
+  const given = (value) => (Number.isInteger(value) && value > 0 ? value : undefined);
+  const body = given(limits?.max_body_bytes) ?? BODY_LIMIT_BYTES;
+  const entry = given(options.maxEntryBytes) ?? given(limits?.max_entry_bytes) ?? ENTRY_CAP_BYTES;
+  const turn = given(limits?.max_turn_bytes) ?? TURN_CAP_BYTES;
+  return {
+    // One entry must also fit in a body (an import page of one message, a commit of one).
+    maxEntryBytes: Math.max(Math.min(entry, body - BODY_OVERHEAD), 1024),
+    // A turn's messages go in one commit body.
+    turnLimit: Math.min(turn, body),
+    // Half the body limit: a page's stored form can weigh more than the host bytes it was read by.
+    pageBodyBytes: given(options.pageBodyBytes) ?? Math.min(PAGE_BODY_BYTES, Math.floor(body / 2)),
+  };
+}
+
 const described = new Map();
 
-async function describeEngine(client, engine) {
+async function describeEngine(client, engine, { fresh = false } = {}) {
   const key = `${client.base} ${engine}`;
-  if (!described.has(key)) {
+  if (fresh || !described.has(key)) {
     const promise = client.get(`/v1/engines/${encodeURIComponent(engine)}`);
     described.set(key, promise);
     promise.catch(() => described.delete(key));
@@ -100,14 +173,34 @@ export async function createEngine(options) {
   }
   const pageMessages = options.pageMessages || PAGE_MESSAGES;
   const pageBytes = options.pageBytes || PAGE_BYTES;
-  const pageBodyBytes = options.pageBodyBytes || PAGE_BODY_BYTES;
-  const maxEntryBytes = options.maxEntryBytes || ENTRY_CAP_BYTES;
-  const stored = (message) => toStored(message, { maxBytes: maxEntryBytes });
+  // What the service takes (its description's `limits`; the defaults for a service older than them),
+  // an explicit option first. Read again when the service refuses a body or an entry as too large (it
+  // was restarted with other limits).
+  let sizes = sizesOf(description.limits, options);
   const ownsCompaction = description.info.owns_compaction === true;
   let sdkPromise = options.sdk ? Promise.resolve(options.sdk) : null;
   const sdk = () => (sdkPromise ??= defaultSdk());
   const ensured = new Set();
   const info = (message) => options.logger?.info?.(message);
+  const warn = (message) => (options.logger?.warn ?? options.logger?.info)?.(message);
+  // Per session: where the last import stopped and what the open group of messages there weighed
+  // (storedInGroups), so that an import resuming there stores the group's next messages as a commit
+  // of their turn does.
+  const groups = new Map();
+
+  async function relearnSizes(error) {
+    if (!(error instanceof ServiceError && error.status === 413)) return false;
+    let fresh;
+    try {
+      fresh = sizesOf((await describeEngine(client, engineId, { fresh: true })).limits, options);
+    } catch {
+      return false;
+    }
+    const changed = JSON.stringify(fresh) !== JSON.stringify(sizes);
+    sizes = fresh;
+    if (changed) info(`transcript-store: the service's limits changed: ${JSON.stringify(fresh)}`);
+    return changed;
+  }
 
   const sessionPath = (sessionId) => `/v1/engines/${encodeURIComponent(engineId)}/sessions/${encodeURIComponent(sessionId)}`;
 
@@ -155,6 +248,8 @@ export async function createEngine(options) {
     let position = state.cursor ? state.position : 0;
     let maxBytes = pageBytes;
     let fewer; // a page too large to send: read again with at most this many messages
+    const remembered = groups.get(target.sessionId);
+    let group = { bytes: remembered && sentCursor !== null && remembered.cursor === sentCursor ? remembered.bytes : 0 };
     for (let pages = 0; pages < MAX_PAGES; pages += 1) {
       const remaining = until === undefined ? pageMessages : until + 1 - position;
       if (remaining <= 0) return imported;
@@ -174,6 +269,7 @@ export async function createEngine(options) {
         readCursor = page.cursor;
         sentCursor = null;
         position = 0;
+        group = { bytes: 0 };
         continue;
       }
       if (page.entries.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
@@ -181,13 +277,15 @@ export async function createEngine(options) {
         continue;
       }
       maxBytes = pageBytes;
-      const entries = page.entries.map((entry) => ({ entry_id: entry.entryId, message: stored(entry.message) }));
+      const fitted = storedInGroups(page.entries.map((entry) => entry.message), {
+        maxEntryBytes: sizes.maxEntryBytes, turnLimit: sizes.turnLimit, state: group });
+      const entries = page.entries.map((entry, i) => ({ entry_id: entry.entryId, message: fitted.stored[i] }));
       const body = { done: false, page: { cursor: sentCursor, next_cursor: page.cursor, entries } };
-      if (entries.length > 1 && jsonBytes(body) > pageBodyBytes) {
+      if (entries.length > 1 && jsonBytes(body) > sizes.pageBodyBytes) {
         // Read the page again with as many messages as fit in the body (one at least).
         let size = jsonBytes({ ...body, page: { ...body.page, entries: [] } });
         let fit = 0;
-        while (fit < entries.length - 1 && (size += jsonBytes(entries[fit]) + 1) <= pageBodyBytes) fit += 1;
+        while (fit < entries.length - 1 && (size += jsonBytes(entries[fit]) + 1) <= sizes.pageBodyBytes) fit += 1;
         fewer = Math.max(1, fit);
         continue;
       }
@@ -197,6 +295,11 @@ export async function createEngine(options) {
       } catch (error) {
         if (error instanceof ServiceError && error.status === 413 && error.code === "request_too_large" && entries.length > 1) {
           fewer = Math.ceil(entries.length / 2); // a service with a smaller --max-body
+          await relearnSizes(error);
+          continue;
+        }
+        if (error instanceof ServiceError && error.status === 413 && (await relearnSizes(error)) && restarts < 3) {
+          restarts += 1; // the service's limits changed: store the page again by them
           continue;
         }
         if (error instanceof ServiceError && error.reason === "cursor" && restarts < 3) {
@@ -206,6 +309,7 @@ export async function createEngine(options) {
           readCursor = state.cursor ?? undefined;
           sentCursor = state.cursor ?? null;
           position = state.cursor ? state.position : 0;
+          group = { bytes: 0 }; // as where an import run starts: not known
           continue;
         }
         throw error;
@@ -215,16 +319,45 @@ export async function createEngine(options) {
       position = answer.position;
       readCursor = page.cursor;
       sentCursor = page.cursor;
+      group = fitted.state;
+      groups.set(target.sessionId, { cursor: page.cursor, bytes: group.bytes });
       if (!page.hasMore) return imported;
     }
     throw new Error("transcript-store: the host transcript import did not finish");
   }
 
+  // The memory plugin's prompt guidance (OpenClaw's buildMemorySystemPromptAddition), when the host has it.
+  async function memoryHelper() {
+    try {
+      const helper = (await sdk()).buildMemorySystemPromptAddition;
+      return typeof helper === "function" ? helper : null;
+    } catch (error) {
+      warn(`transcript-store: no memory prompt guidance (the OpenClaw SDK did not load): ${error.message}`);
+      return null;
+    }
+  }
+
+  async function memoryAddition(helper, params) {
+    if (!helper) return undefined;
+    try {
+      // Forwarded as the host gave them, as the context-engine contract asks (awaited: a helper may be async).
+      return await helper({
+        availableTools: params.availableTools ?? new Set(),
+        citationsMode: params.citationsMode,
+        agentSessionKey: params.sessionKey,
+      });
+    } catch (error) {
+      warn(`transcript-store: the memory prompt guidance failed; assembling without it: ${error.message}`);
+      return undefined;
+    }
+  }
+
   function targetOf(params) {
-    const t = params.sessionTarget || {};
+    // A compaction's target can come in its runtimeContext only (as delegateCompactionToRuntime reads it).
+    const t = params.sessionTarget || params.runtimeContext?.sessionTarget || {};
     const a = params.admission || {};
     return {
-      agentId: t.agentId ?? a.agentId,
+      agentId: t.agentId ?? a.agentId ?? params.agentId,
       sessionId: t.sessionId ?? params.sessionId ?? a.sessionId,
       sessionKey: t.sessionKey ?? params.sessionKey ?? a.sessionKey,
       storePath: t.storePath ?? a.storePath,
@@ -268,16 +401,37 @@ export async function createEngine(options) {
     },
 
     async assemble(params) {
+      const budget = Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null;
+      const path = `${sessionPath(params.sessionId)}/assemble`;
       // The service takes at most 1000 tool names: the first 1000 the host lists are sent.
-      const answer = await inSession(params.sessionId, params.sessionKey, () => client.post(`${sessionPath(params.sessionId)}/assemble`, {
-        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
-        available_tools: params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [],
-        prompt: typeof params.prompt === "string" ? wellFormed(params.prompt) : null,
-      }));
+      const tools = params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [];
+      const prompt = typeof params.prompt === "string" ? wellFormed(params.prompt) : null;
+      const ask = (tokenBudget) => inSession(params.sessionId, params.sessionKey,
+        () => client.post(path, { token_budget: tokenBudget, available_tools: tools, prompt }));
+      // The service counts each message's OpenAI projection, where an image is a short placeholder and a
+      // thinking block nothing; the model gets both. They are counted here (mediaTokens) and, when they
+      // put the context over the budget, the service assembles again with a budget that leaves out the
+      // oldest messages until the rest, with them, fits.
+      let asked = budget;
+      let answer;
+      let messages;
+      let estimated;
+      for (let round = 0; ; round += 1) {
+        answer = await ask(asked);
+        messages = answer.messages.map(fromStored);
+        const media = messages.map(mediaTokens);
+        estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0);
+        if (budget === null || estimated <= budget || round + 1 >= ASSEMBLE_ROUNDS) break;
+        const next = budgetWithout(answer.messages, media, answer.estimated_tokens, budget);
+        if (next === null || next < 1 || next >= asked) break;
+        asked = next;
+      }
+      const additions = [await memoryAddition(await memoryHelper(), params), answer.system_prompt_addition]
+        .filter((text) => typeof text === "string" && text.trim() !== "");
       return {
-        messages: answer.messages.map(fromStored),
-        estimatedTokens: answer.estimated_tokens,
-        ...(answer.system_prompt_addition ? { systemPromptAddition: answer.system_prompt_addition } : {}),
+        messages,
+        estimatedTokens: estimated,
+        ...(additions.length ? { systemPromptAddition: additions.join("\n\n") } : {}),
         ...(answer.prompt_authority ? { promptAuthority: answer.prompt_authority } : {}),
       };
     },
@@ -288,7 +442,7 @@ export async function createEngine(options) {
         advancement_key: params.advancementKey,
         admission: { entry_id: params.admission.entryId, position: params.admission.activeMessagePosition },
         terminal: { entry_id: params.terminal.entryId, position: params.terminal.activeMessagePosition },
-        messages: params.messages.map(stored),
+        messages: storedTurn(params.messages, sizes),
         is_heartbeat: params.isHeartbeat === true,
         session_target: {
           session_id: target.sessionId,
@@ -297,16 +451,26 @@ export async function createEngine(options) {
         },
       };
       const path = `${sessionPath(target.sessionId)}/commit_turn`;
-      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+      const post = async () => {
         try {
           return await client.post(path, body);
+        } catch (error) {
+          if (!(await relearnSizes(error))) throw error;
+          // The service was restarted with other limits: the turn stored by them.
+          body.messages = storedTurn(params.messages, sizes);
+          return client.post(path, body);
+        }
+      };
+      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+        try {
+          return await post();
         } catch (error) {
           if (!(error instanceof ServiceError && error.reason === "behind")) throw error;
           // Host messages before this turn never reached the mirror (a degraded turn, host-written
           // messages): import up to the turn's end, then commit.
           const imported = await importTranscript(target, params.terminal.activeMessagePosition);
           info(`transcript-store: imported ${imported} host messages before committing turn ${params.advancementKey}`);
-          return client.post(path, body);
+          return post();
         }
       });
       return { status: answer.status };
@@ -314,7 +478,20 @@ export async function createEngine(options) {
 
     async compact(params) {
       if (!ownsCompaction) {
-        return (await sdk()).delegateCompactionToRuntime(params);
+        const result = await (await sdk()).delegateCompactionToRuntime(params);
+        if (result && result.ok && result.compacted) {
+          // OpenClaw rewrote its transcript (a summary and the messages it kept): the mirror, which is
+          // what the service engine assembles, takes it now, not at the next import (a bootstrap): the
+          // assemble of the retry that follows an overflow recovery must not return what was compacted.
+          const target = successorOf(targetOf(params), result);
+          try {
+            const imported = await inSession(target.sessionId, target.sessionKey, () => importTranscript(target));
+            info(`transcript-store: imported ${imported} host messages after OpenClaw's compaction`);
+          } catch (error) {
+            warn(`transcript-store: the compacted host transcript was not imported (the next bootstrap imports it): ${error.message}`);
+          }
+        }
+        return result;
       }
       const target = targetOf(params);
       // The host transcript may hold messages the mirror never saw: a turn that timed out or was

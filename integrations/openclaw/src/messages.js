@@ -12,7 +12,13 @@ export const ORIGINAL = "openclaw";
 export const LEAN = "openclaw_lean";
 /** The store's cap on one entry's JSON (its `max_payload_bytes`, 4 MiB unless the service lowered it). */
 export const ENTRY_CAP_BYTES = 4 * 1024 * 1024;
+/** The store's cap on one turn's closed range (its entries' JSON summed: MAX_TURN_BYTES). */
+export const TURN_CAP_BYTES = 8 * 1024 * 1024;
 const ENTRY_MARGIN = 4096;
+// Room kept in a turn's budget for the rest of the commit's body (keys, ids, the session target) and
+// for JSON the service writes a few bytes longer than JSON.stringify.
+const TURN_MARGIN = 64 * 1024;
+const MIN_SHARE = 16 * 1024; // a message cut for its turn keeps at least this much (a head and a marker)
 const MIN_REF = 256; // shorter strings stay in the lean message
 const MIN_CLIP = 1024; // shorter strings are never cut
 
@@ -123,11 +129,14 @@ function build(message, keep) {
  * Lone surrogates become U+FFFD. A message whose stored form would be over the store's entry cap
  * (`options.maxBytes`, ENTRY_CAP_BYTES by default) is kept once: the projection, and under LEAN the
  * host's message without what the projection already holds (fromStored puts it back). If even that is over the cap, its longest
- * strings are cut, each with a visible marker (an image's data: the image becomes a text note).
- * The result is a function of the message alone, so a replay maps to the same stored message.
+ * strings are cut, each with a visible marker (an image's data: the image becomes a text note) that
+ * gives `options.note` as the reason (by default the entry cap).
+ * The result is a function of the message and the cap alone, so a replay maps to the same stored message.
  */
 export function toStored(message, options) {
-  const maxBytes = (options && typeof options === "object" && options.maxBytes) || ENTRY_CAP_BYTES; // not map's index
+  const given = options && typeof options === "object" ? options : {}; // not map's index
+  const maxBytes = given.maxBytes || ENTRY_CAP_BYTES;
+  const note = given.note || `the message is over the store's entry cap of ${maxBytes} bytes`;
   const original = wellFormedCopy(message);
   const full = build(original, { [ORIGINAL]: original });
   const budget = maxBytes - ENTRY_MARGIN;
@@ -138,10 +147,223 @@ export function toStored(message, options) {
     const stored = leanStored(host);
     const size = jsonBytes(stored);
     if (size <= budget) return stored;
-    if (!cut(host, original, cuts, size, budget, maxBytes)) break;
-    host = clipped(original, cuts, maxBytes);
+    if (!cut(host, original, cuts, size, budget, note)) break;
+    host = clipped(original, cuts, note);
   }
-  return leanStored(placeholder(original, maxBytes));
+  return leanStored(placeholder(original, note));
+}
+
+// ------------------------------------------------------------------------------------------ turns
+//
+// The service refuses a turn whose messages' JSON adds up to more than its turn cap (8 MiB), or whose
+// commit body is over its --max-body: two tool results of 3.5 MiB each, each under the entry cap, and a
+// pasted log made a turn no retry could commit. The messages of a turn are therefore stored under a
+// budget (the smaller of the two caps, less TURN_MARGIN), group by group. A group opens at each message
+// stored as a user message (a turn's admitted message is one) and takes the messages after it up to the
+// next one. Within a group a message may take at most half of what the messages before it left of the
+// budget: a message over that share is stored as toStored stores one over the entry cap (kept once, then
+// its longest strings cut with a marker), the share as its cap. Each share depends on the group's earlier
+// messages only, so an import that reads the turn (in pages, with what followed it) stores every message
+// of it as its commit does, and the mirror finds the turn it already holds. Messages under their share
+// are stored exactly as toStored stores them alone: a turn under the budget is stored as it always was.
+
+/** Whether a host message opens a group (it is stored as a user message). */
+function opensGroup(message) {
+  return !(message && typeof message === "object" && (message.role === "assistant" || message.role === "toolResult"));
+}
+
+function turnNote(limit) {
+  return `the turn is over the ${limit} bytes the store takes in one turn`;
+}
+
+/**
+ * The stored forms of consecutive host messages, `state.bytes` the stored bytes of the open group's
+ * messages before them (0: none). Returns the stored forms, each one's JSON bytes, and the state after them.
+ * @param {object[]} messages
+ * @param {{maxEntryBytes?: number, turnLimit?: number, state?: {bytes: number}}} [options]
+ */
+export function storedInGroups(messages, options = {}) {
+  const maxEntryBytes = options.maxEntryBytes || ENTRY_CAP_BYTES;
+  const limit = options.turnLimit || TURN_CAP_BYTES;
+  const budget = Math.max(limit - TURN_MARGIN, MIN_SHARE);
+  let bytes = options.state ? options.state.bytes : 0;
+  const stored = [];
+  const sizes = [];
+  for (const message of messages) {
+    if (opensGroup(message)) bytes = 0;
+    let one = toStored(message, { maxBytes: maxEntryBytes });
+    let size = jsonBytes(one);
+    const share = Math.max(Math.floor((budget - bytes) / 2), MIN_SHARE);
+    if (size > share && share < maxEntryBytes) {
+      one = toStored(message, { maxBytes: share, note: turnNote(limit) });
+      size = jsonBytes(one);
+    }
+    bytes += size;
+    stored.push(one);
+    sizes.push(size);
+  }
+  return { stored, sizes, state: { bytes } };
+}
+
+/**
+ * The stored forms of one turn's messages (admission through terminal), within the budget: as
+ * storedInGroups stores them; and when the turn holds several groups that still add up to more, each
+ * message over an equal cap is cut to it (a commit only: such a turn's cut is not what an import stores).
+ */
+export function storedTurn(messages, options = {}) {
+  const maxEntryBytes = options.maxEntryBytes || ENTRY_CAP_BYTES;
+  const limit = options.turnLimit || TURN_CAP_BYTES;
+  const budget = Math.max(limit - TURN_MARGIN, MIN_SHARE);
+  const { stored, sizes } = storedInGroups(messages, { maxEntryBytes, turnLimit: limit });
+  for (let round = 0; round < 8; round += 1) {
+    const total = sizes.reduce((sum, size) => sum + size, 0);
+    if (total <= budget) break;
+    // The largest cap c with sum(min(size, c)) within the budget.
+    const sorted = [...sizes].sort((a, b) => a - b);
+    let rest = budget;
+    let cap = MIN_SHARE;
+    for (let i = 0; i < sorted.length; i += 1) {
+      const even = Math.floor(rest / (sorted.length - i));
+      if (sorted[i] > even) { cap = even; break; }
+      rest -= sorted[i];
+    }
+    cap = Math.max(cap, MIN_SHARE);
+    let changed = false;
+    sizes.forEach((size, i) => {
+      if (size <= cap) return;
+      stored[i] = toStored(messages[i], { maxBytes: Math.max(cap - round * MIN_SHARE, MIN_SHARE), note: turnNote(limit) });
+      const now = jsonBytes(stored[i]);
+      changed ||= now < size;
+      sizes[i] = now;
+    });
+    if (!changed) break; // nothing left to cut: the service says why
+  }
+  return stored;
+}
+
+// ------------------------------------------------------------------------------------------ tokens
+//
+// The service's engines count the OpenAI projection of each message, where an image is a short
+// placeholder ("[image image/png]") and a thinking block is not at all; the model gets the host's message,
+// both included. mediaTokens is what they add, counted as documented in the README: an image by its
+// pixels (width x height / 750, after scaling it to fit 1568 pixels on its long side and 1.15
+// megapixels: Anthropic's published estimate, about what OpenAI's tiles cost too; at least 85, and 1600
+// when its size cannot be read from its data), a thinking block by its text (and a redacted one by its
+// opaque data) with the service's rough rule (roughTokens).
+
+/** Tokens of a text by the service's rough rule (its RoughEstimator.count_text). */
+export function roughTokens(text) {
+  if (typeof text !== "string" || text === "") return 0;
+  let light = 0;
+  let dense = 0;
+  let wide = 0;
+  let other = 0;
+  for (const char of text) {
+    const c = char.codePointAt(0);
+    if (c < 0x80) {
+      if ((c >= 0x21 && c <= 0x40) || (c >= 0x5b && c <= 0x60) || (c >= 0x7b && c <= 0x7e)) dense += 1;
+      else light += 1;
+    } else if (isWide(c)) {
+      wide += 1;
+    } else {
+      other += 1;
+    }
+  }
+  return Math.ceil(light / 4) + Math.ceil(dense / 2) + wide + Math.ceil(other / 2);
+}
+
+function isWide(c) {
+  return (c >= 0x1100 && c <= 0x11ff) || (c >= 0x2e80 && c <= 0x2fdf) || (c >= 0x3000 && c <= 0x9fff)
+    || (c >= 0xa960 && c <= 0xa97f) || (c >= 0xac00 && c <= 0xd7ff) || (c >= 0xf900 && c <= 0xfaff)
+    || (c >= 0xfe30 && c <= 0xfe4f) || (c >= 0xff00 && c <= 0xffef) || (c >= 0x20000 && c <= 0x3ffff);
+}
+
+/** Tokens of one stored (OpenAI) message by the service's rough rule (its RoughEstimator, framing included). */
+export function roughMessageTokens(message) {
+  if (!message || typeof message !== "object") return 0;
+  let total = 4;
+  const content = message.content;
+  if (typeof content === "string") total += roughTokens(content);
+  else if (Array.isArray(content)) {
+    for (const part of content) {
+      if (typeof part === "string") total += roughTokens(part);
+      else if (part && typeof part === "object") total += roughTokens(typeof part.text === "string" ? part.text : JSON.stringify(part));
+    }
+  }
+  if (typeof message.name === "string") total += 1 + roughTokens(message.name);
+  if (Array.isArray(message.tool_calls)) {
+    for (const call of message.tool_calls) {
+      total += 3 + roughTokens(call?.function?.name) + roughTokens(call?.function?.arguments);
+    }
+  }
+  if (typeof message.tool_call_id === "string") total += roughTokens(message.tool_call_id);
+  return total;
+}
+
+/** The tokens an AgentMessage's images and thinking blocks add to what the service counts of it. */
+export function mediaTokens(message) {
+  const content = message && typeof message === "object" ? message.content : null;
+  if (!Array.isArray(content)) return 0;
+  let total = 0;
+  for (const part of content) {
+    if (!part || typeof part !== "object") continue;
+    if (part.type === "image") total += imageTokens(part);
+    else if (part.type === "thinking") {
+      total += roughTokens(part.thinking);
+      if (part.redacted === true && typeof part.thinkingSignature === "string") total += Math.ceil(part.thinkingSignature.length / 4);
+    }
+  }
+  return total;
+}
+
+/** The tokens of one image part ({type: "image", data: base64, mimeType}). */
+export function imageTokens(part) {
+  const size = imageSize(part && part.data);
+  if (!size) return 1600;
+  const { width, height } = size;
+  const scale = Math.min(1, 1568 / Math.max(width, height), Math.sqrt(1150000 / (width * height)));
+  return Math.min(1600, Math.max(85, Math.ceil((width * scale) * (height * scale) / 750)));
+}
+
+/** The pixel size of a PNG, GIF, JPEG or WebP image from its base64 data (its first 256 KiB), or null. */
+export function imageSize(data) {
+  if (typeof data !== "string" || data.length < 40) return null;
+  let bytes;
+  try {
+    bytes = Buffer.from(data.slice(0, 349528 - (349528 % 4)), "base64");
+  } catch {
+    return null;
+  }
+  const ok = (width, height) => (width > 0 && height > 0 ? { width, height } : null);
+  if (bytes.length >= 24 && bytes.readUInt32BE(0) === 0x89504e47 && bytes.toString("latin1", 12, 16) === "IHDR") {
+    return ok(bytes.readUInt32BE(16), bytes.readUInt32BE(20));
+  }
+  if (bytes.length >= 10 && bytes.toString("latin1", 0, 4) === "GIF8") return ok(bytes.readUInt16LE(6), bytes.readUInt16LE(8));
+  if (bytes.length >= 30 && bytes.toString("latin1", 0, 4) === "RIFF" && bytes.toString("latin1", 8, 12) === "WEBP") {
+    const kind = bytes.toString("latin1", 12, 16);
+    if (kind === "VP8X") return ok(1 + bytes.readUIntLE(24, 3), 1 + bytes.readUIntLE(27, 3));
+    if (kind === "VP8 ") return ok(bytes.readUInt16LE(26) & 0x3fff, bytes.readUInt16LE(28) & 0x3fff);
+    if (kind === "VP8L" && bytes[20] === 0x2f) {
+      const bits = bytes.readUInt32LE(21);
+      return ok((bits & 0x3fff) + 1, ((bits >> 14) & 0x3fff) + 1);
+    }
+    return null;
+  }
+  if (bytes.length >= 4 && bytes[0] === 0xff && bytes[1] === 0xd8) {
+    let at = 2;
+    while (at + 9 < bytes.length) {
+      if (bytes[at] !== 0xff) return null;
+      const marker = bytes[at + 1];
+      if (marker === 0xff) { at += 1; continue; }
+      const length = bytes.readUInt16BE(at + 2);
+      // Start of frame (every SOFn but the DHT, JPG and DAC markers among C0..CF): its height, then width.
+      if (marker >= 0xc0 && marker <= 0xcf && marker !== 0xc4 && marker !== 0xc8 && marker !== 0xcc) {
+        return ok(bytes.readUInt16BE(at + 7), bytes.readUInt16BE(at + 5));
+      }
+      at += 2 + length;
+    }
+  }
+  return null;
 }
 
 function leanStored(host) {
@@ -187,12 +409,12 @@ function walk(value, path, visit) {
   }
 }
 
-function cutMarker(count, maxBytes) {
-  return `\n[... ${count} characters cut by transcript-store: the message is over the store's entry cap of ${maxBytes} bytes]`;
+function cutMarker(count, note) {
+  return `\n[... ${count} characters cut by transcript-store: ${note}]`;
 }
 
 // The host message with its strings cut as `cuts` says (path -> characters kept; -1: an image dropped).
-function clipped(original, cuts, maxBytes) {
+function clipped(original, cuts, note) {
   const host = JSON.parse(JSON.stringify(original));
   for (const [key, keep] of cuts) {
     const path = JSON.parse(key);
@@ -200,10 +422,10 @@ function clipped(original, cuts, maxBytes) {
     const last = path[path.length - 1];
     if (keep < 0) {
       const part = parent[last];
-      parent[last] = { type: "text", text: `[image${part.mimeType ? ` ${part.mimeType}` : ""} of ${String(part.data).length} characters dropped by transcript-store: the message is over the store's entry cap of ${maxBytes} bytes]` };
+      parent[last] = { type: "text", text: `[image${part.mimeType ? ` ${part.mimeType}` : ""} of ${String(part.data).length} characters dropped by transcript-store: ${note}]` };
     } else {
       const text = parent[last];
-      parent[last] = text.slice(0, keep) + cutMarker(text.length - keep, maxBytes);
+      parent[last] = text.slice(0, keep) + cutMarker(text.length - keep, note);
     }
   }
   return host;
@@ -211,7 +433,7 @@ function clipped(original, cuts, maxBytes) {
 
 // Cut the longest string still long enough, by what its characters weigh in the stored form, so the
 // stored form comes under `budget` (or cut it all and go on with the next); false when none is left.
-function cut(host, original, cuts, size, budget, maxBytes) {
+function cut(host, original, cuts, size, budget, note) {
   let best = null;
   walk(host, [], (value, path, parent) => {
     if (value.length >= MIN_CLIP && (!best || value.length > best.value.length)) best = { value, path, parent };
@@ -224,7 +446,7 @@ function cut(host, original, cuts, size, budget, maxBytes) {
   }
   const source = best.path.reduce((node, step) => node[step], original);
   const kept = cuts.has(key) ? cuts.get(key) : source.length;
-  const without = jsonBytes(leanStored(clipped(original, new Map(cuts).set(key, 0), maxBytes)));
+  const without = jsonBytes(leanStored(clipped(original, new Map(cuts).set(key, 0), note)));
   const perChar = (size - without) / Math.max(kept, 1);
   let keep = without >= budget || perChar <= 0 ? 0 : Math.floor(kept - (size - budget + 512) / perChar);
   keep = Math.max(0, Math.min(keep, kept - 1));
@@ -235,10 +457,10 @@ function cut(host, original, cuts, size, budget, maxBytes) {
 }
 
 // Last resort (a message made of many short strings): its role and ids, and a note.
-function placeholder(original, maxBytes) {
+function placeholder(original, why) {
   const short = (value) => (typeof value === "string" ? value.slice(0, 256).toWellFormed() : value);
   const size = jsonBytes(original);
-  const note = { type: "text", text: `[a message of ${size} bytes dropped by transcript-store: over the store's entry cap of ${maxBytes} bytes]` };
+  const note = { type: "text", text: `[a message of ${size} bytes dropped by transcript-store: ${why}]` };
   const host = { role: short(original.role) };
   for (const key of ["toolCallId", "toolName", "isError", "api", "provider", "model", "stopReason", "timestamp"]) {
     if (original[key] !== undefined && (typeof original[key] !== "object" || original[key] === null)) host[key] = short(original[key]);

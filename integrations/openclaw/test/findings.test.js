@@ -1,0 +1,350 @@
+// The plugin against a real `transcript-store serve` (a child process on a free loopback port, SQLite in
+// a temporary directory) and a scripted OpenClaw host (its transcript, its compaction and its memory
+// prompt helper): `node --test test/`. The service's Python is TRANSCRIPT_STORE_PYTHON, else the
+// repository's .venv, else python3.
+import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { after, before, test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+import { createEngine } from "../src/engine.js";
+import { contentText } from "../src/messages.js";
+
+const ROOT = fileURLToPath(new URL("../../..", import.meta.url));
+const PYTHON = process.env.TRANSCRIPT_STORE_PYTHON
+  || (existsSync(join(ROOT, ".venv/bin/python")) ? join(ROOT, ".venv/bin/python") : "python3");
+const TOKEN = "tok-findings-0123456789";
+const MiB = 1024 * 1024;
+
+/** `transcript-store serve` in a child process; resolves once it prints the URL it listens on. */
+async function startService({ env = {}, args = [], dir = mkdtempSync(join(tmpdir(), "ts-openclaw-")), port = 0 } = {}) {
+  const child = spawn(PYTHON, ["-m", "transcript_store", "serve", "--db", `sqlite:///${join(dir, "store.db")}`,
+    "--port", String(port), ...args], {
+    cwd: dir,
+    env: { ...process.env, PYTHONPATH: ROOT, TRANSCRIPT_STORE_TOKENS: `${TOKEN}=scope-openclaw`, ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let log = "";
+  child.stderr.on("data", (chunk) => { log += chunk; });
+  const url = await new Promise((resolve, reject) => {
+    let out = "";
+    const timer = setTimeout(() => reject(new Error(`serve did not start:\n${log.slice(-3000)}`)), 60000);
+    child.stdout.on("data", (chunk) => {
+      out += chunk;
+      const found = /listening on (http:\/\/\S+)/.exec(out);
+      if (found) { clearTimeout(timer); resolve(found[1]); }
+    });
+    child.on("exit", (code) => { clearTimeout(timer); reject(new Error(`serve exited (${code}):\n${log.slice(-3000)}`)); });
+  });
+  return {
+    url,
+    dir,
+    port: Number(new URL(url).port),
+    log: () => log,
+    async get(path) {
+      const response = await fetch(url + path, { headers: { authorization: `Bearer ${TOKEN}` } });
+      return response.json();
+    },
+    async stop({ keep = false } = {}) {
+      if (child.exitCode === null) {
+        const exited = new Promise((resolve) => child.once("exit", resolve));
+        child.kill("SIGTERM");
+        await exited;
+      }
+      if (!keep) rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+/**
+ * A scripted OpenClaw host session: its visible transcript (entry ids, messages), read the way
+ * readSessionTranscriptVisibleMessageDelta reads it (a cursor of the transcript's generation; a cursor of
+ * an older generation answers `reset`), and a runtime compaction that keeps the last `keep` messages after
+ * a compaction summary, as OpenClaw's summarising compaction does.
+ */
+function hostSession(sessionId) {
+  let generation = 1;
+  let entries = [];
+  let made = 0;
+  const host = {
+    sessionId,
+    sessionKey: `agent:main:${sessionId}`,
+    get entries() { return entries; },
+    target() { return { agentId: "main", sessionId, sessionKey: host.sessionKey, storePath: "/host/sessions" }; },
+    /** Append a turn's messages; the commitTurn params of that turn. */
+    turn(key, messages) {
+      const start = entries.length;
+      const added = messages.map((message) => ({ entryId: `${sessionId}-e${(made += 1)}`, message }));
+      entries = [...entries, ...added];
+      return {
+        advancementKey: key, sessionId, sessionKey: host.sessionKey, isHeartbeat: false,
+        sessionTarget: host.target(),
+        admission: { entryId: added[0].entryId, activeMessagePosition: start },
+        terminal: { entryId: added[added.length - 1].entryId, activeMessagePosition: start + added.length - 1 },
+        messages,
+      };
+    },
+    sdk: {
+      readSessionTranscriptVisibleMessageDelta: async ({ cursor, maxMessages, maxBytes }) => {
+        let start = 0;
+        if (cursor !== undefined) {
+          const [gen, at] = String(cursor).split(":").map(Number);
+          if (gen !== generation) return { kind: "reset", cursor: `${generation}:0`, reason: "generation_mismatch" };
+          start = at;
+        }
+        const page = [];
+        let bytes = 0;
+        for (const entry of entries.slice(start)) {
+          const size = Buffer.byteLength(JSON.stringify(entry.message));
+          if (page.length >= maxMessages || (page.length > 0 && bytes + size > maxBytes)) break;
+          if (page.length === 0 && size > maxBytes) {
+            return { kind: "page", cursor: `${generation}:${start}`, hasMore: true, entries: [], requiredBytes: size };
+          }
+          page.push(entry);
+          bytes += size;
+        }
+        const end = start + page.length;
+        return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < entries.length, entries: page };
+      },
+      delegateCompactionToRuntime: async () => {
+        const keep = 2;
+        const summary = {
+          role: "compactionSummary", summary: `Summary of ${entries.length - keep} earlier messages.`,
+          tokensBefore: 5000, timestamp: 99,
+        };
+        entries = [{ entryId: `${sessionId}-summary-${generation}`, message: summary }, ...entries.slice(-keep)];
+        generation += 1;
+        return { ok: true, compacted: true, result: { summary: summary.summary, tokensBefore: 5000, tokensAfter: 300 } };
+      },
+    },
+  };
+  return host;
+}
+
+const userMessage = (text, timestamp = 1) => ({ role: "user", content: text, timestamp });
+const assistantMessage = (content, timestamp = 2) => ({
+  role: "assistant", content: typeof content === "string" ? [{ type: "text", text: content }] : content,
+  api: "openai-completions", provider: "fake", model: "m", usage: {}, stopReason: "stop", timestamp,
+});
+const toolCall = (id, name, args) => assistantMessage([{ type: "toolCall", id, name, arguments: args }]);
+const toolResult = (id, text) => ({
+  role: "toolResult", toolCallId: id, toolName: "read", content: [{ type: "text", text }], isError: false, timestamp: 3,
+});
+
+/** A PNG's first bytes (signature and IHDR chunk) for an image of width x height, padded, as base64. */
+function pngOf(width, height, padding = 2000) {
+  const bytes = Buffer.alloc(33 + padding);
+  Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]).copy(bytes, 0);
+  bytes.writeUInt32BE(13, 8);
+  bytes.write("IHDR", 12, "latin1");
+  bytes.writeUInt32BE(width, 16);
+  bytes.writeUInt32BE(height, 20);
+  return bytes.toString("base64");
+}
+
+let service;
+let small; // a service with a lower entry cap and body limit than the defaults
+let large; // a service with a larger body limit than its turn cap
+
+before(async () => {
+  [service, small, large] = await Promise.all([
+    startService(),
+    startService({ env: { TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES: String(MiB) }, args: ["--max-body", String(3 * MiB)] }),
+    startService({ args: ["--max-body", String(16 * MiB)] }),
+  ]);
+});
+
+after(async () => {
+  await Promise.all([service?.stop(), small?.stop(), large?.stop()]);
+});
+
+async function engineFor(host, { engine = "legacy", on = service, ...more } = {}) {
+  return createEngine({ serviceUrl: on.url, token: TOKEN, engine, sdk: host.sdk, ...more });
+}
+
+test("finding 1: OpenClaw's delegated compaction (engine legacy) is what the next assemble returns", async () => {
+  const host = hostSession("s-compact");
+  const engine = await engineFor(host);
+  assert.equal(engine.info.ownsCompaction, false);
+  await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  for (let k = 0; k < 4; k += 1) {
+    const turn = host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)]);
+    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  }
+  const before = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
+  assert.equal(before.messages.length, 8);
+
+  const compacted = await engine.compact({
+    sessionId: host.sessionId, sessionKey: host.sessionKey, force: true, sessionTarget: host.target() });
+  assert.equal(compacted.compacted, true);
+  const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
+  // What the host holds after its compaction: the summary and the two messages it kept.
+  assert.deepEqual(assembled.messages, host.entries.map((entry) => entry.message));
+  assert.equal(assembled.messages[0].role, "compactionSummary");
+  assert.ok(assembled.estimatedTokens < before.estimatedTokens);
+
+  // The next turn commits on top of the compacted mirror, and an import finds nothing new.
+  const turn = host.turn("k-after", [userMessage("after the compaction"), assistantMessage("noted")]);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const boot = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  assert.equal(boot.importedMessages, 0);
+  const last = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
+  assert.deepEqual(last.messages, host.entries.map((entry) => entry.message));
+});
+
+test("finding 2: images and thinking blocks count against the token budget of assemble", async () => {
+  const host = hostSession("s-media");
+  const engine = await engineFor(host);
+  const image = { type: "image", data: pngOf(1200, 900), mimeType: "image/png" }; // 1440 tokens (1200*900/750)
+  const thinking = { type: "thinking", thinking: "Let me think about this carefully. ".repeat(240) }; // 8400 characters
+  const turns = [
+    host.turn("m0", [{ role: "user", content: [{ type: "text", text: "what is in this picture?" }, image], timestamp: 1 },
+      assistantMessage([thinking, { type: "text", text: "A cat." }])]),
+    host.turn("m1", [userMessage("thanks"), assistantMessage("you are welcome")]),
+  ];
+  for (const turn of turns) assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+
+  const whole = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 100000 });
+  assert.equal(whole.messages.length, 4);
+  // The image (1440 tokens) and the thinking (about 2100 tokens at 4 characters a token) are counted.
+  assert.ok(whole.estimatedTokens >= 1440 + 2000, `estimatedTokens ${whole.estimatedTokens}`);
+
+  // A budget the text fits in but not the image and the thinking: they are left out, and the estimate
+  // stays within the budget.
+  const tight = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 1000 });
+  assert.ok(tight.estimatedTokens <= 1000, `estimatedTokens ${tight.estimatedTokens} over the budget of 1000`);
+  assert.ok(tight.messages.length >= 2, "the last turn fits");
+  assert.ok(tight.messages.every((m) => !JSON.stringify(m.content).includes('"image"')
+    && !JSON.stringify(m.content).includes('"thinking"')), "what is over the budget is left out");
+});
+
+test("finding 3: the memory plugin's prompt guidance is part of the systemPromptAddition", async () => {
+  const host = hostSession("s-memory");
+  const seen = [];
+  host.sdk.buildMemorySystemPromptAddition = (params) => {
+    seen.push(params);
+    return params.availableTools.has("memory_search") ? "## Memory Recall\nRun memory_search before answering." : undefined;
+  };
+  const engine = await engineFor(host, { engine: "lossless" });
+  await engine.commitTurn(host.turn("r0", [userMessage("remember the blue door"), assistantMessage("noted")]));
+  const tools = new Set(["memory_search", "memory_get", "read"]);
+  const out = await engine.assemble({
+    sessionId: host.sessionId, sessionKey: host.sessionKey, availableTools: tools, citationsMode: "on", tokenBudget: 50000,
+  });
+  assert.match(out.systemPromptAddition ?? "", /## Memory Recall\nRun memory_search before answering\./);
+  assert.equal(seen.length, 1);
+  assert.equal(seen[0].availableTools, tools); // forwarded as the host gave them
+  assert.equal(seen[0].citationsMode, "on");
+  assert.equal(seen[0].agentSessionKey, host.sessionKey);
+  // No guidance (no memory tools): no addition of its own.
+  const none = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, availableTools: new Set(["read"]) });
+  assert.equal(none.systemPromptAddition, undefined);
+});
+
+// Two tool results of 3.5 MiB (each under the 4 MiB entry cap once stored) after a pasted 1.2 MiB log:
+// over the service's 8 MiB turn cap (and its 8 MiB request body) together.
+const logOf = (seed, mib) => `${seed} `.repeat(Math.floor(mib * MiB / (seed.length + 1)));
+function bigTurn(host, key) {
+  return host.turn(key, [
+    userMessage(`why does this fail?\n${logOf("paste", 1.2)}`),
+    toolCall("c1", "read", { path: "a.log" }), toolResult("c1", logOf("alpha", 3.5)),
+    toolCall("c2", "read", { path: "b.log" }), toolResult("c2", logOf("beta", 3.5)),
+    assistantMessage("Both logs say the same thing."),
+  ]);
+}
+
+test("finding 4: a turn over the service's turn cap (two 3.5 MiB tool results) is cut to fit and commits", async () => {
+  const host = hostSession("s-turn");
+  const engine = await engineFor(host, { engine: "lossless" });
+  await engine.commitTurn(host.turn("t0", [userMessage("hello"), assistantMessage("hi")]));
+  const turn = bigTurn(host, "t1");
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  assert.deepEqual(await engine.commitTurn(turn), { status: "duplicate" }); // a host replay
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 8);
+  const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 10000000 });
+  assert.equal(assembled.messages.length, 8);
+  const [paste, , first, , second, reply] = assembled.messages.slice(2);
+  assert.deepEqual(paste, turn.messages[0]); // what came first is whole
+  for (const [result, whole] of [[first, logOf("alpha", 3.5)], [second, logOf("beta", 3.5)]]) {
+    const text = contentText(result.content);
+    assert.match(text, /\n\[\.\.\. \d+ characters cut by transcript-store: the turn is over the \d+ bytes the store takes in one turn\]$/);
+    assert.ok(text.length > 500000 && whole.startsWith(text.slice(0, text.indexOf("\n[... "))), "a head of the result is kept");
+  }
+  assert.deepEqual(reply, turn.messages[5]);
+  // An import of the same host transcript finds every message of the turn where the commit put it.
+  const boot = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  assert.equal(boot.importedMessages, 0);
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 8);
+});
+
+test("finding 4: the turn cap holds where the body limit is larger", async () => {
+  // --max-body 16 MiB: the body passes, and the service's 8 MiB turn cap is what refuses the turn.
+  const host = hostSession("s-turn-cap");
+  const engine = await engineFor(host, { engine: "legacy", on: large });
+  const turn = bigTurn(host, "c0");
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 10000000 });
+  assert.match(contentText(assembled.messages[4].content), /cut by transcript-store: the turn is over the 8388608 bytes/);
+});
+
+test("finding 4: a turn imported before its commit is cut the same way, then commits as imported", async () => {
+  // An import that reads the host's transcript past a turn not yet committed (the compaction's import of
+  // a turn that timed out, a catch-up import) stores the turn as its commit then sends it.
+  const host = hostSession("s-turn-import");
+  const engine = await engineFor(host, { engine: "legacy" });
+  await engine.commitTurn(host.turn("d0", [userMessage("hello"), assistantMessage("hi")]));
+  const turn = bigTurn(host, "d1");
+  const boot = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  assert.equal(boot.importedMessages, 6); // in several pages (4 MiB of host bytes each)
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 8); // matched, not stored again
+  const again = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  assert.equal(again.importedMessages, 0);
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 8);
+});
+
+test("finding 5: the plugin learns a lower entry cap and body limit from the service", async () => {
+  const host = hostSession("s-small");
+  const engine = await engineFor(host, { on: small }); // no maxEntryBytes given
+  // 0.6 MiB of text is stored twice (the projection and the host's message) unless it is over the cap:
+  // 1.2 MiB, over this service's 1 MiB entry cap; kept once, whole.
+  const result = toolResult("c1", "y".repeat(0.6 * MiB));
+  assert.deepEqual(await engine.commitTurn(host.turn("l0", [userMessage("read it"), toolCall("c1", "read", {}), result,
+    assistantMessage("read")])), { status: "committed" });
+  // Four results of 0.9 MiB each: under the entry cap, over the 3 MiB body limit together.
+  const four = [userMessage("read four")];
+  for (let k = 0; k < 4; k += 1) four.push(toolCall(`f${k}`, "read", {}), toolResult(`f${k}`, `${k}`.repeat(0.9 * MiB)));
+  four.push(assistantMessage("read them all"));
+  assert.deepEqual(await engine.commitTurn(host.turn("l1", four)), { status: "committed" });
+  const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 10000000 });
+  assert.equal(assembled.messages.length, 14);
+  assert.deepEqual(assembled.messages[2], result);
+  assert.deepEqual(assembled.messages[6], four[2]); // the first results of the turn are whole
+  assert.match(contentText(assembled.messages.at(-2).content), /characters cut by transcript-store: the turn is over the 3145728 bytes/);
+  const boot = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  assert.equal(boot.importedMessages, 0);
+});
+
+test("finding 5: limits that change under a running gateway (the service restarted) are read again", async () => {
+  const first = await startService();
+  let second;
+  try {
+    const host = hostSession("s-restart");
+    const engine = await engineFor(host, { on: first });
+    assert.deepEqual(await engine.commitTurn(host.turn("r0", [userMessage("hello"), assistantMessage("hi")])),
+      { status: "committed" });
+    // The same store and port, now with a 1 MiB entry cap.
+    await first.stop({ keep: true });
+    second = await startService({ dir: first.dir, port: first.port, env: { TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES: String(MiB) } });
+    const result = toolResult("c1", "z".repeat(0.6 * MiB)); // 1.2 MiB stored twice, over the new cap
+    assert.deepEqual(await engine.commitTurn(host.turn("r1", [userMessage("read it"), toolCall("c1", "read", {}), result,
+      assistantMessage("read")])), { status: "committed" });
+    const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 10000000 });
+    assert.deepEqual(assembled.messages[4], result);
+  } finally {
+    await (second ?? first).stop();
+  }
+});
