@@ -23,8 +23,8 @@ validates into the request model (a body it refuses is the HTTP layer's 422 and 
 ``Service``; that raw body is passed instead, as a Python caller passing anything but the model would).
 
 Drawn: 25 methods (``calls`` below; a test keeps that list and ``NOT_DRAWN`` complete). Not drawn:
-``HostRuntime.flush_quarantines``, ``HostRuntime.dispose``, ``Service.engines`` and ``Service.close``
-(no arguments; ``close`` also closes the store).
+``HostRuntime.flush_quarantines``, ``HostRuntime.dispose``, ``Service.engines``, ``Service.limits`` and
+``Service.close`` (no arguments; ``close`` also closes the store).
 
 The default tier draws ``FAULT_INPUT_HOST_EXAMPLES`` (25) examples per method and backend; the slow tier
 (``make test-slow``) runs the same campaign with 150.
@@ -293,6 +293,7 @@ NOT_DRAWN = {
     "HostRuntime.flush_quarantines": "no arguments",
     "HostRuntime.dispose": "no arguments",
     "Service.engines": "no arguments",
+    "Service.limits": "no arguments",
     "Service.close": "no arguments; it closes the store the campaign runs on",
 }
 
