@@ -540,9 +540,9 @@ def test_delete_session_removes_every_lossless_row(store: TranscriptStore, sid: 
     engine.compact(scope=A, session_id=sid, force=True, token_budget=800)
     store.delete_session(A, sid)
     assert all(v == [] for k, v in rows(store, sid).items() if k != "view")
-    if store.backend == "sqlite":
+    if store.backend == "sqlite":  # its search rows and their slot (revision 0012) went with them
         left = store.read(lambda c: c.conn.exec_driver_sql(
-            "SELECT count(*) FROM ts_lcm_search_map WHERE session_id = ?", (sid,)).scalar())
+            "SELECT count(*) FROM ts_lcm_search_slots WHERE session_id = ?", (sid,)).scalar())
         assert left == 0
     store.create_session(A, session_id=sid)
     found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "question"}, scope=A, session_id=sid))

@@ -209,7 +209,8 @@ def test_the_word_index_revision_keeps_every_lossless_row_searchable(store_url: 
                             " WHERE d.adrelid = 'ts_lcm_messages'::regclass AND a.attname = 'search_tsv'"
                         )).scalar_one()
                         assert ("100000" in expression) == (revision is None), expression
-                assert (found("kiwi"), found("melon")) == (1, 1)
+                if revision is None or not db.dialect.is_sqlite:  # (this release reads SQLite's index of 0012)
+                    assert (found("kiwi"), found("melon")) == (1, 1)
         finally:
             db.dispose()
 
@@ -338,7 +339,10 @@ def test_what_an_earlier_release_kept_after_a_reset_is_forgotten(store_url: str)
                             if r not in now and getattr(r, "child_seq", None) not in parented]
                     if gone:
                         conn.execute(table.insert(), gone)
-            assert found("zucchini") > 0 and store.read(lambda c: audit(c, A, sid)).problems
+            # (this release reads SQLite's search index of 0012; test_lossless_search_scoped.py checks 0012)
+            assert found("zucchini") > 0 if not db.dialect.is_sqlite else store.read(lambda c: c.conn.execute(
+                text("SELECT count(*) FROM ts_lcm_search WHERE content LIKE '%zucchini%'")).scalar_one()) > 0
+            assert store.read(lambda c: audit(c, A, sid)).problems
             migrate.upgrade(db)
         finally:
             db.dispose()

@@ -1,7 +1,7 @@
 """SQLAlchemy Core tables of the lossless engine (migration 0004 creates them) and its per-session view state.
 
-The search structures (SQLite FTS5 + map, PostgreSQL expression GIN indexes) are not declared here:
-they differ per backend and are only ever queried through ``search``.
+The search structures (SQLite FTS5 + the per-session slots of its rowids, revision 0012; PostgreSQL
+GIN indexes) are not declared here: they differ per backend and are only ever queried through ``search``.
 """
 
 from __future__ import annotations
