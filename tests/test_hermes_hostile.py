@@ -24,6 +24,7 @@ from transcript_store.hermes import (
     merge_context,
     resolve_threshold,
 )
+from transcript_store.tokens import RoughEstimator
 
 
 def make(db_url: str, **kwargs: Any) -> Any:
@@ -233,3 +234,28 @@ def test_get_status_takes_a_missing_prompt_count(tmp_path: Path) -> None:
         engine.last_prompt_tokens = value
         status = engine.get_status()
         assert isinstance(status["last_prompt_tokens"], int) and status["last_prompt_tokens"] >= 0
+
+
+def test_a_caller_mutating_the_selected_context_leaves_the_next_selection_whole(tmp_path: Path) -> None:
+    """``select_context`` returned the adapter's cached list itself, the same object at every call while
+    nothing changed: a host that appended to it, cut it, or edited a message in place (a cache marker,
+    a sanitized content) changed what the next request of the session was given. Every call now gets a
+    list of its own, equal to the first."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    system = {"role": "system", "content": "You are a test agent."}
+    convo = conversation("sel", 10)
+    out = engine.compress([system, *convo])
+    taken = [*out, {"role": "user", "content": "sel next"}]
+    budget = RoughEstimator().count_messages(taken) - 100
+    first = engine.select_context(taken, budget_tokens=budget)
+    assert isinstance(first, list) and first
+    pristine = copy.deepcopy(first)
+    for hostile in (first, engine.select_context(taken, budget_tokens=budget)):
+        assert hostile == pristine
+        hostile[0]["content"] += " and a cache marker"
+        hostile[-1]["content"] = "sanitized"
+        hostile.append({"role": "user", "content": "appended by the host"})
+        del hostile[1]
+        again = engine.select_context(taken, budget_tokens=budget)
+        assert again == pristine and again is not hostile

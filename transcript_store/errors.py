@@ -76,15 +76,6 @@ class UnknownEntry(TranscriptStoreError, LookupError):
     """No such entry in this session."""
 
 
-class UnknownTurn(TranscriptStoreError, LookupError):
-    """No outbox row of this logical turn in this session."""
-
-    def __init__(self, session_id: str, turn_id: str) -> None:
-        super().__init__(f"no turn intent {turn_id!r} in session {session_id!r}")
-        self.session_id = session_id
-        self.turn_id = turn_id
-
-
 class SessionKeyConflict(TranscriptStoreError):
     """Another active session in the scope already holds this session key."""
 
@@ -153,6 +144,17 @@ class MirrorConflict(TranscriptStoreError):
 
 class OutboxCollision(TranscriptStoreError):
     """A turn intent was rewritten with another payload, owner or an illegal transition."""
+
+
+class UnknownTurn(OutboxCollision, LookupError):
+    """No outbox row of this logical turn in this session: every call of the turn-commit API that needs one
+    (``Turns.accept``, ``complete``, ``block``) raises this. An ``OutboxCollision`` too (accepting a turn
+    that has no intent is an illegal transition), which ``accept`` and ``complete`` raised before."""
+
+    def __init__(self, session_id: str, turn_id: str, detail: str = "") -> None:
+        super().__init__(f"no turn intent {turn_id!r} in session {session_id!r}" + (f": {detail}" if detail else ""))
+        self.session_id = session_id
+        self.turn_id = turn_id
 
 
 class SessionBusy(TranscriptStoreError):

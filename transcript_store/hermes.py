@@ -396,6 +396,26 @@ def align(stored: Sequence[str], host: Sequence[str], start: int | None) -> tupl
     return skip + n, start + n
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """One session's last ``select_context`` answer, kept so that each call gets a list of its own.
+
+    The body (the engine's context: the store's messages and summaries, JSON by construction) is kept
+    as its JSON text: parsing it again is a full copy at a third of ``copy.deepcopy``'s cost. The system
+    messages are the request's own, a message or two, deep-copied."""
+
+    key: str
+    system: list[dict[str, Any]]
+    body: str | None
+
+    def messages(self) -> list[dict[str, Any]] | None:
+        """A fresh copy of the selection (None: the request stays as it is)."""
+        if self.body is None:
+            return None
+        body: list[dict[str, Any]] = json.loads(self.body)
+        return copy.deepcopy(self.system) + body
+
+
 @dataclass
 class _Runtime:
     """Everything that must not be copied: store, engine, locks, caches."""
@@ -408,7 +428,9 @@ class _Runtime:
     adopted: dict[str, str] = field(default_factory=dict)  # store session -> adopted fp
     pending: dict[str, str] = field(default_factory=dict)  # store session -> newest unadopted fp
     aliases: dict[str, str] = field(default_factory=dict)  # hermes session -> store session
-    selections: dict[str, tuple[str, list[dict[str, Any]] | None]] = field(default_factory=dict)
+    #: store session -> (request key, system messages, the selected body as JSON or None): handed out as
+    #: fresh copies only (``_Selection``), never the cached objects a caller could change
+    selections: dict[str, _Selection] = field(default_factory=dict)
     visible: dict[str, _Visible] = field(default_factory=dict)  # store session -> its visible transcript
     warned: set[str] = field(default_factory=set)  # user turns whose fresh tail alone was at the trigger
     index_seq: int = -1  # the candidate index is read up to here
@@ -1003,17 +1025,17 @@ class TranscriptStoreEngineMixin:
             key = digest(canonical(request_messages), str(budget_tokens))
             with rt.lock:
                 cached = rt.selections.get(store_session)
-            if cached is not None and cached[0] == key:
-                return cached[1]
+            if cached is not None and cached.key == key:
+                return cached.messages()  # the caller's own copy: it may change it as it likes
             system, _body = split_system(request_messages)
             assembled = rt.engine.assemble(
                 scope=self.scope, session_id=store_session, fence=None, token_budget=int(budget_tokens)
             )
             body = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
-            selection = (copy.deepcopy(system) + body) if body else None
+            kept = _Selection(key, copy.deepcopy(system), json.dumps(body) if body else None)
             with rt.lock:
-                rt.selections[store_session] = (key, selection)
-            return selection
+                rt.selections[store_session] = kept
+            return kept.messages()
         except Exception:
             log.exception("transcript-store select_context failed; request unchanged")
             return None

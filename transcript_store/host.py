@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import compaction, outbox, quarantine
-from .core import Core, check_id, from_us, new_id
+from .core import Core, check_id, new_id
 from .engine import (
     AssembleResult,
     CompactResult,
@@ -356,6 +356,8 @@ class HostRuntime:
     _engines: dict[str, tuple[Any, EngineInfo]] = field(init=False, default_factory=dict)
     #: tokens of a system prompt and tool list, by their texts (``_reserved_tokens``)
     _fixed_tokens: dict[tuple[str, str], int] = field(init=False, default_factory=dict)
+    #: tokens an engine's system-prompt addition adds to a system prompt, by their texts (``_addition_tokens``)
+    _addition_counts: dict[tuple[str, str], int] = field(init=False, default_factory=dict)
     # Per (scope, session, turn id): turn ids are the caller's, and the same id in another session is
     # another turn. Kept after a failed turn (its retry runs on the same engine), so bounded.
     _decisions: OrderedDict[tuple[str, str, str], _Decision] = field(init=False, default_factory=OrderedDict)
@@ -828,8 +830,7 @@ class HostRuntime:
         """
         live = self.store.write(lambda c: outbox.discard_unless_running(c, scope, session_id, turn_id))
         if live is not None:
-            expires = None if live.expires_us is None else from_us(live.expires_us)
-            raise _Refused(SessionBusy(session_id, turn_id, expires))
+            raise _Refused(SessionBusy(session_id, turn_id, live.busy_until()))
 
     def _runtime_settings(self, decision: _Decision, reserved: int) -> RuntimeSettings:
         source = "fallback" if decision.reason else self.settings.engine_source
@@ -1113,10 +1114,11 @@ class HostRuntime:
         The addition goes into the request's system prompt, but it is known only once assemble has
         answered, so the first assembly cannot have left room for it. When the context and the addition
         together are over the prompt's budget, the engine is asked once more with the addition's tokens
-        reserved as well: the engine still decides what the model sees (the host never cuts its
-        context), and an engine whose addition does not grow as its room shrinks (the lossless engine's
-        is one fixed hint, or none) then fits. Only once: asking until the answer settles could go on
-        forever for an engine whose addition grows as its room shrinks, and such an answer is logged.
+        reserved as well: the engine decides what the model sees, and an engine whose addition does not
+        grow as its room shrinks (the lossless engine's is one fixed hint, or none) then fits. Only once:
+        asking until the answer settles could go on forever for an engine whose addition grows as its
+        room shrinks; such an answer is logged, and the request gets less of its context, oldest first
+        (``_model_loop``), as a tool round over the budget does.
         """
         extra = self._addition_tokens(result.system_prompt_addition)
         budget = self.prompt_budget(reserved)
@@ -1150,9 +1152,17 @@ class HostRuntime:
         if not addition:
             return 0
         system = self.settings.system_prompt
-        est = self.estimator
-        joined = int(est.count_messages([{"role": "system", "content": with_addition(system, addition)}]))
-        return max(0, joined - int(est.count_messages([{"role": "system", "content": system}])))
+        # Counted once per distinct addition (an engine's is mostly one fixed hint): each turn asks twice.
+        key = (system, addition)
+        extra = self._addition_counts.get(key)
+        if extra is None:
+            est = self.estimator
+            joined = int(est.count_messages([{"role": "system", "content": with_addition(system, addition)}]))
+            extra = max(0, joined - int(est.count_messages([{"role": "system", "content": system}])))
+            if len(self._addition_counts) >= 64:
+                self._addition_counts.clear()
+            self._addition_counts[key] = extra
+        return extra
 
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
@@ -1212,29 +1222,32 @@ class HostRuntime:
         reserved: int = 0,
     ) -> list[dict[str, Any]]:
         system = with_addition(self.settings.system_prompt, assembled.system_prompt_addition)
+        paired = pair_tool_calls(assembled.messages)
         context = prune_tool_results(
-            pair_tool_calls(assembled.messages),
-            self.settings.prune_keep_recent_tool_results,
-            self.settings.prune_tool_result_max_chars,
+            paired, self.settings.prune_keep_recent_tool_results, self.settings.prune_tool_result_max_chars
         )
         replies: list[dict[str, Any]] = []
-        # The budget covers every request of the turn, the tool rounds' too: what this turn's replies add
-        # is counted as they come (a few messages), and a request they would take over the budget gets
-        # less of the engine's context, oldest first (see ``fit_tool_round``).
+        # The budget covers every request of the turn, the first one's and the tool rounds' alike: what
+        # this turn's replies add is counted as they come (a few messages), and a request over the budget
+        # gets less of the engine's context, oldest first (see ``fit_tool_round``). The first one can be:
+        # its stand-in tool results are the host's, and an engine's answer to the assembly asked again
+        # with its system-prompt addition reserved may still be over (``_fit_addition``).
         # The system prompt's addition rides on the request too, outside what was reserved for it.
-        addition = assembled.system_prompt_addition
-        limit = self.prompt_budget(reserved) - (int(self.estimator.count_text(addition)) if addition else 0)
+        limit = self.prompt_budget(reserved) - self._addition_tokens(assembled.system_prompt_addition)
         context_tokens, replies_tokens = assembled.estimated_tokens, 0
         near = limit - max(64, limit // 20)  # past it, the engine's estimate is not trusted to the token
-        counted = False
+        # Stand-ins added (or orphan results left out) are not in the engine's estimate: counted then.
+        counted = len(paired) != len(assembled.messages)
+        if counted:
+            context_tokens = int(self.estimator.count_messages(context)) if context else 0
         for _step in range(self.settings.max_tool_steps):
-            if replies and not counted and context_tokens + replies_tokens > near:
-                # Counted by the host's estimator when the round comes near the budget (the engine may
-                # count otherwise, and stand-in tool results are the host's); far from it, the engine's
-                # own estimate stands: counting every turn's whole context costs a quarter of a host turn.
+            if not counted and context_tokens + replies_tokens > near:
+                # Counted by the host's estimator when the request comes near the budget (the engine may
+                # count otherwise); far from it, the engine's own estimate stands: counting every turn's
+                # whole context costs a quarter of a host turn.
                 context_tokens = int(self.estimator.count_messages(context)) if context else 0
                 counted = True
-            if replies and context_tokens + replies_tokens > limit:
+            if context_tokens + replies_tokens > limit:
                 context, context_tokens, sent = fit_tool_round(self.estimator, context, replies, limit)
             else:
                 sent = replies

@@ -193,7 +193,10 @@ _GET_ROW_FOR_ACCEPT_LOCKED = _GET_ROW_FOR_ACCEPT.with_for_update(of=outbox)
 _PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
 _PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
 _ADMITTED = (
-    select(outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us)
+    select(
+        outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us, outbox.c.displaced_owner,
+        outbox.c.displaced_expires_us,
+    )
     .where(by_session(outbox), outbox.c.state == "admitted")
     .order_by(outbox.c.enqueue_seq)
 )
@@ -219,9 +222,11 @@ _DELETE_TURN = delete(outbox).where(_BY_TURN)
 _DELETE_ADMITTED = _DELETE_TURN.where(outbox.c.state == "admitted")
 _UPDATE_ADMITTED = update(outbox).where(_BY_TURN, outbox.c.state == "admitted")
 _DELETE_OWNED = _DELETE_ADMITTED.where(outbox.c.lease_owner == bindparam("b_owner"))
-# Only the very lease recovery judged abandoned: a retry that took the turn over since has another one.
+# Only the very leases recovery judged abandoned: a retry that took the turn over since has another one,
+# and a displaced attempt that renewed its lease since lives.
 _DELETE_ABANDONED = _DELETE_ADMITTED.where(
-    outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires")
+    outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires"),
+    outbox.c.displaced_expires_us.is_not_distinct_from(bindparam("b_displaced_expires")),
 )
 # What a new turn must know of its session's outbox and ledger before it is admitted, in ONE statement
 # (a round trip on PostgreSQL): every non-blocked intent, and any row or receipt of this very turn id.
@@ -252,7 +257,10 @@ def _gone_here(owner: str) -> bool:
 
 
 def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -> bool:
-    """Whether an admitted intent's worker is gone: its lease expired, or its process left this machine."""
+    """Whether a lease's worker is gone: the lease expired, or its process left this machine.
+
+    An admitted turn is abandoned when its lease is and so is the lease of the attempt a retry took it
+    over from, if any (``AdmittedLease.abandoned``)."""
     if lease_expires_us is None or lease_expires_us < now:
         return True
     return bool(lease_owner) and _gone_here(str(lease_owner))
@@ -270,8 +278,9 @@ def claim_session(core: Core, scope: str, session_id: str, turn_id: str) -> None
     # while its keeper had been told the lease was renewed.
     q = _ADMITTED_OTHERS if core.dialect.is_sqlite else _ADMITTED_OTHERS_LOCKED
     for row in core.run(q, _turn_params(scope, session_id, turn_id)).all():
-        if not abandoned(row.lease_owner, row.lease_expires_us, now):
-            raise SessionBusy(session_id, row.turn_id, from_us(row.lease_expires_us))
+        lease = AdmittedLease.of(row)
+        if not lease.abandoned(now):
+            raise SessionBusy(session_id, row.turn_id, lease.busy_until())
         core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, row.turn_id))
         log.warning("turn %s of session %s was abandoned by its worker: discarded before turn %s",
                     row.turn_id, session_id, turn_id)
@@ -369,18 +378,35 @@ def record_admitted(
         raise OutboxCollision(f"turn {admission.turn_id!r} was admitted with another entry")
     if row.state == "admitted":
         # A retry of the same logical turn takes the lease over (the earlier attempt failed or died).
-        if taken_over is not None and row.lease_owner != owner and not abandoned(
-            row.lease_owner, row.lease_expires_us, ts
-        ):
-            taken_over.append(AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us))
+        displaced = _displaced_by(row, owner, ts)
+        if taken_over is not None and displaced is not None:
+            taken_over.append(displaced)
+        kept = {} if row.lease_owner == owner else {
+            "displaced_owner": displaced.owner if displaced else None,
+            "displaced_expires_us": displaced.expires_us if displaced else None,
+        }
         core.conn.execute(
             update(outbox)
             .where(_key(a.scope, a.session_id, admission.turn_id))
-            .values(lease_owner=owner, lease_expires_us=values["lease_expires_us"], updated_us=ts)
+            .values(lease_owner=owner, lease_expires_us=values["lease_expires_us"], updated_us=ts, **kept)
         )
         row = get_row(core, a.scope, a.session_id, admission.turn_id)
         assert row is not None
     return _intent(core, row)
+
+
+def _displaced_by(row: Row[Any], owner: str, now: int) -> AdmittedLease | None:
+    """The live attempt a retry (``owner``) takes an admitted turn over from, if any: the one holding it,
+    or, when that one is gone (a retry that died), the attempt it had taken the turn from. Kept with the
+    row (``displaced_owner``): it may still complete the turn, and the turn is not abandoned while its
+    worker lives; the failing retry hands the turn back to it (``hand_back``)."""
+    if row.lease_owner == owner:
+        return None  # this attempt again (a later try of the same call): nothing taken from anyone
+    if not abandoned(row.lease_owner, row.lease_expires_us, now):
+        return AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us)
+    if row.displaced_owner not in (None, owner) and not abandoned(row.displaced_owner, row.displaced_expires_us, now):
+        return AdmittedLease(row.turn_id, row.displaced_owner, row.displaced_expires_us)
+    return None
 
 
 def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
@@ -435,7 +461,9 @@ def check_accept(
     q = _GET_ROW_FOR_ACCEPT if core.dialect.is_sqlite else _GET_ROW_FOR_ACCEPT_LOCKED
     row = core.run(q, _turn_params(scope, session_id, turn_id)).first()
     if row is None:
-        raise OutboxCollision(f"turn {turn_id!r} has no admitted intent to accept")
+        if core.session_row(scope, session_id) is None:  # (only on the way to an error: off the hot path)
+            raise UnknownSession(scope, session_id)
+        raise UnknownTurn(session_id, turn_id, "it has no admitted intent to accept")
     admission = Admission.model_validate_json(row.admission)
     identity_fields = ("scope", "session_id", "session_key")
     if any(getattr(terminal, k) != getattr(admission.anchor, k) for k in identity_fields):
@@ -536,11 +564,31 @@ RenewalOutcome = Literal["renewed", "taken over", "gone"]
 
 def renewal(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> RenewalOutcome:
     """``renew_lease``, telling a turn another attempt holds now ("taken over": it may be handed back)
-    from one that is no longer running at all ("gone": discarded, or completed)."""
+    from one that is no longer running at all ("gone": discarded, or completed).
+
+    An attempt a retry took the turn over from (``displaced_owner``) renews its lease there: the turn is
+    not abandoned while it runs. Once the retry is gone (it died without handing the turn back: its
+    lease ran out, or its process left this machine) the turn is this attempt's again ("renewed")."""
     if renew_lease(core, scope, session_id, turn_id, owner, lease_seconds):
         return "renewed"
     row = get_row(core, scope, session_id, turn_id)
-    return "taken over" if row is not None and row.state == "admitted" else "gone"
+    if row is None or row.state != "admitted":
+        return "gone"
+    if row.displaced_owner != owner:
+        return "taken over"
+    ts = now_us()
+    expires = ts + int(lease_seconds * 1_000_000)
+    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == row.lease_owner, outbox.c.displaced_owner == owner)
+    if abandoned(row.lease_owner, row.lease_expires_us, ts):
+        back = {"lease_owner": owner, "lease_expires_us": expires, "displaced_owner": None,
+                "displaced_expires_us": None}
+        if core.conn.execute(q.values(updated_us=ts, **back), _turn_params(scope, session_id, turn_id)).rowcount:
+            log.warning("turn %s of session %s: the retry that took it over is gone; taken back by %s",
+                        turn_id, session_id, owner)
+            return "renewed"
+        return "taken over"
+    core.conn.execute(q.values(displaced_expires_us=expires, updated_us=ts), _turn_params(scope, session_id, turn_id))
+    return "taken over"
 
 
 def renew_claim(
@@ -574,7 +622,10 @@ def hand_back(
     expires = max(lease.expires_us or 0, ts + int(lease_seconds * 1_000_000))
     q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner)
     return core.conn.execute(
-        q.values(lease_owner=lease.owner, lease_expires_us=expires, updated_us=ts),
+        q.values(
+            lease_owner=lease.owner, lease_expires_us=expires, displaced_owner=None, displaced_expires_us=None,
+            updated_us=ts,
+        ),
         _turn_params(scope, session_id, turn_id),
     ).rowcount == 1
 
@@ -599,9 +650,13 @@ def reassign(
 
 
 def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLease) -> bool:
-    """Recovery's discard of an abandoned admitted intent: only while it still holds the lease that
-    recovery saw (a retrying worker may have taken the turn over since, with a lease of its own)."""
-    params = _turn_params(scope, session_id, lease.turn_id, b_owner=lease.owner, b_expires=lease.expires_us)
+    """Recovery's discard of an abandoned admitted intent: only while it still holds the leases that
+    recovery saw (a retrying worker may have taken the turn over since, with a lease of its own; the
+    attempt a retry took it from may have renewed its lease since)."""
+    params = _turn_params(
+        scope, session_id, lease.turn_id, b_owner=lease.owner, b_expires=lease.expires_us,
+        b_displaced_expires=lease.displaced_expires_us,
+    )
     return core.run(_DELETE_ABANDONED, params).rowcount == 1
 
 
@@ -611,8 +666,8 @@ def discard_unless_running(core: Core, scope: str, session_id: str, turn_id: str
     row = get_row(core, scope, session_id, turn_id, lock=True)
     if row is None or row.state != "admitted":
         return None
-    lease = AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us)
-    if not abandoned(lease.owner, lease.expires_us, now_us()):
+    lease = AdmittedLease.of(row)
+    if not lease.abandoned(now_us()):
         return lease
     discard_abandoned(core, scope, session_id, lease)
     return None
@@ -817,14 +872,30 @@ class AdmittedLease:
     turn_id: str
     owner: str | None
     expires_us: int | None
+    #: the lease of the live attempt a retry took the turn over from (see ``_displaced_by``), if any
+    displaced_owner: str | None = None
+    displaced_expires_us: int | None = None
+
+    @classmethod
+    def of(cls, row: Row[Any]) -> AdmittedLease:
+        """The leases of an outbox row (``_ADMITTED``'s columns, or the whole row)."""
+        return cls(row.turn_id, row.lease_owner, row.lease_expires_us, row.displaced_owner, row.displaced_expires_us)
+
+    def abandoned(self, now: int) -> bool:
+        """Whether the turn's workers are gone: its lease's, and the displaced attempt's if any."""
+        return abandoned(self.owner, self.expires_us, now) and (
+            self.displaced_owner is None or abandoned(self.displaced_owner, self.displaced_expires_us, now)
+        )
+
+    def busy_until(self) -> datetime | None:
+        """When the later of its leases runs out (what ``SessionBusy`` tells), or None."""
+        ends = [e for e in (self.expires_us, self.displaced_expires_us if self.displaced_owner else None)
+                if e is not None]
+        return from_us(max(ends)) if ends else None
 
 
 def abandoned_admitted(core: Core, scope: str, session_id: str) -> list[AdmittedLease]:
     """Admitted-only intents of a session whose worker is gone (see ``abandoned``), in enqueue order."""
     now = now_us()
-    rows = core.run(_ADMITTED, session_params(scope, session_id)).all()
-    return [
-        AdmittedLease(r.turn_id, r.lease_owner, r.lease_expires_us)
-        for r in rows
-        if abandoned(r.lease_owner, r.lease_expires_us, now)
-    ]
+    leases = [AdmittedLease.of(r) for r in core.run(_ADMITTED, session_params(scope, session_id)).all()]
+    return [lease for lease in leases if lease.abandoned(now)]

@@ -166,6 +166,10 @@ outbox = Table(
     Column("lease_expires_us", BigInteger, nullable=True),
     Column("created_us", BigInteger, nullable=False),
     Column("updated_us", BigInteger, nullable=False),
+    # An admitted turn a retry took over from a live attempt: that attempt's lease, which its worker keeps
+    # renewing; the turn is abandoned only once both leases are (revision 0013).
+    Column("displaced_owner", String(128), nullable=True),
+    Column("displaced_expires_us", BigInteger, nullable=True),
     PrimaryKeyConstraint("scope", "session_id", "turn_id", name="ts_outbox_pk"),
     _session_fk("ts_outbox"),
 )

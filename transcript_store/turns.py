@@ -173,7 +173,10 @@ class Turns:
         ``owner`` names this attempt in the intent's lease (``new_owner()`` when not given); an admitted
         intent of the same turn id is taken over by it. ``discard(..., owner=)`` then deletes the intent
         only while this attempt still holds it. The lease taken over from a live attempt is put in
-        ``taken_over`` (a list, emptied first), for ``hand_back`` should this attempt fail.
+        ``taken_over`` (a list, emptied first), for ``hand_back`` should this attempt fail; when the
+        attempt holding the turn is gone (a retry that died), the live attempt that one had taken it
+        from, if any. The intent keeps that lease meanwhile: the turn is not abandoned while either
+        attempt's worker lives (``outbox.AdmittedLease.abandoned``).
         """
         if taken_over is not None and not isinstance(taken_over, list):
             raise InvalidInput("taken_over must be a list (it receives the lease taken over)")
@@ -338,7 +341,10 @@ class Turns:
         return self.store.write(lambda c: outbox.block(c, scope, session_id, turn_id, reason))
 
     def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
-        """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction."""
+        """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction.
+
+        ``UnknownTurn`` when the outbox holds no intent of the turn (``UnknownSession`` when the session is
+        not there either); an ``OutboxCollision`` still, which was raised for it before."""
         _check_turn(self.store, scope, session_id, turn_id)
         check_anchor("terminal", terminal)
         return self.store.write(lambda c: outbox.accept(c, scope, session_id, turn_id, terminal))
@@ -351,7 +357,10 @@ class Turns:
         replies: Sequence[AppendItem | dict[str, Any]],
         commit_in: CommitIn | None,
     ) -> CompletionResult:
-        """Append the replies and accept the turn; commit it in the same transaction when possible."""
+        """Append the replies and accept the turn; commit it in the same transaction when possible.
+
+        ``UnknownTurn`` (an ``OutboxCollision``, as before) when the outbox holds no intent of the turn:
+        nothing is written."""
         _check_turn(self.store, scope, session_id, turn_id)
         _check_callable("commit_in", commit_in, optional=True)
         items = self.store.prepare(replies)
@@ -393,7 +402,7 @@ class Turns:
         def admitted_size(c: Core) -> int:
             row = outbox.get_row(c, scope, session_id, turn_id)
             if row is None:
-                return 0  # no intent: the completion refuses it (OutboxCollision) as it always did
+                return 0  # no intent: the completion refuses it (UnknownTurn)
             entry_id = Admission.model_validate_json(row.admission).anchor.entry_id
             found = c.entry_rows(scope, session_id, [entry_id]).get(entry_id)
             return int(found.size_bytes) if found is not None else 0
