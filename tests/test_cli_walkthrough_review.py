@@ -160,3 +160,32 @@ def test_hermes_install_help_shows_its_own_defaults(tmp_path: Path) -> None:
     text = " ".join(run("hermes", "install", "--help", cwd=tmp_path).stdout.split())
     assert "transcript-store.db" in text and "'hermes'" in text, text
     assert "sqlite:///transcripts.db" not in text and "'default'" not in text
+
+
+def test_hermes_install_merges_the_context_length_it_prints(tmp_path: Path) -> None:
+    """On a fresh home --merge-config wrote 64000 while the printed snippet (and the README) said 128000."""
+    import yaml
+
+    printed = run_json("hermes", "install", "--home", str(tmp_path / "a"), cwd=tmp_path)
+    merged = run_json("hermes", "install", "--home", str(tmp_path / "b"), "--merge-config", cwd=tmp_path)
+    assert merged["config"]["model"]["context_length"] == printed["config"]["model"]["context_length"] == 128000
+    home = tmp_path / "c"
+    home.mkdir()
+    for given, kept in ((32000, 64000), (96000, 96000), (200000, 200000)):
+        (home / "config.yaml").write_text(f"model:\n  context_length: {given}\n", encoding="utf-8")
+        run("hermes", "install", "--home", str(home), "--merge-config", cwd=tmp_path)
+        data = yaml.safe_load((home / "config.yaml").read_text(encoding="utf-8"))
+        assert data["model"]["context_length"] == kept, (given, data)
+
+
+def test_hermes_install_carries_the_engines_settings(tmp_path: Path) -> None:
+    """[engine.config.lossless] of the settings file was dropped: the engine ran on defaults inside Hermes."""
+    (tmp_path / "transcript-store.toml").write_text(
+        "[engine.config.lossless]\nfresh_tail_messages = 12\n\n[engine.config.legacy]\nunused = 1\n", encoding="utf-8")
+    info = run_json("hermes", "install", "--home", str(tmp_path / "h"), cwd=tmp_path)
+    written = json.loads((Path(info["plugin_dir"]) / "settings.json").read_text(encoding="utf-8"))
+    assert written["engine"] == "lossless" and written["engine_config"] == {"fresh_tail_messages": 12}, written
+    (tmp_path / "transcript-store.toml").unlink()
+    info = run_json("hermes", "install", "--home", str(tmp_path / "h2"), cwd=tmp_path)
+    written = json.loads((Path(info["plugin_dir"]) / "settings.json").read_text(encoding="utf-8"))
+    assert "engine_config" not in written

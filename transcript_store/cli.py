@@ -1658,9 +1658,11 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
     url = st.db or os.environ.get(URL_ENV) or None
     scope = st.scope or os.environ.get(SCOPE_ENV) or None
     # The settings' plugin folders go along: the engine was found in one of them (_check_engine_id).
+    # So do the engine's settings ([engine.config.<engine>]): else it ran on its defaults inside Hermes.
+    settings = st.settings()
     info = install_plugin(home, engine=engine, db_url=_absolute_sqlite(url) if url else None,
                           merge_config=merge_config, threshold=threshold, scope=scope,
-                          plugin_dirs=st.settings().plugin_dirs)
+                          plugin_dirs=settings.plugin_dirs, engine_config=settings.engine_config.get(engine))
     if merge_config:  # what the file now holds (the merge keeps a larger context_length, other plugins)
         info["config"] = _merged_keys(Path(info["config_path"]), info["config"])
     if state().json:

@@ -37,7 +37,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1116,8 +1116,12 @@ def config_snippet(engine: str = "lossless", context_length: int = 128000) -> di
 
 def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | None = None,
                    merge_config: bool = False, threshold: float | None = None,
-                   scope: str | None = None, plugin_dirs: Sequence[str] = ()) -> dict[str, Any]:
-    """Write the plugin into ``home``/plugins/<dir>/ (and optionally merge config.yaml); what was done."""
+                   scope: str | None = None, plugin_dirs: Sequence[str] = (),
+                   engine_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write the plugin into ``home``/plugins/<dir>/ (and optionally merge config.yaml); what was done.
+
+    ``engine_config``: the engine's settings (``[engine.config.<engine>]`` of transcript-store's own
+    settings file), carried into settings.json so that the engine runs with them inside Hermes too."""
     import yaml
 
     home = Path(home).expanduser()
@@ -1138,6 +1142,8 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         settings["threshold_percent"] = threshold
     if plugin_dirs:  # absolute: Hermes may start anywhere
         settings["plugin_dirs"] = [str(Path(d).expanduser().resolve()) for d in plugin_dirs]
+    if engine_config:
+        settings["engine_config"] = dict(engine_config)
     (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
     (target / "__init__.py").write_text(init, encoding="utf-8")
     (target / "settings.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
@@ -1156,7 +1162,9 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         context["engine"] = engine
         data["context"] = context
         model: dict[str, Any] = data["model"] if isinstance(data.get("model"), dict) else {}
-        model["context_length"] = max(MIN_CONTEXT_LENGTH, int(model.get("context_length") or 0))
+        # A context length already set is kept (raised to Hermes' minimum); none yet: the snippet's.
+        given = int(model.get("context_length") or 0)
+        model["context_length"] = max(MIN_CONTEXT_LENGTH, given) if given else snippet["model"]["context_length"]
         data["model"] = model
         config_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return {"plugin_dir": str(target), "config": snippet, "config_path": str(config_path), "merged": merge_config}
