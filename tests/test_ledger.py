@@ -214,7 +214,7 @@ def test_terminal_outside_the_range_is_refused(store: TranscriptStore, turns: Tu
 
 def test_advancement_key_must_be_the_logical_turn_id(store: TranscriptStore, turns: Turns, sid: str) -> None:
     admission, terminal, messages = finished_turn(store, sid, "t1")
-    with pytest.raises(InvalidInput, match="logical turn id"):
+    with pytest.raises(TurnKeyConflict, match="admission of logical turn 't1'"):
         turns.commit_turn(E, "t2", admission, terminal, messages, apply=count_turn)
     assert ledger(store, sid) == ([], 0, None)
 
@@ -656,7 +656,7 @@ def test_a_stored_turn_is_prepared_as_any_turn_without_validating_its_messages_a
         prepare_turn(E, "t1", admission, terminal, messages[:3], messages_validated=True)
     with pytest.raises(InvalidInput, match="first message of a turn"):
         prepare_turn(E, "t1", admission, terminal, [assistant("x"), *messages[1:]], messages_validated=True)
-    with pytest.raises(InvalidInput, match="logical turn id"):
+    with pytest.raises(TurnKeyConflict, match="admission of logical turn 't1'"):
         prepare_turn(E, "t2", admission, terminal, messages, messages_validated=True)
 
 

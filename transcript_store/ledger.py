@@ -184,9 +184,9 @@ def prepare_turn(
         raise InvalidInput("messages_validated must be a bool")
     if isinstance(admission, Admission):
         if admission.turn_id != advancement_key:
-            raise InvalidInput(
-                f"advancement key {advancement_key!r} is not the admission's logical turn id {admission.turn_id!r}"
-            )
+            # The admitted entry is another logical turn's: the conflict the ledger finds for a bare
+            # anchor (TurnKeyConflict), found here before anything is read.
+            raise TurnKeyConflict(advancement_key, admission.anchor.entry_id, admission.turn_id)
         anchor = admission.anchor
     elif isinstance(admission, Anchor):
         anchor = admission
