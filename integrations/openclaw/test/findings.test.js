@@ -12,12 +12,12 @@ import { fileURLToPath } from "node:url";
 
 import { createEngine } from "../src/engine.js";
 import { contentText } from "../src/messages.js";
+import { assistantMessage, logOf, MiB, pngOf, toolCall, toolResult, userMessage } from "../testing/messages.js";
 
 const ROOT = fileURLToPath(new URL("../../..", import.meta.url));
 const PYTHON = process.env.TRANSCRIPT_STORE_PYTHON
   || (existsSync(join(ROOT, ".venv/bin/python")) ? join(ROOT, ".venv/bin/python") : "python3");
 const TOKEN = "tok-findings-0123456789";
-const MiB = 1024 * 1024;
 
 /** `transcript-store serve` in a child process; resolves once it prints the URL it listens on. */
 async function startService({ env = {}, args = [], dir = mkdtempSync(join(tmpdir(), "ts-openclaw-")), port = 0 } = {}) {
@@ -124,26 +124,7 @@ function hostSession(sessionId) {
   return host;
 }
 
-const userMessage = (text, timestamp = 1) => ({ role: "user", content: text, timestamp });
-const assistantMessage = (content, timestamp = 2) => ({
-  role: "assistant", content: typeof content === "string" ? [{ type: "text", text: content }] : content,
-  api: "openai-completions", provider: "fake", model: "m", usage: {}, stopReason: "stop", timestamp,
-});
-const toolCall = (id, name, args) => assistantMessage([{ type: "toolCall", id, name, arguments: args }]);
-const toolResult = (id, text) => ({
-  role: "toolResult", toolCallId: id, toolName: "read", content: [{ type: "text", text }], isError: false, timestamp: 3,
-});
 
-/** A PNG's first bytes (signature and IHDR chunk) for an image of width x height, padded, as base64. */
-function pngOf(width, height, padding = 2000) {
-  const bytes = Buffer.alloc(33 + padding);
-  Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]).copy(bytes, 0);
-  bytes.writeUInt32BE(13, 8);
-  bytes.write("IHDR", 12, "latin1");
-  bytes.writeUInt32BE(width, 16);
-  bytes.writeUInt32BE(height, 20);
-  return bytes.toString("base64");
-}
 
 let service;
 let small; // a service with a lower entry cap and body limit than the defaults
@@ -246,7 +227,6 @@ test("finding 3: the memory plugin's prompt guidance is part of the systemPrompt
 
 // Two tool results of 3.5 MiB (each under the 4 MiB entry cap once stored) after a pasted 1.2 MiB log:
 // over the service's 8 MiB turn cap (and its 8 MiB request body) together.
-const logOf = (seed, mib) => `${seed} `.repeat(Math.floor(mib * MiB / (seed.length + 1)));
 function bigTurn(host, key) {
   return host.turn(key, [
     userMessage(`why does this fail?\n${logOf("paste", 1.2)}`),

@@ -6,29 +6,9 @@ import { test } from "node:test";
 import {
   imageSize, imageTokens, jsonBytes, mediaTokens, roughTokens, storedInGroups, storedTurn, toStored,
 } from "../src/messages.js";
+import { assistantMessage, logOf, MiB, pngOf, toolCall, toolResult, userMessage } from "../testing/messages.js";
 
-const MiB = 1024 * 1024;
-const userMessage = (text, timestamp = 1) => ({ role: "user", content: text, timestamp });
-const assistantMessage = (content, timestamp = 2) => ({
-  role: "assistant", content: typeof content === "string" ? [{ type: "text", text: content }] : content,
-  api: "openai-completions", provider: "fake", model: "m", usage: {}, stopReason: "stop", timestamp,
-});
-const toolCall = (id, name, args) => assistantMessage([{ type: "toolCall", id, name, arguments: args }]);
-const toolResult = (id, text) => ({
-  role: "toolResult", toolCallId: id, toolName: "read", content: [{ type: "text", text }], isError: false, timestamp: 3,
-});
-const logOf = (seed, mib) => `${seed} `.repeat(Math.floor(mib * MiB / (seed.length + 1)));
 
-/** A PNG's first bytes (signature and IHDR chunk) for an image of width x height, padded, as base64. */
-function pngOf(width, height, padding = 2000) {
-  const bytes = Buffer.alloc(33 + padding);
-  Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]).copy(bytes, 0);
-  bytes.writeUInt32BE(13, 8);
-  bytes.write("IHDR", 12, "latin1");
-  bytes.writeUInt32BE(width, 16);
-  bytes.writeUInt32BE(height, 20);
-  return bytes.toString("base64");
-}
 
 test("finding 4: any turn is stored within the turn limit, a turn of several groups too", () => {
   const limit = 8 * MiB;
