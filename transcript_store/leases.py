@@ -163,6 +163,12 @@ class LeaseKeeper:
             with self._lock:
                 if self._thread is not me:
                     return  # closed (or replaced): a later hold starts another thread
+                if self.store.closed:
+                    # Its store was closed with turns still held (their worker gave up, a test ended):
+                    # renewing would open connections again, to a database that may be gone by now.
+                    self._held.clear()
+                    self._thread = None
+                    return
                 now = time.monotonic()
                 for key in [k for k, h in self._held.items() if now >= h.until]:
                     del self._held[key]

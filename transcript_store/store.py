@@ -87,6 +87,8 @@ class TranscriptStore:
             config = config.model_copy(update={"url": url})
         self.config = config
         self.db = Database(config)
+        #: set by ``close``: what runs on its own behind the store (a host's lease renewals) stops then
+        self.closed = False
         if create:
             try:
                 self.ensure_current()
@@ -130,7 +132,8 @@ class TranscriptStore:
         return self.db.dialect.name
 
     def close(self) -> None:
-        """Release every connection."""
+        """Release every connection, and end the lease renewals of turns still held on this store."""
+        self.closed = True
         self.db.dispose()
 
     def __enter__(self) -> TranscriptStore:
