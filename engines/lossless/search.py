@@ -21,13 +21,14 @@ the one place this engine branches on the dialect (the migration explains why):
 
 - SQLite: GLOB with each character as the class of the characters that fold as it does (GLOB
   compares code points). The FTS5 trigram table finds the candidates, in the session's own range of
-  rowids (see ``_full_text``), and ranks them (``_fts5_score``): each term's longest run of 3+
-  characters is a phrase, spelt every way the tokenizer tells apart. It folds by its own table, older
-  than Python's (not Cherokee, nor Georgian Mtavruli, nor U+1C80, an old form of в), so ``в`` is the
-  two spellings в and U+1C80; a run takes at most FTS5_SPELLINGS. How the tokenizer folds a character
-  is read once per process from an in-memory FTS5 table of the same library (``sqlite3``, the store's
-  driver). A term without such a run (under a trigram, say) adds no phrase; when no term has one, the
-  session's rows are scanned.
+  rowids (see ``_full_text``): each term's longest run of 3+ characters is a phrase, spelt every way
+  the tokenizer tells apart. It folds by its own table, older than Python's (not Cherokee, nor
+  Georgian Mtavruli, nor U+1C80, an old form of в), so ``в`` is the two spellings в and U+1C80; a run
+  takes at most FTS5_SPELLINGS. How the tokenizer folds a character is read once per process from an
+  in-memory FTS5 table of the same library (``sqlite3``, the store's driver). A term without such a
+  run (under a trigram, say) adds no phrase; when no term has one, the session's rows are scanned.
+  A hit's relevance is ``occurrences``, a function on the connection (``_score``): its terms'
+  matches by the rule, counted apart in its own text.
 - PostgreSQL: a case-sensitive regular expression (``~``) of the same classes, its characters written
   as ``\\uXXXX`` escapes: it compares code points, whatever the database's collation and ctype. ILIKE
   does not: it folds by the database's lower() (C.UTF-8 or en_US.UTF-8: İ is an i, and a final sigma,
@@ -45,9 +46,9 @@ the one place this engine branches on the dialect (the migration explains why):
   "foo s" for foo's).
 
 Hits are ordered without ties (see ``_recency``), so a search answers the same page on both backends
-(``relevance`` aside: SQLite counts the places its phrases occur, PostgreSQL's ts_rank weighs words).
-A score reads the hit's own row only, on both backends: no other session's rows (bm25, which SQLite
-ranked with until revision 0012, weighed each phrase by how many rows of the whole table held it).
+(``relevance`` aside: SQLite counts the terms' matches, PostgreSQL's ts_rank weighs words). A score
+reads the hit's own row only, on both backends: no other session's rows (bm25, which SQLite ranked
+with until revision 0012, weighed each phrase by how many rows of the whole table held it).
 
 Regular expressions (Python syntax, run by the ``regex`` package) scan the session's rows newest
 first, in bounded batches. The model writes them, so each is bounded: a pattern whose size (its
@@ -103,6 +104,11 @@ SNIPPET_WIDTH = 160
 # Characters of a row a regex scan reads: what it searches, and what the snippet of a match at its end
 # reads past it (half a snippet, and one character to tell whether the text goes on).
 _REGEX_READ = REGEX_MAX_TEXT + SNIPPET_WIDTH + 1
+#: characters at the start of a text a relevance score on SQLite reads (``occurrences``): as many as a
+#: regex searches and PostgreSQL's word vector, which ts_rank reads, holds (revision 0008)
+SCORE_MAX_TEXT = 100_000
+#: the name of ``occurrences`` in SQL, on each SQLite connection a relevance search runs on (``_score``)
+SCORE_FUNCTION = "ts_lcm_occurrences"
 #: spellings of one run of a term an FTS5 query spells out (see ``_fts5_match``)
 FTS5_SPELLINGS = 16
 #: SQLite's search rowids of one (scope, session), its slot (revision 0012): slot * SLOT_ROWS + ...
@@ -172,7 +178,7 @@ def grep(
 # Orders with no ties, so that a page is the same on every backend and every limit's page starts the
 # next larger one: recency (the latest message covered; a summary and its condensed parent share it),
 # then a message before a summary, then the newer id. Recency never falls back on the score: the
-# backends score differently (phrase places, ts_rank), and the order of ties was the database's to pick.
+# backends score differently (matches counted, ts_rank), and the order of ties was the database's to pick.
 def _recency(h: Hit) -> tuple[int, str, int]:
     return -h.recency, h.kind, -h.ref
 
@@ -320,8 +326,18 @@ def _folding() -> tuple[dict[int, str], dict[str, str]]:
 
 
 def fold(text: str) -> str:
-    """``text`` folded by the module doc's rule: one code point for each, so as long as ``text``."""
-    return text.translate(_folding()[0])
+    """``text`` folded by the module doc's rule: one code point for each, so as long as ``text``.
+
+    When every character's case folding is one code point, the text's (``str.casefold``, which folds
+    each character alone) is the rule's, U+FFFE and U+FFFF aside: some 3 ns a character. Else (ß, a
+    ligature, İ: some fold to several) the rule's table, character by character: some 50 ns each
+    outside ASCII."""
+    folded = text.casefold()
+    if len(folded) != len(text):
+        return text.translate(_folding()[0])
+    if "\ufffe" in folded or "\uffff" in folded:
+        folded = folded.replace("\ufffe", "\ufffd").replace("\uffff", "\ufffd")
+    return folded
 
 
 def _forms(ch: str) -> str:
@@ -469,6 +485,7 @@ def _full_text(
         exact = [f"t.content GLOB :g{n}" for n in range(len(terms))]
         params.update({f"g{n}": _glob(term) for n, term in enumerate(terms)})
         match = _fts5_match(terms)
+        score = _score(core, terms, params) if sort == "relevance" else "0"
         if match is not None:
             params["match"] = match
             # The FTS index is one table for every scope and session, but a row's rowid says whose it
@@ -482,7 +499,7 @@ def _full_text(
             # session's rows and probe the FTS table once per row).
             first = f"s.slot * {SLOT_ROWS} + {KIND_ROWS[kind]}"
             sql = (
-                f"SELECT {_columns(kind)}, {_fts5_score(sort)} AS score FROM ts_lcm_search_slots AS s"
+                f"SELECT {_columns(kind)}, {score} AS score FROM ts_lcm_search_slots AS s"
                 " CROSS JOIN ts_lcm_search"
                 f" CROSS JOIN {table.name} AS t ON t.scope = s.scope AND t.session_id = s.session_id"
                 f" AND t.{key} = ts_lcm_search.rowid - ({first})"
@@ -491,7 +508,7 @@ def _full_text(
             )
         else:
             sql = (
-                f"SELECT {_columns(kind)}, 0.0 AS score FROM {table.name} AS t"
+                f"SELECT {_columns(kind)}, {score} AS score FROM {table.name} AS t"
                 " WHERE t.scope = :scope AND t.session_id = :session_id"
             )
         sql += "".join(f" AND {c}" for c in exact)
@@ -521,16 +538,47 @@ def _full_text(
     ]
 
 
-# A full-text hit's score on SQLite: the places in its text where the query's phrases occur (overlapping
-# ones once), as FTS5's own highlight() finds them: it reads the row's text and its phrase instances,
-# nothing else. bm25 weighed each phrase by the rows of the whole table holding it (FTS5 counts them
-# with a query over the whole index, once per search), so the ranking and the time of a search in one
-# session depended on every other session's text. Only a relevance search needs it (a recency page
-# shows no score); it tokenizes each candidate's text once, as PostgreSQL's ts_rank reads its vector.
-def _fts5_score(sort: str) -> str:
-    if sort != "relevance":
-        return "0.0"
-    return "length(highlight(ts_lcm_search, 0, '', ' ')) - length(ts_lcm_search.content)"
+# A full-text hit's score on SQLite: how often its terms occur in its text by the rule, counted in
+# Python (``occurrences``, a SQL function) as SQLite reads the candidate, from its own row alone. Until
+# revision 0012 it was bm25, which weighs each phrase by the rows of the whole FTS5 table holding it
+# (FTS5 counts them over the whole index, once per search): the ranking and the time of a search in
+# one session depended on every other session's text. After it, FTS5's highlight() measured the
+# places its phrases occur (the text's length with a character added at each, less the text's): the
+# trigram tokenizer's phrases overlap in a repeated text (a run of "A" in base64, a "=====" rule),
+# highlight() then copies the rest of the text again at each overlapping match, so the score grew with
+# the square of the run ("haha" in one long laugh outranked five separate ones) and its time with the
+# cube (4,000 "A" took seconds, 40,000 never finished). ``occurrences`` reads the first SCORE_MAX_TEXT
+# characters once (a fold, a str.count a term), whatever they hold. It is registered once a connection:
+# the pool's record of the connection keeps a mark, cleared when the connection is replaced (SQLite
+# refuses to redefine a function while another statement of the connection is active).
+def _score(core: Core, terms: list[str], params: dict[str, Any]) -> str:
+    """The SQL of a relevance score (``occurrences``) of ``terms``, which it adds to ``params``."""
+    proxied = core.conn.connection
+    if not proxied.info.get(SCORE_FUNCTION):
+        driver: Any = proxied.driver_connection
+        driver.create_function(SCORE_FUNCTION, -1, occurrences, deterministic=True)
+        proxied.info[SCORE_FUNCTION] = True
+    # Terms whose characters each match only themselves (CJK, digits, "=") are counted in the text as it
+    # is: the same matches, and no fold of the text (``fold`` of a text with ß takes its slow way).
+    params["fold"] = int(any(len(_forms(ch)) > 1 for term in terms for ch in term))
+    params.update({f"o{n}": fold(term) for n, term in enumerate(terms)})
+    args = "".join(f", :o{n}" for n in range(len(terms)))
+    return f"{SCORE_FUNCTION}(substr(t.content, 1, {SCORE_MAX_TEXT}), :fold{args})"
+
+
+def occurrences(content: object, folded: object, *terms: object) -> int:
+    """A full-text hit's relevance on SQLite: for each term, its matches by the rule (the module doc) in
+    the first SCORE_MAX_TEXT characters of ``content``, added up. A term's matches are counted left to
+    right, each after the previous one ends (``str.count``): "haha" occurs twice in "hahahaha", once in
+    "hahaha" (a run of n characters holds n // len(term) matches of a term that repeats one character).
+    ``terms`` are folded; ``folded`` false: no term has a character that another matches, so the text
+    is counted as it is (the same matches). Total: 0 for what is not text (SQL calls it)."""
+    if not isinstance(content, str):
+        return 0
+    text = content[:SCORE_MAX_TEXT]
+    if folded:
+        text = fold(text)
+    return sum(text.count(term) for term in terms if isinstance(term, str) and term)
 
 
 def _find(content: str, term: str) -> tuple[int, int] | None:
