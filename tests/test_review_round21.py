@@ -1,5 +1,6 @@
 """Review round 21: an unknown turn's error, a retry killed after it took a running turn over, the first
-model request's budget.
+model request's budget; then (its second review) every live attempt of a turn retries took over is
+remembered, not just the last one, and a turn discarded while it ran is a failed turn, not an unknown one.
 
 Each test here failed on the code before its fix (see the docstrings).
 """
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,10 @@ from transcript_store import (
     TranscriptStore,
     UnknownSession,
     UnknownTurn,
+    identity,
+    outbox,
 )
+from transcript_store.cli import exit_code
 from transcript_store.engine import AssembleResult, EngineContext
 from transcript_store.errors import OutboxCollision
 from transcript_store.host import UNANSWERED_TOOL_CALL, HostRuntime
@@ -327,3 +333,265 @@ def test_the_first_request_of_a_turn_fits_the_budget(
     assert request[-1] == {"role": "user", "content": "hello there"}
     if calls:  # the tool round at the end of the engine's context is kept whole, its stand-ins with it
         assert [m["content"] for m in request if m["role"] == "tool"] == [UNANSWERED_TOOL_CALL] * calls
+
+
+# ---------------------------------------------------------------------------------------------- 4
+# The second review of 2: the intent kept ONE displaced lease (the last one), so with three attempts of
+# a turn the first one's was forgotten; and a turn discarded while it ran surfaced as an unknown turn.
+
+Q1 = {"role": "user", "content": "q1"}
+
+
+def _renew(store: TranscriptStore, session_id: str, owner: str, lease: float) -> str:
+    """One renewal by ``owner``'s lease keeper (``LeaseKeeper._renew`` without its thread)."""
+    return store.write(lambda c: outbox.renewal(c, S, session_id, "t1", owner, lease))
+
+
+def test_the_first_of_three_attempts_keeps_its_turn_once_both_retries_stop(store: TranscriptStore, sid: str) -> None:
+    """A runs t1; retry B takes it over from live A; retry C takes it over from live B. The intent kept
+    one displaced lease, B's over A's: A's renewals were "taken over" for good, and once B and C stopped
+    renewing the turn counted as abandoned while A still ran: the next turn discarded it and A's
+    completion found nothing (``UnknownTurn``). Every live attempt is kept now: A renews its own lease in
+    the intent and takes the turn back once B's and C's have run out."""
+    lease = 1.0
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
+    a, b, c = "elsewhere/A", "elsewhere/B", "elsewhere/C"
+    turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=a)
+    from_b: list[Any] = []
+    from_c: list[Any] = []
+    turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=b, taken_over=from_b)
+    turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=c, taken_over=from_c)
+    assert [x.owner for x in from_b] == [a] and [x.owner for x in from_c] == [b]
+    # B and C stop renewing (they died on other machines); A's keeper renews every third of a lease.
+    outcomes = []
+    for _ in range(8):
+        outcomes.append(_renew(store, sid, a, lease))
+        time.sleep(lease / 3)
+    assert outcomes[0] == "taken over" and outcomes[-1] == "renewed", outcomes
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.lease_owner == a
+    report = turns.recover(S, sid, "legacy", lambda engine_id: None)
+    assert report.discarded == [] and report.running == ["t1"]
+    with pytest.raises(SessionBusy) as busy:
+        turns.admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
+    assert busy.value.turn_id == "t1"
+    done = turns.complete(S, sid, "t1", [{"message": assistant("A's answer")}], None)
+    assert done.intent.state == "accepted"
+
+
+#: a worker running a retry of t1 whose model call never returns: it holds the turn (renewing its lease)
+#: from its admission until it is killed
+_STUCK_RETRY = """
+import sys, time
+from transcript_store import StoreConfig, TranscriptStore
+from test_host import make_host
+store = TranscriptStore(config=StoreConfig(url=sys.argv[1], auto_upgrade=False))
+host, _ = make_host(store)
+
+class Stuck:
+    name = "stuck"
+
+    def complete(self, *args, **kwargs):
+        print("in the model", flush=True)
+        time.sleep(600)
+
+host.model = Stuck()
+host.run_turn(sys.argv[2], sys.argv[3], "q1", turn_id="t1")
+"""
+
+
+def test_a_turn_two_killed_retries_took_over_one_after_the_other_stays_with_the_first_attempt(
+    store: TranscriptStore, sid: str, shared_url: str
+) -> None:
+    """A (this process's host) runs t1; retry B (a worker process) takes it over from A and runs; retry C
+    (another one) takes it over from live B and is SIGKILLed at once; then B is SIGKILLed. The intent had
+    kept B's lease only, over A's: with B and C provably gone the turn was abandoned, recovery discarded
+    it, the next turn was admitted and A ended ``TurnOvertaken``: the turn was lost. A's keeper takes it
+    back now, the session stays busy while A runs, and A commits it, once."""
+    host, _ = make_host(store)
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+    model = _Gate(AssertionError("no second model call here"))
+    host.model = model
+    results = _start_first(host, model, sid)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    b = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_RETRY, shared_url, S, sid], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert b.stdout is not None and b.stdout.readline().strip() == "in the model"
+        intent = Turns(store).intent(S, sid, "t1")
+        assert intent is not None and intent.lease_owner is not None  # B's: another process
+        assert intent.lease_owner.split("/")[0] != str(identity.current())
+        b_owner = intent.lease_owner
+        _killed_retry(shared_url, sid)  # C, from live B
+        intent = Turns(store).intent(S, sid, "t1")
+        assert intent is not None and intent.lease_owner not in (b_owner, None)
+    finally:
+        b.send_signal(signal.SIGKILL)
+        b.wait(30)
+    try:
+        me = str(identity.current())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            intent = Turns(store).intent(S, sid, "t1")
+            if intent is None or (intent.lease_owner or "").split("/")[0] == me:
+                break
+            time.sleep(LEASE / 5)
+        assert intent is not None and (intent.lease_owner or "").split("/")[0] == me, intent
+        time.sleep(3 * LEASE)  # the lease it took back is A's keeper's to renew
+        report = Turns(store).recover(S, sid, "legacy", host.commit_in)
+        assert report.discarded == [] and report.running == ["t1"]
+        with pytest.raises(SessionBusy) as busy:
+            Turns(store).admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
+        assert busy.value.turn_id == "t1"
+    finally:
+        out = _finish_first(model, results)
+    _committed_once(store, sid, out)
+    host.model = RecordingModel()
+    assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
+    host.dispose()
+
+
+class _Scripted:
+    """A model for attempts of one turn in threads named "A", "B", "C": each waits in its call until
+    released; A then answers, the others fail (``ConnectionError``: not retried, the call gives up)."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.entered = {name: threading.Event() for name in "ABC"}
+        self.release = {name: threading.Event() for name in "ABC"}
+        self.recording = RecordingModel()
+
+    def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+        me = threading.current_thread().name
+        self.entered[me].set()
+        assert self.release[me].wait(60)
+        if me == "A":
+            return self.recording.complete(messages, tools, **kw)
+        raise ConnectionError(f"attempt {me}: the provider went away")
+
+
+def test_retries_failing_out_of_order_hand_the_turn_to_the_attempt_still_running(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A runs t1; B takes it over from live A; C from live B. B fails first (C holds the turn: nothing to
+    hand back), then C fails and handed the turn back to B, whose attempt had ended: nobody renewed it,
+    the turn was abandoned a lease later and discarded while A still ran. An attempt that ends leaves the
+    intent's list of displaced attempts now, and C hands the turn to A, which commits it."""
+    host, _ = make_host(store)
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+    model = _Scripted()
+    host.model = model
+    results: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = host.run_turn(S, sid, "q1", turn_id="t1")
+        except BaseException as e:  # reported below
+            results[name] = e
+
+    threads = {name: threading.Thread(target=run, args=(name,), name=name, daemon=True) for name in "ABC"}
+    try:
+        for name in "ABC":  # each admission takes the turn over from the one before, still running
+            threads[name].start()
+            assert model.entered[name].wait(30), name
+        for name in "BC":  # B fails first, then C
+            model.release[name].set()
+            threads[name].join(60)
+            assert isinstance(results.get(name), ConnectionError), (name, results.get(name))
+        time.sleep(5 * LEASE)  # a lease given to B (whose attempt is over) would have run out long ago
+        report = Turns(store).recover(S, sid, "legacy", host.commit_in)
+        assert report.discarded == [] and report.running == ["t1"]
+        with pytest.raises(SessionBusy):
+            Turns(store).admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
+    finally:
+        model.release["A"].set()
+        threads["A"].join(60)
+    _committed_once(store, sid, results.get("A"))
+    host.dispose()
+
+
+def test_session_busy_tells_when_the_last_live_lease_runs_out(store: TranscriptStore, sid: str) -> None:
+    """A (lease 30 s) runs t1; retry B (lease 0.5 s) took it over and stopped renewing. The session is busy
+    for A, until A's lease runs out; but the host's ``SessionBusy`` (and ``reassign``'s) named B's expiry,
+    already past: a caller waiting until then was refused again. Each names A's now."""
+    Turns(store, OutboxConfig(turn_lease_seconds=30)).admit(S, sid, Q1, turn_id="t1", engine_id="legacy",
+                                                            owner="elsewhere/A")
+    Turns(store, OutboxConfig(turn_lease_seconds=LEASE)).admit(S, sid, Q1, turn_id="t1", engine_id="legacy",
+                                                               owner="elsewhere/B")
+    time.sleep(2 * LEASE)
+    host, _ = make_host(store)
+    refusals: dict[str, SessionBusy] = {}
+    try:
+        host.run_turn(S, sid, "next", turn_id="t2")
+    except SessionBusy as e:
+        refusals["host"] = e
+    try:
+        Turns(store).admit(S, sid, user("next"), turn_id="t3", engine_id="legacy")
+    except SessionBusy as e:
+        refusals["admit"] = e
+    try:
+        store.write(lambda c: outbox.reassign(c, S, sid, "t1", "legacy", owner="elsewhere/C"))
+    except SessionBusy as e:
+        refusals["reassign"] = e
+    host.dispose()
+    assert sorted(refusals) == ["admit", "host", "reassign"]
+    now = datetime.now(UTC)
+    for where, busy in refusals.items():
+        assert busy.turn_id == "t1", where
+        assert busy.lease_expires_at is not None and busy.lease_expires_at > now + timedelta(seconds=20), (
+            where, busy.lease_expires_at, now)
+
+
+def test_at_most_sixteen_displaced_attempts_are_kept_and_never_one_forgotten(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The list of displaced attempts is bounded: a retry that would make it one more live attempt to
+    remember is ``SessionBusy`` naming the turn (nothing written), instead of forgetting one of them;
+    attempts that ended or whose lease ran out make room again."""
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=60))
+    MAX_DISPLACED = getattr(outbox, "MAX_DISPLACED", 16)  # (read so: this module runs on older code too)
+    owners = [f"elsewhere/w{i}" for i in range(MAX_DISPLACED + 2)]
+    for owner in owners[: MAX_DISPLACED + 1]:
+        turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=owner)
+    before = store.list_entries(S, sid)
+    with pytest.raises(SessionBusy) as busy:
+        turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=owners[-1])
+    assert busy.value.turn_id == "t1" and busy.value.lease_expires_at is not None
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.lease_owner == owners[MAX_DISPLACED]
+    assert store.list_entries(S, sid) == before
+    lease = store.read(lambda c: outbox.AdmittedLease.of(outbox.get_row(c, S, sid, "t1")))
+    assert [o for o, _ in lease.displaced_leases()] == owners[:MAX_DISPLACED]
+    # w3's attempt ends (its call gave up): it leaves the list, and the next retry finds room.
+    assert not turns.discard(S, sid, "t1", owner=owners[3])
+    turns.admit(S, sid, Q1, turn_id="t1", engine_id="legacy", owner=owners[-1])
+    lease = store.read(lambda c: outbox.AdmittedLease.of(outbox.get_row(c, S, sid, "t1")))
+    assert [o for o, _ in lease.displaced_leases()] == [o for o in owners[: MAX_DISPLACED + 1] if o != owners[3]]
+    # The holder fails: the turn goes to the most recent live attempt, not to one that ended.
+    assert turns.hand_back(S, sid, "t1", owner=owners[-1], lease=outbox.AdmittedLease("t1", owners[MAX_DISPLACED], 1))
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.lease_owner == owners[MAX_DISPLACED]
+
+
+def test_a_turn_discarded_while_it_ran_is_a_failed_turn_not_an_unknown_one(store: TranscriptStore, sid: str) -> None:
+    """A running turn whose intent was discarded meanwhile (its worker's lease was taken for abandoned)
+    found no intent at its completion. ``Turns.complete`` raises ``UnknownTurn`` for that since this round,
+    and ``run_turn`` passed it on: the CLI exited 3, "not found", saying "no turn intent" of a turn that
+    did exist. It raises ``OutboxCollision`` again, as it did before (exit 1), saying what happened."""
+    host, _ = make_host(store)
+    model = _Gate(AssertionError("no second model call"))
+    host.model = model
+    results = _start_first(host, model, sid)
+    try:
+        assert Turns(store).discard(S, sid, "t1")  # as recovery does with a lease it found abandoned
+    finally:
+        out = _finish_first(model, results)
+    assert isinstance(out, OutboxCollision) and not isinstance(out, UnknownTurn | LookupError), repr(out)
+    assert exit_code(out) == 1
+    assert "discarded while this attempt ran" in str(out) and "no turn intent" not in str(out)
+    assert [e.message["content"] for e in store.read_visible(S, sid)] == ["q1"]  # no reply written
+    host.model = RecordingModel()
+    assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
+    host.dispose()

@@ -149,7 +149,9 @@ class OutboxCollision(TranscriptStoreError):
 class UnknownTurn(OutboxCollision, LookupError):
     """No outbox row of this logical turn in this session: every call of the turn-commit API that needs one
     (``Turns.accept``, ``complete``, ``block``) raises this. An ``OutboxCollision`` too (accepting a turn
-    that has no intent is an illegal transition), which ``accept`` and ``complete`` raised before."""
+    that has no intent is an illegal transition), which ``accept`` and ``complete`` raised before.
+    ``HostRuntime.run_turn`` never passes it on: a turn it ran whose intent was discarded meanwhile did
+    exist, and fails with a plain ``OutboxCollision`` (or ``TurnOvertaken``) saying so."""
 
     def __init__(self, session_id: str, turn_id: str, detail: str = "") -> None:
         super().__init__(f"no turn intent {turn_id!r} in session {session_id!r}" + (f": {detail}" if detail else ""))

@@ -60,6 +60,7 @@ from .errors import (
     TransientStoreError,
     TurnOvertaken,
     UnknownEngine,
+    UnknownTurn,
     describe,
 )
 from .leases import LeaseKeeper
@@ -706,10 +707,15 @@ class HostRuntime:
         started_on: str | None = None
 
         def give_up() -> str:
-            """This call's attempts failed: hand the turn back, or discard its intent (a note on which)."""
+            """This call's attempts failed: hand the turn back, or discard its intent (a note on which).
+
+            Either only while this call holds the turn; one that no longer does (a retry took it over)
+            leaves the intent's list of displaced attempts, so that the turn is never handed back to it."""
             lease = displaced.pop() if displaced else None
-            if lease is not None and self.turns.hand_back(scope, session_id, turn_id, owner=owner, lease=lease):
-                return "; handed back to the earlier attempt of the turn, still running: it may complete it"
+            if lease is not None:
+                if self.turns.hand_back(scope, session_id, turn_id, owner=owner, lease=lease):
+                    return "; handed back to the earlier attempt of the turn, still running: it may complete it"
+                return ""  # discarded (no earlier attempt lives), or left to the retry holding it
             self.turns.discard(scope, session_id, turn_id, owner=owner)
             return ""
 
@@ -738,11 +744,15 @@ class HostRuntime:
                 if displaced and give_up():
                     # The turn runs on its engine in the attempt this call took it from: a started turn
                     # never switches engines, so this call may not move it to legacy. It is busy.
-                    back = self.turns.intent(scope, session_id, turn_id)
+                    until = self.store.read(lambda c: outbox.busy_until(c, scope, session_id, turn_id))
                     self._decisions.pop((scope, session_id, turn_id), None)
-                    raise SessionBusy(session_id, turn_id, back.lease_expires_at if back else None) from None
+                    raise SessionBusy(session_id, turn_id, until) from None
                 # Only while this call's attempts hold the turn: a retry that took it over runs on.
-                self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY, owner))
+                try:
+                    self.store.write(lambda c: outbox.reassign(c, scope, session_id, turn_id, LEGACY, owner))
+                except SessionBusy:
+                    give_up()  # this call is over: it leaves the turn to the attempts that hold it
+                    raise
                 decision = self._degrade(scope, session_id, turn_id, d.reason)
                 attempts -= 1
                 first = False
@@ -760,7 +770,9 @@ class HostRuntime:
                 # attempt nothing of it was written, and its engine is decided again when it is
                 # presented again. A refusal naming this very turn is about another attempt's intent
                 # (on another engine), never this attempt's.
-                if not first and not (isinstance(r.error, SessionBusy) and r.error.turn_id == turn_id):
+                if not first:
+                    # (One naming this turn: this call no longer holds it, and only leaves it to the
+                    # attempts that do: ``give_up`` hands back or discards only while this call holds it.)
                     give_up()
                 self._decisions.pop((scope, session_id, turn_id), None)
                 raise r.error from None
@@ -904,8 +916,8 @@ class HostRuntime:
                 return done
             running = [t for t in report.running if t != turn_id]
             if running:  # the admission below would refuse it; say so before any degradation
-                other = self.turns.intent(scope, session_id, running[0])
-                raise _Refused(SessionBusy(session_id, running[0], other.lease_expires_at if other else None))
+                until = self.store.read(lambda c: outbox.busy_until(c, scope, session_id, running[0]))
+                raise _Refused(SessionBusy(session_id, running[0], until))
             if [t for t in report.pending if t != turn_id]:
                 raise _Degrade("an earlier turn of the session is still pending")
             try:
@@ -976,7 +988,7 @@ class HostRuntime:
             completion = self.turns.complete(
                 scope, session_id, turn_id, [AppendItem(message=m) for m in replies], self.commit_in(engine_id)
             )
-        except OutboxCollision:
+        except OutboxCollision as e:
             # Another attempt of this turn id (a worker given the same turn after a timeout, alive
             # and slower) completed it while this one ran its model: it is that attempt's turn, and
             # this one learns what became of it ("duplicate" once committed), its replies unwritten.
@@ -985,6 +997,14 @@ class HostRuntime:
                 # Or its intent was discarded while it ran (its worker looked dead: the lease could not
                 # be renewed in time) and the session moved on: say so, as an admission retry would.
                 self.store.read(lambda c: outbox.check_not_overtaken(c, admission))
+                if isinstance(e, UnknownTurn):
+                    # A turn that did exist, lost while it ran: a failed turn (OutboxCollision, as
+                    # ``run_turn`` always raised for it), not an unknown one (the CLI's "not found").
+                    raise OutboxCollision(
+                        f"turn {turn_id!r} of session {session_id!r} was discarded while this attempt ran "
+                        "(its worker's lease was taken for abandoned): its replies were not written; "
+                        "present the message again"
+                    ) from e
                 raise
             return done
         status: str = completion.commit.status if completion.commit else completion.intent.state

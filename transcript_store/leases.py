@@ -13,11 +13,12 @@ never returns) stops being renewed, so the session is not held forever by a live
 A renewal that fails because a retry of the turn took it over keeps the hold (renewed again a third
 of a lease later): a retry that fails hands the turn back to the attempt it took it from (``Turns.
 hand_back``), whose lease must then be kept alive again. Meanwhile that attempt's lease is renewed where
-the intent keeps it (``displaced_owner``), so the turn is not abandoned should the retry die; once the
-retry's lease is abandoned, the renewal takes the turn back (``outbox.renewal``). A hold is dropped
-when its turn is gone (discarded or completed), at ``release``, and past its ``max_seconds``. A turn
-whose row another transaction holds locked (PostgreSQL) is skipped, not waited for, and tried again at
-the next look.
+the intent keeps the leases of every live attempt retries took the turn from (``displaced_leases``), so
+the turn is not abandoned should the retries die; once the lease of the attempt holding it is abandoned,
+the most recent live of those attempts takes the turn back at its renewal (``outbox.renewal``). A hold
+is dropped when its turn is gone (discarded or completed), at ``release``, and past its
+``max_seconds``. A turn whose row another transaction holds locked (PostgreSQL) is skipped, not waited
+for, and tried again at the next look.
 
 A drain's claim of a ready row is held the same way while the row is delivered (``claim=True``), on
 PostgreSQL: an engine's commit longer than ``delivery_lease_seconds`` (a summarizing engine calling

@@ -163,7 +163,7 @@ _ACCEPT = (
     .where(_BY_TURN)
     .values(
         state="accepted", terminal=bindparam("b_terminal"), lease_owner=None, lease_expires_us=None,
-        updated_us=bindparam("b_ts"),
+        displaced_leases=None, updated_us=bindparam("b_ts"),
     )
 )
 _MARK_READY = update(outbox).where(_BY_TURN).values(
@@ -193,10 +193,7 @@ _GET_ROW_FOR_ACCEPT_LOCKED = _GET_ROW_FOR_ACCEPT.with_for_update(of=outbox)
 _PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
 _PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
 _ADMITTED = (
-    select(
-        outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us, outbox.c.displaced_owner,
-        outbox.c.displaced_expires_us,
-    )
+    select(outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us, outbox.c.displaced_leases)
     .where(by_session(outbox), outbox.c.state == "admitted")
     .order_by(outbox.c.enqueue_seq)
 )
@@ -222,11 +219,14 @@ _DELETE_TURN = delete(outbox).where(_BY_TURN)
 _DELETE_ADMITTED = _DELETE_TURN.where(outbox.c.state == "admitted")
 _UPDATE_ADMITTED = update(outbox).where(_BY_TURN, outbox.c.state == "admitted")
 _DELETE_OWNED = _DELETE_ADMITTED.where(outbox.c.lease_owner == bindparam("b_owner"))
+# A failed attempt's discard of a turn no retry took from a live attempt (the common failure: one statement).
+_DELETE_OWNED_ALONE = _DELETE_OWNED.where(outbox.c.displaced_leases.is_(None))
 # Only the very leases recovery judged abandoned: a retry that took the turn over since has another one,
-# and a displaced attempt that renewed its lease since lives.
+# and a displaced attempt that renewed its lease since (every renewal rewrites the list) lives.
 _DELETE_ABANDONED = _DELETE_ADMITTED.where(
-    outbox.c.lease_owner == bindparam("b_owner"), outbox.c.lease_expires_us == bindparam("b_expires"),
-    outbox.c.displaced_expires_us.is_not_distinct_from(bindparam("b_displaced_expires")),
+    outbox.c.lease_owner == bindparam("b_owner"),
+    outbox.c.lease_expires_us.is_not_distinct_from(bindparam("b_expires")),
+    outbox.c.displaced_leases.is_not_distinct_from(bindparam("b_displaced")),
 )
 # What a new turn must know of its session's outbox and ledger before it is admitted, in ONE statement
 # (a round trip on PostgreSQL): every non-blocked intent, and any row or receipt of this very turn id.
@@ -259,11 +259,49 @@ def _gone_here(owner: str) -> bool:
 def abandoned(lease_owner: str | None, lease_expires_us: int | None, now: int) -> bool:
     """Whether a lease's worker is gone: the lease expired, or its process left this machine.
 
-    An admitted turn is abandoned when its lease is and so is the lease of the attempt a retry took it
-    over from, if any (``AdmittedLease.abandoned``)."""
+    An admitted turn is abandoned when its lease is and so is the lease of every attempt retries took it
+    over from (``AdmittedLease.abandoned``)."""
     if lease_expires_us is None or lease_expires_us < now:
         return True
     return bool(lease_owner) and _gone_here(str(lease_owner))
+
+
+#: The most displaced attempts an admitted turn remembers (``displaced_leases``): a retry that would make
+#: it one more live attempt to remember is ``SessionBusy`` (sixteen attempts of one turn running at once).
+MAX_DISPLACED = 16
+
+#: one displaced attempt's lease: (owner, expires_us)
+Lease = tuple[str, int]
+
+
+def parse_displaced(text: str | None) -> list[Lease]:
+    """The displaced attempts' leases of a row's ``displaced_leases``, oldest first (a malformed item,
+    which this module never writes, is left out)."""
+    if not text:
+        return []
+    try:
+        items = json.loads(text)
+    except ValueError:
+        log.warning("an outbox row's displaced_leases is not JSON: ignored")
+        return []
+    leases: list[Lease] = []
+    for item in items if isinstance(items, list) else []:
+        owner, expires = (item.get("owner"), item.get("expires_us")) if isinstance(item, dict) else (None, None)
+        if isinstance(owner, str) and isinstance(expires, int) and not isinstance(expires, bool):
+            leases.append((owner, expires))
+    return leases
+
+
+def _dump_displaced(leases: list[Lease]) -> str | None:
+    """``displaced_leases`` of a list (None: no attempt displaced)."""
+    if not leases:
+        return None
+    return json.dumps([{"owner": o, "expires_us": e} for o, e in leases], separators=(",", ":"))
+
+
+def _live(leases: list[Lease], now: int, *, without: str | None = None) -> list[Lease]:
+    """The leases of ``leases`` that are not abandoned, but ``without``'s: what is written back (pruned)."""
+    return [(o, e) for o, e in leases if o != without and not abandoned(o, e, now)]
 
 
 def claim_session(core: Core, scope: str, session_id: str, turn_id: str) -> None:
@@ -378,13 +416,9 @@ def record_admitted(
         raise OutboxCollision(f"turn {admission.turn_id!r} was admitted with another entry")
     if row.state == "admitted":
         # A retry of the same logical turn takes the lease over (the earlier attempt failed or died).
-        displaced = _displaced_by(row, owner, ts)
-        if taken_over is not None and displaced is not None:
-            taken_over.append(displaced)
-        kept = {} if row.lease_owner == owner else {
-            "displaced_owner": displaced.owner if displaced else None,
-            "displaced_expires_us": displaced.expires_us if displaced else None,
-        }
+        kept: dict[str, Any] = {}
+        if row.lease_owner != owner:
+            kept["displaced_leases"] = _dump_displaced(_take_over(row, owner, ts, taken_over))
         core.conn.execute(
             update(outbox)
             .where(_key(a.scope, a.session_id, admission.turn_id))
@@ -395,18 +429,24 @@ def record_admitted(
     return _intent(core, row)
 
 
-def _displaced_by(row: Row[Any], owner: str, now: int) -> AdmittedLease | None:
-    """The live attempt a retry (``owner``) takes an admitted turn over from, if any: the one holding it,
-    or, when that one is gone (a retry that died), the attempt it had taken the turn from. Kept with the
-    row (``displaced_owner``): it may still complete the turn, and the turn is not abandoned while its
-    worker lives; the failing retry hands the turn back to it (``hand_back``)."""
-    if row.lease_owner == owner:
-        return None  # this attempt again (a later try of the same call): nothing taken from anyone
-    if not abandoned(row.lease_owner, row.lease_expires_us, now):
-        return AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us)
-    if row.displaced_owner not in (None, owner) and not abandoned(row.displaced_owner, row.displaced_expires_us, now):
-        return AdmittedLease(row.turn_id, row.displaced_owner, row.displaced_expires_us)
-    return None
+def _take_over(row: Row[Any], owner: str, now: int, taken_over: list[AdmittedLease] | None) -> list[Lease]:
+    """The displaced attempts an admitted turn keeps once a retry (``owner``) takes it over: the live ones
+    it kept (``owner``'s own entry left out: it holds the turn now), and the attempt holding it, if alive,
+    the most recent. Each may still complete the turn, and the turn is not abandoned while one of their
+    workers lives; a failing retry hands the turn to the most recent live one (``hand_back``).
+
+    The lease this retry took the turn from goes to ``taken_over``: the holder's, or, when the holder is
+    gone (a retry that died), the most recent live displaced attempt's. More than ``MAX_DISPLACED`` live
+    attempts to keep: ``SessionBusy`` (nothing is written: the transaction rolls back)."""
+    kept = _live(parse_displaced(row.displaced_leases), now, without=owner)
+    if row.lease_owner is not None and not abandoned(row.lease_owner, row.lease_expires_us, now):
+        kept.append((row.lease_owner, row.lease_expires_us))
+    if len(kept) > MAX_DISPLACED:
+        lease = AdmittedLease(row.turn_id, row.lease_owner, row.lease_expires_us, row.displaced_leases)
+        raise SessionBusy(row.session_id, row.turn_id, lease.busy_until())
+    if taken_over is not None and kept:
+        taken_over.append(AdmittedLease(row.turn_id, kept[-1][0], kept[-1][1]))
+    return kept
 
 
 def accept(core: Core, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
@@ -541,12 +581,19 @@ def _block_range(core: Core, intent: TurnIntent, failure: Any) -> TurnIntent:
     return intent.model_copy(update={"state": "blocked", "block_reason": reason})
 
 
-def discard(core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None) -> bool:
+def discard(
+    core: Core, scope: str, session_id: str, turn_id: str, owner: str | None = None, lease_seconds: float = 0.0
+) -> bool:
     """Delete an intent that is still only admitted (a failed, aborted or errored attempt); with ``owner``,
-    only while that attempt holds its lease (a retry may have taken the turn over since)."""
+    only while that attempt holds its lease (a retry may have taken the turn over since) and no attempt
+    a retry took the turn from lives: the turn goes to the most recent live one then, and an attempt a
+    retry took the turn from leaves the list of them (``give_up``; False: nothing deleted)."""
     if owner is None:
         return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
-    return core.run(_DELETE_OWNED, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1
+    # The common failure (no retry took the turn from anyone): one statement.
+    if core.run(_DELETE_OWNED_ALONE, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1:
+        return True
+    return give_up(core, scope, session_id, turn_id, owner, lease_seconds) == "discarded"
 
 
 def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:
@@ -566,28 +613,40 @@ def renewal(core: Core, scope: str, session_id: str, turn_id: str, owner: str, l
     """``renew_lease``, telling a turn another attempt holds now ("taken over": it may be handed back)
     from one that is no longer running at all ("gone": discarded, or completed).
 
-    An attempt a retry took the turn over from (``displaced_owner``) renews its lease there: the turn is
-    not abandoned while it runs. Once the retry is gone (it died without handing the turn back: its
-    lease ran out, or its process left this machine) the turn is this attempt's again ("renewed")."""
+    An attempt a retry took the turn over from renews its lease where the intent keeps it
+    (``displaced_leases``): the turn is not abandoned while it runs. Once the attempt holding the turn is
+    gone (a retry that died without handing it back: its lease ran out, or its process left this
+    machine), the most recent live displaced attempt takes the turn back ("renewed"); an older one keeps
+    renewing its own lease meanwhile, and takes the turn back in turn should that one be gone too."""
     if renew_lease(core, scope, session_id, turn_id, owner, lease_seconds):
         return "renewed"
-    row = get_row(core, scope, session_id, turn_id)
+    row = get_row(core, scope, session_id, turn_id, lock=True)
     if row is None or row.state != "admitted":
         return "gone"
-    if row.displaced_owner != owner:
+    leases = parse_displaced(row.displaced_leases)
+    if all(o != owner for o, _ in leases):
         return "taken over"
     ts = now_us()
     expires = ts + int(lease_seconds * 1_000_000)
-    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == row.lease_owner, outbox.c.displaced_owner == owner)
-    if abandoned(row.lease_owner, row.lease_expires_us, ts):
-        back = {"lease_owner": owner, "lease_expires_us": expires, "displaced_owner": None,
-                "displaced_expires_us": None}
-        if core.conn.execute(q.values(updated_us=ts, **back), _turn_params(scope, session_id, turn_id)).rowcount:
-            log.warning("turn %s of session %s: the retry that took it over is gone; taken back by %s",
+    # This attempt's own lease is renewed even if it ran out meanwhile (as ``renew_lease`` renews a
+    # holder's): its worker is alive, since it renews. The other abandoned ones are pruned.
+    kept = [(o, expires if o == owner else e) for o, e in leases if o == owner or not abandoned(o, e, ts)]
+    # Written only over the row as read (on PostgreSQL it is locked besides): a retry that took the turn
+    # over, a hand-back or another attempt's renewal since would be undone.
+    q = _UPDATE_ADMITTED.where(
+        outbox.c.lease_owner == row.lease_owner,
+        outbox.c.lease_expires_us.is_not_distinct_from(row.lease_expires_us),
+        outbox.c.displaced_leases == row.displaced_leases,
+    )
+    params = _turn_params(scope, session_id, turn_id)
+    if kept[-1][0] == owner and abandoned(row.lease_owner, row.lease_expires_us, ts):
+        back = {"lease_owner": owner, "lease_expires_us": expires, "displaced_leases": _dump_displaced(kept[:-1])}
+        if core.conn.execute(q.values(updated_us=ts, **back), params).rowcount:
+            log.warning("turn %s of session %s: the attempt that took it over is gone; taken back by %s",
                         turn_id, session_id, owner)
             return "renewed"
         return "taken over"
-    core.conn.execute(q.values(displaced_expires_us=expires, updated_us=ts), _turn_params(scope, session_id, turn_id))
+    core.conn.execute(q.values(displaced_leases=_dump_displaced(kept), updated_us=ts), params)
     return "taken over"
 
 
@@ -605,29 +664,51 @@ def renew_claim(
     return "renewed" if renewed else "gone"
 
 
-def hand_back(
-    core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease: AdmittedLease, lease_seconds: float
-) -> bool:
-    """Give a turn that ``owner`` took over back to the attempt it took it from (``lease``, as taken),
-    only while ``owner`` still holds it. That attempt may still be running (a retry is presented when
-    the first worker only looks slow), so the failing retry must not throw its work away.
+GiveUp = Literal["handed", "discarded", "left", "none"]
 
-    The lease given back runs at least ``lease_seconds`` from now: the earlier attempt's renewals
-    failed while it was taken, and its keeper renews it again within that time if its worker lives.
-    A worker provably gone from this machine gets nothing back: the intent is discarded (False)."""
-    if lease.owner is None or _gone_here(str(lease.owner)):
-        discard(core, scope, session_id, turn_id, owner)
-        return False
+
+def give_up(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> GiveUp:
+    """The attempt ``owner`` ended without completing its turn: what becomes of the turn's intent.
+
+    While ``owner`` holds the turn, it goes to the most recent live attempt a retry took it from (the
+    intent's ``displaced_leases``): that attempt may still be running (a retry is presented when the
+    first worker only looks slow), and its work is the turn's ("handed"; its lease runs at least
+    ``lease_seconds`` from now, renewed by its keeper within that time if its worker lives). With none
+    alive (an attempt that ended left the list; one whose worker is gone is pruned), the intent is
+    deleted ("discarded"). An attempt a retry took the turn from leaves the list ("left"): the turn must
+    never be handed to an attempt that is over. "none": no admitted intent, or nothing of ``owner``'s."""
+    row = get_row(core, scope, session_id, turn_id, lock=True)
+    if row is None or row.state != "admitted":
+        return "none"
     ts = now_us()
-    expires = max(lease.expires_us or 0, ts + int(lease_seconds * 1_000_000))
-    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner)
-    return core.conn.execute(
-        q.values(
-            lease_owner=lease.owner, lease_expires_us=expires, displaced_owner=None, displaced_expires_us=None,
-            updated_us=ts,
-        ),
-        _turn_params(scope, session_id, turn_id),
-    ).rowcount == 1
+    leases = parse_displaced(row.displaced_leases)
+    kept = _live(leases, ts, without=owner)
+    params = _turn_params(scope, session_id, turn_id, b_owner=owner)
+    if row.lease_owner != owner:
+        if all(o != owner for o, _ in leases):
+            return "none"
+        q = _UPDATE_ADMITTED.where(
+            outbox.c.lease_owner == row.lease_owner, outbox.c.displaced_leases == row.displaced_leases
+        )
+        core.conn.execute(q.values(displaced_leases=_dump_displaced(kept), updated_us=ts), params)
+        return "left"
+    if not kept:
+        core.run(_DELETE_OWNED, params)
+        return "discarded"
+    to_owner, to_expires = kept[-1]
+    expires = max(to_expires, ts + int(lease_seconds * 1_000_000))
+    q = _UPDATE_ADMITTED.where(outbox.c.lease_owner == owner).values(
+        lease_owner=to_owner, lease_expires_us=expires, displaced_leases=_dump_displaced(kept[:-1]), updated_us=ts
+    )
+    core.conn.execute(q, params)
+    return "handed"
+
+
+def hand_back(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:
+    """Give a turn that ``owner`` took over to the most recent live attempt it was taken from (see
+    ``give_up``), only while ``owner`` holds it. False: not handed (discarded when none of those attempts
+    lives; left when ``owner`` no longer holds it)."""
+    return give_up(core, scope, session_id, turn_id, owner, lease_seconds) == "handed"
 
 
 def reassign(
@@ -643,8 +724,7 @@ def reassign(
     if row is None or row.state != "admitted":
         return False
     if owner is not None and row.lease_owner != owner:
-        expires = row.lease_expires_us
-        raise SessionBusy(session_id, turn_id, from_us(expires) if expires is not None else None)
+        raise SessionBusy(session_id, turn_id, AdmittedLease.of(row).busy_until())
     q = _UPDATE_ADMITTED.values(engine_id=engine_id, updated_us=now_us())
     return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
@@ -654,15 +734,14 @@ def discard_abandoned(core: Core, scope: str, session_id: str, lease: AdmittedLe
     recovery saw (a retrying worker may have taken the turn over since, with a lease of its own; the
     attempt a retry took it from may have renewed its lease since)."""
     params = _turn_params(
-        scope, session_id, lease.turn_id, b_owner=lease.owner, b_expires=lease.expires_us,
-        b_displaced_expires=lease.displaced_expires_us,
+        scope, session_id, lease.turn_id, b_owner=lease.owner, b_expires=lease.expires_us, b_displaced=lease.displaced
     )
     return core.run(_DELETE_ABANDONED, params).rowcount == 1
 
 
 def discard_unless_running(core: Core, scope: str, session_id: str, turn_id: str) -> AdmittedLease | None:
-    """Discard a turn's admitted intent whose worker is gone (see ``abandoned``); the lease of one whose
-    worker lives is returned instead, and nothing written. None: discarded, or no admitted intent."""
+    """Discard a turn's admitted intent whose workers are gone (``AdmittedLease.abandoned``); the lease of
+    one whose worker lives is returned instead, and nothing written. None: discarded, or no admitted intent."""
     row = get_row(core, scope, session_id, turn_id, lock=True)
     if row is None or row.state != "admitted":
         return None
@@ -872,30 +951,43 @@ class AdmittedLease:
     turn_id: str
     owner: str | None
     expires_us: int | None
-    #: the lease of the live attempt a retry took the turn over from (see ``_displaced_by``), if any
-    displaced_owner: str | None = None
-    displaced_expires_us: int | None = None
+    #: the row's ``displaced_leases`` as read (see ``_take_over``): the leases of the live attempts retries
+    #: took the turn over from, JSON; None when no attempt was displaced
+    displaced: str | None = None
 
     @classmethod
     def of(cls, row: Row[Any]) -> AdmittedLease:
         """The leases of an outbox row (``_ADMITTED``'s columns, or the whole row)."""
-        return cls(row.turn_id, row.lease_owner, row.lease_expires_us, row.displaced_owner, row.displaced_expires_us)
+        return cls(row.turn_id, row.lease_owner, row.lease_expires_us, row.displaced_leases)
+
+    def displaced_leases(self) -> list[Lease]:
+        """The displaced attempts' leases, (owner, expires_us), oldest first."""
+        return parse_displaced(self.displaced)
 
     def abandoned(self, now: int) -> bool:
-        """Whether the turn's workers are gone: its lease's, and the displaced attempt's if any."""
-        return abandoned(self.owner, self.expires_us, now) and (
-            self.displaced_owner is None or abandoned(self.displaced_owner, self.displaced_expires_us, now)
+        """Whether the turn's workers are all gone: its holder's, and every displaced attempt's."""
+        return abandoned(self.owner, self.expires_us, now) and all(
+            abandoned(o, e, now) for o, e in self.displaced_leases()
         )
 
     def busy_until(self) -> datetime | None:
-        """When the later of its leases runs out (what ``SessionBusy`` tells), or None."""
-        ends = [e for e in (self.expires_us, self.displaced_expires_us if self.displaced_owner else None)
-                if e is not None]
+        """When the last of its live leases runs out (what ``SessionBusy`` tells), or None."""
+        now = now_us()
+        leases = [(self.owner, self.expires_us), *self.displaced_leases()]
+        ends = [e for o, e in leases if e is not None and not abandoned(o, e, now)]
+        ends = ends or [e for _, e in leases if e is not None]
         return from_us(max(ends)) if ends else None
 
 
+def busy_until(core: Core, scope: str, session_id: str, turn_id: str) -> datetime | None:
+    """When the last live lease of a turn's admitted intent runs out (``AdmittedLease.busy_until``), or None."""
+    row = get_row(core, scope, session_id, turn_id)
+    return None if row is None or row.state != "admitted" else AdmittedLease.of(row).busy_until()
+
+
 def abandoned_admitted(core: Core, scope: str, session_id: str) -> list[AdmittedLease]:
-    """Admitted-only intents of a session whose worker is gone (see ``abandoned``), in enqueue order."""
+    """Admitted-only intents of a session whose workers are all gone (``AdmittedLease.abandoned``), in
+    enqueue order."""
     now = now_us()
     leases = [AdmittedLease.of(r) for r in core.run(_ADMITTED, session_params(scope, session_id)).all()]
     return [lease for lease in leases if lease.abandoned(now)]

@@ -166,10 +166,11 @@ outbox = Table(
     Column("lease_expires_us", BigInteger, nullable=True),
     Column("created_us", BigInteger, nullable=False),
     Column("updated_us", BigInteger, nullable=False),
-    # An admitted turn a retry took over from a live attempt: that attempt's lease, which its worker keeps
-    # renewing; the turn is abandoned only once both leases are (revision 0013).
-    Column("displaced_owner", String(128), nullable=True),
-    Column("displaced_expires_us", BigInteger, nullable=True),
+    # An admitted turn that retries took over from live attempts: those attempts' leases, a JSON list
+    # [{"owner": ..., "expires_us": ...}, ...] oldest first (at most 16, the abandoned ones pruned at every
+    # write), which their workers keep renewing; the turn is abandoned only once the holder's lease and
+    # every one of these are (revision 0013). NULL: no attempt displaced (every turn but a retried one).
+    Column("displaced_leases", Text, nullable=True),
     PrimaryKeyConstraint("scope", "session_id", "turn_id", name="ts_outbox_pk"),
     _session_fk("ts_outbox"),
 )

@@ -174,9 +174,10 @@ class Turns:
         intent of the same turn id is taken over by it. ``discard(..., owner=)`` then deletes the intent
         only while this attempt still holds it. The lease taken over from a live attempt is put in
         ``taken_over`` (a list, emptied first), for ``hand_back`` should this attempt fail; when the
-        attempt holding the turn is gone (a retry that died), the live attempt that one had taken it
-        from, if any. The intent keeps that lease meanwhile: the turn is not abandoned while either
-        attempt's worker lives (``outbox.AdmittedLease.abandoned``).
+        attempt holding the turn is gone (a retry that died), the most recent live attempt retries took
+        it from, if any. The intent keeps the lease of every such live attempt meanwhile (at most
+        ``outbox.MAX_DISPLACED``: one more is ``SessionBusy``), each renewed by its worker: the turn is not
+        abandoned while any of them lives (``outbox.AdmittedLease.abandoned``).
         """
         if taken_over is not None and not isinstance(taken_over, list):
             raise InvalidInput("taken_over must be a list (it receives the lease taken over)")
@@ -277,7 +278,10 @@ class Turns:
         """A failed, aborted or errored attempt: delete its admitted intent (nothing else).
 
         With ``owner`` (the attempt's, as admitted), only while that attempt still holds the intent's
-        lease: a retry that took the turn over since (another worker, another thread) keeps running.
+        lease: a retry that took the turn over since (another worker, another thread) keeps running, and
+        this attempt leaves the intent's list of attempts retries took it from (the turn is never handed
+        back to an attempt that is over). Nor while an attempt this one took the turn from still lives:
+        the turn goes to the most recent of those instead, as ``hand_back`` gives it (False).
         """
         _check_turn(self.store, scope, session_id, turn_id)
         if owner is not None:
@@ -285,7 +289,7 @@ class Turns:
         landed: list[bool] = []
 
         def run(c: Core) -> bool:
-            deleted = outbox.discard(c, scope, session_id, turn_id, owner)
+            deleted = outbox.discard(c, scope, session_id, turn_id, owner, self.config.turn_lease_seconds)
             # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it, if
             # the intent is gone (a COMMIT that did not land, and a retry of the turn that took the
             # intent over meanwhile, leave it standing: not discarded).
@@ -300,8 +304,10 @@ class Turns:
     def hand_back(self, scope: str, session_id: str, turn_id: str, *, owner: str, lease: outbox.AdmittedLease) -> bool:
         """A failing retry gives the turn it took over (``admit(..., taken_over=)``) back to the attempt
         it took it from, which may still be running, instead of discarding it; only while ``owner``
-        still holds it. False: not handed back (discarded if that attempt's worker is provably gone,
-        or no longer this owner's)."""
+        still holds it. The intent decides which attempt: the most recent live one of those retries took
+        the turn from, which is ``lease``'s unless that attempt ended since (it left the list) or its
+        worker is gone (an earlier live one's then). False: not handed back (discarded when none of those
+        attempts lives; when ``owner`` no longer holds the turn, it only leaves that list)."""
         _check_turn(self.store, scope, session_id, turn_id)
         _check_owner(owner)
         if not isinstance(lease, outbox.AdmittedLease) or lease.turn_id != turn_id:
@@ -318,11 +324,11 @@ class Turns:
         seconds = self.config.turn_lease_seconds
 
         def run(c: Core) -> bool:
-            handed = outbox.hand_back(c, scope, session_id, turn_id, owner, lease, seconds)
+            handed = outbox.hand_back(c, scope, session_id, turn_id, owner, seconds)
             # A retry after an uncertain COMMIT finds the turn given back already: it was handed back.
             if not handed and landed and landed[0]:
                 row = outbox.get_row(c, scope, session_id, turn_id)
-                handed = row is not None and row.state == "admitted" and row.lease_owner == lease.owner
+                handed = row is not None and row.state == "admitted" and row.lease_owner != owner
             landed[:] = [handed]
             return handed
 
