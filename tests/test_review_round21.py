@@ -595,3 +595,30 @@ def test_a_turn_discarded_while_it_ran_is_a_failed_turn_not_an_unknown_one(store
     host.model = RecordingModel()
     assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
     host.dispose()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps([{"owner": "elsewhere/A", "expires_us": 300_000_000_000_000_000}]),  # past year 9999
+        json.dumps([{"owner": "elsewhere/A", "expires_us": 2**70}]),  # past BIGINT
+        json.dumps([{"owner": "elsewhere/" + "x" * 190, "expires_us": 4_000_000_000_000_000}]),  # owner too long
+        "[" * 100_000 + "]" * 100_000,  # deeper than json can read
+    ],
+    ids=["past-9999", "past-bigint", "long-owner", "deep"],
+)
+def test_a_malformed_displaced_list_is_ignored_not_a_crash(store: TranscriptStore, text: str) -> None:
+    """A hand-edited or corrupt displaced_leases crashed every admission of its session (OverflowError,
+    RecursionError) and the holder's discard (a BIGINT or varchar(128) refusal); its items are left out."""
+    from sqlalchemy import update
+
+    from transcript_store.schema import outbox as table
+
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=600))
+    sid = store.create_session(S).session_id  # the store is the module's: a session of this case's own
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id="legacy", owner="elsewhere/H")
+    store.write(lambda c: c.conn.execute(update(table).where(table.c.session_id == sid).values(displaced_leases=text)))
+    with pytest.raises(SessionBusy):  # the holder's own lease runs for 600 s: busy, typed
+        turns.admit(S, sid, user("n"), turn_id="t2", engine_id="legacy")
+    assert turns.discard(S, sid, "t1", owner="elsewhere/H")  # nothing live to hand it to: discarded
+    turns.admit(S, sid, user("n"), turn_id="t2", engine_id="legacy")

@@ -274,20 +274,32 @@ MAX_DISPLACED = 16
 Lease = tuple[str, int]
 
 
+#: the latest lease expiry a displaced entry may name: the end of year 9999 (``from_us`` makes a datetime)
+_MAX_EXPIRES_US = 253_402_300_799_000_000
+
+
 def parse_displaced(text: str | None) -> list[Lease]:
     """The displaced attempts' leases of a row's ``displaced_leases``, oldest first (a malformed item,
     which this module never writes, is left out)."""
     if not text:
         return []
+    # This module writes at most MAX_DISPLACED flat items; anything longer or deeper was not written here.
+    if len(text) > (MAX_DISPLACED + 1) * (MAX_OWNER + 64):
+        log.warning("an outbox row's displaced_leases is too long to be this module's: ignored")
+        return []
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         log.warning("an outbox row's displaced_leases is not JSON: ignored")
         return []
     leases: list[Lease] = []
     for item in items if isinstance(items, list) else []:
         owner, expires = (item.get("owner"), item.get("expires_us")) if isinstance(item, dict) else (None, None)
-        if isinstance(owner, str) and isinstance(expires, int) and not isinstance(expires, bool):
+        # An owner the lease column holds, an expiry a stored time can be (a datetime, a BIGINT).
+        if (
+            isinstance(owner, str) and 0 < len(owner) <= MAX_OWNER
+            and isinstance(expires, int) and not isinstance(expires, bool) and 0 <= expires <= _MAX_EXPIRES_US
+        ):
             leases.append((owner, expires))
     return leases
 
