@@ -134,6 +134,23 @@ def _finish_first(model: _Gate, results: dict[str, Any]) -> Any:
     return results.get("first")
 
 
+
+def _still_running(store: TranscriptStore, host: HostRuntime, sid: str) -> None:
+    """Recovery leaves t1 running, and the next turn of the session waits for it."""
+    report = Turns(store).recover(S, sid, "legacy", host.commit_in)
+    assert report.discarded == [] and report.running == ["t1"]
+    with pytest.raises(SessionBusy) as busy:
+        Turns(store).admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
+    assert busy.value.turn_id == "t1"
+
+
+def _committed_then_next(store: TranscriptStore, host: HostRuntime, sid: str, out: Any) -> None:
+    """t1 committed exactly once by its first attempt; the session's next turn then runs."""
+    _committed_once(store, sid, out)
+    host.model = RecordingModel()
+    assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
+    host.dispose()
+
 def _committed_once(store: TranscriptStore, session_id: str, out: Any) -> None:
     assert out is not None and not isinstance(out, BaseException), repr(out)
     assert out.commit_status == "committed"
@@ -157,17 +174,10 @@ def test_a_killed_retry_leaves_the_turn_to_the_attempt_still_running_it(
         _killed_retry(shared_url, sid)
         intent = Turns(store).intent(S, sid, "t1")
         assert intent is not None and intent.state == "admitted"
-        report = Turns(store).recover(S, sid, "legacy", host.commit_in)
-        assert report.discarded == [] and report.running == ["t1"]
-        with pytest.raises(SessionBusy) as busy:
-            Turns(store).admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
-        assert busy.value.turn_id == "t1"
+        _still_running(store, host, sid)
     finally:
         out = _finish_first(model, results)
-    _committed_once(store, sid, out)
-    host.model = RecordingModel()
-    assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
-    host.dispose()
+    _committed_then_next(store, host, sid, out)
 
 
 def test_a_retry_failing_after_a_killed_one_hands_the_turn_back_to_the_first_attempt(
@@ -439,17 +449,10 @@ def test_a_turn_two_killed_retries_took_over_one_after_the_other_stays_with_the_
             time.sleep(LEASE / 5)
         assert intent is not None and (intent.lease_owner or "").split("/")[0] == me, intent
         time.sleep(3 * LEASE)  # the lease it took back is A's keeper's to renew
-        report = Turns(store).recover(S, sid, "legacy", host.commit_in)
-        assert report.discarded == [] and report.running == ["t1"]
-        with pytest.raises(SessionBusy) as busy:
-            Turns(store).admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
-        assert busy.value.turn_id == "t1"
+        _still_running(store, host, sid)
     finally:
         out = _finish_first(model, results)
-    _committed_once(store, sid, out)
-    host.model = RecordingModel()
-    assert host.run_turn(S, sid, "next", turn_id="t2").commit_status == "committed"
-    host.dispose()
+    _committed_then_next(store, host, sid, out)
 
 
 class _Scripted:
