@@ -625,3 +625,32 @@ def test_a_malformed_displaced_list_is_ignored_not_a_crash(store: TranscriptStor
         turns.admit(S, sid, user("n"), turn_id="t2", engine_id="legacy")
     assert turns.discard(S, sid, "t1", owner="elsewhere/H")  # nothing live to hand it to: discarded
     turns.admit(S, sid, user("n"), turn_id="t2", engine_id="legacy")
+
+
+def test_reassign_gives_the_turn_back_to_its_only_live_attempt(store: TranscriptStore) -> None:
+    """B ran t1, retry C took it over and died; B's engine then failed before the model (the host moves
+    the turn to legacy): reassign(owner=B) was SessionBusy although B was the only live attempt, and the
+    host then gave the turn up, leaving it abandoned while its caller heard the session was busy."""
+    from sqlalchemy import update
+
+    from transcript_store import outbox as ob
+    from transcript_store.core import now_us
+    from transcript_store.schema import outbox as table
+
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=60))
+    sid = store.create_session(S).session_id
+    first, retry = "elsewhere/B", "elsewhere/C"
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id="legacy", owner=first)
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id="legacy", owner=retry, taken_over=[])
+    past = now_us() - 5_000_000  # the retry died: its lease ran out
+    store.write(lambda c: c.conn.execute(update(table).where(table.c.session_id == sid).values(lease_expires_us=past)))
+    assert store.write(lambda c: ob.reassign(c, S, sid, "t1", "other", first))
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.lease_owner == first and intent.engine_id == "other", intent
+    assert intent.lease_expires_at is not None and intent.lease_expires_at > datetime.now(UTC)
+    row = store.read(lambda c: ob.get_row(c, S, sid, "t1"))
+    assert row is not None and row.displaced_leases is None
+    # a live retry still holds its turn: an earlier attempt may not take it
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id="other", owner=retry, taken_over=[])
+    with pytest.raises(SessionBusy):
+        store.write(lambda c: ob.reassign(c, S, sid, "t1", "legacy", first))

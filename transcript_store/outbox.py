@@ -730,14 +730,21 @@ def reassign(
     its admission and so the session: discarding and admitting again would let another turn in.
 
     With ``owner``, only while that attempt holds the turn: a retry that took it over (another worker,
-    another thread) is running on its engine, and is ``SessionBusy`` for this one. False: no admitted
-    intent (the next admission writes one)."""
+    another thread) is running on its engine, and is ``SessionBusy`` for this one. Unless that retry is
+    gone and ``owner`` is the most recent live attempt it was taken from: the turn is ``owner``'s again
+    (as its keeper's next renewal would make it), and reassigned. False: no admitted intent (the next
+    admission writes one)."""
     row = get_row(core, scope, session_id, turn_id, lock=True)
     if row is None or row.state != "admitted":
         return False
+    ts = now_us()
+    back: dict[str, Any] = {}
     if owner is not None and row.lease_owner != owner:
-        raise SessionBusy(session_id, turn_id, AdmittedLease.of(row).busy_until())
-    q = _UPDATE_ADMITTED.values(engine_id=engine_id, updated_us=now_us())
+        live = _live(parse_displaced(row.displaced_leases), ts)
+        if not (live and live[-1][0] == owner and abandoned(row.lease_owner, row.lease_expires_us, ts)):
+            raise SessionBusy(session_id, turn_id, AdmittedLease.of(row).busy_until())
+        back = {"lease_owner": owner, "lease_expires_us": live[-1][1], "displaced_leases": _dump_displaced(live[:-1])}
+    q = _UPDATE_ADMITTED.values(engine_id=engine_id, updated_us=ts, **back)
     return core.conn.execute(q, _turn_params(scope, session_id, turn_id)).rowcount == 1
 
 
