@@ -165,3 +165,25 @@ def test_after_the_addition_is_reserved_the_runtime_context_has_the_same_budget(
     asked = [kw["token_budget"] for name, kw in engines["add"].calls if name == "assemble"]
     assert len(asked) == 2 and asked[1] < asked[0]
     assert engines["add"].maintained == [(asked[1], asked[1])]
+
+
+class _HugeAddition(_AddingEngine):
+    """Its system-prompt addition alone is larger than the whole prompt budget."""
+
+    addition = "Always recall every summary before answering. " * 2000
+
+
+def test_an_addition_alone_over_the_budget_degrades_the_turn_to_legacy(store: TranscriptStore, sid: str) -> None:
+    """An engine whose addition alone exceeds the prompt's budget: the turn runs on the legacy path and
+    says why (the request was fitted instead: every message of the engine's context dropped, the history
+    lost for the turn, and the addition still over the budget, with only a log line)."""
+    store.append_many(SCOPE, sid, [{"message": {"role": "user", "content": "remember: the code is 4417"}},
+                                   {"message": {"role": "assistant", "content": "noted"}}])
+    host, model = make_host(store, "add", {"add": lambda ctx: _HugeAddition(ctx, "add", owns_compaction=True)},
+                            token_budget=3000, max_output_tokens=200)
+    out = host.run_turn(SCOPE, sid, "what is the code?")
+    assert out.commit_status == "committed" and out.engine_id == "legacy"
+    assert out.degraded_reason is not None and "system-prompt addition of engine add alone" in out.degraded_reason
+    sent = model.requests[-1]
+    assert any("4417" in str(m.get("content")) for m in sent)  # the history reached the model
+    assert not any(_HugeAddition.addition[:40] in str(m.get("content")) for m in sent)

@@ -166,7 +166,8 @@ class SessionBusy(TranscriptStoreError):
     A session runs one turn at a time: admitting a second one before the first is completed or
     discarded would put the second turn's messages inside the first one's range. Nothing was written;
     retry once that turn ends, or after ``lease_expires_at`` (when its worker has died, recovery
-    discards it then).
+    discards it then). A ``lease_expires_at`` already past means every attempt of that turn is gone
+    by now: retry at once. None: the turn holds no lease to wait for.
     """
 
     def __init__(self, session_id: str, turn_id: str, lease_expires_at: datetime | None) -> None:

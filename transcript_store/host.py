@@ -1144,6 +1144,14 @@ class HostRuntime:
         budget = self.prompt_budget(reserved)
         if result.estimated_tokens + extra <= budget:
             return result  # the common case: no addition, or room for it: one assembly
+        if extra >= budget:
+            # The addition alone leaves the engine's context no room: fitting the request would drop all
+            # of that context and still send an addition over the budget. The turn goes to the legacy
+            # path (an engine failure, turn-local: ``_attempt``), and its reason says why.
+            raise EngineContractError(
+                f"the system-prompt addition of engine {info.id} alone is {extra} tokens, and the prompt has"
+                f" {budget} besides the system prompt, the user message, the tools and the reply"
+            )
         again = {**params, "token_budget": self.prompt_budget(reserved + extra)}
         again.pop("prefetched", None)  # the engine reads in its own snapshot, as after a compaction
         if "runtime_settings" in host:
