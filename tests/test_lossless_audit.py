@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from conftest import commit_with as commit
 from conftest import finished_turn, module_store_fixtures, tool_round
-from sqlalchemy import create_engine, insert, select, text, update
+from sqlalchemy import create_engine, event, insert, select, text, update
 
 from engines.lossless import LosslessEngine
 from engines.lossless.audit import Audit, audit
+from engines.lossless.search import SLOT_ROWS
 from engines.lossless.tables import View, context_items, messages, summaries, summary_children, summary_sources
 from transcript_store import TranscriptStore
 from transcript_store.core import Core
@@ -338,3 +339,82 @@ def test_a_healthy_engine_audits_clean_after_many_compactions(store: TranscriptS
     assert result.problems == []
     assert result.covered_entry_ids == {e.entry_id for e in store.read_visible(A, sid)}
     assert result.max_depth >= 2 and result.summaries >= 10, result
+
+
+# ---------------------------------------------------------------------------------------------- the search index
+
+
+def _search_slot(store: TranscriptStore, sid: str) -> int:
+    return int(store.read(lambda c: c.conn.execute(
+        text("SELECT slot FROM ts_lcm_search_slots WHERE scope = :a AND session_id = :s"), {"a": A, "s": sid}
+    ).scalar_one()))
+
+
+def _on_search(store: TranscriptStore, sql: str, **params: Any) -> None:
+    store.write(lambda c: c.conn.execute(text(sql), params))
+
+
+SEARCH_CORRUPTIONS = {
+    # a message's row gone from the index: a search never finds it
+    "missing": ("DELETE FROM ts_lcm_search WHERE rowid = :first + :ref", r"msg_{ref} is not in the search index"),
+    # its indexed text another: found by text it does not hold
+    "stale": ("UPDATE ts_lcm_search SET content = 'nothing of the kind' WHERE rowid = :first + :ref",
+              r"msg_{ref} is in the search index with other text"),
+    # a row the session does not store, in the session's range
+    "extra": ("INSERT INTO ts_lcm_search (rowid, content) VALUES (:first + 999999, 'a ghost')",
+              r"the search index holds msg_999999, which is not stored"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(SEARCH_CORRUPTIONS))
+def test_audit_reports_a_search_index_out_of_step_with_the_rows(
+    store: TranscriptStore, sid: str, built: dict[str, list[Any]], corruption: str
+) -> None:
+    """SQLite's full-text index is kept by triggers (a restore or a hand edit without them is not): a row
+    it lacks is never found by a search, one it holds other text for is found by words it does not say;
+    the audit compares the two (in SQL). PostgreSQL's search column is generated: nothing to corrupt."""
+    if store.backend != "sqlite":
+        pytest.skip("the full-text index table is SQLite's (PostgreSQL's search column is generated)")
+    ref = built["messages"][3].ordinal
+    sql, expected = SEARCH_CORRUPTIONS[corruption]
+    _on_search(store, sql, first=_search_slot(store, sid) * SLOT_ROWS, ref=ref)
+    problems = check(store, sid).problems
+    assert any(re.fullmatch(expected.format(ref=ref), p) for p in problems), problems
+
+
+def test_audit_reports_a_session_missing_from_the_search_index(store: TranscriptStore, sid: str) -> None:
+    """Rows whose session has no slot at all (the slots table restored without it): nothing of it is found."""
+    if store.backend != "sqlite":
+        pytest.skip("the full-text index table is SQLite's (PostgreSQL's search column is generated)")
+    engine = make_engine(store)
+    for i in range(3):
+        turn(store, engine, sid, i)
+    assert check(store, sid).problems == []
+    slot = _search_slot(store, sid)
+    _on_search(store, "DELETE FROM ts_lcm_search_slots WHERE scope = :a AND session_id = :s", a=A, s=sid)
+    try:
+        problems = check(store, sid).problems
+    finally:  # the module's store is shared: a later session would be given this slot and collide
+        _on_search(store, "INSERT INTO ts_lcm_search_slots (slot, scope, session_id) VALUES (:n, :a, :s)",
+                   n=slot, a=A, s=sid)
+    assert check(store, sid).problems == []
+    assert any(re.fullmatch(r"the search index has no slot for the session's \d+ messages and 0 summaries", p)
+               for p in problems), problems
+
+
+def test_audit_reads_no_text(store: TranscriptStore, sid: str, built: dict[str, list[Any]]) -> None:
+    """The audit reads the rows' keys and links, never a message's or summary's text nor an entry's payload:
+    it read every payload of the transcript (hundreds of MB for a session of large tool outputs) and every
+    summary's text, to keep none of it. Its result is the same."""
+    columns: list[str] = []
+
+    def after(_conn: Any, cursor: Any, *_rest: Any) -> None:
+        columns.extend(d[0] for d in cursor.description or ())
+
+    event.listen(store.db.engine, "after_cursor_execute", after)
+    try:
+        result = check(store, sid)
+    finally:
+        event.remove(store.db.engine, "after_cursor_execute", after)
+    assert result.problems == [] and result.messages == len(built["messages"])
+    assert columns and not {"payload", "content", "message"} & set(columns), sorted(set(columns))

@@ -14,21 +14,29 @@ transcript's entries for the branch the engine imported. It reports, one line pe
 - messages: each one's entry is on the branch the engine imported (the path to its cursor's entry,
   which a pending reset has not moved yet) at the position the row states, so a leaf's sources are
   messages of that branch;
-- the view: counters past the rows, tokens and position those of the context, its cursor's position.
+- the view: counters past the rows, tokens and position those of the context, its cursor's position;
+- the search index (SQLite: its triggers keep it; PostgreSQL's search column is generated): each
+  message and summary is in it under its own rowid with its own text, and it holds nothing else of
+  the session.
+
+No text is downloaded: summaries and messages are read without their content, the transcript's
+entries without their payloads, and the search index is compared with the rows in SQL.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, Table, select
+from sqlalchemy import ColumnElement, Row, Table, func, select, text
 
 from transcript_store.core import Core
 from transcript_store.cursors import decode_cursor
+from transcript_store.schema import entries
 
+from .search import KIND_ROWS, KIND_SPAN, SLOT_ROWS, Kind
 from .tables import (
     View,
     context_items,
@@ -42,7 +50,13 @@ from .tables import (
 
 LEVELS = ("normal", "aggressive", "truncated")
 _MESSAGE_COLUMNS = (messages.c.ordinal, messages.c.entry_id, messages.c.position, messages.c.tokens)  # no text
-_ENTRY_PAGE = 200  # entries per read: a page of payloads is what audit holds at most
+#: what audit reads of a summary: everything but its text, and whether it has any
+_SUMMARY_COLUMNS = (
+    *(c for c in summaries.c if c.name != "content"),
+    (func.length(summaries.c.content) > 0).label("has_content"),
+)
+_LINK_COLUMNS = (entries.c.seq, entries.c.entry_id, entries.c.parent_id, entries.c.kind, entries.c.position)
+_ENTRY_PAGE = 5000  # entries per read (their links only: no payload)
 
 
 @dataclass
@@ -101,6 +115,7 @@ def audit(core: Core, scope: str, session_id: str) -> Audit:
     out.covered_entry_ids = {rows.msgs[o].entry_id for o in chain if o in rows.msgs}
     _audit_branch(core, out, scope, session_id, view, rows)
     _audit_view(out, view, rows, chain)
+    _audit_search(core, out, scope, session_id, rows)
     return out
 
 
@@ -120,7 +135,7 @@ def _load(core: Core, scope: str, session_id: str) -> _Rows:
     ci = context_items.c
     return _Rows(
         msgs={r.ordinal: r for r in core.conn.execute(select(*_MESSAGE_COLUMNS).where(*where(messages)))},
-        sums={r.summary_seq: r for r in core.conn.execute(select(summaries).where(*where(summaries)))},
+        sums={r.summary_seq: r for r in core.conn.execute(select(*_SUMMARY_COLUMNS).where(*where(summaries)))},
         sources=sources,
         children=children,
         parents=parents,
@@ -144,7 +159,7 @@ def _audit_summaries(out: Audit, rows: _Rows) -> None:
                                 + ", ".join(map(summary_id, rows.parents[seq])))
         if row.level not in LEVELS:
             out.problems.append(f"{name} has the unknown level {row.level!r}")
-        if not row.content or row.tokens >= row.source_tokens:
+        if not row.has_content or row.tokens >= row.source_tokens:
             out.problems.append(f"{name} is empty or not smaller than what it replaced "
                                 f"({row.tokens} of {row.source_tokens} tokens)")
 
@@ -265,19 +280,28 @@ def _audit_branch(core: Core, out: Audit, scope: str, session_id: str, view: Vie
 def _branch(core: Core, scope: str, session_id: str, last_seq: int) -> dict[int, str]:
     """position -> entry id of the message entries on the path from the root to the entry ``last_seq``.
 
-    The session's entries are read a page at a time and only their links are kept: holding the rows
-    held every payload of the transcript at once (a session of large tool outputs, hundreds of MB).
+    Only the entries' links are read, a page at a time: reading the rows read every payload of the
+    transcript (a session of large tool outputs: hundreds of MB over the wire, to keep none of it).
     """
     links: dict[str, tuple[str | None, int | None]] = {}  # entry id -> (parent id, message position)
     start: str | None = None
     after = -1
-    while page := core.all_rows(scope, session_id, after, _ENTRY_PAGE):
-        for r, _active in page:
+    e = entries.c
+    while True:
+        page = core.conn.execute(
+            select(*_LINK_COLUMNS)
+            .where(e.scope == scope, e.session_id == session_id, e.seq > after)
+            .order_by(e.seq)
+            .limit(_ENTRY_PAGE)
+        ).all()
+        if not page:
+            break
+        for r in page:
             message = r.kind == "message" and r.position is not None
             links[r.entry_id] = (r.parent_id, int(r.position) if message else None)
             if r.seq == last_seq:
                 start = r.entry_id
-        after = page[-1][0].seq
+        after = page[-1].seq
     out: dict[int, str] = {}
     entry = start
     for _ in range(len(links)):  # a path is no longer than the session (a cycle would be)
@@ -310,3 +334,54 @@ def _item_tokens(rows: _Rows, item: Row[Any]) -> int:
     summary = item.summary_seq is not None
     row = rows.sums.get(item.summary_seq) if summary else rows.msgs.get(item.message_ordinal)
     return 0 if row is None else int(row.tokens)
+
+
+#: kind -> (its table, its key column, how a problem names a row)
+_SEARCHED: dict[Kind, tuple[Table, str, Callable[[int], str]]] = {
+    "message": (messages, "ordinal", message_id),
+    "summary": (summaries, "summary_seq", summary_id),
+}
+
+
+def _audit_search(core: Core, out: Audit, scope: str, session_id: str, rows: _Rows) -> None:
+    """SQLite: the full-text index holds every message and summary of the session under its rowid
+    (the session's slot, the kind's half of it, the row's key: revision 0012) with the row's text, and
+    nothing else in the session's rowid range. A search finds candidates there only: a row missing
+    from it is never found, one whose indexed text differs is found by text it no longer has.
+    Compared in SQL, so no text crosses the wire; PostgreSQL's search column is generated."""
+    if not core.dialect.is_sqlite:
+        return
+    key = {"scope": scope, "session_id": session_id}
+    slot = core.conn.execute(
+        text("SELECT slot FROM ts_lcm_search_slots WHERE scope = :scope AND session_id = :session_id"), key
+    ).scalar()
+    if slot is None:
+        if rows.msgs or rows.sums:
+            out.problems.append(f"the search index has no slot for the session's {len(rows.msgs)} messages"
+                                f" and {len(rows.sums)} summaries")
+        return
+    for kind, (table, column, name) in _SEARCHED.items():
+        first = int(slot) * SLOT_ROWS + KIND_ROWS[kind]
+        params = {**key, "first": first, "last": first + KIND_SPAN - 1}
+        differ = core.conn.execute(
+            text(
+                f"SELECT t.{column} AS ref, f.rowid IS NULL AS missing FROM {table.name} AS t"
+                f" LEFT JOIN ts_lcm_search AS f ON f.rowid = :first + t.{column}"
+                " WHERE t.scope = :scope AND t.session_id = :session_id"
+                " AND (f.rowid IS NULL OR f.content IS NOT t.content)"
+                f" ORDER BY t.{column}"
+            ),
+            params,
+        ).all()
+        for r in differ:
+            what = "is not in the search index" if r.missing else "is in the search index with other text"
+            out.problems.append(f"{name(r.ref)} {what}")
+        extra = core.conn.execute(
+            text(
+                "SELECT f.rowid - :first AS ref FROM ts_lcm_search AS f WHERE f.rowid BETWEEN :first AND :last"
+                f" AND NOT EXISTS (SELECT 1 FROM {table.name} AS t WHERE t.scope = :scope"
+                f" AND t.session_id = :session_id AND t.{column} = f.rowid - :first) ORDER BY f.rowid"
+            ),
+            params,
+        ).all()
+        out.problems += [f"the search index holds {name(r.ref)}, which is not stored" for r in extra]
