@@ -526,6 +526,31 @@ class Database:
                 ).scalar(),
                 # NULL (None) on a server without the setting, rather than an error
                 "plan_cache_mode": conn.exec_driver_sql("SELECT current_setting('plan_cache_mode', true)").scalar(),
+                "id_order": _pg_id_order(conn),
             }
 
         return self.read(probe)
+
+
+#: ids that sort one way by code point and another by the usual linguistic collations
+_ORDER_PROBE = ("B", "_x", "a", "\u00e4")
+
+
+def _pg_id_order(conn: Connection) -> str:
+    """How the database orders ids (its default collation): code point order as SQLite, or not.
+
+    Listings ordered and paged by id (``list_sessions``, the outbox's sessions) follow the database's
+    collation: created with a linguistic one (``en_US.UTF-8``, an ICU locale), they list the same ids
+    in another order than SQLite, and an ``after`` id starts a page elsewhere. Told by sorting probe ids
+    rather than by the collation's name (an ICU database names a libc one too)."""
+    values = ", ".join(f"('{v}')" for v in _ORDER_PROBE)
+    got = [r[0] for r in conn.exec_driver_sql(f"SELECT v FROM (VALUES {values}) AS t(v) ORDER BY v")]
+    if got == sorted(_ORDER_PROBE):
+        return "code point (as SQLite)"
+    # Whole rows as JSON: the ICU locale's column is daticulocale in PostgreSQL 15-16, datlocale from 17.
+    row = conn.exec_driver_sql("SELECT to_jsonb(d) FROM pg_database AS d WHERE datname = current_database()").scalar()
+    info = row if isinstance(row, dict) else {}
+    icu = info.get("datlocale") or info.get("daticulocale") if info.get("datlocprovider") == "i" else None
+    name = f"ICU {icu}" if icu else info.get("datcollate", "?")
+    return (f"the database's collation ({name}), not SQLite's code point order: ids list in another order"
+            " (a database created with LC_COLLATE C and the libc provider lists them as SQLite)")
