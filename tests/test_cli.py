@@ -488,6 +488,22 @@ def test_outbox_status_drain_recover(db: tuple[str, Path]) -> None:
     one_error_line(run("outbox", "recover", "nope", "--db", url, cwd=work, code=3))
 
 
+def test_outbox_recover_counts_the_turns_queued_for_every_engine(db: tuple[str, Path]) -> None:
+    """Recovery's report counts every turn left queued, not only the selected engine's: turns queued for
+    another engine (here one not installed, whose delivery fails) were reported "pending 0" under the
+    default engine, and "pending 2" for the same rows with that engine selected."""
+    url, work = db
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="s6")
+        turns = Turns(store)
+        for t in ("turn-a", "turn-b"):
+            turns.admit(SCOPE, "s6", user(f"q {t}"), turn_id=t, engine_id="gone-engine")
+            turns.complete(SCOPE, "s6", t, [{"message": assistant(f"a {t}")}], None)
+    report = run_json("outbox", "recover", "s6", "--db", url, cwd=work, code=1)
+    assert report[0]["pending"] == ["turn-a", "turn-b"]
+    assert "pending 2" in run("outbox", "recover", "s6", "--db", url, cwd=work, code=1).stdout
+
+
 def test_outbox_block_lets_the_later_turns_of_a_poisoned_engine_go_on(db: tuple[str, Path]) -> None:
     """A turn queued for an engine that can never take it (here: not installed) fails every drain; an
     operator blocks it with a reason (--yes), `outbox status` shows who blocked it and why."""

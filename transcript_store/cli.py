@@ -907,7 +907,7 @@ def outbox_recover(session: str | None) -> None:
                         "duplicates": r.drain.duplicates,
                         "blocked": r.drain.blocked,
                         "failed": [{"turn_id": t, "error": e} for _s, t, e in r.drain.failed],
-                        "pending": r.pending,
+                        "pending": r.queued,
                     })
             finally:
                 runtime.dispose()

@@ -60,7 +60,10 @@ class RecoveryReport:
 
     discarded: list[str] = field(default_factory=list)
     drain: DrainReport = field(default_factory=DrainReport)
+    #: turns of the session still queued for the engine recovery ran for (what ``must_degrade`` reads)
     pending: list[str] = field(default_factory=list)
+    #: every turn of the session still in the outbox, of any engine (admitted, accepted or ready: not blocked)
+    queued: list[str] = field(default_factory=list)
     #: admitted turns of the session (any engine) whose worker still runs them: a new turn is refused
     #: (``SessionBusy``) until they end
     running: list[str] = field(default_factory=list)
@@ -646,6 +649,7 @@ class Turns:
 
         def tell(pending: list[TurnIntent]) -> None:
             report.pending = [i.turn_id for i in pending if i.engine_id == engine_id]
+            report.queued = [i.turn_id for i in pending]
             report.running = [i.turn_id for i in pending if i.state == "admitted"]
 
         # Every turn runs this first; almost always there is nothing to recover. One snapshot answers
