@@ -227,6 +227,25 @@ def test_init_current_upgrade(empty_url: str, backend: str, tmp_path: Path) -> N
     assert run_json("sessions", "list", "--db", empty_url, cwd=tmp_path) == []
 
 
+def test_an_empty_postgresql_database_is_advised_init_not_upgrade(
+    empty_url: str, backend: str, tmp_path: Path
+) -> None:
+    """Commands that create a store on SQLite refuse an empty PostgreSQL database (no migration on open):
+    their advice said `upgrade`, which refuses a database without a store in turn (exit 4 twice)."""
+    if backend != "postgresql":
+        pytest.skip("SQLite: these commands create the store")
+    for args in (["chat", "--session", "x"], ["sessions", "list"]):
+        line = one_error_line(run(*args, "--db", empty_url, cwd=tmp_path, code=4, stdin="hi\n"))
+        assert "`transcript-store init" in line and "upgrade --db" not in line, (args, line)
+    db = Database(StoreConfig(url=empty_url))
+    try:
+        migrate.upgrade(db, "0001")
+    finally:
+        db.dispose()
+    line = one_error_line(run("sessions", "list", "--db", empty_url, cwd=tmp_path, code=4))
+    assert "`transcript-store upgrade --db URL`" in line, line  # a store that is behind: upgrade it
+
+
 def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Path) -> None:
     db = Database(StoreConfig(url=empty_url))
     try:

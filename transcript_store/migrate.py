@@ -103,7 +103,10 @@ def ensure_current(db: Database, auto_upgrade: bool) -> None:
     if auto_upgrade:
         upgrade(db)
         return
+    # An empty database (PostgreSQL: a store is never created on open there) is made a store by init;
+    # upgrade migrates an existing store only, and would refuse it.
+    command_line = "upgrade" if current else "init"
     raise SchemaNotCurrent(
         f"database schema is at revision {current or 'none'}, this library needs {head}: "
-        "run `transcript-store upgrade --db URL` (or, in Python, TranscriptStore.upgrade_url(url))"
+        f"run `transcript-store {command_line} --db URL` (or, in Python, TranscriptStore.upgrade_url(url))"
     )
