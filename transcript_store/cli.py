@@ -1517,7 +1517,10 @@ def openclaw() -> None:
 
 def check_service_url(url: str) -> None:
     """Refuse a --service-url that is not a plain http(s) URL with a host and a valid port, as a usage error."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # an unclosed IPv6 bracket: "Invalid IPv6 URL"
+        raise CommandError(f"--service-url {url!r}: {e}", EXIT_USAGE) from None
     problem = None
     if "@" in parts.netloc:
         # The plugin refuses it when OpenClaw builds the engine; quoted here, the password would be on the

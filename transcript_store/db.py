@@ -234,6 +234,14 @@ def parse_url(url: str) -> URL:
             # A file: URI's path is not a file name: the store's file checks (a read command never
             # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
             raise InvalidInput(SQLITE_URI_REFUSED)
+        if parsed.query:
+            # The store sets its connections' options itself (timeout, threads, its own transactions);
+            # sqlite3's in a URL were either overridden or, malformed (?timeout=abc), a ValueError from
+            # the driver when the first connection opened.
+            raise InvalidInput(
+                f"a SQLite URL takes no query parameters (?{'&'.join(sorted(parsed.query))}): the store sets"
+                " its connections' options (the lock wait: TRANSCRIPT_STORE_BUSY_TIMEOUT_MS)"
+            )
     elif backend != "postgresql":
         raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
     return parsed
