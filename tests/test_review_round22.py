@@ -7,13 +7,19 @@ address afterwards.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
+from service_process import ServiceProcess
 from test_cli import one_error_line, run
+from test_service import TOKEN_A, TOKEN_B, db_url, server
 
 from transcript_store import InvalidInput
 from transcript_store.db import parse_url
+
+__all__ = ["db_url", "server"]  # test_service's fixtures, used here
 
 # ---------------------------------------------------------------------------------------------- usage errors
 
@@ -33,3 +39,44 @@ def test_a_sqlite_url_with_query_parameters_is_a_usage_error(query: str, tmp_pat
     line = one_error_line(run("current", "--db", url, cwd=tmp_path, code=2))
     assert "no query parameters" in line and "internal error" not in line, line
     assert not (tmp_path / "x.db").exists()
+
+
+# ---------------------------------------------------------------------------------------------- ids in paths
+
+#: ids whose characters a path decodes: a slash, a percent sign and what looks like an escape, both
+IDS = ["team/alice", "100%", "a%2Fb", "caf\u00e9/\u00fc?#", "x%252F"]
+
+
+@pytest.mark.parametrize("sid", IDS)
+def test_the_service_reaches_a_session_whatever_its_id_holds(server: ServiceProcess, sid: str) -> None:
+    """A session id with a slash, created through the service (the id is in a JSON body), was answered
+    404 "Not Found" on every route naming it (sent as team%2Falice, the server decoded the path before
+    routing: two segments). Every route reaches it, by its exact id, in its own scope only."""
+    sid = f"{sid}-{uuid.uuid4().hex[:6]}"
+    status, created = server.call("POST", "/v1/sessions", TOKEN_A, {"session_id": sid})
+    assert status == 200 and created["session_id"] == sid, created
+    path = f"/v1/sessions/{quote(sid, safe='')}"
+    status, got = server.call("GET", path, TOKEN_A)
+    assert status == 200 and got["session_id"] == sid, got
+    items = [{"message": {"role": "user", "content": "hello"}, "entry_id": "e1"}]
+    status, appended = server.call("POST", f"{path}/entries", TOKEN_A, {"items": items})
+    assert status == 200 and [e["entry_id"] for e in appended["entries"]] == ["e1"], appended
+    status, page = server.call("POST", f"{path}/delta", TOKEN_A, {})
+    assert status == 200 and [e["entry_id"] for e in page["entries"]] == ["e1"], page
+    status, bootstrap = server.call("GET", f"/v1/engines/legacy/sessions/{quote(sid, safe='')}/bootstrap", TOKEN_A)
+    assert status == 200, bootstrap
+    # another scope: the same id is no session there
+    status, err = server.call("GET", path, TOKEN_B)
+    assert status == 404 and err["error"]["code"] == "session_not_found", err
+
+
+def test_an_id_that_differs_from_another_only_by_an_escape_is_another_session(server: ServiceProcess) -> None:
+    """``a/b`` and ``a%2Fb`` are two ids: each path reaches its own session, never the other's."""
+    tag = uuid.uuid4().hex[:6]
+    for sid in (f"a/b-{tag}", f"a%2Fb-{tag}"):
+        assert server.call("POST", "/v1/sessions", TOKEN_A, {"session_id": sid})[0] == 200
+    for sid in (f"a/b-{tag}", f"a%2Fb-{tag}"):
+        status, got = server.call("GET", f"/v1/sessions/{quote(sid, safe='')}", TOKEN_A)
+        assert status == 200 and got["session_id"] == sid, got
+    status, err = server.call("GET", f"/v1/sessions/a/b-{tag}", TOKEN_A)  # unescaped: two segments, no route
+    assert status == 404 and err["error"]["code"] == "not_found", err

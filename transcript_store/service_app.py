@@ -16,12 +16,14 @@ import socket
 import uuid
 from collections.abc import Callable, MutableMapping
 from typing import Annotated, Any
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
@@ -294,6 +296,74 @@ def caller(
     return scope
 
 
+# ---------------------------------------------------------------------------------------------- ids in paths
+
+
+def _encode_segment(segment: str) -> str:
+    """A path segment as the routes see it: its ``%`` and ``/`` escaped, nothing else."""
+    return segment.replace("%", "%25").replace("/", "%2F")
+
+
+class _Segment(Convertor[str]):
+    """A path parameter that is one segment of the path as sent (``{session_id:segment}``): the id itself,
+    whatever characters it holds (see ``PathSegments``)."""
+
+    regex = "[^/]+"
+
+    def convert(self, value: str) -> str:
+        """The id: the segment's ``%25`` and ``%2F`` decoded (the only escapes ``PathSegments`` leaves)."""
+        return unquote(value)
+
+    def to_string(self, value: str) -> str:
+        """The segment of an id."""
+        return _encode_segment(value)
+
+
+register_url_convertor("segment", _Segment())
+
+
+class PathSegments:
+    """Route on the path's segments as the client sent them.
+
+    The server decodes the path before routing, so a session id holding a slash, sent as ``team%2Falice``,
+    arrived as two segments: the service created such a session (its id in a JSON body) and then
+    answered 404 on every route that names it. Here the path the routes match is rebuilt from the raw
+    path, each segment decoded and only its ``%`` and ``/`` escaped again; every id parameter is a
+    ``segment``, which decodes those two. A path that is not raw ASCII, or whose raw form does not decode
+    to the server's path (a proxy rewrote one of them), is taken as the server decoded it: its segments
+    as they are, ``%`` escaped."""
+
+    def __init__(self, app: Any) -> None:
+        """Wrap an ASGI app."""
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on with its path rebuilt (HTTP only)."""
+        if scope["type"] == "http":
+            scope = {**scope, "path": _route_path(scope)}
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: MutableMapping[str, Any]) -> str:
+    """The path the routes match: ``root_path`` as it is, the rest segment by segment (``PathSegments``)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path") or ""
+    if not path.startswith(root):
+        root = ""
+    rest = path[len(root) :]
+    raw = scope.get("raw_path")
+    if isinstance(raw, bytes):
+        try:
+            text = raw.split(b"?", 1)[0].decode("ascii")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and text.startswith(root):
+            segments = [unquote(s) for s in text[len(root) :].split("/")]
+            if "/".join(segments) == rest:
+                return root + "/".join(map(_encode_segment, segments))
+    return root + "/".join(map(_encode_segment, rest.split("/")))
+
+
 Scope = Annotated[str, Depends(caller)]
 
 
@@ -315,6 +385,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     app.state.max_body_bytes = max_body_bytes
     _errors(app)
     _routes(app, service)
+    app.add_middleware(PathSegments)
     app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     _protect_openapi(app)
@@ -392,22 +463,22 @@ def _routes(app: FastAPI, service: Service) -> None:
         """The active session holding ``session_key``, or the scope's sessions in id order."""
         return SessionList(sessions=service.list_sessions(scope, session_key, after, limit))
 
-    @app.get("/v1/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
+    @app.get("/v1/sessions/{session_id:segment}", response_model=SessionInfo, tags=["sessions"])
     def get_session(scope: Scope, session_id: str) -> SessionInfo:
         """One session."""
         return service.get_session(scope, session_id)
 
-    @app.post("/v1/sessions/{session_id}/delta", response_model=DeltaPage | DeltaReset, tags=["sessions"])
+    @app.post("/v1/sessions/{session_id:segment}/delta", response_model=DeltaPage | DeltaReset, tags=["sessions"])
     def delta(scope: Scope, session_id: str, body: DeltaRequest) -> DeltaPage | DeltaReset:
         """Visible messages after a cursor: a page, or a reset to rebuild from."""
         return service.delta(scope, session_id, body)
 
-    @app.post("/v1/sessions/{session_id}/entries", response_model=EntryList, tags=["sessions"])
+    @app.post("/v1/sessions/{session_id:segment}/entries", response_model=EntryList, tags=["sessions"])
     def append(scope: Scope, session_id: str, body: AppendRequest) -> EntryList:
         """Append entries at the head (idempotent per entry id / idempotency key)."""
         return EntryList(entries=service.append(scope, session_id, body))
 
-    @app.post("/v1/sessions/{session_id}/admissions", response_model=Admission, tags=["sessions"])
+    @app.post("/v1/sessions/{session_id:segment}/admissions", response_model=Admission, tags=["sessions"])
     def admit(scope: Scope, session_id: str, body: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""
         return service.admit(scope, session_id, body)
@@ -417,13 +488,13 @@ def _routes(app: FastAPI, service: Service) -> None:
         """Every engine the service can run."""
         return EngineList(engines=service.engines())
 
-    @app.get("/v1/engines/{engine}", response_model=EngineDescriptionWithLimits, tags=["engines"])
+    @app.get("/v1/engines/{engine:segment}", response_model=EngineDescriptionWithLimits, tags=["engines"])
     def describe(scope: Scope, engine: str) -> EngineDescriptionWithLimits:
         """An engine's declarations, and the service's limits (``limits``, bytes) on what its sessions take."""
         limits = ServiceLimits(**service.limits(), max_body_bytes=app.state.max_body_bytes)
         return EngineDescriptionWithLimits(**dict(service.describe(engine)), limits=limits)
 
-    prefix = "/v1/engines/{engine}/sessions/{session_id}"
+    prefix = "/v1/engines/{engine:segment}/sessions/{session_id:segment}"
 
     @app.get(f"{prefix}/bootstrap", response_model=BootstrapState, tags=["engines"])
     def bootstrap_state(scope: Scope, engine: str, session_id: str) -> BootstrapState:
