@@ -351,6 +351,9 @@ def _audit_search(core: Core, out: Audit, scope: str, session_id: str, rows: _Ro
     Compared in SQL, so no text crosses the wire; PostgreSQL's search column is generated."""
     if not core.dialect.is_sqlite:
         return
+    slots = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ts_lcm_search_slots'"
+    if core.conn.execute(text(slots)).first() is None:
+        return  # a schema before revision 0012, whose index is keyed otherwise (its upgrade rebuilds it)
     key = {"scope": scope, "session_id": session_id}
     slot = core.conn.execute(
         text("SELECT slot FROM ts_lcm_search_slots WHERE scope = :scope AND session_id = :session_id"), key
