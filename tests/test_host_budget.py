@@ -187,3 +187,28 @@ def test_an_addition_alone_over_the_budget_degrades_the_turn_to_legacy(store: Tr
     sent = model.requests[-1]
     assert any("4417" in str(m.get("content")) for m in sent)  # the history reached the model
     assert not any(_HugeAddition.addition[:40] in str(m.get("content")) for m in sent)
+
+
+class _GrowingAddition(_AddingEngine):
+    """A modest addition at first; asked again with it reserved, one larger than the whole budget."""
+
+    asked = 0
+
+    def assemble(self, **kw: Any) -> AssembleResult:
+        self.asked += 1
+        result = super().assemble(**kw)
+        addition = "Recall. " * (300 if self.asked % 2 == 1 else 3000)
+        return result.model_copy(update={"system_prompt_addition": addition})
+
+
+def test_a_second_addition_alone_over_the_budget_degrades_the_turn_too(store: TranscriptStore, sid: str) -> None:
+    """The check held for the first answer only: an engine asked again whose addition then outgrew the
+    budget had its request sent over the budget, on the engine, with a log line."""
+    store.append_many(SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                                "content": "word " * 200}} for i in range(20)])
+    host, model = make_host(store, "g", {"g": lambda ctx: _GrowingAddition(ctx, "g", owns_compaction=True)},
+                            token_budget=2000, max_output_tokens=200)
+    out = host.run_turn(SCOPE, sid, "hello")
+    assert out.engine_id == "legacy" and out.degraded_reason is not None
+    assert "system-prompt addition of engine g alone" in out.degraded_reason
+    assert not any("Recall. Recall." in str(m.get("content")) for m in model.requests[-1])

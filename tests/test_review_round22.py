@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
+from hosting import CountingEngine
 from service_process import ServiceProcess
 from test_cli import one_error_line, run
+from test_host import SCOPE as HOST_SCOPE
+from test_host import make_host
 from test_service import TOKEN_A, TOKEN_B, db_url, server
 
-from transcript_store import InvalidInput
+from transcript_store import InvalidInput, TranscriptStore
 from transcript_store.db import parse_url
+from transcript_store.errors import EngineError
 
 __all__ = ["db_url", "server"]  # test_service's fixtures, used here
 
@@ -80,3 +85,36 @@ def test_an_id_that_differs_from_another_only_by_an_escape_is_another_session(se
         assert status == 200 and got["session_id"] == sid, got
     status, err = server.call("GET", f"/v1/sessions/a/b-{tag}", TOKEN_A)  # unescaped: two segments, no route
     assert status == 404 and err["error"]["code"] == "not_found", err
+
+
+# ---------------------------------------------------------------------------------------------- host
+
+
+class _BadCompact(CountingEngine):
+    def compact(self, **kw: Any) -> Any:
+        raise KeyError("engine bug in compact")
+
+
+class _BadBootstrap(CountingEngine):
+    def bootstrap(self, **kw: Any) -> Any:
+        raise ValueError("engine bug in bootstrap")
+
+
+class _BadSchemas(CountingEngine):
+    def get_tool_schemas(self) -> Any:
+        raise ZeroDivisionError("engine bug in get_tool_schemas")
+
+
+@pytest.mark.parametrize("bad", [_BadCompact, _BadBootstrap, _BadSchemas])
+def test_a_manual_compaction_whose_engine_raises_is_a_typed_error(store: TranscriptStore, bad: type) -> None:
+    """An engine's own exception in compact, its bootstrap before it or its tool schemas came out of
+    HostRuntime.compact as it was (KeyError...): the CLI's chat loop, which handles the library's errors,
+    ended the session on /compact with "an internal error". It is EngineError now, the engine quarantined."""
+    sid = store.create_session(HOST_SCOPE, session_id=f"s-{uuid.uuid4().hex[:8]}").session_id
+    host, _model = make_host(store, "x", {"x": lambda ctx: bad(ctx, "x")})
+    try:
+        with pytest.raises(EngineError, match=r"engine 'x' failed during compaction: .*engine bug"):
+            host.compact(HOST_SCOPE, sid)
+        assert "x" in host.quarantined
+    finally:
+        host.dispose()

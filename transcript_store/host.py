@@ -15,7 +15,8 @@ import json
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -1144,14 +1145,7 @@ class HostRuntime:
         budget = self.prompt_budget(reserved)
         if result.estimated_tokens + extra <= budget:
             return result  # the common case: no addition, or room for it: one assembly
-        if extra >= budget:
-            # The addition alone leaves the engine's context no room: fitting the request would drop all
-            # of that context and still send an addition over the budget. The turn goes to the legacy
-            # path (an engine failure, turn-local: ``_attempt``), and its reason says why.
-            raise EngineContractError(
-                f"the system-prompt addition of engine {info.id} alone is {extra} tokens, and the prompt has"
-                f" {budget} besides the system prompt, the user message, the tools and the reply"
-            )
+        self._check_addition(info, extra, budget)
         again = {**params, "token_budget": self.prompt_budget(reserved + extra)}
         again.pop("prefetched", None)  # the engine reads in its own snapshot, as after a compaction
         if "runtime_settings" in host:
@@ -1163,11 +1157,24 @@ class HostRuntime:
         if isinstance(rt, RuntimeContext):  # and so does a built-in compaction delegated from there
             rt.budget = again["token_budget"]
         result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**again)))
-        over = result.estimated_tokens + self._addition_tokens(result.system_prompt_addition) - budget
+        extra = self._addition_tokens(result.system_prompt_addition)
+        self._check_addition(info, extra, budget)  # the second answer's addition may have grown
+        over = result.estimated_tokens + extra - budget
         if over > 0:
             log.warning("engine %s: the assembled context and its system-prompt addition are %d tokens over the"
                         " prompt's budget even with the addition reserved", info.id, over)
         return result
+
+    @staticmethod
+    def _check_addition(info: EngineInfo, extra: int, budget: int) -> None:
+        """EngineContractError when an addition alone takes the prompt's whole budget: fitting the request
+        would drop all of the engine's context and still send an addition over the budget. The turn goes
+        to the legacy path (an engine failure, turn-local: ``_attempt``), and its reason says why."""
+        if extra >= budget:
+            raise EngineContractError(
+                f"the system-prompt addition of engine {info.id} alone is {extra} tokens, and the prompt has"
+                f" {budget} besides the system prompt, the user message, the tools and the reply"
+            )
 
     @staticmethod
     def _with_budget(settings: RuntimeSettings, budget: int) -> RuntimeSettings:
@@ -1418,28 +1425,45 @@ class HostRuntime:
         # The prompt's budget, as before a prompt (the budget less the reply, the system prompt and the
         # tools' schemas; no user message is known here): a compaction to the whole token_budget would
         # leave more than assemble then takes.
-        tools = [s for s, _ in self.host_tools.values()] + list(self._engine_tools(engine, info).values())
-        budget = self.prompt_budget(self._carried_tokens(tools))
-        rt = RuntimeContext(self, scope, session_id, None, None, budget)
-        host = {"session_key": sess.session_key, "runtime_context": rt}
-        self._bootstrap_before_compaction(engine, info, scope, session_id, host)
-        base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
-        params = project_params(info, base, host)
-        # Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
-        # (quarantined), as an exception of its compact is, not a ValidationError out of the host.
-        def run() -> CompactResult:
-            answer = engine.compact(**params)
-            try:
-                return CompactResult.model_validate(answer)
-            except ValidationError as e:
-                raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+        with self._typed_engine_errors(info.id, "compaction"):
+            tools = [s for s, _ in self.host_tools.values()] + list(self._engine_tools(engine, info).values())
+            budget = self.prompt_budget(self._carried_tokens(tools))
+            rt = RuntimeContext(self, scope, session_id, None, None, budget)
+            host = {"session_key": sess.session_key, "runtime_context": rt}
+            self._bootstrap_before_compaction(engine, info, scope, session_id, host)
+            base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
+            params = project_params(info, base, host)
 
-        result = self._call(info.id, "compact", run)
+            # Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
+            # (quarantined), as an exception of its compact is, not a ValidationError out of the host.
+            def run() -> CompactResult:
+                answer = engine.compact(**params)
+                try:
+                    return CompactResult.model_validate(answer)
+                except ValidationError as e:
+                    raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+
+            result = self._call(info.id, "compact", run)
         current = self.follow(scope, session_id, result.session_target)
         if result.compacted:  # the contract's "maintain follows a compaction"
             # a successor session is not the one the runtime context and session key were made for
             self._maintain(engine, info, scope, current, host if current == session_id else {}, "a compaction")
         return result
+
+    @contextmanager
+    def _typed_engine_errors(self, engine_id: str, operation: str) -> Iterator[None]:
+        """An engine's own exception (a KeyError of its code) as ``EngineError``, the store's errors as
+        they are (a driver's translated): an operation outside a turn has no legacy path to fall back
+        to, and its caller (the CLI's chat loop, an operator's script) handles the library's errors. The
+        engine is quarantined as for any failed call (``_call``)."""
+        try:
+            yield
+        except TranscriptStoreError:
+            raise
+        except DBAPIError as e:
+            raise self.store.db.translate(e) from e
+        except Exception as e:
+            raise EngineError(f"engine {engine_id!r} failed during {operation}: {describe(e)}") from e
 
     def _bootstrap_before_compaction(
         self, engine: Any, info: EngineInfo, scope: str, session_id: str, host: dict[str, Any]
