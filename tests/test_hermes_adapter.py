@@ -484,3 +484,48 @@ def test_a_plugin_folder_engine_installed_for_hermes_loads_and_its_addition_is_r
     assert est.count_messages(out) + overhead <= aim, (est.count_messages(out) + overhead, aim)
     assert_once(engine, "s1", messages[1:])
     engine.close()
+
+
+def _persisted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What Hermes' turn-end flush to its session database leaves on every message it saved."""
+    return [{**m, "_db_persisted": True} for m in copy.deepcopy(messages)]
+
+
+def test_an_answer_hermes_saved_to_its_session_database_is_recognised(tmp_path: Path) -> None:
+    """Hermes marks every message it saves to its session database (``_db_persisted``: the CLI and the
+    gateway always have one), so the compress answer it took comes back marked. The candidate was
+    fingerprinted without the mark and matched with it: never adopted. With ``in_place: false`` (a new
+    Hermes session id at each compaction) every compaction then started an empty store session, and the
+    earlier summaries and the recall tools' history were gone from the lineage."""
+    engine = make(tmp_path)
+    engine.on_session_start("hermes-A")
+    first = engine.compress(conversation("alpha", 12))
+    assert engine.compression_count == 1
+    engine.on_session_start("hermes-B", boundary_reason="compression", old_session_id="hermes-A")
+    second = engine.compress(_persisted(first) + conversation("beta", 12))
+    summaries = "\n".join(str(m["content"]) for m in second if is_context_message(m))
+    assert "alpha" in summaries, "the first compaction's summaries are not in the lineage's answer"
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}))
+    assert found.get("count", 0) >= 1, found
+    # the answer sent back unchanged, marked, is ours: no compaction again
+    count = engine.compression_count
+    again = _persisted(second)
+    assert engine.compress(again) == again and engine.compression_count == count
+    engine.close()
+
+
+def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_lineage(tmp_path: Path) -> None:
+    """Hermes with ``in_place: false`` moves to a new session id after a compaction and says so
+    (``on_session_start(new, boundary_reason="compression", old_session_id=old)``). The turns after it
+    stay under the trigger (no compress links the new id through its adopted answer), and their recall
+    tools ran in a new, empty store session: lcm_grep found nothing of the conversation."""
+    engine = make(tmp_path)
+    engine.on_session_start("hermes-A")
+    engine.compress(conversation("alpha", 12))
+    engine.on_session_start("hermes-B", boundary_reason="compression", old_session_id="hermes-A")
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}))
+    assert found.get("count", 0) >= 1, found
+    # a new conversation (no compaction boundary) is a session of its own
+    engine.on_session_start("hermes-C", boundary_reason="new_session", old_session_id="hermes-B")
+    assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"})).get("count") == 0
+    engine.close()

@@ -589,8 +589,12 @@ class TranscriptStoreEngineMixin:
         self._load_candidates(rt, refresh=refresh)
         with rt.lock:
             lengths = sorted({c.length for c in rt.candidates.values() if c.length <= len(body)}, reverse=True)
+        # Fingerprinted without the host's bookkeeping, as the answer was (``_record_candidate``): Hermes
+        # marks every message it saved to its session database (``_db_persisted``), so the answer it took
+        # comes back marked, and a raw fingerprint never matched: no candidate adopted, no lineage.
+        cleaned = [clean(m) for m in body[: lengths[0]]] if lengths else []
         for n in lengths:
-            fp = digest(canonical(body[:n]))
+            fp = digest(canonical(cleaned[:n]))
             with rt.lock:
                 cand = rt.candidates.get(fp)
             if cand is not None and cand.length == n:
@@ -710,7 +714,7 @@ class TranscriptStoreEngineMixin:
 
     def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
         """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
-        cand = _Candidate(digest(canonical(body)), len(body), store_session, n)
+        cand = _Candidate(digest(canonical([clean(m) for m in body])), len(body), store_session, n)
         index = rt.store.open_session(self.scope, INDEX_KEY)
         rt.store.append(
             self.scope, index.session_id, kind="metadata",
@@ -915,8 +919,24 @@ class TranscriptStoreEngineMixin:
             return None
 
     def on_session_start(self, session_id: str, **kwargs: Any) -> None:
-        """Remember the Hermes session id (the store session opens lazily)."""
+        """Remember the Hermes session id (the store session opens lazily); a compaction boundary that
+        moves to a new id (``boundary_reason="compression"``, ``old_session_id``) continues the old id's
+        store session under the new one."""
         self.session_id = session_id
+        old = kwargs.get("old_session_id")
+        if kwargs.get("boundary_reason") != "compression" or not isinstance(old, str) or not old:
+            return
+        if not isinstance(session_id, str) or not session_id or old == session_id:
+            return  # in place: the same id, the same store session
+        # Without this, the turns after a rotation (below the trigger: no compress, whose adopted
+        # candidate would link the new id) ran their recall tools in a new, empty store session.
+        try:
+            rt = self.runtime()
+            lineage = self._store_session(rt, old)
+            with rt.lock:
+                rt.aliases[session_id] = lineage
+        except Exception:  # never an error into Hermes: the next compress links the lineage too
+            log.exception("transcript-store: could not continue session %s under %s", old, session_id)
 
     def on_session_end(self, session_id: str, messages: list[dict[str, Any]]) -> None:
         """Store whatever of the conversation is not stored yet (idempotent)."""

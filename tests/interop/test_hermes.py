@@ -330,3 +330,48 @@ def test_a_turn_over_the_trigger_by_itself_reaches_the_model_whole_and_the_next_
     stored = [key(m) for m in engine.stored_messages(agent.session_id)]
     assert not [k for k in expected if k not in stored], "a message was never stored"
     assert len(stored) == len(set(stored))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_with_a_session_database_every_compaction_continues_one_lineage(
+    home: Path, server: FakeOpenAI, in_place: bool
+) -> None:
+    """The `hermes` CLI and gateway run with a session database, and Hermes marks every message it saved
+    there (``_db_persisted``): the compress answer it took came back marked and was never recognised. No
+    candidate was adopted; with ``in_place: false`` (a new Hermes session id at each compaction) each
+    compaction began an empty store session: the earlier summaries left the model's context and the
+    recall tools could not find the first turns."""
+    import uuid
+
+    from hermes_state import SessionDB
+    from run_agent import AIAgent
+
+    from transcript_store.hermes import CONTEXT_MARKER
+
+    server.reset()
+    agent = AIAgent(
+        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
+        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True,
+        session_db=SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db"),
+    )
+    agent.compression_in_place = in_place
+    engine = agent.context_compressor
+    engine.threshold_percent = 6000
+    engine.update_model(engine.model, engine.context_length)
+    words = " ".join(["filler"] * 700)
+    history: list[dict[str, Any]] | None = None
+    marked = 0
+    for i in range(14):
+        history = agent.run_conversation(f"fig{i} turn {i}: about topic fig{i}. {words}",
+                                         conversation_history=history)["messages"]
+        marked += sum(1 for m in history if isinstance(m, dict) and m.get("_db_persisted"))
+    assert marked, "Hermes marked no message it saved: the case under test did not arise"
+    rt = engine.runtime()
+    assert engine.compression_count >= 2 and rt.adopted, (engine.compression_count, rt.adopted)
+    assert len(set(rt.aliases.values())) == 1, rt.aliases  # one store session for the whole lineage
+    last = " ".join(str(m.get("content")) for m in server.chat_requests[-1]["messages"]
+                    if CONTEXT_MARKER in str(m.get("content")))
+    assert "fig0" in last or "fig1" in last, "the first turns' summaries left the model's context"
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "fig0 turn 0"}))
+    assert found.get("count", 0) >= 1, found
+    agent.shutdown_memory_provider(history)
