@@ -7,6 +7,7 @@ address afterwards.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,55 @@ def test_a_manual_compaction_whose_engine_raises_is_a_typed_error(store: Transcr
         assert "x" in host.quarantined
     finally:
         host.dispose()
+
+
+class _FailingCommit(CountingEngine):
+    def commit_turn(self, **kw: Any) -> Any:
+        raise RuntimeError("engine commit fails: the turn is queued")
+
+
+def test_a_retry_admitted_after_another_attempt_accepted_the_turn_never_calls_the_model(
+    store: TranscriptStore,
+) -> None:
+    """Attempt A of turn t1 is in its model call; retry B looks for an accepted attempt (none yet: A's
+    intent is admitted); A completes (its engine's commit fails: accepted, queued) right before B admits.
+    B's admission met the queued row and B assembled, called the model and ran the tools again for an
+    accepted turn (its replies discarded at its completion). B reports A's turn, delivered by its drain."""
+    sid = store.create_session(HOST_SCOPE, session_id=f"s-{uuid.uuid4().hex[:8]}").session_id
+    in_model, go = threading.Event(), threading.Event()
+    a, model_a = make_host(store, "x", {"x": lambda ctx: _FailingCommit(ctx, "x")})
+    b, model_b = make_host(store, "x", {"x": lambda ctx: CountingEngine(ctx, "x")})
+    complete = model_a.complete
+
+    def blocking(*args: Any, **kw: Any) -> Any:
+        in_model.set()
+        go.wait(30)
+        return complete(*args, **kw)
+
+    model_a.complete = blocking  # type: ignore[method-assign]
+    out_a: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out_a.setdefault("o", a.run_turn(HOST_SCOPE, sid, "hello", turn_id="t1")))
+    try:
+        thread.start()
+        assert in_model.wait(30)
+        admit = b.turns.admit
+
+        def late_admit(*args: Any, **kw: Any) -> Any:
+            go.set()
+            thread.join(30)  # A completes, accepted and queued, right before B's admission
+            assert (intent := a.turns.intent(HOST_SCOPE, sid, "t1")) is not None and intent.state == "ready"
+            return admit(*args, **kw)
+
+        b.turns.admit = late_admit  # type: ignore[method-assign]
+        out_b = b.run_turn(HOST_SCOPE, sid, "hello", turn_id="t1")
+    finally:
+        go.set()
+        thread.join(30)
+        a.dispose()
+        b.dispose()
+    assert out_a["o"].commit_status == "queued"
+    assert model_b.requests == [], "the retry called the model for a turn already accepted"
+    assert out_b.commit_status == "committed" and out_b.messages == out_a["o"].messages
+    assert [e.message["content"] for e in store.read_visible(HOST_SCOPE, sid)] == [
+        "hello", out_a["o"].reply["content"]
+    ]

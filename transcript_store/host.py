@@ -933,6 +933,14 @@ class HostRuntime:
                 if done is None:
                     raise
                 return done
+        if admitted[1].state != "admitted":
+            # The admission met this turn accepted (or queued) by another attempt, between the look for
+            # one (``_already_accepted``) and the admission: that attempt's turn, reported as such.
+            # Assembling here called the model and ran the tools a second time for an accepted turn.
+            done = self._already_accepted(scope, session_id, turn_id, engine_id)
+            if done is None:
+                raise OutboxCollision(f"turn {turn_id!r} was accepted by another attempt, then discarded")
+            return done
         admission = admitted[0]
         # From the admission until the completion, the turn's lease is renewed in the background, so
         # no model or tool call, however long, lets another turn take the session over (leases.py).
