@@ -15,6 +15,8 @@ from urllib.parse import quote
 
 import pytest
 from hosting import CountingEngine
+from mirror_helpers import A as MIRROR_SCOPE
+from mirror_helpers import a, hosted, page, u, visible
 from service_process import ServiceProcess
 from test_cli import one_error_line, run
 from test_host import SCOPE as HOST_SCOPE
@@ -171,3 +173,28 @@ def test_a_retry_admitted_after_another_attempt_accepted_the_turn_never_calls_th
     assert [e.message["content"] for e in store.read_visible(HOST_SCOPE, sid)] == [
         "hello", out_a["o"].reply["content"]
     ]
+
+
+# ---------------------------------------------------------------------------------------------- OpenClaw mirror
+
+
+def test_a_host_message_rewritten_under_its_own_id_is_mirrored(store: TranscriptStore) -> None:
+    """An import page's message whose id is the mirrored row's at that position was taken as that row,
+    whatever its content: a host that rewrote a message in place (a trimmed tool output, an edit) kept
+    its id, and the mirror (so the engine's assembly) kept the old text, even re-imported from the
+    start. Another content branches the mirror there, as any change of the host's transcript does;
+    nothing is deleted, and the same page again changes nothing."""
+    sid = store.create_session(MIRROR_SCOPE, session_id=f"m-{uuid.uuid4().hex[:8]}").session_id
+    page(store, sid, None, "c1", hosted(("h1", u("hello")), ("h2", a("a long tool output ...")), ("h3", u("next"))))
+    edited = hosted(("h1", u("hello")), ("h2", a("[trimmed]")), ("h3", u("next")))
+    page(store, sid, None, "c2", edited)
+    shown = visible(store, sid, MIRROR_SCOPE)
+    assert [m for _id, m in shown] == [u("hello"), a("[trimmed]"), u("next")], shown
+    assert shown[0][0] == "h1"
+    before = store.get_session(MIRROR_SCOPE, sid)
+    page(store, sid, None, "c3", edited)  # the same host transcript again: nothing to change
+    after = store.get_session(MIRROR_SCOPE, sid)
+    assert (after.head_entry_id, after.entry_count) == (before.head_entry_id, before.entry_count)
+    assert visible(store, sid, MIRROR_SCOPE) == shown
+    # the original is still stored, off the branch
+    assert [e.message for e in store.get_entries(MIRROR_SCOPE, sid, ["h2"])] == [a("a long tool output ...")]

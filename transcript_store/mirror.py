@@ -327,7 +327,11 @@ def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:
 def _matches(row: Any, host: HostMessage, new: NewEntry, turn: bool) -> bool:
     """Whether the mirrored row at a position is the host's message there."""
     if row.entry_id == host.entry_id:
-        return True
+        # A page's message under the id of the row there is that row only with its content: a host that
+        # rewrote a message in place (trimmed a tool output) keeps its id, and the mirror kept serving the
+        # old text. Another content branches here, the message placed under a derived id (``_place``).
+        # A turn's messages are compared with the mirrored range as a whole (``turn_mismatch``).
+        return turn or same_stored_text(row.payload, new.payload_json)
     if turn and host.entry_id is not None:
         # A turn's receipt names its admission and terminal: matched as another entry with the same
         # message, the receipt named that one, and every replay of the turn was a key collision.
