@@ -7,6 +7,7 @@ address afterwards.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from pathlib import Path
@@ -26,6 +27,11 @@ from test_service import TOKEN_A, TOKEN_B, db_url, server
 from transcript_store import InvalidInput, TranscriptStore
 from transcript_store.db import parse_url
 from transcript_store.errors import EngineError
+from transcript_store.host import STOPPED_OVER_BUDGET, HostRuntime
+from transcript_store.model import ModelResponse
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
 
 __all__ = ["db_url", "server"]  # test_service's fixtures, used here
 
@@ -198,3 +204,43 @@ def test_a_host_message_rewritten_under_its_own_id_is_mirrored(store: Transcript
     assert visible(store, sid, MIRROR_SCOPE) == shown
     # the original is still stored, off the branch
     assert [e.message for e in store.get_entries(MIRROR_SCOPE, sid, ["h2"])] == [a("a long tool output ...")]
+
+
+class _ToolHappyModel:
+    """Calls a tool with ~150 tokens of arguments every time it is asked (within max_tokens)."""
+
+    name = "tool-happy"
+
+    def __init__(self) -> None:
+        self.requests: list[list[dict[str, Any]]] = []
+
+    def complete(self, messages: Any, tools: Any = None, *, max_tokens: Any = None, timeout: Any = None) -> Any:
+        self.requests.append(list(messages))
+        call = {"id": f"c{len(self.requests)}", "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"query": "word " * 140})}}
+        return ModelResponse(message={"role": "assistant", "content": None, "tool_calls": [call]}, usage={},
+                             model=self.name)
+
+
+def test_a_tool_loop_whose_own_calls_outgrow_the_budget_stops_instead_of_sending_it(store: TranscriptStore) -> None:
+    """fit_tool_round drops the engine's context, then cuts this turn's tool results; the assistant's tool
+    calls themselves it cannot shrink, and a request they kept over the budget went to the model anyway
+    (3 of 8 requests, up to 1,594 tokens where 1,000 were left). The loop stops there, as at its step
+    limit, and the turn commits with what it did."""
+    estimator = RoughEstimator()
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Look things up.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    model = _ToolHappyModel()
+    settings = load_settings(config_path=None, engine="legacy", token_budget=1200, max_output_tokens=200,
+                             max_tool_steps=8)
+    host = HostRuntime(store, settings, model, summarizer=ExtractiveSummarizer(), estimator=estimator,
+                       host_tools={"lookup": (schema, lambda _args: "found it")})
+    sid = store.create_session(HOST_SCOPE, session_id=f"s-{uuid.uuid4().hex[:8]}").session_id
+    try:
+        out = host.run_turn(HOST_SCOPE, sid, "hi", turn_id="t1")
+    finally:
+        host.dispose()
+    sizes = [estimator.count_messages(r) + estimator.count_text(json.dumps([schema])) for r in model.requests]
+    assert max(sizes) <= 1200 - 200, sizes
+    assert out.commit_status == "committed" and out.reply["content"] == STOPPED_OVER_BUDGET
+    assert 2 <= len(model.requests) < 8

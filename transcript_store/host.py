@@ -272,6 +272,10 @@ def fit_tool_round(
     return context, size, sent
 
 
+#: the turn's last message when its own tool calls leave no room in the token budget for another request
+STOPPED_OVER_BUDGET = "(stopped: this turn's tool calls outgrew the token budget)"
+
+
 #: the stand-in result of a tool call the transcript holds no result for (request only, never stored)
 UNANSWERED_TOOL_CALL = "(no result: the transcript holds no answer to this tool call)"
 
@@ -1292,6 +1296,14 @@ class HostRuntime:
                 counted = True
             if context_tokens + replies_tokens > limit:
                 context, context_tokens, sent = fit_tool_round(self.estimator, context, replies, limit)
+                if context_tokens + int(self.estimator.count_messages(sent)) > limit:
+                    # The engine's context is gone and this turn's tool results are cut, and its own tool
+                    # calls still take the request over the budget (a provider refuses such a request):
+                    # the loop ends here, as at its step limit, never with a request over the budget.
+                    log.warning("turn of session %s: its tool calls outgrew the token budget after %d steps",
+                                session_id, _step)
+                    replies.append({"role": "assistant", "content": STOPPED_OVER_BUDGET})
+                    return replies
             else:
                 sent = replies
             request = [{"role": "system", "content": system}, *context, user, *sent]
