@@ -529,3 +529,26 @@ def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_linea
     engine.on_session_start("hermes-C", boundary_reason="new_session", old_session_id="hermes-B")
     assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"})).get("count") == 0
     engine.close()
+
+
+def test_the_engines_addition_reaches_the_model_when_hermes_sends_no_system_prompt(tmp_path: Path) -> None:
+    """hermes-agent passes compress the conversation without its system prompt (it builds that for each
+    request): the addition went onto a system prompt the list does not hold, and no request carried it
+    (the lossless engine's recall hint, 0 of 16 requests in a real run). It ends our context block now,
+    once, and the answer sent back unchanged is still ours."""
+    from engines.lossless.engine import RECALL_HINT
+
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    out = engine.compress(conversation("theta", 12))
+    assert engine.compression_count == 1 and out[0]["role"] == "user" and is_context_message(out[0])
+    assert out[0]["content"].endswith(RECALL_HINT) and sum(RECALL_HINT in str(m.get("content")) for m in out) == 1
+    again = engine.compress(copy.deepcopy(out))
+    assert again == out and engine.compression_count == 1
+    # with a system prompt in the list, the addition goes there, as before
+    engine.on_session_start("s2")
+    system = {"role": "system", "content": "You are careful."}
+    out = engine.compress([system, *conversation("iota", 12)])
+    assert out[0]["content"] == f"{system['content']}\n\n{RECALL_HINT}"
+    assert sum(RECALL_HINT in str(m.get("content")) for m in out) == 1
+    engine.close()

@@ -141,6 +141,29 @@ def with_addition(system: Sequence[dict[str, Any]], addition: str | None) -> lis
     return head
 
 
+def place_addition(
+    system: Sequence[dict[str, Any]], answer: list[dict[str, Any]], addition: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(system messages, answer) with an engine's system-prompt addition where the model will see it, once.
+
+    After the system prompt's text when the list has one (``with_addition``). hermes-agent passes
+    ``compress`` the conversation without its system prompt (it builds that itself for each request),
+    so there the addition ends our context block, the answer's first message: put on a system prompt
+    the list does not hold, it reached no request. Nowhere when the answer has no block either.
+    """
+    if not addition:
+        return list(system), answer
+    if system and isinstance(system[0].get("content"), str):
+        return with_addition(system, addition), answer
+    first = answer[0] if answer else None
+    if first is None or first.get("role") != "user" or not is_context_message(first):
+        return list(system), answer
+    content = first.get("content")
+    if not isinstance(content, str) or addition in content:
+        return list(system), answer
+    return list(system), [{**first, "content": f"{content}\n\n{addition}"}, *answer[1:]]
+
+
 def valid_sequence(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with no split tool pair: orphan tool results dropped, unanswered tool calls removed."""
     out: list[dict[str, Any]] = []
@@ -814,11 +837,12 @@ class TranscriptStoreEngineMixin:
             answer = with_fresh_tail(assembled.messages, current, pending)
         else:
             assembled, answer = fit
+        head, answer = place_addition(system, answer, getattr(assembled, "system_prompt_addition", None))
         if canonical(answer) == canonical([clean(m) for m in body]):
             return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
         self._record_candidate(rt, answer, store_session, n)
         self.compression_count += 1
-        return with_addition(system, getattr(assembled, "system_prompt_addition", None)) + answer
+        return head + answer
 
     def _fit_addition(
         self, rt: _Runtime, store_session: str, system: list[dict[str, Any]], budget: int, floor: int,
@@ -827,19 +851,20 @@ class TranscriptStoreEngineMixin:
         """The assembly again, and its answer, with the engine's system-prompt addition reserved when the
         answer and the addition are over ``budget`` (None: the first assembly stands).
 
-        The addition joins the system prompt (``with_addition``), which ``budget`` is already net of, and
-        is known only once the engine has assembled: an engine that fills its budget put the answer over
-        the aim by its addition. It is asked again for its budget less what the answer is over by (not
-        below ``floor``: the fresh tail and the least context), at most ``FIT_ATTEMPTS`` times (a smaller
-        assembly can leave out a fresh-tail message the answer then adds back); no compaction again.
+        The addition joins the system prompt or our context block (``place_addition``), which ``budget``
+        did not leave room for, and is known only once the engine has assembled: an engine that fills its
+        budget put the answer over the aim by its addition. It is asked again for its budget less what the
+        answer is over by (not below ``floor``: the fresh tail and the least context), at most
+        ``FIT_ATTEMPTS`` times (a smaller assembly can leave out a fresh-tail message the answer then adds
+        back); no compaction again.
         """
         est = RoughEstimator()
         fit: tuple[Any, list[dict[str, Any]]] | None = None
         answer = with_fresh_tail(assembled.messages, current, pending)
         asked = budget
         for _ in range(FIT_ATTEMPTS):
-            extra = est.count_messages(with_addition(system, getattr(assembled, "system_prompt_addition", None)))
-            extra -= est.count_messages(system)
+            head, placed = place_addition(system, answer, getattr(assembled, "system_prompt_addition", None))
+            extra = est.count_messages(head + placed) - est.count_messages(system + answer)
             over = est.count_messages(answer) + extra - budget
             smaller = max(asked - over, floor)
             if extra <= 0 or over <= 0 or smaller >= asked:

@@ -374,4 +374,9 @@ def test_with_a_session_database_every_compaction_continues_one_lineage(
     assert "fig0" in last or "fig1" in last, "the first turns' summaries left the model's context"
     found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "fig0 turn 0"}))
     assert found.get("count", 0) >= 1, found
+    # The engine's system-prompt addition (the recall hint) reaches the model: Hermes sends compress no
+    # system prompt, and an addition put on one reached no request.
+    from engines.lossless.engine import RECALL_HINT
+
+    assert any(RECALL_HINT in json.dumps(r["messages"]) for r in server.chat_requests)
     agent.shutdown_memory_provider(history)
