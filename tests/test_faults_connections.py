@@ -28,7 +28,7 @@ import pytest
 from conftest import PG_ADMIN
 from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
-from workers.fault_worker import WORKER, clean_env, count_retries, open_store, report, verify_turns
+from workers.fault_worker import WORKER, clean_env, count_retries, open_store, read_acks, report, verify_turns
 from workers.turn_worker import replies, run_turn
 
 from transcript_store import IdempotencyConflict, TransientStoreError, UnknownSession
@@ -85,11 +85,13 @@ def test_uncertain_commits_reach_the_engine_exactly_once(
         for sid in sessions:
             store.create_session("crash-scope", session_id=sid)
         args = argparse.Namespace(fail_rate=0.15, abort_rate=0.1)
+        acks: list[tuple[str, str, str]] = []
         for _ in range(TURNS):
-            run_turn(turns, rng.choice(sessions), rng, args, stats)
+            run_turn(turns, rng.choice(sessions), rng, args, stats, lambda *told: acks.append(told))
     finally:
         store.close()
-    totals = verify_turns(store_url, sessions, expected_replies=replies)
+    totals = verify_turns(store_url, sessions, acks=acks, expected_replies=replies)
+    assert totals["turns"] == stats["fast"] + stats["queued"], (totals, stats)
     report(request, backend, {
         "turns_run": TURNS, "turns_committed": totals["turns"], "uncertain_commits": injected[0],
         "retries": retries[0], "uncertain_completions_resolved": resolved[0], "seed": seed,
@@ -243,7 +245,11 @@ def killed_connections(request: pytest.FixtureRequest, url: str, tmp: Path, chil
     assert proc.returncode == 0 and result["failed"] == [], log[-4000:]
     loads = [json.loads((tmp / f"load-{i}.json").read_text()) for i in range(children)]
     sessions = [sid for load in loads for sid in load["sessions"]]
-    totals = verify_turns(url, sessions, expected_replies=replies)
+    acks = read_acks(tmp / "acks")
+    totals = verify_turns(url, sessions, acks=acks, expected_replies=replies)
+    # Every turn a worker was told was accepted or committed is one committed turn, and no other turn is.
+    told = sum(x.get("fast", 0) + x.get("queued", 0) for x in loads)
+    assert totals["turns"] == told == sum(what in ("accepted", "committed") for what, _s, _t in acks), (totals, told)
     figures = {
         "connections_killed": killer.kills, "processes": children, "turns_run": sum(x["turns"] for x in loads),
         "turns_committed": totals["turns"], "turns_unaccepted": totals["unaccepted"],

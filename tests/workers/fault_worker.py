@@ -431,8 +431,12 @@ def soak_child(store: TranscriptStore, sessions: list[str], seconds: float, seed
     return {"samples": samples, "rss": rss, "turns": sum(counters.values())}
 
 
-def turns_child(store: TranscriptStore, sessions: list[str], seconds: float, seed: int) -> dict[str, Any]:
-    """Gateway turns (turn_worker.run_turn: flaky engine, aborts, queued completions) for ``seconds``."""
+def turns_child(
+    store: TranscriptStore, sessions: list[str], seconds: float, seed: int, ack: Ack | None = None
+) -> dict[str, Any]:
+    """Gateway turns (turn_worker.run_turn: flaky engine, aborts, queued completions) for ``seconds``;
+    each acknowledgement a call returned is told to ``ack`` (the checks hold the store to them: a write
+    reported done and then lost would otherwise look like an attempt that never completed)."""
     turns = Turns(store, OutboxConfig(turn_lease_seconds=30.0, delivery_lease_seconds=1.0))
     rng = random.Random(seed)
     args = argparse.Namespace(fail_rate=0.1, abort_rate=0.05)
@@ -440,7 +444,7 @@ def turns_child(store: TranscriptStore, sessions: list[str], seconds: float, see
     started = time.monotonic()
     n = 0
     while time.monotonic() - started < seconds:
-        run_turn(turns, rng.choice(sessions), rng, args, stats)
+        run_turn(turns, rng.choice(sessions), rng, args, stats, ack)
         n += 1
     return {"turns": n, **stats}
 
@@ -458,8 +462,16 @@ def load_child(args: argparse.Namespace, index: int, ready_fd: int, go_fd: int) 
         os.write(ready_fd, b"r")
         if os.read(go_fd, 1) != b"g":
             raise SystemExit("no go signal")
-        run = soak_child if args.kind == "soak" else turns_child
-        result = run(store, sessions, args.seconds, args.seed * 1000 + index)
+        seed = args.seed * 1000 + index
+        if args.kind == "soak":
+            result = soak_child(store, sessions, args.seconds, seed)
+        else:  # its acknowledgements in acks/<index>.log (``read_acks``)
+            (Path(args.out) / "acks").mkdir(exist_ok=True)
+            fd = os.open(Path(args.out) / "acks" / f"{index}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                result = turns_child(store, sessions, args.seconds, seed, ack_log(fd))
+            finally:
+                os.close(fd)
         store.close()
         result.update(retries=retries[0], sessions=sessions, pid=os.getpid())
         (Path(args.out) / f"load-{index}.json").write_text(json.dumps(result))
