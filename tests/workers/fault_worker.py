@@ -310,7 +310,8 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def storm_child(
-    url: str, plan: list[dict[str, Any]], result: Path, ready_fd: int, go_fd: int, barrier: Barrier
+    url: str, plan: list[dict[str, Any]], result: Path, ready_fd: int, go_fd: int, barrier: Barrier,
+    apply: bool = True,
 ) -> NoReturn:
     """Wait for the go byte, then present every key of the plan once, in the plan's order, all together.
 
@@ -336,7 +337,10 @@ def storm_child(
             terminal = Anchor.model_validate(turn["terminal"])
             barrier.wait(timeout=60.0)  # broken (and this child failed) if another one died
             began = time.monotonic()
-            done = turns.commit_turn(ENGINE, admission.turn_id, admission, terminal, turn["messages"], apply=count_turn)
+            # apply: the engine's own state in the commit's transaction (commit_turn_in); without, the
+            # ledger's one statement outside a transaction, the usual path (ledger.commit_turn)
+            done = turns.commit_turn(ENGINE, admission.turn_id, admission, terminal, turn["messages"],
+                                     apply=count_turn if apply else None)
             windows[admission.turn_id] = (began, time.monotonic())
             statuses[admission.turn_id] = done.status
         store.close()
@@ -364,7 +368,7 @@ def main_storm(args: argparse.Namespace) -> dict[str, Any]:
         if pid == 0:
             os.close(ready_r)
             os.close(go_w)
-            storm_child(args.url, plan, out_dir / f"storm-{i}.json", ready_w, go_r, barrier)
+            storm_child(args.url, plan, out_dir / f"storm-{i}.json", ready_w, go_r, barrier, args.apply == "count")
         pids.append(pid)
     os.close(ready_w)
     os.close(go_r)
@@ -757,6 +761,7 @@ def main() -> None:
     parser.add_argument("--trace", default="")
     parser.add_argument("--acks", default="", help="campaign: the directory of the children's acknowledgement logs")
     parser.add_argument("--plan", default="")
+    parser.add_argument("--apply", choices=("count", "none"), default="count", help="storm: the engine's apply")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     logging.getLogger("transcript_store").setLevel(logging.CRITICAL)
