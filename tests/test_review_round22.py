@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from conftest import tool_round
 from hosting import CountingEngine
 from mirror_helpers import A as MIRROR_SCOPE
 from mirror_helpers import a, hosted, page, u, visible
@@ -24,8 +25,11 @@ from test_host import SCOPE as HOST_SCOPE
 from test_host import make_host
 from test_service import TOKEN_A, TOKEN_B, db_url, server
 
+from engines.lossless import LosslessEngine
+from engines.lossless.audit import audit
 from transcript_store import InvalidInput, TranscriptStore
 from transcript_store.db import parse_url
+from transcript_store.engine import EngineContext
 from transcript_store.errors import EngineError
 from transcript_store.host import STOPPED_OVER_BUDGET, HostRuntime
 from transcript_store.model import ModelResponse
@@ -244,3 +248,30 @@ def test_a_tool_loop_whose_own_calls_outgrow_the_budget_stops_instead_of_sending
     assert max(sizes) <= 1200 - 200, sizes
     assert out.commit_status == "committed" and out.reply["content"] == STOPPED_OVER_BUDGET
     assert 2 <= len(model.requests) < 8
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+
+
+def test_a_tool_call_waiting_for_its_results_is_never_summarized(store: TranscriptStore) -> None:
+    """A transcript that ends in an assistant's tool call (a branch back to it to run the tool again, a
+    bootstrap of a host transcript) had that call summarized when the fresh tail did not protect it
+    (fresh_tail_messages 0, or a call larger than the tail's token cap); the result appended next then
+    followed a summary raw: a tool message whose call was in no message, which the host drops."""
+    scope = "scope-r22-lossless"
+    sid = store.create_session(scope, session_id=f"s-{uuid.uuid4().hex[:8]}").session_id
+    engine = LosslessEngine(EngineContext(
+        store=store, config={"fresh_tail_messages": 0, "leaf_summary_tokens": 60},
+        summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
+    ))
+    call, result = tool_round("call-1", "sunny, 21 C")
+    store.append_many(scope, sid, [{"message": {"role": "user", "content": "please look up the weather " * 20}},
+                                   {"message": {"role": "assistant", "content": "I will look it up now. " * 20}},
+                                   {"message": call}])
+    engine.bootstrap(scope=scope, session_id=sid, fence=None)
+    assert engine.compact(scope=scope, session_id=sid, force=True, token_budget=2000).compacted
+    store.append_many(scope, sid, [{"message": result}, {"message": {"role": "assistant", "content": "Sunny."}}])
+    out = engine.assemble(scope=scope, session_id=sid, fence=None, token_budget=2000).messages
+    at = next(i for i, m in enumerate(out) if m["role"] == "tool")
+    assert out[at - 1] == call and out[at] == result, out
+    assert store.read(lambda c: audit(c, scope, sid)).problems == []

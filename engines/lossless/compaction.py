@@ -84,10 +84,12 @@ class Plan:
 
 
 def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> int:
-    """Index where the protected fresh tail begins: recent whole units within the message and token caps."""
+    """Index where the protected fresh tail begins: recent whole units within the message and token caps,
+    and the last unit whatever the caps while its tool calls wait for results (``_awaits_results``)."""
     count = tokens = 0
     start = len(items)
-    for begin, end in reversed(units(items)):
+    every = units(items)
+    for begin, end in reversed(every):
         unit = items[begin:end]
         if any(i.summary is not None for i in unit):
             break
@@ -95,7 +97,23 @@ def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) ->
         if count + len(unit) > config.fresh_tail_messages or tokens + size > budget.tail_tokens:
             break
         count, tokens, start = count + len(unit), tokens + size, begin
+    if every and _awaits_results(items[every[-1][0] : every[-1][1]]):
+        # A summary would take the call, and the results that arrive next would follow it raw: a tool
+        # message whose call is in no message (the host drops it: the model never sees the result). With
+        # fresh_tail_messages 0, or a call larger than the tail's token cap, it was summarized.
+        start = min(start, every[-1][0])
     return start
+
+
+def _awaits_results(unit: Sequence[Item]) -> bool:
+    """Whether a unit is an assistant's tool calls not all answered by the results after it."""
+    first = unit[0].message if unit else None
+    calls = first.get("tool_calls") if first is not None and unit[0].role == "assistant" else None
+    if not calls or not isinstance(calls, list):
+        return False
+    wanted = {c.get("id") for c in calls if isinstance(c, dict)}
+    answered = {i.message.get("tool_call_id") for i in unit[1:] if i.message is not None}
+    return not wanted <= answered
 
 
 def leaf_chunks(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> Iterator[tuple[int, int]]:
