@@ -27,15 +27,17 @@ from test_service import TOKEN_A, TOKEN_B, db_url, server
 
 from engines.lossless import LosslessEngine
 from engines.lossless.audit import audit
-from transcript_store import InvalidInput, TranscriptStore
+from transcript_store import InvalidInput, TranscriptStore, outbox
 from transcript_store.db import parse_url
 from transcript_store.engine import EngineContext
-from transcript_store.errors import EngineError
+from transcript_store.errors import EngineError, SessionBusy
 from transcript_store.host import STOPPED_OVER_BUDGET, HostRuntime
 from transcript_store.model import ModelResponse
+from transcript_store.outbox import MAX_DISPLACED, MAX_OWNER, OutboxConfig
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
+from transcript_store.turns import Turns
 
 __all__ = ["db_url", "server"]  # test_service's fixtures, used here
 
@@ -275,3 +277,32 @@ def test_a_tool_call_waiting_for_its_results_is_never_summarized(store: Transcri
     at = next(i for i, m in enumerate(out) if m["role"] == "tool")
     assert out[at - 1] == call and out[at] == result, out
     assert store.read(lambda c: audit(c, scope, sid)).problems == []
+
+
+# ---------------------------------------------------------------------------------------------- outbox
+
+
+def test_displaced_attempts_with_long_non_ascii_owners_are_all_kept(store: TranscriptStore) -> None:
+    """The list of live attempts a retry took a turn from was written with every non-ASCII character of
+    an owner escaped (up to 12 characters for one) and read only under a cap for plain owners: five
+    owners of 128 such characters and the list was ignored. The turn was then taken for abandoned while
+    those attempts ran (discarded; another turn admitted; a live attempt's completion UnknownTurn).
+    Sixteen attempts with the longest owners of characters outside the BMP are kept, and hold the session."""
+    sid = store.create_session(HOST_SCOPE, session_id=f"s-{uuid.uuid4().hex[:8]}").session_id
+    long_lease = Turns(store, OutboxConfig(turn_lease_seconds=300))
+    owners = [chr(0x1F600 + i) * MAX_OWNER for i in range(MAX_DISPLACED)]
+    for owner in owners:
+        long_lease.admit(HOST_SCOPE, sid, {"role": "user", "content": "q1"}, turn_id="t1", engine_id="legacy",
+                         owner=owner)
+    # the last attempt takes it over on a lease that runs out at once (its machine lost)
+    Turns(store, OutboxConfig(turn_lease_seconds=0.0)).admit(
+        HOST_SCOPE, sid, {"role": "user", "content": "q1"}, turn_id="t1", engine_id="legacy", owner="elsewhere"
+    )
+    row = store.read(lambda c: outbox.get_row(c, HOST_SCOPE, sid, "t1"))
+    assert [o for o, _e in outbox.parse_displaced(row.displaced_leases)] == owners
+    with pytest.raises(SessionBusy):  # the sixteen still run it: no other turn of the session
+        long_lease.admit(HOST_SCOPE, sid, {"role": "user", "content": "q2"}, turn_id="t2", engine_id="legacy")
+    # the one that failed hands the turn back to the most recent live attempt, which completes it
+    assert not long_lease.discard(HOST_SCOPE, sid, "t1", owner="elsewhere")
+    done = long_lease.complete(HOST_SCOPE, sid, "t1", [{"message": {"role": "assistant", "content": "a1"}}], None)
+    assert done.intent.state in ("accepted", "ready")

@@ -284,7 +284,12 @@ def parse_displaced(text: str | None) -> list[Lease]:
     if not text:
         return []
     # This module writes at most MAX_DISPLACED flat items; anything longer or deeper was not written here.
-    if len(text) > (MAX_DISPLACED + 1) * (MAX_OWNER + 64):
+    # With room for a release that escaped every owner's characters (``\uXXXX``, 12 characters for one
+    # outside the BMP): an item, escaped, is at most 12 * MAX_OWNER characters of owner and 64 of the rest.
+    # A cap of an item's plain size ignored the list once five owners of 128 non-ASCII characters had been
+    # escaped, and the turn was taken for abandoned while those attempts lived (discarded, another turn
+    # admitted).
+    if len(text) > (MAX_DISPLACED + 1) * (12 * MAX_OWNER + 64):
         log.warning("an outbox row's displaced_leases is too long to be this module's: ignored")
         return []
     try:
@@ -305,10 +310,11 @@ def parse_displaced(text: str | None) -> list[Lease]:
 
 
 def _dump_displaced(leases: list[Lease]) -> str | None:
-    """``displaced_leases`` of a list (None: no attempt displaced)."""
+    """``displaced_leases`` of a list (None: no attempt displaced); owners as they are, not escaped."""
     if not leases:
         return None
-    return json.dumps([{"owner": o, "expires_us": e} for o, e in leases], separators=(",", ":"))
+    items = [{"owner": o, "expires_us": e} for o, e in leases]
+    return json.dumps(items, separators=(",", ":"), ensure_ascii=False)
 
 
 def _live(leases: list[Lease], now: int, *, without: str | None = None) -> list[Lease]:
