@@ -306,3 +306,51 @@ def test_displaced_attempts_with_long_non_ascii_owners_are_all_kept(store: Trans
     assert not long_lease.discard(HOST_SCOPE, sid, "t1", owner="elsewhere")
     done = long_lease.complete(HOST_SCOPE, sid, "t1", [{"message": {"role": "assistant", "content": "a1"}}], None)
     assert done.intent.state in ("accepted", "ready")
+
+
+# ---------------------------------------------------------------------------------------------- CLI settings
+
+
+@pytest.mark.parametrize("value", ["a\x01", "x" * 300])
+def test_a_bad_scope_is_a_usage_error_named_by_its_source(value: str, tmp_path: Path) -> None:
+    """A bad TRANSCRIPT_STORE_SCOPE (or --scope) was "scope must ...", exit 1: an unnamed internal-looking
+    failure, where the README says a bad variable is a usage error (2) reported under its name."""
+    db = f"sqlite:///{tmp_path / 'none.db'}"
+    line = one_error_line(run("sessions", "list", "--db", db, cwd=tmp_path, code=2,
+                              env={"TRANSCRIPT_STORE_SCOPE": value}))
+    assert line.startswith("error: TRANSCRIPT_STORE_SCOPE: scope "), line
+    line = one_error_line(run("--scope", value, "sessions", "list", "--db", db, cwd=tmp_path, code=2))
+    assert line.startswith("error: --scope: scope "), line
+
+
+def test_a_bad_url_variable_is_named_as_the_variable(tmp_path: Path) -> None:
+    """TRANSCRIPT_STORE_URL's problems were reported as --db's, an option the user never passed."""
+    line = one_error_line(run("sessions", "list", cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": "sqlite://x.db"}))
+    assert line.startswith("error: TRANSCRIPT_STORE_URL: a SQLite URL takes no host"), line
+    line = one_error_line(run("sessions", "list", "--db", "mysql://a/b", cwd=tmp_path, code=2,
+                              env={"TRANSCRIPT_STORE_URL": "sqlite://x.db"}))
+    assert line.startswith("error: --db: unsupported database backend"), line
+
+
+def test_the_openai_summarizers_endpoint_is_checked_by_every_command(tmp_path: Path) -> None:
+    """doctor, compact and chat refused OPENAI_BASE_URL=ftp://x with the openai summarizer; sessions list
+    and outbox status ran on as if it were fine."""
+    env = {"TRANSCRIPT_STORE_SUMMARIZER": "openai", "OPENAI_BASE_URL": "ftp://x"}
+    db = f"sqlite:///{tmp_path / 'none.db'}"
+    for args in (["sessions", "list"], ["outbox", "status"]):
+        line = one_error_line(run(*args, "--db", db, cwd=tmp_path, code=2, env=env))
+        assert "OPENAI_BASE_URL" in line and "http" in line, (args, line)
+
+
+@pytest.mark.parametrize("args", [["init"], ["chat", "--session", "x"],
+                                  ["gateway", "--workers", "1", "--sessions", "1", "--turns", "1"]])
+def test_a_file_that_is_not_sqlite_is_no_store_even_for_commands_that_create_one(
+    args: list[str], tmp_path: Path
+) -> None:
+    """init, chat, gateway and sessions import on a text file answered sqlite3's "file is not a database"
+    as an outage (exit 5, which invites a retry); the other commands said exit 4, no store there."""
+    path = tmp_path / "text.db"
+    path.write_text("my notes\n")
+    line = one_error_line(run(*args, "--db", f"sqlite:///{path}", cwd=tmp_path, code=4, stdin="hi\n"))
+    assert "the file is not a SQLite database" in line, line
+    assert path.read_text() == "my notes\n"

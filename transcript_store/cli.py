@@ -41,6 +41,7 @@ from sqlalchemy.engine import URL
 
 from . import migrate, transfer
 from .config import StoreConfig
+from .core import check_id
 from .db import mask_url, parse_url, sqlite_file, url_secrets
 from .engine import MAX_TOKENS
 from .errors import (
@@ -90,8 +91,16 @@ class State:
 
     @property
     def scope_name(self) -> str:
-        """--scope, else TRANSCRIPT_STORE_SCOPE, else ``default``."""
-        return self.scope or os.environ.get(SCOPE_ENV) or DEFAULT_SCOPE
+        """--scope, else TRANSCRIPT_STORE_SCOPE, else ``default``; a bad one is a usage error naming where
+        it came from (it was "scope must not contain ...", exit 1, whichever had given it)."""
+        value, source = (self.scope, "--scope") if self.scope else (os.environ.get(SCOPE_ENV), SCOPE_ENV)
+        if not value:
+            return DEFAULT_SCOPE
+        try:
+            check_id("scope", value)
+        except InvalidInput as e:
+            raise CommandError(f"{source}: {e}", EXIT_USAGE) from None
+        return value
 
     def store_config(self) -> StoreConfig:
         """Store settings from TRANSCRIPT_STORE_* variables and --db."""
@@ -215,6 +224,26 @@ def _no_store_file(path: Path) -> str | None:
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def _refuse_non_sqlite_file(url: str) -> None:
+    """SchemaNotCurrent for a SQLite URL naming a file that is not a SQLite database: a command that would
+    create a store there got sqlite3's "file is not a database" at its first statement, an outage (5)."""
+    path = sqlite_file(url)
+    if path is not None and _not_sqlite(path):
+        raise SchemaNotCurrent(f"no store at {mask_url(url)} (the file is not a SQLite database): it cannot hold"
+                               " one; give the path of a store or of a file to create")
+
+
+def _not_sqlite(path: Path) -> bool:
+    """Whether ``path`` is a non-empty file that does not start as a SQLite database does."""
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return False
+        with path.open("rb") as f:
+            return not f.read(len(_SQLITE_MAGIC)).startswith(_SQLITE_MAGIC)
+    except OSError:
+        return False  # the store's own open reports it
+
+
 def _not_a_store_database(path: Path) -> str | None:
     """Why a non-empty file holds no store, judged without changing it (None: it may hold one).
 
@@ -256,10 +285,12 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     why = _no_store_file(path) if path is not None and not create else None
     if why is not None:
         raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
+    if create:
+        _refuse_non_sqlite_file(config.url)
     try:
         store = TranscriptStore(config=config, create=False)
     except InvalidInput as e:  # only the URL is validated before the first connection
-        raise CommandError(f"--db: {e}", EXIT_USAGE) from e
+        raise CommandError(f"{url_source()}: {e}", EXIT_USAGE) from e
     if not check_schema:
         return store
     try:
@@ -1416,6 +1447,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
+    _refuse_non_sqlite_file(config.url)
     st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
@@ -1450,11 +1482,20 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
 
 
 def make_url_or_usage(url: str) -> URL:
-    """The parsed --db value; a URL no store accepts is a usage error."""
+    """The parsed --db value; a URL no store accepts is a usage error, named by where it came from."""
     try:
         return parse_url(url)
     except InvalidInput as e:
-        raise CommandError(f"--db: {e}", EXIT_USAGE) from None
+        raise CommandError(f"{url_source()}: {e}", EXIT_USAGE) from None
+
+
+def url_source() -> str:
+    """Where the store's URL came from, as an error names it: --db, else TRANSCRIPT_STORE_URL."""
+    ctx = click.get_current_context(silent=True)
+    st = ctx.find_object(State) if ctx is not None else None
+    if (st is None or not st.db) and os.environ.get(URL_ENV):
+        return URL_ENV
+    return "--db"
 
 
 # ---------------------------------------------------------------------------------------------- serve

@@ -191,17 +191,28 @@ def _engine_id(value: str, where: str) -> str:
     return value
 
 
+def check_tokenizer_and_summarizer() -> None:
+    """Refuse a bad TRANSCRIPT_STORE_TOKENIZER or _SUMMARIZER, and the openai summarizer's endpoint
+    (OPENAI_BASE_URL): else refused only when an engine is built, after a chat wrote its session, and
+    by some commands only."""
+    from .summarize import summarizer_choice, summarizer_from_env
+    from .tokens import check_tokenizer
+
+    check_tokenizer()
+    if summarizer_choice() == "openai":
+        try:
+            summarizer_from_env()
+        except InvalidInput as e:
+            raise InvalidInput(f"TRANSCRIPT_STORE_SUMMARIZER=openai: OPENAI_BASE_URL: {e}") from None
+
+
 def check_settings_env() -> None:
     """Refuse a bad TRANSCRIPT_STORE_ENGINE, _TOKENIZER or _SUMMARIZER value (InvalidInput), files unread.
 
     For a command that reads no host settings: a variable set wrong is a usage error there too, as the
     README's exit codes say, not something only the commands that build engines notice.
     """
-    from .summarize import summarizer_choice
-    from .tokens import check_tokenizer
-
-    check_tokenizer()
-    summarizer_choice()
+    check_tokenizer_and_summarizer()
     env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
     if env_engine:
         _engine_id(env_engine, "TRANSCRIPT_STORE_ENGINE")
@@ -213,15 +224,7 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     InvalidInput for a bad file or variable, including the tokenizer and summarizer variables the host
     runtime reads when it starts: refused here, before a command (or a gateway worker) does any work.
     """
-    from .summarize import summarizer_choice, summarizer_from_env
-    from .tokens import check_tokenizer
-
-    check_tokenizer()
-    if summarizer_choice() == "openai":
-        try:  # its endpoint too: else refused only when an engine is built, after a chat wrote its session
-            summarizer_from_env()
-        except InvalidInput as e:
-            raise InvalidInput(f"TRANSCRIPT_STORE_SUMMARIZER=openai: OPENAI_BASE_URL: {e}") from None
+    check_tokenizer_and_summarizer()
     values: dict[str, Any] = {}
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
     if path.is_file():
