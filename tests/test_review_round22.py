@@ -18,7 +18,7 @@ import pytest
 from conftest import tool_round
 from hosting import CountingEngine
 from mirror_helpers import A as MIRROR_SCOPE
-from mirror_helpers import a, hosted, page, u, visible
+from mirror_helpers import a, commit, hosted, legacy_service, page, turn_request, u, visible
 from service_process import ServiceProcess
 from test_cli import one_error_line, run
 from test_host import SCOPE as HOST_SCOPE
@@ -190,26 +190,29 @@ def test_a_retry_admitted_after_another_attempt_accepted_the_turn_never_calls_th
 # ---------------------------------------------------------------------------------------------- OpenClaw mirror
 
 
-def test_a_host_message_rewritten_under_its_own_id_is_mirrored(store: TranscriptStore) -> None:
-    """An import page's message whose id is the mirrored row's at that position was taken as that row,
-    whatever its content: a host that rewrote a message in place (a trimmed tool output, an edit) kept
-    its id, and the mirror (so the engine's assembly) kept the old text, even re-imported from the
-    start. Another content branches the mirror there, as any change of the host's transcript does;
-    nothing is deleted, and the same page again changes nothing."""
-    sid = store.create_session(MIRROR_SCOPE, session_id=f"m-{uuid.uuid4().hex[:8]}").session_id
-    page(store, sid, None, "c1", hosted(("h1", u("hello")), ("h2", a("a long tool output ...")), ("h3", u("next"))))
-    edited = hosted(("h1", u("hello")), ("h2", a("[trimmed]")), ("h3", u("next")))
-    page(store, sid, None, "c2", edited)
-    shown = visible(store, sid, MIRROR_SCOPE)
-    assert [m for _id, m in shown] == [u("hello"), a("[trimmed]"), u("next")], shown
-    assert shown[0][0] == "h1"
-    before = store.get_session(MIRROR_SCOPE, sid)
-    page(store, sid, None, "c3", edited)  # the same host transcript again: nothing to change
-    after = store.get_session(MIRROR_SCOPE, sid)
-    assert (after.head_entry_id, after.entry_count) == (before.head_entry_id, before.entry_count)
-    assert visible(store, sid, MIRROR_SCOPE) == shown
-    # the original is still stored, off the branch
-    assert [e.message for e in store.get_entries(MIRROR_SCOPE, sid, ["h2"])] == [a("a long tool output ...")]
+def test_an_import_of_a_committed_turn_stored_otherwise_keeps_the_turns_messages(store: TranscriptStore) -> None:
+    """The OpenClaw plugin may store a huge turn's last message cut at its commit and whole at a later
+    import (its messages.js: a commit is sized to the turn cap, an import is not), under the same host
+    ids. Matching an import's message by id and content branched the mirror off the message the turn's
+    receipt names, and stored a second, uncut copy (a review of this round's change found it; the
+    change was withdrawn): the import matches by id, and changes nothing."""
+    svc_gen = legacy_service(store)
+    svc = next(svc_gen)
+    try:
+        sid = store.create_session(MIRROR_SCOPE, session_id=f"m-{uuid.uuid4().hex[:8]}").session_id
+        cut = [u("question"), a("looked it up"), a("the answer [... cut to the turn cap ...]")]
+        assert commit(svc, sid, turn_request("k1", 0, cut, ("h0", "h2"))).status == "committed"
+        before = store.get_session(MIRROR_SCOPE, sid)
+        whole = hosted(("h0", u("question")), ("h1", a("looked it up")), ("h2", a("the answer " + "x" * 5000)))
+        page(store, sid, None, "c1", whole)
+        after = store.get_session(MIRROR_SCOPE, sid)
+        assert (after.head_entry_id, after.entry_count, after.generation) == (
+            before.head_entry_id, before.entry_count, before.generation
+        )
+        shown = visible(store, sid, MIRROR_SCOPE)
+        assert [e for e, _m in shown][::2] == ["h0", "h2"] and [m for _e, m in shown] == cut
+    finally:
+        next(svc_gen, None)
 
 
 class _ToolHappyModel:
@@ -311,7 +314,7 @@ def test_displaced_attempts_with_long_non_ascii_owners_are_all_kept(store: Trans
 # ---------------------------------------------------------------------------------------------- CLI settings
 
 
-@pytest.mark.parametrize("value", ["a\x01", "x" * 300])
+@pytest.mark.parametrize("value", ["a\x01", "x" * 300, "\u20ac" * 250])
 def test_a_bad_scope_is_a_usage_error_named_by_its_source(value: str, tmp_path: Path) -> None:
     """A bad TRANSCRIPT_STORE_SCOPE (or --scope) was "scope must ...", exit 1: an unnamed internal-looking
     failure, where the README says a bad variable is a usage error (2) reported under its name."""
@@ -321,6 +324,12 @@ def test_a_bad_scope_is_a_usage_error_named_by_its_source(value: str, tmp_path: 
     assert line.startswith("error: TRANSCRIPT_STORE_SCOPE: scope "), line
     line = one_error_line(run("--scope", value, "sessions", "list", "--db", db, cwd=tmp_path, code=2))
     assert line.startswith("error: --scope: scope "), line
+    # hermes install wrote it into the plugin's settings, where every store call inside Hermes failed
+    home = tmp_path / "hermes-home"
+    line = one_error_line(run("hermes", "install", "--home", str(home), cwd=tmp_path, code=2,
+                              env={"TRANSCRIPT_STORE_SCOPE": value}))
+    assert line.startswith("error: TRANSCRIPT_STORE_SCOPE: scope "), line
+    assert not (home / "plugins").exists()
 
 
 def test_a_bad_url_variable_is_named_as_the_variable(tmp_path: Path) -> None:

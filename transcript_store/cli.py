@@ -97,7 +97,7 @@ class State:
         if not value:
             return DEFAULT_SCOPE
         try:
-            check_id("scope", value)
+            check_id("scope", value, new=True)  # sessions are created under it: a new id's bounds
         except InvalidInput as e:
             raise CommandError(f"{source}: {e}", EXIT_USAGE) from None
         return value
@@ -1700,7 +1700,7 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
     # --db, else TRANSCRIPT_STORE_URL, else a file in the Hermes home; --scope, else
     # TRANSCRIPT_STORE_SCOPE, else the adapter's own ("hermes").
     url = st.db or os.environ.get(URL_ENV) or None
-    scope = st.scope or os.environ.get(SCOPE_ENV) or None
+    scope = st.scope_name if st.scope or os.environ.get(SCOPE_ENV) else None  # checked: a usage error
     # The settings' plugin folders go along: the engine was found in one of them (_check_engine_id).
     # So do the engine's settings ([engine.config.<engine>]): else it ran on its defaults inside Hermes.
     settings = st.settings()

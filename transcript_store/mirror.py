@@ -327,11 +327,11 @@ def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:
 def _matches(row: Any, host: HostMessage, new: NewEntry, turn: bool) -> bool:
     """Whether the mirrored row at a position is the host's message there."""
     if row.entry_id == host.entry_id:
-        # A page's message under the id of the row there is that row only with its content: a host that
-        # rewrote a message in place (trimmed a tool output) keeps its id, and the mirror kept serving the
-        # old text. Another content branches here, the message placed under a derived id (``_place``).
-        # A turn's messages are compared with the mirrored range as a whole (``turn_mismatch``).
-        return turn or same_stored_text(row.payload, new.payload_json)
+        # By id alone, content aside: a turn's commit and a later import may store one message of a huge
+        # turn differently (the plugin cuts a commit to the turn cap, not an import: its messages.js), and
+        # comparing content here branched the mirror off the message the turn's receipt names. A host
+        # message rewritten in place under its own id is therefore not mirrored (integrations/openclaw).
+        return True
     if turn and host.entry_id is not None:
         # A turn's receipt names its admission and terminal: matched as another entry with the same
         # message, the receipt named that one, and every replay of the turn was a key collision.
