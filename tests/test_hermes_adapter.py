@@ -491,13 +491,15 @@ def _persisted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "_db_persisted": True} for m in copy.deepcopy(messages)]
 
 
-def test_an_answer_hermes_saved_to_its_session_database_is_recognised(tmp_path: Path) -> None:
+def test_an_answer_hermes_saved_to_its_session_database_is_recognised(
+    store_url: str, tmp_path: Path
+) -> None:
     """Hermes marks every message it saves to its session database (``_db_persisted``: the CLI and the
     gateway always have one), so the compress answer it took comes back marked. The candidate was
     fingerprinted without the mark and matched with it: never adopted. With ``in_place: false`` (a new
     Hermes session id at each compaction) every compaction then started an empty store session, and the
     earlier summaries and the recall tools' history were gone from the lineage."""
-    engine = make(tmp_path)
+    engine = make(tmp_path, db_url=store_url)
     engine.on_session_start("hermes-A")
     first = engine.compress(conversation("alpha", 12))
     assert engine.compression_count == 1
@@ -514,12 +516,14 @@ def test_an_answer_hermes_saved_to_its_session_database_is_recognised(tmp_path: 
     engine.close()
 
 
-def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_lineage(tmp_path: Path) -> None:
+def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_lineage(
+    store_url: str, tmp_path: Path
+) -> None:
     """Hermes with ``in_place: false`` moves to a new session id after a compaction and says so
     (``on_session_start(new, boundary_reason="compression", old_session_id=old)``). The turns after it
     stay under the trigger (no compress links the new id through its adopted answer), and their recall
     tools ran in a new, empty store session: lcm_grep found nothing of the conversation."""
-    engine = make(tmp_path)
+    engine = make(tmp_path, db_url=store_url)
     engine.on_session_start("hermes-A")
     engine.compress(conversation("alpha", 12))
     engine.on_session_start("hermes-B", boundary_reason="compression", old_session_id="hermes-A")
@@ -531,14 +535,16 @@ def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_linea
     engine.close()
 
 
-def test_the_engines_addition_reaches_the_model_when_hermes_sends_no_system_prompt(tmp_path: Path) -> None:
+def test_the_engines_addition_reaches_the_model_when_hermes_sends_no_system_prompt(
+    store_url: str, tmp_path: Path
+) -> None:
     """hermes-agent passes compress the conversation without its system prompt (it builds that for each
     request): the addition went onto a system prompt the list does not hold, and no request carried it
     (the lossless engine's recall hint, 0 of 16 requests in a real run). It ends our context block now,
     once, and the answer sent back unchanged is still ours."""
     from engines.lossless.engine import RECALL_HINT
 
-    engine = make(tmp_path)
+    engine = make(tmp_path, db_url=store_url)
     engine.on_session_start("s1")
     out = engine.compress(conversation("theta", 12))
     assert engine.compression_count == 1 and out[0]["role"] == "user" and is_context_message(out[0])
