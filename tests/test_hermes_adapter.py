@@ -535,6 +535,148 @@ def test_a_rotation_at_a_compaction_boundary_keeps_the_recall_tools_on_the_linea
     engine.close()
 
 
+def test_a_rotations_link_survives_a_restart(store_url: str, tmp_path: Path) -> None:
+    """The boundary's link (new Hermes id -> the lineage's store session) was held in the process: a
+    gateway restarted under the new id (Hermes resumes it, no boundary told again) ran its recall tools
+    in a new, empty store session until a compress happened to adopt an answer."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("hermes-A")
+    engine.compress(conversation("alpha", 12))
+    engine.on_session_start("hermes-B", boundary_reason="compression", old_session_id="hermes-A")
+    engine.on_session_start("hermes-B", boundary_reason="compression", old_session_id="hermes-A")  # again
+    engine.close()
+    restarted = make(tmp_path, db_url=store_url)
+    restarted.on_session_start("hermes-B")
+    found = json.loads(restarted.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}))
+    assert found.get("count", 0) >= 1, found
+    # a second rotation continues the same lineage, after a restart too
+    restarted.on_session_start("hermes-C", boundary_reason="compression", old_session_id="hermes-B")
+    restarted.close()
+    again = make(tmp_path, db_url=store_url)
+    again.on_session_start("hermes-C")
+    assert json.loads(again.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"})).get("count", 0) >= 1
+    # an unrelated session is still a session of its own
+    again.on_session_start("hermes-D")
+    assert json.loads(again.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"})).get("count") == 0
+    again.close()
+
+
+def _reloaded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as hermes-agent's session database gives it back (``get_messages_as_conversation``):
+    timestamps, ``tool_name`` for ``name``, no ``None`` fields, texts stripped."""
+    out = []
+    for m in copy.deepcopy(messages):
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "tool" and "name" in m:
+            m["tool_name"] = m.pop("name")
+        if isinstance(m.get("content"), str):
+            m["content"] = m["content"].strip()
+        if m.get("role") == "user":
+            m["timestamp"] = 1764900000.5
+        if m.get("role") == "assistant":
+            m["finish_reason"] = "tool_calls" if m.get("tool_calls") else "stop"
+        out.append(m)
+    return out
+
+
+def test_a_conversation_reloaded_from_hermes_session_database_is_not_stored_again(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The gateway rebuilds every turn's history from its session database, and there the messages are
+    not byte-identical to the live ones: the first difference branched the store session and the whole
+    conversation was stored a second time (12 messages of 26 twice in a real run)."""
+    engine = make(tmp_path, db_url=store_url)
+    live = conversation("kappa", 4)
+    for m in live:
+        if m["role"] == "tool":
+            m["name"] = "lookup"
+        if m["role"] == "assistant":
+            m["reasoning"] = None
+        if m["role"] == "user":
+            m["content"] += "  \n"
+    engine.on_session_end("s1", live)
+    before = stored(engine, "s1")
+    assert len(before) == len(live)
+    more = [{"role": "user", "content": "kappa next"}, {"role": "assistant", "content": "kappa reply"}]
+    engine.on_session_end("s1", _reloaded(live) + more)
+    after = stored(engine, "s1")
+    assert after[: len(before)] == before and len(after) == len(live) + len(more), len(after)
+    # a message that really differs (an edited question) still branches, as before
+    edited = _reloaded(live) + more
+    edited[0] = {**edited[0], "content": "kappa edited question"}
+    engine.on_session_end("s1", edited)
+    assert len(stored(engine, "s1")) == len(after) + len(edited)
+    engine.close()
+
+
+def test_two_conversations_may_get_the_same_compress_answer(store_url: str, tmp_path: Path) -> None:
+    """A candidate was keyed by its answer alone: a second conversation whose compress answer was the
+    same (a conversation run again) could not record it (IdempotencyConflict), and compress failed."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("first")
+    one = engine.compress(conversation("same", 12))
+    engine.on_session_start("second")
+    two = engine.compress(conversation("same", 12))
+    assert engine.compression_count == 2 and two == one
+    # each conversation's answer is adopted into its own lineage
+    engine.compress(_persisted(two) + conversation("later", 2), session_id="second")
+    engine.on_session_start("first")
+    assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "later question 0"})).get("count") == 0
+    engine.on_session_start("second")
+    assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "later question 0"})).get("count", 0) >= 1
+    engine.close()
+
+
+def test_a_session_switch_without_a_start_hook_follows_the_new_id(store_url: str, tmp_path: Path) -> None:
+    """``/new``, ``/resume`` and ``/branch`` change hermes-agent's session id and call
+    ``bind_session_state`` (and ``on_session_reset``), not ``on_session_start``: the adapter kept the old
+    id and the next conversation was written into the old one's store session."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("old")
+    alpha = conversation("alpha", 2)
+    engine.on_session_end("old", alpha)
+    engine.bind_session_state(session_db=None, session_id="new")
+    engine.on_session_reset()
+    beta = conversation("beta", 2)
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "alpha question 0"}, messages=beta))
+    assert found.get("count") == 0, found
+    assert len(stored(engine, "old")) == len(alpha) and len(stored(engine, "new")) == len(beta)
+    engine.bind_session_state(session_db=None, session_id="")  # nothing to bind: the id stays
+    assert engine.session_id == "new"
+    engine.close()
+
+
+def test_a_recall_tool_sees_the_live_conversation(store_url: str, tmp_path: Path) -> None:
+    """hermes-agent passes ``handle_tool_call`` the conversation in memory (``messages``, "for live
+    ingestion"); it was ignored, and before the first compaction the recall tools found nothing of it."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    live = [{"role": "user", "content": "the secret code is zebra0"}, {"role": "assistant", "content": "noted"},
+            {"role": "user", "content": "what was it?"}]
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "zebra0"}, messages=live))
+    assert found.get("count", 0) >= 1, found
+    # a list that is no list of messages is ignored; the tool still answers
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "zebra0"}, messages="nonsense"))
+    assert found.get("count", 0) >= 1, found
+    engine.close()
+
+
+def test_compress_carries_the_memory_providers_context(store_url: str, tmp_path: Path) -> None:
+    """hermes-agent passes ``compress`` its memory provider's pre-compaction text and asks summarizing
+    engines to carry it in their handoff; it was accepted and dropped."""
+    from transcript_store.hermes import MEMORY_HEAD
+
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    out = engine.compress(conversation("nu", 12), memory_context="  The user prefers green tea.  ")
+    text = "\n".join(str(m.get("content")) for m in out)
+    assert f"{MEMORY_HEAD}\nThe user prefers green tea." in text and text.count(MEMORY_HEAD) == 1
+    engine.on_session_start("s2")
+    plain = engine.compress(conversation("xi", 12), memory_context="   ")
+    assert MEMORY_HEAD not in json.dumps(plain)
+    engine.close()
+
+
 def test_the_engines_addition_reaches_the_model_when_hermes_sends_no_system_prompt(
     store_url: str, tmp_path: Path
 ) -> None:

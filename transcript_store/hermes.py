@@ -8,8 +8,9 @@ How the adapter maps Hermes onto the store:
   ``sha256(store session | ordinal | canonical message)``; the ordinal is the message's index in the
   uncompressed conversation. Re-sending the same list (``compress``, ``on_session_end``,
   ``on_turn_complete``, a retry after a host timeout) stores nothing new.
-- The host's list is aligned with the store session's visible transcript in order: only its longest
-  common prefix is skipped. A list that differs after that (an undo, an edit, a regenerated reply)
+- The host's list is aligned with the store session's visible transcript in order, message by message
+  compared by ``identity`` (a reloaded conversation is the same one): only its longest common prefix
+  is skipped. A list that differs after that (an undo, an edit, a regenerated reply)
   branches the session after the last message both agree on and appends the rest, as the OpenClaw
   mirror does (``mirror.align``): nothing is deleted, the visible transcript becomes the host's list.
   Once the session has off-branch entries, a key also names the seq the write follows, so that it can
@@ -29,8 +30,10 @@ How the adapter maps Hermes onto the store:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -57,6 +60,8 @@ log = logging.getLogger("transcript_store.hermes")
 DEFAULT_SCOPE = "hermes"
 INDEX_KEY = "_hermes_candidates"
 CANDIDATE = "hermes-candidate"
+#: an index entry linking a Hermes session id to the store session of its lineage (a rotation)
+ALIAS = "hermes-alias"
 ADOPTED = "hermes-adopted"
 DEFAULT_THRESHOLD = 0.75
 PLUGIN_NAME = "transcript-store"
@@ -116,6 +121,45 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     return {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
 
 
+def identity(message: dict[str, Any]) -> dict[str, Any]:
+    """What makes a cleaned message the same message when Hermes sends it again: role, content (a text
+    without surrounding whitespace), the tool call it answers and the calls it makes (id, name, arguments).
+
+    A conversation Hermes reloads from its session database (the gateway rebuilds it for every turn,
+    ``/resume`` too) is not byte-identical to the live list it saved: user messages gain a
+    ``timestamp``, tool results carry ``tool_name`` where they had ``name``, a ``reasoning: None`` is
+    gone, texts are stripped. Compared whole, the first such message branched the session and stored
+    the rest of the conversation a second time; the stored message keeps the form first seen.
+    """
+    out: dict[str, Any] = {"role": message.get("role")}
+    content = message.get("content")
+    if isinstance(content, str):
+        content = content.strip()
+    if content not in (None, ""):
+        out["content"] = content
+    if message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message.get("tool_call_id")
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_call_identity(c) for c in calls] if isinstance(calls, list) else calls
+    return out
+
+
+def _call_identity(call: Any) -> Any:
+    """A tool call's id, function name and arguments (its ``type`` and host keys left out)."""
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function")
+    if isinstance(fn, dict):
+        fn = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+    return {"id": call.get("id"), "function": fn}
+
+
+def fingerprint(messages: Sequence[dict[str, Any]]) -> str:
+    """The digest of cleaned messages' identities (one message: ``fingerprint([m])``)."""
+    return digest(canonical([identity(m) for m in messages]))
+
+
 def message_key(store_session: str, ordinal: int, message: dict[str, Any], after_seq: int | None = None) -> str:
     """The idempotency key of one Hermes message: (store session, ordinal, canonical message[, after_seq])."""
     parts = [store_session, str(ordinal), canonical(message)]
@@ -139,6 +183,35 @@ def with_addition(system: Sequence[dict[str, Any]], addition: str | None) -> lis
     if addition and head and isinstance(head[0].get("content"), str) and addition not in head[0]["content"]:
         head[0]["content"] = f"{head[0]['content']}\n\n{addition}"
     return head
+
+
+MEMORY_HEAD = "What the memory provider recalled before this compaction:"
+#: a memory provider's text beyond this is cut (hermes-agent's own sanitizer caps it first when present)
+MAX_MEMORY_CHARS = 8000
+
+
+def memory_block(memory_context: Any) -> str | None:
+    """A memory provider's pre-compaction text as the handoff carries it, or None when there is none.
+
+    hermes-agent passes ``compress`` what its memory provider returned just before compaction and asks
+    summarizing engines to carry it in their handoff; it goes where the engine's system-prompt addition
+    goes (``place_addition``), after it. hermes-agent's ``sanitize_memory_context`` (redaction, length)
+    is applied when it is importable; otherwise the text is stripped and cut at MAX_MEMORY_CHARS.
+    """
+    if not isinstance(memory_context, str) or not memory_context.strip():
+        return None
+    text = memory_context.strip()
+    with contextlib.suppress(Exception):  # an older hermes-agent, or none (the stand-in base)
+        text = str(importlib.import_module("agent.context_engine").sanitize_memory_context(text)).strip()
+    if len(text) > MAX_MEMORY_CHARS:
+        text = text[:MAX_MEMORY_CHARS] + "\n[... cut]"
+    return f"{MEMORY_HEAD}\n{text}" if text else None
+
+
+def addition_of(assembled: Any, memory: str | None) -> str | None:
+    """The engine's system-prompt addition, followed by the memory provider's block when there is one."""
+    parts = [p for p in (getattr(assembled, "system_prompt_addition", None), memory) if isinstance(p, str) and p]
+    return "\n\n".join(parts) if parts else None
 
 
 def place_addition(
@@ -591,6 +664,8 @@ class TranscriptStoreEngineMixin:
                         rt.candidates[p["fp"]] = _Candidate(
                             p["fp"], p["length"], p["store_session"], p["next_ordinal"]
                         )
+                    elif e.kind == "metadata" and p.get("type") == ALIAS:
+                        rt.aliases[p["hermes_session"]] = p["store_session"]
                     after = e.seq
                 rt.index_seq = max(rt.index_seq, after)
             if len(page) < 1000:
@@ -600,6 +675,7 @@ class TranscriptStoreEngineMixin:
     def _store_session(self, rt: _Runtime, hermes_session: str | None) -> str:
         """The store session of a Hermes session (its lineage when a candidate linked it)."""
         key = hermes_session or self.session_id or "default"
+        self._load_candidates(rt)  # the durable aliases come with the index (once per process)
         with rt.lock:
             if key in rt.aliases:
                 return rt.aliases[key]
@@ -617,7 +693,7 @@ class TranscriptStoreEngineMixin:
         # comes back marked, and a raw fingerprint never matched: no candidate adopted, no lineage.
         cleaned = [clean(m) for m in body[: lengths[0]]] if lengths else []
         for n in lengths:
-            fp = digest(canonical(cleaned[:n]))
+            fp = fingerprint(cleaned[:n])
             with rt.lock:
                 cand = rt.candidates.get(fp)
             if cand is not None and cand.length == n:
@@ -643,7 +719,7 @@ class TranscriptStoreEngineMixin:
         return sess, _Visible(
             sess.head_entry_id,
             sess.generation,
-            keep.digests + tuple(digest(canonical(e.message)) for e in entries),
+            keep.digests + tuple(fingerprint([e.message or {}]) for e in entries),
             keep.entry_ids + tuple(e.entry_id for e in entries),
             keep.seqs + tuple(e.seq for e in entries),
         )
@@ -708,7 +784,7 @@ class TranscriptStoreEngineMixin:
             if compacted:
                 start = None
         host = [clean(m) for m in body if not is_context_message(m)]
-        digests = [digest(canonical(m)) for m in host]
+        digests = [fingerprint([m]) for m in host]
         with rt.session_lock(store_session):
             with rt.lock:
                 known = rt.visible.get(store_session)
@@ -737,16 +813,19 @@ class TranscriptStoreEngineMixin:
 
     def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
         """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
-        cand = _Candidate(digest(canonical([clean(m) for m in body])), len(body), store_session, n)
+        cand = _Candidate(fingerprint([clean(m) for m in body]), len(body), store_session, n)
         index = rt.store.open_session(self.scope, INDEX_KEY)
         rt.store.append(
             self.scope, index.session_id, kind="metadata",
             payload={"type": CANDIDATE, "fp": cand.fp, "length": cand.length,
                      "store_session": store_session, "next_ordinal": n},
-            idempotency_key="cand-" + cand.fp,
+            # Keyed by the lineage too: two conversations can get the same answer (a conversation run
+            # again, a scripted one), and a key of the answer alone refused the second one's record
+            # (IdempotencyConflict: its compress failed, three times, and left it uncompressed).
+            idempotency_key="cand-" + digest(cand.fp, store_session),
         )
         with rt.lock:
-            rt.candidates[cand.fp] = cand
+            rt.candidates[cand.fp] = cand  # the newest record of an answer is the one a list matches
             if rt.adopted.get(store_session) != cand.fp:
                 rt.pending[store_session] = cand.fp
 
@@ -781,6 +860,7 @@ class TranscriptStoreEngineMixin:
         focus_topic: str | None = None,
         force: bool = False,
         session_id: str | None = None,
+        memory_context: str = "",
         **_kwargs: Any,
     ) -> list[dict[str, Any]]:
         """Store the conversation, compact in the engine, answer below the trigger with the fresh tail kept.
@@ -796,14 +876,15 @@ class TranscriptStoreEngineMixin:
             log.exception("transcript-store: compress got no message list; leaving it unchanged")
             return messages
         try:
-            return self._compress(snapshot, current_tokens, focus_topic, force, session_id)
+            memory = memory_block(memory_context)
+            return self._compress(snapshot, current_tokens, focus_topic, force, session_id, memory)
         except Exception:  # never an untyped error into Hermes: the originals are stored or still the host's
             log.exception("transcript-store: compress failed; leaving the conversation uncompressed")
             return snapshot
 
     def _compress(
         self, snapshot: list[Any], current_tokens: int | None, focus_topic: str | None, force: bool,
-        session_id: str | None,
+        session_id: str | None, memory: str | None = None,
     ) -> list[dict[str, Any]]:
         """``compress`` on the host's copied list (which it returns when nothing changes)."""
         messages = [m for m in snapshot if isinstance(m, dict)]  # anything else is no message of ours
@@ -832,12 +913,14 @@ class TranscriptStoreEngineMixin:
         assembled = self._compact_and_assemble(rt, store_session, budget, focus_topic, force)
         if assembled is None or not assembled.messages:
             return snapshot
-        fit = self._fit_addition(rt, store_session, system, budget, tail + MIN_CONTEXT, current, pending, assembled)
+        fit = self._fit_addition(
+            rt, store_session, system, budget, tail + MIN_CONTEXT, current, pending, assembled, memory
+        )
         if fit is None:
             answer = with_fresh_tail(assembled.messages, current, pending)
         else:
             assembled, answer = fit
-        head, answer = place_addition(system, answer, getattr(assembled, "system_prompt_addition", None))
+        head, answer = place_addition(system, answer, addition_of(assembled, memory))
         if canonical(answer) == canonical([clean(m) for m in body]):
             return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
         self._record_candidate(rt, answer, store_session, n)
@@ -846,7 +929,7 @@ class TranscriptStoreEngineMixin:
 
     def _fit_addition(
         self, rt: _Runtime, store_session: str, system: list[dict[str, Any]], budget: int, floor: int,
-        current: dict[str, Any] | None, pending: list[dict[str, Any]], assembled: Any,
+        current: dict[str, Any] | None, pending: list[dict[str, Any]], assembled: Any, memory: str | None = None,
     ) -> tuple[Any, list[dict[str, Any]]] | None:
         """The assembly again, and its answer, with the engine's system-prompt addition reserved when the
         answer and the addition are over ``budget`` (None: the first assembly stands).
@@ -863,7 +946,7 @@ class TranscriptStoreEngineMixin:
         answer = with_fresh_tail(assembled.messages, current, pending)
         asked = budget
         for _ in range(FIT_ATTEMPTS):
-            head, placed = place_addition(system, answer, getattr(assembled, "system_prompt_addition", None))
+            head, placed = place_addition(system, answer, addition_of(assembled, memory))
             extra = est.count_messages(head + placed) - est.count_messages(system + answer)
             over = est.count_messages(answer) + extra - budget
             smaller = max(asked - over, floor)
@@ -958,6 +1041,14 @@ class TranscriptStoreEngineMixin:
         try:
             rt = self.runtime()
             lineage = self._store_session(rt, old)
+            # Durable, in the candidates' index: a process restarted under the new id (Hermes resumes
+            # it from its session database, no boundary told again) continues the lineage too.
+            index = rt.store.open_session(self.scope, INDEX_KEY)
+            rt.store.append(
+                self.scope, index.session_id, kind="metadata",
+                payload={"type": ALIAS, "hermes_session": session_id, "store_session": lineage},
+                idempotency_key="alias-" + digest(canonical([session_id, lineage])),
+            )
             with rt.lock:
                 rt.aliases[session_id] = lineage
         except Exception:  # never an error into Hermes: the next compress links the lineage too
@@ -970,6 +1061,15 @@ class TranscriptStoreEngineMixin:
                 self.ingest(copy.deepcopy(list(messages)), session_id or None)
         except Exception:
             log.exception("transcript-store: storing the conversation at session end failed")
+
+    def bind_session_state(self, session_db: Any = None, session_id: str = "", **_kwargs: Any) -> None:
+        """Follow the agent's session id: hermes-agent calls this at agent start and when ``/new``,
+        ``/resume`` or ``/branch`` switch the id without a session-start hook (its session database is
+        not used: the store holds the transcript)."""
+        # Without it the adapter kept the old id after a switch: the next conversation was aligned with
+        # the old one's store session (branched onto its transcript) and the new id's stayed empty.
+        if isinstance(session_id, str) and session_id:
+            self.session_id = session_id
 
     def on_session_reset(self) -> None:
         """Reset the token counters."""
@@ -1015,6 +1115,17 @@ class TranscriptStoreEngineMixin:
             if isinstance(args, str):
                 args = json.loads(args or "{}")
             hermes_session = kwargs.get("session_id") or self.session_id
+            live = kwargs.get("messages")
+            if isinstance(live, list) and live:
+                # hermes-agent passes the conversation in memory ("for live ingestion"): stored first, a
+                # recall tool finds this conversation's turns before its first compaction too.
+                try:
+                    stored_in, _n = self.ingest(copy.deepcopy([m for m in live if isinstance(m, dict)]), hermes_session)
+                    boot = getattr(rt.engine, "bootstrap", None)
+                    if callable(boot):  # the engine imports what was just stored
+                        boot(scope=self.scope, session_id=stored_in, fence=None)
+                except Exception:
+                    log.exception("transcript-store: storing the live conversation for a tool call failed")
             store_session = self._store_session(rt, hermes_session)
             return str(fn(name, args, scope=self.scope, session_id=store_session))
         except Exception as e:
