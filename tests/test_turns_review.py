@@ -153,7 +153,32 @@ def statement_reply_lost(store: TranscriptStore) -> Iterator[None]:
         store.db._statement = real  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("way", ["statement", "transaction"])
+@contextmanager
+def receipt_statement_reply_lost() -> Iterator[None]:
+    """The one-statement receipt insert commits, then the statement itself raises (its reply lost), as a
+    connection dropped after the server committed does; ``statement_reply_lost`` raises only after the
+    statement's function returned."""
+    from transcript_store import hot
+
+    real = hot.run
+    armed = [True]
+
+    def lossy(conn: Any, stmt: Any, params: Any = None) -> Any:
+        result = real(conn, stmt, params)
+        if armed[0] and "INSERT INTO ts_receipts" in str(stmt):
+            armed[0] = False
+            raise TransientStoreError("injected: the statement committed, its reply was lost")
+        return result
+
+    hot.run = lossy
+    try:
+        yield
+    finally:
+        hot.run = real
+    assert not armed[0], "the one-statement receipt insert never ran: the case under test did not arise"
+
+
+@pytest.mark.parametrize("way", ["statement", "statement-raises", "transaction"])
 def test_commit_turn_whose_answer_was_lost_reports_its_own_commit(
     store: TranscriptStore, sid: str, way: str
 ) -> None:
@@ -165,7 +190,10 @@ def test_commit_turn_whose_answer_was_lost_reports_its_own_commit(
     done = turns.complete(S, sid, "t1", [{"message": assistant("4")}], None)
     messages = [user("2+2?"), assistant("4")]
     apply = count_turn if way == "transaction" else None
-    lost = statement_reply_lost(store) if way == "statement" else commits_lost(store, lambda n: n == 1)
+    if way == "statement-raises":
+        lost = receipt_statement_reply_lost()
+    else:
+        lost = statement_reply_lost(store) if way == "statement" else commits_lost(store, lambda n: n == 1)
     with lost:
         first = turns.commit_turn(E, "t1", admission, done.terminal, messages, apply=apply)
     assert first.status == "committed"

@@ -363,9 +363,14 @@ RETURNING advancement_key
 _ONE_STATEMENT_MAX = 32
 
 
-def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
+def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt] | None = None) -> CommitResult | None:
     """``commit_turn`` of a first commit as one statement (outside a transaction), or None: not
-    committed by it, and the transactional path must decide (see _one_statement_commit)."""
+    committed by it, and the transactional path must decide (see _one_statement_commit).
+
+    ``attempts`` gets the receipt this statement would write before it is sent: the statement commits
+    on its own, so when its answer is lost (a dropped connection) the caller's retry can still tell the
+    receipt it finds for its own commit.
+    """
     adm, term = turn.admission, turn.terminal
     count = len(turn.messages)
     if term.seq - adm.seq + 1 != count or count > _ONE_STATEMENT_MAX:
@@ -385,9 +390,12 @@ def commit_turn_statement(core: Core, turn: TurnPayload) -> CommitResult | None:
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
         b_term_position=term.position, **{f"b_t{i}": stored_text(m) for i, m in enumerate(turn.messages)},
     )
+    values = _receipt_values(turn, ts)
+    if attempts is not None:
+        attempts.append(Receipt.model_construct(**values))
     if core.run(stmt, params).first() is None:
         return None
-    return _committed(_receipt_values(turn, ts))
+    return _committed(values)
 
 
 def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:

@@ -139,7 +139,7 @@ class Turns:
         if apply is None:
             # A first commit is usually one statement outside any transaction; whatever it does not commit
             # (a replay, a collision, anything it cannot prove) the transaction below decides.
-            done = self.store.statement(lambda c: own(commit_turn_statement(c, turn)))
+            done = self.store.statement(lambda c: own(commit_turn_statement(c, turn, mine)))
             if done is not None:
                 return done
         result = self.store.write(lambda c: own(commit_turn_in(c, turn, apply)))
