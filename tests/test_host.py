@@ -23,6 +23,7 @@ from transcript_store.errors import (
     SessionBusy,
     StorageFull,
     TransientStoreError,
+    TurnBranchedAway,
     UnknownSession,
 )
 from transcript_store.host import HostRuntime, TurnFailed, prune_tool_results
@@ -641,7 +642,9 @@ def test_auto_compaction_inside_a_turn_assembles_again_from_the_new_pointer(stor
 
 def test_a_retried_turn_id_whose_entry_left_the_path_is_fenced_as_before(store: TranscriptStore, sid: str) -> None:
     """A turn id admitted again after its entry was branched away: the admission stores nothing new, so
-    its prefetch checks the fence like any read, and the turn degrades exactly as without a prefetch."""
+    its prefetch checks the fence like any read. The retry fails before its model call: the branch no
+    longer holds its question (TurnBranchedAway; the turn was degraded, its reply written after the
+    branch point and the turn blocked, an answer without its question on the branch)."""
     host, model = make_host(store)
     host.run_turn(SCOPE, sid, "first", turn_id="t1")
     parent = store.read_visible(SCOPE, sid)[-1]
@@ -660,9 +663,11 @@ def test_a_retried_turn_id_whose_entry_left_the_path_is_fenced_as_before(store: 
             return model.complete(messages, tools, **kw)
 
     host.model = BranchThenTimeout()
-    out = host.run_turn(SCOPE, sid, "second", turn_id="t2")
-    assert out.degraded_reason is not None and "read fence" in out.degraded_reason
-    assert out.commit_status == "blocked"
+    before = store.read_visible(SCOPE, sid)
+    with pytest.raises(TurnBranchedAway):
+        host.run_turn(SCOPE, sid, "second", turn_id="t2")
+    assert host.model.calls == 1  # the retry never reached the model
+    assert store.read_visible(SCOPE, sid) == before and Turns(store).intent(SCOPE, sid, "t2") is None
 
 
 class _PrefetchFails(CountingEngine):

@@ -496,8 +496,8 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
 ) -> None:
     """A first commit is one statement only when the range is, beyond doubt, the turn: every entry a
     message on the active path, each text as stored. An event inside the turn, a turn branched away, a
-    message that is not its entry, a replay: the transactional check decides each, with the answers it
-    always gave."""
+    message that is not its entry, a replay: the transactional check decides each (a turn branched away
+    is refused there too: its closed range is ``stale``, and a receipt must be the closed range)."""
     adm, term, msgs = finished_turn(store, sid, "plain")
     assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 0
     assert count_transactions(store, lambda: turns.commit_turn(E, "plain", adm, term, msgs)) == 1  # replay
@@ -517,8 +517,13 @@ def test_what_one_statement_cannot_prove_the_transaction_decides(
     # A finished turn branched away before its commit: off the active path, the transaction decides.
     adm3, term3, msgs3 = finished_turn(store, sid, "away")
     store.branch(A, sid, term2.entry_id)
-    assert count_transactions(store, lambda: turns.commit_turn(E, "away", adm3, term3, msgs3)) == 1
-    assert ledger(store, sid)[0] == ["plain", "evt", "away"]
+
+    def away() -> None:
+        with pytest.raises(InvalidInput, match="active branch"):
+            turns.commit_turn(E, "away", adm3, term3, msgs3)
+
+    assert count_transactions(store, away) == 1
+    assert ledger(store, sid)[0] == ["plain", "evt"]
 
 
 @pytest.mark.parametrize("path", ["one statement", "transaction"])

@@ -1223,6 +1223,13 @@ class Core:
         params = session_params(scope, session_id, b_depth=row.depth)
         return bool(self.run(_PATH_SEQ_AT_DEPTH, params).scalar() == row.seq)
 
+    def branched_away(self, scope: str, session_id: str, seq: int, generation: int) -> bool:
+        """Whether the entry at raw ``seq`` left the active path by a branch: off the path, and written in
+        the session's current ``generation`` (a rewrite since would have rotated it, and keeps a copy of
+        the entry where it was: that is no branch)."""
+        row = self.entry_by_seq(scope, session_id, seq)
+        return row is not None and int(row.generation) == generation and not self.on_active_path(scope, session_id, row)
+
     def anchor_for(self, sess: Row[Any], row: Any) -> Anchor:
         """The anchor of an entry row, taken in the session's current generation and incarnation."""
         return Anchor.model_construct(

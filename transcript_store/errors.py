@@ -192,6 +192,24 @@ class TurnOvertaken(TranscriptStoreError):
         self.later_turn_id = later_turn_id
 
 
+class TurnBranchedAway(InvalidInput):
+    """The turn's admitted user message left the session's active branch while the turn ran (a branch or a
+    rewrite by another writer): its replies have no place on the branch and are not written.
+
+    Raised by ``Turns.complete`` (and so by ``HostRuntime.run_turn``, which discards the turn's intent)
+    with nothing written, as ``Turns.accept`` refuses a terminal not descending from the admission.
+    Present the message again on the branch as it is now.
+    """
+
+    def __init__(self, session_id: str, turn_id: str) -> None:
+        super().__init__(
+            f"turn {turn_id!r} of session {session_id!r}: its admitted message left the active branch while "
+            "it ran; its replies were not written"
+        )
+        self.session_id = session_id
+        self.turn_id = turn_id
+
+
 class SchemaNotCurrent(TranscriptStoreError):
     """The database schema is behind (or ahead of) this library; run the upgrade."""
 

@@ -59,6 +59,7 @@ from .errors import (
     StoreUnavailable,
     TranscriptStoreError,
     TransientStoreError,
+    TurnBranchedAway,
     TurnOvertaken,
     UnknownEngine,
     UnknownTurn,
@@ -788,6 +789,15 @@ class HostRuntime:
             self._decisions.pop((scope, session_id, turn_id), None)
             return outcome
 
+    def _branched_away(self, fence: Anchor) -> bool:
+        """Whether the admitted entry left the active branch in its own generation (a branch, not a rewrite)."""
+
+        def look(c: Core) -> bool:
+            sess = c.session_row(fence.scope, fence.session_id)
+            return sess is not None and c.branched_away(fence.scope, fence.session_id, fence.seq, int(sess.generation))
+
+        return self.store.read(look)
+
     def _already_accepted(
         self, scope: str, session_id: str, turn_id: str, engine_id: str, delivered_here: bool = False
     ) -> TurnOutcome | None:
@@ -976,6 +986,10 @@ class HostRuntime:
         try:
             assembled = self._assemble(engine, info, scope, session_id, read_fence, host_params, ahead, reserved)
         except ReadFenceError as e:
+            if e.reason == "missing" and self._branched_away(fence):
+                # (A retry after the admitted message was branched away: its answer would have no
+                # question on the branch, and the completion refuses it. Refused before the model call.)
+                raise TurnBranchedAway(session_id, turn_id) from None
             if engine_id != LEGACY:
                 raise _Degrade(f"read fence: {e.reason}") from None
             # The legacy path reads the transcript as it is now; this turn's commit will be blocked

@@ -38,8 +38,8 @@ from .core import (
     session_params,
     stored_text,
 )
-from .errors import AdvancementKeyCollision, InvalidInput, TurnKeyConflict, UnknownSession
-from .fences import MAX_TURN_EVENTS, of_another_incarnation
+from .errors import AdvancementKeyCollision, InvalidInput, PayloadTooLarge, TurnKeyConflict, UnknownSession
+from .fences import MAX_TURN_BYTES, MAX_TURN_EVENTS, of_another_incarnation
 from .models import Admission, Anchor, canonical_json, validate_message
 from .schema import engine_state, entries, receipts, sessions, turn_messages
 
@@ -379,6 +379,9 @@ def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt]
         # An anchor without an incarnation is honoured only by a session from before them, and a terminal
         # of another incarnation never: ``foreign_incarnation`` decides that in the transaction.
         return None
+    texts = [stored_text(m) for m in turn.messages]
+    if sum(map(len, texts)) * 4 > MAX_TURN_BYTES:
+        return None  # perhaps over the turn's byte cap (4 bytes a character at most): the full check
     stmt = _one_statement_commit(count, core.dialect.is_sqlite)
     ts = now_us()
     params = session_params(
@@ -388,7 +391,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt]
         b_session_key=adm.session_key, b_generation=adm.generation, b_incarnation=adm.incarnation,
         b_adm_id=adm.entry_id, b_term_id=term.entry_id, b_seqs=",".join(map(str, range(adm.seq, term.seq + 1))),
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
-        b_term_position=term.position, **{f"b_t{i}": stored_text(m) for i, m in enumerate(turn.messages)},
+        b_term_position=term.position, **{f"b_t{i}": text for i, text in enumerate(texts)},
     )
     values = _receipt_values(turn, ts)
     if attempts is not None:
@@ -468,6 +471,18 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
         if parent is None:
             raise InvalidInput("the terminal entry does not descend from the admitted entry")
         chain.append(parent)
+    # What the closed range refuses (fences.read_closed_range), commit_turn refuses too: a receipt for a
+    # turn no read of it would return stood against the turn for ever (a drain blocks it, a host never
+    # delivers it). The chain is the terminal's ancestors up to the admission, so it is on the active
+    # path exactly when the terminal is.
+    if len(chain) > MAX_TURN_EVENTS:
+        raise InvalidInput(f"the turn holds {len(chain)} entries, over {MAX_TURN_EVENTS}")
+    size = sum(int(r.size_bytes) for r in chain)
+    if size > MAX_TURN_BYTES:
+        raise PayloadTooLarge(f"the turn is {size} bytes, over the cap of {MAX_TURN_BYTES}")
+    assert term.position is not None  # matched its stored message entry above
+    if core.path_seq_at_position(turn.scope, turn.session_id, term.position) != term.seq:
+        raise InvalidInput("the turn is not on the session's active branch (it was branched away)")
     found = [r for r in reversed(chain) if r.kind == "message"]
     if len(found) != len(turn.messages):
         raise InvalidInput(f"the turn range holds {len(found)} messages, got {len(turn.messages)}")

@@ -28,6 +28,7 @@ from .errors import (
     OutboxCollision,
     PayloadTooLarge,
     TranscriptStoreError,
+    TurnBranchedAway,
     describe,
 )
 from .fences import MAX_TURN_BYTES
@@ -393,6 +394,8 @@ class Turns:
                 if landed and self._committed(landed[0]):
                     return landed[0]
                 raise
+            except TurnBranchedAway:
+                raise  # the slow path would refuse it the same way
             except Exception as e:  # the engine raised or the commit conflicted: take the slow path
                 log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, describe(e))
                 slow = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
@@ -453,6 +456,18 @@ class Turns:
         terminal = c.anchor_for(sess, appended[-1])  # the Entry holds its row's anchor fields
         intent, fresh, earlier = outbox.check_accept(c, scope, session_id, turn_id, terminal)
         admitted = intent.admission.anchor
+        # Something was written after the admitted entry (events), or the head moved off it (another
+        # writer branched the session mid-turn): the replies went where the head is, which descends from
+        # the admission only if it is still on the active path. Otherwise the turn would be accepted
+        # with an answer on a branch that lacks its question, and blocked at once. (A rewrite moves the
+        # generation and keeps the question, rewritten, where it was: the reply belongs there, and the
+        # turn is blocked ``stale`` for its engine, as before.)
+        if (
+            fresh
+            and appended[0].parent_id != admitted.entry_id
+            and c.branched_away(scope, session_id, admitted.seq, int(sess.generation))
+        ):
+            raise TurnBranchedAway(session_id, turn_id)
         stale = next((e for e in appended if e.seq <= admitted.seq), None)
         if stale is not None:
             # A reply whose entry id or idempotency key names an entry the turn did not write (an

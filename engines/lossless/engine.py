@@ -53,6 +53,14 @@ log = logging.getLogger("engines.lossless")
 
 MAX_REMEMBERED = 1024
 Probe = Literal["missing", "current", "behind"]
+#: compaction passes (each at most ``max_rounds`` steps) assemble may run when the context is over its budget
+ASSEMBLE_PASSES = 8
+#: the system-prompt addition when the context had to leave earlier messages out and shows no summary
+CUT_HINT = (
+    "Earlier parts of this conversation are not shown here for room. Nothing is lost: lcm_grep searches "
+    "every original message and summary, lcm_describe tells what an id covers, and lcm_expand opens it. "
+    "Use them before guessing."
+)
 RECALL_HINT = (
     "Earlier parts of this conversation are condensed into [Summary sum_N ...] messages. Nothing is lost: "
     "lcm_grep searches every original message and summary, lcm_describe tells what an id covers, and "
@@ -189,18 +197,28 @@ class LosslessEngine:
         check_token_budget(token_budget)
         self._remember(scope, session_id, token_budget, runtime_settings)
         items = self._current(scope, session_id, fence)
-        if sum(i.tokens for i in items) > token_budget:
-            # Over the hard budget (a large import, or a failed earlier compaction): compact now.
-            self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=False, focus=None)
+        passes = 0
+        while sum(i.tokens for i in items) > token_budget and passes < ASSEMBLE_PASSES:
+            # Over the hard budget (a large import, or a failed earlier compaction): compact now, pass
+            # after pass while a pass makes progress. One pass (``max_rounds`` steps) summarised a few
+            # hundred of an imported session's 2,000 messages, and ``fit`` then cut the rest of the raw
+            # history and the new summaries with it, for as many turns as maintenance took to catch up.
+            passes += 1
+            marks = self.budget(scope, session_id, token_budget)
+            result = self._compact(scope, session_id, marks, force=False, focus=None)
             items = self._current(scope, session_id, fence)
+            if not result.compacted:
+                break
         self._count("context_rows_read", len(items))
         shown = fit(items, token_budget)
         messages = render(shown)
         has_summaries = any(i.summary is not None for i in shown)
+        # What fit left out is stored all the same: the recall tools reach it, and the model is told so.
+        hint = RECALL_HINT if has_summaries else (CUT_HINT if len(shown) < len(items) else None)
         return AssembleResult(
             messages=messages,
             estimated_tokens=int(self.estimator.count_messages(messages)),
-            system_prompt_addition=RECALL_HINT if has_summaries else None,
+            system_prompt_addition=hint,
             context_projection=ContextProjection(mode="per_turn", epoch=epoch(shown)),
         )
 
