@@ -391,10 +391,13 @@ def test_openai_chat_model_unreachable_is_a_model_error() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ModelError) as caught:
-        OpenAIChatModel(f"http://user:pw@127.0.0.1:{port}/v1", "m", KEY, timeout=2).complete(
+        OpenAIChatModel(f"http://127.0.0.1:{port}/v1?key=pw", "m", KEY, timeout=2).complete(
             [{"role": "user", "content": "hi"}])
     assert not isinstance(caught.value, ModelTimeout)
     assert "unreachable" in str(caught.value) and "pw" not in str(caught.value)
+    with pytest.raises(InvalidInput) as refused:  # credentials in the URL: never sent, refused
+        OpenAIChatModel(f"http://user:pw@127.0.0.1:{port}/v1", "m", KEY)
+    assert "pw" not in str(refused.value)
     with pytest.raises(InvalidInput):
         OpenAIChatModel("ftp://example", "m")
 

@@ -7,6 +7,14 @@ over the byte cap, one entry over the event cap).
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -194,3 +202,138 @@ def test_lossless_tells_the_model_when_it_had_to_cut_without_a_summary(store: Tr
     whole = engine.assemble(scope=S, session_id=sid, fence=None, token_budget=200_000)
     assert whole.system_prompt_addition is None  # nothing cut, nothing summarised: nothing to say
 
+
+def test_a_mirrored_turn_over_the_turn_cap_is_too_large_not_a_mismatch(store: TranscriptStore) -> None:
+    """The service's commit_turn of a turn over ``max_turn_bytes`` (each message under the entry cap)
+    answered 409 ``turn_mismatch``, "the mirrored range differs from the turn's messages": false; the
+    library calls it too large, and the service maps that to 413 with the limit it advertises."""
+    from mirror_helpers import A, commit, legacy_service, turn_request, visible
+
+    sid = store.create_session(A).session_id
+    svc_gen = legacy_service(store)
+    svc = next(svc_gen)
+    try:
+        text = "x" * 3_000_000
+        messages = [user("q"), assistant(text), user(text), assistant(text)]
+        with pytest.raises(PayloadTooLarge, match="too large"):
+            commit(svc, sid, turn_request("k1", 0, messages, ("u1", "a1")))
+        assert visible(store, sid) == []  # nothing written
+        small = [user("q"), assistant("a")]
+        assert commit(svc, sid, turn_request("k1", 0, small, ("u1", "a1"))).status == "committed"
+    finally:
+        next(svc_gen, None)
+
+
+def test_hermes_install_keeps_the_settings_file_private(tmp_path: Path) -> None:
+    """The plugin's settings.json holds the database URL, password included: it was written world-readable
+    (0644 under the usual umask)."""
+    from click.testing import CliRunner
+
+    from transcript_store.cli import cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    url = "postgresql://app:S3cretPw@db-host/transcripts"
+    settings = home / "plugins" / "transcript_store_hermes" / "settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text("{}")
+    settings.chmod(0o644)  # an earlier install's file keeps no wider mode either
+    result = CliRunner().invoke(cli, ["hermes", "install", "--home", str(home), "--db", url])
+    assert result.exit_code == 0, result.output
+    assert "S3cretPw" not in result.output
+    assert json.loads(settings.read_text())["db_url"] == url
+    assert stat.S_IMODE(settings.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stopped_by_ctrl_c_or_sigterm_exits_cleanly(tmp_path: Path, sig: int) -> None:
+    """uvicorn raised the stopping signal again after its graceful shutdown: Ctrl-C ended serve as "error:
+    aborted" (exit 1, "failed"), SIGTERM killed it (143) before the store was closed and the engines
+    disposed of."""
+    from service_process import ServiceProcess
+
+    proc = ServiceProcess(f"sqlite:///{tmp_path / 's.db'}", {"tok": "scope-a"}, tmp_path / "serve.log").start()
+    child = proc.proc
+    assert child is not None
+    proc.stop(sig)
+    assert child.returncode == 0, (child.returncode, proc.log())
+    assert "error" not in proc.log() and "Traceback" not in proc.log(), proc.log()
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_a_gateway_worker_starts_prints_no_traceback(tmp_path: Path) -> None:
+    """A spawned worker imports the console script and the library (about a second) before it ignores
+    SIGINT: a Ctrl-C then printed its KeyboardInterrupt traceback (3-4 of them a run: workers are
+    respawned all the time). It now starts with SIGINT ignored."""
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("TRANSCRIPT_STORE_CONFIG", None)
+    err = tmp_path / "err.txt"
+    args = ["--db", f"sqlite:///{tmp_path / 'g.db'}", "gateway", "--workers", "2", "--sessions", "2", "--turns", "2"]
+    with err.open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "transcript_store", *args], cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _children(proc.pid), err.read_text()
+        time.sleep(0.2)  # inside the worker's imports
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err.read_text(), err.read_text()
+
+
+def test_a_model_url_keeps_its_query_and_never_shows_it() -> None:
+    """``/chat/completions`` went after the query (``...v1?api-version=1/chat/completions``: an Azure-style
+    endpoint could not work), and the query's key was printed in errors in clear."""
+    from transcript_store.errors import ModelError
+    from transcript_store.model import OpenAIChatModel, endpoint_url, mask_url
+
+    assert endpoint_url("https://h/v1/?api-version=2024-06-01", "/chat/completions") == (
+        "https://h/v1/chat/completions?api-version=2024-06-01"
+    )
+    assert mask_url("http://127.0.0.1:9/v1?key=SECRETQ") == "http://127.0.0.1:9/v1?key=***"
+    model = OpenAIChatModel("http://127.0.0.1:9/v1?key=SECRETQ", "m", timeout=5)
+    with pytest.raises(ModelError) as raised:
+        model.complete([{"role": "user", "content": "hi"}])
+    assert "SECRETQ" not in str(raised.value) and "/v1/chat/completions?key=***" in str(raised.value)
+    assert "SECRETQ" not in repr(model)
+
+
+def test_a_model_url_with_credentials_is_refused(tmp_path: Path) -> None:
+    """urllib sends no ``user:password@``: such a URL failed every turn with "Name or service not known"."""
+    from test_cli import one_error_line, run
+
+    run("init", "--db", f"sqlite:///{tmp_path / 'm.db'}", cwd=tmp_path)
+    line = one_error_line(run("chat", "--db", f"sqlite:///{tmp_path / 'm.db'}", "--model-url",
+                              "http://user:pw@127.0.0.1:9/v1", cwd=tmp_path, code=2, stdin="hi\n"))
+    assert "credentials" in line and "pw" not in line.replace("password", ""), line
+
+
+@pytest.mark.parametrize("command", [["chat"], ["serve", "--port", "0"], ["gateway", "--turns", "1"]])
+def test_auto_upgrade_off_leaves_a_missing_or_foreign_sqlite_file_untouched(tmp_path: Path, command: list[str]) -> None:
+    """With TRANSCRIPT_STORE_AUTO_UPGRADE=0 the creating commands refused (exit 4) after connecting: a new,
+    empty file was left behind, and another program's database was switched to WAL."""
+    import sqlite3
+
+    from test_cli import run
+
+    env = {"TRANSCRIPT_STORE_AUTO_UPGRADE": "0", "TRANSCRIPT_STORE_TOKENS": "tok=scope-a"}
+    run(*command, "--db", f"sqlite:///{tmp_path / 'new.db'}", cwd=tmp_path, code=4, stdin="", env=env)
+    assert not list(tmp_path.glob("new.db*"))
+    theirs = tmp_path / "theirs.db"
+    with sqlite3.connect(theirs) as conn:
+        conn.execute("CREATE TABLE t (x INTEGER)")
+    conn.close()
+    before = theirs.read_bytes()
+    run(*command, "--db", f"sqlite:///{theirs}", cwd=tmp_path, code=4, stdin="", env=env)
+    assert theirs.read_bytes() == before and not list(tmp_path.glob("theirs.db-*"))

@@ -282,6 +282,10 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     make_url_or_usage(config.url)  # a bad URL is a usage error before its file is looked at
     url = mask_url(config.url)
     path = sqlite_file(config.url)
+    # TRANSCRIPT_STORE_AUTO_UPGRADE=0 turns migrating on open off: a creating command then refuses a
+    # file without a store as the others do, before connecting (which switched another program's
+    # database to WAL, or left a new, empty file behind its refusal).
+    create = create and config.auto_upgrade is not False
     why = _no_store_file(path) if path is not None and not create else None
     if why is not None:
         raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
@@ -1448,6 +1452,10 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     config = st.store_config()
     make_url_or_usage(config.url)
     _refuse_non_sqlite_file(config.url)
+    path = sqlite_file(config.url)
+    why = _no_store_file(path) if path is not None and config.auto_upgrade is False else None
+    if why is not None:  # (as open_store: nothing migrates on open, so nothing is created either)
+        raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): run `transcript-store init`")
     st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
@@ -1536,8 +1544,10 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
     except BaseException:
         sock.close()
         raise
+    service: Service | None = None
     try:
-        app = create_app(Service(store, settings), tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
+        service = Service(store, settings)
+        app = create_app(service, tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
         if host not in ("127.0.0.1", "::1", "localhost"):
             click.echo(f"warning: listening on {host}, beyond this machine", err=True)
         logging.getLogger("transcript_store").setLevel(logging.INFO)
@@ -1547,7 +1557,12 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
         run_server(app, sock, access_log=access_log,
                    announce=lambda url: click.echo(f"transcript-store serve: listening on {url} ({store.url})"))
     finally:
-        store.close()
+        # Stopped by Ctrl-C or SIGTERM, serve returns here (exit 0): the engines are disposed of (their
+        # maintenance finished) and the store released.
+        if service is not None:
+            service.close()
+        else:
+            store.close()
 
 
 @cli.group()

@@ -397,7 +397,20 @@ class _Worker:
     def __init__(self, ctx: Any, options: GatewayOptions, url: str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, options, url, os.getpid()), daemon=True)
-        self.proc.start()
+        # A spawned worker imports the console script and the library (about a second) before it can
+        # ignore SIGINT itself: a Ctrl-C then (workers are respawned all the run) printed its traceback.
+        # Ignored while it starts, SIGINT stays ignored in the worker (an ignored signal stays ignored
+        # across the exec, and Python keeps it so; a blocked one does not: spawn resets the mask). The dispatcher
+        # misses a Ctrl-C only inside the fork and exec themselves, milliseconds.
+        try:
+            before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: the caller's own signal handling stands
+            before = None
+        try:
+            self.proc.start()
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGINT, before)
         child.close()
         self.ready = False  # its "ready" came: its store and host are up, a job sent now starts at once
         self.turn_seconds = 0.0  # its settings' max_turn_seconds (in its "ready")

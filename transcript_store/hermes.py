@@ -1229,6 +1229,15 @@ class _StandInContextEngine:
 _CLASSES: dict[bool, type] = {}
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600, an existing file's mode too): the
+    plugin's settings hold the database URL, password included, and the engine's configuration."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def engine_class(*, allow_stand_in: bool = False) -> type:
     """The adapter class subclassing Hermes' ``ContextEngine`` (a stand-in base only when allowed)."""
     with _RUNTIME_LOCK:
@@ -1302,7 +1311,7 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         settings["engine_config"] = dict(engine_config)
     (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
     (target / "__init__.py").write_text(init, encoding="utf-8")
-    (target / "settings.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    _write_private(target / "settings.json", json.dumps(settings, indent=2) + "\n")
     snippet = config_snippet(engine)
     config_path = home / "config.yaml"
     if merge_config:

@@ -57,9 +57,9 @@ from typing import Any
 from . import fences, paths
 from .config import StoreConfig
 from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text
-from .errors import InvalidInput, MirrorConflict, MirrorReason
+from .errors import InvalidInput, MirrorConflict, MirrorReason, PayloadTooLarge
 from .ledger import get_state, put_state
-from .models import Anchor, ClosedRange, SessionInfo
+from .models import Anchor, ClosedRange, ClosedRangeFailure, SessionInfo
 
 STATE_OWNER = "service.import"
 STATE_KEY = "cursor"
@@ -286,6 +286,10 @@ def mirror_turn(
     first = _anchor_at(core, sess, start)
     last = _anchor_at(core, sess, start + len(messages) - 1)
     closed = fences.read_closed_range(core, first, last)
+    if isinstance(closed, ClosedRangeFailure) and closed.reason == "too_large":
+        # The messages are the host's and mirrored as they are: the turn is too large to commit, not a
+        # mismatch (the service answers 413 with the limit it advertises, nothing written).
+        raise PayloadTooLarge(f"the turn is too large to commit: {closed.detail}")
     if not isinstance(closed, ClosedRange) or not same_json(closed.messages, list(messages)):
         raise MirrorConflict("turn_mismatch", "the mirrored range differs from the turn's messages")
     return first, last, closed.messages

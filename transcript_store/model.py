@@ -276,13 +276,23 @@ class LocalResponder:
 
 
 def mask_url(url: str) -> str:
-    """The URL with any user:password part masked (for messages and logs)."""
+    """The URL with any user:password part and every query value masked (for messages and logs): an
+    endpoint's query may carry its key (``?key=...``, ``?api-key=...``)."""
     parts = urllib.parse.urlsplit(url)
+    if parts.query:
+        pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query="&".join(f"{urllib.parse.quote(k)}=***" for k, _ in pairs))
     if parts.username is None and parts.password is None:
-        return url
+        return urllib.parse.urlunsplit(parts)
     # The host and port as written: ``parts.port`` raises ValueError for a port that is not a number.
     netloc = "***@" + parts.netloc.rpartition("@")[2]
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def endpoint_url(base_url: str, path: str) -> str:
+    """``base_url`` with ``path`` appended to its path, its query kept after it (``?api-version=...``)."""
+    parts = urllib.parse.urlsplit(base_url)
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + path))
 
 
 def _redact(text: str, secret: str | None) -> str:
@@ -343,7 +353,7 @@ def post_chat_completion(
     base_url: str, payload: dict[str, Any], *, api_key: str | None, timeout: float
 ) -> dict[str, Any]:
     """POST ``payload`` to ``{base_url}/chat/completions``; the JSON answer, or ModelTimeout / ModelError."""
-    url = base_url.rstrip("/") + "/chat/completions"
+    url = endpoint_url(base_url, "/chat/completions")
     where = mask_url(url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": "transcript-store"}
     if api_key:
@@ -400,9 +410,15 @@ class OpenAIChatModel:
             _port = urllib.parse.urlsplit(base_url).port
         except ValueError as e:  # not a number, or not in 0..65535
             raise InvalidInput(f"model URL {mask_url(base_url)!r}: bad port: {e}") from None
+        if "@" in urllib.parse.urlsplit(base_url).netloc:  # urllib takes no credentials in the URL
+            raise InvalidInput(
+                f"model URL {mask_url(base_url)!r}: credentials in the URL are not sent; pass the key with "
+                "--api-key or OPENAI_API_KEY"
+            )
         if timeout <= 0:
             raise InvalidInput("model timeout must be positive")
-        self.base_url = base_url.rstrip("/")
+        parts = urllib.parse.urlsplit(base_url)
+        self.base_url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/")))
         self.name = model
         self.timeout = timeout
         self._api_key = api_key

@@ -11,10 +11,11 @@ closed (uvicorn has no timeout for a request's body).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import uuid
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Annotated, Any
 from urllib.parse import unquote
 
@@ -556,8 +557,39 @@ def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     config = uvicorn.Config(app, log_config=None, access_log=access_log, server_header=False,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    if announce is not None:
-        announce(f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}")
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    server = _server_class()(config, lambda: announce(url) if announce is not None else None)
     server.run(sockets=[sock])
 
+
+def _server_class() -> type:
+    """uvicorn's Server, except that the signal that stopped it is not raised again once it has shut down,
+    and that it announces itself (``started``) once it serves.
+
+    uvicorn re-raises a SIGINT or SIGTERM after its graceful shutdown, for the default action: a Ctrl-C
+    then ended ``serve`` as "error: aborted" (exit 1, "failed"), a SIGTERM killed the process (143)
+    before the store was closed and the engines disposed. Stopped by either, ``serve`` returns.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config: Any, started: Callable[[], None]) -> None:
+            super().__init__(config)
+            self._started = started
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:  # said once it serves, its signal handlers in place
+                self._started()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    captured = getattr(self, "_captured_signals", None)
+                    if isinstance(captured, list):
+                        captured.clear()
+
+    return Server
