@@ -618,12 +618,59 @@ def test_two_conversations_may_get_the_same_compress_answer(store_url: str, tmp_
     engine.on_session_start("second")
     two = engine.compress(conversation("same", 12))
     assert engine.compression_count == 2 and two == one
-    # each conversation's answer is adopted into its own lineage
+    # each conversation's answer is adopted into its own lineage, whichever recorded it last: the list
+    # "first" sends on matched the newest record, the second's, and wrote into its lineage
     engine.compress(_persisted(two) + conversation("later", 2), session_id="second")
-    engine.on_session_start("first")
-    assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "later question 0"})).get("count") == 0
-    engine.on_session_start("second")
-    assert json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "later question 0"})).get("count", 0) >= 1
+    engine.compress(_persisted(one) + conversation("firstonly", 2), session_id="first")
+
+    def found(session: str, pattern: str) -> int:
+        engine.on_session_start(session)
+        return int(json.loads(engine.handle_tool_call("lcm_grep", {"pattern": pattern})).get("count", 0))
+
+    assert found("first", "later question 0") == 0 and found("second", "later question 0") >= 1
+    assert found("second", "firstonly question 0") == 0 and found("first", "firstonly question 0") >= 1
+    engine.close()
+    # and after a restart (the lineages known from the store, not the process)
+    again = make(tmp_path, db_url=store_url)
+    again.compress(_persisted(one) + conversation("firstonly", 2) + conversation("more", 1), session_id="first")
+    again.on_session_start("second")
+    assert json.loads(again.handle_tool_call("lcm_grep", {"pattern": "more question 0"})).get("count") == 0
+    again.close()
+
+
+def test_an_answer_recorded_before_message_identities_is_still_recognised(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Candidates were fingerprinted on the whole cleaned messages before; after the upgrade a rotated
+    session's answer recorded by the older release was never recognised, and its lineage was lost."""
+    import transcript_store.hermes as adapter
+
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("hermes-A")
+    with monkeypatch.context() as m:  # the older release's fingerprint
+        m.setattr(adapter, "fingerprint", lambda ms: adapter.digest(adapter.canonical(list(ms))))
+        first = engine.compress(conversation("alpha", 12))
+    engine.close()
+    upgraded = make(tmp_path, db_url=store_url)
+    upgraded.on_session_start("hermes-B")  # a rotation the older release did not record durably
+    second = upgraded.compress(_persisted(first) + conversation("beta", 12), session_id="hermes-B")
+    summaries = "\n".join(str(m["content"]) for m in second if is_context_message(m))
+    assert "alpha" in summaries, "the lineage was lost at the upgrade"
+    upgraded.close()
+
+
+def test_a_real_edit_of_another_field_is_still_an_edit(store_url: str, tmp_path: Path) -> None:
+    """Message identity leaves out only Hermes' bookkeeping: a user message's ``name`` or images edited
+    is an edit (the session branches and stores it); whitespace around a text is not one."""
+    engine = make(tmp_path, db_url=store_url)
+    base = [{"role": "user", "name": "alice", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    engine.on_session_end("s1", base)
+    engine.on_session_end("s1", [{**base[0], "content": "  hello\n"}, base[1]])
+    assert len(stored(engine, "s1")) == 2
+    engine.on_session_end("s1", [{**base[0], "name": "mallory"}, base[1]])
+    assert visible(engine, "s1")[0]["name"] == "mallory" and len(stored(engine, "s1")) == 4
+    engine.on_session_end("s1", [{**base[0], "name": "mallory", "images": ["a.png"]}, base[1]])
+    assert visible(engine, "s1")[0].get("images") == ["a.png"]
     engine.close()
 
 

@@ -337,3 +337,24 @@ def test_auto_upgrade_off_leaves_a_missing_or_foreign_sqlite_file_untouched(tmp_
     before = theirs.read_bytes()
     run(*command, "--db", f"sqlite:///{theirs}", cwd=tmp_path, code=4, stdin="", env=env)
     assert theirs.read_bytes() == before and not list(tmp_path.glob("theirs.db-*"))
+
+
+def test_init_creates_a_store_with_auto_upgrade_off(tmp_path: Path) -> None:
+    """Migrating on open is not init's business: with TRANSCRIPT_STORE_AUTO_UPGRADE=0 (the creating
+    commands then refuse a file without a store) init refused too, advising itself."""
+    from test_cli import run
+
+    env = {"TRANSCRIPT_STORE_AUTO_UPGRADE": "0"}
+    out = run("init", "--db", f"sqlite:///{tmp_path / 'n.db'}", cwd=tmp_path, env=env)
+    assert "created the schema" in out.stdout
+    run("chat", "--db", f"sqlite:///{tmp_path / 'n.db'}", cwd=tmp_path, stdin="/quit\n", env=env)
+
+
+def test_the_chat_banner_never_shows_a_model_urls_key(tmp_path: Path) -> None:
+    """The banner showed ``?key=...`` (and an Azure ``api-key``) in clear; the errors already masked it."""
+    from test_cli import run
+
+    url = "http://127.0.0.1:9/v1?api-version=2024-06-01&api-key=SECRETKEY123"
+    out = run("chat", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--model-url", url, "--model", "m",
+              cwd=tmp_path, stdin="/quit\n")
+    assert "SECRETKEY123" not in out.stdout + out.stderr and "api-key=***" in out.stdout, out.stdout

@@ -282,10 +282,11 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     make_url_or_usage(config.url)  # a bad URL is a usage error before its file is looked at
     url = mask_url(config.url)
     path = sqlite_file(config.url)
-    # TRANSCRIPT_STORE_AUTO_UPGRADE=0 turns migrating on open off: a creating command then refuses a
-    # file without a store as the others do, before connecting (which switched another program's
-    # database to WAL, or left a new, empty file behind its refusal).
-    create = create and config.auto_upgrade is not False
+    # TRANSCRIPT_STORE_AUTO_UPGRADE=0 turns migrating on open off: a creating command that relies on it
+    # then refuses a file without a store as the others do, before connecting (which switched another
+    # program's database to WAL, or left a new, empty file behind its refusal). init and upgrade
+    # (``check_schema=False``) migrate themselves: the setting is not theirs.
+    create = create and (config.auto_upgrade is not False or not check_schema)
     why = _no_store_file(path) if path is not None and not create else None
     if why is not None:
         raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
@@ -1302,9 +1303,11 @@ class ChatLoop:
 
     def banner(self, session_key: str) -> None:
         """Say what this conversation runs on."""
+        from .model import mask_url as mask_model_url  # every query value masked: an endpoint's key
+
         s = self.runtime.settings
         model = self.runtime.model
-        where = f" at {mask_url(model.base_url)}" if getattr(model, "base_url", None) else ""
+        where = f" at {mask_model_url(model.base_url)}" if getattr(model, "base_url", None) else ""
         click.echo(f"chat: session {session_key} ({self.session_id}), engine {s.engine} "
                    f"(from {s.engine_source}), model {getattr(model, 'name', '?')}{where}", file=self.stdout)
         click.echo(f"commands: {CHAT_HELP}", file=self.stdout)

@@ -121,27 +121,42 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     return {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
 
 
+#: what hermes-agent adds to, or drops from, a message between the live list and the same message reloaded
+#: from its session database: bookkeeping, not the conversation (``identity`` leaves them out)
+HOST_KEYS = frozenset({
+    "timestamp", "tool_name", "finish_reason", "reasoning", "reasoning_content", "reasoning_details",
+    "codex_reasoning_items", "codex_message_items", "message_id", "observed", "api_content",
+    "effect_disposition",
+})
+
+
 def identity(message: dict[str, Any]) -> dict[str, Any]:
-    """What makes a cleaned message the same message when Hermes sends it again: role, content (a text
-    without surrounding whitespace), the tool call it answers and the calls it makes (id, name, arguments).
+    """What makes a cleaned message the same message when Hermes sends it again: every field but Hermes'
+    bookkeeping (``HOST_KEYS``), ``None`` values, a tool result's ``name``; a text content without its
+    surrounding whitespace; tool calls by id, function name and arguments.
 
     A conversation Hermes reloads from its session database (the gateway rebuilds it for every turn,
     ``/resume`` too) is not byte-identical to the live list it saved: user messages gain a
     ``timestamp``, tool results carry ``tool_name`` where they had ``name``, a ``reasoning: None`` is
     gone, texts are stripped. Compared whole, the first such message branched the session and stored
-    the rest of the conversation a second time; the stored message keeps the form first seen.
+    the rest of the conversation a second time; the stored message keeps the form first seen. Any other
+    field (a user message's ``name``, images) is compared: an edit of it is an edit. A change of the
+    whitespace around a text alone is not one (Hermes strips it on reload).
     """
-    out: dict[str, Any] = {"role": message.get("role")}
-    content = message.get("content")
-    if isinstance(content, str):
-        content = content.strip()
-    if content not in (None, ""):
-        out["content"] = content
-    if message.get("tool_call_id") is not None:
-        out["tool_call_id"] = message.get("tool_call_id")
-    calls = message.get("tool_calls")
-    if calls:
-        out["tool_calls"] = [_call_identity(c) for c in calls] if isinstance(calls, list) else calls
+    tool = message.get("role") == "tool"
+    out: dict[str, Any] = {}
+    for key, value in message.items():
+        if value is None or key in HOST_KEYS or (tool and key == "name"):
+            continue
+        if key == "content" and isinstance(value, str):
+            value = value.strip()
+            if not value:
+                continue
+        elif key == "tool_calls":
+            if not value:
+                continue
+            value = [_call_identity(c) for c in value] if isinstance(value, list) else value
+        out[key] = value
     return out
 
 
@@ -520,7 +535,8 @@ class _Runtime:
     engine: Any
     lock: threading.RLock = field(default_factory=threading.RLock)
     session_locks: dict[str, threading.Lock] = field(default_factory=dict)
-    candidates: dict[str, _Candidate] = field(default_factory=dict)
+    #: answer fingerprint -> store session -> candidate (two lineages may get the same answer), newest last
+    candidates: dict[str, dict[str, _Candidate]] = field(default_factory=dict)
     adopted: dict[str, str] = field(default_factory=dict)  # store session -> adopted fp
     pending: dict[str, str] = field(default_factory=dict)  # store session -> newest unadopted fp
     aliases: dict[str, str] = field(default_factory=dict)  # hermes session -> store session
@@ -536,6 +552,13 @@ class _Runtime:
         """The lock serializing ingestion into one store session."""
         with self.lock:
             return self.session_locks.setdefault(store_session, threading.Lock())
+
+
+def _remember_candidate(rt: _Runtime, cand: _Candidate) -> None:
+    """Index a candidate by its answer and lineage, as the newest of its answer (call holding ``rt.lock``)."""
+    by = rt.candidates.setdefault(cand.fp, {})
+    by.pop(cand.store_session, None)
+    by[cand.store_session] = cand
 
 
 class TranscriptStoreEngineMixin:
@@ -661,9 +684,7 @@ class TranscriptStoreEngineMixin:
                 for e in page:
                     p = e.payload or {}
                     if e.kind == "metadata" and p.get("type") == CANDIDATE:
-                        rt.candidates[p["fp"]] = _Candidate(
-                            p["fp"], p["length"], p["store_session"], p["next_ordinal"]
-                        )
+                        _remember_candidate(rt, _Candidate(p["fp"], p["length"], p["store_session"], p["next_ordinal"]))
                     elif e.kind == "metadata" and p.get("type") == ALIAS:
                         rt.aliases[p["hermes_session"]] = p["store_session"]
                     after = e.seq
@@ -683,22 +704,41 @@ class TranscriptStoreEngineMixin:
         with rt.lock:
             return rt.aliases.setdefault(key, sid)
 
-    def _match(self, rt: _Runtime, body: list[dict[str, Any]], *, refresh: bool = False) -> _Candidate | None:
-        """The longest candidate the message list starts with."""
+    def _match(
+        self, rt: _Runtime, body: list[dict[str, Any]], hermes_session: str | None = None, *, refresh: bool = False
+    ) -> _Candidate | None:
+        """The longest candidate the message list starts with; of an answer two lineages got, the one of
+        ``hermes_session``'s lineage when it is one of them, else the newest."""
         self._load_candidates(rt, refresh=refresh)
         with rt.lock:
-            lengths = sorted({c.length for c in rt.candidates.values() if c.length <= len(body)}, reverse=True)
+            lengths = sorted(
+                {c.length for by in rt.candidates.values() for c in by.values() if c.length <= len(body)},
+                reverse=True,
+            )
         # Fingerprinted without the host's bookkeeping, as the answer was (``_record_candidate``): Hermes
         # marks every message it saved to its session database (``_db_persisted``), so the answer it took
         # comes back marked, and a raw fingerprint never matched: no candidate adopted, no lineage.
         cleaned = [clean(m) for m in body[: lengths[0]]] if lengths else []
         for n in lengths:
-            fp = fingerprint(cleaned[:n])
-            with rt.lock:
-                cand = rt.candidates.get(fp)
-            if cand is not None and cand.length == n:
-                return cand
+            found: dict[str, _Candidate] = {}
+            # (The second is how releases before message identities fingerprinted an answer: a candidate
+            # they recorded is still recognised after an upgrade.)
+            for fp in (fingerprint(cleaned[:n]), digest(canonical(cleaned[:n]))):
+                with rt.lock:
+                    found.update({k: c for k, c in rt.candidates.get(fp, {}).items() if c.length == n})
+            if found:
+                mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
+                return found[mine] if mine in found else list(found.values())[-1]
         return None
+
+    def _lineage(self, rt: _Runtime, hermes_session: str | None) -> str | None:
+        """The store session a Hermes session is known to continue, without opening one."""
+        key = hermes_session or self.session_id or "default"
+        with rt.lock:
+            if key in rt.aliases:
+                return rt.aliases[key]
+        info = rt.store.find_session(self.scope, key)
+        return info.session_id if info is not None else None
 
     def _visible_in(self, c: Core, rt: _Runtime, store_session: str) -> tuple[Any, _Visible]:
         """The session's row, locked, and its visible transcript (the cache, brought up to date)."""
@@ -767,7 +807,9 @@ class TranscriptStoreEngineMixin:
         _system, body = split_system([m for m in messages if isinstance(m, dict)])
         compacted = any(is_context_message(m) for m in body)
         # A compacted view whose candidate another runtime recorded after our index was read.
-        cand = self._match(rt, body) or (self._match(rt, body, refresh=True) if compacted else None)
+        cand = self._match(rt, body, hermes_session) or (
+            self._match(rt, body, hermes_session, refresh=True) if compacted else None
+        )
         start: int | None = 0
         if cand is not None:
             store_session = cand.store_session
@@ -825,7 +867,7 @@ class TranscriptStoreEngineMixin:
             idempotency_key="cand-" + digest(cand.fp, store_session),
         )
         with rt.lock:
-            rt.candidates[cand.fp] = cand  # the newest record of an answer is the one a list matches
+            _remember_candidate(rt, cand)
             if rt.adopted.get(store_session) != cand.fp:
                 rt.pending[store_session] = cand.fp
 
@@ -898,7 +940,7 @@ class TranscriptStoreEngineMixin:
         current, pending = fresh_tail(body)
         if current is None and not pending:
             return snapshot  # nothing but our own context messages
-        if not force and self._is_our_answer(rt, body):
+        if not force and self._is_our_answer(rt, body, session_id):
             # Hermes asks again with our last answer and nothing new (it retries up to three times a
             # request): compacting again could only squeeze the summaries, a summarizer call each time.
             return snapshot
@@ -981,9 +1023,9 @@ class TranscriptStoreEngineMixin:
             self.request_overhead = max(self.request_overhead, measured)
         return int(self._trigger() * COMPRESS_TARGET) - self.request_overhead
 
-    def _is_our_answer(self, rt: _Runtime, body: list[dict[str, Any]]) -> bool:
+    def _is_our_answer(self, rt: _Runtime, body: list[dict[str, Any]], hermes_session: str | None = None) -> bool:
         """Whether the host's list is exactly a compress answer (a candidate), with nothing after it."""
-        cand = self._match(rt, body)
+        cand = self._match(rt, body, hermes_session)
         return cand is not None and cand.length == len(body)
 
     def _warn_tail_over(
