@@ -358,3 +358,70 @@ def test_the_chat_banner_never_shows_a_model_urls_key(tmp_path: Path) -> None:
     out = run("chat", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--model-url", url, "--model", "m",
               cwd=tmp_path, stdin="/quit\n")
     assert "SECRETKEY123" not in out.stdout + out.stderr and "api-key=***" in out.stdout, out.stdout
+
+
+def test_a_long_full_text_term_over_a_long_text_is_linear(store: TranscriptStore) -> None:
+    """SQLite's GLOB tried the whole 1,000-character term again at each of a 400,000-character tool
+    result's positions (18-25 s, unbounded: regex searches have a bound, full text had none); the FTS5
+    phrase of the whole run cost as much again. ``contains`` finds the folded term linearly, and a
+    phrase holds at most FTS5_RUN characters."""
+    from test_lossless_tools import A, call, make_engine, turn
+
+    from engines.lossless import search as search_module
+
+    sid = store.create_session(A).session_id
+    engine = make_engine(store, {"context_window": 10**7})
+    turn(store, engine, sid, "t1", "a" * 200_000 + "b", "Straße " * 10 + "ENDE")
+    started = time.monotonic()
+    out = call(engine, sid, "lcm_grep", {"pattern": "a" * 999 + "b"})
+    assert out["count"] == 1 and time.monotonic() - started < 3.0, out  # (it took 6 to 9 s)
+    assert call(engine, sid, "lcm_grep", {"pattern": "a" * 999 + "c"})["count"] == 0
+    assert call(engine, sid, "lcm_grep", {"pattern": "STRASSE"})["count"] == 0  # ß is not ss by the rule
+    assert call(engine, sid, "lcm_grep", {"pattern": "strASSe"})["count"] == 0
+    assert call(engine, sid, "lcm_grep", {"pattern": "STRAẞE ende"})["count"] == 1  # ẞ folds as ß
+    match = search_module._fts5_match(["x" * 1000])
+    assert match is not None and len(match) <= search_module.FTS5_RUN + 2
+
+
+def test_an_entry_id_shaped_like_an_engine_id_is_pointed_out(store: TranscriptStore) -> None:
+    """Caller-given entry ids ``msg_1``..``msg_4`` (the store and the mirror keep them): lcm_grep named
+    entry ``msg_3`` as ``msg_2``, and lcm_describe / lcm_expand of ``msg_3`` answered another message
+    with no word of it."""
+    from test_lossless_tools import A, call, make_engine
+
+    sid = store.create_session(A).session_id
+    engine = make_engine(store)
+    for n in range(1, 5):
+        store.append(A, sid, {"role": "user" if n % 2 else "assistant", "content": f"host message {n}"},
+                     entry_id=f"msg_{n}")
+    engine.bootstrap(scope=A, session_id=sid, fence=None)
+    hit = call(engine, sid, "lcm_grep", {"pattern": "host message 3"})["results"][0]
+    assert (hit["id"], hit["entry_id"]) == ("msg_2", "msg_3")
+    for tool in ("lcm_describe", "lcm_expand"):
+        out = call(engine, sid, tool, {"id": "msg_3"})
+        assert "msg_2" in out.get("note", ""), out  # the entry named msg_3 is msg_2: said so
+        assert "note" not in call(engine, sid, tool, {"id": "msg_0"})  # no entry is named msg_0
+
+
+def test_a_compaction_through_the_service_can_be_fenced_at_a_running_turn(store: TranscriptStore) -> None:
+    """The service's compact imported the transcript unfenced before compacting: a running turn's own
+    message went into the lossless engine, and the turn's next fenced assemble raised
+    ReadFenceError("crossed"). CompactRequest takes the turn's admission as ``fence`` now."""
+    from transcript_store.service import Service
+    from transcript_store.service_models import AdmitRequest, AssembleRequest, CompactRequest
+    from transcript_store.settings import load_settings
+
+    sid = store.create_session(S).session_id
+    for i in range(6):
+        store.append(S, sid, user(f"old question {i} " + "w " * 50))
+        store.append(S, sid, assistant(f"old answer {i} " + "w " * 50))
+    svc = Service(store, load_settings(config_path=None, token_budget=4000, max_output_tokens=500))
+    try:
+        adm = svc.admit(S, sid, AdmitRequest(message=user("the running turn's question"), turn_id="T1"))
+        svc.assemble(S, "lossless", sid, AssembleRequest(fence=adm.anchor))
+        done = svc.compact(S, "lossless", sid, CompactRequest(force=True, fence=adm.anchor))
+        assert done.compacted
+        again = svc.assemble(S, "lossless", sid, AssembleRequest(fence=adm.anchor))
+        assert not any("the running turn's question" in str(m.get("content")) for m in again.messages)
+    finally:
+        svc.runtime.dispose()

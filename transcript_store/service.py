@@ -43,6 +43,7 @@ from .errors import (
     EngineContractError,
     InvalidInput,
     MirrorConflict,
+    ReadFenceError,
     TranscriptStoreError,
     UnknownEngine,
     UnknownSession,
@@ -403,13 +404,16 @@ class Service:
             out = out.model_copy(update={"result": self._engine_bootstrap(call, scope, session_id)})
         return out
 
-    def _engine_bootstrap(self, call: _Call, scope: str, session_id: str) -> BootstrapResult:
-        """The engine's bootstrap over what the mirror holds (nothing to do for an engine without one)."""
+    def _engine_bootstrap(
+        self, call: _Call, scope: str, session_id: str, fence: Anchor | None = None
+    ) -> BootstrapResult:
+        """The engine's bootstrap over what the mirror holds, before ``fence`` when given (nothing to do
+        for an engine without one)."""
         method = getattr(call.engine, "bootstrap", None)
         if not callable(method):
             return BootstrapResult(bootstrapped=True, reason="the engine reads the transcript itself")
-        base = {"scope": scope, "session_id": session_id, "fence": None}
-        raw = method(**project_params(call.info, base, self._host(call, None, self.default_budget)))
+        base = {"scope": scope, "session_id": session_id, "fence": fence}
+        raw = method(**project_params(call.info, base, self._host(call, fence, self.default_budget)))
         return raw if isinstance(raw, BootstrapResult) else BootstrapResult.model_validate(raw or {})
 
     def assemble(self, scope: str, engine_id: str, session_id: str, req: AssembleRequest) -> AssembleResult:
@@ -442,11 +446,17 @@ class Service:
         """The engine's compaction."""
         _check_request(req, CompactRequest)
         call = self._call(scope, engine_id, session_id)
+        fence = self._own(scope, session_id, req.fence)
         method = self._lifecycle(call, "compact")
         # An engine that keeps its own copy (lossless) compacts that copy: pages a host imported without
         # ``done`` (the OpenClaw plugin's import before a compaction) must reach it first, or a long
-        # transcript compacts to "no progress".
-        self._engine_bootstrap(call, scope, session_id)
+        # transcript compacts to "no progress". Fenced at a running turn's admission when the client
+        # says so (as the host does): imported unfenced, the turn's own message went into the engine,
+        # and the turn's next fenced assemble raised ReadFenceError("crossed").
+        try:
+            self._engine_bootstrap(call, scope, session_id, fence)
+        except ReadFenceError as e:  # the running turn's entry moved: compact what the engine holds
+            log.warning("compaction of %s: the engine could not import first: %s", session_id, e.reason)
         # The prompt's budget, as assemble and maintain get it: the whole token_budget would compact to
         # more than the assembly then takes (the host's own compaction uses the prompt's budget too).
         budget = req.token_budget or self.default_budget

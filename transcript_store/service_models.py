@@ -200,11 +200,13 @@ class AssembleRequest(_Request):
 
 
 class CompactRequest(_Request):
-    """Run the engine's compaction (``force``: at least one step even under the threshold)."""
+    """Run the engine's compaction (``force``: at least one step even under the threshold; ``fence``: the
+    admission of a turn still running, which the engine's import before the compaction stops at)."""
 
     force: bool = True
     focus: str | None = Field(None, max_length=10_000)
     token_budget: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    fence: Anchor | None = None
 
 
 class MaintainRequest(_Request):

@@ -19,14 +19,19 @@ have no spaces, are found), case-insensitively by one rule, the same on both bac
 The backends decide the rule exactly, in SQL (so LIMIT pages stay exact), each helped by its index,
 the one place this engine branches on the dialect (the migration explains why):
 
-- SQLite: GLOB with each character as the class of the characters that fold as it does (GLOB
-  compares code points). The FTS5 trigram table finds the candidates, in the session's own range of
+- SQLite: ``contains``, a function on the connection: the term folded found in the text folded (one
+  code point for one, so exactly the rule). GLOB with each character as the class of its forms decided
+  before: SQLite's GLOB tries the whole pattern again at each position, a text's length times the
+  term's (a 1,000-character term over a 400,000-character tool result: 20 s, unbounded); ``str.find``
+  is linear. The FTS5 trigram table finds the candidates, in the session's own range of
   rowids (see ``_full_text``): each term's longest run of 3+ characters is a phrase, spelt every way
   the tokenizer tells apart. It folds by its own table, older than Python's (not Cherokee, nor
   Georgian Mtavruli, nor U+1C80, an old form of в), so ``в`` is the two spellings в and U+1C80; a run
-  takes at most FTS5_SPELLINGS. How the tokenizer folds a character is read once per process from an
-  in-memory FTS5 table of the same library (``sqlite3``, the store's driver). A term without such a
-  run (under a trigram, say) adds no phrase; when no term has one, the session's rows are scanned.
+  takes at most FTS5_SPELLINGS, and FTS5_RUN characters (a phrase of a long run costs FTS5 time in
+  proportion to the run, and a shorter one finds at least as much). How the tokenizer folds a
+  character is read once per process from an in-memory FTS5 table of the same library (``sqlite3``,
+  the store's driver). A term without such a run (under a trigram, say) adds no phrase; when no term
+  has one, the session's rows are scanned.
   A hit's relevance is ``occurrences``, a function on the connection (``_score``): its terms'
   matches by the rule, counted apart in its own text.
 - PostgreSQL: a case-sensitive regular expression (``~``) of the same classes, its characters written
@@ -111,6 +116,10 @@ SCORE_MAX_TEXT = 100_000
 SCORE_FUNCTION = "ts_lcm_occurrences"
 #: spellings of one run of a term an FTS5 query spells out (see ``_fts5_match``)
 FTS5_SPELLINGS = 16
+#: the longest run of a term that becomes an FTS5 phrase (a prefilter: the rule decides after it)
+FTS5_RUN = 32
+#: the SQLite function deciding a full-text match (``contains``)
+CONTAINS_FUNCTION = "ts_lcm_contains"
 #: SQLite's search rowids of one (scope, session), its slot (revision 0012): slot * SLOT_ROWS + ...
 SLOT_ROWS = 2**32
 #: ... where each kind's rows start in the slot (a message's rowid adds its ordinal, a summary's its seq)
@@ -466,6 +475,7 @@ def _fts5_match(terms: list[str]) -> str | None:
             if end + 1 - start > best[1] - best[0]:
                 best = (start, end + 1)
         if best[1] - best[0] >= 3:
+            best = (best[0], min(best[1], best[0] + FTS5_RUN))
             run = [options[ch] or [] for ch in term[best[0] : best[1]]]
             phrases = ['"' + "".join(p).replace('"', '""') + '"' for p in product(*run)]
             groups.append(phrases[0] if len(phrases) == 1 else "(" + " OR ".join(phrases) + ")")
@@ -481,9 +491,12 @@ def _full_text(
     params: dict[str, Any] = {"scope": scope, "session_id": session_id, "limit": limit}
     order = "score DESC, recency DESC, ref DESC" if sort == "relevance" else "recency DESC, ref DESC"
     if core.dialect.is_sqlite:
-        # GLOB decides (the rule, code point by code point); the FTS index only finds candidates.
-        exact = [f"t.content GLOB :g{n}" for n in range(len(terms))]
-        params.update({f"g{n}": _glob(term) for n, term in enumerate(terms)})
+        # ``contains`` decides (the rule, code point by code point); the FTS index only finds candidates.
+        _register(core)
+        exact = [f"{CONTAINS_FUNCTION}(t.content, :cf{n}, :c{n})" for n in range(len(terms))]
+        for n, term in enumerate(terms):
+            params[f"c{n}"] = term
+            params[f"cf{n}"] = int(any(len(_forms(ch)) > 1 for ch in term))
         match = _fts5_match(terms)
         score = _score(core, terms, params) if sort == "relevance" else "0"
         if match is not None:
@@ -551,13 +564,28 @@ def _full_text(
 # characters once (a fold, a str.count a term), whatever they hold. It is registered once a connection:
 # the pool's record of the connection keeps a mark, cleared when the connection is replaced (SQLite
 # refuses to redefine a function while another statement of the connection is active).
-def _score(core: Core, terms: list[str], params: dict[str, Any]) -> str:
-    """The SQL of a relevance score (``occurrences``) of ``terms``, which it adds to ``params``."""
+def _register(core: Core) -> None:
+    """Register ``occurrences`` and ``contains`` on the SQLite connection, once (see the comment above)."""
     proxied = core.conn.connection
     if not proxied.info.get(SCORE_FUNCTION):
         driver: Any = proxied.driver_connection
         driver.create_function(SCORE_FUNCTION, -1, occurrences, deterministic=True)
+        driver.create_function(CONTAINS_FUNCTION, 3, contains, deterministic=True)
         proxied.info[SCORE_FUNCTION] = True
+
+
+def contains(content: object, folded: object, term: object) -> int:
+    """Whether ``term`` occurs in ``content`` by the rule (the module doc), 1 or 0, for SQL: folded a
+    chunk at a time up to its first match (``_find``). ``folded`` false: no character of the term has
+    another form, so the text is searched as it is."""
+    if not isinstance(content, str) or not isinstance(term, str):
+        return 0
+    return int(_find(content, term) is not None) if folded else int(term in content)
+
+
+def _score(core: Core, terms: list[str], params: dict[str, Any]) -> str:
+    """The SQL of a relevance score (``occurrences``) of ``terms``, which it adds to ``params``."""
+    _register(core)
     # Terms whose characters each match only themselves (CJK, digits, "=") are counted in the text as it
     # is: the same matches, and no fold of the text (``fold`` of a text with ß takes its slow way).
     params["fold"] = int(any(len(_forms(ch)) > 1 for term in terms for ch in term))

@@ -278,6 +278,19 @@ def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
     return core.conn.execute(q.where(messages.c.entry_id == raw)).first()
 
 
+def _shadow_note(core: Core, scope: str, session_id: str, raw: str, found: tuple[str, int]) -> str | None:
+    """A note when ``raw``, read as the engine's id (``msg_N``/``sum_N``), is also the entry id of another
+    message: that message is reached by its own engine id only, and the caller is told which."""
+    if parse_id(raw) is None:
+        return None
+    q = select(messages.c.ordinal).where(*_key(messages, scope, session_id), messages.c.entry_id == raw)
+    other = core.conn.execute(q).scalar()
+    if other is None or found == ("message", int(other)):
+        return None
+    return (f"{raw!r} is read as this engine's id; the transcript entry named {raw!r} is message "
+            f"{message_id(int(other))}: ask for that id")
+
+
 def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
     parsed = parse_id(raw)
     if parsed is None or parsed[0] != "summary":
@@ -291,10 +304,12 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
     raw = _describe_args(args)
     row = _find_summary(core, scope, session_id, raw)
     if row is not None:
-        return _describe_summary(core, scope, session_id, row)
+        return _noted(_describe_summary(core, scope, session_id, row),
+                      _shadow_note(core, scope, session_id, raw, ("summary", row.summary_seq)))
     row = _find_message(core, scope, session_id, raw)
     if row is None:
         raise ToolError(f"no summary or message {raw!r} in this session")
+    note = _shadow_note(core, scope, session_id, raw, ("message", row.ordinal))
     leaves = core.conn.execute(
         select(summary_sources.c.summary_seq)
         .where(*_key(summary_sources, scope, session_id), summary_sources.c.message_ordinal == row.ordinal)
@@ -305,7 +320,7 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
     holder = message_id(row.ordinal) if raw_in_context else next(
         (h for c in chains if (h := _holder(core, scope, session_id, c)) is not None), None
     )
-    return {
+    return _noted({
         "id": message_id(row.ordinal),
         "kind": "message",
         "entry_id": row.entry_id,
@@ -317,7 +332,12 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
         "summarized_in": [summary_id(s) for s in leaves],
         "lineage": [summary_id(s) for s in chains[0]] if chains else [],
         "preview": snippet(row.content, None, 240),
-    }
+    }, note)
+
+
+def _noted(out: dict[str, Any], note: str | None) -> dict[str, Any]:
+    """``out`` with ``note`` when there is one."""
+    return {**out, "note": note} if note else out
 
 
 def _describe_summary(core: Core, scope: str, session_id: str, row: Any) -> dict[str, Any]:
@@ -373,7 +393,8 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
         message = _find_message(core, scope, session_id, raw)
         if message is None:
             raise ToolError(f"no summary or message {raw!r} in this session")
-        return {"id": message_id(message.ordinal), "kind": "message", "items": [_message_item(message, max_chars)]}
+        out = {"id": message_id(message.ordinal), "kind": "message", "items": [_message_item(message, max_chars)]}
+        return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", message.ordinal)))
     seq = row.summary_seq
     items: list[dict[str, Any]]
     if row.kind == "condensed":
@@ -402,14 +423,14 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
         )
         items = [_message_item(m, max_chars) for m in core.conn.execute(q)] if page else []
     done = offset + len(items)
-    return {
+    return _noted({
         "id": summary_id(seq),
         "kind": row.kind,
         "total": total,
         "offset": offset,
         "items": items,
         "next_offset": done if done < total else None,
-    }
+    }, _shadow_note(core, scope, session_id, raw, ("summary", seq)))
 
 
 def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
