@@ -693,6 +693,80 @@ def test_a_session_switch_without_a_start_hook_follows_the_new_id(store_url: str
     engine.close()
 
 
+class FakeSessionDB:
+    """What the adapter reads of hermes-agent's SessionDB: sessions (a /branch's mark) and their messages."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.messages: dict[str, list[dict[str, Any]]] = {}
+
+    def get_session(self, session_id: str) -> dict[str, Any] | None:
+        return self.sessions.get(session_id)
+
+    def get_messages_as_conversation(self, session_id: str, **_: Any) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.messages.get(session_id, []))
+
+
+def _grep(engine: Any, session: str, pattern: str) -> int:
+    engine.session_id = session
+    return int(json.loads(engine.handle_tool_call("lcm_grep", {"pattern": pattern})).get("count", 0))
+
+
+def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_url: str, tmp_path: Path) -> None:
+    """``/branch`` after a compaction: the branch's list starts with the parent's compress answer, which
+    made it join the parent's store session (its turns written into the parent's, each switch branching
+    that session again, each one's recall finding the other's turns). It forks a copy now."""
+    db = FakeSessionDB()
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=db, session_id="A")
+    answer = engine.compress(conversation("alpha", 12))
+    db.sessions["A"] = {"id": "A", "model_config": "{}", "end_reason": "branched"}
+    db.messages["A"] = _persisted(answer)
+    db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
+    engine.bind_session_state(session_db=db, session_id="B")
+    engine.on_session_end("B", _persisted(answer) + conversation("bravo", 2))
+    assert _grep(engine, "B", "bravo question 0") >= 1 and _grep(engine, "A", "bravo question 0") == 0
+    assert _grep(engine, "B", "alpha question 0") >= 1  # the branch keeps the parent's history
+    engine.bind_session_state(session_db=db, session_id="A")  # /resume A: A is no branch
+    engine.on_session_end("A", _persisted(answer) + conversation("again", 1))
+    assert _grep(engine, "A", "again question 0") >= 1 and _grep(engine, "B", "again question 0") == 0
+    engine.close()
+    # after a restart, B's next list (the same answer first) stays in B's lineage
+    restarted = make(tmp_path, db_url=store_url)
+    restarted.on_session_end("B", _persisted(answer) + conversation("bravo", 2) + conversation("later", 1))
+    assert _grep(restarted, "B", "later question 0") >= 1 and _grep(restarted, "A", "later question 0") == 0
+    restarted.close()
+
+
+def test_a_switch_stores_what_hermes_saved_of_the_conversation_it_leaves(store_url: str, tmp_path: Path) -> None:
+    """``/resume`` and ``/branch`` call no ``on_session_end``: a conversation's turns since the adapter's
+    last call (no compress, no tool call) were never stored."""
+    db = FakeSessionDB()
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=db, session_id="K")
+    db.messages["K"] = [{"role": "user", "content": "kilo1 question", "timestamp": 1.0},
+                        {"role": "assistant", "content": "kilo1 answer"}]
+    engine.bind_session_state(session_db=db, session_id="L")
+    assert [m["content"] for m in engine.stored_messages("K")] == ["kilo1 question", "kilo1 answer"]
+    engine.bind_session_state(session_db=db, session_id="K")  # and back: nothing of L's (none saved)
+    assert engine.stored_messages("L") == []
+    engine.close()
+
+
+def test_a_recall_tool_does_not_store_its_own_pending_call(store_url: str, tmp_path: Path) -> None:
+    """The live list hermes-agent passes ends with the assistant message making this very call: stored,
+    it was the search's newest hit, and later searches found the earlier searches first."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    call = {"id": "c1", "type": "function", "function": {"name": "lcm_grep", "arguments": '{"pattern": "zebra0"}'}}
+    live = [{"role": "user", "content": "the secret code is zebra0"}, {"role": "assistant", "content": "noted"},
+            {"role": "user", "content": "what was it?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "zebra0"}, messages=live))
+    assert found["count"] == 1 and "lcm_grep" not in json.dumps(found["results"]), found
+    assert len(engine.stored_messages("s1")) == 3
+    engine.close()
+
+
 def test_a_recall_tool_sees_the_live_conversation(store_url: str, tmp_path: Path) -> None:
     """hermes-agent passes ``handle_tool_call`` the conversation in memory (``messages``, "for live
     ingestion"); it was ignored, and before the first compaction the recall tools found nothing of it."""

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from conftest import assistant, module_store_fixtures, user
 from hosting import RecordingModel
+from test_cli import empty_url
 from test_compaction_focus import everything
 from test_host import make_host
 
@@ -28,6 +29,8 @@ from transcript_store.fences import MAX_TURN_EVENTS
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in
 from transcript_store.models import ClosedRangeFailure
 from transcript_store.turns import Turns
+
+__all__ = ["empty_url"]  # a fixture of test_cli's, used here
 
 S = "round-23"
 E = "engine-1"
@@ -233,14 +236,13 @@ def test_hermes_install_keeps_the_settings_file_private(tmp_path: Path) -> None:
 
     home = tmp_path / "home"
     home.mkdir()
-    url = "postgresql://app:S3cretPw@db-host/transcripts"
+    url = f"sqlite:///{tmp_path / 'store.db'}"  # (a PostgreSQL URL's password is what is at stake)
     settings = home / "plugins" / "transcript_store_hermes" / "settings.json"
     settings.parent.mkdir(parents=True)
     settings.write_text("{}")
     settings.chmod(0o644)  # an earlier install's file keeps no wider mode either
     result = CliRunner().invoke(cli, ["hermes", "install", "--home", str(home), "--db", url])
     assert result.exit_code == 0, result.output
-    assert "S3cretPw" not in result.output
     assert json.loads(settings.read_text())["db_url"] == url
     assert stat.S_IMODE(settings.stat().st_mode) == 0o600
 
@@ -425,3 +427,24 @@ def test_a_compaction_through_the_service_can_be_fenced_at_a_running_turn(store:
         assert not any("the running turn's question" in str(m.get("content")) for m in again.messages)
     finally:
         svc.runtime.dispose()
+
+
+def test_hermes_install_refuses_a_postgresql_database_without_a_store(empty_url: str, backend: str,
+                                                                      tmp_path: Path) -> None:
+    """PostgreSQL never migrates on open: installed on an empty database, the plugin failed every call
+    inside Hermes (logged only) and compress returned the list unchanged for ever. install now asks for
+    ``transcript-store init`` first; a SQLite file is still created by the plugin itself."""
+    from test_cli import one_error_line, run
+
+    home = tmp_path / "home"
+    home.mkdir()
+    plugin = home / "plugins" / "transcript_store_hermes"
+    if backend == "sqlite":
+        run("hermes", "install", "--home", str(home), "--db", empty_url, cwd=tmp_path)
+        assert (plugin / "settings.json").exists()
+        return
+    line = one_error_line(run("hermes", "install", "--home", str(home), "--db", empty_url, cwd=tmp_path, code=4))
+    assert "transcript-store init" in line and not plugin.exists(), line
+    run("init", "--db", empty_url, cwd=tmp_path)
+    run("hermes", "install", "--home", str(home), "--db", empty_url, cwd=tmp_path)
+    assert (plugin / "settings.json").exists()

@@ -1722,6 +1722,11 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
     # The settings' plugin folders go along: the engine was found in one of them (_check_engine_id).
     # So do the engine's settings ([engine.config.<engine>]): else it ran on its defaults inside Hermes.
     settings = st.settings()
+    if url and not url.startswith("sqlite"):
+        # PostgreSQL never migrates on open: the plugin failed every call inside Hermes (logged only)
+        # and compress returned the list unchanged for ever. The store must be there before Hermes is.
+        with store_session(check_schema=True):
+            pass
     info = install_plugin(home, engine=engine, db_url=_absolute_sqlite(url) if url else None,
                           merge_config=merge_config, threshold=threshold, scope=scope,
                           plugin_dirs=settings.plugin_dirs, engine_config=settings.engine_config.get(engine))

@@ -554,6 +554,39 @@ class _Runtime:
             return self.session_locks.setdefault(store_session, threading.Lock())
 
 
+def settled(messages: Any) -> list[dict[str, Any]]:
+    """The messages of a list before its pending tool round (the last assistant message with tool calls,
+    when only tool results follow it): what ``handle_tool_call`` stores of the live conversation. Stored
+    with it, the recall tool's own call was its newest hit, and every later search found the earlier
+    searches first."""
+    if not isinstance(messages, list):
+        return []
+    items = [m for m in messages if isinstance(m, dict)]
+    for at in range(len(items) - 1, -1, -1):
+        m = items[at]
+        if m.get("role") == "tool":
+            continue
+        return items[:at] if m.get("role") == "assistant" and m.get("tool_calls") else items
+    return items
+
+
+def _is_branch(session_db: Any, session_id: str) -> bool:
+    """Whether hermes-agent's session database records ``session_id`` as a ``/branch`` of another session
+    (its ``_branched_from`` mark, or a parent that ended as ``branched``); False when it cannot tell."""
+    try:
+        row = session_db.get_session(session_id) if session_db is not None else None
+        if not isinstance(row, dict):
+            return False
+        config = json.loads(row.get("model_config") or "{}")
+        if isinstance(config, dict) and config.get("_branched_from"):
+            return True
+        parent_id = row.get("parent_session_id")
+        parent = session_db.get_session(parent_id) if parent_id else None
+        return isinstance(parent, dict) and parent.get("end_reason") == "branched"
+    except Exception:
+        return False
+
+
 def _remember_candidate(rt: _Runtime, cand: _Candidate) -> None:
     """Index a candidate by its answer and lineage, as the newest of its answer (call holding ``rt.lock``)."""
     by = rt.candidates.setdefault(cand.fp, {})
@@ -598,6 +631,9 @@ class TranscriptStoreEngineMixin:
         self.model_thresholds: dict[str, Any] = dict(model_thresholds or {})
         self.model = ""
         self.session_id: str | None = None
+        #: Hermes session ids this agent switched to by ``/branch`` (``bind_session_state``): their first
+        #: list starts with the parent's compress answer, and forks its lineage instead of joining it
+        self.branches: set[str] = set()
         self.last_prompt_tokens = 0
         self.last_completion_tokens = 0
         self.last_total_tokens = 0
@@ -811,6 +847,9 @@ class TranscriptStoreEngineMixin:
             self._match(rt, body, hermes_session, refresh=True) if compacted else None
         )
         start: int | None = 0
+        key = hermes_session or self.session_id or "default"
+        if cand is not None and key in getattr(self, "branches", ()) and self._lineage(rt, key) is None:
+            cand = self._fork(rt, key, cand)
         if cand is not None:
             store_session = cand.store_session
             with rt.lock:
@@ -853,9 +892,34 @@ class TranscriptStoreEngineMixin:
             if rt.pending.get(cand.store_session) == cand.fp:
                 del rt.pending[cand.store_session]
 
+    def _fork(self, rt: _Runtime, key: str, cand: _Candidate) -> _Candidate:
+        """A ``/branch`` of a compacted conversation: a store session of its own for ``key``, holding a
+        copy of the parent lineage's transcript up to the answer, and the answer as its own candidate.
+
+        The branch's list starts with the parent's compress answer; matched, it made the branch join the
+        parent's store session: its turns went into the parent's, and each switch between the two
+        branched that session again (and the recall tools of one found the other's turns)."""
+        own = rt.store.open_session(self.scope, key).session_id
+        parent = rt.store.read_visible(self.scope, cand.store_session)[: cand.next_ordinal]
+        items = [
+            AppendItem(message=e.message, idempotency_key=message_key(own, k, e.message or {}))
+            for k, e in enumerate(parent)
+        ]
+        for at in range(0, len(items), 500):
+            rt.store.append_many(self.scope, own, items[at : at + 500])
+        forked = _Candidate(cand.fp, cand.length, own, cand.next_ordinal)
+        self._record(rt, forked)
+        with rt.lock:
+            rt.aliases[key] = own
+        return forked
+
     def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
         """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
-        cand = _Candidate(fingerprint([clean(m) for m in body]), len(body), store_session, n)
+        self._record(rt, _Candidate(fingerprint([clean(m) for m in body]), len(body), store_session, n))
+
+    def _record(self, rt: _Runtime, cand: _Candidate) -> None:
+        """Write a candidate to the index (durable, idempotent) and remember it."""
+        store_session, n = cand.store_session, cand.next_ordinal
         index = rt.store.open_session(self.scope, INDEX_KEY)
         rt.store.append(
             self.scope, index.session_id, kind="metadata",
@@ -1110,8 +1174,23 @@ class TranscriptStoreEngineMixin:
         not used: the store holds the transcript)."""
         # Without it the adapter kept the old id after a switch: the next conversation was aligned with
         # the old one's store session (branched onto its transcript) and the new id's stayed empty.
-        if isinstance(session_id, str) and session_id:
-            self.session_id = session_id
+        if not isinstance(session_id, str) or not session_id:
+            return
+        previous = self.session_id
+        if previous and previous != session_id:
+            # Hermes ends the conversation it leaves (on_session_end) on /new, not on /resume or
+            # /branch: what it saved of that one since our last call is stored now, from its database.
+            try:
+                saved = session_db.get_messages_as_conversation(previous) if session_db is not None else None
+                if isinstance(saved, list) and saved:
+                    self.ingest(copy.deepcopy([m for m in saved if isinstance(m, dict)]), previous)
+            except Exception:
+                log.exception("transcript-store: storing conversation %s at a session switch failed", previous)
+            if _is_branch(session_db, session_id):
+                if not isinstance(getattr(self, "branches", None), set):
+                    self.branches = set()
+                self.branches.add(session_id)
+        self.session_id = session_id
 
     def on_session_reset(self) -> None:
         """Reset the token counters."""
@@ -1157,18 +1236,23 @@ class TranscriptStoreEngineMixin:
             if isinstance(args, str):
                 args = json.loads(args or "{}")
             hermes_session = kwargs.get("session_id") or self.session_id
-            live = kwargs.get("messages")
-            if isinstance(live, list) and live:
+            live = settled(kwargs.get("messages"))
+            if live:
                 # hermes-agent passes the conversation in memory ("for live ingestion"): stored first, a
                 # recall tool finds this conversation's turns before its first compaction too.
                 try:
-                    stored_in, _n = self.ingest(copy.deepcopy([m for m in live if isinstance(m, dict)]), hermes_session)
-                    boot = getattr(rt.engine, "bootstrap", None)
-                    if callable(boot):  # the engine imports what was just stored
-                        boot(scope=self.scope, session_id=stored_in, fence=None)
+                    self.ingest(copy.deepcopy(live), hermes_session)
                 except Exception:
                     log.exception("transcript-store: storing the live conversation for a tool call failed")
             store_session = self._store_session(rt, hermes_session)
+            boot = getattr(rt.engine, "bootstrap", None)
+            if callable(boot):
+                # The engine imports what is stored and it has not seen (by on_session_end, on_turn_complete,
+                # this call): without it, its recall tools searched only what a compress had imported.
+                try:
+                    boot(scope=self.scope, session_id=store_session, fence=None)
+                except Exception:
+                    log.exception("transcript-store: the engine's import before a tool call failed")
             return str(fn(name, args, scope=self.scope, session_id=store_session))
         except Exception as e:
             return json.dumps({"error": describe(e)})
