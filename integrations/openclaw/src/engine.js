@@ -157,8 +157,11 @@ async function describeEngine(client, engine, { fresh = false } = {}) {
 }
 
 /**
- * Build the engine. Asks the service for the engine's declarations (so an unreachable service fails
- * here, before the turn starts).
+ * Build the engine. Asks the service for the engine's declarations, every time (OpenClaw builds an
+ * engine for each logical turn): an unreachable service fails here, before the turn starts, and OpenClaw
+ * runs that turn on its legacy path. Answered from the process's cache, a stopped service was found only
+ * by the turn's calls, each after its whole timeout, and the turn stayed on the plugin without a working
+ * compaction.
  * @param {{serviceUrl: string, token: string, engine?: string, timeoutMs?: number,
  *          sdk?: object, fetchImpl?: typeof fetch, logger?: {warn?: Function, info?: Function},
  *          pageMessages?: number, pageBytes?: number, pageBodyBytes?: number,
@@ -167,7 +170,7 @@ async function describeEngine(client, engine, { fresh = false } = {}) {
 export async function createEngine(options) {
   const engineId = options.engine || "lossless";
   const client = createClient(options);
-  const description = await describeEngine(client, engineId);
+  const description = await describeEngine(client, engineId, { fresh: true });
   if (!description.durable) {
     throw new Error(`transcript-store engine "${engineId}" does not declare durable turn commits`);
   }
@@ -187,6 +190,12 @@ export async function createEngine(options) {
   // (storedInGroups), so that an import resuming there stores the group's next messages as a commit
   // of their turn does.
   const groups = new Map();
+  // Sessions this engine bootstrapped for the turn it serves (OpenClaw builds an engine for each logical
+  // turn and reads under the turn's fence during bootstrap and assemble only). A compaction inside that
+  // turn (overflow, budget or timeout recovery) is read without the fence: importing then took the
+  // turn's own user message into the mirror, the retry's assemble sent it twice and its bootstrap failed
+  // with a crossed fence. The fenced bootstrap imported everything before the turn already.
+  const inTurn = new Set();
 
   async function relearnSizes(error) {
     if (!(error instanceof ServiceError && error.status === 413)) return false;
@@ -383,6 +392,7 @@ export async function createEngine(options) {
         const imported = await importTranscript(target);
         return [imported, await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true })];
       });
+      inTurn.add(target.sessionId);
       const result = answer.result || {};
       return {
         bootstrapped: result.bootstrapped !== false,
@@ -396,8 +406,9 @@ export async function createEngine(options) {
       return { ingested: false };
     },
 
-    async afterTurn() {
-      // Nothing: the accepted turn arrives through commitTurn; upkeep runs in maintain.
+    async afterTurn(params) {
+      // Nothing else: the accepted turn arrives through commitTurn; upkeep runs in maintain.
+      inTurn.delete(targetOf(params || {}).sessionId);
     },
 
     async assemble(params) {
@@ -438,6 +449,7 @@ export async function createEngine(options) {
 
     async commitTurn(params) {
       const target = targetOf(params);
+      inTurn.delete(target.sessionId); // the turn is done: a compaction after it reads on to the end
       const body = {
         advancement_key: params.advancementKey,
         admission: { entry_id: params.admission.entryId, position: params.admission.activeMessagePosition },
@@ -484,6 +496,11 @@ export async function createEngine(options) {
           // what the service engine assembles, takes it now, not at the next import (a bootstrap): the
           // assemble of the retry that follows an overflow recovery must not return what was compacted.
           const target = successorOf(targetOf(params), result);
+          if (inTurn.has(targetOf(params).sessionId)) {
+            // Inside a turn: the retry's fenced bootstrap imports the rewritten transcript (a reset).
+            inTurn.add(target.sessionId);
+            return result;
+          }
           try {
             const imported = await inSession(target.sessionId, target.sessionKey, () => importTranscript(target));
             info(`transcript-store: imported ${imported} host messages after OpenClaw's compaction`);
@@ -503,7 +520,8 @@ export async function createEngine(options) {
       const focus = typeof params.customInstructions === "string" ? cutText(params.customInstructions, MAX_FOCUS_CHARS) : null;
       const answer = await inSession(target.sessionId, target.sessionKey, async () => {
         try {
-          const imported = await importTranscript(target);
+          // (Inside a turn its fenced bootstrap imported what precedes it: reading on took its message.)
+          const imported = inTurn.has(target.sessionId) ? 0 : await importTranscript(target);
           if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
         } catch (error) {
           if (error instanceof ServiceError && error.code === "session_not_found") throw error;

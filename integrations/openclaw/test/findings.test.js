@@ -72,7 +72,14 @@ function hostSession(sessionId) {
   const host = {
     sessionId,
     sessionKey: `agent:main:${sessionId}`,
+    fence: undefined, // the entry id of the running turn's admitted message, while reads are fenced
     get entries() { return entries; },
+    /** Append messages (a turn's first ones); their entries. */
+    append(messages) {
+      const added = messages.map((message) => ({ entryId: `${sessionId}-e${(made += 1)}`, message }));
+      entries = [...entries, ...added];
+      return added;
+    },
     target() { return { agentId: "main", sessionId, sessionKey: host.sessionKey, storePath: "/host/sessions" }; },
     /** Append a turn's messages; the commitTurn params of that turn. */
     turn(key, messages) {
@@ -97,7 +104,11 @@ function hostSession(sessionId) {
         }
         const page = [];
         let bytes = 0;
-        for (const entry of entries.slice(start)) {
+        const fenced = host.fence === undefined ? -1 : entries.findIndex((e) => e.entryId === host.fence);
+        if (fenced >= 0 && start > fenced) {
+          throw new Error("SessionTranscriptReadFenceError: the read cursor has crossed the current-turn admission fence");
+        }
+        for (const entry of fenced >= 0 ? entries.slice(start, fenced) : entries.slice(start)) {
           const size = Buffer.byteLength(JSON.stringify(entry.message));
           if (page.length >= maxMessages || (page.length > 0 && bytes + size > maxBytes)) break;
           if (page.length === 0 && size > maxBytes) {
@@ -107,7 +118,8 @@ function hostSession(sessionId) {
           bytes += size;
         }
         const end = start + page.length;
-        return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < entries.length, entries: page };
+        const last = fenced >= 0 ? fenced : entries.length;
+        return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < last, entries: page };
       },
       delegateCompactionToRuntime: async () => {
         const keep = 2;
@@ -327,4 +339,43 @@ test("finding 5: limits that change under a running gateway (the service restart
   } finally {
     await (second ?? first).stop();
   }
+});
+
+
+test("finding 6: a compaction inside a turn leaves the turn's own message out of the mirror", async () => {
+  // OpenClaw reads under the turn's fence in bootstrap and assemble only; its overflow recovery compacts
+  // without one. The import before (owned) or after (delegated) the compaction took the turn's user
+  // message into the mirror: the retry's assemble sent it twice, its fenced bootstrap failed (crossed).
+  for (const engineId of ["lossless", "legacy"]) {
+    const host = hostSession(`s-midturn-${engineId}`);
+    const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+    for (let k = 0; k < 3; k += 1) {
+      const engine = await engineFor(host, { engine: engineId });
+      await engine.bootstrap(params);
+      const turn = host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)]);
+      assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+    }
+    const engine = await engineFor(host, { engine: engineId }); // one engine a turn, as OpenClaw builds them
+    const [prompt] = host.append([userMessage("CURRENT PROMPT")]);
+    host.fence = prompt.entryId;
+    await engine.bootstrap(params);
+    host.fence = undefined; // the recovery's compaction reads without the fence
+    await engine.compact({ ...params, force: true, tokenBudget: 100000 });
+    host.fence = prompt.entryId; // the retry of the same turn
+    await engine.bootstrap(params);
+    const retry = await engine.assemble({ ...params, tokenBudget: 100000, prompt: "CURRENT PROMPT" });
+    assert.ok(!JSON.stringify(retry.messages).includes("CURRENT PROMPT"), `${engineId}: ${JSON.stringify(retry.messages)}`);
+  }
+});
+
+
+test("finding 7: a service that stopped fails the engine's build, so OpenClaw runs the turn on legacy", async () => {
+  // The description was cached for the process: a stopped service built an engine in 0 ms, and each of
+  // the turn's calls failed only after its whole timeout, the turn kept on the plugin.
+  const own = await startService();
+  const host = hostSession("s-down");
+  const engine = await engineFor(host, { on: own });
+  await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
+  await own.stop();
+  await assert.rejects(engineFor(host, { on: own }));
 });
