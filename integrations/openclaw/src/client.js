@@ -46,9 +46,16 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
   }
   const base = url.href.replace(/\/+$/, "");
 
-  async function request(method, path, body) {
+  async function request(method, path, body, abortSignal) {
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(), timeoutMs);
+    // The host's own abort (a compaction it gave up on) ends the request too.
+    const stop = () => controller.abort();
+    if (abortSignal?.aborted) {
+      clearTimeout(timer);
+      throw new ServiceError(0, "aborted", `transcript-store ${method} ${path}: aborted by the host`);
+    }
+    abortSignal?.addEventListener?.("abort", stop, { once: true });
     let response;
     let text;
     // The timeout covers the whole answer, its body too: a service that sent its headers and then
@@ -66,10 +73,14 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
       });
       text = await response.text();
     } catch (error) {
+      if (abortSignal?.aborted) {
+        throw new ServiceError(0, "aborted", `transcript-store ${method} ${path}: aborted by the host`);
+      }
       const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error, token);
       throw new ServiceError(0, "service_unreachable", `transcript-store service at ${base} is unreachable: ${why}`);
     } finally {
       clearTimeout(timer);
+      abortSignal?.removeEventListener?.("abort", stop);
     }
     let data = null;
     try {
@@ -91,8 +102,8 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
 
   return {
     base,
-    get: (path) => request("GET", path),
-    post: (path, body) => request("POST", path, body ?? {}),
+    get: (path, abortSignal) => request("GET", path, undefined, abortSignal),
+    post: (path, body, abortSignal) => request("POST", path, body ?? {}, abortSignal),
   };
 }
 

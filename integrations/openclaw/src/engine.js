@@ -246,12 +246,12 @@ export async function createEngine(options) {
   // Import the host's visible transcript into the service's mirror, page by page, from where the
   // last import stopped. `until`: stop after this host position (a commit catching up), else read on
   // to the end (under the host's read fence during bootstrap).
-  async function importTranscript(target, until) {
+  async function importTranscript(target, until, abortSignal) {
     const read = (await sdk()).readSessionTranscriptVisibleMessageDelta;
     const path = sessionPath(target.sessionId);
     let imported = 0;
     let restarts = 0;
-    let state = await client.get(`${path}/bootstrap`);
+    let state = await client.get(`${path}/bootstrap`, abortSignal);
     let readCursor = state.cursor ?? undefined; // what the host is asked to read from
     let sentCursor = state.cursor ?? null; // what the service is told the page was read from
     let position = state.cursor ? state.position : 0;
@@ -300,7 +300,7 @@ export async function createEngine(options) {
       }
       let answer;
       try {
-        answer = await client.post(`${path}/bootstrap`, body);
+        answer = await client.post(`${path}/bootstrap`, body, abortSignal);
       } catch (error) {
         if (error instanceof ServiceError && error.status === 413 && error.code === "request_too_large" && entries.length > 1) {
           fewer = Math.ceil(entries.length / 2); // a service with a smaller --max-body
@@ -314,7 +314,7 @@ export async function createEngine(options) {
         if (error instanceof ServiceError && error.reason === "cursor" && restarts < 3) {
           // Another importer moved the mirror's resume point: continue from the recorded one.
           restarts += 1;
-          state = await client.get(`${path}/bootstrap`);
+          state = await client.get(`${path}/bootstrap`, abortSignal);
           readCursor = state.cursor ?? undefined;
           sentCursor = state.cursor ?? null;
           position = state.cursor ? state.position : 0;
@@ -521,17 +521,17 @@ export async function createEngine(options) {
       const answer = await inSession(target.sessionId, target.sessionKey, async () => {
         try {
           // (Inside a turn its fenced bootstrap imported what precedes it: reading on took its message.)
-          const imported = inTurn.has(target.sessionId) ? 0 : await importTranscript(target);
+          const imported = inTurn.has(target.sessionId) ? 0 : await importTranscript(target, undefined, params.abortSignal);
           if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
         } catch (error) {
-          if (error instanceof ServiceError && error.code === "session_not_found") throw error;
+          if (error instanceof ServiceError && (error.code === "session_not_found" || error.code === "aborted")) throw error;
           info(`transcript-store: compacting without importing the host transcript first: ${error.message}`);
         }
         return client.post(`${sessionPath(target.sessionId)}/compact`, {
           force: params.force === true,
           token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
           focus,
-        });
+        }, params.abortSignal);
       });
       return {
         ok: answer.ok,
@@ -546,7 +546,7 @@ export async function createEngine(options) {
 
     async maintain(params) {
       const answer = await inSession(params.sessionId, params.sessionKey,
-        () => client.post(`${sessionPath(params.sessionId)}/maintain`, {}));
+        () => client.post(`${sessionPath(params.sessionId)}/maintain`, {}, params.abortSignal));
       return {
         changed: answer.changed,
         bytesFreed: answer.bytes_freed,

@@ -371,3 +371,36 @@ test("instructions and tool lists longer than the service takes are cut", async 
   assert.ok(focus.length <= 10000 && focus.length >= 9999 && focus.isWellFormed());
   assert.ok(instructions.startsWith(focus));
 });
+
+test("compact and maintain honour the host's abortSignal", async () => {
+  // OpenClaw gives up on a compaction after its safety timeout and aborts it: the plugin's import and
+  // its /compact request went on in the background.
+  let hold = null; // a /compact request that answers only when aborted
+  const { calls, fetchImpl } = service({
+    ...mirrorRoutes(0).routes,
+    "POST /v1/engines/:e/sessions/:sid/maintain": () => [200, { changed: false }],
+  });
+  const slow = async (url, init) => {
+    if (new URL(url).pathname.endsWith("/compact")) {
+      calls.push({ method: init.method, path: new URL(url).pathname });
+      return new Promise((_resolve, reject) => {
+        hold = () => reject(new DOMException("aborted", "AbortError"));
+        init.signal.addEventListener("abort", hold, { once: true });
+      });
+    }
+    return fetchImpl(url, init);
+  };
+  const sdk = { readSessionTranscriptVisibleMessageDelta: async () => ({ kind: "page", cursor: "c0", hasMore: false, entries: [] }) };
+  const engine = await createEngine({ serviceUrl: "http://svc-abort", token: "tok", fetchImpl: slow, sdk });
+  const params = { sessionId: "s1", sessionKey: "k", force: true, sessionTarget: { agentId: "main", sessionId: "s1" } };
+  const gone = AbortSignal.abort();
+  await assert.rejects(engine.compact({ ...params, abortSignal: gone }), (error) => error.code === "aborted");
+  assert.equal(calls.filter((c) => c.path.endsWith("/compact")).length, 0);
+  await assert.rejects(engine.maintain({ ...params, abortSignal: gone }), (error) => error.code === "aborted");
+  const controller = new AbortController();
+  const running = engine.compact({ ...params, abortSignal: controller.signal });
+  while (!hold) await new Promise((resolve) => setTimeout(resolve, 5));
+  controller.abort();
+  await assert.rejects(running, (error) => error.code === "aborted");
+  assert.equal((await engine.maintain(params)).changed, false); // without a signal, as before
+});
