@@ -191,6 +191,8 @@ def test_commit_turn_whose_answer_was_lost_reports_its_own_commit(
     messages = [user("2+2?"), assistant("4")]
     apply = count_turn if way == "transaction" else None
     if way == "statement-raises":
+        if store.backend == "sqlite":
+            pytest.skip("SQLite runs in the process: a statement that raised wrote nothing, no answer is lost")
         lost = receipt_statement_reply_lost()
     else:
         lost = statement_reply_lost(store) if way == "statement" else commits_lost(store, lambda n: n == 1)

@@ -367,9 +367,12 @@ def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt]
     """``commit_turn`` of a first commit as one statement (outside a transaction), or None: not
     committed by it, and the transactional path must decide (see _one_statement_commit).
 
-    ``attempts`` gets the receipt this statement would write before it is sent: the statement commits
-    on its own, so when its answer is lost (a dropped connection) the caller's retry can still tell the
-    receipt it finds for its own commit.
+    ``attempts`` gets the receipt this statement would have written when it raises on PostgreSQL: the
+    statement commits on its own, so when its answer is lost (a dropped connection) the caller's retry
+    can still tell the receipt it finds for its own commit. Only then: a statement that answered
+    without a row did not commit, and an attempt recorded for it could match another caller's receipt
+    written in the same microsecond (16 processes released at once did: two "committed" for one key).
+    SQLite runs in the process: a statement that raised wrote nothing.
     """
     adm, term = turn.admission, turn.terminal
     count = len(turn.messages)
@@ -394,11 +397,13 @@ def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt]
         b_term_position=term.position, **{f"b_t{i}": text for i, text in enumerate(texts)},
     )
     values = _receipt_values(turn, ts)
-    if attempts is not None:
-        attempts.append(Receipt.model_construct(**values))
-    if core.run(stmt, params).first() is None:
-        return None
-    return _committed(values)
+    try:
+        row = core.run(stmt, params).first()
+    except BaseException:
+        if attempts is not None and not core.dialect.is_sqlite:
+            attempts.append(Receipt.model_construct(**values))  # it may have committed: its answer was lost
+        raise
+    return None if row is None else _committed(values)
 
 
 def _replay(turn: TurnPayload, existing: Receipt) -> CommitResult:
