@@ -6,6 +6,7 @@ summarizer (a paid model call in production) had run. A focus of another type re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,3 +69,22 @@ def test_a_bad_focus_is_refused_before_the_summarizer_and_changes_nothing(
     assert summarizer.calls == 0 and everything(store) == before
     result = engine.compact(scope=SCOPE, session_id=sid, force=True, focus="words")  # a good one still works
     assert result.ok and result.compacted and summarizer.calls >= 1
+
+
+def test_the_focus_text_is_not_written_into_the_summary(store: TranscriptStore, sid: str) -> None:
+    """A compaction's focus picks what the summary keeps; its own words stay out of the stored summary.
+
+    The header echoed the focus: ``lcm_grep`` then found the summary for a word no message held, and a
+    focus quoting a message kept that text after the message was redacted.
+    """
+    store.append_many(SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                                "content": f"message {i} " + "words " * 40}} for i in range(12)])
+    engine = make("lossless", store, Counting())
+    engine.bootstrap(scope=SCOPE, session_id=sid, fence=None)
+    result = engine.compact(scope=SCOPE, session_id=sid, force=True, focus="zebracrossing words")
+    assert result.ok and result.compacted
+    found = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": "zebracrossing"}, scope=SCOPE, session_id=sid))
+    assert found["results"] == [], found
+    with store.db.engine.connect() as conn:
+        texts = [r[0] for r in conn.execute(select(lossless_metadata.tables["ts_lcm_summaries"].c.content))]
+    assert texts and not any("zebracrossing" in t for t in texts)

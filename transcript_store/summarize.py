@@ -259,7 +259,9 @@ class ExtractiveSummarizer:
         focus = focus.strip() if focus and focus.strip() else None
         limits = _LIMITS[level]
         budget = max_tokens if level == "normal" else max(16, max_tokens // 2)
-        header = f"Summary of {len(messages)} messages" + (f" (focus: {_cut(focus, 80)})" if focus else "") + ":"
+        # The focus shapes which lines stay, but its words are not written: the summary would hold text no
+        # message held (a search for it found the summary; it outlived a redaction of what it quoted).
+        header = f"Summary of {len(messages)} messages" + (" (focused)" if focus else "") + ":"
         lines: list[str] = []
         if previous_summary and previous_summary.strip():
             lines += ["Earlier: " + _cut(ln, limits.sentence) for ln in _gist(previous_summary)]
