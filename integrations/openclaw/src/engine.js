@@ -167,6 +167,22 @@ async function describeEngine(client, engine, { fresh = false } = {}) {
  *          pageMessages?: number, pageBytes?: number, pageBodyBytes?: number,
  *          maxEntryBytes?: number}} options
  */
+// Per session: where the last import stopped and what the open group of messages there weighed
+// (storedInGroups), so that an import resuming there stores the group's next messages as a commit of
+// their turn does. Module-wide, not per engine: OpenClaw builds an engine for each logical turn, and a
+// per-engine memory was gone by the next turn's import (it counted the group from zero, stored a
+// message differently from the turn's commit, and the mirror branched). The entry is used only when
+// its cursor is the one the service recorded; at most GROUP_MEMORY sessions, the least recently
+// imported forgotten first (an import resuming there counts the group from where it resumes).
+const GROUP_MEMORY = 4096;
+const importGroups = new Map();
+
+function rememberGroup(key, value) {
+  importGroups.delete(key);
+  importGroups.set(key, value);
+  if (importGroups.size > GROUP_MEMORY) importGroups.delete(importGroups.keys().next().value);
+}
+
 export async function createEngine(options) {
   const engineId = options.engine || "lossless";
   const client = createClient(options);
@@ -186,10 +202,9 @@ export async function createEngine(options) {
   const ensured = new Set();
   const info = (message) => options.logger?.info?.(message);
   const warn = (message) => (options.logger?.warn ?? options.logger?.info)?.(message);
-  // Per session: where the last import stopped and what the open group of messages there weighed
-  // (storedInGroups), so that an import resuming there stores the group's next messages as a commit
-  // of their turn does.
-  const groups = new Map();
+  // Where this process's imports of a session stopped (shared by every engine of one service, token
+  // and engine id: OpenClaw builds an engine for each logical turn).
+  const groupKey = (sessionId) => JSON.stringify([client.base, options.token, engineId, sessionId]);
   // Sessions this engine bootstrapped for the turn it serves (OpenClaw builds an engine for each logical
   // turn and reads under the turn's fence during bootstrap and assemble only). A compaction inside that
   // turn (overflow, budget or timeout recovery) is read without the fence: importing then took the
@@ -257,7 +272,7 @@ export async function createEngine(options) {
     let position = state.cursor ? state.position : 0;
     let maxBytes = pageBytes;
     let fewer; // a page too large to send: read again with at most this many messages
-    const remembered = groups.get(target.sessionId);
+    const remembered = importGroups.get(groupKey(target.sessionId));
     let group = { bytes: remembered && sentCursor !== null && remembered.cursor === sentCursor ? remembered.bytes : 0 };
     for (let pages = 0; pages < MAX_PAGES; pages += 1) {
       const remaining = until === undefined ? pageMessages : until + 1 - position;
@@ -329,7 +344,7 @@ export async function createEngine(options) {
       readCursor = page.cursor;
       sentCursor = page.cursor;
       group = fitted.state;
-      groups.set(target.sessionId, { cursor: page.cursor, bytes: group.bytes });
+      rememberGroup(groupKey(target.sessionId), { cursor: page.cursor, bytes: group.bytes });
       if (!page.hasMore) return imported;
     }
     throw new Error("transcript-store: the host transcript import did not finish");

@@ -379,3 +379,28 @@ test("finding 7: a service that stopped fails the engine's build, so OpenClaw ru
   await own.stop();
   await assert.rejects(engineFor(host, { on: own }));
 });
+
+test("finding 8: an import resuming in a large group remembers its weight across engines of one process", async () => {
+  // OpenClaw builds an engine for each logical turn: what the open group weighed where the last import
+  // stopped lived in the engine, so the next turn's engine counted the group from zero, stored its next
+  // message differently from the commit of that turn, and the mirror branched.
+  const stored = async (host, engines) => {
+    const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+    const [head, tail] = [bigTurn(hostSession("scratch"), "x").messages.slice(0, 3), bigTurn(hostSession("scratch"), "x").messages.slice(3)];
+    host.append(head); // a turn that ran out (never committed): its first messages
+    await engines[0].bootstrap(params);
+    host.append(tail); // ... and the rest, imported by the next engine
+    await engines[1].bootstrap(params);
+    const assembled = await engines[1].assemble({ ...params, tokenBudget: 10000000 });
+    return assembled.messages.map((m) => contentText(m.content));
+  };
+  const single = hostSession("s-group-one");
+  const one = await engineFor(single);
+  const together = await stored(single, [one, one]);
+  const split = hostSession("s-group-two");
+  const apart = await stored(split, [await engineFor(split), await engineFor(split)]);
+  assert.equal(apart.length, together.length);
+  assert.ok(apart.every((text, i) => text === together[i]), "each message stored as one engine stores it");
+  // The second tool result was cut to the group's share (what the messages before it left), not whole.
+  assert.match(together[4], /cut by transcript-store: the turn is over/);
+});
