@@ -935,7 +935,12 @@ def outbox_recover(session: str | None) -> None:
             runtime = _runtime(store, settings)
             try:
                 for sid in targets:
-                    r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
+                    try:
+                        r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
+                    except UnknownSession:
+                        if session:
+                            raise
+                        continue  # deleted since the list was read: its intents went with it
                     results.append({
                         "session_id": sid,
                         "discarded": r.discarded,

@@ -76,7 +76,7 @@ MAX_ID_CHARS = 255
 #: not fit, and a write failed as a database error on PostgreSQL where SQLite took it.
 MAX_ID_BYTES = 640
 #: control characters (C0, DEL, C1), NUL and lone surrogates; one regex search, not a loop per character
-_BAD_ID_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+BAD_ID_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def now_us() -> int:
@@ -143,7 +143,7 @@ def check_id(what: str, value: object, *, optional: bool = False, new: bool = Fa
     if not value or len(value) > MAX_ID_CHARS:
         raise InvalidInput(f"{what} must be 1..{MAX_ID_CHARS} characters")
     # C0, DEL and C1 (U+0080..U+009F: NEL, CSI, ...) are all control characters: none belongs in an id.
-    if _BAD_ID_CHAR.search(value) is not None:
+    if BAD_ID_CHAR.search(value) is not None:
         raise InvalidInput(f"{what} must not contain control characters, NUL or lone surrogates")
     if new and len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8")) > MAX_ID_BYTES:
         raise InvalidInput(f"{what} must be at most {MAX_ID_BYTES} bytes in UTF-8")
@@ -221,8 +221,13 @@ def prepare_entry(
             raise InvalidInput(f"a {kind} entry takes `payload`, not `message`")
         body = validate_event_payload(payload if payload is not None else {})
         role = None
-    text = stored_text(body)
-    size = len(text.encode("utf-8"))
+    try:
+        text = stored_text(body)
+        size = len(text.encode("utf-8"))
+    except (ValueError, TypeError, RecursionError) as e:  # UnicodeError is a ValueError
+        # What the checks above let through and JSON cannot write (a container subclass whose items
+        # differ from what it holds): refused like any other value JSON cannot carry.
+        raise InvalidInput(f"payload cannot be written as JSON: {type(e).__name__}") from None
     if size > config.max_payload_bytes:
         raise PayloadTooLarge(f"entry payload is {size} bytes, over the cap of {config.max_payload_bytes}")
     return NewEntry(entry_id or new_id(), kind, role, text, size, idempotency_key, turn_id)

@@ -678,7 +678,7 @@ class HostRuntime:
         check_id("scope", scope)
         check_id("session_id", session_id)
         values = host_values(runtime_context)
-        if turn_id:
+        if turn_id is not None:  # "" or 0 is refused below, never taken for "draw one"
             # A turn id given may be a retry's: the session on the way that holds it (one read, only for
             # a session with successors). Checked first: it is looked up before the admission checks it.
             check_id("turn_id", turn_id)

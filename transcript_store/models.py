@@ -95,9 +95,12 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
     """Refuse what JSON or UTF-8 cannot carry losslessly (NaN, lone surrogates, odd types)."""
     if depth > 64:
         raise InvalidInput("payload nested deeper than 64 levels")
+    # The base types' own methods, never the value's: a str or int subclass may override ``encode`` or
+    # ``bit_length`` (the check passed, and the JSON writer, which reads the value itself, raised a bare
+    # UnicodeEncodeError or ValueError).
     if isinstance(value, str):
         try:
-            value.encode("utf-8")
+            str.encode(value, "utf-8")
         except UnicodeEncodeError as e:
             raise InvalidInput("payload contains a lone surrogate (not valid Unicode)") from e
     elif isinstance(value, bool) or value is None:
@@ -107,9 +110,9 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
         # (4,300 by default; 0 is no limit) with a bare ValueError. Fewer than 3 bits per allowed digit
         # is always fewer digits than allowed (a decimal digit is 3.32 bits): no conversion needed.
         limit = sys.get_int_max_str_digits()
-        if limit and value.bit_length() >= 3 * limit:
+        if limit and int.bit_length(value) >= 3 * limit:
             try:
-                str(value)
+                int.__repr__(value)
             except ValueError:
                 raise InvalidInput("payload contains an integer with too many digits to write as JSON") from None
     elif isinstance(value, float):

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from . import faults, identity, outbox
-from .core import Core, NewEntry, check_anchor, check_id
+from .core import BAD_ID_CHAR, Core, NewEntry, check_anchor, check_id
 from .db import UNSENDABLE
 from .errors import (
     IdempotencyConflict,
@@ -148,10 +148,15 @@ class Turns:
         return result
 
     def receipts(self, scope: str, session_id: str, engine_id: str | None = None) -> list[Receipt]:
-        """The ledger of a session."""
+        """The ledger of a session (``UnknownSession`` for one the scope does not hold)."""
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id, optional=True)
-        return self.store.read(lambda c: list_receipts(c, scope, session_id, engine_id))
+
+        def read(c: Core) -> list[Receipt]:
+            c.require_session(scope, session_id)  # an empty ledger, not an unknown session's "nothing"
+            return list_receipts(c, scope, session_id, engine_id)
+
+        return self.store.read(read)
 
     # ------------------------------------------------------------------------------------ outbox
 
@@ -656,6 +661,10 @@ class Turns:
         report = RecoveryReport()
 
         def look(c: Core) -> tuple[list[outbox.AdmittedLease], list[outbox.Group], list[TurnIntent]]:
+            # An unknown session (or another scope's) is refused, as every session call refuses it; an
+            # empty report said "nothing to recover". (Not the host's turn path: it recovers only when
+            # its admission was refused.)
+            c.require_session(scope, session_id)
             return (
                 outbox.abandoned_admitted(c, scope, session_id),
                 outbox.drainable_groups(c, scope, session_id),
@@ -735,7 +744,9 @@ def new_owner() -> str:
 
 
 def _check_owner(owner: object) -> str:
-    if not isinstance(owner, str) or not 1 <= len(owner) <= outbox.MAX_OWNER or UNSENDABLE.search(owner):
+    # Control characters as ids refuse them (C0, DEL, C1: an owner is printed by `outbox status`), and
+    # lone surrogates; the message said so, and only NUL and surrogates were refused.
+    if not isinstance(owner, str) or not 1 <= len(owner) <= outbox.MAX_OWNER or BAD_ID_CHAR.search(owner):
         raise InvalidInput(f"a lease owner is a string of 1..{outbox.MAX_OWNER} characters, no control characters")
     return owner
 
