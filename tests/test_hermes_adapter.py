@@ -107,6 +107,41 @@ def test_deepcopy_and_pickle_carry_no_runtime(tmp_path: Path) -> None:
     clone.close()
 
 
+def test_copies_of_one_engine_share_one_store(store_url: str, tmp_path: Path) -> None:
+    """hermes-agent deep-copies the engine for every agent and closes none: each copy opened a store of
+    its own, on PostgreSQL a server connection per copy (the gateway caches 128 agents; a server's
+    default is 100 connections), each with caches of its own."""
+    proto = make(tmp_path, db_url=store_url)
+    copies = [copy.deepcopy(proto) for _ in range(6)]
+    for i, c in enumerate(copies):
+        c.on_session_start(f"s{i}")
+        c.on_turn_complete(conversation(f"c{i}", 1))
+    assert len({id(c.runtime().store) for c in copies}) == 1
+    if store_url.startswith("postgresql"):
+        import psycopg
+        from sqlalchemy.engine import make_url
+
+        url = make_url(store_url)
+        with psycopg.connect(host=url.host, port=url.port, user=url.username, dbname="postgres") as conn:
+            held = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (url.database,)).fetchone()
+        assert held is not None and held[0] <= 2, held  # one pool's, not one per copy
+    other = make(tmp_path, db_url=store_url, scope="elsewhere")  # another configuration: its own
+    assert other.runtime() is not copies[0].runtime()
+    other.close()
+    store = copies[0].runtime().store
+    for c in copies[:-1]:
+        c.close()
+    assert not store.closed  # the last copy still uses it
+    copies[-1].on_turn_complete(conversation("c5", 2))
+    assert len(copies[-1].stored_messages("s5")) == len(conversation("c5", 2))
+    copies[-1].close()
+    proto.close()
+    assert store.closed
+    again = copy.deepcopy(proto)  # a copy made after: opens a runtime again
+    assert len(again.stored_messages("s0")) == len(conversation("c0", 1))
+    again.close()
+
+
 def test_select_context_is_fail_open_and_stable(tmp_path: Path) -> None:
     engine = make(tmp_path)
     engine.on_session_start("s1")
@@ -738,6 +773,35 @@ def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_ur
     restarted.close()
 
 
+def test_a_gateway_branch_forks_too_and_stores_the_parent_it_left(store_url: str, tmp_path: Path) -> None:
+    """The gateway's ``/branch`` (and ``hermes --resume <branch>``) builds a new agent: its
+    ``bind_session_state`` names the branch with no previous id. Only a switch within one agent was
+    checked for the branch mark: the branch joined the parent's store session (each side's turns in the
+    other's), and what the parent said since the adapter's last call was never stored."""
+    db = FakeSessionDB()
+    proto = make(tmp_path, db_url=store_url)  # hermes-agent deep-copies the engine for each agent
+    parent = copy.deepcopy(proto)
+    parent.bind_session_state(session_db=db, session_id="A")
+    answer = parent.compress(conversation("alpha", 12))
+    saved = _persisted(answer) + conversation("late", 1)  # a turn after the compress: in Hermes' database only
+    db.sessions["A"] = {"id": "A", "model_config": "{}"}
+    db.messages["A"] = saved
+    db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
+    db.messages["B"] = copy.deepcopy(saved)
+    branch = copy.deepcopy(proto)
+    branch.bind_session_state(session_db=db, session_id="B")
+    assert _grep(branch, "A", "late question 0") >= 1  # the parent's last turn, stored when it was left
+    branch.on_session_end("B", copy.deepcopy(saved) + conversation("bravo", 2))
+    assert _grep(branch, "B", "bravo question 0") >= 1 and _grep(branch, "A", "bravo question 0") == 0
+    assert _grep(branch, "B", "late question 0") >= 1  # the branch keeps what it was made from
+    back = copy.deepcopy(proto)  # the parent's next gateway turn: another new agent
+    back.bind_session_state(session_db=db, session_id="A")
+    back.on_session_end("A", copy.deepcopy(saved) + conversation("parentonly", 1))
+    assert _grep(back, "A", "parentonly question 0") >= 1 and _grep(back, "B", "parentonly question 0") == 0
+    for e in (proto, parent, branch, back):
+        e.close()
+
+
 def test_a_switch_stores_what_hermes_saved_of_the_conversation_it_leaves(store_url: str, tmp_path: Path) -> None:
     """``/resume`` and ``/branch`` call no ``on_session_end``: a conversation's turns since the adapter's
     last call (no compress, no tool call) were never stored."""
@@ -820,4 +884,13 @@ def test_the_engines_addition_reaches_the_model_when_hermes_sends_no_system_prom
     out = engine.compress([system, *conversation("iota", 12)])
     assert out[0]["content"] == f"{system['content']}\n\n{RECALL_HINT}"
     assert sum(RECALL_HINT in str(m.get("content")) for m in out) == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("value", ["5", "lots", {"n": 1}, float("nan"), None])
+def test_should_compress_takes_any_count_without_raising(tmp_path: Path, value: Any) -> None:
+    """A count that is no number raised TypeError ('>=' between str and int) into Hermes' turn loop."""
+    engine = make(tmp_path)
+    engine.threshold_tokens = 4
+    assert engine.should_compress(value) is (value == "5")
     engine.close()

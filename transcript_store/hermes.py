@@ -71,6 +71,11 @@ MIN_CONTEXT_LENGTH = 64000
 
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
 _RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copied state
+#: configuration -> the runtime its engine copies share. hermes-agent deep-copies the engine for every
+#: agent and never closes one; a runtime per copy held a pool of its own (on PostgreSQL a server
+#: connection each until garbage-collected, and the gateway caches 128 agents against a server's
+#: default of 100 connections) and caches of its own that told copies of one process different things.
+_SHARED_RUNTIMES: dict[str, _Runtime] = {}
 
 
 def jsonable(value: Any) -> Any:
@@ -547,6 +552,9 @@ class _Runtime:
     warned: set[str] = field(default_factory=set)  # user turns whose fresh tail alone was at the trigger
     index_seq: int = -1  # the candidate index is read up to here
     loaded: bool = False
+    key: str = ""  # its configuration, in ``_SHARED_RUNTIMES``
+    factory: Any = None  # the summarizer factory, kept alive while its id is part of ``key``
+    users: int = 0  # the engine copies using it (guarded by ``_RUNTIME_LOCK``)
 
     def session_lock(self, store_session: str) -> threading.Lock:
         """The lock serializing ingestion into one store session."""
@@ -570,21 +578,25 @@ def settled(messages: Any) -> list[dict[str, Any]]:
     return items
 
 
-def _is_branch(session_db: Any, session_id: str) -> bool:
-    """Whether hermes-agent's session database records ``session_id`` as a ``/branch`` of another session
-    (its ``_branched_from`` mark, or a parent that ended as ``branched``); False when it cannot tell."""
+def _branch_parent(session_db: Any, session_id: str) -> str | None:
+    """The session ``session_id`` is a ``/branch`` of, as hermes-agent's session database records it (its
+    ``_branched_from`` mark, or a parent that ended as ``branched``); None when it is none or cannot tell."""
     try:
         row = session_db.get_session(session_id) if session_db is not None else None
         if not isinstance(row, dict):
-            return False
-        config = json.loads(row.get("model_config") or "{}")
-        if isinstance(config, dict) and config.get("_branched_from"):
-            return True
+            return None
+        config = row.get("model_config") or "{}"
+        config = json.loads(config) if isinstance(config, str) else config
+        marked = config.get("_branched_from") if isinstance(config, dict) else None
         parent_id = row.get("parent_session_id")
+        if isinstance(marked, str) and marked:
+            return marked
+        if marked:
+            return parent_id if isinstance(parent_id, str) and parent_id else None
         parent = session_db.get_session(parent_id) if parent_id else None
-        return isinstance(parent, dict) and parent.get("end_reason") == "branched"
+        return parent_id if isinstance(parent, dict) and parent.get("end_reason") == "branched" else None
     except Exception:
-        return False
+        return None
 
 
 def _remember_candidate(rt: _Runtime, cand: _Candidate) -> None:
@@ -683,26 +695,49 @@ class TranscriptStoreEngineMixin:
         return f"sqlite:///{home / 'transcript-store.db'}"
 
     def runtime(self) -> _Runtime:
-        """The store and engine of this copy, opened on first use (thread-safe)."""
+        """The store and engine of this copy, opened on first use and shared with every copy of the same
+        configuration in the process (thread-safe)."""
         rt = self._rt
         if rt is not None:
             return rt
         with _RUNTIME_LOCK:
             if self._rt is None:
-                store = TranscriptStore(self.database_url())
-                summarizer = self.summarizer_factory() if self.summarizer_factory else None
-                ctx = EngineContext(store=store, config=self.engine_config, summarizer=summarizer)
-                env_dirs = os.environ.get(PLUGIN_DIRS_ENV, "").split(os.pathsep)
-                registry = EngineRegistry([*getattr(self, "plugin_dirs", []), *filter(None, env_dirs)])
-                engine, _info = registry.create(self.engine_id, ctx)
-                self._rt = _Runtime(store=store, engine=engine)
+                url = self.database_url()
+                env_dirs = [d for d in os.environ.get(PLUGIN_DIRS_ENV, "").split(os.pathsep) if d]
+                dirs = [*getattr(self, "plugin_dirs", []), *env_dirs]
+                factory = self.summarizer_factory
+                key = json.dumps(
+                    [url, self.engine_id, self.scope, self.engine_config, dirs, id(factory) if factory else None],
+                    sort_keys=True, default=repr,
+                )
+                rt = _SHARED_RUNTIMES.get(key)
+                if rt is None:
+                    store = TranscriptStore(url)
+                    try:
+                        summarizer = factory() if factory else None
+                        ctx = EngineContext(store=store, config=self.engine_config, summarizer=summarizer)
+                        engine, _info = EngineRegistry(dirs).create(self.engine_id, ctx)
+                    except BaseException:
+                        store.close()
+                        raise
+                    rt = _Runtime(store=store, engine=engine, key=key, factory=factory)
+                    _SHARED_RUNTIMES[key] = rt
+                rt.users += 1
+                self._rt = rt
             return self._rt
 
     def close(self) -> None:
-        """Release this copy's store (it reopens on the next use)."""
+        """Release this copy's runtime; the store closes with the last copy using it (it reopens on the
+        next use)."""
         with _RUNTIME_LOCK:
             rt, self._rt = self._rt, None
-        if rt is not None:
+            if rt is None:
+                return
+            rt.users -= 1
+            last = rt.users <= 0
+            if last and _SHARED_RUNTIMES.get(rt.key) is rt:
+                del _SHARED_RUNTIMES[rt.key]
+        if last:
             rt.store.close()
 
     # ------------------------------------------------------------------------------------ ingestion
@@ -949,7 +984,9 @@ class TranscriptStoreEngineMixin:
 
     def should_compress(self, prompt_tokens: int | None = None) -> bool:
         """Whether the prompt reached the threshold."""
-        tokens = self.last_prompt_tokens if prompt_tokens is None else prompt_tokens
+        # A count that is no number (a string, a dict) is read as a host's usage value is: never a
+        # TypeError into Hermes' turn loop.
+        tokens = as_int(self.last_prompt_tokens if prompt_tokens is None else prompt_tokens)
         return self.threshold_tokens > 0 and tokens >= self.threshold_tokens
 
     def should_compress_preflight(self, messages: list[dict[str, Any]]) -> bool:
@@ -1177,20 +1214,42 @@ class TranscriptStoreEngineMixin:
         if not isinstance(session_id, str) or not session_id:
             return
         previous = self.session_id
-        if previous and previous != session_id:
-            # Hermes ends the conversation it leaves (on_session_end) on /new, not on /resume or
-            # /branch: what it saved of that one since our last call is stored now, from its database.
-            try:
-                saved = session_db.get_messages_as_conversation(previous) if session_db is not None else None
-                if isinstance(saved, list) and saved:
-                    self.ingest(copy.deepcopy([m for m in saved if isinstance(m, dict)]), previous)
-            except Exception:
-                log.exception("transcript-store: storing conversation %s at a session switch failed", previous)
-            if _is_branch(session_db, session_id):
-                if not isinstance(getattr(self, "branches", None), set):
-                    self.branches = set()
-                self.branches.add(session_id)
+        if previous == session_id:
+            return
+        # Hermes ends the conversation it leaves (on_session_end) on /new, not on /resume or /branch:
+        # what it saved of that one since our last call is stored now, from its database.
+        if previous:
+            self._store_saved(session_db, previous)
+        # A /branch is told here with the id it switches from (the CLI) or, in the gateway, which builds
+        # a new agent for the branch, with none: the session database's mark says it is one either way
+        # (unmarked in the gateway, the branch joined the parent's store session).
+        parent = _branch_parent(session_db, session_id)
+        if parent is not None:
+            if not isinstance(getattr(self, "branches", None), set):
+                self.branches = set()
+            self.branches.add(session_id)
+            if parent != previous and self._unstored(session_id):
+                # The gateway left the parent without a hook: store what it saved, once (before the
+                # branch has a store session; the gateway binds a new agent at every turn).
+                self._store_saved(session_db, parent)
         self.session_id = session_id
+
+    def _unstored(self, hermes_session: str) -> bool:
+        """Whether no store session holds ``hermes_session`` yet (False when the store cannot tell)."""
+        try:
+            return self._lineage(self.runtime(), hermes_session) is None
+        except Exception:
+            log.exception("transcript-store: could not look up session %s", hermes_session)
+            return False
+
+    def _store_saved(self, session_db: Any, hermes_session: str) -> None:
+        """Store what Hermes' session database saved of a conversation (never raises into Hermes)."""
+        try:
+            saved = session_db.get_messages_as_conversation(hermes_session) if session_db is not None else None
+            if isinstance(saved, list) and saved:
+                self.ingest(copy.deepcopy([m for m in saved if isinstance(m, dict)]), hermes_session)
+        except Exception:
+            log.exception("transcript-store: storing conversation %s at a session switch failed", hermes_session)
 
     def on_session_reset(self) -> None:
         """Reset the token counters."""

@@ -384,3 +384,60 @@ def test_with_a_session_database_every_compaction_continues_one_lineage(
 
     assert any(RECALL_HINT in json.dumps(r["messages"]) for r in server.chat_requests)
     agent.shutdown_memory_provider(history)
+
+
+def test_a_gateway_branch_of_a_compacted_conversation_keeps_its_own_store_session(
+    home: Path, server: FakeOpenAI
+) -> None:
+    """The gateway's ``/branch`` copies the parent's saved rows into a new session marked
+    ``_branched_from`` and builds a new agent for it, whose ``bind_session_state`` names no previous id:
+    the branch joined the parent's store session (each side's turns written into the other's), and what
+    the parent said since the adapter's last call was left out of the store."""
+    import uuid
+
+    from hermes_state import SessionDB
+    from run_agent import AIAgent
+
+    server.reset()
+    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
+    parent, branch = f"20990101_000000_p{uuid.uuid4().hex[:6]}", f"20990101_000001_b{uuid.uuid4().hex[:6]}"
+
+    def turn(session_id: str, text: str) -> Any:
+        # as the gateway runs a turn: a new agent, the history reloaded from the session database
+        agent = AIAgent(
+            base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
+            enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True,
+            session_db=db, session_id=session_id,
+        )
+        agent.compression_in_place = True
+        history = db.get_messages_as_conversation(session_id, repair_alternation=True) or None
+        agent.run_conversation(text, conversation_history=history)
+        return agent
+
+    for i in range(4):
+        turn(parent, f"gw{i} parent turn {i}. {WORDS}")
+    saved = db.get_messages_as_conversation(parent)
+    from transcript_store.hermes import is_context_message
+
+    assert any(is_context_message(m) for m in saved), "the parent never compacted: the case did not arise"
+    # the gateway's /branch (gateway/slash_commands.py): a new session holding a copy of the parent's rows
+    db.create_session(session_id=branch, source="telegram", model="fake-model",
+                      model_config={"_branched_from": parent}, parent_session_id=parent)
+    for m in saved:
+        db.append_message(session_id=branch, role=m.get("role", "user"), content=m.get("content"),
+                          tool_name=m.get("tool_name") or m.get("name"), tool_calls=m.get("tool_calls"),
+                          tool_call_id=m.get("tool_call_id"))
+    on_branch = turn(branch, "BRANCHONLY turn in the branch")
+    on_parent = turn(parent, "PARENTONLY turn in the parent")
+    on_branch.context_compressor.on_session_end(branch, db.get_messages_as_conversation(branch))
+    on_parent.context_compressor.on_session_end(parent, db.get_messages_as_conversation(parent))
+    engine = on_parent.context_compressor
+    rt = engine.runtime()
+    assert engine._store_session(rt, parent) != engine._store_session(rt, branch)
+    everything = {
+        sid: json.dumps([e.message for e in rt.store.list_entries(engine.scope, engine._store_session(rt, sid),
+                                                                    after_seq=-1, limit=10000)])
+        for sid in (parent, branch)
+    }
+    assert "PARENTONLY" in everything[parent] and "BRANCHONLY" not in everything[parent]
+    assert "BRANCHONLY" in everything[branch] and "PARENTONLY" not in everything[branch]
