@@ -89,3 +89,58 @@ def test_receipts_and_recover_refuse_an_unknown_or_foreign_session(store: Transc
             turns.recover(scope, session, E, lambda _engine: None)
     report = turns.recover(S, sid, E, lambda _engine: None)
     assert report.discarded == [] and report.queued == []
+
+
+class NoCompactEngine:
+    """An engine with the required parts only (``compact`` is optional)."""
+
+    owns = False
+
+    def __init__(self, ctx: Any) -> None:
+        from transcript_store.engine import EngineInfo, TranscriptSemantics
+
+        self.store = ctx.store
+        self.info = EngineInfo(
+            id="minimal", owns_compaction=self.owns,
+            transcript_semantics=TranscriptSemantics(current_turn_fence="before-current-turn-entry-v1",
+                                                     turn_advancement_idempotency="atomic-idempotent-v1"),
+        )
+
+    def assemble(self, *, scope: str, session_id: str, fence: Any, token_budget: int, **_host: Any) -> Any:
+        from transcript_store.engine import AssembleResult
+
+        messages = [e.message for e in self.store.read_visible(scope, session_id, fence=fence)]
+        return AssembleResult(messages=messages, estimated_tokens=sum(len(str(m)) // 4 for m in messages))
+
+    def commit_turn(self, *, tx: Any, advancement_key: str, admission: Any, terminal: Any, messages: Any,
+                    is_heartbeat: bool = False, **_host: Any) -> Any:
+        from transcript_store.ledger import commit_turn_in, prepare_turn
+
+        return commit_turn_in(tx, prepare_turn(self.info.id, advancement_key, admission, terminal, messages,
+                                               is_heartbeat=is_heartbeat))
+
+
+class OwningNoCompactEngine(NoCompactEngine):
+    owns = True
+
+
+@pytest.mark.parametrize("kind", [NoCompactEngine, OwningNoCompactEngine])
+def test_manual_compaction_of_an_engine_without_compact(store: TranscriptStore, sid: str, kind: Any) -> None:
+    """``compact`` is documented optional: the host called it anyway, the AttributeError became an
+    EngineError, and the engine was quarantined (every later turn ran on legacy)."""
+    from transcript_store.host import HostRuntime
+    from transcript_store.model import LocalResponder
+    from transcript_store.registry import EngineRegistry
+    from transcript_store.settings import load_settings
+
+    registry = EngineRegistry()
+    registry.register_factory("minimal", kind)
+    host = HostRuntime(store, load_settings(config_path=None, engine="minimal", token_budget=2000),
+                       LocalResponder(), registry=registry)
+    for i in range(6):
+        assert host.run_turn(S, sid, f"question {i} " + "words " * 60).engine_id == "minimal"
+    result = host.compact(S, sid, focus="question")
+    assert result.ok
+    assert result.compacted is (kind is NoCompactEngine)  # the host's compaction, for a non-owning engine
+    assert host.run_turn(S, sid, "again").engine_id == "minimal"  # not quarantined
+    host.dispose()

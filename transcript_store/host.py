@@ -1471,7 +1471,15 @@ class HostRuntime:
             # Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
             # (quarantined), as an exception of its compact is, not a ValidationError out of the host.
             def run() -> CompactResult:
-                answer = engine.compact(**params)
+                method = getattr(engine, "compact", None)
+                if not callable(method):
+                    # ``compact`` is optional: an engine without it was called all the same, and its
+                    # AttributeError quarantined it for the process. One that leaves compaction to the
+                    # host gets the host's (as its delegate would); one that owns compaction, none.
+                    if info.owns_compaction:
+                        return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
+                    return rt.delegate_compaction_to_runtime(force=force, focus=focus)
+                answer = method(**params)
                 try:
                     return CompactResult.model_validate(answer)
                 except ValidationError as e:
