@@ -6,10 +6,13 @@ Each test failed before its fix.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import module_store_fixtures, user
+from test_cli import CLI
 from test_compaction_focus import everything
 from test_host import make_host
 
@@ -144,3 +147,24 @@ def test_manual_compaction_of_an_engine_without_compact(store: TranscriptStore, 
     assert result.compacted is (kind is NoCompactEngine)  # the host's compaction, for a non-owning engine
     assert host.run_turn(S, sid, "again").engine_id == "minimal"  # not quarantined
     host.dispose()
+
+
+@pytest.mark.parametrize(
+    "command", [["sessions", "import", "/dev/zero", "--session-id", "z"], ["chat", "--session", "z"]]
+)
+def test_endless_input_without_line_breaks_is_refused_not_read_whole(tmp_path: Path, command: list[str]) -> None:
+    """``sessions import /dev/zero`` and ``chat < /dev/zero`` read one endless line: memory until the
+    kernel killed the process (24 GB here). A line is read up to what the payload cap allows."""
+    import resource
+    import subprocess
+
+    def limit() -> None:  # so that the unfixed reader fails fast here instead of taking the machine
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 1024**3, 2 * 1024**3))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    env["TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES"] = str(1024 * 1024)
+    with open("/dev/zero", "rb") as zero:
+        done = subprocess.run([*CLI, "--db", f"sqlite:///{tmp_path / 'z.db'}", *command], stdin=zero, cwd=tmp_path,
+                              capture_output=True, text=True, env=env, timeout=120, preexec_fn=limit)
+    assert done.returncode == 1, done
+    assert "characters" in done.stderr and "MemoryError" not in done.stderr, done.stderr

@@ -682,13 +682,35 @@ def _no_constant(name: str) -> Any:
     raise _Ambiguous(f"{name} is not a JSON number")
 
 
-def _read_export(stream: IO[str]) -> tuple[Any, list[Any], list[int]]:
+def export_line_limit(max_payload_bytes: int) -> int:
+    """The longest line (characters) an import reads: an entry over the payload cap written with every
+    character escaped (``\u0000`` is 6 characters for 1 byte), and room for the entry's fields."""
+    return 6 * max_payload_bytes + 64 * 1024
+
+
+def _read_export(stream: IO[str], max_line: int) -> tuple[Any, list[Any], list[int]]:
     """The header and the records of an export file (JSON lines), each line read strictly, and the line
-    number of each record (blank lines are skipped, so entry i is not always on line i + 2)."""
+    number of each record (blank lines are skipped, so entry i is not always on line i + 2).
+
+    A line is read up to ``max_line`` characters: iterating the stream read a line of any length whole
+    (``/dev/zero``, a file without line breaks: memory until the process was killed)."""
     records: list[Any] = []
     numbers: list[int] = []
+
+    def lines() -> Iterator[tuple[int, str]]:
+        number = 0
+        while True:
+            line = stream.readline(max_line + 1)
+            if not line:
+                return
+            number += 1
+            if len(line) > max_line:
+                raise InvalidInput(f"line {number}: more than {max_line} characters (no entry under this "
+                                   "store's payload cap is that long)")
+            yield number, line
+
     try:
-        for number, line in enumerate(stream, start=1):
+        for number, line in lines():
             if not line.strip():
                 continue
             try:
@@ -742,7 +764,7 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
-    header, records, numbers = _read_export(file)
+    header, records, numbers = _read_export(file, export_line_limit(config.max_payload_bytes))
     # Checked whole before the store is opened: opening creates or migrates the database --db names (a
     # mistyped path's new file; another program's SQLite file, switched to WAL and given the store's
     # tables), which a refused import must leave as it was.
@@ -1299,6 +1321,9 @@ class ChatLoop:
         self.last: Any = None  # the last TurnOutcome
         self.failed = 0
         self.code = EXIT_FAILED  # the exit code of the failures: the worst error's (see exit_code)
+        #: the longest input line read (characters): a message over the payload cap is refused anyway
+        config = getattr(getattr(runtime, "store", None), "config", None)
+        self.max_line = int(config.max_payload_bytes) if config is not None else 64 * 1024 * 1024
 
     def failure(self, error: TranscriptStoreError) -> None:
         """Count a failed turn or command and show its error line."""
@@ -1323,9 +1348,14 @@ class ChatLoop:
         while True:
             if interactive:
                 click.echo("you> ", nl=False, file=self.stdout)
-            line = stream.readline()
+            # At most a message's worth: a line of any length was read whole (``chat < /dev/zero``
+            # took memory until the process was killed).
+            line = stream.readline(self.max_line + 1)
             if not line:
                 return
+            if len(line) > self.max_line:
+                raise InvalidInput(f"an input line of more than {self.max_line} characters (over the "
+                                   "store's payload cap for one message)")
             text = line.strip()
             if not text:
                 continue
