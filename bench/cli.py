@@ -24,7 +24,7 @@ from .context import Context, Counts, log
 from .disk import bench_disk
 from .reads import bench_closed_range, bench_read_delta
 from .report import Figure, table, write_jsonl
-from .targets import PG_ADMIN, TARGETS, Lab, Target, pg_available
+from .targets import PG_ADMIN, TARGETS, Lab, Target, pg_admin_shown, pg_available
 from .workers import bench_workers
 from .writes import bench_commit_turn, bench_host_turn
 
@@ -62,6 +62,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tmpdir", help="where the SQLite files go (default: the system temp dir)")
     p.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON lines (default bench/results)")
     args = p.parse_args(argv)
+    if args.tmpdir is not None and not Path(args.tmpdir).is_dir():
+        p.error(f"--tmpdir {args.tmpdir}: no such folder")
     only = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
     unknown = [n for n in only if n not in BENCHES]
     if unknown:
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     pg_problem = pg_available() if "postgresql" in backends else None
     if pg_problem is not None:
         banner = "!" * 78
-        log(f"{banner}\nPostgreSQL unreachable at {PG_ADMIN} ({pg_problem}): ITS FIGURES ARE SKIPPED.\n{banner}")
+        where = pg_admin_shown()
+        log(f"{banner}\nPostgreSQL unreachable at {where} ({pg_problem}): ITS FIGURES ARE SKIPPED.\n{banner}")
         backends.remove("postgresql")
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     header: dict[str, Any] = {

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 
 from transcript_store import StoreConfig, TranscriptStore
+from transcript_store.db import mask_url
 
 from .raw import RawSqlite, RawStore
 
@@ -155,6 +156,17 @@ class Lab:
             TranscriptStore.upgrade_url(pg_url(name))
             self._pg_template = name
         return self._pg_template
+
+
+def pg_admin_shown() -> str:
+    """``PG_ADMIN`` as it may be printed: a password (URL userinfo, ``password=``) masked."""
+    if "://" in PG_ADMIN:
+        return mask_url(PG_ADMIN)
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(PG_ADMIN)
+    except psycopg.Error:
+        return "<unparseable BENCH_PG>"
+    return psycopg.conninfo.make_conninfo("", **{k: "***" if k == "password" else v for k, v in params.items()})
 
 
 def pg_available() -> str | None:
