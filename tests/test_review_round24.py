@@ -168,3 +168,14 @@ def test_endless_input_without_line_breaks_is_refused_not_read_whole(tmp_path: P
                               capture_output=True, text=True, env=env, timeout=120, preexec_fn=limit)
     assert done.returncode == 1, done
     assert "characters" in done.stderr and "MemoryError" not in done.stderr, done.stderr
+
+
+def test_engines_list_without_a_store_says_so(tmp_path: Path) -> None:
+    """It listed the engines and exited 0 without a word, where every other command names the missing
+    store; the quarantines it shows come from the store."""
+    from test_cli import run
+
+    missing = tmp_path / "missing.db"
+    out = run("engines", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path)
+    assert "legacy" in out.stdout and "no store to read quarantines from" in out.stdout
+    assert not missing.exists()

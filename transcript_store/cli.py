@@ -1068,12 +1068,12 @@ def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Tab
     return table
 
 
-def _optional_store() -> TranscriptStore | None:
-    """The store when there is a current one (engines may need it to load), else None."""
+def _optional_store() -> tuple[TranscriptStore | None, str | None]:
+    """The store when there is a current one (engines may need it to load), else None and why not."""
     try:
-        return open_store()
-    except (SchemaNotCurrent, StoreUnavailable):
-        return None
+        return open_store(), None
+    except (SchemaNotCurrent, StoreUnavailable) as e:
+        return None, str(e)
 
 
 @cli.group()
@@ -1088,12 +1088,14 @@ def engines_list() -> None:
     """Every discovered engine: source, location, version, declarations, validation; the selected one."""
     st = state()
     settings = st.settings()
-    store = _optional_store()
+    store, why = _optional_store()
     try:
         data, warnings = engine_report(settings, store)
     finally:
         if store is not None:
             store.close()
+    if why is not None:  # listed all the same (no engine needs the store to be found); said, not silent
+        warnings.append(f"no store to read quarantines from ({why}); engines listed without them")
     if st.json:
         emit_json({"selected": settings.engine, "selection_source": settings.engine_source, "engines": data,
                    "warnings": warnings})
