@@ -894,3 +894,23 @@ def test_should_compress_takes_any_count_without_raising(tmp_path: Path, value: 
     engine.threshold_tokens = 4
     assert engine.should_compress(value) is (value == "5")
     engine.close()
+
+
+def test_empty_lists_hermes_may_replay_are_stored_as_what_they_mean(tmp_path: Path) -> None:
+    """The store refuses an empty ``tool_calls`` or content list (the Chat Completions API does), and
+    hermes-agent replays a ``tool_calls`` column it cannot parse as ``[]``: the whole conversation was
+    then unstorable. Stored as no tool calls / an empty text, and the same conversation sent again
+    (with or without the empty lists) stores nothing twice."""
+    engine = make(tmp_path)
+    engine.on_session_start("s1")
+    odd = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": None, "tool_calls": []},
+           {"role": "user", "content": []}, {"role": "assistant", "content": "done", "tool_calls": []}]
+    engine.on_session_end("s1", odd)
+    assert engine.stored_messages("s1") == [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": ""}, {"role": "assistant", "content": "done"},
+    ]
+    engine.on_session_end("s1", [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""},
+                                 {"role": "user", "content": ""}, {"role": "assistant", "content": "done"}])
+    assert len(engine.stored_messages("s1")) == 4
+    engine.close()

@@ -179,3 +179,40 @@ def test_engines_list_without_a_store_says_so(tmp_path: Path) -> None:
     out = run("engines", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path)
     assert "legacy" in out.stdout and "no store to read quarantines from" in out.stdout
     assert not missing.exists()
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ({"role": "user", "content": []}, "content"),
+        ({"role": "function", "content": "x"}, "name"),
+        ({"role": "assistant", "tool_calls": [{"id": "c1", "type": "nope",
+                                               "function": {"name": "f", "arguments": "{}"}}]}, "type"),
+        ({"role": "assistant", "content": "x", "tool_calls": []}, "tool_calls"),
+        ({"role": "user", "content": [{"type": "image_url"}]}, "image_url"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}, "image_url"),
+    ],
+)
+def test_messages_the_chat_api_refuses_are_refused(store: TranscriptStore, sid: str, message: Any, why: str) -> None:
+    """Stored, each made every later model request of its session fail (the API answers 400 for the whole
+    conversation); the store took them as valid chat messages."""
+    from transcript_store import InvalidMessage
+
+    before = everything(store)
+    with pytest.raises(InvalidMessage, match=why):
+        store.append(S, sid, message)
+    assert everything(store) == before
+
+
+def test_their_valid_neighbours_are_still_taken(store: TranscriptStore, sid: str) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message in [
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"role": "function", "name": "f", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": None, "tool_calls": [{k: v for k, v in call.items() if k != "type"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]},
+    ]:
+        assert store.append(S, sid, message).message == message

@@ -122,8 +122,17 @@ def digest(*parts: str) -> str:
 
 def clean(message: dict[str, Any]) -> dict[str, Any]:
     """The message without host bookkeeping (keys starting with ``_``, e.g. Hermes' ``_db_persisted``),
-    as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable."""
-    return {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
+    as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable. Empty
+    lists the store refuses (as the Chat Completions API does) become what they mean: no tool calls
+    (Hermes replays a ``tool_calls`` column it cannot parse as ``[]``), an empty text."""
+    out = {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
+    if out.get("tool_calls") == []:
+        del out["tool_calls"]
+        if out.get("content") is None:
+            out["content"] = ""
+    if out.get("content") == []:
+        out["content"] = ""
+    return out
 
 
 #: what hermes-agent adds to, or drops from, a message between the live list and the same message reloaded

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -47,11 +47,11 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """One tool call of an assistant message."""
+    """One tool call of an assistant message (a function call: the only kind with a ``function``)."""
 
     model_config = ConfigDict(extra="allow")
     id: str = Field(min_length=1)
-    type: str = "function"
+    type: Literal["function"] = "function"
     function: FunctionCall
 
 
@@ -65,6 +65,10 @@ class ContentPart(BaseModel):
     def _text_has_text(self) -> ContentPart:
         if self.type == "text" and not isinstance(getattr(self, "text", None), str):
             raise ValueError("a text content part needs a string 'text'")
+        if self.type == "image_url":
+            image = getattr(self, "image_url", None)
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+                raise ValueError("an image_url content part needs an 'image_url' object with a 'url'")
         return self
 
 
@@ -73,13 +77,17 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: Role
-    content: str | list[ContentPart] | None = None
+    # Empty lists are refused as the Chat Completions API refuses them (stored, one such message made
+    # every later request of the session fail): a content list holds a part, a tool_calls list a call.
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _role_rules(self) -> ChatMessage:
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs 'name'")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs 'tool_call_id'")
         if self.role != "assistant" and self.tool_calls is not None:
@@ -147,10 +155,23 @@ def validate_message(message: Any) -> dict[str, Any]:
     try:
         ChatMessage.model_validate(message)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "message"
+        errors = e.errors()
+        # Of a union's alternatives (content: a string or a list of parts) the one the value is of says
+        # what is wrong ("an image_url part needs ..."), not "Input should be a valid string".
+        first = next((x for x in errors if x["type"] not in _TYPE_MISMATCH), errors[0])
+        where = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or "message"
         raise InvalidMessage(f"invalid message: {where}: {first['msg']}") from None
     return message
+
+
+#: pydantic's error types for a value of another type (an alternative of a union the value is not of)
+_TYPE_MISMATCH = frozenset({"string_type", "list_type", "dict_type", "model_type", "model_attributes_type"})
+
+
+def _union_member(part: object) -> bool:
+    """Whether a pydantic error location part names a union alternative (``str``, ``list[...]``), not a
+    field or an index."""
+    return isinstance(part, str) and (part == "str" or "[" in part)
 
 
 def validate_event_payload(payload: Any) -> dict[str, Any]:
