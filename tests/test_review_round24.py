@@ -216,3 +216,50 @@ def test_their_valid_neighbours_are_still_taken(store: TranscriptStore, sid: str
         {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]},
     ]:
         assert store.append(S, sid, message).message == message
+
+
+def test_a_session_deleted_and_created_again_mid_turn_is_named_as_such(store: TranscriptStore) -> None:
+    """The turn failed with "its worker's lease was taken for abandoned": no lease was taken, its
+    session was deleted and another created under the id while the model ran."""
+    from hosting import RecordingModel
+
+    from transcript_store.errors import OutboxCollision
+
+    sid = store.create_session(S, session_id="replaced").session_id
+
+    class Replacing(RecordingModel):
+        def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
+            store.delete_session(S, sid)
+            store.create_session(S, session_id=sid)
+            return super().complete(messages, tools, **kw)
+
+    host, _ = make_host(store)
+    host.model = Replacing()
+    with pytest.raises(OutboxCollision, match=r"deleted .*created again") as raised:
+        host.run_turn(S, sid, "question", turn_id="t1")
+    assert "lease" not in str(raised.value)
+    assert store.read_visible(S, sid) == [] and Turns(store).receipts(S, sid) == []
+    host.dispose()
+
+
+def test_a_delivery_whose_row_left_with_its_session_is_not_a_failed_one(store: TranscriptStore) -> None:
+    """A drain claimed a ready row; its session was deleted and created again before the delivery ran.
+    The delivery failed and was reported failed ("their rows stay queued", exit 1 in the CLI) for a row
+    that no longer existed."""
+    from transcript_store.ledger import commit_turn_in
+
+    turns = Turns(store)
+    sid = store.create_session(S, session_id="drained").session_id
+    turns.admit(S, sid, user("q"), turn_id="t1", engine_id=E)
+    turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "A"}}], None)
+    turns.recover(S, sid, E, lambda _engine: None)  # captured: ready, its engine not available here
+    assert [i.state for i in turns.intents(S)] == ["ready"]
+
+    def commit_in(_engine: str) -> Any:
+        store.delete_session(S, sid)  # meanwhile, in another client
+        store.create_session(S, session_id=sid)
+        return commit_turn_in
+
+    report = turns.drain(commit_in, scope=S, session_id=sid)
+    assert report.failed == [] and report.committed == 0, report
+    assert turns.intents(S) == [] and turns.receipts(S, sid) == []

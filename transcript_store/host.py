@@ -62,6 +62,7 @@ from .errors import (
     TurnBranchedAway,
     TurnOvertaken,
     UnknownEngine,
+    UnknownSession,
     UnknownTurn,
     describe,
 )
@@ -694,6 +695,15 @@ class HostRuntime:
         finally:
             self.flush_quarantines()
 
+    def _replaced(self, scope: str, session_id: str, admission: Admission) -> bool:
+        """Whether the session of ``admission`` is gone, or another session now holds its id."""
+        try:
+            info = self.store.get_session(scope, session_id)
+        except UnknownSession:
+            return True
+        made = admission.anchor.incarnation
+        return made is not None and info.incarnation != made
+
     def _run_turn(
         self, scope: str, session_id: str, user: dict[str, Any], turn_id: str, values: dict[str, Any]
     ) -> TurnOutcome:
@@ -1027,6 +1037,13 @@ class HostRuntime:
                 if isinstance(e, UnknownTurn):
                     # A turn that did exist, lost while it ran: a failed turn (OutboxCollision, as
                     # ``run_turn`` always raised for it), not an unknown one (the CLI's "not found").
+                    # Its session deleted and created again under the id took the intent with it: no
+                    # lease was taken, and the message said one was.
+                    if self._replaced(scope, session_id, admission):
+                        raise OutboxCollision(
+                            f"session {session_id!r} was deleted (and created again under its id) while turn "
+                            f"{turn_id!r} ran: its replies were not written; present the message again"
+                        ) from e
                     raise OutboxCollision(
                         f"turn {turn_id!r} of session {session_id!r} was discarded while this attempt ran "
                         "(its worker's lease was taken for abandoned): its replies were not written; "

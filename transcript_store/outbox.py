@@ -953,9 +953,10 @@ def block(core: Core, scope: str, session_id: str, turn_id: str, reason: str) ->
                                      "lease_expires_at": None})
 
 
-def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> None:
-    """Keep a failed row queued: attempt_count + 1, the error, the claim released."""
-    core.conn.execute(
+def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> bool:
+    """Keep a failed row queued: attempt_count + 1, the error, the claim released (False: the row is no
+    longer this claim's: gone with its session, or taken over)."""
+    done = core.conn.execute(
         update(outbox)
         .where(_key(intent.scope, intent.session_id, intent.turn_id), outbox.c.lease_owner == owner)
         .values(
@@ -967,6 +968,7 @@ def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> No
             updated_us=now_us(),
         )
     )
+    return bool(done.rowcount == 1)
 
 
 @dataclass(frozen=True)

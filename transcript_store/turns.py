@@ -624,10 +624,16 @@ class Turns:
             return False
         except Exception as e:
             error = str(e) if isinstance(e, _EngineUnavailable) else describe(e)
-            log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
-            self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
-            report.failed.append((intent.session_id, intent.turn_id, error))
             report.stopped_sessions.append(intent.session_id)
+            if not self.store.write(lambda c: outbox.record_failure(c, intent, owner, error)):
+                # The row is no longer this claim's: deleted with its session meanwhile (the turn ran
+                # again in a session created under the id), or taken over. Nothing of it stays queued:
+                # not a failed delivery (the CLI said "their rows stay queued" of a row that was gone).
+                log.warning("turn %s (session %s) left the outbox during its delivery (%s)", intent.turn_id,
+                            intent.session_id, error)
+                return False
+            log.warning("delivery of turn %s (session %s) failed: %s", intent.turn_id, intent.session_id, error)
+            report.failed.append((intent.session_id, intent.turn_id, error))
             return False
         except BaseException as e:
             # Interrupted (KeyboardInterrupt, SystemExit in a worker thread): the delivery rolled back.
