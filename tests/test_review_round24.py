@@ -6,6 +6,7 @@ Each test failed before its fix.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -263,3 +264,39 @@ def test_a_delivery_whose_row_left_with_its_session_is_not_a_failed_one(store: T
     report = turns.drain(commit_in, scope=S, session_id=sid)
     assert report.failed == [] and report.committed == 0, report
     assert turns.intents(S) == [] and turns.receipts(S, sid) == []
+
+
+def _call(*ids: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}} for i in ids]}
+
+
+def test_branching_back_never_leaves_a_tool_result_without_its_call(store: TranscriptStore) -> None:
+    """A side path answered one of two calls and went on; compacted there, a summary took the call and
+    its one result. Branched back to the path where the second result follows, the summary was kept and
+    the second result imported raw after it: a tool message whose call is in no message of the context."""
+    from engines.lossless import LosslessEngine
+    from transcript_store.engine import EngineContext
+
+    sid = store.create_session(S, session_id="split").session_id
+    engine = LosslessEngine(EngineContext(store=store, config={}))
+    e = store.append_many(S, sid, [
+        {"message": user("look up two things " + "word " * 200)}, {"message": _call("c1", "c2")},
+        {"message": {"role": "tool", "tool_call_id": "c1", "content": "first result " + "data " * 400}},
+        {"message": {"role": "tool", "tool_call_id": "c2", "content": "second result " + "data " * 40}},
+        {"message": {"role": "assistant", "content": "both found"}},
+    ])
+    store.branch(S, sid, e[2].entry_id)
+    store.append_many(S, sid, [{"message": {"role": r, "content": f"side {n} " + "text " * 30}}
+                               for n in range(4) for r in ("user", "assistant")])
+    engine.assemble(scope=S, session_id=sid, fence=None, token_budget=8000)
+    assert engine.compact(scope=S, session_id=sid, force=True).compacted
+    store.branch(S, sid, e[4].entry_id)
+    out = engine.assemble(scope=S, session_id=sid, fence=None, token_budget=8000).messages
+    called = set()
+    for m in out:
+        called |= {c["id"] for c in m.get("tool_calls") or []}
+        assert m["role"] != "tool" or m["tool_call_id"] in called, out
+    text = json.dumps(out)
+    assert "second result" in text and "both found" in text and "side 0" not in text
+    engine.dispose()

@@ -22,6 +22,7 @@ O(log n) entry lookups. A reset is rare (a branch or a rewrite) and never on a t
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class _Rows:
     """The session's engine rows a reset needs: no message or summary text."""
 
     position: dict[int, int] = field(default_factory=dict)  # message ordinal -> active position
+    role: dict[int, str] = field(default_factory=dict)  # message ordinal -> role
     entry: dict[int, str] = field(default_factory=dict)  # message ordinal -> entry id
     tokens: dict[int, int] = field(default_factory=dict)  # message ordinal -> tokens
     summary_tokens: dict[int, int] = field(default_factory=dict)
@@ -92,8 +94,9 @@ def _load(core: Core, scope: str, session_id: str) -> _Rows:
 
     out = _Rows()
     m = messages.c
-    for r in core.conn.execute(select(m.ordinal, m.entry_id, m.position, m.tokens).where(*where(messages))):
+    for r in core.conn.execute(select(m.ordinal, m.entry_id, m.position, m.tokens, m.role).where(*where(messages))):
         out.position[r.ordinal], out.entry[r.ordinal], out.tokens[r.ordinal] = r.position, r.entry_id, r.tokens
+        out.role[r.ordinal] = r.role
     s = summaries.c
     out.summary_tokens = {
         r.summary_seq: r.tokens for r in core.conn.execute(select(s.summary_seq, s.tokens).where(*where(summaries)))
@@ -135,6 +138,26 @@ def _on_path(core: Core, scope: str, session_id: str, entry_id: str, position: i
     return True
 
 
+def _open_round(core: Core, scope: str, session_id: str, rows: _Rows, covered: list[int]) -> bool:
+    """Whether the messages ``covered`` end inside a tool round: their last assistant message with tool
+    calls (followed only by tool results) has a call none of those results answers."""
+    at = len(covered) - 1
+    while at >= 0 and rows.role.get(covered[at]) == "tool":
+        at -= 1
+    if at < 0 or rows.role.get(covered[at]) != "assistant":
+        return False
+    wanted = covered[at : len(covered)]
+    m = messages.c
+    found = core.conn.execute(
+        select(m.ordinal, m.message).where(m.scope == scope, m.session_id == session_id, m.ordinal.in_(wanted))
+    ).all()
+    by = {r.ordinal: json.loads(r.message) for r in found}
+    calls = by.get(covered[at], {}).get("tool_calls") or []
+    ids = {c.get("id") for c in calls if isinstance(c, dict)}
+    answered = {by.get(o, {}).get("tool_call_id") for o in wanted[1:]}
+    return bool(ids - answered)
+
+
 def _give_back(rows: _Rows, seq: int, done: int, true: int, out: list[int]) -> int:
     """A summary that reaches past the divergence goes: keep its still-true children (recursively) in
     ``out``; returns how many chain messages the context covers then (``done`` before)."""
@@ -167,6 +190,21 @@ def keep_true_prefix(core: Core, scope: str, session_id: str, view: View, sess: 
         if item.summary_seq is not None:
             done = _give_back(rows, item.summary_seq, done, true, reinstated)
         break
+    # A summary must not end inside a tool round: summarized on a path where the round went on with other
+    # messages (a call whose other results never came), it held the call, and the path branched back to
+    # resumes with the missing results, imported raw after it: tool results without their call (the
+    # Chat Completions API refuses the request). Such summaries go too; their messages come back raw.
+    while True:
+        last = reinstated[-1] if reinstated else (kept[-1].summary_seq if kept else None)
+        if last is None or not _open_round(core, scope, session_id, rows, chain[:done]):
+            break
+        if reinstated:
+            done -= sum(len(rows.covered(s)) for s in reinstated)
+            reinstated.clear()
+            continue
+        dropped = kept.pop()
+        cut = dropped.item_ordinal
+        done -= len(rows.item_covers(dropped))
     alive_summaries = rows.reachable([i.summary_seq for i in kept if i.summary_seq is not None] + reinstated)
     dead_summaries = [s for s in rows.summary_tokens if s not in alive_summaries]
     alive_messages = set(chain[:true])
