@@ -300,3 +300,50 @@ def test_branching_back_never_leaves_a_tool_result_without_its_call(store: Trans
     text = json.dumps(out)
     assert "second result" in text and "both found" in text and "side 0" not in text
     engine.dispose()
+
+
+def test_a_large_character_class_counts_toward_the_regex_size_bound() -> None:
+    """A class counted as one item whatever it held: 975 letters repeated 99,999 times passed the
+    100,000-item bound and compiled to some 384 MiB (the bound keeps a pattern near 25 MiB)."""
+    from engines.lossless.search import REGEX_MAX_SIZE, SearchError, compile_regex, expanded_size
+
+    letters = [c for c in map(chr, range(0x41, 0x20000))
+               if c.lower() != c.upper() and c == c.upper() and c not in "\\]^-["][:975]
+    with pytest.raises(SearchError, match="too large"):
+        compile_regex("(?i)(?:[" + "".join(letters) + "]){99999}")
+    assert expanded_size("[a-z]{1000}") < REGEX_MAX_SIZE and expanded_size("a{99999}") < REGEX_MAX_SIZE
+    compile_regex("[A-Za-z0-9_]{2000}")  # ordinary classes stay cheap
+
+
+def test_engine_form_ids_are_the_engines_whichever_kind(store: TranscriptStore) -> None:
+    """``sum_7`` without a summary 7 named the transcript entry called "sum_7", ``msg_7`` without a message
+    7 named nothing: both now name only the engine's own, and the error says which id the entry has."""
+    from engines.lossless import LosslessEngine
+    from transcript_store.engine import EngineContext
+
+    sid = store.create_session(S, session_id="ids").session_id
+    store.append_many(S, sid, [{"entry_id": "sum_7", "message": user("entry named sum_7")},
+                               {"entry_id": "msg_7", "message": user("entry named msg_7")}])
+    engine = LosslessEngine(EngineContext(store=store, config={}))
+    engine.assemble(scope=S, session_id=sid, fence=None, token_budget=4000)
+    for name, own in (("sum_7", "msg_0"), ("msg_7", "msg_1")):
+        for tool in ("lcm_describe", "lcm_expand"):
+            out = json.loads(engine.handle_tool_call(tool, {"id": name}, scope=S, session_id=sid))
+            assert "error" in out and own in out["error"], (tool, name, out)
+    engine.dispose()
+
+
+def test_expand_cuts_a_huge_tool_call_id(store: TranscriptStore) -> None:
+    """The content was cut to ``expand_max_chars``, the tool_call_id copied whole (200,000 characters)."""
+    from engines.lossless import LosslessEngine
+    from transcript_store.engine import EngineContext
+
+    sid = store.create_session(S, session_id="long-call").session_id
+    huge = "c" * 200_000
+    store.append_many(S, sid, [{"message": user("q")}, {"message": _call(huge)},
+                               {"message": {"role": "tool", "tool_call_id": huge, "content": "r" * 500}}])
+    engine = LosslessEngine(EngineContext(store=store, config={"expand_max_chars": 100}))
+    engine.assemble(scope=S, session_id=sid, fence=None, token_budget=100_000)
+    out = engine.handle_tool_call("lcm_expand", {"id": "msg_2"}, scope=S, session_id=sid)
+    assert len(out) < 2_000, len(out)
+    engine.dispose()

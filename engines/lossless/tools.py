@@ -273,7 +273,12 @@ def _holder(core: Core, scope: str, session_id: str, chain: list[int]) -> str | 
 def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
     parsed = parse_id(raw)
     q = select(messages).where(*_key(messages, scope, session_id))
-    if parsed is not None and parsed[0] == "message":
+    if parsed is not None:
+        # An id of the engine's form is the engine's, either kind: ``sum_7`` with no summary 7 named the
+        # transcript entry called "sum_7" (``msg_7`` never did), and the same id switched to another
+        # object once summary 7 was made.
+        if parsed[0] != "message":
+            return None
         return core.conn.execute(q.where(messages.c.ordinal == parsed[1])).first()
     return core.conn.execute(q.where(messages.c.entry_id == raw)).first()
 
@@ -308,7 +313,7 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
                       _shadow_note(core, scope, session_id, raw, ("summary", row.summary_seq)))
     row = _find_message(core, scope, session_id, raw)
     if row is None:
-        raise ToolError(f"no summary or message {raw!r} in this session")
+        raise _missing(core, scope, session_id, raw)
     note = _shadow_note(core, scope, session_id, raw, ("message", row.ordinal))
     leaves = core.conn.execute(
         select(summary_sources.c.summary_seq)
@@ -333,6 +338,13 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
         "lineage": [summary_id(s) for s in chains[0]] if chains else [],
         "preview": snippet(row.content, None, 240),
     }, note)
+
+
+def _missing(core: Core, scope: str, session_id: str, raw: str) -> ToolError:
+    """The error for an id naming nothing of the engine's, with the engine id of a transcript entry
+    that has that very name (``sum_7`` as an entry id, no summary 7)."""
+    note = _shadow_note(core, scope, session_id, raw, ("none", -1))
+    return ToolError(f"no summary or message {raw!r} in this session" + (f"; {note}" if note else ""))
 
 
 def _noted(out: dict[str, Any], note: str | None) -> dict[str, Any]:
@@ -392,7 +404,7 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
     if row is None:
         message = _find_message(core, scope, session_id, raw)
         if message is None:
-            raise ToolError(f"no summary or message {raw!r} in this session")
+            raise _missing(core, scope, session_id, raw)
         out = {"id": message_id(message.ordinal), "kind": "message", "items": [_message_item(message, max_chars)]}
         return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", message.ordinal)))
     seq = row.summary_seq
@@ -437,8 +449,11 @@ def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
     content, cut = _cut(row.content, max_chars)
     out = {"id": message_id(row.ordinal), "kind": "message", "entry_id": row.entry_id, "role": row.role}
     message = json.loads(row.message)
-    if message.get("tool_call_id"):
-        out["tool_call_id"] = message["tool_call_id"]
+    call = message.get("tool_call_id")
+    if call:
+        # Cut too (to 255 characters, an id's length): the store does not bound it, and a 200,000-character
+        # one made the answer 2,000 times ``expand_max_chars``.
+        out["tool_call_id"] = _cut(str(call), 255)[0]
     out.update(content=content, truncated=cut)
     return out
 
