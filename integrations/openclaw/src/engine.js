@@ -211,6 +211,9 @@ export async function createEngine(options) {
   // turn's own user message into the mirror, the retry's assemble sent it twice and its bootstrap failed
   // with a crossed fence. The fenced bootstrap imported everything before the turn already.
   const inTurn = new Set();
+  // Sessions whose running turn's messages a compaction inside it imported (to make room): the turn's
+  // fenced bootstrap then finds the mirror past its fence; that is no failure (nothing is missing).
+  const aheadOfFence = new Set();
 
   async function relearnSizes(error) {
     if (!(error instanceof ServiceError && error.status === 413)) return false;
@@ -404,7 +407,13 @@ export async function createEngine(options) {
     async bootstrap(params) {
       const target = targetOf(params);
       const [importedMessages, answer] = await inSession(target.sessionId, target.sessionKey, async () => {
-        const imported = await importTranscript(target);
+        let imported = 0;
+        try {
+          imported = await importTranscript(target);
+        } catch (error) {
+          if (!aheadOfFence.has(target.sessionId) || !/crossed/i.test(String(error?.message ?? error))) throw error;
+          info(`transcript-store: session ${target.sessionId} holds this turn's messages already (its compaction imported them)`);
+        }
         return [imported, await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true })];
       });
       inTurn.add(target.sessionId);
@@ -424,6 +433,7 @@ export async function createEngine(options) {
     async afterTurn(params) {
       // Nothing else: the accepted turn arrives through commitTurn; upkeep runs in maintain.
       inTurn.delete(targetOf(params || {}).sessionId);
+      aheadOfFence.delete(targetOf(params || {}).sessionId);
     },
 
     async assemble(params) {
@@ -465,6 +475,7 @@ export async function createEngine(options) {
     async commitTurn(params) {
       const target = targetOf(params);
       inTurn.delete(target.sessionId); // the turn is done: a compaction after it reads on to the end
+      aheadOfFence.delete(target.sessionId);
       const body = {
         advancement_key: params.advancementKey,
         admission: { entry_id: params.admission.entryId, position: params.admission.activeMessagePosition },
@@ -533,20 +544,43 @@ export async function createEngine(options) {
       // compaction to what the mirror holds.
       // The service takes a focus of at most 10000 characters: longer instructions are cut there.
       const focus = typeof params.customInstructions === "string" ? cutText(params.customInstructions, MAX_FOCUS_CHARS) : null;
-      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+      const inside = inTurn.has(target.sessionId);
+      const importFirst = async (why) => {
         try {
-          // (Inside a turn its fenced bootstrap imported what precedes it: reading on took its message.)
-          const imported = inTurn.has(target.sessionId) ? 0 : await importTranscript(target, undefined, params.abortSignal);
-          if (imported > 0) info(`transcript-store: imported ${imported} host messages before compacting`);
+          const imported = await importTranscript(target, undefined, params.abortSignal);
+          if (imported > 0) info(`transcript-store: imported ${imported} host messages ${why}`);
+          return imported;
         } catch (error) {
           if (error instanceof ServiceError && (error.code === "session_not_found" || error.code === "aborted")) throw error;
           info(`transcript-store: compacting without importing the host transcript first: ${error.message}`);
+          return 0;
         }
-        return client.post(`${sessionPath(target.sessionId)}/compact`, {
-          force: params.force === true,
-          token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
-          focus,
-        }, params.abortSignal);
+      };
+      const request = () => client.post(`${sessionPath(target.sessionId)}/compact`, {
+        force: params.force === true,
+        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
+        focus,
+      }, params.abortSignal);
+      const answer = await inSession(target.sessionId, target.sessionKey, async () => {
+        // (Inside a turn its fenced bootstrap imported what precedes it: reading on takes its message.)
+        // (Between turns, or in a session's first turn, where OpenClaw runs no bootstrap and the plugin
+        // cannot tell: an import that reached the running turn's messages leaves the mirror past its
+        // fence, which that turn's next bootstrap is then told apart from a failure by.)
+        if (!inside && (await importFirst("before compacting")) > 0) aheadOfFence.add(target.sessionId);
+        const first = await request();
+        // Only when OpenClaw says its context holds more than the mirror (an overflow recovery passes the
+        // count it saw): a manual /compact, or a compaction with nothing to gain, leaves the turn's
+        // message out of the mirror.
+        const seen = [params.currentTokenCount, params.runtimeContext?.currentTokenCount].find(Number.isFinite);
+        if (!inside || first.compacted || !(seen > (first.tokens_before ?? 0))) return first;
+        // Inside a turn, what preceded it could not make room: the turn's own messages (its tool
+        // results) are what overflows, and OpenClaw runs no compaction of its own for an engine that
+        // owns it, so the turn failed. Import them too and compact again: the retry then gets the
+        // compacted turn from assemble (its question may come twice, once in the mirror), and its
+        // fenced bootstrap finds the mirror past the fence (below).
+        if ((await importFirst("of the running turn, to make room")) === 0) return first;
+        aheadOfFence.add(target.sessionId);
+        return request();
       });
       return {
         ok: answer.ok,

@@ -404,3 +404,42 @@ test("finding 8: an import resuming in a large group remembers its weight across
   // The second tool result was cut to the group's share (what the messages before it left), not whole.
   assert.match(together[4], /cut by transcript-store: the turn is over/);
 });
+
+test("finding 9: an owned compaction inside a turn makes room from the turn's own messages when it must", async () => {
+  // The turn's own tool results overflow a short history: compacting what preceded the turn made no
+  // progress, and OpenClaw (no compaction of its own for an engine that owns it) ended the turn.
+  const host = hostSession("s-own-overflow");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  const engine0 = await engineFor(host, { engine: "lossless" });
+  await engine0.bootstrap(params);
+  assert.deepEqual(await engine0.commitTurn(host.turn("o0", [userMessage("hello"), assistantMessage("hi")])),
+    { status: "committed" });
+  const engine = await engineFor(host, { engine: "lossless" }); // one engine a turn, as OpenClaw builds them
+  const [prompt] = host.append([userMessage("read the logs")]);
+  host.fence = prompt.entryId;
+  await engine.bootstrap(params);
+  host.fence = undefined; // the overflow recovery's compaction reads without the fence
+  const rounds = [];
+  for (let k = 0; k < 6; k += 1) {
+    rounds.push(toolCall(`r${k}`, "read", { path: `${k}.log` }), toolResult(`r${k}`, logOf(`part${k}`, 0.02)));
+  }
+  host.append(rounds);
+  // As OpenClaw's overflow recovery asks: forced, with the token count the failed request had.
+  const compacted = await engine.compact({ ...params, force: true, tokenBudget: 8000, currentTokenCount: 90000 });
+  assert.equal(compacted.ok && compacted.compacted, true, JSON.stringify(compacted));
+  host.fence = prompt.entryId; // the retry: its fenced bootstrap finds the mirror past the fence
+  await engine.bootstrap(params);
+  const retry = await engine.assemble({ ...params, tokenBudget: 8000 });
+  assert.ok(retry.estimatedTokens <= 8000, String(retry.estimatedTokens));
+  host.fence = undefined;
+  const [reply] = host.append([assistantMessage("the logs agree")]);
+  const turn = {
+    advancementKey: "o1", sessionId: host.sessionId, sessionKey: host.sessionKey, isHeartbeat: false,
+    sessionTarget: host.target(),
+    admission: { entryId: prompt.entryId, activeMessagePosition: 2 },
+    terminal: { entryId: reply.entryId, activeMessagePosition: 2 + rounds.length + 1 },
+    messages: [prompt.message, ...rounds, reply.message],
+  };
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 2 + 1 + rounds.length + 1);
+});
