@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_host import make_host
 from workers.fault_worker import report, table_rows
 from workers.turn_worker import counting_engine
 
@@ -24,6 +25,7 @@ from transcript_store import (
     TranscriptStore,
     TranscriptStoreError,
 )
+from transcript_store.outbox import AdmittedLease
 from transcript_store.turns import Turns
 
 A, B = "scope-a", "scope-b"
@@ -131,9 +133,19 @@ def test_scopes_never_see_or_change_each_other(
         "complete": lambda s: turns.complete(A, s, "T4", reply, counting_engine),
         "recover": lambda s: turns.recover(A, s, ENGINE, engines),
         "drain": lambda s: turns.drain(engines, scope=A, session_id=s),
+        # TB is B's admitted turn in only-b: neither may reach it from A
+        "block": lambda s: turns.block(A, s, "TB", "probe"),
+        "hand_back": lambda s: turns.hand_back(A, s, "TB", owner="probe-owner",
+                                               lease=AdmittedLease("TB", "probe-owner", None)),
+        # the host runtime, legacy engine: its session calls too
+        "host.run_turn": lambda s: host.run_turn(A, s, "probe", turn_id="TB"),
+        "host.compact": lambda s: host.compact(A, s),
+        "host.resolve_session": lambda s: host.resolve_session(A, s),
     }
     names = {"only-b": "<sid>", "nowhere": "<sid>"}
     compared = 0
+    host, _model = make_host(store)
+    request.addfinalizer(host.dispose)
     for name, call in by_session.items():
         before = table_rows(store)
         foreign, unknown = outcome(lambda c=call: c("only-b"), names), outcome(lambda c=call: c("nowhere"), names)
@@ -203,6 +215,8 @@ def test_scopes_never_see_or_change_each_other(
                                                                              "content": "A's TB answer"}}],
                                             counting_engine)),
         ("open_session", lambda: store.open_session(A, "k1")),
+        # A's T3 and B's T3 are both queued under the same ids: blocking A's leaves B's queued
+        ("block", lambda: turns.block(A, "s1", "T3", "blocked in A only")),
         ("discard", lambda: turns.discard(A, "s1", "T4")),  # its running turn: one turn at a time
         ("turns.admit", lambda: turns.admit(A, "s1", {"role": "user", "content": "A again"}, turn_id="T5",
                                             engine_id=ENGINE)),
