@@ -231,8 +231,8 @@ _LOOP = 3  # ?, * and + (lazy too): a loop around their item, which is never exp
 _NODE = 2  # a lookaround, an atomic group, a possessive repetition: the group's own nodes
 _CAPTURE = 2  # a capture group: at least this much for each group it holds, itself included
 # A character class compiles to its members (measured, repeated 20,000 times: a literal 5.5 MiB, a class
-# of 10 letters 8, of 100 15, of 975 83; of 13 ranges of letters 39): one literal more for every 64 of
-# its single members and for every 2 of its ranges.
+# of 10 letters 8, of 100 15, of 975 83; of 13 ranges of letters 39): one literal for every 64 of
+# its single members and for every 2 of its ranges (one at least).
 _CLASS_MEMBERS = 64
 _CLASS_RANGES = 2
 
@@ -243,8 +243,8 @@ def expanded_size(pattern: str) -> int:
     A repetition multiplies its item by its upper bound (by its lower one when it has none: ``*`` and
     ``+`` do not expand); a group, a branch or a lookaround counts what it holds. Items that compile
     large weigh more (``_GRAPHEME`` and after), so REGEX_MAX_SIZE holds a compiled pattern to some
-    25 MiB: ``\\X`` is 5 items, a character class 1 and 1 more for each 64 of its members and 2 of its
-    ranges, a loop (``?``, ``*``, ``+``) 3 times its item, a lookaround, an atomic
+    25 MiB: ``\\X`` is 5 items, a character class 1 for each 64 of its members and each 2 of its ranges
+    (1 at least), a loop (``?``, ``*``, ``+``) 3 times its item, a lookaround, an atomic
     group or a possessive repetition 2 more than it holds, a capture group at least 2 for each group it
     holds, itself included. SearchError for a pattern Python's ``re`` parser refuses (``regex``'s
     property escapes aside).
@@ -298,7 +298,7 @@ def _class_size(members: Any) -> int:
     ``(?i)(?:[<975 letters>]){99999}`` passed and took 384 MiB compiled."""
     ranges = sum(1 for op, _ in members if op is _sre.RANGE)
     others = sum(1 for op, _ in members if op is not _sre.RANGE and op is not _sre.NEGATE)
-    return 1 + -(-others // _CLASS_MEMBERS) + -(-ranges // _CLASS_RANGES)
+    return max(1, -(-others // _CLASS_MEMBERS) + -(-ranges // _CLASS_RANGES))
 
 
 def _sizes(parts: Iterable[Any]) -> tuple[int, int]:
