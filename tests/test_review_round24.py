@@ -347,3 +347,25 @@ def test_expand_cuts_a_huge_tool_call_id(store: TranscriptStore) -> None:
     out = engine.handle_tool_call("lcm_expand", {"id": "msg_2"}, scope=S, session_id=sid)
     assert len(out) < 2_000, len(out)
     engine.dispose()
+
+
+def test_the_0010_upgrade_reads_each_receipt_s_entry_through_the_index(tmp_path: Path) -> None:
+    """Left to SQLite's planner, 0010 walked a session's entries and read every receipt of the session for
+    each (no index on the receipts' admission entry at that revision): 13 s for one 10,000-turn session,
+    minutes past 20,000, the write lock held. The receipts drive it now, each entry found by its id."""
+    import importlib
+
+    from sqlalchemy import text
+
+    from transcript_store import StoreConfig, migrate
+    from transcript_store.db import Database
+
+    step = importlib.import_module("transcript_store.migrations.versions.0010_bind_committed_admissions")
+    db = Database(StoreConfig(url=f"sqlite:///{tmp_path / 'old.db'}"))
+    try:
+        migrate.upgrade(db, "0009")
+        with db.engine.connect() as c:
+            plan = [r[3] for r in c.execute(text("EXPLAIN QUERY PLAN " + step._UNBOUND["sqlite"].text))]
+        assert plan[0] == "SCAN r" and "SEARCH e USING INDEX ts_entries_entry_id" in plan[1], plan
+    finally:
+        db.dispose()
