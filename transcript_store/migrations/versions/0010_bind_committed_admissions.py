@@ -45,7 +45,11 @@ _BIND = sa.text(
 
 def upgrade() -> None:
     bind = op.get_bind()
+    if bind.execute(sa.text("SELECT 1 FROM ts_receipts LIMIT 1")).first() is None:
+        return  # nothing committed (a new store): nothing to bind, and no statistics of empty tables
     if bind.dialect.name == "postgresql":
+        # (Statistics of the data there is. Of a new store's empty tables they told the planner that
+        # the tables stay empty, and the first thousands of rows were read with plans for none.)
         bind.execute(sa.text("ANALYZE ts_entries"))
         bind.execute(sa.text("ANALYZE ts_receipts"))
     for row in bind.execute(_UNBOUND.get(bind.dialect.name, _UNBOUND["postgresql"])).all():
