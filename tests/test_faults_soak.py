@@ -70,4 +70,6 @@ def test_soak_memory_and_latency_stay_flat(
     for i, rss, lat, reads in drift:
         assert rss[1] <= rss[0] + RSS_GROWTH_MAX, f"worker {i}: RSS grew from {rss[0]} to {rss[1]} bytes"
         assert lat[1] <= lat[0] * 2.0 + 0.005, f"worker {i}: p95 turn latency drifted from {lat[0]} to {lat[1]} s"
-        assert reads[1] <= reads[0] * 2.0 + 0.005, f"worker {i}: p95 read latency went {reads[0]} -> {reads[1]} s"
+        # Reads write nothing and wait for no fsync: their bound needs no room for the disk's latency (at
+        # 2x + 5 ms, a read p95 of 0.4 ms could grow 14-fold and pass).
+        assert reads[1] <= reads[0] * 2.0 + 0.001, f"worker {i}: p95 read latency went {reads[0]} -> {reads[1]} s"
