@@ -896,12 +896,12 @@ def test_should_compress_takes_any_count_without_raising(tmp_path: Path, value: 
     engine.close()
 
 
-def test_empty_lists_hermes_may_replay_are_stored_as_what_they_mean(tmp_path: Path) -> None:
+def test_empty_lists_hermes_may_replay_are_stored_as_what_they_mean(store_url: str, tmp_path: Path) -> None:
     """The store refuses an empty ``tool_calls`` or content list (the Chat Completions API does), and
     hermes-agent replays a ``tool_calls`` column it cannot parse as ``[]``: the whole conversation was
     then unstorable. Stored as no tool calls / an empty text, and the same conversation sent again
     (with or without the empty lists) stores nothing twice."""
-    engine = make(tmp_path)
+    engine = make(tmp_path, db_url=store_url)
     engine.on_session_start("s1")
     odd = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": None, "tool_calls": []},
            {"role": "user", "content": []}, {"role": "assistant", "content": "done", "tool_calls": []}]

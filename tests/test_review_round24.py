@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import module_store_fixtures, user
-from test_cli import CLI
+from test_cli import CLI, empty_url
 from test_compaction_focus import everything
 from test_host import make_host
 
@@ -24,6 +24,7 @@ S = "round-24"
 E = "engine-1"
 
 shared_url, store, sid = module_store_fixtures(S, "round-24")
+__all__ = ["empty_url"]  # a fixture of test_cli's, used here
 
 
 class LyingStr(str):
@@ -171,15 +172,15 @@ def test_endless_input_without_line_breaks_is_refused_not_read_whole(tmp_path: P
     assert "characters" in done.stderr and "MemoryError" not in done.stderr, done.stderr
 
 
-def test_engines_list_without_a_store_says_so(tmp_path: Path) -> None:
+def test_engines_list_without_a_store_says_so(empty_url: str, backend: str, tmp_path: Path) -> None:
     """It listed the engines and exited 0 without a word, where every other command names the missing
     store; the quarantines it shows come from the store."""
     from test_cli import run
 
-    missing = tmp_path / "missing.db"
-    out = run("engines", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path)
+    out = run("engines", "list", "--db", empty_url, cwd=tmp_path)
     assert "legacy" in out.stdout and "no store to read quarantines from" in out.stdout
-    assert not missing.exists()
+    if backend == "sqlite":
+        assert not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.parametrize(
@@ -369,3 +370,64 @@ def test_the_0010_upgrade_reads_each_receipt_s_entry_through_the_index(tmp_path:
         assert plan[0] == "SCAN r" and "SEARCH e USING INDEX ts_entries_entry_id" in plan[1], plan
     finally:
         db.dispose()
+
+
+def test_the_0010_upgrade_binds_committed_entries_on_both_backends(empty_url: str, backend: str) -> None:
+    """The rewritten statement binds what the old one bound (each admitted entry committed without a turn
+    id takes its key); on PostgreSQL the tables are analyzed first when there are receipts, and a new
+    store's empty tables are not (their statistics made later page reads use plans for empty tables)."""
+    import hashlib
+
+    from sqlalchemy import text
+
+    from transcript_store import StoreConfig, migrate
+    from transcript_store.db import Database
+
+    def reltuples(c: Any) -> float:
+        return float(c.execute(text("SELECT reltuples FROM pg_class WHERE relname = 'ts_entries'")).scalar_one())
+
+    db = Database(StoreConfig(url=empty_url))
+    try:
+        migrate.upgrade(db, "0004")
+        n = 120
+        with db.engine.begin() as c:
+            c.execute(text(
+                "INSERT INTO ts_sessions (scope, session_id, session_key, active, generation, last_seq, head_seq,"
+                " head_entry_id, path_length, visible_count, created_us, updated_us)"
+                " VALUES ('sc', 's', NULL, true, 0, :n, :n, :h, :m, :m, 1000, 1000)"), {"n": n - 1, "h": f"e{n - 1}",
+                                                                                      "m": n})
+            c.execute(text("INSERT INTO ts_entries VALUES ('sc', 's', :seq, :id, :p, :seq, :seq, 0, 'message',"
+                           " 'user', :pl, 10, NULL, NULL, 1)"),
+                      [{"seq": i, "id": f"e{i}", "p": f"e{i - 1}" if i else None,
+                        "pl": json.dumps({"role": "user", "content": f"w{i}"})} for i in range(n)])
+            c.execute(text("INSERT INTO ts_active_path VALUES ('sc', 's', :d, :d, :d)"), [{"d": i} for i in range(n)])
+            # every other entry committed (under two keys for one of them: the smallest wins)
+            keys = [(f"k{i}", f"e{i}") for i in range(0, n, 2)] + [("a-first", "e0")]
+            c.execute(text(
+                "INSERT INTO ts_receipts (scope, session_id, engine_id, advancement_key, payload_hash,"
+                " admission_entry_id, terminal_entry_id, message_count, is_heartbeat, committed_us)"
+                " VALUES ('sc', 's', 'e', :k, :h, :a, :a, 1, false, 5)"),
+                [{"k": k, "h": hashlib.sha256(k.encode()).hexdigest(), "a": a} for k, a in keys])
+        migrate.upgrade(db, "0010")
+        with db.engine.connect() as c:
+            bound = dict(c.execute(text("SELECT entry_id, turn_id FROM ts_entries WHERE turn_id IS NOT NULL")).all())
+            assert bound == {**{f"e{i}": f"k{i}" for i in range(2, n, 2)}, "e0": "a-first"}
+            if backend == "postgresql":
+                assert reltuples(c) == n  # analyzed: statistics of the data there is
+    finally:
+        db.dispose()
+    if backend == "postgresql":  # a new store: nothing to bind, no statistics of its empty tables
+        import uuid
+
+        from conftest import _admin_exec, pg_url
+
+        name = f"ts_r24_{uuid.uuid4().hex[:8]}"
+        _admin_exec(f"CREATE DATABASE {name}")
+        fresh = Database(StoreConfig(url=pg_url(name)))
+        try:
+            migrate.upgrade(fresh)
+            with fresh.engine.connect() as c:
+                assert reltuples(c) == -1  # never analyzed
+        finally:
+            fresh.dispose()
+            _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
