@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .core import check_anchor, check_id
 from .errors import EngineContractError, InvalidInput
 from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
 from .terminal import quoted
@@ -105,7 +106,7 @@ def _shown_text(value: str, limit: int) -> str:
 MAX_TOKENS = 100_000_000
 
 
-def check_token_budget(value: object, *, optional: bool = False) -> int | None:
+def check_token_budget(value: object, *, optional: bool = False, what: str = "token_budget") -> int | None:
     """A token budget given to an engine's assemble or compact: an integer in 1..MAX_TOKENS (or None when
     ``optional``), else InvalidInput. The host and the service never pass another; a library caller
     could, and a negative one was taken for no budget at all (lossless compacted everything, fresh
@@ -113,7 +114,39 @@ def check_token_budget(value: object, *, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
-        raise InvalidInput(f"token_budget must be an integer in 1..{MAX_TOKENS}, got {value!r}")
+        raise InvalidInput(f"{what} must be an integer in 1..{MAX_TOKENS}, got {value!r}")
+    return value
+
+
+def check_call(
+    scope: object,
+    session_id: object,
+    *,
+    fence: object = None,
+    session_key: object = None,
+    runtime_settings: object = None,
+) -> None:
+    """The arguments every engine method shares, checked before it reads or writes anything: InvalidInput.
+
+    The host and the service check them before they call an engine; an application holding an engine
+    itself (the plugin factory returns one) did not, and a lone surrogate in an id, an ``Admission``
+    for the fence or a dict for the runtime settings surfaced as a UnicodeEncodeError, AttributeError
+    or TypeError from deep inside the engine. A fence is an anchor of the session the call names."""
+    check_id("scope", scope)
+    check_id("session_id", session_id)
+    if fence is not None:
+        anchor = check_anchor("fence", fence)
+        if (anchor.scope, anchor.session_id) != (scope, session_id):
+            raise InvalidInput(f"fence is an anchor of session {anchor.session_id!r}, not of {session_id!r}")
+    check_id("session_key", session_key, optional=True)
+    if runtime_settings is not None and not isinstance(runtime_settings, RuntimeSettings):
+        raise InvalidInput(f"runtime_settings must be RuntimeSettings or None, not {type(runtime_settings).__name__}")
+
+
+def check_flag(what: str, value: object) -> bool:
+    """A yes/no argument: a bool, else InvalidInput (a truthy string such as "no" forced a compaction)."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{what} must be true or false, not {type(value).__name__}")
     return value
 
 

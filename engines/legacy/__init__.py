@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transcript_store import compaction, reads
-from transcript_store.core import Core, check_anchor
+from transcript_store.core import Core
 from transcript_store.engine import (
     AssembleResult,
     CompactResult,
     EngineContext,
     EngineInfo,
     TranscriptSemantics,
+    check_call,
+    check_flag,
     check_focus,
     check_token_budget,
 )
@@ -159,6 +161,9 @@ class LegacyEngine:
         ``assemble`` reads the rest in its own snapshot (None), as it does after a reset. The
         messages taken here are all before the fence: they stay valid if the admission rolls back.
         """
+        if fence is None:
+            raise InvalidInput("prefetch_in needs the fence its admission wrote")
+        check_call(scope, session_id, fence=fence)
         proj = self._projection(scope, session_id)
         if not proj.lock.acquire(blocking=False):
             return None  # another thread is advancing it: assemble reads in its own snapshot
@@ -193,9 +198,8 @@ class LegacyEngine:
 
         ``prefetched``: what ``prefetch_in`` read for this fence in its committed admission.
         """
+        check_call(scope, session_id, fence=fence)
         check_token_budget(token_budget)
-        if fence is not None:
-            check_anchor("fence", fence)
 
         proj = self._projection(scope, session_id)
 
@@ -281,6 +285,8 @@ class LegacyEngine:
         **_host: Any,
     ) -> CompactResult:
         """The built-in summarising compaction: one summary of the older messages."""
+        check_call(scope, session_id)
+        check_flag("force", force)
         check_token_budget(token_budget, optional=True)
         check_focus(focus)
         return compaction.compact_session(
@@ -312,6 +318,8 @@ class LegacyEngine:
 
     def commit_prepared(self, tx: Any, turn: TurnPayload) -> CommitResult:
         """``commit_turn`` of a payload the host already validated and hashed (same transaction)."""
+        if not isinstance(turn, TurnPayload):
+            raise InvalidInput(f"commit_prepared takes a TurnPayload (prepare_turn's), not {type(turn).__name__}")
         return commit_turn_in(tx, turn)
 
     def dispose(self) -> None:

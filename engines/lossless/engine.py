@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Literal
 
-from transcript_store.core import Core
+from transcript_store.core import Core, check_anchor
 from transcript_store.engine import (
     AssembleResult,
     BootstrapResult,
@@ -33,9 +33,12 @@ from transcript_store.engine import (
     MaintainResult,
     RuntimeSettings,
     TranscriptSemantics,
+    check_call,
+    check_flag,
     check_focus,
     check_token_budget,
 )
+from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
 from transcript_store.reads import read_visible_delta
@@ -111,6 +114,8 @@ class LosslessEngine:
     def budget(self, scope: str, session_id: str, window: int | None = None) -> Budget:
         """The session's token marks: the caller's window, else the last assemble budget seen, else the
         run's prompt token budget; capped by ``context_window`` (``config.budget``)."""
+        check_call(scope, session_id)
+        check_token_budget(window, optional=True, what="window")
         with self._lock:
             seen, settings = self._runs.get((scope, session_id), (None, None))
         return budget(self.config, window or seen, settings)
@@ -171,6 +176,7 @@ class LosslessEngine:
         runtime_settings: RuntimeSettings | None = None,
     ) -> BootstrapResult:
         """Import the visible transcript before the fence that the engine has not ingested yet."""
+        check_call(scope, session_id, fence=fence, session_key=session_key, runtime_settings=runtime_settings)
         self._remember(scope, session_id, None, runtime_settings)
         state = self.store.read(lambda c: self._probe(c, scope, session_id, fence))
         if state != "behind":  # nothing to import: no write transaction at all
@@ -194,7 +200,9 @@ class LosslessEngine:
         runtime_settings: RuntimeSettings | None = None,
     ) -> AssembleResult:
         """Summaries + fresh tail in context order, within ``token_budget``; stable while nothing changes."""
+        check_call(scope, session_id, fence=fence, session_key=session_key, runtime_settings=runtime_settings)
         check_token_budget(token_budget)
+        _check_tools(available_tools)
         self._remember(scope, session_id, token_budget, runtime_settings)
         items = self._current(scope, session_id, fence)
         passes = 0
@@ -257,6 +265,11 @@ class LosslessEngine:
     ) -> None:
         """Remember the run's budget; the proactive compaction is ``maintain``'s, which the host runs
         after the reply (background mode), so a summarizer's time is not the reply's."""
+        check_call(scope, session_id, session_key=session_key, runtime_settings=runtime_settings)
+        if admission is not None and not isinstance(admission, Admission):
+            raise InvalidInput(f"admission must be an Admission or None, not {type(admission).__name__}")
+        if terminal is not None:
+            check_anchor("terminal", terminal)
         self._remember(scope, session_id, None, runtime_settings)
 
     def maintain(
@@ -269,6 +282,7 @@ class LosslessEngine:
     ) -> MaintainResult:
         """Deferred upkeep (background mode): compaction when over the threshold (a failing summarizer
         is logged and answered, never raised)."""
+        check_call(scope, session_id, session_key=session_key, runtime_settings=runtime_settings)
         self._remember(scope, session_id, None, runtime_settings)
         result = self._compact_if_needed(scope, session_id)
         if result is None:
@@ -289,6 +303,8 @@ class LosslessEngine:
         runtime_settings: RuntimeSettings | None = None,
     ) -> CompactResult:
         """Compact until under the target (``force``: at least one step even when under the threshold)."""
+        check_call(scope, session_id, session_key=session_key, runtime_settings=runtime_settings)
+        check_flag("force", force)
         check_token_budget(token_budget, optional=True)
         check_focus(focus)
         self._remember(scope, session_id, None, runtime_settings)
@@ -406,3 +422,11 @@ def _progress_reason(progressed: bool, after: int, marks: Budget) -> str | None:
     if after > marks.target:
         return f"still over the target ({after} > {marks.target} tokens) at the round limit or fresh tail"
     return None
+
+
+def _check_tools(available_tools: object) -> None:
+    """``available_tools``: None or a list of tool names (strings), else InvalidInput."""
+    if available_tools is None:
+        return
+    if not isinstance(available_tools, list) or not all(isinstance(t, str) for t in available_tools):
+        raise InvalidInput("available_tools must be a list of tool names or None")
