@@ -117,14 +117,15 @@ def user_text(rng: random.Random, n: int) -> str:
 
 
 def make_host(
-    store: TranscriptStore, *, seed: int, token_budget: int, config: dict[str, Any] | None = None, **settings: Any
+    store: TranscriptStore, *, seed: int, token_budget: int, config: dict[str, Any] | None = None,
+    engine: str = "lossless", **settings: Any
 ) -> tuple[HostRuntime, ConversationModel]:
-    """A HostRuntime whose slot is the bundled lossless engine."""
+    """A HostRuntime whose slot is a bundled engine (lossless unless ``engine`` names another)."""
     model = ConversationModel(seed)
     host = HostRuntime(
         store,
         load_settings(
-            config_path=None, engine="lossless", token_budget=token_budget,
+            config_path=None, engine=engine, token_budget=token_budget,
             engine_config={"lossless": config or {}}, **settings,
         ),
         model,
