@@ -15,6 +15,7 @@ unavailable; 6 permission denied (the database role lacks a grant). An error is 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
 import math
@@ -1286,7 +1287,7 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
             try:
                 if not st.json:
                     loop.banner(session_key)
-                loop.run(sys.stdin)
+                loop.run(_lenient(sys.stdin))
             finally:
                 runtime.dispose()
     if loop.failed:
@@ -1306,6 +1307,17 @@ def chosen_model(model_url: str | None, model_name: str | None, api_key: str | N
 
 
 CHAT_HELP = "/compact [focus]  /branch  /history  /engine  /help  /quit"
+
+
+def _lenient(stream: IO[str]) -> IO[str]:
+    """``stream`` decoding bytes that are not valid in its encoding as lone surrogates (surrogateescape).
+
+    Strictly decoded, one such byte on ``chat``'s stdin raised UnicodeDecodeError out of the loop: the
+    lines after it were never read and the run ended as an internal error. Decoded leniently, that line
+    is one failed turn (a message with a lone surrogate is refused, as every one is) and the rest run."""
+    if isinstance(stream, io.TextIOWrapper):
+        stream.reconfigure(errors="surrogateescape")
+    return stream
 
 
 class ChatLoop:
