@@ -13,7 +13,7 @@ arguments and runtime settings, other scopes' sessions. The contract, on both ba
 - a refused call leaves every row of every table as it was. ``handle_tool_call`` answers the model,
   so it refuses with an ``{"error": ...}`` answer instead of raising: that answer writes nothing either.
 
-Drawn: 16 methods (``calls``; a test keeps that list and ``NOT_DRAWN`` complete). ``commit_turn`` and
+Drawn: 14 methods (``calls``; a test keeps that list and ``NOT_DRAWN`` complete). ``commit_turn`` and
 ``commit_prepared`` run inside ``store.write`` (they take the caller's transaction) and ``prefetch_in``
 inside ``store.read``. The default tier draws ``FAULT_INPUT_ENGINE_EXAMPLES`` (20) examples per method
 and backend; the slow tier (``make test-slow``) 150.
@@ -62,8 +62,9 @@ def make_engines(store: TranscriptStore) -> tuple[LegacyEngine, LosslessEngine]:
 
 
 def mostly(valid: st.SearchStrategy[Any], hostile: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """``valid`` three draws in four, so that a call with one hostile argument gets past the others."""
-    return st.one_of(valid, valid, valid, hostile)
+    """``valid`` seven draws in eight, so that a call with one hostile argument gets past the others
+    (``one_of(valid, valid, hostile)`` does not weigh: hypothesis picks among distinct strategies)."""
+    return st.integers(0, 7).flatmap(lambda i: hostile if i == 0 else valid)
 
 
 optional_texts = mostly(st.none(), st.one_of(texts, wrong))
@@ -94,9 +95,9 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
         return lambda: fn(*args, **kwargs)
 
     anchor = anchors(w) if w else st.none()
-    fences = mostly(st.sampled_from([None, w["fence"]]), anchor) if w else st.none()
+    fences = mostly(st.none(), st.one_of(st.just(w["fence"]), anchor)) if w else st.none()  # (s1's fence)
     # Most calls name the session of a real fence (scope A's s1), so that the rest of the call is reached.
-    where = mostly(st.just((A, "s1")), st.tuples(scopes, sessions))
+    where = mostly(st.sampled_from([(A, "s1"), (A, "big"), (A, "fresh")]), st.tuples(scopes, sessions))
 
     def commit(engine: Any, d: st.DataObject) -> Callable[[], Any]:
         kwargs = {"advancement_key": d.draw(ids), "admission": d.draw(anchor), "terminal": d.draw(anchor),
@@ -147,6 +148,9 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
         # LosslessEngine
         "LosslessEngine.budget": lambda d: call(lossless.budget, *d.draw(where), d.draw(optional_budgets)),
         "LosslessEngine.bootstrap": on_session(lossless.bootstrap, fence=fences, **session_keys),
+        # before assemble and maintain, which compact a session over its budget themselves
+        "LosslessEngine.compact": on_session(lossless.compact, force=bools, focus=optional_texts,
+                                             token_budget=optional_budgets, **session_keys),
         "LosslessEngine.assemble": on_session(
             lossless.assemble, fence=fences, token_budget=budgets,
             available_tools=mostly(st.one_of(st.none(), st.lists(st.sampled_from(TOOLS), max_size=3)),
@@ -156,8 +160,6 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
             lossless.after_turn, admission=mostly(st.none(), anchor), terminal=mostly(st.none(), anchor),
             **session_keys),
         "LosslessEngine.maintain": on_session(lossless.maintain, **session_keys),
-        "LosslessEngine.compact": on_session(lossless.compact, force=bools, focus=optional_texts,
-                                             token_budget=optional_budgets, **session_keys),
         "LosslessEngine.get_tool_schemas": lambda d: call(lossless.get_tool_schemas),
         "LosslessEngine.handle_tool_call": tool,
     }
@@ -179,13 +181,22 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
     for h in (*world["hosts"], service.runtime):
         h.dispose()
     legacy, lossless = make_engines(store)
+    # Sessions long enough to compact, one the lossless engine has imported ("big") and one no engine has
+    # seen ("fresh"): the accepted calls of the methods that write (imports, compactions) do write, so
+    # that "a refusal writes nothing" is tested where it can fail.
+    for sid in ("big", "fresh"):
+        store.create_session(A, session_id=sid)
+        store.append_many(A, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                                "content": f"message {i} " + "lorem ipsum dolor " * 60}}
+                                   for i in range(120)])
+    lossless.bootstrap(scope=A, session_id="big", fence=None)
     names = sorted(table_rows(store))
     state = {"rows": table_rows(store, names=names)}
     figures: dict[str, dict[str, int]] = {}
     untyped: dict[tuple[str, str], str] = {}
 
     def check(name: str, thunk: Callable[[], Any]) -> None:
-        counts = figures.setdefault(name, {"calls": 0, "refused": 0})
+        counts = figures.setdefault(name, {"calls": 0, "refused": 0, "wrote": 0})
         counts["calls"] += 1
         before = state["rows"]
         refused: BaseException | str | None = None
@@ -208,6 +219,7 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
             changed = {t for t in names if after[t] != before[t]}
             assert not changed, f"{name} refused with {refused!r} but wrote {changed}"
         counts["refused"] += refused is not None
+        counts["wrote"] += after != before
         state["rows"] = after
 
     def hypothesis_test(name: str, draw: Callable[[st.DataObject], Any]) -> Callable[[], None]:
@@ -218,9 +230,18 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
 
         return run
 
+    # For the methods that write: a call known to write, made after the drawn ones only if none of them
+    # wrote (the sessions were then still writable while every drawn call was refused or wrote nothing).
+    known = {
+        "LegacyEngine.compact": lambda: legacy.compact(scope=A, session_id="big", force=True),
+        "LosslessEngine.bootstrap": lambda: lossless.bootstrap(scope=A, session_id="fresh", fence=None),
+        "LosslessEngine.compact": lambda: lossless.compact(scope=A, session_id="big", force=True),
+    }
     try:
         for name, draw in calls(legacy, lossless, store, world).items():
             hypothesis_test(name, draw)()
+            if name in known and figures[name]["wrote"] == 0:
+                check(name, known[name])
     finally:
         legacy.dispose()
         lossless.dispose()
@@ -235,6 +256,7 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
     # (get_tool_schemas takes no argument: hypothesis calls it once)
     assert all(c["calls"] >= examples for n, c in figures.items() if n != "LosslessEngine.get_tool_schemas"), figures
     assert refused > 0 and total - refused > 0, figures  # both sides of the contract were reached
+    assert all(figures[n]["wrote"] > 0 for n in known), {n: figures[n] for n in known}
 
 
 def test_hostile_input_to_the_engines_is_refused_with_typed_errors_and_writes_nothing(
@@ -277,6 +299,11 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore) -> None
     legacy, lossless = make_engines(store)
     store.create_session(A, session_id="s1")
     store.create_session(A, session_id="s2")
+    # Long enough that a compaction would write (each refusal below comes before any write, or it is seen)
+    store.append_many(A, "s1", [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                             "content": f"message {i} " + "lorem ipsum dolor " * 60}}
+                                for i in range(60)])
+    lossless.bootstrap(scope=A, session_id="s1", fence=None)
     admission = store.admit(A, "s1", {"role": "user", "content": "q"}, turn_id="t1")
     fence = admission.anchor
     before = table_rows(store)

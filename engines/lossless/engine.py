@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any, Literal
 
 from transcript_store.core import Core, check_anchor
@@ -369,7 +370,11 @@ class LosslessEngine:
         return tools.schemas()
 
     def handle_tool_call(self, name: str, args: dict[str, Any], *, scope: str, session_id: str) -> str:
-        """Run one recall tool; the answer (or ``{"error": ...}``) as a JSON string."""
+        """Run one recall tool; the answer (or ``{"error": ...}``) as a JSON string.
+
+        The tool's name and arguments are the model's: a bad one is an error answer. The scope and
+        session are the caller's: a bad one is InvalidInput, as for every engine method."""
+        check_call(scope, session_id)
         compiled: list[Any] = [None]  # the regex tools.check compiles, for the grep of this call
         handlers = {
             "lcm_grep": lambda c: tools.run_grep(c, scope, session_id, args, compiled[0]),
@@ -425,8 +430,11 @@ def _progress_reason(progressed: bool, after: int, marks: Budget) -> str | None:
 
 
 def _check_tools(available_tools: object) -> None:
-    """``available_tools``: None or a list of tool names (strings), else InvalidInput."""
+    """``available_tools``: None or a collection of tool names (a list, tuple, set: strings), else
+    InvalidInput. (The engine offers its recall tools whatever the host lists: the names are not read.)"""
     if available_tools is None:
         return
-    if not isinstance(available_tools, list) or not all(isinstance(t, str) for t in available_tools):
-        raise InvalidInput("available_tools must be a list of tool names or None")
+    if isinstance(available_tools, str | bytes) or not isinstance(available_tools, Collection) or not all(
+        isinstance(t, str) for t in available_tools
+    ):
+        raise InvalidInput("available_tools must be a collection of tool names (strings) or None")
