@@ -292,10 +292,10 @@ def recover_and_verify(url: str, sessions: Sequence[str], acks: Sequence[tuple[s
         turns = Turns(store)
         left = [(i.session_id, i.turn_id, i.state) for i in turns.intents(SCOPE, limit=10_000)]
         assert left == [], f"intents left after recovery: {left[:5]}"
-        committed: dict[str, set[str]] = {}
+        seen: dict[str, tuple[set[str], set[str]]] = {}
         for sid in sessions:
-            committed[sid] = _verify_session(store, turns, sid, totals)
-        _verify_acks(committed, acks, totals)
+            seen[sid] = _verify_session(store, turns, sid, totals)
+        _verify_acks(seen, acks, totals)
         return totals  # a Counter: a count that never came up is 0
     finally:
         for runtime in runtimes.values():
@@ -303,7 +303,10 @@ def recover_and_verify(url: str, sessions: Sequence[str], acks: Sequence[tuple[s
         store.close()
 
 
-def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str]) -> set[str]:
+def _verify_session(
+    store: TranscriptStore, turns: Turns, sid: str, totals: Counter[str]
+) -> tuple[set[str], set[str]]:
+    """Check one session (see ``recover_and_verify``); its admitted turns and its committed ones."""
     entries = store.list_entries(SCOPE, sid, limit=10_000)
     assert len(entries) < 10_000, "session too long for one listing"
     segments: list[tuple[Any, list[Any]]] = []
@@ -356,7 +359,7 @@ def _verify_session(store: TranscriptStore, turns: Turns, sid: str, totals: Coun
         visible = {e.entry_id for e in store.read_visible(SCOPE, sid)}
         assert result.covered_entry_ids == visible, f"{sid}: the lossless engine's messages differ from the transcript"
         totals["lossless_summaries"] += result.summaries
-    return set(keys)
+    return set(keys), set(receipts["legacy"]) | set(receipts["lossless"])
 
 
 def _check_turn(key: str, messages: list[dict[str, Any]]) -> None:
@@ -375,18 +378,22 @@ def _check_turn(key: str, messages: list[dict[str, Any]]) -> None:
     )
 
 
-def _verify_acks(committed: dict[str, set[str]], acks: Sequence[tuple[str, str, str]], totals: Counter[str]) -> None:
-    """Every admission a worker was told of exists; every turn it was told was accepted or committed is
-    committed (``_verify_session`` showed: once); none was admitted again after that."""
+def _verify_acks(
+    seen: dict[str, tuple[set[str], set[str]]], acks: Sequence[tuple[str, str, str]], totals: Counter[str]
+) -> None:
+    """Every admission a worker was told of exists; every turn it was told was accepted or committed has
+    its receipt (``_verify_session`` showed: one, with its replies whole); none was admitted again after."""
     told: dict[tuple[str, str], str] = {}
     for what, sid, key in acks:
-        assert sid in committed, f"acknowledgement of an unchecked session {sid}"
+        assert sid in seen, f"acknowledgement of an unchecked session {sid}"
         assert what != "admitted" or told.get((sid, key), "admitted") == "admitted", (
             f"turn {key} admitted again after the worker was told it was {told[(sid, key)]}: that write was lost"
         )
         told[(sid, key)] = what if told.get((sid, key)) != "committed" else "committed"
     for (sid, key), what in told.items():
-        assert key in committed[sid], f"turn {key} of {sid} was acknowledged {what}, then lost"
+        admitted, committed = seen[sid]
+        assert key in admitted, f"turn {key} of {sid} was acknowledged {what}, then its admission was lost"
+        assert what == "admitted" or key in committed, f"turn {key} of {sid} was acknowledged {what}, then lost"
     totals["acked_admitted"] += len(told)
     totals["acked_accepted"] += sum(what in ("accepted", "committed") for what in told.values())
 
