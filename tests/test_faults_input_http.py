@@ -36,6 +36,7 @@ from test_faults_input import NASTY, deep, ints, json_values, limits, messages, 
 from workers.fault_worker import report, table_rows
 
 from transcript_store import TranscriptStore
+from transcript_store.service_app import DEFAULT_MAX_BODY as MAX_BODY
 from transcript_store.service_app import ERRORS, HTTP_CODES
 
 EXAMPLES = int(os.environ.get("FAULT_INPUT_HTTP_EXAMPLES", "12"))
@@ -50,6 +51,12 @@ REFUSAL_CODES = {
     "engine_contract", "payload_too_large", "request_too_large", "unsupported_media_type", "invalid_request",
 }
 README = Path(__file__).resolve().parent.parent / "README.md"
+#: the statuses each code comes with (``invalid_request``: 422 for a body, 400 for a request not parsed)
+STATUS_OF: dict[str, set[int]] = {"invalid_request": {400, 422}}
+for _kind, _status, _code in ERRORS:
+    STATUS_OF.setdefault(_code, set()).add(_status)
+for _status, _code in HTTP_CODES.items():
+    STATUS_OF.setdefault(_code, set()).add(_status)
 
 
 def encode(value: Any) -> str:
@@ -100,13 +107,14 @@ def build_world(server: ServiceProcess) -> dict[str, Any]:
 
 
 def mostly(valid: st.SearchStrategy[Any], hostile: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """``valid`` two draws in three: a request with one hostile part gets past the others."""
-    return st.one_of(valid, valid, hostile)
+    """``valid`` five draws in six: a request with one hostile part gets past the others
+    (``one_of(valid, valid, hostile)`` does not weigh: hypothesis picks among distinct strategies)."""
+    return st.integers(0, 5).flatmap(lambda i: hostile if i == 0 else valid)
 
 
 path_ids = mostly(st.sampled_from(["s1", "s2", "only-b", "nowhere"]), st.one_of(st.sampled_from(NASTY), texts, wrong))
 engine_ids = mostly(st.sampled_from(["legacy", "lossless"]), st.one_of(st.sampled_from(["nope", "LEGACY"]), texts))
-tokens = st.one_of(st.just(TOKEN_A), st.just(TOKEN_A), st.just(TOKEN_A), st.sampled_from([TOKEN_B, None, "wrong"]))
+tokens = mostly(st.just(TOKEN_A), st.sampled_from([TOKEN_B, None, "wrong"]))
 raw_bodies = st.sampled_from([
     b"", b"{", b"[]", b"null", b"\xff\xfe\x00", b'{"a": "\xed\xa0\x80"}', b"[" * 100_000 + b"]" * 100_000,
     b'{"limit": ' + b"9" * 5000 + b"}", b'{"x": NaN}', b'{"session_id": "s1", "session_id": 5}',
@@ -213,15 +221,24 @@ def hostile_http_campaign(request_: pytest.FixtureRequest, server: ServiceProces
         def check(method: str, template: str, path: str, body: bytes | None, token: str | None) -> None:
             counts = figures.setdefault(f"{method} {template}", {"requests": 0, "refused": 0})
             counts["requests"] += 1
-            status, answer = request(server.url, method, path, token, raw=body,
-                                     headers={"Content-Type": "application/json"} if body is not None else None)
             where = f"{method} {path[:200]} body {body[:200] if body else body!r}"
+            try:
+                status, answer = request(server.url, method, path, token, raw=body,
+                                         headers={"Content-Type": "application/json"} if body is not None else None)
+            except (ConnectionResetError, BrokenPipeError):
+                # A body over the server's limit is answered 413 (Connection: close) before it is read: a
+                # client still sending may see the connection reset instead (seen under load). The server
+                # refused it all the same; the rows are checked below as for any refusal.
+                assert body is not None and len(body) > MAX_BODY, f"{where}: connection reset"
+                status, answer = 413, {"error": {"code": "request_too_large", "message": "(connection reset)"}}
             assert status < 500, f"{where} -> {status}: {str(answer)[:400]}"
             after = table_rows(mine, names=names)
             if status >= 400:
                 counts["refused"] += 1
                 assert isinstance(answer, dict) and set(answer) == {"error"}, f"{where} -> {status}: {answer!r}"
-                assert answer["error"].get("code") in REFUSAL_CODES and answer["error"].get("message"), (where, answer)
+                code = answer["error"].get("code")
+                assert code in REFUSAL_CODES and answer["error"].get("message"), (where, answer)
+                assert status in STATUS_OF[code], f"{where}: {code} with status {status}"
             if status >= 400 or method == "GET":
                 changed = {t for t in names if after[t] != state["rows"][t]}
                 what = "refused" if status >= 400 else "a read"
