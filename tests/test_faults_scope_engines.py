@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy import inspect
 from test_faults_scope import outcome
 from workers.fault_worker import report, table_rows
 
@@ -62,15 +63,16 @@ def commit(service: Service, scope: str, engine: str, sid: str, n: int, secret: 
     assert result.status == "committed", result
 
 
-def populate(service: Service, scope: str, sids: list[str]) -> None:
+def populate(service: Service, scope: str, sids: list[str], turns: int = 8) -> None:
     """The same session ids and keys in each scope, a secret of the scope in every message; committed to
     both engines (the lossless one compacted into summaries)."""
     for sid in sids:
         secret = f"secret of {scope}"
         service.open_session(scope, OpenSession(session_id=sid, session_key=f"key-{sid}"))
-        for n in range(8):
+        for n in range(turns):
             commit(service, scope, "lossless" if sid != "legacy-only" else "legacy", sid, n, secret)
-        service.compact(scope, "lossless", sid, CompactRequest(force=True, token_budget=400))
+        for _ in range(turns // 8):  # B's longer s1 compacts more often: more summaries
+            service.compact(scope, "lossless", sid, CompactRequest(force=True, token_budget=400))
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def world(store: TranscriptStore) -> tuple[Service, LegacyEngine, LosslessEngine
     service = Service(store, load_settings(config_path=None, engine="legacy",
                                            engine_config={"lossless": SMALL}))
     populate(service, A, ["s1"])
-    populate(service, B, ["s1", "only-b"])
+    populate(service, B, ["s1", "only-b"], turns=20)  # more summaries in B's s1 than in A's
 
     def ctx(config: dict[str, Any]) -> EngineContext:
         return EngineContext(store=store, config=config, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
@@ -96,7 +98,9 @@ def test_the_service_and_the_engines_never_cross_scopes(
     request.addfinalizer(service.runtime.dispose)
     # Scope B's rows of every table with a scope column; the SQLite full-text index's shadow tables have
     # none (they change with any write): B's index is checked by the lossless audit after the writes.
-    scoped_tables = [t for t, rows in table_rows(store).items() if t.startswith("ts_") and "'scope'" in "".join(rows)]
+    with store.db.engine.connect() as conn:
+        schema = inspect(conn)
+        scoped_tables = [t for t in schema.get_table_names() if "scope" in {c["name"] for c in schema.get_columns(t)}]
     b_before = table_rows(store, B, names=scoped_tables)
     only_b_summaries = [json.loads(lossless.handle_tool_call("lcm_describe", {"id": f"sum_{n}"}, scope=B,
                                                              session_id="only-b")) for n in range(1, 4)]
@@ -143,6 +147,14 @@ def test_the_service_and_the_engines_never_cross_scopes(
         compared += 1
 
     # 2. On A's own s1 (B has an s1 too), the recall tools and the engines see A's text only.
+    # A summary id B's s1 has and A's s1 has not answers as one nobody has.
+    counts = {scope: len([n for n in range(1, 40) if "error" not in json.loads(lossless.handle_tool_call(
+        "lcm_describe", {"id": f"sum_{n}"}, scope=scope, session_id="s1"))]) for scope in (A, B)}
+    assert counts[B] > counts[A] > 0, counts
+    for tool in ("lcm_describe", "lcm_expand"):
+        only_b, nobody = (lossless.handle_tool_call(tool, {"id": f"sum_{n}"}, scope=A, session_id="s1")
+                          for n in (counts[B], 999))
+        assert only_b.replace(f"sum_{counts[B]}", "<id>") == nobody.replace("sum_999", "<id>"), (only_b, nobody)
     for mode in ("regex", "full_text"):  # B's secret: no result (the answer echoes the pattern asked)
         found = json.loads(lossless.handle_tool_call("lcm_grep", {"pattern": "scope-b", "mode": mode},
                                                      scope=A, session_id="s1"))
@@ -185,6 +197,6 @@ def test_the_service_and_the_engines_never_cross_scopes(
     legacy.dispose()
     lossless.dispose()
     report(request, backend, {
-        "service_and_engine_apis_compared_with_unknown_ids": compared, "recall_calls_checked": 14,
+        "service_and_engine_apis_compared_with_unknown_ids": compared, "recall_calls_checked": 18,
         "cross_scope_writes_checked": len(writes), "leaks": 0, "seconds": round(time.monotonic() - started, 1),
     })
