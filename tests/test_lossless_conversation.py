@@ -83,6 +83,10 @@ def converse(store: TranscriptStore, turns: int, seed: int) -> Run:
     finally:
         event.remove(store.db.engine, "before_cursor_execute", count)
     engine.assemble = real  # type: ignore[method-assign]
+    # The host runs the engine's maintain (a compaction over the threshold) on its maintenance thread
+    # after each reply: the checks that follow read a session that must not change under them (two
+    # assemblies raced the last turn's compaction and differed, now and then, in the slow tier).
+    assert host.maintenance.wait(60), "the last turn's maintenance did not finish"
     return run
 
 
