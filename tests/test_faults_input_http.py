@@ -232,6 +232,8 @@ def hostile_http_campaign(request_: pytest.FixtureRequest, server: ServiceProces
                 assert body is not None and len(body) > MAX_BODY, f"{where}: connection reset"
                 status, answer = 413, {"error": {"code": "request_too_large", "message": "(connection reset)"}}
             assert status < 500, f"{where} -> {status}: {str(answer)[:400]}"
+            if token not in TOKENS:  # refused before its body, route or method is looked at (413: by length)
+                assert status in (401, 413), f"{where} without a known token -> {status}: {str(answer)[:300]}"
             after = table_rows(mine, names=names)
             if status >= 400:
                 counts["refused"] += 1
@@ -284,3 +286,16 @@ def test_the_documented_refusal_codes_are_the_servers() -> None:
     assert served == REFUSAL_CODES, served ^ REFUSAL_CODES
     readme = README.read_text(encoding="utf-8")
     assert [c for c in sorted(REFUSAL_CODES) if f"`{c}`" not in readme] == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's, before any store call
+def test_a_request_without_a_known_token_is_401_whatever_its_body_route_or_method(server: ServiceProcess) -> None:
+    """The token was checked by each route: a malformed body was answered 422, an unknown route 404 and
+    a wrong method 405 before a request without a token was refused."""
+    for token in (None, "wrong", TOKEN_A + "x"):
+        for method, path, body in [("POST", "/v1/sessions", b"{"), ("POST", "/v1/sessions", b"\xff"),
+                                   ("GET", "/v1/nothing", None), ("DELETE", "/v1/sessions", None),
+                                   ("GET", "/openapi.json", None), ("POST", "/v1/sessions", b"x" * 3_000_000)]:
+            status, answer = request(server.url, method, path, token, raw=body)
+            assert status == 401 and answer["error"]["code"] == "unauthorized", (token, method, path, status, answer)
+    assert request(server.url, "GET", "/v1/nothing", TOKEN_A)[0] == 404  # with one: as before

@@ -238,6 +238,39 @@ async def _drain(receive: Any, budget: int) -> bool:
     return True
 
 
+class Authenticate:
+    """401 for a request without a known bearer token, before anything else looks at it.
+
+    The token was a dependency of each route: FastAPI parses a request's body before it solves those,
+    and routes before both, so a request without a token had its body parsed (a malformed one was
+    answered 422) and its path looked up (404, 405) before it was refused. Its body is read and dropped
+    (at most what the body limit lets through), so that the client reads the 401, not a reset."""
+
+    def __init__(self, app: Any) -> None:
+        """Wrap an ASGI app (the tokens are the app's ``state.tokens``, as ``caller`` reads them)."""
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """Pass a request with a known token through; answer 401 to any other."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
+        token = bearer_token(header.decode("latin-1")) if header is not None else None
+        tokens: TokenMap = scope["app"].state.tokens
+        if token is not None and tokens.scope_for(token) is not None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            complete = await _drain(receive, 1 << 62)  # bounded by BodyLimit around it (413)
+        except StarletteHTTPException:  # past the limit: what is left is not read; the connection closes
+            complete = False
+        response = error_json(401, "unauthorized", "a valid bearer token is required")
+        if not complete:
+            response.headers.update(_CLOSE)
+        await response(scope, receive, send)
+
+
 class CatchAll:
     """Turn any exception that escaped the handlers into a 500 with a correlation id (logged here)."""
 
@@ -388,6 +421,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     _routes(app, service)
     app.add_middleware(PathSegments)
     app.add_middleware(CatchAll)
+    app.add_middleware(Authenticate)  # inside BodyLimit: the body it drops is bounded and timed
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     _protect_openapi(app)
     return app
