@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,3 +300,21 @@ def test_a_request_without_a_known_token_is_401_whatever_its_body_route_or_metho
             status, answer = request(server.url, method, path, token, raw=body)
             assert status == 401 and answer["error"]["code"] == "unauthorized", (token, method, path, status, answer)
     assert request(server.url, "GET", "/v1/nothing", TOKEN_A)[0] == 404  # with one: as before
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's, before any store call
+def test_the_401_of_a_large_or_expecting_body_is_read_by_the_client(store_url: str, tmp_path: Path) -> None:
+    """A chunked body past four times the limit got its 401 with the connection closed while the client
+    still sent (a reset, where a token holder got its 413); a request expecting 100-continue was told to
+    send a body that is never read (refused for its token, or for its length, before it is sent)."""
+    with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log", extra_args=("--max-body", "1048576")) as server:
+        for token, want in ((None, 401), ("wrong", 401), (TOKEN_A, 413)):
+            status, answer = request(server.url, "POST", "/v1/sessions", token, raw=b"x" * (20 << 20), chunked=True)
+            assert status == want, (token, status, answer)
+        for auth, length, want in ((b"", 4000, b"401"), (b"", 4_000_000, b"413"),
+                                   (b"Authorization: Bearer " + TOKEN_A.encode() + b"\r\n", 4_000_000, b"413")):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+                conn.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n" + auth
+                             + b"Content-Length: " + str(length).encode() + b"\r\n\r\n")
+                head = conn.recv(200)
+            assert head.startswith(b"HTTP/1.1 " + want), (auth, length, head)

@@ -175,7 +175,8 @@ class BodyLimit:
         receive = _patient(receive, self.timeout)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and not _length_within(value, self.limit):
-                stalled = not await _drain(receive, 4 * self.limit)
+                # A client waiting for 100 Continue has sent nothing yet: reading would invite the body.
+                stalled = _expects_continue(scope) or not await _drain(receive, 4 * self.limit)
                 response = error_json(413, "request_too_large", f"request bodies are limited to {self.limit} bytes")
                 if stalled:
                     response.headers.update(_CLOSE)
@@ -194,6 +195,12 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+def _expects_continue(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the client waits for ``100 Continue`` before it sends the body (the server sends that
+    when the body is first read: a request refused unread must not read it)."""
+    return any(k == b"expect" and v.lower() == b"100-continue" for k, v in scope.get("headers", []))
 
 
 def _length_within(value: bytes, limit: int) -> bool:
@@ -261,10 +268,16 @@ class Authenticate:
         if token is not None and tokens.scope_for(token) is not None:
             await self.app(scope, receive, send)
             return
-        try:
-            complete = await _drain(receive, 1 << 62)  # bounded by BodyLimit around it (413)
-        except StarletteHTTPException:  # past the limit: what is left is not read; the connection closes
+        if _expects_continue(scope):
+            # Reading the body would tell the client to send it (100 Continue), for nothing: it is not read.
             complete = False
+        else:
+            try:
+                complete = await _drain(receive, 1 << 62)  # bounded by BodyLimit around it (413)
+            except _TooLarge as e:  # BodyLimit dropped the excess (closing only for a body that stalled)
+                complete = not e.headers
+            except _Stalled:
+                complete = False
         response = error_json(401, "unauthorized", "a valid bearer token is required")
         if not complete:
             response.headers.update(_CLOSE)
