@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -233,3 +235,15 @@ def test_invalid_utf8_on_chats_stdin_is_one_failed_line(store: TranscriptStore, 
         assert result.returncode == 1, result.stderr
         assert "internal error" not in result.stderr and "2 turn(s) or command(s) failed" in result.stderr
         assert result.stdout.count('"event": "reply"' if as_json else "\nassistant: ") == 2, result.stdout
+
+
+def test_a_stdin_error_handler_the_user_chose_is_kept(store: TranscriptStore, store_url: str, tmp_path: Path) -> None:
+    """PYTHONIOENCODING=utf-8:replace turns invalid bytes into U+FFFD and the turn is answered: chat's
+    own lenient decoding (for a strict stdin) must not replace a handler the user chose."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    env["PYTHONIOENCODING"] = "utf-8:replace"
+    result = subprocess.run([sys.executable, "-m", "transcript_store", "--db", store_url, "--scope", SCOPE, "chat",
+                             "--session", "replace"], input=b"caf\xe9 latin-1\n", capture_output=True, env=env,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert "caf\ufffd latin-1" in result.stdout.decode(), result.stdout.decode(errors="replace")

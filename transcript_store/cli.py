@@ -1314,8 +1314,9 @@ def _lenient(stream: IO[str]) -> IO[str]:
 
     Strictly decoded, one such byte on ``chat``'s stdin raised UnicodeDecodeError out of the loop: the
     lines after it were never read and the run ended as an internal error. Decoded leniently, that line
-    is one failed turn (a message with a lone surrogate is refused, as every one is) and the rest run."""
-    if isinstance(stream, io.TextIOWrapper):
+    is one failed turn (a message with a lone surrogate is refused, as every one is) and the rest run.
+    A handler chosen with PYTHONIOENCODING (``utf-8:replace``) is kept."""
+    if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":  # not a handler the user chose
         stream.reconfigure(errors="surrogateescape")
     return stream
 
