@@ -13,7 +13,9 @@ the default tier lands a handful per backend, the slow tier (``make test-slow``)
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -26,33 +28,44 @@ from workers.fault_worker import FAULT_POINTS, WORKER, clean_env, read_acks, rep
 from workers.turn_worker import replies
 
 
-def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float) -> dict[str, Any]:
-    """Run ``slots`` zygotes at once, each on its own sessions, until ``kills`` SIGKILLs have landed."""
+def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float, *,
+                 command: tuple[str, ...] = (str(WORKER), "campaign"), prefix: str = "w") -> dict[str, Any]:
+    """Run ``slots`` zygotes at once (``command``: a campaign worker), each on its own sessions, until
+    ``kills`` SIGKILLs have landed; their figures added up (every count of their JSON lines)."""
     seed = random.randrange(2**31)
     per_slot = -(-kills // slots)
     (tmp / "acks").mkdir()
     procs = []
     for slot in range(slots):
         args = [
-            sys.executable, str(WORKER), "campaign", "--url", url, "--seed", str(seed + slot),
-            "--slot", str(slot), "--prefix", f"w{slot}.", "--kills", str(per_slot), "--seconds", str(seconds),
+            sys.executable, *command, "--url", url, "--seed", str(seed + slot), "--slot", str(slot),
+            "--prefix", f"{prefix}{slot}.", "--kills", str(per_slot), "--seconds", str(seconds),
             "--trace", str(tmp / f"trace-{slot}"), "--acks", str(tmp / "acks"),
         ]
         err = open(tmp / f"campaign-{slot}.err", "w")  # noqa: SIM115 - closed once the zygote exits
-        procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()), err))
+        procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(),
+                                       start_new_session=True), err))
     merged: dict[str, Any] = {"seed": seed, "killed_at": Counter(), "sessions": [], "errors": []}
-    for slot, (proc, err) in enumerate(procs):
-        out, _ = proc.communicate(timeout=seconds + 300)
-        err.close()
-        log = (tmp / f"campaign-{slot}.err").read_text()
-        assert proc.returncode == 0 and out.strip(), f"zygote {slot} exited {proc.returncode}:\n{log[-4000:]}"
-        result = json.loads(out.strip().splitlines()[-1])
-        for key in ("kills", "parent_kills", "point_kills", "finished", "children", "turns", "retries"):
-            merged[key] = merged.get(key, 0) + result[key]
-        merged["killed_at"].update(result["killed_at"])
-        merged["sessions"] += result["sessions"]
-        merged["errors"] += [f"slot {slot}: {e}" for e in result["errors"]]
-        merged["errors"] += [log[-4000:]] if result["errors"] else []
+    try:
+        for slot, (proc, err) in enumerate(procs):
+            out, _ = proc.communicate(timeout=seconds + 300)
+            err.close()
+            log = (tmp / f"campaign-{slot}.err").read_text()
+            assert proc.returncode == 0 and out.strip(), f"zygote {slot} exited {proc.returncode}:\n{log[-4000:]}"
+            result = json.loads(out.strip().splitlines()[-1])
+            for key, value in result.items():
+                if isinstance(value, int):
+                    merged[key] = merged.get(key, 0) + value
+            merged["killed_at"].update(result["killed_at"])
+            merged["sessions"] += result["sessions"]
+            merged["errors"] += [f"slot {slot}: {e}" for e in result["errors"]]
+            merged["errors"] += [log[-4000:]] if result["errors"] else []
+    finally:  # a failed or hung zygote: the others (and their children) must not run on against a database
+        for proc, err in procs:  # about to be dropped: each zygote leads a process group of its own
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+            err.close()
     return merged
 
 

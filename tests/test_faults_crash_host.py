@@ -11,64 +11,21 @@ backend, the slow tier (``make test-slow``) a thousand.
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from workers.fault_worker import clean_env, read_acks, report, sqlite_integrity
+from test_faults_crash import run_campaign
+from workers.fault_worker import read_acks, report, sqlite_integrity
 from workers.host_fault_worker import FAULT_POINTS, WORKER, recover_and_verify
-
-
-def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float) -> dict[str, Any]:
-    """``slots`` zygotes at once, each on sessions of its own, until ``kills`` SIGKILLs have landed."""
-    seed = random.randrange(2**31)
-    (tmp / "acks").mkdir()
-    procs = []
-    for slot in range(slots):
-        args = [
-            sys.executable, str(WORKER), "--url", url, "--seed", str(seed + slot), "--slot", str(slot),
-            "--prefix", f"h{slot}.", "--kills", str(-(-kills // slots)), "--seconds", str(seconds),
-            "--trace", str(tmp / f"trace-{slot}"), "--acks", str(tmp / "acks"),
-        ]
-        err = open(tmp / f"campaign-{slot}.err", "w")  # noqa: SIM115 - closed once the zygote exits
-        procs.append((subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(),
-                                       start_new_session=True), err))
-    merged: dict[str, Any] = {"seed": seed, "killed_at": Counter(), "sessions": [], "errors": []}
-    try:
-        for slot, (proc, err) in enumerate(procs):
-            out, _ = proc.communicate(timeout=seconds + 300)
-            err.close()
-            log = (tmp / f"campaign-{slot}.err").read_text()
-            assert proc.returncode == 0 and out.strip(), f"zygote {slot} exited {proc.returncode}:\n{log[-4000:]}"
-            result = json.loads(out.strip().splitlines()[-1])
-            for key in ("kills", "parent_kills", "point_kills", "finished", "children", "turns", "retries", "resent"):
-                merged[key] = merged.get(key, 0) + result[key]
-            merged["killed_at"].update(result["killed_at"])
-            merged["sessions"] += result["sessions"]
-            merged["errors"] += [f"slot {slot}: {e}" for e in result["errors"]]
-            merged["errors"] += [log[-4000:]] if result["errors"] else []
-    finally:  # a failed or hung zygote: the others (and their children) must not run on against a database
-        for proc, err in procs:  # about to be dropped: each zygote leads a process group of its own
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-            err.close()
-    return merged
 
 
 def host_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: Path, kills: int, slots: int,
                   seconds: float) -> dict[str, Any]:
     """The campaign, the recovery and every check; reports and returns the figures."""
     started = time.monotonic()
-    run = run_campaign(url, tmp, kills, slots, seconds)
+    run = run_campaign(url, tmp, kills, slots, seconds, command=(str(WORKER),), prefix="h")
     assert not run["errors"], "\n".join(run["errors"])
     integrity = sqlite_integrity(url)  # the files as the killed processes left them
     acks = read_acks(tmp / "acks")

@@ -265,14 +265,8 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
         sessions = [f"{args.prefix}{group}a", f"{args.prefix}{group}b"]
         if sessions[0] not in out["sessions"]:
             out["sessions"].extend(sessions)
-        by_parent = rng.random() < 0.4
-        spec: str | None = None
-        if not by_parent:
-            if rng.random() < 0.35:
-                spec = "*=0.03"
-            else:  # round-robin over the points, so that every one of them gets its kills
-                spec = f"{FAULT_POINTS[(args.slot + single) % len(FAULT_POINTS)]}=0.35"
-                single += 1
+        by_parent, spec = kill_plan(rng, FAULT_POINTS, args.slot + single)
+        single += spec is not None and not spec.startswith("*")
         fd = os.open(trace_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         # One log per child, created here (a child killed before its first line still has one); the
         # names sort in the order the children ran.
@@ -287,23 +281,41 @@ def main_campaign(args: argparse.Namespace) -> dict[str, Any]:
         os.close(ready_w)
         os.close(fd)
         os.close(ack_fd)
-        if by_parent and os.read(ready_r, 1):  # b"" when the child died before it was ready
-            time.sleep(rng.uniform(0.0, args.max_delay))
-            os.kill(pid, signal.SIGKILL)  # it cannot have exited: it runs turns until killed
-        status = _wait(pid, 120.0)
-        os.close(ready_r)  # only now: a child writing "ready" to a closed pipe would die of EPIPE
-        point, turns, retries = _Trace.read(trace_path)
-        out["turns"] += turns
-        out["retries"] += retries
-        if status != -1 and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-            out["kills"] += 1
-            out["parent_kills" if by_parent else "point_kills"] += 1
-            out["killed_at"][point if not by_parent else f"parent@{point}"] += 1
-        elif status != -1 and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            out["finished"] += 1
-        else:
-            out["errors"].append(f"child {n} ({spec or 'parent kill'}) ended with status {status} at {point}")
+        reap(pid, ready_r, by_parent and rng.uniform(0.0, args.max_delay), trace_path, out, f"child {n} ({spec})")
     return out
+
+
+def kill_plan(rng: random.Random, points: Sequence[str], turn: int) -> tuple[bool, str | None]:
+    """How the next campaign child dies: killed by the zygote (True, no spec) 40% of the time, else by a
+    fault point: every point at a low rate, or one point at a high one (round-robin by ``turn``, so that
+    each of them gets its kills)."""
+    if rng.random() < 0.4:
+        return True, None
+    if rng.random() < 0.35:
+        return False, "*=0.03"
+    return False, f"{points[turn % len(points)]}=0.35"
+
+
+def reap(pid: int, ready_r: int, delay: float | bool, trace_path: Path, out: dict[str, Any], label: str) -> None:
+    """Kill a campaign child after ``delay`` once it is ready (``delay`` False: it dies at a fault point or
+    finishes), reap it and count how it ended and where it was (its trace) into ``out``."""
+    by_parent = delay is not False
+    if by_parent and os.read(ready_r, 1):  # b"" when the child died before it was ready
+        time.sleep(float(delay))
+        os.kill(pid, signal.SIGKILL)  # it cannot have exited: it runs turns until killed
+    status = _wait(pid, 120.0)
+    os.close(ready_r)  # only now: a child writing "ready" to a closed pipe would die of EPIPE
+    point, turns, retries = _Trace.read(trace_path)
+    out["turns"] += turns
+    out["retries"] += retries
+    if status != -1 and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        out["kills"] += 1
+        out["parent_kills" if by_parent else "point_kills"] += 1
+        out["killed_at"][point if not by_parent else f"parent@{point}"] += 1
+    elif status != -1 and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        out["finished"] += 1
+    else:
+        out["errors"].append(f"{label} ended with status {status} at {point}")
 
 
 # ---------------------------------------------------------------------------------------------- storm

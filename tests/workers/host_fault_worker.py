@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 import time
 import traceback
@@ -36,7 +35,7 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `workers.*`, as the tests import them
 
-from workers.fault_worker import _Trace, _wait, ack_log, count_retries, open_store
+from workers.fault_worker import _Trace, ack_log, count_retries, kill_plan, open_store, reap
 from workers.lossless_worker import CHURN_CONFIG, make_host, user_text
 
 from engines.lossless.audit import audit
@@ -221,14 +220,8 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
         sessions = [f"{args.prefix}{group}L", f"{args.prefix}{group}X"]
         if sessions[0] not in out["sessions"]:
             out["sessions"].extend(sessions)
-        by_parent = rng.random() < 0.4
-        spec: str | None = None
-        if not by_parent:
-            if rng.random() < 0.35:
-                spec = "*=0.03"
-            else:  # round-robin over the points, so that every one of them gets its kills
-                spec = f"{FAULT_POINTS[(args.slot + single) % len(FAULT_POINTS)]}=0.35"
-                single += 1
+        by_parent, spec = kill_plan(rng, FAULT_POINTS, args.slot + single)
+        single += spec is not None and not spec.startswith("*")
         fd = os.open(trace_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         ack_fd = os.open(acks / f"{args.slot:02d}-{n:06d}.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND,
                          0o600)
@@ -243,25 +236,10 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
         os.close(fd)
         os.close(ack_fd)
         os.close(running_fd)
-        if by_parent and os.read(ready_r, 1):  # b"" when the child died before it was ready
-            time.sleep(rng.uniform(0.0, args.max_delay))
-            os.kill(pid, signal.SIGKILL)
-        status = _wait(pid, 120.0)
-        os.close(ready_r)
-        point, turns, retries = _Trace.read(trace_path)
+        reap(pid, ready_r, by_parent and rng.uniform(0.0, args.max_delay), trace_path, out, f"child {n} ({spec})")
         running = running_path.read_bytes().decode().split()
         resend = (running[0], running[1]) if len(running) == 2 else None
         out["resent"] += resend is not None
-        out["turns"] += turns
-        out["retries"] += retries
-        if status != -1 and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-            out["kills"] += 1
-            out["parent_kills" if by_parent else "point_kills"] += 1
-            out["killed_at"][point if not by_parent else f"parent@{point}"] += 1
-        elif status != -1 and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            out["finished"] += 1
-        else:
-            out["errors"].append(f"child {n} ({spec or 'parent kill'}) ended with status {status} at {point}")
     return out
 
 
