@@ -77,6 +77,12 @@ ints = st.one_of(st.integers(), st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**
 limits = st.one_of(ints, st.sampled_from([1, 20, 10_000, 10_001, True, False, "10", 1.5, None]))
 
 
+def weighted(valid: st.SearchStrategy[Any], hostile: st.SearchStrategy[Any], one_in: int) -> st.SearchStrategy[Any]:
+    """``hostile`` one draw in ``one_in``, else ``valid``: a call with one hostile argument gets past the
+    others. (``one_of(valid, valid, hostile)`` does not weigh: hypothesis picks among distinct strategies.)"""
+    return st.integers(0, one_in - 1).flatmap(lambda i: hostile if i == 0 else valid)
+
+
 def nested(depth: int) -> Any:
     """JSON nested ``depth`` levels deep (objects and arrays in turn)."""
     value: Any = "bottom"

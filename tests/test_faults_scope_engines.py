@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import inspect
+from test_faults_input_engines import make_engines
 from test_faults_scope import outcome
 from workers.fault_worker import report, table_rows
 
@@ -29,7 +30,6 @@ from engines.legacy import LegacyEngine
 from engines.lossless import LosslessEngine
 from engines.lossless.audit import audit
 from transcript_store import TranscriptStore
-from transcript_store.engine import EngineContext
 from transcript_store.service import Service
 from transcript_store.service_models import (
     AdmitRequest,
@@ -42,8 +42,6 @@ from transcript_store.service_models import (
     OpenSession,
 )
 from transcript_store.settings import load_settings
-from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
 
 A, B = "scope-a", "scope-b"
 SMALL = {"fresh_tail_messages": 2, "leaf_chunk_messages": 4, "max_rounds": 4, "leaf_summary_tokens": 60,
@@ -82,11 +80,7 @@ def world(store: TranscriptStore) -> tuple[Service, LegacyEngine, LosslessEngine
                                            engine_config={"lossless": SMALL}))
     populate(service, A, ["s1"])
     populate(service, B, ["s1", "only-b"], turns=20)  # more summaries in B's s1 than in A's
-
-    def ctx(config: dict[str, Any]) -> EngineContext:
-        return EngineContext(store=store, config=config, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
-
-    return service, LegacyEngine(ctx({})), LosslessEngine(ctx(SMALL))
+    return service, *make_engines(store, SMALL)
 
 
 def test_the_service_and_the_engines_never_cross_scopes(
