@@ -415,7 +415,7 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore, tmp_pat
         (lambda: store.read_visible_delta(A, "nowhere", fence="x"), InvalidInput),  # type: ignore[arg-type]
         (lambda: store.rewrite_entries(A, "s1", [{"entry_id": "E1", "message": {"role": "user", "content": "r"}}],
                                        allowed_rewrite_suffix_entry_ids=[["E1"]]), InvalidInput),  # type: ignore[list-item]
-        (lambda: TranscriptStore(5), InvalidInput),  # type: ignore[arg-type]  # pydantic ValidationError
+        (lambda: TranscriptStore(5), InvalidInput),  # type: ignore[arg-type]  # was pydantic ValidationError
         (lambda: TranscriptStore("sqlite:///a\x00b"), InvalidInput),  # ValueError: embedded null byte
         (lambda: TranscriptStore("sqlite:///\ud800"), InvalidInput),  # UnicodeEncodeError
     ]

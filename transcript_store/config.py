@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from .errors import InvalidInput
+from .shapes import Shape
 
 DEFAULT_URL = "sqlite:///transcripts.db"
 
@@ -37,7 +38,7 @@ def parse_bool(var: str, raw: str) -> bool:
     raise InvalidInput(f"invalid store setting {var}={raw!r}: expected one of {words} (any case)")
 
 
-class StoreConfig(BaseModel):
+class StoreConfig(Shape):
     """How a store connects and what it accepts."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

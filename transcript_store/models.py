@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import InvalidInput, InvalidMessage
+from .shapes import Shape
 
 EntryKind = Literal["message", "custom", "metadata", "compaction"]
 ENTRY_KINDS: tuple[str, ...] = ("message", "custom", "metadata", "compaction")
@@ -31,7 +32,7 @@ CURRENT_TURN_FENCE = "before-current-turn-entry-v1"
 TURN_ADVANCEMENT_IDEMPOTENCY = "atomic-idempotent-v1"
 
 
-class _Frozen(BaseModel):
+class _Frozen(Shape):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 

@@ -22,10 +22,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .engine import MAX_TOKENS, engine_id_problem, require_engine_id
 from .errors import InvalidInput
+from .shapes import Shape
 from .terminal import quoted
 
 CONFIG_FILE = "transcript-store.toml"
@@ -43,7 +44,7 @@ MAX_SECONDS = 604_800.0
 SelectionSource = Literal["default", "config", "env", "argument", "fallback"]
 
 
-class HostSettings(BaseModel):
+class HostSettings(Shape):
     """Everything the host runtime reads; each field documents its default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

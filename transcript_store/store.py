@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
@@ -32,11 +32,12 @@ from .models import (
     RewriteResult,
     SessionInfo,
 )
+from .shapes import Shape
 
 T = TypeVar("T")
 
 
-class AppendItem(BaseModel):
+class AppendItem(Shape):
     """One entry of an ``append_many`` call."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -12,15 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from transcript_store.engine import RuntimeSettings
 from transcript_store.errors import InvalidInput
+from transcript_store.shapes import Shape
 
 DEFAULT_WINDOW = 32_000
 
 
-class LosslessConfig(BaseModel):
+class LosslessConfig(Shape):
     """Every knob of the engine (``[engine.config.lossless]``); each default is documented."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
