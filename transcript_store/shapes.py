@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import InvalidInput
+from .terminal import quoted
 
 if TYPE_CHECKING:  # the type checker sees pydantic's metaclass by its (private) name
     from pydantic._internal._model_construction import ModelMetaclass as _PydanticMeta
@@ -25,7 +26,8 @@ else:  # at run time, without importing pydantic's private module
 def refusal(what: str, error: ValidationError) -> str:
     """One line for a refused shape: its first error's location and message."""
     first = error.errors(include_url=False, include_context=False, include_input=False)[0]
-    where = ".".join(str(p) for p in first["loc"])
+    # A field's name as it is; an unknown key a caller made up quoted (control characters, surrogates).
+    where = ".".join(str(p) if isinstance(p, int) or str(p).isidentifier() else quoted(p) for p in first["loc"])
     message = str(first["msg"]).removeprefix("Value error, ")
     return f"invalid {what}{': ' + where if where else ''}: {message}"
 
