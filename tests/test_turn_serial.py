@@ -150,6 +150,34 @@ def test_a_killed_workers_turn_is_discarded_at_once(store_url: str, store: Trans
     assert admitted is not None
 
 
+def test_a_killed_worker_not_reaped_yet_is_gone_too(store_url: str, store: TranscriptStore, sid: str) -> None:
+    """A worker killed and not yet reaped by its parent (a zombie: a host that forks its workers may wait
+    for them late) keeps its pid and start ticks in /proc, but runs no more: its turn is discarded by the
+    next admission, not after its 300 s lease (a review found the session busy until the reap)."""
+    proc = start_admitter(store_url, "t1")
+    try:
+        assert admitter_result(proc) == {"admitted": True, "busy": None}
+        proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _state(proc.pid) != "Z":  # killed; Popen reaps only in wait() or poll()
+            assert time.monotonic() < deadline, "the killed worker did not become a zombie"
+            time.sleep(0.01)
+        holder = ProcessIdentity.parse(Turns(store).intent(SCOPE, sid, "t1").lease_owner.split("/")[0])
+        assert holder is not None and holder.is_dead_here() and not holder.is_alive_here()
+        admission, _ = Turns(store).admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id=ENGINE)
+        assert admission.turn_id == "t2" and _state(proc.pid) == "Z"  # discarded before the reap
+        assert [i.turn_id for i in Turns(store).intents(SCOPE)] == ["t2"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _state(pid: int) -> str:
+    """The /proc state letter of a process (R, S, Z, ...)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.mark.parametrize("if_clear", [False, True], ids=["admit", "admit_if_clear"])
 def test_8_processes_admitting_into_one_session_get_one_turn(
     store_url: str, store: TranscriptStore, sid: str, if_clear: bool

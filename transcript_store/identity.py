@@ -58,7 +58,10 @@ class ProcessIdentity:
         if self.host != socket.gethostname():
             return False
         if self.machine is not None and self.start_ticks is not None:
-            return self.machine == machine_key() and process_start_ticks(self.pid) == self.start_ticks
+            if self.machine != machine_key():
+                return False
+            state, ticks = _stat(self.pid)
+            return ticks == self.start_ticks and state not in _GONE_STATES
         start = process_start_time(self.pid)
         return start is not None and abs(start - self.start_time) < 2
 
@@ -68,7 +71,8 @@ class ProcessIdentity:
         Same boot, pid namespace and host name as this process (else: unknown, False), and then either
         no process has the pid (``kill(pid, 0)``: no such process) or the one that has it started at
         another clock tick (the pid was reused). A process that exists but cannot be signalled or
-        inspected is not dead.
+        inspected is not dead. Neither is a zombie alive: killed or exited, it keeps its pid and start until
+        its parent reaps it (a host that forks workers may reap them late), but it runs no more.
         """
         if self.machine is None or self.start_ticks is None or self.machine != machine_key():
             return False
@@ -78,17 +82,27 @@ class ProcessIdentity:
             return True
         except OSError:  # PermissionError: it exists, under another user
             return False
-        ticks = process_start_ticks(self.pid)
-        return ticks is not None and ticks != self.start_ticks
+        state, ticks = _stat(self.pid)
+        return ticks is not None and (ticks != self.start_ticks or state in _GONE_STATES)
+
+
+#: /proc states of a process that runs no more: a zombie (not reaped yet), dead
+_GONE_STATES = frozenset({"Z", "X", "x"})
+
+
+def _stat(pid: int) -> tuple[str | None, int | None]:
+    """A process's state letter and its start in clock ticks after boot (Linux /proc), or Nones."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None, None
 
 
 def process_start_ticks(pid: int) -> int | None:
     """A live process's start, in clock ticks after boot (Linux /proc), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    return _stat(pid)[1]
 
 
 def process_start_time(pid: int) -> float | None:
