@@ -29,6 +29,7 @@ from transcript_store.core import Core
 from transcript_store.db import Database
 from transcript_store.ledger import (
     TurnPayload,
+    commit_turn_in,
     committed_messages,
     count_turn_messages,
     get_receipt,
@@ -742,3 +743,48 @@ def test_a_replay_of_a_turn_committed_under_another_key_before_keys_were_bound_i
         turns.commit_turn(E, "k1", admission.anchor, terminal, messages, is_heartbeat=True)
     with pytest.raises(TurnKeyConflict):
         turns.commit_turn(E, "k2", admission.anchor, terminal, messages)
+
+
+@pytest.mark.parametrize("path", ["one statement", "transaction"])
+def test_a_range_holding_another_turns_admission_is_refused(
+    store: TranscriptStore, turns: Turns, sid: str, path: str
+) -> None:
+    """``TranscriptStore.admit`` is not held back by a running turn, so a second turn can be admitted
+    inside the first. Its messages are its own turn's: a receipt of the first turn's whole range would
+    deliver them to the engine a second time, under the other key (a review found both receipted, in
+    either order). Both commit paths refuse the range, and write nothing."""
+    apply = None if path == "one statement" else count_turn
+    first = store.admit(A, sid, user("u0"), turn_id="k0")
+    store.append(A, sid, assistant("a0"))
+    second, second_end, second_msgs = finished_turn(store, sid, "k1")
+    whole = store.read_closed_range(first, second_end)
+    assert isinstance(whole, ClosedRange) and len(whole.messages) == 4
+    before = ledger(store, sid)
+
+    def refused() -> None:
+        with pytest.raises(InvalidInput, match="admission of another logical turn \\('k1'\\)"):
+            turns.commit_turn(E, "k0", first, second_end, whole.messages, apply=apply)
+
+    assert count_transactions(store, refused) == 1  # the one statement inserted nothing: the check refused
+    assert ledger(store, sid) == before
+    assert turns.commit_turn(E, "k1", second, second_end, second_msgs, apply=apply).status == "committed"
+    refused()  # after the other turn's commit as before it
+    assert ledger(store, sid)[0] == ["k1"]
+
+
+def test_a_queued_turn_whose_range_holds_another_turns_admission_is_blocked(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """Through the outbox: a turn admitted with ``Turns.admit``, another one admitted with the store's own
+    ``admit`` while it runs, answered and committed; the first turn's completion cannot deliver its range
+    (the other turn's messages inside it) and blocks it, naming the other turn, instead of a receipt."""
+    turns.admit(A, sid, user("v0"), turn_id="j0", engine_id=E)
+    inner, inner_end, inner_msgs = finished_turn(store, sid, "j1")
+    assert turns.commit_turn(E, "j1", inner, inner_end, inner_msgs).status == "committed"
+    done = turns.complete(A, sid, "j0", [{"message": assistant("b0")}], lambda c, p: commit_turn_in(c, p))
+    assert done.commit is None and done.intent.state == "blocked"
+    assert done.intent.block_reason is not None and done.intent.block_reason.startswith("overlapping_turn")
+    assert "'j1'" in done.intent.block_reason
+    assert ledger(store, sid)[0] == ["j1"]
+    assert turns.drain(lambda _e: lambda c, p: commit_turn_in(c, p), scope=A).delivered == 0
+    assert ledger(store, sid)[0] == ["j1"]

@@ -301,7 +301,8 @@ def _committed(values: dict[str, Any]) -> CommitResult:
 # stored range is, beyond doubt, the turn: every entry of the seq range is a message on the active
 # path, at consecutive depths (so they are the parent chain from the admission to the terminal), each
 # stored text equal to the message's, the anchors matching (the session's key, generation and
-# incarnation too), the first a user message admitted under this key as its logical turn id. That is a
+# incarnation too), the first a user message admitted under this key as its logical turn id, and no
+# other entry of the range admitted as a logical turn (another turn's messages). That is a
 # subset of what ``_check_range`` accepts; anything else (a replay, a collision, a range with events or
 # branches, a text stored in another spelling, an admission without a turn id, an anchor without an
 # incarnation, an unknown session) inserts nothing and ``commit_turn`` takes the transactional path,
@@ -335,7 +336,8 @@ WITH s AS (
            sum(CASE WHEN e.seq = CAST(:b_to AS BIGINT) AND e.entry_id = CAST(:b_term_id AS TEXT)
                      AND e.parent_id {same} CAST(:b_term_parent AS TEXT)
                      AND e.position = CAST(:b_term_position AS INTEGER)
-                    THEN 1 ELSE 0 END) AS n_terminal
+                    THEN 1 ELSE 0 END) AS n_terminal,
+           sum(CASE WHEN e.seq > CAST(:b_from AS BIGINT) AND e.turn_id IS NOT NULL THEN 1 ELSE 0 END) AS n_other
     FROM ts_entries e
     LEFT JOIN ts_active_path p
         ON p.scope = e.scope AND p.session_id = e.session_id AND p.depth = e.depth AND p.seq = e.seq
@@ -350,7 +352,7 @@ SELECT s.scope, s.session_id, :b_key, :b_engine, :b_ts, a.n_rows, :b_heartbeat,
        :b_hash, CAST(:b_adm_id AS TEXT), CAST(:b_term_id AS TEXT), :b_seqs
 FROM s, a
 WHERE a.n_rows = CAST(:b_count AS INTEGER) AND a.n_same = a.n_rows AND a.span = a.n_rows - 1
-  AND a.n_admission = 1 AND a.n_terminal = 1
+  AND a.n_admission = 1 AND a.n_terminal = 1 AND a.n_other = 0
 ON CONFLICT DO NOTHING
 RETURNING advancement_key
 """
@@ -488,6 +490,14 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
     assert term.position is not None  # matched its stored message entry above
     if core.path_seq_at_position(turn.scope, turn.session_id, term.position) != term.seq:
         raise InvalidInput("the turn is not on the session's active branch (it was branched away)")
+    # A user message admitted as another logical turn inside the range: that turn's messages would reach
+    # the engine twice, once under each key (a review found both receipted). Its own turn owns them.
+    other = next((r for r in chain if r.entry_id != adm.entry_id and r.turn_id is not None), None)
+    if other is not None:
+        raise InvalidInput(
+            f"the turn range holds entry {other.entry_id!r}, the admission of another logical turn "
+            f"({other.turn_id!r}): a turn ends before the next one is admitted"
+        )
     found = [r for r in reversed(chain) if r.kind == "message"]
     if len(found) != len(turn.messages):
         raise InvalidInput(f"the turn range holds {len(found)} messages, got {len(turn.messages)}")

@@ -578,6 +578,16 @@ def capture_range(
         result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
     ts = now_us()
     if isinstance(result, ClosedRange):
+        other = next((e for e in result.entries[1:] if e.turn_id is not None), None)
+        if other is not None:
+            # Another logical turn was admitted inside this one (``TranscriptStore.admit`` is not held
+            # back by a running turn): its messages are its own turn's, and this range would deliver
+            # them to the engine a second time. ``commit_turn`` refuses such a range too.
+            if not persist:
+                return intent, None
+            reason = (f"overlapping_turn: the turn's range holds entry {other.entry_id!r}, the admission "
+                      f"of turn {other.turn_id!r}")
+            return _block(core, intent, reason), None
         messages = result.messages
         if persist:
             params = _turn_params(
@@ -592,7 +602,11 @@ def capture_range(
 
 def _block_range(core: Core, intent: TurnIntent, failure: Any) -> TurnIntent:
     """Block a queued row whose closed range cannot be read (a ``ClosedRangeFailure``); the blocked intent."""
-    reason = f"{failure.reason}: {failure.detail}" if failure.detail else failure.reason
+    return _block(core, intent, f"{failure.reason}: {failure.detail}" if failure.detail else failure.reason)
+
+
+def _block(core: Core, intent: TurnIntent, reason: str) -> TurnIntent:
+    """Block a queued row for ``reason``; the blocked intent."""
     key = _key(intent.scope, intent.session_id, intent.turn_id)
     core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=now_us()))
     log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
