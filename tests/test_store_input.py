@@ -340,3 +340,25 @@ def test_writes_to_unknown_sessions_and_scopes_are_refused(store: TranscriptStor
             lambda sc=scope, s=session_id: store.end_session(sc, s),
             lambda sc=scope, s=session_id: store.delete_session(sc, s),
         )
+
+
+def test_an_admission_made_without_validation_and_missing_fields_is_refused(store: TranscriptStore, sid: str) -> None:
+    """``Admission.model_construct()`` leaves a field it is not given unset: reading it raised a bare
+    AttributeError in ``read_closed_range`` and ``commit_turn`` (a review found it)."""
+    from transcript_store import Admission
+
+    good = store.admit(A, sid, user("a turn"), turn_id="T1")
+    reply = store.append(A, sid, {"role": "assistant", "content": "its reply"})
+    terminal = store.anchor(A, sid, reply.entry_id)
+    messages = [user("a turn"), {"role": "assistant", "content": "its reply"}]
+    turns = Turns(store)
+    for bad in (Admission.model_construct(), Admission.model_construct(turn_id="T1"),
+                Admission.model_construct(anchor="E1", turn_id="T1")):
+        refused(store, InvalidInput, lambda bad=bad: store.read_closed_range(bad, terminal),
+                lambda bad=bad: turns.commit_turn("e", "T1", bad, terminal, messages), case=repr(bad))
+    # Its anchor is all a closed range reads; a commit needs its turn id too.
+    anchor = good.anchor
+    for bad in (Admission.model_construct(anchor=anchor), Admission.model_construct(anchor=anchor, turn_id=5)):
+        refused(store, InvalidInput, lambda bad=bad: turns.commit_turn("e", "T1", bad, terminal, messages),
+                case=repr(bad))
+    assert turns.commit_turn("e", "T1", good, terminal, messages).status == "committed"

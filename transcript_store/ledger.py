@@ -182,17 +182,20 @@ def prepare_turn(
     check_id("advancement_key", advancement_key)
     if not isinstance(messages_validated, bool):
         raise InvalidInput("messages_validated must be a bool")
+    turn_id: object = advancement_key
     if isinstance(admission, Admission):
-        if admission.turn_id != advancement_key:
-            # The admitted entry is another logical turn's: the conflict the ledger finds for a bare
-            # anchor (TurnKeyConflict), found here before anything is read.
-            raise TurnKeyConflict(advancement_key, admission.anchor.entry_id, admission.turn_id)
-        anchor = admission.anchor
+        # ``getattr``: one made by ``model_construct`` may lack either field (InvalidInput, not AttributeError).
+        given, turn_id = getattr(admission, "anchor", None), getattr(admission, "turn_id", None)
+        check_id("admission.turn_id", turn_id)
     elif isinstance(admission, Anchor):
-        anchor = admission
+        given = admission
     else:
         raise InvalidInput("admission must be an Admission or its Anchor")
-    check_anchor("admission", anchor)
+    anchor = check_anchor("admission", given)
+    if turn_id != advancement_key:
+        # The admitted entry is another logical turn's: the conflict the ledger finds for a bare anchor
+        # (TurnKeyConflict), found here before anything is read.
+        raise TurnKeyConflict(advancement_key, anchor.entry_id, str(turn_id))
     check_anchor("terminal", terminal)
     identity = ("scope", "session_id", "session_key", "generation")
     if any(getattr(anchor, k) != getattr(terminal, k) for k in identity):

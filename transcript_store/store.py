@@ -418,7 +418,10 @@ class TranscriptStore:
 
     def read_closed_range(self, admission: Anchor | Admission, terminal: Anchor) -> ClosedRangeResult:
         """The visible messages of a finished turn (admission..terminal), or a typed failure."""
-        first = check_anchor("admission", admission.anchor if isinstance(admission, Admission) else admission)
+        # ``getattr``: an Admission made by ``model_construct`` may have no anchor at all (InvalidInput then).
+        first = check_anchor(
+            "admission", getattr(admission, "anchor", None) if isinstance(admission, Admission) else admission
+        )
         check_anchor("terminal", terminal)
         return self.read(lambda c: fences.read_closed_range(c, first, terminal))
 
