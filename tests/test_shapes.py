@@ -53,8 +53,8 @@ def test_every_shape_built_by_hand_refuses_with_a_class_of_the_library() -> None
 
 VALID: dict[str, Any] = {
     "scope": "s", "session_id": "x", "session_key": None, "generation": 0, "entry_id": "E1", "seq": 0,
-    "parent_id": None, "position": 0, "incarnation": 1, "idempotency_key": None, "turn_id": "T1", "message": {"role": "user", "content": "q"},
-    "url": "sqlite:///x.db", "engine": "legacy", "kind": "message",
+    "parent_id": None, "position": 0, "incarnation": 1, "idempotency_key": None, "turn_id": "T1",
+    "message": {"role": "user", "content": "q"}, "url": "sqlite:///x.db", "engine": "legacy", "kind": "message",
 }
 VALID["anchor"] = {k: VALID[k] for k in Anchor.model_fields}
 
