@@ -1571,7 +1571,8 @@ def url_source() -> str:
 @click.option("--max-body", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes (413 above).")
 @click.option("--body-timeout", type=click.IntRange(1, 3600), default=30, show_default=True, metavar="SECONDS",
-              help="A request body that pauses this long gets 408, and its connection is closed.")
+              help="A request body that pauses this long gets 408, and its connection is closed; so is a "
+              "connection whose request head is not whole this long after it opened or its last response.")
 @click.option("--access-log", is_flag=True, help="Log every request.")
 @common
 def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_timeout: int, access_log: bool) -> None:
@@ -1607,7 +1608,7 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
         # Engines run in this process: their print() and warnings.warn() quote stored text as their log
         # records do (uvicorn logs through the root handler here: log_config=None).
         show_process_output()
-        run_server(app, sock, access_log=access_log,
+        run_server(app, sock, access_log=access_log, head_timeout=body_timeout,
                    announce=lambda url: click.echo(f"transcript-store serve: listening on {url} ({store.url})"))
     finally:
         # Stopped by Ctrl-C or SIGTERM, serve returns here (exit 0): the engines are disposed of (their

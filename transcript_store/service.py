@@ -15,7 +15,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,47 @@ class _Call:
     session: SessionInfo
 
 
+#: how long closing the service waits for requests still running in their threads
+CLOSE_WAIT_SECONDS = 60.0
+
+
+class InFlight:
+    """The service calls running in request threads.
+
+    A request the server stopped waiting for at shutdown (answered 503 once the graceful period was
+    over) still runs in its thread: closing the store under it made its write fail half way or land in
+    a store being disposed of. ``Service.close`` waits for these calls first.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Count one call while it runs."""
+        with self._idle:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._count -= 1
+                self._idle.notify_all()
+
+    @property
+    def running(self) -> int:
+        """How many calls run now."""
+        with self._idle:
+            return self._count
+
+    def wait_idle(self, timeout: float) -> int:
+        """Wait until no call runs, ``timeout`` seconds at most; how many still run."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._count == 0, timeout)
+            return self._count
+
+
 class Service:
     """Every operation of the HTTP API, for one caller scope at a time (see module doc)."""
 
@@ -230,6 +272,8 @@ class Service:
         self.settings = settings
         self.runtime = HostRuntime(store, settings, model=None, registry=EngineRegistry(settings.plugin_dirs))
         self._lock = threading.Lock()
+        #: the calls request threads run now (the HTTP layer counts them; ``close`` waits for them)
+        self.inflight = InFlight()
 
     # ------------------------------------------------------------------------------------ sessions
 
@@ -558,8 +602,14 @@ class Service:
             raise InvalidInput("the anchor names another session")
         return anchor
 
-    def close(self) -> None:
-        """Dispose of the engines and release the store."""
+    def close(self, wait_seconds: float = CLOSE_WAIT_SECONDS) -> None:
+        """Dispose of the engines and release the store, once the calls still running in request threads
+        have ended (``wait_seconds`` at most)."""
+        if self.inflight.running:
+            log.info("waiting for %d request(s) still running before closing the store", self.inflight.running)
+            left = self.inflight.wait_idle(wait_seconds)
+            if left:
+                log.warning("closing the store with %d request(s) still running after %g s", left, wait_seconds)
         self.runtime.dispose()
         self.store.close()
 

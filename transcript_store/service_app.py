@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import uuid
@@ -23,6 +24,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,7 +54,7 @@ from .errors import (
     UnknownSession,
 )
 from .models import Admission, DeltaPage, DeltaReset, SessionInfo
-from .service import Service, TokenMap
+from .service import InFlight, Service, TokenMap
 from .service_models import (
     AdmitRequest,
     AppendRequest,
@@ -305,6 +307,16 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            # The server stopped waiting for this request (shutdown past its graceful period). Its call
+            # may still run in its thread, and complete: the client is told so, in the error shape,
+            # rather than uvicorn's plain-text 500 (``Service.close`` waits for that call).
+            log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_json(503, "shutting_down", "the server is shutting down; this request may still "
+                                      "be carried out: retry it once the service is back")
+                response.headers.update(_CLOSE)
+                await response(scope, receive, send)
         except Exception:
             cid = uuid.uuid4().hex[:16]
             log.exception("internal error %s on %s %s", cid, scope.get("method"), scope.get("path"))
@@ -430,6 +442,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     )
     app.state.tokens = tokens
     app.state.max_body_bytes = max_body_bytes
+    app.router.route_class = _counted_route(service.inflight)
     _errors(app)
     _routes(app, service)
     app.add_middleware(PathSegments)
@@ -438,6 +451,24 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     _protect_openapi(app)
     return app
+
+
+def _counted_route(inflight: InFlight) -> type[APIRoute]:
+    """FastAPI's route, its (synchronous) endpoint counted in ``inflight`` while it runs in its thread."""
+
+    class Counted(APIRoute):
+        def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+            if not asyncio.iscoroutinefunction(endpoint):
+                inner = endpoint
+
+                @functools.wraps(inner)  # FastAPI reads the signature through __wrapped__
+                def endpoint(*args: Any, **kw: Any) -> Any:
+                    with inflight.call():
+                        return inner(*args, **kw)
+
+            super().__init__(path, endpoint, **kwargs)
+
+    return Counted
 
 
 def _errors(app: FastAPI) -> None:
@@ -595,18 +626,74 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
-          announce: Callable[[str], None] | None = None) -> None:
-    """Serve ``app`` on ``sock`` until SIGINT/SIGTERM."""
+          announce: Callable[[str], None] | None = None, head_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+    """Serve ``app`` on ``sock`` until SIGINT/SIGTERM; a request head must arrive whole within
+    ``head_timeout`` seconds of the connection or of the previous response."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     config = uvicorn.Config(app, log_config=None, access_log=access_log, server_header=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, http=_head_deadline(head_timeout))
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     server = _server_class()(config, lambda: announce(url) if announce is not None else None)
     server.run(sockets=[sock])
+
+
+#: how long requests in flight may run on after Ctrl-C or SIGTERM, before they are answered 503
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def _head_deadline(seconds: float) -> type:
+    """uvicorn's h11 protocol with a deadline for every request head.
+
+    uvicorn times out only a keep-alive connection idle after a response, and restarts even that on any
+    byte: a client (no token needed, the head never reaches ``Authenticate``) could hold a connection
+    open for ever by sending nothing, or one header byte now and then, and enough of them took every
+    file descriptor, locking everyone out (a review did so with 300 under a low limit). The deadline
+    runs from the connection, or from the previous response, until the head is whole: bytes that do not
+    finish the head do not move it. Past it the connection is closed, as uvicorn closes an idle one.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._head_overdue)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the head is whole: a request is under way
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()  # the next request's head (a pipelined one may be under way already)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _head_overdue(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+                self.timeout_keep_alive_handler()  # uvicorn's own close of an idle connection
+
+    return HeadDeadline
 
 
 def _server_class() -> type:

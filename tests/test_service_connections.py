@@ -1,0 +1,146 @@
+"""A real ``transcript-store serve``: connections that never send a whole request head, and requests still
+running when the server is stopped.
+
+Both were found by a review: a client without any token could hold connections open for ever (nothing,
+or a head one byte at a time: uvicorn has no deadline for a head), enough of them locking everyone out;
+and a request cancelled at shutdown got uvicorn's plain-text 500 while its write committed afterwards,
+into a store being closed under it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from service_process import ServiceProcess, request
+
+TOKEN = "tok-connections"
+TOKENS = {TOKEN: "scope-a"}
+HEAD = b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\n"
+
+
+@pytest.fixture
+def server(store_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
+    """A server whose body (and head) timeout is 1 second."""
+    with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log", extra_args=("--body-timeout", "1")) as proc:
+        yield proc
+
+
+def _connect(server: ServiceProcess) -> socket.socket:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> float | None:
+    """Seconds until the server closed ``sock`` (None: still open after ``seconds``), sending ``drip`` one
+    byte every 0.2 s meanwhile (bytes that never finish a head)."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    sent = 0
+    while time.monotonic() - started < seconds:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - started
+        if sent < len(drip):
+            try:
+                sock.sendall(drip[sent : sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - started
+            sent += 1
+    return None
+
+
+def test_a_connection_without_a_whole_request_head_is_closed_after_the_timeout(server: ServiceProcess) -> None:
+    silent, dripping, kept = _connect(server), _connect(server), _connect(server)
+    try:
+        # A request on a kept-alive connection, then the next head left unfinished.
+        kept.sendall(HEAD + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+        kept.settimeout(10)
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /v1/who")
+        # The deadline runs from the connection (or the last response), whatever bytes keep coming.
+        for sock, drip in ((silent, b""), (dripping, HEAD * 3), (kept, b"")):
+            took = _closed_within(sock, 8.0, drip)
+            assert took is not None and took < 6.0, f"still open after 8 s (drip {len(drip)} bytes)"
+    finally:
+        for sock in (silent, dripping, kept):
+            sock.close()
+    # A whole request still goes through, its body in time too.
+    assert server.call("GET", "/v1/whoami", TOKEN) == (200, {"scope": "scope-a"})
+    assert server.call("POST", "/v1/sessions", TOKEN, {"session_id": "after"})[0] == 200
+
+
+def _hold_the_sessions_table(store_url: str, held: threading.Event, release: threading.Event) -> None:
+    """Keep every write to the session table waiting until ``release`` (another writer's long transaction)."""
+    if store_url.startswith("sqlite"):
+        conn = sqlite3.connect(store_url.split(":///", 1)[1], isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(60)
+        conn.execute("ROLLBACK")
+        conn.close()
+        return
+    with psycopg.connect(store_url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        conn.execute("LOCK TABLE ts_sessions IN ACCESS EXCLUSIVE MODE")
+        held.set()
+        release.wait(60)
+        conn.rollback()
+
+
+def test_a_request_still_running_at_shutdown_is_told_so_and_the_store_closes_after_it(
+    store_url: str, tmp_path: Path
+) -> None:
+    server = ServiceProcess(store_url, TOKENS, tmp_path / "serve.log").start()
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_the_sessions_table, args=(store_url, held, release), daemon=True)
+    holder.start()
+    answer: list[Any] = []
+    try:
+        assert held.wait(30)
+        client = threading.Thread(target=lambda: answer.append(
+            request(server.url, "POST", "/v1/sessions", TOKEN, {"session_id": "late"})), daemon=True)
+        client.start()
+        time.sleep(1.0)  # the request waits for the table
+        assert server.proc is not None
+        server.proc.send_signal(15)  # SIGTERM: 5 s for requests in flight, then they are cancelled
+        client.join(20)
+        assert answer, "no answer within 20 s"
+        status, body = answer[0]
+        assert status == 503 and body["error"]["code"] == "shutting_down", answer
+        assert "may still be carried out" in body["error"]["message"]
+        time.sleep(0.5)
+        assert server.proc.poll() is None  # waiting for the request's thread before closing the store
+        release.set()
+        assert server.proc.wait(30) == 0
+    finally:
+        release.set()
+        holder.join(30)
+        server.stop()
+    log = server.log()
+    assert "waiting for 1 request(s) still running before closing the store" in log, log[-3000:]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    # The request ran to its end in its thread, into an open store: the session is there, once.
+    check = ServiceProcess(store_url, TOKENS, tmp_path / "serve2.log").start()
+    try:
+        assert check.call("GET", "/v1/sessions/late", TOKEN)[0] == 200
+    finally:
+        check.stop()
+
+
+def test_the_shutting_down_code_is_documented() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert "`shutting_down`" in readme
+    assert json.dumps("shutting_down")  # the code is plain ASCII
