@@ -676,3 +676,33 @@ def test_engine_tools_reach_the_model_through_the_host(store: TranscriptStore, s
     answer = json.loads(out.messages[2]["content"])
     assert answer == {"error": "pattern must be a non-empty string"}  # the scripted model sends "query"
     assert "lossless" not in host.quarantined
+
+
+class _TripleEstimator(RoughEstimator):
+    """Counts three times what the rough estimator counts: another tokenizer than the one that stored."""
+
+    def count_text(self, text: str) -> int:
+        return 3 * super().count_text(text)
+
+
+def test_assemble_fits_its_budget_by_todays_count_when_the_stored_counts_were_made_by_another_estimator(
+    store: TranscriptStore, sid: str
+) -> None:
+    """Each message and summary is counted once, when stored, by that process's estimator. Read by a
+    process counting with another (another tokenizer setting, another host on the same store), the
+    stored counts said far less than the context cost: 7,603 tokens came back for a budget of 3,000,
+    marked "assembled", nothing compacted (a review found it). Now the context counted as it goes out
+    fits, compacted into summaries, and the recall hint says so."""
+    for k in range(20):
+        store.append_many(A, sid, [{"message": {"role": "user", "content": f"q{k} " + "words " * 40}},
+                                   {"message": {"role": "assistant", "content": f"a{k} " + "reply " * 40}}])
+    stored = make_engine(store).assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+    assert len(stored.messages) == 40 and stored.estimated_tokens > 2_000
+    ctx = EngineContext(store=store, config={}, summarizer=ExtractiveSummarizer(), estimator=_TripleEstimator())
+    triple = LosslessEngine(ctx)
+    result = triple.assemble(scope=A, session_id=sid, fence=None, token_budget=3_000)
+    assert result.prompt_authority == "assembled"
+    assert result.estimated_tokens == _TripleEstimator().count_messages(result.messages) <= 3_000
+    assert result.system_prompt_addition is not None  # summaries made: the recall tools are named
+    assert any(m["content"].startswith("q19 ") for m in result.messages)  # the latest turn is shown raw
+    assert store.read(lambda c: audit(c, A, sid)).problems == []

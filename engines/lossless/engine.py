@@ -59,6 +59,8 @@ MAX_REMEMBERED = 1024
 Probe = Literal["missing", "current", "behind"]
 #: compaction passes (each at most ``max_rounds`` steps) assemble may run when the context is over its budget
 ASSEMBLE_PASSES = 8
+#: times assemble shrinks the stored counts' budget when the context counted now is over the budget
+ESTIMATE_PASSES = 4
 #: the system-prompt addition when the context had to leave earlier messages out and shows no summary
 CUT_HINT = (
     "Earlier parts of this conversation are not shown here for room. Nothing is lost: lcm_grep searches "
@@ -206,28 +208,44 @@ class LosslessEngine:
         _check_tools(available_tools)
         self._remember(scope, session_id, token_budget, runtime_settings)
         items = self._current(scope, session_id, fence)
-        passes = 0
-        while sum(i.tokens for i in items) > token_budget and passes < ASSEMBLE_PASSES:
-            # Over the hard budget (a large import, or a failed earlier compaction): compact now, pass
-            # after pass while a pass makes progress. One pass (``max_rounds`` steps) summarised a few
-            # hundred of an imported session's 2,000 messages, and ``fit`` then cut the rest of the raw
-            # history and the new summaries with it, for as many turns as maintenance took to catch up.
-            passes += 1
-            marks = self.budget(scope, session_id, token_budget)
-            result = self._compact(scope, session_id, marks, force=False, focus=None)
-            items = self._current(scope, session_id, fence)
-            if not result.compacted:
+        # The budget the stored counts are held to. Each message and summary is counted once, when it is
+        # stored, by the estimator of that process: counted since by another one (another tokenizer
+        # setting, another host on the same store), they may say far less than the context now costs
+        # (a review saw 7,603 tokens assembled for a budget of 3,000, nothing compacted). The context
+        # is counted again as it goes out; over the budget, the stored counts' budget shrinks by the
+        # ratio seen, and compaction and ``fit`` run again.
+        budget = token_budget
+        for _ in range(ESTIMATE_PASSES):
+            passes = 0
+            while sum(i.tokens for i in items) > budget and passes < ASSEMBLE_PASSES:
+                # Over the hard budget (a large import, or a failed earlier compaction): compact now, pass
+                # after pass while a pass makes progress. One pass (``max_rounds`` steps) summarised a few
+                # hundred of an imported session's 2,000 messages, and ``fit`` then cut the rest of the raw
+                # history and the new summaries with it, for as many turns as maintenance took to catch up.
+                passes += 1
+                marks = self.budget(scope, session_id, budget)
+                result = self._compact(scope, session_id, marks, force=False, focus=None)
+                items = self._current(scope, session_id, fence)
+                if not result.compacted:
+                    break
+            shown = fit(items, budget)
+            messages = render(shown)
+            estimated = int(self.estimator.count_messages(messages))
+            stored = sum(i.tokens for i in shown)
+            if estimated <= token_budget or stored <= 1:
                 break
+            budget = min(budget - 1, stored * token_budget // estimated)
         self._count("context_rows_read", len(items))
-        shown = fit(items, token_budget)
-        messages = render(shown)
         has_summaries = any(i.summary is not None for i in shown)
         # What fit left out is stored all the same: the recall tools reach it, and the model is told so.
         hint = RECALL_HINT if has_summaries else (CUT_HINT if len(shown) < len(items) else None)
         return AssembleResult(
             messages=messages,
-            estimated_tokens=int(self.estimator.count_messages(messages)),
+            estimated_tokens=estimated,
             system_prompt_addition=hint,
+            # Still over after the passes (a single message larger than the budget by today's count):
+            # the host, not this answer, has the last word on what fits.
+            prompt_authority="assembled" if estimated <= token_budget else "preassembly_may_overflow",
             context_projection=ContextProjection(mode="per_turn", epoch=epoch(shown)),
         )
 
