@@ -83,6 +83,39 @@ def test_a_connection_without_a_whole_request_head_is_closed_after_the_timeout(s
     assert server.call("POST", "/v1/sessions", TOKEN, {"session_id": "after"})[0] == 200
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """Everything up to the end of one response's head, and a little more (JSON bodies are short)."""
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_request_answered_without_reading_its_awaited_body_closes_the_connection(server: ServiceProcess) -> None:
+    """A client waiting for 100 Continue that gets a final answer instead (404, 405) may skip its body
+    and send its next request on the connection, which the server would read as that body (a review
+    found the next request swallowed). Such an answer closes the connection; a body read is not."""
+    head = (f"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n").encode()
+    with _connect(server) as sock:
+        sock.sendall(head)
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 404") and b"connection: close" in answer.lower(), answer
+        assert _closed_within(sock, 5.0) is not None
+    # Read, the body keeps the connection: 100 Continue, the answer, and the next request on it.
+    with _connect(server) as sock:
+        body = b'{"session_id": "cont-1"}'
+        sock.sendall(head.replace(b"/v1/nothing", b"/v1/sessions").replace(b"Length: 2", b"Length: %d" % len(body)))
+        assert _read_response(sock).startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" not in answer.lower(), answer
+
+
 def _hold_the_sessions_table(store_url: str, held: threading.Event, release: threading.Event) -> None:
     """Keep every write to the session table waiting until ``release`` (another writer's long transaction)."""
     if store_url.startswith("sqlite"):

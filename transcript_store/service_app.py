@@ -185,9 +185,11 @@ class BodyLimit:
                 await response(scope, receive, send)
                 return
         seen = 0
+        asked = False  # whether anything inside read the body (asked for it: 100 Continue goes out then)
 
         async def counted() -> Any:
-            nonlocal seen
+            nonlocal seen, asked
+            asked = True
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -196,7 +198,20 @@ class BodyLimit:
                     raise _TooLarge(self.limit, stalled=stalled)
             return message
 
-        await self.app(scope, counted, send)
+        if not _expects_continue(scope):
+            await self.app(scope, counted, send)
+            return
+
+        async def closing(message: Any) -> None:
+            # Answered without reading the body (404, 405, 401, ...): the client never got its 100
+            # Continue. It may send the body all the same or skip it and send its next request; the
+            # server, reading the connection on, would take that request for the body. Closed instead.
+            if message["type"] == "http.response.start" and not asked:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, counted, closing)
 
 
 def _expects_continue(scope: MutableMapping[str, Any]) -> bool:
