@@ -914,3 +914,82 @@ def test_empty_lists_hermes_may_replay_are_stored_as_what_they_mean(store_url: s
                                  {"role": "user", "content": ""}, {"role": "assistant", "content": "done"}])
     assert len(engine.stored_messages("s1")) == 4
     engine.close()
+
+
+def _contents(messages: list[dict[str, Any]]) -> list[str]:
+    """The texts of a list's conversation messages (our context messages left out)."""
+    return [m["content"] for m in messages if isinstance(m.get("content"), str) and m["content"]
+            and not is_context_message(m)]
+
+
+def test_compress_of_a_list_shorter_than_the_transcript_answers_that_list_only(store_url: str, tmp_path: Path) -> None:
+    """``/undo`` then ``/compress``, or ``/compress here N`` (the head compressed, the tail appended
+    again): compress gets the start of what is stored. Its answer brought the undone turn back (sent to
+    the model again) and put the held-back tail in twice (a review found both in the real agent). The
+    list compress gets is the conversation: what the transcript holds after it leaves the active branch."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    convo = conversation("alpha", 12)
+    convo[-2]["content"] = "UNDONE question: drop the production database"
+    engine.on_turn_complete(convo)
+    undone = convo[:-2]
+    out = engine.compress(undone, force=True)
+    assert not any("UNDONE" in str(m.get("content")) for m in out) and is_valid_sequence(out)
+    assert visible(engine, "s1") == undone
+    assert any(m["content"] == convo[-2]["content"] for m in engine.stored_messages("s1"))  # kept, off-branch
+    # /compress here 1: the head compressed, the last exchange appended to the answer again.
+    engine.on_session_start("s2")
+    convo = conversation("beta", 12)
+    engine.on_turn_complete(convo, session_id="s2")
+    head, tail = convo[:-2], convo[-2:]
+    joined = engine.compress(head, force=True, session_id="s2") + copy.deepcopy(tail)
+    texts = _contents(joined)
+    assert len(texts) == len(set(texts)) and texts[-2:] == _contents(tail) and is_valid_sequence(joined)
+    nxt = [*joined, user("beta follow-up"), reply("beta reply")]
+    engine.on_turn_complete(nxt, session_id="s2")
+    assert visible(engine, "s2") == [*convo, user("beta follow-up"), reply("beta reply")]
+    # A hook's older copy of the list still moves nothing (only compress follows a shorter list).
+    engine.on_turn_complete(convo[:4], session_id="s2")
+    assert len(visible(engine, "s2")) == len(convo) + 2
+
+
+def test_the_fresh_tail_reloaded_from_hermes_db_goes_in_once_in_its_place(store_url: str, tmp_path: Path) -> None:
+    """The gateway rebuilds the conversation from its session database (a timestamp on every message,
+    ``tool_name`` on tool results): the engine's copy of the current turn is the live form stored first.
+    Compared as exact JSON, the current user message went in twice and moved before the last answer."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s1")
+    convo = conversation("alpha", 12)
+    question = user("LASTTURN please grep for alpha " + "words " * 40)
+    call = {"id": "call_g", "type": "function", "function": {"name": "lcm_grep", "arguments": '{"pattern": "a"}'}}
+    live = [*convo, question, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    engine.handle_tool_call("lcm_grep", {"pattern": "alpha"}, messages=live)  # stores the live form
+    full = [*live, {"role": "tool", "tool_call_id": "call_g", "content": "grep results"},
+            reply("FINAL reply to LASTTURN " + "ok " * 40)]
+    reloaded = copy.deepcopy(full)
+    for i, m in enumerate(reloaded):
+        m["timestamp"] = 1_700_000_000.0 + i
+        if m["role"] == "tool":
+            m["tool_name"] = "lcm_grep"
+    out = engine.compress(reloaded, current_tokens=20_000)
+    texts = _contents(out)
+    assert sum(t.startswith("LASTTURN") for t in texts) == 1 and is_valid_sequence(out)
+    assert texts.index(question["content"]) > max(
+        (i for i, t in enumerate(texts) if t.startswith("alpha answer")), default=-1)
+    assert texts[-1].startswith("FINAL reply")
+
+
+def test_a_count_of_more_than_the_messages_given_does_not_squeeze_every_later_answer(tmp_path: Path) -> None:
+    """``/compress here N`` passes the whole history's count with its head only: the held-back tail,
+    taken for the request's system prompt and tools, squeezed every later answer to the minimum."""
+    engine = make(tmp_path, threshold_percent=30_000)
+    engine.on_session_start("s1")
+    convo = conversation("alpha", 10)
+    engine.compress(convo, current_tokens=RoughEstimator().count_messages(convo) + 1_000)
+    assert 900 <= engine.request_overhead <= 1_100
+    engine.compress(convo[:-2], current_tokens=RoughEstimator().count_messages(convo) + 60_000, force=True)
+    assert 900 <= engine.request_overhead <= 1_100  # one measure off: the lower median of the two
+    assert engine.compress_target([], None) >= engine.threshold_tokens * 0.7
+    for _ in range(2):  # measures that agree win
+        engine.compress(convo, current_tokens=RoughEstimator().count_messages(convo) + 3_000, force=True)
+    assert 2_900 <= engine.request_overhead <= 3_100

@@ -406,11 +406,17 @@ def with_fresh_tail(
     stays where the engine kept it; summarised or cut away by the engine, it goes right after the
     summaries: an engine summarises and cuts oldest first, so what it kept raw came after it.
     """
-    own = {canonical(m) for m in pending}
+    # By identity, not the exact JSON: the engine's copy is the form first stored, and Hermes may hold
+    # the same message reloaded from its session database (a timestamp added, texts stripped); compared
+    # whole, the current turn went in twice and moved (a review found it).
+    def same(m: dict[str, Any]) -> str:
+        return canonical(identity(m))
+
+    own = {same(m) for m in pending}
     context = valid_sequence(copy.deepcopy(list(assembled)))
-    while context and canonical(context[-1]) in own:  # the engine's copies are its newest messages
+    while context and same(context[-1]) in own:  # the engine's copies are its newest messages
         context.pop()
-    if current is not None and canonical(current) not in {canonical(m) for m in context}:
+    if current is not None and same(current) not in {same(m) for m in context}:
         n = 0
         while n < len(context) and is_summary(context[n]):
             n += 1
@@ -496,6 +502,9 @@ EMPTY = _Visible(None, -1, (), (), ())
 COMPRESS_TARGET = 0.75
 #: the least room a compress answer leaves the engine's context (its summaries) beside the fresh tail
 MIN_CONTEXT = 1000
+#: the measures of what Hermes' requests carry besides their messages that ``request_overhead`` is the
+#: median of (system prompt, tool schemas: ``compress_target``)
+OVERHEAD_SAMPLES = 9
 #: assemblies asked for to make room for an engine's system-prompt addition (compress)
 FIT_ATTEMPTS = 3
 
@@ -660,6 +669,7 @@ class TranscriptStoreEngineMixin:
         self.last_total_tokens = 0
         self.compression_count = 0
         self.request_overhead = 0  # what Hermes' requests carry besides the messages (compress_target)
+        self._overheads: list[int] = []  # its last measures
         self.context_length = int(context_length)
         self.threshold_tokens = threshold_tokens(self.context_length, threshold_percent)
         self._rt: _Runtime | None = None
@@ -846,14 +856,24 @@ class TranscriptStoreEngineMixin:
 
     def _write_in(
         self, c: Core, rt: _Runtime, store_session: str, host: list[dict[str, Any]], digests: list[str],
-        start: int | None,
+        start: int | None, follow: bool = False,
     ) -> _Visible:
-        """Make the visible transcript follow the host's list (one transaction, the session locked)."""
+        """Make the visible transcript follow the host's list (one transaction, the session locked).
+
+        A list that is the start of the transcript moves nothing (a hook may send an older copy), unless
+        ``follow``: ``compress`` gets the list Hermes goes on with, and what the transcript holds after
+        its end (a turn ``/undo`` took back; the tail ``/compress here`` holds back and appends again)
+        leaves the active branch, or the answer brought it back (a review saw an undone turn sent to
+        the model again)."""
         sess, vis = self._visible_in(c, rt, store_session)
         skipped, kept = align(vis.digests, digests, start)
         rest = host[skipped:]
         if not rest:
-            return vis  # a list we hold all of (or a stale prefix of it): nothing moves
+            if not follow or kept == 0 or kept == len(vis.entry_ids):
+                return vis  # a list we hold all of (or a stale prefix of it): nothing moves
+            head = vis.entry_ids[kept - 1]
+            paths.branch(c, self.scope, store_session, head)
+            return _Visible(head, int(sess.generation), vis.digests[:kept], vis.entry_ids[:kept], vis.seqs[:kept])
         # Off-branch entries may hold the same message at the same ordinal: a key naming the seq this
         # write follows can never find one of them (it would be "already stored", silently).
         forked = kept < len(vis.entry_ids) or sess.path_length < sess.last_seq + 1
@@ -874,8 +894,11 @@ class TranscriptStoreEngineMixin:
             vis.seqs[:kept] + tuple(e.seq for e in entries),
         )
 
-    def ingest(self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None) -> tuple[str, int]:
+    def ingest(
+        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False
+    ) -> tuple[str, int]:
         """Store the conversation's messages once each; (store session, visible messages in the lineage).
+        ``follow``: the list is the conversation itself, shorter than the transcript too (``_write_in``).
 
         Our own context messages (summaries) are never stored. The rest is aligned in order with the
         session's visible transcript: the longest common prefix is skipped and everything after the
@@ -914,13 +937,13 @@ class TranscriptStoreEngineMixin:
             with rt.lock:
                 known = rt.visible.get(store_session)
             if known is not None:
-                skipped, _kept = align(known.digests, digests, start)
-                if skipped == len(host):
+                skipped, kept = align(known.digests, digests, start)
+                if skipped == len(host) and (not follow or kept in (0, len(known.entry_ids))):
                     # Nothing new against the cache: one read of the session's head proves it current.
                     info = rt.store.get_session(self.scope, store_session)
                     if info.head_entry_id == known.head and info.generation == known.generation:
                         return store_session, len(known.entry_ids)
-            vis = rt.store.write(lambda c: self._write_in(c, rt, store_session, host, digests, start))
+            vis = rt.store.write(lambda c: self._write_in(c, rt, store_session, host, digests, start, follow))
             with rt.lock:  # only after the commit: a retried transaction starts from the same cache
                 rt.visible[store_session] = vis
         return store_session, len(vis.entry_ids)
@@ -1042,7 +1065,7 @@ class TranscriptStoreEngineMixin:
         messages = [m for m in snapshot if isinstance(m, dict)]  # anything else is no message of ours
         try:
             rt = self.runtime()
-            store_session, n = self.ingest(messages, session_id)
+            store_session, n = self.ingest(messages, session_id, follow=True)
         except Exception:
             log.exception("transcript-store: storing the conversation failed; leaving it uncompressed")
             return snapshot
@@ -1124,13 +1147,19 @@ class TranscriptStoreEngineMixin:
         """The tokens a compress answer aims at: COMPRESS_TARGET of the trigger, less what Hermes' request
         carries besides the messages (system prompt, tool schemas).
 
-        That part is what ``current_tokens`` (Hermes' count of the whole request) exceeds the messages by;
-        the largest seen is kept (``request_overhead``), for the calls that pass no count (``/compress``)
-        or a count of the previous request (after a tool call).
+        That part is what ``current_tokens`` (Hermes' count of the whole request) exceeds the messages by.
+        ``request_overhead`` is the lower median of the last ``OVERHEAD_SAMPLES`` such measures, for the
+        calls that pass no count (``/compress``): one measure is off either way now and then, and kept
+        as the largest ever seen, one was enough for the agent's life. A count of the previous request
+        (after a tool call) says too little; ``/compress here N`` passes the whole history's count with
+        its head only, the held-back tail taken for overhead (a review saw the target fall from ~21,500
+        to 411 tokens, every later answer squeezed to the minimum).
         """
         if current_tokens is not None and current_tokens > 0:
             measured = int(current_tokens) - RoughEstimator().count_messages(list(messages))
-            self.request_overhead = max(self.request_overhead, measured)
+            seen = [*getattr(self, "_overheads", []), max(0, measured)][-OVERHEAD_SAMPLES:]
+            self._overheads = seen
+            self.request_overhead = sorted(seen)[(len(seen) - 1) // 2]
         return int(self._trigger() * COMPRESS_TARGET) - self.request_overhead
 
     def _is_our_answer(self, rt: _Runtime, body: list[dict[str, Any]], hermes_session: str | None = None) -> bool:
