@@ -788,3 +788,58 @@ def test_a_queued_turn_whose_range_holds_another_turns_admission_is_blocked(
     assert ledger(store, sid)[0] == ["j1"]
     assert turns.drain(lambda _e: lambda c, p: commit_turn_in(c, p), scope=A).delivered == 0
     assert ledger(store, sid)[0] == ["j1"]
+
+
+def test_an_entry_inside_a_committed_turn_is_not_bound_to_another_key(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """A user message appended during a turn (no turn id: the store's own ``append``) is a message of
+    that turn's range. Committed first, that turn took it; a commit naming it as the admission of a
+    turn of its own (a bare anchor, which the ledger binds to its key) delivered it a second time (a
+    review found both receipted in this order, after the fix for the other)."""
+    outer = store.admit(A, sid, user("u0"), turn_id="k0")
+    store.append(A, sid, assistant("a0"))
+    inner_user = store.append(A, sid, user("u1"))
+    inner_end = store.anchor(A, sid, store.append(A, sid, assistant("a1")).entry_id)
+    whole = store.read_closed_range(outer, inner_end)
+    inner_adm = store.anchor(A, sid, inner_user.entry_id)
+    inner = store.read_closed_range(inner_adm, inner_end)
+    assert isinstance(whole, ClosedRange) and isinstance(inner, ClosedRange)
+    assert turns.commit_turn(E, "k0", outer, inner_end, whole.messages).status == "committed"
+    before = ledger(store, sid)
+    for engine in (E, "engine-2"):
+        with pytest.raises(InvalidInput, match="is a message of turn 'k0', committed already"):
+            turns.commit_turn(engine, "k1", inner_adm, inner_end, inner.messages)
+    assert ledger(store, sid) == before and store.get_entries(A, sid, [inner_user.entry_id])[0].turn_id is None
+    # A user message of no committed turn is bound as before.
+    later = store.append(A, sid, user("u2"))
+    later_end = store.anchor(A, sid, store.append(A, sid, assistant("a2")).entry_id)
+    later_adm = store.anchor(A, sid, later.entry_id)
+    closed = store.read_closed_range(later_adm, later_end)
+    assert isinstance(closed, ClosedRange)
+    assert turns.commit_turn(E, "k2", later_adm, later_end, closed.messages).status == "committed"
+
+
+def test_a_queued_turn_whose_range_gained_another_turns_admission_is_blocked_at_the_drain(
+    store: TranscriptStore, turns: Turns, sid: str
+) -> None:
+    """Captured ready while a message of its range had no turn id; that message then bound to a key by
+    another turn's commit: the ledger refuses the first turn at every delivery. The drain blocked it
+    not, and the session's later turns waited behind it for ever (a review found it)."""
+    turns.admit(A, sid, user("u0"), turn_id="j0", engine_id=E)
+    inner_user = store.append(A, sid, user("u1"))
+    inner_end = store.anchor(A, sid, store.append(A, sid, assistant("a1")).entry_id)
+    turns.complete(A, sid, "j0", [{"message": assistant("b0")}], None)
+    turns.drain(lambda _e: None, scope=A)  # the engine not loaded: captured, stays queued
+    assert turns.intent(A, sid, "j0").state == "ready"
+    inner_adm = store.anchor(A, sid, inner_user.entry_id)
+    inner = store.read_closed_range(inner_adm, inner_end)
+    assert isinstance(inner, ClosedRange)
+    assert turns.commit_turn(E, "k1", inner_adm, inner_end, inner.messages).status == "committed"
+    turns.admit(A, sid, user("u2"), turn_id="j2", engine_id=E)
+    turns.complete(A, sid, "j2", [{"message": assistant("b2")}], None)
+    report = turns.drain(lambda _e: lambda c, p: commit_turn_in(c, p), scope=A)
+    assert report.failed == [] and report.blocked == 1 and report.delivered == 1
+    blocked = turns.intent(A, sid, "j0")
+    assert blocked.state == "blocked" and blocked.block_reason.startswith("overlapping_turn")
+    assert turns.intent(A, sid, "j2") is None and ledger(store, sid)[0] == ["k1", "j2"]

@@ -578,16 +578,14 @@ def capture_range(
         result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
     ts = now_us()
     if isinstance(result, ClosedRange):
-        other = next((e for e in result.entries[1:] if e.turn_id is not None), None)
+        other = _other_turn_in(result)
         if other is not None:
             # Another logical turn was admitted inside this one (``TranscriptStore.admit`` is not held
             # back by a running turn): its messages are its own turn's, and this range would deliver
             # them to the engine a second time. ``commit_turn`` refuses such a range too.
             if not persist:
                 return intent, None
-            reason = (f"overlapping_turn: the turn's range holds entry {other.entry_id!r}, the admission "
-                      f"of turn {other.turn_id!r}")
-            return _block(core, intent, reason), None
+            return _block(core, intent, _overlap_reason(other)), None
         messages = result.messages
         if persist:
             params = _turn_params(
@@ -598,6 +596,16 @@ def capture_range(
     if result.reason == "projection_unavailable" or not persist:
         return intent, None
     return _block_range(core, intent, result), None
+
+
+def _other_turn_in(closed: ClosedRange) -> Entry | None:
+    """The first message of a closed range after its admission that is another turn's admission."""
+    return next((e for e in closed.entries[1:] if e.turn_id is not None), None)
+
+
+def _overlap_reason(other: Entry) -> str:
+    """The block reason of a turn whose range holds ``other``, another turn's admission."""
+    return f"overlapping_turn: the turn's range holds entry {other.entry_id!r}, the admission of turn {other.turn_id!r}"
 
 
 def _block_range(core: Core, intent: TurnIntent, failure: Any) -> TurnIntent:
@@ -916,6 +924,10 @@ def claim_head(
             check = read_closed_range(core, intent.admission.anchor, intent.terminal)
             if not isinstance(check, ClosedRange) and check.reason != "projection_unavailable":
                 intent = _block_range(core, intent, check)
+            elif isinstance(check, ClosedRange) and (other := _other_turn_in(check)) is not None:
+                # A message of its range was admitted (bound to a key) as another turn since it was
+                # captured: the ledger refuses it at every delivery, as in ``capture_range``.
+                intent = _block(core, intent, _overlap_reason(other))
         if intent.state == "blocked":
             if blocked is not None:
                 blocked.append(intent.turn_id)
