@@ -667,18 +667,24 @@ def _head_deadline(seconds: float) -> type:
     byte: a client (no token needed, the head never reaches ``Authenticate``) could hold a connection
     open for ever by sending nothing, or one header byte now and then, and enough of them took every
     file descriptor, locking everyone out (a review did so with 300 under a low limit). The deadline
-    runs from the connection, or from the previous response, until the head is whole: bytes that do not
-    finish the head do not move it. Past it the connection is closed, as uvicorn closes an idle one.
+    runs from the connection, or from the previous response, until the next head is whole: bytes that do
+    not finish it (the rest of a body answered early, a head a byte at a time) do not move it; it is never
+    shorter than uvicorn's keep-alive. Past it the connection is closed, as uvicorn closes an idle one.
     """
-    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadDeadline(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
 
+        def _serving(self) -> bool:
+            """Whether a request is being answered (its head came whole; the response is not done)."""
+            return self.cycle is not None and not self.cycle.response_complete
+
         def _arm(self) -> None:
             self._disarm()
-            self._head_timer = self.loop.call_later(seconds, self._head_overdue)
+            # Never shorter than uvicorn's own keep-alive: a pooled client reusing an idle connection a
+            # few seconds later must not find it closed (the head deadline is for heads, not for pools).
+            self._head_timer = self.loop.call_later(max(seconds, self.timeout_keep_alive), self._head_overdue)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -691,13 +697,15 @@ def _head_deadline(seconds: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the head is whole: a request is under way
+            if self._serving():  # a head came whole: its request is answered; no deadline meanwhile
                 self._disarm()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()  # the next request's head (a pipelined one may be under way already)
+            # The next head's deadline, from now: also when the response went out before the request's
+            # body had all come (a 413, a 401), whose rest the client may drip for ever (a review saw it).
+            if not self.transport.is_closing() and not self._serving():
+                self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -705,7 +713,7 @@ def _head_deadline(seconds: float) -> type:
 
         def _head_overdue(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+            if not self._serving():
                 self.timeout_keep_alive_handler()  # uvicorn's own close of an idle connection
 
     return HeadDeadline
