@@ -706,3 +706,35 @@ def test_assemble_fits_its_budget_by_todays_count_when_the_stored_counts_were_ma
     assert result.system_prompt_addition is not None  # summaries made: the recall tools are named
     assert any(m["content"].startswith("q19 ") for m in result.messages)  # the latest turn is shown raw
     assert store.read(lambda c: audit(c, A, sid)).problems == []
+
+
+class _DownSummarizer:
+    """A summarizer whose model cannot be reached: nothing can be compacted."""
+
+    def __getattr__(self, name: str) -> Any:
+        def unreachable(*_args: Any, **_kwargs: Any) -> Any:
+            raise SummarizerError("model unreachable")
+
+        return unreachable
+
+
+class _HeavierEstimator(RoughEstimator):
+    """Counts a fifth more than the rough estimator."""
+
+    def count_text(self, text: str) -> int:
+        return int(super().count_text(text) * 1.2)
+
+
+def test_a_message_over_the_budget_by_todays_count_comes_back_said_to_be_over_not_dropped(
+    store: TranscriptStore, sid: str
+) -> None:
+    """Shrinking the stored counts' budget could cut the only message and answer an empty context marked
+    ``assembled`` where the message came back before (a review found it): the last answer that showed
+    something stands, marked ``preassembly_may_overflow``."""
+    store.append_many(A, sid, [{"message": {"role": "user", "content": "word " * 800}}])
+    stored = make_engine(store).assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+    assert stored.estimated_tokens < 1_100  # stored by the rough estimator: it fits by that count
+    ctx = EngineContext(store=store, config={}, summarizer=_DownSummarizer(), estimator=_HeavierEstimator())
+    result = LosslessEngine(ctx).assemble(scope=A, session_id=sid, fence=None, token_budget=1_100)
+    assert len(result.messages) == 1 and result.estimated_tokens > 1_100
+    assert result.prompt_authority == "preassembly_may_overflow"

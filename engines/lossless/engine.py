@@ -215,8 +215,9 @@ class LosslessEngine:
         # is counted again as it goes out; over the budget, the stored counts' budget shrinks by the
         # ratio seen, and compaction and ``fit`` run again.
         budget = token_budget
+        passes = 0  # compaction passes in all: ASSEMBLE_PASSES however often the budget shrinks
+        best: tuple[list[Item], list[dict[str, Any]], int] | None = None
         for _ in range(ESTIMATE_PASSES):
-            passes = 0
             while sum(i.tokens for i in items) > budget and passes < ASSEMBLE_PASSES:
                 # Over the hard budget (a large import, or a failed earlier compaction): compact now, pass
                 # after pass while a pass makes progress. One pass (``max_rounds`` steps) summarised a few
@@ -229,11 +230,17 @@ class LosslessEngine:
                 if not result.compacted:
                     break
             shown = fit(items, budget)
+            if not shown and best is not None:
+                # Shrunk until nothing fit (one message over the budget by today's count): the last
+                # answer that showed something stands, said to be over (below), not an empty context.
+                shown, messages, estimated = best
+                break
             messages = render(shown)
             estimated = int(self.estimator.count_messages(messages))
             stored = sum(i.tokens for i in shown)
             if estimated <= token_budget or stored <= 1:
                 break
+            best = (shown, messages, estimated)
             budget = min(budget - 1, stored * token_budget // estimated)
         self._count("context_rows_read", len(items))
         has_summaries = any(i.summary is not None for i in shown)
