@@ -236,3 +236,48 @@ def test_a_config_table_of_no_engine_is_said_by_engines_list_and_doctor(store_ur
         assert any("[engine.config.legcy]" in w and "nothing reads it" in w for w in typo["warnings"]), typo
         right = run_json(*command, "--config", "right.toml", "--db", store_url, cwd=tmp_path)
         assert not any("engine.config" in w for w in right["warnings"]), right
+
+
+# ---------------------------------------------------------------------------------------------- 9: chat's edges
+# (round 26: a review of the CLI found each of these)
+
+
+def test_chat_refuses_a_bad_session_key_or_scope_before_creating_a_store(tmp_path: Path) -> None:
+    """Settings and the model URL were checked before the store was created, the key and the scope only
+    in ``open_session``, after: a refused chat left a new store behind."""
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    one_error_line(run("chat", "--session", "bad\tkey", "--db", url, cwd=tmp_path, stdin="hi\n", code=1))
+    run("chat", "--db", url, cwd=tmp_path, stdin="hi\n", env={"TRANSCRIPT_STORE_SCOPE": "s" * 300}, code=2)
+    assert not (tmp_path / "new.db").exists()
+
+
+def test_a_chat_line_over_the_cap_in_bytes_ends_the_chat(store_url: str, tmp_path: Path) -> None:
+    """The cap is in bytes: a line of 1,500 "é" (3,000 bytes) under a 2,000-byte cap became a failed turn
+    and chat went on, where 2,500 ASCII characters ended it."""
+    env = {"TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES": "2000"}
+    for line in ("x" * 2_500, "é" * 1_500):
+        chat = run("chat", "--json", "--session", "k-cap", "--db", store_url, cwd=tmp_path, env=env,
+                   stdin=f"{line}\nthe line after it\n", code=1)
+        assert "bytes (over the store's payload cap" in chat.stderr and "the line after it" not in chat.stdout
+
+
+def test_chat_with_its_stdin_closed_ends_at_once(store_url: str, tmp_path: Path) -> None:
+    """``chat <&-``: no standard input at all (sys.stdin is None) was an internal error."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    result = subprocess.run([sys.executable, "-m", "transcript_store", "chat", "--db", store_url], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=120, preexec_fn=lambda: os.close(0))
+    assert result.returncode == 0 and "internal error" not in result.stderr, result.stderr
+
+
+def test_a_failed_chat_turn_exits_1_unless_the_database_refused_it() -> None:
+    """A turn whose session was deleted under it (3) or whose schema moved (4) is a failed turn: 1."""
+    from transcript_store.errors import SchemaNotCurrent, UnknownSession
+
+    loop = cli.ChatLoop(runtime=None, scope=SCOPE, session_id="s", as_json=True)
+    loop.failure(UnknownSession(SCOPE, "s"))
+    loop.failure(SchemaNotCurrent("moved"))
+    assert (loop.failed, loop.code) == (2, cli.EXIT_FAILED)

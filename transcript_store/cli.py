@@ -1278,16 +1278,19 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     st = state()
     settings = st.settings(engine)  # a bad settings file or variable: refused before the store is created
     model = chosen_model(model_url, model_name, api_key)  # so is a bad model URL
+    scope = st.scope_name  # so are a bad scope and a bad session key (open_session would refuse them after)
+    check_id("session_key", session_key, new=True)
+    source = sys.stdin if sys.stdin is not None else io.StringIO("")  # stdin closed (``<&-``): no input
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
     with store_session(create=True) as store:
-        info = store.open_session(st.scope_name, session_key)
+        info = store.open_session(scope, session_key)
         with engine_output_on_stderr():
             runtime = _runtime(store, settings, model)
-            loop = ChatLoop(runtime, st.scope_name, info.session_id, st.json, stdout)
+            loop = ChatLoop(runtime, scope, info.session_id, st.json, stdout)
             try:
                 if not st.json:
                     loop.banner(session_key)
-                loop.run(_lenient(sys.stdin))
+                loop.run(_lenient(source))
             finally:
                 runtime.dispose()
     if loop.failed:
@@ -1343,7 +1346,10 @@ class ChatLoop:
     def failure(self, error: TranscriptStoreError) -> None:
         """Count a failed turn or command and show its error line."""
         self.failed += 1
-        self.code = max(self.code, exit_code(error))
+        # 1, or the database's refusal (5 unavailable, 6 permission denied) as documented: a turn whose
+        # session was deleted under it (3) or a schema changed under it (4) is a failed turn, 1.
+        code = exit_code(error)
+        self.code = max(self.code, code if code in (EXIT_UNAVAILABLE, EXIT_DENIED) else EXIT_FAILED)
         click.echo(error_line(error, None), err=True)
 
     def banner(self, session_key: str) -> None:
@@ -1368,8 +1374,9 @@ class ChatLoop:
             line = stream.readline(self.max_line + 1)
             if not line:
                 return
-            if len(line) > self.max_line:
-                raise InvalidInput(f"an input line of more than {self.max_line} characters (over the "
+            # The cap is in bytes (UTF-8, as stored): a line of 1,500 "é" is 3,000 bytes.
+            if len(line) > self.max_line or len(line.encode("utf-8", "surrogatepass")) > self.max_line:
+                raise InvalidInput(f"an input line of more than {self.max_line} bytes (over the "
                                    "store's payload cap for one message)")
             text = line.strip()
             if not text:
