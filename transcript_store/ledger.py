@@ -99,26 +99,23 @@ _CLAIM_TURN = (
     .values(turn_id=bindparam("b_key"))
 )
 _TURN_ID_AT = select(entries.c.turn_id).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
-# The committed turns whose admission lies in a seq range (before an entry being bound to a key), with
-# the seqs their receipts hold: whether that entry is already one of their messages.
-_COVERING = (
-    select(entries.c.turn_id, receipts.c.message_seqs)
-    .select_from(
-        entries.join(
-            receipts,
-            and_(
-                receipts.c.scope == entries.c.scope,
-                receipts.c.session_id == entries.c.session_id,
-                receipts.c.advancement_key == entries.c.turn_id,
-            ),
-        )
-    )
+# The last admission bound to a key before an entry being bound to one (a backward walk of the session's
+# primary key, a few rows in a session of turns), and the seqs its receipts hold: whether that entry is
+# already one of their messages. Only that admission's turn can: a committed range holds no other bound
+# admission (``_check_range``), so an earlier turn's range ends before it.
+_LAST_BOUND = (
+    select(entries.c.turn_id)
     .where(
         by_session(entries),
         entries.c.seq >= bindparam("b_from"),
         entries.c.seq < bindparam("b_to"),
         entries.c.turn_id.is_not(None),
     )
+    .order_by(entries.c.seq.desc())
+    .limit(1)
+)
+_HELD_SEQS = select(receipts.c.message_seqs).where(
+    by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
 _RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
     by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
@@ -542,15 +539,17 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
             raise TurnKeyConflict(turn.advancement_key, adm.entry_id, None)
         # Nor inside a turn already committed: an entry without a turn id may be a message of another
         # turn's range (a user message appended during it), and the engine took it with that turn.
-        # Such a range starts at most MAX_TURN_EVENTS entries before it, at an admission bound to its
-        # key: the receipts of those keys say whether one holds it (a bounded read, not the ledger).
+        # Such a range starts at the last admission bound to a key before it (``_LAST_BOUND``).
         near = session_params(turn.scope, turn.session_id, b_from=max(0, adm.seq - MAX_TURN_EVENTS), b_to=adm.seq)
-        for key, held in core.run(_COVERING, near):
-            if held and str(adm.seq) in held.split(","):
-                raise InvalidInput(
-                    f"admitted entry {adm.entry_id!r} is a message of turn {key!r}, committed already: "
-                    "a turn ends before the next one is admitted"
-                )
+        key = core.run(_LAST_BOUND, near).scalar()
+        held: list[Any] = [] if key is None else core.run(
+            _HELD_SEQS, session_params(turn.scope, turn.session_id, b_key=key)
+        ).all()
+        if any(seqs and str(adm.seq) in seqs.split(",") for (seqs,) in held):
+            raise InvalidInput(
+                f"admitted entry {adm.entry_id!r} is a message of turn {key!r}, committed already: "
+                "a turn ends before the next one is admitted"
+            )
     elif first.turn_id != turn.advancement_key:
         raise TurnKeyConflict(turn.advancement_key, adm.entry_id, first.turn_id)
     return [r.seq for r in found], unbound
