@@ -131,6 +131,11 @@ def test_a_request_answered_without_reading_its_awaited_body_closes_the_connecti
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 404") and b"connection: close" in answer.lower(), answer
         assert _closed_within(sock, 5.0) is not None
+    # Without a body to come (Content-Length: 0), nothing is left to be misread: the connection stays.
+    with _connect(server) as sock:
+        sock.sendall(head.replace(b"Content-Length: 2", b"Content-Length: 0"))
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 404") and b"connection: close" not in answer.lower(), answer
     # Read, the body keeps the connection: 100 Continue, the answer, and the next request on it.
     with _connect(server) as sock:
         body = b'{"session_id": "cont-1"}'

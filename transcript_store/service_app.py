@@ -198,7 +198,7 @@ class BodyLimit:
                     raise _TooLarge(self.limit, stalled=stalled)
             return message
 
-        if not _expects_continue(scope):
+        if not (_expects_continue(scope) and _body_announced(scope)):
             await self.app(scope, counted, send)
             return
 
@@ -218,6 +218,15 @@ def _expects_continue(scope: MutableMapping[str, Any]) -> bool:
     """Whether the client waits for ``100 Continue`` before it sends the body (the server sends that
     when the body is first read: a request refused unread must not read it)."""
     return any(k == b"expect" and v.lower() == b"100-continue" for k, v in scope.get("headers", []))
+
+
+def _body_announced(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the request announces a body (a Content-Length other than 0, or chunked): one without
+    leaves nothing on the connection that a next request could be taken for."""
+    for name, value in scope.get("headers", []):
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip().lstrip(b"0") != b""):
+            return True
+    return False
 
 
 def _length_within(value: bytes, limit: int) -> bool:
