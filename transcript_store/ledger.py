@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import String, and_, bindparam, func, select, text, update
+from sqlalchemy import Select, String, and_, bindparam, func, literal_column, select, text, true, update
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
@@ -63,62 +63,99 @@ _MESSAGE_SEQS = select(receipts.c.message_seqs).where(
 # The entries a turn can be made of: its messages are a parent chain from the terminal back to the
 # admission, and a child always has a larger raw seq than its parent, so the chain lies in this range
 # (which holds nothing else unless another branch was written into the session during the turn).
-_RANGE_ROWS = select(*ENTRY_COLUMNS).where(
-    by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
+#
+# Every read of a seq range is in seq order: on PostgreSQL tables never analyzed (a new deployment,
+# autovacuum off or behind) the entry-id index (same two leading columns) looked as cheap as the
+# primary key for a range of seqs, and the planner walked the session's whole entry-id range filtering
+# on the seq (1,998 rows removed for a 2-message turn at 2,000 entries). In seq order only the primary
+# key needs no sort. tests/test_pg_plans.py checks every statement of a commit that way.
+_RANGE_ROWS = (
+    select(*ENTRY_COLUMNS)
+    .where(by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to"))
+    .order_by(entries.c.seq)
 )
 # The same range, locking the session's row in the same statement (when the transaction does not hold
 # it yet: a commit_turn of its own): one round trip instead of two. The outer join returns one row
 # of NULLs for an existing session with no entry in the range, and nothing for an unknown session.
-_RANGE_ROWS_LOCKING = (
-    select(
-        *ENTRY_COLUMNS,
+# On PostgreSQL the range is a LATERAL subquery in seq order under a written-out LIMIT (the range
+# check caps it at MAX_TURN_EVENTS + 1 rows): a plain outer join left the planner free to take the
+# entry-id index and filter the session's entries on the seq (see _RANGE_ROWS); a LIMIT keeps the
+# subquery from being pulled up into the join. SQLite, which has no LATERAL, looks the key up anyway.
+def _range_rows_locking(lateral: bool) -> Select[Any]:
+    session_columns = (
         sessions.c.session_key.label("s_session_key"),
         sessions.c.generation.label("s_generation"),
         sessions.c.incarnation.label("s_incarnation"),
         sessions.c.created_us.label("s_created_us"),
     )
-    .select_from(
-        sessions.outerjoin(
-            entries,
-            and_(
-                entries.c.scope == sessions.c.scope,
-                entries.c.session_id == sessions.c.session_id,
-                entries.c.seq >= bindparam("b_from"),
-                entries.c.seq <= bindparam("b_to"),
-            ),
+    if not lateral:
+        in_range = and_(
+            entries.c.scope == sessions.c.scope,
+            entries.c.session_id == sessions.c.session_id,
+            entries.c.seq >= bindparam("b_from"),
+            entries.c.seq <= bindparam("b_to"),
         )
+        joined = sessions.outerjoin(entries, in_range)
+        return select(*ENTRY_COLUMNS, *session_columns).select_from(joined).where(by_session(sessions)).with_for_update(
+            of=sessions
+        )
+    rng = (
+        select(*ENTRY_COLUMNS)
+        .where(
+            entries.c.scope == sessions.c.scope,
+            entries.c.session_id == sessions.c.session_id,
+            entries.c.seq >= bindparam("b_from"),
+            entries.c.seq <= bindparam("b_to"),
+        )
+        .order_by(entries.c.seq)
+        .limit(literal_column(str(MAX_TURN_EVENTS + 1)))
+        .lateral("rng")
     )
-    .where(by_session(sessions))
-    .with_for_update(of=sessions)
-)
+    columns = [rng.c[c.key] for c in ENTRY_COLUMNS]
+    return (
+        select(*columns, *session_columns)
+        .select_from(sessions.outerjoin(rng, true()))
+        .where(by_session(sessions))
+        .with_for_update(of=sessions)
+    )
+
+
+#: PostgreSQL -> the locking range read
+_RANGE_ROWS_LOCKING = {pg: _range_rows_locking(lateral=pg) for pg in (False, True)}
 # Binding an admitted entry without a logical turn id to the key it is first committed under.
 _TURN_ENTRY = select(entries.c.seq).where(by_session(entries), entries.c.turn_id == bindparam("b_key"))
-_CLAIM_TURN = (
-    update(entries)
-    .where(by_session(entries), entries.c.seq == bindparam("b_seq"), entries.c.turn_id.is_(None))
-    .values(turn_id=bindparam("b_key"))
-)
-_TURN_ID_AT = select(entries.c.turn_id).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
+# Both unique keys of the entry: whichever index the planner picks, the lookup is all index condition
+# (with the seq alone, on tables never analyzed, it took the entry-id index and filtered on the seq).
+_ONE_ENTRY = and_(by_session(entries), entries.c.seq == bindparam("b_seq"), entries.c.entry_id == bindparam("b_entry"))
+_CLAIM_TURN = update(entries).where(_ONE_ENTRY, entries.c.turn_id.is_(None)).values(turn_id=bindparam("b_key"))
+_TURN_ID_AT = select(entries.c.turn_id).where(_ONE_ENTRY)
 # The last admission bound to a key before an entry being bound to one (a backward walk of the session's
 # primary key, a few rows in a session of turns), and the seqs its receipts hold: whether that entry is
 # already one of their messages. Only that admission's turn can: a committed range holds no other bound
-# admission (``_check_range``), so an earlier turn's range ends before it.
-_LAST_BOUND = (
-    select(entries.c.turn_id)
-    .where(
-        by_session(entries),
-        entries.c.seq >= bindparam("b_from"),
-        entries.c.seq < bindparam("b_to"),
-        entries.c.turn_id.is_not(None),
-    )
+# admission (``_check_range``), so an earlier turn's range ends before it. The walk is a subquery in
+# seq order under a written-out LIMIT, and the turn id is tested outside it: with the test inside, on
+# tables never analyzed, PostgreSQL read the partial turn-id index (every bound admission of the
+# session) and sorted what it kept, a cost growing with the session's turns.
+_BACKWARD = (
+    select(entries.c.seq, entries.c.turn_id)
+    .where(by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq < bindparam("b_to"))
     .order_by(entries.c.seq.desc())
-    .limit(1)
+    .limit(literal_column(str(MAX_TURN_EVENTS)))
+    .subquery("backward")
+)
+_LAST_BOUND = (
+    select(_BACKWARD.c.turn_id)
+    .where(_BACKWARD.c.turn_id.is_not(None))
+    .order_by(_BACKWARD.c.seq.desc())
+    .limit(literal_column("1"))
 )
 _HELD_SEQS = select(receipts.c.message_seqs).where(
     by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
-_RANGE_PAYLOADS = select(entries.c.seq, entries.c.payload).where(
-    by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to")
+_RANGE_PAYLOADS = (
+    select(entries.c.seq, entries.c.payload)
+    .where(by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq <= bindparam("b_to"))
+    .order_by(entries.c.seq)  # in seq order: the primary key (see _RANGE_ROWS)
 )
 _STATE = select(engine_state.c.value).where(
     by_session(engine_state),
@@ -280,11 +317,11 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
             raise AdvancementKeyCollision(turn.advancement_key)
         return _replay(turn, winner)
     if unbound:
-        params = session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq, b_key=turn.advancement_key)
-        if core.run(_CLAIM_TURN, params).rowcount != 1:
+        adm = turn.admission
+        at = session_params(turn.scope, turn.session_id, b_seq=adm.seq, b_entry=adm.entry_id)
+        if core.run(_CLAIM_TURN, {**at, "b_key": turn.advancement_key}).rowcount != 1:
             # Another commit bound the entry after this one read it (PostgreSQL: the range was read
             # with the rows as they were before the session's lock was granted): its key holds.
-            at = session_params(turn.scope, turn.session_id, b_seq=turn.admission.seq)
             bound = core.run(_TURN_ID_AT, at).scalar()
             raise TurnKeyConflict(turn.advancement_key, turn.admission.entry_id, bound)
     faults.point("commit.after_receipt")
@@ -330,6 +367,13 @@ def _committed(values: dict[str, Any]) -> CommitResult:
 # which decides. The session's row is locked for the statement (PostgreSQL), so commits of a session
 # still serialize; a SQLite write statement outside a transaction takes the database's write lock when
 # it starts, as BEGIN IMMEDIATE does.
+#
+# Shaped for PostgreSQL tables never analyzed: the range is read in seq order under a written-out LIMIT
+# (the primary key, and a subquery the planner cannot pull up into the aggregate; see _RANGE_ROWS), and
+# the path's seq at each entry's depth is a lookup by the path's primary key per row. A LEFT JOIN to the
+# path walked the session's whole path for each entry (3,997 rows removed for a 2-message turn at
+# 2,000 entries). Every entry must be on the path at consecutive depths, so the span of the entries'
+# depths is the path's.
 @functools.cache  # one statement per (message count, backend), each expected text its own bind (below)
 def _one_statement_commit(count: int, sqlite: bool) -> TextualSelect:
     expected = " ".join(f"WHEN {i} THEN CAST(:b_t{i} AS TEXT)" for i in range(count))
@@ -345,10 +389,10 @@ WITH s AS (
     {lock}
 ), a AS (
     SELECT count(*) AS n_rows,
-           sum(CASE WHEN e.kind = 'message' AND p.depth IS NOT NULL
+           sum(CASE WHEN e.kind = 'message' AND e.path_seq = e.seq
                      AND e.payload = CASE e.seq - CAST(:b_from AS BIGINT) {expected} END
                     THEN 1 ELSE 0 END) AS n_same,
-           max(p.depth) - min(p.depth) AS span,
+           max(e.depth) - min(e.depth) AS span,
            sum(CASE WHEN e.seq = CAST(:b_from AS BIGINT) AND e.entry_id = CAST(:b_adm_id AS TEXT)
                      AND e.parent_id {same} CAST(:b_adm_parent AS TEXT)
                      AND e.position = CAST(:b_adm_position AS INTEGER) AND e.role = 'user'
@@ -359,11 +403,17 @@ WITH s AS (
                      AND e.position = CAST(:b_term_position AS INTEGER)
                     THEN 1 ELSE 0 END) AS n_terminal,
            sum(CASE WHEN e.seq > CAST(:b_from AS BIGINT) AND e.turn_id IS NOT NULL THEN 1 ELSE 0 END) AS n_other
-    FROM ts_entries e
-    LEFT JOIN ts_active_path p
-        ON p.scope = e.scope AND p.session_id = e.session_id AND p.depth = e.depth AND p.seq = e.seq
-    WHERE e.scope = :b_scope AND e.session_id = :b_session
-      AND e.seq BETWEEN CAST(:b_from AS BIGINT) AND CAST(:b_to AS BIGINT)
+    FROM (
+        SELECT x.*, (
+            SELECT p.seq FROM ts_active_path p
+            WHERE p.scope = x.scope AND p.session_id = x.session_id AND p.depth = x.depth
+        ) AS path_seq
+        FROM ts_entries x
+        WHERE x.scope = :b_scope AND x.session_id = :b_session
+          AND x.seq BETWEEN CAST(:b_from AS BIGINT) AND CAST(:b_to AS BIGINT)
+        ORDER BY x.seq
+        LIMIT {_ONE_STATEMENT_MAX}
+    ) e
 )
 INSERT INTO ts_receipts (
     scope, session_id, advancement_key, engine_id, committed_us, message_count, is_heartbeat,
@@ -463,7 +513,7 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
         sess = core.require_session(turn.scope, turn.session_id)
         key, generation, incarnation, created_us = sess.session_key, sess.generation, sess.incarnation, sess.created_us
     else:
-        rows = core.run(_RANGE_ROWS_LOCKING, params).all()
+        rows = core.run(_RANGE_ROWS_LOCKING[not core.dialect.is_sqlite], params).all()
         if not rows:
             raise UnknownSession(turn.scope, turn.session_id)
         core.note_locked(turn.scope, turn.session_id)
