@@ -993,3 +993,30 @@ def test_a_count_of_more_than_the_messages_given_does_not_squeeze_every_later_an
     for _ in range(2):  # measures that agree win
         engine.compress(convo, current_tokens=RoughEstimator().count_messages(convo) + 3_000, force=True)
     assert 2_900 <= engine.request_overhead <= 3_100
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_count_from_before_the_tool_round_measures_the_system_prompt_and_tools(
+    store_url: str, tmp_path: Path, engine_id: str
+) -> None:
+    """Hermes' check after a tool round passes ``last_prompt_tokens``: the provider's count of the request
+    that asked for the tools, without the round. Set against the whole list, a large tool result was
+    taken off the system prompt and tools (a real Hermes run measured 0 and 630 where they were 4,060),
+    and the engine was given that much more than the aim."""
+    engine = make(tmp_path, engine=engine_id, db_url=store_url, threshold_percent=4000)
+    engine.on_session_start("s1")
+    est = RoughEstimator()
+    current, pending = turn_with_tool("kappa")
+    pending[-1]["content"] = "kappa pending result " + "lorem ipsum " * 120
+    before = [*conversation("kappa", 12), current]
+    overhead = 800
+    engine.update_from_response({"prompt_tokens": est.count_messages(before) + overhead, "completion_tokens": 20})
+    messages = [*before, *pending]
+    out = engine.compress(copy.deepcopy(messages), current_tokens=engine.last_prompt_tokens)
+    assert engine.compression_count == 1 and engine.request_overhead == overhead
+    assert engine.compress_target([], None) == int(0.75 * engine.threshold_tokens) - overhead
+    assert est.count_messages(out) + overhead <= 0.75 * engine.threshold_tokens
+    assert out[-2:] == pending
+    # A count that is not the provider's last one (Hermes' estimate of the request) is of the whole list.
+    engine.compress(copy.deepcopy(messages), current_tokens=est.count_messages(messages) + 900, force=True)
+    assert sorted(engine._overheads) == [overhead, 900]

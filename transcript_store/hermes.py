@@ -1151,12 +1151,21 @@ class TranscriptStoreEngineMixin:
         ``request_overhead`` is the lower median of the last ``OVERHEAD_SAMPLES`` such measures, for the
         calls that pass no count (``/compress``): one measure is off either way now and then, and kept
         as the largest ever seen, one was enough for the agent's life. A count of the previous request
-        (after a tool call) says too little; ``/compress here N`` passes the whole history's count with
+        (Hermes' check after a tool round passes ``last_prompt_tokens``) is set against the messages that
+        request held: the list before its pending tool round. ``/compress here N`` passes the whole history's count with
         its head only, the held-back tail taken for overhead (a review saw the target fall from ~21,500
         to 411 tokens, every later answer squeezed to the minimum).
         """
         if current_tokens is not None and current_tokens > 0:
-            measured = int(current_tokens) - RoughEstimator().count_messages(list(messages))
+            counted = list(messages)
+            if int(current_tokens) == as_int(self.last_prompt_tokens):
+                # Hermes' check after a tool round passes the provider's count of the request that asked
+                # for the tools: the round (the call and its results) was not in it. Measured against the
+                # whole list, a large result cancelled the system prompt and tools out (0 where they were
+                # ~4,000 tokens), and where that check is the one that fires (the provider counts more
+                # than Hermes' rough estimate, as for CJK text) every measure was such a one.
+                counted = settled(counted)
+            measured = int(current_tokens) - RoughEstimator().count_messages(counted)
             seen = [*getattr(self, "_overheads", []), max(0, measured)][-OVERHEAD_SAMPLES:]
             self._overheads = seen
             self.request_overhead = sorted(seen)[(len(seen) - 1) // 2]
