@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from conftest import make_legacy
 
+from engines.legacy import LegacyEngine
 from transcript_store import (
     CURRENT_TURN_FENCE,
     Admission,
@@ -20,6 +21,7 @@ from transcript_store import (
     TranscriptStore,
 )
 from transcript_store.cursors import CursorState
+from transcript_store.engine import EngineContext
 
 A, B = "scope-a", "scope-b"
 
@@ -190,10 +192,29 @@ def test_missing_when_the_admitted_entry_or_session_does_not_exist(store: Transc
     _, adm = turn(store, sid)
     ghost = adm.fence.model_copy(update={"entry_id": "no-such-entry"})
     expect_fence_error("missing", *fenced_reads(store, A, sid, ghost))
-    # The session is gone: a full read says missing, a delta read reports the session itself missing.
+    # The session is gone: every fenced read raises "missing", a delta read too (a DeltaMissing read as
+    # "rebuild from scratch", and an engine assembled the turn from nothing); unfenced, it is DeltaMissing.
     store.delete_session(A, sid)
     expect_fence_error("missing", lambda: store.read_visible(A, sid, fence=adm.fence))
-    assert isinstance(store.read_visible_delta(A, sid, fence=adm.fence), DeltaMissing)
+    expect_fence_error("missing", lambda: store.read_visible_delta(A, sid, fence=adm.fence))
+    cursor = CursorState(A, sid, 0, -1, -1, adm.fence.incarnation).encode()
+    expect_fence_error("missing", lambda: store.read_visible_delta(A, sid, cursor, fence=adm.fence))
+    assert isinstance(store.read_visible_delta(A, sid), DeltaMissing)
+    # Another scope's fence is still "scope", whether or not the session exists.
+    expect_fence_error("scope", lambda: store.read_visible_delta(B, sid, fence=adm.fence))
+
+
+def test_a_fenced_assembly_of_a_deleted_session_raises_not_an_empty_context(store: TranscriptStore, sid: str) -> None:
+    """The legacy engine read a fenced DeltaMissing as "rebuild from scratch" and assembled the turn from no
+    messages at all; the README's example engine read again for ever."""
+    engine = LegacyEngine(EngineContext(store=store))
+    before, adm = turn(store, sid)
+    assert len(engine.assemble(scope=A, session_id=sid, fence=adm.fence, token_budget=10_000).messages) == len(before)
+    store.delete_session(A, sid)
+    for _ in range(2):  # the projection it holds, and after it was dropped
+        expect_fence_error(
+            "missing", lambda: engine.assemble(scope=A, session_id=sid, fence=adm.fence, token_budget=10_000)
+        )
 
 
 def test_moved_when_the_anchor_disagrees_with_the_entry(store: TranscriptStore, sid: str) -> None:

@@ -1,4 +1,4 @@
-"""Visible-delta reads: a page of visible messages after a cursor, or a reset, or missing."""
+"""Visible-delta reads: a page of visible messages after a cursor, or a reset, or missing (unfenced only)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,14 @@ def read_visible_delta(
     before_seq = fence.seq if fence is not None else None
     head, found = core.delta_page_rows(scope, session_id, after, before, max_messages + 1, after_seq, before_seq)
     if head is None:
-        if fence is not None and (fence.scope != scope or fence.session_id != session_id):
-            raise ReadFenceError("scope", "the fence belongs to another scope or session")
+        if fence is not None:
+            # A fenced read is a read for a turn: its session gone, the admitted entry is gone with it,
+            # and the read raises as ``read_visible`` does (check_fence). A DeltaMissing here read as
+            # "rebuild from scratch" to an engine, which then assembled the turn from nothing (the
+            # legacy engine) or read again for ever (the README's example engine).
+            if fence.scope != scope or fence.session_id != session_id:
+                raise ReadFenceError("scope", "the fence belongs to another scope or session")
+            raise ReadFenceError("missing", "the session is gone")
         return DeltaMissing()
     sess = _SessionHead(head.s_generation, head.s_session_key, head.s_incarnation, head.s_created_us)
     if fence is not None and not fence_written:

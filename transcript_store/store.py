@@ -343,7 +343,8 @@ class TranscriptStore:
         max_bytes: int = 1_000_000,
         fence: Anchor | None = None,
     ) -> DeltaResult:
-        """Visible messages after ``cursor``: a page, a reset (re-read from its cursor) or missing."""
+        """Visible messages after ``cursor``: a page, a reset (re-read from its cursor) or missing (no such
+        session; with a ``fence``, ReadFenceError "missing", as ``read_visible`` raises)."""
         self._ids(scope, session_id)
         reads.check_limits(max_messages, max_bytes)
         if cursor is not None and not isinstance(cursor, str):
