@@ -162,6 +162,38 @@ def test_an_export_into_a_pipe_whose_reader_leaves_fails(big_store: str, tmp_pat
     assert "cannot write the export to stdout" in stderr
 
 
+@pytest.mark.parametrize("options", [("--json",), (), ("--all", "--json")], ids=["json", "table", "all-json"])
+def test_sessions_show_into_a_pipe_whose_reader_leaves_fails(
+    big_store: str, tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    """`sessions show --json | head -c 10`: the reader left mid-write, the output is not whole, exit 1 as
+    an export's (it exited 0, cut short: the text stream dropped the count of a short write)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    proc = subprocess.Popen([*CLI, "sessions", "show", "s1", *options, "--db", big_store], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, stderr
+    assert "cannot write to stdout" in stderr
+
+
+def test_sessions_show_json_that_cannot_be_written_whole_fails(big_store: str, tmp_path: Path) -> None:
+    """A file size limit takes part of the document: exit 1 and the error line, never exit 0 cut short."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    full = subprocess.run([*CLI, "sessions", "show", "s1", "--json", "--db", big_store], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=120)
+    assert full.returncode == 0 and len(full.stdout) > 4 * LIMIT
+    out = tmp_path / "show.json"
+    with out.open("wb") as stdout:
+        result = subprocess.run([*CLI, "sessions", "show", "s1", "--json", "--db", big_store], cwd=tmp_path,
+                                env=env, stdout=stdout, stderr=subprocess.PIPE, timeout=120, preexec_fn=_limited)
+    assert out.stat().st_size < len(full.stdout)
+    assert result.returncode == 1, f"exit {result.returncode} with {out.stat().st_size} of {len(full.stdout)} bytes"
+    assert "cannot write to stdout" in _error_line(result)
+
+
 def test_a_failed_export_to_a_file_keeps_the_earlier_export(big_store: str, tmp_path: Path) -> None:
     """-o PATH is written whole or not at all: the good export there survives, and no part file is left."""
     folder = tmp_path / "exports"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, NoReturn, TypeVar
+from typing import IO, Any, BinaryIO, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
@@ -197,14 +197,61 @@ def state() -> State:
     return click.get_current_context().ensure_object(State)
 
 
+class WholeStdout(io.TextIOBase):
+    """The command's output on stdout, every write landing whole or failing the command (exit 1).
+
+    A text stream hands a long text to its buffer in one write, which may take only part of it (a pipe
+    whose reader left, a file at its size limit) and say so only in a count the text stream drops:
+    ``sessions show --json | head -c 10`` ended cut short with exit 0, while the same reader gone
+    before the first write made it exit 1. Written as an export to stdout is (``_write_all``).
+    """
+
+    def __init__(self, inner: IO[str]) -> None:
+        super().__init__()
+        self._inner = inner
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        """The encoding of the stream written to."""
+        return getattr(self._inner, "encoding", None) or "utf-8"
+
+    def writable(self) -> bool:
+        """Written to, never read."""
+        return True
+
+    def isatty(self) -> bool:
+        """Whether the stream written to is a terminal (rich decides colours by it)."""
+        return self._inner.isatty()
+
+    def write(self, text: str) -> int:
+        """Write ``text`` whole, or raise CommandError; the count is of the characters given."""
+        buffer = getattr(self._inner, "buffer", None)
+        try:
+            if buffer is None:  # a text-only stream (a test's, a wrapper's): it answers for its writes
+                self._inner.write(text)
+                self._inner.flush()
+                return len(text)
+            data = text.encode(self.encoding, getattr(self._inner, "errors", None) or "strict")
+            self._inner.flush()  # what click.echo wrote before goes first
+            _write_all(buffer, data)
+            buffer.flush()
+        except OSError as e:
+            raise CommandError(f"cannot write to stdout: {e.strerror or e}") from e
+        return len(text)
+
+    def flush(self) -> None:
+        """Every write is flushed already."""
+
+
 def console() -> Console:
     """A console for human output on stdout."""
-    return Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out = cast(IO[str], WholeStdout(sys.stdout))  # a TextIOBase: the text file rich asks for, untyped as IO
+    return Console(file=out, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
 def emit_json(data: Any) -> None:
-    """Print one JSON document."""
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+    """Print one JSON document, whole or failing the command (``WholeStdout``)."""
+    WholeStdout(sys.stdout).write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- stores
