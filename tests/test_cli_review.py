@@ -12,6 +12,7 @@ import socket
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -423,3 +424,28 @@ def test_serve_refuses_bad_tokens_as_usage_errors_and_a_busy_port_before_the_sto
         line = one_error_line(busy)
     assert f"cannot listen on 127.0.0.1:{port}" in line
     assert not (tmp_path / "transcripts.db").exists()
+
+
+def test_sessions_list_survives_a_session_deleted_while_it_lists(
+    store: TranscriptStore, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each session was sized in a read of its own after the listing: one deleted in between failed the
+    whole list, exit 3 "unknown session". A page and its sizes are one snapshot now."""
+    from transcript_store.core import Core
+
+    for sid in ("s0", "s1", "s2"):
+        store.create_session(SCOPE, session_id=sid)
+    store.append(SCOPE, "s1", {"role": "user", "content": "x"})
+    listing = Core.list_sessions
+
+    def list_then_delete(self: Core, scope: str, after: str | None, limit: int) -> list[Any]:
+        out = listing(self, scope, after, limit)
+        if any(s.session_id == "s1" for s in out):
+            store.delete_session(SCOPE, "s1")  # another connection's delete, committed meanwhile
+        return out
+
+    monkeypatch.setattr(Core, "list_sessions", list_then_delete)
+    listed = run_json("sessions", "list", "--scope", SCOPE, "--db", store_url, cwd=tmp_path)
+    assert [s["session_id"] for s in listed] == ["s0", "s1", "s2"]
+    assert [s["session_id"] for s in run_json("sessions", "list", "--scope", SCOPE, "--db", store_url,
+                                              cwd=tmp_path)] == ["s0", "s2"]

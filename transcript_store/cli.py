@@ -42,7 +42,7 @@ from sqlalchemy.engine import URL
 
 from . import migrate, transfer
 from .config import StoreConfig
-from .core import check_id
+from .core import Core, check_id
 from .db import mask_url, parse_url, sqlite_file, url_secrets
 from .engine import MAX_TOKENS
 from .errors import (
@@ -537,15 +537,22 @@ def sessions() -> None:
     """List, show, export, import and delete sessions."""
 
 
-def _all_sessions(store: TranscriptStore, scope: str) -> list[SessionInfo]:
-    out: list[SessionInfo] = []
+def _all_sessions(store: TranscriptStore, scope: str) -> list[tuple[SessionInfo, int]]:
+    """Every session of the scope (``State.scope_name`` checked it) with its stored bytes, a page of 1,000
+    and their sizes from one snapshot: sized one read each after the listing, a session deleted meanwhile
+    failed the whole list as unknown (exit 3)."""
+    out: list[tuple[SessionInfo, int]] = []
     after: str | None = None
+
+    def sized(after: str | None) -> Callable[[Core], list[tuple[SessionInfo, int]]]:
+        return lambda c: [(s, c.session_bytes(scope, s.session_id)) for s in c.list_sessions(scope, after, 1000)]
+
     while True:
-        page = store.list_sessions(scope, after=after, limit=1000)
+        page = store.read(sized(after))
         out.extend(page)
         if len(page) < 1000:
             return out
-        after = page[-1].session_id
+        after = page[-1][0].session_id
 
 
 @sessions.command("list")
@@ -555,7 +562,7 @@ def sessions_list() -> None:
     st = state()
     scope = st.scope_name
     with store_session() as store:
-        rows = [(s, store.session_bytes(scope, s.session_id)) for s in _all_sessions(store, scope)]
+        rows = _all_sessions(store, scope)
     if st.json:
         emit_json([{**s.model_dump(mode="json"), "bytes": size} for s, size in rows])
         return
