@@ -18,6 +18,7 @@ from transcript_store import (
     IdempotencyConflict,
     InvalidMessage,
     TranscriptStore,
+    UnknownEntry,
 )
 
 A = "scope-a"
@@ -110,6 +111,22 @@ def test_an_idempotency_key_returns_the_stored_entry_never_a_second_copy(store: 
     elsewhere = store.append(A, "s2", user("two"), idempotency_key="reply-1")
     assert elsewhere.entry_id != first.entry_id and elsewhere.message == user("two")
     assert len(store.list_entries(A, sid)) == 3
+
+
+def test_an_idempotency_key_retried_under_a_fresh_entry_id_returns_the_stored_entry(
+    store: TranscriptStore, sid: str
+) -> None:
+    """The key is the request's identity, as a turn id is an admission's: a retry that drew a new entry id
+    for the same content lands on the first entry; an entry id that names another entry conflicts."""
+    first = store.append(A, sid, assistant("answer"), entry_id="attempt-1", idempotency_key="reply-1")
+    assert store.append(A, sid, assistant("answer"), entry_id="attempt-2", idempotency_key="reply-1") == first
+    assert store.get_entries(A, sid, ["attempt-1"])[0] == first
+    with pytest.raises(UnknownEntry):
+        store.get_entries(A, sid, ["attempt-2"])
+    other = store.append(A, sid, user("later"), entry_id="other")
+    with pytest.raises(IdempotencyConflict):
+        store.append(A, sid, assistant("answer"), entry_id=other.entry_id, idempotency_key="reply-1")
+    assert len(store.list_entries(A, sid)) == 2
 
 
 def test_an_idempotency_key_with_other_content_conflicts(store: TranscriptStore, sid: str) -> None:
