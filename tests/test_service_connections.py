@@ -9,6 +9,7 @@ into a store being closed under it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sqlite3
@@ -207,3 +208,64 @@ def test_the_shutting_down_code_is_documented() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     assert "`shutting_down`" in readme
     assert json.dumps("shutting_down")  # the code is plain ASCII
+
+
+def _answer_while_dripping(sock: socket.socket, head: bytes, answers: dict[str, bytes], name: str) -> None:
+    """Send ``head``, then its body a byte every 0.3 s (in time for the 1 s body timeout), until answered."""
+    sock.sendall(head)
+    sock.settimeout(0.3)
+    data = b""
+    started = time.monotonic()
+    while time.monotonic() - started < 20 and not (b"\r\n\r\n" in data and data.rstrip().endswith(b"}")):
+        with contextlib.suppress(OSError):
+            sock.sendall(b"x")
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    answers[name] = data
+
+
+def test_a_request_cut_off_at_shutdown_before_its_route_is_told_so_too(store_url: str, tmp_path: Path) -> None:
+    """The 503 ``shutting_down`` whichever layer the request was in when the graceful period ended: a
+    review found a body being dropped before the route (by its token's 401, by its length's 413)
+    answered with uvicorn's plain-text 500 instead."""
+    # A body timeout past the 5 s graceful period: the bodies still come when the requests are cut off.
+    args = ("--body-timeout", "30", "--max-body", "1024")
+    server = ServiceProcess(store_url, TOKENS, tmp_path / "serve.log", extra_args=args).start()
+    heads = {
+        "unauthorized": b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+        b"Content-Length: 1000\r\n\r\n",
+        "too large": b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n",
+        "in its route": f"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode(),
+    }
+    answers: dict[str, bytes] = {}
+    socks = [_connect(server) for _ in heads]
+    clients = [threading.Thread(target=_answer_while_dripping, args=(sock, head, answers, name), daemon=True)
+               for sock, (name, head) in zip(socks, heads.items(), strict=True)]
+    try:
+        for client in clients:
+            client.start()
+        time.sleep(1.0)  # every body is coming, none is whole
+        assert server.proc is not None
+        server.proc.send_signal(15)  # SIGTERM: 5 s for requests in flight, then they are cancelled
+        for client in clients:
+            client.join(25)
+        assert server.proc.wait(30) == 0
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    for name in heads:
+        answer = answers.get(name, b"")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"connection: close" in head.lower(), (name, answer)
+        assert json.loads(body)["error"]["code"] == "shutting_down", (name, answer)
+    log = server.log()
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]

@@ -311,7 +311,12 @@ class Authenticate:
 
 
 class CatchAll:
-    """Turn any exception that escaped the handlers into a 500 with a correlation id (logged here)."""
+    """Turn any exception that escaped the handlers into a 500 with a correlation id (logged here), and a
+    request cancelled at shutdown into a 503 ``shutting_down``.
+
+    The outermost of the service's middleware: a request is cut off wherever it waits when the graceful
+    period ends, also while ``BodyLimit`` or ``Authenticate`` drop its body before any route (a 413, a
+    401): inside them, such a request got uvicorn's plain-text 500."""
 
     def __init__(self, app: Any) -> None:
         """Wrap an ASGI app."""
@@ -346,6 +351,9 @@ class CatchAll:
             log.exception("internal error %s on %s %s", cid, scope.get("method"), scope.get("path"))
             if not started:
                 response = error_json(500, "internal_error", "internal error; see the server log", correlation_id=cid)
+                if _expects_continue(scope) and _body_announced(scope):
+                    # Outside BodyLimit, this answer misses its close of a body perhaps never invited.
+                    response.headers.update(_CLOSE)
                 await response(scope, receive, send)
 
 
@@ -470,9 +478,9 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     _errors(app)
     _routes(app, service)
     app.add_middleware(PathSegments)
-    app.add_middleware(CatchAll)
     app.add_middleware(Authenticate)  # inside BodyLimit: the body it drops is bounded and timed
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
+    app.add_middleware(CatchAll)  # outermost (added last): it answers whatever layer a request was in
     _protect_openapi(app)
     return app
 
