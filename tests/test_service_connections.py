@@ -269,3 +269,51 @@ def test_a_request_cut_off_at_shutdown_before_its_route_is_told_so_too(store_url
         assert json.loads(body)["error"]["code"] == "shutting_down", (name, answer)
     log = server.log()
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_refused_body_dripping_in_does_not_hold_its_connection(server: ServiceProcess) -> None:
+    """A body refused before its route (no token's 401, a Content-Length over the limit's 413) is dropped so
+    that the client reads the answer, but for the body timeout in all, not for as long as a byte comes
+    before each pause runs out: a review held such connections open without any token, a byte every half
+    second (at the defaults, 8 MiB a byte every 29 s), as the head deadline stops it for a head."""
+    heads = (
+        (b"401", b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"),
+        (b"401", b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n"),
+        (b"413", b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"),
+    )
+    socks = [_connect(server) for _ in heads]
+    answers = [b""] * len(heads)
+    took: list[float | None] = [None] * len(heads)
+    try:
+        for sock, (_status, head) in zip(socks, heads, strict=True):
+            sock.sendall(head)
+            sock.settimeout(0.05)
+        # One byte on every connection every 0.2 s (a chunked body's chunks of one byte): never a 1 s pause.
+        drip = (b"x", b"1\r\nx\r\n", b"x")
+        started = time.monotonic()
+        while time.monotonic() - started < 10 and None in took:
+            for i, sock in enumerate(socks):
+                if took[i] is not None:
+                    continue
+                with contextlib.suppress(OSError):
+                    sock.sendall(drip[i])
+                try:
+                    chunk = sock.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    chunk = b""
+                answers[i] += chunk
+                if not chunk or b"\r\n\r\n" in answers[i]:
+                    took[i] = time.monotonic() - started
+            time.sleep(0.05)
+        for (status, _head), answer, seconds in zip(heads, answers, took, strict=True):
+            assert seconds is not None and seconds < 5.0, (seconds, answer)
+            assert answer.startswith(b"HTTP/1.1 " + status) and b"connection: close" in answer.lower(), answer
+        for sock, byte in zip(socks, drip, strict=True):
+            assert _closed_within(sock, 5.0, byte * 25) is not None
+    finally:
+        for sock in socks:
+            sock.close()
+    assert server.call("GET", "/v1/whoami", TOKEN) == (200, {"scope": "scope-a"})

@@ -159,8 +159,9 @@ class BodyLimit:
     """Refuse request bodies over ``limit`` bytes (413), by Content-Length and while streaming, and bodies
     that pause ``timeout`` seconds (408).
 
-    The excess is read and dropped (up to a few times the limit) before the 413 goes out: a server that
-    answers and closes while the client is still sending makes the client see a reset, not the 413.
+    The excess is read and dropped (up to a few times the limit, ``timeout`` seconds in all) before the 413
+    goes out: a server that answers and closes while the client is still sending makes the client see a
+    reset, not the 413.
     """
 
     def __init__(self, app: Any, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
@@ -178,7 +179,7 @@ class BodyLimit:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and not _length_within(value, self.limit):
                 # A client waiting for 100 Continue has sent nothing yet: reading would invite the body.
-                stalled = _expects_continue(scope) or not await _drain(receive, 4 * self.limit)
+                stalled = _expects_continue(scope) or not await _drain(receive, 4 * self.limit, self.timeout)
                 response = error_json(413, "request_too_large", f"request bodies are limited to {self.limit} bytes")
                 if stalled:
                     response.headers.update(_CLOSE)
@@ -194,7 +195,9 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    stalled = message.get("more_body", False) and not await _drain(receive, 3 * self.limit)
+                    stalled = message.get("more_body", False) and not await _drain(
+                        receive, 3 * self.limit, self.timeout
+                    )
                     raise _TooLarge(self.limit, stalled=stalled)
             return message
 
@@ -255,13 +258,26 @@ def _patient(receive: Any, seconds: float) -> Any:
     return timed
 
 
-async def _drain(receive: Any, budget: int) -> bool:
+async def _drain(receive: Any, budget: int, seconds: float) -> bool:
     """Read and drop request body chunks until the body ends or ``budget`` bytes were dropped; False when
-    it stalled instead (the rest may never come: the answer closes the connection)."""
+    it stalled instead, or was not over within ``seconds`` in all (the rest may never come: the answer
+    closes the connection).
+
+    The body of a refused request is dropped only so that the client reads the answer. Timed per read
+    alone, a client without any token held its connection as long as it sent a byte before each pause
+    ran out (8 MiB at one byte in 29 s), and enough such connections locked everyone out, as a head sent
+    a byte at a time did before its deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
     while budget > 0:
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        # Each read timed, not the whole loop cancelled at the deadline: on Python 3.11 a cancellation that
+        # meets a chunk just read inside ``_patient``'s wait_for is lost, and the drain went on.
         try:
-            message = await receive()
-        except _Stalled:
+            message = await asyncio.wait_for(receive(), left)
+        except (_Stalled, TimeoutError):
             return False
         if message["type"] != "http.request":
             return True
@@ -277,11 +293,13 @@ class Authenticate:
     The token was a dependency of each route: FastAPI parses a request's body before it solves those,
     and routes before both, so a request without a token had its body parsed (a malformed one was
     answered 422) and its path looked up (404, 405) before it was refused. Its body is read and dropped
-    (at most what the body limit lets through), so that the client reads the 401, not a reset."""
+    (at most what the body limit lets through, ``timeout`` seconds in all), so that the client reads the
+    401, not a reset."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         """Wrap an ASGI app (the tokens are the app's ``state.tokens``, as ``caller`` reads them)."""
         self.app = app
+        self.timeout = timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """Pass a request with a known token through; answer 401 to any other."""
@@ -299,11 +317,9 @@ class Authenticate:
             complete = False
         else:
             try:
-                complete = await _drain(receive, 1 << 62)  # bounded by BodyLimit around it (413)
+                complete = await _drain(receive, 1 << 62, self.timeout)  # bounded by BodyLimit around it (413)
             except _TooLarge as e:  # BodyLimit dropped the excess (closing only for a body that stalled)
                 complete = not e.headers
-            except _Stalled:
-                complete = False
         response = error_json(401, "unauthorized", "a valid bearer token is required")
         if not complete:
             response.headers.update(_CLOSE)
@@ -478,7 +494,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     _errors(app)
     _routes(app, service)
     app.add_middleware(PathSegments)
-    app.add_middleware(Authenticate)  # inside BodyLimit: the body it drops is bounded and timed
+    app.add_middleware(Authenticate, timeout=body_timeout_seconds)  # inside BodyLimit: the body it drops is bounded
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     app.add_middleware(CatchAll)  # outermost (added last): it answers whatever layer a request was in
     _protect_openapi(app)
