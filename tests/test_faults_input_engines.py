@@ -13,7 +13,7 @@ arguments and runtime settings, other scopes' sessions. The contract, on both ba
 - a refused call leaves every row of every table as it was. ``handle_tool_call`` answers the model,
   so it refuses with an ``{"error": ...}`` answer instead of raising: that answer writes nothing either.
 
-Drawn: 14 methods (``calls``; a test keeps that list and ``NOT_DRAWN`` complete). ``commit_turn`` and
+Drawn: 15 methods (``calls``; a test keeps that list and ``NOT_DRAWN`` complete). ``commit_turn`` and
 ``commit_prepared`` run inside ``store.write`` (they take the caller's transaction) and ``prefetch_in``
 inside ``store.read``. The default tier draws ``FAULT_INPUT_ENGINE_EXAMPLES`` (20) examples per method
 and backend; the slow tier (``make test-slow``) 150.
@@ -106,7 +106,7 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
                   "messages": d.draw(message_lists), "is_heartbeat": d.draw(bools)}
         return lambda: store.write(lambda c: engine.commit_turn(tx=c, **kwargs))
 
-    def prepared(d: st.DataObject) -> Callable[[], Any]:
+    def prepared(engine: Any, d: st.DataObject) -> Callable[[], Any]:
         # A payload built by prepare_turn (hostile input refused there already is the same contract), or
         # something that is not a payload at all.
         key, adm, term, msgs = d.draw(ids), d.draw(anchor), d.draw(anchor), d.draw(message_lists)
@@ -114,8 +114,8 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
         other = d.draw(payloads)
 
         def run() -> Any:
-            turn = other if use_wrong else prepare_turn("legacy", key, adm, term, msgs)
-            return store.write(lambda c: legacy.commit_prepared(c, turn))
+            turn = other if use_wrong else prepare_turn(engine.info.id, key, adm, term, msgs)
+            return store.write(lambda c: engine.commit_prepared(c, turn))
 
         return run
 
@@ -146,7 +146,7 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
         "LegacyEngine.compact": on_session(legacy.compact, force=bools, focus=optional_texts,
                                            token_budget=optional_budgets),
         "LegacyEngine.commit_turn": lambda d: commit(legacy, d),
-        "LegacyEngine.commit_prepared": prepared,
+        "LegacyEngine.commit_prepared": lambda d: prepared(legacy, d),
         # LosslessEngine
         "LosslessEngine.budget": lambda d: call(lossless.budget, *d.draw(where), d.draw(optional_budgets)),
         "LosslessEngine.bootstrap": on_session(lossless.bootstrap, fence=fences, **session_keys),
@@ -158,6 +158,7 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
             available_tools=mostly(st.one_of(st.none(), st.lists(st.sampled_from(TOOLS), max_size=3)),
                                    st.one_of(st.lists(texts, max_size=3), payloads)), **session_keys),
         "LosslessEngine.commit_turn": lambda d: commit(lossless, d),
+        "LosslessEngine.commit_prepared": lambda d: prepared(lossless, d),
         "LosslessEngine.after_turn": on_session(
             lossless.after_turn, admission=mostly(st.none(), anchor), terminal=mostly(st.none(), anchor),
             **session_keys),
@@ -290,7 +291,7 @@ def public_methods() -> set[str]:
 def test_every_public_method_of_the_engines_is_drawn_or_listed_as_not(store: TranscriptStore) -> None:
     legacy, lossless = make_engines(store)
     drawn = set(calls(legacy, lossless, store, {}))  # the draws are lazy: no world needed for the names
-    assert len(drawn) == 14, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 15, sorted(drawn)  # the module docstring's count
     assert not drawn & set(NOT_DRAWN) and drawn | set(NOT_DRAWN) == public_methods(), \
         sorted(public_methods() ^ (drawn | set(NOT_DRAWN)))
 
@@ -325,6 +326,7 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore) -> None
         lambda: lossless.compact(scope=A, session_id="s1", force=1),  # type: ignore[arg-type]
         lambda: store.read(lambda c: legacy.prefetch_in(c, scope=A, session_id="s1", fence=admission)),  # type: ignore[arg-type]
         lambda: store.write(lambda c: legacy.commit_prepared(c, {"scope": A})),  # type: ignore[arg-type]
+        lambda: store.write(lambda c: lossless.commit_prepared(c, {"scope": A})),  # type: ignore[arg-type]
     ]
     for i, thunk in enumerate(refused):
         with pytest.raises(InvalidInput):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import module_store_fixtures
 from hosting import RecordingModel
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from engines.lossless import LosslessEngine
 from engines.lossless import engine as engine_module
@@ -33,9 +33,11 @@ from transcript_store.host import HostRuntime
 from transcript_store.ledger import CommitResult, get_receipt, get_state
 from transcript_store.models import Admission, Anchor, ClosedRange
 from transcript_store.registry import EngineRegistry
+from transcript_store.schema import entries, outbox
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
+from transcript_store.turns import Turns
 
 A = "scope-l"
 TABLES = (messages, summaries, summary_sources, summary_children, context_items)
@@ -292,6 +294,37 @@ def test_assemble_catches_up_with_turns_of_another_engine(store: TranscriptStore
     assert one.engine_id == three.engine_id == "lossless" and two.engine_id == "legacy"
     assert model.requests[-1][1:] == [*one.messages, *two.messages, user("third")]
     assert count(store, messages, sid) == 6
+    check(store, sid)
+
+
+def test_a_turn_accepted_before_an_upgrade_reaches_the_engine_as_stored(store: TranscriptStore, sid: str) -> None:
+    """A reply an earlier release stored and this one refuses (an empty tool_calls list), in a turn
+    accepted but not yet delivered when the library was upgraded: the engine validated the stored
+    messages again by the new rules, so every drain failed and quarantined the engine, and the
+    session's later turns ran on legacy for ever. The host hands the engine the closed range as
+    stored (``commit_prepared``)."""
+    turns = Turns(store)
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id="lossless")
+    done = turns.complete(A, sid, "t1", [{"message": assistant("a")}], None)
+    # What the earlier release wrote: the reply as it stored it, and the intent's copy of the turn.
+    earlier = {"role": "assistant", "content": "a", "tool_calls": []}
+    text = json.dumps(earlier, separators=(",", ":"))
+    with store.db.engine.begin() as conn:
+        conn.execute(update(entries).where(entries.c.scope == A, entries.c.session_id == sid,
+                                           entries.c.entry_id == done.terminal.entry_id)
+                     .values(payload=text, size_bytes=len(text)))
+        conn.execute(update(outbox).where(outbox.c.scope == A, outbox.c.session_id == sid, outbox.c.turn_id == "t1")
+                     .values(messages=json.dumps([user("q"), earlier])))
+    host = HostRuntime(store, load_settings(config_path=None, engine="lossless"), RecordingModel(),
+                       registry=EngineRegistry(), summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    try:
+        report = turns.drain(host.commit_in, scope=A, session_id=sid)
+        assert (report.committed_turns, report.failed) == ([(sid, "t1")], [])
+        assert "lossless" not in host.quarantined
+        assert host.run_turn(A, sid, "next", turn_id="t2").engine_id == "lossless"
+    finally:
+        host.dispose()
+    assert count(store, messages, sid) == 4
     check(store, sid)
 
 

@@ -21,6 +21,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any, Literal
 
 from transcript_store.core import Core, check_anchor
@@ -269,6 +270,18 @@ class LosslessEngine:
         """The ledger commit with the turn's ingestion in the same transaction (a duplicate ingests nothing)."""
         turn = prepare_turn(ENGINE_ID, advancement_key, admission, terminal, messages, is_heartbeat=is_heartbeat)
         return commit_turn_in(tx, turn, self._apply)
+
+    def commit_prepared(self, tx: Core, turn: TurnPayload) -> CommitResult:
+        """``commit_turn`` of a payload the host made from the transcript's closed range (same transaction).
+
+        Its messages are the stored entries, validated when they were appended, by the rules of the
+        release that appended them: validated again by this release's stricter rules (an empty
+        ``tool_calls`` list, refused since), a turn accepted before an upgrade was never delivered, and
+        every drain that tried quarantined the engine."""
+        if not isinstance(turn, TurnPayload):
+            raise InvalidInput(f"commit_prepared takes a TurnPayload (prepare_turn's), not {type(turn).__name__}")
+        # The receipt under this engine's id, as commit_turn writes it (the hash does not cover the id).
+        return commit_turn_in(tx, replace(turn, engine_id=ENGINE_ID), self._apply)
 
     def _apply(self, core: Core, turn: TurnPayload) -> None:
         """Import the transcript through the turn's terminal entry (any gap first, then the turn)."""
