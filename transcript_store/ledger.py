@@ -143,12 +143,23 @@ _BACKWARD = (
     .limit(literal_column(str(MAX_TURN_EVENTS)))
     .subquery("backward")
 )
-_LAST_BOUND = (
-    select(_BACKWARD.c.turn_id)
+#: PostgreSQL -> the last bound admission's turn id. SQLite walks its primary key backward for the plain
+#: statement (the subquery it would run to its LIMIT and sort: 3.7 ms at 3,000 turns).
+_LAST_BOUND = {
+    True: select(_BACKWARD.c.turn_id)
     .where(_BACKWARD.c.turn_id.is_not(None))
     .order_by(_BACKWARD.c.seq.desc())
-    .limit(literal_column("1"))
-)
+    .limit(literal_column("1")),
+    False: select(entries.c.turn_id)
+    .where(
+        by_session(entries),
+        entries.c.seq >= bindparam("b_from"),
+        entries.c.seq < bindparam("b_to"),
+        entries.c.turn_id.is_not(None),
+    )
+    .order_by(entries.c.seq.desc())
+    .limit(literal_column("1")),
+}
 _HELD_SEQS = select(receipts.c.message_seqs).where(
     by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
@@ -591,7 +602,7 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
         # turn's range (a user message appended during it), and the engine took it with that turn.
         # Such a range starts at the last admission bound to a key before it (``_LAST_BOUND``).
         near = session_params(turn.scope, turn.session_id, b_from=max(0, adm.seq - MAX_TURN_EVENTS), b_to=adm.seq)
-        key = core.run(_LAST_BOUND, near).scalar()
+        key = core.run(_LAST_BOUND[not core.dialect.is_sqlite], near).scalar()
         held: list[Any] = [] if key is None else core.run(
             _HELD_SEQS, session_params(turn.scope, turn.session_id, b_key=key)
         ).all()
