@@ -204,8 +204,10 @@ def prepare_entry(
     entry_id: str | None = None,
     idempotency_key: str | None = None,
     turn_id: str | None = None,
+    stored: bool = False,
 ) -> NewEntry:
-    """Validate and serialize one entry; raises before anything is written."""
+    """Validate and serialize one entry; raises before anything is written (``stored``: an entry a
+    store held, imported: its message is also taken under earlier releases' rules)."""
     if kind not in ENTRY_KINDS:
         raise InvalidInput(f"unknown entry kind {kind!r}; one of {', '.join(ENTRY_KINDS)}")
     check_id("entry_id", entry_id, optional=True, new=True)
@@ -214,7 +216,7 @@ def prepare_entry(
     if kind == "message":
         if payload is not None:
             raise InvalidInput("a message entry takes `message`, not `payload`")
-        body = validate_message(message)
+        body = validate_message(message, stored=stored)
         role: str | None = body["role"]
     else:
         if message is not None:

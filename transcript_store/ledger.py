@@ -273,7 +273,9 @@ def prepare_turn(
     expected = terminal.position - anchor.position + 1
     if len(messages) != expected:
         raise InvalidInput(f"the turn range holds {expected} messages, got {len(messages)}")
-    checked = tuple(messages) if messages_validated else tuple(validate_message(m) for m in messages)
+    # ``stored``: a turn's messages are its transcript entries (the commit compares them), which a store
+    # from before the Chat Completions rules may hold in forms those rules refuse.
+    checked = tuple(messages) if messages_validated else tuple(validate_message(m, stored=True) for m in messages)
     if checked[0].get("role") != "user":
         raise InvalidInput("the first message of a turn is the admitted user message")
     if not isinstance(is_heartbeat, bool):

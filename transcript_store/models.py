@@ -146,8 +146,60 @@ def check_json(value: Any) -> None:
     _check_json_value(value)
 
 
-def validate_message(message: Any) -> dict[str, Any]:
-    """Validate one OpenAI chat message and return it as a plain dict, extras preserved."""
+class _EarlierToolCall(BaseModel):
+    """A tool call as releases before the Chat Completions rules stored it (any type)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(min_length=1)
+    type: str = "function"
+    function: FunctionCall
+
+
+class _EarlierContentPart(BaseModel):
+    """A content part as earlier releases stored it (an image_url part without its url)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> _EarlierContentPart:
+        if self.type == "text" and not isinstance(getattr(self, "text", None), str):
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
+class _EarlierChatMessage(BaseModel):
+    """A chat message as earlier releases stored it: empty content and tool_calls lists, a function
+    message without a name, a tool call of another type and an image_url part without a url were valid."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[_EarlierContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[_EarlierToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> _EarlierChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id'")
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        return self
+
+
+def validate_message(message: Any, *, stored: bool = False) -> dict[str, Any]:
+    """Validate one OpenAI chat message and return it as a plain dict, extras preserved.
+
+    ``stored``: a message a store may already hold (an export's entry being imported, a turn's message
+    checked against its transcript entry) is also taken under the rules of earlier releases, which
+    stored some forms the Chat Completions API refuses (``_EarlierChatMessage``): refused now, a
+    session exported before an upgrade could not be imported after it, nor its turns committed.
+    """
     if isinstance(message, ChatMessage):
         message = message.model_dump(exclude_none=True)
     if not isinstance(message, dict):
@@ -156,6 +208,12 @@ def validate_message(message: Any) -> dict[str, Any]:
     try:
         ChatMessage.model_validate(message)
     except ValidationError as e:
+        if stored:
+            try:
+                _EarlierChatMessage.model_validate(message)
+                return message
+            except ValidationError:
+                pass  # refused under both rules: the current rules say why
         errors = e.errors()
         # Of a union's alternatives (content: a string or a list of parts) the one the value is of says
         # what is wrong ("an image_url part needs ..."), not "Input should be a valid string".

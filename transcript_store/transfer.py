@@ -367,6 +367,7 @@ def _prepare(config: StoreConfig, rec: EntryRecord, where: str) -> NewEntry:
             entry_id=rec.entry_id,
             idempotency_key=rec.idempotency_key,
             turn_id=rec.turn_id,
+            stored=True,  # an export of a store: what an earlier release stored imports again
         )
     except InvalidInput as e:
         raise type(e)(f"{where}: {e}") from None
