@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 from test_pg_plans import _plan_of_any
 
@@ -96,3 +97,23 @@ def test_a_session_is_found_by_its_key_through_the_key_index(store: TranscriptSt
         return
     _assert_index_lookups(store, statements)
 
+
+def test_branch_and_rewrite_count_the_visible_messages_by_one_probe(store: TranscriptStore) -> None:
+    """PostgreSQL never analyzed: every statement of a branch to the head's parent and of a rewrite of
+    the last message of a 2,000-message session touches a few rows. The session's visible count, which
+    both write, was max(position) over the active path, answered by reading the whole path (2,000 rows);
+    it is now a backward probe of the position index."""
+    if store.backend == "sqlite":
+        pytest.skip("SQLite answers max() of an index's column by one probe (EXPLAIN QUERY PLAN: SEARCH)")
+    _never_analyzed(store, "ts_sessions", "ts_entries", "ts_active_path")
+    sid = store.create_session(A, session_id="s1").session_id
+    added = store.append_many(A, sid, [{"message": {"role": "user", "content": f"m{i}"}} for i in range(2000)])
+    calls = {
+        "branch": lambda: store.branch(A, sid, added[-2].entry_id),
+        "rewrite": lambda: store.rewrite_entries(
+            A, sid, [{"entry_id": added[-2].entry_id, "message": {"role": "user", "content": "again"}}]
+        ),
+    }
+    statements = _statements(store, calls)
+    assert store.get_session(A, sid).visible_count == 1999
+    _assert_index_lookups(store, statements)
