@@ -117,3 +117,29 @@ def test_branch_and_rewrite_count_the_visible_messages_by_one_probe(store: Trans
     statements = _statements(store, calls)
     assert store.get_session(A, sid).visible_count == 1999
     _assert_index_lookups(store, statements)
+
+
+def test_a_mirrored_turn_looks_entries_up_by_seq_through_the_primary_key(store: TranscriptStore) -> None:
+    """PostgreSQL never analyzed: every statement of mirroring a host turn onto the end of a
+    2,000-message session touches a few rows. Its anchors read the entries at their positions by seq,
+    an equality on the seq for which the planner took the entry-id index and filtered the session's
+    entries (2,001 rows removed, twice a turn); a lookup by seq is now in seq order under LIMIT 1."""
+    if store.backend == "sqlite":
+        pytest.skip("SQLite looks an equality on its primary key up by that key")
+    from transcript_store import mirror
+
+    _never_analyzed(store, "ts_sessions", "ts_entries", "ts_active_path", "ts_engine_state")
+    sid = store.create_session(A, session_id="s1").session_id
+    store.append_many(A, sid, [{"message": {"role": "user", "content": f"m{i}"}} for i in range(2000)])
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+    def mirrored() -> Any:
+        return store.write(
+            lambda c: mirror.mirror_turn(
+                c, store.config, A, sid, admission=("h-q", 2000), terminal=("h-a", 2001), messages=messages
+            )
+        )
+
+    statements = _statements(store, {"mirror_turn": mirrored})
+    assert [e.message for e in store.list_entries(A, sid, after_seq=1999, limit=5)] == messages  # seqs from 0
+    _assert_index_lookups(store, statements)

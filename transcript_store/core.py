@@ -433,7 +433,17 @@ _PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
 _PATH_SEQ_AT_POSITION = select(active_path.c.seq).where(
     by_session(active_path), active_path.c.position == bindparam("b_position")
 )
-_ENTRY_BY_SEQ = select(*ENTRY_COLUMNS).where(by_session(entries), entries.c.seq == bindparam("b_seq"))
+# One entry by its seq, as the first of the session's entries from that seq on in seq order (only the
+# primary key needs no sort for it), under a written-out LIMIT 1. With an equality on the seq, on
+# PostgreSQL tables never analyzed, the entry-id index (same two leading columns) looked as cheap as the
+# primary key, and the planner took it and filtered the session's entries on the seq (2,005 rows removed
+# at 2,000 entries, twice per mirrored turn; see _path_with_entries).
+_ENTRY_BY_SEQ = (
+    select(*ENTRY_COLUMNS)
+    .where(by_session(entries), entries.c.seq >= bindparam("b_seq"), entries.c.seq <= bindparam("b_seq"))
+    .order_by(entries.c.seq)
+    .limit(literal_column("1"))
+)
 _INSERT_ENTRIES = insert(entries)
 _INSERT_PATH = insert(active_path)
 _ADVANCE_HEAD = (
