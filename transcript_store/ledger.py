@@ -129,28 +129,15 @@ _TURN_ENTRY = select(entries.c.seq).where(by_session(entries), entries.c.turn_id
 _ONE_ENTRY = and_(by_session(entries), entries.c.seq == bindparam("b_seq"), entries.c.entry_id == bindparam("b_entry"))
 _CLAIM_TURN = update(entries).where(_ONE_ENTRY, entries.c.turn_id.is_(None)).values(turn_id=bindparam("b_key"))
 _TURN_ID_AT = select(entries.c.turn_id).where(_ONE_ENTRY)
-# The last admission bound to a key before an entry being bound to one (a backward walk of the session's
-# primary key, a few rows in a session of turns), and the seqs its receipts hold: whether that entry is
-# already one of their messages. Only that admission's turn can: a committed range holds no other bound
-# admission (``_check_range``), so an earlier turn's range ends before it. The walk is a subquery in
-# seq order under a written-out LIMIT, and the turn id is tested outside it: with the test inside, on
-# tables never analyzed, PostgreSQL read the partial turn-id index (every bound admission of the
-# session) and sorted what it kept, a cost growing with the session's turns.
-_BACKWARD = (
-    select(entries.c.seq, entries.c.turn_id)
-    .where(by_session(entries), entries.c.seq >= bindparam("b_from"), entries.c.seq < bindparam("b_to"))
-    .order_by(entries.c.seq.desc())
-    .limit(literal_column(str(MAX_TURN_EVENTS)))
-    .subquery("backward")
-)
-#: PostgreSQL -> the last bound admission's turn id. SQLite walks its primary key backward for the plain
-#: statement (the subquery it would run to its LIMIT and sort: 3.7 ms at 3,000 turns).
-_LAST_BOUND = {
-    True: select(_BACKWARD.c.turn_id)
-    .where(_BACKWARD.c.turn_id.is_not(None))
-    .order_by(_BACKWARD.c.seq.desc())
-    .limit(literal_column("1")),
-    False: select(entries.c.turn_id)
+# The last admission bound to a key before an entry being bound to one, and the seqs its receipts hold:
+# whether that entry is already one of their messages. Only that admission's turn can: a committed
+# range holds no other bound admission (``_check_range``), so an earlier turn's range ends before it.
+# With statistics the planner walks the primary key back from the entry (a few rows in a session of
+# turns) or reads the partial turn-id index (a mirror's long stretches of entries without turn ids);
+# on PostgreSQL tables never analyzed it may read all of the session's bound admissions (one per turn).
+# Not a forced backward walk: that read a mirror's whole imported history (5,215 rows at 5,000).
+_LAST_BOUND = (
+    select(entries.c.turn_id)
     .where(
         by_session(entries),
         entries.c.seq >= bindparam("b_from"),
@@ -158,8 +145,8 @@ _LAST_BOUND = {
         entries.c.turn_id.is_not(None),
     )
     .order_by(entries.c.seq.desc())
-    .limit(literal_column("1")),
-}
+    .limit(literal_column("1"))
+)
 _HELD_SEQS = select(receipts.c.message_seqs).where(
     by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
@@ -614,7 +601,7 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
         # turn's range (a user message appended during it), and the engine took it with that turn.
         # Such a range starts at the last admission bound to a key before it (``_LAST_BOUND``).
         near = session_params(turn.scope, turn.session_id, b_from=max(0, adm.seq - MAX_TURN_EVENTS), b_to=adm.seq)
-        key = core.run(_LAST_BOUND[not core.dialect.is_sqlite], near).scalar()
+        key = core.run(_LAST_BOUND, near).scalar()
         held: list[Any] = [] if key is None else core.run(
             _HELD_SEQS, session_params(turn.scope, turn.session_id, b_key=key)
         ).all()
