@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from sqlalchemy import select
 from transcript_store.core import Core
 from transcript_store.models import canonical_json
 
-from .tables import context_items, message_id, messages, summaries, summary_id
+from .tables import context_items, message_id, messages, rows_of, summaries, summary_id
 
 
 @dataclass
@@ -58,16 +58,12 @@ class Item:
         return "message", self.message_ordinal
 
 
-def _in_batches(values: list[int], size: int = 1000) -> Iterator[list[int]]:
-    for n in range(0, len(values), size):
-        yield values[n : n + size]
-
-
 def load_items(core: Core, scope: str, session_id: str) -> list[Item]:
     """The context list in order, each item with its message or summary: O(items) rows by primary key.
 
     Three lookups rather than one join on purpose: on a PostgreSQL table that was never analyzed the
-    planner may run a join as a nested loop that walks the whole session once per context item.
+    planner may run a join as a nested loop that walks the whole session once per context item. The
+    messages and summaries are one index lookup per key (``tables.rows_of``).
     """
     ci = context_items.c
     rows = core.conn.execute(
@@ -75,18 +71,12 @@ def load_items(core: Core, scope: str, session_id: str) -> list[Item]:
         .where(ci.scope == scope, ci.session_id == session_id)
         .order_by(ci.item_ordinal)
     ).all()
-    found: dict[int, Any] = {}
-    for batch in _in_batches([r.message_ordinal for r in rows if r.message_ordinal is not None]):
-        q = select(messages.c.ordinal, messages.c.message, messages.c.tokens).where(
-            messages.c.scope == scope, messages.c.session_id == session_id, messages.c.ordinal.in_(batch)
-        )
-        found.update((r.ordinal, r) for r in core.conn.execute(q))
-    infos: dict[int, Any] = {}
-    for batch in _in_batches([r.summary_seq for r in rows if r.summary_seq is not None]):
-        q = select(summaries).where(
-            summaries.c.scope == scope, summaries.c.session_id == session_id, summaries.c.summary_seq.in_(batch)
-        )
-        infos.update((r.summary_seq, r) for r in core.conn.execute(q))
+    mc, sc = messages.c, summaries.c
+    ordinals = [r.message_ordinal for r in rows if r.message_ordinal is not None]
+    stored = rows_of(core, scope, session_id, mc.ordinal, ordinals, (mc.ordinal, mc.message, mc.tokens))
+    found = {r.ordinal: r for r in stored}
+    seqs = [r.summary_seq for r in rows if r.summary_seq is not None]
+    infos = {r.summary_seq: r for r in rows_of(core, scope, session_id, sc.summary_seq, seqs, tuple(summaries.c))}
     out = []
     for r in rows:
         if r.summary_seq is not None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert
 
 from transcript_store.core import Core, now_us
 from transcript_store.model import message_text
@@ -24,7 +24,7 @@ from transcript_store.tokens import TokenEstimator
 
 from .config import LosslessConfig
 from .reset import keep_true_prefix
-from .tables import View, context_items, messages
+from .tables import View, context_items, messages, rows_of
 
 
 @dataclass
@@ -198,17 +198,10 @@ def ingest_entries(
 
 def _known(core: Core, scope: str, session_id: str, entry_ids: list[str]) -> dict[str, tuple[int, int, bool]]:
     """entry id -> (ordinal, tokens, in the context list) for the entries already ingested."""
-    rows = core.conn.execute(
-        select(messages.c.entry_id, messages.c.ordinal, messages.c.tokens).where(
-            messages.c.scope == scope, messages.c.session_id == session_id, messages.c.entry_id.in_(entry_ids)
-        )
-    ).all()
+    m, ci = messages.c, context_items.c
+    rows = rows_of(core, scope, session_id, m.entry_id, entry_ids, (m.entry_id, m.ordinal, m.tokens))
     if not rows:
-        return {}  # the common case: a page of new messages costs one indexed probe
-    visible = select(context_items.c.message_ordinal).where(
-        context_items.c.scope == scope,
-        context_items.c.session_id == session_id,
-        context_items.c.message_ordinal.in_([r.ordinal for r in rows]),
-    )
-    in_context = {r.message_ordinal for r in core.conn.execute(visible)}
+        return {}  # the common case: a page of new messages costs one lookup per entry
+    listed = rows_of(core, scope, session_id, ci.message_ordinal, [r.ordinal for r in rows], (ci.message_ordinal,))
+    in_context = {r.message_ordinal for r in listed}
     return {r.entry_id: (r.ordinal, r.tokens, r.ordinal in in_context) for r in rows}

@@ -34,7 +34,7 @@ from transcript_store import faults
 from transcript_store.core import Core
 from transcript_store.cursors import CursorState
 
-from .tables import View, context_items, messages, summaries, summary_children, summary_sources
+from .tables import View, context_items, messages, rows_of, summaries, summary_children, summary_sources
 
 BATCH = 500
 
@@ -148,9 +148,7 @@ def _open_round(core: Core, scope: str, session_id: str, rows: _Rows, covered: l
         return False
     wanted = covered[at : len(covered)]
     m = messages.c
-    found = core.conn.execute(
-        select(m.ordinal, m.message).where(m.scope == scope, m.session_id == session_id, m.ordinal.in_(wanted))
-    ).all()
+    found = rows_of(core, scope, session_id, m.ordinal, wanted, (m.ordinal, m.message))
     by = {r.ordinal: json.loads(r.message) for r in found}
     calls = by.get(covered[at], {}).get("tool_calls") or []
     ids = {c.get("id") for c in calls if isinstance(c, dict)}

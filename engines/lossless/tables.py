@@ -6,7 +6,9 @@ GIN indexes) are not declared here: they differ per backend and are only ever qu
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,10 +20,19 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    Row,
+    Select,
     String,
     Table,
     Text,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    select,
+    true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from transcript_store.core import MAX_INT, Core
 from transcript_store.ledger import get_state, put_state
@@ -170,3 +181,67 @@ def parse_id(raw: object) -> tuple[str, int] | None:
         if raw.startswith(prefix) and _DIGITS.fullmatch(digits) and int(digits) <= MAX_INT:
             return kind, int(digits)
     return None
+
+
+# ---------------------------------------------------------------------------------------------- lookups
+#
+# On PostgreSQL tables never analyzed (a new deployment, autovacuum off or behind) the planner has no
+# estimates: every index that starts with (scope, session_id) looks as cheap as any other for one row,
+# and it took the wrong one and filtered the session's rows on the key (``ordinal = $3`` by the
+# entry-id index: 800 rows removed at 800 messages), and read a list of keys (``IN``, ``= ANY``) as a
+# filter over the session's whole range (1,400 rows removed for each batch of an assembly at 1,000
+# turns, 33-180 ms). A key is therefore asked as a range in the order of its own index, which only
+# that index serves without a sort, and a list of keys as one such lookup per key (the technique of
+# transcript_store/core.py, ``_path_with_entries``). SQLite's planner knows its indexes: plain IN lists.
+
+
+def keyed(query: Select[Any], column: Column[Any], value: Any) -> Select[Any]:
+    """``query`` narrowed to ``column = value``, in ``column``'s order: on PostgreSQL tables never analyzed
+    an equality took another index of the session's key and filtered on the column; a range in the
+    column's order is served by the column's own index alone (the others would need a sort). The caller
+    orders by the index's further columns and limits as it needs."""
+    return query.where(column >= value, column <= value).order_by(column)
+
+
+@functools.cache
+def _rows_of_array(column: Column[Any], columns: tuple[Column[Any], ...]) -> Select[Any]:
+    """PostgreSQL: ``columns`` of the session's row for each key of an array (``b_keys``), one lookup each."""
+    table = column.table
+    keys = func.unnest(cast(bindparam("b_keys"), ARRAY(column.type))).table_valued("key").render_derived(name="keys")
+    found = (
+        keyed(
+            select(*columns).where(
+                table.c.scope == bindparam("b_scope"), table.c.session_id == bindparam("b_session")
+            ),
+            column,
+            keys.c.key,
+        )
+        .limit(literal_column("1"))  # written out: a generic plan takes a bound LIMIT for 10% of the rows
+        .lateral("found")
+    )
+    return select(*[found.c[c.key] for c in columns]).select_from(keys.join(found, true()))
+
+
+def rows_of(
+    core: Core, scope: str, session_id: str, column: Column[Any], keys: Sequence[Any], columns: Sequence[Column[Any]]
+) -> list[Row[Any]]:
+    """``columns`` of the session's rows of ``column``'s table whose ``column`` (unique in the session) is one
+    of ``keys``, in no particular order; a key with no row has none. O(keys) index lookups on either backend."""
+    wanted = list(dict.fromkeys(keys))
+    if not wanted:
+        return []
+    if not core.dialect.is_sqlite:
+        params = {"b_keys": wanted, "b_scope": scope, "b_session": session_id}
+        return list(core.conn.execute(_rows_of_array(column, tuple(columns)), params))
+    table = column.table
+    out: list[Row[Any]] = []
+    for n in range(0, len(wanted), _SQLITE_IN):
+        q = select(*columns).where(
+            table.c.scope == scope, table.c.session_id == session_id, column.in_(wanted[n : n + _SQLITE_IN])
+        )
+        out.extend(core.conn.execute(q))
+    return out
+
+
+#: keys per IN list on SQLite (well under its limit on bound variables)
+_SQLITE_IN = 1000

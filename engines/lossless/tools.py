@@ -17,7 +17,7 @@ import json
 from typing import Any, cast
 
 import regex
-from sqlalchemy import func, select
+from sqlalchemy import func, literal_column, select
 from sqlalchemy.exc import DataError
 
 from transcript_store.core import MAX_INT, Core, check_id, from_us
@@ -33,9 +33,11 @@ from transcript_store.errors import (
 from .search import Kind, Mode, SearchError, Sort, compile_regex, grep, snippet
 from .tables import (
     context_items,
+    keyed,
     message_id,
     messages,
     parse_id,
+    rows_of,
     summaries,
     summary_children,
     summary_id,
@@ -236,15 +238,18 @@ def run_grep(
 # ---------------------------------------------------------------------------------------------- lineage
 
 
+# Every lookup here is ``tables.keyed``: a key as a range in its own index's order (on PostgreSQL tables
+# never analyzed an equality took another index of the session's key and filtered the session's rows).
+_ONE: Any = literal_column("1")  # a written-out LIMIT: a generic plan takes a bound LIMIT for 10% of the rows
+
+
 def _key(table: Any, scope: str, session_id: str) -> tuple[Any, Any]:
     return table.c.scope == scope, table.c.session_id == session_id
 
 
 def _parent(core: Core, scope: str, session_id: str, seq: int) -> int | None:
-    q = select(summary_children.c.parent_seq).where(
-        *_key(summary_children, scope, session_id), summary_children.c.child_seq == seq
-    )
-    return core.conn.execute(q).scalar()
+    q = select(summary_children.c.parent_seq).where(*_key(summary_children, scope, session_id))
+    return core.conn.execute(keyed(q, summary_children.c.child_seq, seq).limit(_ONE)).scalar()
 
 
 def _lineage(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
@@ -259,9 +264,8 @@ def _in_context(
     core: Core, scope: str, session_id: str, *, summary: int | None = None, message: int | None = None
 ) -> bool:
     column = context_items.c.summary_seq if summary is not None else context_items.c.message_ordinal
-    q = select(context_items.c.item_ordinal).where(
-        *_key(context_items, scope, session_id), column == (summary if summary is not None else message)
-    )
+    q = select(context_items.c.item_ordinal).where(*_key(context_items, scope, session_id))
+    q = keyed(q, column, summary if summary is not None else message).limit(_ONE)
     return core.conn.execute(q).first() is not None
 
 
@@ -279,8 +283,8 @@ def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
         # object once summary 7 was made.
         if parsed[0] != "message":
             return None
-        return core.conn.execute(q.where(messages.c.ordinal == parsed[1])).first()
-    return core.conn.execute(q.where(messages.c.entry_id == raw)).first()
+        return core.conn.execute(keyed(q, messages.c.ordinal, parsed[1]).limit(_ONE)).first()
+    return core.conn.execute(keyed(q, messages.c.entry_id, raw).limit(_ONE)).first()
 
 
 def _shadow_note(core: Core, scope: str, session_id: str, raw: str, found: tuple[str, int]) -> str | None:
@@ -288,8 +292,8 @@ def _shadow_note(core: Core, scope: str, session_id: str, raw: str, found: tuple
     message: that message is reached by its own engine id only, and the caller is told which."""
     if parse_id(raw) is None:
         return None
-    q = select(messages.c.ordinal).where(*_key(messages, scope, session_id), messages.c.entry_id == raw)
-    other = core.conn.execute(q).scalar()
+    q = select(messages.c.ordinal).where(*_key(messages, scope, session_id))
+    other = core.conn.execute(keyed(q, messages.c.entry_id, raw).limit(_ONE)).scalar()
     if other is None or found == ("message", int(other)):
         return None
     return (f"{raw!r} is read as this engine's id; the transcript entry named {raw!r} is message "
@@ -300,8 +304,8 @@ def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
     parsed = parse_id(raw)
     if parsed is None or parsed[0] != "summary":
         return None
-    q = select(summaries).where(*_key(summaries, scope, session_id), summaries.c.summary_seq == parsed[1])
-    return core.conn.execute(q).first()
+    q = select(summaries).where(*_key(summaries, scope, session_id))
+    return core.conn.execute(keyed(q, summaries.c.summary_seq, parsed[1]).limit(_ONE)).first()
 
 
 def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -315,11 +319,10 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
     if row is None:
         raise _missing(core, scope, session_id, raw)
     note = _shadow_note(core, scope, session_id, raw, ("message", row.ordinal))
-    leaves = core.conn.execute(
-        select(summary_sources.c.summary_seq)
-        .where(*_key(summary_sources, scope, session_id), summary_sources.c.message_ordinal == row.ordinal)
-        .order_by(summary_sources.c.summary_seq.desc())
-    ).scalars().all()
+    covering = select(summary_sources.c.summary_seq).where(*_key(summary_sources, scope, session_id))
+    leaves = sorted(
+        core.conn.execute(keyed(covering, summary_sources.c.message_ordinal, row.ordinal)).scalars(), reverse=True
+    )
     raw_in_context = _in_context(core, scope, session_id, message=row.ordinal)
     chains = [_lineage(core, scope, session_id, leaf) for leaf in leaves]
     holder = message_id(row.ordinal) if raw_in_context else next(
@@ -376,21 +379,29 @@ def _describe_summary(core: Core, scope: str, session_id: str, row: Any) -> dict
     if row.kind == "condensed":
         out["children"] = [summary_id(c) for c in _children(core, scope, session_id, seq)]
     else:
-        count = select(func.count()).where(
-            *_key(summary_sources, scope, session_id), summary_sources.c.summary_seq == seq
-        )
-        out["source_messages"] = int(core.conn.execute(count).scalar_one())
+        out["source_messages"] = _source_count(core, scope, session_id, seq)
     out["preview"] = snippet(row.content, None, 240)
     return out
 
 
 def _children(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
-    q = (
-        select(summary_children.c.child_seq)
-        .where(*_key(summary_children, scope, session_id), summary_children.c.parent_seq == seq)
-        .order_by(summary_children.c.idx)
-    )
-    return list(core.conn.execute(q).scalars())
+    """A condensed summary's children in their order (``idx``, sorted here: in SQL only the primary key's
+    order is an index lookup on PostgreSQL tables never analyzed)."""
+    q = select(summary_children.c.child_seq, summary_children.c.idx).where(*_key(summary_children, scope, session_id))
+    edges = core.conn.execute(keyed(q, summary_children.c.parent_seq, seq).order_by(summary_children.c.child_seq))
+    return [r.child_seq for r in sorted(edges, key=lambda r: r.idx)]
+
+
+def _sources(scope: str, session_id: str, seq: int) -> Any:
+    """The message ordinals of a leaf summary, in order."""
+    q = select(summary_sources.c.message_ordinal).where(*_key(summary_sources, scope, session_id))
+    return keyed(q, summary_sources.c.summary_seq, seq).order_by(summary_sources.c.message_ordinal)
+
+
+def _source_count(core: Core, scope: str, session_id: str, seq: int) -> int:
+    """How many messages a leaf summary covers."""
+    count = select(func.count()).select_from(_sources(scope, session_id, seq).subquery())
+    return int(core.conn.execute(count).scalar_one())
 
 
 def _cut(content: str, limit: int) -> tuple[str, bool]:
@@ -412,28 +423,16 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
     if row.kind == "condensed":
         children = _children(core, scope, session_id, seq)
         total = len(children)
-        q = select(summaries).where(
-            *_key(summaries, scope, session_id), summaries.c.summary_seq.in_(children[offset : offset + limit])
-        )
-        found = {r.summary_seq: r for r in core.conn.execute(q)}
-        items = [_summary_item(found[c], max_chars) for c in children[offset : offset + limit] if c in found]
+        shown = children[offset : offset + limit]
+        stored = rows_of(core, scope, session_id, summaries.c.summary_seq, shown, tuple(summaries.c))
+        found = {r.summary_seq: r for r in stored}
+        items = [_summary_item(found[c], max_chars) for c in shown if c in found]
     else:
-        where = (*_key(summary_sources, scope, session_id), summary_sources.c.summary_seq == seq)
-        total = int(core.conn.execute(select(func.count()).where(*where)).scalar_one())
+        total = _source_count(core, scope, session_id, seq)
         # Two keyed lookups, not an IN (subquery): see context.load_items on PostgreSQL join plans.
-        page = core.conn.execute(
-            select(summary_sources.c.message_ordinal)
-            .where(*where)
-            .order_by(summary_sources.c.message_ordinal)
-            .offset(offset)
-            .limit(limit)
-        ).scalars().all()
-        q = (
-            select(messages)
-            .where(*_key(messages, scope, session_id), messages.c.ordinal.in_(page))
-            .order_by(messages.c.ordinal)
-        )
-        items = [_message_item(m, max_chars) for m in core.conn.execute(q)] if page else []
+        page = core.conn.execute(_sources(scope, session_id, seq).offset(offset).limit(limit)).scalars().all()
+        stored = rows_of(core, scope, session_id, messages.c.ordinal, page, tuple(messages.c))
+        items = [_message_item(m, max_chars) for m in sorted(stored, key=lambda m: m.ordinal)]
     done = offset + len(items)
     return _noted({
         "id": summary_id(seq),
