@@ -10,11 +10,12 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages`` or ``max_bytes``, is ``InvalidInput`` naming that argument);
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 38 functions, the ``TranscriptStore`` constructor and 24 of its methods, and 13 methods of
-``Turns`` (``calls`` below; a test keeps that list and this one complete). Not drawn:
+Drawn: 39 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
+methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 13 of
+its methods (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
-outside any), ``close``, ``upgrade`` and ``current_revision`` (no arguments), the ``Turns`` constructor
-(it only binds a store and a config), and URLs of reachable servers.
+outside any), ``close``, ``upgrade``, ``current_revision`` and ``ensure_current`` (no arguments), and
+URLs of reachable servers.
 
 The default tier draws ``FAULT_INPUT_EXAMPLES`` (14) examples per function and backend; the slow tier
 (``make test-slow``) runs the same campaign with 150.
@@ -41,13 +42,14 @@ from transcript_store import (
     AppendItem,
     InvalidInput,
     Replacement,
+    StoreConfig,
     StoreUnavailable,
     TranscriptStore,
     TranscriptStoreError,
 )
 from transcript_store.cursors import CursorState
 from transcript_store.models import Anchor
-from transcript_store.outbox import AdmittedLease
+from transcript_store.outbox import AdmittedLease, OutboxConfig
 from transcript_store.turns import Turns
 
 A, B = "scope-a", "scope-b"
@@ -197,16 +199,31 @@ def engines(w: dict[str, Any]) -> st.SearchStrategy[Any]:
     return st.one_of(lookups, wrong)
 
 
+def use_turns(turns: Turns) -> None:
+    """Run what a ``Turns`` reads of its store and config (a list of intents, a drain of an empty scope)."""
+    turns.intents(A, 1)
+    turns.drain(lambda _e: None, scope="nowhere")
+
+
 def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, Callable[[st.DataObject], Any]]:
     """Per public function: draw its arguments, return the call."""
     def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], Any]:
         return lambda: fn(*args, **kwargs)
 
     commit_ins = st.one_of(st.none(), st.just(counting_engine), wrong)
+    configs = st.sampled_from([StoreConfig(url="sqlite:///drawn.db"), OutboxConfig(), StoreConfig])
     urls = st.sampled_from(["", "not a url", "mysql://u@h/d", "sqlite://", "sqlite:///:memory:", "://", "\x00",
                             "sqlite:///a\x00b", "sqlite:///\ud800", "oracle+x://", 5, 1.5, b"sqlite://", ["x"]])
     return {
-        "TranscriptStore": lambda data: call(TranscriptStore, data.draw(urls)),
+        # the URL, a config (the store's own, one of its own, or anything) and ``create``, alone or together
+        "TranscriptStore": lambda data: call(
+            TranscriptStore, data.draw(st.one_of(urls, st.none())),
+            config=data.draw(st.one_of(st.none(), st.just(store.config), configs, payloads)),
+            create=data.draw(st.one_of(st.booleans(), wrong))),
+        # a Turns that was built is then used: a config it took unchecked failed in its methods instead
+        "Turns": lambda data: (lambda made: lambda: use_turns(made()))(call(
+            Turns, data.draw(weighted(st.just(store), st.one_of(wrong, payloads, st.just(store.config)), 3)),
+            data.draw(st.one_of(st.none(), st.just(OutboxConfig(turn_lease_seconds=1.0)), wrong, payloads)))),
         "upgrade_url": lambda data: call(TranscriptStore.upgrade_url, data.draw(urls)),
         "create_session": lambda data: call(store.create_session, data.draw(ids), session_id=data.draw(optional_ids),
                                             session_key=data.draw(optional_ids)),
@@ -290,12 +307,12 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
 READS = {
     "get_session", "find_session", "list_sessions", "session_bytes", "prepare", "prepare_admission", "anchor",
     "read_visible_delta", "read_visible", "get_entries", "list_entries", "read_closed_range", "export_session",
-    "receipts", "intents", "intent", "upgrade_url", "TranscriptStore",
+    "receipts", "intents", "intent", "upgrade_url", "TranscriptStore", "Turns",
 }
 #: public functions deliberately not drawn (the module docstring says why)
 NOT_DRAWN = {
     "TranscriptStore.write", "TranscriptStore.read", "TranscriptStore.statement", "TranscriptStore.close",
-    "TranscriptStore.upgrade", "TranscriptStore.current_revision", "TranscriptStore.ensure_current", "Turns",
+    "TranscriptStore.upgrade", "TranscriptStore.current_revision", "TranscriptStore.ensure_current",
 }
 
 
@@ -377,10 +394,10 @@ def public_functions() -> set[str]:
 @pytest.mark.parametrize("backend", ["sqlite"])  # names only: one backend says it
 def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore) -> None:
     turns = Turns(store)
-    drawn = {name if name == "TranscriptStore" else "Turns.admit" if name == "turns.admit"
+    drawn = {name if name in ("TranscriptStore", "Turns") else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 38, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 39, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 
@@ -418,6 +435,17 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore, tmp_pat
         (lambda: TranscriptStore(5), InvalidInput),  # type: ignore[arg-type]  # was pydantic ValidationError
         (lambda: TranscriptStore("sqlite:///a\x00b"), InvalidInput),  # ValueError: embedded null byte
         (lambda: TranscriptStore("sqlite:///\ud800"), InvalidInput),  # UnicodeEncodeError
+        # The constructors' other arguments were taken unchecked: AttributeError, TypeError, or a Turns
+        # whose every method raised AttributeError.
+        (lambda: TranscriptStore(config=42), InvalidInput),  # type: ignore[arg-type]
+        (lambda: TranscriptStore(config={"url": "sqlite:///x.db"}), InvalidInput),  # type: ignore[arg-type]
+        (lambda: TranscriptStore(5, config=store.config), InvalidInput),  # type: ignore[arg-type]  # model_copy
+        (lambda: TranscriptStore("sqlite:///a\x00b", config=store.config), InvalidInput),
+        (lambda: TranscriptStore("sqlite:///x.db", create="no"), InvalidInput),  # type: ignore[arg-type]
+        (lambda: Turns(store, 42), InvalidInput),  # type: ignore[arg-type]
+        (lambda: Turns(store, {"drain_limit": 1}), InvalidInput),  # type: ignore[arg-type]
+        (lambda: Turns(42), InvalidInput),  # type: ignore[arg-type]
+        (lambda: Turns(store.config), InvalidInput),  # type: ignore[arg-type]
     ]
     # Forged anchors were receipted: a terminal naming no stored entry, an admission at another seq.
     turns.discard(A, "s1", "T3")  # the world's running turn: a session runs one turn at a time

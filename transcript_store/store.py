@@ -82,10 +82,17 @@ class TranscriptStore:
         self, url: str | None = None, *, config: StoreConfig | None = None, create: bool = True
     ) -> None:
         """Open a store; a fresh SQLite path is created at the newest schema revision."""
+        # Checked here: anything else reached the database layer as AttributeError or TypeError.
+        if config is not None and not isinstance(config, StoreConfig):
+            raise InvalidInput(f"config must be a StoreConfig, not {type(config).__name__}")
+        if not isinstance(create, bool):
+            raise InvalidInput(f"create must be a bool, not {type(create).__name__}")
         if config is None:
             config = StoreConfig.from_env(url=url)
         elif url is not None:
-            config = config.model_copy(update={"url": url})
+            # Built again, not model_copy(update=...): that skips validation, and a bad URL then failed
+            # in the driver with TypeError instead of InvalidInput.
+            config = StoreConfig(**{**config.model_dump(), "url": url})
         self.config = config
         self.db = Database(config)
         #: set by ``close``: what runs on its own behind the store (a host's lease renewals) stops then

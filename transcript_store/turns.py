@@ -100,6 +100,11 @@ class Turns:
 
     def __init__(self, store: TranscriptStore, config: OutboxConfig | None = None) -> None:
         """Bind to a store; ``config`` sets leases and the drain limit."""
+        # Checked here: anything else bound silently, and every method then raised AttributeError.
+        if not isinstance(store, TranscriptStore):
+            raise InvalidInput(f"Turns needs a TranscriptStore, not {type(store).__name__}")
+        if config is not None and not isinstance(config, OutboxConfig):
+            raise InvalidInput(f"config must be an OutboxConfig, not {type(config).__name__}")
         self.store = store
         self.config = config or OutboxConfig()
         self._claims: LeaseKeeper | None = None  # renews drain claims during deliveries (PostgreSQL)
