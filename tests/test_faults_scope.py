@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_host import make_host
 from workers.fault_worker import report, table_rows
-from workers.turn_worker import counting_engine
+from workers.turn_worker import count_turn, counting_engine
 
 from transcript_store import (
     Anchor,
@@ -202,6 +202,22 @@ def test_scopes_never_see_or_change_each_other(
                                         turn_id=turn_id, engine_id=ENGINE)
         assert admitted is not None, f"A's {sid} is clear, yet admit_if_clear refused {turn_id}"
 
+    made: dict[str, Any] = {}
+
+    def admit_plain() -> None:
+        # B's s1 has a turn T1 (admitted, answered, committed): A's only-b gets one under the same id
+        made["admission"] = store.admit(A, "only-b", {"role": "user", "content": "A's T1"}, turn_id="T1")
+
+    def append_reply() -> None:
+        appended = store.append_many(A, "only-b", [{"message": {"role": "assistant", "content": "A's T1 answer"},
+                                                    "entry_id": "T1.r0"}])
+        made["terminal"] = store.anchor(A, "only-b", appended[-1].entry_id)
+
+    def commit_directly() -> None:
+        messages = [{"role": "user", "content": "A's T1"}, {"role": "assistant", "content": "A's T1 answer"}]
+        done = turns.commit_turn(ENGINE, "T1", made["admission"], made["terminal"], messages, apply=count_turn)
+        assert done.status == "committed", done
+
     def import_b() -> None:
         header, records = store.export_session(B, "only-b")
         store.import_session(A, header, records, session_id="imported-from-b", session_key="kz")
@@ -214,6 +230,10 @@ def test_scopes_never_see_or_change_each_other(
         ("complete", lambda: turns.complete(A, "only-b", "TB", [{"message": {"role": "assistant",
                                                                              "content": "A's TB answer"}}],
                                             counting_engine)),
+        # the writes a caller makes without the outbox: an admission, replies, a commit of its own
+        ("admit", admit_plain),
+        ("append_many", append_reply),
+        ("commit_turn", commit_directly),
         ("open_session", lambda: store.open_session(A, "k1")),
         # A's T3 and B's T3 are both queued under the same ids: blocking A's leaves B's queued
         ("block", lambda: turns.block(A, "s1", "T3", "blocked in A only")),

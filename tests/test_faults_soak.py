@@ -3,8 +3,8 @@ with recovery, admission, completion on the fast path or queued for the drain, t
 incremental delta reads and a closed-range read of the turn) on sessions that grow all along.
 Measured per worker: RSS, turn latency and read latency by quarter of the run. Asserted against drift
 between the second quarter and the last: median RSS grows by at most 4 MiB (seen: about 1), p95 turn
-latency and p95 read latency each within 2x + 5 ms (on two shared cores p95 moves by half between two
-quarters of the same code; a leak or a read that grows with the session moves it far more).
+latency within 2x + 5 ms and p95 read latency within 2x + 1 ms (on two shared cores p95 moves by half
+between two quarters of the same code; a leak or a read that grows with the session moves it far more).
 """
 
 from __future__ import annotations
