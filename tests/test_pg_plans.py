@@ -63,6 +63,17 @@ def _generic_plan(conn: Any, sql: str, params: Any, explain: str) -> str:
     return plan
 
 
+def assert_lookups(name: str, plan: str, executed: bool = True) -> None:
+    """A plan scans no table; run (``executed``), it reads no row it throws away (one at most) and no
+    more than a page's rows (20, one more, the session row)."""
+    assert not re.search(r"Seq Scan on ts_", plan), f"{name}:\n{plan}"
+    if executed:
+        removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
+        assert max(removed, default=0) <= 1, f"{name}:\n{plan}"
+        rows = [int(n) for n in re.findall(r"\(actual [^)]*rows=(\d+)", plan)]
+        assert max(rows, default=0) <= 22, f"{name}:\n{plan}"
+
+
 @pytest.mark.parametrize("shape", ["linear", "branched"])
 def test_a_delta_page_is_index_lookups_as_a_generic_plan(store: TranscriptStore, shape: str) -> None:
     """The page near the tail of a 2,000-message session walks only its own rows, planned without
@@ -179,12 +190,7 @@ def test_reads_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore
         for name, sent in statements.items():
             assert sent, name
             for sql, params in sent:
-                plan = _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF")
-                assert not re.search(r"Seq Scan on ts_", plan), f"{name}:\n{plan}"
-                removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
-                assert max(removed, default=0) <= 1, f"{name}:\n{plan}"
-                rows = [int(n) for n in re.findall(r"\(actual [^)]*rows=(\d+)", plan)]
-                assert max(rows, default=0) <= 22, f"{name}:\n{plan}"  # a page, one more, the session row
+                assert_lookups(name, _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF"))
         analyzed = conn.exec_driver_sql(
             "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('ts_entries', 'ts_active_path') "
             "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
@@ -292,13 +298,7 @@ def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptSto
                         f"{name}: {sql}\n{details}"
                     )
                     continue
-                plan, executed = _plan_of_any(conn, sql, params)
-                assert not re.search(r"Seq Scan on ts_", plan), f"{name}:\n{plan}"
-                if executed:
-                    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
-                    assert max(removed, default=0) <= 1, f"{name}:\n{plan}"
-                    rows = [int(n) for n in re.findall(r"\(actual [^)]*rows=(\d+)", plan)]
-                    assert max(rows, default=0) <= 22, f"{name}:\n{plan}"
+                assert_lookups(name, *_plan_of_any(conn, sql, params))
         if store.backend == "sqlite":
             conn.rollback()
             return

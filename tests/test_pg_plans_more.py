@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
-from test_pg_plans import _plan_of_any
+from test_pg_plans import _plan_of_any, assert_lookups
 
 from transcript_store import TranscriptStore
 
@@ -54,13 +54,7 @@ def _assert_index_lookups(store: TranscriptStore, statements: dict[str, list[tup
         for name, sent in statements.items():
             assert sent, name
             for sql, params in sent:
-                plan, executed = _plan_of_any(conn, sql, params)
-                assert not re.search(r"Seq Scan on ts_", plan), f"{name}:\n{plan}"
-                if executed:
-                    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", plan)]
-                    assert max(removed, default=0) <= 1, f"{name}:\n{plan}"
-                    rows = [int(n) for n in re.findall(r"\(actual [^)]*rows=(\d+)", plan)]
-                    assert max(rows, default=0) <= 22, f"{name}:\n{plan}"
+                assert_lookups(name, *_plan_of_any(conn, sql, params))
         analyzed = conn.exec_driver_sql(
             "SELECT count(*) FROM pg_stat_user_tables WHERE relname LIKE 'ts_%%' "
             "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"

@@ -64,8 +64,7 @@ class ContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _text_has_text(self) -> ContentPart:
-        if self.type == "text" and not isinstance(getattr(self, "text", None), str):
-            raise ValueError("a text content part needs a string 'text'")
+        _check_text_part(self)
         if self.type == "image_url":
             image = getattr(self, "image_url", None)
             if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
@@ -89,15 +88,26 @@ class ChatMessage(BaseModel):
     def _role_rules(self) -> ChatMessage:
         if self.role == "function" and not self.name:
             raise ValueError("a function message needs 'name'")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs 'tool_call_id'")
-        if self.role != "assistant" and self.tool_calls is not None:
-            raise ValueError("only assistant messages carry 'tool_calls'")
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content'")
-        if self.role == "assistant" and self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        _check_roles(self)
         return self
+
+
+def _check_text_part(part: Any) -> None:
+    """A text content part carries its text (the rule of every release)."""
+    if part.type == "text" and not isinstance(getattr(part, "text", None), str):
+        raise ValueError("a text content part needs a string 'text'")
+
+
+def _check_roles(message: Any) -> None:
+    """The role rules of every release: a tool message's call id, tool calls on assistants only, content."""
+    if message.role == "tool" and not message.tool_call_id:
+        raise ValueError("a tool message needs 'tool_call_id'")
+    if message.role != "assistant" and message.tool_calls is not None:
+        raise ValueError("only assistant messages carry 'tool_calls'")
+    if message.content is None and message.role != "assistant":
+        raise ValueError(f"a {message.role} message needs 'content'")
+    if message.role == "assistant" and message.content is None and not message.tool_calls:
+        raise ValueError("an assistant message needs 'content' or 'tool_calls'")
 
 
 def _check_json_value(value: Any, depth: int = 0) -> None:
@@ -163,8 +173,7 @@ class _EarlierContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _text_has_text(self) -> _EarlierContentPart:
-        if self.type == "text" and not isinstance(getattr(self, "text", None), str):
-            raise ValueError("a text content part needs a string 'text'")
+        _check_text_part(self)
         return self
 
 
@@ -181,14 +190,7 @@ class _EarlierChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _role_rules(self) -> _EarlierChatMessage:
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs 'tool_call_id'")
-        if self.role != "assistant" and self.tool_calls is not None:
-            raise ValueError("only assistant messages carry 'tool_calls'")
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content'")
-        if self.role == "assistant" and self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        _check_roles(self)
         return self
 
 
