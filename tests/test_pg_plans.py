@@ -63,6 +63,17 @@ def _generic_plan(conn: Any, sql: str, params: Any, explain: str) -> str:
     return plan
 
 
+def assert_never_analyzed(conn: Any, tables: str) -> None:
+    """No table of the ``tables`` condition (on pg_stat_user_tables) was ever analyzed: the tests of
+    plans on tables never analyzed are about those (autovacuum would have analyzed them otherwise)."""
+    analyzed = conn.exec_driver_sql(
+        f"SELECT count(*) FROM pg_stat_user_tables WHERE {tables} "
+        "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
+    ).scalar()
+    conn.rollback()
+    assert analyzed == 0, "the tables were analyzed: this test is about tables that never were"
+
+
 def assert_lookups(name: str, plan: str, executed: bool = True) -> None:
     """A plan scans no table; run (``executed``), it reads no row it throws away (one at most) and no
     more than a page's rows (20, one more, the session row)."""
@@ -191,12 +202,7 @@ def test_reads_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore
             assert sent, name
             for sql, params in sent:
                 assert_lookups(name, _generic_plan(conn, sql, params, "ANALYZE, COSTS OFF"))
-        analyzed = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('ts_entries', 'ts_active_path') "
-            "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
-        ).scalar()
-        conn.rollback()
-    assert analyzed == 0, "the tables were analyzed: this test is about tables that never were"
+        assert_never_analyzed(conn, "relname IN ('ts_entries', 'ts_active_path')")
 
 
 def _plan_of_any(conn: Any, sql: str, params: Any) -> tuple[str, bool]:
@@ -302,9 +308,4 @@ def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptSto
         if store.backend == "sqlite":
             conn.rollback()
             return
-        analyzed = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('ts_entries', 'ts_active_path') "
-            "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
-        ).scalar()
-        conn.rollback()
-    assert analyzed == 0, "the tables were analyzed: this test is about tables that never were"
+        assert_never_analyzed(conn, "relname IN ('ts_entries', 'ts_active_path')")

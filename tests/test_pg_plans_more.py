@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
-from test_pg_plans import _plan_of_any, assert_lookups
+from test_pg_plans import _plan_of_any, assert_lookups, assert_never_analyzed
 
 from transcript_store import TranscriptStore
 
@@ -55,12 +55,7 @@ def _assert_index_lookups(store: TranscriptStore, statements: dict[str, list[tup
             assert sent, name
             for sql, params in sent:
                 assert_lookups(name, *_plan_of_any(conn, sql, params))
-        analyzed = conn.exec_driver_sql(
-            "SELECT count(*) FROM pg_stat_user_tables WHERE relname LIKE 'ts_%%' "
-            "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
-        ).scalar()
-        conn.rollback()
-    assert analyzed == 0, "the tables were analyzed: this test is about tables that never were"
+        assert_never_analyzed(conn, "relname LIKE 'ts_%%'")
 
 
 def test_a_session_is_found_by_its_key_through_the_key_index(store: TranscriptStore) -> None:
