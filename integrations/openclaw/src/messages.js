@@ -130,7 +130,8 @@ function build(message, keep) {
  * (`options.maxBytes`, ENTRY_CAP_BYTES by default) is kept once: the projection, and under LEAN the
  * host's message without what the projection already holds (fromStored puts it back). If even that is over the cap, its longest
  * strings are cut, each with a visible marker (an image's data: the image becomes a text note) that
- * gives `options.note` as the reason (by default the entry cap).
+ * gives `options.note` as the reason (by default the entry cap); a signature is dropped, never cut (a
+ * thinking block cut loses its own, a redacted one becomes a note).
  * The result is a function of the message and the cap alone, so a replay maps to the same stored message.
  */
 export function toStored(message, options) {
@@ -413,19 +414,37 @@ function cutMarker(count, note) {
   return `\n[... ${count} characters cut by transcript-store: ${note}]`;
 }
 
-// The host message with its strings cut as `cuts` says (path -> characters kept; -1: an image dropped).
+// A provider's signature over a block (Anthropic's thinkingSignature, Gemini's thoughtSignature, ...):
+// valid only whole and beside the text it signs, so never cut, only dropped.
+const SIGNATURE_KEY = /signature$/i;
+const DROP_KEY = -2;
+
+function dropSignatures(block) {
+  for (const key of Object.keys(block)) if (SIGNATURE_KEY.test(key)) delete block[key];
+}
+
+// The host message with its strings cut as `cuts` says (path -> characters kept; -1: an image or a
+// redacted thinking block dropped for a note; DROP_KEY: the key removed).
 function clipped(original, cuts, note) {
   const host = JSON.parse(JSON.stringify(original));
   for (const [key, keep] of cuts) {
     const path = JSON.parse(key);
     const parent = path.slice(0, -1).reduce((node, step) => node[step], host);
     const last = path[path.length - 1];
-    if (keep < 0) {
+    if (keep === DROP_KEY) {
+      delete parent[last];
+    } else if (keep < 0 && parent[last].type === "thinking") {
+      // Redacted thinking: its opaque data is all it holds, and a provider refuses it cut.
+      parent[last] = { type: "thinking", thinking: `[redacted thinking of ${String(parent[last].thinkingSignature).length} characters dropped by transcript-store: ${note}]` };
+    } else if (keep < 0) {
       const part = parent[last];
       parent[last] = { type: "text", text: `[image${part.mimeType ? ` ${part.mimeType}` : ""} of ${String(part.data).length} characters dropped by transcript-store: ${note}]` };
     } else {
       const text = parent[last];
       parent[last] = text.slice(0, keep) + cutMarker(text.length - keep, note);
+      // A signature signs the whole text: kept beside a cut one, the provider refused the replayed
+      // history (Anthropic's "invalid signature in thinking block"); without it the text is sent unsigned.
+      if (parent.type === "thinking") dropSignatures(parent);
     }
   }
   return host;
@@ -440,8 +459,14 @@ function cut(host, original, cuts, size, budget, note) {
   });
   if (!best) return false;
   const key = JSON.stringify(best.path);
-  if (best.path[best.path.length - 1] === "data" && best.parent.type === "image") {
+  const last = best.path[best.path.length - 1];
+  if ((last === "data" && best.parent.type === "image")
+    || (last === "thinkingSignature" && best.parent.type === "thinking" && best.parent.redacted === true)) {
     cuts.set(JSON.stringify(best.path.slice(0, -1)), -1);
+    return true;
+  }
+  if (SIGNATURE_KEY.test(String(last))) {
+    cuts.set(key, DROP_KEY); // a signature cut is no signature: dropped whole
     return true;
   }
   const source = best.path.reduce((node, step) => node[step], original);

@@ -443,3 +443,37 @@ test("finding 9: an owned compaction inside a turn makes room from the turn's ow
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
   assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 2 + 1 + rounds.length + 1);
 });
+
+test("finding 10: a thinking block cut to fit its turn loses its signature, never sent cut and signed", async () => {
+  // A long agentic turn: fourteen reads of 1 MiB each leave the reply a share far under its 48 KB of
+  // thinking. Cut, the text no longer matches Anthropic's signature over it, and a replay of the history
+  // with both was refused ("invalid signature in thinking block"); a redacted block's opaque data, cut
+  // and given a marker, was refused the same way.
+  const host = hostSession("s-signed");
+  const engine = await engineFor(host);
+  const rounds = [];
+  for (let i = 0; i < 14; i += 1) {
+    rounds.push(toolCall(`r${i}`, "read", { path: `part-${i}.log` }), toolResult(`r${i}`, logOf(`part ${i}`, 1)));
+  }
+  const signature = `EqQBCkYIBxgCKkA${"s".repeat(1400)}`;
+  const reply = assistantMessage([
+    { type: "thinking", thinking: "Weighing the logs against each other. ".repeat(1300), thinkingSignature: signature },
+    { type: "thinking", thinking: "", thinkingSignature: "R".repeat(30000), redacted: true },
+    { type: "text", text: "The logs agree." },
+  ]);
+  const turn = host.turn("sig", [userMessage("compare the logs"), ...rounds, reply]);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
+  const [thinking, redacted, text] = assembled.messages.at(-1).content;
+  assert.match(thinking.thinking, /characters cut by transcript-store/);
+  assert.equal(thinking.thinkingSignature, undefined);
+  assert.equal(redacted.redacted, undefined);
+  assert.equal(redacted.thinkingSignature, undefined);
+  assert.match(redacted.thinking, /^\[redacted thinking of 30000 characters dropped by transcript-store/);
+  assert.deepEqual(text, { type: "text", text: "The logs agree." });
+  // A block that fits keeps its signature, whole.
+  const small = host.turn("sig-small", [userMessage("and now?"), reply]);
+  assert.deepEqual(await engine.commitTurn(small), { status: "committed" });
+  const again = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
+  assert.deepEqual(again.messages.at(-1), reply);
+});
