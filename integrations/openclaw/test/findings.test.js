@@ -477,3 +477,15 @@ test("finding 10: a thinking block cut to fit its turn loses its signature, neve
   const again = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
   assert.deepEqual(again.messages.at(-1), reply);
 });
+
+test("finding 11: session ids with characters a URL escapes are addressed through the API", async () => {
+  for (const id of ["team/alice", "a?b#c", "100%", "é ü", "%2F"]) {
+    const host = hostSession(id);
+    const engine = await engineFor(host);
+    await engine.bootstrap({ sessionId: id, sessionKey: host.sessionKey, sessionTarget: host.target() });
+    const turn = host.turn(`k-${id}`, [userMessage("hi"), assistantMessage("hello")]);
+    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+    const assembled = await engine.assemble({ sessionId: id, sessionKey: host.sessionKey });
+    assert.deepEqual(assembled.messages, turn.messages, id);
+  }
+});
