@@ -438,3 +438,25 @@ def test_only_the_injected_timeout_is_the_jobs_own_fault(fault: str | None, kind
     answer, _ = _run_job(_TimingOutHost(model), None, model, GatewayOptions(), job)
     assert answer == kind
     assert model.injected is None and model.timeouts == 0
+
+
+def test_a_planned_rewrite_lands_once_when_its_turn_degrades(store: TranscriptStore) -> None:
+    """The rewrite fault runs between admission and assembly; on a durable engine the broken fence degrades
+    the turn, and its legacy attempt ran the hook again: a second rewrite per planned one (the report
+    counted one), landing on an older reply (the stale admission's seq): two replies redacted, not one."""
+    scope = gateway.GATEWAY_SCOPE
+    sid = store.create_session(scope, session_id="rewritten").session_id
+    model = _FaultyModel(LocalResponder())
+    host = HostRuntime(store, load_settings(engine="lossless"), model)
+    try:
+        for t in range(2):
+            assert _run_job(host, store, model, GatewayOptions(), Job(sid, f"t{t}", f"turn {t}"))[0] == "ok"
+        generation = store.get_session(scope, sid).generation
+        kind, data = _run_job(host, store, model, GatewayOptions(), Job(sid, "t2", "turn 2", "rewrite"))
+        assert kind == "ok" and str(data["degraded"]).startswith("read fence"), data
+        assert store.get_session(scope, sid).generation == generation + 1  # one rewrite
+        contents = [str((e.message or {}).get("content")) for e in store.read_visible(scope, sid)]
+        [redacted] = [c for c in contents if c.startswith("[redacted by maintenance]")]
+        assert '"turn 1"' in redacted  # the reply before the turn's admission, and only it
+    finally:
+        host.dispose()

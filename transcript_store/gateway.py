@@ -375,9 +375,17 @@ def _refuse_jobs(conn: Connection, problem: str) -> None:
 
 
 def _rewrite_previous_reply(store: Any) -> Any:
-    """A maintenance-style rewrite between admission and assembly: the fence cannot be honoured."""
+    """A maintenance-style rewrite between admission and assembly: the fence cannot be honoured.
+
+    Once per job: the host runs its seam before every attempt's assembly, and the degraded attempt that
+    follows the broken fence ran it again: a second rewrite per planned one (the report counted one),
+    on an older reply (that attempt's admission is the stale one, before the first rewrite's copies)."""
+    landed: list[bool] = []
 
     def hook(scope: str, session_id: str, admission: Admission) -> None:
+        if landed:
+            return
+        landed.append(True)
         visible = store.read_visible(scope, session_id)
         replies = [e for e in visible if e.role == "assistant" and e.seq < admission.anchor.seq]
         if replies:
