@@ -179,6 +179,19 @@ def test_sessions_show_into_a_pipe_whose_reader_leaves_fails(
     assert "cannot write to stdout" in stderr
 
 
+@pytest.mark.parametrize("options", [("--json",), ()], ids=["json", "table"])
+def test_sessions_show_with_stdout_closed_fails_with_one_line(
+    big_store: str, tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    """`sessions show >&-`: Python starts with no stdout at all; the command said "AttributeError ...
+    (an internal error)" for --json. It fails as any write to stdout that does not land: exit 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    result = subprocess.run([*CLI, "sessions", "show", "s1", *options, "--db", big_store], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, timeout=120, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 1, result.stderr
+    assert "cannot write to stdout: it is closed" in _error_line(result)
+
+
 def test_sessions_show_json_that_cannot_be_written_whole_fails(big_store: str, tmp_path: Path) -> None:
     """A file size limit takes part of the document: exit 1 and the error line, never exit 0 cut short."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}

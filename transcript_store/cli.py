@@ -206,9 +206,9 @@ class WholeStdout(io.TextIOBase):
     before the first write made it exit 1. Written as an export to stdout is (``_write_all``).
     """
 
-    def __init__(self, inner: IO[str]) -> None:
+    def __init__(self, inner: IO[str] | None) -> None:
         super().__init__()
-        self._inner = inner
+        self._inner = inner  # None: the process started with its stdout closed (``>&-``)
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -221,10 +221,12 @@ class WholeStdout(io.TextIOBase):
 
     def isatty(self) -> bool:
         """Whether the stream written to is a terminal (rich decides colours by it)."""
-        return self._inner.isatty()
+        return self._inner is not None and self._inner.isatty()
 
     def write(self, text: str) -> int:
         """Write ``text`` whole, or raise CommandError; the count is of the characters given."""
+        if self._inner is None:
+            raise CommandError("cannot write to stdout: it is closed")
         buffer = getattr(self._inner, "buffer", None)
         try:
             if buffer is None:  # a text-only stream (a test's, a wrapper's): it answers for its writes

@@ -326,7 +326,8 @@ class Service:
         return self.store.list_sessions(scope, after=after, limit=limit)
 
     def delta(self, scope: str, session_id: str, req: DeltaRequest) -> DeltaPage | DeltaReset:
-        """A visible-delta page or reset; an unknown session is UnknownSession (a 404), not ``missing``."""
+        """A visible-delta page or reset; an unknown session is UnknownSession (a 404), not ``missing``
+        (a fenced read of one raises ReadFenceError("missing"), a 409, as a fenced read_visible does)."""
         _check_request(req, DeltaRequest)
         fence = self._own(scope, session_id, req.fence)
         result = self.store.read_visible_delta(
