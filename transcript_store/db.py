@@ -212,6 +212,13 @@ def parse_url(url: str) -> URL:
         parsed = make_url(url)
     except NOT_A_URL as e:
         raise InvalidInput(f"not a database URL: {mask_url(url)}") from e
+    if "@" in (parsed.host or ""):
+        # A password with an unescaped "@" ends at its first "@": the rest of it becomes the host, which
+        # the masked URL, the driver's "failed to resolve host" and the SQLite hint below all showed.
+        raise InvalidInput(
+            "the URL's host part holds '@': percent-encode an '@' in the user name or password as %40"
+            " (the URL is not shown)"
+        )
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         # The store's connections are sqlite3's (pysqlite): another driver (an async one, a typo) would
