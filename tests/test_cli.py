@@ -643,6 +643,25 @@ def test_compact(db: tuple[str, Path]) -> None:
     one_error_line(run("compact", "nope", "--db", url, cwd=work, code=3))
 
 
+def test_compact_with_an_engine_that_cannot_be_used_compacts_nothing(db: tuple[str, Path]) -> None:
+    """`compact --engine lossless` with a lossless that fails to load (a bad key in its config) compacted
+    with legacy instead and answered "compacted", exit 0: a legacy compaction written into the session
+    the user asked lossless for. Now exit 1, one line naming the engine, and nothing written."""
+    url, work = db
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="long")
+        for i in range(8):
+            store.append(SCOPE, "long", user(f"question {i}: " + " ".join(f"w{i}-{j}" for j in range(100))))
+            store.append(SCOPE, "long", assistant(f"answer {i}"))
+    (work / "bad.toml").write_text("[engine.config.lossless]\nno_such_key = 1\n")
+    before = run_json("sessions", "show", "long", "--all", "--db", url, cwd=work)["entries"]
+    line = one_error_line(
+        run("compact", "long", "--engine", "lossless", "--config", "bad.toml", "--db", url, cwd=work, code=1)
+    )
+    assert "lossless" in line and "nothing compacted" in line, line
+    assert run_json("sessions", "show", "long", "--all", "--db", url, cwd=work)["entries"] == before
+
+
 def _events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
 

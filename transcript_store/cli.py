@@ -1289,6 +1289,12 @@ def compact(session: str, focus: str | None, engine: str | None) -> None:
         with engine_output_on_stderr():
             runtime = _runtime(store, settings)
             try:
+                # The engine asked for, or nothing: the runtime would compact with legacy instead (as a turn
+                # degrades), writing a legacy compaction into the session and answering "compacted".
+                try:
+                    runtime.engine(settings.engine)
+                except EngineError as e:
+                    raise CommandError(f"{e}: nothing compacted") from None
                 result = runtime.compact(st.scope_name, sid, focus=focus)
             finally:
                 runtime.dispose()

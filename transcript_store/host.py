@@ -1512,9 +1512,10 @@ class HostRuntime:
     @contextmanager
     def _typed_engine_errors(self, engine_id: str, operation: str) -> Iterator[None]:
         """An engine's own exception (a KeyError of its code) as ``EngineError``, the store's errors as
-        they are (a driver's translated): an operation outside a turn has no legacy path to fall back
-        to, and its caller (the CLI's chat loop, an operator's script) handles the library's errors. The
-        engine is quarantined as for any failed call (``_call``)."""
+        they are (a driver's translated): an operation outside a turn that FAILED in its engine is not
+        run again on legacy (an engine that cannot be used at all is replaced by legacy before it starts,
+        ``_engine_or_legacy``), and its caller (the CLI's chat loop, an operator's script) handles the
+        library's errors. The engine is quarantined as for any failed call (``_call``)."""
         try:
             yield
         except TranscriptStoreError:
