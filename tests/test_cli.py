@@ -643,6 +643,16 @@ def test_compact(db: tuple[str, Path]) -> None:
     one_error_line(run("compact", "nope", "--db", url, cwd=work, code=3))
 
 
+@pytest.mark.parametrize("command", [("sessions", "list"), ("init",), ("doctor",), ("current",)])
+def test_a_sqlite_url_naming_a_directory_is_a_usage_error(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """`--db sqlite:///somedir`: sqlite3's "unable to open database file" came out as a database down,
+    exit 5. The path is the user's mistake: exit 2, one line saying what it names, nothing created."""
+    (tmp_path / "somedir").mkdir()
+    line = one_error_line(run(*command, "--db", f"sqlite:///{tmp_path / 'somedir'}", cwd=tmp_path, code=2))
+    assert "names a directory" in line, line
+    assert list((tmp_path / "somedir").iterdir()) == []
+
+
 def test_compact_with_an_engine_that_cannot_be_used_compacts_nothing(db: tuple[str, Path]) -> None:
     """`compact --engine lossless` with a lossless that fails to load (a bad key in its config) compacted
     with legacy instead and answered "compacted", exit 0: a legacy compaction written into the session

@@ -1614,9 +1614,15 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
 def make_url_or_usage(url: str) -> URL:
     """The parsed --db value; a URL no store accepts is a usage error, named by where it came from."""
     try:
-        return parse_url(url)
+        parsed = parse_url(url)
     except InvalidInput as e:
         raise CommandError(f"{url_source()}: {e}", EXIT_USAGE) from None
+    path = sqlite_file(url)
+    if path is not None and path.is_dir():
+        # sqlite3 answers "unable to open database file", which read as a database down (exit 5).
+        raise CommandError(f"{url_source()}: {mask_url(url)} names a directory: give the path of a store's "
+                           "file (or of one to create)", EXIT_USAGE)
+    return parsed
 
 
 def url_source() -> str:
