@@ -10,6 +10,7 @@ import os
 import resource
 import sqlite3
 import subprocess
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -285,3 +286,33 @@ def test_a_plugins_print_goes_to_stderr_shown(store_url: str, tmp_path: Path, co
     assert "\x1b" not in result.stderr and "\\x1b]0;owned\\x07" in result.stderr, repr(result.stderr)
     table = run(*command, "--db", store_url, cwd=tmp_path)  # the table too: the command's output only
     assert "chatty" in table.stdout and "chatty says" not in table.stdout and "\x1b" not in table.stdout
+
+
+# ---------------------------------------------------------------------------------------------- 4: memory
+
+
+def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_path: Path) -> None:
+    """`sessions export` built every record, every line and then the whole file in memory before its first
+    byte (900 MB of RSS for a 190 MB export, growing with the session); it writes a page at a time now,
+    the same bytes."""
+    store = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    body = "x" * 2000
+    try:
+        store.create_session(SCOPE, session_id="big", session_key="agent:big")
+        for start in range(0, 4000, 1000):
+            store.append_many(SCOPE, "big", [{"message": {"role": "user", "content": f"{i} {body}"}}
+                                             for i in range(start, start + 1000)])
+        header, records = store.export_session(SCOPE, "big")
+        expected = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
+                           for r in [header, *records]).encode("utf-8")
+    finally:
+        store.close()
+    path = tmp_path / "big.jsonl"
+    tracemalloc.start()
+    try:
+        run("sessions", "export", "big", "-o", str(path), "--db", store_url, cwd=tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert path.read_bytes() == expected and len(expected) > 8_000_000
+    assert peak < len(expected) / 4, (peak, len(expected))

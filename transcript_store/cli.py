@@ -25,6 +25,7 @@ import secrets
 import sqlite3
 import stat
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
@@ -630,25 +631,39 @@ def sessions_export(session: str, output: str | None) -> None:
         raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
     with store_session() as store:
         info = find_session(store, st.scope_name, session)
-        header, records = store.export_session(st.scope_name, info.session_id)
-    lines = [json.dumps(r, ensure_ascii=False, separators=(",", ":"), allow_nan=False) for r in [header, *records]]
-    data = "".join(line + "\n" for line in lines).encode("utf-8")  # UTF-8 whatever the locale: lossless
-    if output is None:
-        sys.stdout.flush()
+
+        def fill(stream: BinaryIO) -> int:
+            # Written from one snapshot, a page at a time, into a file: memory holds one page.
+            return store.read(lambda c: transfer.write_export_in(c, st.scope_name, info.session_id, stream))
+
+        if output is None:
+            sys.stdout.flush()
+            try:
+                count = _spooled(fill, sys.stdout.buffer)
+            except OSError as e:
+                raise CommandError(f"cannot write the export to stdout: {e.strerror or e}") from e
+            return
         try:
-            _write_all(sys.stdout.buffer, data)
-            sys.stdout.buffer.flush()
+            count = _write_file(Path(output), fill)
         except OSError as e:
-            raise CommandError(f"cannot write the export to stdout: {e.strerror or e}") from e
-        return
-    try:
-        _write_file(Path(output), data)
-    except OSError as e:
-        raise CommandError(f"--output: cannot write {output}: {e.strerror or e}") from e
+            raise CommandError(f"--output: cannot write {output}: {e.strerror or e}") from e
     if st.json:
-        emit_json({"session_id": info.session_id, "entries": len(records), "file": output})
+        emit_json({"session_id": info.session_id, "entries": count, "file": output})
     else:
-        click.echo(f"exported session {info.session_id}: {len(records)} entries to {output}")
+        click.echo(f"exported session {info.session_id}: {count} entries to {output}")
+
+
+def _spooled(fill: Callable[[BinaryIO], int], stream: BinaryIO) -> int:
+    """``fill`` a temporary file, then copy it whole to ``stream`` (stdout, a device or a FIFO): a read
+    retried after a transient error rewrites the file, which a stream cannot take back, and the store's
+    snapshot is not held open at the pace of the stream's reader."""
+    with tempfile.TemporaryFile() as spool:
+        count = fill(spool)
+        spool.seek(0)
+        while chunk := spool.read(1024 * 1024):
+            _write_all(stream, chunk)
+        stream.flush()
+    return count
 
 
 def _write_all(stream: BinaryIO, data: bytes) -> None:
@@ -663,9 +678,10 @@ def _write_all(stream: BinaryIO, data: bytes) -> None:
         view = view[written:]
 
 
-def _write_file(output: Path, data: bytes) -> None:
-    """Write ``data`` to ``output`` whole, or leave what was there: into a new file in the same folder,
-    synced, then renamed over it. A failed export never destroys an earlier good one, nor leaves a part."""
+def _write_file(output: Path, fill: Callable[[BinaryIO], int]) -> int:
+    """Write ``output`` whole with ``fill`` (which returns a count, returned here), or leave what was
+    there: into a new file in the same folder, synced, then renamed over it. A failed export never
+    destroys an earlier good one, nor leaves a part."""
     try:
         old = output.stat()
     except FileNotFoundError:
@@ -673,15 +689,15 @@ def _write_file(output: Path, data: bytes) -> None:
     if old is not None and not stat.S_ISREG(old.st_mode):
         # A device or a FIFO (/dev/stdout, a named pipe): no file to keep, none to rename over it.
         with output.open("wb", buffering=0) as stream:
-            _write_all(stream, data)
-        return
+            return _spooled(fill, stream)
     target = Path(os.path.realpath(output))  # through a symbolic link: the file it names is replaced
     temp = target.with_name(f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with open(fd, "wb", buffering=0) as stream:
-            _write_all(stream, data)
+        with open(fd, "w+b") as stream:
+            count = fill(stream)
+            stream.flush()
             os.fsync(stream.fileno())
         if old is not None:
             os.chmod(temp, stat.S_IMODE(old.st_mode))  # the earlier export's mode, as an overwrite kept it
@@ -696,6 +712,7 @@ def _write_file(output: Path, data: bytes) -> None:
             os.fsync(folder)
         finally:
             os.close(folder)
+    return count
 
 
 def _names_the_store(output: Path, database: Path) -> bool:

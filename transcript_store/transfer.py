@@ -31,12 +31,13 @@ no turn of it runs, and do not retry the source's turns on a copy.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import insert
@@ -65,6 +66,8 @@ FORMAT = "transcript-store.session.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _LAST = datetime.max.replace(tzinfo=UTC)
 _BATCH = 500
+#: The most payload bytes one page of an export read may hold (its entries at the payload cap).
+_EXPORT_PAGE_BYTES = 64 * 1024 * 1024
 #: the shape of a time an export holds: ISO 8601 date and time, at most microseconds, an optional offset
 #: (its absence is refused with its own message after parsing)
 _STAMP = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d{1,6})?)?(?:[Zz]|[+-]\d{2}(?::?\d{2})?)?")
@@ -168,8 +171,35 @@ def _parse(model: type[_Record], raw: Any, where: str) -> Any:
 
 def export_in(core: Core, scope: str, session_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The header and entry records of one session, read in one snapshot."""
+    header = _export_header(core, scope, session_id)
+    return header, [record for page in _export_pages(core, scope, session_id) for record in page]
+
+
+def write_export_in(core: Core, scope: str, session_id: str, out: BinaryIO) -> int:
+    """Write the session's export (its JSON lines, UTF-8) to the seekable ``out`` from the caller's
+    snapshot, a page at a time; returns the number of entries.
+
+    ``out`` is emptied first: a read retried after a transient error writes the file again from the
+    start. Memory holds one page, not the session (building every line first took about 5 times the
+    export's size: 900 MB for a 190 MB export)."""
+    out.seek(0)
+    out.truncate()
+    out.write(export_line(_export_header(core, scope, session_id)))
+    count = 0
+    for page in _export_pages(core, scope, session_id):
+        out.write(b"".join(export_line(record) for record in page))
+        count += len(page)
+    return count
+
+
+def export_line(record: dict[str, Any]) -> bytes:
+    """One line of an export: compact JSON, UTF-8 whatever the locale (lossless), and its line break."""
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+
+
+def _export_header(core: Core, scope: str, session_id: str) -> dict[str, Any]:
     sess = core.require_session(scope, session_id)
-    header = {
+    return {
         "format": FORMAT,
         "scope": sess.scope,
         "session_id": sess.session_id,
@@ -182,13 +212,18 @@ def export_in(core: Core, scope: str, session_id: str) -> tuple[dict[str, Any], 
         "created_at": iso_us(sess.created_us),
         "updated_at": iso_us(sess.updated_us),
     }
-    records: list[dict[str, Any]] = []
+
+
+def _export_pages(core: Core, scope: str, session_id: str) -> Iterator[list[dict[str, Any]]]:
+    """The session's entry records in seq order, a page at a time."""
+    # A page is bounded by bytes, not only by count: 10,000 entries at the payload cap were 40 GiB.
+    limit = max(1, min(10_000, _EXPORT_PAGE_BYTES // core.config.max_payload_bytes))
     after = -1
     while True:
-        page = core.all_rows(scope, session_id, after, 10_000)
-        records.extend(_entry_record(row, active) for row, active in page)
-        if len(page) < 10_000:
-            return header, records
+        page = core.all_rows(scope, session_id, after, limit)
+        yield [_entry_record(row, active) for row, active in page]
+        if len(page) < limit:
+            return
         after = page[-1][0].seq
 
 
@@ -453,7 +488,9 @@ __all__ = [
     "ImportPlan",
     "SessionHeader",
     "export_in",
+    "export_line",
     "import_in",
     "plan_import",
+    "write_export_in",
     "write_import",
 ]
