@@ -39,6 +39,11 @@ _SQLITE_FULL = 13
 _SQLITE_REFUSED = (3, 8, 23)
 _SQLITE_READONLY_DBMOVED = 8 | (4 << 8)
 _SQLITE_CANTOPEN = 14
+#: bytes a SQLite WAL file keeps after a checkpoint restarts it. Without a limit it keeps its high-water
+#: size for as long as any process has the store open: one long read (a slow export, a user's
+#: ``store.read``) during a burst of writes left a ``serve`` with hundreds of MB of WAL for good. Well
+#: above the steady size (the 1000-page autocheckpoint, ~4 MiB), so normal use never truncates.
+SQLITE_WAL_SIZE_LIMIT = 64 * 1024 * 1024
 _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 #: retry jitter from the operating system, never the ``random`` module's global generator: drawing from
@@ -115,6 +120,7 @@ def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {int(config.busy_timeout_ms)}")
         cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA journal_size_limit = {SQLITE_WAL_SIZE_LIMIT}")
         cur.execute(f"PRAGMA synchronous = {config.sqlite_synchronous}")
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()
