@@ -112,7 +112,31 @@ class Dialect:
         return getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
 
 
-def _sqlite_connect_listeners(engine: Engine, config: StoreConfig) -> None:
+def refuse_unwritable_files(path: Path) -> None:
+    """PermissionDenied when the store's file, or its WAL or shared-memory file, exists and this process
+    may not read and write it (root may, as sqlite3 does)."""
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        try:
+            refused = name.is_file() and not os.access(name, os.R_OK | os.W_OK)
+        except OSError:  # a folder on the way this process may not enter: sqlite3's open reports it
+            continue
+        if refused:
+            raise PermissionDenied(
+                f"database permission denied: {name} is not readable and writable by this process (a SQLite"
+                " store's file, its -wal and its -shm must all be; a -wal or -shm another user's process left"
+                " may be removed once no process has the store open)"
+            )
+
+
+def _sqlite_connect_listeners(engine: Engine, config: StoreConfig, path: Path) -> None:
+    @event.listens_for(engine, "do_connect")
+    def _on_do_connect(*_args: object) -> None:
+        # Before sqlite3 opens the file. One this process may only read was opened read-only: reads
+        # worked (exit 0) where its folder was writable, and left a -wal and -shm owned by this process
+        # that made every write of the store's owner fail ("attempt to write a readonly database")
+        # until someone removed them.
+        refuse_unwritable_files(path)
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
         # We own the transactions: pysqlite's implicit BEGIN would be deferred and unlocked.
@@ -273,7 +297,7 @@ def create_db_engine(config: StoreConfig) -> Engine:
         except OSError as e:
             raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-        _sqlite_connect_listeners(engine, config)
+        _sqlite_connect_listeners(engine, config, path)
         return engine
     if url.get_driver_name() != "psycopg":
         url = url.set(drivername="postgresql+psycopg")

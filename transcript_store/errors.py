@@ -227,8 +227,8 @@ class StorageFull(StoreUnavailable):
 
 class PermissionDenied(StoreUnavailable):
     """The database refused the operation to this role (PostgreSQL insufficient_privilege, 42501): a grant
-    is missing; or, on SQLite, the database file (or its folder) is not readable and writable by this
-    process. Nothing was written.
+    is missing; or, on SQLite, the database file (its -wal or -shm file, or its folder) is not readable
+    and writable by this process. Nothing was written.
 
     Not transient, and no outage: retrying cannot help until the role is granted the privilege (the
     message names the object) or the file made writable. A StoreUnavailable still, for callers that
