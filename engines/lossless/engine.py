@@ -45,12 +45,12 @@ from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, p
 from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
 from transcript_store.reads import read_visible_delta
 from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
+from transcript_store.tokens import RoughEstimator, count_from_parts
 
 from . import ingest, tools
-from .compaction import Planner, write_plan
+from .compaction import Planner, incarnation_of, write_plan
 from .config import Budget, LosslessConfig, budget
-from .context import Item, epoch, fit, load_items, render
+from .context import ContextCache, Item, epoch, fit, load_items, render
 from .ingest import ImportResult, import_pages
 from .tables import ENGINE_ID, View
 
@@ -98,6 +98,9 @@ class LosslessEngine:
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
         self.stats = {"context_rows_read": 0, "imported": 0, "compactions": 0}
+        estimator = self.estimator
+        additive = count_from_parts(estimator, []) is not None
+        self._lists = ContextCache((lambda m: int(estimator.count_messages([m]))) if additive else None)
         self._runs: OrderedDict[tuple[str, str], tuple[int | None, RuntimeSettings | None]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -142,9 +145,9 @@ class LosslessEngine:
                 self._count("imported", total.imported)
                 return total
 
-    def _probe(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> Probe:
+    def _probe(self, c: Core, scope: str, session_id: str, fence: Anchor | None, view: View | None = None) -> Probe:
         """Whether the transcript holds visible messages before the fence that the engine has not ingested."""
-        view = View.load(c, scope, session_id)
+        view = View.load(c, scope, session_id) if view is None else view
         page = read_visible_delta(c, scope, session_id, view.cursor, 1, self.config.page_bytes, fence)
         if isinstance(page, DeltaMissing):
             return "missing"
@@ -156,8 +159,15 @@ class LosslessEngine:
         """The context list, after importing what other engines committed (one read when nothing did)."""
 
         def probe_and_load(c: Core) -> list[Item] | None:
-            state = self._probe(c, scope, session_id, fence)
-            return None if state == "behind" else load_items(c, scope, session_id)
+            view = View.load(c, scope, session_id)
+            if self._probe(c, scope, session_id, fence, view) == "behind":
+                return None
+            # Only the items added since this process last loaded the list (``ContextCache``).
+            items, read = self._lists.items(
+                c, scope, session_id, incarnation=incarnation_of(view), epoch=view.epoch, next_item=view.next_item
+            )
+            self._count("context_rows_read", read)
+            return items
 
         # The list is loaded in the same snapshot as the probe that checked the fence: a turn another
         # process commits meanwhile can never slip messages after the fence into this assembly.
@@ -237,13 +247,15 @@ class LosslessEngine:
                 shown, messages, estimated = best
                 break
             messages = render(shown)
-            estimated = int(self.estimator.count_messages(messages))
+            # From each item's own count where the estimator allows (the list is not walked again).
+            parts = [i.counted for i in shown if i.counted is not None]
+            known = count_from_parts(self.estimator, parts) if len(parts) == len(shown) else None
+            estimated = int(self.estimator.count_messages(messages)) if known is None else known
             stored = sum(i.tokens for i in shown)
             if estimated <= token_budget or stored <= 1:
                 break
             best = (shown, messages, estimated)
             budget = min(budget - 1, stored * token_budget // estimated)
-        self._count("context_rows_read", len(items))
         has_summaries = any(i.summary is not None for i in shown)
         # What fit left out is stored all the same: the recall tools reach it, and the model is told so.
         hint = RECALL_HINT if has_summaries else (CUT_HINT if len(shown) < len(items) else None)
