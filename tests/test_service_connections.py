@@ -9,6 +9,7 @@ into a store being closed under it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -22,6 +23,8 @@ from typing import Any
 import psycopg
 import pytest
 from service_process import ServiceProcess, request
+
+from transcript_store.service_app import _drain, _patient
 
 TOKEN = "tok-connections"
 TOKENS = {TOKEN: "scope-a"}
@@ -317,3 +320,37 @@ def test_a_refused_body_dripping_in_does_not_hold_its_connection(server: Service
         for sock in socks:
             sock.close()
     assert server.call("GET", "/v1/whoami", TOKEN) == (200, {"scope": "scope-a"})
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+def test_a_request_cancelled_as_its_body_chunk_arrives_stays_cancelled(steps: int) -> None:
+    """The server cancels a request (shutdown, client gone) at any instant, also the one at which a body
+    chunk has just been read: the read must not swallow the cancellation (asyncio.wait_for did on
+    Python 3.11: the chunk came back and the request ran on, its write with it)."""
+    chunk = {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0)  # the server's read of the socket: one suspension
+        return chunk
+
+    async def cancelled_at(step: int, read: Any) -> str:
+        task = asyncio.create_task(read())
+        for _ in range(step):
+            await asyncio.sleep(0)
+        if task.done():
+            return "done"
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "cancellation lost"
+
+    async def main() -> list[str]:
+        patient = _patient(receive, 5)
+        return [
+            await cancelled_at(steps, patient),
+            await cancelled_at(steps, lambda: _drain(_patient(receive, 5), 1 << 20, 5)),
+        ]
+
+    assert "cancellation lost" not in asyncio.run(main())

@@ -248,8 +248,12 @@ def _patient(receive: Any, seconds: float) -> Any:
         nonlocal ended
         if ended:
             return await receive()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the read in a task of its own, and a
+        # cancellation of the request (a shutdown, a client gone) that came as that task finished was
+        # lost: the read's message returned and the request went on. The timeout reads in this task.
         try:
-            message = await asyncio.wait_for(receive(), seconds)
+            async with asyncio.timeout(seconds):
+                message = await receive()
         except TimeoutError:
             raise _Stalled(seconds) from None
         ended = message["type"] != "http.request" or not message.get("more_body", False)
@@ -273,10 +277,10 @@ async def _drain(receive: Any, budget: int, seconds: float) -> bool:
         left = deadline - loop.time()
         if left <= 0:
             return False
-        # Each read timed, not the whole loop cancelled at the deadline: on Python 3.11 a cancellation that
-        # meets a chunk just read inside ``_patient``'s wait_for is lost, and the drain went on.
+        # Each read timed with what is left of the deadline, in this task (see ``_patient``).
         try:
-            message = await asyncio.wait_for(receive(), left)
+            async with asyncio.timeout(left):
+                message = await receive()
         except (_Stalled, TimeoutError):
             return False
         if message["type"] != "http.request":
