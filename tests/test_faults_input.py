@@ -10,8 +10,8 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages`` or ``max_bytes``, is ``InvalidInput`` naming that argument);
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 39 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
-methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 13 of
+Drawn: 40 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
+methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 14 of
 its methods (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
 outside any), ``close``, ``upgrade``, ``current_revision`` and ``ensure_current`` (no arguments), and
@@ -275,6 +275,10 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
             is_heartbeat=data.draw(st.one_of(st.booleans(), wrong)),
             apply=data.draw(st.one_of(st.none(), st.just(count_turn), wrong))),
         "receipts": lambda data: call(turns.receipts, data.draw(ids), data.draw(ids), data.draw(optional_ids)),
+        "receipts_page": lambda data: call(
+            turns.receipts_page, data.draw(ids), data.draw(ids), data.draw(ids),
+            after=data.draw(st.one_of(st.none(), ids, st.builds("{}:{}".format, st.integers(), ids))),
+            limit=data.draw(limits)),
         "turns.admit": lambda data: call(turns.admit, data.draw(ids), data.draw(ids), data.draw(messages),
                                          turn_id=data.draw(ids), engine_id=data.draw(ids),
                                          is_heartbeat=data.draw(st.one_of(st.booleans(), wrong)),
@@ -307,7 +311,7 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
 READS = {
     "get_session", "find_session", "list_sessions", "session_bytes", "prepare", "prepare_admission", "anchor",
     "read_visible_delta", "read_visible", "get_entries", "list_entries", "read_closed_range", "export_session",
-    "receipts", "intents", "intent", "upgrade_url", "TranscriptStore", "Turns",
+    "receipts", "receipts_page", "intents", "intent", "upgrade_url", "TranscriptStore", "Turns",
 }
 #: public functions deliberately not drawn (the module docstring says why)
 NOT_DRAWN = {
@@ -397,7 +401,7 @@ def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore)
     drawn = {name if name in ("TranscriptStore", "Turns") else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 39, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 40, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 

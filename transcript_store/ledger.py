@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Select, String, and_, bindparam, func, literal_column, select, text, true, update
+from sqlalchemy import Select, String, and_, bindparam, func, literal_column, select, text, true, tuple_, update
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
 from .core import (
     ENTRY_COLUMNS,
+    MAX_ID_CHARS,
     Core,
     by_session,
     check_anchor,
@@ -178,6 +179,15 @@ class Receipt(BaseModel):
     message_count: int
     is_heartbeat: bool
     committed_us: int
+
+
+class ReceiptPage(BaseModel):
+    """Up to ``limit`` receipts of one engine in a session, oldest commit first; ``next``: the cursor of
+    the last one when more may follow (pass it as ``after``), None on the last page."""
+
+    model_config = ConfigDict(frozen=True)
+    receipts: list[Receipt]
+    next: str | None
 
 
 class CommitResult(BaseModel):
@@ -638,6 +648,75 @@ def list_receipts(core: Core, scope: str, session_id: str, engine_id: str | None
         q = q.where(receipts.c.engine_id == engine_id)
     rows = core.conn.execute(q.order_by(receipts.c.committed_us, receipts.c.advancement_key)).all()
     return [_receipt_of(r) for r in rows]
+
+
+#: receipts a page holds unless asked for fewer, and at most
+DEFAULT_RECEIPTS_PAGE = 1000
+MAX_RECEIPTS_PAGE = 10_000
+# A page is a range of ts_receipts_commit_order: the row value compares the way the index is ordered, so
+# both backends start the range at the cursor (PostgreSQL and SQLite 3.15+ take a row value as one index
+# bound; "a > x OR (a = x AND b > y)" left PostgreSQL filtering the session's receipts before the cursor).
+# One row past the page tells whether another follows.
+_RECEIPTS_AFTER = (
+    select(*_RECEIPT_COLUMNS)
+    .where(
+        by_session(receipts),
+        receipts.c.engine_id == bindparam("b_engine"),
+        tuple_(receipts.c.committed_us, receipts.c.advancement_key) > tuple_(bindparam("b_us"), bindparam("b_key")),
+    )
+    .order_by(receipts.c.committed_us, receipts.c.advancement_key)
+    .limit(bindparam("b_limit"))
+)
+_RECEIPTS_FIRST = (
+    select(*_RECEIPT_COLUMNS)
+    .where(by_session(receipts), receipts.c.engine_id == bindparam("b_engine"))
+    .order_by(receipts.c.committed_us, receipts.c.advancement_key)
+    .limit(bindparam("b_limit"))
+)
+_MAX_US = 2**63 - 1  # committed_us is a BIGINT
+#: the longest receipt cursor: 19 digits, the colon, an id
+RECEIPT_CURSOR_CHARS = len(str(_MAX_US)) + 1 + MAX_ID_CHARS
+
+
+def receipt_cursor(receipt: Receipt) -> str:
+    """The ``after`` cursor of a receipt: ``<committed_us>:<advancement_key>``, its place in the listing."""
+    return f"{receipt.committed_us}:{receipt.advancement_key}"
+
+
+def parse_receipt_cursor(after: str) -> tuple[int, str]:
+    """The (committed_us, advancement_key) of a receipt cursor; InvalidInput for anything else."""
+    if not isinstance(after, str):
+        raise InvalidInput(f"after must be a string, not {type(after).__name__}")
+    us, sep, key = after.partition(":")
+    # ASCII digits only: int() also takes "+1", " 1", "1_000" and other scripts' digits.
+    if not sep or not us.isascii() or not us.isdigit() or len(us) > 19 or int(us) > _MAX_US:
+        raise InvalidInput("after must be a receipt cursor, '<committed_us>:<advancement_key>' (a page's next)")
+    check_id("after's advancement key", key)
+    return int(us), key
+
+
+def check_page_limit(limit: object) -> int:
+    """A receipt page's size, 1..MAX_RECEIPTS_PAGE; InvalidInput for anything else."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_RECEIPTS_PAGE:
+        raise InvalidInput(f"limit must be an integer in 1..{MAX_RECEIPTS_PAGE}, got {limit!r}")
+    return limit
+
+
+def receipts_page(
+    core: Core, scope: str, session_id: str, engine_id: str, *, after: str | None = None,
+    limit: int = DEFAULT_RECEIPTS_PAGE,
+) -> ReceiptPage:
+    """One engine's receipts of a session committed after the cursor ``after`` (None: from the first),
+    oldest first, at most ``limit``: an index range, whatever the ledger's length."""
+    limit = check_page_limit(limit)
+    params = session_params(scope, session_id, b_engine=engine_id, b_limit=limit + 1)
+    if after is None:
+        rows = core.run(_RECEIPTS_FIRST, params).all()
+    else:
+        us, key = parse_receipt_cursor(after)
+        rows = core.run(_RECEIPTS_AFTER, {**params, "b_us": us, "b_key": key}).all()
+    page = [_receipt_of(r) for r in rows[:limit]]
+    return ReceiptPage.model_construct(receipts=page, next=receipt_cursor(page[-1]) if len(rows) > limit else None)
 
 
 def _receipt_of(row: Any) -> Receipt:

@@ -34,15 +34,20 @@ from .errors import (
 from .fences import MAX_TURN_BYTES
 from .leases import LeaseKeeper
 from .ledger import (
+    DEFAULT_RECEIPTS_PAGE,
     ApplyTurn,
     CommitResult,
     Receipt,
+    ReceiptPage,
     TurnPayload,
+    check_page_limit,
     commit_turn_in,
     commit_turn_statement,
     get_receipt,
     list_receipts,
+    parse_receipt_cursor,
     prepare_turn,
+    receipts_page,
 )
 from .models import Admission, Anchor, Entry
 from .outbox import DrainReport, OutboxConfig, TurnIntent
@@ -160,6 +165,24 @@ class Turns:
         def read(c: Core) -> list[Receipt]:
             c.require_session(scope, session_id)  # an empty ledger, not an unknown session's "nothing"
             return list_receipts(c, scope, session_id, engine_id)
+
+        return self.store.read(read)
+
+    def receipts_page(
+        self, scope: str, session_id: str, engine_id: str, *, after: str | None = None,
+        limit: int = DEFAULT_RECEIPTS_PAGE,
+    ) -> ReceiptPage:
+        """One engine's ledger of a session a page at a time: at most ``limit`` (1..10000) receipts, oldest
+        commit first, after the cursor ``after`` (a page's ``next``; None: from the first receipt)."""
+        self.store._ids(scope, session_id)
+        check_id("engine_id", engine_id)
+        check_page_limit(limit)
+        if after is not None:
+            parse_receipt_cursor(after)  # refused before the session is looked at
+
+        def read(c: Core) -> ReceiptPage:
+            c.require_session(scope, session_id)
+            return receipts_page(c, scope, session_id, engine_id, after=after, limit=limit)
 
         return self.store.read(read)
 
