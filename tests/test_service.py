@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import psycopg
 import pytest
@@ -212,6 +213,66 @@ def test_a_token_never_reaches_another_scope(server: ServiceProcess) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the ledger
+
+
+def receipt_pages(server: ServiceProcess, sid: str, limit: int | None, engine: str = "legacy") -> list[list[Any]]:
+    """Every page of an engine's receipts over HTTP, following ``next`` (``limit`` None: the default)."""
+    pages, after = [], None
+    while True:
+        query = {k: v for k, v in (("after", after), ("limit", limit)) if v is not None}
+        path = f"/v1/engines/{engine}/sessions/{sid}/receipts"
+        status, page = server.call("GET", f"{path}?{urlencode(query)}" if query else path, TOKEN_A)
+        assert status == 200 and set(page) == {"receipts", "next"}, page
+        assert len(page["receipts"]) <= (limit or 1000)
+        pages.append(page["receipts"])
+        if page["next"] is None:
+            return pages
+        after = page["next"]
+
+
+def test_receipts_come_a_page_at_a_time(server: ServiceProcess) -> None:
+    """``limit`` receipts a page, oldest commit first; ``next`` leads to the next page and is null on the
+    last; a receipt committed between two pages comes once, on a later page; no parameter: the first
+    page of 1000 (the whole ledger of a short session, ``next`` null)."""
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    keys = [f"turn:{i}" for i in range(5)]  # a colon in the key: the cursor splits at its first one
+    for i, key in enumerate(keys[:3]):
+        assert commit(server, "legacy", sid, key, 2 * i, [user(key), assistant("ok")])[1]["status"] == "committed"
+    path = f"/v1/engines/legacy/sessions/{sid}/receipts"
+    status, first = server.call("GET", f"{path}?limit=2", TOKEN_A)
+    assert status == 200 and [r["advancement_key"] for r in first["receipts"]] == keys[:2] and first["next"]
+    for i, key in enumerate(keys[3:], 3):
+        assert commit(server, "legacy", sid, key, 2 * i, [user(key), assistant("ok")])[1]["status"] == "committed"
+    status, second = server.call("GET", f"{path}?{urlencode({'after': first['next'], 'limit': 2})}", TOKEN_A)
+    assert [r["advancement_key"] for r in second["receipts"]] == keys[2:4] and second["next"]
+    status, last = server.call("GET", f"{path}?{urlencode({'after': second['next'], 'limit': 2})}", TOKEN_A)
+    assert [r["advancement_key"] for r in last["receipts"]] == keys[4:] and last["next"] is None
+    for limit in (1, 2, 4, 5, 10_000, None):
+        pages = receipt_pages(server, sid, limit)
+        assert [r["advancement_key"] for page in pages for r in page] == keys, limit
+        assert len(pages) == (1 if limit is None else -(-len(keys) // limit)), limit
+    assert receipt_pages(server, sid, None, engine="lossless") == [[]]
+
+
+def test_a_bad_receipts_cursor_or_limit_is_refused(server: ServiceProcess) -> None:
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    assert commit(server, "legacy", sid, "k1", 0, [user("q"), assistant("a")])[1]["status"] == "committed"
+    path = f"/v1/engines/legacy/sessions/{sid}/receipts"
+    status, before = server.call("GET", path, TOKEN_A)
+    assert status == 200 and before["next"] is None
+    for after in ("", "nope", "12", "-1:k1", "1:", "1:a\x00b", f"{2**63}:k", "\uff11:k"):
+        for where in (path, "/v1/engines/legacy/sessions/no-such-session/receipts"):
+            status, err = server.call("GET", f"{where}?{urlencode({'after': after})}", TOKEN_A)
+            assert status == 400 and err["error"]["code"] == "invalid_input", (after, err)
+    for query in ("limit=0", "limit=10001", "limit=-1", "limit=ten", "limit=1.5", "after=" + "1" * 300):
+        status, err = server.call("GET", f"{path}?{query}", TOKEN_A)
+        assert status == 422 and err["error"]["code"] == "invalid_request", (query, err)
+    assert server.call("GET", path, TOKEN_A) == (200, before)
+    status, doc = server.call("GET", "/openapi.json", TOKEN_A)
+    route = doc["paths"]["/v1/engines/{engine}/sessions/{session_id}/receipts"]["get"]
+    assert {"after", "limit"} <= {p["name"] for p in route["parameters"]}
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -51,7 +51,15 @@ from .errors import (
 )
 from .fences import MAX_TURN_BYTES
 from .host import HostRuntime, RuntimeContext
-from .ledger import CommitResult, get_receipt, list_receipts
+from .ledger import (
+    DEFAULT_RECEIPTS_PAGE,
+    CommitResult,
+    ReceiptPage,
+    check_page_limit,
+    get_receipt,
+    parse_receipt_cursor,
+    receipts_page,
+)
 from .models import (
     Admission,
     Anchor,
@@ -577,15 +585,21 @@ class Service:
                  session_id, req.advancement_key, result.status, len(req.messages))
         return CommitTurnResponse(status=result.status, receipt=result.receipt, admission=first, terminal=last)
 
-    def receipts(self, scope: str, engine_id: str, session_id: str) -> list[Any]:
-        """The engine's ledger for one session (UnknownEngine when none has this id, like every engine route)."""
+    def receipts(
+        self, scope: str, engine_id: str, session_id: str, after: str | None = None, limit: int = DEFAULT_RECEIPTS_PAGE
+    ) -> ReceiptPage:
+        """A page of the engine's ledger for one session, after the cursor ``after`` (UnknownEngine when no
+        engine has this id, like every engine route)."""
         self._known_engine(engine_id)
         check_id("scope", scope)
         check_id("session_id", session_id)
+        check_page_limit(limit)
+        if after is not None:
+            parse_receipt_cursor(after)  # refused before the session is looked at
 
-        def run(c: Core) -> list[Any]:
+        def run(c: Core) -> ReceiptPage:
             c.require_session(scope, session_id)
-            return list_receipts(c, scope, session_id, engine_id)
+            return receipts_page(c, scope, session_id, engine_id, after=after, limit=limit)
 
         return self.store.read(run)
 

@@ -53,6 +53,7 @@ from .errors import (
     UnknownEntry,
     UnknownSession,
 )
+from .ledger import DEFAULT_RECEIPTS_PAGE, MAX_RECEIPTS_PAGE, RECEIPT_CURSOR_CHARS
 from .models import Admission, DeltaPage, DeltaReset, SessionInfo
 from .service import InFlight, Service, TokenMap
 from .service_models import (
@@ -658,9 +659,17 @@ def _routes(app: FastAPI, service: Service) -> None:
         return service.commit_turn(scope, engine, session_id, body)
 
     @app.get(f"{prefix}/receipts", response_model=ReceiptList, tags=["engines"])
-    def receipts(scope: Scope, engine: str, session_id: str) -> ReceiptList:
-        """The engine's ledger for one session."""
-        return ReceiptList(receipts=service.receipts(scope, engine, session_id))
+    def receipts(
+        scope: Scope,
+        engine: str,
+        session_id: str,
+        after: Annotated[str | None, Query(max_length=RECEIPT_CURSOR_CHARS)] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_RECEIPTS_PAGE)] = DEFAULT_RECEIPTS_PAGE,
+    ) -> ReceiptList:
+        """The engine's ledger for one session, oldest commit first, ``limit`` receipts a page: pass an
+        answer's ``next`` as ``after`` for the next page (``next`` is null on the last one)."""
+        page = service.receipts(scope, engine, session_id, after, limit)
+        return ReceiptList(receipts=page.receipts, next=page.next)
 
 
 # ---------------------------------------------------------------------------------------------- serving

@@ -244,6 +244,8 @@ class CommitTurnResponse(BaseModel):
 
 
 class ReceiptList(BaseModel):
-    """The engine's ledger for one session, oldest first."""
+    """A page of the engine's ledger for one session, oldest commit first; ``next``: pass it as ``after`` for
+    the next page, null on the last one."""
 
     receipts: list[Receipt]
+    next: str | None
