@@ -276,7 +276,8 @@ def calls(host: HostRuntime, service: Service, w: dict[str, Any]) -> dict[str, C
         "Service.maintain": lambda d: call(service.maintain, d.draw(scopes), d.draw(engine_ids), d.draw(sessions)),
         "Service.commit_turn": lambda d: call(service.commit_turn, d.draw(scopes), d.draw(engine_ids),
                                               d.draw(sessions), d.draw(commit_requests(w))),
-        "Service.receipts": lambda d: call(service.receipts, d.draw(scopes), d.draw(engine_ids), d.draw(sessions)),
+        "Service.receipts": lambda d: call(service.receipts, d.draw(scopes), d.draw(engine_ids), d.draw(sessions),
+                                           d.draw(st.one_of(st.none(), texts)), d.draw(limits)),
     }
 
 

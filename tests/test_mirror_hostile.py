@@ -201,7 +201,7 @@ def test_a_stale_turn_stays_refused(service: Service, sid: str) -> None:
             plugin_commit(service, sid, host, stale)
         assert refused.value.reason == "behind"
     assert every_entry(s, sid) == stored
-    assert [r.advancement_key for r in service.receipts(A, "legacy", sid)] == ["k1", "k2"]
+    assert [r.advancement_key for r in service.receipts(A, "legacy", sid).receipts] == ["k1", "k2"]
     assert plugin_import(service, sid, host) == 0
     assert every_entry(s, sid) == stored and state_of(s, sid) == ("0:8", 8)
 
