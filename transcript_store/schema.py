@@ -203,16 +203,6 @@ receipts = Table(
     PrimaryKeyConstraint("scope", "session_id", "advancement_key", "engine_id", name="ts_receipts_pk"),
     _session_fk("ts_receipts"),
 )
-# The ledger's listing order, oldest commit first, per engine: a page of receipts after a cursor is a
-# range of this index (revision 0014).
-Index(
-    "ts_receipts_commit_order",
-    receipts.c.scope,
-    receipts.c.session_id,
-    receipts.c.engine_id,
-    receipts.c.committed_us,
-    receipts.c.advancement_key,
-)
 
 # Copies of committed messages, written only before revision 0005 (read for those receipts).
 turn_messages = Table(

@@ -666,7 +666,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         after: Annotated[str | None, Query(max_length=RECEIPT_CURSOR_CHARS)] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_RECEIPTS_PAGE)] = DEFAULT_RECEIPTS_PAGE,
     ) -> ReceiptList:
-        """The engine's ledger for one session, oldest commit first, ``limit`` receipts a page: pass an
+        """The engine's ledger for one session in advancement-key order, ``limit`` receipts a page: pass an
         answer's ``next`` as ``after`` for the next page (``next`` is null on the last one)."""
         page = service.receipts(scope, engine, session_id, after, limit)
         return ReceiptList(receipts=page.receipts, next=page.next)

@@ -244,7 +244,7 @@ class CommitTurnResponse(BaseModel):
 
 
 class ReceiptList(BaseModel):
-    """A page of the engine's ledger for one session, oldest commit first; ``next``: pass it as ``after`` for
+    """A page of the engine's ledger for one session, in advancement-key order; ``next``: pass it as ``after`` for
     the next page, null on the last one."""
 
     receipts: list[Receipt]

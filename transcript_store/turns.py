@@ -172,8 +172,8 @@ class Turns:
         self, scope: str, session_id: str, engine_id: str, *, after: str | None = None,
         limit: int = DEFAULT_RECEIPTS_PAGE,
     ) -> ReceiptPage:
-        """One engine's ledger of a session a page at a time: at most ``limit`` (1..10000) receipts, oldest
-        commit first, after the cursor ``after`` (a page's ``next``; None: from the first receipt)."""
+        """One engine's ledger of a session a page at a time: at most ``limit`` (1..10000) receipts in
+        advancement-key order, after the cursor ``after`` (a page's ``next``; None: from the first receipt)."""
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id)
         check_page_limit(limit)
