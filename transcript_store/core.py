@@ -426,6 +426,15 @@ _ALL_ROWS = (
     .limit(bindparam("b_limit", type_=Integer))
 )
 
+# The stored sizes of the entries after a seq, in seq order: an export reads them before a page of rows,
+# to make the page as long as its byte budget allows (transfer._export_pages).
+_ENTRY_SIZES = (
+    select(entries.c.size_bytes)
+    .where(by_session(entries), entries.c.seq > bindparam("b_after_seq", type_=Integer))
+    .order_by(entries.c.seq)
+    .limit(bindparam("b_limit", type_=Integer))
+)
+
 
 _PATH_SEQ_AT_DEPTH = select(active_path.c.seq).where(
     by_session(active_path), active_path.c.depth == bindparam("b_depth")
@@ -1295,6 +1304,11 @@ class Core:
         """Every stored entry (any branch, any kind) in raw seq order, with its active flag."""
         params = session_params(scope, session_id, b_after_seq=after_seq, b_limit=limit)
         return [(r, r.ts_path_seq == r.seq) for r in self.run(_ALL_ROWS, params)]
+
+    def entry_sizes(self, scope: str, session_id: str, after_seq: int, limit: int) -> list[int]:
+        """The stored sizes (``size_bytes``) of at most ``limit`` entries after ``after_seq``, in raw seq order."""
+        params = session_params(scope, session_id, b_after_seq=after_seq, b_limit=limit)
+        return [r.size_bytes for r in self.run(_ENTRY_SIZES, params)]
 
     # ------------------------------------------------------------------------------------ path moves
 
