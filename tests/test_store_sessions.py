@@ -13,8 +13,10 @@ from sqlalchemy import text
 from transcript_store import (
     Anchor,
     IdempotencyConflict,
+    InvalidInput,
     SchemaNotCurrent,
     SessionKeyConflict,
+    SessionReplaced,
     StoreConfig,
     TranscriptStore,
     UnknownSession,
@@ -131,6 +133,28 @@ def test_delete_session_removes_it_and_its_entries(store: TranscriptStore) -> No
     fresh = store.create_session(A, session_id="s1", session_key=KEY)
     assert fresh.entry_count == 0 and store.read_visible(A, "s1") == []
     assert [e.message for e in store.read_visible(A, "keep")] == [user("stay")]
+
+
+def test_delete_session_of_an_incarnation_spares_a_session_made_again(store: TranscriptStore) -> None:
+    """``incarnation`` deletes the session a caller looked up, or nothing: a session deleted and made again
+    under the id since is another's, refused as unknown (SessionReplaced) and left whole."""
+    looked_up = store.create_session(A, session_id="s1", session_key=KEY)
+    store.append(A, "s1", user("old"))
+    store.delete_session(A, "s1")
+    store.create_session(A, session_id="s1", session_key=KEY)
+    store.append(A, "s1", user("new"))
+    with pytest.raises(SessionReplaced) as refused:
+        store.delete_session(A, "s1", incarnation=looked_up.incarnation)
+    assert isinstance(refused.value, UnknownSession) and "made again" in str(refused.value)
+    assert [e.message for e in store.read_visible(A, "s1")] == [user("new")]
+    for bad in (True, "1", 1.0):
+        with pytest.raises(InvalidInput):
+            store.delete_session(A, "s1", incarnation=bad)  # type: ignore[arg-type]
+    now = store.get_session(A, "s1")
+    deleted = store.delete_session(A, "s1", incarnation=now.incarnation)
+    assert deleted.incarnation == now.incarnation and deleted.entry_count == 1
+    with pytest.raises(UnknownSession):
+        store.get_session(A, "s1")
 
 
 def test_session_bytes_sums_every_stored_entry(store: TranscriptStore) -> None:

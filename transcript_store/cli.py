@@ -867,7 +867,9 @@ def sessions_delete(session: str, yes: bool) -> None:
             raise CommandError(
                 f"refusing to delete session {info.session_id} ({info.entry_count} entries) without --yes"
             )
-        store.delete_session(st.scope_name, info.session_id)
+        # The session looked up, or none: one deleted and made again under its id since (by another
+        # process, between the lookup and this write) is someone else's now, and stays (exit 3).
+        info = store.delete_session(st.scope_name, info.session_id, incarnation=info.incarnation)
     if st.json:
         emit_json({"deleted": info.session_id, "entries": info.entry_count})
     else:

@@ -72,6 +72,20 @@ class UnknownSession(TranscriptStoreError, LookupError):
         self.session_id = session_id
 
 
+class SessionReplaced(UnknownSession):
+    """The session looked up is gone: deleted, and another made under its id since (another incarnation).
+    Unknown, as the session the caller meant no longer exists; nothing was changed."""
+
+    def __init__(self, scope: str, session_id: str) -> None:
+        TranscriptStoreError.__init__(
+            self,
+            f"session {session_id!r} in scope {scope!r} was deleted and made again since it was looked up"
+            " (another incarnation): nothing changed",
+        )
+        self.scope = scope
+        self.session_id = session_id
+
+
 class UnknownEntry(TranscriptStoreError, LookupError):
     """No such entry in this session."""
 

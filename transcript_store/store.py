@@ -17,6 +17,7 @@ from .errors import (
     InvalidInput,
     InvalidMessage,
     SessionKeyConflict,
+    SessionReplaced,
     TransientStoreError,
     UnknownEntry,
     UnknownSession,
@@ -250,22 +251,31 @@ class TranscriptStore:
 
         return self.write(run)
 
-    def delete_session(self, scope: str, session_id: str) -> None:
-        """Delete the session and every entry of it, for good."""
-        self._ids(scope, session_id)
-        landed: list[int] = []  # the incarnation an attempt deleted
+    def delete_session(self, scope: str, session_id: str, *, incarnation: int | None = None) -> SessionInfo:
+        """Delete the session and every entry of it, for good; returns it as it was when deleted.
 
-        def run(c: Core) -> None:
+        ``incarnation`` (a ``SessionInfo``'s, from an earlier lookup) deletes that session only: one
+        deleted and made again under the id since raises SessionReplaced and stays whole."""
+        self._ids(scope, session_id)
+        if incarnation is not None and (isinstance(incarnation, bool) or not isinstance(incarnation, int)):
+            raise InvalidInput(f"incarnation must be an integer or None, got {incarnation!r}")
+        landed: list[SessionInfo] = []  # the session an attempt deleted
+
+        def run(c: Core) -> SessionInfo:
             if landed:
                 row = c.session_row(scope, session_id)
-                if row is None or row.incarnation != landed[0]:
+                if row is None or row.incarnation != landed[0].incarnation:
                     # An earlier attempt ran to its end and only its COMMIT was uncertain: the session
                     # it deleted is gone (a session made since under the same id is someone else's).
-                    return
-            landed[:] = [c.require_session(scope, session_id, lock=True).incarnation]
+                    return landed[0]
+            info = session_info(c.require_session(scope, session_id, lock=True))
+            if incarnation is not None and info.incarnation != incarnation:
+                raise SessionReplaced(scope, session_id)
             c.delete_session(scope, session_id)
+            landed[:] = [info]
+            return info
 
-        self.write(run)
+        return self.write(run)
 
     # ------------------------------------------------------------------------------------ appends
 
