@@ -14,6 +14,7 @@ unavailable; 6 permission denied (the database role lacks a grant). An error is 
 
 from __future__ import annotations
 
+import codecs
 import functools
 import io
 import json
@@ -41,7 +42,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.engine import URL
 
-from . import migrate, transfer
+from . import migrate, showing, transfer
 from .config import StoreConfig
 from .core import Core, check_id
 from .db import mask_url, parse_url, sqlite_file, url_secrets
@@ -245,6 +246,32 @@ class WholeStdout(io.TextIOBase):
     def flush(self) -> None:
         """Every write is flushed already."""
 
+    def codec(self) -> tuple[str, str]:
+        """The encoding and error handler of text for ``copy_from``: the stream's own, or for a text-only
+        stream one that reads back every character as it was (lone surrogates too)."""
+        if getattr(self._inner, "buffer", None) is None:
+            return "utf-8", "surrogatepass"
+        return self.encoding, getattr(self._inner, "errors", None) or "strict"
+
+    def copy_from(self, spool: BinaryIO) -> None:
+        """Write the text in ``spool`` (encoded as ``codec`` says) whole, a chunk at a time, or raise
+        CommandError as ``write`` does."""
+        if self._inner is None:
+            raise CommandError("cannot write to stdout: it is closed")
+        buffer = getattr(self._inner, "buffer", None)
+        encoding, errors = self.codec()
+        decoder = codecs.getincrementaldecoder(encoding)(errors)
+        try:
+            self._inner.flush()  # what click.echo wrote before goes first
+            while chunk := spool.read(1024 * 1024):
+                if buffer is None:
+                    self._inner.write(decoder.decode(chunk))
+                else:
+                    _write_all(buffer, chunk)
+            (buffer or self._inner).flush()
+        except OSError as e:
+            raise CommandError(f"cannot write to stdout: {e.strerror or e}") from e
+
 
 def console() -> Console:
     """A console for human output on stdout."""
@@ -420,6 +447,22 @@ def entry_text(entry: Entry) -> str:
     return json.dumps(payload, ensure_ascii=False)
 
 
+def _show_json(store: TranscriptStore, scope: str, ref: str, every: bool) -> None:
+    """Print the session's JSON document, read from one snapshot a page at a time into a temporary file
+    (memory holds a page, not the session), then copied to stdout: the snapshot is not held open at the
+    pace of stdout's reader, and a read retried after a transient error rewrites the file."""
+    out = WholeStdout(sys.stdout)
+    encoding, errors = out.codec()
+    with tempfile.TemporaryFile() as spool:
+        try:
+            store.read(lambda c: showing.write_json_in(c, scope, ref, spool, every=every, encoding=encoding,
+                                                       errors=errors))
+            spool.seek(0)
+        except OSError as e:  # a full TMPDIR, a file size limit: the document cannot reach stdout whole
+            raise CommandError(f"cannot write to stdout: its temporary file failed: {e.strerror or e}") from e
+        out.copy_from(spool)
+
+
 def entry_json(entry: Entry) -> dict[str, Any]:
     """An entry as JSON."""
     return entry.model_dump(mode="json")
@@ -588,17 +631,6 @@ def sessions_list() -> None:
         click.echo(f"no sessions in scope {scope!r}")
 
 
-def _list_every_entry(store: TranscriptStore, scope: str, session_id: str) -> list[Entry]:
-    out: list[Entry] = []
-    after = -1
-    while True:
-        page = store.list_entries(scope, session_id, after_seq=after, limit=10_000)
-        out.extend(page)
-        if len(page) < 10_000:
-            return out
-        after = page[-1].seq
-
-
 @sessions.command("show")
 @click.argument("session")
 @click.option("--all", "every", is_flag=True, help="Every stored entry: off-branch ones and events too, marked.")
@@ -608,13 +640,12 @@ def sessions_show(session: str, every: bool) -> None:
     st = state()
     scope = st.scope_name
     with store_session() as store:
-        info = find_session(store, scope, session)
-        entries = (
-            _list_every_entry(store, scope, info.session_id) if every else store.read_visible(scope, info.session_id)
-        )
-    if st.json:
-        emit_json({"session": info.model_dump(mode="json"), "entries": [entry_json(e) for e in entries]})
-        return
+        check_id("session_id", session)  # refused before a read, as the lookup by id refused it
+        if st.json:
+            _show_json(store, scope, session, every)
+            return
+        # One snapshot: the session and every page of its entries of one moment.
+        info, entries = store.read(lambda c: showing.read_all_in(c, scope, session, every=every))
     what = "every stored entry" if every else "visible transcript"
     print_entries(console(), entries, every=every, title=f"session {info.session_id} ({what})")
 
