@@ -386,3 +386,14 @@ def test_a_snapshot_older_than_the_list_held_reads_its_own_list(store: Transcrip
         assert items == expected and read == len(expected)
 
     store.read(older)
+
+
+def test_dispose_lets_go_of_the_lists_held(store: TranscriptStore, sid: str) -> None:
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 4)
+    first, read = rows_read(engine, sid)
+    assert read == len(first.messages) and rows_read(engine, sid)[1] == 0
+    engine.dispose()
+    again, read = rows_read(engine, sid)
+    assert read == len(first.messages) and dump(again) == dump(first)
+

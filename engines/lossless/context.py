@@ -205,6 +205,12 @@ class ContextCache:
             self._keep(key, _Cached(incarnation, epoch, next_item, slots, sum(len(s.text or "") for s in slots)))
         return [slot.item(message) for slot, message in parsed], read
 
+    def clear(self) -> None:
+        """Forget every list held (the next assembly of each session reads it whole)."""
+        with self._lock:
+            self._lists.clear()
+            self._held = 0
+
     def _keep(self, key: tuple[str, str], entry: _Cached) -> None:
         with self._lock:
             old = self._lists.pop(key, None)

@@ -462,9 +462,10 @@ class LosslessEngine:
         return json.dumps(out, ensure_ascii=False)
 
     def dispose(self) -> None:
-        """Forget the remembered budgets."""
+        """Forget the remembered budgets and the context lists held (up to 64 Mi characters)."""
         with self._lock:
             self._runs.clear()
+        self._lists.clear()
 
 
 #: what a recall tool's read returns instead of its answer when a reset must be applied first
