@@ -132,3 +132,150 @@ def test_a_mirrored_turn_looks_entries_up_by_seq_through_the_primary_key(store: 
     statements = _statements(store, {"mirror_turn": mirrored})
     assert [e.message for e in store.list_entries(A, sid, after_seq=1999, limit=5)] == messages  # seqs from 0
     _assert_index_lookups(store, statements)
+
+
+def _sqlite_plan(conn: Any, sql: str, params: Any) -> list[str]:
+    """EXPLAIN QUERY PLAN of a captured statement, one detail a line."""
+    return [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
+
+
+def test_the_last_bound_admission_before_an_entry_is_one_probe(store: TranscriptStore) -> None:
+    """A commit of an admission without a turn id looks for the last admission bound before it (is the
+    entry one of that turn's messages?). In a session of 1,000 turns whose last stretch is 200 entries
+    without turn ids (a long turn's tool rounds, a mirrored history), every statement of that commit
+    touches a few rows (PostgreSQL never analyzed), and the look is one probe of ``ts_entries_bound`` on
+    both backends (revision 0014). Before, the primary key walked back over the stretch (201 rows
+    removed; SQLite: a search of the primary key by the seq range, filtered row by row)."""
+    from transcript_store.core import Core
+    from transcript_store.store import admit_in
+    from transcript_store.turns import Turns
+
+    if store.backend == "postgresql":
+        _never_analyzed(store, "ts_sessions", "ts_entries", "ts_active_path", "ts_receipts", "ts_engine_state")
+    sid = store.create_session(A, session_id="s1").session_id
+
+    def turns_of_a_session(c: Core) -> None:  # 1,000 bound admissions, one a turn, then 200 entries without
+        for t in range(1000):
+            admit_in(c, A, sid, store.prepare_admission({"role": "user", "content": f"q{t}"}, turn_id=f"t{t}"))
+            c.append(A, sid, store.prepare([{"message": {"role": "assistant", "content": f"a{t}"}}]))
+        c.append(A, sid, store.prepare([{"message": {"role": "assistant", "content": f"m{i}"}} for i in range(200)]))
+
+    store.write(turns_of_a_session)
+    msgs = [{"role": "user", "content": "bare q"}, {"role": "assistant", "content": "bare a"}]
+    added = store.append_many(A, sid, [{"message": m} for m in msgs])
+    adm, term = (store.anchor(A, sid, e.entry_id) for e in (added[0], added[-1]))
+    turns = Turns(store)
+    statements = _statements(store, {"bare commit": lambda: turns.commit_turn("e", "k-bare", adm, term, msgs)})
+    assert turns.receipts(A, sid)[0].admission_entry_id == adm.entry_id
+    last_bound = [(s, p) for s, p in statements["bare commit"] if "turn_id IS NOT NULL" in s and " DESC" in s]
+    assert len(last_bound) == 1, statements
+    if store.backend == "sqlite":
+        with store.db.engine.connect() as conn:
+            details = _sqlite_plan(conn, *last_bound[0])
+            conn.rollback()
+        assert len(details) == 1 and details[0].startswith("SEARCH ts_entries USING INDEX ts_entries_bound"), details
+        return
+    with store.db.engine.connect() as conn:
+        plan, _ = _plan_of_any(conn, *last_bound[0])
+    assert "ts_entries_bound" in plan and "Filter" not in plan, plan
+    _assert_index_lookups(store, statements)
+
+
+def _turn_lookups(statements: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The statements that read, change or delete one outbox row by its turn id."""
+    by_turn = re.compile(r"\bts_outbox\.turn_id = (%\(\w+\)s|\?)")
+    return [(s, p) for s, p in statements if by_turn.search(s) and not s.lstrip().upper().startswith("INSERT")]
+
+
+def _outbox_node(plan: str) -> str:
+    """The plan node that reads ``ts_outbox`` itself (not an alias of it), with its conditions."""
+    lines = plan.splitlines()
+    at = next(i for i, line in enumerate(lines) if re.search(r"Scan.* on ts_outbox(?! \w)", line))
+    depth = len(lines[at]) - len(lines[at].lstrip(" ->"))
+    node = [lines[at]]
+    for line in lines[at + 1:]:
+        if "->" in line or len(line) - len(line.lstrip()) <= depth:
+            break
+        node.append(line)
+    return "\n".join(node)
+
+
+def test_an_outbox_row_is_found_by_its_turn_id_in_one_probe(store: TranscriptStore) -> None:
+    """Every statement that reads, changes or deletes a turn's outbox row (an admission, a fast
+    completion, a queued turn's acceptance and drain, a discard, a block by hand) finds the row by one
+    probe on (scope, session, turn id), in a session that keeps 200 blocked rows: on PostgreSQL never
+    analyzed the primary key and ``ts_outbox_order`` cost the same and the planner took the latter, which
+    filtered the session's 200 rows at each of them (revision 0014: the queue indexes hold no blocked
+    row). SQLite: a search on all three columns."""
+    from workers.turn_worker import counting_engine
+
+    from transcript_store.turns import Turns
+
+    if store.backend == "postgresql":
+        _never_analyzed(store, "ts_sessions", "ts_entries", "ts_active_path", "ts_outbox", "ts_receipts")
+    sid = store.create_session(A, session_id="s1").session_id
+    turns = Turns(store)
+    reply = [{"message": {"role": "assistant", "content": "a"}}]
+    for t in range(200):  # blocked rows stay in the outbox for good (audit evidence, never retried)
+        turns.admit(A, sid, {"role": "user", "content": f"q{t}"}, turn_id=f"b{t}", engine_id="e")
+        turns.complete(A, sid, f"b{t}", reply, None)
+        turns.block(A, sid, f"b{t}", "refused")
+
+    def admit(turn_id: str) -> None:
+        turns.admit(A, sid, {"role": "user", "content": f"q {turn_id}"}, turn_id=turn_id, engine_id="e")
+
+    def queued() -> None:
+        admit("t-queued")
+        turns.complete(A, sid, "t-queued", reply, None)
+        assert turns.drain(lambda engine_id: counting_engine if engine_id == "e" else None).committed == 1
+
+    def blocked() -> None:
+        admit("t-blocked")
+        turns.complete(A, sid, "t-blocked", reply, None)
+        turns.block(A, sid, "t-blocked", "by hand")
+
+    calls = {
+        "fast completion": lambda: (admit("t-fast"), turns.complete(A, sid, "t-fast", reply, counting_engine)),
+        "queued and drained": queued,
+        "discarded": lambda: (admit("t-gone"), turns.discard(A, sid, "t-gone")),
+        "blocked by hand": blocked,
+    }
+    every = _statements(store, calls)
+    statements = {name: _turn_lookups(sent) for name, sent in every.items()}
+    assert [i.turn_id for i in turns.intents(A) if i.state != "blocked"] == []
+    with store.db.engine.connect() as conn:
+        for name, sent in statements.items():
+            assert sent, name
+            for sql, params in sent:
+                if store.backend == "sqlite":
+                    details = [d for d in _sqlite_plan(conn, sql, params) if re.match(r"\w+ ts_outbox\b", d)]
+                    assert details and all(
+                        d.startswith("SEARCH ts_outbox USING") and "(scope=? AND session_id=? AND turn_id=?)" in d
+                        for d in details
+                    ), (name, sql, details)
+                    continue
+                plan, executed = _plan_of_any(conn, sql, params)
+                # The row itself, by its key (a state or owner it must have is a filter of that one row).
+                assert re.search(r"Index Cond: .*turn_id", _outbox_node(plan)), f"{name}:\n{plan}"
+                assert_lookups(name, plan, executed)
+            conn.rollback()
+    # And the session's queue is read without its blocked rows (the head, an earlier queued turn, the
+    # admission's check); the drain's listing of groups with work, across sessions, aside.
+    every = {name: [(s, p) for s, p in sent if "DISTINCT" not in s] for name, sent in every.items()}
+    if store.backend == "postgresql":
+        _assert_index_lookups(store, every)
+        return
+    with store.db.engine.connect() as conn:
+        partial = {r[1] for r in conn.exec_driver_sql("PRAGMA index_list(ts_outbox)") if r[4]}
+        queue_reads = 0
+        for name, sent in every.items():
+            for sql, params in sent:
+                details = _sqlite_plan(conn, sql, params)
+                assert not [d for d in details if d.startswith("SCAN ts_")], (name, sql, details)
+                if "!= 'blocked'" in sql:  # the queue, read through an index without the blocked rows
+                    queue_reads += 1
+                    search = re.compile(r"SEARCH (?:ts_outbox|earlier) USING (?:COVERING )?INDEX (\w+)")
+                    used = {m.group(1) for d in details if (m := search.match(d)) and "turn_id=?" not in d}
+                    assert used and used <= partial, (name, sql, details, partial)
+        assert queue_reads, every
+        conn.rollback()

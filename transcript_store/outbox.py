@@ -19,10 +19,10 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Row, bindparam, delete, literal, select, union_all, update
+from sqlalchemy import ColumnElement, Row, bindparam, delete, literal, literal_column, select, union_all, update
 
 from . import identity
-from .core import Core, by_session, foreign_incarnation, from_us, now_us, session_params
+from .core import BOUND_ADMISSION, Core, by_session, foreign_incarnation, from_us, now_us, session_params
 from .errors import (
     InvalidInput,
     OutboxCollision,
@@ -153,6 +153,16 @@ def _key(scope: str, session_id: str, turn_id: str) -> Any:
     return (outbox.c.scope == scope) & (outbox.c.session_id == session_id) & (outbox.c.turn_id == turn_id)
 
 
+def _queued(table: Any) -> ColumnElement[bool]:
+    """``state <> 'blocked'`` of ``table`` (the outbox or an alias of it), the constant written out.
+
+    The queue indexes hold no blocked row (schema.py, revision 0014), and a statement reads them only
+    when it says so as such: SQLite takes a partial index only for a WHERE clause holding its condition
+    term for term, and PostgreSQL proves nothing from a parameter."""
+    queued: ColumnElement[bool] = table.c.state != literal_column("'blocked'")
+    return queued
+
+
 # The statements every turn runs are built once (see core.py, "hot statements": building a statement
 # costs more CPU than executing it from SQLAlchemy's compiled cache).
 _BY_TURN = by_session(outbox) & (outbox.c.turn_id == bindparam("b_turn"))
@@ -182,7 +192,7 @@ _EARLIER_PENDING = (
         _earlier.c.scope == outbox.c.scope,
         _earlier.c.session_id == outbox.c.session_id,
         _earlier.c.engine_id == outbox.c.engine_id,
-        _earlier.c.state != "blocked",
+        _queued(_earlier),
         _earlier.c.enqueue_seq < outbox.c.enqueue_seq,
     )
     .exists()
@@ -190,21 +200,22 @@ _EARLIER_PENDING = (
 )
 _GET_ROW_FOR_ACCEPT = select(outbox, _EARLIER_PENDING).where(_BY_TURN)
 _GET_ROW_FOR_ACCEPT_LOCKED = _GET_ROW_FOR_ACCEPT.with_for_update(of=outbox)
-_PENDING = select(outbox).where(by_session(outbox), outbox.c.state != "blocked").order_by(outbox.c.enqueue_seq)
+_PENDING = select(outbox).where(by_session(outbox), _queued(outbox)).order_by(outbox.c.enqueue_seq)
 _PENDING_OF_ENGINE = _PENDING.where(outbox.c.engine_id == bindparam("b_engine"))
+# (Every statement below saying ``_queued`` besides a state reads the queue index by it: see ``_queued``.)
 _ADMITTED = (
     select(outbox.c.turn_id, outbox.c.lease_owner, outbox.c.lease_expires_us, outbox.c.displaced_leases)
-    .where(by_session(outbox), outbox.c.state == "admitted")
+    .where(by_session(outbox), outbox.c.state == "admitted", _queued(outbox))
     .order_by(outbox.c.enqueue_seq)
 )
 _ADMITTED_OTHERS = _ADMITTED.where(outbox.c.turn_id != bindparam("b_turn"))
 # Locked (PostgreSQL): a renewal by a live worker cannot land between the look and the discard.
 _ADMITTED_OTHERS_LOCKED = _ADMITTED_OTHERS.with_for_update()
-# A primary-key range scan from the admitted entry: empty when nothing was appended after it.
+# A probe of ts_entries_bound from the admitted entry (revision 0014): the next bound admission, if any.
 _LATER_ADMISSION = (
     select(entries.c.turn_id)
     .where(
-        by_session(entries), entries.c.seq > bindparam("b_seq"), entries.c.turn_id.is_not(None),
+        by_session(entries), entries.c.seq > bindparam("b_seq"), BOUND_ADMISSION,
         entries.c.turn_id != bindparam("b_turn"),
     )
     .order_by(entries.c.seq)
@@ -230,10 +241,11 @@ _DELETE_ABANDONED = _DELETE_ADMITTED.where(
 )
 # What a new turn must know of its session's outbox and ledger before it is admitted, in ONE statement
 # (a round trip on PostgreSQL): every non-blocked intent, and any row or receipt of this very turn id.
+# Apart, not as one OR: the queued rows through the queue index, the turn's own row by its key (both,
+# when it is queued: only whether any row comes matters), never the session's blocked rows.
 _TURN_PRECHECK = union_all(
-    select(literal("intent").label("kind"), outbox.c.turn_id.label("ref")).where(
-        by_session(outbox), (outbox.c.state != "blocked") | (outbox.c.turn_id == bindparam("b_turn"))
-    ),
+    select(literal("intent").label("kind"), outbox.c.turn_id.label("ref")).where(by_session(outbox), _queued(outbox)),
+    select(literal("intent").label("kind"), outbox.c.turn_id.label("ref")).where(_BY_TURN),
     select(literal("receipt").label("kind"), receipts.c.engine_id.label("ref")).where(
         by_session(receipts), receipts.c.advancement_key == bindparam("b_turn")
     ),
@@ -864,7 +876,7 @@ Group = tuple[str, str, str]  # scope, session, engine
 def drainable_groups(core: Core, scope: str | None, session_id: str | None) -> list[Group]:
     """(scope, session, engine) groups with accepted or ready rows."""
     q = select(outbox.c.scope, outbox.c.session_id, outbox.c.engine_id).where(
-        outbox.c.state.in_(("accepted", "ready"))
+        outbox.c.state.in_(("accepted", "ready")), _queued(outbox)
     )
     if scope is not None:
         q = q.where(outbox.c.scope == scope)
@@ -885,7 +897,7 @@ def claim_head(
                 outbox.c.scope == scope,
                 outbox.c.session_id == session_id,
                 outbox.c.engine_id == engine_id,
-                outbox.c.state != "blocked",
+                _queued(outbox),
             )
             .order_by(outbox.c.enqueue_seq)
             .limit(1)

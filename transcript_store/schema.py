@@ -104,6 +104,12 @@ Index(
     sqlite_where=text("turn_id IS NOT NULL"),
     postgresql_where=text("turn_id IS NOT NULL"),
 )
+# The session's bound admissions (user messages with a turn id) in seq order: the last one before an
+# entry, or the first after it, is one probe, where the primary key walked every entry between them
+# (revision 0014). Statements read it through core.BOUND_ADMISSION, which says the condition as such.
+_BOUND = text("turn_id IS NOT NULL AND role = 'user'")
+Index("ts_entries_bound", entries.c.scope, entries.c.session_id, entries.c.seq, sqlite_where=_BOUND,
+      postgresql_where=_BOUND)
 
 # The materialized active branch: one row per depth on the path root -> head. Visible messages are
 # the rows with a position; reads by position use the partial unique index and cost O(page).
@@ -174,8 +180,24 @@ outbox = Table(
     PrimaryKeyConstraint("scope", "session_id", "turn_id", name="ts_outbox_pk"),
     _session_fk("ts_outbox"),
 )
-Index("ts_outbox_order", outbox.c.scope, outbox.c.session_id, outbox.c.engine_id, outbox.c.enqueue_seq)
-Index("ts_outbox_state", outbox.c.state, outbox.c.scope, outbox.c.session_id)
+# The queue indexes hold the rows still to deliver or discard, never a blocked one (blocked rows stay for
+# good): the head of a session's queue is found without passing its blocked rows, and a lookup of one
+# turn's row, which names no state, can only take the primary key. When they held every row, PostgreSQL
+# on tables never analyzed costed ts_outbox_order (it starts with the session too) the same as the
+# primary key for such a lookup, took it, and filtered every row of the session (revision 0014).
+# outbox._queued writes the condition in statements that read them.
+_QUEUED = text("state <> 'blocked'")
+Index(
+    "ts_outbox_order",
+    outbox.c.scope,
+    outbox.c.session_id,
+    outbox.c.engine_id,
+    outbox.c.enqueue_seq,
+    sqlite_where=_QUEUED,
+    postgresql_where=_QUEUED,
+)
+Index("ts_outbox_state", outbox.c.state, outbox.c.scope, outbox.c.session_id, sqlite_where=_QUEUED,
+      postgresql_where=_QUEUED)
 
 # Engine side: the commit ledger. The receipt's key is the idempotency; its hash catches reuse.
 receipts = Table(
