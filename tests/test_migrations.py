@@ -354,3 +354,62 @@ def test_what_an_earlier_release_kept_after_a_reset_is_forgotten(store_url: str)
 def select_all(table: Table) -> Select[Any]:
     """Every row of a lossless table (every column but PostgreSQL's generated search column), in key order."""
     return select(table).order_by(*table.primary_key.columns)
+
+
+def _index_condition(db: Database, table: str, name: str) -> str | None:
+    """An index's definition on either backend ("" for an index without a WHERE), None when absent."""
+    with db.engine.connect() as conn:
+        if db.dialect.is_sqlite:
+            sql = conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = :n"), {"n": name})
+        else:
+            sql = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE tablename = :t AND indexname = :n"),
+                               {"t": table, "n": name})
+        found = sql.scalar()
+    return None if found is None else found.partition(" WHERE ")[2].strip("() ")
+
+
+def test_the_bound_admission_and_queue_index_revision_keeps_every_row(store_url: str) -> None:
+    """0014 adds ts_entries_bound and builds the outbox queue indexes without blocked rows, under a store
+    with turns committed, blocked, queued and running: every row stays, the indexes are schema.py's, and
+    the turns go on (the queued one is delivered, a bare anchor is committed past the bound admissions);
+    down to 0013 and up again the same."""
+    from workers.turn_worker import counting_engine
+
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        sid = store.create_session(A, session_id="s1").session_id
+        turns = Turns(store)
+        for i in range(3):
+            turns.admit(A, sid, user(f"q{i}"), turn_id=f"t{i}", engine_id="e")
+            turns.complete(A, sid, f"t{i}", [{"message": assistant(f"a{i}")}], counting_engine if i == 0 else None)
+        turns.block(A, sid, "t1", "refused")  # t1 blocked, t2 queued (accepted)
+        turns.admit(A, sid, user("q3"), turn_id="t3", engine_id="e")  # running
+        tables = (*_TABLES, "ts_outbox")
+
+        def counts(db: Database) -> dict[str, int]:
+            with db.engine.connect() as conn:
+                return {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in tables}
+
+        db = Database(StoreConfig(url=store_url))
+        try:
+            before = counts(db)
+            assert before["ts_outbox"] == 3 and before["ts_receipts"] == 1
+            for _ in range(2):  # 0013 -> 0014 twice: the round trip leaves it as it was
+                _downgrade(db, "0013")
+                assert _index_condition(db, "ts_entries", "ts_entries_bound") is None
+                assert _index_condition(db, "ts_outbox", "ts_outbox_order") == ""
+                assert counts(db) == before
+                migrate.upgrade(db)
+                assert _differences(db) == [] and counts(db) == before
+                assert "turn_id IS NOT NULL" in str(_index_condition(db, "ts_entries", "ts_entries_bound"))
+                for name in ("ts_outbox_order", "ts_outbox_state"):
+                    assert "blocked" in str(_index_condition(db, "ts_outbox", name)), name
+        finally:
+            db.dispose()
+        assert [(i.turn_id, i.state) for i in turns.intents(A)] == [("t1", "blocked"), ("t2", "accepted"),
+                                                                     ("t3", "admitted")]
+        assert turns.drain(lambda engine_id: counting_engine if engine_id == "e" else None).committed == 1
+        turns.complete(A, sid, "t3", [{"message": assistant("a3")}], counting_engine)
+        bare = store.append_many(A, sid, [{"message": user("bare q")}, {"message": assistant("bare a")}])
+        adm, term = (store.anchor(A, sid, e.entry_id) for e in bare)
+        assert turns.commit_turn("e", "k-bare", adm, term, [user("bare q"), assistant("bare a")]).status == "committed"
+        assert [r.advancement_key for r in turns.receipts(A, sid, "e")] == ["t0", "t2", "t3", "k-bare"]
