@@ -139,48 +139,6 @@ def _sqlite_plan(conn: Any, sql: str, params: Any) -> list[str]:
     return [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)]
 
 
-def test_the_last_bound_admission_before_an_entry_is_one_probe(store: TranscriptStore) -> None:
-    """A commit of an admission without a turn id looks for the last admission bound before it (is the
-    entry one of that turn's messages?). In a session of 1,000 turns whose last stretch is 200 entries
-    without turn ids (a long turn's tool rounds, a mirrored history), every statement of that commit
-    touches a few rows (PostgreSQL never analyzed), and the look is one probe of ``ts_entries_bound`` on
-    both backends (revision 0014). Before, the primary key walked back over the stretch (201 rows
-    removed; SQLite: a search of the primary key by the seq range, filtered row by row)."""
-    from transcript_store.core import Core
-    from transcript_store.store import admit_in
-    from transcript_store.turns import Turns
-
-    if store.backend == "postgresql":
-        _never_analyzed(store, "ts_sessions", "ts_entries", "ts_active_path", "ts_receipts", "ts_engine_state")
-    sid = store.create_session(A, session_id="s1").session_id
-
-    def turns_of_a_session(c: Core) -> None:  # 1,000 bound admissions, one a turn, then 200 entries without
-        for t in range(1000):
-            admit_in(c, A, sid, store.prepare_admission({"role": "user", "content": f"q{t}"}, turn_id=f"t{t}"))
-            c.append(A, sid, store.prepare([{"message": {"role": "assistant", "content": f"a{t}"}}]))
-        c.append(A, sid, store.prepare([{"message": {"role": "assistant", "content": f"m{i}"}} for i in range(200)]))
-
-    store.write(turns_of_a_session)
-    msgs = [{"role": "user", "content": "bare q"}, {"role": "assistant", "content": "bare a"}]
-    added = store.append_many(A, sid, [{"message": m} for m in msgs])
-    adm, term = (store.anchor(A, sid, e.entry_id) for e in (added[0], added[-1]))
-    turns = Turns(store)
-    statements = _statements(store, {"bare commit": lambda: turns.commit_turn("e", "k-bare", adm, term, msgs)})
-    assert turns.receipts(A, sid)[0].admission_entry_id == adm.entry_id
-    last_bound = [(s, p) for s, p in statements["bare commit"] if "turn_id IS NOT NULL" in s and " DESC" in s]
-    assert len(last_bound) == 1, statements
-    if store.backend == "sqlite":
-        with store.db.engine.connect() as conn:
-            details = _sqlite_plan(conn, *last_bound[0])
-            conn.rollback()
-        assert len(details) == 1 and details[0].startswith("SEARCH ts_entries USING INDEX ts_entries_bound"), details
-        return
-    with store.db.engine.connect() as conn:
-        plan, _ = _plan_of_any(conn, *last_bound[0])
-    assert "ts_entries_bound" in plan and "Filter" not in plan, plan
-    _assert_index_lookups(store, statements)
-
-
 def _turn_lookups(statements: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """The statements that read, change or delete one outbox row by its turn id."""
     by_turn = re.compile(r"\bts_outbox\.turn_id = (%\(\w+\)s|\?)")

@@ -277,13 +277,6 @@ def session_params(scope: str, session_id: str, **more: Any) -> dict[str, Any]:
     return {"b_scope": scope, "b_session": session_id, **more}
 
 
-#: An admission bound to a turn (a user message with a turn id: no other entry has one) in the words of
-#: ts_entries_bound's condition (revision 0014), for statements that read it: SQLite takes a partial
-#: index only for a WHERE clause holding its condition term for term, constants written out. A lookup
-#: by turn id does not say ``role = 'user'`` and cannot take it: on tables never analyzed PostgreSQL
-#: would cost it as the turn-id index and might read every bound admission of the session instead.
-BOUND_ADMISSION = and_(entries.c.turn_id.is_not(None), entries.c.role == literal_column("'user'"))
-
 #: ids per IN list (SQLite allows 32,766 bound parameters per statement; stay far below)
 _IN_CHUNK = 1000
 _SESSION_ROW = select(sessions).where(by_session(sessions))

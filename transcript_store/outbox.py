@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import ColumnElement, Row, bindparam, delete, literal, literal_column, select, union_all, update
 
 from . import identity
-from .core import BOUND_ADMISSION, Core, by_session, foreign_incarnation, from_us, now_us, session_params
+from .core import Core, by_session, foreign_incarnation, from_us, now_us, session_params
 from .errors import (
     InvalidInput,
     OutboxCollision,
@@ -211,11 +211,11 @@ _ADMITTED = (
 _ADMITTED_OTHERS = _ADMITTED.where(outbox.c.turn_id != bindparam("b_turn"))
 # Locked (PostgreSQL): a renewal by a live worker cannot land between the look and the discard.
 _ADMITTED_OTHERS_LOCKED = _ADMITTED_OTHERS.with_for_update()
-# A probe of ts_entries_bound from the admitted entry (revision 0014): the next bound admission, if any.
+# A primary-key range scan from the admitted entry: empty when nothing was appended after it.
 _LATER_ADMISSION = (
     select(entries.c.turn_id)
     .where(
-        by_session(entries), entries.c.seq > bindparam("b_seq"), BOUND_ADMISSION,
+        by_session(entries), entries.c.seq > bindparam("b_seq"), entries.c.turn_id.is_not(None),
         entries.c.turn_id != bindparam("b_turn"),
     )
     .order_by(entries.c.seq)

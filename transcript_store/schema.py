@@ -104,12 +104,6 @@ Index(
     sqlite_where=text("turn_id IS NOT NULL"),
     postgresql_where=text("turn_id IS NOT NULL"),
 )
-# The session's bound admissions (user messages with a turn id) in seq order: the last one before an
-# entry, or the first after it, is one probe, where the primary key walked every entry between them
-# (revision 0014). Statements read it through core.BOUND_ADMISSION, which says the condition as such.
-_BOUND = text("turn_id IS NOT NULL AND role = 'user'")
-Index("ts_entries_bound", entries.c.scope, entries.c.session_id, entries.c.seq, sqlite_where=_BOUND,
-      postgresql_where=_BOUND)
 
 # The materialized active branch: one row per depth on the path root -> head. Visible messages are
 # the rows with a position; reads by position use the partial unique index and cost O(page).
