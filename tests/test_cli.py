@@ -672,6 +672,22 @@ def test_compact_with_an_engine_that_cannot_be_used_compacts_nothing(db: tuple[s
     assert run_json("sessions", "show", "long", "--all", "--db", url, cwd=work)["entries"] == before
 
 
+def test_compact_with_an_unknown_engine_writes_no_quarantine(db: tuple[str, Path]) -> None:
+    """`compact --engine nosuch` loaded the id through the runtime, which quarantined it and wrote a
+    quarantine record of the command's own process: a command that failed, exit 1, wrote a row (the
+    hostile-input CLI campaign caught it now and then, when it drew such a name). Now refused as unknown
+    before anything loads: exit 1, one line naming the id and the known engines, no row anywhere."""
+    url, work = db
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="long")
+        store.append(SCOPE, "long", user("a question"))
+    for name in ("nosuch", "\u00af"):
+        line = one_error_line(run("compact", "long", "--engine", name, "--db", url, cwd=work, code=1))
+        assert "unknown context engine" in line and "legacy" in line and "nothing compacted" in line, line
+    with open_store(url) as store:
+        assert store.read(lambda c: c.conn.exec_driver_sql("SELECT count(*) FROM ts_quarantine").scalar()) == 0
+
+
 def _events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
 

@@ -1341,6 +1341,12 @@ def compact(session: str, focus: str | None, engine: str | None) -> None:
             try:
                 # The engine asked for, or nothing: the runtime would compact with legacy instead (as a turn
                 # degrades), writing a legacy compaction into the session and answering "compacted".
+                # An id no engine is registered under (a typo): refused as it is, not loaded and quarantined,
+                # which wrote a quarantine record of this process for a command that changed nothing.
+                if settings.engine not in runtime.registry.specs:
+                    known = ", ".join(sorted(runtime.registry.specs))
+                    unknown = f"unknown context engine {settings.engine!r} (known: {known})"
+                    raise CommandError(f"{unknown}: nothing compacted")
                 try:
                     runtime.engine(settings.engine)
                 except EngineError as e:
