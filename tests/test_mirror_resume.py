@@ -48,7 +48,7 @@ def service(store: TranscriptStore) -> Iterator[Service]:
 
 
 def receipt_keys(svc: Service, session_id: str) -> list[str]:
-    return [r.advancement_key for r in svc.receipts(A, "legacy", session_id)]
+    return [r.advancement_key for r in svc.receipts(A, "legacy", session_id).receipts]
 
 
 def host_messages(n: int) -> list[HostMessage]:
