@@ -564,6 +564,24 @@ _VISIBLE_ROWS = {
 }
 
 
+def _visible_sizes_statement(lateral: bool) -> Select[Any]:
+    # The stored sizes of the visible messages after a position, in position order, through the same
+    # join as their rows (_visible_rows_statement): a page of them is bounded by their sizes first.
+    path, columns = _path_with_entries(lateral)
+    size = next(c for c in columns if c.key == "size_bytes")
+    return (
+        select(size)
+        .select_from(path)
+        .where(by_session(active_path), active_path.c.position > bindparam("b_after"))
+        .order_by(active_path.c.position)
+        .limit(bindparam("b_limit", type_=Integer))
+    )
+
+
+#: PostgreSQL -> the stored sizes of the visible messages after a position
+_VISIBLE_SIZES = {lat: _visible_sizes_statement(lat) for lat in (False, True)}
+
+
 def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     # A delta page in ONE statement: first the session's row (what the read needs of it, prefixed s_,
     # and the raw seq at the cursor's position; its entry columns NULL), then the page after that
@@ -1309,6 +1327,11 @@ class Core:
         """The stored sizes (``size_bytes``) of at most ``limit`` entries after ``after_seq``, in raw seq order."""
         params = session_params(scope, session_id, b_after_seq=after_seq, b_limit=limit)
         return [r.size_bytes for r in self.run(_ENTRY_SIZES, params)]
+
+    def visible_sizes(self, scope: str, session_id: str, after_position: int, limit: int) -> list[int]:
+        """The stored sizes of at most ``limit`` visible messages after ``after_position``, in position order."""
+        params = session_params(scope, session_id, b_after=after_position, b_limit=limit)
+        return [int(r[0]) for r in self.run(_VISIBLE_SIZES[not self.dialect.is_sqlite], params)]
 
     # ------------------------------------------------------------------------------------ path moves
 

@@ -34,13 +34,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import insert
+from sqlalchemy.engine import Row
 
 from .config import StoreConfig
 from .core import (
@@ -66,6 +67,7 @@ FORMAT = "transcript-store.session.v1"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _LAST = datetime.max.replace(tzinfo=UTC)
 _BATCH = 500
+_Item = TypeVar("_Item")
 #: The most stored bytes (the entries' ``size_bytes``) one page of an export holds, unless its one entry
 #: is larger. A page costs 2.5 to 3.5 times its stored bytes of Python memory (rows, records, lines):
 #: with 256 KiB pages the export of 4,000 entries of 2 KiB (9.3 MB) peaked past a quarter of its size.
@@ -220,24 +222,46 @@ def _export_header(core: Core, scope: str, session_id: str) -> dict[str, Any]:
 
 
 def _export_pages(core: Core, scope: str, session_id: str) -> Iterator[list[dict[str, Any]]]:
-    """The session's entry records in seq order, a page at a time: as many entries as the byte budget
-    holds by their stored sizes (at least one, so an entry larger than the budget goes alone)."""
+    """The session's entry records in seq order, a page at a time (``row_pages``)."""
+    for page in row_pages(core, scope, session_id):
+        yield [_entry_record(row, active) for row, active in page]
+
+
+def row_pages(core: Core, scope: str, session_id: str) -> Iterator[list[tuple[Row[Any], bool]]]:
+    """Every stored entry's row and active flag in seq order, a page at a time: as many entries as the byte
+    budget holds by their stored sizes (at least one, so an entry larger than the budget goes alone)."""
     # Bounded by the stored sizes, read first, not by the payload cap's worst case: 64 MiB pages of 16
     # entries at the 4 MiB cap took 5,002 statements for a session of 80,000 small entries, 105 now
-    # (PostgreSQL: 5.4 s, now 4.3 s). The first look ahead is what the cap's worst case allows (at least
-    # one entry), then twice the last page.
+    # (PostgreSQL: 5.4 s, now 4.3 s).
+    return sized_pages(
+        core,
+        lambda after, limit: core.entry_sizes(scope, session_id, after, limit),
+        lambda after, limit: core.all_rows(scope, session_id, after, limit),
+        lambda item: int(item[0].seq),
+    )
+
+
+def sized_pages(
+    core: Core,
+    sizes: Callable[[int, int], Sequence[int]],
+    rows: Callable[[int, int], Sequence[_Item]],
+    key: Callable[[_Item], int],
+) -> Iterator[list[_Item]]:
+    """Pages of ``rows(after, limit)`` (in the order of their ``key``, from -1 on) as long as the byte budget
+    holds by ``sizes(after, limit)``, the stored sizes of the same items read first (at least one a page)."""
+    # The first look ahead is what the cap's worst case allows (at least one entry), then twice the last page.
     ahead = max(1, min(_EXPORT_PAGE_ROWS, _EXPORT_PAGE_BYTES // core.config.max_payload_bytes))
     after = -1
     while True:
-        sizes = core.entry_sizes(scope, session_id, after, ahead)
-        take = _within_budget(sizes)
+        found = sizes(after, ahead)
+        take = _within_budget(found)
         if take == 0:
             return
-        page = core.all_rows(scope, session_id, after, take)
-        yield [_entry_record(row, active) for row, active in page]
-        if len(sizes) < ahead and take == len(sizes):
-            return  # the session's last entries
-        after = page[-1][0].seq
+        page = list(rows(after, take))
+        yield page
+        if len(found) < ahead and take == len(found):
+            return  # the last entries
+        after = key(page[-1])
         # Not the whole 2,000 ahead each time: on SQLite, reading an entry's size walks the overflow
         # pages of its text (the column comes after it), so every size read past the page's end is a
         # second read of that text; twice the last page keeps them to about one page's worth.
@@ -518,6 +542,8 @@ __all__ = [
     "export_line",
     "import_in",
     "plan_import",
+    "row_pages",
+    "sized_pages",
     "write_export_in",
     "write_import",
 ]
