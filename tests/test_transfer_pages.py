@@ -74,7 +74,8 @@ def test_a_page_holds_its_byte_budget_and_a_larger_entry_alone(store: Transcript
     big = next(p for p in pages if p[0]["message"]["content"].startswith("L"))
     assert len(big) == 1
     # two entries of more than half the budget never share a page
-    assert [len(p) for p in pages[-3:]] == [1, 1, 1]
+    halves = [sum(1 for r in p if r["size_bytes"] > budget // 2) for p in pages]
+    assert max(halves) == 1 and sum(halves) == 4, halves
 
 
 def test_an_empty_session_exports_its_header_only(store: TranscriptStore) -> None:
@@ -185,3 +186,23 @@ def _captured(store: TranscriptStore, fn: Any) -> tuple[Any, list[tuple[str, Any
         return store.read(fn), [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
+
+
+def test_pages_of_one_large_entry_each_share_their_sizes_read(store: TranscriptStore) -> None:
+    """Entries larger than half the budget go a page each, and each page read the sizes again (two of them,
+    one already known): two statements an entry, where the worst case's 16 a page took one for 16 (an
+    export of 4,000 entries of 70 KB took 5.2 s on PostgreSQL instead of 2.9 s). The sizes read ahead
+    decide the next pages: about one statement an entry, the same file."""
+    budget = transfer._EXPORT_PAGE_BYTES
+    n = 120
+    contents = [f"{i} " + "m" * (budget // 2 + 1) for i in range(n)] + ["small"] * 3 + ["L" * (budget * 2)]
+    _fill(store, "large", contents)
+    data, count, executed = _export(store, "large")
+    reads = [s for s in executed if "ts_entries" in s]
+    assert count == len(contents)
+    assert len(reads) <= len(contents) * 1.1, len(reads)  # 2 * 124 before
+    header, records = store.export_session(SCOPE, "large")
+    assert data == b"".join(transfer.export_line(r) for r in [header, *records])
+    pages = store.read(lambda c: list(transfer._export_pages(c, SCOPE, "large")))
+    # the last of them shares its page with the small ones that fit, the larger one goes alone
+    assert [len(p) for p in pages] == [1] * (n - 1) + [4, 1]
