@@ -584,9 +584,10 @@ _ORDER_PROBE = ("B", "_x", "a", "\u00e4")
 def _pg_id_order(conn: Connection) -> str:
     """How the database orders ids (its default collation): code point order as SQLite, or not.
 
-    Listings ordered and paged by id (``list_sessions``, the outbox's sessions) follow the database's
-    collation: created with a linguistic one (``en_US.UTF-8``, an ICU locale), they list the same ids
-    in another order than SQLite, and an ``after`` id starts a page elsewhere. Told by sorting probe ids
+    Listings ordered and paged by id (``list_sessions``, the outbox's sessions, an engine's receipt
+    pages by advancement key) follow the database's collation: created with a linguistic one
+    (``en_US.UTF-8``, an ICU locale), they list the same ids in another order than SQLite, and an
+    ``after`` id starts a page elsewhere. Told by sorting probe ids
     rather than by the collation's name (an ICU database names a libc one too)."""
     values = ", ".join(f"('{v}')" for v in _ORDER_PROBE)
     got = [r[0] for r in conn.exec_driver_sql(f"SELECT v FROM (VALUES {values}) AS t(v) ORDER BY v")]
