@@ -236,7 +236,8 @@ def test_receipts_come_a_page_at_a_time(server: ServiceProcess) -> None:
     page; no parameter: the first page of 1000 (the whole ledger of a short session, ``next`` null)."""
     sid = new_id("s")
     open_session(server, session_id=sid)
-    keys = [f"turn:{i} ' OR 1=1" for i in range(5)]  # the cursor is a key: any id, percent-encoded
+    # The cursor is a key: any id, characters the URL reserves included, percent-encoded.
+    keys = [f"turn:{i} ' OR 1=1/?&#%+=;\u00e9\u65e5%2F%zz" for i in range(5)]
     for i, key in enumerate(keys[:3]):
         assert commit(server, "legacy", sid, key, 2 * i, [user(key), assistant("ok")])[1]["status"] == "committed"
     path = f"/v1/engines/legacy/sessions/{sid}/receipts"
