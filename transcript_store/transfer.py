@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -300,13 +301,39 @@ def _entry_record(row: Any, active: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- import
 
 
+#: The most stored bytes one INSERT of an import's entries carries (besides at most _BATCH rows; at least
+#: one row): what memory holds of the entries while the transaction writes them.
+_IMPORT_BATCH_BYTES = 512 * 1024
+#: An entry row's columns as an import spools them: one JSON array a line, then the stored text's
+#: ``size_bytes`` of UTF-8 as they are (escaping them again for JSON cost more than checking the entry).
+#: The scope and session are the plan's.
+_SPOOLED = ("seq", "entry_id", "parent_id", "depth", "position", "generation", "kind", "role", "size_bytes",
+            "idempotency_key", "turn_id", "created_us")
+
+
 @dataclass(frozen=True)
 class ImportPlan:
-    """A validated import: the rows to write, computed before the transaction."""
+    """A validated import: the session's row, its entry rows and its active path, computed before the
+    transaction. ``entry_batches()`` gives the entry rows from the first each time it is called, so a
+    transaction retried after a transient error writes them all again."""
 
     session: dict[str, Any]
-    entry_rows: list[dict[str, Any]]
-    path_rows: list[dict[str, Any]]
+    entry_count: int
+    entry_batches: Callable[[], Iterator[list[dict[str, Any]]]]
+    #: the seqs of the active path, root to head (an entry's depth is its index), and their positions
+    #: (-1: no message)
+    path_seqs: Sequence[int]
+    path_positions: Sequence[int]
+
+    def path_batches(self) -> Iterator[list[dict[str, Any]]]:
+        """The rows of the active path, root to head, a batch at a time."""
+        scope, sid = self.session["scope"], self.session["session_id"]
+        for start in range(0, len(self.path_seqs), _BATCH):
+            yield [
+                {"scope": scope, "session_id": sid, "depth": depth, "seq": self.path_seqs[depth],
+                 "position": None if self.path_positions[depth] < 0 else self.path_positions[depth]}
+                for depth in range(start, min(start + _BATCH, len(self.path_seqs)))
+            ]
 
 
 def plan_import(
@@ -319,6 +346,72 @@ def plan_import(
     session_key: str | None = None,
 ) -> ImportPlan:
     """Validate an export completely; raises InvalidInput (nothing written) on the first problem."""
+    head, sid, key = _check_header(scope, header, session_id, session_key)
+    if isinstance(records, str | bytes) or not isinstance(records, Sequence):
+        raise InvalidInput("entries must be a list of entry records")
+    if len(records) != head.entry_count:
+        raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(records)}")
+    tree = _Tree(config, scope, sid, head)
+    rows = [tree.add(raw) for raw in records]
+    return tree.plan(key, lambda: (rows[start : start + _BATCH] for start in range(0, len(rows), _BATCH)))
+
+
+def plan_import_stream(
+    config: StoreConfig,
+    scope: str,
+    header: Any,
+    records: Iterator[Any],
+    spool: BinaryIO,
+    *,
+    session_id: str | None = None,
+    session_key: str | None = None,
+) -> ImportPlan:
+    """Validate an export read a record at a time as ``plan_import`` does, its checked entry rows written
+    to ``spool`` (a temporary file, emptied first) and read back from it by the plan: memory holds the few
+    facts per entry the checks of the whole export need, not the entries.
+
+    Holding every record, then every row took about 6 times the export's size (640 MB of RSS for a
+    100 MB export of 50,000 entries). Spooling the rows, not reading the export twice, writes exactly
+    what was checked, even from stdin or a file changed meanwhile, and checks each entry once."""
+    head, sid, key = _check_header(scope, header, session_id, session_key)
+    tree = _Tree(config, scope, sid, head)
+    spool.seek(0)
+    spool.truncate()
+    for raw in records:
+        if len(tree) == head.entry_count:  # one too many: the rest is counted, not checked
+            more = 1 + sum(1 for _ in records)
+            raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(tree) + more}")
+        row = tree.add(raw)
+        fields = json.dumps([row[name] for name in _SPOOLED], ensure_ascii=False, separators=(",", ":"))
+        spool.write(fields.encode("utf-8", "surrogatepass") + b"\n" + row["payload"].encode("utf-8"))
+    if len(tree) != head.entry_count:
+        raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(tree)}")
+    spool.flush()
+    return tree.plan(key, lambda: _spooled_batches(spool, scope, sid))
+
+
+def _spooled_batches(spool: BinaryIO, scope: str, sid: str) -> Iterator[list[dict[str, Any]]]:
+    """The entry rows ``plan_import_stream`` spooled, from the first, in batches of at most _BATCH rows
+    and _IMPORT_BATCH_BYTES of stored text (or one larger row alone)."""
+    spool.seek(0)
+    batch: list[dict[str, Any]] = []
+    size = 0
+    while line := spool.readline():
+        row = dict(zip(_SPOOLED, json.loads(line.decode("utf-8", "surrogatepass")), strict=True))
+        row["payload"] = spool.read(row["size_bytes"]).decode("utf-8")
+        batch.append({"scope": scope, "session_id": sid, **row})
+        size += row["size_bytes"]
+        if len(batch) == _BATCH or size >= _IMPORT_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _check_header(
+    scope: str, header: Any, session_id: str | None, session_key: str | None
+) -> tuple[SessionHeader, str, str | None]:
+    """The export's header checked, and the session id and key the import writes."""
     check_id("scope", scope, new=True)
     head = _parse(SessionHeader, header, "header")
     if head.format != FORMAT:
@@ -332,93 +425,58 @@ def plan_import(
     key = session_key if session_key is not None else head.session_key
     check_id("session_id", sid, new=True)
     check_id("session_key", key, optional=True, new=True)
-    if isinstance(records, str | bytes) or not isinstance(records, Sequence):
-        raise InvalidInput("entries must be a list of entry records")
-    if len(records) != head.entry_count:
-        raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(records)}")
-    parsed = [_parse(EntryRecord, raw, f"entry {i}") for i, raw in enumerate(records)]
-    rows = _entry_rows(config, scope, sid, head, parsed)
-    path = _active_path(rows, parsed, head)
-    visible = sum(1 for r in path if r["position"] is not None)
-    if visible != head.visible_count:
-        raise InvalidInput(f"header says {head.visible_count} visible messages, the active path has {visible}")
-    tip = path[-1] if path else None
-    session = {
-        "scope": scope,
-        "session_id": sid,
-        "session_key": key,
-        "active": head.active,
-        "generation": head.generation,
-        "last_seq": len(rows) - 1,
-        "head_seq": tip["seq"] if tip else None,
-        "head_entry_id": tip["entry_id"] if tip else None,
-        "path_length": len(path),
-        "visible_count": visible,
-        "created_us": us_from_iso(head.created_at),
-        "updated_us": us_from_iso(head.updated_at),
-        # A new incarnation, not the export's: two imports of one export are two sessions for cursors.
-        "incarnation": new_incarnation(),
-    }
-    path_rows = [
-        {"scope": scope, "session_id": sid, "depth": r["depth"], "seq": r["seq"], "position": r["position"]}
-        for r in path
-    ]
-    return ImportPlan(session, rows, path_rows)
+    return head, sid, key
 
 
-def _entry_rows(
-    config: StoreConfig, scope: str, sid: str, head: SessionHeader, parsed: list[EntryRecord]
-) -> list[dict[str, Any]]:
-    """Every entry validated as an append would be, with the tree's shape and the generations checked."""
-    by_id: dict[str, dict[str, Any]] = {}
-    keys: set[str] = set()
-    turns: set[str] = set()
-    rows: list[dict[str, Any]] = []
-    for i, rec in enumerate(parsed):
+class _Tree:
+    """The checks of an import's entries, fed one record at a time in seq order: every entry validated as
+    an append would be, with the tree's shape and the generations checked. Per entry it keeps only what
+    the checks of the whole export need (its seq by id, parent, depth, messages through it, position,
+    active flag, keys), never the entry."""
+
+    def __init__(self, config: StoreConfig, scope: str, sid: str, head: SessionHeader) -> None:
+        self.config, self.scope, self.sid, self.head = config, scope, sid, head
+        self.seq_of: dict[str, int] = {}
+        self.parents = array("q")  # the parent's seq, -1 for a root
+        self.depths = array("q")
+        self.through = array("q")  # the messages on the path root -> entry, the entry included
+        self.positions = array("q")  # -1: no message
+        self.active = bytearray()
+        self.keys: set[str] = set()
+        self.turns: set[str] = set()
+        self.last_generation: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def add(self, raw: Any) -> dict[str, Any]:
+        """Check the next entry record (as read from JSON) and return its row."""
+        i = len(self.parents)
+        rec = _parse(EntryRecord, raw, f"entry {i}")
         where = f"entry {i} ({rec.entry_id!r})"
         if rec.seq != i:
             raise InvalidInput(f"{where}: seq {rec.seq}, expected {i} (entries are dense, in raw seq order)")
-        new = _prepare(config, rec, where)
-        if new.kind != "message" and rec.payload is None:
-            # An append takes no payload for {} (prepare_entry's default), but the store always exports the
-            # object it stored: a null here is no export of this store, and taking it for {} would be a guess.
-            raise InvalidInput(f"{where}: payload must be an object for a {new.kind!r} entry, not null")
-        if rec.size_bytes is not None and rec.size_bytes != new.size_bytes:
-            # The size is declared, so it is checked: a file whose sizes disagree with its contents is not
-            # what it says it is (edited or cut), and the store keeps sizes for byte budgets and caps.
-            what = "message" if new.kind == "message" else "payload"
-            raise InvalidInput(
-                f"{where}: size_bytes {rec.size_bytes}, but its {what} is {new.size_bytes} bytes as stored "
-                "(compact JSON in UTF-8)"
-            )
-        if rec.entry_id in by_id:
-            raise InvalidInput(f"{where}: entry_id appears twice")
-        if new.role != rec.role:
-            raise InvalidInput(f"{where}: role {rec.role!r} does not match the message")
-        _unique(keys, rec.idempotency_key, f"{where}: idempotency_key appears twice")
-        _unique(turns, rec.turn_id, f"{where}: turn_id appears twice")
-        if rec.turn_id is not None and new.role != "user":
-            # The store gives a logical turn id only to an admitted user message (``admit``, or a commit
-            # binding its admission): anywhere else it names no turn, and every admission of it would be
-            # refused as an IdempotencyConflict.
-            what = f"a message of role {new.role!r}" if new.kind == "message" else f"a {new.kind!r} entry"
-            raise InvalidInput(f"{where}: turn_id {rec.turn_id!r} on {what}; only a user message has one")
-        if rec.generation > head.generation:
-            raise InvalidInput(f"{where}: generation {rec.generation} is after the session's {head.generation}")
-        _check_generation(where, rec.generation, parsed[i - 1].generation if i else None)
-        parent = None
+        new = self._checked(rec, where)
+        parent = -1
         if rec.parent_id is not None:
-            parent = by_id.get(rec.parent_id)
-            if parent is None:
+            parent = self.seq_of.get(rec.parent_id, -1)
+            if parent < 0:
                 raise InvalidInput(f"{where}: parent {rec.parent_id!r} is not an earlier entry")
-        depth = 0 if parent is None else parent["depth"] + 1
-        messages_before = 0 if parent is None else parent["messages_through"]
+        depth = 0 if parent < 0 else self.depths[parent] + 1
+        messages_before = 0 if parent < 0 else self.through[parent]
         position = messages_before if rec.kind == "message" else None
         if rec.position != position:
             raise InvalidInput(f"{where}: position {rec.position}, the tree gives {position}")
-        row = {
-            "scope": scope,
-            "session_id": sid,
+        self.seq_of[rec.entry_id] = i
+        self.parents.append(parent)
+        self.depths.append(depth)
+        self.through.append(messages_before + (rec.kind == "message"))
+        self.positions.append(-1 if position is None else position)
+        self.active.append(rec.active)
+        self.last_generation = rec.generation
+        return {
+            "scope": self.scope,
+            "session_id": self.sid,
             "seq": rec.seq,
             "entry_id": rec.entry_id,
             "parent_id": rec.parent_id,
@@ -433,14 +491,93 @@ def _entry_rows(
             "turn_id": rec.turn_id,
             "created_us": us_from_iso(rec.created_at),
         }
-        by_id[rec.entry_id] = {"depth": depth, "messages_through": messages_before + (rec.kind == "message")}
-        rows.append(row)
-    last = parsed[-1].generation if parsed else 0
-    if head.generation != last:
-        # Only a rewrite moves the session's generation, and it writes its entries in the new one.
-        has = f"the last entry's is {last}" if parsed else "the session has no entries, so it is in 0"
-        raise InvalidInput(f"header: generation {head.generation}, but {has} (only a rewrite moves it, with entries)")
-    return rows
+
+    def _checked(self, rec: EntryRecord, where: str) -> NewEntry:
+        """The entry prepared as an append would be, its fields checked against the entries before it."""
+        new = _prepare(self.config, rec, where)
+        if new.kind != "message" and rec.payload is None:
+            # An append takes no payload for {} (prepare_entry's default), but the store always exports the
+            # object it stored: a null here is no export of this store, and taking it for {} would be a guess.
+            raise InvalidInput(f"{where}: payload must be an object for a {new.kind!r} entry, not null")
+        if rec.size_bytes is not None and rec.size_bytes != new.size_bytes:
+            # The size is declared, so it is checked: a file whose sizes disagree with its contents is not
+            # what it says it is (edited or cut), and the store keeps sizes for byte budgets and caps.
+            what = "message" if new.kind == "message" else "payload"
+            raise InvalidInput(
+                f"{where}: size_bytes {rec.size_bytes}, but its {what} is {new.size_bytes} bytes as stored "
+                "(compact JSON in UTF-8)"
+            )
+        if rec.entry_id in self.seq_of:
+            raise InvalidInput(f"{where}: entry_id appears twice")
+        if new.role != rec.role:
+            raise InvalidInput(f"{where}: role {rec.role!r} does not match the message")
+        _unique(self.keys, rec.idempotency_key, f"{where}: idempotency_key appears twice")
+        _unique(self.turns, rec.turn_id, f"{where}: turn_id appears twice")
+        if rec.turn_id is not None and new.role != "user":
+            # The store gives a logical turn id only to an admitted user message (``admit``, or a commit
+            # binding its admission): anywhere else it names no turn, and every admission of it would be
+            # refused as an IdempotencyConflict.
+            what = f"a message of role {new.role!r}" if new.kind == "message" else f"a {new.kind!r} entry"
+            raise InvalidInput(f"{where}: turn_id {rec.turn_id!r} on {what}; only a user message has one")
+        if rec.generation > self.head.generation:
+            raise InvalidInput(f"{where}: generation {rec.generation} is after the session's {self.head.generation}")
+        _check_generation(where, rec.generation, self.last_generation)
+        return new
+
+    def plan(self, key: str | None, entry_batches: Callable[[], Iterator[list[dict[str, Any]]]]) -> ImportPlan:
+        """The plan of the checked entries, once the checks of the whole export pass."""
+        head = self.head
+        last = self.last_generation if self.last_generation is not None else 0
+        if head.generation != last:
+            # Only a rewrite moves the session's generation, and it writes its entries in the new one.
+            has = f"the last entry's is {last}" if len(self) else "the session has no entries, so it is in 0"
+            raise InvalidInput(
+                f"header: generation {head.generation}, but {has} (only a rewrite moves it, with entries)"
+            )
+        path = self._active_path()
+        positions = array("q", (self.positions[seq] for seq in path))
+        visible = sum(1 for p in positions if p >= 0)
+        if visible != head.visible_count:
+            raise InvalidInput(f"header says {head.visible_count} visible messages, the active path has {visible}")
+        session = {
+            "scope": self.scope,
+            "session_id": self.sid,
+            "session_key": key,
+            "active": head.active,
+            "generation": head.generation,
+            "last_seq": len(self) - 1,
+            "head_seq": path[-1] if path else None,
+            "head_entry_id": head.head_entry_id,
+            "path_length": len(path),
+            "visible_count": visible,
+            "created_us": us_from_iso(head.created_at),
+            "updated_us": us_from_iso(head.updated_at),
+            # A new incarnation, not the export's: two imports of one export are two sessions for cursors.
+            "incarnation": new_incarnation(),
+        }
+        return ImportPlan(session, len(self), entry_batches, path, positions)
+
+    def _active_path(self) -> array[int]:
+        """The seqs root -> head; the records' active flags must name exactly these."""
+        path = array("q")
+        head_id = self.head.head_entry_id
+        if head_id is not None:
+            seq = self.seq_of.get(head_id, -1)
+            if seq < 0:
+                raise InvalidInput(f"header: head_entry_id {head_id!r} is not an entry of the export")
+            while seq >= 0:
+                path.append(seq)
+                seq = self.parents[seq]
+            path.reverse()
+        on_path = bytearray(len(self))
+        for seq in path:
+            on_path[seq] = 1
+        if on_path != self.active:
+            i = next(i for i, (a, b) in enumerate(zip(on_path, self.active, strict=True)) if a != b)
+            entry_id = next(e for e, seq in self.seq_of.items() if seq == i)
+            state = "active but off" if self.active[i] else "not active but on"
+            raise InvalidInput(f"entry {i} ({entry_id!r}) is marked {state} the path to the head")
+        return path
 
 
 def _check_generation(where: str, generation: int, previous: int | None) -> None:
@@ -481,26 +618,6 @@ def _unique(seen: set[str], value: str | None, message: str) -> None:
     seen.add(value)
 
 
-def _active_path(rows: list[dict[str, Any]], parsed: list[EntryRecord], head: SessionHeader) -> list[dict[str, Any]]:
-    """The rows root -> head; the records' active flags must name exactly these."""
-    by_id = {r["entry_id"]: r for r in rows}
-    path: list[dict[str, Any]] = []
-    if head.head_entry_id is not None:
-        node = by_id.get(head.head_entry_id)
-        if node is None:
-            raise InvalidInput(f"header: head_entry_id {head.head_entry_id!r} is not an entry of the export")
-        while node is not None:
-            path.append(node)
-            node = by_id[node["parent_id"]] if node["parent_id"] is not None else None
-        path.reverse()
-    on_path = {r["entry_id"] for r in path}
-    for i, rec in enumerate(parsed):
-        if rec.active != (rec.entry_id in on_path):
-            state = "active but off" if rec.active else "not active but on"
-            raise InvalidInput(f"entry {i} ({rec.entry_id!r}) is marked {state} the path to the head")
-    return path
-
-
 def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
     """Write a validated import in the caller's transaction; an existing session is refused.
 
@@ -522,10 +639,10 @@ def import_in(core: Core, plan: ImportPlan) -> SessionInfo:
         raise SessionKeyConflict(
             f"an active session in scope {scope!r} already has key {plan.session['session_key']!r}"
         )
-    for start in range(0, len(plan.entry_rows), _BATCH):
-        core.conn.execute(insert(entries), plan.entry_rows[start : start + _BATCH])
-    for start in range(0, len(plan.path_rows), _BATCH):
-        core.conn.execute(insert(active_path), plan.path_rows[start : start + _BATCH])
+    for batch in plan.entry_batches():
+        core.conn.execute(insert(entries), batch)
+    for batch in plan.path_batches():
+        core.conn.execute(insert(active_path), batch)
     return session_info(core.require_session(scope, sid))
 
 
@@ -539,11 +656,11 @@ def write_import(store: TranscriptStore, plan: ImportPlan) -> SessionInfo:
     from .store import ANALYZE_AFTER_IMPORT
 
     info = store.write(lambda c: import_in(c, plan))
-    if len(plan.entry_rows) >= ANALYZE_AFTER_IMPORT:
+    if plan.entry_count >= ANALYZE_AFTER_IMPORT:
         try:
             store.db.analyze(("ts_entries", "ts_active_path"))
         except TranscriptStoreError as e:  # the import landed; fresher statistics are a bonus
-            log.warning("ANALYZE after importing %d entries failed: %s", len(plan.entry_rows), e)
+            log.warning("ANALYZE after importing %d entries failed: %s", plan.entry_count, e)
     return info
 
 
@@ -556,6 +673,7 @@ __all__ = [
     "export_line",
     "import_in",
     "plan_import",
+    "plan_import_stream",
     "row_pages",
     "sized_pages",
     "write_export_in",
