@@ -28,7 +28,8 @@ import stat
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -793,19 +794,21 @@ def export_line_limit(max_payload_bytes: int) -> int:
     return 6 * max_payload_bytes + 64 * 1024
 
 
-def _read_export(stream: IO[str], max_line: int) -> tuple[Any, list[Any], list[int]]:
-    """The header and the records of an export file (JSON lines), each line read strictly, and the line
-    number of each record (blank lines are skipped, so entry i is not always on line i + 2).
+def _export_records(stream: IO[str], max_line: int, numbers: MutableSequence[int]) -> Iterator[Any]:
+    """The records of an export file (JSON lines) as they are read, each line read strictly; the line
+    number of each record is appended to ``numbers`` (blank lines are skipped, so entry i is not always
+    on line i + 2).
 
     A line is read up to ``max_line`` characters: iterating the stream read a line of any length whole
     (``/dev/zero``, a file without line breaks: memory until the process was killed)."""
-    records: list[Any] = []
-    numbers: list[int] = []
 
     def lines() -> Iterator[tuple[int, str]]:
         number = 0
         while True:
-            line = stream.readline(max_line + 1)
+            try:
+                line = stream.readline(max_line + 1)
+            except OSError as e:
+                raise CommandError(f"cannot read the export: {e.strerror or e}") from e
             if not line:
                 return
             number += 1
@@ -818,31 +821,45 @@ def _read_export(stream: IO[str], max_line: int) -> tuple[Any, list[Any], list[i
         for number, line in lines():
             if not line.strip():
                 continue
-            try:
-                records.append(json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant))
-                numbers.append(number)
-            except _Ambiguous as e:
-                raise InvalidInput(f"line {number}: not JSON this store can read: {e}") from None
-            except json.JSONDecodeError as e:
-                raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
-            except RecursionError:
-                raise InvalidInput(f"line {number}: not JSON this store can read: nested too deeply") from None
-            except ValueError:  # past Python's limit on the digits of an integer
-                raise InvalidInput(
-                    f"line {number}: not JSON this store can read: an integer of more than "
-                    f"{sys.get_int_max_str_digits()} digits"
-                ) from None
+            numbers.append(number)
+            yield _export_record(line, number)
     except UnicodeDecodeError as e:
         raise InvalidInput(f"not UTF-8 text: {e.reason} (byte {e.object[e.start:e.start + 1]!r})") from None
-    if not records:
-        raise InvalidInput("the export is empty (no header line)")
-    return records[0], records[1:], numbers
+
+
+def _export_record(line: str, number: int) -> Any:
+    """One line of an export parsed strictly: a key twice in one object, NaN or Infinity are refused."""
+    try:
+        return json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except _Ambiguous as e:
+        raise InvalidInput(f"line {number}: not JSON this store can read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"line {number}: not JSON: {e.msg}") from None
+    except RecursionError:
+        raise InvalidInput(f"line {number}: not JSON this store can read: nested too deeply") from None
+    except ValueError:  # past Python's limit on the digits of an integer
+        raise InvalidInput(
+            f"line {number}: not JSON this store can read: an integer of more than "
+            f"{sys.get_int_max_str_digits()} digits"
+        ) from None
+
+
+@contextmanager
+def _scratch_file() -> Iterator[BinaryIO]:
+    """A temporary file whose closing raises nothing: a write that failed (a full TMPDIR, a file size limit)
+    leaves bytes in the buffer, which closing writes again, and that error would hide the first one's report."""
+    with tempfile.TemporaryFile() as spool:
+        try:
+            yield spool
+        finally:
+            with suppress(OSError):  # closed and gone all the same (closing it again does nothing)
+                spool.close()
 
 
 _ENTRY_AT = re.compile(r"entry (\d+)\b")
 
 
-def _at_line(e: InvalidInput, numbers: list[int]) -> InvalidInput:
+def _at_line(e: InvalidInput, numbers: Sequence[int]) -> InvalidInput:
     """``e`` (a refused export, naming the entry or header it is about) led by that record's line number."""
     message = str(e)
     if message.startswith("line "):
@@ -869,16 +886,26 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
-    header, records, numbers = _read_export(file, export_line_limit(config.max_payload_bytes))
+    numbers = array("q")  # the line of each record: 8 bytes an entry
+    records = _export_records(file, export_line_limit(config.max_payload_bytes), numbers)
     # Checked whole before the store is opened: opening creates or migrates the database --db names (a
     # mistyped path's new file; another program's SQLite file, switched to WAL and given the store's
-    # tables), which a refused import must leave as it was.
-    try:
-        plan = transfer.plan_import(config, st.scope_name, header, records, session_id=new_id, session_key=new_key)
-    except InvalidInput as e:
-        raise _at_line(e, numbers) from None
-    with store_session(create=True) as store:
-        info = transfer.write_import(store, plan)
+    # tables), which a refused import must leave as it was. The checked rows wait in a temporary file,
+    # which the write transaction reads (again, when it is retried): memory holds a batch of them.
+    with _scratch_file() as spool:
+        try:
+            header = next(records, None)
+            if header is None:
+                raise InvalidInput("the export is empty (no header line)")
+            plan = transfer.plan_import_stream(
+                config, st.scope_name, header, records, spool, session_id=new_id, session_key=new_key
+            )
+        except InvalidInput as e:
+            raise _at_line(e, numbers) from None
+        except OSError as e:  # the spool's (the export's own are CommandErrors): a full TMPDIR, a size limit
+            raise CommandError(f"cannot keep the checked entries in a temporary file: {e.strerror or e}") from e
+        with store_session(create=True) as store:
+            info = transfer.write_import(store, plan)
     if st.json:
         emit_json(info.model_dump(mode="json"))
     else:
