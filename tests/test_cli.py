@@ -688,6 +688,37 @@ def test_compact_with_an_unknown_engine_writes_no_quarantine(db: tuple[str, Path
         assert store.read(lambda c: c.conn.exec_driver_sql("SELECT count(*) FROM ts_quarantine").scalar()) == 0
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1", "ascii:replace"])
+def test_output_to_a_stdout_that_cannot_carry_every_character(db: tuple[str, Path], encoding: str) -> None:
+    """Under a C or Latin-1 locale (here PYTHONIOENCODING), `--json` of a session holding non-ASCII text
+    failed as an "internal error" (UnicodeEncodeError), or with `:replace` wrote `?` into the data. JSON
+    output now escapes non-ASCII characters (the same document), and text output that the encoding
+    cannot carry fails with one line saying so, exit 1."""
+    url, work = db
+    text = "caf\u00e9 \u4e2d\u6587 \U0001f600"
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id="intl")
+        store.append(SCOPE, "intl", user(text))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    env.update({"COLUMNS": "200", "PYTHONIOENCODING": encoding})
+
+    def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([*CLI, "--db", url, "--scope", SCOPE, *args], cwd=work, capture_output=True,
+                              env=env, timeout=300)
+
+    for args in (["--json", "sessions", "show", "intl"], ["--json", "sessions", "show", "intl", "--all"],
+                 ["--json", "sessions", "list"]):
+        done = cli(*args)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.isascii(), done.stdout[:300]
+        if "list" not in args:
+            assert json.loads(done.stdout)["entries"][0]["message"]["content"] == text
+    if not encoding.endswith(":replace"):  # a table of the text: refused in one line, not an internal error
+        done = cli("sessions", "show", "intl")
+        lines = [line for line in done.stderr.decode().splitlines() if line.strip()]
+        assert done.returncode == 1 and len(lines) == 1 and "cannot carry" in lines[0], done.stderr
+
+
 def _events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
 

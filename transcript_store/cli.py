@@ -200,6 +200,15 @@ def state() -> State:
     return click.get_current_context().ensure_object(State)
 
 
+def _unencodable(encoding: str, error: UnicodeEncodeError) -> CommandError:
+    """The one-line error for text that stdout's encoding cannot carry (a C or Latin-1 locale)."""
+    char = error.object[error.start : error.start + 1] if isinstance(error.object, str) else "?"
+    return CommandError(
+        f"cannot write to stdout: its encoding {encoding!r} cannot carry {char!r} (U+{ord(char):04X}); "
+        "use a UTF-8 locale or PYTHONIOENCODING=utf-8 (--json output escapes such characters)"
+    )
+
+
 class WholeStdout(io.TextIOBase):
     """The command's output on stdout, every write landing whole or failing the command (exit 1).
 
@@ -242,6 +251,8 @@ class WholeStdout(io.TextIOBase):
             buffer.flush()
         except OSError as e:
             raise CommandError(f"cannot write to stdout: {e.strerror or e}") from e
+        except UnicodeEncodeError as e:
+            raise _unencodable(self.encoding, e) from None
         return len(text)
 
     def flush(self) -> None:
@@ -280,9 +291,24 @@ def console() -> Console:
     return Console(file=out, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
+#: characters from three planes: an encoding that holds them all holds every character JSON text may carry
+_UNICODE_PROBE = "\u00e9\u4e2d\U0001f600"
+
+
+def holds_unicode(encoding: str) -> bool:
+    """Whether text in ``encoding`` can carry any character (UTF-8, -16, -32), not only some (ASCII, Latin-1)."""
+    try:
+        _UNICODE_PROBE.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
 def emit_json(data: Any) -> None:
-    """Print one JSON document, whole or failing the command (``WholeStdout``)."""
-    WholeStdout(sys.stdout).write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    """Print one JSON document, whole or failing the command (``WholeStdout``); to a stdout whose encoding
+    cannot carry every character, with non-ASCII characters as ``\\u`` escapes (the same document)."""
+    out = WholeStdout(sys.stdout)
+    out.write(json.dumps(data, indent=2, ensure_ascii=not holds_unicode(out.encoding), default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- stores
@@ -454,10 +480,11 @@ def _show_json(store: TranscriptStore, scope: str, ref: str, every: bool) -> Non
     pace of stdout's reader, and a read retried after a transient error rewrites the file."""
     out = WholeStdout(sys.stdout)
     encoding, errors = out.codec()
+    ascii_only = not holds_unicode(encoding)  # the same document, its non-ASCII characters escaped
     with tempfile.TemporaryFile() as spool:
         try:
             store.read(lambda c: showing.write_json_in(c, scope, ref, spool, every=every, encoding=encoding,
-                                                       errors=errors))
+                                                       errors=errors, ascii_only=ascii_only))
             spool.seek(0)
         except OSError as e:  # a full TMPDIR, a file size limit: the document cannot reach stdout whole
             raise CommandError(f"cannot write to stdout: its temporary file failed: {e.strerror or e}") from e
@@ -1535,7 +1562,8 @@ class ChatLoop:
     def emit(self, event: str, data: dict[str, Any], text: str | None) -> None:
         """One event: a JSON line, or text for people."""
         if self.as_json:
-            click.echo(json.dumps({"event": event, **data}, ensure_ascii=False, default=str), file=self.stdout)
+            ascii_only = not holds_unicode(getattr(self.stdout, "encoding", None) or "utf-8")
+            click.echo(json.dumps({"event": event, **data}, ensure_ascii=ascii_only, default=str), file=self.stdout)
         elif text is not None:
             click.echo(text, file=self.stdout)
 

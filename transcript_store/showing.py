@@ -51,37 +51,42 @@ def entry_pages(c: Core, scope: str, session_id: str, *, every: bool) -> Iterato
         yield [entry_from_row(r, True) for r in rows]
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+def _dumps(value: Any, ascii_only: bool = False) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=ascii_only, default=str)
 
 
-def document_chunks(session: dict[str, Any], pages: Iterable[list[dict[str, Any]]]) -> Iterator[str]:
-    """``json.dumps({"session": session, "entries": [...]}, indent=2)`` and a line break, in pieces.
+def document_chunks(
+    session: dict[str, Any], pages: Iterable[list[dict[str, Any]]], *, ascii_only: bool = False
+) -> Iterator[str]:
+    """``json.dumps({"session": session, "entries": [...]}, indent=2, ensure_ascii=ascii_only)`` and a line
+    break, in pieces.
 
     An entry of the list is its own indented dump shifted two levels: JSON text holds a line break only
     between tokens (one in a string is escaped), so shifting every line is exact."""
-    head = _dumps({"session": session})
+    head = _dumps({"session": session}, ascii_only)
     yield head[: -len("\n}")] + ',\n  "entries": ['
     count = 0
     for page in pages:
         if page:
-            text = ",\n    ".join(_dumps(e).replace("\n", "\n    ") for e in page)
+            text = ",\n    ".join(_dumps(e, ascii_only).replace("\n", "\n    ") for e in page)
             yield (",\n    " if count else "\n    ") + text
             count += len(page)
     yield ("\n  ]" if count else "]") + "\n}\n"
 
 
 def write_json_in(
-    c: Core, scope: str, ref: str, out: BinaryIO, *, every: bool, encoding: str, errors: str
+    c: Core, scope: str, ref: str, out: BinaryIO, *, every: bool, encoding: str, errors: str,
+    ascii_only: bool = False,
 ) -> SessionInfo:
     """Write the JSON document of the session ``ref`` names to the seekable ``out`` (emptied first: a
-    read retried after a transient error writes it again), encoded as given; returns the session."""
+    read retried after a transient error writes it again), encoded as given (``ascii_only``: non-ASCII
+    characters as ``\\u`` escapes); returns the session."""
     out.seek(0)
     out.truncate()
     info = session_info(session_in(c, scope, ref))
     encoder = codecs.getincrementalencoder(encoding)(errors)
     pages = ([e.model_dump(mode="json") for e in p] for p in entry_pages(c, scope, info.session_id, every=every))
-    for chunk in document_chunks(info.model_dump(mode="json"), pages):
+    for chunk in document_chunks(info.model_dump(mode="json"), pages, ascii_only=ascii_only):
         out.write(encoder.encode(chunk))
     out.write(encoder.encode("", final=True))
     return info
