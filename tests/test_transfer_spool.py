@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from sqlalchemy import Connection
 from test_cli import CLI, _script_mode, one_error_line, run  # noqa: F401 (_script_mode: autouse, honours real_script)
 
-from transcript_store import StoreConfig, TranscriptStore, TransientStoreError, transfer
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TransientStoreError, transfer
 
 SCOPE = "spool-scope"
 
@@ -130,3 +131,14 @@ def test_an_import_whose_spool_cannot_be_written_fails_and_creates_nothing(tmp_p
     assert result.returncode == 1, result
     assert one_error_line(result).startswith("error: cannot keep the checked entries in a temporary file: ")
     assert not target.exists()
+
+
+def test_a_streamed_plan_counts_records_past_the_header_once(tmp_path: Path) -> None:
+    """``plan_import_stream`` given a list (any iterable, not only an iterator) counted the records past
+    the header's count from the list's start again: 4 + 1 + 5 for an export of 5."""
+    path = _export(tmp_path, 5, "c")
+    header, *records = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines())
+    header["entry_count"] = 4
+    with tempfile.TemporaryFile() as spool, pytest.raises(InvalidInput) as refused:
+        transfer.plan_import_stream(StoreConfig(url="sqlite://"), SCOPE, header, records, spool)
+    assert str(refused.value) == "header says 4 entries, the export has 5"

@@ -35,7 +35,7 @@ import json
 import logging
 import re
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
@@ -360,7 +360,7 @@ def plan_import_stream(
     config: StoreConfig,
     scope: str,
     header: Any,
-    records: Iterator[Any],
+    records: Iterable[Any],
     spool: BinaryIO,
     *,
     session_id: str | None = None,
@@ -375,6 +375,7 @@ def plan_import_stream(
     what was checked, even from stdin or a file changed meanwhile, and checks each entry once."""
     head, sid, key = _check_header(scope, header, session_id, session_key)
     tree = _Tree(config, scope, sid, head)
+    records = iter(records)  # one iterator: the records past the count are counted from where it stopped
     spool.seek(0)
     spool.truncate()
     for raw in records:
