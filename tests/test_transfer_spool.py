@@ -133,6 +133,22 @@ def test_an_import_whose_spool_cannot_be_written_fails_and_creates_nothing(tmp_p
     assert not target.exists()
 
 
+def _sessions(url: str) -> list[str]:
+    with TranscriptStore(config=StoreConfig(url=url, auto_upgrade=False)) as store:
+        return [info.session_id for info in store.list_sessions(SCOPE)]
+
+
+def test_a_first_line_of_null_is_a_wrong_header_not_an_empty_export(store_url: str, tmp_path: Path) -> None:
+    """The header is read on its own now: a first line of JSON ``null`` was taken for no line at all and
+    refused as an empty export, where the whole-file reader named the header at line 1."""
+    path = _export(tmp_path, 5, "v")
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    path.write_text("null\n" + "".join(lines[1:]), encoding="utf-8")
+    result = run("sessions", "import", str(path), "--db", store_url, "--scope", SCOPE, cwd=tmp_path, code=1)
+    assert one_error_line(result) == "error: line 1: header must be a JSON object"
+    assert _sessions(store_url) == []
+
+
 def test_a_streamed_plan_counts_records_past_the_header_once(tmp_path: Path) -> None:
     """``plan_import_stream`` given a list (any iterable, not only an iterator) counted the records past
     the header's count from the list's start again: 4 + 1 + 5 for an export of 5."""

@@ -883,6 +883,9 @@ def _scratch_file() -> Iterator[BinaryIO]:
                 spool.close()
 
 
+#: what an export without a line yields in place of its header
+_NO_HEADER = object()
+
 _ENTRY_AT = re.compile(r"entry (\d+)\b")
 
 
@@ -921,8 +924,8 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     # which the write transaction reads (again, when it is retried): memory holds a batch of them.
     with _scratch_file() as spool:
         try:
-            header = next(records, None)
-            if header is None:
+            header = next(records, _NO_HEADER)
+            if header is _NO_HEADER:  # not None: a first line of `null` is a header, and a wrong one
                 raise InvalidInput("the export is empty (no header line)")
             plan = transfer.plan_import_stream(
                 config, st.scope_name, header, records, spool, session_id=new_id, session_key=new_key
