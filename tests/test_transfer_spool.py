@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import tracemalloc
 from collections.abc import Iterator
@@ -146,6 +147,24 @@ def test_a_first_line_of_null_is_a_wrong_header_not_an_empty_export(store_url: s
     path.write_text("null\n" + "".join(lines[1:]), encoding="utf-8")
     result = run("sessions", "import", str(path), "--db", store_url, "--scope", SCOPE, cwd=tmp_path, code=1)
     assert one_error_line(result) == "error: line 1: header must be a JSON object"
+    assert _sessions(store_url) == []
+
+
+def test_an_import_without_a_usable_temporary_directory_is_refused_in_one_line(store_url: str, tmp_path: Path) -> None:
+    """Making the spool itself can fail (no writable TMPDIR, /tmp, /var/tmp or working directory): that is
+    the spool's failure in the spool's words, as a full TMPDIR is, not a bare OSError's."""
+    path = _export(tmp_path, 5, "t")
+    # tempfile falls back from an unusable TMPDIR to /tmp: its chosen directory is set missing instead
+    script = ("import sys, tempfile; tempfile.tempdir = sys.argv[1]; from transcript_store.cli import main; "
+              "main(sys.argv[2:])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "missing"), "sessions", "import",
+                             str(path), "--db", store_url, "--scope", SCOPE],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result
+    assert one_error_line(result) == (
+        "error: cannot keep the checked entries in a temporary file: No such file or directory"
+    )
     assert _sessions(store_url) == []
 
 

@@ -871,11 +871,18 @@ def _export_record(line: str, number: int) -> Any:
         ) from None
 
 
+_SPOOL_FAILED = "cannot keep the checked entries in a temporary file: "
+
+
 @contextmanager
 def _scratch_file() -> Iterator[BinaryIO]:
     """A temporary file whose closing raises nothing: a write that failed (a full TMPDIR, a file size limit)
     leaves bytes in the buffer, which closing writes again, and that error would hide the first one's report."""
-    with tempfile.TemporaryFile() as spool:
+    try:
+        made = tempfile.TemporaryFile()  # noqa: SIM115 (the with below closes it: its creation alone is caught)
+    except OSError as e:  # no usable temporary directory (TMPDIR, /tmp, /var/tmp and the working one)
+        raise CommandError(_SPOOL_FAILED + (e.strerror or str(e))) from e
+    with made as spool:
         try:
             yield spool
         finally:
@@ -933,7 +940,7 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
         except InvalidInput as e:
             raise _at_line(e, numbers) from None
         except OSError as e:  # the spool's (the export's own are CommandErrors): a full TMPDIR, a size limit
-            raise CommandError(f"cannot keep the checked entries in a temporary file: {e.strerror or e}") from e
+            raise CommandError(_SPOOL_FAILED + (e.strerror or str(e))) from e
         with store_session(create=True) as store:
             info = transfer.write_import(store, plan)
     if st.json:
