@@ -177,3 +177,40 @@ def test_a_streamed_plan_counts_records_past_the_header_once(tmp_path: Path) -> 
     with tempfile.TemporaryFile() as spool, pytest.raises(InvalidInput) as refused:
         transfer.plan_import_stream(StoreConfig(url="sqlite://"), SCOPE, header, records, spool)
     assert str(refused.value) == "header says 4 entries, the export has 5"
+
+
+@contextmanager
+def _first_commit_lands_then_fails(store: TranscriptStore, attempts: list[int]) -> Iterator[None]:
+    """The first write transaction's COMMIT lands, then the connection reports a transient error: the
+    store retries a transaction whose work is already in the database."""
+    real = store.db._transaction
+
+    @contextmanager
+    def landing(write: bool) -> Iterator[Connection]:
+        with real(write) as conn:
+            yield conn
+        if write:
+            attempts.append(1)
+            if len(attempts) == 1:
+                raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+
+    store.db._transaction = landing  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        store.db._transaction = real  # type: ignore[method-assign]
+
+
+def test_a_spooled_import_whose_commit_landed_is_not_refused_by_its_retry(store_url: str, tmp_path: Path) -> None:
+    """The retry of a spooled import finds the session its first attempt committed under the plan's
+    incarnation: that import, reported as such, not 'already exists', and its entries written once."""
+    path = _export(tmp_path, 1200, "u" * 500)
+    lines = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines())
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        with tempfile.TemporaryFile() as spool:
+            plan = transfer.plan_import_stream(store.config, SCOPE, next(lines), lines, spool)
+            attempts: list[int] = []
+            with _first_commit_lands_then_fails(store, attempts):
+                info = transfer.write_import(store, plan)
+        assert len(attempts) == 2 and info.entry_count == 1200
+    assert _reexport(store_url, tmp_path) == path.read_bytes()
