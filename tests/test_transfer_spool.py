@@ -12,15 +12,13 @@ import subprocess
 import sys
 import tempfile
 import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Connection
 from test_cli import CLI, _script_mode, one_error_line, run  # noqa: F401 (_script_mode: autouse, honours real_script)
+from test_outbox_review import commit_fails_once, commits_lost
 
-from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TransientStoreError, transfer
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, transfer
 
 SCOPE = "spool-scope"
 
@@ -74,34 +72,6 @@ def test_an_import_from_stdin_is_the_same_session(store_url: str, tmp_path: Path
     assert _reexport(store_url, tmp_path) == path.read_bytes()
 
 
-@contextmanager
-def _first_commit_fails(store: TranscriptStore, attempts: list[int]) -> Iterator[None]:
-    """The first write transaction wrote everything, then its COMMIT fails (rolled back) with a transient
-    error: the store retries the transaction whole."""
-    real = store.db._transaction
-
-    class _Fail(Exception):
-        pass
-
-    @contextmanager
-    def failing(write: bool) -> Iterator[Connection]:
-        try:
-            with real(write) as conn:
-                yield conn
-                if write:
-                    attempts.append(1)
-                    if len(attempts) == 1:
-                        raise _Fail
-        except _Fail:
-            raise TransientStoreError("injected: connection lost at COMMIT (the commit did not land)") from None
-
-    store.db._transaction = failing  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        store.db._transaction = real  # type: ignore[method-assign]
-
-
 def test_a_retried_import_writes_the_spooled_entries_again(store_url: str, tmp_path: Path) -> None:
     """The plan reads its entries from the spool each time the transaction runs: a retry after a rolled
     back attempt writes every entry again, not none."""
@@ -110,10 +80,10 @@ def test_a_retried_import_writes_the_spooled_entries_again(store_url: str, tmp_p
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
         with tempfile.TemporaryFile() as spool:
             plan = transfer.plan_import_stream(store.config, SCOPE, next(lines), lines, spool)
-            attempts: list[int] = []
-            with _first_commit_fails(store, attempts):
+            failed: list[int] = []
+            with commit_fails_once(store, lambda: failed.append(1)):
                 info = transfer.write_import(store, plan)
-        assert len(attempts) == 2 and info.entry_count == 1200
+        assert failed == [1] and info.entry_count == 1200
     assert _reexport(store_url, tmp_path) == path.read_bytes()
 
 
@@ -179,28 +149,6 @@ def test_a_streamed_plan_counts_records_past_the_header_once(tmp_path: Path) -> 
     assert str(refused.value) == "header says 4 entries, the export has 5"
 
 
-@contextmanager
-def _first_commit_lands_then_fails(store: TranscriptStore, attempts: list[int]) -> Iterator[None]:
-    """The first write transaction's COMMIT lands, then the connection reports a transient error: the
-    store retries a transaction whose work is already in the database."""
-    real = store.db._transaction
-
-    @contextmanager
-    def landing(write: bool) -> Iterator[Connection]:
-        with real(write) as conn:
-            yield conn
-        if write:
-            attempts.append(1)
-            if len(attempts) == 1:
-                raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
-
-    store.db._transaction = landing  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        store.db._transaction = real  # type: ignore[method-assign]
-
-
 def test_a_spooled_import_whose_commit_landed_is_not_refused_by_its_retry(store_url: str, tmp_path: Path) -> None:
     """The retry of a spooled import finds the session its first attempt committed under the plan's
     incarnation: that import, reported as such, not 'already exists', and its entries written once."""
@@ -209,8 +157,8 @@ def test_a_spooled_import_whose_commit_landed_is_not_refused_by_its_retry(store_
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
         with tempfile.TemporaryFile() as spool:
             plan = transfer.plan_import_stream(store.config, SCOPE, next(lines), lines, spool)
-            attempts: list[int] = []
-            with _first_commit_lands_then_fails(store, attempts):
+            landed: list[int] = []
+            with commits_lost(store, lambda n: landed.append(n) is None and n == 1):
                 info = transfer.write_import(store, plan)
-        assert len(attempts) == 2 and info.entry_count == 1200
+        assert landed == [1, 2] and info.entry_count == 1200
     assert _reexport(store_url, tmp_path) == path.read_bytes()
