@@ -77,6 +77,24 @@ def test_delete_spares_a_session_made_again_after_the_lookup(
     assert [e.message for e in store.read_visible(SCOPE, "s1")] == [_user("made again")]
 
 
+@pytest.mark.parametrize("to_file", [True, False])
+def test_export_spares_a_session_made_again_after_the_lookup(
+    store: TranscriptStore, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to_file: bool
+) -> None:
+    """The export looked the session up in one read and exported by id in another: a session deleted and
+    made again under the id in between was exported in its place, exit 0, a file of another session
+    under the name asked for. Now nothing is written, exit 3."""
+    store.create_session(SCOPE, session_id="s1", session_key="agent:s1")
+    store.append_many(SCOPE, "s1", [{"message": _user(f"old {i}")} for i in range(3)])
+    done = _replace_after_lookup(monkeypatch, store)
+    out = tmp_path / "s1.jsonl"
+    args = ("--output", str(out)) if to_file else ()
+    result = run("sessions", "export", "agent:s1", *args, "--db", store_url, cwd=tmp_path, code=3)
+    assert done == ["s1"] and not out.exists() and result.stdout == ""
+    line = one_error_line(result)
+    assert "s1" in line and "made again" in line, line
+
+
 def test_delete_reports_the_entries_it_deleted(
     store: TranscriptStore, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

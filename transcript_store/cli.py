@@ -53,6 +53,7 @@ from .errors import (
     InvalidInput,
     PermissionDenied,
     SchemaNotCurrent,
+    SessionReplaced,
     StoreUnavailable,
     TranscriptStoreError,
     UnknownEntry,
@@ -691,9 +692,18 @@ def sessions_export(session: str, output: str | None) -> None:
     with store_session() as store:
         info = find_session(store, st.scope_name, session)
 
+        def export_in(c: Core, stream: BinaryIO) -> int:
+            # The session looked up, or nothing: one deleted and made again under its id since is another.
+            row = c.session_row(st.scope_name, info.session_id)
+            if row is None:
+                raise UnknownSession(st.scope_name, info.session_id)
+            if row.incarnation != info.incarnation:
+                raise SessionReplaced(st.scope_name, info.session_id)
+            return transfer.write_export_in(c, st.scope_name, info.session_id, stream)
+
         def fill(stream: BinaryIO) -> int:
             # Written from one snapshot, a page at a time, into a file: memory holds one page.
-            return store.read(lambda c: transfer.write_export_in(c, st.scope_name, info.session_id, stream))
+            return store.read(lambda c: export_in(c, stream))
 
         if output is None:
             sys.stdout.flush()
