@@ -55,10 +55,7 @@ from .ledger import (
     DEFAULT_RECEIPTS_PAGE,
     CommitResult,
     ReceiptPage,
-    check_page_limit,
     get_receipt,
-    parse_receipt_cursor,
-    receipts_page,
 )
 from .models import (
     Admission,
@@ -89,6 +86,7 @@ from .service_models import (
 )
 from .settings import HostSettings
 from .store import TranscriptStore
+from .turns import Turns
 
 log = logging.getLogger("transcript_store.service")
 
@@ -591,17 +589,7 @@ class Service:
         """A page of the engine's ledger for one session, after the cursor ``after`` (UnknownEngine when no
         engine has this id, like every engine route)."""
         self._known_engine(engine_id)
-        check_id("scope", scope)
-        check_id("session_id", session_id)
-        check_page_limit(limit)
-        if after is not None:
-            parse_receipt_cursor(after)  # refused before the session is looked at
-
-        def run(c: Core) -> ReceiptPage:
-            c.require_session(scope, session_id)
-            return receipts_page(c, scope, session_id, engine_id, after=after, limit=limit)
-
-        return self.store.read(run)
+        return Turns(self.store).receipts_page(scope, session_id, engine_id, after=after, limit=limit)
 
     # ------------------------------------------------------------------------------------ scope checks
 
