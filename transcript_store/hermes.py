@@ -452,16 +452,29 @@ def resolve_threshold(model: str, thresholds: dict[str, Any] | None, default: fl
     return best[1] if best is not None else default
 
 
+#: the share of the window the trigger is when a threshold would reach the whole window (hermes-agent's
+#: built-in compressor, ``_MIN_CTX_TRIGGER_RATIO``, does the same for its own)
+MIN_CTX_TRIGGER_RATIO = 0.85
+
+
 def threshold_tokens(context_length: int, threshold: float) -> int:
     """The trigger in tokens: ``threshold`` is a fraction of the window, or a token count when > 1 (0 for
-    no finite number)."""
+    no finite number); one that reaches the window is MIN_CTX_TRIGGER_RATIO of it.
+
+    A trigger at or over the window never fires: the provider refuses the request first. A token count
+    meets a smaller window when Hermes learns one (a provider's "maximum context length is N", a
+    ``/model`` switch, a fallback model), and Hermes then sent every request that grew back over the
+    window for the provider to refuse before it compressed."""
     try:
         threshold = float(threshold)
     except (TypeError, ValueError):
         return 0
     if not math.isfinite(threshold):
         return 0
-    return int(threshold) if threshold > 1 else int(context_length * threshold)
+    tokens = int(threshold) if threshold > 1 else int(context_length * threshold)
+    if context_length > 0 and tokens >= context_length:
+        return max(1, min(int(context_length * MIN_CTX_TRIGGER_RATIO), context_length - 1))
+    return tokens
 
 
 def as_int(value: Any) -> int:

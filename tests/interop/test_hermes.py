@@ -441,3 +441,62 @@ def test_a_gateway_branch_of_a_compacted_conversation_keeps_its_own_store_sessio
     }
     assert "PARENTONLY" in everything[parent] and "BRANCHONLY" not in everything[parent]
     assert "BRANCHONLY" in everything[branch] and "PARENTONLY" not in everything[branch]
+
+
+class WindowedOpenAI(FakeOpenAI):
+    """A provider with a real context window: a request over ``window`` tokens is refused with the
+    400 an OpenAI-compatible server sends ("maximum context length is N tokens"), which Hermes parses."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.refused = 0
+
+    def _record(self, request: Any) -> Any:
+        from fake_openai import Fault
+
+        fault = super()._record(request)
+        body = request.body
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            est = self.responder.estimator
+            tools = body.get("tools")
+            n = est.count_messages(body["messages"]) + (est.count_text(json.dumps(tools)) if tools else 0)
+            if n > self.window:
+                self.refused += 1
+                return Fault(status=400, message=(
+                    f"This model's maximum context length is {self.window} tokens. However, your messages "
+                    f"resulted in {n} tokens. Please reduce the length of the messages."))
+        return fault
+
+
+def test_a_token_threshold_over_a_smaller_window_still_compresses_before_the_provider_refuses(home: Path) -> None:
+    """A threshold set in tokens (``hermes install --threshold 100000``) stayed the trigger when Hermes
+    learned a smaller window (a provider's "maximum context length is 64000 tokens", a /model switch,
+    a fallback): a trigger over the window, so Hermes never compressed before the provider refused a
+    request, and every time the conversation grew back it sent one the provider refused first (Hermes'
+    built-in compressor triggers at 85% of a window its threshold would reach)."""
+    window = 64000
+    with WindowedOpenAI(window) as server:
+        agent = make_agent(server)
+        engine = agent.context_compressor
+        engine.threshold_percent = 100000  # tokens, as settings.json holds it
+        engine.update_model(engine.model, engine.context_length)
+        assert engine.context_length > 100000 and engine.threshold_tokens == 100000
+        words = " ".join(["filler"] * 2800)
+        history: list[dict[str, Any]] = []
+        for i in range(16):  # ~80,000 tokens: under the trigger, over the provider's real window
+            history += [{"role": "user", "content": f"win{i} question {i}. {words}"},
+                        {"role": "assistant", "content": f"win{i} answer {i}."}]
+        result = agent.run_conversation("win-short a short question", conversation_history=history)
+        assert not result.get("failed"), result.get("error")
+        assert server.refused == 1 and engine.context_length == window, "Hermes learned the window"
+        assert engine.threshold_tokens < window
+        big = " ".join(["filler"] * 7000)  # ~10,000 tokens a turn: the conversation grows back over the window
+        messages = result["messages"]
+        for i in range(8):
+            result = agent.run_conversation(f"win-grow{i} turn {i}. {big}", conversation_history=messages)
+            assert not result.get("failed"), result.get("error")
+            messages = result["messages"]
+        assert engine.compression_count >= 2, "the conversation never grew back over the trigger"
+        assert server.refused == 1, f"{server.refused - 1} requests over the known window were sent"
+        agent.shutdown_memory_provider(messages)
