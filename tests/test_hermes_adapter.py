@@ -1020,3 +1020,35 @@ def test_a_count_from_before_the_tool_round_measures_the_system_prompt_and_tools
     # A count that is not the provider's last one (Hermes' estimate of the request) is of the whole list.
     engine.compress(copy.deepcopy(messages), current_tokens=est.count_messages(messages) + 900, force=True)
     assert sorted(engine._overheads) == [overhead, 900]
+
+
+def test_an_answer_whose_last_message_hermes_merged_a_todo_snapshot_into_is_recognised(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A compaction at the start of a turn ends its answer with the current user message; with an active
+    todo list Hermes appends its snapshot after the answer and, before the next request, merges it into
+    that message in place (``repair_message_sequence``: consecutive user messages, joined by a blank line).
+    The answer was never recognised: not adopted, and the list appended after the transcript (the user's
+    message a second time, visible)."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("hermes-T")
+    convo = conversation("alpha", 12)
+    current = {"role": "user", "content": "alpha the question of this turn " + "lorem " * 30}
+    answer = engine.compress([*convo, current])
+    assert engine.compression_count == 1 and answer[-1]["content"] == current["content"]
+    todo = "[Your active task list was preserved across context compression]\n- [>] 1. write it (in_progress)"
+    live = copy.deepcopy(answer)
+    live[-1]["content"] = f"{live[-1]['content']}\n\n{todo}"  # what Hermes' repair leaves of answer + snapshot
+    live.append({"role": "assistant", "content": "alpha the reply of this turn"})
+    engine.on_session_end("hermes-T", live)
+    engine.on_session_end("hermes-T", live)  # again: nothing moves
+    rt = engine.runtime()
+    store_session = engine._store_session(rt, "hermes-T")
+    assert rt.adopted.get(store_session), "the answer was not recognised"
+    visible = [e.message or {} for e in rt.store.read_visible(engine.scope, store_session)]
+    users = [str(m.get("content")) for m in visible if m.get("role") == "user"]
+    assert sum(1 for u in users if u.startswith("alpha the question of this turn")) == 1, users
+    assert users[-1] == live[-2]["content"], "the visible transcript is not the host's list"
+    assert visible[-1]["content"] == "alpha the reply of this turn"
+    assert len(visible) == len(convo) + 2
+    engine.close()

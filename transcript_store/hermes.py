@@ -41,7 +41,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -488,12 +488,41 @@ def as_int(value: Any) -> int:
 
 @dataclass
 class _Candidate:
-    """A compress answer the host may or may not have taken."""
+    """A compress answer the host may or may not have taken.
+
+    ``head``, ``last`` and ``last_len`` are set when the answer ends with a user message (a compaction at
+    the start of a turn): the fingerprints of the answer without it and of it alone, and the length of its
+    stripped text. Hermes merges the user message it appends after an answer (its todo snapshot) into
+    that one before the next request (``repair_message_sequence``): the answer comes back with its last
+    message longer, and is told by these (``merged_into``)."""
 
     fp: str
     length: int
     store_session: str
     next_ordinal: int
+    head: str | None = None
+    last: str | None = None
+    last_len: int = 0
+
+    def merged_into(self, cleaned: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``cleaned`` (at least ``length`` clean messages) starts with this answer whose last
+        message Hermes merged a following user message into (its text, a blank line, the rest)."""
+        if self.head is None or self.last is None or self.length < 2 or len(cleaned) < self.length:
+            return False
+        m = cleaned[self.length - 1]
+        text = m.get("content")
+        if m.get("role") != "user" or not isinstance(text, str):
+            return False
+        text = text.strip()
+        rest = text[self.last_len:]
+        if "\n\n" not in rest[: len(rest) - len(rest.lstrip())]:
+            return False
+        own = {**m, "content": text[: self.last_len]}
+        return fingerprint([own]) == self.last and fingerprint(list(cleaned[: self.length - 1])) == self.head
+
+    def before_last(self) -> _Candidate:
+        """The answer without its last message, which the host's list holds changed (an edit of it)."""
+        return replace(self, length=self.length - 1, next_ordinal=self.next_ordinal - 1)
 
 
 @dataclass(frozen=True)
@@ -787,7 +816,10 @@ class TranscriptStoreEngineMixin:
                 for e in page:
                     p = e.payload or {}
                     if e.kind == "metadata" and p.get("type") == CANDIDATE:
-                        _remember_candidate(rt, _Candidate(p["fp"], p["length"], p["store_session"], p["next_ordinal"]))
+                        _remember_candidate(rt, _Candidate(
+                            p["fp"], p["length"], p["store_session"], p["next_ordinal"],
+                            p.get("head"), p.get("last"), int(p.get("last_len") or 0),
+                        ))
                     elif e.kind == "metadata" and p.get("type") == ALIAS:
                         rt.aliases[p["hermes_session"]] = p["store_session"]
                     after = e.seq
@@ -829,6 +861,14 @@ class TranscriptStoreEngineMixin:
             for fp in (fingerprint(cleaned[:n]), digest(canonical(cleaned[:n]))):
                 with rt.lock:
                     found.update({k: c for k, c in rt.candidates.get(fp, {}).items() if c.length == n})
+            if not found:
+                # Hermes merged the user message it appended after the answer into the answer's last one:
+                # the answer up to that message, which the list holds edited (stored as an edit of it).
+                with rt.lock:
+                    found = {
+                        k: c.before_last() for by in rt.candidates.values() for k, c in by.items()
+                        if c.length == n and c.merged_into(cleaned)
+                    }
             if found:
                 mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
                 return found[mine] if mine in found else list(found.values())[-1]
@@ -987,7 +1027,7 @@ class TranscriptStoreEngineMixin:
         ]
         for at in range(0, len(items), 500):
             rt.store.append_many(self.scope, own, items[at : at + 500])
-        forked = _Candidate(cand.fp, cand.length, own, cand.next_ordinal)
+        forked = replace(cand, store_session=own)
         self._record(rt, forked)
         with rt.lock:
             rt.aliases[key] = own
@@ -995,7 +1035,13 @@ class TranscriptStoreEngineMixin:
 
     def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
         """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
-        self._record(rt, _Candidate(fingerprint([clean(m) for m in body]), len(body), store_session, n))
+        cleaned = [clean(m) for m in body]
+        cand = _Candidate(fingerprint(cleaned), len(cleaned), store_session, n)
+        last = cleaned[-1] if cleaned else {}
+        if len(cleaned) >= 2 and last.get("role") == "user" and isinstance(last.get("content"), str):
+            cand = replace(cand, head=fingerprint(cleaned[:-1]), last=fingerprint([last]),
+                           last_len=len(last["content"].strip()))
+        self._record(rt, cand)
 
     def _record(self, rt: _Runtime, cand: _Candidate) -> None:
         """Write a candidate to the index (durable, idempotent) and remember it."""
@@ -1004,7 +1050,8 @@ class TranscriptStoreEngineMixin:
         rt.store.append(
             self.scope, index.session_id, kind="metadata",
             payload={"type": CANDIDATE, "fp": cand.fp, "length": cand.length,
-                     "store_session": store_session, "next_ordinal": n},
+                     "store_session": store_session, "next_ordinal": n,
+                     **({"head": cand.head, "last": cand.last, "last_len": cand.last_len} if cand.head else {})},
             # Keyed by the lineage too: two conversations can get the same answer (a conversation run
             # again, a scripted one), and a key of the answer alone refused the second one's record
             # (IdempotencyConflict: its compress failed, three times, and left it uncompressed).

@@ -500,3 +500,36 @@ def test_a_token_threshold_over_a_smaller_window_still_compresses_before_the_pro
         assert engine.compression_count >= 2, "the conversation never grew back over the trigger"
         assert server.refused == 1, f"{server.refused - 1} requests over the known window were sent"
         agent.shutdown_memory_provider(messages)
+
+
+def test_a_todo_list_hermes_merges_into_the_answer_keeps_each_turn_once(home: Path, server: FakeOpenAI) -> None:
+    """With an active todo list Hermes appends its snapshot (a user message) after every compress answer,
+    and before the next request merges it in place into the answer's last message, the current user
+    message of a compaction at the start of a turn. The answer was never recognised again: no candidate
+    adopted, and the compacted list was appended after the transcript, the current user message a second
+    time, at every such compaction."""
+    from collections import Counter
+
+    server.reset()
+    agent = make_agent(server)
+    agent._todo_store.write([{"id": "1", "content": "finish the grape report", "status": "in_progress"}])
+    engine = agent.context_compressor
+    engine.threshold_percent = 6000
+    engine.update_model(engine.model, engine.context_length)
+    words = " ".join(["filler"] * 700)
+    history: list[dict[str, Any]] | None = None
+    merged = 0
+    for i in range(12):
+        history = agent.run_conversation(f"grape{i} turn {i}: about topic grape{i}. {words}",
+                                         conversation_history=history)["messages"]
+        merged += sum(1 for m in history if isinstance(m, dict) and m.get("role") == "user"
+                      and "grape report" in str(m.get("content")) and str(m.get("content")).startswith("grape"))
+    agent.shutdown_memory_provider(history)
+    assert engine.compression_count >= 2 and merged, "Hermes merged no todo snapshot: the case did not arise"
+    rt = engine.runtime()
+    store_session = engine._store_session(rt, agent.session_id)
+    assert rt.adopted.get(store_session), "no compress answer was recognised"
+    visible = [e.message or {} for e in rt.store.read_visible(engine.scope, store_session)]
+    turns = Counter(str(m.get("content")).split(":")[0] for m in visible if m.get("role") == "user")
+    assert not [t for t, n in turns.items() if n > 1], f"user turns twice on the visible transcript: {turns}"
+    assert set(turns) >= {f"grape{i} turn {i}" for i in range(12)}
