@@ -1052,3 +1052,29 @@ def test_an_answer_whose_last_message_hermes_merged_a_todo_snapshot_into_is_reco
     assert visible[-1]["content"] == "alpha the reply of this turn"
     assert len(visible) == len(convo) + 2
     engine.close()
+
+
+def test_compress_hands_back_the_fresh_tail_with_hermes_flags_but_its_persisted_mark(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Hermes tells its ephemeral messages by their flags (the "(empty)" reply and nudge of its recovery,
+    ``_empty_recovery_synthetic``) and pops them when the real reply comes: the answer's copies of them
+    must keep the flags. Its persistence mark goes, as its own compressor drops it (a marked copy is not
+    saved with the compacted list). The store keeps no flag; the same list again is no progress."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("hermes-F")
+    call = {"id": "call_f", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    tail = [
+        {"role": "user", "content": "alpha the question of this turn", "_db_persisted": True},
+        {"role": "assistant", "content": None, "tool_calls": [call], "_db_persisted": True},
+        {"role": "tool", "tool_call_id": "call_f", "content": "alpha the result"},
+        {"role": "assistant", "content": "(empty)", "_empty_recovery_synthetic": True},
+        {"role": "user", "content": "Please process the tool results above.", "_empty_recovery_synthetic": True},
+    ]
+    answer = engine.compress([*conversation("alpha", 12), *copy.deepcopy(tail)])
+    assert engine.compression_count == 1 and is_valid_sequence(answer)
+    assert answer[-5:] == [{k: v for k, v in m.items() if k != "_db_persisted"} for m in tail]
+    assert not any("_db_persisted" in m for m in answer)
+    assert not any(str(k).startswith("_") for m in engine.stored_messages("hermes-F") for k in m)
+    assert engine.compress(copy.deepcopy(answer)) == answer and engine.compression_count == 1
+    engine.close()

@@ -135,6 +135,23 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: hermes-agent's mark on a message it saved to its session database: never on a message compress hands
+#: back (its own compressor strips it: a marked copy is skipped when Hermes saves the compacted list)
+PERSISTED_MARK = "_db_persisted"
+
+
+def host_copy(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a message ``compress`` hands back verbatim: ``clean``, with the host's own flags put back
+    but ``PERSISTED_MARK``. Hermes tells its ephemeral messages by their flags
+    (``_empty_recovery_synthetic``, ``_thinking_prefill``, ``_..._synthetic`` nudges) and pops them when
+    the real reply comes; a copy without them stayed in the conversation for good."""
+    out = clean(message)
+    out.update({
+        str(k): copy.deepcopy(v) for k, v in message.items() if str(k).startswith("_") and k != PERSISTED_MARK
+    })
+    return out
+
+
 #: what hermes-agent adds to, or drops from, a message between the live list and the same message reloaded
 #: from its session database: bookkeeping, not the conversation (``identity`` leaves them out)
 HOST_KEYS = frozenset({
@@ -384,8 +401,8 @@ def fresh_tail(body: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, l
 
     The current user message is the last turn the user typed; the pending exchange is what follows the
     last assistant message after it, that message included (a tool call and its results, which Hermes
-    needs to continue the turn), or, before any reply, whatever follows the user message. Both are clean
-    copies (``clean``); None / [] when the host's list has no such message.
+    needs to continue the turn), or, before any reply, whatever follows the user message. Both are copies
+    that keep Hermes' flags (``host_copy``); None / [] when the host's list has no such message.
     """
     at = next((i for i in range(len(body) - 1, -1, -1) if is_user_turn(body[i])), -1)
     last = next(
@@ -393,8 +410,8 @@ def fresh_tail(body: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, l
          if body[i].get("role") == "assistant" and not is_context_message(body[i])),
         at + 1,
     )
-    pending = [clean(m) for m in body[last:] if not is_context_message(m)]
-    return (clean(body[at]) if at >= 0 else None), pending
+    pending = [host_copy(m) for m in body[last:] if not is_context_message(m)]
+    return (host_copy(body[at]) if at >= 0 else None), pending
 
 
 def with_fresh_tail(
@@ -410,7 +427,7 @@ def with_fresh_tail(
     # the same message reloaded from its session database (a timestamp added, texts stripped); compared
     # whole, the current turn went in twice and moved (a review found it).
     def same(m: dict[str, Any]) -> str:
-        return canonical(identity(m))
+        return canonical(identity(clean(m)))
 
     own = {same(m) for m in pending}
     context = valid_sequence(copy.deepcopy(list(assembled)))
@@ -1156,7 +1173,7 @@ class TranscriptStoreEngineMixin:
         else:
             assembled, answer = fit
         head, answer = place_addition(system, answer, addition_of(assembled, memory))
-        if canonical(answer) == canonical([clean(m) for m in body]):
+        if canonical([clean(m) for m in answer]) == canonical([clean(m) for m in body]):
             return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
         self._record_candidate(rt, answer, store_session, n)
         self.compression_count += 1

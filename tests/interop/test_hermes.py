@@ -533,3 +533,57 @@ def test_a_todo_list_hermes_merges_into_the_answer_keeps_each_turn_once(home: Pa
     turns = Counter(str(m.get("content")).split(":")[0] for m in visible if m.get("role") == "user")
     assert not [t for t, n in turns.items() if n > 1], f"user turns twice on the visible transcript: {turns}"
     assert set(turns) >= {f"grape{i} turn {i}" for i in range(12)}
+
+
+class HookedOpenAI(FakeOpenAI):
+    """The fake provider, calling ``on_request(body, fault)`` as each chat request arrives."""
+
+    on_request: Any = None
+
+    def _record(self, request: Any) -> Any:
+        fault = super()._record(request)
+        if self.on_request is not None and isinstance(request.body, dict):
+            self.on_request(request.body, fault)
+        return fault
+
+
+def test_a_compaction_during_hermes_recovery_keeps_its_scaffolding_ephemeral(home: Path) -> None:
+    """After an empty reply to a tool round Hermes appends an "(empty)" assistant message and a nudge,
+    flagged ``_empty_recovery_synthetic``, and pops them by that flag when the real reply comes. The
+    compress answer's fresh tail was a copy without Hermes' flags: compacted at that retry, the scaffolding
+    stayed in the conversation for good (saved, replayed on resume, stored), as if the user had said it.
+    Hermes' own compressor keeps the flags (only its persistence marker ``_db_persisted`` goes)."""
+    from agent.model_metadata import _estimate_tools_tokens_rough, estimate_messages_tokens_rough
+    from fake_openai import Fault
+
+    with HookedOpenAI() as server:
+        agent = make_agent(server)
+        engine = agent.context_compressor
+        engine.threshold_percent = 100000
+        engine.update_model(engine.model, engine.context_length)
+        history: list[dict[str, Any]] | None = None
+        for i in range(6):
+            history = agent.run_conversation(f"lime{i} turn {i}. {WORDS}", conversation_history=history)["messages"]
+        call = {"id": "call_lime", "type": "function",
+                "function": {"name": "lcm_grep", "arguments": json.dumps({"pattern": "lime1"})}}
+        empty = Fault(reply={"role": "assistant", "content": ""})
+
+        def trigger_at_the_retry(body: dict[str, Any], fault: Any) -> None:
+            # The request that gets the empty reply sets the trigger at its own size: the retry, the same
+            # request plus Hermes' scaffolding, is the first over it (Hermes' pre-call check compresses).
+            if fault is empty:
+                size = estimate_messages_tokens_rough(body["messages"]) + _estimate_tools_tokens_rough(body["tools"])
+                engine.threshold_percent = size + 1
+                engine.update_model(engine.model, engine.context_length)
+
+        server.on_request = trigger_at_the_retry
+        server.queue(Fault(reply={"role": "assistant", "content": "", "tool_calls": [call]}), empty)
+        count = engine.compression_count
+        result = agent.run_conversation("lime-last please look it up", conversation_history=history)
+        assert engine.compression_count == count + 1, "no compaction at the retry: the case did not arise"
+        assert server.chat_requests[-1]["messages"][-1]["content"].startswith("You just executed tool calls")
+        final = result["messages"]
+        assert not [m for m in final if m.get("content") == "(empty)"], "Hermes' scaffolding stayed"
+        assert not [m for m in final if str(m.get("content")).startswith("You just executed tool calls")]
+        assert final[-1]["role"] == "assistant" and final[-2]["role"] == "tool"
+        agent.shutdown_memory_provider(final)
