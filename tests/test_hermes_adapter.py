@@ -1078,3 +1078,34 @@ def test_compress_hands_back_the_fresh_tail_with_hermes_flags_but_its_persisted_
     assert not any(str(k).startswith("_") for m in engine.stored_messages("hermes-F") for k in m)
     assert engine.compress(copy.deepcopy(answer)) == answer and engine.compression_count == 1
     engine.close()
+
+
+def test_select_context_shows_the_incoming_message_the_host_passes_beside_the_conversation(
+    store_url: str, tmp_path: Path
+) -> None:
+    """``select_context(request, conversation_messages=, incoming_message=, budget_tokens=)``: the host may
+    pass the turn's new user message beside the conversation rather than in it. It was ignored: the
+    selection, assembled from what was stored, ended with the previous reply, and the model got a
+    request without the question it was to answer. Stored once, whichever way the host passes it."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s-in")
+    out = engine.compress(conversation("gamma", 10))
+    taken = [*out, {"role": "user", "content": "gamma next"}, {"role": "assistant", "content": "gamma reply"}]
+    engine.on_session_end("s-in", taken)  # the host took the answer
+    incoming = {"role": "user", "content": "gamma the incoming question"}
+    request = [{"role": "system", "content": "You are a test agent."}, *taken, incoming]
+    budget = RoughEstimator().count_messages(request) - 100
+    selected = engine.select_context(request, conversation_messages=copy.deepcopy(taken),
+                                     incoming_message=copy.deepcopy(incoming), budget_tokens=budget)
+    assert isinstance(selected, list) and is_valid_sequence(selected)
+    assert selected[-1] == incoming, selected[-3:]
+    # the next request of the turn: the conversation holds it now (and a tool round after it)
+    call = {"id": "call_in", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    later = [*taken, incoming, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_in", "content": "gamma result"}]
+    again = engine.select_context([request[0], *later], conversation_messages=copy.deepcopy(later),
+                                  incoming_message=copy.deepcopy(incoming), budget_tokens=budget)
+    assert isinstance(again, list) and again[-1]["role"] == "tool" and incoming in again
+    rows = stored(engine, "s-in")
+    assert sum(1 for r in rows if "gamma the incoming question" in r) == 1
+    engine.close()

@@ -639,6 +639,23 @@ class _Runtime:
             return self.session_locks.setdefault(store_session, threading.Lock())
 
 
+def with_incoming(conversation: list[dict[str, Any]], incoming: Any) -> list[dict[str, Any]]:
+    """The conversation with the turn's incoming message at its end when its current turn (what follows its
+    last reply without tool calls) does not hold it: ``select_context``'s host may pass the new user
+    message beside the conversation rather than in it."""
+    if not isinstance(incoming, dict):
+        return conversation
+    start = next(
+        (i + 1 for i in range(len(conversation) - 1, -1, -1)
+         if conversation[i].get("role") == "assistant" and not conversation[i].get("tool_calls")),
+        0,
+    )
+    own = canonical(identity(clean(incoming)))
+    if any(canonical(identity(clean(m))) == own for m in conversation[start:]):
+        return conversation
+    return [*conversation, incoming]
+
+
 def settled(messages: Any) -> list[dict[str, Any]]:
     """The messages of a list before its pending tool round (the last assistant message with tool calls,
     when only tool results follow it): what ``handle_tool_call`` stores of the live conversation. Stored
@@ -1475,10 +1492,11 @@ class TranscriptStoreEngineMixin:
             if not all(isinstance(m, dict) for m in request_messages):
                 return None
             rt = self.runtime()
-            source = conversation_messages if isinstance(conversation_messages, list) else request_messages
-            store_session, _n = self.ingest(
-                copy.deepcopy([m for m in source if isinstance(m, dict)]), _kwargs.get("session_id")
-            )
+            if isinstance(conversation_messages, list):
+                source = with_incoming([m for m in conversation_messages if isinstance(m, dict)], incoming_message)
+            else:
+                source = request_messages  # the request holds the incoming message itself
+            store_session, _n = self.ingest(copy.deepcopy(source), _kwargs.get("session_id"))
             estimate = RoughEstimator().count_messages(request_messages)
             if not budget_tokens or estimate <= budget_tokens:
                 return None
