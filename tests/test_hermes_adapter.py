@@ -1045,6 +1045,7 @@ def test_an_answer_whose_last_message_hermes_merged_a_todo_snapshot_into_is_reco
     rt = engine.runtime()
     store_session = engine._store_session(rt, "hermes-T")
     assert rt.adopted.get(store_session), "the answer was not recognised"
+    assert store_session not in rt.pending, "taken, yet select_context would still wait for it"
     visible = [e.message or {} for e in rt.store.read_visible(engine.scope, store_session)]
     users = [str(m.get("content")) for m in visible if m.get("role") == "user"]
     assert sum(1 for u in users if u.startswith("alpha the question of this turn")) == 1, users
@@ -1109,3 +1110,35 @@ def test_select_context_shows_the_incoming_message_the_host_passes_beside_the_co
     rows = stored(engine, "s-in")
     assert sum(1 for r in rows if "gamma the incoming question" in r) == 1
     engine.close()
+
+
+def test_a_branch_of_an_answer_hermes_merged_its_todo_snapshot_into_keeps_its_lineage(
+    store_url: str, tmp_path: Path
+) -> None:
+    """``/branch`` right after a compaction whose answer Hermes merged its todo snapshot into: the
+    branch's lists start with that merged answer. The fork recorded, for the answer less its last
+    message, the whole answer's fingerprint, which no list matches: after a restart the branch's next
+    list joined no lineage and was stored again after its transcript."""
+    db = FakeSessionDB()
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=db, session_id="A")
+    current = {"role": "user", "content": "alpha the question of this turn"}
+    answer = engine.compress([*conversation("alpha", 12), current])
+    assert answer[-1]["content"] == current["content"]
+    merged = copy.deepcopy(answer)
+    merged[-1]["content"] += "\n\n[Your active task list was preserved across context compression]\n- [ ] 1. x"
+    db.sessions["A"] = {"id": "A", "model_config": "{}", "end_reason": "branched"}
+    db.messages["A"] = _persisted(merged)
+    db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
+    engine.bind_session_state(session_db=db, session_id="B")
+    branch = [*_persisted(merged), {"role": "assistant", "content": "bravo reply"}]
+    engine.on_session_end("B", branch)
+    engine.close()
+    restarted = make(tmp_path, db_url=store_url)
+    restarted.on_session_end("B", [*branch, *conversation("later", 1)])
+    rt = restarted.runtime()
+    visible = [e.message or {} for e in rt.store.read_visible(restarted.scope, restarted._store_session(rt, "B"))]
+    users = [str(m.get("content")) for m in visible if m.get("role") == "user"]
+    assert sum(1 for u in users if u.startswith("alpha the question of this turn")) == 1, users
+    assert _grep(restarted, "B", "later question 0") >= 1 and _grep(restarted, "A", "later question 0") == 0
+    restarted.close()

@@ -520,6 +520,7 @@ class _Candidate:
     head: str | None = None
     last: str | None = None
     last_len: int = 0
+    of: str | None = None  # ``before_last``: the fingerprint of the whole answer (not written to the index)
 
     def merged_into(self, cleaned: Sequence[dict[str, Any]]) -> bool:
         """Whether ``cleaned`` (at least ``length`` clean messages) starts with this answer whose last
@@ -538,8 +539,9 @@ class _Candidate:
         return fingerprint([own]) == self.last and fingerprint(list(cleaned[: self.length - 1])) == self.head
 
     def before_last(self) -> _Candidate:
-        """The answer without its last message, which the host's list holds changed (an edit of it)."""
-        return replace(self, length=self.length - 1, next_ordinal=self.next_ordinal - 1)
+        """The answer without its last message, which the host's list holds changed (an edit of it): a
+        candidate of its own (``head`` its fingerprint), adopted in place of the whole answer."""
+        return _Candidate(self.head or "", self.length - 1, self.store_session, self.next_ordinal - 1, of=self.fp)
 
 
 @dataclass(frozen=True)
@@ -899,10 +901,13 @@ class TranscriptStoreEngineMixin:
                 # Hermes merged the user message it appended after the answer into the answer's last one:
                 # the answer up to that message, which the list holds edited (stored as an edit of it).
                 with rt.lock:
-                    found = {
-                        k: c.before_last() for by in rt.candidates.values() for k, c in by.items()
-                        if c.length == n and c.merged_into(cleaned)
-                    }
+                    for by in list(rt.candidates.values()):
+                        for k, c in by.items():
+                            if c.length == n and c.merged_into(cleaned):
+                                found[k] = c.before_last()
+                                # a /branch forked from it holds that shorter answer as its own candidate
+                                forks = rt.candidates.get(c.head or "", {})
+                                found.update({f: fc for f, fc in forks.items() if fc.length == n - 1})
             if found:
                 mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
                 return found[mine] if mine in found else list(found.values())[-1]
@@ -1043,7 +1048,7 @@ class TranscriptStoreEngineMixin:
         )
         with rt.lock:
             rt.adopted[cand.store_session] = cand.fp
-            if rt.pending.get(cand.store_session) == cand.fp:
+            if rt.pending.get(cand.store_session) in {cand.fp, cand.of} - {None}:
                 del rt.pending[cand.store_session]
 
     def _fork(self, rt: _Runtime, key: str, cand: _Candidate) -> _Candidate:
