@@ -886,6 +886,12 @@ class TranscriptStoreEngineMixin:
                 {c.length for by in rt.candidates.values() for c in by.values() if c.length <= len(body)},
                 reverse=True,
             )
+            # the answers ending with a user message Hermes may have merged its next one into, by length
+            mergeable: dict[int, list[tuple[str, _Candidate]]] = {}
+            for by in rt.candidates.values():
+                for k, c in by.items():
+                    if c.head is not None and c.length <= len(body):
+                        mergeable.setdefault(c.length, []).append((k, c))
         # Fingerprinted without the host's bookkeeping, as the answer was (``_record_candidate``): Hermes
         # marks every message it saved to its session database (``_db_persisted``), so the answer it took
         # comes back marked, and a raw fingerprint never matched: no candidate adopted, no lineage.
@@ -900,14 +906,13 @@ class TranscriptStoreEngineMixin:
             if not found:
                 # Hermes merged the user message it appended after the answer into the answer's last one:
                 # the answer up to that message, which the list holds edited (stored as an edit of it).
-                with rt.lock:
-                    for by in list(rt.candidates.values()):
-                        for k, c in by.items():
-                            if c.length == n and c.merged_into(cleaned):
-                                found[k] = c.before_last()
-                                # a /branch forked from it holds that shorter answer as its own candidate
-                                forks = rt.candidates.get(c.head or "", {})
-                                found.update({f: fc for f, fc in forks.items() if fc.length == n - 1})
+                for k, c in mergeable.get(n, ()):
+                    if c.merged_into(cleaned):
+                        found[k] = c.before_last()
+                        # a /branch forked from it holds that shorter answer as its own candidate
+                        with rt.lock:
+                            forks = dict(rt.candidates.get(c.head or "", {}))
+                        found.update({f: fc for f, fc in forks.items() if fc.length == n - 1})
             if found:
                 mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
                 return found[mine] if mine in found else list(found.values())[-1]
