@@ -71,6 +71,14 @@ def _moved_already(c: Core, scope: str, session_id: str, entry_id: str | None, l
     return all(r.seq > last_seq for r in c.path_rows(scope, session_id, depth, None))
 
 
+def replaced(c: Core, scope: str, session_id: str, incarnation: int | None) -> bool:
+    """Whether the session an earlier attempt of this call wrote to (of ``incarnation``, as its anchors
+    carry it: always set on the ones it made) is gone: deleted since, perhaps made again under its id
+    (another incarnation, someone else's session)."""
+    row = c.session_row(scope, session_id)
+    return row is None or row.incarnation != incarnation
+
+
 class TranscriptStore:
     """A durable conversation-transcript store on SQLite (default) or PostgreSQL.
 
@@ -239,12 +247,10 @@ class TranscriptStore:
         landed: list[SessionInfo] = []  # what an attempt that ran to its end left
 
         def run(c: Core) -> SessionInfo:
-            if landed:
-                row = c.session_row(scope, session_id)
-                if row is None or row.incarnation != landed[0].incarnation:
-                    # An earlier attempt ended the session and only its COMMIT was uncertain: it was
-                    # deleted since, perhaps made again under the id (someone else's, left active).
-                    return landed[0]
+            if landed and replaced(c, scope, session_id, landed[0].incarnation):
+                # An earlier attempt ended the session and only its COMMIT was uncertain: it was
+                # deleted since, perhaps made again under the id (someone else's, left active).
+                return landed[0]
             info = c.end_session(scope, session_id)
             landed[:] = [info]
             return info
@@ -262,12 +268,10 @@ class TranscriptStore:
         landed: list[SessionInfo] = []  # the session an attempt deleted
 
         def run(c: Core) -> SessionInfo:
-            if landed:
-                row = c.session_row(scope, session_id)
-                if row is None or row.incarnation != landed[0].incarnation:
-                    # An earlier attempt ran to its end and only its COMMIT was uncertain: the session
-                    # it deleted is gone (a session made since under the same id is someone else's).
-                    return landed[0]
+            if landed and replaced(c, scope, session_id, landed[0].incarnation):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain: the session
+                # it deleted is gone (a session made since under the same id is someone else's).
+                return landed[0]
             info = session_info(c.require_session(scope, session_id, lock=True))
             if incarnation is not None and info.incarnation != incarnation:
                 raise SessionReplaced(scope, session_id)
@@ -296,13 +300,28 @@ class TranscriptStore:
             self.config, kind=kind, message=message, payload=payload, entry_id=entry_id,
             idempotency_key=idempotency_key,
         )
-        return self.write(lambda c: c.append(scope, session_id, [item]))[0]
+        return self._append(scope, session_id, [item])[0]
 
     def append_many(self, scope: str, session_id: str, items: Sequence[AppendItem | dict[str, Any]]) -> list[Entry]:
         """Append several entries as one chain in one transaction."""
         self._ids(scope, session_id)
         prepared = self.prepare(items)
-        return self.write(lambda c: c.append(scope, session_id, prepared))
+        return self._append(scope, session_id, prepared)
+
+    def _append(self, scope: str, session_id: str, items: list[NewEntry]) -> list[Entry]:
+        landed: list[tuple[int, list[Entry]]] = []  # the incarnation an attempt appended to, and what
+
+        def run(c: Core) -> list[Entry]:
+            if landed and replaced(c, scope, session_id, landed[0][0]):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; its session was
+                # deleted since, perhaps made again under the id: the keys that find a retry's own write
+                # are not in that one, and appending there would write into someone else's transcript.
+                return landed[0][1]
+            sess, out = c.append_to_session(scope, session_id, items)
+            landed[:] = [(int(sess.incarnation), out)]
+            return out
+
+        return self.write(run)
 
     def prepare(self, items: Sequence[AppendItem | dict[str, Any]]) -> list[NewEntry]:
         """Validate and serialize entries ahead of a transaction."""
@@ -325,7 +344,15 @@ class TranscriptStore:
         """Append the user message of logical turn ``turn_id``; the same turn again: same admission."""
         self._ids(scope, session_id)
         item = self.prepare_admission(message, turn_id=turn_id, entry_id=entry_id)
-        return self.write(lambda c: admit_in(c, scope, session_id, item))
+        landed: list[Admission] = []
+
+        def run(c: Core) -> Admission:
+            if landed and replaced(c, scope, session_id, landed[0].anchor.incarnation):
+                return landed[0]  # as ``append``: never admitted again into a session made since
+            landed[:] = [admit_in(c, scope, session_id, item)]
+            return landed[0]
+
+        return self.write(run)
 
     def prepare_admission(
         self, message: dict[str, Any], *, turn_id: str, entry_id: str | None = None
@@ -449,19 +476,23 @@ class TranscriptStore:
         """Move the active head to ``entry_id`` (None: empty path); later appends go there."""
         self._ids(scope, session_id)
         check_id("entry_id", entry_id, optional=True)
-        landed: list[int] = []  # the session's last seq when an attempt moved the head
+        landed: list[SessionInfo] = []  # the session as an attempt left it (its last seq: a move writes no entry)
 
         def run(c: Core) -> SessionInfo:
             if landed:
-                row = c.require_session(scope, session_id, lock=True)
-                if _moved_already(c, scope, session_id, entry_id, landed[0]):
+                row = c.session_row(scope, session_id, lock=True)
+                if row is None or row.incarnation != landed[0].incarnation:
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain; the session it
+                    # moved was deleted since, perhaps made again under the id: never move that one.
+                    return landed[0]
+                if _moved_already(c, scope, session_id, entry_id, landed[0].entry_count - 1):
                     # An earlier attempt ran to its end and only its COMMIT was uncertain: what follows
                     # the entry on the path now was appended since, by writers that saw the move (moving
                     # again would take their entries off the visible transcript).
                     return session_info(row)
             # Through the mirror: a host transcript import's resume point the move went under is reset.
             info = mirror.branch(c, scope, session_id, entry_id)
-            landed[:] = [info.entry_count - 1]  # the last seq: a move writes no entry
+            landed[:] = [info]
             return info
 
         return self.write(run)
@@ -487,15 +518,19 @@ class TranscriptStore:
                 check_id("allowed_rewrite_suffix_entry_ids[]", eid)
             allowed = set(ids)
         pool = paths.IdPool()
-        landed: list[RewriteResult] = []
+        landed: list[tuple[int, RewriteResult]] = []  # the incarnation an attempt rewrote, and its result
 
         def run(c: Core) -> RewriteResult:
             pool.rewind()  # a retried attempt writes the very entry ids the earlier one drew
-            if landed and landed[0].changed and pool.drawn and c.entry_rows(scope, session_id, pool.drawn[:1]):
+            if landed and replaced(c, scope, session_id, landed[0][0]):
+                # The session the earlier attempt rewrote was deleted since, perhaps made again under
+                # the id (someone else's): its COMMIT was only uncertain, never rewrite that one.
+                return landed[0][1]
+            if landed and landed[0][1].changed and pool.drawn and c.entry_rows(scope, session_id, pool.drawn[:1]):
                 # The earlier attempt's entries exist: its COMMIT went through, report its result.
-                return landed[0]
+                return landed[0][1]
             result = paths.rewrite_entries(c, scope, session_id, reps, prepared, allowed, pool)
-            landed[:] = [result]
+            landed[:] = [(int(c.require_session(scope, session_id).incarnation), result)]
             return result
 
         return self.write(run)

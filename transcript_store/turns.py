@@ -51,7 +51,7 @@ from .ledger import (
 )
 from .models import Admission, Anchor, Entry
 from .outbox import DrainReport, OutboxConfig, TurnIntent
-from .store import AppendItem, TranscriptStore, admit_and_tell
+from .store import AppendItem, TranscriptStore, admit_and_tell, replaced
 
 log = logging.getLogger("transcript_store.turns")
 
@@ -279,8 +279,14 @@ class Turns:
             raise InvalidInput("is_heartbeat must be a bool")
         owner = new_owner() if owner is None else _check_owner(owner)
         item = self.store.prepare_admission(message, turn_id=turn_id)
+        landed: list[tuple[Admission, TurnIntent]] = []
 
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
+            if landed and replaced(c, scope, session_id, landed[0][0].anchor.incarnation):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
+                # deleted since, perhaps made again under the id: the turn is never admitted into that one
+                # (its completion finds the intent gone with the session it was admitted in).
+                return landed[0]
             faults.point("admit.before")
             # The session is locked by the append: the checks below cannot race another admission.
             admission, followed, stored = admit_and_tell(c, scope, session_id, item)
@@ -302,6 +308,7 @@ class Turns:
                 outbox.check_not_committed(c, admission)
             if within is not None:
                 within(c, admission)
+            landed[:] = [(admission, intent)]
             return admission, intent
 
         try:

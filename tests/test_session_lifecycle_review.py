@@ -1,0 +1,130 @@
+"""A review of the session lifecycle under retries: a write whose COMMIT was lost (or a statement that
+raced a delete) while another client deleted its session and made another under the same id.
+
+Each test here failed on the code before its fix (see the docstrings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from conftest import user
+from sqlalchemy import Connection
+
+from transcript_store import TranscriptStore, TransientStoreError
+from transcript_store.turns import Turns
+
+S = "lifecycle-scope"
+
+
+@contextmanager
+def commit_lost_then(store: TranscriptStore, between: Callable[[], object]) -> Iterator[None]:
+    """The next write transaction commits; ``between`` runs (another client), then the caller sees the
+    connection drop, as when a server dies between COMMIT and its reply: the store retries it whole."""
+    real = store.db._transaction
+    armed = [True]
+
+    @contextmanager
+    def lossy(write: bool) -> Iterator[Connection]:
+        with real(write) as conn:
+            yield conn
+        if write and armed[0]:
+            armed[0] = False
+            between()
+            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
+
+    store.db._transaction = lossy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        store.db._transaction = real  # type: ignore[method-assign]
+
+
+@contextmanager
+def two_clients(url: str) -> Iterator[tuple[TranscriptStore, TranscriptStore]]:
+    mine, other = TranscriptStore(url), TranscriptStore(url)
+    try:
+        yield mine, other
+    finally:
+        mine.close()
+        other.close()
+
+
+def replaced_by(other: TranscriptStore, sid: str, *contents: str) -> Callable[[], None]:
+    """Another client deletes the session and makes another under its id (holding ``contents``)."""
+
+    def replace() -> None:
+        other.delete_session(S, sid)
+        other.create_session(S, session_id=sid)
+        for text in contents:
+            other.append(S, sid, user(text))
+
+    return replace
+
+
+def texts(store: TranscriptStore, sid: str) -> list[str]:
+    return [str(e.message["content"]) for e in store.read_visible(S, sid) if e.message is not None]
+
+
+def test_an_append_retried_after_its_session_was_made_again_writes_nothing_there(store_url: str) -> None:
+    """An append whose COMMIT landed but was reported lost, its session deleted and made again under the
+    id (by another client) before the retry: the retry appended the message a second time, into the new
+    session, someone else's transcript."""
+    with two_clients(store_url) as (store, other):
+        for sid, call in [
+            ("a1", lambda sid: store.append(S, sid, user("mine"), idempotency_key="k1")),
+            ("a2", lambda sid: store.append(S, sid, user("mine"))),
+            ("a3", lambda sid: store.append_many(S, sid, [{"message": user("mine")}])),
+            ("a4", lambda sid: store.admit(S, sid, user("mine"), turn_id="t1")),
+        ]:
+            store.create_session(S, session_id=sid)
+            with commit_lost_then(store, replaced_by(other, sid, "theirs")):
+                call(sid)
+            assert texts(other, sid) == ["theirs"], sid
+
+
+def test_a_turn_admitted_again_after_its_session_was_made_again_is_not(store_url: str) -> None:
+    """A turn's admission whose COMMIT was lost, its session replaced before the retry: the retry admitted
+    the turn in the new session (its user message and an outbox intent there)."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="t")
+        turns = Turns(store)
+        with commit_lost_then(store, replaced_by(other, "t", "theirs")):
+            turns.admit(S, "t", user("mine"), turn_id="t1", engine_id="e")
+        assert texts(other, "t") == ["theirs"]
+        assert Turns(other).intents(S) == []
+
+
+def test_a_branch_retried_after_its_session_was_made_again_leaves_that_one_alone(store_url: str) -> None:
+    """A branch to the empty path whose COMMIT was lost, its session replaced before the retry: the retry
+    moved the new session's head, taking its messages off its visible transcript."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="b")
+        store.append(S, "b", user("old"))
+        with commit_lost_then(store, replaced_by(other, "b", "theirs")):
+            store.branch(S, "b", None)
+        assert texts(other, "b") == ["theirs"]
+
+
+def test_a_rewrite_retried_after_its_session_was_made_again_reports_its_own_result(store_url: str) -> None:
+    """A rewrite whose COMMIT was lost, its session replaced before the retry: the retry ran the rewrite on
+    the new session, and raised UnknownEntry (the entries it rewrote are not there) for a rewrite that
+    landed; the new session must stay as its writer left it."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="r")
+        made = store.append_many(S, "r", [{"message": user("m0")}, {"message": user("m1")}])
+        with commit_lost_then(store, replaced_by(other, "r", "theirs")):
+            result = store.rewrite_entries(S, "r", [{"entry_id": made[1].entry_id, "message": user("edited")}])
+        assert (result.changed, result.rewritten_entries) == (True, 1)
+        assert texts(other, "r") == ["theirs"] and other.get_session(S, "r").generation == 0
+
+
+def test_an_append_retried_after_its_session_was_deleted_reports_its_own_append(store_url: str) -> None:
+    """An append whose COMMIT landed but was reported lost, its session deleted before the retry: the
+    retry raised UnknownSession, as if the message had never been stored (it was, then deleted)."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="d")
+        with commit_lost_then(store, lambda: other.delete_session(S, "d")):
+            entry = store.append(S, "d", user("mine"), idempotency_key="k1")
+        assert entry.message == user("mine") and entry.idempotency_key == "k1"
