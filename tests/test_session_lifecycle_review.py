@@ -128,3 +128,45 @@ def test_an_append_retried_after_its_session_was_deleted_reports_its_own_append(
         with commit_lost_then(store, lambda: other.delete_session(S, "d")):
             entry = store.append(S, "d", user("mine"), idempotency_key="k1")
         assert entry.message == user("mine") and entry.idempotency_key == "k1"
+
+
+def test_a_bootstrap_page_retried_after_a_lost_commit_is_its_own_page(store_url: str) -> None:
+    """A host transcript page whose COMMIT landed but was reported lost: the retry found the resume point
+    moved past the page's cursor, by that very page, and the service answered 409 ``cursor`` (re-read the
+    state) for a page it had imported."""
+    from mirror_helpers import a, legacy_service
+
+    from transcript_store.service_models import BootstrapRequest, HostEntry, ImportPage
+
+    with two_clients(store_url) as (store, _other):
+        store.create_session(S, session_id="m")
+        svc = next(legacy_service(store))
+
+        def page(cursor: str | None, next_cursor: str, entry_id: str) -> BootstrapRequest:
+            entries = [HostEntry(entry_id=entry_id, message=a(entry_id))]
+            return BootstrapRequest(page=ImportPage(cursor=cursor, next_cursor=next_cursor, entries=entries), done=False)
+
+        svc.bootstrap(S, "legacy", "m", page(None, "c1", "h0"))
+        with commit_lost_then(store, lambda: None):
+            out = svc.bootstrap(S, "legacy", "m", page("c1", "c2", "h1"))
+        assert (out.imported, out.cursor, out.position, out.visible_count) == (1, "c2", 2, 2)
+        assert texts(store, "m") == ["h0", "h1"]
+        svc.runtime.dispose()
+
+
+def test_a_mirrored_turn_retried_after_a_lost_commit_is_committed(store_url: str) -> None:
+    """A turn committed through the service whose COMMIT landed but was reported lost: the retry found the
+    ledger's receipt, of its own commit, and answered ``duplicate`` (a replay) for the call that committed
+    it; ``Turns.commit_turn`` answers ``committed`` there."""
+    from mirror_helpers import a, legacy_service, turn_request
+    from mirror_helpers import u as host_user
+
+    with two_clients(store_url) as (store, _other):
+        store.create_session(S, session_id="c")
+        svc = next(legacy_service(store))
+        req = turn_request("t1", 0, [host_user("q"), a("r")], ("h0", "h1"))
+        with commit_lost_then(store, lambda: None):
+            out = svc.commit_turn(S, "legacy", "c", req)
+        assert out.status == "committed"
+        assert svc.commit_turn(S, "legacy", "c", req).status == "duplicate"  # a replay by a new call
+        svc.runtime.dispose()

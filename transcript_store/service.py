@@ -54,6 +54,7 @@ from .host import HostRuntime, RuntimeContext
 from .ledger import (
     DEFAULT_RECEIPTS_PAGE,
     CommitResult,
+    Receipt,
     ReceiptPage,
     get_receipt,
 )
@@ -434,15 +435,22 @@ class Service:
             )
         else:
             hosted = [mirror.HostMessage(e.entry_id, e.message) for e in page.entries]
+            landed: list[tuple[mirror.Alignment, BootstrapState]] = []
 
             def run(c: Core) -> tuple[mirror.Alignment, BootstrapState]:
+                if landed and _bootstrap_state(c, scope, session_id) == landed[0][1]:
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain: the resume point
+                    # is where that page left it. Imported again, the page's cursor is one the mirror moved
+                    # past, by this very page (409 ``cursor``).
+                    return landed[0]
                 # The answer is what this page's transaction left: read after it commits, another
                 # importer's page (or a turn) could already have moved the resume point.
                 done, _after = mirror.import_page(
                     c, self.store.config, scope, session_id, cursor=page.cursor, next_cursor=page.next_cursor,
                     messages=hosted,
                 )
-                return done, _bootstrap_state(c, scope, session_id)
+                landed[:] = [(done, _bootstrap_state(c, scope, session_id))]
+                return landed[0]
 
             done, current = self.store.write(run)
             out = BootstrapResponse(
@@ -540,6 +548,8 @@ class Service:
         if target is not None and target != session_id:
             raise InvalidInput("session_target names another session than the one committed to")
 
+        mine: list[Receipt] = []  # the receipts this call's attempts wrote
+
         def run(c: Core) -> tuple[CommitResult, Anchor, Anchor]:
             replay = _committed_range(c, scope, session_id, call.info.id, req)
             if replay is not None:
@@ -561,6 +571,15 @@ class Service:
                 tx=c, advancement_key=req.advancement_key, admission=first, terminal=last, messages=messages,
                 is_heartbeat=req.is_heartbeat,
             )
+            if not isinstance(result, CommitResult):  # an engine breaking the contract: checked below
+                return result, first, last
+            if result.status == "committed":
+                mine.append(result.receipt)
+            elif result.status == "duplicate" and any(r.model_dump() == result.receipt.model_dump() for r in mine):
+                # A retry after an uncertain COMMIT found the receipt its earlier attempt wrote (the
+                # commit time, fresh per attempt, tells it from another caller's): this call's own
+                # commit, answered as ``Turns.commit_turn`` answers it, not as a replay.
+                result = CommitResult.model_construct(status="committed", receipt=result.receipt)
             return result, first, last
 
         try:
