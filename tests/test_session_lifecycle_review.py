@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 from conftest import user
 from sqlalchemy import Connection
 
@@ -144,7 +145,8 @@ def test_a_bootstrap_page_retried_after_a_lost_commit_is_its_own_page(store_url:
 
         def page(cursor: str | None, next_cursor: str, entry_id: str) -> BootstrapRequest:
             entries = [HostEntry(entry_id=entry_id, message=a(entry_id))]
-            return BootstrapRequest(page=ImportPage(cursor=cursor, next_cursor=next_cursor, entries=entries), done=False)
+            at = ImportPage(cursor=cursor, next_cursor=next_cursor, entries=entries)
+            return BootstrapRequest(page=at, done=False)
 
         svc.bootstrap(S, "legacy", "m", page(None, "c1", "h0"))
         with commit_lost_then(store, lambda: None):
@@ -170,3 +172,34 @@ def test_a_mirrored_turn_retried_after_a_lost_commit_is_committed(store_url: str
         assert out.status == "committed"
         assert svc.commit_turn(S, "legacy", "c", req).status == "duplicate"  # a replay by a new call
         svc.runtime.dispose()
+
+
+def test_create_session_racing_a_delete_of_its_id_is_not_a_key_conflict(store_url: str, backend: str) -> None:
+    """``create_session`` of an id that exists, that session deleted by another client between the create's
+    INSERT (which did nothing, the id being taken) and its read of the row: the create raised
+    SessionKeyConflict, "an active session already has key None", for a session without a key. It is
+    created, as it would have been a moment later."""
+    if backend == "sqlite":
+        pytest.skip("SQLite runs one writer at a time: no delete can land inside the create's transaction")
+    from sqlalchemy import event
+
+    with two_clients(store_url) as (store, other):
+        for sid, key in [("k1", None), ("k2", "chat:2")]:
+            before = other.create_session(S, session_id=sid, session_key=key)
+            armed = [True]
+
+            def after(
+                conn: object, cursor: object, statement: str, *_rest: object, armed: list[bool] = armed, sid: str = sid
+            ) -> None:
+                if armed[0] and statement.lstrip().upper().startswith("INSERT INTO TS_SESSIONS"):
+                    armed[0] = False
+                    other.delete_session(S, sid)  # another client, its own transaction, committed
+
+            event.listen(store.db.engine, "after_cursor_execute", after)
+            try:
+                made = store.create_session(S, session_id=sid, session_key=key)
+            finally:
+                event.remove(store.db.engine, "after_cursor_execute", after)
+            assert not armed[0]
+            assert made.session_key == key and made.incarnation != before.incarnation
+            assert other.get_session(S, sid) == made

@@ -55,6 +55,7 @@ from .errors import (
     InvalidInput,
     PayloadTooLarge,
     SessionKeyConflict,
+    TransientStoreError,
     UnknownEntry,
     UnknownSession,
 )
@@ -1068,6 +1069,12 @@ class Core:
                     f"session {session_id!r} already exists with another session key"
                 )
             return session_info(row)
+        if session_key is None or self.find_session_by_key(scope, session_key) is None:
+            # The insert did nothing for a row that is gone now: the session of this id (or the key's
+            # holder), deleted or ended by another writer between the two statements (PostgreSQL: each
+            # READ COMMITTED statement sees the latest commits). Nothing holds the id or key any more:
+            # the whole transaction runs again and creates it.
+            raise TransientStoreError(f"the session {session_id!r} or the holder of its key ended while it was created")
         raise SessionKeyConflict(f"an active session in scope {scope!r} already has key {session_key!r}")
 
     def find_session_by_key(self, scope: str, session_key: str) -> Row[Any] | None:
