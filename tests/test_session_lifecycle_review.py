@@ -203,3 +203,22 @@ def test_create_session_racing_a_delete_of_its_id_is_not_a_key_conflict(store_ur
             assert not armed[0]
             assert made.session_key == key and made.incarnation != before.incarnation
             assert other.get_session(S, sid) == made
+
+
+def test_a_completion_retried_after_its_session_was_made_again_reports_its_own_completion(store_url: str) -> None:
+    """A turn's completion whose COMMIT landed but was reported lost, its session replaced before the
+    retry: the retry appended the replies to the new session, found no intent there and raised
+    UnknownTurn, for a completion that had committed (fast path) or been accepted (no engine)."""
+    from workers.turn_worker import counting_engine
+
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        for sid, commit_in in [("f", counting_engine), ("q", None)]:
+            store.create_session(S, session_id=sid)
+            turns.admit(S, sid, user("q"), turn_id="t1", engine_id="e")
+            reply = [{"message": {"role": "assistant", "content": "mine"}}]
+            with commit_lost_then(store, replaced_by(other, sid, "theirs")):
+                done = turns.complete(S, sid, "t1", reply, commit_in)
+            assert done.terminal.session_id == sid and (done.commit is not None) == (commit_in is not None)
+            assert (done.commit.status if done.commit else done.intent.state) in ("committed", "accepted")
+            assert texts(other, sid) == ["theirs"] and Turns(other).intents(S) == []

@@ -417,10 +417,19 @@ class Turns:
         if not items or items[-1].kind != "message":
             raise InvalidInput("a turn completes with at least one reply message, the terminal last")
         self._check_turn_size(scope, session_id, turn_id, items)
+        landed: list[CompletionResult] = []
+
+        def gone(c: Core) -> bool:
+            # An earlier attempt ran to its end and only its COMMIT was uncertain; the session it completed
+            # the turn in was deleted since, perhaps made again under the id: the replies never go there
+            # (the retry found no intent in it: UnknownTurn, for a completion that had landed).
+            return bool(landed) and replaced(c, scope, session_id, landed[0].terminal.incarnation)
+
         if commit_in is not None:
-            landed: list[CompletionResult] = []
 
             def fast(c: Core) -> CompletionResult:
+                if gone(c):
+                    return landed[0]
                 done = self._complete_fast(c, scope, session_id, turn_id, items, commit_in)
                 landed[:] = [done]
                 return done
@@ -440,8 +449,15 @@ class Turns:
                 log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, describe(e))
                 slow = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
                 return CompletionResult(slow[0], slow[1], None, fast_path_error=describe(e))
-        intent, terminal = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
-        return CompletionResult(intent, terminal, None)
+
+        def accept(c: Core) -> CompletionResult:
+            if gone(c):
+                return landed[0]
+            intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
+            landed[:] = [CompletionResult(intent, terminal, None)]
+            return landed[0]
+
+        return self.store.write(accept)
 
     def _check_turn_size(self, scope: str, session_id: str, turn_id: str, items: list[NewEntry]) -> None:
         """PayloadTooLarge, before anything is written, for replies that would make the turn's closed
