@@ -20,17 +20,21 @@ S = "lifecycle-scope"
 
 
 @contextmanager
-def commit_lost_then(store: TranscriptStore, between: Callable[[], object]) -> Iterator[None]:
-    """The next write transaction commits; ``between`` runs (another client), then the caller sees the
-    connection drop, as when a server dies between COMMIT and its reply: the store retries it whole."""
+def commit_lost_then(store: TranscriptStore, between: Callable[[], object], *, after: int = 0) -> Iterator[None]:
+    """The next write transaction that commits (past the first ``after`` of them) commits; ``between`` runs
+    (another client), then the caller sees the connection drop, as when a server dies between COMMIT and
+    its reply: the store retries it whole."""
     real = store.db._transaction
     armed = [True]
+    skip = [after]
 
     @contextmanager
     def lossy(write: bool) -> Iterator[Connection]:
         with real(write) as conn:
             yield conn
-        if write and armed[0]:
+        if write and armed[0] and skip[0] > 0:
+            skip[0] -= 1
+        elif write and armed[0]:
             armed[0] = False
             between()
             raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
@@ -222,3 +226,26 @@ def test_a_completion_retried_after_its_session_was_made_again_reports_its_own_c
             assert done.terminal.session_id == sid and (done.commit is not None) == (commit_in is not None)
             assert (done.commit.status if done.commit else done.intent.state) in ("committed", "accepted")
             assert texts(other, sid) == ["theirs"] and Turns(other).intents(S) == []
+
+
+def test_a_failed_delivery_whose_record_was_retried_is_reported_failed(store_url: str) -> None:
+    """A drain's delivery failed (the engine raised); the write that keeps its row queued with the error
+    landed but its COMMIT was reported lost: the retry found the claim released (by itself) and took the
+    row for one that left the outbox, so the drain reported nothing failed ("left the outbox during its
+    delivery") while the row stayed queued with the error: ``outbox drain`` said all was well."""
+    from transcript_store.core import Core
+    from transcript_store.ledger import CommitResult, TurnPayload
+
+    def refusing(_c: Core, _turn: TurnPayload) -> CommitResult:
+        raise RuntimeError("the engine refuses this turn")
+
+    with two_clients(store_url) as (store, _other):
+        turns = Turns(store)
+        store.create_session(S, session_id="d")
+        turns.admit(S, "d", user("q"), turn_id="t1", engine_id="e")
+        turns.complete(S, "d", "t1", [{"message": {"role": "assistant", "content": "a"}}], None)
+        with commit_lost_then(store, lambda: None, after=1):  # the claim commits; then the failure's record
+            report = turns.drain(lambda _engine: refusing, scope=S, session_id="d")
+        assert [(sid, turn) for sid, turn, _error in report.failed] == [("d", "t1")], report
+        [row] = turns.intents(S)
+        assert row.attempt_count == 1 and row.lease_owner is None and "refuses" in (row.last_error or "")

@@ -991,22 +991,28 @@ def block(core: Core, scope: str, session_id: str, turn_id: str, reason: str) ->
                                      "lease_expires_at": None})
 
 
-def record_failure(core: Core, intent: TurnIntent, owner: str, error: str) -> bool:
+def record_failure(core: Core, intent: TurnIntent, owner: str, error: str, at: int) -> bool:
     """Keep a failed row queued: attempt_count + 1, the error, the claim released (False: the row is no
-    longer this claim's: gone with its session, or taken over)."""
+    longer this claim's: gone with its session, or taken over).
+
+    ``at`` (``now_us()``, drawn before the transaction) is the failure's time: a retry after an uncertain
+    COMMIT finds the claim released by its own earlier attempt, and tells that record by it (True)."""
     done = core.conn.execute(
         update(outbox)
         .where(_key(intent.scope, intent.session_id, intent.turn_id), outbox.c.lease_owner == owner)
         .values(
             attempt_count=outbox.c.attempt_count + 1,
             last_error=error[:2000],
-            last_attempt_us=now_us(),
+            last_attempt_us=at,
             lease_owner=None,
             lease_expires_us=None,
-            updated_us=now_us(),
+            updated_us=at,
         )
     )
-    return bool(done.rowcount == 1)
+    if done.rowcount == 1:
+        return True
+    row = get_row(core, intent.scope, intent.session_id, intent.turn_id)
+    return row is not None and row.lease_owner is None and row.last_attempt_us == at and row.last_error == error[:2000]
 
 
 @dataclass(frozen=True)

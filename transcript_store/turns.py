@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from . import faults, identity, outbox
-from .core import BAD_ID_CHAR, Core, NewEntry, check_anchor, check_id
+from .core import BAD_ID_CHAR, Core, NewEntry, check_anchor, check_id, now_us
 from .db import UNSENDABLE
 from .errors import (
     IdempotencyConflict,
@@ -676,7 +676,8 @@ class Turns:
         except Exception as e:
             error = str(e) if isinstance(e, _EngineUnavailable) else describe(e)
             report.stopped_sessions.append(intent.session_id)
-            if not self.store.write(lambda c: outbox.record_failure(c, intent, owner, error)):
+            at = now_us()
+            if not self.store.write(lambda c: outbox.record_failure(c, intent, owner, error, at)):
                 # The row is no longer this claim's: deleted with its session meanwhile (the turn ran
                 # again in a session created under the id), or taken over. Nothing of it stays queued:
                 # not a failed delivery (the CLI said "their rows stay queued" of a row that was gone).
@@ -692,7 +693,8 @@ class Turns:
             # deliveries for the claim's whole lease; the interruption goes on up whatever happens here.
             error = f"interrupted: {type(e).__name__}"
             try:
-                self.store.write(lambda c: outbox.record_failure(c, intent, owner, error))
+                at = now_us()
+                self.store.write(lambda c: outbox.record_failure(c, intent, owner, error, at))
             except Exception as failed:  # the store is unreachable: the claim's lease frees it
                 log.warning("turn %s: could not release its drain claim: %s", intent.turn_id, describe(failed))
             raise
