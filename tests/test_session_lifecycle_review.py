@@ -249,3 +249,22 @@ def test_a_failed_delivery_whose_record_was_retried_is_reported_failed(store_url
         assert [(sid, turn) for sid, turn, _error in report.failed] == [("d", "t1")], report
         [row] = turns.intents(S)
         assert row.attempt_count == 1 and row.lease_owner is None and "refuses" in (row.last_error or "")
+
+
+def test_open_session_retried_after_its_session_was_ended_answers_it_active(store_url: str) -> None:
+    """``open_session`` whose COMMIT (creating the key's session) landed but was reported lost, the session
+    ended by another client before the retry: the retry found no active holder of the key, tried to
+    create the session of the id it had drawn, found it (ended) and returned it, ``active`` False: an
+    answer no order of the two calls gives (open returns an active session). It answers the session as
+    it created it."""
+    with two_clients(store_url) as (store, other):
+
+        def end_it() -> None:
+            found = other.find_session(S, "chat:o")
+            assert found is not None
+            other.end_session(S, found.session_id)
+
+        with commit_lost_then(store, end_it):
+            opened = store.open_session(S, "chat:o")
+        assert opened.active and opened.session_key == "chat:o"
+        assert not other.get_session(S, opened.session_id).active  # ended, as the other client left it

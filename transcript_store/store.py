@@ -193,13 +193,22 @@ class TranscriptStore:
         check_id("scope", scope, new=True)
         check_id("session_key", session_key, new=True)
         sid = new_id()
+        landed: list[SessionInfo] = []  # the session an attempt created, under this call's own id
 
         def run(c: Core) -> SessionInfo:
+            if landed:
+                row = c.session_row(scope, sid)
+                if row is not None and (row.incarnation != landed[0].incarnation or not row.active):
+                    # An earlier attempt created it and only its COMMIT was uncertain: ended (or deleted
+                    # and made again) since, by someone who found it. It is this call's answer, as it was
+                    # made: created again, or returned ended, it is an answer no order of the calls gives.
+                    return landed[0]
             row = c.find_session_by_key(scope, session_key)
             if row is not None:
                 return session_info(row)
             try:
-                return c.create_session(scope, sid, session_key)
+                landed[:] = [c.create_session(scope, sid, session_key)]
+                return landed[0]
             except SessionKeyConflict:
                 # Another open_session of the key created it after the lookup (on PostgreSQL the insert
                 # waited for it and did nothing): that session is the answer, as if it had been first.
