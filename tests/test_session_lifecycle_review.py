@@ -268,3 +268,37 @@ def test_open_session_retried_after_its_session_was_ended_answers_it_active(stor
             opened = store.open_session(S, "chat:o")
         assert opened.active and opened.session_key == "chat:o"
         assert not other.get_session(S, opened.session_id).active  # ended, as the other client left it
+
+
+def test_an_acceptance_retried_after_a_lost_commit_is_not_a_collision_with_itself(store_url: str) -> None:
+    """A turn's completion without an engine (replies + acceptance) whose COMMIT landed but was reported
+    lost, and before the retry another client rewrote an earlier message (the generation rotates) or a
+    drain delivered the turn: the retry built the terminal's anchor again in the new generation and
+    raised OutboxCollision ("already accepted with another terminal"), or found the row delivered and
+    raised UnknownTurn, for its own acceptance."""
+    from workers.turn_worker import counting_engine
+
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        store.create_session(S, session_id="g")
+        first = store.append(S, "g", user("before the turn"))
+
+        def rewrite() -> None:
+            other.rewrite_entries(S, "g", [{"entry_id": first.entry_id, "message": user("rewritten")}])
+
+        def drain() -> None:
+            report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id="g")
+            assert report.committed == 1, report
+
+        for turn_id, between in [("t1", rewrite), ("t2", drain)]:
+            turns.admit(S, "g", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
+            reply = [{"message": {"role": "assistant", "content": f"a {turn_id}"}}]
+            with commit_lost_then(store, between):
+                done = turns.complete(S, "g", turn_id, reply, None)
+            assert done.intent.state == "accepted" and done.commit is None, turn_id
+            stored = turns.intent(S, "g", turn_id)
+            if stored is not None:  # t1: accepted (the drain blocks it stale: rewritten)
+                assert stored.terminal == done.terminal
+            else:  # t2: delivered
+                [receipt] = [r for r in turns.receipts(S, "g") if r.advancement_key == turn_id]
+                assert receipt.terminal_entry_id == done.terminal.entry_id

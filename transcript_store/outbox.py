@@ -539,7 +539,7 @@ def check_accept(
     if any(getattr(terminal, k) != getattr(admission.anchor, k) for k in identity_fields):
         raise InvalidInput("the terminal anchor names another session than the admission")
     if row.state != "admitted":
-        if row.terminal is not None and _same_anchor(Anchor.model_validate_json(row.terminal), terminal):
+        if row.terminal is not None and same_anchor(Anchor.model_validate_json(row.terminal), terminal):
             return _intent(core, row), False, bool(row.earlier_pending)
         raise OutboxCollision(f"turn {turn_id!r} was already accepted with another terminal")
     # The row as _ACCEPT leaves it, without reading it back (a statement, a round trip, per turn).
@@ -547,7 +547,7 @@ def check_accept(
     return _intent(core, row).model_copy(update=accepted), True, bool(row.earlier_pending)
 
 
-def _same_anchor(a: Anchor, b: Anchor) -> bool:
+def same_anchor(a: Anchor, b: Anchor) -> bool:
     """Equal anchors; one without an incarnation (stored before anchors had one, or sent by an older
     client) is compared on everything else."""
     if a.incarnation is None or b.incarnation is None:

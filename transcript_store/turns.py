@@ -420,10 +420,17 @@ class Turns:
         landed: list[CompletionResult] = []
 
         def gone(c: Core) -> bool:
-            # An earlier attempt ran to its end and only its COMMIT was uncertain; the session it completed
-            # the turn in was deleted since, perhaps made again under the id: the replies never go there
-            # (the retry found no intent in it: UnknownTurn, for a completion that had landed).
-            return bool(landed) and replaced(c, scope, session_id, landed[0].terminal.incarnation)
+            # Whether an earlier attempt ran to its end and its COMMIT, only uncertain, landed. The session
+            # it completed the turn in was deleted since, perhaps made again under the id: the replies never
+            # go there (the retry found no intent in it: UnknownTurn, for a completion that had landed).
+            # Or the turn's row holds that attempt's terminal, or its receipt does (a drain delivered it
+            # since): the retry built the terminal's anchor again in a generation a rewrite rotated since
+            # ("already accepted with another terminal"), or found no row (UnknownTurn).
+            if not landed:
+                return False
+            return replaced(c, scope, session_id, landed[0].terminal.incarnation) or _accepted_as(
+                c, landed[0].intent, landed[0].terminal
+            )
 
         if commit_in is not None:
 
@@ -785,6 +792,16 @@ class _ClaimLost(Exception):
 class _EngineUnavailable(Exception):
     def __init__(self) -> None:
         super().__init__("engine unavailable")
+
+
+def _accepted_as(c: Core, intent: TurnIntent, terminal: Anchor) -> bool:
+    """Whether the turn of ``intent`` was accepted with ``terminal``: its outbox row holds that terminal, or
+    (delivered since) its engine's receipt names it."""
+    row = outbox.get_row(c, intent.scope, intent.session_id, intent.turn_id)
+    if row is not None:
+        return row.terminal is not None and outbox.same_anchor(Anchor.model_validate_json(row.terminal), terminal)
+    receipt = get_receipt(c, intent.scope, intent.session_id, intent.engine_id, intent.turn_id)
+    return receipt is not None and receipt.terminal_entry_id == terminal.entry_id
 
 
 def _delivered(c: Core, intent: TurnIntent) -> bool:
