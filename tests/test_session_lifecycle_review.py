@@ -302,3 +302,31 @@ def test_an_acceptance_retried_after_a_lost_commit_is_not_a_collision_with_itsel
             else:  # t2: delivered
                 [receipt] = [r for r in turns.receipts(S, "g") if r.advancement_key == turn_id]
                 assert receipt.terminal_entry_id == done.terminal.entry_id
+
+
+def test_a_compaction_retried_after_a_lost_commit_reports_itself_compacted(store_url: str) -> None:
+    """A compaction (the legacy engine's and the host's) whose COMMIT landed but was reported lost: the
+    retry found the compaction pointer changed since its read, by itself, and reported ``compacted``
+    False, "another compaction of the session was written first", for the summary it had written."""
+    from typing import Any
+
+    from transcript_store.compaction import compact_session, load_pointer
+
+    class Summarizer:
+        def summarize(self, messages: Any, previous_summary: str | None = None, focus: str | None = None) -> str:
+            return f"summary of {len(messages)}"
+
+    class Estimator:
+        def count_messages(self, messages: Any) -> int:
+            return sum(len(str(m.get("content"))) for m in messages)
+
+    with two_clients(store_url) as (store, _other):
+        store.create_session(S, session_id="z")
+        store.append_many(S, "z", [{"message": user(f"message {i} " + "words " * 40)} for i in range(8)])
+        with commit_lost_then(store, lambda: None):
+            result = compact_session(store, S, "z", summarizer=Summarizer(), estimator=Estimator(), keep_last=2,
+                                     force=True)
+        assert result.ok and result.compacted, result
+        pointer = load_pointer(store, S, "z")
+        assert pointer is not None and pointer["summary"] == "summary of 6"
+        assert sum(e.kind == "compaction" for e in store.list_entries(S, "z")) == 1

@@ -172,8 +172,11 @@ def compact_session(
         # thread or worker, over a longer transcript, say) stands; ours, planned on the older state,
         # would put a less compacted pointer back in its place.
         locked = c.lock_session(scope, session_id)  # False: no such session any more (append raises)
-        if locked and get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) != state:
-            return False
+        current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) if locked else state
+        if current != state:
+            # (Or this very pointer, its marker's id drawn before the transaction: an earlier attempt's,
+            # whose COMMIT landed and was reported lost. The retry is that compaction, not a later one.)
+            return bool(current == new_pointer)
         c.append(scope, session_id, [marker])
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
         return True
