@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -361,6 +362,30 @@ def test_assembly_is_stable_and_the_epoch_follows_the_summaries(store: Transcrip
     d = assemble()
     assert d.context_projection.epoch == c.context_projection.epoch and d.messages != c.messages
     assert d.messages[: len(c.messages)] == c.messages  # appends keep the prefix (provider caches)
+
+
+def test_assembly_says_when_its_summaries_were_written(store: TranscriptStore, sid: str) -> None:
+    # A reply kept after a summary was generated after the messages the summary replaced: a host that
+    # replays provider-signed reasoning (OpenClaw's Anthropic thinking) must drop its signature, and only
+    # the assembly can say which replies are older than the compaction.
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 10)
+
+    def assemble(on: LosslessEngine = engine) -> Any:
+        return on.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
+
+    assert assemble().compacted_at_ms is None  # nothing summarised yet
+    before = int(time.time() * 1000)
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=1500).compacted
+    after = int(time.time() * 1000) + 1
+    first = assemble().compacted_at_ms
+    assert first is not None and before <= first <= after
+    run_turns(store, engine, sid, 1, start=10)
+    assert assemble().compacted_at_ms == first  # a turn appended later changes no prefix
+    assert assemble(make_engine(store, SMALL)).compacted_at_ms == first  # read from the store, not a cache
+    time.sleep(0.002)
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=1500).compacted
+    assert assemble().compacted_at_ms > first  # the newest summary counts
 
 
 def test_tool_calls_and_results_are_never_split(store: TranscriptStore, sid: str) -> None:

@@ -340,6 +340,10 @@ class AssembleResult(BaseModel):
     system_prompt_addition: str | None = None
     prompt_authority: Literal["assembled", "preassembly_may_overflow"] = "assembled"
     context_projection: ContextProjection | None = None
+    #: when the engine last replaced messages these follow (its newest summary shown), in milliseconds since
+    #: the epoch; None when it replaced none. A reply generated before then was generated after another
+    #: prefix, and a provider's signature bound to that prefix (Anthropic's signed thinking) no longer holds.
+    compacted_at_ms: int | None = Field(default=None, ge=0)
 
 
 class CompactResult(BaseModel):

@@ -34,6 +34,8 @@ class SummaryInfo:
     latest: int
     message_count: int
     content: str
+    #: when the summary was written (microseconds since the epoch; 0 for one not yet stored)
+    created_us: int = 0
 
 
 @dataclass
@@ -117,7 +119,8 @@ def _load_slots(core: Core, scope: str, session_id: str, start: int) -> list[_Sl
         if r.summary_seq is not None:
             s = infos[r.summary_seq]
             info = SummaryInfo(
-                s.summary_seq, s.kind, s.depth, s.earliest_ordinal, s.latest_ordinal, s.message_count, s.content
+                s.summary_seq, s.kind, s.depth, s.earliest_ordinal, s.latest_ordinal, s.message_count, s.content,
+                s.created_us,
             )
             out.append(_Slot(r.item_ordinal, s.tokens, None, None, info))
         else:
@@ -255,6 +258,12 @@ def epoch(items: Sequence[Item]) -> str:
     """A hash of the summary prefix: it changes only when the summaries in context change."""
     prefix = [[i.summary.seq, i.summary.content] for i in items if i.summary is not None]
     return hashlib.sha256(canonical_json(prefix).encode("utf-8")).hexdigest()[:16]
+
+
+def compacted_at_ms(items: Sequence[Item]) -> int | None:
+    """When the newest summary among the items was written (milliseconds, rounded up), None without one."""
+    made = [i.summary.created_us for i in items if i.summary is not None and i.summary.created_us > 0]
+    return -(-max(made) // 1000) if made else None
 
 
 def units(items: Sequence[Item]) -> list[tuple[int, int]]:

@@ -50,7 +50,7 @@ from transcript_store.tokens import RoughEstimator, count_from_parts
 from . import ingest, tools
 from .compaction import Planner, incarnation_of, write_plan
 from .config import Budget, LosslessConfig, budget
-from .context import ContextCache, Item, epoch, fit, load_items, render
+from .context import ContextCache, Item, compacted_at_ms, epoch, fit, load_items, render
 from .ingest import ImportResult, import_pages
 from .tables import ENGINE_ID, View
 
@@ -267,6 +267,9 @@ class LosslessEngine:
             # the host, not this answer, has the last word on what fits.
             prompt_authority="assembled" if estimated <= token_budget else "preassembly_may_overflow",
             context_projection=ContextProjection(mode="per_turn", epoch=epoch(shown)),
+            # The replies kept after a summary were generated after the messages it replaced: a host
+            # that replays provider-signed reasoning needs to know (integrations/openclaw).
+            compacted_at_ms=compacted_at_ms(shown),
         )
 
     def commit_turn(

@@ -23,7 +23,7 @@
 import { createClient, ServiceError } from "./client.js";
 import {
   ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn, TURN_CAP_BYTES,
-  wellFormed,
+  wellFormed, withoutStaleThinking,
 } from "./messages.js";
 
 export const PLUGIN_ID = "transcript-store";
@@ -454,7 +454,9 @@ export async function createEngine(options) {
       let estimated;
       for (let round = 0; ; round += 1) {
         answer = await ask(asked);
-        messages = answer.messages.map(fromStored);
+        // Replies kept across a compaction lose their signed thinking (its signature held for the prefix
+        // the compaction replaced); the ones after it keep theirs, byte for byte.
+        messages = withoutStaleThinking(answer.messages.map(fromStored), answer.compacted_at_ms);
         const media = messages.map(mediaTokens);
         estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0);
         if (budget === null || estimated <= budget || round + 1 >= ASSEMBLE_ROUNDS) break;

@@ -569,3 +569,46 @@ function fromLean(message) {
     return null; // not one this plugin wrote: rendered from the projection
   }
 }
+
+// ------------------------------------------------------------------------------- stale signatures
+//
+// A provider signs a reply's reasoning together with the prefix it was generated after (Anthropic's
+// signed thinking). A compaction replaces that prefix with a summary, so the replies it kept carry
+// signatures the provider no longer verifies: Anthropic refused the history ("Invalid signature in
+// thinking block"), or drops the blocks ("prefix_binding_mismatch") on every request. OpenClaw removes
+// them from its own history after its compactions (stripStaleThinkingSignaturesForCompactionReplay, then
+// stripInvalidThinkingSignatures: a reply older than the latest compaction summary loses its signed
+// thinking), but what a context engine assembles reaches the model as it is.
+
+export const OMITTED_REASONING = "[assistant reasoning omitted]";
+
+function timeOf(value) {
+  if (typeof value === "number") return Number.isFinite(value) ? value : undefined;
+  if (typeof value !== "string") return undefined;
+  const parsed = Date.parse(value);
+  return Number.isFinite(parsed) ? parsed : undefined;
+}
+
+/**
+ * The assembled messages with the thinking blocks of every reply generated before the latest compaction
+ * removed: the latest of OpenClaw's compaction summaries among them and `compactedAt` (when the service
+ * engine last summarised what they follow, milliseconds). A reply left empty says its reasoning was
+ * omitted, as OpenClaw's own replay does. Replies after the compaction are returned untouched.
+ */
+export function withoutStaleThinking(messages, compactedAt) {
+  let latest = Number.isFinite(compactedAt) ? compactedAt : undefined;
+  for (const message of messages) {
+    if (message?.role !== "compactionSummary") continue;
+    const at = timeOf(message.timestamp);
+    if (at !== undefined && (latest === undefined || at > latest)) latest = at;
+  }
+  if (latest === undefined) return messages;
+  return messages.map((message) => {
+    if (!message || message.role !== "assistant" || !Array.isArray(message.content)) return message;
+    const at = timeOf(message.timestamp);
+    if (at === undefined || at >= latest) return message;
+    const kept = message.content.filter((part) => !(part && (part.type === "thinking" || part.type === "redacted_thinking")));
+    if (kept.length === message.content.length) return message;
+    return { ...message, content: kept.length ? kept : [{ type: "text", text: OMITTED_REASONING }] };
+  });
+}

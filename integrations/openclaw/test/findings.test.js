@@ -489,3 +489,55 @@ test("finding 11: session ids with characters a URL escapes are addressed throug
     assert.deepEqual(assembled.messages, turn.messages, id);
   }
 });
+
+test("finding 12: signed thinking kept across a compaction is not replayed with its stale signature", async () => {
+  // A thinking signature is bound to the prefix the reply was generated after. A compaction replaces
+  // that prefix (a summary instead of the older messages), so the messages it kept carry signatures
+  // a provider no longer verifies (Anthropic: "Invalid signature in thinking block", later
+  // "prefix_binding_mismatch"). OpenClaw strips them from its own history after its compactions
+  // (stripStaleThinkingSignaturesForCompactionReplay, then drops the unsigned blocks), but what a
+  // context engine assembles is sent as it is: the plugin must do it. Replies after the compaction
+  // keep theirs, byte for byte.
+  const signed = (k, timestamp) => assistantMessage([
+    { type: "thinking", thinking: `Weighing option ${k}. `.repeat(20), thinkingSignature: `EqQBCkYIBxgCKkA-${k}-${"s".repeat(300)}` },
+    { type: "text", text: `answer ${k}` },
+  ], timestamp);
+  const redacted = (timestamp) => assistantMessage([
+    { type: "thinking", thinking: "", thinkingSignature: "R".repeat(400), redacted: true },
+  ], timestamp);
+  const isStale = (message) => message.role === "assistant"
+    && message.content.every((part) => part.type !== "thinking" && !("thinkingSignature" in part));
+  for (const engineId of ["legacy", "lossless"]) {
+    const host = hostSession(`s-stale-sig-${engineId}`);
+    const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+    const old = engineId === "legacy" ? 2 : Date.now() - 3600000; // OpenClaw's mocked summary says 99
+    const before = [];
+    for (let k = 0; k < 8; k += 1) {
+      const engine = await engineFor(host, { engine: engineId });
+      await engine.bootstrap(params);
+      const reply = k === 7 ? redacted(old + 2 * k + 1) : signed(k, old + 2 * k + 1);
+      before.push(reply);
+      const turn = host.turn(`b${k}`, [userMessage(`question ${k} `.repeat(40), old + 2 * k), reply]);
+      assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+    }
+    const engine = await engineFor(host, { engine: engineId });
+    const compacted = await engine.compact({ ...params, force: true, tokenBudget: 1500 });
+    assert.equal(compacted.compacted, true, `${engineId}: ${JSON.stringify(compacted)}`);
+    const now = engineId === "legacy" ? 100 : Date.now() + 1000;
+    const after = signed("after", now + 1);
+    assert.deepEqual(await engine.commitTurn(host.turn("a0", [userMessage("and now?", now), after])),
+      { status: "committed" });
+    const assembled = await engine.assemble({ ...params, tokenBudget: 100000 });
+    const replies = assembled.messages.filter((m) => m.role === "assistant");
+    const kept = replies.slice(0, -1);
+    assert.ok(kept.length >= 1, `${engineId}: the compaction kept a reply from before it`);
+    for (const reply of kept) {
+      assert.ok(isStale(reply), `${engineId}: a reply from before the compaction replays its signed thinking: ${JSON.stringify(reply).slice(0, 300)}`);
+      const original = before.find((m) => m.timestamp === reply.timestamp);
+      assert.deepEqual({ ...reply, content: undefined }, { ...original, content: undefined }); // only its thinking goes
+      const text = original.content.filter((part) => part.type !== "thinking");
+      assert.deepEqual(reply.content, text.length ? text : [{ type: "text", text: "[assistant reasoning omitted]" }]);
+    }
+    assert.deepEqual(replies.at(-1), after, `${engineId}: a reply after the compaction keeps its signature`);
+  }
+});
