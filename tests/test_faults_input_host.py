@@ -22,7 +22,7 @@ Service requests are drawn as the HTTP layer hands them over: arbitrary JSON bod
 validates into the request model (a body it refuses is the HTTP layer's 422 and never reaches
 ``Service``; that raw body is passed instead, as a Python caller passing anything but the model would).
 
-Drawn: 25 methods (``calls`` below; a test keeps that list and ``NOT_DRAWN`` complete). Not drawn:
+Drawn: 26 methods (``calls`` below; a test keeps that list and ``NOT_DRAWN`` complete). Not drawn:
 ``HostRuntime.flush_quarantines``, ``HostRuntime.dispose``, ``Service.engines``, ``Service.limits`` and
 ``Service.close`` (no arguments; ``close`` also closes the store).
 
@@ -78,6 +78,7 @@ from transcript_store.service_models import (
     CommitTurnRequest,
     CompactRequest,
     DeltaRequest,
+    HostCompactionRequest,
     OpenSession,
 )
 from transcript_store.settings import load_settings
@@ -273,6 +274,10 @@ def calls(host: HostRuntime, service: Service, w: dict[str, Any]) -> dict[str, C
                                           d.draw(requests(CompactRequest, bodies({
                                               "force": bools, "focus": st.one_of(st.none(), texts),
                                               "token_budget": limits})))),
+        "Service.host_compaction": lambda d: call(
+            service.host_compaction, d.draw(scopes), d.draw(engine_ids), d.draw(sessions),
+            d.draw(requests(HostCompactionRequest, bodies({
+                "summary": texts, "first_kept_position": limits, "first_kept_entry_id": ids})))),
         "Service.maintain": lambda d: call(service.maintain, d.draw(scopes), d.draw(engine_ids), d.draw(sessions)),
         "Service.commit_turn": lambda d: call(service.commit_turn, d.draw(scopes), d.draw(engine_ids),
                                               d.draw(sessions), d.draw(commit_requests(w))),
@@ -383,7 +388,7 @@ def public_methods() -> set[str]:
 def test_every_public_method_of_host_and_service_is_drawn_or_listed_as_not(store: TranscriptStore) -> None:
     host, service = make_host(store), Service(store, load_settings(config_path=None, engine="legacy"))
     drawn = set(calls(host, service, {}))  # the draws are lazy: no world needed for the names
-    assert len(drawn) == 25, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 26, sorted(drawn)  # the module docstring's count
     assert not drawn & set(NOT_DRAWN) and drawn | set(NOT_DRAWN) == public_methods(), \
         sorted(public_methods() ^ (drawn | set(NOT_DRAWN)))
     host.dispose()

@@ -173,6 +173,9 @@ def bodies(w: dict[str, Any]) -> dict[str, st.SearchStrategy[bytes]]:
         "compact": fields(force=mostly(st.booleans(), wrong), focus=st.one_of(st.none(), texts, wrong),
                           token_budget=budgets, fence=anchors),
         "maintain": fields(unknown=payloads),
+        "host_compaction": fields(summary=mostly(st.sampled_from(["earlier talk"]), st.one_of(texts, wrong)),
+                                  first_kept_position=mostly(st.sampled_from([0, 2, 4]), st.one_of(ints, wrong)),
+                                  first_kept_entry_id=ids),
         "commit_turn": st.one_of(
             st.sampled_from(sorted(commit_edits)).flatmap(
                 lambda k: commit_edits[k].map(lambda v: dumps({**commit, k: v}))),
@@ -214,7 +217,7 @@ def hostile_http_campaign(request_: pytest.FixtureRequest, server: ServiceProces
     status, doc = server.call("GET", "/openapi.json", TOKEN_A)
     assert status == 200
     ops = operations(doc)
-    assert len(ops) == 16, [(m, p) for m, p, _ in ops]  # the module docstring's "every operation"
+    assert len(ops) == 17, [(m, p) for m, p, _ in ops]  # the module docstring's "every operation"
     figures: dict[str, dict[str, int]] = {}
     with TranscriptStore(store_url) as mine:
         names = sorted(table_rows(mine))

@@ -356,6 +356,53 @@ def test_commit_turn_past_the_mirror_is_behind(server: ServiceProcess) -> None:
     assert status == 200 and data["status"] == "committed"
 
 
+def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServiceProcess) -> None:
+    # OpenClaw's own compaction (which the plugin delegates to for the legacy engine) moves no message: a
+    # marker in its transcript says where its summary stands. Without it the mirror assembled every
+    # message the host had compacted, and an overflow recovery's retry overflowed again.
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    for k in range(3):
+        status, data = commit(server, "legacy", sid, f"k{k}", 2 * k, [user(f"q{k}"), assistant(f"a{k}")])
+        assert status == 200, data
+    path = f"/v1/engines/legacy/sessions/{sid}"
+
+    def assemble() -> Any:
+        status, data = server.call("POST", f"{path}/assemble", TOKEN_A, {"token_budget": 100000})
+        assert status == 200, data
+        return data
+
+    assert assemble()["compacted_at_ms"] is None
+    before = int(time.time() * 1000)
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "host-e5"})
+    assert (status, data) == (200, {"first_kept_position": 4, "visible_count": 6}), data
+    shown = assemble()
+    head = "[Summary of the earlier conversation]\n"
+    assert [m["content"] for m in shown["messages"]] == [f"{head}they talked", "q2", "a2"]
+    assert before <= shown["compacted_at_ms"] <= int(time.time() * 1000) + 1
+    # Past the mirror's end: import first.
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                               {"summary": "s", "first_kept_position": 7, "first_kept_entry_id": "x"})
+    assert status == 409 and data["error"]["reason"] == "behind", data
+    for bad in ({"summary": " ", "first_kept_position": 1, "first_kept_entry_id": "x"},
+                {"summary": "s", "first_kept_position": -1, "first_kept_entry_id": "x"},
+                {"summary": "s", "first_kept_position": 1, "first_kept_entry_id": ""}):
+        status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A, bad)
+        assert status in (400, 422), (bad, status, data)
+    assert [m["content"] for m in assemble()["messages"]][1:] == ["q2", "a2"]  # refused calls changed nothing
+    # A compaction inside a turn that kept only that turn: the summary alone, then the turn once committed.
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                               {"summary": "all of it", "first_kept_position": 6, "first_kept_entry_id": "k3-u"})
+    assert status == 200, data
+    assert [m["content"] for m in assemble()["messages"]] == [f"{head}all of it"]
+    status, data = commit(server, "legacy", sid, "k3", 6, [user("q3"), assistant("a3")])
+    assert status == 200, data
+    assert [m["content"] for m in assemble()["messages"]][1:] == ["q3", "a3"]
+    status, info = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+    assert info["visible_count"] == 8  # every message where the host has it
+
+
 def test_commit_turn_of_entries_the_client_appended(server: ServiceProcess) -> None:
     sid = new_id("s")
     open_session(server, session_id=sid)

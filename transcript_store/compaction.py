@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .core import Core, prepare_entry
+from .core import Core, now_us, prepare_entry
 from .engine import CompactResult
-from .errors import InvalidInput, PayloadTooLarge, SummarizerError
+from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
 from .models import Anchor, Entry
 from .summarize import summary_text
@@ -37,8 +37,53 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
         return None
     kept = pointer["first_kept_entry_id"]
     row = c.entries_with_path(scope, session_id, [kept]).get(kept)
-    if row is None or row.position != pointer["first_kept_position"] or row.ts_path_seq != row.seq:
+    if row is None:
+        # A host's compaction that kept only the turn it ran in (record_host_compaction): its first kept
+        # message is the next one the host commits. Until then the summary is all there is before it.
+        sess = c.session_row(scope, session_id)
+        at_end = sess is not None and int(sess.visible_count) == pointer["first_kept_position"]
+        return pointer if at_end and pointer.get("source") == "host" else None
+    if row.position != pointer["first_kept_position"] or row.ts_path_seq != row.seq:
         return None
+    return pointer
+
+
+def record_host_compaction(
+    c: Core, scope: str, session_id: str, *, summary: str, first_kept_position: int, first_kept_entry_id: str
+) -> dict[str, Any]:
+    """Record a compaction a host made of its own transcript (OpenClaw's, which an engine that does not own
+    compaction delegates to it) as the session's pointer, in the caller's write transaction.
+
+    The host keeps every message where it was (its compaction is a marker, not a rewrite), so the mirror
+    does too: the pointer says which visible position the summary stands in front of. A position past the
+    mirror's end is ``MirrorConflict("behind")`` (import first); the mirror's end itself names the message
+    the host is about to commit (a compaction inside a turn that kept only that turn).
+    """
+    if not isinstance(summary, str) or not summary.strip():
+        raise InvalidInput("a host compaction needs its summary")
+    sess = c.require_session(scope, session_id, lock=True)
+    visible = int(sess.visible_count)
+    if isinstance(first_kept_position, bool) or not isinstance(first_kept_position, int) or first_kept_position < 0:
+        raise InvalidInput(f"first_kept_position must be a position, got {first_kept_position!r}")
+    if first_kept_position > visible:
+        raise MirrorConflict(
+            "behind", f"the first kept message is at position {first_kept_position}; the mirror holds {visible}"
+        )
+    kept = first_kept_entry_id
+    if first_kept_position < visible:
+        seq = c.path_seq_at_position(scope, session_id, first_kept_position)
+        row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
+        if row is None:  # pragma: no cover - positions below the visible count always exist
+            raise MirrorConflict("behind", f"no visible message at position {first_kept_position}")
+        kept = str(row.entry_id)
+    pointer = {
+        "summary": summary,
+        "first_kept_entry_id": kept,
+        "first_kept_position": first_kept_position,
+        "created_ms": now_us() // 1000,
+        "source": "host",
+    }
+    put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
 
 
@@ -165,6 +210,7 @@ def compact_session(
         "first_kept_entry_id": kept.entry_id,
         "first_kept_position": kept.position,
         "marker_entry_id": marker.entry_id,
+        "created_ms": now_us() // 1000,
     }
 
     def run(c: Core) -> bool:

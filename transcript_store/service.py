@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from . import mirror
+from . import compaction, mirror
 from .core import Core, check_anchor, check_id, session_info
 from .engine import (
     AssembleResult,
@@ -83,6 +83,8 @@ from .service_models import (
     DeltaRequest,
     EngineDescription,
     EngineSummary,
+    HostCompactionRequest,
+    HostCompactionResponse,
     OpenSession,
 )
 from .settings import HostSettings
@@ -522,6 +524,27 @@ class Service:
         base = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
                 "token_budget": budget}
         return CompactResult.model_validate(method(**project_params(call.info, base, self._host(call, None, budget))))
+
+    def host_compaction(
+        self, scope: str, engine_id: str, session_id: str, req: HostCompactionRequest
+    ) -> HostCompactionResponse:
+        """Record a compaction the host made of its own transcript (``compaction.record_host_compaction``)."""
+        _check_request(req, HostCompactionRequest)
+        self._call(scope, engine_id, session_id)
+        check_id("entry_id", req.first_kept_entry_id)
+
+        def run(c: Core) -> HostCompactionResponse:
+            pointer = compaction.record_host_compaction(
+                c, scope, session_id, summary=req.summary, first_kept_position=req.first_kept_position,
+                first_kept_entry_id=req.first_kept_entry_id,
+            )
+            visible = int(c.require_session(scope, session_id).visible_count)
+            return HostCompactionResponse(first_kept_position=pointer["first_kept_position"], visible_count=visible)
+
+        out: HostCompactionResponse = self.store.write(run)
+        log.info("host compaction engine=%s scope=%s session=%s first_kept_position=%d", engine_id, scope,
+                 session_id, out.first_kept_position)
+        return out
 
     def maintain(self, scope: str, engine_id: str, session_id: str) -> MaintainResult:
         """The engine's maintenance pass (nothing to do when it has none)."""

@@ -71,6 +71,8 @@ from .service_models import (
     EngineList,
     EntryList,
     ErrorBody,
+    HostCompactionRequest,
+    HostCompactionResponse,
     MaintainRequest,
     OpenSession,
     ReceiptList,
@@ -647,6 +649,13 @@ def _routes(app: FastAPI, service: Service) -> None:
     def compact(scope: Scope, engine: str, session_id: str, body: CompactRequest) -> CompactResult:
         """Run the engine's compaction."""
         return service.compact(scope, engine, session_id, body)
+
+    @app.post(f"{prefix}/host_compaction", response_model=HostCompactionResponse, tags=["engines"])
+    def host_compaction(
+        scope: Scope, engine: str, session_id: str, body: HostCompactionRequest
+    ) -> HostCompactionResponse:
+        """Record a compaction the host made of its own transcript (409 ``behind`` past the mirror's end)."""
+        return service.host_compaction(scope, engine, session_id, body)
 
     @app.post(f"{prefix}/maintain", response_model=MaintainResult, tags=["engines"])
     def maintain(scope: Scope, engine: str, session_id: str, body: MaintainRequest) -> MaintainResult:

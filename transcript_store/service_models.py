@@ -209,6 +209,22 @@ class CompactRequest(_Request):
     fence: Anchor | None = None
 
 
+class HostCompactionRequest(_Request):
+    """A compaction the host made of its own transcript (one the engine delegated to it): its summary and
+    the first message it kept, by the host's visible position and entry id."""
+
+    summary: str = Field(min_length=1, max_length=4_000_000)
+    first_kept_position: int = Field(ge=0, le=2**31 - 1)
+    first_kept_entry_id: str
+
+
+class HostCompactionResponse(BaseModel):
+    """What the engine will show: the summary in front of the messages from ``first_kept_position`` on."""
+
+    first_kept_position: int
+    visible_count: int
+
+
 class MaintainRequest(_Request):
     """Run the engine's maintenance pass."""
 

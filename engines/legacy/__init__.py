@@ -219,7 +219,8 @@ class LegacyEngine:
                 pointer = self.store.read(read)
             end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
             start = 0
-            if pointer is not None and pointer["first_kept_position"] < end:
+            # At ``end`` only for a host's compaction that kept nothing before the turn it ran in.
+            if pointer is not None and pointer["first_kept_position"] <= end:
                 start = pointer["first_kept_position"]
             summary = pointer["summary"] if pointer is not None and start > 0 else None
             prefix = [compaction.summary_message(summary)] if summary is not None else []
@@ -240,7 +241,10 @@ class LegacyEngine:
         estimated = count_from_parts(self.estimator, parts)
         if estimated is None:
             estimated = int(self.estimator.count_messages(messages))
-        return AssembleResult(messages=messages, estimated_tokens=estimated)
+        made = pointer.get("created_ms") if summary is not None and pointer is not None else None
+        return AssembleResult(
+            messages=messages, estimated_tokens=estimated, compacted_at_ms=made if isinstance(made, int) else None
+        )
 
     def _cut_summary(self, summary: str, budget: int) -> tuple[list[dict[str, Any]], int]:
         """The summary message held to at most ``budget`` tokens (``summarize.hold`` of its text, in the room

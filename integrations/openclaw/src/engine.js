@@ -353,6 +353,51 @@ export async function createEngine(options) {
     throw new Error("transcript-store: the host transcript import did not finish");
   }
 
+  // The visible position of a host entry, read from the host transcript's start; -1 when not there.
+  async function hostPosition(target, entryId) {
+    const read = (await sdk()).readSessionTranscriptVisibleMessageDelta;
+    let cursor;
+    let position = 0;
+    let maxBytes = pageBytes;
+    for (let pages = 0; pages < MAX_PAGES; pages += 1) {
+      const page = await read({
+        agentId: target.agentId, sessionId: target.sessionId, sessionKey: target.sessionKey,
+        storePath: target.storePath, ...(cursor !== undefined ? { cursor } : {}), maxMessages: pageMessages, maxBytes,
+      });
+      if (page.kind === "missing") return -1;
+      if (page.kind === "unavailable") throw new Error(`host transcript is unavailable: ${page.reason}`);
+      if (page.kind === "reset") { cursor = page.cursor; position = 0; continue; }
+      if (page.entries.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
+        maxBytes = Math.max(maxBytes, page.requiredBytes);
+        continue;
+      }
+      maxBytes = pageBytes;
+      const found = page.entries.findIndex((entry) => entry.entryId === entryId);
+      if (found >= 0) return position + found;
+      position += page.entries.length;
+      cursor = page.cursor;
+      if (!page.hasMore) return -1;
+    }
+    return -1;
+  }
+
+  // Tell the service engine about a compaction OpenClaw made (delegateCompactionToRuntime): its summary
+  // goes in front of the first message it kept, as OpenClaw's own context shows it.
+  async function recordCompaction(target, details) {
+    const summary = details && typeof details.summary === "string" ? details.summary : "";
+    const kept = details && typeof details.firstKeptEntryId === "string" ? details.firstKeptEntryId : "";
+    if (!summary.trim() || !kept) return; // a provider's server-side compaction: nothing to show
+    const position = await hostPosition(target, kept);
+    if (position < 0) {
+      warn(`transcript-store: the first message OpenClaw's compaction kept (${kept}) is not among the host's visible messages`);
+      return;
+    }
+    await inSession(target.sessionId, target.sessionKey, () => client.post(`${sessionPath(target.sessionId)}/host_compaction`, {
+      summary: wellFormed(summary), first_kept_position: position, first_kept_entry_id: wellFormed(kept),
+    }));
+    info(`transcript-store: OpenClaw's compaction recorded (its summary before position ${position})`);
+  }
+
   // The memory plugin's prompt guidance (OpenClaw's buildMemorySystemPromptAddition), when the host has it.
   async function memoryHelper() {
     try {
@@ -456,7 +501,10 @@ export async function createEngine(options) {
         answer = await ask(asked);
         // Replies kept across a compaction lose their signed thinking (its signature held for the prefix
         // the compaction replaced); the ones after it keep theirs, byte for byte.
-        messages = withoutStaleThinking(answer.messages.map(fromStored), answer.compacted_at_ms);
+        // What the service engine wrote itself (its summaries) is dated when it was written.
+        const writtenAt = answer.compacted_at_ms ?? undefined;
+        messages = withoutStaleThinking(answer.messages.map((stored) => fromStored(stored, { writtenAt })),
+          answer.compacted_at_ms);
         const media = messages.map(mediaTokens);
         estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0);
         if (budget === null || estimated <= budget || round + 1 >= ASSEMBLE_ROUNDS) break;
@@ -520,20 +568,23 @@ export async function createEngine(options) {
       if (!ownsCompaction) {
         const result = await (await sdk()).delegateCompactionToRuntime(params);
         if (result && result.ok && result.compacted) {
-          // OpenClaw rewrote its transcript (a summary and the messages it kept): the mirror, which is
-          // what the service engine assembles, takes it now, not at the next import (a bootstrap): the
-          // assemble of the retry that follows an overflow recovery must not return what was compacted.
-          const target = successorOf(targetOf(params), result);
-          if (inTurn.has(targetOf(params).sessionId)) {
-            // Inside a turn: the retry's fenced bootstrap imports the rewritten transcript (a reset).
-            inTurn.add(target.sessionId);
-            return result;
-          }
+          // OpenClaw's compaction adds a marker to its transcript (its summary and the first message it
+          // kept) and leaves every message where it was: the visible messages the mirror imports do not
+          // show it. The service engine (legacy) assembles from the mirror, so it is told: else the
+          // assemble of the retry after an overflow recovery, and of every turn after /compact, still
+          // returned everything that was compacted, and the retry overflowed again.
+          const caller = targetOf(params);
+          const target = successorOf(caller, result);
+          const inside = inTurn.has(caller.sessionId);
+          if (inside) inTurn.add(target.sessionId); // the turn's fenced reads stop at its admission
           try {
-            const imported = await inSession(target.sessionId, target.sessionKey, () => importTranscript(target));
-            info(`transcript-store: imported ${imported} host messages after OpenClaw's compaction`);
+            if (!inside) {
+              const imported = await inSession(target.sessionId, target.sessionKey, () => importTranscript(target));
+              info(`transcript-store: imported ${imported} host messages after OpenClaw's compaction`);
+            }
+            if (target.sessionId === caller.sessionId) await recordCompaction(target, result.result);
           } catch (error) {
-            warn(`transcript-store: the compacted host transcript was not imported (the next bootstrap imports it): ${error.message}`);
+            warn(`transcript-store: OpenClaw's compaction did not reach the mirror (the next assemble returns what it compacted): ${error.message}`);
           }
         }
         return result;

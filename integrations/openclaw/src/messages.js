@@ -506,12 +506,18 @@ function parseArguments(text) {
   }
 }
 
-/** The AgentMessage of a stored message: the host's own when it wrote it, else a faithful rendering. */
-export function fromStored(message) {
+/**
+ * The AgentMessage of a stored message: the host's own when it wrote it, else a faithful rendering, dated
+ * `options.writtenAt` (milliseconds) when given: OpenClaw shows a user message's date to the model, and a
+ * summary dated 0 read "[Thu 1970-01-01 00:00 UTC]".
+ */
+export function fromStored(message, options) {
   const original = message && message[ORIGINAL];
   if (original && typeof original === "object" && typeof original.role === "string") return original;
   const rebuilt = fromLean(message);
   if (rebuilt) return rebuilt;
+  const given = options && typeof options === "object" ? options.writtenAt : undefined; // not map's index
+  const timestamp = Number.isFinite(given) && given > 0 ? given : 0;
   const text = typeof message.content === "string" ? message.content : contentText(message.content);
   if (message.role === "assistant") {
     const calls = (message.tool_calls || []).map((call) => ({
@@ -528,7 +534,7 @@ export function fromStored(message) {
       model: "transcript-store",
       usage: ZERO_USAGE,
       stopReason: calls.length ? "toolUse" : "stop",
-      timestamp: 0,
+      timestamp,
     };
   }
   if (message.role === "tool") {
@@ -538,11 +544,11 @@ export function fromStored(message) {
       toolName: message.name || "tool",
       content: [{ type: "text", text }],
       isError: false,
-      timestamp: 0,
+      timestamp,
     };
   }
   // user, system, developer (summaries an engine wrote): the model reads them as user context.
-  return { role: "user", content: [{ type: "text", text }], timestamp: 0 };
+  return { role: "user", content: [{ type: "text", text }], timestamp };
 }
 
 // The host's message of a LEAN stored message: its removed values taken back from the projection.

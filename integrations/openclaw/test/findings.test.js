@@ -73,6 +73,15 @@ function hostSession(sessionId) {
     sessionId,
     sessionKey: `agent:main:${sessionId}`,
     fence: undefined, // the entry id of the running turn's admitted message, while reads are fenced
+    compactions: [], // OpenClaw's compactions: their summary and first kept entry id
+    /** The messages OpenClaw's own context shows: the latest summary, then from its first kept message. */
+    context() {
+      const last = host.compactions.at(-1);
+      if (!last) return entries.map((entry) => entry.message);
+      const from = entries.findIndex((entry) => entry.entryId === last.firstKept);
+      return [{ role: "user", content: `[Summary of the earlier conversation]\n${last.summary}` },
+        ...entries.slice(from).map((entry) => entry.message)];
+    },
     get entries() { return entries; },
     /** Append messages (a turn's first ones); their entries. */
     append(messages) {
@@ -121,15 +130,17 @@ function hostSession(sessionId) {
         const last = fenced >= 0 ? fenced : entries.length;
         return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < last, entries: page };
       },
+      // As OpenClaw 2026.9.6 compacts (seen through its /compact): a `compaction` entry after the last
+      // message (its summary and the first message it kept), which is no message: every message stays
+      // visible where it was, and the visible delta shows nothing new.
       delegateCompactionToRuntime: async () => {
         const keep = 2;
-        const summary = {
-          role: "compactionSummary", summary: `Summary of ${entries.length - keep} earlier messages.`,
-          tokensBefore: 5000, timestamp: 99,
+        const firstKept = entries[entries.length - keep];
+        host.compactions.push({ summary: `Summary of ${entries.length - keep} earlier messages.`, firstKept: firstKept.entryId });
+        return {
+          ok: true, compacted: true,
+          result: { summary: host.compactions.at(-1).summary, firstKeptEntryId: firstKept.entryId, tokensBefore: 5000, tokensAfter: 300 },
         };
-        entries = [{ entryId: `${sessionId}-summary-${generation}`, message: summary }, ...entries.slice(-keep)];
-        generation += 1;
-        return { ok: true, compacted: true, result: { summary: summary.summary, tokensBefore: 5000, tokensAfter: 300 } };
       },
     },
   };
@@ -174,18 +185,58 @@ test("finding 1: OpenClaw's delegated compaction (engine legacy) is what the nex
     sessionId: host.sessionId, sessionKey: host.sessionKey, force: true, sessionTarget: host.target() });
   assert.equal(compacted.compacted, true);
   const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
-  // What the host holds after its compaction: the summary and the two messages it kept.
-  assert.deepEqual(assembled.messages, host.entries.map((entry) => entry.message));
-  assert.equal(assembled.messages[0].role, "compactionSummary");
+  // What OpenClaw's own context shows after its compaction: the summary and the two messages it kept
+  // (its compaction moved no message: OpenClaw's compaction is a marker in its transcript).
+  assert.deepEqual(assembled.messages.map((m) => contentText(m.content)), host.context().map((m) => contentText(m.content)));
+  assert.deepEqual(assembled.messages.slice(1), host.context().slice(1));
   assert.ok(assembled.estimatedTokens < before.estimatedTokens);
+  // Dated when it was written (OpenClaw shows the date of a user message to the model), not 1970.
+  assert.ok(Math.abs(assembled.messages[0].timestamp - Date.now()) < 60000, String(assembled.messages[0].timestamp));
 
-  // The next turn commits on top of the compacted mirror, and an import finds nothing new.
+  // The next turn commits on top of the mirror (the summary stays), and an import finds nothing new.
   const turn = host.turn("k-after", [userMessage("after the compaction"), assistantMessage("noted")]);
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
   const boot = await engine.bootstrap({ sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() });
   assert.equal(boot.importedMessages, 0);
   const last = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
-  assert.deepEqual(last.messages, host.entries.map((entry) => entry.message));
+  assert.deepEqual(last.messages.map((m) => contentText(m.content)), host.context().map((m) => contentText(m.content)));
+  assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 10); // positions as the host's
+});
+
+test("finding 1: OpenClaw's compaction inside a turn that kept only that turn leaves its summary alone", async () => {
+  // An overflow recovery whose turn alone fills the window keeps only the turn: the summary is all that
+  // precedes it, and the retry's assemble must not return the history it summarised.
+  const host = hostSession("s-compact-turn");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  for (let k = 0; k < 3; k += 1) {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
+      { status: "committed" });
+  }
+  const engine = await engineFor(host);
+  const [prompt] = host.append([userMessage("CURRENT PROMPT")]);
+  host.fence = prompt.entryId;
+  await engine.bootstrap(params);
+  host.fence = undefined;
+  host.append([toolCall("c1", "read", { path: "big.log" })]); // the turn's own messages: OpenClaw keeps these two
+  const compacted = await engine.compact({ ...params, force: true, tokenBudget: 100000 });
+  assert.equal(compacted.compacted, true);
+  host.fence = prompt.entryId; // the retry
+  await engine.bootstrap(params);
+  const retry = await engine.assemble({ ...params, tokenBudget: 100000 });
+  assert.deepEqual(retry.messages.map((m) => contentText(m.content)), [`[Summary of the earlier conversation]\n${host.compactions[0].summary}`]);
+  host.fence = undefined;
+  const [reply] = host.append([assistantMessage("read it")]);
+  const turn = {
+    advancementKey: "k3", sessionId: host.sessionId, sessionKey: host.sessionKey, isHeartbeat: false, sessionTarget: host.target(),
+    admission: { entryId: prompt.entryId, activeMessagePosition: 6 },
+    terminal: { entryId: reply.entryId, activeMessagePosition: 8 },
+    messages: host.entries.slice(6).map((entry) => entry.message),
+  };
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const after = await engine.assemble({ ...params, tokenBudget: 100000 });
+  assert.deepEqual(after.messages.slice(1), turn.messages); // the summary, then the turn it kept
 });
 
 test("finding 2: images and thinking blocks count against the token budget of assemble", async () => {
@@ -510,7 +561,7 @@ test("finding 12: signed thinking kept across a compaction is not replayed with 
   for (const engineId of ["legacy", "lossless"]) {
     const host = hostSession(`s-stale-sig-${engineId}`);
     const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
-    const old = engineId === "legacy" ? 2 : Date.now() - 3600000; // OpenClaw's mocked summary says 99
+    const old = Date.now() - 3600000;
     const before = [];
     for (let k = 0; k < 8; k += 1) {
       const engine = await engineFor(host, { engine: engineId });
@@ -523,7 +574,7 @@ test("finding 12: signed thinking kept across a compaction is not replayed with 
     const engine = await engineFor(host, { engine: engineId });
     const compacted = await engine.compact({ ...params, force: true, tokenBudget: 1500 });
     assert.equal(compacted.compacted, true, `${engineId}: ${JSON.stringify(compacted)}`);
-    const now = engineId === "legacy" ? 100 : Date.now() + 1000;
+    const now = Date.now() + 1000;
     const after = signed("after", now + 1);
     assert.deepEqual(await engine.commitTurn(host.turn("a0", [userMessage("and now?", now), after])),
       { status: "committed" });
