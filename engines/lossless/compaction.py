@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, insert
+from sqlalchemy import delete, insert, select
 
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
@@ -347,8 +347,9 @@ def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEsti
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
-    """Write a plan in the caller's transaction; False when the context changed since it was planned."""
+def write_plan(core: Core, scope: str, session_id: str, plan: Plan, ts: int | None = None) -> bool:
+    """Write a plan in the caller's transaction (its summaries made at ``ts``, default now); False when
+    the context changed since it was planned."""
     sess = core.session_row(scope, session_id, lock=True)
     if sess is None:
         return False
@@ -360,7 +361,7 @@ def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
     if view.epoch != plan.epoch or view.next_summary != plan.next_summary:
         return False
     key = {"scope": scope, "session_id": session_id}
-    ts = now_us()
+    ts = now_us() if ts is None else ts
     core.conn.execute(insert(summaries), [_summary_row(key, s, ts) for s in plan.summaries])
     sources = [{**key, "summary_seq": s.info.seq, "message_ordinal": o} for s in plan.summaries for o in s.sources]
     if sources:
@@ -394,6 +395,23 @@ def write_plan(core: Core, scope: str, session_id: str, plan: Plan) -> bool:
     view.epoch += 1
     view.save(core, scope, session_id)
     return True
+
+
+def plan_landed(core: Core, scope: str, session_id: str, plan: Plan, ts: int) -> bool:
+    """Whether ``write_plan(..., plan, ts)`` landed: its first summary is stored, made at ``ts``, in the
+    session the plan was made on. An earlier attempt's write whose COMMIT was uncertain: its retry finds
+    the epoch moved, by that very write, and must not take it for another writer's (and plan again)."""
+    sess = core.session_row(scope, session_id)
+    if sess is None or foreign_incarnation(plan.incarnation, sess.incarnation, sess.created_us):
+        return False
+    first = plan.summaries[0]
+    s = summaries.c
+    row = core.conn.execute(
+        select(s.created_us, s.content).where(
+            s.scope == scope, s.session_id == session_id, s.summary_seq == first.info.seq
+        )
+    ).first()
+    return row is not None and row.created_us == ts and row.content == column_text(first.info.content)
 
 
 def _runs(items: Sequence[Item], removed: set[int]) -> list[tuple[int, int]]:

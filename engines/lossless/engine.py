@@ -24,7 +24,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, Literal
 
-from transcript_store.core import Core, check_anchor
+from transcript_store.core import Core, check_anchor, now_us
 from transcript_store.engine import (
     AssembleResult,
     BootstrapResult,
@@ -48,7 +48,7 @@ from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
 from . import ingest, tools
-from .compaction import Planner, incarnation_of, write_plan
+from .compaction import Plan, Planner, incarnation_of, plan_landed, write_plan
 from .config import Budget, LosslessConfig, budget
 from .context import ContextCache, Item, compacted_at_ms, epoch, fit, load_items, render
 from .ingest import ImportResult, import_pages
@@ -382,7 +382,7 @@ class LosslessEngine:
                     tokens_before=before, tokens_after=before,
                 )
             plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
-            if plan.summaries and not self.store.write(lambda c, p=plan: write_plan(c, scope, session_id, p)):
+            if plan.summaries and not self._write(scope, session_id, plan):
                 continue
             self._count("compactions", bool(plan.summaries))
             return CompactResult(
@@ -393,6 +393,20 @@ class LosslessEngine:
                 tokens_after=plan.tokens_after,
             )
         return CompactResult(ok=False, compacted=False, reason="the context changed during compaction; try again")
+
+    def _write(self, scope: str, session_id: str, plan: Plan) -> bool:
+        """Write a plan in one transaction; False when the context changed since it was planned."""
+        ts = now_us()  # drawn once: a retry after an uncertain COMMIT tells its own write by it
+        landed: list[bool] = []
+
+        def run(c: Core) -> bool:
+            if landed and landed[0] and plan_landed(c, scope, session_id, plan, ts):
+                return True  # the earlier attempt's write, not another writer's: never planned again
+            landed[:] = [write_plan(c, scope, session_id, plan, ts)]
+            return landed[0]
+
+        written: bool = self.store.write(run)
+        return written
 
     def _planning_state(self, scope: str, session_id: str) -> tuple[View, list[Item]]:
         """The view and the context list a compaction plans on, a pending reset applied first.

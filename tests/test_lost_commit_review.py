@@ -1,0 +1,69 @@
+"""A review of the writes outside the store core under retries: an engine's, a lease's, a drain's report.
+
+A write whose COMMIT lands but whose caller sees the connection drop is retried whole; the retry must
+answer the write that landed, never judge it someone else's (a plan refused as raced, a hand-back
+reported not done, a blocked row not counted), nor do the work again. Each test here failed on the code
+before its fix (see the docstrings).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conftest import commit_with, finished_turn, user
+from test_outbox_review import commits_lost
+from test_session_lifecycle_review import commit_lost_then, two_clients
+from workers.turn_worker import counting_engine
+
+from engines.lossless import LosslessEngine
+from engines.lossless.tables import View
+from transcript_store import TranscriptStore
+from transcript_store.engine import EngineContext
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+from transcript_store.turns import Turns
+
+S = "lost-commit-scope"
+SMALL = {"fresh_tail_messages": 4, "leaf_chunk_messages": 4, "leaf_summary_tokens": 120,
+         "condensed_summary_tokens": 160, "condense_fanin": 3}
+
+
+class Counting(ExtractiveSummarizer):
+    """The extractive summary, counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def summarize(self, messages: Any, **kw: Any) -> Any:
+        self.calls += 1
+        return super().summarize(messages, **kw)
+
+
+def lossless(store: TranscriptStore, summarizer: Counting) -> LosslessEngine:
+    return LosslessEngine(EngineContext(store=store, config=SMALL, summarizer=summarizer, estimator=RoughEstimator()))
+
+
+def test_a_lossless_compaction_retried_after_a_lost_commit_is_not_planned_again(store_url: str) -> None:
+    """A lossless compaction whose plan's COMMIT landed but was reported lost: the retry found the view's
+    epoch moved (by its own plan) and refused the plan as raced by another writer, so the compaction
+    planned again on the new context: a second round of summaries and summarizer calls nobody asked for
+    (a forced compaction compacted twice). It is the compaction that landed, once."""
+    with two_clients(store_url) as (store, _other):
+        counts: dict[str, tuple[int, int, int]] = {}
+        for sid, lose in (("plain", False), ("lost", True)):
+            summarizer = Counting()
+            engine = lossless(store, summarizer)
+            store.create_session(S, session_id=sid)
+            for i in range(6):
+                assert commit_with(store, engine, finished_turn(store, S, sid, f"t{i}")).status == "committed"
+            epoch = store.read(lambda c, sid=sid: View.load(c, S, sid).epoch)
+            if lose:
+                with commit_lost_then(store, lambda: None):
+                    result = engine.compact(scope=S, session_id=sid, force=True)
+            else:
+                result = engine.compact(scope=S, session_id=sid, force=True)
+            assert result.ok and result.compacted, result
+            view = store.read(lambda c, sid=sid: View.load(c, S, sid))
+            counts[sid] = (view.epoch - epoch, view.next_summary, summarizer.calls)
+        assert counts["lost"] == counts["plain"], counts
