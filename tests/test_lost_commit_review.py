@@ -67,3 +67,40 @@ def test_a_lossless_compaction_retried_after_a_lost_commit_is_not_planned_again(
             view = store.read(lambda c, sid=sid: View.load(c, S, sid))
             counts[sid] = (view.epoch - epoch, view.next_summary, summarizer.calls)
         assert counts["lost"] == counts["plain"], counts
+
+
+def test_a_hand_back_retried_after_its_session_was_made_again_reports_it_handed(store_url: str) -> None:
+    """A retry's hand-back of the turn it took over, whose COMMIT landed but was reported lost, its session
+    deleted and made again before the retry: the retry found no turn held in the new session and
+    reported False (not handed back) for a turn it had handed back."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        store.create_session(S, session_id="h")
+        turns.admit(S, "h", user("q1"), turn_id="t1", engine_id="legacy", owner="worker/a")
+        taken: list[Any] = []
+        turns.admit(S, "h", user("q1"), turn_id="t1", engine_id="legacy", owner="worker/b", taken_over=taken)
+
+        def replace() -> None:
+            other.delete_session(S, "h")
+            other.create_session(S, session_id="h")
+
+        with commit_lost_then(store, replace):
+            assert turns.hand_back(S, "h", "t1", owner="worker/b", lease=taken[0])
+
+
+def test_a_hand_back_retried_after_the_turn_was_completed_reports_it_handed(store_url: str) -> None:
+    """The same, the attempt the turn was handed back to completing it before the retry: the retry found
+    the row accepted and reported False for its own hand-back."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        store.create_session(S, session_id="c")
+        turns.admit(S, "c", user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+        taken: list[Any] = []
+        turns.admit(S, "c", user("q1"), turn_id="t1", engine_id="e", owner="worker/b", taken_over=taken)
+
+        def complete() -> None:
+            done = Turns(other).complete(S, "c", "t1", [{"message": {"role": "assistant", "content": "a"}}], None)
+            assert done.intent.state == "accepted"
+
+        with commit_lost_then(store, complete):
+            assert turns.hand_back(S, "c", "t1", owner="worker/b", lease=taken[0])

@@ -369,10 +369,13 @@ class Turns:
 
         def run(c: Core) -> bool:
             handed = outbox.hand_back(c, scope, session_id, turn_id, owner, seconds)
-            # A retry after an uncertain COMMIT finds the turn given back already: it was handed back.
+            # A retry after an uncertain COMMIT finds the turn no longer ``owner``'s: it was handed back,
+            # whatever became of it since (the attempt it went to completed or discarded it, or the
+            # session was deleted, perhaps made again under the id). Only a turn ``owner`` still holds
+            # tells the earlier COMMIT did not land (and this attempt answered it above).
             if not handed and landed and landed[0]:
                 row = outbox.get_row(c, scope, session_id, turn_id)
-                handed = row is not None and row.state == "admitted" and row.lease_owner != owner
+                handed = row is None or row.state != "admitted" or row.lease_owner != owner
             landed[:] = [handed]
             return handed
 
