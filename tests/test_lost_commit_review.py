@@ -104,3 +104,23 @@ def test_a_hand_back_retried_after_the_turn_was_completed_reports_it_handed(stor
 
         with commit_lost_then(store, complete):
             assert turns.hand_back(S, "c", "t1", owner="worker/b", lease=taken[0])
+
+
+def test_a_drain_whose_claim_was_retried_counts_the_rows_it_blocked(store_url: str) -> None:
+    """A drain's claim that blocked a stale row and claimed the next, its COMMIT landed but reported lost:
+    the retry found the row blocked already (by itself) and its own claim, and the report said 0 blocked."""
+    with two_clients(store_url) as (store, _other):
+        turns = Turns(store)
+        store.create_session(S, session_id="d")
+        for turn_id in ("t1", "t2"):
+            turns.admit(S, "d", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
+            done = turns.complete(S, "d", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
+            assert done.intent.state == "accepted"
+            if turn_id == "t1":  # t1's question rewritten: its range is stale, the drain blocks it
+                question = store.read_visible(S, "d")[0]
+                store.rewrite_entries(S, "d", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        with commits_lost(store, lambda n: n == 1):  # the claim's
+            report = turns.drain(lambda _engine: counting_engine, scope=S, session_id="d")
+        assert (report.committed, report.blocked) == (1, 1), report
+        intent = turns.intent(S, "d", "t1")
+        assert intent is not None and intent.state == "blocked"

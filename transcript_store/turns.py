@@ -630,8 +630,13 @@ class Turns:
         blocked: list[str] = []
 
         def claim(c: Core) -> TurnIntent | str:
-            blocked.clear()  # the write may be retried whole: count only the attempt that commits
-            return outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
+            earlier = blocked[:]  # the write may be retried whole: count only the attempt that commits
+            blocked.clear()
+            claimed = outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
+            # ... or, after an uncertain COMMIT, the earlier attempt's blocks that landed: this one finds
+            # those rows blocked already, off the queue, and blocks nothing.
+            blocked.extend(t for t in earlier if t not in blocked and _blocked(c, group, t))
+            return claimed
 
         claimed = self.store.write(claim)
         report.blocked += len(blocked)
@@ -811,6 +816,12 @@ def _delivered(c: Core, intent: TurnIntent) -> bool:
     """Whether a ready intent was delivered: its row is gone (the ledger holds its payload: the caller's
     commit just answered ``duplicate``)."""
     return outbox.get_row(c, intent.scope, intent.session_id, intent.turn_id) is None
+
+
+def _blocked(c: Core, group: outbox.Group, turn_id: str) -> bool:
+    """Whether the turn's row of the group (scope, session, engine) is blocked."""
+    row = outbox.get_row(c, group[0], group[1], turn_id)
+    return row is not None and row.state == "blocked" and row.engine_id == group[2]
 
 
 def new_owner() -> str:
