@@ -124,3 +124,30 @@ def test_a_drain_whose_claim_was_retried_counts_the_rows_it_blocked(store_url: s
         assert (report.committed, report.blocked) == (1, 1), report
         intent = turns.intent(S, "d", "t1")
         assert intent is not None and intent.state == "blocked"
+
+
+def test_a_legacy_compaction_retried_after_its_session_was_made_again_writes_nothing_there(store_url: str) -> None:
+    """The legacy engine's compaction whose COMMIT landed but was reported lost, its session deleted and
+    made again before the retry: the retry found no compaction pointer in the new session, as it had
+    read none in its own, and wrote its marker and pointer there (a summary of another conversation)."""
+    from transcript_store.compaction import compact_session, load_pointer
+
+    class Summarizer:
+        def summarize(self, messages: Any, previous_summary: str | None = None, focus: str | None = None) -> str:
+            return f"summary of {len(messages)}"
+
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="z")
+        store.append_many(S, "z", [{"message": user(f"message {i} " + "words " * 40)} for i in range(8)])
+
+        def replace() -> None:
+            other.delete_session(S, "z")
+            other.create_session(S, session_id="z")
+            other.append(S, "z", user("theirs"))
+
+        with commit_lost_then(store, replace):
+            result = compact_session(store, S, "z", summarizer=Summarizer(), estimator=RoughEstimator(),
+                                     keep_last=2, force=True)
+        assert result.ok and result.compacted, result
+        assert [e.kind for e in store.list_entries(S, "z")] == ["message"]
+        assert load_pointer(store, S, "z") is None

@@ -213,18 +213,28 @@ def compact_session(
         "created_ms": now_us() // 1000,
     }
 
+    landed: list[int] = []  # the incarnation of the session an attempt compacted
+
     def run(c: Core) -> bool:
+        if landed:
+            row = c.session_row(scope, session_id)
+            if row is None or row.incarnation != landed[0]:
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
+                # deleted since, perhaps made again under the id: never compacted again in that one.
+                return True
         # Compare and set under the session's row lock: a compaction that wrote since our read (another
         # thread or worker, over a longer transcript, say) stands; ours, planned on the older state,
         # would put a less compacted pointer back in its place.
-        locked = c.lock_session(scope, session_id)  # False: no such session any more (append raises)
-        current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) if locked else state
+        sess = c.session_row(scope, session_id, lock=True)  # None: no such session any more (append raises)
+        current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) if sess is not None else state
         if current != state:
             # (Or this very pointer, its marker's id drawn before the transaction: an earlier attempt's,
             # whose COMMIT landed and was reported lost. The retry is that compaction, not a later one.)
             return bool(current == new_pointer)
         c.append(scope, session_id, [marker])
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
+        assert sess is not None  # (append raised UnknownSession otherwise)
+        landed[:] = [int(sess.incarnation)]
         return True
 
     if not store.write(run):
