@@ -151,3 +151,30 @@ def test_a_legacy_compaction_retried_after_its_session_was_made_again_writes_not
         assert result.ok and result.compacted, result
         assert [e.kind for e in store.list_entries(S, "z")] == ["message"]
         assert load_pointer(store, S, "z") is None
+
+
+def test_a_lossless_compaction_retried_after_its_session_was_made_again_leaves_that_one_alone(
+    store_url: str,
+) -> None:
+    """The same, the session deleted and made again (another conversation ingested) before the retry: the
+    retry refused its plan (another incarnation) and the compaction planned again, on the new session,
+    and compacted that one: summaries of another conversation this call was never asked for."""
+    with two_clients(store_url) as (store, other):
+        summarizer = Counting()
+        engine = lossless(store, summarizer)
+        store.create_session(S, session_id="n")
+        for i in range(6):
+            assert commit_with(store, engine, finished_turn(store, S, "n", f"t{i}")).status == "committed"
+
+        def replace() -> None:
+            other.delete_session(S, "n")
+            other.create_session(S, session_id="n")
+            theirs = lossless(other, Counting())
+            for i in range(6):
+                assert commit_with(other, theirs, finished_turn(other, S, "n", f"u{i}")).status == "committed"
+
+        with commit_lost_then(store, replace):
+            result = engine.compact(scope=S, session_id="n", force=True)
+        assert result.ok and result.compacted, result
+        assert store.read(lambda c: View.load(c, S, "n").epoch) == 0
+        assert summarizer.calls == 1

@@ -398,12 +398,14 @@ def write_plan(core: Core, scope: str, session_id: str, plan: Plan, ts: int | No
 
 
 def plan_landed(core: Core, scope: str, session_id: str, plan: Plan, ts: int) -> bool:
-    """Whether ``write_plan(..., plan, ts)`` landed: its first summary is stored, made at ``ts``, in the
-    session the plan was made on. An earlier attempt's write whose COMMIT was uncertain: its retry finds
-    the epoch moved, by that very write, and must not take it for another writer's (and plan again)."""
+    """Whether ``write_plan(..., plan, ts)``, which ran to its end, landed: its first summary is stored,
+    made at ``ts``, in the session the plan was made on; or that session is gone since (deleted, perhaps
+    made again under the id: never compacted in its place). An earlier attempt's write whose COMMIT was
+    uncertain: its retry finds the epoch moved, by that very write, and must not take it for another
+    writer's (and plan again)."""
     sess = core.session_row(scope, session_id)
     if sess is None or foreign_incarnation(plan.incarnation, sess.incarnation, sess.created_us):
-        return False
+        return True
     first = plan.summaries[0]
     s = summaries.c
     row = core.conn.execute(
