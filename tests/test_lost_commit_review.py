@@ -178,3 +178,16 @@ def test_a_lossless_compaction_retried_after_its_session_was_made_again_leaves_t
         assert result.ok and result.compacted, result
         assert store.read(lambda c: View.load(c, S, "n").epoch) == 0
         assert summarizer.calls == 1
+
+
+def test_a_lossless_import_retried_after_a_lost_commit_reports_what_it_imported(store_url: str) -> None:
+    """A lossless bootstrap whose import's COMMIT landed but was reported lost: the retry found the
+    messages imported (by itself) and imported nothing, and the bootstrap reported 0 messages imported."""
+    with two_clients(store_url) as (store, _other):
+        store.create_session(S, session_id="i")
+        store.append_many(S, "i", [{"message": user(f"message {i}")} for i in range(5)])
+        engine = lossless(store, Counting())
+        with commit_lost_then(store, lambda: None):
+            result = engine.bootstrap(scope=S, session_id="i", fence=None)
+        assert result.bootstrapped and result.imported_messages == 5, result
+        assert engine.stats["imported"] == 5

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 from transcript_store.core import Core, check_anchor, now_us
@@ -132,12 +132,22 @@ class LosslessEngine:
     def _import(self, scope: str, session_id: str, fence: Anchor | None) -> ImportResult:
         """Import up to the fence, one page per transaction."""
         total = ImportResult()
+        landed: list[ImportResult] = []  # what the last attempt of a page's import did
+
+        def page(c: Core) -> ImportResult:
+            saved = landed[0].saved if landed else None
+            if saved is not None and asdict(View.load(c, scope, session_id)) == saved:
+                # An earlier attempt's import, whose COMMIT was uncertain, landed: the view is as it left
+                # it. Imported again, the page would count nothing (or the next page's messages).
+                return landed[0]
+            landed[:] = [import_pages(
+                c, scope, session_id, config=self.config, estimator=self.estimator, fence=fence, max_pages=1
+            )]
+            return landed[0]
+
         while True:
-            step: ImportResult = self.store.write(
-                lambda c: import_pages(
-                    c, scope, session_id, config=self.config, estimator=self.estimator, fence=fence, max_pages=1
-                )
-            )
+            landed.clear()
+            step: ImportResult = self.store.write(page)
             total.imported += step.imported
             total.rebuilt = total.rebuilt or step.rebuilt
             total.missing = step.missing

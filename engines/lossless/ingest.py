@@ -35,6 +35,8 @@ class ImportResult:
     more: bool = False
     rebuilt: bool = False
     missing: bool = False
+    #: the view as this import saved it (None: unchanged), which a retry after an uncertain COMMIT finds
+    saved: dict[str, Any] | None = None
 
 
 def column_text(text: str) -> str:
@@ -119,6 +121,7 @@ def import_pages(
             break
     if asdict(view) != loaded:
         view.save(core, scope, session_id)
+        result.saved = asdict(view)
     return result
 
 
