@@ -191,3 +191,28 @@ def test_a_lossless_import_retried_after_a_lost_commit_reports_what_it_imported(
             result = engine.bootstrap(scope=S, session_id="i", fence=None)
         assert result.bootstrapped and result.imported_messages == 5, result
         assert engine.stats["imported"] == 5
+
+
+def test_an_acceptance_by_hand_retried_after_a_lost_commit_answers_its_own_acceptance(store_url: str) -> None:
+    """``Turns.accept`` whose COMMIT landed but was reported lost, and a drain delivered the turn before
+    the retry (or its session was deleted and made again): the retry found no intent and raised
+    UnknownTurn (UnknownSession) for the acceptance that landed."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        for sid in ("a1", "a2"):
+            store.create_session(S, session_id=sid)
+            turns.admit(S, sid, user("q"), turn_id="t1", engine_id="e")
+            reply = store.append(S, sid, {"role": "assistant", "content": "a"})
+            terminal = store.anchor(S, sid, reply.entry_id)
+
+            def drain(sid: str = sid) -> None:
+                report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id=sid)
+                assert report.committed == 1, report
+
+            def replace(sid: str = sid) -> None:
+                other.delete_session(S, sid)
+                other.create_session(S, session_id=sid)
+
+            with commit_lost_then(store, drain if sid == "a1" else replace):
+                intent = turns.accept(S, sid, "t1", terminal)
+            assert intent.turn_id == "t1" and intent.state == "accepted", intent

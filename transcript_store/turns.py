@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Row
 
 from . import faults, identity, outbox
-from .core import BAD_ID_CHAR, Core, NewEntry, check_anchor, check_id, now_us
+from .core import BAD_ID_CHAR, Core, NewEntry, check_anchor, check_id, foreign_incarnation, now_us
 from .db import UNSENDABLE
 from .errors import (
     IdempotencyConflict,
@@ -400,7 +400,22 @@ class Turns:
         not there either); an ``OutboxCollision`` still, which was raised for it before."""
         _check_turn(self.store, scope, session_id, turn_id)
         check_anchor("terminal", terminal)
-        return self.store.write(lambda c: outbox.accept(c, scope, session_id, turn_id, terminal))
+        landed: list[TurnIntent] = []
+
+        def run(c: Core) -> TurnIntent:
+            if landed:
+                # An earlier attempt ran to its end and only its COMMIT was uncertain: a drain delivered
+                # the turn since (its receipt names the terminal), or the session was deleted, perhaps made
+                # again under the id. The retry found no intent: UnknownTurn, for an acceptance that landed.
+                row = c.session_row(scope, session_id)
+                if row is None or foreign_incarnation(terminal.incarnation, row.incarnation, row.created_us):
+                    return landed[0]
+                if _accepted_as(c, landed[0], terminal):
+                    return landed[0]
+            landed[:] = [outbox.accept(c, scope, session_id, turn_id, terminal)]
+            return landed[0]
+
+        return self.store.write(run)
 
     def complete(
         self,
