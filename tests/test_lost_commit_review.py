@@ -216,3 +216,16 @@ def test_an_acceptance_by_hand_retried_after_a_lost_commit_answers_its_own_accep
             with commit_lost_then(store, drain if sid == "a1" else replace):
                 intent = turns.accept(S, sid, "t1", terminal)
             assert intent.turn_id == "t1" and intent.state == "accepted", intent
+
+
+def test_a_block_by_hand_retried_after_its_session_was_deleted_answers_its_own_block(store_url: str) -> None:
+    """``Turns.block`` whose COMMIT landed but was reported lost, the session deleted before the retry:
+    the retry found no row and raised UnknownTurn for the block that landed."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        store.create_session(S, session_id="b")
+        turns.admit(S, "b", user("q"), turn_id="t1", engine_id="e")
+        assert turns.complete(S, "b", "t1", [{"message": {"role": "assistant", "content": "a"}}], None).commit is None
+        with commit_lost_then(store, lambda: other.delete_session(S, "b")):
+            intent = turns.block(S, "b", "t1", "never deliverable")
+        assert intent.state == "blocked" and intent.turn_id == "t1", intent

@@ -391,7 +391,17 @@ class Turns:
         if len(reason) > outbox.MAX_BLOCK_REASON or UNSENDABLE.search(reason) is not None:
             raise InvalidInput(f"the reason must be at most {outbox.MAX_BLOCK_REASON} characters of text")
         self.store.get_session(scope, session_id)  # UnknownSession first, as every call of a session
-        return self.store.write(lambda c: outbox.block(c, scope, session_id, turn_id, reason))
+        landed: list[TurnIntent] = []
+
+        def run(c: Core) -> TurnIntent:
+            if landed and _gone(c, landed[0].admission.anchor):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
+                # deleted since (the retry found no row: UnknownTurn, for a block that landed).
+                return landed[0]
+            landed[:] = [outbox.block(c, scope, session_id, turn_id, reason)]
+            return landed[0]
+
+        return self.store.write(run)
 
     def accept(self, scope: str, session_id: str, turn_id: str, terminal: Anchor) -> TurnIntent:
         """Record the host's acceptance of the turn (admitted -> accepted) in its own transaction.
@@ -403,15 +413,11 @@ class Turns:
         landed: list[TurnIntent] = []
 
         def run(c: Core) -> TurnIntent:
-            if landed:
+            if landed and (_gone(c, terminal) or _accepted_as(c, landed[0], terminal)):
                 # An earlier attempt ran to its end and only its COMMIT was uncertain: a drain delivered
                 # the turn since (its receipt names the terminal), or the session was deleted, perhaps made
                 # again under the id. The retry found no intent: UnknownTurn, for an acceptance that landed.
-                row = c.session_row(scope, session_id)
-                if row is None or foreign_incarnation(terminal.incarnation, row.incarnation, row.created_us):
-                    return landed[0]
-                if _accepted_as(c, landed[0], terminal):
-                    return landed[0]
+                return landed[0]
             landed[:] = [outbox.accept(c, scope, session_id, turn_id, terminal)]
             return landed[0]
 
@@ -831,6 +837,12 @@ def _delivered(c: Core, intent: TurnIntent) -> bool:
     """Whether a ready intent was delivered: its row is gone (the ledger holds its payload: the caller's
     commit just answered ``duplicate``)."""
     return outbox.get_row(c, intent.scope, intent.session_id, intent.turn_id) is None
+
+
+def _gone(c: Core, anchor: Anchor) -> bool:
+    """Whether the session of an anchor is gone: deleted, perhaps made again under its id."""
+    row = c.session_row(anchor.scope, anchor.session_id)
+    return row is None or foreign_incarnation(anchor.incarnation, row.incarnation, row.created_us)
 
 
 def _blocked(c: Core, group: outbox.Group, turn_id: str) -> bool:
