@@ -229,3 +229,25 @@ def test_a_block_by_hand_retried_after_its_session_was_deleted_answers_its_own_b
         with commit_lost_then(store, lambda: other.delete_session(S, "b")):
             intent = turns.block(S, "b", "t1", "never deliverable")
         assert intent.state == "blocked" and intent.turn_id == "t1", intent
+
+
+def test_a_service_session_retried_after_a_lost_commit_answers_it_as_created(store_url: str) -> None:
+    """The service's session create by id with ``rebind_key`` whose COMMIT landed but was reported lost,
+    and before the retry another caller rebound the key to its own session (ending this one): the retry
+    answered this call's session ended, an answer no order of the two calls gives (``open_session``
+    answers its session as it created it)."""
+    from mirror_helpers import legacy_service
+
+    from transcript_store.service_models import OpenSession
+
+    with two_clients(store_url) as (store, other):
+        svc = next(legacy_service(store))
+        theirs = next(legacy_service(other))
+        with commit_lost_then(store, lambda: theirs.open_session(S, OpenSession(session_id="o2", session_key="k",
+                                                                                 rebind_key=True))):
+            info = svc.open_session(S, OpenSession(session_id="o1", session_key="k", rebind_key=True))
+        assert (info.session_id, info.active, info.session_key) == ("o1", True, "k"), info
+        holder = store.find_session(S, "k")
+        assert holder is not None and holder.session_id == "o2"
+        svc.runtime.dispose()
+        theirs.runtime.dispose()

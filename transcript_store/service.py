@@ -297,31 +297,46 @@ class Service:
         check_id("session_id", req.session_id)
         check_id("session_key", req.session_key, optional=True)
         sid, key = req.session_id, req.session_key
+        landed: list[SessionInfo] = []  # the session as an attempt that ran to its end left it
 
         def run(c: Core) -> SessionInfo:
-            if c.session_row(scope, sid) is None:
-                # Only a session this call creates takes the new-id byte limit: one whose id an earlier
-                # release stored longer is still opened by its id (and changes nothing below if so).
-                check_id("scope", scope, new=True)
-                check_id("session_id", sid, new=True)
-                check_id("session_key", key, optional=True, new=True)
-            if req.rebind_key and key is not None:
-                if not c.dialect.is_sqlite:
-                    # Rebinds of one key wait for each other (SQLite's writers already do): each then
-                    # finds the one before it as the holder instead of racing it into the unique index.
-                    c.conn.execute(_KEY_LOCK, {"k": f"{scope}\x1f{key}"})
-                holder = c.find_session_by_key(scope, key)
-                if holder is not None and holder.session_id != sid:
-                    own = c.session_row(scope, sid)
-                    if own is not None and not own.active:
-                        # An ended session never holds a key again: ending the holder would leave the key
-                        # to nobody (a late replay of an old host session ending the live one). It is
-                        # still the session of its id: answered as it is, the holder keeps the key.
-                        return session_info(own)
-                    c.end_session(scope, holder.session_id)
-            return c.create_session(scope, sid, key)
+            if landed:
+                row = c.session_row(scope, sid)
+                if row is not None and row.incarnation == landed[0].incarnation and not row.active:
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain: its session was
+                    # ended since (a rebind of its key by another caller). Answered as that attempt left it,
+                    # as ``TranscriptStore.open_session`` answers. (None, or another incarnation, may as
+                    # well be an attempt whose COMMIT did not land: the id is the caller's, not drawn here.)
+                    return landed[0]
+            landed[:] = [self._open_by_id(c, scope, sid, key, req.rebind_key)]
+            return landed[0]
 
         return self.store.write(run)
+
+    @staticmethod
+    def _open_by_id(c: Core, scope: str, sid: str, key: str | None, rebind_key: bool) -> SessionInfo:
+        """The session of ``sid``, created when there is none (``rebind_key``: taking ``key`` from its holder)."""
+        if c.session_row(scope, sid) is None:
+            # Only a session this call creates takes the new-id byte limit: one whose id an earlier
+            # release stored longer is still opened by its id (and changes nothing below if so).
+            check_id("scope", scope, new=True)
+            check_id("session_id", sid, new=True)
+            check_id("session_key", key, optional=True, new=True)
+        if rebind_key and key is not None:
+            if not c.dialect.is_sqlite:
+                # Rebinds of one key wait for each other (SQLite's writers already do): each then
+                # finds the one before it as the holder instead of racing it into the unique index.
+                c.conn.execute(_KEY_LOCK, {"k": f"{scope}\x1f{key}"})
+            holder = c.find_session_by_key(scope, key)
+            if holder is not None and holder.session_id != sid:
+                own = c.session_row(scope, sid)
+                if own is not None and not own.active:
+                    # An ended session never holds a key again: ending the holder would leave the key
+                    # to nobody (a late replay of an old host session ending the live one). It is
+                    # still the session of its id: answered as it is, the holder keeps the key.
+                    return session_info(own)
+                c.end_session(scope, holder.session_id)
+        return c.create_session(scope, sid, key)
 
     def get_session(self, scope: str, session_id: str) -> SessionInfo:
         """One session of the scope (UnknownSession otherwise)."""
