@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from conftest import commit_with, finished_turn, user
-from test_outbox_review import commits_lost
+from test_outbox_review import commit_fails_once, commits_lost
 from test_session_lifecycle_review import commit_lost_then, two_clients
 from workers.turn_worker import counting_engine
 
@@ -251,3 +251,43 @@ def test_a_service_session_retried_after_a_lost_commit_answers_it_as_created(sto
         assert holder is not None and holder.session_id == "o2"
         svc.runtime.dispose()
         theirs.runtime.dispose()
+
+
+def test_the_retries_of_a_commit_that_did_not_land_write_it(store_url: str) -> None:
+    """The other side of each check above: a COMMIT that failed (did not land) is written by the retry,
+    once, and reported as its caller would see it without the failure."""
+    with two_clients(store_url) as (store, _other):
+        summarizer = Counting()
+        engine = lossless(store, summarizer)
+        store.create_session(S, session_id="f")
+        store.append_many(S, "f", [{"message": user(f"message {i}")} for i in range(3)])
+        with commit_fails_once(store, lambda: None):
+            assert engine.bootstrap(scope=S, session_id="f", fence=None).imported_messages == 3
+        assert store.read(lambda c: View.load(c, S, "f").next_item) == 3
+        for i in range(6):
+            assert commit_with(store, engine, finished_turn(store, S, "f", f"t{i}")).status == "committed"
+        with commit_fails_once(store, lambda: None):
+            result = engine.compact(scope=S, session_id="f", force=True)
+        assert result.compacted
+        assert store.read(lambda c: View.load(c, S, "f").epoch) == 1
+
+        turns = Turns(store)
+        store.create_session(S, session_id="fh")
+        turns.admit(S, "fh", user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+        taken: list[Any] = []
+        turns.admit(S, "fh", user("q1"), turn_id="t1", engine_id="e", owner="worker/b", taken_over=taken)
+        with commit_fails_once(store, lambda: None):
+            assert turns.hand_back(S, "fh", "t1", owner="worker/b", lease=taken[0])
+        intent = turns.intent(S, "fh", "t1")
+        assert intent is not None and intent.lease_owner == "worker/a"
+
+        store.create_session(S, session_id="fd")
+        for turn_id in ("t1", "t2"):
+            turns.admit(S, "fd", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
+            turns.complete(S, "fd", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
+            if turn_id == "t1":
+                question = store.read_visible(S, "fd")[0]
+                store.rewrite_entries(S, "fd", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        with commit_fails_once(store, lambda: None):
+            report = turns.drain(lambda _engine: counting_engine, scope=S, session_id="fd")
+        assert (report.committed, report.blocked) == (1, 1), report
