@@ -291,3 +291,29 @@ def test_the_retries_of_a_commit_that_did_not_land_write_it(store_url: str) -> N
         with commit_fails_once(store, lambda: None):
             report = turns.drain(lambda _engine: counting_engine, scope=S, session_id="fd")
         assert (report.committed, report.blocked) == (1, 1), report
+
+
+def test_a_legacy_compaction_whose_session_was_made_again_while_it_summarized_writes_nothing_there(
+    store_url: str,
+) -> None:
+    """The legacy engine's compaction, its session deleted and made again under the id while the summarizer
+    ran: the write found no compaction pointer in the new session, as it had read none in its own, and
+    wrote its marker and pointer there (a summary of another conversation in someone else's session)."""
+    from transcript_store.compaction import compact_session, load_pointer
+
+    with two_clients(store_url) as (store, other):
+
+        class Replacing:
+            def summarize(self, messages: Any, previous_summary: str | None = None, focus: str | None = None) -> str:
+                other.delete_session(S, "w")
+                other.create_session(S, session_id="w")
+                other.append(S, "w", user("theirs"))
+                return f"summary of {len(messages)}"
+
+        store.create_session(S, session_id="w")
+        store.append_many(S, "w", [{"message": user(f"message {i} " + "words " * 40)} for i in range(8)])
+        result = compact_session(store, S, "w", summarizer=Replacing(), estimator=RoughEstimator(), keep_last=2,
+                                 force=True)
+        assert not result.compacted, result
+        assert [e.kind for e in store.list_entries(S, "w")] == ["message"]
+        assert load_pointer(store, S, "w") is None

@@ -127,9 +127,14 @@ def compact_session(
 ) -> CompactResult:
     """Summarize the older visible messages of a session (see module doc)."""
     check_keep_last(keep_last)
-    # The state as read (valid or not) is what the write compares against: see run() below.
-    state, pointer = store.read(
-        lambda c: (get_state(c, scope, session_id, STATE_OWNER, STATE_KEY), pointer_in(c, scope, session_id))
+    # The state as read (valid or not) is what the write compares against, in the session of the
+    # incarnation read with it: see run() below.
+    state, pointer, incarnation = store.read(
+        lambda c: (
+            get_state(c, scope, session_id, STATE_OWNER, STATE_KEY),
+            pointer_in(c, scope, session_id),
+            getattr(c.session_row(scope, session_id), "incarnation", None),
+        )
     )
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0
@@ -213,35 +218,35 @@ def compact_session(
         "created_ms": now_us() // 1000,
     }
 
-    landed: list[int] = []  # the incarnation of the session an attempt compacted
+    landed: list[bool] = []  # an attempt ran to its end
 
-    def run(c: Core) -> bool:
-        if landed:
-            row = c.session_row(scope, session_id)
-            if row is None or row.incarnation != landed[0]:
-                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
-                # deleted since, perhaps made again under the id: never compacted again in that one.
-                return True
+    def run(c: Core) -> str | None:
         # Compare and set under the session's row lock: a compaction that wrote since our read (another
         # thread or worker, over a longer transcript, say) stands; ours, planned on the older state,
         # would put a less compacted pointer back in its place.
         sess = c.session_row(scope, session_id, lock=True)  # None: no such session any more (append raises)
+        if sess is None or sess.incarnation != incarnation:
+            if landed:
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
+                # deleted since, perhaps made again under the id: that compaction, never one in this one.
+                return None
+            if sess is not None:
+                # Deleted and made again under the id since the read: the new session's pointer (none,
+                # say) may well be the one read, but the summary is of another conversation.
+                return "the session was deleted and made again while it was summarized; nothing was written"
         current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY) if sess is not None else state
-        if current != state:
-            # (Or this very pointer, its marker's id drawn before the transaction: an earlier attempt's,
+        if current != state and current != new_pointer:
+            # (This very pointer, its marker's id drawn before the transaction, is an earlier attempt's,
             # whose COMMIT landed and was reported lost. The retry is that compaction, not a later one.)
-            return bool(current == new_pointer)
+            return "another compaction of the session was written first; its summary stands"
+        if current != state:
+            return None
         c.append(scope, session_id, [marker])
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
-        assert sess is not None  # (append raised UnknownSession otherwise)
-        landed[:] = [int(sess.incarnation)]
-        return True
+        landed[:] = [True]
+        return None
 
-    if not store.write(run):
-        return CompactResult(
-            ok=True,
-            compacted=False,
-            reason="another compaction of the session was written first; its summary stands",
-            tokens_before=tokens_before,
-        )
+    refused = store.write(run)
+    if refused is not None:
+        return CompactResult(ok=True, compacted=False, reason=refused, tokens_before=tokens_before)
     return CompactResult(ok=True, compacted=True, tokens_before=tokens_before, tokens_after=tokens_after)
