@@ -56,9 +56,12 @@ def engine_order(store: TranscriptStore, session_id: str) -> tuple[list[str], in
 
 
 @contextmanager
-def commits_lost(store: TranscriptStore, which: Callable[[int], bool]) -> Iterator[None]:
-    """The write transactions ``which(n)`` picks (n counts from 1) commit, then their caller sees the
-    connection drop (a server gone between COMMIT and its reply): an uncertain commit, retried whole."""
+def commits_lost(
+    store: TranscriptStore, which: Callable[[int], bool], between: Callable[[], object] | None = None
+) -> Iterator[None]:
+    """The write transactions ``which(n)`` picks (n counts from 1) commit, then ``between`` runs (another
+    client, when given) and their caller sees the connection drop (a server gone between COMMIT and its
+    reply): an uncertain commit, retried whole."""
     real = store.db._transaction
     count = [0]
 
@@ -69,6 +72,8 @@ def commits_lost(store: TranscriptStore, which: Callable[[int], bool]) -> Iterat
         if write:
             count[0] += 1
             if which(count[0]):
+                if between is not None:
+                    between()
                 raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
 
     store.db._transaction = lossy  # type: ignore[method-assign]

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 
 import pytest
 from conftest import user
-from sqlalchemy import Connection
+from test_outbox_review import commits_lost
 
-from transcript_store import TranscriptStore, TransientStoreError
+from transcript_store import TranscriptStore
 from transcript_store.turns import Turns
 
 S = "lifecycle-scope"
@@ -24,26 +24,8 @@ def commit_lost_then(store: TranscriptStore, between: Callable[[], object], *, a
     """The next write transaction that commits (past the first ``after`` of them) commits; ``between`` runs
     (another client), then the caller sees the connection drop, as when a server dies between COMMIT and
     its reply: the store retries it whole."""
-    real = store.db._transaction
-    armed = [True]
-    skip = [after]
-
-    @contextmanager
-    def lossy(write: bool) -> Iterator[Connection]:
-        with real(write) as conn:
-            yield conn
-        if write and armed[0] and skip[0] > 0:
-            skip[0] -= 1
-        elif write and armed[0]:
-            armed[0] = False
-            between()
-            raise TransientStoreError("injected: connection lost after COMMIT (the commit landed)")
-
-    store.db._transaction = lossy  # type: ignore[method-assign]
-    try:
+    with commits_lost(store, lambda n: n == after + 1, between):
         yield
-    finally:
-        store.db._transaction = real  # type: ignore[method-assign]
 
 
 @contextmanager
