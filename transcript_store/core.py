@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -887,6 +887,14 @@ class Core:
         #: (scope, session, entry id) -> (seq, parent, position, generation) of the user messages this
         #: transaction appended (the fences it may trust without a check)
         self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int, int]] = {}
+        #: what to tell the process once this transaction's write stands (``after_commit``)
+        self.committed_hooks: list[Callable[[], None]] = []
+
+    def after_commit(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once this write transaction committed (``TranscriptStore.write``), never for an
+        attempt rolled back or retried: process-local state (a counter, a cache) set inside the
+        transaction would describe a write that did not happen, or count a retried one twice."""
+        self.committed_hooks.append(hook)
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from pydantic import ConfigDict, Field
+from sqlalchemy import Connection
 
 from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
@@ -162,8 +163,25 @@ class TranscriptStore:
         self.close()
 
     def write(self, fn: Callable[[Core], T]) -> T:
-        """Run ``fn`` on the core inside ONE write transaction (retried whole: keep it re-runnable)."""
-        return self.db.write(lambda conn: fn(Core(conn, self.db.dialect, self.config)))
+        """Run ``fn`` on the core inside ONE write transaction (retried whole: keep it re-runnable); then
+        the ``Core.after_commit`` hooks of the attempt whose write stands."""
+        ran: list[Core] = []  # the attempts whose ``fn`` ran to its end (their COMMIT was sent)
+
+        def attempt(conn: Connection) -> T:
+            core = Core(conn, self.db.dialect, self.config)
+            result = fn(core)
+            ran.append(core)
+            return result
+
+        result = self.db.write(attempt)
+        hooks = ran[-1].committed_hooks
+        if not hooks and len(ran) > 1:
+            # The last attempt did nothing of its own: it found an earlier one's write, whose COMMIT
+            # landed though the connection dropped with its answer (the retry's ``landed`` checks).
+            hooks = ran[-2].committed_hooks
+        for hook in hooks:
+            hook()
+        return result
 
     def read(self, fn: Callable[[Core], T]) -> T:
         """Run ``fn`` on the core inside one read-only snapshot."""

@@ -315,7 +315,9 @@ class LosslessEngine:
             core, turn.scope, turn.session_id, config=self.config, estimator=self.estimator, fence=None,
             until=turn.terminal.position,
         )
-        self._count("imported", result.imported)
+        # Counted once the transaction that imported them commits: it is the host's (retried whole on a
+        # transient error, rolled back on any other), and a count made here counted a retried import twice.
+        core.after_commit(lambda: self._count("imported", result.imported))
 
     def after_turn(
         self,

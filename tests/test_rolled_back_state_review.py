@@ -1,0 +1,74 @@
+"""A review of process-local state an attempt changes inside a write transaction that then rolls back.
+
+A write is retried whole on a transient error and rolled back on any other: what an attempt told the
+process (a counter, a cache) before its COMMIT describes a write that may never have happened. Each test
+here failed on the code before its fix (see the docstrings).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import commit_with, finished_turn
+from test_lost_commit_review import Counting, lossless
+from test_outbox_review import commit_fails_once, commits_lost
+
+from transcript_store import TranscriptStore
+
+S = "rolled-back-scope"
+
+
+class _Undo(Exception):
+    """Raised by a test's transaction after the engine's commit: the transaction rolls back."""
+
+
+def _turns(store: TranscriptStore, sid: str) -> list[object]:
+    store.create_session(S, session_id=sid)
+    return [finished_turn(store, S, sid, f"t{i}") for i in range(2)]
+
+
+def test_a_lossless_commit_retried_after_a_failed_commit_counts_its_messages_once(store_url: str) -> None:
+    """A lossless ``commit_turn`` whose COMMIT did not land (the connection dropped at it): the retry
+    imported the turn's messages again, and ``stats["imported"]`` counted them twice (4 for 2 messages)."""
+    with TranscriptStore(store_url) as store:
+        engine = lossless(store, Counting())
+        first, second = _turns(store, "f")
+        assert commit_with(store, engine, first).status == "committed"  # type: ignore[arg-type]
+        before = engine.stats["imported"]
+        with commit_fails_once(store, lambda: None):
+            assert commit_with(store, engine, second).status == "committed"  # type: ignore[arg-type]
+        assert engine.stats["imported"] - before == 2
+
+
+def test_a_lossless_commit_whose_commit_landed_unseen_counts_its_messages_once(store_url: str) -> None:
+    """The same, the COMMIT landed and its answer was lost: the retry found the receipt and imported
+    nothing; the messages the landed attempt imported are counted, once (this held before the fix)."""
+    with TranscriptStore(store_url) as store:
+        engine = lossless(store, Counting())
+        first, second = _turns(store, "l")
+        assert commit_with(store, engine, first).status == "committed"  # type: ignore[arg-type]
+        before = engine.stats["imported"]
+        with commits_lost(store, lambda n: n == 1):
+            assert commit_with(store, engine, second).status in ("committed", "duplicate")  # type: ignore[arg-type]
+        assert engine.stats["imported"] - before == 2
+
+
+def test_a_lossless_commit_rolled_back_counts_nothing(store_url: str) -> None:
+    """A lossless ``commit_turn`` in a transaction that then failed (rolled back, nothing imported): the
+    messages were counted imported all the same."""
+    with TranscriptStore(store_url) as store:
+        engine = lossless(store, Counting())
+        first, second = _turns(store, "r")
+        assert commit_with(store, engine, first).status == "committed"  # type: ignore[arg-type]
+        before = engine.stats["imported"]
+        admission, terminal, msgs = second  # type: ignore[misc]
+
+        def commit_then_fail(c: object) -> None:
+            engine.commit_turn(tx=c, advancement_key=admission.turn_id, admission=admission.anchor,
+                               terminal=terminal, messages=msgs)
+            raise _Undo
+
+        with pytest.raises(_Undo):
+            store.write(commit_then_fail)  # type: ignore[arg-type]
+        assert engine.stats["imported"] == before
+        assert commit_with(store, engine, second).status == "committed"  # type: ignore[arg-type]
+        assert engine.stats["imported"] - before == 2
