@@ -22,8 +22,8 @@
 
 import { createClient, ServiceError } from "./client.js";
 import {
-  ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn, TURN_CAP_BYTES,
-  wellFormed, withoutStaleThinking,
+  contentText, ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn,
+  toStored, TURN_CAP_BYTES, wellFormed, withoutStaleThinking,
 } from "./messages.js";
 
 export const PLUGIN_ID = "transcript-store";
@@ -103,6 +103,45 @@ function budgetWithout(stored, media, estimated, budget) {
   }
   if (kept === 0) return null;
   return Math.min(Math.ceil(asked), estimated - 1); // at least one message fewer than now
+}
+
+// The summary the service engine shows for a compaction OpenClaw made (POST .../host_compaction).
+const SUMMARY_HEAD = "[Summary of the earlier conversation]\n";
+
+// What names one message in both OpenClaw's history and the assembly: its role, time, tool call and text
+// (OpenClaw's history passed its sanitising, so not its bytes). OpenClaw's compaction summary and the
+// summary the service shows for it name each other. Null when the message has no time.
+function identityOf(message) {
+  if (!message || typeof message !== "object") return null;
+  if (message.role === "compactionSummary") return typeof message.summary === "string" ? `summary ${message.summary}` : null;
+  const text = contentText(message.content);
+  if (message.role === "user" && text.startsWith(SUMMARY_HEAD)) return `summary ${text.slice(SUMMARY_HEAD.length)}`;
+  if (!Number.isFinite(message.timestamp)) return null;
+  return JSON.stringify([message.role, message.timestamp, message.toolCallId ?? null, text]);
+}
+
+// The running turn's messages OpenClaw's own history holds and the fenced assembly ends before. A retry
+// inside a turn (its overflow recovery, a timeout) prompts "Continue the current task ..." and gives
+// assemble its history with the turn's user message (the first attempt persisted it) and tool results:
+// without them the model never saw the question it was told to continue. They are what follows the last
+// message the history and the assembly share; nothing when they share none, or on a first attempt (its
+// history ends where the fence does).
+// A message the history shows otherwise than the assembly (OpenClaw's sanitising) must not add again
+// what the assembly holds: the turn opens at its user message, and none of it is older than the newest
+// host message assembled.
+function runningTurnOf(history, assembled) {
+  if (!Array.isArray(history) || history.length === 0) return [];
+  const shown = new Set(assembled.map(identityOf).filter((id) => id !== null));
+  const newest = assembled.reduce((max, message) => (Number.isFinite(message?.timestamp)
+    && !identityOf(message)?.startsWith("summary ") ? Math.max(max, message.timestamp) : max), -Infinity);
+  for (let i = history.length - 1; i >= 0; i -= 1) {
+    const id = identityOf(history[i]);
+    if (id === null || !shown.has(id)) continue;
+    const turn = history.slice(i + 1);
+    if (turn.length === 0 || turn[0]?.role !== "user") return [];
+    return turn.some((message) => Number.isFinite(message?.timestamp) && message.timestamp < newest) ? [] : turn;
+  }
+  return [];
 }
 
 async function defaultSdk() {
@@ -497,6 +536,7 @@ export async function createEngine(options) {
       let answer;
       let messages;
       let estimated;
+      let turn = [];
       for (let round = 0; ; round += 1) {
         answer = await ask(asked);
         // Replies kept across a compaction lose their signed thinking (its signature held for the prefix
@@ -506,16 +546,19 @@ export async function createEngine(options) {
         messages = withoutStaleThinking(answer.messages.map((stored) => fromStored(stored, { writtenAt })),
           answer.compacted_at_ms);
         const media = messages.map(mediaTokens);
-        estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0);
+        // A retry's running turn (OpenClaw's own history holds it; the fence ends before it) follows.
+        turn = runningTurnOf(params.messages, messages);
+        const turnTokens = turn.reduce((sum, message) => sum + roughMessageTokens(toStored(message)) + mediaTokens(message), 0);
+        estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0) + turnTokens;
         if (budget === null || estimated <= budget || round + 1 >= ASSEMBLE_ROUNDS) break;
-        const next = budgetWithout(answer.messages, media, answer.estimated_tokens, budget);
+        const next = budgetWithout(answer.messages, media, answer.estimated_tokens, budget - turnTokens);
         if (next === null || next < 1 || next >= asked) break;
         asked = next;
       }
       const additions = [await memoryAddition(await memoryHelper(), params), answer.system_prompt_addition]
         .filter((text) => typeof text === "string" && text.trim() !== "");
       return {
-        messages,
+        messages: turn.length ? [...messages, ...turn] : messages,
         estimatedTokens: estimated,
         ...(additions.length ? { systemPromptAddition: additions.join("\n\n") } : {}),
         ...(answer.prompt_authority ? { promptAuthority: answer.prompt_authority } : {}),

@@ -239,6 +239,39 @@ test("finding 1: OpenClaw's compaction inside a turn that kept only that turn le
   assert.deepEqual(after.messages.slice(1), turn.messages); // the summary, then the turn it kept
 });
 
+test("finding 1: the retry inside a turn after its compaction gets the turn's own messages", async () => {
+  // OpenClaw's overflow recovery retries the turn with "Continue the current task ..." as its prompt: the
+  // user's message, which the first attempt persisted, is in OpenClaw's own history (the `messages` it
+  // gives assemble), after the summary. The fenced assembly ends before it: the model got the summary and
+  // "Continue the current task" without the question, where OpenClaw's own context has it.
+  const host = hostSession("s-compact-retry");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  for (let k = 0; k < 3; k += 1) {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
+      { status: "committed" });
+  }
+  const engine = await engineFor(host);
+  const [prompt] = host.append([userMessage("CURRENT PROMPT", 10)]);
+  host.fence = prompt.entryId;
+  await engine.bootstrap(params);
+  // The first attempt: OpenClaw's history holds what precedes the turn (the prompt comes separately).
+  const first = await engine.assemble({ ...params, tokenBudget: 100000, messages: host.entries.slice(0, 6).map((e) => e.message) });
+  assert.deepEqual(first.messages, host.entries.slice(0, 6).map((e) => e.message));
+  host.fence = undefined;
+  host.append([toolCall("c1", "read", { path: "big.log" })]);
+  assert.equal((await engine.compact({ ...params, force: true, tokenBudget: 100000 })).compacted, true);
+  host.fence = prompt.entryId; // the retry
+  await engine.bootstrap(params);
+  // OpenClaw's own history after its compaction: its summary, then the messages it kept (the turn's).
+  const summary = { role: "compactionSummary", summary: host.compactions[0].summary, tokensBefore: 5000, timestamp: 20 };
+  const own = [summary, ...host.entries.slice(6).map((e) => e.message)];
+  const retry = await engine.assemble({ ...params, tokenBudget: 100000, messages: own, prompt: "Continue the current task" });
+  assert.deepEqual(retry.messages.map((m) => contentText(m.content)), host.context().map((m) => contentText(m.content)));
+  assert.deepEqual(retry.messages.slice(1), host.entries.slice(6).map((e) => e.message));
+});
+
 test("finding 2: images and thinking blocks count against the token budget of assemble", async () => {
   const host = hostSession("s-media");
   const engine = await engineFor(host);
