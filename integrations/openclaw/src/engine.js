@@ -626,6 +626,7 @@ export async function createEngine(options) {
               info(`transcript-store: imported ${imported} host messages after OpenClaw's compaction`);
             }
             if (target.sessionId === caller.sessionId) await recordCompaction(target, result.result);
+            else warn(`transcript-store: OpenClaw's compaction moved the session to ${target.sessionId}; its summary is not recorded there`);
           } catch (error) {
             warn(`transcript-store: OpenClaw's compaction did not reach the mirror (the next assemble returns what it compacted): ${error.message}`);
           }

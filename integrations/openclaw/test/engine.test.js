@@ -404,3 +404,25 @@ test("compact and maintain honour the host's abortSignal", async () => {
   await assert.rejects(running, (error) => error.code === "aborted");
   assert.equal((await engine.maintain(params)).changed, false); // without a signal, as before
 });
+
+test("a delegated compaction that moves the session to a successor says its summary is not recorded", async () => {
+  // The summary goes to the service as a host compaction of the caller's session only; a compaction that
+  // continues in another session id is imported there, and its summary left out with a warning.
+  const { calls, fetchImpl } = service({
+    ...mirrorRoutes(0).routes,
+    "GET /v1/engines/:e": () => [200, { id: "legacy", durable: true, info: { owns_compaction: false } }],
+  });
+  const warnings = [];
+  const sdk = {
+    delegateCompactionToRuntime: async () => ({
+      ok: true, compacted: true, result: { sessionId: "s2", summary: "what came before", firstKeptEntryId: "h1" },
+    }),
+    readSessionTranscriptVisibleMessageDelta: async () => ({ kind: "page", cursor: "c0", hasMore: false, entries: [] }),
+  };
+  const logger = { warn: (message) => warnings.push(message), info: () => {} };
+  const engine = await createEngine({ serviceUrl: "http://svc-successor", token: "t", engine: "legacy", fetchImpl, sdk, logger });
+  const out = await engine.compact({ sessionId: "s1", sessionKey: "k", force: true, sessionTarget: { agentId: "main", sessionId: "s1" } });
+  assert.equal(out.compacted, true);
+  assert.equal(calls.filter((c) => c.path.endsWith("/host_compaction")).length, 0);
+  assert.ok(warnings.some((w) => /moved the session to s2; its summary is not recorded/.test(w)), warnings);
+});
