@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import heapq
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -762,9 +763,7 @@ def _finish(
     """Recovery pass, then the exactly-once check from the store alone; ``processes``: the identities of
     the run's worker processes."""
     from .host import HostRuntime
-    from .ledger import committed_messages, list_receipts
     from .model import LocalResponder
-    from .outbox import get_intent
     from .quarantine import records
     from .settings import load_settings
 
@@ -781,41 +780,90 @@ def _finish(
     ours = set(processes)
     engines = {r.engine_id for r in store.read(lambda c: records(c, live_only=False)) if r.process in ours}
     report.quarantines = len(engines | set(host.quarantined))
-    scope = options.scope
     for sid, jobs in plan.items():
-        admitted = {e.turn_id: e for e in _all_entries(store, scope, sid) if e.turn_id}
-        by_key: dict[str, list[Any]] = {}
-        for r in store.read(lambda c, s=sid: list_receipts(c, scope, s)):
-            by_key.setdefault(r.advancement_key, []).append(r)
-        planned = {job.turn_id for job in jobs}
-        # "Nothing else reached the engine": a receipt in the run's sessions under a key that is none of
-        # its turns was never looked at.
-        for key in sorted(set(by_key) - planned):
-            report.problems.append(f"session {sid}: {key!r} reached the engine but is none of the run's turns")
-        for job in jobs:
-            tid = job.turn_id
-            found = by_key.get(tid, [])
-            intent = None if found else store.read(lambda c, t=tid, s=sid: get_intent(c, scope, s, t))
-            if tid in admitted:
-                report.admitted += 1
-            if len(found) > 1:
-                report.problems.append(f"turn {tid} committed {len(found)} times")
-            if found:
-                report.accepted += 1
-                report.committed += 1
-                r = found[0]
-                _held_by(report, engine, r.engine_id)
-                msgs = store.read(lambda c, r=r, s=sid: committed_messages(c, scope, s, r.engine_id, r.advancement_key))
-                entry = admitted.get(tid)
-                if len(msgs) != r.message_count or entry is None or msgs[0] != entry.message:
-                    report.problems.append(f"turn {tid}: ledger messages disagree with the transcript")
-            elif intent is not None and intent.state == "blocked":
-                report.accepted += 1
-                report.blocked += 1
-                _held_by(report, engine, intent.engine_id)
-            elif outcomes.get(tid, {}).get("status") not in ("failed",):
-                state = intent.state if intent else "no intent"
-                report.problems.append(f"turn {tid} finished but is neither committed nor blocked ({state})")
+        _check_session(store, options.scope, sid, jobs, engine, outcomes, report)
+
+
+def _check_session(
+    store: Any, scope: str, sid: str, jobs: list[Job], engine: str, outcomes: dict[str, dict[str, Any]],
+    report: GatewayReport,
+) -> None:
+    """Count one session's turns from the store and check each accepted one is in its engine once, whole,
+    and in admission order (per engine: each engine's commits follow the admissions)."""
+    from .ledger import list_receipts
+    from .outbox import get_intent
+
+    entries = _all_entries(store, scope, sid)
+    admitted = {e.turn_id: e for e in entries if e.turn_id}
+    # A turn's replies are appended with its acceptance, each the child of the one before: a reply (any
+    # message but a user's) under a receipt's terminal entry is the same turn going on past its receipt.
+    continued = {e.parent_id for e in entries if e.kind == "message" and e.role != "user"}
+    by_key: dict[str, list[Any]] = {}
+    for r in store.read(lambda c: list_receipts(c, scope, sid)):
+        by_key.setdefault(r.advancement_key, []).append(r)
+    planned = {job.turn_id for job in jobs}
+    # "Nothing else reached the engine": a receipt in the run's sessions under a key that is none of
+    # its turns was never looked at.
+    for key in sorted(set(by_key) - planned):
+        report.problems.append(f"session {sid}: {key!r} reached the engine but is none of the run's turns")
+    for job in jobs:
+        tid = job.turn_id
+        found = by_key.get(tid, [])
+        intent = None if found else store.read(lambda c, t=tid: get_intent(c, scope, sid, t))
+        if tid in admitted:
+            report.admitted += 1
+        if len(found) > 1:
+            report.problems.append(f"turn {tid} committed {len(found)} times")
+        if found:
+            report.accepted += 1
+            report.committed += 1
+            _held_by(report, engine, found[0].engine_id)
+            for r in found:
+                problem = _receipt_problem(store, r, admitted.get(tid), continued)
+                if problem is not None:
+                    report.problems.append(f"turn {tid}: {problem}")
+        elif intent is not None and intent.state == "blocked":
+            report.accepted += 1
+            report.blocked += 1
+            _held_by(report, engine, intent.engine_id)
+        elif outcomes.get(tid, {}).get("status") not in ("failed",):
+            state = intent.state if intent else "no intent"
+            report.problems.append(f"turn {tid} finished but is neither committed nor blocked ({state})")
+    _check_order(sid, [r for found in by_key.values() for r in found], {e.entry_id: e.seq for e in entries}, report)
+
+
+def _receipt_problem(store: Any, receipt: Any, entry: Any, continued: set[str | None]) -> str | None:
+    """What makes ``receipt`` no whole commit of its turn (admitted as ``entry``): None when it is one."""
+    from .ledger import committed_messages
+
+    r = receipt
+    try:
+        msgs = store.read(lambda c: committed_messages(c, r.scope, r.session_id, r.engine_id, r.advancement_key))
+    except KeyError:  # a raw seq the receipt references is no entry of the transcript any more
+        return f"a message its receipt on {r.engine_id} references is gone from the transcript"
+    if entry is None or r.admission_entry_id != entry.entry_id or len(msgs) != r.message_count or not msgs \
+            or msgs[0] != entry.message:
+        return "ledger messages disagree with the transcript"
+    if r.terminal_entry_id in continued:
+        return f"its receipt on {r.engine_id} ends before its reply does: part of the turn reached the engine"
+    return None
+
+
+def _check_order(sid: str, receipts: list[Any], seqs: dict[str, int], report: GatewayReport) -> None:
+    """Each engine took the session's turns in admission order: its receipts, by their admission's seq,
+    were committed one after the other (commit times never going back)."""
+    by_engine: dict[str, list[Any]] = {}
+    for r in receipts:
+        if r.admission_entry_id in seqs:  # one that is not: reported as disagreeing with the transcript
+            by_engine.setdefault(r.engine_id, []).append(r)
+    for engine_id, held in by_engine.items():
+        held.sort(key=lambda r: seqs[r.admission_entry_id])
+        for before, after in itertools.pairwise(held):
+            if before.committed_us > after.committed_us:
+                report.problems.append(
+                    f"session {sid}: turn {before.advancement_key} reached {engine_id} after turn "
+                    f"{after.advancement_key}, admitted after it"
+                )
 
 
 def _held_by(report: GatewayReport, configured: str, engine_id: str) -> None:
