@@ -16,6 +16,7 @@ from rich.console import Console
 
 from transcript_store import StoreConfig, TranscriptStore
 from transcript_store.gateway import GatewayOptions, GatewayReport, Job, _finish, run_gateway
+from transcript_store.models import Admission
 
 QUIET = Console(quiet=True)
 TURNS = 3
@@ -115,15 +116,42 @@ def lose_a_committed_reply(url: str) -> str:
     return key
 
 
+def block_a_turn_no_fault_explains(url: str) -> str:
+    """Turn 1 never reached its engine and is kept blocked (as a turn a planned rewrite made stale is), in a
+    run that planned no rewrite: nothing the run did explains it."""
+    key = _key(url, 1)
+    [(sid, adm, term)] = _sql(
+        url, "SELECT session_id, admission_entry_id, terminal_entry_id FROM ts_receipts WHERE advancement_key = :k",
+        k=key,
+    )
+    with TranscriptStore(config=StoreConfig(url=url)) as store:
+        admission = Admission(anchor=store.anchor("gateway", sid, adm), turn_id=key)
+        terminal = store.anchor("gateway", sid, term)
+    _sql(url, "DELETE FROM ts_receipts WHERE advancement_key = :k", k=key)
+    _sql(
+        url,
+        "INSERT INTO ts_outbox (scope, session_id, turn_id, engine_id, state, enqueue_seq, admission, terminal, "
+        "is_heartbeat, block_reason, attempt_count, created_us, updated_us) VALUES ('gateway', :sid, :k, "
+        "'legacy', 'blocked', :seq, :adm, :term, :no, 'stale: the session moved to another generation', 0, 1, 1)",
+        sid=sid, k=key, seq=admission.anchor.seq, adm=admission.model_dump_json(), term=terminal.model_dump_json(),
+        no=False,
+    )
+    return key
+
+
 @pytest.mark.parametrize(
     "corrupt",
-    [lose_a_turn, commit_a_turn_twice, commit_part_of_a_turn, commit_out_of_order, lose_a_committed_reply],
+    [
+        lose_a_turn, commit_a_turn_twice, commit_part_of_a_turn, commit_out_of_order, lose_a_committed_reply,
+        block_a_turn_no_fault_explains,
+    ],
 )
 def test_the_exactly_once_check_fails_on_a_corrupted_store(store_url: str, corrupt: Callable[[str], str]) -> None:
     """The check claimed "every accepted turn is in the engine once" (in admission order, whole) but looked
     at the count of each turn's receipts and at its first message only: a receipt of part of a turn, or
     receipts in another order than the turns' admissions, passed; a committed reply gone from the
-    transcript crashed the check (KeyError) instead of failing it."""
+    transcript crashed the check (KeyError) instead of failing it; a turn kept blocked passed in a run
+    that planned no rewrite to explain it."""
     options = _run(store_url)
     assert _recheck(options).ok
     key = corrupt(store_url)

@@ -148,6 +148,12 @@ class Job:
     text: str
     fault: str | None = None
     attempt: int = 0
+    #: the fault the plan made for the turn (``fault`` is cleared when the turn goes out again)
+    planned: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.planned is None:
+            self.planned = self.fault
 
 
 @dataclass
@@ -806,7 +812,7 @@ def _check_session(
     # its turns was never looked at.
     for key in sorted(set(by_key) - planned):
         report.problems.append(f"session {sid}: {key!r} reached the engine but is none of the run's turns")
-    for job in jobs:
+    for i, job in enumerate(jobs):
         tid = job.turn_id
         found = by_key.get(tid, [])
         intent = None if found else store.read(lambda c, t=tid: get_intent(c, scope, sid, t))
@@ -826,6 +832,12 @@ def _check_session(
             report.accepted += 1
             report.blocked += 1
             _held_by(report, engine, intent.engine_id)
+            # What blocks a turn of this run is a planned rewrite: its own turn's range goes stale (and an
+            # earlier turn still queued then). Any other block is a turn kept from its engine unexplained.
+            if not any(later.planned == "rewrite" for later in jobs[i:]):
+                report.problems.append(
+                    f"turn {tid} is blocked ({intent.block_reason}) and no planned rewrite explains it"
+                )
         elif outcomes.get(tid, {}).get("status") not in ("failed",):
             state = intent.state if intent else "no intent"
             report.problems.append(f"turn {tid} finished but is neither committed nor blocked ({state})")
