@@ -1142,3 +1142,41 @@ def test_a_branch_of_an_answer_hermes_merged_its_todo_snapshot_into_keeps_its_li
     assert sum(1 for u in users if u.startswith("alpha the question of this turn")) == 1, users
     assert _grep(restarted, "B", "later question 0") >= 1 and _grep(restarted, "A", "later question 0") == 0
     restarted.close()
+
+
+#: user-role messages hermes-agent 0.19.0 writes itself (``agent/conversation_compression.py``
+#: ``_SYNTHETIC_USER_PREFIXES``): a background process's notification, which the gateway and the CLI send as
+#: the turn's user message, and the todo snapshot, whose flag the session database does not keep
+NOTIFICATION = (
+    "[IMPORTANT: Background process proc_7 completed normally (exit code 0).\nCommand: make build\nOutput:\nok]"
+)
+SNAPSHOT = "[Your active task list was preserved across context compression]\n- [>] 1. ship the build"
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+@pytest.mark.parametrize("case", ["notification", "reloaded-snapshot"])
+def test_hermes_scaffolding_is_never_taken_for_the_current_user_message(
+    tmp_path: Path, engine_id: str, case: str
+) -> None:
+    """hermes-agent sends a background process's notification as the user message of a turn, and its todo
+    snapshot, reloaded from its session database (the gateway reloads every turn; its hygiene compaction
+    and ``/compress`` run on that list), has lost its flag. Taken for the current user message, it was
+    the one kept verbatim: the user's real request was summarised away, and Hermes (which counts our
+    context block as a human turn) did not put it back, so the model went on with a paraphrase of the
+    task; a reloaded snapshot was kept as the turn's message next to the fresh one Hermes appends."""
+    engine = make(tmp_path, engine=engine_id, threshold_percent=3000)
+    engine.on_session_start("s1")
+    request = user("omicron: deploy to staging once the build finishes, then tag release 4.2 " + "lorem " * 200)
+    if case == "notification":
+        tail = [request, reply("omicron: the build runs in the background"), user(NOTIFICATION + " step" * 700)]
+    else:
+        current, pending = turn_with_tool("omicron")
+        request = current
+        pending[-1]["content"] += " row" * 700  # a large tool result: the engine keeps less raw
+        tail = [current, *pending, user(SNAPSHOT), reply("omicron: done, " + "dolor " * 30)]
+    messages = [*conversation("omicron", 14), *tail]
+    out = engine.compress(copy.deepcopy(messages))
+    assert engine.compression_count == 1 and any(is_context_message(m) for m in out)
+    assert request in out, "the user's request was summarised away; Hermes' scaffolding kept in its place"
+    assert out[-1] == tail[-1] and is_valid_sequence(out)
+    assert_once(engine, "s1", messages)

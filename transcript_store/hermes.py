@@ -385,15 +385,29 @@ def merge_context(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out + rest
 
 
+#: how hermes-agent's user-role scaffolding starts (as its ``_SYNTHETIC_USER_PREFIXES``, which tells human
+#: intent from them the same way): its ``[System: ...]`` recovery notes, the todo snapshot it appends after
+#: a compaction (its ``_todo_snapshot_synthetic`` flag is not saved: a list reloaded from the session
+#: database has it bare) and a background process's notification, sent as a turn's user message
+HOST_SCAFFOLDING = (
+    "[System:",
+    "[Your active task list was preserved across context compression]",
+    "[IMPORTANT: Background process ",
+)
+
+
 def is_user_turn(message: dict[str, Any]) -> bool:
-    """Whether a message is a turn the user typed: a user message that is neither ours nor Hermes'
-    scaffolding (flagged ``_..._synthetic``, or a ``[System: ...]`` note it adds to recover a turn)."""
+    """Whether a message is a turn the user typed: a user message with text that is neither ours nor
+    Hermes' scaffolding (flagged ``_..._synthetic``, or starting as one of ``HOST_SCAFFOLDING``)."""
     if message.get("role") != "user" or is_context_message(message):
         return False
     if any(str(k).endswith("_synthetic") and v for k, v in message.items()):
         return False
     content = message.get("content")
-    return not (isinstance(content, str) and content.lstrip().startswith("[System:"))
+    if isinstance(content, list):  # a multimodal turn: its text parts (an image alone is the user's too)
+        texts = [str(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = "\n".join(texts) if texts else None
+    return not (isinstance(content, str) and content.strip().startswith(HOST_SCAFFOLDING))
 
 
 def fresh_tail(body: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:

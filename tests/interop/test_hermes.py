@@ -587,3 +587,32 @@ def test_a_compaction_during_hermes_recovery_keeps_its_scaffolding_ephemeral(hom
         assert not [m for m in final if str(m.get("content")).startswith("You just executed tool calls")]
         assert final[-1]["role"] == "assistant" and final[-2]["role"] == "tool"
         agent.shutdown_memory_provider(final)
+
+
+def test_a_background_process_notification_turn_keeps_the_users_request_verbatim(
+    home: Path, server: FakeOpenAI
+) -> None:
+    """The gateway and the CLI send a background process's notification ("[IMPORTANT: Background process
+    ...]") as a turn's user message. Compacted at that turn's start, the adapter kept the notification as
+    the current user message and the engine summarised the user's real request away; Hermes counts our
+    context block as a human turn, so it did not put the request back either (its own compressor keeps
+    the last real human message): the model went on from a paraphrase of what it was asked to do."""
+    server.reset()
+    agent = make_agent(server)
+    engine = agent.context_compressor
+    engine.threshold_percent = 6000
+    engine.update_model(engine.model, engine.context_length)
+    history, _seen = run_turns(agent, 4, "quince")
+    request = "quince-deploy: once the build finishes, deploy to staging and tag release 4.2. " + WORDS
+    history = agent.run_conversation(request, conversation_history=history)["messages"]
+    notification = (
+        "[IMPORTANT: Background process proc_q1 completed normally (exit code 0).\nCommand: make build\n"
+        "Output:\n" + " ".join(["built"] * 2000) + "]"
+    )
+    count = engine.compression_count
+    result = agent.run_conversation(notification, conversation_history=history)
+    assert engine.compression_count == count + 1, "no compaction at the notification's turn: the case did not arise"
+    sent = [m.get("content") for m in server.chat_requests[-1]["messages"]]
+    assert notification in sent
+    assert request in sent, "the user's request was summarised away: the notification was taken for it"
+    agent.shutdown_memory_provider(result["messages"])
