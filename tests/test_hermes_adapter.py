@@ -1180,3 +1180,26 @@ def test_hermes_scaffolding_is_never_taken_for_the_current_user_message(
     assert request in out, "the user's request was summarised away; Hermes' scaffolding kept in its place"
     assert out[-1] == tail[-1] and is_valid_sequence(out)
     assert_once(engine, "s1", messages)
+
+
+def test_the_turn_hook_stores_through_the_copy_that_ran_the_turn_only(tmp_path: Path) -> None:
+    """``observe_turn`` (hermes-agent's ``post_llm_call`` plugin hook) stores the finished turn through the
+    engine copy that made this thread's model calls, once. Hermes' background review runs the parent's
+    history and a review prompt on an agent of its own whose session id it sets to the parent's: that
+    is no turn of the conversation, and its copy (bound to its own id) stores nothing."""
+    from transcript_store.hermes import observe_turn
+
+    proto = make(tmp_path)
+    engine, review = copy.deepcopy(proto), copy.deepcopy(proto)
+    engine.on_session_start("s1")
+    review.on_session_start("review-own-id")
+    turn = [user("pi question " + "lorem " * 20), reply("pi answer")]
+    review.should_compress(10)  # the review agent's model call, on this thread
+    observe_turn(session_id="s1", conversation_history=[*turn, user("review the conversation"), reply("noted")])
+    assert engine.stored_messages("s1") == []
+    engine.update_from_response({"prompt_tokens": 10})
+    observe_turn(session_id="s1", conversation_history=list(turn))
+    observe_turn(session_id="s1", conversation_history=[*turn, user("pi later")])  # no model call since
+    assert engine.stored_messages("s1") == turn
+    for e in (engine, review, proto):
+        e.close()

@@ -40,6 +40,7 @@ import math
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,6 +77,9 @@ _RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copi
 #: connection each until garbage-collected, and the gateway caches 128 agents against a server's
 #: default of 100 connections) and caches of its own that told copies of one process different things.
 _SHARED_RUNTIMES: dict[str, _Runtime] = {}
+#: the engine copy whose agent made this thread's latest model call (``mark_turn``): hermes-agent's
+#: ``post_llm_call`` plugin hook, run in the same thread at the end of the turn, names no agent
+_TURN = threading.local()
 
 
 def jsonable(value: Any) -> Any:
@@ -1124,6 +1128,7 @@ class TranscriptStoreEngineMixin:
 
     def update_from_response(self, usage: dict[str, Any]) -> None:
         """Record the token counts of the last API response."""
+        self._mark_turn()
         if not isinstance(usage, dict):
             return
         prompt = as_int(usage.get("prompt_tokens") or usage.get("input_tokens"))
@@ -1132,8 +1137,14 @@ class TranscriptStoreEngineMixin:
         self.last_completion_tokens = completion
         self.last_total_tokens = as_int(usage.get("total_tokens")) or prompt + completion
 
+    def _mark_turn(self) -> None:
+        """Name this copy as the engine of the turn running on this thread (see ``observe_turn``)."""
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced: no hook
+            _TURN.engine = weakref.ref(self)
+
     def should_compress(self, prompt_tokens: int | None = None) -> bool:
         """Whether the prompt reached the threshold."""
+        self._mark_turn()
         # A count that is no number (a string, a dict) is read as a host's usage value is: never a
         # TypeError into Hermes' turn loop.
         tokens = as_int(self.last_prompt_tokens if prompt_tokens is None else prompt_tokens)
@@ -1571,6 +1582,29 @@ class TranscriptStoreEngineMixin:
             if len(page) < 1000:
                 return out
             after = page[-1].seq
+
+
+def observe_turn(**kwargs: Any) -> None:
+    """hermes-agent's ``post_llm_call`` plugin hook: store the finished turn through the engine copy of the
+    agent that ran it (``on_turn_complete``), never raising into Hermes.
+
+    hermes-agent 0.19.0 calls no context-engine method with the conversation after a turn, and its cron
+    jobs and ``delegate_task`` subagents end with ``AIAgent.close()``, which calls no ``on_session_end``:
+    their turns reached the store only when a compress or a recall tool ran first. The hook fires at the
+    end of every turn with a reply (not an interrupted one), in the thread that made the turn's model
+    calls, which marked the copy (``update_from_response``, ``should_compress``). A copy bound to
+    another session id is not the turn's (Hermes' background review reuses the parent's id on an
+    agent of its own: its review prompt is no turn of the conversation) and stores nothing.
+    """
+    ref = getattr(_TURN, "engine", None)
+    _TURN.engine = None
+    engine = ref() if isinstance(ref, weakref.ref) else None
+    session_id = kwargs.get("session_id")
+    history = kwargs.get("conversation_history")
+    if engine is None or not isinstance(session_id, str) or not session_id or session_id != engine.session_id:
+        return
+    if isinstance(history, list) and history:
+        engine.on_turn_complete(history, session_id=session_id)
 
 
 class _StandInContextEngine:

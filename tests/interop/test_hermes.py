@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -616,3 +617,46 @@ def test_a_background_process_notification_turn_keeps_the_users_request_verbatim
     assert notification in sent
     assert request in sent, "the user's request was summarised away: the notification was taken for it"
     agent.shutdown_memory_provider(result["messages"])
+
+
+def test_a_subagent_and_a_closed_agent_store_their_turns_without_a_session_end(
+    home: Path, server: FakeOpenAI
+) -> None:
+    """Cron jobs and ``delegate_task`` subagents end with ``AIAgent.close()``, which calls no
+    ``on_session_end``, and hermes-agent 0.19.0 passes the engine no conversation after a turn: a turn
+    without a compaction or a recall tool before it never reached the store. The plugin's
+    ``post_llm_call`` hook stores each finished turn, the subagent's in a store session of its own."""
+    from fake_openai import Fault
+
+    server.reset()
+    agent = make_delegating_agent(server)
+    call = {"id": "call_delegate", "type": "function", "function": {
+        "name": "delegate_task", "arguments": json.dumps({"goal": "rowan-child: count the rowan berries"})}}
+    server.queue(Fault(reply={"role": "assistant", "content": "", "tool_calls": [call]}))
+    result = agent.run_conversation("rowan-parent: please delegate the berry count")
+    engine = agent.context_compressor
+    rt = engine.runtime()
+
+    def child() -> list[dict[str, Any]]:
+        sessions = [s for s in rt.store.list_sessions(engine.scope) if s.session_key not in (agent.session_id, None)]
+        return [m for s in sessions for m in engine.stored_messages(s.session_key)
+                if "rowan-child" in str(m.get("content"))]
+
+    deadline = time.monotonic() + 20  # delegate_task runs its subagent in the background
+    while not child() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    agent.close()  # what a cron job does after its one turn: no session end
+    assert engine.compression_count == 0
+    parent = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert parent == [key(m) for m in result["messages"]], "the parent's turn never reached the store"
+    assert child(), "the subagent's turn never reached the store"
+
+
+def make_delegating_agent(server: FakeOpenAI) -> Any:
+    """An agent with the delegate_task tool as well as the recall tools."""
+    from run_agent import AIAgent
+
+    return AIAgent(
+        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
+        enabled_toolsets=["context_engine", "delegation"], skip_context_files=True, skip_memory=True,
+    )

@@ -28,3 +28,10 @@ def register(ctx: Any) -> None:
         if settings.get(key) is not None:
             kwargs[key] = settings[key]
     ctx.register_context_engine(create_engine(**kwargs))
+    register_hook = getattr(ctx, "register_hook", None)
+    if callable(register_hook):
+        # hermes-agent calls the engine with no conversation at the end of a turn, and cron jobs and
+        # subagents never end their session: each finished turn is stored from this hook.
+        from transcript_store.hermes import observe_turn
+
+        register_hook("post_llm_call", observe_turn)
