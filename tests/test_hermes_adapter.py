@@ -1203,3 +1203,32 @@ def test_the_turn_hook_stores_through_the_copy_that_ran_the_turn_only(tmp_path: 
     assert engine.stored_messages("s1") == turn
     for e in (engine, review, proto):
         e.close()
+
+
+def test_a_selection_sends_the_context_hermes_injects_into_the_request_only(tmp_path: Path) -> None:
+    """hermes-agent appends its memory provider's prefetch and ``pre_llm_call`` plugin context to the
+    current user message of the request only; the conversation keeps the clean text and the sent one as
+    ``api_content``, a key it pops from every outgoing message and replays for earlier turns.
+    ``select_context`` rebuilt its selection from the stored messages: the injected context was dropped
+    from the request, ``api_content`` went to the provider, and an earlier turn's bytes changed."""
+    engine = make(tmp_path)
+    engine.on_session_start("s-wire")
+    out = engine.compress(conversation("rho", 10))
+    memory = "\n\n<memory-context>the user prefers metric units</memory-context>"
+    earlier = {"role": "user", "content": "rho next", "api_content": "rho next" + memory}
+    taken = [*out, earlier, {"role": "assistant", "content": "rho reply"}]
+    engine.on_session_end("s-wire", copy.deepcopy(taken))  # the host took the answer
+    current = {"role": "user", "content": "rho the question", "api_content": "rho the question" + memory}
+    held = [*taken, current]
+    wire = [{k: v for k, v in m.items() if k != "api_content"} for m in held]
+    for m, h in zip(wire, held, strict=True):
+        m["content"] = h.get("api_content", m["content"])
+    request = [{"role": "system", "content": "You are a test agent."}, *wire]
+    budget = RoughEstimator().count_messages(request) - 100
+    selected = engine.select_context(copy.deepcopy(request), conversation_messages=copy.deepcopy(held),
+                                     budget_tokens=budget)
+    assert isinstance(selected, list) and is_valid_sequence(selected)
+    assert not [m for m in selected if "api_content" in m], "a key no provider knows was sent"
+    assert selected[-1] == wire[-1], "the memory provider's context left the turn"
+    assert wire[-3] in selected, "an earlier turn was sent with other bytes than it was"
+    engine.close()

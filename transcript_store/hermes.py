@@ -676,6 +676,45 @@ def with_incoming(conversation: list[dict[str, Any]], incoming: Any) -> list[dic
     return [*conversation, incoming]
 
 
+def as_sent(
+    selected: list[dict[str, Any]], request: Sequence[dict[str, Any]], conversation: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A selection with each message as this request sends it: the request's own copy when it holds the
+    message, else the stored message with its ``api_content`` (Hermes' record of the bytes it sent) as
+    its content and without that key.
+
+    The selection is assembled from what is stored, the conversation's clean messages. hermes-agent sends
+    the current user message with its memory provider's prefetch and ``pre_llm_call`` plugin context
+    appended, in the request only (the conversation keeps the clean text, the sent one as ``api_content``,
+    which it pops from every outgoing message and replays for earlier turns): rebuilt from the store, the
+    selection dropped that context from the turn, sent a key no provider knows, and changed the bytes of
+    earlier turns, each request's cached prefix with them. A request message is paired with the
+    conversation message at its place when both lists hold the same roles in the same order (the
+    request's copy of the current turn differs by its injected text); any other by its identity.
+    """
+    _system, sent = split_system(list(request))
+    _system, held = split_system(list(conversation))
+
+    def key(m: dict[str, Any]) -> str:
+        return canonical(identity(clean(m)))
+
+    wire = {key(m): m for m in sent}
+    if len(sent) == len(held) and all(a.get("role") == b.get("role") for a, b in zip(sent, held, strict=True)):
+        wire.update({key(c): r for c, r in zip(held, sent, strict=True)})
+    out: list[dict[str, Any]] = []
+    for m in selected:
+        own = wire.get(key(m)) if not is_context_message(m) else None
+        if own is not None:
+            out.append(copy.deepcopy(own))
+            continue
+        m = dict(m)
+        api = m.pop("api_content", None)
+        if isinstance(api, str) and api and m.get("role") in ("user", "assistant"):
+            m["content"] = api
+        out.append(m)
+    return out
+
+
 def settled(messages: Any) -> list[dict[str, Any]]:
     """The messages of a list before its pending tool round (the last assistant message with tool calls,
     when only tool results follow it): what ``handle_tool_call`` stores of the live conversation. Stored
@@ -1549,7 +1588,7 @@ class TranscriptStoreEngineMixin:
             assembled = rt.engine.assemble(
                 scope=self.scope, session_id=store_session, fence=None, token_budget=int(budget_tokens)
             )
-            body = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
+            body = as_sent(merge_context(valid_sequence(copy.deepcopy(assembled.messages))), request_messages, source)
             kept = _Selection(key, copy.deepcopy(system), json.dumps(body) if body else None)
             with rt.lock:
                 rt.selections[store_session] = kept
