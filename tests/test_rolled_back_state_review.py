@@ -72,3 +72,25 @@ def test_a_lossless_commit_rolled_back_counts_nothing(store_url: str) -> None:
         assert engine.stats["imported"] == before
         assert commit_with(store, engine, second).status == "committed"  # type: ignore[arg-type]
         assert engine.stats["imported"] - before == 2
+
+
+def test_a_lossless_commit_whose_failed_commit_another_client_committed_counts_nothing(store_url: str) -> None:
+    """A lossless ``commit_turn`` whose COMMIT did not land, and another client committed the same turn
+    through the same engine before the retry: the retry found that client's receipt (``duplicate``,
+    nothing imported), had no hooks of its own, and the write ran the failed attempt's instead: the
+    engine counted the turn's 2 messages imported twice (4), once for a transaction that never stood."""
+    with TranscriptStore(store_url) as store, TranscriptStore(store_url) as other:
+        engine = lossless(store, Counting())
+        first, second = _turns(store, "o")
+        assert commit_with(store, engine, first).status == "committed"  # type: ignore[arg-type]
+        before = engine.stats["imported"]
+        theirs: list[str] = []
+
+        def other_commits() -> None:
+            theirs.append(commit_with(other, engine, second).status)  # type: ignore[arg-type]
+
+        with commit_fails_once(store, other_commits):
+            assert commit_with(store, engine, second).status == "duplicate"  # type: ignore[arg-type]
+        assert theirs == ["committed"]
+        assert engine.stats["imported"] - before == 2
+

@@ -889,12 +889,31 @@ class Core:
         self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int, int]] = {}
         #: what to tell the process once this transaction's write stands (``after_commit``)
         self.committed_hooks: list[Callable[[], None]] = []
+        #: how a retry of this write finds, in its own transaction, that this attempt's write stands
+        #: (``landed_if``)
+        self.landed_checks: list[Callable[[Core], bool]] = []
 
     def after_commit(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once this write transaction committed (``TranscriptStore.write``), never for an
         attempt rolled back or retried: process-local state (a counter, a cache) set inside the
-        transaction would describe a write that did not happen, or count a retried one twice."""
+        transaction would describe a write that did not happen, or count a retried one twice.
+
+        A retry that writes nothing of its own (it found this attempt's write, whose COMMIT landed though
+        its answer was lost) runs this attempt's hooks only when every ``landed_if`` check of this attempt
+        holds in the retry's transaction: without one, a COMMIT that did not land is never told from one
+        that did, and the hooks do not run."""
         self.committed_hooks.append(hook)
+
+    def landed_if(self, check: Callable[[Core], bool]) -> None:
+        """Tell a retry of this write how to find this attempt's write: ``check(retry's core)`` is True
+        only when it stands (``after_commit``)."""
+        self.landed_checks.append(check)
+
+    def adopt(self, earlier: Core) -> None:
+        """Take an earlier attempt's ``after_commit`` hooks and ``landed_if`` checks as this attempt's own:
+        this attempt found that one's write standing (``TranscriptStore.write``)."""
+        self.committed_hooks.extend(earlier.committed_hooks)
+        self.landed_checks.extend(earlier.landed_checks)
 
     def run(self, stmt: Any, params: Any = None) -> HotResult:
         """Execute a module-level prebuilt statement through ``hot`` (the turn path's runner)."""

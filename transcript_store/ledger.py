@@ -339,9 +339,20 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
             raise TurnKeyConflict(turn.advancement_key, turn.admission.entry_id, bound)
     faults.point("commit.after_receipt")
     if apply is not None:
+        # A retry of the transaction after an uncertain COMMIT finds this receipt (its commit time) when
+        # the write landed: then, and only then, the hooks ``apply`` leaves are that retry's to run.
+        core.landed_if(lambda c: _stands(c, values))
         apply(core, turn)
     faults.point("commit.after_apply")
     return _committed(values)
+
+
+def _stands(core: Core, values: dict[str, Any]) -> bool:
+    """Whether the receipt a commit wrote (``_receipt_values``) is stored, as written (its commit time)."""
+    found = get_receipt(core, values["scope"], values["session_id"], values["engine_id"], values["advancement_key"])
+    return found is not None and found.committed_us == values["committed_us"] and (
+        found.payload_hash == values["payload_hash"]
+    )
 
 
 def _receipt_values(turn: TurnPayload, committed_us: int) -> dict[str, Any]:

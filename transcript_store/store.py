@@ -170,16 +170,21 @@ class TranscriptStore:
         def attempt(conn: Connection) -> T:
             core = Core(conn, self.db.dialect, self.config)
             result = fn(core)
+            earlier = ran[-1] if ran else None
+            if (
+                earlier is not None and earlier.committed_hooks and not core.committed_hooks
+                and earlier.landed_checks and all(check(core) for check in earlier.landed_checks)
+            ):
+                # This attempt did nothing of its own: it found the earlier one's write, whose COMMIT
+                # landed though the connection dropped with its answer. Told by that attempt's own
+                # checks, never by this one having no hooks: a COMMIT that did not land, the work done
+                # since by another writer (a duplicate), leaves a retry without hooks too.
+                core.adopt(earlier)
             ran.append(core)
             return result
 
         result = self.db.write(attempt)
-        hooks = ran[-1].committed_hooks
-        if not hooks and len(ran) > 1:
-            # The last attempt did nothing of its own: it found an earlier one's write, whose COMMIT
-            # landed though the connection dropped with its answer (the retry's ``landed`` checks).
-            hooks = ran[-2].committed_hooks
-        for hook in hooks:
+        for hook in ran[-1].committed_hooks:
             hook()
         return result
 
