@@ -8,11 +8,12 @@ here failed on the code before its fix (see the docstrings).
 from __future__ import annotations
 
 import pytest
-from conftest import commit_with, finished_turn
+from conftest import commit_with, finished_turn, user
 from test_lost_commit_review import Counting, lossless
 from test_outbox_review import commit_fails_once, commits_lost
 
 from transcript_store import TranscriptStore
+from transcript_store.core import Core
 
 S = "rolled-back-scope"
 
@@ -94,3 +95,25 @@ def test_a_lossless_commit_whose_failed_commit_another_client_committed_counts_n
         assert theirs == ["committed"]
         assert engine.stats["imported"] - before == 2
 
+
+def test_a_hook_that_raises_neither_fails_the_committed_write_nor_skips_the_others(store_url: str) -> None:
+    """An ``after_commit`` hook that raised (an engine's, on process-local state) after the write had
+    committed: ``TranscriptStore.write`` raised its error for a write that stands (a caller that takes
+    it for failed and makes it again has the message twice), and the hooks after it never ran."""
+    with TranscriptStore(store_url) as store:
+        store.create_session(S, session_id="h")
+        told: list[str] = []
+        item = store.prepare([{"message": user("once")}])
+
+        def broken() -> None:
+            raise RuntimeError("a hook's bug")
+
+        def append(c: Core) -> int:
+            out = c.append(S, "h", item)
+            c.after_commit(broken)
+            c.after_commit(lambda: told.append("after"))
+            return len(out)
+
+        assert store.write(append) == 1
+        assert told == ["after"]
+        assert [e.message["content"] for e in store.read_visible(S, "h") if e.message] == ["once"]

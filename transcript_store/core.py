@@ -901,7 +901,7 @@ class Core:
         A retry that writes nothing of its own (it found this attempt's write, whose COMMIT landed though
         its answer was lost) runs this attempt's hooks only when every ``landed_if`` check of this attempt
         holds in the retry's transaction: without one, a COMMIT that did not land is never told from one
-        that did, and the hooks do not run."""
+        that did, and the hooks do not run. A hook that raises is logged, not raised: the write stands."""
         self.committed_hooks.append(hook)
 
     def landed_if(self, check: Callable[[Core], bool]) -> None:

@@ -164,7 +164,8 @@ class TranscriptStore:
 
     def write(self, fn: Callable[[Core], T]) -> T:
         """Run ``fn`` on the core inside ONE write transaction (retried whole: keep it re-runnable); then
-        the ``Core.after_commit`` hooks of the attempt whose write stands."""
+        the ``Core.after_commit`` hooks of the attempt whose write stands (one that raises is logged: the
+        write stands all the same)."""
         ran: list[Core] = []  # the attempts whose ``fn`` ran to its end (their COMMIT was sent)
 
         def attempt(conn: Connection) -> T:
@@ -185,7 +186,11 @@ class TranscriptStore:
 
         result = self.db.write(attempt)
         for hook in ran[-1].committed_hooks:
-            hook()
+            try:
+                hook()
+            except Exception:
+                # The write stands: raised here, its caller would take it for failed and make it again.
+                log.exception("an after_commit hook failed; the write it followed stands")
         return result
 
     def read(self, fn: Callable[[Core], T]) -> T:
