@@ -317,3 +317,28 @@ def test_a_legacy_compaction_whose_session_was_made_again_while_it_summarized_wr
         assert not result.compacted, result
         assert [e.kind for e in store.list_entries(S, "w")] == ["message"]
         assert load_pointer(store, S, "w") is None
+
+
+def test_a_bootstrap_page_whose_commit_did_not_land_is_imported_by_the_retry(store_url: str) -> None:
+    """A host page that rewinds the mirror (the host edited its last message and imports from its start
+    again, under the same next cursor) whose COMMIT did not land: the retry found the resume point and the
+    mirror's size as the page leaves them (a rewind replaces as many messages as it drops) and answered
+    the earlier attempt's import, which never happened: the edit was reported imported and never stored."""
+    from mirror_helpers import a, legacy_service
+
+    from transcript_store.service_models import BootstrapRequest, HostEntry, ImportPage
+
+    with two_clients(store_url) as (store, _other):
+        store.create_session(S, session_id="rw")
+        svc = next(legacy_service(store))
+
+        def page(*messages: tuple[str, str]) -> BootstrapRequest:
+            entries = [HostEntry(entry_id=eid, message=a(text)) for eid, text in messages]
+            return BootstrapRequest(page=ImportPage(cursor=None, next_cursor="c1", entries=entries), done=False)
+
+        svc.bootstrap(S, "legacy", "rw", page(("h0", "first"), ("h1", "second")))
+        with commit_fails_once(store, lambda: None):
+            out = svc.bootstrap(S, "legacy", "rw", page(("h0", "first"), ("h1b", "second, edited")))
+        assert (out.imported, out.rewound, out.visible_count) == (1, True, 2), out
+        assert [e.message["content"] for e in store.read_visible(S, "rw") if e.message] == ["first", "second, edited"]
+        svc.runtime.dispose()

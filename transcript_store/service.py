@@ -452,13 +452,16 @@ class Service:
             )
         else:
             hosted = [mirror.HostMessage(e.entry_id, e.message) for e in page.entries]
-            landed: list[tuple[mirror.Alignment, BootstrapState]] = []
+            # what an attempt left: its answer, and the mirror as it left it (resume point, size, head)
+            landed: list[tuple[mirror.Alignment, BootstrapState, tuple[str | None, int]]] = []
 
-            def run(c: Core) -> tuple[mirror.Alignment, BootstrapState]:
-                if landed and _bootstrap_state(c, scope, session_id) == landed[0][1]:
+            def run(c: Core) -> tuple[mirror.Alignment, BootstrapState, tuple[str | None, int]]:
+                if landed and _bootstrap_mark(c, scope, session_id) == landed[0][1:]:
                     # An earlier attempt ran to its end and only its COMMIT was uncertain: the resume point
                     # is where that page left it. Imported again, the page's cursor is one the mirror moved
-                    # past, by this very page (409 ``cursor``).
+                    # past, by this very page (409 ``cursor``). The head too: a page that rewinds the mirror
+                    # leaves the resume point and the size as they were, and only its head (the message it
+                    # appended, the branch it went back to) tells it landed from an attempt that did not.
                     return landed[0]
                 # The answer is what this page's transaction left: read after it commits, another
                 # importer's page (or a turn) could already have moved the resume point.
@@ -466,10 +469,10 @@ class Service:
                     c, self.store.config, scope, session_id, cursor=page.cursor, next_cursor=page.next_cursor,
                     messages=hosted,
                 )
-                landed[:] = [(done, _bootstrap_state(c, scope, session_id))]
+                landed[:] = [(done, *_bootstrap_mark(c, scope, session_id))]
                 return landed[0]
 
-            done, current = self.store.write(run)
+            done, current, _head = self.store.write(run)
             out = BootstrapResponse(
                 imported=done.imported, matched=done.matched, rewound=done.rewound, cursor=current.cursor,
                 position=current.position, visible_count=current.visible_count,
@@ -711,6 +714,12 @@ def _committed_range(
 
 def _bootstrap_state(c: Core, scope: str, session_id: str) -> BootstrapState:
     """The import's resume point and the mirror's size, read in the caller's transaction."""
+    return _bootstrap_mark(c, scope, session_id)[0]
+
+
+def _bootstrap_mark(c: Core, scope: str, session_id: str) -> tuple[BootstrapState, tuple[str | None, int]]:
+    """``_bootstrap_state`` and the session's (head entry id, incarnation), from the same session row."""
     sess = c.require_session(scope, session_id)
     state = mirror.import_state(c, scope, session_id)
-    return BootstrapState(cursor=state.cursor, position=state.position, visible_count=sess.visible_count)
+    out = BootstrapState(cursor=state.cursor, position=state.position, visible_count=sess.visible_count)
+    return out, (sess.head_entry_id, int(sess.incarnation))
