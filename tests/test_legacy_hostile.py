@@ -443,3 +443,36 @@ def test_compaction_of_many_messages_under_a_small_payload_cap(shared_url: str) 
         assert out.messages[0]["content"].endswith("short summary") and len(out.messages) == 1 + 404
     finally:
         small.close()
+
+
+def test_a_legacy_summary_written_before_compacted_at_ms_existed_still_says_when(store_url: str) -> None:
+    """The legacy engine's compaction pointer written by a release before ``compacted_at_ms`` (no
+    ``created_ms`` in it): ``assemble`` showed its summary and answered ``compacted_at_ms`` null, "nothing
+    compacted", so a host kept the signed thinking of the replies the summary replaced the prefix of (the
+    provider refuses those: the session's every request failed after the upgrade)."""
+    import time
+
+    from tests.conftest import user
+    from transcript_store.compaction import STATE_KEY, STATE_OWNER, compact_session
+    from transcript_store.core import Core
+    from transcript_store.ledger import get_state, put_state
+    from transcript_store.summarize import ExtractiveSummarizer
+
+    with TranscriptStore(store_url) as store:
+        store.create_session(SCOPE, session_id="old")
+        store.append_many(SCOPE, "old", [{"message": user(f"message {i} " + "words " * 40)} for i in range(8)])
+        before = int(time.time() * 1000)
+        assert compact_session(store, SCOPE, "old", summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
+                               keep_last=2, force=True).compacted
+
+        def as_released_before(c: Core) -> None:
+            pointer = get_state(c, SCOPE, "old", STATE_OWNER, STATE_KEY)
+            put_state(c, SCOPE, "old", STATE_OWNER, STATE_KEY, {k: v for k, v in pointer.items() if k != "created_ms"})
+
+        store.write(as_released_before)
+        shown = LegacyEngine(EngineContext(store=store, config={})).assemble(
+            scope=SCOPE, session_id="old", messages=[], token_budget=100_000, fence=None
+        )
+        assert "summary" in str(shown.messages[0]["content"]).lower()
+        assert shown.compacted_at_ms is not None
+        assert before <= shown.compacted_at_ms <= int(time.time() * 1000) + 1

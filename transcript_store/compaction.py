@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import select
+
 from .core import Core, now_us, prepare_entry
 from .engine import CompactResult
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
 from .models import Anchor, Entry
+from .schema import engine_state
 from .summarize import summary_text
 
 STATE_OWNER = "runtime"
@@ -45,7 +48,22 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
         return pointer if at_end and pointer.get("source") == "host" else None
     if row.position != pointer["first_kept_position"] or row.ts_path_seq != row.seq:
         return None
-    return pointer
+    return _dated(c, scope, session_id, pointer)
+
+
+def _dated(c: Core, scope: str, session_id: str, pointer: dict[str, Any]) -> dict[str, Any]:
+    """The pointer with its ``created_ms``: a pointer written before it had one is dated by its state row's
+    last write (a pointer is written only by a compaction), read only for such a pointer. Without it the
+    legacy engine showed the summary and answered ``compacted_at_ms`` null, "nothing compacted"."""
+    if isinstance(pointer.get("created_ms"), int):
+        return pointer
+    written = c.conn.execute(
+        select(engine_state.c.updated_us).where(
+            engine_state.c.scope == scope, engine_state.c.session_id == session_id,
+            engine_state.c.engine_id == STATE_OWNER, engine_state.c.key == STATE_KEY,
+        )
+    ).scalar()
+    return pointer if written is None else {**pointer, "created_ms": int(written) // 1000}
 
 
 def record_host_compaction(
