@@ -381,6 +381,13 @@ def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServicePr
     head = "[Summary of the earlier conversation]\n"
     assert [m["content"] for m in shown["messages"]] == [f"{head}they talked", "q2", "a2"]
     assert before <= shown["compacted_at_ms"] <= int(time.time() * 1000) + 1
+    # The same compaction told again (the plugin finds it in the host's transcript at each bootstrap of a
+    # new process) keeps its time: recorded anew, replies since it lost their signed thinking.
+    time.sleep(0.01)
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "host-e5"})
+    assert (status, data) == (200, {"first_kept_position": 4, "visible_count": 6}), data
+    assert assemble()["compacted_at_ms"] == shown["compacted_at_ms"]
     # Past the mirror's end: import first.
     status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
                                {"summary": "s", "first_kept_position": 7, "first_kept_entry_id": "x"})

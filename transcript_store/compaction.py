@@ -75,7 +75,8 @@ def record_host_compaction(
     The host keeps every message where it was (its compaction is a marker, not a rewrite), so the mirror
     does too: the pointer says which visible position the summary stands in front of. A position past the
     mirror's end is ``MirrorConflict("behind")`` (import first); the mirror's end itself names the message
-    the host is about to commit (a compaction inside a turn that kept only that turn).
+    the host is about to commit (a compaction inside a turn that kept only that turn). The same compaction
+    recorded again (same summary and first kept message) changes nothing, its time included.
     """
     if not isinstance(summary, str) or not summary.strip():
         raise InvalidInput("a host compaction needs its summary")
@@ -94,6 +95,18 @@ def record_host_compaction(
         if row is None:  # pragma: no cover - positions below the visible count always exist
             raise MirrorConflict("behind", f"no visible message at position {first_kept_position}")
         kept = str(row.entry_id)
+    current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
+    if (
+        isinstance(current, dict)
+        and current.get("source") == "host"
+        and current.get("summary") == summary
+        and current.get("first_kept_entry_id") == kept
+        and current.get("first_kept_position") == first_kept_position
+    ):
+        # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
+        # a new process): it keeps the time it was recorded at, which decides the replies whose signed
+        # thinking predates it. Recorded anew, every reply since the compaction lost its thinking.
+        return dict(current)
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
