@@ -14,7 +14,8 @@
 //   transaction, so a host replay of the same key comes back "duplicate";
 // - compact runs the service engine's compaction when it owns compaction, else OpenClaw's own
 //   (delegateCompactionToRuntime), after which the compacted host transcript is imported, so the next
-//   assemble returns it.
+//   assemble returns it; OpenClaw's compactions that never called the engine (its in-run
+//   auto-compaction) are found in its raw transcript at bootstrap and recorded the same way.
 // What is sent is sized by the service's limits (entry cap, turn cap, body limit), read from its
 // description of the engine.
 // Every failure to reach the service throws: the host then runs the turn on its legacy path and keeps
@@ -151,6 +152,7 @@ async function defaultSdk() {
   ]);
   return {
     readSessionTranscriptVisibleMessageDelta: transcripts.readSessionTranscriptVisibleMessageDelta,
+    readSessionTranscriptRawDelta: transcripts.readSessionTranscriptRawDelta,
     delegateCompactionToRuntime: core.delegateCompactionToRuntime,
     buildMemorySystemPromptAddition: core.buildMemorySystemPromptAddition,
   };
@@ -220,6 +222,20 @@ function rememberGroup(key, value) {
   importGroups.delete(key);
   importGroups.set(key, value);
   if (importGroups.size > GROUP_MEMORY) importGroups.delete(importGroups.keys().next().value);
+}
+
+// Per session: where this process's last look for OpenClaw's compactions in the raw host transcript
+// stopped (a raw cursor), so that a bootstrap reads only what was appended since. A process that has not
+// looked yet (a gateway's first turn of the session, every `openclaw agent --local`) reads the session's
+// raw transcript from its start once. At most GROUP_MEMORY sessions, the least recently read forgotten.
+const compactionScans = new Map();
+const RAW_PAGE_EVENTS = 1000;
+const RAW_PAGE_BYTES = 4 * 1024 * 1024;
+
+function rememberScan(key, cursor) {
+  compactionScans.delete(key);
+  compactionScans.set(key, cursor);
+  if (compactionScans.size > GROUP_MEMORY) compactionScans.delete(compactionScans.keys().next().value);
 }
 
 export async function createEngine(options) {
@@ -437,6 +453,53 @@ export async function createEngine(options) {
     info(`transcript-store: OpenClaw's compaction recorded (its summary before position ${position})`);
   }
 
+  // OpenClaw's newest compaction entry the raw host transcript holds past where this process last looked
+  // (readSessionTranscriptRawDelta; under the running turn's fence during bootstrap), and the cursor after
+  // it. Its in-run auto-compaction (compaction mode `default`, for an engine that does not own
+  // compaction) calls no engine: its `compaction` entry (summary, firstKeptEntryId) is all there is of it.
+  // Null when the host has no raw reads (an OpenClaw older than them).
+  async function newestHostCompaction(target) {
+    const read = (await sdk()).readSessionTranscriptRawDelta;
+    if (typeof read !== "function") return null;
+    let cursor = compactionScans.get(groupKey(target.sessionId));
+    let maxBytes = RAW_PAGE_BYTES;
+    let newest = null;
+    for (let pages = 0; pages < MAX_PAGES; pages += 1) {
+      const page = await read({
+        agentId: target.agentId, sessionId: target.sessionId, sessionKey: target.sessionKey,
+        storePath: target.storePath, ...(cursor !== undefined ? { cursor } : {}), maxEvents: RAW_PAGE_EVENTS, maxBytes,
+      });
+      if (!page || page.kind === "missing") return { newest, cursor };
+      if (page.kind === "reset") { cursor = page.cursor; newest = null; continue; } // replaced: read it all again
+      if (page.kind !== "page" || !Array.isArray(page.events)) throw new Error(`host transcript is unavailable: ${page.reason ?? page.kind}`);
+      if (page.events.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
+        maxBytes = Math.max(maxBytes, page.requiredBytes); // one event larger than a page
+        continue;
+      }
+      maxBytes = RAW_PAGE_BYTES;
+      for (const { event } of page.events) {
+        if (event?.type === "compaction" && typeof event.summary === "string" && typeof event.firstKeptEntryId === "string") newest = event;
+      }
+      cursor = page.cursor;
+      if (!page.hasMore) return { newest, cursor };
+    }
+    throw new Error("transcript-store: the host transcript's compactions were not read to the end");
+  }
+
+  // Record OpenClaw's newest compaction the plugin has not looked at yet (above). Recording one the
+  // service has already (the delegated compaction, or a new process reading from the start) changes
+  // nothing there. A failure is logged, never the turn's: the next bootstrap looks again.
+  async function recordHostCompactions(target) {
+    try {
+      const found = await newestHostCompaction(target);
+      if (!found) return;
+      if (found.newest) await recordCompaction(target, found.newest);
+      if (found.cursor !== undefined) rememberScan(groupKey(target.sessionId), found.cursor);
+    } catch (error) {
+      warn(`transcript-store: OpenClaw's compactions in the host transcript were not read (the next assemble may return what they compacted): ${error.message}`);
+    }
+  }
+
   // The memory plugin's prompt guidance (OpenClaw's buildMemorySystemPromptAddition), when the host has it.
   async function memoryHelper() {
     try {
@@ -498,6 +561,9 @@ export async function createEngine(options) {
           if (!aheadOfFence.has(target.sessionId) || !/crossed/i.test(String(error?.message ?? error))) throw error;
           info(`transcript-store: session ${target.sessionId} holds this turn's messages already (its compaction imported them)`);
         }
+        // OpenClaw's own compactions that never reached the engine (its in-run auto-compaction), for a
+        // service engine that assembles what OpenClaw compacts (one that owns compaction turns them off).
+        if (!ownsCompaction) await recordHostCompactions(target);
         return [imported, await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true })];
       });
       inTurn.add(target.sessionId);

@@ -83,6 +83,12 @@ function hostSession(sessionId) {
         ...entries.slice(from).map((entry) => entry.message)];
     },
     get entries() { return entries; },
+    /** OpenClaw's summarising compaction keeping the last `keep` messages: its `compaction` entry. */
+    compact(keep = 2) {
+      const firstKept = entries[entries.length - keep];
+      host.compactions.push({ id: `${sessionId}-c${(made += 1)}`, after: entries.length,
+        summary: `Summary of ${entries.length - keep} earlier messages.`, firstKept: firstKept.entryId });
+    },
     /** Append messages (a turn's first ones); their entries. */
     append(messages) {
       const added = messages.map((message) => ({ entryId: `${sessionId}-e${(made += 1)}`, message }));
@@ -130,16 +136,50 @@ function hostSession(sessionId) {
         const last = fenced >= 0 ? fenced : entries.length;
         return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < last, entries: page };
       },
+      // readSessionTranscriptRawDelta: every event of the transcript in the order it was written, its
+      // `compaction` entries among the messages (OpenClaw 2026.9.6's raw events: type, id, parentId and, for
+      // a compaction, summary and firstKeptEntryId), up to the fence; a cursor of the transcript's generation.
+      readSessionTranscriptRawDelta: async ({ cursor, maxEvents, maxBytes }) => {
+        let start = 0;
+        if (cursor !== undefined) {
+          const [gen, at] = String(cursor).split(":").map(Number);
+          if (gen !== generation) return { kind: "reset", cursor: `${generation}:0`, reason: "generation_mismatch" };
+          start = at;
+        }
+        const events = [];
+        let parentId = null;
+        entries.forEach((entry, i) => {
+          events.push({ type: "message", id: entry.entryId, parentId, message: entry.message });
+          parentId = entry.entryId;
+          for (const c of host.compactions.filter((made) => made.after === i + 1)) {
+            events.push({ type: "compaction", id: c.id, parentId, timestamp: new Date().toISOString(),
+              summary: c.summary, firstKeptEntryId: c.firstKept, tokensBefore: 5000 });
+            parentId = c.id;
+          }
+        });
+        const fenced = host.fence === undefined ? -1 : events.findIndex((e) => e.id === host.fence);
+        const last = fenced >= 0 ? fenced : events.length;
+        if (start > last) throw new Error("SessionTranscriptReadFenceError: the read cursor has crossed the current-turn admission fence");
+        const page = [];
+        let bytes = 0;
+        for (const event of events.slice(start, last)) {
+          const size = Buffer.byteLength(JSON.stringify(event)) + 1;
+          if (page.length >= maxEvents || bytes + size > maxBytes) break;
+          page.push({ event, seq: start + page.length });
+          bytes += size;
+        }
+        const end = start + page.length;
+        return { kind: "page", cursor: `${generation}:${end}`, hasMore: end < last, events: page, serializedBytes: bytes };
+      },
       // As OpenClaw 2026.9.6 compacts (seen through its /compact): a `compaction` entry after the last
       // message (its summary and the first message it kept), which is no message: every message stays
       // visible where it was, and the visible delta shows nothing new.
       delegateCompactionToRuntime: async () => {
-        const keep = 2;
-        const firstKept = entries[entries.length - keep];
-        host.compactions.push({ summary: `Summary of ${entries.length - keep} earlier messages.`, firstKept: firstKept.entryId });
+        host.compact();
+        const firstKept = host.compactions.at(-1).firstKept;
         return {
           ok: true, compacted: true,
-          result: { summary: host.compactions.at(-1).summary, firstKeptEntryId: firstKept.entryId, tokensBefore: 5000, tokensAfter: 300 },
+          result: { summary: host.compactions.at(-1).summary, firstKeptEntryId: firstKept, tokensBefore: 5000, tokensAfter: 300 },
         };
       },
     },
@@ -201,6 +241,35 @@ test("finding 1: OpenClaw's delegated compaction (engine legacy) is what the nex
   const last = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey });
   assert.deepEqual(last.messages.map((m) => contentText(m.content)), host.context().map((m) => contentText(m.content)));
   assert.equal((await service.get(`/v1/sessions/${host.sessionId}`)).visible_count, 10); // positions as the host's
+});
+
+test("finding 1: OpenClaw's in-run auto-compaction, which calls no engine, is what the next turn assembles", async () => {
+  // OpenClaw compacts inside a run on its own (compaction mode `default`, for an engine that does not own
+  // compaction) without calling engine.compact: only the `compaction` entry in its transcript tells. The
+  // next turn's assemble returned the whole history it had summarised, and its provider overflowed again.
+  const host = hostSession("s-auto-compact");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  for (let k = 0; k < 3; k += 1) {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    const turn = host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)]);
+    if (k === 2) host.compact(2); // during the last turn's run, after its reply
+    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  }
+  const engine = await engineFor(host);
+  const [prompt] = host.append([userMessage("next question")]);
+  host.fence = prompt.entryId;
+  await engine.bootstrap(params);
+  const assembled = await engine.assemble({ ...params, tokenBudget: 100000 });
+  const own = host.context().slice(0, -1); // OpenClaw's context before the running turn
+  assert.deepEqual(assembled.messages.map((m) => contentText(m.content)), own.map((m) => contentText(m.content)));
+  assert.deepEqual(assembled.messages.slice(1), own.slice(1));
+  // Found once: a later bootstrap (another engine of the process) leaves its time alone.
+  const [again] = [await engineFor(host)];
+  await again.bootstrap(params);
+  const later = await again.assemble({ ...params, tokenBudget: 100000 });
+  assert.equal(later.messages[0].timestamp, assembled.messages[0].timestamp);
+  assert.deepEqual(later.messages, assembled.messages);
 });
 
 test("finding 1: OpenClaw's compaction inside a turn that kept only that turn leaves its summary alone", async () => {
