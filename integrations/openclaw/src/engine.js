@@ -496,6 +496,7 @@ export async function createEngine(options) {
       if (found.newest) await recordCompaction(target, found.newest);
       if (found.cursor !== undefined) rememberScan(groupKey(target.sessionId), found.cursor);
     } catch (error) {
+      compactionScans.delete(groupKey(target.sessionId)); // the next look reads from the start
       warn(`transcript-store: OpenClaw's compactions in the host transcript were not read (the next assemble may return what they compacted): ${error.message}`);
     }
   }
