@@ -209,6 +209,19 @@ async function engineFor(host, { engine = "legacy", on = service, ...more } = {}
   return createEngine({ serviceUrl: on.url, token: TOKEN, engine, sdk: host.sdk, ...more });
 }
 
+// Three turns of `host` committed through the plugin, each by an engine of its own process (bootstrap
+// first); the params of the session's later calls.
+async function threeCommittedTurns(host) {
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  for (let k = 0; k < 3; k += 1) {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
+      { status: "committed" });
+  }
+  return params;
+}
+
 test("finding 1: OpenClaw's delegated compaction (engine legacy) is what the next assemble returns", async () => {
   const host = hostSession("s-compact");
   const engine = await engineFor(host);
@@ -276,13 +289,7 @@ test("finding 1: OpenClaw's compaction inside a turn that kept only that turn le
   // An overflow recovery whose turn alone fills the window keeps only the turn: the summary is all that
   // precedes it, and the retry's assemble must not return the history it summarised.
   const host = hostSession("s-compact-turn");
-  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
-  for (let k = 0; k < 3; k += 1) {
-    const engine = await engineFor(host);
-    await engine.bootstrap(params);
-    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
-      { status: "committed" });
-  }
+  const params = await threeCommittedTurns(host);
   const engine = await engineFor(host);
   const [prompt] = host.append([userMessage("CURRENT PROMPT")]);
   host.fence = prompt.entryId;
@@ -314,13 +321,7 @@ test("finding 1: the retry inside a turn after its compaction gets the turn's ow
   // gives assemble), after the summary. The fenced assembly ends before it: the model got the summary and
   // "Continue the current task" without the question, where OpenClaw's own context has it.
   const host = hostSession("s-compact-retry");
-  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
-  for (let k = 0; k < 3; k += 1) {
-    const engine = await engineFor(host);
-    await engine.bootstrap(params);
-    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
-      { status: "committed" });
-  }
+  const params = await threeCommittedTurns(host);
   const engine = await engineFor(host);
   const [prompt] = host.append([userMessage("CURRENT PROMPT", 10)]);
   host.fence = prompt.entryId;
