@@ -375,7 +375,7 @@ def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServicePr
     assert assemble()["compacted_at_ms"] is None
     before = int(time.time() * 1000)
     status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
-                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "host-e5"})
+                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "k2-u"})
     assert (status, data) == (200, {"first_kept_position": 4, "visible_count": 6}), data
     shown = assemble()
     head = "[Summary of the earlier conversation]\n"
@@ -385,7 +385,7 @@ def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServicePr
     # new process) keeps its time: recorded anew, replies since it lost their signed thinking.
     time.sleep(0.01)
     status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
-                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "host-e5"})
+                               {"summary": "they talked", "first_kept_position": 4, "first_kept_entry_id": "k2-u"})
     assert (status, data) == (200, {"first_kept_position": 4, "visible_count": 6}), data
     assert assemble()["compacted_at_ms"] == shown["compacted_at_ms"]
     # Past the mirror's end: import first.
@@ -408,6 +408,64 @@ def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServicePr
     assert [m["content"] for m in assemble()["messages"]][1:] == ["q3", "a3"]
     status, info = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
     assert info["visible_count"] == 8  # every message where the host has it
+
+
+def test_a_host_compaction_naming_another_message_than_its_position_holds_is_refused(server: ServiceProcess) -> None:
+    # The host names the first message its compaction kept by entry id and position. The service took the
+    # mirror's message at the position whatever id it had: a position the mirror holds another message at
+    # (the host's transcript moved under it) put the summary in front of messages the host never kept.
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    for k in range(3):
+        status, data = commit(server, "legacy", sid, f"k{k}", 2 * k, [user(f"q{k}"), assistant(f"a{k}")])
+        assert status == 200, data
+    path = f"/v1/engines/legacy/sessions/{sid}"
+    for kept in ("k1-u", "elsewhere"):
+        status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                                   {"summary": "s", "first_kept_position": 4, "first_kept_entry_id": kept})
+        assert status == 409 and data["error"]["reason"] == "behind", (kept, status, data)
+    status, data = server.call("POST", f"{path}/assemble", TOKEN_A, {"token_budget": 100000})
+    assert status == 200 and data["compacted_at_ms"] is None and len(data["messages"]) == 6, data
+    # A turn's middle message is mirrored without the host's id (a commit names only its two ends): there
+    # the position is all there is to go by.
+    middle = {"role": "assistant", "content": "thinking it over"}
+    status, data = commit(server, "legacy", sid, "k3", 6, [user("q3"), middle, assistant("a3")])
+    assert status == 200, data
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
+                               {"summary": "s", "first_kept_position": 7, "first_kept_entry_id": "host-middle"})
+    assert (status, data) == (200, {"first_kept_position": 7, "visible_count": 9}), data
+    status, data = server.call("POST", f"{path}/assemble", TOKEN_A, {"token_budget": 100000})
+    assert [m["content"] for m in data["messages"]][1:] == ["thinking it over", "a3"], data
+
+
+def test_a_host_compaction_keeping_only_its_turn_survives_the_turn_mirrored_under_a_derived_id(
+    server: ServiceProcess,
+) -> None:
+    # A compaction inside a turn that kept only that turn names a message the mirror does not hold yet.
+    # When the mirror then stores it under an id derived from the host's (the host's id is taken by a message
+    # off the active branch), the pointer named an entry off the path and the summary vanished.
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    base = f"/v1/engines/legacy/sessions/{sid}"
+
+    def page(cursor: str | None, next_cursor: str, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        body = {"done": False, "page": {"cursor": cursor, "next_cursor": next_cursor,
+                                        "entries": [{"entry_id": e, "message": m} for e, m in entries]}}
+        status, data = server.call("POST", f"{base}/bootstrap", TOKEN_A, body)
+        assert status == 200, data
+
+    first = [(f"h{i}", user(f"m{i}")) for i in range(6)]
+    page(None, "g1:7", [*first, ("h6", user("an answer the host took back"))])
+    # The host's transcript was replaced (a reset): the mirror branches at position 5, "h6" stays off it.
+    page(None, "g2:6", [*first[:5], ("h5b", user("m5 again"))])
+    status, data = server.call("POST", f"{base}/host_compaction", TOKEN_A,
+                               {"summary": "all of it", "first_kept_position": 6, "first_kept_entry_id": "h6"})
+    assert (status, data) == (200, {"first_kept_position": 6, "visible_count": 6}), data
+    page("g2:6", "g2:7", [("h6", user("the turn's question"))])
+    status, data = server.call("POST", f"{base}/assemble", TOKEN_A, {"token_budget": 100000})
+    assert status == 200, data
+    head = "[Summary of the earlier conversation]\n"
+    assert [m["content"] for m in data["messages"]] == [f"{head}all of it", "the turn's question"], data
 
 
 def test_commit_turn_of_entries_the_client_appended(server: ServiceProcess) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from . import mirror
 from .core import Core, now_us, prepare_entry
 from .engine import CompactResult
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
@@ -39,14 +40,25 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     if not isinstance(pointer, dict):
         return None
     kept = pointer["first_kept_entry_id"]
+    at = pointer["first_kept_position"]
     row = c.entries_with_path(scope, session_id, [kept]).get(kept)
-    if row is None:
-        # A host's compaction that kept only the turn it ran in (record_host_compaction): its first kept
-        # message is the next one the host commits. Until then the summary is all there is before it.
-        sess = c.session_row(scope, session_id)
-        at_end = sess is not None and int(sess.visible_count) == pointer["first_kept_position"]
-        return pointer if at_end and pointer.get("source") == "host" else None
-    if row.position != pointer["first_kept_position"] or row.ts_path_seq != row.seq:
+    if row is not None and row.position == at and row.ts_path_seq == row.seq:
+        return _dated(c, scope, session_id, pointer)
+    if pointer.get("source") != "host":
+        return None
+    # A host's compaction that kept only the turn it ran in (record_host_compaction) names the host's id of
+    # a message the mirror did not hold yet: until the host commits it, the summary is all there is before
+    # it; then the mirror holds it at that position under the host's id, or under one derived from it (the
+    # host's id was taken by a message off the active branch), which the pointer does not name.
+    sess = c.session_row(scope, session_id)
+    visible = -1 if sess is None else int(sess.visible_count)
+    if visible == at:
+        return pointer
+    if at > visible:
+        return None
+    seq = c.path_seq_at_position(scope, session_id, at)
+    row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
+    if row is None or not mirror.host_id_fits(c.config, kept, row, unnamed=False):
         return None
     return _dated(c, scope, session_id, pointer)
 
@@ -75,8 +87,11 @@ def record_host_compaction(
     The host keeps every message where it was (its compaction is a marker, not a rewrite), so the mirror
     does too: the pointer says which visible position the summary stands in front of. A position past the
     mirror's end is ``MirrorConflict("behind")`` (import first); the mirror's end itself names the message
-    the host is about to commit (a compaction inside a turn that kept only that turn). The same compaction
-    recorded again (same summary and first kept message) changes nothing, its time included.
+    the host is about to commit (a compaction inside a turn that kept only that turn). Below it, the
+    mirror's message there must be the host's (its id, one derived from it, or a turn's middle message,
+    which the mirror holds without the host's id): another one is ``MirrorConflict("behind")`` too (the
+    host's transcript moved under the mirror: import first). The same compaction recorded again (same
+    summary and first kept message) changes nothing, its time included.
     """
     if not isinstance(summary, str) or not summary.strip():
         raise InvalidInput("a host compaction needs its summary")
@@ -94,6 +109,13 @@ def record_host_compaction(
         row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
         if row is None:  # pragma: no cover - positions below the visible count always exist
             raise MirrorConflict("behind", f"no visible message at position {first_kept_position}")
+        if not mirror.host_id_fits(c.config, first_kept_entry_id, row, unnamed=True):
+            # Taken by position alone, the summary stood in front of a message the host never kept.
+            raise MirrorConflict(
+                "behind",
+                f"position {first_kept_position} holds entry {row.entry_id!r}, not the host's "
+                f"{first_kept_entry_id!r}: the host's transcript moved under the mirror",
+            )
         kept = str(row.entry_id)
     current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
     if (

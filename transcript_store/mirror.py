@@ -253,6 +253,19 @@ def names(config: StoreConfig, host_id: str, row: Any, message: dict[str, Any]) 
     return bool(row.entry_id == _derived_id(host_id, row.parent_id, payload))
 
 
+def host_id_fits(config: StoreConfig, host_id: str, row: Any, *, unnamed: bool) -> bool:
+    """Whether a stored message row can be host message ``host_id``: it is stored under that id or one
+    derived from it (``names``), or (``unnamed``) under an id derived from none: a turn's middle message,
+    whose host id the turn did not name, so that its position is all that says which host message it is."""
+    if row.kind != "message":
+        return False
+    if row.entry_id == host_id:
+        return True
+    payload = prepare_entry(config, message=decode_stored(row.payload)).payload_json
+    ids = (host_id, None) if unnamed else (host_id,)
+    return any(row.entry_id == _derived_id(i, row.parent_id, payload) for i in ids)
+
+
 def mirror_turn(
     core: Core,
     config: StoreConfig,
