@@ -410,6 +410,41 @@ def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServicePr
     assert info["visible_count"] == 8  # every message where the host has it
 
 
+def test_an_older_host_compaction_found_later_leaves_a_newer_compaction_in_place(server: ServiceProcess) -> None:
+    # A new plugin process reads the host's transcript from its start and tells the service of the newest
+    # compaction there. The service's own compaction since (the legacy engine's) was replaced by that older
+    # one: its summary covered less, and the context grew back by what the newer one had compacted.
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    for k in range(5):
+        long = " and so on" * 40  # long enough that the legacy engine's summary shrinks the context
+        status, data = commit(server, "legacy", sid, f"k{k}", 2 * k, [user(f"q{k}{long}"), assistant(f"a{k}{long}")])
+        assert status == 200, data
+    path = f"/v1/engines/legacy/sessions/{sid}"
+    host_made = int(time.time() * 1000) - 60000  # a minute ago
+    older = {"summary": "the host's", "first_kept_position": 2, "first_kept_entry_id": "k1-u",
+             "compacted_ms": host_made}
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A, older)
+    assert (status, data) == (200, {"first_kept_position": 2, "visible_count": 10}), data
+    status, data = server.call("POST", f"{path}/compact", TOKEN_A, {"force": True})
+    assert status == 200 and data["compacted"] is True, data
+
+    def shown() -> list[str]:
+        status, data = server.call("POST", f"{path}/assemble", TOKEN_A, {"token_budget": 100000})
+        assert status == 200, data
+        return [m["content"] for m in data["messages"]]
+
+    newer = shown()
+    assert len(newer) == 7 and newer[0] != "[Summary of the earlier conversation]\nthe host's", newer
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A, older)
+    assert (status, data) == (200, {"first_kept_position": 4, "visible_count": 10}), data
+    assert shown() == newer
+    # A compaction the host made after it is recorded.
+    later = {**older, "summary": "the host's, later", "compacted_ms": int(time.time() * 1000) + 1000}
+    status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A, later)
+    assert status == 200 and shown()[0].endswith("the host's, later"), data
+
+
 def test_a_host_compaction_naming_another_message_than_its_position_holds_is_refused(server: ServiceProcess) -> None:
     # The host names the first message its compaction kept by entry id and position. The service took the
     # mirror's message at the position whatever id it had: a position the mirror holds another message at

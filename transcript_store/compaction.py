@@ -79,7 +79,14 @@ def _dated(c: Core, scope: str, session_id: str, pointer: dict[str, Any]) -> dic
 
 
 def record_host_compaction(
-    c: Core, scope: str, session_id: str, *, summary: str, first_kept_position: int, first_kept_entry_id: str
+    c: Core,
+    scope: str,
+    session_id: str,
+    *,
+    summary: str,
+    first_kept_position: int,
+    first_kept_entry_id: str,
+    compacted_ms: int | None = None,
 ) -> dict[str, Any]:
     """Record a compaction a host made of its own transcript (OpenClaw's, which an engine that does not own
     compaction delegates to it) as the session's pointer, in the caller's write transaction.
@@ -91,7 +98,10 @@ def record_host_compaction(
     mirror's message there must be the host's (its id, one derived from it, or a turn's middle message,
     which the mirror holds without the host's id): another one is ``MirrorConflict("behind")`` too (the
     host's transcript moved under the mirror: import first). The same compaction recorded again (same
-    summary and first kept message) changes nothing, its time included.
+    summary and first kept message) changes nothing, its time included. ``compacted_ms``: when the host
+    made it (a compaction found in its transcript later, not one made just now); the session's compaction
+    still in force that is newer (a host's by the host's time, else by when it was recorded) stays, and is
+    what is returned.
     """
     if not isinstance(summary, str) or not summary.strip():
         raise InvalidInput("a host compaction needs its summary")
@@ -103,6 +113,8 @@ def record_host_compaction(
         raise MirrorConflict(
             "behind", f"the first kept message is at position {first_kept_position}; the mirror holds {visible}"
         )
+    if compacted_ms is not None and (isinstance(compacted_ms, bool) or not isinstance(compacted_ms, int)):
+        raise InvalidInput(f"compacted_ms must be a time in milliseconds, got {compacted_ms!r}")
     kept = first_kept_entry_id
     if first_kept_position < visible:
         seq = c.path_seq_at_position(scope, session_id, first_kept_position)
@@ -129,12 +141,23 @@ def record_host_compaction(
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
         # thinking predates it. Recorded anew, every reply since the compaction lost its thinking.
         return dict(current)
+    if compacted_ms is not None:
+        standing = pointer_in(c, scope, session_id)
+        if standing is not None:
+            made = standing.get("host_ms") if standing.get("source") == "host" else None
+            made = made if isinstance(made, int) else standing.get("created_ms")
+            if isinstance(made, int) and made > compacted_ms:
+                # An older compaction a plugin finds in the host's transcript (a new process reads it from
+                # its start) put back in place of a newer one: its summary covered less, and the context
+                # grew back by what the newer one had compacted.
+                return dict(standing)
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
         "first_kept_position": first_kept_position,
         "created_ms": now_us() // 1000,
         "source": "host",
+        **({"host_ms": compacted_ms} if compacted_ms is not None else {}),
     }
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer

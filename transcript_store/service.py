@@ -554,7 +554,7 @@ class Service:
         def run(c: Core) -> HostCompactionResponse:
             pointer = compaction.record_host_compaction(
                 c, scope, session_id, summary=req.summary, first_kept_position=req.first_kept_position,
-                first_kept_entry_id=req.first_kept_entry_id,
+                first_kept_entry_id=req.first_kept_entry_id, compacted_ms=req.compacted_ms,
             )
             visible = int(c.require_session(scope, session_id).visible_count)
             return HostCompactionResponse(first_kept_position=pointer["first_kept_position"], visible_count=visible)

@@ -216,6 +216,10 @@ class HostCompactionRequest(_Request):
     summary: str = Field(min_length=1, max_length=4_000_000)
     first_kept_position: int = Field(ge=0, le=2**31 - 1)
     first_kept_entry_id: str
+    compacted_ms: int | None = Field(
+        None, ge=0, le=2**53 - 1,
+        description="when the host made it, for one found in its transcript later: a newer compaction stays",
+    )
 
 
 class HostCompactionResponse(BaseModel):

@@ -232,6 +232,55 @@ const compactionScans = new Map();
 const RAW_PAGE_EVENTS = 1000;
 const RAW_PAGE_BYTES = 4 * 1024 * 1024;
 
+// OpenClaw's canonical transcript entry types (its transcript-tree.ts): each, unless appended "side", is
+// the branch's new leaf.
+const CANONICAL_ENTRIES = new Set(["message", "thinking_level_change", "model_change", "compaction", "reset",
+  "branch_summary", "custom", "custom_message", "label", "session_info"]);
+
+const nonBlank = (value) => (typeof value === "string" && value.trim() !== "" ? value : undefined);
+
+// OpenClaw's transcript as the tree it is (its transcript-tree.ts, in what decides the active branch):
+// each entry hangs after its parentId (one without a parentId, or a stale one, after the leaf); each
+// canonical entry not appended "side" becomes the leaf; a `leaf` entry (a rewind, a branch switch) makes
+// its targetId the leaf. The active branch runs from the leaf through the parents. (OpenClaw also
+// re-parents the entries appended after a `reset` entry: not followed here.)
+function transcriptTree() {
+  const nodes = new Map();
+  let leaf = null;
+  return {
+    add(event) {
+      if (!event || typeof event !== "object" || event.type === "session") return;
+      const id = nonBlank(event.id);
+      if (!id) return;
+      const explicit = Object.hasOwn(event, "parentId");
+      if (event.type === "leaf") {
+        const target = event.targetId === null ? null : nonBlank(event.targetId);
+        if (!explicit || target === undefined || (target !== null && !nodes.has(target))) return; // not a valid one
+        nodes.set(id, { parent: target });
+        leaf = target;
+        return;
+      }
+      const canonical = CANONICAL_ENTRIES.has(event.type);
+      const side = event.appendMode === "side";
+      let parent = explicit ? (event.parentId === null ? null : nonBlank(event.parentId)) : (canonical ? leaf : undefined);
+      if (parent === undefined) return;
+      if (canonical && !side && parent !== null && !nodes.has(parent)) parent = leaf;
+      nodes.set(id, { parent, compaction: event.type === "compaction" ? event : undefined });
+      if (canonical && !side) leaf = id;
+    },
+    /** The newest compaction (with a summary and a first kept entry) on the active branch, or null. */
+    activeCompaction() {
+      const seen = new Set();
+      for (let id = leaf; id !== null && id !== undefined && !seen.has(id); id = nodes.get(id)?.parent) {
+        seen.add(id);
+        const found = nodes.get(id)?.compaction;
+        if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") return found;
+      }
+      return null;
+    },
+  };
+}
+
 function rememberScan(key, cursor) {
   compactionScans.delete(key);
   compactionScans.set(key, cursor);
@@ -438,7 +487,7 @@ export async function createEngine(options) {
 
   // Tell the service engine about a compaction OpenClaw made (delegateCompactionToRuntime): its summary
   // goes in front of the first message it kept, as OpenClaw's own context shows it.
-  async function recordCompaction(target, details) {
+  async function recordCompaction(target, details, madeAt) {
     const summary = details && typeof details.summary === "string" ? details.summary : "";
     const kept = details && typeof details.firstKeptEntryId === "string" ? details.firstKeptEntryId : "";
     if (!summary.trim() || !kept) return; // a provider's server-side compaction: nothing to show
@@ -449,41 +498,62 @@ export async function createEngine(options) {
     }
     await inSession(target.sessionId, target.sessionKey, () => client.post(`${sessionPath(target.sessionId)}/host_compaction`, {
       summary: wellFormed(summary), first_kept_position: position, first_kept_entry_id: wellFormed(kept),
+      ...(Number.isSafeInteger(madeAt) && madeAt >= 0 ? { compacted_ms: madeAt } : {}),
     }));
     info(`transcript-store: OpenClaw's compaction recorded (its summary before position ${position})`);
   }
 
-  // OpenClaw's newest compaction entry the raw host transcript holds past where this process last looked
-  // (readSessionTranscriptRawDelta; under the running turn's fence during bootstrap), and the cursor after
-  // it. Its in-run auto-compaction (compaction mode `default`, for an engine that does not own
-  // compaction) calls no engine: its `compaction` entry (summary, firstKeptEntryId) is all there is of it.
-  // Null when the host has no raw reads (an OpenClaw older than them).
-  async function newestHostCompaction(target) {
+  // Read OpenClaw's raw host transcript (readSessionTranscriptRawDelta; under the running turn's fence
+  // during bootstrap) from `cursor` (its start when undefined) to its end: each event to `take`; the cursor
+  // after it. Null when the host has no raw reads (an OpenClaw older than them).
+  async function readRaw(target, cursor, take) {
     const read = (await sdk()).readSessionTranscriptRawDelta;
     if (typeof read !== "function") return null;
-    let cursor = compactionScans.get(groupKey(target.sessionId));
     let maxBytes = RAW_PAGE_BYTES;
-    let newest = null;
     for (let pages = 0; pages < MAX_PAGES; pages += 1) {
       const page = await read({
         agentId: target.agentId, sessionId: target.sessionId, sessionKey: target.sessionKey,
         storePath: target.storePath, ...(cursor !== undefined ? { cursor } : {}), maxEvents: RAW_PAGE_EVENTS, maxBytes,
       });
-      if (!page || page.kind === "missing") return { newest, cursor };
-      if (page.kind === "reset") { cursor = page.cursor; newest = null; continue; } // replaced: read it all again
+      if (!page || page.kind === "missing") return { cursor };
+      if (page.kind === "reset") { cursor = page.cursor; take(null); continue; } // replaced: read it all again
       if (page.kind !== "page" || !Array.isArray(page.events)) throw new Error(`host transcript is unavailable: ${page.reason ?? page.kind}`);
       if (page.events.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
         maxBytes = Math.max(maxBytes, page.requiredBytes); // one event larger than a page
         continue;
       }
       maxBytes = RAW_PAGE_BYTES;
-      for (const { event } of page.events) {
-        if (event?.type === "compaction" && typeof event.summary === "string" && typeof event.firstKeptEntryId === "string") newest = event;
-      }
+      for (const { event } of page.events) take(event);
       cursor = page.cursor;
-      if (!page.hasMore) return { newest, cursor };
+      if (!page.hasMore) return { cursor };
     }
     throw new Error("transcript-store: the host transcript's compactions were not read to the end");
+  }
+
+  // OpenClaw's newest compaction on the active branch of its raw host transcript, when the transcript
+  // holds a compaction (or a branch switch) past where this process last looked, and the cursor after it.
+  // Its in-run auto-compaction (compaction mode `default`, for an engine that does not own compaction)
+  // calls no engine: its `compaction` entry (summary, firstKeptEntryId) is all there is of it. The raw
+  // transcript holds every branch (a rewind, a retry, a branch switch leave entries off the active one): a
+  // compaction seen there is looked for on the active branch, with the whole transcript read (only when
+  // one was seen, or a branch switched). Null when the host has no raw reads (an OpenClaw older than them).
+  async function newestHostCompaction(target) {
+    const from = compactionScans.get(groupKey(target.sessionId));
+    let tree = from === undefined ? transcriptTree() : null; // a read from the start builds the tree at once
+    let changed = false;
+    const read = await readRaw(target, from, (event) => {
+      if (event === null) { tree = transcriptTree(); changed = false; return; } // read again from the start
+      tree?.add(event);
+      if (event?.type === "compaction" || event?.type === "leaf") changed = true;
+    });
+    if (read === null) return null;
+    if (!changed) return { newest: null, cursor: read.cursor };
+    if (tree === null) {
+      tree = transcriptTree();
+      const whole = await readRaw(target, undefined, (event) => { if (event === null) tree = transcriptTree(); else tree.add(event); });
+      return { newest: tree.activeCompaction(), cursor: whole.cursor };
+    }
+    return { newest: tree.activeCompaction(), cursor: read.cursor };
   }
 
   // Record OpenClaw's newest compaction the plugin has not looked at yet (above). Recording one the
@@ -493,7 +563,8 @@ export async function createEngine(options) {
     try {
       const found = await newestHostCompaction(target);
       if (!found) return;
-      if (found.newest) await recordCompaction(target, found.newest);
+      // With the time OpenClaw made it: a newer compaction the service has (its own, say) stays.
+      if (found.newest) await recordCompaction(target, found.newest, Date.parse(found.newest.timestamp));
       if (found.cursor !== undefined) rememberScan(groupKey(target.sessionId), found.cursor);
     } catch (error) {
       compactionScans.delete(groupKey(target.sessionId)); // the next look reads from the start

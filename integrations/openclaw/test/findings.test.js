@@ -86,7 +86,7 @@ function hostSession(sessionId) {
     /** OpenClaw's summarising compaction keeping the last `keep` messages: its `compaction` entry. */
     compact(keep = 2) {
       const firstKept = entries[entries.length - keep];
-      host.compactions.push({ id: `${sessionId}-c${(made += 1)}`, after: entries.length,
+      host.compactions.push({ id: `${sessionId}-c${(made += 1)}`, after: entries.length, at: new Date().toISOString(),
         summary: `Summary of ${entries.length - keep} earlier messages.`, firstKept: firstKept.entryId });
     },
     /** Append messages (a turn's first ones); their entries. */
@@ -152,7 +152,7 @@ function hostSession(sessionId) {
           events.push({ type: "message", id: entry.entryId, parentId, message: entry.message });
           parentId = entry.entryId;
           for (const c of host.compactions.filter((made) => made.after === i + 1)) {
-            events.push({ type: "compaction", id: c.id, parentId, timestamp: new Date().toISOString(),
+            events.push({ type: "compaction", id: c.id, parentId, timestamp: c.at,
               summary: c.summary, firstKeptEntryId: c.firstKept, tokensBefore: 5000 });
             parentId = c.id;
           }
@@ -340,6 +340,85 @@ test("finding 1: the retry inside a turn after its compaction gets the turn's ow
   const retry = await engine.assemble({ ...params, tokenBudget: 100000, messages: own, prompt: "Continue the current task" });
   assert.deepEqual(retry.messages.map((m) => contentText(m.content)), host.context().map((m) => contentText(m.content)));
   assert.deepEqual(retry.messages.slice(1), host.entries.slice(6).map((e) => e.message));
+});
+
+// readSessionTranscriptRawDelta over fixed events (OpenClaw's raw events: every branch, in the order written).
+function rawOf(events) {
+  return async ({ cursor, maxEvents }) => {
+    const start = cursor === undefined ? 0 : Number(String(cursor).split(":")[1]);
+    const page = events.slice(start, start + maxEvents).map((event, i) => ({ event, seq: start + i }));
+    const end = start + page.length;
+    return { kind: "page", cursor: `1:${end}`, hasMore: end < events.length, events: page, serializedBytes: 0 };
+  };
+}
+
+test("review 1: a compaction on a branch OpenClaw left is not what the next turn assembles", async () => {
+  // OpenClaw's transcript is a tree: a /rewind, a retry or a branch switch leaves entries on a branch the
+  // active one no longer goes through. The plugin recorded the newest `compaction` entry of the raw
+  // transcript whatever its branch, and the next assemble showed a summary OpenClaw's own context does not.
+  const host = hostSession("s-branch-compaction");
+  const params = await threeCommittedTurns(host);
+  const visible = host.entries.slice();
+  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
+  const last = visible.at(-1).entryId;
+  raw.push({ type: "message", id: "gone-u", parentId: last, message: userMessage("a question taken back") },
+    { type: "message", id: "gone-a", parentId: "gone-u", message: assistantMessage("an answer taken back") },
+    { type: "compaction", id: "gone-c", parentId: "gone-a", timestamp: new Date().toISOString(),
+      summary: "A summary of the branch taken back.", firstKeptEntryId: visible[4].entryId, tokensBefore: 5000 },
+    { type: "leaf", id: "back", parentId: "gone-c", targetId: last });
+  const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
+  raw.push({ type: "message", id: turn.admission.entryId, parentId: last, message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const engine = await engineFor(host);
+  await engine.bootstrap(params);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const again = await engineFor(host);
+  await again.bootstrap(params);
+  const assembled = await again.assemble({ ...params, tokenBudget: 100000 });
+  assert.deepEqual(assembled.messages.map((m) => contentText(m.content)), host.entries.map((e) => contentText(e.message.content)));
+
+  // A compaction on the active branch is recorded, the one left behind still not.
+  const kept = host.entries[6].entryId;
+  raw.push({ type: "compaction", id: "live-c", parentId: turn.terminal.entryId, timestamp: new Date().toISOString(),
+    summary: "A summary of the active branch.", firstKeptEntryId: kept, tokensBefore: 5000 });
+  const third = await engineFor(host);
+  await third.bootstrap(params);
+  const after = await third.assemble({ ...params, tokenBudget: 100000 });
+  assert.deepEqual(after.messages.map((m) => contentText(m.content)),
+    ["[Summary of the earlier conversation]\nA summary of the active branch.", "question 3", "answer 3"]);
+});
+
+test("review 1: a new process leaves a newer compaction of the service in place of OpenClaw's older one", async () => {
+  // A new plugin process reads OpenClaw's raw transcript from its start and found the compaction there
+  // (made before the service's own since): recorded again, the older summary replaced the newer one, and
+  // the context grew back by what the newer one had compacted.
+  const host = hostSession("s-older-compaction");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  const long = " and so on".repeat(40);
+  for (let k = 0; k < 5; k += 1) {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    const turn = host.turn(`k${k}`, [userMessage(`question ${k}${long}`), assistantMessage(`answer ${k}${long}`)]);
+    if (k === 4) host.compact(8); // OpenClaw's in-run compaction, found by the next bootstrap
+    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  }
+  host.compactions[0].at = new Date(Date.now() - 60000).toISOString(); // it was made a minute ago
+  const first = await engineFor(host);
+  await first.bootstrap(params);
+  const older = await first.assemble({ ...params, tokenBudget: 100000 });
+  assert.equal(contentText(older.messages[0].content), `[Summary of the earlier conversation]\n${host.compactions[0].summary}`);
+  // The service's own compaction (an operator's `compact`, the legacy engine's).
+  const response = await fetch(`${service.url}/v1/engines/legacy/sessions/${host.sessionId}/compact`, {
+    method: "POST", headers: { authorization: `Bearer ${TOKEN}`, "content-type": "application/json" }, body: JSON.stringify({ force: true }) });
+  assert.equal((await response.json()).compacted, true);
+  const newer = await first.assemble({ ...params, tokenBudget: 100000 });
+  assert.notDeepEqual(newer.messages, older.messages);
+  // Another process (a module of its own: nothing remembered of this one's reads).
+  const fresh = await import(`../src/engine.js?process=${Date.now()}`);
+  const other = await fresh.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "legacy", sdk: host.sdk });
+  await other.bootstrap(params);
+  assert.deepEqual((await other.assemble({ ...params, tokenBudget: 100000 })).messages, newer.messages);
 });
 
 test("finding 2: images and thinking blocks count against the token budget of assemble", async () => {
