@@ -1232,3 +1232,63 @@ def test_a_selection_sends_the_context_hermes_injects_into_the_request_only(tmp_
     assert selected[-1] == wire[-1], "the memory provider's context left the turn"
     assert wire[-3] in selected, "an earlier turn was sent with other bytes than it was"
     engine.close()
+
+
+def hermes_request_copy(message: dict[str, Any], pad: bool) -> dict[str, Any]:
+    """What hermes-agent 0.19.0's request build (``agent/conversation_loop.py``, the loop that makes
+    ``api_messages``) makes of a conversation message, with Hermes' own ``copy_reasoning_content_for_api``:
+    ``api_content`` sent as the content, ``reasoning_content`` as the provider needs it (``pad``: a
+    DeepSeek / Kimi / MiMo thinking model), ``reasoning`` and ``finish_reason`` popped."""
+    from types import SimpleNamespace
+
+    from agent.agent_runtime_helpers import copy_reasoning_content_for_api  # type: ignore[import-not-found]
+
+    api = message.copy()
+    sidecar = api.pop("api_content", None)
+    if isinstance(sidecar, str) and sidecar and message.get("role") in ("user", "assistant"):
+        api["content"] = sidecar
+    copy_reasoning_content_for_api(SimpleNamespace(_needs_thinking_reasoning_pad=lambda: pad), message, api)
+    for key in ("reasoning", "finish_reason", "_thinking_prefill"):
+        api.pop(key, None)
+    return api
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["strict-provider", "thinking-provider"])
+def test_a_selected_message_from_the_store_goes_out_as_hermes_sends_its_own(
+    store_url: str, tmp_path: Path, pad: bool
+) -> None:
+    """A selected message the request does not hold (here: the host left an earlier turn's tool round out
+    of the request, and an earlier reply goes out as its ``api_content``) came from the store as stored:
+    with ``finish_reason`` and ``reasoning``, keys Hermes pops from every message it sends because strict
+    providers (Mistral) refuse them, and with a ``reasoning_content`` Hermes sends only to providers that
+    require it (strict ones refuse it too). It now goes out as Hermes' own request build makes it of
+    that message."""
+    pytest.importorskip("agent.agent_runtime_helpers")
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s-shape")
+    out = engine.compress(conversation("tau", 10))
+    earlier = {"role": "assistant", "content": "tau reply", "api_content": "tau reply\u200b",
+               "finish_reason": "stop", "reasoning": "the user wants the reply", "reasoning_content": "",
+               "reasoning_details": [{"type": "reasoning.text", "text": "the user wants the reply"}]}
+    call = {"id": "call_tau", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    tool_turn = {"role": "assistant", "content": "", "api_content": "looking", "tool_calls": [call],
+                 "finish_reason": "tool_calls", "reasoning": "someone else's thoughts"}
+    taken = [*out, user("tau next"), earlier, user("tau again"), tool_turn,
+             {"role": "tool", "tool_call_id": "call_tau", "content": "tau result", "tool_name": "lookup"},
+             reply("tau done")]
+    engine.on_session_end("s-shape", copy.deepcopy(taken))  # the host took the answer
+    held = [*taken, user("tau the question")]
+    sent = [hermes_request_copy(m, pad) for m in held if m.get("role") != "tool"]
+    sent[[m.get("content") for m in sent].index("looking")].pop("tool_calls")
+    request = [{"role": "system", "content": "You are a test agent."}, *sent]
+    budget = RoughEstimator().count_messages(request) - 100
+    selected = engine.select_context(copy.deepcopy(request), conversation_messages=copy.deepcopy(held),
+                                     budget_tokens=budget)
+    assert isinstance(selected, list) and is_valid_sequence(selected)
+    for m in (earlier, tool_turn):
+        sent = next(s for s in selected if s.get("content") == m["api_content"])
+        assert sent == hermes_request_copy(m, pad), sent
+    leaked = [m for m in selected if {"finish_reason", "reasoning", "api_content"} & set(m)]
+    assert not leaked, leaked
+    assert pad == all("reasoning_content" in m for m in selected if m["role"] == "assistant")
+    engine.close()

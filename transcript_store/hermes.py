@@ -680,8 +680,8 @@ def as_sent(
     selected: list[dict[str, Any]], request: Sequence[dict[str, Any]], conversation: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """A selection with each message as this request sends it: the request's own copy when it holds the
-    message, else the stored message with its ``api_content`` (Hermes' record of the bytes it sent) as
-    its content and without that key.
+    message, else the stored message as Hermes' request build makes one of it (``request_copy``: its
+    ``api_content``, Hermes' record of the bytes it sent, as its content, without the keys that build pops).
 
     The selection is assembled from what is stored, the conversation's clean messages. hermes-agent sends
     the current user message with its memory provider's prefetch and ``pre_llm_call`` plugin context
@@ -701,17 +701,42 @@ def as_sent(
     wire = {key(m): m for m in sent}
     if len(sent) == len(held) and all(a.get("role") == b.get("role") for a, b in zip(sent, held, strict=True)):
         wire.update({key(c): r for c, r in zip(held, sent, strict=True)})
+    # Hermes gives every assistant message a reasoning_content exactly when its provider requires one
+    pad = any(m.get("role") == "assistant" and "reasoning_content" in m for m in sent)
     out: list[dict[str, Any]] = []
     for m in selected:
         own = wire.get(key(m)) if not is_context_message(m) else None
-        if own is not None:
-            out.append(copy.deepcopy(own))
-            continue
-        m = dict(m)
-        api = m.pop("api_content", None)
-        if isinstance(api, str) and api and m.get("role") in ("user", "assistant"):
-            m["content"] = api
-        out.append(m)
+        out.append(copy.deepcopy(own) if own is not None else request_copy(m, pad=pad))
+    return out
+
+
+def request_copy(message: dict[str, Any], *, pad: bool) -> dict[str, Any]:
+    """A stored message as hermes-agent's request build makes the message it sends of a conversation message
+    (``agent/conversation_loop.py``, the ``api_messages`` loop, and its ``copy_reasoning_content_for_api``):
+    its ``api_content`` as its content, ``reasoning`` and ``finish_reason`` popped (strict providers such as
+    Mistral refuse them), and ``reasoning_content`` on an assistant message only when the provider requires
+    one (``pad``: DeepSeek, Kimi, MiMo thinking models; strict providers refuse it): the stored one (an
+    empty one as a space), else the ``reasoning`` text when the message has no tool calls, else a space.
+    The rest (``timestamp``, ``tool_name``, ``codex_*``) is its transport's to strip, as from its own messages
+    (the contract runs ``select_context`` before every request sanitizer).
+    """
+    out = dict(message)
+    api = out.pop("api_content", None)
+    if isinstance(api, str) and api and out.get("role") in ("user", "assistant"):
+        out["content"] = api
+    reasoning = out.pop("reasoning", None)
+    out.pop("finish_reason", None)
+    if out.get("role") != "assistant":
+        return out
+    stored = out.pop("reasoning_content", None)
+    if not pad:
+        return out
+    if isinstance(stored, str):
+        out["reasoning_content"] = stored or " "
+    elif isinstance(reasoning, str) and reasoning and not out.get("tool_calls"):
+        out["reasoning_content"] = reasoning
+    else:  # another provider's thoughts behind a tool call are not passed on (Hermes' #15748)
+        out["reasoning_content"] = " "
     return out
 
 
