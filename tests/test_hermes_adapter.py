@@ -1292,3 +1292,30 @@ def test_a_selected_message_from_the_store_goes_out_as_hermes_sends_its_own(
     assert not leaked, leaked
     assert pad == all("reasoning_content" in m for m in selected if m["role"] == "assistant")
     engine.close()
+
+
+def test_the_session_end_hook_stores_an_unfinished_turn_from_hermes_session_database(
+    store_url: str, tmp_path: Path
+) -> None:
+    """``end_turn`` (hermes-agent's ``on_session_end`` plugin hook, which ends every ``run_conversation``)
+    stores what Hermes saved of a turn that ended without ``post_llm_call`` (interrupted, unfinished),
+    through the copy bound to its session id. A finished turn reads nothing; Hermes' background review,
+    whose agent saves nothing and runs under its parent's id, adds nothing; a copy keeps no database."""
+    from transcript_store.hermes import end_turn
+
+    db = FakeSessionDB()
+    proto = make(tmp_path, db_url=store_url)
+    engine, review = copy.deepcopy(proto), copy.deepcopy(proto)
+    engine.bind_session_state(session_db=db, session_id="s1")
+    review.bind_session_state(session_db=db, session_id="review-own-id")
+    review.session_id = "s1"  # what hermes-agent does to its review agent after building it
+    db.messages["s1"] = [{**user("sigma first"), "timestamp": 1.0}, reply("sigma answer"),
+                         {**user("sigma interrupted"), "timestamp": 2.0}]
+    end_turn(session_id="s1", completed=True, interrupted=False)
+    assert engine.stored_messages("s1") == []
+    end_turn(session_id="s1", completed=False, interrupted=True)
+    end_turn(session_id="s1", completed=True, interrupted=True)  # the review's hook, or a second end
+    assert [m["content"] for m in engine.stored_messages("s1")] == ["sigma first", "sigma answer", "sigma interrupted"]
+    assert copy.deepcopy(engine)._session_db is None and pickle.loads(pickle.dumps(engine))._session_db is None
+    for e in (engine, review, proto):
+        e.close()

@@ -80,6 +80,9 @@ _SHARED_RUNTIMES: dict[str, _Runtime] = {}
 #: the engine copy whose agent made this thread's latest model call (``mark_turn``): hermes-agent's
 #: ``post_llm_call`` plugin hook, run in the same thread at the end of the turn, names no agent
 _TURN = threading.local()
+#: Hermes session id -> the engine copy last bound to it with a session database (``bind_session_state``):
+#: the ``on_session_end`` plugin hook (``end_turn``) names the session only
+_BOUND: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def jsonable(value: Any) -> Any:
@@ -833,6 +836,7 @@ class TranscriptStoreEngineMixin:
         self.context_length = int(context_length)
         self.threshold_tokens = threshold_tokens(self.context_length, threshold_percent)
         self._rt: _Runtime | None = None
+        self._session_db: Any = None  # Hermes' session database (``bind_session_state``), never copied
 
     # ------------------------------------------------------------------------------------ copies
 
@@ -840,6 +844,7 @@ class TranscriptStoreEngineMixin:
         """The plain configuration and counters: no store, engine, connection or lock."""
         state = dict(self.__dict__)
         state["_rt"] = None
+        state["_session_db"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -852,7 +857,7 @@ class TranscriptStoreEngineMixin:
         new = object.__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            new.__dict__[k] = None if k == "_rt" else copy.deepcopy(v, memo)
+            new.__dict__[k] = None if k in ("_rt", "_session_db") else copy.deepcopy(v, memo)
         return new
 
     # ------------------------------------------------------------------------------------ runtime
@@ -1453,6 +1458,10 @@ class TranscriptStoreEngineMixin:
         # the old one's store session (branched onto its transcript) and the new id's stayed empty.
         if not isinstance(session_id, str) or not session_id:
             return
+        if session_db is not None:
+            self._session_db = session_db
+            with _RUNTIME_LOCK:
+                _BOUND[session_id] = self
         previous = self.session_id
         if previous == session_id:
             return
@@ -1669,6 +1678,32 @@ def observe_turn(**kwargs: Any) -> None:
         return
     if isinstance(history, list) and history:
         engine.on_turn_complete(history, session_id=session_id)
+
+
+def end_turn(**kwargs: Any) -> None:
+    """hermes-agent's ``on_session_end`` plugin hook, which ends every ``run_conversation``: after a turn
+    interrupted or left unfinished, store what Hermes saved of the conversation in its session database,
+    through the engine copy bound to its session id; never raising into Hermes.
+
+    Such a turn fires no ``post_llm_call`` (``observe_turn``): its user message reached the store only with
+    the conversation's next turn, compaction or session end, and for a cron job or a subagent (closed
+    after its one run, or interrupted with its parent) never. Hermes saves the turn (its user message at
+    the turn's start, the rest at its end) before it fires the hook, in every agent that has a session
+    database; the read is the saved conversation, so the hook of an agent that saves nothing (Hermes'
+    background review, which runs under its parent's id) stores nothing of its own. A finished turn
+    was stored by ``observe_turn`` and reads nothing here.
+    """
+    if not kwargs.get("interrupted") and kwargs.get("completed", True):
+        return
+    session_id = kwargs.get("session_id")
+    if not isinstance(session_id, str) or not session_id:
+        return
+    with _RUNTIME_LOCK:
+        engine = _BOUND.get(session_id)
+    db = getattr(engine, "_session_db", None)
+    if engine is None or db is None or engine.session_id != session_id:
+        return
+    engine._store_saved(db, session_id)
 
 
 class _StandInContextEngine:

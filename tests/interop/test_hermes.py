@@ -660,3 +660,42 @@ def make_delegating_agent(server: FakeOpenAI) -> Any:
         base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
         enabled_toolsets=["context_engine", "delegation"], skip_context_files=True, skip_memory=True,
     )
+
+
+def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path, server: FakeOpenAI) -> None:
+    """A turn interrupted before any reply fires no ``post_llm_call`` (Hermes fires it for a turn with a
+    reply only): its user message reached the store with the conversation's next turn, compaction or
+    session end, and for a cron job or a subagent (closed, or interrupted with its parent) never. Hermes'
+    ``on_session_end`` plugin hook ends every ``run_conversation``, the interrupted ones too, after
+    Hermes saved the turn to its session database: the plugin stores what it saved from there."""
+    import threading
+
+    from fake_openai import Fault
+    from hermes_state import SessionDB
+    from run_agent import AIAgent
+
+    server.reset()
+    db = SessionDB()
+    agent = AIAgent(
+        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
+        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=db,
+    )
+    first = agent.run_conversation("sorrel-one: a first question")
+    server.queue(Fault(delay=8))  # the model is slow to answer the next one
+    asked = len(server.chat_requests)
+    done: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: done.update(agent.run_conversation(
+        "sorrel-two: the question interrupted before its reply", conversation_history=first["messages"])))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while len(server.chat_requests) == asked and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent.interrupt("stop")
+    worker.join(30)
+    assert done.get("interrupted"), "the case did not arise: the turn was not interrupted"
+    assert not [m for m in done["messages"] if m.get("role") == "assistant" and "sorrel-two" in str(m)]
+    engine = agent.context_compressor
+    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert any("sorrel-two" in k for k in stored), "the interrupted turn's user message never reached the store"
+    assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
+    agent.close()
