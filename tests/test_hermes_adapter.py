@@ -1319,3 +1319,28 @@ def test_the_session_end_hook_stores_an_unfinished_turn_from_hermes_session_data
     assert copy.deepcopy(engine)._session_db is None and pickle.loads(pickle.dumps(engine))._session_db is None
     for e in (engine, review, proto):
         e.close()
+
+
+def test_a_selection_keeps_the_prefill_messages_hermes_puts_after_the_system_prompt(
+    store_url: str, tmp_path: Path
+) -> None:
+    """hermes-agent puts its ``prefill_messages`` (few-shot examples from its config) right after the system
+    prompt of every request, never into the conversation. The selection was the system prompt and the
+    stored context: each request it replaced went out without them."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s-prefill")
+    out = engine.compress(conversation("phi", 10))
+    taken = [*out, user("phi next"), reply("phi reply")]
+    engine.on_session_end("s-prefill", copy.deepcopy(taken))  # the host took the answer
+    held = [*taken, user("phi the question")]
+    system = {"role": "system", "content": "You are a test agent."}
+    prefill = [user("phi prefill example"), reply("phi prefill answer")]
+    request = [system, *copy.deepcopy(prefill), *copy.deepcopy(held)]
+    budget = RoughEstimator().count_messages(request) - 100
+    selected = engine.select_context(copy.deepcopy(request), conversation_messages=copy.deepcopy(held),
+                                     budget_tokens=budget)
+    assert isinstance(selected, list) and is_valid_sequence(selected)
+    assert selected[:3] == [system, *prefill], selected[:4]
+    assert selected[-1] == held[-1]
+    assert _grep(engine, "s-prefill", "phi prefill") == 0, "a prefill message was stored as the conversation's"
+    engine.close()

@@ -618,7 +618,7 @@ class _Selection:
 
     The body (the engine's context: the store's messages and summaries, JSON by construction) is kept
     as its JSON text: parsing it again is a full copy at a third of ``copy.deepcopy``'s cost. The system
-    messages are the request's own, a message or two, deep-copied."""
+    messages (and Hermes' prefill messages after them) are the request's own, a few, deep-copied."""
 
     key: str
     system: list[dict[str, Any]]
@@ -677,6 +677,19 @@ def with_incoming(conversation: list[dict[str, Any]], incoming: Any) -> list[dic
     if any(canonical(identity(clean(m))) == own for m in conversation[start:]):
         return conversation
     return [*conversation, incoming]
+
+
+def prefill_count(request: Sequence[dict[str, Any]], conversation: Sequence[dict[str, Any]]) -> int:
+    """How many messages the request holds between its system prompt and the conversation: hermes-agent's
+    ``prefill_messages`` (few-shot examples from its config), which it puts there in every request and
+    never into the conversation. The request's extra leading messages when the rest holds the
+    conversation's roles in order; 0 when it cannot tell."""
+    _system, sent = split_system(list(request))
+    _system, held = split_system(list(conversation))
+    k = len(sent) - len(held)
+    if k > 0 and all(a.get("role") == b.get("role") for a, b in zip(sent[k:], held, strict=True)):
+        return k
+    return 0
 
 
 def as_sent(
@@ -1618,12 +1631,15 @@ class TranscriptStoreEngineMixin:
                 cached = rt.selections.get(store_session)
             if cached is not None and cached.key == key:
                 return cached.messages()  # the caller's own copy: it may change it as it likes
-            system, _body = split_system(request_messages)
+            system, rest = split_system(request_messages)
+            # Hermes' prefill messages stay where it put them, in every request it sends
+            k = prefill_count(request_messages, source) if isinstance(conversation_messages, list) else 0
             assembled = rt.engine.assemble(
                 scope=self.scope, session_id=store_session, fence=None, token_budget=int(budget_tokens)
             )
-            body = as_sent(merge_context(valid_sequence(copy.deepcopy(assembled.messages))), request_messages, source)
-            kept = _Selection(key, copy.deepcopy(system), json.dumps(body) if body else None)
+            selected = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
+            body = as_sent(selected, [*system, *rest[k:]], source)
+            kept = _Selection(key, copy.deepcopy([*system, *rest[:k]]), json.dumps(body) if body else None)
             with rt.lock:
                 rt.selections[store_session] = kept
             return kept.messages()
