@@ -1344,3 +1344,23 @@ def test_a_selection_keeps_the_prefill_messages_hermes_puts_after_the_system_pro
     assert selected[-1] == held[-1]
     assert _grep(engine, "s-prefill", "phi prefill") == 0, "a prefill message was stored as the conversation's"
     engine.close()
+
+
+def test_a_selection_fits_the_budget_with_the_system_prompt_it_keeps(store_url: str, tmp_path: Path) -> None:
+    """``select_context`` replaces a request over ``budget_tokens`` (the model's window) with the request's
+    system prompt and the engine's context; the engine was given the whole budget for its context, so
+    with a long system prompt the selection was over the window too, and the provider refused it."""
+    estimate = RoughEstimator().count_messages
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("s-fit")
+    taken = [*engine.compress(conversation("chi", 30)), *conversation("chi later", 12)]
+    engine.on_session_end("s-fit", copy.deepcopy(taken))  # the host took the answer
+    held = [*taken, user("chi the question")]
+    system = {"role": "system", "content": "You are a test agent. " + "rule " * 4000}
+    request = [system, *held]
+    budget = estimate(request) - 100
+    selected = engine.select_context(copy.deepcopy(request), conversation_messages=copy.deepcopy(held),
+                                     budget_tokens=budget)
+    assert isinstance(selected, list) and selected[0] == system and selected[-1] == held[-1]
+    assert estimate(selected) <= budget, (estimate(selected), budget)
+    engine.close()

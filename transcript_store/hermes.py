@@ -1634,12 +1634,14 @@ class TranscriptStoreEngineMixin:
             system, rest = split_system(request_messages)
             # Hermes' prefill messages stay where it put them, in every request it sends
             k = prefill_count(request_messages, source) if isinstance(conversation_messages, list) else 0
-            assembled = rt.engine.assemble(
-                scope=self.scope, session_id=store_session, fence=None, token_budget=int(budget_tokens)
-            )
+            head = [*system, *rest[:k]]
+            # The head goes out with the engine's context: the whole budget for the context put the
+            # selection over the window by the system prompt.
+            room = max(MIN_CONTEXT, int(budget_tokens) - RoughEstimator().count_messages(head))
+            assembled = rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=room)
             selected = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
             body = as_sent(selected, [*system, *rest[k:]], source)
-            kept = _Selection(key, copy.deepcopy([*system, *rest[:k]]), json.dumps(body) if body else None)
+            kept = _Selection(key, copy.deepcopy(head), json.dumps(body) if body else None)
             with rt.lock:
                 rt.selections[store_session] = kept
             return kept.messages()
