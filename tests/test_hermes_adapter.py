@@ -1316,6 +1316,10 @@ def test_the_session_end_hook_stores_an_unfinished_turn_from_hermes_session_data
     end_turn(session_id="s1", completed=False, interrupted=True)
     end_turn(session_id="s1", completed=True, interrupted=True)  # the review's hook, or a second end
     assert [m["content"] for m in engine.stored_messages("s1")] == ["sigma first", "sigma answer", "sigma interrupted"]
+    engine.on_session_start("s2", boundary_reason="compression", old_session_id="s1")  # a rotation
+    db.messages["s2"] = [{**user("sigma after the rotation"), "timestamp": 3.0}]
+    end_turn(session_id="s2", completed=False, interrupted=True)
+    assert engine.stored_messages("s2")[-1]["content"] == "sigma after the rotation"
     assert copy.deepcopy(engine)._session_db is None and pickle.loads(pickle.dumps(engine))._session_db is None
     for e in (engine, review, proto):
         e.close()

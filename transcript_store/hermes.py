@@ -1432,6 +1432,9 @@ class TranscriptStoreEngineMixin:
         moves to a new id (``boundary_reason="compression"``, ``old_session_id``) continues the old id's
         store session under the new one."""
         self.session_id = session_id
+        if self._bound_db() is not None and isinstance(session_id, str) and session_id:
+            with _RUNTIME_LOCK:  # the new id's unfinished turns, too (``end_turn``)
+                _BOUND[session_id] = self
         old = kwargs.get("old_session_id")
         if kwargs.get("boundary_reason") != "compression" or not isinstance(old, str) or not old:
             return
@@ -1495,6 +1498,10 @@ class TranscriptStoreEngineMixin:
                 # branch has a store session; the gateway binds a new agent at every turn).
                 self._store_saved(session_db, parent)
         self.session_id = session_id
+
+    def _bound_db(self) -> Any:
+        """Hermes' session database given by ``bind_session_state`` (None: none yet)."""
+        return getattr(self, "_session_db", None)
 
     def _unstored(self, hermes_session: str) -> bool:
         """Whether no store session holds ``hermes_session`` yet (False when the store cannot tell)."""
@@ -1718,7 +1725,7 @@ def end_turn(**kwargs: Any) -> None:
         return
     with _RUNTIME_LOCK:
         engine = _BOUND.get(session_id)
-    db = getattr(engine, "_session_db", None)
+    db = engine._bound_db() if engine is not None else None
     if engine is None or db is None or engine.session_id != session_id:
         return
     engine._store_saved(db, session_id)
