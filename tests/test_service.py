@@ -7,6 +7,7 @@ an engine that raises. The OpenAPI document is fuzzed with schemathesis for a bo
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import psycopg
 import pytest
@@ -635,6 +636,46 @@ def test_errors_are_json_with_stable_codes(server: ServiceProcess) -> None:
     for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"items": "\xff\xfe"}', b'{"items": ' + b"9" * 5000 + b"}"):
         status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=raw)
         assert status == 422 and data["error"]["code"] == "invalid_request", (raw[:20], data)
+
+
+def test_a_body_sent_as_another_media_type_is_a_415_that_writes_nothing(server: ServiceProcess) -> None:
+    """README's 415 ``unsupported_media_type``: was never answered. ``curl -d '{...}'`` sends
+    application/x-www-form-urlencoded; the JSON body went unparsed and the answer was 422 "body: Input
+    should be a valid dictionary", blaming a body that is a valid one."""
+    sid = new_id("s")
+    body = json.dumps({"session_id": sid}).encode()
+    for media in ("application/x-www-form-urlencoded", "text/plain", "text/json", "application/jsonx",
+                  "multipart/form-data"):
+        status, data = server.call("POST", "/v1/sessions", TOKEN_A, raw=body, headers={"Content-Type": media})
+        assert status == 415 and data["error"]["code"] == "unsupported_media_type", (media, data)
+        assert "application/json" in data["error"]["message"]
+    status, data = _bare_post(server, "/v1/sessions", body)  # no Content-Type: not read as JSON either
+    assert status == 415 and data["error"]["code"] == "unsupported_media_type", data
+    status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+    assert status == 404 and data["error"]["code"] == "session_not_found", data
+    # JSON under any of its names is read; a body left out, or a query's own error, stays 422
+    for media in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+        status, data = server.call("POST", "/v1/sessions", TOKEN_A, raw=body, headers={"Content-Type": media})
+        assert status == 200 and data["session_id"] == sid, (media, data)
+    status, data = _bare_post(server, f"/v1/engines/legacy/sessions/{sid}/maintain", b"")
+    assert status == 422 and data["error"]["code"] == "invalid_request", data
+    status, data = server.call("GET", "/v1/sessions?limit=0", TOKEN_A, headers={"Content-Type": "text/plain"})
+    assert status == 422 and data["error"]["code"] == "invalid_request", data
+
+
+def _bare_post(server: ServiceProcess, path: str, body: bytes) -> tuple[int, Any]:
+    """A POST without any Content-Type header (the test client names JSON whenever it sends a body)."""
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Authorization", f"Bearer {TOKEN_A}")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
 
 
 def test_request_bodies_over_the_limit_are_refused(server: ServiceProcess) -> None:

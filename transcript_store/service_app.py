@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.message
 import functools
 import logging
 import socket
@@ -121,7 +122,7 @@ HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405
 _CLOSE = {"Connection": "close"}
 
 _ERROR_DOCS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 408, 409, 413, 422, 503)
+    status: {"model": ErrorBody} for status in (400, 401, 404, 408, 409, 413, 415, 422, 503)
 }
 
 
@@ -556,6 +557,16 @@ def _errors(app: FastAPI) -> None:
     async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
+        left_out = {"loc": ("body",), "type": "missing"}
+        if not _json_media(request.headers.get("content-type")) and any(
+            tuple(e.get("loc", ()))[:1] == ("body",) and {"loc": tuple(e["loc"]), "type": e.get("type")} != left_out
+            for e in errors
+        ):
+            # FastAPI reads a body as JSON only when it is sent as JSON: any other body (one without a
+            # Content-Type too) stays bytes and fails the route's shape, a 422 blaming a body that may be
+            # a valid one (``curl -d`` sends its JSON as a form). A body left out is still 422.
+            return error_json(415, "unsupported_media_type", "request bodies are JSON: send Content-Type: "
+                              "application/json")
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()))
         return error_json(422, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
@@ -563,6 +574,17 @@ def _errors(app: FastAPI) -> None:
     app.add_exception_handler(TranscriptStoreError, library)
     app.add_exception_handler(StarletteHTTPException, http)
     app.add_exception_handler(RequestValidationError, validation)
+
+
+def _json_media(content_type: str | None) -> bool:
+    """Whether a request's Content-Type lets FastAPI read its body as JSON: ``application/json`` or
+    ``application/*+json`` (parameters aside), as FastAPI decides it (a body without one is not read)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _protect_openapi(app: FastAPI) -> None:
