@@ -678,6 +678,20 @@ def _bare_post(server: ServiceProcess, path: str, body: bytes) -> tuple[int, Any
         conn.close()
 
 
+def test_a_path_with_a_trailing_slash_is_no_route_not_a_redirect(server: ServiceProcess) -> None:
+    """404 ``not_found`` as every path no route has: it was a bodiless 307 to the path without the slash,
+    so a client that built ``/v1/sessions/`` + an empty id got the scope's session list (and
+    ``/v1/engines/`` the engine list) instead of an error, and a POST followed it to another route."""
+    sid = new_id("s")
+    for method, path, body in (("GET", "/v1/sessions/", None), ("GET", "/v1/engines/", None),
+                               ("GET", "/v1/whoami/", None), ("POST", "/v1/sessions/", {"session_id": sid}),
+                               ("POST", f"/v1/sessions/{sid}/entries/", {"items": [{"message": user("x")}]})):
+        status, data = server.call(method, path, TOKEN_A, body)
+        assert status == 404 and data["error"]["code"] == "not_found", (method, path, status, data)
+    status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+    assert status == 404 and data["error"]["code"] == "session_not_found", data
+
+
 def test_request_bodies_over_the_limit_are_refused(server: ServiceProcess) -> None:
     sid = new_id("s")
     open_session(server, session_id=sid)

@@ -495,6 +495,9 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
         redoc_url=None,
         openapi_url=None,
         responses=_ERROR_DOCS,
+        # A path with a trailing slash is no route (404 not_found), not a bodiless 307 to the path without
+        # it: ``/v1/sessions/`` + an empty id answered the scope's session list, and a POST was re-sent.
+        redirect_slashes=False,
     )
     app.state.tokens = tokens
     app.state.max_body_bytes = max_body_bytes
