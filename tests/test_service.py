@@ -277,6 +277,19 @@ def test_a_bad_receipts_cursor_or_limit_is_refused(server: ServiceProcess) -> No
     assert {"after", "limit"} <= {p["name"] for p in route["parameters"]}
 
 
+def test_a_bad_sessions_cursor_is_refused_also_beside_a_session_key(server: ServiceProcess) -> None:
+    """``GET /v1/sessions``'s ``after`` that is not an id is 400, as the README says: beside a
+    ``session_key`` it was not looked at, and the request answered 200."""
+    key = new_id("key")
+    sid = open_session(server, session_key=key)["session_id"]
+    for after in ("", "a\x00b", "a\nb", "\x7f"):
+        for query in ({"after": after}, {"session_key": key, "after": after}):
+            status, err = server.call("GET", f"/v1/sessions?{urlencode(query)}", TOKEN_A)
+            assert status == 400 and err["error"]["code"] == "invalid_input", (query, err)
+    status, found = server.call("GET", f"/v1/sessions?{urlencode({'session_key': key, 'after': 'a'})}", TOKEN_A)
+    assert status == 200 and [s["session_id"] for s in found["sessions"]] == [sid]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_commit_turn_committed_duplicate_collision(server: ServiceProcess, engine: str) -> None:
     sid = new_id("s")

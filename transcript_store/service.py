@@ -345,6 +345,9 @@ class Service:
     def list_sessions(self, scope: str, session_key: str | None, after: str | None, limit: int) -> list[SessionInfo]:
         """The active session holding ``session_key``, or the scope's sessions in id order."""
         if session_key is not None:
+            # ``after`` does not apply to a key's one session, but one that is not an id is refused all the
+            # same (400), as without the key: it was not looked at, and the request answered 200.
+            check_id("after", after, optional=True)
             found = self.store.find_session(scope, session_key)
             return [] if found is None else [found]
         return self.store.list_sessions(scope, after=after, limit=limit)
