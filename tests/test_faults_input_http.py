@@ -241,7 +241,9 @@ def hostile_http_campaign(request_: pytest.FixtureRequest, server: ServiceProces
                 code = "request_too_large" if too_large else "invalid_request"
                 status, answer = (413 if too_large else 400), {"error": {"code": code, "message": "(reset)"}}
             assert status < 500, f"{where} -> {status}: {str(answer)[:400]}"
-            if token not in TOKENS:  # refused before its body, route or method is looked at (413: by length)
+            # Refused before its body, route or method is looked at (413: by length); a head past the parser's
+            # buffer never reaches the token check (uvicorn's 400 and reset, above), with a token or without.
+            if token not in TOKENS and not (status == 400 and len(path) > MAX_HEAD):
                 assert status in (401, 413), f"{where} without a known token -> {status}: {str(answer)[:300]}"
             after = table_rows(mine, names=names)
             if status >= 400:
