@@ -197,6 +197,33 @@ def test_short_terms_fold_case_beyond_ascii(store: TranscriptStore, sid: str) ->
     assert found("été") == ["ÉTÉ à Paris"]  # a trigram: the index folds it too
 
 
+def test_a_long_message_summarized_away_is_read_whole_a_piece_at_a_time(store: TranscriptStore, sid: str) -> None:
+    """``lcm_expand`` cut every message to ``expand_max_chars`` (4,000) and a message's ``offset`` was
+    ignored: of a 12,000-character tool output summarized away, the model could read the first third
+    only, however it asked. A message's offset is a character offset: the pages, read from
+    ``next_offset`` until it is None, give the whole text back."""
+    engine = make_engine(store, SMALL)
+    long_reply = "".join(f"line {n:05d} of a long tool output\n" for n in range(400)) + "NEEDLE at the very end"
+    turn(store, engine, sid, "t0", long_reply)
+    for n in range(1, 6):
+        turn(store, engine, sid, f"t{n}")
+    engine.compact(scope=A, session_id=sid, force=True, token_budget=1500)
+    found = call(engine, sid, "lcm_describe", {"id": "msg_1"})
+    assert not found["in_context"] and found["context_holder"] is not None, found
+    leaf = call(engine, sid, "lcm_expand", {"id": found["summarized_in"][0]})
+    item = next(i for i in leaf["items"] if i["id"] == "msg_1")
+    assert item["truncated"] and len(item["content"]) < len(long_reply)
+    pages, offset = [], 0
+    while offset is not None:
+        page = call(engine, sid, "lcm_expand", {"id": "msg_1", "offset": offset})
+        assert page["total_chars"] == len(long_reply) and page["offset"] == offset
+        pages.append(page["items"][0]["content"].removesuffix("…"))
+        offset = page["next_offset"]
+    assert "".join(pages) == long_reply and len(pages) == -(-len(long_reply) // 4000)
+    past = call(engine, sid, "lcm_expand", {"id": "msg_1", "offset": 10**9})
+    assert past["items"][0]["content"] == "" and past["next_offset"] is None
+
+
 # ---------------------------------------------------------------------------------------------- regex
 
 

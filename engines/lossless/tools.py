@@ -86,10 +86,16 @@ def schemas() -> list[dict[str, Any]]:
         ),
         _schema(
             "lcm_expand",
-            "Open a summary: a condensed summary gives its child summaries, a leaf summary its original messages.",
+            "Open a summary: a condensed summary gives its child summaries, a leaf summary its original messages. "
+            "A message id gives that message's text, a long one a piece at a time (ask again from next_offset).",
             {
                 "id": ident,
-                "offset": {"type": "integer", "minimum": 0, "default": 0},
+                "offset": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "default": 0,
+                    "description": "a summary: the first child or message to list; a message: the first character",
+                },
                 "limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": 50},
             },
             ["id"],
@@ -416,7 +422,19 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
         message = _find_message(core, scope, session_id, raw)
         if message is None:
             raise _missing(core, scope, session_id, raw)
-        out = {"id": message_id(message.ordinal), "kind": "message", "items": [_message_item(message, max_chars)]}
+        # A message's offset is a character offset into its text: a message longer than ``max_chars`` (a
+        # tool output summarized away) is read whole a piece at a time, from ``next_offset`` on.
+        total = len(message.content)
+        item = _message_item(message, max_chars, start=offset)
+        done = min(total, offset + max_chars)
+        out = {
+            "id": message_id(message.ordinal),
+            "kind": "message",
+            "total_chars": total,
+            "offset": offset,
+            "items": [item],
+            "next_offset": done if done < total else None,
+        }
         return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", message.ordinal)))
     seq = row.summary_seq
     items: list[dict[str, Any]]
@@ -444,8 +462,8 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
     }, _shadow_note(core, scope, session_id, raw, ("summary", seq)))
 
 
-def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
-    content, cut = _cut(row.content, max_chars)
+def _message_item(row: Any, max_chars: int, start: int = 0) -> dict[str, Any]:
+    content, cut = _cut(row.content[start:] if start else row.content, max_chars)
     out = {"id": message_id(row.ordinal), "kind": "message", "entry_id": row.entry_id, "role": row.role}
     message = json.loads(row.message)
     call = message.get("tool_call_id")
