@@ -796,3 +796,33 @@ def test_a_message_over_the_budget_by_todays_count_comes_back_said_to_be_over_no
     result = LosslessEngine(ctx).assemble(scope=A, session_id=sid, fence=None, token_budget=1_100)
     assert len(result.messages) == 1 and result.estimated_tokens > 1_100
     assert result.prompt_authority == "preassembly_may_overflow"
+
+
+class _TwoPerMessage(RoughEstimator):
+    """Counts every message as two tokens: a store whose counts say next to nothing."""
+
+    def count_messages(self, messages: Any) -> int:
+        return 2 * len(messages)
+
+
+class _FiftyFold(RoughEstimator):
+    """Counts fifty times what the rough estimator counts."""
+
+    def count_text(self, text: str) -> int:
+        return 50 * super().count_text(text)
+
+
+@pytest.mark.parametrize("budget", [2, 5, 10])
+def test_a_shrunk_budget_never_reaches_zero(store: TranscriptStore, sid: str, budget: int) -> None:
+    """When today's count of the assembled list exceeds the budget by more than the budget itself (stored
+    counts of 2, counted 157 now, a budget of 5), the stored counts' budget shrank to 0, and the next
+    compaction pass asked for the marks of a window of 0: assemble raised InvalidInput for a valid budget
+    (through the host, the engine was quarantined). It shrinks to 1 at least, and the last answer that
+    showed something comes back, said to be over."""
+    store.append_many(A, sid, [{"message": {"role": "user", "content": "hello there"}}])
+    low = EngineContext(store=store, config={}, summarizer=ExtractiveSummarizer(), estimator=_TwoPerMessage())
+    LosslessEngine(low).assemble(scope=A, session_id=sid, fence=None, token_budget=100)
+    ctx = EngineContext(store=store, config={}, summarizer=ExtractiveSummarizer(), estimator=_FiftyFold())
+    result = LosslessEngine(ctx).assemble(scope=A, session_id=sid, fence=None, token_budget=budget)
+    assert len(result.messages) == 1 and result.estimated_tokens > budget
+    assert result.prompt_authority == "preassembly_may_overflow"

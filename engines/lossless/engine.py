@@ -285,7 +285,11 @@ class LosslessEngine:
             if estimated <= token_budget or stored <= 1:
                 break
             best = (shown, messages, estimated)
-            budget = min(budget - 1, stored * token_budget // estimated)
+            if budget <= 1:
+                break
+            # At least 1: today's count over the budget by more than the budget itself (stored counts of
+            # 2, counted 157 now, a budget of 5) made it 0, and the marks of a window of 0 raised.
+            budget = max(1, min(budget - 1, stored * token_budget // estimated))
         has_summaries = any(i.summary is not None for i in shown)
         # What fit left out is stored all the same: the recall tools reach it, and the model is told so.
         hint = RECALL_HINT if has_summaries else (CUT_HINT if len(shown) < len(items) else None)
