@@ -342,3 +342,20 @@ def test_a_bootstrap_page_whose_commit_did_not_land_is_imported_by_the_retry(sto
         assert (out.imported, out.rewound, out.visible_count) == (1, True, 2), out
         assert [e.message["content"] for e in store.read_visible(S, "rw") if e.message] == ["first", "second, edited"]
         svc.runtime.dispose()
+
+
+def test_an_admission_retried_after_a_lost_commit_reports_the_lease_it_took_over(store_url: str) -> None:
+    """A retry's admission that took the turn over from a live attempt, its COMMIT landed but reported
+    lost: the retry found the turn its own already (nothing to take over) and emptied ``taken_over``, so
+    the caller had no lease to hand the turn back with should it fail, and discarded the live attempt's."""
+    with two_clients(store_url) as (store, _other):
+        turns = Turns(store)
+        store.create_session(S, session_id="to")
+        turns.admit(S, "to", user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+        taken: list[Any] = []
+        with commit_lost_then(store, lambda: None):
+            turns.admit(S, "to", user("q1"), turn_id="t1", engine_id="e", owner="worker/b", taken_over=taken)
+        assert [(lease.turn_id, lease.owner) for lease in taken] == [("t1", "worker/a")], taken
+        assert turns.hand_back(S, "to", "t1", owner="worker/b", lease=taken[0])
+        intent = turns.intent(S, "to", "t1")
+        assert intent is not None and intent.lease_owner == "worker/a"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -393,12 +393,17 @@ def record_admitted(
     is_heartbeat: bool = False,
     owner: str | None = None,
     taken_over: list[AdmittedLease] | None = None,
+    took_before: Sequence[AdmittedLease] = (),
 ) -> TurnIntent:
     """Write the admitted intent (same transaction as the admission); identical again is a no-op.
 
     An admitted intent of the same turn is taken over by ``owner`` (a retry of the turn); the lease it
     took, when that attempt's worker was alive, is put in ``taken_over`` (emptied first) so that a
-    retry which fails can give the turn back (``hand_back``) instead of discarding it."""
+    retry which fails can give the turn back (``hand_back``) instead of discarding it.
+
+    ``took_before``: what an earlier run of this transaction that ran to its end put in ``taken_over``.
+    A rerun that finds the turn held by ``owner`` already finds that run's take-over, whose COMMIT
+    landed though its answer was lost (``owner`` names one attempt): it reports that lease again."""
     a = admission.anchor
     ts = now_us()
     if taken_over is not None:
@@ -449,6 +454,8 @@ def record_admitted(
         kept: dict[str, Any] = {}
         if row.lease_owner != owner:
             kept["displaced_leases"] = _dump_displaced(_take_over(row, owner, ts, taken_over))
+        elif taken_over is not None:
+            taken_over.extend(took_before)
         core.conn.execute(
             update(outbox)
             .where(_key(a.scope, a.session_id, admission.turn_id))

@@ -280,6 +280,7 @@ class Turns:
         owner = new_owner() if owner is None else _check_owner(owner)
         item = self.store.prepare_admission(message, turn_id=turn_id)
         landed: list[tuple[Admission, TurnIntent]] = []
+        took: list[outbox.AdmittedLease] = []  # the lease the attempt that ran to its end took over
 
         def run(c: Core) -> tuple[Admission, TurnIntent] | None:
             if landed and replaced(c, scope, session_id, landed[0][0].anchor.incarnation):
@@ -297,7 +298,7 @@ class Turns:
                 outbox.claim_session(c, scope, session_id, turn_id)
             intent = outbox.record_admitted(
                 c, admission, engine_id, lease_seconds=self.config.turn_lease_seconds,
-                is_heartbeat=is_heartbeat, owner=owner, taken_over=taken_over,
+                is_heartbeat=is_heartbeat, owner=owner, taken_over=taken_over, took_before=took,
             )
             if stored and intent.state == "admitted":
                 # A stored admission that is to run (again): was it overtaken by a later turn, or
@@ -309,6 +310,7 @@ class Turns:
             if within is not None:
                 within(c, admission)
             landed[:] = [(admission, intent)]
+            took[:] = taken_over or ()
             return admission, intent
 
         try:
