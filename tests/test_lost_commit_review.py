@@ -359,3 +359,28 @@ def test_an_admission_retried_after_a_lost_commit_reports_the_lease_it_took_over
         assert turns.hand_back(S, "to", "t1", owner="worker/b", lease=taken[0])
         intent = turns.intent(S, "to", "t1")
         assert intent is not None and intent.lease_owner == "worker/a"
+
+
+def test_a_drain_whose_claim_did_not_land_counts_no_block_another_drain_made(store_url: str) -> None:
+    """A drain's claim that blocked a stale row and claimed the next, its COMMIT failed (did not land),
+    and another drain blocked that row and delivered the next before the retry: the retry found the row
+    blocked (by the other drain) and counted it as its own, so both drains reported the one block."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        store.create_session(S, session_id="db")
+        for turn_id in ("t1", "t2"):
+            turns.admit(S, "db", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
+            done = turns.complete(S, "db", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
+            assert done.intent.state == "accepted"
+            if turn_id == "t1":  # t1's question rewritten: its range is stale, a drain blocks it
+                question = store.read_visible(S, "db")[0]
+                store.rewrite_entries(S, "db", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        theirs: list[Any] = []
+
+        def drain() -> None:
+            theirs.append(Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id="db"))
+
+        with commit_fails_once(store, drain):
+            mine = turns.drain(lambda _engine: counting_engine, scope=S, session_id="db")
+        assert (theirs[0].committed, theirs[0].blocked) == (1, 1), theirs
+        assert (mine.committed, mine.blocked) == (0, 0), mine

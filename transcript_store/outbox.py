@@ -568,9 +568,11 @@ def persist_accept(core: Core, scope: str, session_id: str, turn_id: str, termin
     core.run(_ACCEPT, _turn_params(scope, session_id, turn_id, b_terminal=text, b_ts=now_us()))
 
 
-def capture(core: Core, intent: TurnIntent) -> TurnIntent:
-    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable."""
-    return capture_range(core, intent)[0]
+def capture(core: Core, intent: TurnIntent, *, at: int | None = None) -> TurnIntent:
+    """accepted -> ready (closed range captured) or blocked; stays accepted if the projection is unavailable.
+
+    ``at``: the time written with the row (``now_us()`` when not given)."""
+    return capture_range(core, intent, at=at)[0]
 
 
 def capture_range(
@@ -580,6 +582,7 @@ def capture_range(
     persist: bool = True,
     session: Row[Any] | None = None,
     appended: list[Entry] | None = None,
+    at: int | None = None,
 ) -> tuple[TurnIntent, ClosedRange | None]:
     """``capture``, also returning the closed range it read (None when it read none).
 
@@ -587,6 +590,7 @@ def capture_range(
     cannot be captured returns the intent unchanged, for the caller to take the persisted way.
     ``session``: the session's row as this transaction holds it locked (see ``read_closed_range``);
     with ``appended``, what this transaction just appended to it (see ``closed_range_of_append``).
+    ``at``: the time written with the row, ready or blocked (``now_us()`` when not given).
     """
     if intent.state != "accepted" or intent.terminal is None:
         return intent, None
@@ -595,7 +599,7 @@ def capture_range(
         result = closed_range_of_append(intent.admission.anchor, intent.terminal, session, appended)
     if result is None:
         result = read_closed_range(core, intent.admission.anchor, intent.terminal, session)
-    ts = now_us()
+    ts = now_us() if at is None else at
     if isinstance(result, ClosedRange):
         other = _other_turn_in(result)
         if other is not None:
@@ -604,7 +608,7 @@ def capture_range(
             # them to the engine a second time. ``commit_turn`` refuses such a range too.
             if not persist:
                 return intent, None
-            return _block(core, intent, _overlap_reason(other)), None
+            return _block(core, intent, _overlap_reason(other), ts), None
         messages = result.messages
         if persist:
             params = _turn_params(
@@ -614,7 +618,7 @@ def capture_range(
         return intent.model_copy(update={"state": "ready", "messages": messages}), result
     if result.reason == "projection_unavailable" or not persist:
         return intent, None
-    return _block_range(core, intent, result), None
+    return _block_range(core, intent, result, ts), None
 
 
 def _other_turn_in(closed: ClosedRange) -> Entry | None:
@@ -627,15 +631,15 @@ def _overlap_reason(other: Entry) -> str:
     return f"overlapping_turn: the turn's range holds entry {other.entry_id!r}, the admission of turn {other.turn_id!r}"
 
 
-def _block_range(core: Core, intent: TurnIntent, failure: Any) -> TurnIntent:
+def _block_range(core: Core, intent: TurnIntent, failure: Any, at: int) -> TurnIntent:
     """Block a queued row whose closed range cannot be read (a ``ClosedRangeFailure``); the blocked intent."""
-    return _block(core, intent, f"{failure.reason}: {failure.detail}" if failure.detail else failure.reason)
+    return _block(core, intent, f"{failure.reason}: {failure.detail}" if failure.detail else failure.reason, at)
 
 
-def _block(core: Core, intent: TurnIntent, reason: str) -> TurnIntent:
-    """Block a queued row for ``reason``; the blocked intent."""
+def _block(core: Core, intent: TurnIntent, reason: str, at: int) -> TurnIntent:
+    """Block a queued row for ``reason`` at ``at`` (its ``updated_us``); the blocked intent."""
     key = _key(intent.scope, intent.session_id, intent.turn_id)
-    core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=now_us()))
+    core.conn.execute(update(outbox).where(key).values(state="blocked", block_reason=reason, updated_us=at))
     log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
     return intent.model_copy(update={"state": "blocked", "block_reason": reason})
 
@@ -893,9 +897,12 @@ def drainable_groups(core: Core, scope: str | None, session_id: str | None) -> l
 
 
 def claim_head(
-    core: Core, group: Group, owner: str, lease_seconds: float, blocked: list[str] | None = None
+    core: Core, group: Group, owner: str, lease_seconds: float, blocked: list[tuple[str, int]] | None = None
 ) -> TurnIntent | str:
-    """Claim the head row of a group for delivery, or say why the group cannot advance now."""
+    """Claim the head row of a group for delivery, or say why the group cannot advance now.
+
+    Each row it blocks on the way goes to ``blocked``: (turn id, the ``updated_us`` written with the
+    block, drawn in this transaction), which tells a retry its own landed block from another drain's."""
     scope, session_id, engine_id = group
     while True:
         head = core.conn.execute(
@@ -932,7 +939,7 @@ def claim_head(
             return "leased"
         intent = _intent(core, row)
         if intent.state == "accepted":
-            intent = capture(core, intent)
+            intent = capture(core, intent, at=ts)
             if intent.state == "accepted":
                 return "projection_unavailable"
         elif intent.terminal is not None:
@@ -942,14 +949,14 @@ def claim_head(
             # row is, and blocked for the same reasons (a drain, not the fast completion: off the hot path).
             check = read_closed_range(core, intent.admission.anchor, intent.terminal)
             if not isinstance(check, ClosedRange) and check.reason != "projection_unavailable":
-                intent = _block_range(core, intent, check)
+                intent = _block_range(core, intent, check, ts)
             elif isinstance(check, ClosedRange) and (other := _other_turn_in(check)) is not None:
                 # A message of its range was admitted (bound to a key) as another turn since it was
                 # captured: the ledger refuses it at every delivery, as in ``capture_range``.
-                intent = _block(core, intent, _overlap_reason(other))
+                intent = _block(core, intent, _overlap_reason(other), ts)
         if intent.state == "blocked":
             if blocked is not None:
-                blocked.append(intent.turn_id)
+                blocked.append((intent.turn_id, ts))
             continue
         expires = ts + int(lease_seconds * 1_000_000)
         core.conn.execute(

@@ -613,6 +613,11 @@ class Turns:
 
         ``commit_in(engine_id)`` gives the engine's in-transaction commit (or None: the engine is not
         available, its rows wait). A failure keeps the row queued and stops its session for this drain.
+
+        ``blocked`` counts the rows this drain blocked. A claim retried after an uncertain COMMIT counts
+        the blocks of its earlier attempt that landed (told by the time written with each), never
+        another drain's; a row gone before the retry (its session deleted) is not counted, whether or
+        not its block had landed (nothing tells which).
         """
         _check_callable("commit_in", commit_in)
         check_id("scope", scope, optional=True)
@@ -650,15 +655,18 @@ class Turns:
         report: DrainReport,
         on_committed: Callable[[TurnIntent, CommitResult], None] | None,
     ) -> bool:
-        blocked: list[str] = []
+        blocked: list[tuple[str, int]] = []
 
         def claim(c: Core) -> TurnIntent | str:
             earlier = blocked[:]  # the write may be retried whole: count only the attempt that commits
             blocked.clear()
             claimed = outbox.claim_head(c, group, owner, self.config.delivery_lease_seconds, blocked)
             # ... or, after an uncertain COMMIT, the earlier attempt's blocks that landed: this one finds
-            # those rows blocked already, off the queue, and blocks nothing.
-            blocked.extend(t for t in earlier if t not in blocked and _blocked(c, group, t))
+            # those rows blocked already, off the queue, and blocks nothing. A row blocked at another
+            # time was blocked by another drain (the earlier COMMIT did not land): not this one's. A row
+            # gone since (its session deleted) is not counted: whether its block landed is not known.
+            mine = {t for t, _ in blocked}
+            blocked.extend((t, at) for t, at in earlier if t not in mine and _blocked(c, group, t, at))
             return claimed
 
         claimed = self.store.write(claim)
@@ -847,10 +855,10 @@ def _gone(c: Core, anchor: Anchor) -> bool:
     return row is None or foreign_incarnation(anchor.incarnation, row.incarnation, row.created_us)
 
 
-def _blocked(c: Core, group: outbox.Group, turn_id: str) -> bool:
-    """Whether the turn's row of the group (scope, session, engine) is blocked."""
+def _blocked(c: Core, group: outbox.Group, turn_id: str, at: int) -> bool:
+    """Whether the turn's row of the group (scope, session, engine) is blocked, by the block written at ``at``."""
     row = outbox.get_row(c, group[0], group[1], turn_id)
-    return row is not None and row.state == "blocked" and row.engine_id == group[2]
+    return row is not None and row.state == "blocked" and row.engine_id == group[2] and row.updated_us == at
 
 
 def new_owner() -> str:
