@@ -384,3 +384,42 @@ def test_a_drain_whose_claim_did_not_land_counts_no_block_another_drain_made(sto
             mine = turns.drain(lambda _engine: counting_engine, scope=S, session_id="db")
         assert (theirs[0].committed, theirs[0].blocked) == (1, 1), theirs
         assert (mine.committed, mine.blocked) == (0, 0), mine
+
+
+def test_a_lossless_import_retried_after_another_importer_reports_what_it_imported(store_url: str) -> None:
+    """A lossless bootstrap whose import's COMMIT landed but was reported lost, and another process's
+    engine imported a message appended since before the retry: the retry found the view moved past what
+    its import had saved, imported nothing, and reported 0 messages for the 5 it imported."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="il")
+        store.append_many(S, "il", [{"message": user(f"message {i}")} for i in range(5)])
+        engine, theirs = lossless(store, Counting()), lossless(other, Counting())
+
+        def grow_and_import() -> None:
+            other.append(S, "il", user("later"))
+            assert theirs.bootstrap(scope=S, session_id="il", fence=None).imported_messages == 1
+
+        with commit_lost_then(store, grow_and_import):
+            result = engine.bootstrap(scope=S, session_id="il", fence=None)
+        assert result.bootstrapped and result.imported_messages == 5, result
+        assert engine.stats["imported"] == 5
+
+
+def test_a_lossless_import_that_did_not_land_reports_none_another_importer_made(store_url: str) -> None:
+    """A lossless bootstrap whose import's COMMIT did not land, and another process's engine imported the
+    same 5 messages before the retry: the retry found the view as its own import would have left it and
+    reported those 5 as its own (both engines said they imported them)."""
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="if")
+        store.append_many(S, "if", [{"message": user(f"message {i}")} for i in range(5)])
+        engine, theirs = lossless(store, Counting()), lossless(other, Counting())
+        imported: list[int] = []
+
+        def import_theirs() -> None:
+            imported.append(theirs.bootstrap(scope=S, session_id="if", fence=None).imported_messages)
+
+        with commit_fails_once(store, import_theirs):
+            result = engine.bootstrap(scope=S, session_id="if", fence=None)
+        assert imported == [5]
+        assert result.bootstrapped and result.imported_messages == 0, result
+        assert engine.stats["imported"] == 0

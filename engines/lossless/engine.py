@@ -21,7 +21,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from transcript_store.core import Core, check_anchor, now_us
@@ -51,7 +51,7 @@ from . import ingest, tools
 from .compaction import Plan, Planner, incarnation_of, plan_landed, write_plan
 from .config import Budget, LosslessConfig, budget
 from .context import ContextCache, Item, compacted_at_ms, epoch, fit, load_items, render
-from .ingest import ImportResult, import_pages
+from .ingest import ImportResult, import_landed, import_pages
 from .tables import ENGINE_ID, View
 
 log = logging.getLogger("engines.lossless")
@@ -144,10 +144,10 @@ class LosslessEngine:
         landed: list[ImportResult] = []  # what the last attempt of a page's import did
 
         def page(c: Core) -> ImportResult:
-            saved = landed[0].saved if landed else None
-            if saved is not None and asdict(View.load(c, scope, session_id)) == saved:
-                # An earlier attempt's import, whose COMMIT was uncertain, landed: the view is as it left
-                # it. Imported again, the page would count nothing (or the next page's messages).
+            if landed and import_landed(c, scope, session_id, landed[0]):
+                # An earlier attempt's import, whose COMMIT was uncertain, landed (``import_landed``).
+                # Imported again, the page would count nothing (or the next page's messages), and an
+                # import another engine made since would be counted as this one's.
                 return landed[0]
             landed[:] = [import_pages(
                 c, scope, session_id, config=self.config, estimator=self.estimator, fence=fence, max_pages=1

@@ -37,6 +37,9 @@ class ImportResult:
     missing: bool = False
     #: the view as this import saved it (None: unchanged), which a retry after an uncertain COMMIT finds
     saved: dict[str, Any] | None = None
+    #: (ordinal, created_us) of the first message row this import stored (None: it stored none): a retry
+    #: after an uncertain COMMIT finds that row if, and only if, this import landed (``import_landed``)
+    inserted: tuple[int, int] | None = None
 
 
 def column_text(text: str) -> str:
@@ -81,7 +84,7 @@ def import_pages(
         return result
     view = View.load(core, scope, session_id)
     loaded = asdict(view)
-    max_bytes, pages = config.page_bytes, 0
+    max_bytes, pages, ts = config.page_bytes, 0, now_us()
     while True:
         limit = config.page_messages
         # The view's position counts only in the session's generation (or from the very start); with
@@ -109,7 +112,7 @@ def import_pages(
             max_bytes = page.required_bytes  # one message is larger than a page: enlarge this page
             continue
         max_bytes = config.page_bytes
-        result.imported += ingest_entries(core, scope, session_id, view, page.entries, estimator)
+        result.imported += ingest_entries(core, scope, session_id, view, page.entries, estimator, at=ts)
         view.cursor, view.generation = page.cursor, sess.generation
         if page.entries:
             view.position = int(page.entries[-1].position or 0)
@@ -122,7 +125,27 @@ def import_pages(
     if asdict(view) != loaded:
         view.save(core, scope, session_id)
         result.saved = asdict(view)
+    if view.next_ordinal > loaded["next_ordinal"]:
+        result.inserted = (loaded["next_ordinal"], ts)
     return result
+
+
+def import_landed(core: Core, scope: str, session_id: str, earlier: ImportResult) -> bool:
+    """Whether an earlier attempt's import (``import_pages``), whose COMMIT was uncertain, landed.
+
+    Told by the first message row it stored (its ordinal and time), never by the view alone: another
+    importer that imported the same messages since leaves the view as that attempt would have, and one
+    that imported more moves it past. An import that stored no message row (it only listed again
+    messages stored before, or only moved its cursor) is told by the view being as it saved it: another
+    importer doing the same between the attempts is taken for the earlier attempt then."""
+    if earlier.saved is None:
+        return False
+    if earlier.inserted is not None:
+        ordinal, at = earlier.inserted
+        m = messages.c
+        rows = rows_of(core, scope, session_id, m.ordinal, [ordinal], (m.created_us,))
+        return bool(rows) and rows[0].created_us == at
+    return asdict(View.load(core, scope, session_id)) == earlier.saved
 
 
 def reset_pending(core: Core, scope: str, session_id: str) -> bool:
@@ -154,15 +177,24 @@ def _pending_reset(core: Core, scope: str, session_id: str, view: View) -> Delta
 
 
 def ingest_entries(
-    core: Core, scope: str, session_id: str, view: View, entries: Sequence[Entry], estimator: TokenEstimator
+    core: Core,
+    scope: str,
+    session_id: str,
+    view: View,
+    entries: Sequence[Entry],
+    estimator: TokenEstimator,
+    *,
+    at: int | None = None,
 ) -> int:
-    """Store the entries' messages (once per entry id) and append each to the context list; returns how many."""
+    """Store the entries' messages (once per entry id) and append each to the context list; returns how many.
+
+    ``at``: the ``created_us`` of the message rows it stores (``now_us()`` when not given)."""
     if not entries:
         return 0
     known = _known(core, scope, session_id, [e.entry_id for e in entries])
     new_rows: list[dict[str, Any]] = []
     new_items: list[dict[str, Any]] = []
-    ts = now_us()
+    ts = now_us() if at is None else at
     for entry in entries:
         message = entry.message or {}
         if entry.entry_id in known:
