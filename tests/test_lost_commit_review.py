@@ -423,3 +423,39 @@ def test_a_lossless_import_that_did_not_land_reports_none_another_importer_made(
         assert imported == [5]
         assert result.bootstrapped and result.imported_messages == 0, result
         assert engine.stats["imported"] == 0
+
+
+def test_a_hand_back_that_did_not_land_is_not_reported_handed_by_its_retry(store_url: str) -> None:
+    """A retry's hand-back whose COMMIT did not land: before its retry, the attempt it took the turn from
+    ended (left the list of attempts), or another retry took the turn over from it. Its retry then
+    discarded the turn (no live attempt to hand it to) or only left that list, found the turn no longer
+    its own, and answered True (handed back) for a hand-back that never happened."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        for sid in ("hl1", "hl2"):
+            store.create_session(S, session_id=sid)
+            turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+            taken: list[Any] = []
+            turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/b", taken_over=taken)
+
+            def end_a(sid: str = sid) -> None:
+                assert not Turns(other).discard(S, sid, "t1", owner="worker/a")  # it leaves the list
+
+            def take_over(sid: str = sid) -> None:
+                Turns(other).admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/c")
+
+            with commit_fails_once(store, end_a if sid == "hl1" else take_over):
+                assert not turns.hand_back(S, sid, "t1", owner="worker/b", lease=taken[0]), sid
+            intent = turns.intent(S, sid, "t1")
+            if sid == "hl1":
+                assert intent is None  # discarded by the retry: no attempt left to hand it to
+            else:
+                assert intent is not None and intent.lease_owner == "worker/c"
+                assert [o for o, _ in intent_leases(store, sid)] == ["worker/a"]
+
+
+def intent_leases(store: TranscriptStore, sid: str) -> list[tuple[str, int]]:
+    from transcript_store import outbox
+
+    row = store.read(lambda c: outbox.get_row(c, S, sid, "t1"))
+    return outbox.parse_displaced(row.displaced_leases)

@@ -353,7 +353,13 @@ class Turns:
         still holds it. The intent decides which attempt: the most recent live one of those retries took
         the turn from, which is ``lease``'s unless that attempt ended since (it left the list) or its
         worker is gone (an earlier live one's then). False: not handed back (discarded when none of those
-        attempts lives; when ``owner`` no longer holds the turn, it only leaves that list)."""
+        attempts lives; when ``owner`` no longer holds the turn, it only leaves that list).
+
+        Retried after an uncertain COMMIT, it answers True when it finds the turn no longer ``owner``'s
+        or gone, as its hand-back that landed leaves it. A turn gone before the retry is ambiguous: the
+        hand-back landed and the attempt it went to ended the turn, or it did not land and the turn was
+        ended otherwise meanwhile (recovery discarded it once every lease ran out, its session was
+        deleted); the store keeps nothing of a deleted intent to tell which, and the answer is True."""
         _check_turn(self.store, scope, session_id, turn_id)
         _check_owner(owner)
         if not isinstance(lease, outbox.AdmittedLease) or lease.turn_id != turn_id:
@@ -370,14 +376,14 @@ class Turns:
         seconds = self.config.turn_lease_seconds
 
         def run(c: Core) -> bool:
-            handed = outbox.hand_back(c, scope, session_id, turn_id, owner, seconds)
-            # A retry after an uncertain COMMIT finds the turn no longer ``owner``'s: it was handed back,
-            # whatever became of it since (the attempt it went to completed or discarded it, or the
-            # session was deleted, perhaps made again under the id). Only a turn ``owner`` still holds
-            # tells the earlier COMMIT did not land (and this attempt answered it above).
-            if not handed and landed and landed[0]:
-                row = outbox.get_row(c, scope, session_id, turn_id)
-                handed = row is None or row.state != "admitted" or row.lease_owner != owner
+            outcome = outbox.give_up(c, scope, session_id, turn_id, owner, seconds)
+            # A retry after an uncertain COMMIT finds nothing of ``owner``'s in the turn ("none"): it was
+            # handed back, whatever became of it since (the attempt it went to completed or discarded
+            # it, or the session was deleted, perhaps made again under the id). A turn that still names
+            # ``owner``, as its holder or in its list of attempts retries took it from, tells the earlier
+            # COMMIT did not land (a hand-back takes ``owner`` off both): this attempt's outcome stands
+            # then ("discarded", "left": not handed back).
+            handed = outcome == "handed" or (outcome == "none" and bool(landed) and landed[0])
             landed[:] = [handed]
             return handed
 
