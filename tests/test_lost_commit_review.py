@@ -459,3 +459,30 @@ def intent_leases(store: TranscriptStore, sid: str) -> list[tuple[str, int]]:
 
     row = store.read(lambda c: outbox.get_row(c, S, sid, "t1"))
     return outbox.parse_displaced(row.displaced_leases)
+
+
+def test_a_host_compaction_retried_after_its_session_was_made_again_writes_nothing_there(store_url: str) -> None:
+    """The service's record of a host's compaction whose COMMIT landed but was reported lost, its session
+    deleted and made again before the retry: the retry wrote the pointer (the summary of this call's
+    conversation) into the new session, and answered that session's size."""
+    from mirror_helpers import legacy_service
+
+    from transcript_store.compaction import load_pointer
+    from transcript_store.service_models import HostCompactionRequest
+
+    with two_clients(store_url) as (store, other):
+        svc = next(legacy_service(store))
+        store.create_session(S, session_id="hc")
+        store.append_many(S, "hc", [{"message": user(f"message {i}")} for i in range(4)])
+        kept = store.read_visible(S, "hc")[2].entry_id
+        req = HostCompactionRequest(summary="what came before", first_kept_position=2, first_kept_entry_id=kept)
+        def replace() -> None:
+            other.delete_session(S, "hc")
+            other.create_session(S, session_id="hc")
+            other.append_many(S, "hc", [{"message": user(f"theirs {i}")} for i in range(3)])
+
+        with commit_lost_then(store, replace):
+            out = svc.host_compaction(S, "legacy", "hc", req)
+        assert (out.first_kept_position, out.visible_count) == (2, 4), out
+        assert load_pointer(other, S, "hc") is None
+        svc.runtime.dispose()

@@ -88,7 +88,7 @@ from .service_models import (
     OpenSession,
 )
 from .settings import HostSettings
-from .store import TranscriptStore
+from .store import TranscriptStore, replaced
 from .turns import Turns
 
 log = logging.getLogger("transcript_store.service")
@@ -554,13 +554,23 @@ class Service:
         self._call(scope, engine_id, session_id)
         check_id("entry_id", req.first_kept_entry_id)
 
+        landed: list[tuple[int, HostCompactionResponse]] = []  # the session an attempt wrote to, its answer
+
         def run(c: Core) -> HostCompactionResponse:
+            if landed and replaced(c, scope, session_id, landed[0][0]):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain; the session was
+                # deleted since, perhaps made again under the id: its pointer is never written there.
+                return landed[0][1]
             pointer = compaction.record_host_compaction(
                 c, scope, session_id, summary=req.summary, first_kept_position=req.first_kept_position,
                 first_kept_entry_id=req.first_kept_entry_id, compacted_ms=req.compacted_ms,
             )
-            visible = int(c.require_session(scope, session_id).visible_count)
-            return HostCompactionResponse(first_kept_position=pointer["first_kept_position"], visible_count=visible)
+            sess = c.require_session(scope, session_id)
+            out = HostCompactionResponse(
+                first_kept_position=pointer["first_kept_position"], visible_count=int(sess.visible_count)
+            )
+            landed[:] = [(int(sess.incarnation), out)]
+            return out
 
         out: HostCompactionResponse = self.store.write(run)
         log.info("host compaction engine=%s scope=%s session=%s first_kept_position=%d", engine_id, scope,
