@@ -486,3 +486,15 @@ def test_a_host_compaction_retried_after_its_session_was_made_again_writes_nothi
         assert (out.first_kept_position, out.visible_count) == (2, 4), out
         assert load_pointer(other, S, "hc") is None
         svc.runtime.dispose()
+
+
+def test_a_session_created_by_id_and_retried_after_it_was_ended_answers_it_active(store_url: str) -> None:
+    """``create_session`` with the caller's id whose COMMIT landed but was reported lost, the session ended
+    by another client before the retry: the retry found its own session (the same id and key: a no-op)
+    and answered it ended, an answer no order of the two calls gives (``open_session`` answers its
+    session as it created it)."""
+    with two_clients(store_url) as (store, other):
+        with commit_lost_then(store, lambda: other.end_session(S, "ce")):
+            info = store.create_session(S, session_id="ce", session_key="chat:ce")
+        assert (info.session_id, info.session_key, info.active) == ("ce", "chat:ce", True), info
+        assert not other.get_session(S, "ce").active

@@ -214,7 +214,21 @@ class TranscriptStore:
         check_id("session_id", session_id, optional=True, new=True)
         check_id("session_key", session_key, optional=True, new=True)
         sid = session_id or new_id()
-        return self.write(lambda c: c.create_session(scope, sid, session_key))
+        landed: list[SessionInfo] = []  # the session as an attempt that ran to its end answered it
+
+        def run(c: Core) -> SessionInfo:
+            if landed:
+                row = c.session_row(scope, sid)
+                if row is not None and row.incarnation == landed[0].incarnation and not row.active:
+                    # An earlier attempt created it (or found it) and only its COMMIT was uncertain:
+                    # ended since, by someone who found it. Answered ended, it is an answer no order of
+                    # the calls gives. (One of another incarnation, or gone, may be the work of a call
+                    # that ran while this one's COMMIT did not land: the row decides, as below.)
+                    return landed[0]
+            landed[:] = [c.create_session(scope, sid, session_key)]
+            return landed[0]
+
+        return self.write(run)
 
     def open_session(self, scope: str, session_key: str) -> SessionInfo:
         """The active session holding ``session_key``, created when there is none."""
