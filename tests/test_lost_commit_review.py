@@ -498,3 +498,23 @@ def test_a_session_created_by_id_and_retried_after_it_was_ended_answers_it_activ
             info = store.create_session(S, session_id="ce", session_key="chat:ce")
         assert (info.session_id, info.session_key, info.active) == ("ce", "chat:ce", True), info
         assert not other.get_session(S, "ce").active
+
+
+def test_a_discard_retried_after_the_turn_was_admitted_again_reports_it_discarded(store_url: str) -> None:
+    """A failed attempt's discard of its turn (``discard(owner=)``) whose COMMIT landed but was reported
+    lost, and another attempt of the turn admitted it again before the retry: the retry found an intent
+    of the turn (the new attempt's, nothing of its own) and answered False (not discarded) for the
+    discard that landed. Without an owner, the retry deleted the new attempt's intent: it stands."""
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        for sid, owner in (("dd", "worker/a"), ("dn", None)):
+            store.create_session(S, session_id=sid)
+            turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+
+            def admit_again(sid: str = sid) -> None:
+                Turns(other).admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/c")
+
+            with commit_lost_then(store, admit_again):
+                assert turns.discard(S, sid, "t1", owner=owner), sid
+            intent = turns.intent(S, sid, "t1")
+            assert intent is not None and intent.lease_owner == "worker/c", sid

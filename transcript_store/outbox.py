@@ -653,10 +653,17 @@ def discard(
     retry took the turn from leaves the list of them (``give_up``; False: nothing deleted)."""
     if owner is None:
         return core.run(_DELETE_ADMITTED, _turn_params(scope, session_id, turn_id)).rowcount == 1
+    return discard_owned(core, scope, session_id, turn_id, owner, lease_seconds) == "discarded"
+
+
+def discard_owned(
+    core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float
+) -> GiveUp:
+    """``discard`` with an owner, telling what became of the turn (``give_up``'s outcomes)."""
     # The common failure (no retry took the turn from anyone): one statement.
     if core.run(_DELETE_OWNED_ALONE, _turn_params(scope, session_id, turn_id, b_owner=owner)).rowcount == 1:
-        return True
-    return give_up(core, scope, session_id, turn_id, owner, lease_seconds) == "discarded"
+        return "discarded"
+    return give_up(core, scope, session_id, turn_id, owner, lease_seconds)
 
 
 def renew_lease(core: Core, scope: str, session_id: str, turn_id: str, owner: str, lease_seconds: float) -> bool:

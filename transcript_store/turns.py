@@ -328,20 +328,41 @@ class Turns:
         this attempt leaves the intent's list of attempts retries took it from (the turn is never handed
         back to an attempt that is over). Nor while an attempt this one took the turn from still lives:
         the turn goes to the most recent of those instead, as ``hand_back`` gives it (False).
+
+        Retried after an uncertain COMMIT: an intent of the turn created after this call began is another
+        admission's (the turn admitted again after this discard landed), never deleted, and the answer is
+        True; so is an intent gone before the retry, whether or not this discard had landed (recovery may
+        have discarded it: nothing tells which).
         """
         _check_turn(self.store, scope, session_id, turn_id)
         if owner is not None:
             _check_owner(owner)
         landed: list[bool] = []
+        started = now_us()  # a row of the turn created after this is another admission's, not this one's
 
         def run(c: Core) -> bool:
-            deleted = outbox.discard(c, scope, session_id, turn_id, owner, self.config.turn_lease_seconds)
+            if owner is None:
+                if landed and landed[0]:
+                    # Deleted already by the earlier attempt, if its COMMIT landed: an intent of the turn
+                    # created since is another admission's (the turn admitted again), never deleted here.
+                    row = outbox.get_row(c, scope, session_id, turn_id)
+                    if row is None or row.created_us >= started:
+                        return True
+                deleted = outbox.discard(c, scope, session_id, turn_id)
+                outcome: outbox.GiveUp = "discarded" if deleted else "none"
+            else:
+                outcome = outbox.discard_owned(c, scope, session_id, turn_id, owner, self.config.turn_lease_seconds)
+                deleted = outcome == "discarded"
             # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it, if
-            # the intent is gone (a COMMIT that did not land, and a retry of the turn that took the
-            # intent over meanwhile, leave it standing: not discarded).
-            answer = deleted or bool(
-                landed and landed[0] and outbox.get_row(c, scope, session_id, turn_id) is None
-            )
+            # the intent is gone, or the turn's intent found is another admission's (the turn admitted
+            # again since: nothing of ``owner``'s in it, created after this call began). A COMMIT that
+            # did not land leaves the intent standing (``owner``'s still: its outcome is this attempt's),
+            # as does a retry of the turn that took the intent over meanwhile. An intent gone before the
+            # retry is ambiguous (recovery may have discarded it while this COMMIT did not land): True.
+            answer = deleted
+            if not deleted and outcome == "none" and landed and landed[0]:
+                row = outbox.get_row(c, scope, session_id, turn_id)
+                answer = row is None or row.created_us >= started
             landed[:] = [answer]
             return answer
 
