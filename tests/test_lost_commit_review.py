@@ -518,3 +518,32 @@ def test_a_discard_retried_after_the_turn_was_admitted_again_reports_it_discarde
                 assert turns.discard(S, sid, "t1", owner=owner), sid
             intent = turns.intent(S, sid, "t1")
             assert intent is not None and intent.lease_owner == "worker/c", sid
+
+
+def test_a_completion_queued_after_its_engine_failed_and_retried_answers_its_own_acceptance(store_url: str) -> None:
+    """``complete`` whose fast commit failed (the engine raised) and whose slow acceptance's COMMIT landed
+    but was reported lost, and before the retry a drain delivered the turn (or its session was deleted
+    and made again): the retry found no intent and raised UnknownTurn (UnknownSession) for the turn it
+    had queued, and the host took the completed turn for a failed one."""
+
+    def failing(_c: Any, _turn: Any) -> Any:
+        raise RuntimeError("the engine is down")
+
+    with two_clients(store_url) as (store, other):
+        turns = Turns(store)
+        for sid in ("q1", "q2"):
+            store.create_session(S, session_id=sid)
+            turns.admit(S, sid, user("q"), turn_id="t1", engine_id="e")
+
+            def drain(sid: str = sid) -> None:
+                report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id=sid)
+                assert report.committed == 1, report
+
+            def replace(sid: str = sid) -> None:
+                other.delete_session(S, sid)
+                other.create_session(S, session_id=sid)
+
+            with commit_lost_then(store, drain if sid == "q1" else replace):
+                done = turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "a"}}], failing)
+            assert done.intent.state == "accepted" and done.commit is None, done
+            assert done.fast_path_error is not None and "engine is down" in done.fast_path_error, done

@@ -472,7 +472,7 @@ class Turns:
         self._check_turn_size(scope, session_id, turn_id, items)
         landed: list[CompletionResult] = []
 
-        def gone(c: Core) -> bool:
+        def gone(c: Core, landed: list[CompletionResult] = landed) -> bool:
             # Whether an earlier attempt ran to its end and its COMMIT, only uncertain, landed. The session
             # it completed the turn in was deleted since, perhaps made again under the id: the replies never
             # go there (the retry found no intent in it: UnknownTurn, for a completion that had landed).
@@ -506,9 +506,18 @@ class Turns:
             except TurnBranchedAway:
                 raise  # the slow path would refuse it the same way
             except Exception as e:  # the engine raised or the commit conflicted: take the slow path
-                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, describe(e))
-                slow = self.store.write(lambda c: self._accept_with(c, scope, session_id, turn_id, items))
-                return CompletionResult(slow[0], slow[1], None, fast_path_error=describe(e))
+                error = describe(e)
+                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, error)
+                queued: list[CompletionResult] = []  # the slow path's own: a fast attempt's never landed
+
+                def slow(c: Core) -> CompletionResult:
+                    if gone(c, queued):  # as ``accept`` below: the acceptance landed, only its COMMIT was lost
+                        return queued[0]
+                    intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
+                    queued[:] = [CompletionResult(intent, terminal, None, fast_path_error=error)]
+                    return queued[0]
+
+                return self.store.write(slow)
 
         def accept(c: Core) -> CompletionResult:
             if gone(c):
