@@ -547,3 +547,28 @@ def test_a_completion_queued_after_its_engine_failed_and_retried_answers_its_own
                 done = turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "a"}}], failing)
             assert done.intent.state == "accepted" and done.commit is None, done
             assert done.fast_path_error is not None and "engine is down" in done.fast_path_error, done
+
+
+def test_a_recovery_discard_retried_after_the_turn_was_admitted_again_reports_it(store_url: str) -> None:
+    """Recovery's discard of an abandoned turn whose COMMIT landed but was reported lost, and another
+    attempt admitted the turn again before the retry: the retry found an intent of the turn (the new
+    attempt's) and left the turn out of the report's discarded turns, though it had discarded it."""
+    import time
+
+    from transcript_store.outbox import OutboxConfig
+
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="rd")
+        Turns(store, OutboxConfig(turn_lease_seconds=0.05)).admit(
+            S, "rd", user("q1"), turn_id="t1", engine_id="e", owner="worker/a"
+        )
+        time.sleep(0.2)  # its lease ran out: abandoned
+
+        def admit_again() -> None:
+            Turns(other).admit(S, "rd", user("q1"), turn_id="t1", engine_id="e", owner="worker/c")
+
+        with commit_lost_then(store, admit_again):
+            report = Turns(store).recover(S, "rd", "e", lambda _engine: counting_engine)
+        assert report.discarded == ["t1"], report
+        intent = Turns(store).intent(S, "rd", "t1")
+        assert intent is not None and intent.lease_owner == "worker/c"

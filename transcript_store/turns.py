@@ -795,7 +795,11 @@ class Turns:
     def recover(
         self, scope: str, session_id: str, engine_id: str, commit_in: Callable[[str], CommitIn | None]
     ) -> RecoveryReport:
-        """Before a turn: discard abandoned admitted intents, capture accepted ones, drain ready ones."""
+        """Before a turn: discard abandoned admitted intents, capture accepted ones, drain ready ones.
+
+        The report's ``discarded`` turns are those this call discarded. A discard retried after an uncertain
+        COMMIT that finds the turn's intent gone counts it, though another recovery may have discarded it
+        while this COMMIT did not land (nothing tells which)."""
         self.store._ids(scope, session_id)
         check_id("engine_id", engine_id)
         _check_callable("commit_in", commit_in)
@@ -825,15 +829,21 @@ class Turns:
             return report
         for lease in expired:
             landed: list[bool] = []
+            started = now_us()  # a row of the turn created after this is another admission's
 
-            def discard(c: Core, lease: outbox.AdmittedLease = lease, landed: list[bool] = landed) -> bool:
+            def discard(
+                c: Core, lease: outbox.AdmittedLease = lease, landed: list[bool] = landed, started: int = started
+            ) -> bool:
                 deleted = outbox.discard_abandoned(c, scope, session_id, lease)
-                # A retry after an uncertain COMMIT finds nothing to delete: the run before it did.
-                answer = deleted or bool(
-                    landed and landed[0] and outbox.get_row(c, scope, session_id, lease.turn_id) is None
-                )
-                landed[:] = [answer]
-                return answer
+                # A retry after an uncertain COMMIT finds nothing to delete: the run before it did, if the
+                # intent is gone or the one found is another admission's (the turn admitted again since).
+                # (A turn taken over meanwhile keeps its row: the COMMIT did not land. One gone is taken
+                # for this discard's, though another recovery may have discarded it meanwhile.)
+                if not deleted and landed and landed[0]:
+                    row = outbox.get_row(c, scope, session_id, lease.turn_id)
+                    deleted = row is None or row.created_us >= started
+                landed[:] = [deleted]
+                return deleted
 
             if self.store.write(discard):
                 log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
