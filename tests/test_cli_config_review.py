@@ -273,6 +273,24 @@ def test_chat_with_its_stdin_closed_ends_at_once(store_url: str, tmp_path: Path)
     assert result.returncode == 0 and "internal error" not in result.stderr, result.stderr
 
 
+def test_chat_with_its_stdout_closed_fails_before_any_turn(store_url: str, tmp_path: Path) -> None:
+    """``chat >&-``: the loop took the missing stdout for "the default", by then stderr: every turn ran and
+    committed, its replies (--json too) on stderr, exit 0. It fails as every other command does, exit 1,
+    before the session is opened."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    result = subprocess.run([sys.executable, "-m", "transcript_store", "chat", "--json", "--session", "k-out",
+                             "--db", store_url], cwd=tmp_path, input="hello\n", stderr=subprocess.PIPE, text=True,
+                            env=env, timeout=120, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == "error: cannot write to stdout: it is closed"
+    with open_store(store_url) as store:
+        assert store.find_session(SCOPE, "k-out") is None
+
+
 def test_a_failed_chat_turn_exits_1_unless_the_database_refused_it() -> None:
     """A turn whose session was deleted under it (3) or whose schema moved (4) is a failed turn: 1."""
     from transcript_store.errors import SchemaNotCurrent, UnknownSession

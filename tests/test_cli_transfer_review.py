@@ -316,3 +316,37 @@ def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_pa
         tracemalloc.stop()
     assert path.read_bytes() == expected and len(expected) > 8_000_000
     assert peak < len(expected) / 4, (peak, len(expected))
+
+
+# ---------------------------------------------------------------------------------------------- 5: closed streams
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+
+
+def test_an_export_to_a_closed_stdout_fails_with_one_line(store_url: str, tmp_path: Path) -> None:
+    """`sessions export s1 >&-`: Python starts with no stdout at all; the export said "AttributeError:
+    'NoneType' object has no attribute 'flush' (an internal error)". It fails as `sessions show` does."""
+    seed(store_url)
+    result = subprocess.run([*CLI, "sessions", "export", "s1", "--db", store_url], cwd=tmp_path, env=_clean_env(),
+                            stderr=subprocess.PIPE, timeout=120, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 1, result.stderr
+    assert _error_line(result) == "error: cannot write the export to stdout: it is closed"
+
+
+def test_an_import_from_a_closed_stdin_fails_with_one_line_and_creates_nothing(
+    empty_url: str, backend: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """`sessions import - <&-`: click's file type failed on the missing stdin with an AttributeError (an
+    internal error); it is one line, exit 1, before --db is opened (no SQLite file, no schema)."""
+    result = subprocess.run([*CLI, "sessions", "import", "-", "--db", empty_url], cwd=tmp_path, env=_clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
+                            preexec_fn=lambda: os.close(0))
+    assert result.returncode == 1, result.stderr
+    assert _error_line(result) == "error: cannot read the export from stdin: it is closed"
+    if backend == "sqlite":
+        assert not (tmp_path / "fresh").exists()
+    else:
+        assert _tables(empty_url) == []
+

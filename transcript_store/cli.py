@@ -686,6 +686,8 @@ def sessions_show(session: str, every: bool) -> None:
 def sessions_export(session: str, output: str | None) -> None:
     """Export SESSION losslessly as JSONL: a header line, then one line per stored entry."""
     st = state()
+    if output is None and sys.stdout is None:  # started with stdout closed (``>&-``): refused before any read
+        raise CommandError("cannot write the export to stdout: it is closed")
     database = sqlite_file(st.store_config().url)
     if output is not None and database is not None and _names_the_store(Path(output), database):
         raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
@@ -919,8 +921,19 @@ def _at_line(e: InvalidInput, numbers: Sequence[int]) -> InvalidInput:
     return e
 
 
+class _ExportFile(click.File):
+    """An export file to read, '-' for stdin: a stdin that is closed (``<&-``) is refused with one line (click
+    failed on it with an AttributeError, an internal error)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The opened file; CommandError (exit 1) for '-' when the process has no stdin."""
+        if isinstance(value, str) and value == "-" and sys.stdin is None:
+            raise CommandError("cannot read the export from stdin: it is closed")
+        return super().convert(value, param, ctx)
+
+
 @sessions.command("import")
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=_ExportFile("r", encoding="utf-8"))
 @click.option("--session-id", "new_id", metavar="ID", help="Import under a new session id.")
 @click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
 @common
@@ -1474,6 +1487,11 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     check_id("session_key", session_key, new=True)
     source = sys.stdin if sys.stdin is not None else io.StringIO("")  # stdin closed (``<&-``): no input
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
+    if stdout is None:
+        # Started with stdout closed (``>&-``): refused before the session is opened. The loop took None
+        # for "sys.stdout", which by then was stderr: every turn ran and committed, its replies (--json
+        # too) on stderr, exit 0, where every other command fails such an output with exit 1.
+        raise CommandError("cannot write to stdout: it is closed")
     with store_session(create=True) as store:
         info = store.open_session(scope, session_key)
         with engine_output_on_stderr():
