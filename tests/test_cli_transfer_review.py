@@ -350,3 +350,15 @@ def test_an_import_from_a_closed_stdin_fails_with_one_line_and_creates_nothing(
     else:
         assert _tables(empty_url) == []
 
+
+def test_export_output_dash_is_stdout_as_import_dash_is_stdin(store_url: str, tmp_path: Path) -> None:
+    """`-o -` wrote a file named "-" and printed its summary line on stdout, so `export -o - | import -`
+    fed that line to the import ("not JSON"). It is stdout now, the same bytes as no -o."""
+    seed(store_url)
+    plain = run("sessions", "export", "s1", "--db", store_url, cwd=tmp_path).stdout
+    dashed = run("sessions", "export", "s1", "-o", "-", "--db", store_url, cwd=tmp_path).stdout
+    assert dashed == plain and plain.startswith('{"format":')
+    assert not (tmp_path / "-").exists()
+    copy = json.loads(run("sessions", "import", "-", "--session-id", "copy", "--session-key", "agent:copy",
+                          "--json", "--db", store_url, cwd=tmp_path, stdin=dashed).stdout)
+    assert (copy["session_id"], copy["entry_count"]) == ("copy", 9)

@@ -681,11 +681,14 @@ def sessions_show(session: str, every: bool) -> None:
 
 @sessions.command("export")
 @click.argument("session")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="Write to FILE (default stdout).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              help="Write to FILE (default, or '-': stdout).")
 @common
 def sessions_export(session: str, output: str | None) -> None:
     """Export SESSION losslessly as JSONL: a header line, then one line per stored entry."""
     st = state()
+    if output == "-":  # stdout, as ``import -`` reads stdin (it wrote a file named "-")
+        output = None
     if output is None and sys.stdout is None:  # started with stdout closed (``>&-``): refused before any read
         raise CommandError("cannot write the export to stdout: it is closed")
     database = sqlite_file(st.store_config().url)
