@@ -332,7 +332,7 @@ def test_an_export_to_a_closed_stdout_fails_with_one_line(store_url: str, tmp_pa
     result = subprocess.run([*CLI, "sessions", "export", "s1", "--db", store_url], cwd=tmp_path, env=_clean_env(),
                             stderr=subprocess.PIPE, timeout=120, preexec_fn=lambda: os.close(1))
     assert result.returncode == 1, result.stderr
-    assert _error_line(result) == "error: cannot write the export to stdout: it is closed"
+    assert _error_line(result) == "error: cannot write to stdout: it is closed"
 
 
 def test_an_import_from_a_closed_stdin_fails_with_one_line_and_creates_nothing(
@@ -341,8 +341,7 @@ def test_an_import_from_a_closed_stdin_fails_with_one_line_and_creates_nothing(
     """`sessions import - <&-`: click's file type failed on the missing stdin with an AttributeError (an
     internal error); it is one line, exit 1, before --db is opened (no SQLite file, no schema)."""
     result = subprocess.run([*CLI, "sessions", "import", "-", "--db", empty_url], cwd=tmp_path, env=_clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
-                            preexec_fn=lambda: os.close(0))
+                            capture_output=True, timeout=120, preexec_fn=lambda: os.close(0))
     assert result.returncode == 1, result.stderr
     assert _error_line(result) == "error: cannot read the export from stdin: it is closed"
     if backend == "sqlite":
@@ -362,3 +361,26 @@ def test_export_output_dash_is_stdout_as_import_dash_is_stdin(store_url: str, tm
     copy = json.loads(run("sessions", "import", "-", "--session-id", "copy", "--session-key", "agent:copy",
                           "--json", "--db", store_url, cwd=tmp_path, stdin=dashed).stdout)
     assert (copy["session_id"], copy["entry_count"]) == ("copy", 9)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("sessions", "import", "{export}", "--session-id", "copy", "--session-key", "k:copy"),
+     ("sessions", "delete", "s1", "--yes"), ("current",)],
+    ids=["import", "delete", "current"],
+)
+def test_a_closed_stdout_refuses_a_command_before_it_changes_anything(
+    store_url: str, export_file: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """click.echo drops its line when there is no stdout: `sessions import FILE >&-` imported and exited 0
+    (with --json, exit 1 after importing), `sessions delete s1 --yes >&-` deleted and exited 0. Every
+    command but `serve` is refused first now, as `sessions show` fails its output: exit 1, nothing changed."""
+    seed(store_url)
+    args = [part.format(export=export_file) for part in command]
+    for options in ((), ("--json",)):
+        result = subprocess.run([*CLI, *args, *options, "--db", store_url], cwd=tmp_path, env=_clean_env(),
+                                stderr=subprocess.PIPE, timeout=120, preexec_fn=lambda: os.close(1))
+        assert result.returncode == 1, result.stderr
+        assert _error_line(result) == "error: cannot write to stdout: it is closed"
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        assert [s.session_id for s in store.list_sessions(SCOPE)] == ["s1", "s2"]

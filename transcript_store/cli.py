@@ -170,6 +170,10 @@ _COMMON = (
 )
 
 
+#: the commands that run without a stdout (its one line, serve's URL, is a courtesy: a daemon closes it)
+_NO_STDOUT_NEEDED = frozenset({"serve"})
+
+
 def common_options(scope_default: str, db_default: str = "sqlite:///transcripts.db") -> Callable[[F], F]:
     """The global options, so they work before or after the command name; the defaults for --help.
 
@@ -183,6 +187,11 @@ def common_options(scope_default: str, db_default: str = "sqlite:///transcripts.
             ctx = click.get_current_context()
             if not isinstance(ctx.command, click.Group):
                 ctx.ensure_object(State).check_named_settings()
+                if sys.stdout is None and ctx.command.name not in _NO_STDOUT_NEEDED:
+                    # Started with stdout closed (``>&-``): refused before any work. Its output was lost
+                    # either way, but click.echo drops it silently: `sessions import FILE >&-` imported
+                    # and exited 0 where the same with --json, or `sessions show`, exited 1.
+                    raise CommandError("cannot write to stdout: it is closed")
             return fn(*args, **kwargs)
 
         out: Any = checked
@@ -689,8 +698,6 @@ def sessions_export(session: str, output: str | None) -> None:
     st = state()
     if output == "-":  # stdout, as ``import -`` reads stdin (it wrote a file named "-")
         output = None
-    if output is None and sys.stdout is None:  # started with stdout closed (``>&-``): refused before any read
-        raise CommandError("cannot write the export to stdout: it is closed")
     database = sqlite_file(st.store_config().url)
     if output is not None and database is not None and _names_the_store(Path(output), database):
         raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
@@ -1489,12 +1496,9 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     scope = st.scope_name  # so are a bad scope and a bad session key (open_session would refuse them after)
     check_id("session_key", session_key, new=True)
     source = sys.stdin if sys.stdin is not None else io.StringIO("")  # stdin closed (``<&-``): no input
+    # Never None (a closed stdout is refused before any command runs): the loop took None for "sys.stdout",
+    # which by then was stderr, and every turn ran and committed with its replies there, exit 0.
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
-    if stdout is None:
-        # Started with stdout closed (``>&-``): refused before the session is opened. The loop took None
-        # for "sys.stdout", which by then was stderr: every turn ran and committed, its replies (--json
-        # too) on stderr, exit 0, where every other command fails such an output with exit 1.
-        raise CommandError("cannot write to stdout: it is closed")
     with store_session(create=True) as store:
         info = store.open_session(scope, session_key)
         with engine_output_on_stderr():
