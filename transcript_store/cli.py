@@ -948,7 +948,8 @@ class _ExportFile(click.File):
 @click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
 @common
 def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> None:
-    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head.
+    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head, in --scope (not
+    the scope the file names).
 
     The file holds the transcript only (no turn intents, receipts or engine state): do not retry the
     source's turns on the copy. Declared sizes and generations are checked; drop an entry's size_bytes
