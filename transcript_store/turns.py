@@ -417,8 +417,11 @@ class Turns:
         if not isinstance(reason, str) or not reason.strip():
             raise InvalidInput("a reason is required to block a turn by hand")
         reason = " ".join(reason.split())
-        if len(reason) > outbox.MAX_BLOCK_REASON or UNSENDABLE.search(reason) is not None:
-            raise InvalidInput(f"the reason must be at most {outbox.MAX_BLOCK_REASON} characters of text")
+        if len(reason) > outbox.MAX_BLOCK_REASON:
+            raise InvalidInput(f"the reason must be at most {outbox.MAX_BLOCK_REASON} characters")
+        if UNSENDABLE.search(reason) is not None:
+            # Said apart from the length: a short reason with a stray byte was told it was too long.
+            raise InvalidInput("the reason must not contain NUL or lone surrogates")
         self.store.get_session(scope, session_id)  # UnknownSession first, as every call of a session
         landed: list[TurnIntent] = []
 
