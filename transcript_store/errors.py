@@ -224,6 +224,14 @@ class TurnBranchedAway(InvalidInput):
         self.turn_id = turn_id
 
 
+class TurnFailed(TranscriptStoreError):
+    """A logical turn failed on every attempt; its intent was discarded and no engine advanced (unless
+    the call took the turn over from an earlier attempt still running: handed back to it, as said).
+
+    Raised by ``HostRuntime.run_turn``.
+    """
+
+
 class SchemaNotCurrent(TranscriptStoreError):
     """The database schema is behind (or ahead of) this library; run the upgrade."""
 

@@ -66,6 +66,7 @@ from .errors import (
     UnknownTurn,
     describe,
 )
+from .errors import TurnFailed as TurnFailed  # raised by run_turn; importable from here as before
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .maintenance import BackgroundMaintenance
@@ -94,11 +95,6 @@ _MAX_DECISIONS = 10_000
 T = TypeVar("T")
 
 HostTool = tuple[dict[str, Any], Callable[[dict[str, Any]], str]]
-
-
-class TurnFailed(TranscriptStoreError):
-    """A logical turn failed on every attempt; its intent was discarded and no engine advanced (unless
-    the call took the turn over from an earlier attempt still running: handed back to it, as said)."""
 
 
 class _Degrade(Exception):
