@@ -3,10 +3,12 @@
 - Every error the library raises to a caller is in ``transcript_store/errors.py``, the one error tree:
   ``TurnFailed``, which ``HostRuntime.run_turn`` raises, lived in ``host.py`` and was missing from the
   package's exports.
+- Every public function and method of ``transcript_store/`` has type hints and a docstring.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 from pathlib import Path
@@ -48,3 +50,35 @@ def test_every_error_of_the_package_is_in_errors_py() -> None:
     from transcript_store.host import TurnFailed as from_host
 
     assert from_host is transcript_store.TurnFailed and "TurnFailed" in transcript_store.__all__
+
+
+def _public_functions(tree: ast.Module) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    out: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+                out.append((prefix + node.name, node))
+
+    visit(tree.body, "")
+    return out
+
+
+def test_every_public_function_has_type_hints_and_a_docstring() -> None:
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "migrations" in path.relative_to(PACKAGE).parts:
+            continue
+        for name, fn in _public_functions(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(PACKAGE)}:{fn.lineno} {name}"
+            if not ast.get_docstring(fn):
+                problems.append(f"{where}: no docstring")
+            args = fn.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+                if arg is not None and arg.arg not in ("self", "cls") and arg.annotation is None:
+                    problems.append(f"{where}: {arg.arg} has no type hint")
+            if fn.returns is None:
+                problems.append(f"{where}: no return type")
+    assert problems == [], "\n".join(problems)

@@ -45,12 +45,15 @@ class ShownFormatter(logging.Formatter):
     lines."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        """The record's line, its control characters shown, on one line."""
         return shown(super().formatMessage(record), one_line=True)
 
     def formatException(self, ei: _SysExcInfoType) -> str:
+        """A traceback, its control characters shown; its own line breaks kept."""
         return shown(super().formatException(ei))
 
     def formatStack(self, stack_info: str) -> str:
+        """A stack's lines, their control characters shown; its own line breaks kept."""
         return shown(super().formatStack(stack_info))
 
 
