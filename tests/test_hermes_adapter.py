@@ -1368,3 +1368,31 @@ def test_a_selection_fits_the_budget_with_the_system_prompt_it_keeps(store_url: 
     assert isinstance(selected, list) and selected[0] == system and selected[-1] == held[-1]
     assert estimate(selected) <= budget, (estimate(selected), budget)
     engine.close()
+
+
+def _store_ids(engine: Any, session: str) -> tuple[Any, str]:
+    rt = engine.runtime()
+    return rt.store, engine._store_session(rt, session)
+
+
+def test_a_store_session_made_again_under_its_id_is_aligned_afresh(store_url: str, tmp_path: Path) -> None:
+    """A store session deleted and made again under its id (another client) between two ingests: the new
+    one has a head, generation 0 and seqs from 0 of its own, and the cached transcript of the old one was
+    kept as its prefix (its message taken for the host's first one): the next ingest appended the rest
+    after someone else's message, a visible transcript that is no conversation of the host's."""
+    from transcript_store import TranscriptStore
+
+    engine = make(tmp_path, db_url=store_url)
+    other = TranscriptStore(store_url)
+    try:
+        engine.ingest([user("f question")], "s1")
+        _store, sid = _store_ids(engine, "s1")
+        other.delete_session(engine.scope, sid)
+        other.create_session(engine.scope, session_id=sid)
+        other.append(engine.scope, sid, user("theirs"))
+        convo = [user("f question"), reply("f answer")]
+        assert engine.ingest(convo, "s1") == (sid, 2)
+        assert visible(engine, "s1") == convo
+    finally:
+        other.close()
+        engine.close()

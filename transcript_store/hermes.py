@@ -574,6 +574,9 @@ class _Visible:
     digests: tuple[str, ...]
     entry_ids: tuple[str, ...]
     seqs: tuple[int, ...]
+    #: the session's incarnation: one deleted and made again under its id (someone else's session, its
+    #: own head, generation 0 and seqs from 0) is read afresh, never aligned by this cache
+    incarnation: int = 0
 
 
 EMPTY = _Visible(None, -1, (), (), ())
@@ -1032,11 +1035,12 @@ class TranscriptStoreEngineMixin:
         sess = c.require_session(self.scope, store_session, lock=True)
         with rt.lock:
             known = rt.visible.get(store_session, EMPTY)
-        if known.generation == sess.generation and known.head == sess.head_entry_id:
+        same = known.incarnation == sess.incarnation and known.generation == sess.generation
+        if same and known.head == sess.head_entry_id:
             return sess, known
         # Another writer moved the head. Appends after our last message keep the cached part; a
         # branch or a rewrite below it does not, and the whole transcript is read again.
-        keep = known if known.generation == sess.generation else EMPTY
+        keep = known if same else EMPTY
         if keep.seqs and c.path_seq_at_position(self.scope, store_session, len(keep.seqs) - 1) != keep.seqs[-1]:
             keep = EMPTY
         entries = [
@@ -1049,6 +1053,7 @@ class TranscriptStoreEngineMixin:
             keep.digests + tuple(fingerprint([e.message or {}]) for e in entries),
             keep.entry_ids + tuple(e.entry_id for e in entries),
             keep.seqs + tuple(e.seq for e in entries),
+            int(sess.incarnation),
         )
 
     def _write_in(
@@ -1070,7 +1075,8 @@ class TranscriptStoreEngineMixin:
                 return vis  # a list we hold all of (or a stale prefix of it): nothing moves
             head = vis.entry_ids[kept - 1]
             paths.branch(c, self.scope, store_session, head)
-            return _Visible(head, int(sess.generation), vis.digests[:kept], vis.entry_ids[:kept], vis.seqs[:kept])
+            return replace(vis, head=head, digests=vis.digests[:kept], entry_ids=vis.entry_ids[:kept],
+                           seqs=vis.seqs[:kept])
         # Off-branch entries may hold the same message at the same ordinal: a key naming the seq this
         # write follows can never find one of them (it would be "already stored", silently).
         forked = kept < len(vis.entry_ids) or sess.path_length < sess.last_seq + 1
@@ -1083,12 +1089,12 @@ class TranscriptStoreEngineMixin:
             for k, m in enumerate(rest)
         ])
         entries = c.append(self.scope, store_session, items)
-        return _Visible(
-            entries[-1].entry_id,  # the head now; neither a branch nor an append rotates the generation
-            int(sess.generation),
-            vis.digests[:kept] + tuple(digests[skipped:]),
-            vis.entry_ids[:kept] + tuple(e.entry_id for e in entries),
-            vis.seqs[:kept] + tuple(e.seq for e in entries),
+        return replace(
+            vis,
+            head=entries[-1].entry_id,  # the head now; neither a branch nor an append rotates the generation
+            digests=vis.digests[:kept] + tuple(digests[skipped:]),
+            entry_ids=vis.entry_ids[:kept] + tuple(e.entry_id for e in entries),
+            seqs=vis.seqs[:kept] + tuple(e.seq for e in entries),
         )
 
     def ingest(
@@ -1138,7 +1144,9 @@ class TranscriptStoreEngineMixin:
                 if skipped == len(host) and (not follow or kept in (0, len(known.entry_ids))):
                     # Nothing new against the cache: one read of the session's head proves it current.
                     info = rt.store.get_session(self.scope, store_session)
-                    if info.head_entry_id == known.head and info.generation == known.generation:
+                    if (info.head_entry_id, info.generation, info.incarnation) == (
+                        known.head, known.generation, known.incarnation
+                    ):
                         return store_session, len(known.entry_ids)
             vis = rt.store.write(lambda c: self._write_in(c, rt, store_session, host, digests, start, follow))
             with rt.lock:  # only after the commit: a retried transaction starts from the same cache
