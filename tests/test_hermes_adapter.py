@@ -1370,9 +1370,92 @@ def test_a_selection_fits_the_budget_with_the_system_prompt_it_keeps(store_url: 
     engine.close()
 
 
+# ---------------------------------------------------------------------------------------------- lost commits
+# Every store write is one transaction retried whole on a transient error; a COMMIT that lands while the
+# client sees the connection drop is run again (the helpers of test_lost_commit_review / _session_lifecycle).
+
+
 def _store_ids(engine: Any, session: str) -> tuple[Any, str]:
     rt = engine.runtime()
     return rt.store, engine._store_session(rt, session)
+
+
+def test_an_ingest_retried_after_its_store_session_was_made_again_writes_nothing_there(
+    store_url: str, tmp_path: Path
+) -> None:
+    """An ingest whose COMMIT landed but was reported lost, its store session deleted and made again under
+    the id (by another client) before the retry: the retry aligned the host's list with the new session
+    and appended the conversation into it, someone else's transcript; with ``follow`` (compress) it also
+    branched that one."""
+    from test_session_lifecycle_review import commit_lost_then
+
+    from transcript_store import TranscriptStore
+
+    engine = make(tmp_path, db_url=store_url)
+    other = TranscriptStore(store_url)
+    try:
+        for hermes, follow in (("s1", False), ("s2", True)):
+            turn = [user(f"{hermes} question"), reply(f"{hermes} answer")]
+            engine.ingest([turn[0]], hermes)
+            store, sid = _store_ids(engine, hermes)
+
+            def replace(sid: str = sid) -> None:
+                other.delete_session(engine.scope, sid)
+                other.create_session(engine.scope, session_id=sid)
+                other.append(engine.scope, sid, user("theirs"))
+
+            with commit_lost_then(store, replace):
+                assert engine.ingest(turn, hermes, follow=follow) == (sid, 2)
+            assert [e.message for e in other.read_visible(engine.scope, sid)] == [user("theirs")], hermes
+            assert len(other.list_entries(engine.scope, sid)) == 1, hermes
+    finally:
+        other.close()
+        engine.close()
+
+
+def test_an_ingest_retried_after_its_store_session_was_deleted_answers_its_own_write(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The same, the store session only deleted before the retry: the retry raised UnknownSession, as if
+    the conversation had never been stored (it was, then deleted): ``compress`` took it for a failed store
+    and left the conversation uncompressed."""
+    from test_session_lifecycle_review import commit_lost_then
+
+    from transcript_store import TranscriptStore
+
+    engine = make(tmp_path, db_url=store_url)
+    other = TranscriptStore(store_url)
+    try:
+        engine.ingest([user("d question")], "s1")
+        store, sid = _store_ids(engine, "s1")
+        with commit_lost_then(store, lambda: other.delete_session(engine.scope, sid)):
+            assert engine.ingest([user("d question"), reply("d answer")], "s1") == (sid, 2)
+    finally:
+        other.close()
+        engine.close()
+
+
+def test_an_ingest_retried_after_a_lost_commit_stores_each_message_once(store_url: str, tmp_path: Path) -> None:
+    """An ingest whose COMMIT landed but was reported lost, retried alone: the retry finds its own write
+    (the visible transcript holds the host's list) and writes nothing again, answering the same count;
+    an edit's branch and an undo's move (``follow``) too. (A guard: this held before the two above.)"""
+    from test_session_lifecycle_review import commit_lost_then
+
+    engine = make(tmp_path, db_url=store_url)
+    try:
+        convo = [user("e q1"), reply("e a1"), user("e q2"), reply("e a2")]
+        store, sid = _store_ids(engine, "s1")
+        with commit_lost_then(store, lambda: None):
+            assert engine.ingest(convo, "s1") == (sid, 4)
+        edited = [*convo[:2], user("e q2 edited"), reply("e a2 again")]
+        with commit_lost_then(store, lambda: None):
+            assert engine.ingest(edited, "s1") == (sid, 4)
+        with commit_lost_then(store, lambda: None):
+            assert engine.ingest(edited[:2], "s1", follow=True) == (sid, 2)
+        assert visible(engine, "s1") == edited[:2]
+        assert len(store.list_entries(engine.scope, sid)) == 6
+    finally:
+        engine.close()
 
 
 def test_a_store_session_made_again_under_its_id_is_aligned_afresh(store_url: str, tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ from .engine import EngineContext
 from .errors import describe
 from .registry import EngineRegistry
 from .settings import PLUGIN_DIRS_ENV
-from .store import AppendItem, TranscriptStore
+from .store import AppendItem, TranscriptStore, replaced
 from .tokens import RoughEstimator
 
 log = logging.getLogger("transcript_store.hermes")
@@ -1148,7 +1148,18 @@ class TranscriptStoreEngineMixin:
                         known.head, known.generation, known.incarnation
                     ):
                         return store_session, len(known.entry_ids)
-            vis = rt.store.write(lambda c: self._write_in(c, rt, store_session, host, digests, start, follow))
+            landed: list[_Visible] = []  # what an attempt that ran to its end left (its incarnation with it)
+
+            def run(c: Core) -> _Visible:
+                if landed and replaced(c, self.scope, store_session, landed[0].incarnation):
+                    # An earlier attempt ran to its end and only its COMMIT was uncertain; the store
+                    # session it wrote was deleted since, perhaps made again under its id (someone
+                    # else's transcript): aligned with that one, the list went into it. Its own answer.
+                    return landed[0]
+                landed[:] = [self._write_in(c, rt, store_session, host, digests, start, follow)]
+                return landed[0]
+
+            vis = rt.store.write(run)
             with rt.lock:  # only after the commit: a retried transaction starts from the same cache
                 rt.visible[store_session] = vis
         return store_session, len(vis.entry_ids)
