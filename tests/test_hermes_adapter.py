@@ -738,8 +738,20 @@ class FakeSessionDB:
     def get_session(self, session_id: str) -> dict[str, Any] | None:
         return self.sessions.get(session_id)
 
-    def get_messages_as_conversation(self, session_id: str, **_: Any) -> list[dict[str, Any]]:
-        return copy.deepcopy(self.messages.get(session_id, []))
+    def get_messages_as_conversation(
+        self, session_id: str, repair_alternation: bool = False, **_: Any
+    ) -> list[dict[str, Any]]:
+        """The saved rows; ``repair_alternation``: consecutive user messages merged, as hermes-agent's
+        ``repair_message_sequence`` merges them in the live list before every request."""
+        out: list[dict[str, Any]] = []
+        for m in copy.deepcopy(self.messages.get(session_id, [])):
+            prev = out[-1] if out else None
+            if repair_alternation and prev is not None and prev.get("role") == m.get("role") == "user":
+                prev["content"] = f"{prev['content']}\n\n{m['content']}"
+                prev.pop("api_content", None)
+                continue
+            out.append(m)
+        return out
 
 
 def _grep(engine: Any, session: str, pattern: str) -> int:
@@ -1479,3 +1491,29 @@ def test_a_store_session_made_again_under_its_id_is_aligned_afresh(store_url: st
     finally:
         other.close()
         engine.close()
+
+
+def test_the_session_end_hook_stores_what_hermes_saved_as_hermes_replays_it(store_url: str, tmp_path: Path) -> None:
+    """A turn after an interrupted one: Hermes merges the interrupted user message and the new one into
+    one (``repair_message_sequence``, before the request) in the live list the turn hook stores, while
+    its session database keeps the two rows. The next interrupted turn's ``end_turn`` stored the rows
+    as saved: the list differed from the transcript at the merged message, the session branched there
+    and everything after it was stored again (and once more by the next turn's hook, merged again)."""
+    from transcript_store.hermes import end_turn
+
+    db = FakeSessionDB()
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=db, session_id="s1")
+    u1, a1, u2, u3, a3, u4 = (user("tau one"), reply("tau answer one"), user("tau two, interrupted"),
+                              user("tau three"), reply("tau answer three"), user("tau four, interrupted"))
+    engine.on_turn_complete([u1, a1], session_id="s1")
+    db.messages["s1"] = [u1, a1, u2]
+    end_turn(session_id="s1", completed=False, interrupted=True)
+    merged = user(f"{u2['content']}\n\n{u3['content']}")
+    engine.on_turn_complete([u1, a1, merged, a3], session_id="s1")  # the live list, merged by Hermes
+    db.messages["s1"] = [u1, a1, u2, u3, a3, u4]
+    end_turn(session_id="s1", completed=False, interrupted=True)
+    assert visible(engine, "s1") == [u1, a1, merged, a3, u4]
+    # u2 stored alone by the first interrupted turn's hook stays, off the active branch
+    assert engine.stored_messages("s1") == [u1, a1, u2, merged, a3, u4]
+    engine.close()

@@ -796,6 +796,23 @@ def _branch_parent(session_db: Any, session_id: str) -> str | None:
         return None
 
 
+def saved_conversation(session_db: Any, hermes_session: str) -> Any:
+    """What Hermes' session database saved of a conversation, as Hermes replays it: with
+    ``repair_alternation`` (what its gateway and ``/resume`` load), so consecutive user messages come
+    merged, as ``repair_message_sequence`` merged them in the live list before the request.
+
+    The turn after an interrupted one merges the interrupted user message and its own into one in the
+    live list (what the turn hook stores) while the database keeps the two rows: read as saved, the
+    list differed from the transcript there, and each later store of it (``end_turn``, a switch)
+    branched the session and stored the rest of the conversation again. An older hermes-agent without
+    the parameter is read as saved."""
+    read = session_db.get_messages_as_conversation
+    try:
+        return read(hermes_session, repair_alternation=True)
+    except TypeError:  # no such parameter
+        return read(hermes_session)
+
+
 def _remember_candidate(rt: _Runtime, cand: _Candidate) -> None:
     """Index a candidate by its answer and lineage, as the newest of its answer (call holding ``rt.lock``)."""
     by = rt.candidates.setdefault(cand.fp, {})
@@ -1533,7 +1550,7 @@ class TranscriptStoreEngineMixin:
     def _store_saved(self, session_db: Any, hermes_session: str) -> None:
         """Store what Hermes' session database saved of a conversation (never raises into Hermes)."""
         try:
-            saved = session_db.get_messages_as_conversation(hermes_session) if session_db is not None else None
+            saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
             if isinstance(saved, list) and saved:
                 self.ingest(copy.deepcopy([m for m in saved if isinstance(m, dict)]), hermes_session)
         except Exception:

@@ -699,3 +699,48 @@ def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path,
     assert any("sorrel-two" in k for k in stored), "the interrupted turn's user message never reached the store"
     assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
     agent.close()
+
+
+def test_an_interrupted_turn_after_a_merged_one_stores_nothing_twice(home: Path, server: FakeOpenAI) -> None:
+    """The turn after an interrupted one: Hermes merges the interrupted user message and its own into one
+    in the live list (``repair_message_sequence``), which the turn hook stores, while its session
+    database keeps the two rows. The next interrupted turn's ``on_session_end`` hook stored the rows as
+    saved: the session branched at the merged message and the rest of the conversation went in again."""
+    import threading
+
+    from fake_openai import Fault
+    from hermes_state import SessionDB
+    from run_agent import AIAgent
+
+    server.reset()
+    agent = AIAgent(
+        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
+        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=SessionDB(),
+    )
+
+    def interrupted(text: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+        server.queue(Fault(delay=8))  # the model is slow to answer
+        asked = len(server.chat_requests)
+        done: dict[str, Any] = {}
+        worker = threading.Thread(
+            target=lambda: done.update(agent.run_conversation(text, conversation_history=history)))
+        worker.start()
+        deadline = time.monotonic() + 20
+        while len(server.chat_requests) == asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agent.interrupt("stop")
+        worker.join(30)
+        assert done.get("interrupted"), "the case did not arise: the turn was not interrupted"
+        return done
+
+    first = agent.run_conversation("tansy-one: a first question")
+    second = interrupted("tansy-two: interrupted", first["messages"])
+    third = agent.run_conversation("tansy-three: the next one", conversation_history=second["messages"])
+    assert any("tansy-two" in str(m.get("content")) and "tansy-three" in str(m.get("content"))
+               for m in third["messages"]), "the case did not arise: Hermes merged no user messages"
+    fourth = interrupted("tansy-four: interrupted again", third["messages"])
+    stored = [key(m) for m in agent.context_compressor.stored_messages(agent.session_id)]
+    lone = key({"role": "user", "content": "tansy-two: interrupted"})  # stored by the first interrupt, off-branch
+    assert len(stored) == len(set(stored)), "a message stored twice"
+    assert [k for k in stored if k != lone] == [key(m) for m in fourth["messages"]]
+    agent.close()
