@@ -3,12 +3,19 @@ ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 3
 again without losing a committed turn's messages or its hash, 0007 (the session's incarnation) keeps
 every row of every table and every cursor issued before it, 0008 (the lossless engine's word index
 over the start of a text, PostgreSQL) keeps every engine row searchable, and 0011 forgets the engine
-rows an earlier release's reset kept."""
+rows an earlier release's reset kept; an upgrade SIGKILLed midway leaves the store at its revision with
+every row, and processes opening an old store at once all open it, one migrating."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +24,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from conftest import assistant, user
 from sqlalchemy import Select, Table, select, text
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 
 from engines.lossless import LosslessEngine
@@ -411,3 +419,124 @@ def test_the_queue_index_revision_keeps_every_row(store_url: str) -> None:
         adm, term = (store.anchor(A, sid, e.entry_id) for e in bare)
         assert turns.commit_turn("e", "k-bare", adm, term, [user("bare q"), assistant("bare a")]).status == "committed"
         assert [r.advancement_key for r in turns.receipts(A, sid, "e")] == ["t0", "t2", "t3", "k-bare"]
+
+
+def _a_store_with_every_kind_of_row(store_url: str) -> tuple[Any, ...]:
+    """Sessions s1 (a committed turn), s2 (lossless turns, compacted, then branched: summaries, context,
+    engine rows) and s3 (outbox rows blocked, accepted and admitted; engine state), a keyed session.
+    Returns s1's turn (admission, terminal, messages, its commit's result)."""
+    from workers.turn_worker import counting_engine
+
+    committed = _one_committed_turn(store_url)
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        engine = LosslessEngine(EngineContext(
+            store=store, config={"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4,
+                                 "condense_fanin": 2},
+            summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+        sid = store.create_session(A, session_id="s2").session_id
+
+        def turn(i: int) -> None:
+            admission = store.admit(A, sid, user(f"question {i} " + "words " * 20), turn_id=f"t{i}")
+            last = store.append(A, sid, assistant(f"answer {i} " + "words " * 20))
+            terminal = store.anchor(A, sid, last.entry_id)
+            closed = store.read_closed_range(admission, terminal)
+            assert isinstance(closed, ClosedRange)
+            store.write(lambda c: engine.commit_turn(tx=c, advancement_key=f"t{i}", admission=admission.anchor,
+                                                     terminal=terminal, messages=closed.messages))
+            engine.compact(scope=A, session_id=sid, force=True)
+
+        for i in range(6):
+            turn(i)
+        store.branch(A, sid, store.read_visible(A, sid)[5].entry_id)
+        turn(6)
+        turns = Turns(store)
+        sid = store.create_session(A, session_id="s3").session_id
+        for i in range(3):
+            turns.admit(A, sid, user(f"q{i}"), turn_id=f"t{i}", engine_id="e")
+            turns.complete(A, sid, f"t{i}", [{"message": assistant(f"a{i}")}], counting_engine if i == 0 else None)
+        turns.block(A, sid, "t1", "refused")
+        turns.admit(A, sid, user("q3"), turn_id="t3", engine_id="e")
+        store.append(A, store.create_session(A, session_id="s4", session_key="key-4").session_id, user("keyed"))
+        return committed
+
+
+def _content(db: Database) -> dict[str, list[str]]:
+    """Every row of every table of the store (the engine's search index but as its rows' text), in order."""
+    out: dict[str, list[str]] = {}
+    with db.engine.connect() as conn:
+        names = [t for t in sa_inspect(conn).get_table_names() if t.startswith(("ts_", "alembic"))]
+        for name in sorted(n for n in names if not n.startswith("ts_lcm_search")):
+            columns = [c["name"] for c in sa_inspect(conn).get_columns(name) if c["name"] != "search_tsv"]
+            rows = conn.execute(text(f"SELECT {', '.join(columns)} FROM {name}")).all()
+            out[name] = sorted(repr([bytes(v) if isinstance(v, memoryview) else v for v in row]) for row in rows)
+    return out
+
+
+_MIGRATE_WORKER = Path(__file__).parent / "workers" / "migrate_worker.py"
+
+
+@pytest.mark.parametrize("statement", [
+    "version_num='0005'",  # SQLite: after 0005's rebuild of ts_receipts (a DROP TABLE), before its commit
+    "DROP TABLE ts_receipts_0005",  # in the middle of 0006's rebuild
+    "version_num='0012'",  # SQLite: after 0012 dropped and rebuilt the engine's search index
+    "version_num='0014'",  # the last migration's version row, the commit still to come
+])
+def test_an_upgrade_killed_midway_leaves_the_store_as_it_was(store_url: str, statement: str) -> None:
+    """An upgrade from 0004 SIGKILLed at a point inside it (a real process): the store is still at 0004
+    with every row as it was (on SQLite too, whose DDL runs in the upgrade's one transaction), and the
+    next upgrade finishes with the rows an upgrade that was never killed leaves: receipts still answer
+    ``duplicate``, a cursor issued before still reads on (an empty page, not a reset)."""
+    admission, terminal, messages, first = _a_store_with_every_kind_of_row(store_url)
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0004")
+        old = _content(db)
+        migrate.upgrade(db)
+        upgraded = _content(db)
+        # A cursor issued after an upgrade from 0004 (the incarnation is then the creation time): the
+        # upgrade done again after the kill must give the session the same, or the cursor reads a reset.
+        with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+            page = store.read_visible_delta(A, "s2", None)
+            assert isinstance(page, DeltaPage)
+            cursor = page.cursor
+        _downgrade(db, "0004")
+        assert _content(db) == old
+        db.dispose()
+        killed = subprocess.run([sys.executable, str(_MIGRATE_WORKER), "kill", store_url, statement, "1"],
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, (killed.stdout, killed.stderr)
+        assert migrate.current_revision(db) == "0004" and _content(db) == old
+        assert migrate.upgrade_from(db) == ("0004", migrate.head_revision())
+        assert _content(db) == upgraded and _differences(db) == []
+    finally:
+        db.dispose()
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        assert [(i.turn_id, i.state) for i in Turns(store).intents(A) if i.session_id == "s3"] == [
+            ("t1", "blocked"), ("t2", "accepted"), ("t3", "admitted")]
+        again = Turns(store).commit_turn("e", "t1", admission, terminal, messages)
+        assert again.status == "duplicate" and again.receipt == first.receipt
+        page = store.read_visible_delta(A, "s2", cursor)
+        assert isinstance(page, DeltaPage) and page.entries == [] and page.cursor == cursor
+
+
+def test_processes_opening_an_old_sqlite_store_at_once_all_open_it_and_one_migrates(
+    store_url: str, backend: str
+) -> None:
+    """Three applications opening a store at 0004 at the same moment, each migrating on open (SQLite's
+    default; PostgreSQL's when TRANSCRIPT_STORE_AUTO_UPGRADE=1): all open it at head, one migrates."""
+    _a_store_with_every_kind_of_row(store_url)
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0004")
+    finally:
+        db.dispose()
+    env = {**os.environ, "TRANSCRIPT_STORE_AUTO_UPGRADE": "1" if backend == "postgresql" else ""}
+    start = time.time() + 2
+    procs = [subprocess.Popen([sys.executable, str(_MIGRATE_WORKER), "open", store_url, str(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    reports = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    assert [(r["revision"], r["sessions"]) for r in reports] == [(migrate.head_revision(), 4)] * 3
+    assert sorted(r["migrated"] > 0 for r in reports) == [False, False, True], reports
