@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import PG_ADMIN, RUN_ID, _admin_exec, _pg_reachable, assistant, pg_url, user
 from fake_openai import FakeOpenAI
+from sqlalchemy import inspect as sa_inspect
 
 from transcript_store import (
     IdempotencyConflict,
@@ -256,6 +257,9 @@ def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Pat
     assert report["state"] == "behind" and report["revision"] == "0001"
     doctor = run_json("doctor", "--db", empty_url, cwd=tmp_path, code=1)
     assert not doctor["ok"] and doctor["store"]["state"] == "behind"
+    # doctor says what to do about it, as `current` does (it said "schema is behind" alone)
+    advice = f"schema is behind (revision 0001, head {report['head']}): run `transcript-store upgrade`"
+    assert doctor["problems"] == [advice]
     assert "upgrade" in one_error_line(run("current", "--db", empty_url, cwd=tmp_path, code=4))
     if backend == "postgresql":  # PostgreSQL never migrates itself on open
         one_error_line(run("sessions", "list", "--db", empty_url, cwd=tmp_path, code=4))
@@ -273,12 +277,25 @@ def test_a_schema_newer_than_the_library_asks_for_a_newer_library(
     db = Database(StoreConfig(url=empty_url))
     try:
         db.write(lambda conn: conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'"))
+        tables = db.read(lambda conn: sorted(sa_inspect(conn).get_table_names()))
     finally:
         db.dispose()
     for command in (("upgrade",), ("init",), ("current",), ("sessions", "list")):
         line = one_error_line(run(*command, "--db", empty_url, cwd=tmp_path, code=4))
         assert "upgrade the library" in line and "9999" in line, (command, line)
     assert run_json("current", "--db", empty_url, cwd=tmp_path, code=4)["state"] == "ahead"
+    doctor = run_json("doctor", "--db", empty_url, cwd=tmp_path, code=1)  # a failed check, as README says
+    assert doctor["store"]["state"] == "ahead" and doctor["problems"] == [
+        f"schema is ahead (revision 9999, head {doctor['store']['head']}): upgrade the library"
+    ]
+    # None of it changed the store: still at the newer revision, its rows and tables as they were.
+    db = Database(StoreConfig(url=empty_url))
+    try:
+        version = db.read(lambda conn: conn.exec_driver_sql("SELECT version_num FROM alembic_version").all())
+        assert version == [("9999",)]
+        assert db.read(lambda conn: sorted(sa_inspect(conn).get_table_names())) == tables
+    finally:
+        db.dispose()
 
 
 @pytest.mark.real_script

@@ -455,6 +455,13 @@ def schema_state(revision: str | None, head: str) -> str:
     return "behind" if revision in migrate.known_revisions() else "ahead"
 
 
+def schema_advice(state_now: str) -> str:
+    """What to do about a schema in ``state_now`` (``none``, ``behind`` or ``ahead``)."""
+    return {"ahead": "upgrade the library", "none": "run `transcript-store init`"}.get(
+        state_now, "run `transcript-store upgrade`"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- rendering
 
 
@@ -602,12 +609,9 @@ def current() -> None:
         for key in ("url", "revision", "head", "state"):
             click.echo(f"{key + ':':9} {report.get(key) or '(none)'}")
     if revision != head:
-        state_now = schema_state(revision, head)
-        advice = {"ahead": "upgrade the library", "none": "run `transcript-store init`"}.get(
-            state_now, "run `transcript-store upgrade`"
-        )
         raise CommandError(
-            f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): {advice}",
+            f"the schema is {report['state']} (revision {revision or 'none'}, head {head}): "
+            f"{schema_advice(schema_state(revision, head))}",
             EXIT_SCHEMA,
         )
 
@@ -1338,8 +1342,8 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
         return info, None, e
     if info["state"] == "none":
         problems.append(f"no schema yet (head is {head}): run `transcript-store init`")
-    elif info["state"] != "current":
-        problems.append(f"schema is {info['state']}: revision {revision}, head {head}")
+    elif info["state"] != "current":  # with what to do, as `current` says it
+        problems.append(f"schema is {info['state']} (revision {revision}, head {head}): {schema_advice(info['state'])}")
     return info, store, None
 
 
