@@ -442,6 +442,33 @@ def test_a_turn_larger_than_the_trigger_is_kept_whole_and_compressed_once(
     assert_once(engine, "s1", [*messages, *pending])
 
 
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_compress_inside_a_turn_over_the_trigger_never_answers_a_larger_list(
+    store_url: str, tmp_path: Path, engine_id: str
+) -> None:
+    """The user message over the trigger stays raw in the lossless engine while it is its newest one; a
+    tool round later it is an older one, and the engine summarized it. The answer keeps it verbatim (the
+    fresh tail), so the summary came in beside it: Hermes was told "done" with a request ~1,700 tokens
+    larger (and a compaction counted). An answer not smaller than the list given is no progress."""
+    engine = make(tmp_path, engine=engine_id, db_url=store_url, threshold_percent=2000)
+    engine.on_session_start("s1")
+    current = user("mu now: " + "lorem ipsum " * 800)  # ~2,400 tokens alone
+    out = engine.compress([*conversation("mu", 10), copy.deepcopy(current)])
+    assert out[-1] == current and engine.compression_count == 1
+    est = RoughEstimator()
+    for r in range(3):  # tool rounds with long musings, Hermes asking to compress after each
+        call = {"id": f"call_mu_{r}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        given = [
+            *out,
+            {"role": "assistant", "content": f"mu round {r}: " + "step " * 500, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": f"mu result {r} " + "row " * 100},
+        ]
+        out = engine.compress(copy.deepcopy(given))
+        assert current in out and is_valid_sequence(out)
+        assert out == given or est.count_messages(out) < est.count_messages(given), f"round {r} grew"
+    assert_once(engine, "s1", [m for m in out if not is_context_message(m)])
+
+
 def test_a_reply_hermes_merged_into_our_acknowledgement_is_stored(tmp_path: Path) -> None:
     """Hermes merges consecutive assistant messages: a reply merged into our acknowledgement is the
     host's message (stored), not ours (skipped)."""

@@ -18,7 +18,8 @@ How the adapter maps Hermes onto the store:
 - ``compress`` aims below Hermes' trigger: three quarters of it, less the system prompt and tools (what
   Hermes' count of the request exceeds the messages by). The fresh tail (the current user message and
   the pending exchange) is kept verbatim whatever the budget; the engine's context gets the rest. A
-  list the engine cannot shorten, or our own answer sent back, comes back unchanged and is not counted.
+  list the engine cannot shorten (an answer no smaller than it), or our own answer sent back, comes back
+  unchanged and is not counted.
 - ``compress`` compacts in the engine, assembles its context, and records the answer as an unreferenced
   *candidate* (a metadata entry keyed by the answer's hash). A later call whose messages start with a
   candidate proves the host took it: the candidate is adopted (lineage, ordinals of what follows) and only
@@ -1345,6 +1346,13 @@ class TranscriptStoreEngineMixin:
         head, answer = place_addition(system, answer, addition_of(assembled, memory))
         if canonical([clean(m) for m in answer]) == canonical([clean(m) for m in body]):
             return snapshot  # the engine could not make it shorter: Hermes sees no progress and stops
+        if estimator.count_messages(head + answer) >= estimator.count_messages(messages):
+            # The fresh tail is kept verbatim beside the engine's context, and the engine may have
+            # summarized its own copy of it (the current user message, raw in its last compaction as its
+            # newest message, is an older one now): the summary came in addition to the message, and a
+            # compress inside a turn over the trigger answered "done" with the request grown (~9,070 to
+            # ~10,730 tokens), a compaction counted, for nothing. Not smaller is no progress.
+            return snapshot
         self._record_candidate(rt, answer, store_session, n)
         self.compression_count += 1
         return head + answer
