@@ -300,7 +300,7 @@ def test_garbage_that_never_shrinks_ends_and_keeps_the_dag(store: TranscriptStor
     assert invariants(store, sid, full=True) == []
 
 
-@pytest.mark.parametrize("budget", [1, 25, 300, 2500, 10**8])
+@pytest.mark.parametrize("budget", [1, 25, 40, 150, 300, 2500, 10**8])
 def test_assembly_stays_within_any_budget_and_keeps_the_newest_turn(
     store: TranscriptStore, sid: str, budget: int
 ) -> None:
@@ -312,6 +312,23 @@ def test_assembly_stays_within_any_budget_and_keeps_the_newest_turn(
     assert fitted.estimated_tokens <= budget
     if budget >= RoughEstimator().count_messages([last]):
         assert fitted.messages[-1] == last  # what is dropped is the oldest, never the newest turn
+    assert invariants(store, sid, full=True) == []
+
+
+def test_the_newest_reply_over_the_tails_token_cap_stays_raw(store: TranscriptStore, sid: str) -> None:
+    """A last reply larger than the fresh tail's token cap (a quarter of the window by default) left the
+    tail empty, and the background compaction summarized it with the turn before: the model next saw a
+    summary in place of the reply it had just given ("change line 40 of that script"), though it fit
+    the window four times over. While the newest unit fits the window it stays raw."""
+    engine = make_engine(store)
+    run_turns(store, engine, sid, 24)
+    long_reply = assistant("def step():  # a long script\n" + "    value = compute(value) + 1\n" * 150)
+    commit(store, engine, finished_turn(store, A, sid, "t24", replies=[long_reply]))
+    assert engine.budget(A, sid, 4000).tail_tokens < RoughEstimator().count_messages([long_reply]) < 4000
+    result = engine.compact(scope=A, session_id=sid, token_budget=4000)
+    assert result.compacted, result
+    fitted = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=4000)
+    assert fitted.messages[-1] == long_reply and fitted.estimated_tokens <= 4000
     assert invariants(store, sid, full=True) == []
 
 

@@ -85,7 +85,8 @@ class Plan:
 
 def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> int:
     """Index where the protected fresh tail begins: recent whole units within the message and token caps,
-    and the last unit whatever the caps while its tool calls wait for results (``_awaits_results``)."""
+    at least the newest unit while it fits the window (``fresh_tail_messages`` 0 aside), and the last
+    unit whatever the caps while its tool calls wait for results (``_awaits_results``)."""
     count = tokens = 0
     start = len(items)
     every = units(items)
@@ -97,7 +98,19 @@ def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) ->
         if count + len(unit) > config.fresh_tail_messages or tokens + size > budget.tail_tokens:
             break
         count, tokens, start = count + len(unit), tokens + size, begin
-    if every and _awaits_results(items[every[-1][0] : every[-1][1]]):
+    newest = items[every[-1][0] : every[-1][1]] if every else []
+    if (
+        start == len(items)
+        and config.fresh_tail_messages > 0
+        and newest
+        and all(i.summary is None for i in newest)
+        and sum(i.tokens for i in newest) <= budget.window
+    ):
+        # The newest unit over the tail's token cap left the tail empty, and it was summarized: the
+        # model lost its last reply verbatim, and a summary larger than a small budget replaced
+        # messages that fit it (assemble then showed nothing at all). It stays raw while it fits the window.
+        start = every[-1][0]
+    if every and _awaits_results(newest):
         # A summary would take the call, and the results that arrive next would follow it raw: a tool
         # message whose call is in no message (the host drops it: the model never sees the result). With
         # fresh_tail_messages 0, or a call larger than the tail's token cap, it was summarized.
