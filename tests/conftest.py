@@ -14,8 +14,9 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,21 @@ def store(store_url: str) -> Iterator[TranscriptStore]:
 @pytest.fixture
 def session_id(store: TranscriptStore) -> str:
     return store.create_session("scope-a", session_id="s1", session_key="agent:main:test:1").session_id
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll ``condition`` until it is truthy and return its value; fail naming ``what`` after ``timeout``.
+
+    For a test that needs an event another thread or process makes (a lease renewed, a row written): a
+    fixed sleep is either too short on a loaded machine (the suite runs on two busy cores) or slow."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g} s: {what}")
+        time.sleep(0.02)
 
 
 def user(text: str) -> dict[str, object]:

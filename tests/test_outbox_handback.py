@@ -10,12 +10,13 @@ one attempt of it succeeded. Each test here failed on the code before the hand-b
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
 import pytest
-from conftest import module_store_fixtures, user
+from conftest import module_store_fixtures, user, wait_until
 from hosting import CountingEngine, RecordingModel
 from test_host import make_host
 
@@ -28,6 +29,9 @@ from transcript_store.turns import Turns
 
 S = "handback-scope"
 LEASE = 0.5
+#: a keeper's lease where a test needs it kept alive: renewed every second, so a process paused for
+#: up to two seconds (a loaded machine) does not let it run out
+HOLD = 3.0
 
 shared_url, store, sid = module_store_fixtures(S, "outbox-handback")
 
@@ -230,30 +234,41 @@ def test_a_retry_that_took_over_a_dead_attempt_still_discards(store: TranscriptS
     host.dispose()
 
 
-def test_the_keeper_renews_a_handed_back_lease_again(store: TranscriptStore, sid: str) -> None:
+def test_the_keeper_renews_a_handed_back_lease_again(
+    store: TranscriptStore, sid: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A hold whose renewal failed because a retry took the turn over is kept (not dropped) while its
-    attempt runs: renewed again once the turn is handed back; dropped when the intent is gone."""
+    attempt runs: renewed again once the turn is handed back; dropped when the intent is gone.
+
+    Waits for each renewal instead of sleeping: with a lease as long as the sleep (the retry's and the
+    hold's once were), a process paused on a loaded machine let the retry's lease run out first, and
+    the keeper rightly took the turn back before the hand-back could."""
     turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+    retry = Turns(store, OutboxConfig(turn_lease_seconds=60))  # the retry holds the turn while the test looks
     keeper = LeaseKeeper(store)
     try:
+        caplog.set_level(logging.WARNING, logger="transcript_store.leases")
         turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker/a")
-        keeper.hold(S, sid, "t1", LEASE, "worker/a")
+        keeper.hold(S, sid, "t1", HOLD, "worker/a")
         taken: list[Any] = []
-        turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker/b", taken_over=taken)
+        retry.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="worker/b", taken_over=taken)
         assert [lease.owner for lease in taken] == ["worker/a"]
-        time.sleep(LEASE)  # a renewal of worker/a's failed meanwhile
+        wait_until(lambda: "taken over by a retry" in caplog.text or not keeper.holds(S, sid, "t1"),
+                   "a renewal of worker/a's lease finding the turn taken over")
         assert keeper.holds(S, sid, "t1")
+        renewals = keeper.renewals
         assert turns.hand_back(S, sid, "t1", owner="worker/b", lease=taken[0])
         intent = turns.intent(S, sid, "t1")
-        assert intent is not None and intent.lease_owner == "worker/a"
-        time.sleep(3 * LEASE)
+        assert intent is not None and intent.lease_owner == "worker/a" and intent.lease_expires_at is not None
+        handed_until = intent.lease_expires_at
+        wait_until(lambda: keeper.renewals > renewals, "worker/a's lease renewed again after the hand-back")
+        renewed = turns.intent(S, sid, "t1")
+        assert renewed is not None and renewed.lease_owner == "worker/a"
+        assert renewed.lease_expires_at is not None and renewed.lease_expires_at > handed_until
         with pytest.raises(SessionBusy):
             turns.admit(S, sid, user("q2"), turn_id="t2", engine_id="legacy")
         turns.discard(S, sid, "t1")
-        deadline = time.monotonic() + 10
-        while keeper.holds(S, sid, "t1") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not keeper.holds(S, sid, "t1")
+        wait_until(lambda: not keeper.holds(S, sid, "t1"), "the hold dropped once its intent is gone")
     finally:
         keeper.close()
 
