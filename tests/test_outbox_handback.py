@@ -36,9 +36,22 @@ HOLD = 3.0
 shared_url, store, sid = module_store_fixtures(S, "outbox-handback")
 
 
+class _TakenOver(logging.Handler):
+    """Sets ``seen`` once a lease keeper has found a turn taken over by a retry (its renewal failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "taken over by a retry" in record.getMessage():
+            self.seen.set()
+
+
 class _Gate:
     """A model whose first attempt (the first thread to call it) waits for ``go``; every later call
-    (the retry's) fails with ``retry_error``, after the retry's admission took the turn over."""
+    (the retry's) fails with ``retry_error``, after the retry's admission took the turn over and the
+    first attempt's keeper found it so (its renewal failed while the retry held the turn)."""
 
     name = "gated"
 
@@ -50,6 +63,7 @@ class _Gate:
         self.retry_error = retry_error
         self.retry_calls = 0
         self.lock = threading.Lock()
+        self.taken_over = _TakenOver()
 
     def complete(self, messages: Any, tools: Any = None, **kw: Any) -> Any:
         with self.lock:
@@ -62,6 +76,7 @@ class _Gate:
             self.first_called.set()
             assert self.go.wait(60)
             return self.recording.complete(messages, tools, **kw)
+        assert self.taken_over.seen.wait(60)
         raise self.retry_error
 
 
@@ -76,13 +91,18 @@ def _run_two(host: HostRuntime, model: _Gate, sid: str, retry_host: HostRuntime 
         except BaseException as e:  # reported by the caller
             results[name] = e
 
-    first = threading.Thread(target=run, args=("first", host), daemon=True)
-    first.start()
-    assert model.first_called.wait(30)
-    retry = threading.Thread(target=run, args=("retry", retry_host or host), daemon=True)
-    retry.start()
-    retry.join(60)
-    assert not retry.is_alive()
+    leases = logging.getLogger("transcript_store.leases")
+    leases.addHandler(model.taken_over)
+    try:
+        first = threading.Thread(target=run, args=("first", host), daemon=True)
+        first.start()
+        assert model.first_called.wait(30)
+        retry = threading.Thread(target=run, args=("retry", retry_host or host), daemon=True)
+        retry.start()
+        retry.join(90)
+        assert not retry.is_alive()
+    finally:
+        leases.removeHandler(model.taken_over)
     results["first_thread"] = first
     return results
 
@@ -94,12 +114,22 @@ def _finish(model: _Gate, results: dict[str, Any]) -> Any:
 
 
 def _still_running_then_committed(store: TranscriptStore, sid: str, model: _Gate, results: dict[str, Any]) -> None:
-    """The first attempt still holds the turn after the retry failed (only its renewals keep its lease
-    alive this long: the session is busy), then completes it: committed, once."""
+    """The first attempt still holds the turn after the retry failed (its keeper renews its lease again,
+    moving its expiry on: the session is busy), then completes it: committed, once."""
+    turns = Turns(store)
     try:
-        time.sleep(4 * LEASE)
+        handed = turns.intent(S, sid, "t1")
+        assert handed is not None and handed.lease_expires_at is not None, handed
+
+        def renewed() -> bool:
+            intent = turns.intent(S, sid, "t1")
+            assert intent is not None and intent.state == "admitted", intent
+            assert intent.lease_expires_at is not None and handed.lease_expires_at is not None
+            return intent.lease_expires_at > handed.lease_expires_at
+
+        wait_until(renewed, "the first attempt's lease renewed again after the retry failed")
         with pytest.raises(SessionBusy):
-            Turns(store).admit(S, sid, user("other"), turn_id="o1", engine_id="legacy")
+            turns.admit(S, sid, user("other"), turn_id="o1", engine_id="legacy")
     finally:
         out = _finish(model, results)
     assert out is not None and not isinstance(out, BaseException), repr(out)
@@ -107,18 +137,20 @@ def _still_running_then_committed(store: TranscriptStore, sid: str, model: _Gate
     assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]
 
 
-def _short_leases(host: HostRuntime, store: TranscriptStore) -> None:
-    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+def _kept_leases(host: HostRuntime, store: TranscriptStore) -> None:
+    # Renewed every second: a lease as short as LEASE ran out on a loaded machine while its keeper waited
+    # to be scheduled. The tests wait for renewals (the lease's expiry moving on), not for it to run out.
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=HOLD))
 
 
 def test_a_retry_failing_on_timeouts_hands_the_turn_back_to_the_running_attempt(
     store: TranscriptStore, sid: str
 ) -> None:
     """The retry times out on every attempt (``TurnFailed``); the first attempt, still in its model
-    call, keeps the turn: its lease is renewed again (the session stays busy for other turns long
-    after the retry's lease would have run out) and its completion commits the turn, once."""
+    call, keeps the turn: its lease is renewed again (its expiry moves on; the session stays busy for
+    other turns) and its completion commits the turn, once."""
     host, _ = make_host(store)
-    _short_leases(host, store)
+    _kept_leases(host, store)
     model = _Gate(ModelTimeout("the provider timed out"))
     host.model = model
     results = _run_two(host, model, sid)
@@ -138,10 +170,10 @@ def test_a_retry_in_another_worker_hands_the_turn_back(store: TranscriptStore, s
     """The same across two hosts (two workers, each its own store and lease keeper): the first worker's
     keeper, whose renewals failed while the retry held the turn, renews it again once handed back."""
     host, _ = make_host(store)
-    _short_leases(host, store)
+    _kept_leases(host, store)
     other_store = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
     other, _ = make_host(other_store)
-    _short_leases(other, other_store)
+    _kept_leases(other, other_store)
     model = _Gate(ModelTimeout("the provider timed out"))
     host.model = model
     other.model = model
@@ -159,7 +191,7 @@ def test_a_retry_failing_with_an_error_hands_the_turn_back(store: TranscriptStor
     """Any error of the retry (here the provider's connection breaking): raised to its caller as it is,
     and the turn stays the first attempt's."""
     host, _ = make_host(store)
-    _short_leases(host, store)
+    _kept_leases(host, store)
     model = _Gate(ConnectionError("the provider went away"))
     host.model = model
     results = _run_two(host, model, sid)
@@ -185,10 +217,10 @@ def test_a_degrading_retry_does_not_move_a_running_attempts_turn(
         return engines[-1]
 
     host, _ = make_host(store, engine="counting", factories={"counting": factory})
-    _short_leases(host, store)
+    _kept_leases(host, store)
     other_store = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False))
     other, _ = make_host(other_store, engine="counting", factories={"counting": factory})
-    _short_leases(other, other_store)
+    _kept_leases(other, other_store)
     model = _Gate(AssertionError("the retry never reaches its model call"))
     host.model = model
     other.model = model
@@ -282,18 +314,20 @@ def test_a_long_delivery_keeps_its_drain_claim(store: TranscriptStore, sid: str)
         pytest.skip("SQLite: a delivery holds the write lock, so no other drain can claim meanwhile")
     from workers.turn_worker import counting_engine
 
-    config = OutboxConfig(delivery_lease_seconds=0.4)
+    config = OutboxConfig(delivery_lease_seconds=1.5)
     turns = Turns(store, config)
     turns.admit(S, sid, user("q"), turn_id="t1", engine_id="slow")
     done = turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "a"}}], None)
     assert done.intent.state == "accepted"
     calls: list[str] = []
     started = threading.Event()
+    second_done = threading.Event()
 
     def slow(c: Any, payload: Any) -> Any:
         calls.append(threading.current_thread().name)
         started.set()
-        time.sleep(2.0)  # five claim leases
+        if threading.current_thread().name == "first":
+            assert second_done.wait(60)  # runs on until the second drain has tried
         return counting_engine(c, payload)
 
     reports: dict[str, Any] = {}
@@ -304,8 +338,13 @@ def test_a_long_delivery_keeps_its_drain_claim(store: TranscriptStore, sid: str)
     first = threading.Thread(target=drain, args=("first",), name="first")
     first.start()
     assert started.wait(30)
-    time.sleep(1.0)  # the first claim would have expired twice over
-    drain("second")
+    # Unrenewed, the first claim would have run out by now; renewed every third of it (a loaded machine
+    # may pause the renewing thread for most of a claim: a claim of 0.4 s ran out meanwhile).
+    time.sleep(2.0)
+    try:
+        drain("second")
+    finally:
+        second_done.set()
     first.join(60)
     assert calls == ["first"], calls
     assert reports["first"].committed == 1 and reports["second"].delivered == 0
