@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from conftest import assistant, module_store_fixtures, user
+from conftest import assistant, module_store_fixtures, user, wait_until
 from hosting import RecordingModel
 from sqlalchemy import Connection
 from test_host import make_host
@@ -189,20 +189,28 @@ def test_a_failing_attempt_does_not_stop_the_renewal_of_the_retry_that_took_its_
 def test_the_keeper_releases_only_the_calling_attempts_renewal(store: TranscriptStore, sid: str) -> None:
     """The keeper's side of the test above: a hold under a new owner (a retry's takeover) replaces the
     earlier attempt's, and a release from the earlier attempt's thread leaves the retry's renewing."""
-    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
+    # A 1.5 s lease, renewed every half second: a keeper paused on a loaded machine still renews it in
+    # time (0.3 s ran out meanwhile); the test waits for the renewal instead of sleeping past the lease.
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=1.5))
     keeper = LeaseKeeper(store)
     try:
         turns.admit(S, sid, user("q1"), turn_id="t1", engine_id=E, owner="worker/a")
-        first = threading.Thread(target=keeper.hold, args=(S, sid, "t1", 0.3, "worker/a"))
+        first = threading.Thread(target=keeper.hold, args=(S, sid, "t1", 1.5, "worker/a"))
         first.start()
         first.join()
         turns.admit(S, sid, user("q1"), turn_id="t1", engine_id=E, owner="worker/b")  # the retry takes over
-        keeper.hold(S, sid, "t1", 0.3, "worker/b")
+        keeper.hold(S, sid, "t1", 1.5, "worker/b")
         releasing = threading.Thread(target=keeper.release, args=(S, sid, "t1"))
         releasing.start()
         releasing.join()
         assert keeper.holds(S, sid, "t1")
-        time.sleep(0.8)
+        taken = turns.intent(S, sid, "t1")
+        assert taken is not None and taken.lease_owner == "worker/b" and taken.lease_expires_at is not None
+        renewals = keeper.renewals
+        wait_until(lambda: keeper.renewals > renewals, "the retry's lease renewed")
+        renewed = turns.intent(S, sid, "t1")
+        assert renewed is not None and renewed.lease_owner == "worker/b" and renewed.lease_expires_at is not None
+        assert renewed.lease_expires_at > taken.lease_expires_at
         with pytest.raises(SessionBusy):
             turns.admit(S, sid, user("q2"), turn_id="t2", engine_id=E)
         keeper.release(S, sid, "t1")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assistant, user
+from conftest import assistant, user, wait_until
 from hosting import CountingEngine, RecordingModel
 from test_host import SCOPE, make_host
 from workers.turn_worker import ENGINE, counting_engine
@@ -470,10 +470,12 @@ def test_the_lease_keeper_renews_only_what_it_holds(
     keeper.hold(SCOPE, sid, "t1", 0.3, _owner(turns, sid, "t1"))
     keeper.hold(SCOPE, sid, "zero", 0.0, "anyone")
     assert not keeper.holds(SCOPE, sid, "zero")
-    time.sleep(0.5)
+    admitted = turns.intent(SCOPE, sid, "t1")
+    assert admitted is not None and admitted.lease_expires_at is not None
+    wait_until(lambda: keeper.renewals >= 1, "a renewal of the held turn")  # not a sleep: a loaded machine
     first = turns.intent(SCOPE, sid, "t1")
-    assert first is not None and first.lease_expires_at is not None and keeper.renewals >= 1
-    assert first.lease_expires_at > datetime.now(UTC)  # 0.5 s after a 0.3 s lease was set: renewed
+    assert first is not None and first.lease_expires_at is not None
+    assert first.lease_expires_at > admitted.lease_expires_at  # renewed: its expiry moved on
     keeper.release(SCOPE, sid, "t1")
     renewals = keeper.renewals
     time.sleep(0.4)
@@ -531,17 +533,30 @@ def test_a_held_turn_past_its_time_limit_lets_the_session_go(
 ) -> None:
     """A turn stuck in a live process (a tool that never returns) is renewed only up to its time
     limit; then its lease runs out and the session's next turn takes over."""
-    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.3))
+    # Renewed every 0.2 s up to its 1.5 s limit: a keeper paused more than a second on a loaded machine
+    # still renews it within its limit. The test waits for each event instead of sleeping past it.
+    turns = Turns(store, OutboxConfig(turn_lease_seconds=0.6))
     turns.admit(SCOPE, sid, user("q1"), turn_id="t1", engine_id="legacy")
+    admitted = turns.intent(SCOPE, sid, "t1")
+    assert admitted is not None and admitted.lease_expires_at is not None
     keeper = LeaseKeeper(store)
     with caplog.at_level(logging.WARNING, logger="transcript_store.leases"):
-        keeper.hold(SCOPE, sid, "t1", 0.3, _owner(turns, sid, "t1"), max_seconds=0.4)
-        time.sleep(0.35)
-        with pytest.raises(SessionBusy):  # still within its limit: renewed
+        keeper.hold(SCOPE, sid, "t1", 0.6, _owner(turns, sid, "t1"), max_seconds=1.5)
+        wait_until(lambda: keeper.renewals >= 1, "a renewal within the turn's time limit")
+        renewed = turns.intent(SCOPE, sid, "t1")
+        assert renewed is not None and renewed.lease_expires_at is not None
+        assert renewed.lease_expires_at > admitted.lease_expires_at
+        wait_until(lambda: "turn t1: held past its time limit" in caplog.text, "the hold dropped at its time limit")
+    assert not keeper.holds(SCOPE, sid, "t1")
+
+    def admitted_next() -> bool:
+        try:
             Turns(store).admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="legacy")
-        time.sleep(0.9)
-    assert "turn t1: held past its time limit" in caplog.text and not keeper.holds(SCOPE, sid, "t1")
-    Turns(store).admit(SCOPE, sid, user("q2"), turn_id="t2", engine_id="legacy")
+        except SessionBusy:  # t1's last renewed lease has not run out yet
+            return False
+        return True
+
+    wait_until(admitted_next, "the next turn admitted once t1's lease ran out unrenewed")
     keeper.close()
 
 
