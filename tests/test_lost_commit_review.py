@@ -44,6 +44,19 @@ def lossless(store: TranscriptStore, summarizer: Counting) -> LosslessEngine:
     return LosslessEngine(EngineContext(store=store, config=SMALL, summarizer=summarizer, estimator=RoughEstimator()))
 
 
+def stale_then_accepted(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """A new session ``sid`` holding two accepted turns of engine "e", the first one's question rewritten
+    since: its range is stale, so a drain blocks it and delivers the second."""
+    store.create_session(S, session_id=sid)
+    for turn_id in ("t1", "t2"):
+        turns.admit(S, sid, user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
+        done = turns.complete(S, sid, turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
+        assert done.intent.state == "accepted"
+        if turn_id == "t1":
+            question = store.read_visible(S, sid)[0]
+            store.rewrite_entries(S, sid, [{"entry_id": question.entry_id, "message": user("rewritten")}])
+
+
 def test_a_lossless_compaction_retried_after_a_lost_commit_is_not_planned_again(store_url: str) -> None:
     """A lossless compaction whose plan's COMMIT landed but was reported lost: the retry found the view's
     epoch moved (by its own plan) and refused the plan as raced by another writer, so the compaction
@@ -111,14 +124,7 @@ def test_a_drain_whose_claim_was_retried_counts_the_rows_it_blocked(store_url: s
     the retry found the row blocked already (by itself) and its own claim, and the report said 0 blocked."""
     with two_clients(store_url) as (store, _other):
         turns = Turns(store)
-        store.create_session(S, session_id="d")
-        for turn_id in ("t1", "t2"):
-            turns.admit(S, "d", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
-            done = turns.complete(S, "d", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
-            assert done.intent.state == "accepted"
-            if turn_id == "t1":  # t1's question rewritten: its range is stale, the drain blocks it
-                question = store.read_visible(S, "d")[0]
-                store.rewrite_entries(S, "d", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        stale_then_accepted(store, turns, "d")
         with commits_lost(store, lambda n: n == 1):  # the claim's
             report = turns.drain(lambda _engine: counting_engine, scope=S, session_id="d")
         assert (report.committed, report.blocked) == (1, 1), report
@@ -281,13 +287,7 @@ def test_the_retries_of_a_commit_that_did_not_land_write_it(store_url: str) -> N
         intent = turns.intent(S, "fh", "t1")
         assert intent is not None and intent.lease_owner == "worker/a"
 
-        store.create_session(S, session_id="fd")
-        for turn_id in ("t1", "t2"):
-            turns.admit(S, "fd", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
-            turns.complete(S, "fd", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
-            if turn_id == "t1":
-                question = store.read_visible(S, "fd")[0]
-                store.rewrite_entries(S, "fd", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        stale_then_accepted(store, turns, "fd")
         with commit_fails_once(store, lambda: None):
             report = turns.drain(lambda _engine: counting_engine, scope=S, session_id="fd")
         assert (report.committed, report.blocked) == (1, 1), report
@@ -367,14 +367,7 @@ def test_a_drain_whose_claim_did_not_land_counts_no_block_another_drain_made(sto
     blocked (by the other drain) and counted it as its own, so both drains reported the one block."""
     with two_clients(store_url) as (store, other):
         turns = Turns(store)
-        store.create_session(S, session_id="db")
-        for turn_id in ("t1", "t2"):
-            turns.admit(S, "db", user(f"q {turn_id}"), turn_id=turn_id, engine_id="e")
-            done = turns.complete(S, "db", turn_id, [{"message": {"role": "assistant", "content": "a"}}], None)
-            assert done.intent.state == "accepted"
-            if turn_id == "t1":  # t1's question rewritten: its range is stale, a drain blocks it
-                question = store.read_visible(S, "db")[0]
-                store.rewrite_entries(S, "db", [{"entry_id": question.entry_id, "message": user("rewritten")}])
+        stale_then_accepted(store, turns, "db")
         theirs: list[Any] = []
 
         def drain() -> None:

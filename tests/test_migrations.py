@@ -300,6 +300,26 @@ def test_entries_committed_before_keys_were_bound_take_their_key(store_url: str)
         assert [r.advancement_key for r in turns.receipts(A, sid)] == ["k1"]
 
 
+def _small_lossless(store: TranscriptStore) -> LosslessEngine:
+    """A lossless engine with a small window, so that a few turns compact into summaries of two depths."""
+    return LosslessEngine(EngineContext(
+        store=store, config={"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4,
+                             "condense_fanin": 2},
+        summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+
+
+def _lossless_turn(store: TranscriptStore, engine: LosslessEngine, sid: str, i: int, question: str) -> None:
+    """Turn ``t{i}`` (the question, a 20-word answer) admitted, committed to ``engine``, then compacted."""
+    admission = store.admit(A, sid, user(question), turn_id=f"t{i}")
+    last = store.append(A, sid, assistant(f"answer {i} " + "words " * 20))
+    terminal = store.anchor(A, sid, last.entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    store.write(lambda c: engine.commit_turn(tx=c, advancement_key=f"t{i}", admission=admission.anchor,
+                                             terminal=terminal, messages=closed.messages))
+    engine.compact(scope=A, session_id=sid, force=True)
+
+
 def test_what_an_earlier_release_kept_after_a_reset_is_forgotten(store_url: str) -> None:
     """0011: before 0bafff9 a reset emptied the context and kept every engine row, so the original of a
     redacted message (and the summaries made from it) stayed findable by the recall tools after the
@@ -307,21 +327,11 @@ def test_what_an_earlier_release_kept_after_a_reset_is_forgotten(store_url: str)
     context, and what it covers, stays as it was."""
     legacy_tables = (messages, summaries, summary_sources, summary_children)
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
-        engine = LosslessEngine(EngineContext(
-            store=store, config={"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4,
-                                 "condense_fanin": 2},
-            summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+        engine = _small_lossless(store)
         sid = store.create_session(A, session_id="s1").session_id
 
         def turn(i: int, question: str) -> None:
-            admission = store.admit(A, sid, user(question), turn_id=f"t{i}")
-            last = store.append(A, sid, assistant(f"answer {i} " + "words " * 20))
-            terminal = store.anchor(A, sid, last.entry_id)
-            closed = store.read_closed_range(admission, terminal)
-            assert isinstance(closed, ClosedRange)
-            store.write(lambda c: engine.commit_turn(tx=c, advancement_key=f"t{i}", admission=admission.anchor,
-                                                     terminal=terminal, messages=closed.messages))
-            engine.compact(scope=A, session_id=sid, force=True)
+            _lossless_turn(store, engine, sid, i, question)
 
         def found(pattern: str) -> int:
             out = json.loads(engine.handle_tool_call("lcm_grep", {"pattern": pattern}, scope=A, session_id=sid))
@@ -429,21 +439,11 @@ def _a_store_with_every_kind_of_row(store_url: str) -> tuple[Any, ...]:
 
     committed = _one_committed_turn(store_url)
     with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
-        engine = LosslessEngine(EngineContext(
-            store=store, config={"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4,
-                                 "condense_fanin": 2},
-            summarizer=ExtractiveSummarizer(), estimator=RoughEstimator()))
+        engine = _small_lossless(store)
         sid = store.create_session(A, session_id="s2").session_id
 
         def turn(i: int) -> None:
-            admission = store.admit(A, sid, user(f"question {i} " + "words " * 20), turn_id=f"t{i}")
-            last = store.append(A, sid, assistant(f"answer {i} " + "words " * 20))
-            terminal = store.anchor(A, sid, last.entry_id)
-            closed = store.read_closed_range(admission, terminal)
-            assert isinstance(closed, ClosedRange)
-            store.write(lambda c: engine.commit_turn(tx=c, advancement_key=f"t{i}", admission=admission.anchor,
-                                                     terminal=terminal, messages=closed.messages))
-            engine.compact(scope=A, session_id=sid, force=True)
+            _lossless_turn(store, engine, sid, i, f"question {i} " + "words " * 20)
 
         for i in range(6):
             turn(i)

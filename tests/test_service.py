@@ -370,16 +370,22 @@ def test_commit_turn_past_the_mirror_is_behind(server: ServiceProcess) -> None:
     assert status == 200 and data["status"] == "committed"
 
 
-def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServiceProcess) -> None:
-    # OpenClaw's own compaction (which the plugin delegates to for the legacy engine) moves no message: a
-    # marker in its transcript says where its summary stands. Without it the mirror assembled every
-    # message the host had compacted, and an overflow recovery's retry overflowed again.
+def three_legacy_turns(server: ServiceProcess) -> tuple[str, str]:
+    """A new session with three turns committed to the legacy engine (k0-k2: q0/a0 ... q2/a2); its id and
+    the legacy engine's path of it."""
     sid = new_id("s")
     open_session(server, session_id=sid)
     for k in range(3):
         status, data = commit(server, "legacy", sid, f"k{k}", 2 * k, [user(f"q{k}"), assistant(f"a{k}")])
         assert status == 200, data
-    path = f"/v1/engines/legacy/sessions/{sid}"
+    return sid, f"/v1/engines/legacy/sessions/{sid}"
+
+
+def test_a_host_compaction_is_what_the_legacy_engine_assembles(server: ServiceProcess) -> None:
+    # OpenClaw's own compaction (which the plugin delegates to for the legacy engine) moves no message: a
+    # marker in its transcript says where its summary stands. Without it the mirror assembled every
+    # message the host had compacted, and an overflow recovery's retry overflowed again.
+    sid, path = three_legacy_turns(server)
 
     def assemble() -> Any:
         status, data = server.call("POST", f"{path}/assemble", TOKEN_A, {"token_budget": 100000})
@@ -463,12 +469,7 @@ def test_a_host_compaction_naming_another_message_than_its_position_holds_is_ref
     # The host names the first message its compaction kept by entry id and position. The service took the
     # mirror's message at the position whatever id it had: a position the mirror holds another message at
     # (the host's transcript moved under it) put the summary in front of messages the host never kept.
-    sid = new_id("s")
-    open_session(server, session_id=sid)
-    for k in range(3):
-        status, data = commit(server, "legacy", sid, f"k{k}", 2 * k, [user(f"q{k}"), assistant(f"a{k}")])
-        assert status == 200, data
-    path = f"/v1/engines/legacy/sessions/{sid}"
+    sid, path = three_legacy_turns(server)
     for kept in ("k1-u", "elsewhere"):
         status, data = server.call("POST", f"{path}/host_compaction", TOKEN_A,
                                    {"summary": "s", "first_kept_position": 4, "first_kept_entry_id": kept})

@@ -662,15 +662,34 @@ def make_delegating_agent(server: FakeOpenAI) -> Any:
     )
 
 
+def run_interrupted(agent: Any, server: FakeOpenAI, text: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """``agent`` runs a turn asking ``text`` after ``history``, interrupted while the model is slow to
+    answer (before any reply); its ``run_conversation`` result."""
+    import threading
+
+    from fake_openai import Fault
+
+    server.queue(Fault(delay=8))
+    asked = len(server.chat_requests)
+    done: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: done.update(agent.run_conversation(text, conversation_history=history)))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while len(server.chat_requests) == asked and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent.interrupt("stop")
+    worker.join(30)
+    assert done.get("interrupted"), "the case did not arise: the turn was not interrupted"
+    return done
+
+
 def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path, server: FakeOpenAI) -> None:
     """A turn interrupted before any reply fires no ``post_llm_call`` (Hermes fires it for a turn with a
     reply only): its user message reached the store with the conversation's next turn, compaction or
     session end, and for a cron job or a subagent (closed, or interrupted with its parent) never. Hermes'
     ``on_session_end`` plugin hook ends every ``run_conversation``, the interrupted ones too, after
     Hermes saved the turn to its session database: the plugin stores what it saved from there."""
-    import threading
 
-    from fake_openai import Fault
     from hermes_state import SessionDB
     from run_agent import AIAgent
 
@@ -681,18 +700,7 @@ def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path,
         enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=db,
     )
     first = agent.run_conversation("sorrel-one: a first question")
-    server.queue(Fault(delay=8))  # the model is slow to answer the next one
-    asked = len(server.chat_requests)
-    done: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: done.update(agent.run_conversation(
-        "sorrel-two: the question interrupted before its reply", conversation_history=first["messages"])))
-    worker.start()
-    deadline = time.monotonic() + 20
-    while len(server.chat_requests) == asked and time.monotonic() < deadline:
-        time.sleep(0.05)
-    agent.interrupt("stop")
-    worker.join(30)
-    assert done.get("interrupted"), "the case did not arise: the turn was not interrupted"
+    done = run_interrupted(agent, server, "sorrel-two: the question interrupted before its reply", first["messages"])
     assert not [m for m in done["messages"] if m.get("role") == "assistant" and "sorrel-two" in str(m)]
     engine = agent.context_compressor
     stored = [key(m) for m in engine.stored_messages(agent.session_id)]
@@ -706,9 +714,7 @@ def test_an_interrupted_turn_after_a_merged_one_stores_nothing_twice(home: Path,
     in the live list (``repair_message_sequence``), which the turn hook stores, while its session
     database keeps the two rows. The next interrupted turn's ``on_session_end`` hook stored the rows as
     saved: the session branched at the merged message and the rest of the conversation went in again."""
-    import threading
 
-    from fake_openai import Fault
     from hermes_state import SessionDB
     from run_agent import AIAgent
 
@@ -718,27 +724,12 @@ def test_an_interrupted_turn_after_a_merged_one_stores_nothing_twice(home: Path,
         enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=SessionDB(),
     )
 
-    def interrupted(text: str, history: list[dict[str, Any]]) -> dict[str, Any]:
-        server.queue(Fault(delay=8))  # the model is slow to answer
-        asked = len(server.chat_requests)
-        done: dict[str, Any] = {}
-        worker = threading.Thread(
-            target=lambda: done.update(agent.run_conversation(text, conversation_history=history)))
-        worker.start()
-        deadline = time.monotonic() + 20
-        while len(server.chat_requests) == asked and time.monotonic() < deadline:
-            time.sleep(0.05)
-        agent.interrupt("stop")
-        worker.join(30)
-        assert done.get("interrupted"), "the case did not arise: the turn was not interrupted"
-        return done
-
     first = agent.run_conversation("tansy-one: a first question")
-    second = interrupted("tansy-two: interrupted", first["messages"])
+    second = run_interrupted(agent, server, "tansy-two: interrupted", first["messages"])
     third = agent.run_conversation("tansy-three: the next one", conversation_history=second["messages"])
     assert any("tansy-two" in str(m.get("content")) and "tansy-three" in str(m.get("content"))
                for m in third["messages"]), "the case did not arise: Hermes merged no user messages"
-    fourth = interrupted("tansy-four: interrupted again", third["messages"])
+    fourth = run_interrupted(agent, server, "tansy-four: interrupted again", third["messages"])
     stored = [key(m) for m in agent.context_compressor.stored_messages(agent.session_id)]
     lone = key({"role": "user", "content": "tansy-two: interrupted"})  # stored by the first interrupt, off-branch
     assert len(stored) == len(set(stored)), "a message stored twice"
