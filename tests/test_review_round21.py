@@ -188,7 +188,7 @@ def test_a_retry_failing_after_a_killed_one_hands_the_turn_back_to_the_first_att
     completion found nothing (``OutboxCollision``): lost. C hands it back to A now (A's is the lease B
     took), and A commits it, once."""
     host, _ = make_host(store)
-    model = _Gate(ConnectionError("the provider went away"))
+    model = _Gate(ConnectionError("the provider went away"), await_takeover=False)
     host.model = model
     results = _start_first(host, model, sid)
     try:
