@@ -8,6 +8,7 @@ before its fix (see the docstrings).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from conftest import commit_with, finished_turn, user
@@ -42,6 +43,21 @@ class Counting(ExtractiveSummarizer):
 
 def lossless(store: TranscriptStore, summarizer: Counting) -> LosslessEngine:
     return LosslessEngine(EngineContext(store=store, config=SMALL, summarizer=summarizer, estimator=RoughEstimator()))
+
+
+def delivered_or_replaced(other: TranscriptStore, sid: str, *, delivered: bool) -> Callable[[], None]:
+    """What another client does between a lost COMMIT and its retry: drain ``sid``'s turn to the engine
+    (one committed), or delete the session and make it again under its id."""
+
+    def drain() -> None:
+        report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id=sid)
+        assert report.committed == 1, report
+
+    def replace() -> None:
+        other.delete_session(S, sid)
+        other.create_session(S, session_id=sid)
+
+    return drain if delivered else replace
 
 
 def stale_then_accepted(store: TranscriptStore, turns: Turns, sid: str) -> None:
@@ -211,15 +227,7 @@ def test_an_acceptance_by_hand_retried_after_a_lost_commit_answers_its_own_accep
             reply = store.append(S, sid, {"role": "assistant", "content": "a"})
             terminal = store.anchor(S, sid, reply.entry_id)
 
-            def drain(sid: str = sid) -> None:
-                report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id=sid)
-                assert report.committed == 1, report
-
-            def replace(sid: str = sid) -> None:
-                other.delete_session(S, sid)
-                other.create_session(S, session_id=sid)
-
-            with commit_lost_then(store, drain if sid == "a1" else replace):
+            with commit_lost_then(store, delivered_or_replaced(other, sid, delivered=sid == "a1")):
                 intent = turns.accept(S, sid, "t1", terminal)
             assert intent.turn_id == "t1" and intent.state == "accepted", intent
 
@@ -528,15 +536,7 @@ def test_a_completion_queued_after_its_engine_failed_and_retried_answers_its_own
             store.create_session(S, session_id=sid)
             turns.admit(S, sid, user("q"), turn_id="t1", engine_id="e")
 
-            def drain(sid: str = sid) -> None:
-                report = Turns(other).drain(lambda _engine: counting_engine, scope=S, session_id=sid)
-                assert report.committed == 1, report
-
-            def replace(sid: str = sid) -> None:
-                other.delete_session(S, sid)
-                other.create_session(S, session_id=sid)
-
-            with commit_lost_then(store, drain if sid == "q1" else replace):
+            with commit_lost_then(store, delivered_or_replaced(other, sid, delivered=sid == "q1")):
                 done = turns.complete(S, sid, "t1", [{"message": {"role": "assistant", "content": "a"}}], failing)
             assert done.intent.state == "accepted" and done.commit is None, done
             assert done.fast_path_error is not None and "engine is down" in done.fast_path_error, done
