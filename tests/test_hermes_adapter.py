@@ -1544,3 +1544,35 @@ def test_the_session_end_hook_stores_what_hermes_saved_as_hermes_replays_it(stor
     # u2 stored alone by the first interrupted turn's hook stays, off the active branch
     assert engine.stored_messages("s1") == [u1, a1, u2, merged, a3, u4]
     engine.close()
+
+
+def test_an_interrupted_turn_of_an_agent_without_a_session_database_is_stored_at_its_end(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Without a session database ``end_turn`` had nothing to read: a turn interrupted before its reply
+    (no ``post_llm_call``) reached the store only with the agent's next turn, and with none never. The
+    live list the turn passed Hermes' ``pre_llm_call`` / ``pre_api_request`` hooks in its thread is
+    stored when ``on_session_end`` tells the turn ended unfinished; a finished turn's end, or another
+    agent's turn in the thread (Hermes' background review, under the parent's id), stores none of it."""
+    from transcript_store.hermes import end_turn, note_turn
+
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=None, session_id="s1")
+    convo = conversation("gamma", 2)
+    engine.on_turn_complete(convo, session_id="s1")
+    live = [*convo, user("gamma interrupted before its reply")]
+    note_turn(session_id="s1", conversation_history=list(live))
+    end_turn(session_id="s1", completed=False, interrupted=True)
+    assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in live]
+    # a finished turn: its end stores nothing of what it passed the hooks
+    note_turn(session_id="s1", conversation_history=[*live, user("gamma finished elsewhere")])
+    end_turn(session_id="s1", completed=True, interrupted=False)
+    # the background review: an agent of its own, its engine copy under its own id, Hermes' hooks under ours
+    review = copy.deepcopy(engine)
+    review.bind_session_state(session_db=None, session_id="review")
+    review.should_compress(0)  # its model calls mark this thread as its own
+    note_turn(session_id="s1", conversation_history=[*live, user("gamma review prompt")])
+    end_turn(session_id="s1", completed=False, interrupted=False)
+    assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in live]
+    review.close()
+    engine.close()

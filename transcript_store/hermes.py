@@ -84,6 +84,9 @@ _TURN = threading.local()
 #: Hermes session id -> the engine copy last bound to it with a session database (``bind_session_state``):
 #: the ``on_session_end`` plugin hook (``end_turn``) names the session only
 _BOUND: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+#: Hermes session id -> the engine copy last told it (``bind_session_state``, ``on_session_start``), with a
+#: session database or without: ``end_turn`` stores an unfinished turn of an agent without one through it
+_LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def jsonable(value: Any) -> Any:
@@ -1476,9 +1479,11 @@ class TranscriptStoreEngineMixin:
         moves to a new id (``boundary_reason="compression"``, ``old_session_id``) continues the old id's
         store session under the new one."""
         self.session_id = session_id
-        if self._bound_db() is not None and isinstance(session_id, str) and session_id:
+        if isinstance(session_id, str) and session_id:
             with _RUNTIME_LOCK:  # the new id's unfinished turns, too (``end_turn``)
-                _BOUND[session_id] = self
+                _LIVE[session_id] = self
+                if self._bound_db() is not None:
+                    _BOUND[session_id] = self
         old = kwargs.get("old_session_id")
         if kwargs.get("boundary_reason") != "compression" or not isinstance(old, str) or not old:
             return
@@ -1518,9 +1523,10 @@ class TranscriptStoreEngineMixin:
         # the old one's store session (branched onto its transcript) and the new id's stayed empty.
         if not isinstance(session_id, str) or not session_id:
             return
-        if session_db is not None:
-            self._session_db = session_db
-            with _RUNTIME_LOCK:
+        with _RUNTIME_LOCK:
+            _LIVE[session_id] = self
+            if session_db is not None:
+                self._session_db = session_db
                 _BOUND[session_id] = self
         previous = self.session_id
         if previous == session_id:
@@ -1740,6 +1746,7 @@ def observe_turn(**kwargs: Any) -> None:
     """
     ref = getattr(_TURN, "engine", None)
     _TURN.engine = None
+    _TURN.live = None  # the turn finished: ``end_turn`` has nothing of it to store
     engine = ref() if isinstance(ref, weakref.ref) else None
     session_id = kwargs.get("session_id")
     history = kwargs.get("conversation_history")
@@ -1747,6 +1754,22 @@ def observe_turn(**kwargs: Any) -> None:
         return
     if isinstance(history, list) and history:
         engine.on_turn_complete(history, session_id=session_id)
+
+
+def note_turn(**kwargs: Any) -> None:
+    """hermes-agent's ``pre_llm_call`` and ``pre_api_request`` plugin hooks: keep the live conversation of
+    the turn running on this thread (a reference to the list Hermes passes, the turn's user message in
+    it), for ``end_turn`` to store should the turn end unfinished; never raising into Hermes.
+
+    An agent without a session database (a cron job, a ``delegate_task`` subagent, a program embedding
+    ``AIAgent``) saves nothing ``end_turn`` could read, and Hermes' ``on_session_end`` hook passes no
+    messages: a turn interrupted before its reply reached the store only with the agent's next turn,
+    and with none (the agent closed after it) never. The last list of the turn is kept: the request
+    before an interruption holds every message the turn had then."""
+    session_id = kwargs.get("session_id")
+    history = kwargs.get("conversation_history")
+    if isinstance(session_id, str) and session_id and isinstance(history, list):
+        _TURN.live = (session_id, history)
 
 
 def end_turn(**kwargs: Any) -> None:
@@ -1759,9 +1782,15 @@ def end_turn(**kwargs: Any) -> None:
     after its one run, or interrupted with its parent) never. Hermes saves the turn (its user message at
     the turn's start, the rest at its end) before it fires the hook, in every agent that has a session
     database; the read is the saved conversation, so the hook of an agent that saves nothing (Hermes'
-    background review, which runs under its parent's id) stores nothing of its own. A finished turn
-    was stored by ``observe_turn`` and reads nothing here.
+    background review, which runs under its parent's id) stores nothing of its own. An agent without a
+    session database has the live list its turn passed ``note_turn`` in this thread stored instead,
+    through its engine copy (the one this thread's model calls marked, else the one following the id;
+    none when the thread's calls were another agent's). A finished turn was stored by ``observe_turn``
+    and reads nothing here.
     """
+    live = getattr(_TURN, "live", None)
+    ref = getattr(_TURN, "engine", None)
+    _TURN.live = _TURN.engine = None  # the turn ended: nothing of it is kept for a later one
     if not kwargs.get("interrupted") and kwargs.get("completed", True):
         return
     session_id = kwargs.get("session_id")
@@ -1770,9 +1799,20 @@ def end_turn(**kwargs: Any) -> None:
     with _RUNTIME_LOCK:
         engine = _BOUND.get(session_id)
     db = engine._bound_db() if engine is not None else None
-    if engine is None or db is None or engine.session_id != session_id:
+    if engine is not None and db is not None and engine.session_id == session_id:
+        engine._store_saved(db, session_id)
         return
-    engine._store_saved(db, session_id)
+    # No session database: the live conversation this thread's turn passed its hooks (``note_turn``).
+    if not isinstance(live, tuple) or live[0] != session_id:
+        return
+    marked = ref() if isinstance(ref, weakref.ref) else None
+    with _RUNTIME_LOCK:
+        engine = marked if marked is not None else _LIVE.get(session_id)
+    # A copy following another id made this thread's model calls: another agent's turn (Hermes'
+    # background review runs under its parent's id, its engine copy under an id of its own).
+    if engine is None or engine.session_id != session_id or engine._bound_db() is not None:
+        return
+    engine.on_turn_complete(live[1], session_id=session_id)
 
 
 class _StandInContextEngine:

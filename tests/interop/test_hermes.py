@@ -735,3 +735,24 @@ def test_an_interrupted_turn_after_a_merged_one_stores_nothing_twice(home: Path,
     assert len(stored) == len(set(stored)), "a message stored twice"
     assert [k for k in stored if k != lone] == [key(m) for m in fourth["messages"]]
     agent.close()
+
+
+def test_a_turn_interrupted_before_its_reply_without_a_session_database_is_stored(
+    home: Path, server: FakeOpenAI
+) -> None:
+    """An agent without a session database (a cron job, a subagent, an embedding program) saves nothing
+    ``end_turn`` could read: its interrupted turn reached the store only with the next turn, and with
+    none (the agent closed after it) never. Hermes' ``pre_llm_call`` / ``pre_api_request`` plugin hooks
+    pass the live conversation in the turn's thread before its model call: the plugin keeps it for the
+    turn and stores it when the ``on_session_end`` hook tells the turn ended unfinished."""
+    server.reset()
+    agent = make_agent(server)
+    assert getattr(agent, "_session_db", None) is None, "the case did not arise: the agent has a session database"
+    first = agent.run_conversation("yarrow-one: a first question")
+    done = run_interrupted(agent, server, "yarrow-two: the question interrupted before its reply", first["messages"])
+    assert not [m for m in done["messages"] if m.get("role") == "assistant" and "yarrow-two" in str(m)]
+    engine = agent.context_compressor
+    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert any("yarrow-two" in k for k in stored), "the interrupted turn's user message never reached the store"
+    assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
+    agent.close()

@@ -32,8 +32,11 @@ def register(ctx: Any) -> None:
     if callable(register_hook):
         # hermes-agent calls the engine with no conversation at the end of a turn, and cron jobs and
         # subagents never end their session: each finished turn is stored from this hook.
-        from transcript_store.hermes import end_turn, observe_turn
+        from transcript_store.hermes import end_turn, note_turn, observe_turn
 
         register_hook("post_llm_call", observe_turn)
-        # A turn interrupted before its reply fires no post_llm_call: stored from what Hermes saved of it.
+        # A turn interrupted before its reply fires no post_llm_call: stored from what Hermes saved of it,
+        # or, in an agent without a session database, from the live list its turn passed these hooks.
+        register_hook("pre_llm_call", note_turn)
+        register_hook("pre_api_request", note_turn)
         register_hook("on_session_end", end_turn)
