@@ -812,6 +812,59 @@ def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_ur
     restarted.close()
 
 
+def _refuse_candidates(engine: Any, refuse: bool) -> None:
+    """Make the store refuse (or accept again) every candidate record, by a trigger of its own database:
+    a write that fails part way, as a dropped connection or a full disk makes one."""
+    from sqlalchemy import text
+
+    db = engine.runtime().store.db
+    with db.engine.begin() as conn:
+        if db.dialect.is_sqlite:
+            conn.execute(text("DROP TRIGGER IF EXISTS ts_test_refuse"))
+            if refuse:
+                conn.execute(text(
+                    "CREATE TRIGGER ts_test_refuse BEFORE INSERT ON ts_entries"
+                    " WHEN NEW.payload LIKE '%hermes-candidate%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                ))
+            return
+        conn.execute(text("DROP TRIGGER IF EXISTS ts_test_refuse ON ts_entries"))
+        if refuse:
+            conn.execute(text(
+                "CREATE OR REPLACE FUNCTION ts_test_refuse() RETURNS trigger AS $$ BEGIN"
+                " IF NEW.payload LIKE '%hermes-candidate%' THEN RAISE EXCEPTION 'refused'; END IF;"
+                " RETURN NEW; END $$ LANGUAGE plpgsql"
+            ))
+            conn.execute(text(
+                "CREATE TRIGGER ts_test_refuse BEFORE INSERT ON ts_entries"
+                " FOR EACH ROW EXECUTE FUNCTION ts_test_refuse()"
+            ))
+
+
+def test_a_branch_fork_that_fails_part_way_leaves_no_half_branch(store_url: str, tmp_path: Path) -> None:
+    """A ``/branch`` fork was made in steps: the branch's store session, the copy of the parent's
+    transcript, then the answer's candidate. Failing after the first (here the candidate's record
+    refused), it left a session for the branch that the next call took for its lineage: it forked no
+    more, and the branch's turns went into the parent's store session, as before the fork existed."""
+    db = FakeSessionDB()
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=db, session_id="A")
+    answer = engine.compress(conversation("alpha", 12))
+    db.sessions["A"] = {"id": "A", "model_config": "{}", "end_reason": "branched"}
+    db.messages["A"] = _persisted(answer)
+    db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
+    engine.bind_session_state(session_db=db, session_id="B")
+    _refuse_candidates(engine, True)
+    try:
+        engine.on_session_end("B", _persisted(answer) + conversation("bravo", 2))  # the fork fails
+    finally:
+        _refuse_candidates(engine, False)
+    assert engine.runtime().store.find_session(engine.scope, "B") is None, "a half branch was left"
+    engine.on_session_end("B", _persisted(answer) + conversation("bravo", 2))  # Hermes' next call
+    assert _grep(engine, "B", "bravo question 0") >= 1 and _grep(engine, "A", "bravo question 0") == 0
+    assert _grep(engine, "B", "alpha question 0") >= 1  # the branch keeps the parent's history
+    engine.close()
+
+
 def test_a_gateway_branch_forks_too_and_stores_the_parent_it_left(store_url: str, tmp_path: Path) -> None:
     """The gateway's ``/branch`` (and ``hermes --resume <branch>``) builds a new agent: its
     ``bind_session_state`` names the branch with no previous id. Only a switch within one agent was

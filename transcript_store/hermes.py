@@ -49,9 +49,9 @@ from typing import Any
 
 from . import bundled, paths
 from .compaction import SUMMARY_HEAD
-from .core import Core, entry_from_row
+from .core import Core, entry_from_row, new_id
 from .engine import EngineContext
-from .errors import describe
+from .errors import SessionKeyConflict, describe
 from .registry import EngineRegistry
 from .settings import PLUGIN_DIRS_ENV
 from .store import AppendItem, TranscriptStore, replaced
@@ -1202,19 +1202,46 @@ class TranscriptStoreEngineMixin:
 
         The branch's list starts with the parent's compress answer; matched, it made the branch join the
         parent's store session: its turns went into the parent's, and each switch between the two
-        branched that session again (and the recall tools of one found the other's turns)."""
-        own = rt.store.open_session(self.scope, key).session_id
-        parent = rt.store.read_visible(self.scope, cand.store_session)[: cand.next_ordinal]
-        items = [
-            AppendItem(message=e.message, idempotency_key=message_key(own, k, e.message or {}))
-            for k, e in enumerate(parent)
-        ]
-        for at in range(0, len(items), 500):
-            rt.store.append_many(self.scope, own, items[at : at + 500])
-        forked = replace(cand, store_session=own)
-        self._record(rt, forked)
+        branched that session again (and the recall tools of one found the other's turns).
+
+        One transaction: the session, the copy and the candidate land together or not at all. Made in
+        steps, a fork failing after the session was made (the copy or the candidate's record refused)
+        left a session for ``key``; the next call took that for the branch's lineage, forked no more,
+        and the branch joined the parent's again. A retry (its COMMIT's answer lost, or a fork of the
+        same branch by another process) finds its own rows by their keys."""
+
+        def session_of(c: Core, session_key: str) -> str:
+            row = c.find_session_by_key(self.scope, session_key)
+            if row is None:
+                try:
+                    return c.create_session(self.scope, new_id(), session_key).session_id
+                except SessionKeyConflict:  # made by another writer after the lookup (PostgreSQL waited)
+                    row = c.find_session_by_key(self.scope, session_key)
+                    if row is None:
+                        raise
+            return str(row.session_id)
+
+        def run(c: Core) -> _Candidate:
+            own = session_of(c, key)
+            c.require_session(self.scope, cand.store_session)
+            parent = [
+                entry_from_row(r, True)
+                for r in c.visible_rows(self.scope, cand.store_session, -1, cand.next_ordinal, None)
+            ]
+            items = rt.store.prepare([
+                AppendItem(message=e.message, idempotency_key=message_key(own, k, e.message or {}))
+                for k, e in enumerate(parent)
+            ])
+            if items:
+                c.append(self.scope, own, items)
+            forked = replace(cand, store_session=own)
+            c.append(self.scope, session_of(c, INDEX_KEY), rt.store.prepare([self._candidate_item(forked)]))
+            return forked
+
+        forked = rt.store.write(run)
+        self._remember(rt, forked)
         with rt.lock:
-            rt.aliases[key] = own
+            rt.aliases[key] = forked.store_session
         return forked
 
     def _record_candidate(self, rt: _Runtime, body: list[dict[str, Any]], store_session: str, n: int) -> None:
@@ -1227,24 +1254,33 @@ class TranscriptStoreEngineMixin:
                            last_len=len(last["content"].strip()))
         self._record(rt, cand)
 
-    def _record(self, rt: _Runtime, cand: _Candidate) -> None:
-        """Write a candidate to the index (durable, idempotent) and remember it."""
-        store_session, n = cand.store_session, cand.next_ordinal
-        index = rt.store.open_session(self.scope, INDEX_KEY)
-        rt.store.append(
-            self.scope, index.session_id, kind="metadata",
+    @staticmethod
+    def _candidate_item(cand: _Candidate) -> AppendItem:
+        """The index entry recording a candidate (idempotent by its answer and lineage)."""
+        return AppendItem(
+            kind="metadata",
             payload={"type": CANDIDATE, "fp": cand.fp, "length": cand.length,
-                     "store_session": store_session, "next_ordinal": n,
+                     "store_session": cand.store_session, "next_ordinal": cand.next_ordinal,
                      **({"head": cand.head, "last": cand.last, "last_len": cand.last_len} if cand.head else {})},
             # Keyed by the lineage too: two conversations can get the same answer (a conversation run
             # again, a scripted one), and a key of the answer alone refused the second one's record
             # (IdempotencyConflict: its compress failed, three times, and left it uncompressed).
-            idempotency_key="cand-" + digest(cand.fp, store_session),
+            idempotency_key="cand-" + digest(cand.fp, cand.store_session),
         )
+
+    def _record(self, rt: _Runtime, cand: _Candidate) -> None:
+        """Write a candidate to the index (durable, idempotent) and remember it."""
+        index = rt.store.open_session(self.scope, INDEX_KEY)
+        rt.store.append_many(self.scope, index.session_id, [self._candidate_item(cand)])
+        self._remember(rt, cand)
+
+    @staticmethod
+    def _remember(rt: _Runtime, cand: _Candidate) -> None:
+        """Know a recorded candidate in this runtime (the newest unadopted one of its lineage)."""
         with rt.lock:
             _remember_candidate(rt, cand)
-            if rt.adopted.get(store_session) != cand.fp:
-                rt.pending[store_session] = cand.fp
+            if rt.adopted.get(cand.store_session) != cand.fp:
+                rt.pending[cand.store_session] = cand.fp
 
     # ------------------------------------------------------------------------------------ ContextEngine
 
