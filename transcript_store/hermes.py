@@ -1232,8 +1232,8 @@ class TranscriptStoreEngineMixin:
                 AppendItem(message=e.message, idempotency_key=message_key(own, k, e.message or {}))
                 for k, e in enumerate(parent)
             ])
-            if items:
-                c.append(self.scope, own, items)
+            for at in range(0, len(items), 500):  # a long transcript in statements of a bounded size
+                c.append(self.scope, own, items[at : at + 500])
             forked = replace(cand, store_session=own)
             c.append(self.scope, session_of(c, INDEX_KEY), rt.store.prepare([self._candidate_item(forked)]))
             return forked
