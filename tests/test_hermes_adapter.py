@@ -1629,3 +1629,38 @@ def test_an_interrupted_turn_of_an_agent_without_a_session_database_is_stored_at
     assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in live]
     review.close()
     engine.close()
+
+
+def test_the_selection_leaves_room_for_the_tool_schemas_hermes_sends(store_url: str, tmp_path: Path) -> None:
+    """Hermes passes ``select_context`` its model's whole window (``budget_tokens`` is the engine's
+    ``context_length``), and the request it sends carries the tool schemas beside the messages: no
+    message, they were counted nowhere. A request whose messages fit the window went out unchanged over
+    it by its schemas, and a selection filled the window less the system prompt only. Counted now:
+    Hermes' own count of what its request carries besides the messages (the ``current_tokens`` compress
+    gets: system prompt and tool schemas), and at least the engine's own recall tools, which every
+    request carries, when no such count is known (after a restart)."""
+    est = RoughEstimator()
+    engine = make(tmp_path, db_url=store_url, threshold_percent=20000)
+    engine.on_session_start("s1")
+    system = {"role": "system", "content": "You are a test agent. " + "rules " * 300}
+    convo = conversation("delta", 80)
+    tools = 4000  # Hermes' estimate of its tool schemas (its terminal, file, web tools and ours)
+    current = est.count_messages(convo) + est.count_messages([system]) + tools
+    out = engine.compress(copy.deepcopy(convo), current_tokens=current)  # 0.19.0 passes no system prompt
+    assert engine.compression_count == 1
+    taken = [system, *out, user("delta next " + "lorem " * 40)]
+    window = est.count_messages(taken) + tools - 200  # the messages fit; with the schemas, over by 200
+    selected = engine.select_context(copy.deepcopy(taken), budget_tokens=window)
+    sent = taken if selected is None else selected
+    assert is_valid_sequence(sent) and sent[0] == system and sent[-1] == taken[-1]
+    assert est.count_messages(sent) + tools <= window, "the request with its tool schemas is over the window"
+    engine.close()
+    restarted = make(tmp_path, db_url=store_url, threshold_percent=20000)  # no count of Hermes' requests yet
+    own = est.count_text(json.dumps([{"type": "function", "function": s} for s in restarted.get_tool_schemas()]))
+    assert own > 100
+    window = est.count_messages(taken) + own - 50
+    selected = restarted.select_context(copy.deepcopy(taken), budget_tokens=window, session_id="s1")
+    sent = taken if selected is None else selected
+    assert is_valid_sequence(sent) and sent[-1] == taken[-1]
+    assert est.count_messages(sent) + own <= window, "the request with the recall tools is over the window"
+    restarted.close()

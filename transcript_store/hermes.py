@@ -1711,26 +1711,32 @@ class TranscriptStoreEngineMixin:
             else:
                 source = request_messages  # the request holds the incoming message itself
             store_session, _n = self.ingest(copy.deepcopy(source), _kwargs.get("session_id"))
-            estimate = RoughEstimator().count_messages(request_messages)
-            if not budget_tokens or estimate <= budget_tokens:
+            if not budget_tokens:
+                return None
+            est = RoughEstimator()
+            system, rest = split_system(request_messages)
+            # Hermes' prefill messages stay where it put them, in every request it sends
+            k = prefill_count(request_messages, source) if isinstance(conversation_messages, list) else 0
+            head = [*system, *rest[:k]]
+            # The budget is the model's whole window (Hermes passes ``context_length``), and the request
+            # carries its tool schemas besides these messages: the head goes out with the engine's context,
+            # the schemas with both (``beside``). Left out, a request that fit by its messages went out
+            # over the window by the schemas, and a selection filled the window less the head only.
+            beside = self._beside_messages(est.count_messages(head))
+            estimate = est.count_messages(request_messages) - est.count_messages(head) + beside
+            if estimate <= budget_tokens:
                 return None
             with rt.lock:
                 pending = store_session in rt.pending
                 adopted = store_session in rt.adopted
             if pending or not adopted:
                 return None  # nothing compacted for this session that the host has taken
-            key = digest(canonical(request_messages), str(budget_tokens))
+            key = digest(canonical(request_messages), str(budget_tokens), str(beside))
             with rt.lock:
                 cached = rt.selections.get(store_session)
             if cached is not None and cached.key == key:
                 return cached.messages()  # the caller's own copy: it may change it as it likes
-            system, rest = split_system(request_messages)
-            # Hermes' prefill messages stay where it put them, in every request it sends
-            k = prefill_count(request_messages, source) if isinstance(conversation_messages, list) else 0
-            head = [*system, *rest[:k]]
-            # The head goes out with the engine's context: the whole budget for the context put the
-            # selection over the window by the system prompt.
-            room = max(MIN_CONTEXT, int(budget_tokens) - RoughEstimator().count_messages(head))
+            room = max(MIN_CONTEXT, int(budget_tokens) - beside)
             assembled = rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=room)
             selected = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
             body = as_sent(selected, [*system, *rest[k:]], source)
@@ -1741,6 +1747,26 @@ class TranscriptStoreEngineMixin:
         except Exception:
             log.exception("transcript-store select_context failed; request unchanged")
             return None
+
+    def _beside_messages(self, head: int) -> int:
+        """What a request carries besides its conversation, in tokens: its ``head`` (system prompt and
+        prefill messages, counted) and its tool schemas, which no message holds. Those are Hermes' own
+        count (``request_overhead``: what its count of a request exceeded the conversation by, its
+        system prompt included, which hermes-agent passes ``compress`` without), else at least the
+        engine's own recall tools, which every request carries (``own_tool_tokens``)."""
+        return max(head + self.own_tool_tokens(), as_int(getattr(self, "request_overhead", 0)))
+
+    def own_tool_tokens(self) -> int:
+        """The engine's recall tools as Hermes sends them with every request (OpenAI function schemas), in
+        tokens (counted once per copy)."""
+        known = getattr(self, "_own_tools", None)
+        if isinstance(known, int):
+            return known
+        schemas = self.get_tool_schemas()
+        tokens = RoughEstimator().count_text(canonical([{"type": "function", "function": s} for s in schemas]))
+        if schemas:  # none: the engine may not be open yet; counted again next time
+            self._own_tools = tokens
+        return tokens
 
     def on_turn_complete(self, messages: Any, usage: dict[str, Any] | None = None, **kwargs: Any) -> None:
         """Store the finished turn's messages once each (read-only on ``messages``)."""
