@@ -1604,7 +1604,7 @@ def test_an_interrupted_turn_of_an_agent_without_a_session_database_is_stored_at
 ) -> None:
     """Without a session database ``end_turn`` had nothing to read: a turn interrupted before its reply
     (no ``post_llm_call``) reached the store only with the agent's next turn, and with none never. The
-    live list the turn passed Hermes' ``pre_llm_call`` / ``pre_api_request`` hooks in its thread is
+    live list the turn passed Hermes' ``pre_llm_call`` hook in its thread is
     stored when ``on_session_end`` tells the turn ended unfinished; a finished turn's end, or another
     agent's turn in the thread (Hermes' background review, under the parent's id), stores none of it."""
     from transcript_store.hermes import end_turn, note_turn

@@ -1819,15 +1819,15 @@ def observe_turn(**kwargs: Any) -> None:
 
 
 def note_turn(**kwargs: Any) -> None:
-    """hermes-agent's ``pre_llm_call`` and ``pre_api_request`` plugin hooks: keep the live conversation of
-    the turn running on this thread (a reference to the list Hermes passes, the turn's user message in
-    it), for ``end_turn`` to store should the turn end unfinished; never raising into Hermes.
+    """hermes-agent's ``pre_llm_call`` plugin hook: keep the live conversation of the turn running on this
+    thread (a reference to the list Hermes passes at the turn's start, its user message in it), for
+    ``end_turn`` to store should the turn end unfinished; never raising into Hermes.
 
     An agent without a session database (a cron job, a ``delegate_task`` subagent, a program embedding
     ``AIAgent``) saves nothing ``end_turn`` could read, and Hermes' ``on_session_end`` hook passes no
     messages: a turn interrupted before its reply reached the store only with the agent's next turn,
-    and with none (the agent closed after it) never. The last list of the turn is kept: the request
-    before an interruption holds every message the turn had then."""
+    and with none (the agent closed after it) never. Not ``pre_api_request``, which would add the tool
+    rounds of an interrupted turn: registered, it makes Hermes serialize every request whole for it."""
     session_id = kwargs.get("session_id")
     history = kwargs.get("conversation_history")
     if isinstance(session_id, str) and session_id and isinstance(history, list):

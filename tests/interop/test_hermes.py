@@ -742,9 +742,9 @@ def test_a_turn_interrupted_before_its_reply_without_a_session_database_is_store
 ) -> None:
     """An agent without a session database (a cron job, a subagent, an embedding program) saves nothing
     ``end_turn`` could read: its interrupted turn reached the store only with the next turn, and with
-    none (the agent closed after it) never. Hermes' ``pre_llm_call`` / ``pre_api_request`` plugin hooks
-    pass the live conversation in the turn's thread before its model call: the plugin keeps it for the
-    turn and stores it when the ``on_session_end`` hook tells the turn ended unfinished."""
+    none (the agent closed after it) never. Hermes' ``pre_llm_call`` plugin hook passes the live
+    conversation in the turn's thread at its start: the plugin keeps it for the turn and stores it when
+    the ``on_session_end`` hook tells the turn ended unfinished."""
     server.reset()
     agent = make_agent(server)
     assert getattr(agent, "_session_db", None) is None, "the case did not arise: the agent has a session database"

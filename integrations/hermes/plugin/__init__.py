@@ -36,7 +36,6 @@ def register(ctx: Any) -> None:
 
         register_hook("post_llm_call", observe_turn)
         # A turn interrupted before its reply fires no post_llm_call: stored from what Hermes saved of it,
-        # or, in an agent without a session database, from the live list its turn passed these hooks.
+        # or, in an agent without a session database, from the live list its turn started with.
         register_hook("pre_llm_call", note_turn)
-        register_hook("pre_api_request", note_turn)
         register_hook("on_session_end", end_turn)
