@@ -19,7 +19,7 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Annotated, Any
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -320,18 +320,27 @@ class Authenticate:
         if token is not None and tokens.scope_for(token) is not None:
             await self.app(scope, receive, send)
             return
-        if _expects_continue(scope):
-            # Reading the body would tell the client to send it (100 Continue), for nothing: it is not read.
-            complete = False
-        else:
-            try:
-                complete = await _drain(receive, 1 << 62, self.timeout)  # bounded by BodyLimit around it (413)
-            except _TooLarge as e:  # BodyLimit dropped the excess (closing only for a body that stalled)
-                complete = not e.headers
         response = error_json(401, "unauthorized", "a valid bearer token is required")
-        if not complete:
-            response.headers.update(_CLOSE)
-        await response(scope, receive, send)
+        await _refuse_unread(response, scope, receive, send, self.timeout)
+
+
+async def _refuse_unread(
+    response: JSONResponse, scope: MutableMapping[str, Any], receive: Any, send: Any, timeout: float
+) -> None:
+    """Send ``response`` to a request refused before its body was read: the body dropped first (at most
+    what ``BodyLimit`` around lets through, ``timeout`` seconds in all) so that the client reads the
+    answer, and the connection closed when it could not all be read."""
+    if _expects_continue(scope):
+        # Reading the body would tell the client to send it (100 Continue), for nothing: it is not read.
+        complete = False
+    else:
+        try:
+            complete = await _drain(receive, 1 << 62, timeout)  # bounded by BodyLimit around it (413)
+        except _TooLarge as e:  # BodyLimit dropped the excess (closing only for a body that stalled)
+            complete = not e.headers
+    if not complete:
+        response.headers.update(_CLOSE)
+    await response(scope, receive, send)
 
 
 class CatchAll:
@@ -446,17 +455,56 @@ class PathSegments:
     path, each segment decoded and only its ``%`` and ``/`` escaped again; every id parameter is a
     ``segment``, which decodes those two. A path that is not raw ASCII, or whose raw form does not decode
     to the server's path (a proxy rewrote one of them), is taken as the server decoded it: its segments
-    as they are, ``%`` escaped."""
+    as they are, ``%`` escaped.
 
-    def __init__(self, app: Any) -> None:
-        """Wrap an ASGI app."""
+    A path or query string whose percent-escapes decode to bytes that are not UTF-8 (``%FF``, an overlong
+    form, a surrogate) is refused here, 400 ``invalid_input``, before any route: decoded, each bad byte
+    was U+FFFD, and the request reached (and wrote to) the session whose id holds that character."""
+
+    def __init__(self, app: Any, timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+        """Wrap an ASGI app (``timeout``: how long a refused request's body is dropped, as ``Authenticate``)."""
         self.app = app
+        self.timeout = timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        """Pass the request on with its path rebuilt (HTTP only)."""
+        """Pass the request on with its path rebuilt (HTTP only); 400 for a path or query not UTF-8."""
         if scope["type"] == "http":
+            problem = _not_utf8(scope)
+            if problem is not None:
+                response = error_json(400, "invalid_input", problem)
+                await _refuse_unread(response, scope, receive, send, self.timeout)
+                return
             scope = {**scope, "path": _route_path(scope)}
         await self.app(scope, receive, send)
+
+
+def _not_utf8(scope: MutableMapping[str, Any]) -> str | None:
+    """What in the request's raw path or query string percent-decodes to bytes that are not UTF-8, or None."""
+    raw = scope.get("raw_path")
+    if isinstance(raw, bytes):
+        for segment in raw.split(b"?", 1)[0].split(b"/"):
+            if not _utf8(unquote_to_bytes(segment)):
+                shown = segment.decode("ascii", "backslashreplace")[:64]
+                return f"the path segment {shown!r} is not UTF-8 once percent-decoded"
+    query = scope.get("query_string") or b""
+    if not query.isascii():  # read as Latin-1 by the framework: UTF-8 sent as is would become other characters
+        return "the query string holds bytes that are not percent-encoded"
+    for part in query.split(b"&"):  # as the framework splits it (parse_qsl)
+        name, _, value = part.partition(b"=")
+        for what, text in (("name", name), ("value", value)):
+            if not _utf8(unquote_to_bytes(text.replace(b"+", b" "))):
+                label = name.decode("ascii", "backslashreplace")[:64]
+                return f"query parameter {what} of {label!r} is not UTF-8 once percent-decoded"
+    return None
+
+
+def _utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8 (strict: no surrogates, no overlong forms)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _route_path(scope: MutableMapping[str, Any]) -> str:
@@ -504,7 +552,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     app.router.route_class = _counted_route(service.inflight)
     _errors(app)
     _routes(app, service)
-    app.add_middleware(PathSegments)
+    app.add_middleware(PathSegments, timeout=body_timeout_seconds)
     app.add_middleware(Authenticate, timeout=body_timeout_seconds)  # inside BodyLimit: the body it drops is bounded
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
     app.add_middleware(CatchAll)  # outermost (added last): it answers whatever layer a request was in
