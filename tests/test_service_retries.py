@@ -1,4 +1,9 @@
-"""Paths and queries that are not UTF-8, on a real server process.
+"""Retrying `POST /v1/sessions` safely, and paths and queries that are not UTF-8, on a real server process.
+
+A client whose answer to ``POST /v1/sessions {}`` was lost cannot tell whether a session was made; its
+retry made a second one, the id being drawn per request. An ``Idempotency-Key`` header names the
+request instead: the session's id is derived from it, so a retry finds the session its first attempt
+made (and one reusing the key for another request is 409 ``idempotency_conflict``).
 
 A path or query that percent-decodes to bytes that are not UTF-8 (``/v1/sessions/%FF``) was read with
 each bad byte as U+FFFD and used: it reached, and wrote to, the session whose id holds that character.
@@ -7,14 +12,16 @@ It is 400 ``invalid_input`` now, on every route, before anything is read or writ
 
 from __future__ import annotations
 
+import http.client
+import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import pytest
 from conftest import assistant, user
 from service_process import ServiceProcess
-from test_service import TOKEN_A, TOKENS
+from test_service import TOKEN_A, TOKEN_B, TOKENS
 from workers.fault_worker import table_rows
 
 from transcript_store import TranscriptStore
@@ -35,6 +42,101 @@ def create(server: ServiceProcess, body: dict[str, Any], key: str | None, token:
 
 def ids(store: TranscriptStore, scope: str = SCOPE) -> list[str]:
     return [s.session_id for s in store.list_sessions(scope)]
+
+
+# ---------------------------------------------------------------------------------------------- Idempotency-Key
+
+
+def test_a_retried_create_under_an_idempotency_key_makes_one_session(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    status, first = create(server, {}, "create-1")
+    assert status == 200, first
+    for _ in range(2):  # the retries of a client whose answer was lost
+        status, again = create(server, {}, "create-1")
+        assert (status, again) == (200, first)
+    assert ids(store) == [first["session_id"]]
+    # Another key is another session; so is every request without one (a fresh id each).
+    status, other = create(server, {}, "create-2")
+    assert status == 200 and other["session_id"] != first["session_id"]
+    for _ in range(2):
+        status, _fresh = create(server, {}, None)
+        assert status == 200
+    assert len(ids(store)) == 4
+    # The key is the caller's within its scope: another token's same key makes that scope's own session.
+    status, theirs = create(server, {}, "create-1", token=TOKEN_B)
+    assert status == 200 and theirs["scope"] == TOKENS[TOKEN_B]
+    assert ids(store, TOKENS[TOKEN_B]) == [theirs["session_id"]]
+    # An entry appended to the session, then the retry: the session as it is, nothing made anew.
+    status, _ = server.call("POST", f"/v1/sessions/{first['session_id']}/entries", TOKEN_A,
+                            {"items": [{"message": user("hi"), "entry_id": "e1"}]})
+    assert status == 200
+    status, late = create(server, {}, "create-1")
+    assert status == 200 and late["session_id"] == first["session_id"] and late["visible_count"] == 1
+    assert len(ids(store)) == 4
+
+
+def test_a_keyed_open_under_an_idempotency_key_answers_its_session_after_a_rebind(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    status, first = create(server, {"session_key": "agent:1"}, "open-1")
+    assert status == 200 and first["session_key"] == "agent:1" and first["active"], first
+    status, again = create(server, {"session_key": "agent:1"}, "open-1")
+    assert (status, again) == (200, first)
+    # Another caller moves the key to a session of its own meanwhile: the retry is still answered with
+    # the session the first attempt made (ended now), not by a new one.
+    status, _ = create(server, {"session_id": "newer", "session_key": "agent:1", "rebind_key": True}, None)
+    assert status == 200
+    status, late = create(server, {"session_key": "agent:1"}, "open-1")
+    assert status == 200 and late["session_id"] == first["session_id"] and late["active"] is False, late
+    assert sorted(ids(store)) == sorted([first["session_id"], "newer"])
+    # A first request under a key that found the key's holder made nothing: it answers the holder.
+    status, holder = create(server, {"session_key": "agent:1"}, "open-2")
+    assert status == 200 and holder["session_id"] == "newer"
+    assert len(ids(store)) == 2
+
+
+def test_an_idempotency_key_reused_for_another_request_is_a_409_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    status, made = create(server, {}, "reused")
+    assert status == 200
+    before = table_rows(store)
+    for body in ({"session_key": "k-other"}, {"session_key": "k-other", "rebind_key": True}):
+        status, data = create(server, body, "reused")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (body, data)
+        assert "Idempotency-Key" in data["error"]["message"]
+    assert table_rows(store) == before
+    # A request naming its own session id is idempotent by it: the header changes nothing there.
+    status, named = create(server, {"session_id": "named"}, "reused")
+    assert status == 200 and named["session_id"] == "named"
+    status, named_again = create(server, {"session_id": "named"}, "another")
+    assert (status, named_again) == (200, named)
+    assert sorted(ids(store)) == sorted([made["session_id"], "named"])
+
+
+def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProcess, store: TranscriptStore) -> None:
+    for key in ("x" * 256, "tab\there", "caf\u00e9"):
+        status, data = create(server, {}, key)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
+        assert "Idempotency-Key" in data["error"]["message"]
+    # Sent twice, with two values: which one the request is would be a guess.
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/sessions")
+        for name, value in (("Authorization", f"Bearer {TOKEN_A}"), ("Content-Type", "application/json"),
+                            ("Content-Length", "2"), ("Idempotency-Key", "one"), ("Idempotency-Key", "two")):
+            conn.putheader(name, value)
+        conn.endheaders(b"{}")
+        response = conn.getresponse()
+        status, data = response.status, json.loads(response.read())
+    finally:
+        conn.close()
+    assert status == 400 and data["error"]["code"] == "invalid_input", data
+    assert ids(store) == []
+    status, made = create(server, {}, "x" * 255)  # the longest key
+    assert status == 200 and ids(store) == [made["session_id"]]
 
 
 # ---------------------------------------------------------------------------------------------- not UTF-8

@@ -8,6 +8,7 @@ turn). Nothing here knows which backend it runs on, except through ``Dialect``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -106,7 +107,18 @@ def new_id() -> str:
     # An id is stored in its row, its parent's pointer, its unique index and a receipt's references:
     # 22 characters instead of a UUID's 32 hex ones is 10 bytes off each of those (bench/README.md,
     # Profiling 37), with at least a random UUID's randomness.
-    n = int.from_bytes(secrets.token_bytes(16), "big")
+    return _id_of(secrets.token_bytes(16))
+
+
+def derived_id(name: str) -> str:
+    """The id ``name`` always gives (an id of ``new_id``'s shape, from 128 bits of its SHA-256): a retry
+    naming the same request finds what the first attempt made."""
+    return _id_of(hashlib.sha256(name.encode("utf-8", "surrogatepass")).digest()[:16])
+
+
+def _id_of(bits: bytes) -> str:
+    """128 bits as an id: 22 letters and digits."""
+    n = int.from_bytes(bits, "big")
     out = []
     for _ in range(_ID_CHARS):
         n, digit = divmod(n, 62)

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from . import compaction, mirror
-from .core import Core, check_anchor, check_id, session_info
+from .core import Core, check_anchor, check_id, derived_id, session_info
 from .engine import (
     AssembleResult,
     BootstrapResult,
@@ -42,10 +42,13 @@ from .engine import (
 from .errors import (
     AdvancementKeyCollision,
     EngineContractError,
+    IdempotencyConflict,
     InvalidInput,
     MirrorConflict,
     ReadFenceError,
+    SessionKeyConflict,
     TranscriptStoreError,
+    TransientStoreError,
     UnknownEngine,
     UnknownSession,
 )
@@ -286,10 +289,16 @@ class Service:
 
     # ------------------------------------------------------------------------------------ sessions
 
-    def open_session(self, scope: str, req: OpenSession) -> SessionInfo:
-        """Create by id (idempotent), or open by key; ``rebind_key`` ends the key's other holder first."""
+    def open_session(self, scope: str, req: OpenSession, idempotency_key: str | None = None) -> SessionInfo:
+        """Create by id (idempotent), or open by key; ``rebind_key`` ends the key's other holder first.
+        ``idempotency_key`` (the request's ``Idempotency-Key``) names a request without an id: its retry
+        finds the session the first attempt made (``_open_once``)."""
         _check_request(req, OpenSession)
+        if idempotency_key is not None:
+            _check_idempotency_key(idempotency_key)
         if req.session_id is None:
+            if idempotency_key is not None:
+                return self._open_once(scope, idempotency_key, req.session_key)
             if req.session_key is None:
                 return self.store.create_session(scope)
             return self.store.open_session(scope, req.session_key)
@@ -310,6 +319,45 @@ class Service:
                     return landed[0]
             landed[:] = [self._open_by_id(c, scope, sid, key, req.rebind_key)]
             return landed[0]
+
+        return self.store.write(run)
+
+    def _open_once(self, scope: str, idempotency_key: str, key: str | None) -> SessionInfo:
+        """A request without an id, under an Idempotency-Key: the session it creates takes the id the key
+        derives (``derived_id``), so the row itself records the request and a retry finds it there (no
+        table of keys: a session creation is no hot path, and this is one lookup more). Otherwise as
+        without the key: a new session, or (``key``) the active session holding it, created when none does.
+
+        The derived session is the answer once it exists, ended since or not (a retry is answered as the
+        first attempt was); one made with another session key is another request's: IdempotencyConflict."""
+        check_id("scope", scope, new=True)
+        check_id("session_key", key, optional=True, new=True)
+        sid = derived_id("Idempotency-Key\x00" + idempotency_key)
+        reused = IdempotencyConflict(
+            f"Idempotency-Key {idempotency_key!r} was used for another request (a session with another session_key)"
+        )
+
+        def run(c: Core) -> SessionInfo:
+            row = c.session_row(scope, sid)
+            if row is not None:
+                if row.session_key != key:
+                    raise reused
+                return session_info(row)
+            if key is not None:
+                holder = c.find_session_by_key(scope, key)
+                if holder is not None:  # nothing to create: the key's holder, as without the header
+                    return session_info(holder)
+            try:
+                return c.create_session(scope, sid, key)
+            except IdempotencyConflict:  # the same key's other request made the session after the lookup
+                raise reused from None
+            except SessionKeyConflict:
+                # Another open of ``key`` created its holder after the lookup: that session is the answer
+                # (``TranscriptStore.open_session``); ended since, the whole transaction runs again.
+                holder = c.find_session_by_key(scope, key) if key is not None else None
+                if holder is None:
+                    raise TransientStoreError(f"the holder of key {key!r} ended while it was opened") from None
+                return session_info(holder)
 
         return self.store.write(run)
 
@@ -688,6 +736,21 @@ class Service:
                 log.warning("closing the store with %d request(s) still running after %g s", left, wait_seconds)
         self.runtime.dispose()
         self.store.close()
+
+
+#: the longest ``Idempotency-Key`` taken, in characters (printable ASCII: one byte each)
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+def _check_idempotency_key(value: object) -> None:
+    """InvalidInput unless ``value`` is an Idempotency-Key: 1 to 255 characters of printable ASCII (what an
+    HTTP header carries as it was sent; the service reads headers as Latin-1)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_IDEMPOTENCY_KEY_CHARS or not (
+        value.isascii() and value.isprintable()
+    ):
+        raise InvalidInput(
+            f"an Idempotency-Key is 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters of printable ASCII"
+        )
 
 
 def _check_request(req: object, model: type[BaseModel]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Annotated, Any
 from urllib.parse import unquote, unquote_to_bytes
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -649,6 +649,13 @@ def _protect_openapi(app: FastAPI) -> None:
         return document
 
 
+IDEMPOTENCY_KEY_DOC = (
+    "1 to 255 printable ASCII characters naming a request without a session_id: the same key again (a retry "
+    "after a lost answer) answers the session the first request made instead of creating another; reused with "
+    "another session_key it is 409 idempotency_conflict. Not used when the body names its session_id."
+)
+
+
 def _routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/whoami", response_model=WhoAmI, tags=["service"])
     def whoami(scope: Scope) -> WhoAmI:
@@ -656,9 +663,17 @@ def _routes(app: FastAPI, service: Service) -> None:
         return WhoAmI(scope=scope)
 
     @app.post("/v1/sessions", response_model=SessionInfo, tags=["sessions"])
-    def open_session(scope: Scope, body: OpenSession) -> SessionInfo:
-        """Create a session by id (idempotent) or open the active session holding a key."""
-        return service.open_session(scope, body)
+    def open_session(
+        scope: Scope,
+        body: OpenSession,
+        request: Request,
+        idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", description=IDEMPOTENCY_KEY_DOC)] = None,
+    ) -> SessionInfo:
+        """Create a session by id (idempotent) or open the active session holding a key; a request without an
+        id retries safely under an ``Idempotency-Key``."""
+        if len(request.headers.getlist("idempotency-key")) > 1:
+            raise InvalidInput("one Idempotency-Key per request: this one has several")
+        return service.open_session(scope, body, idempotency_key)
 
     @app.get("/v1/sessions", response_model=SessionList, tags=["sessions"])
     def list_sessions(
