@@ -859,6 +859,24 @@ def test_an_engines_value_error_is_the_servers_fault_not_the_requests(db_url: st
     assert "secret internals of a bug" in server.log()
 
 
+WRONG_RESULT = broken_engine("wrong-result", "return {}", 'return {"status": "committed"}')
+
+
+def test_a_commit_turn_result_breaking_the_contract_is_refused_and_writes_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    """An engine's commit_turn returning something other than a CommitResult was found out after the
+    transaction committed: the answer was a 500, and the turn stood mirrored all the same. It is refused
+    inside the transaction now (409 ``engine_contract``) and the mirror holds nothing of it."""
+    env = plugin_env(tmp_path, "wrong-result", WRONG_RESULT)
+    with ServiceProcess(db_url, TOKENS, tmp_path / "serve.log", env=env) as server:
+        sid = open_session(server)["session_id"]
+        status, data = commit(server, "wrong-result", sid, "k", 0, [user("q"), assistant("a")])
+        assert status == 409 and data["error"]["code"] == "engine_contract", data
+        status, page = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
+        assert status == 200 and page["entries"] == [], page
+
+
 # ---------------------------------------------------------------------------------------------- fleets
 
 

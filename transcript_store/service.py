@@ -673,8 +673,12 @@ class Service:
                 tx=c, advancement_key=req.advancement_key, admission=first, terminal=last, messages=messages,
                 is_heartbeat=req.is_heartbeat,
             )
-            if not isinstance(result, CommitResult):  # an engine breaking the contract: checked below
-                return result, first, last
+            if not isinstance(result, CommitResult) or result.status not in ("committed", "duplicate"):
+                # An engine breaking the contract: refused here, inside the transaction, so that the turn it
+                # was given is not left mirrored (it was refused after the COMMIT, a 500 that had written).
+                got = result.status if isinstance(result, CommitResult) else type(result).__name__
+                raise EngineContractError(f"context engine {engine_id!r} returned {got!r} from commit_turn, "
+                                          "not a committed or duplicate CommitResult")
             if result.status == "committed":
                 mine.append(result.receipt)
             elif result.status == "duplicate" and any(r.model_dump() == result.receipt.model_dump() for r in mine):
@@ -698,8 +702,6 @@ class Service:
                 except TranscriptStoreError as failed:  # the answer stays ``behind``; the next refusal tries again
                     log.warning("commit_turn behind: the import's resume point was not reset: %s", failed)
             raise
-        if result.status not in ("committed", "duplicate"):  # pragma: no cover - an engine breaking the contract
-            raise EngineContractError(f"context engine {engine_id!r} returned status {result.status!r}")
         log.info("commit_turn engine=%s scope=%s session=%s key=%s status=%s messages=%d", engine_id, scope,
                  session_id, req.advancement_key, result.status, len(req.messages))
         return CommitTurnResponse(status=result.status, receipt=result.receipt, admission=first, terminal=last)
