@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -93,6 +94,27 @@ def test_a_keyed_open_under_an_idempotency_key_answers_its_session_after_a_rebin
     # A first request under a key that found the key's holder made nothing: it answers the holder.
     status, holder = create(server, {"session_key": "agent:1"}, "open-2")
     assert status == 200 and holder["session_id"] == "newer"
+    assert len(ids(store)) == 2
+
+
+def test_retries_racing_under_one_idempotency_key_make_one_session(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """A client that gave up waiting and retried while its first attempt still ran: both are answered with
+    the one session (on PostgreSQL the later insert waits for the earlier and finds its row)."""
+    for body in ({}, {"session_key": "raced"}):
+        results: list[tuple[int, Any]] = []
+
+        def attempt(body: dict[str, Any] = body, results: list[tuple[int, Any]] = results) -> None:
+            results.append(create(server, body, f"race-{len(body)}"))
+
+        threads = [threading.Thread(target=attempt) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [status for status, _ in results] == [200] * 8, results
+        assert len({data["session_id"] for _, data in results}) == 1, results
     assert len(ids(store)) == 2
 
 
