@@ -143,7 +143,10 @@ if kw["session_id"] == "s-a":
             lambda c: receipts_for_key(c, scope, "s-a", "s-a:turn-0")
         ):
             time.sleep(0.02)
-        time.sleep(0.5)  # its answer sent, it waits for a job: s-a has none left, s-b's is running
+        # Its answer sent, it waits for a job (s-a has none left, s-b's is running): its main thread is in
+        # the worker's conn.recv(). A fixed 0.5 s was too short on a loaded machine: it died mid-answer.
+        while time.monotonic() < deadline and not waiting_for_a_job():
+            time.sleep(0.02)
         mark("a-dead")
         os._exit(0)
 
@@ -151,7 +154,33 @@ if kw["session_id"] == "s-a":
 elif not os.path.exists(os.path.join(MARKS, "b0-started")):
     mark("b0-started")
     wait_for("a-dead")
-    time.sleep(0.3)
+    # A's process is gone before this turn answers: still alive, it would be sent s-b's next turn.
+    a_pid = int(open(os.path.join(MARKS, "a-dead")).read())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not gone(a_pid):
+        time.sleep(0.02)
+"""
+
+IDLE_HELPERS = """
+import sys
+
+
+def waiting_for_a_job():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_back is not None and frame.f_back.f_code.co_name != "_worker_main":
+        frame = frame.f_back
+    return frame is not None and frame.f_back is not None and frame.f_code.co_name == "recv"
+
+
+def gone(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: a moment for its exit
+        time.sleep(0.3)
+        return True
+    return state in ("Z", "X")
 """
 
 
@@ -159,6 +188,8 @@ def test_a_worker_that_dies_between_two_turns_is_replaced(store_url: str, tmp_pa
     """A worker that died while idle (an engine's thread, the OOM killer, an operator's kill) was given
     the next job anyway: BrokenPipeError out of the dispatcher, and the run ended with a traceback."""
     config = _plugin(tmp_path, "idle", IDLE_DEATH)
+    init = tmp_path / "plugins" / "idle" / "__init__.py"
+    init.write_text(init.read_text() + IDLE_HELPERS)
     options = _options(store_url, config, "idle", workers=2, sessions=2, turns=2)
     plan = {
         "s-a": [Job("s-a", "s-a:turn-0", "hello from a")],
