@@ -683,14 +683,23 @@ def test_a_hash_written_as_text_by_a_process_from_before_0006_reads_as_any(
     assert again.status == "duplicate" and again.receipt == first.receipt
 
 
-def _commit_in_process(url: str, key: str, turn: tuple[Any, Any, Any], hold: float, out: Any) -> None:
-    """commit_turn in a process of its own, holding its transaction ``hold`` seconds in ``apply``."""
+def _commit_in_process(
+    url: str, key: str, turn: tuple[Any, Any, Any], hold: float, out: Any, inside: Any, second: Any
+) -> None:
+    """commit_turn in a process of its own. The first (``hold`` > 0) says when it is inside ``apply`` (its
+    transaction holds the session's lock), waits there for the second to be at its own commit_turn, then
+    holds ``hold`` seconds more."""
     import time
 
     def slow(_core: Core, _turn: TurnPayload) -> None:
-        time.sleep(hold)
+        inside.set()
+        if hold:
+            second.wait(60)
+            time.sleep(hold)
 
     with TranscriptStore(url) as store:
+        if not hold:
+            second.set()
         try:
             out.put((key, Turns(store).commit_turn(E, key, *turn, apply=slow).status))
         except Exception as e:  # the test reads the error's type
@@ -702,20 +711,22 @@ def test_two_processes_binding_one_appended_message_to_two_keys_commit_one(store
     was before the first bound it (READ COMMITTED re-checks only the locked session row), bound nothing
     and committed too: one turn under two keys. Its bind finding the entry taken refuses it."""
     import multiprocessing
-    import time
 
     first = store.append(A, sid, user("appended"))
     last = store.append(A, sid, assistant("reply"))
     turn = (store.anchor(A, sid, first.entry_id), store.anchor(A, sid, last.entry_id),
             [user("appended"), assistant("reply")])
-    out: Any = multiprocessing.get_context("spawn").Queue()
+    ctx = multiprocessing.get_context("spawn")
+    out: Any = ctx.Queue()
+    inside, second = ctx.Event(), ctx.Event()
     procs = []
-    for key, hold in (("k1", 3.0), ("k2", 0.0)):
-        proc = multiprocessing.get_context("spawn").Process(
-            target=_commit_in_process, args=(store.config.url, key, turn, hold, out))
+    # k1 holds the session's lock in its commit when k2 starts, until k2 is at its own commit and a second
+    # more: a fixed 1.5 s head start was no bound on a loaded machine, where a spawn alone can take longer.
+    for key, hold in (("k1", 1.0), ("k2", 0.0)):
+        proc = ctx.Process(target=_commit_in_process, args=(store.config.url, key, turn, hold, out, inside, second))
         proc.start()
         procs.append(proc)
-        time.sleep(1.5)  # k1 holds the session's lock in its commit when k2 starts
+        assert inside.wait(60), "k1 never reached its commit's apply"
     for proc in procs:
         proc.join(60)
     assert dict(out.get(timeout=5) for _ in procs) == {"k1": "committed", "k2": "TurnKeyConflict"}
