@@ -418,27 +418,45 @@ def test_a_turn_blocked_by_hand_while_an_overdue_delivery_runs_is_never_committe
 
     turns = Turns(store, OutboxConfig(delivery_lease_seconds=3.0))
     accepted(turns, sid, "t1")
+    # Events, not sleeps: on a loaded machine the drain had not reached the engine 0.3 s after it started,
+    # or the engine's 1.2 s ran out before the operator's block (PostgreSQL).
+    in_engine, blocked = threading.Event(), threading.Event()
 
     def slow(c: Core, turn: TurnPayload) -> CommitResult:
-        time.sleep(1.2)
+        in_engine.set()
+        if store.db.dialect.is_sqlite:
+            time.sleep(0.5)  # the block waits for this delivery's write lock, whatever it takes
+        else:
+            assert blocked.wait(30), "the operator's block never came"
         return counting_engine(c, turn)
 
     reports: list[Any] = []
     drain = threading.Thread(target=lambda: reports.append(turns.drain(engines(slow))))
     drain.start()
-    time.sleep(0.3)  # the delivery is in the engine; its claim is renewed a second after it was set
-    if store.db.dialect.is_sqlite:
-        with pytest.raises(UnknownTurn):
+    try:
+        assert in_engine.wait(30)  # the delivery is in the engine; its claim is renewed every second
+        if store.db.dialect.is_sqlite:
+            with pytest.raises(UnknownTurn):
+                turns.block(A, sid, "t1", "taking it out")
+            drain.join()
+            assert reports[0].committed == 1 and engine_view(store, sid)[0] == ["t1"]
+            return
+        with pytest.raises(InvalidInput, match="being delivered now"):
             turns.block(A, sid, "t1", "taking it out")
-        drain.join()
-        assert reports[0].committed == 1 and engine_view(store, sid)[0] == ["t1"]
-        return
-    with pytest.raises(InvalidInput, match="being delivered now"):
-        turns.block(A, sid, "t1", "taking it out")
-    # The claim's lease runs out (the stalled renewals), and the operator blocks the row at once.
-    store.write(lambda c: c.conn.execute(update(outbox_table).values(lease_expires_us=0)))
-    assert turns.block(A, sid, "t1", "taking it out").state == "blocked"
-    drain.join()
+        # The claim's lease runs out (the stalled renewals), and the operator blocks the row at once. A
+        # renewal (every second) landing between the two took the claim back: its lease runs out again.
+        for _ in range(10):
+            store.write(lambda c: c.conn.execute(update(outbox_table).values(lease_expires_us=0)))
+            try:
+                assert turns.block(A, sid, "t1", "taking it out").state == "blocked"
+                break
+            except InvalidInput as e:
+                assert "being delivered now" in str(e)
+        else:
+            pytest.fail("the operator's block was refused ten times")
+    finally:
+        blocked.set()
+        drain.join(60)
     assert (reports[0].committed, reports[0].failed) == (0, [])
     assert engine_view(store, sid) == ([], 0, None) and turns.receipts(A, sid, E) == []
     assert row_of(turns, sid, "t1").state == "blocked"
