@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import wait_until
 from service_process import ServiceProcess, request
 
 from transcript_store.service_app import _drain, _patient
@@ -167,6 +168,18 @@ def _hold_the_sessions_table(store_url: str, held: threading.Event, release: thr
         conn.rollback()
 
 
+def _wait_for_a_lock(store_url: str) -> None:
+    """Until a request waits for the table ``_hold_the_sessions_table`` holds. PostgreSQL shows the waiting
+    backend (a fixed second was short on a loaded machine: the request had not reached the table when the
+    server was told to stop); SQLite's busy wait shows nowhere, so it gets the second."""
+    if store_url.startswith("sqlite"):
+        time.sleep(1.0)
+        return
+    query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    with psycopg.connect(store_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        wait_until(lambda: (conn.execute(query).fetchone() or (0,))[0], "a request waiting for the sessions table")
+
+
 def test_a_request_still_running_at_shutdown_is_told_so_and_the_store_closes_after_it(
     store_url: str, tmp_path: Path
 ) -> None:
@@ -180,7 +193,7 @@ def test_a_request_still_running_at_shutdown_is_told_so_and_the_store_closes_aft
         client = threading.Thread(target=lambda: answer.append(
             request(server.url, "POST", "/v1/sessions", TOKEN, {"session_id": "late"})), daemon=True)
         client.start()
-        time.sleep(1.0)  # the request waits for the table
+        _wait_for_a_lock(store_url)  # the request waits for the table
         assert server.proc is not None
         server.proc.send_signal(15)  # SIGTERM: 5 s for requests in flight, then they are cancelled
         client.join(20)
