@@ -781,7 +781,7 @@ def test_an_unavailable_store_answers_503_without_naming_the_database(
             assert status == 503 and name not in json.dumps(data), data
             assert data["error"]["message"] == "cannot connect to the database; see the server log", data
             cid = data["error"]["correlation_id"]
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while cid not in server.log() and time.monotonic() < deadline:
                 time.sleep(0.1)
             line = next(x for x in server.log().splitlines() if cid in x)
@@ -830,7 +830,7 @@ def test_internal_errors_hide_the_traceback_and_log_a_correlation_id(tmp_path: P
         status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A,
                                    {"items": [{"message": user("y" * 5000)}]})
         assert status == 413 and data["error"]["code"] == "request_too_large"
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while cid not in server.log() and time.monotonic() < deadline:
             time.sleep(0.1)
         log = server.log()
