@@ -226,8 +226,11 @@ def test_the_shutting_down_code_is_documented() -> None:
     assert json.dumps("shutting_down")  # the code is plain ASCII
 
 
-def _answer_while_dripping(sock: socket.socket, head: bytes, answers: dict[str, bytes], name: str) -> None:
-    """Send ``head``, then its body a byte every 0.3 s (in time for the 1 s body timeout), until answered."""
+def _answer_while_dripping(
+    sock: socket.socket, head: bytes, answers: dict[str, bytes], name: str, sent: dict[str, int]
+) -> None:
+    """Send ``head``, then its body a byte every 0.3 s (in time for the 1 s body timeout), until answered;
+    ``sent`` counts the body's bytes sent."""
     sock.sendall(head)
     sock.settimeout(0.3)
     data = b""
@@ -235,6 +238,7 @@ def _answer_while_dripping(sock: socket.socket, head: bytes, answers: dict[str, 
     while time.monotonic() - started < 20 and not (b"\r\n\r\n" in data and data.rstrip().endswith(b"}")):
         with contextlib.suppress(OSError):
             sock.sendall(b"x")
+            sent[name] = sent.get(name, 0) + 1
         try:
             chunk = sock.recv(4096)
         except TimeoutError:
@@ -262,13 +266,16 @@ def test_a_request_cut_off_at_shutdown_before_its_route_is_told_so_too(store_url
         "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode(),
     }
     answers: dict[str, bytes] = {}
+    sent: dict[str, int] = {}
     socks = [_connect(server) for _ in heads]
-    clients = [threading.Thread(target=_answer_while_dripping, args=(sock, head, answers, name), daemon=True)
+    clients = [threading.Thread(target=_answer_while_dripping, args=(sock, head, answers, name, sent), daemon=True)
                for sock, (name, head) in zip(socks, heads.items(), strict=True)]
     try:
         for client in clients:
             client.start()
-        time.sleep(1.0)  # every body is coming, none is whole
+        # Every body is coming, none is whole: four bytes of each sent (about a second on an idle machine).
+        # A fixed second was short on a loaded one, where a client had not even sent its head yet.
+        wait_until(lambda: all(sent.get(name, 0) >= 4 for name in heads), "four bytes of every body")
         assert server.proc is not None
         server.proc.send_signal(15)  # SIGTERM: 5 s for requests in flight, then they are cancelled
         for client in clients:
