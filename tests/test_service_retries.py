@@ -228,3 +228,35 @@ def test_a_query_that_is_not_utf8_is_refused(server: ServiceProcess, store: Tran
     assert status == 200 and [s["session_id"] for s in data["sessions"]] == ["holder"]
     status, data = server.call("GET", f"/v1/sessions?after={quote('holder')}", TOKEN_A)
     assert status == 200 and [s["session_id"] for s in data["sessions"]] == [ODD]
+
+
+def test_a_query_parameter_the_route_does_not_take_or_given_twice_is_refused(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """A typo (``?sesion_key=``) listed the whole scope: an unknown query parameter was dropped; of one given
+    twice the last counted. Both are 422 ``invalid_request`` now, on reads and writes, and write nothing."""
+    for sid, key in (("one", "agent:a:one"), ("two", "agent:a:two")):
+        status, _ = create(server, {"session_id": sid, "session_key": key}, None)
+        assert status == 200
+    before = table_rows(store)
+    refused = [
+        ("GET", "/v1/sessions?sesion_key=agent:a:one", None, "sesion_key"),
+        ("GET", "/v1/sessions?limit=1&limit=5", None, "limit"),
+        ("GET", "/v1/sessions/one?verbose=1", None, "verbose"),
+        ("GET", "/v1/engines/legacy/sessions/one/receipts?after=a&after=b", None, "after"),
+        ("POST", "/v1/sessions/one/entries?dry_run=1", {"items": [{"message": user("hi")}]}, "dry_run"),
+        ("POST", "/v1/sessions?session_id=three", {}, "session_id"),
+    ]
+    for method, path, body, name in refused:
+        status, data = server.call(method, path, TOKEN_A, body)
+        assert status == 422 and data["error"]["code"] == "invalid_request", (path, data)
+        assert name in data["error"]["message"], (path, data)
+    assert table_rows(store) == before
+    # What the routes do take still works, and an empty query string is no parameter.
+    status, data = server.call("GET", "/v1/sessions?session_key=agent:a:one&limit=5", TOKEN_A)
+    assert status == 200 and [s["session_id"] for s in data["sessions"]] == ["one"]
+    status, data = server.call("GET", "/v1/sessions/one?", TOKEN_A)
+    assert status == 200 and data["session_id"] == "one"
+    status, data = server.call("POST", "/v1/sessions/one/entries", TOKEN_A,
+                               {"items": [{"message": user("hi")}, {"message": assistant("hello")}]})
+    assert status == 200, data

@@ -17,14 +17,14 @@ import functools
 import logging
 import socket
 import uuid
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Coroutine, Iterator, MutableMapping
 from typing import Annotated, Any
 from urllib.parse import unquote, unquote_to_bytes
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.convertors import Convertor, register_url_convertor
@@ -575,7 +575,46 @@ def _counted_route(inflight: InFlight) -> type[APIRoute]:
 
             super().__init__(path, endpoint, **kwargs)
 
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            """The handler, after the query string is checked against the route's parameters."""
+            handler = super().get_route_handler()
+            allowed = _query_names(self.dependant)  # (APIRoute.__init__ calls this once its dependant is made)
+
+            async def checked(request: Request) -> Response:
+                problem = _query_problem(request, allowed)
+                if problem is not None:
+                    await request.body()  # read and dropped (bounded by BodyLimit), as any refusal's
+                    raise RequestValidationError([{"loc": ("query", problem[0]), "msg": problem[1],
+                                                   "type": "extra_forbidden"}])
+                return await handler(request)
+
+            return checked
+
     return Counted
+
+
+def _query_names(dependant: Any) -> frozenset[str]:
+    """The query parameters a route takes: its own and its dependencies' (FastAPI's ``Dependant`` tree)."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return frozenset(names)
+
+
+def _query_problem(request: Request, allowed: frozenset[str]) -> tuple[str, str] | None:
+    """A query parameter the route does not take, or one given twice: (its name, what is wrong), or None.
+
+    Bodies refuse fields they do not know; a query parameter a route does not take was dropped, so a typo
+    (``?sesion_key=x``) listed the whole scope, and of a parameter given twice the last one counted."""
+    seen: set[str] = set()
+    for name, _value in request.query_params.multi_items():
+        if name not in allowed:
+            return name[:64], "unknown query parameter" + (
+                f" (this route takes {', '.join(sorted(allowed))})" if allowed else " (this route takes none)")
+        if name in seen:
+            return name, "query parameter given more than once"
+        seen.add(name)
+    return None
 
 
 def _errors(app: FastAPI) -> None:
