@@ -242,11 +242,20 @@ const nonBlank = (value) => (typeof value === "string" && value.trim() !== "" ? 
 // OpenClaw's transcript as the tree it is (its transcript-tree.ts, in what decides the active branch):
 // each entry hangs after its parentId (one without a parentId, or a stale one, after the leaf); each
 // canonical entry not appended "side" becomes the leaf; a `leaf` entry (a rewind, a branch switch) makes
-// its targetId the leaf. The active branch runs from the leaf through the parents. (OpenClaw also
-// re-parents the entries appended after a `reset` entry: not followed here.)
+// its targetId the leaf. The active branch runs from the leaf through the parents.
+// A `reset` entry (OpenClaw's /new, /reset, an idle or daily reset kept in the same transcript) is a
+// boundary nothing goes back across: after it, a canonical entry not appended "side" whose parent is not
+// the reset or an entry after it (no parent, one before the reset, one on another branch) hangs after the
+// leaf instead, and a `leaf` entry whose target is not after the reset changes nothing (read from
+// OpenClaw's transcript-tree.ts, which re-parents them so when it reads the tree). Followed as written, an
+// entry naming a parent before the reset, or a branch switch back past it, made the plugin record a
+// compaction OpenClaw's context no longer has.
 function transcriptTree() {
   const nodes = new Map();
   let leaf = null;
+  // The entries after the latest reset (the reset itself included); null before any reset.
+  let afterReset = null;
+  const pastReset = (id) => afterReset === null || (id !== null && afterReset.has(id));
   return {
     add(event) {
       if (!event || typeof event !== "object" || event.type === "session") return;
@@ -256,8 +265,10 @@ function transcriptTree() {
       if (event.type === "leaf") {
         const target = event.targetId === null ? null : nonBlank(event.targetId);
         if (!explicit || target === undefined || (target !== null && !nodes.has(target))) return; // not a valid one
-        nodes.set(id, { parent: target });
-        leaf = target;
+        const moved = pastReset(target) ? target : leaf; // a switch back across the reset stays where it is
+        nodes.set(id, { parent: moved });
+        if (afterReset !== null && moved !== null && afterReset.has(moved)) afterReset.add(id);
+        leaf = moved;
         return;
       }
       const canonical = CANONICAL_ENTRIES.has(event.type);
@@ -265,15 +276,27 @@ function transcriptTree() {
       let parent = explicit ? (event.parentId === null ? null : nonBlank(event.parentId)) : (canonical ? leaf : undefined);
       if (parent === undefined) return;
       if (canonical && !side && parent !== null && !nodes.has(parent)) parent = leaf;
-      nodes.set(id, { parent, compaction: event.type === "compaction" ? event : undefined });
+      if (canonical && !side && !pastReset(parent)) parent = leaf;
+      nodes.set(id, {
+        parent,
+        compaction: event.type === "compaction" ? event : undefined,
+        reset: event.type === "reset",
+      });
+      if (event.type === "reset") afterReset = new Set([id]);
+      else if (afterReset !== null && parent !== null && afterReset.has(parent)) afterReset.add(id);
       if (canonical && !side) leaf = id;
     },
-    /** The newest compaction (with a summary and a first kept entry) on the active branch, or null. */
+    /**
+     * The newest compaction (with a summary and a first kept entry) on the active branch, or null: also
+     * when a reset stands between it and the leaf (OpenClaw's context starts again at the reset).
+     */
     activeCompaction() {
       const seen = new Set();
       for (let id = leaf; id !== null && id !== undefined && !seen.has(id); id = nodes.get(id)?.parent) {
         seen.add(id);
-        const found = nodes.get(id)?.compaction;
+        const node = nodes.get(id);
+        if (node?.reset) return null;
+        const found = node?.compaction;
         if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") return found;
       }
       return null;

@@ -389,6 +389,50 @@ test("review 1: a compaction on a branch OpenClaw left is not what the next turn
     ["[Summary of the earlier conversation]\nA summary of the active branch.", "question 3", "answer 3"]);
 });
 
+test("a reset in OpenClaw's transcript is a boundary the active branch never goes back across", async () => {
+  // OpenClaw re-parents what follows a `reset` entry: an entry naming a parent before the reset (or none)
+  // hangs after the leaf, and a branch switch to an entry before the reset changes nothing; and a reset
+  // is a boundary like a compaction (its context starts again there). The plugin followed the parents as
+  // written and recorded a compaction OpenClaw's context no longer had: the next assemble showed its summary.
+  const host = hostSession("s-reset");
+  const params = await threeCommittedTurns(host);
+  const visible = host.entries.slice();
+  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
+  const last = visible.at(-1).entryId;
+  const compaction = (id, parentId, summary, firstKeptEntryId) => ({
+    type: "compaction", id, parentId, timestamp: new Date().toISOString(), summary, firstKeptEntryId, tokensBefore: 5000 });
+  raw.push({ type: "message", id: "old-u", parentId: last, message: userMessage("a question on a branch left behind") },
+    compaction("old-c", "old-u", "A summary of the branch left behind.", visible[4].entryId),
+    { type: "leaf", id: "back", parentId: "old-c", targetId: last },
+    { type: "reset", id: "r", parentId: last, timestamp: new Date().toISOString(), reason: "reset" });
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const shown = async () => {
+    const engine = await engineFor(host);
+    await engine.bootstrap(params);
+    return (await engine.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
+  };
+  const all = () => host.entries.map((e) => contentText(e.message.content));
+  // The turn's first entry names a parent on the branch left behind (a stale append cursor): OpenClaw
+  // hangs it after the reset.
+  const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
+  raw.push({ type: "message", id: turn.admission.entryId, parentId: "old-c", message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  const engine = await engineFor(host);
+  await engine.bootstrap(params);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  assert.deepEqual(await shown(), all());
+  // A branch switch back to before the reset: OpenClaw leaves the leaf where it is.
+  raw.push({ type: "leaf", id: "jump", parentId: turn.terminal.entryId, targetId: "old-c" });
+  assert.deepEqual(await shown(), all());
+  // A compaction before the reset on the active branch: the reset is the newer boundary.
+  raw.push(compaction("pre-c", turn.terminal.entryId, "A summary before the second reset.", visible[4].entryId),
+    { type: "reset", id: "r2", parentId: "pre-c", timestamp: new Date().toISOString(), reason: "new" });
+  assert.deepEqual(await shown(), all());
+  // A compaction after the reset, on the active branch, is recorded.
+  raw.push(compaction("live-c", "r2", "A summary after the reset.", turn.admission.entryId));
+  assert.deepEqual(await shown(), ["[Summary of the earlier conversation]\nA summary after the reset.", "question 3", "answer 3"]);
+});
+
 test("review 1: a new process leaves a newer compaction of the service in place of OpenClaw's older one", async () => {
   // A new plugin process reads OpenClaw's raw transcript from its start and found the compaction there
   // (made before the service's own since): recorded again, the older summary replaced the newer one, and
