@@ -41,8 +41,15 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
         return None
     kept = pointer["first_kept_entry_id"]
     at = pointer["first_kept_position"]
-    row = c.entries_with_path(scope, session_id, [kept]).get(kept)
-    if row is not None and row.position == at and row.ts_path_seq == row.seq:
+    # A host's compaction is an entry on the branch it was made on (OpenClaw's transcript is a tree): on
+    # another branch sharing its first kept message the host's context does not hold it. It stands while
+    # the mirror's branch holds the last message it was made after.
+    seen = pointer.get("seen_entry_id") if pointer.get("source") == "host" else None
+    rows = c.entries_with_path(scope, session_id, [kept] if not isinstance(seen, str) else [kept, seen])
+    if isinstance(seen, str) and not _at_on_path(rows.get(seen), pointer.get("made_at_count", 0) - 1):
+        return None
+    row = rows.get(kept)
+    if _at_on_path(row, at):
         return _dated(c, scope, session_id, pointer)
     if pointer.get("source") != "host":
         return None
@@ -61,6 +68,53 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     if row is None or not mirror.host_id_fits(c.config, kept, row, unnamed=False):
         return None
     return _dated(c, scope, session_id, pointer)
+
+
+def _at_on_path(row: Any, position: int) -> bool:
+    """Whether an entry row (from ``entries_with_path``) is at ``position`` on the active path now."""
+    return row is not None and row.position == position and row.ts_path_seq == row.seq
+
+
+def _made_at(c: Core, scope: str, session_id: str, count: int) -> dict[str, Any]:
+    """Where a compaction was made: after ``count`` visible messages, the last of them (the mirror's entry at
+    ``count - 1``, when the mirror holds it) named, so that the branch it was made on can be told."""
+    sess = c.require_session(scope, session_id)
+    if count <= 0 or count > int(sess.visible_count):
+        return {"made_at_count": count}
+    seq = c.path_seq_at_position(scope, session_id, count - 1)
+    row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
+    return {"made_at_count": count, **({"seen_entry_id": str(row.entry_id)} if row is not None else {})}
+
+
+def _standing_is_newer(
+    c: Core, scope: str, session_id: str, standing: dict[str, Any], compacted_ms: int | None, count: int | None
+) -> bool:
+    """Whether the compaction in force (``standing``) was made after one the host found in its transcript
+    later, made after ``count`` of its visible messages (at ``compacted_ms`` by the host's clock).
+
+    Compared by where in the conversation each was made, not by time: the host's clock and the service's
+    differ (an hour ahead put an older compaction back, an hour behind refused a newer one). Made at the
+    same point, two of the host's are told apart by the host's own clock; otherwise the one in force stays.
+    One made on another branch (its last message off the mirror's branch) is not newer: the host's is of
+    the branch it is on now. Without ``count`` (a plugin before it), or a pointer without ``made_at_count``
+    (one written before it), only times are left: the host's against the one in force (the host's, else
+    when the service made or recorded it), across the two clocks."""
+    made_ms = standing.get("host_ms") if standing.get("source") == "host" else None
+    made_ms = made_ms if isinstance(made_ms, int) else None
+    made_count = standing.get("made_at_count")
+    if count is None or not isinstance(made_count, int):
+        made = made_ms if made_ms is not None else standing.get("created_ms")
+        return isinstance(made, int) and compacted_ms is not None and made > compacted_ms
+    seen = standing.get("seen_entry_id")
+    if isinstance(seen, str):
+        row = c.entries_with_path(scope, session_id, [seen]).get(seen)
+        if not _at_on_path(row, made_count - 1):
+            return False
+    if made_count != count:
+        return made_count > count
+    if made_ms is not None and compacted_ms is not None:
+        return made_ms > compacted_ms
+    return True
 
 
 def _dated(c: Core, scope: str, session_id: str, pointer: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +141,7 @@ def record_host_compaction(
     first_kept_position: int,
     first_kept_entry_id: str,
     compacted_ms: int | None = None,
+    compacted_at_count: int | None = None,
 ) -> dict[str, Any]:
     """Record a compaction a host made of its own transcript (OpenClaw's, which an engine that does not own
     compaction delegates to it) as the session's pointer, in the caller's write transaction.
@@ -99,9 +154,11 @@ def record_host_compaction(
     which the mirror holds without the host's id): another one is ``MirrorConflict("behind")`` too (the
     host's transcript moved under the mirror: import first). The same compaction recorded again (same
     summary and first kept message) changes nothing, its time included. ``compacted_ms``: when the host
-    made it (a compaction found in its transcript later, not one made just now); the session's compaction
-    still in force that is newer (a host's by the host's time, else by when it was recorded) stays, and is
-    what is returned.
+    made it, and ``compacted_at_count``: how many of the host's visible messages preceded it (a compaction
+    found in its transcript later, not one made just now); the session's compaction still in force that is
+    newer (``_standing_is_newer``: by where in the conversation each was made) stays, and is what is
+    returned. The pointer notes where the compaction was made (``_made_at``; one made just now: after the
+    mirror's last message), which decides the branch it stands on (``pointer_in``).
     """
     if not isinstance(summary, str) or not summary.strip():
         raise InvalidInput("a host compaction needs its summary")
@@ -115,6 +172,10 @@ def record_host_compaction(
         )
     if compacted_ms is not None and (isinstance(compacted_ms, bool) or not isinstance(compacted_ms, int)):
         raise InvalidInput(f"compacted_ms must be a time in milliseconds, got {compacted_ms!r}")
+    if compacted_at_count is not None and (
+        isinstance(compacted_at_count, bool) or not isinstance(compacted_at_count, int) or compacted_at_count < 0
+    ):
+        raise InvalidInput(f"compacted_at_count must be a count of messages, got {compacted_at_count!r}")
     kept = first_kept_entry_id
     if first_kept_position < visible:
         seq = c.path_seq_at_position(scope, session_id, first_kept_position)
@@ -141,16 +202,16 @@ def record_host_compaction(
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
         # thinking predates it. Recorded anew, every reply since the compaction lost its thinking.
         return dict(current)
-    if compacted_ms is not None:
+    if compacted_ms is not None or compacted_at_count is not None:
         standing = pointer_in(c, scope, session_id)
-        if standing is not None:
-            made = standing.get("host_ms") if standing.get("source") == "host" else None
-            made = made if isinstance(made, int) else standing.get("created_ms")
-            if isinstance(made, int) and made > compacted_ms:
-                # An older compaction a plugin finds in the host's transcript (a new process reads it from
-                # its start) put back in place of a newer one: its summary covered less, and the context
-                # grew back by what the newer one had compacted.
-                return dict(standing)
+        newer = standing is not None and _standing_is_newer(
+            c, scope, session_id, standing, compacted_ms, compacted_at_count
+        )
+        if standing is not None and newer:
+            # An older compaction a plugin finds in the host's transcript (a new process reads it from
+            # its start) put back in place of a newer one: its summary covered less, and the context
+            # grew back by what the newer one had compacted.
+            return dict(standing)
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
@@ -158,6 +219,7 @@ def record_host_compaction(
         "created_ms": now_us() // 1000,
         "source": "host",
         **({"host_ms": compacted_ms} if compacted_ms is not None else {}),
+        **_made_at(c, scope, session_id, visible if compacted_at_count is None else compacted_at_count),
     }
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
@@ -292,6 +354,10 @@ def compact_session(
         "first_kept_position": kept.position,
         "marker_entry_id": marker.entry_id,
         "created_ms": now_us() // 1000,
+        # Where it was made (after the last message it read), for a host's compaction found later
+        # (record_host_compaction): compared by that, not across the host's and the service's clocks.
+        "made_at_count": len(visible),
+        "seen_entry_id": visible[-1].entry_id,
     }
 
     landed: list[bool] = []  # an attempt ran to its end

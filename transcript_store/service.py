@@ -612,6 +612,7 @@ class Service:
             pointer = compaction.record_host_compaction(
                 c, scope, session_id, summary=req.summary, first_kept_position=req.first_kept_position,
                 first_kept_entry_id=req.first_kept_entry_id, compacted_ms=req.compacted_ms,
+                compacted_at_count=req.compacted_at_count,
             )
             sess = c.require_session(scope, session_id)
             out = HostCompactionResponse(

@@ -220,6 +220,11 @@ class HostCompactionRequest(_Request):
         None, ge=0, le=2**53 - 1,
         description="when the host made it, for one found in its transcript later: a newer compaction stays",
     )
+    compacted_at_count: int | None = Field(
+        None, ge=0, le=2**31 - 1,
+        description="how many of the host's visible messages preceded it, for one found in its transcript "
+        "later: a compaction in force made further on stays (compared by that, not across two clocks)",
+    )
 
 
 class HostCompactionResponse(BaseModel):

@@ -1,0 +1,114 @@
+"""Which compaction the mirror's session shows when the host (OpenClaw) records its own, on both backends.
+
+What a review of ``record_host_compaction`` found (each test failed before the fix):
+
+1. A compaction found later in the host's transcript was compared with the one in force by time: the
+   host's ``compacted_ms`` (the OpenClaw machine's clock) against when the service recorded or made its
+   own (the service's clock). A host clock an hour ahead put an older compaction back in place of the
+   service's newer one; an hour behind, a newer one was refused. Now they are compared by where in the
+   conversation each was made (how many messages preceded it), the host's clock deciding only between
+   two of the host's made at the same point.
+2. A host compaction whose first kept message is on the part two branches share stood after the host
+   switched to the other branch, where OpenClaw's context does not hold it (its entry is on the branch
+   it was made on). Now it stands only while the mirror's branch holds the last message it was made
+   after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import module_store_fixtures
+from mirror_helpers import A, a, hosted, legacy_service, page, u
+
+from transcript_store import TranscriptStore
+from transcript_store.service import Service
+from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
+
+shared_url, store, sid = module_store_fixtures(A, "mirror_host_compaction")
+HEAD = "[Summary of the earlier conversation]\n"
+HOUR_MS = 3_600_000
+
+
+@pytest.fixture(scope="module")
+def service(store: TranscriptStore) -> Iterator[Service]:
+    yield from legacy_service(store)
+
+
+def shown(svc: Service, session_id: str) -> list[Any]:
+    """What the legacy engine assembles: each message's content."""
+    out = svc.assemble(A, "legacy", session_id, AssembleRequest(token_budget=100_000))
+    return [m["content"] for m in out.messages]
+
+
+def record(svc: Service, session_id: str, summary: str, position: int, kept: str, **found: int) -> int:
+    """Record a host compaction; the first kept position the engine shows."""
+    req = HostCompactionRequest(summary=summary, first_kept_position=position, first_kept_entry_id=kept, **found)
+    return svc.host_compaction(A, "legacy", session_id, req).first_kept_position
+
+
+def conversation(n: int) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` host messages h0.. (user, assistant, ...)."""
+    return [(f"h{i}", u(f"m{i}") if i % 2 == 0 else a(f"m{i}")) for i in range(n)]
+
+
+def test_an_older_host_compaction_from_a_clock_ahead_leaves_the_service_newer_one(service: Service, sid: str) -> None:
+    long = " and so on" * 40  # the legacy engine's summary shrinks the context
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(10)]
+    page(service.store, sid, None, "c1", hosted(*msgs[:6]))
+    now = int(time.time() * 1000)
+    # OpenClaw compacted when it held 6 messages, its machine's clock an hour ahead of the service's.
+    older = {"compacted_ms": now + HOUR_MS, "compacted_at_count": 6}
+    assert record(service, sid, "the host's", 2, "h2", **older) == 2
+    page(service.store, sid, "c1", "c2", hosted(*msgs[6:]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 10 messages
+    newer = shown(service, sid)
+    assert newer[0] != f"{HEAD}the host's"
+    # A new plugin process finds OpenClaw's older compaction again: the service's stays (was: put back).
+    record(service, sid, "the host's", 2, "h2", **older)
+    assert shown(service, sid) == newer
+
+
+def test_a_newer_host_compaction_from_a_clock_behind_replaces_the_service_older_one(
+    service: Service, sid: str
+) -> None:
+    long = " and so on" * 40
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    page(service.store, sid, None, "c1", hosted(*msgs[:8]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 8 messages
+    page(service.store, sid, "c1", "c2", hosted(*msgs[8:]))
+    # OpenClaw compacted after the 12th message, its machine's clock an hour behind the service's.
+    late = {"compacted_ms": int(time.time() * 1000) - HOUR_MS, "compacted_at_count": 12}
+    assert record(service, sid, "the host's, later", 10, "h10", **late) == 10  # was: 2 (the service's kept)
+    assert shown(service, sid)[0] == f"{HEAD}the host's, later"
+    # Two of the host's made at the same point: the host's own clock tells them apart.
+    same = {"compacted_ms": late["compacted_ms"] + 1, "compacted_at_count": 12}
+    assert record(service, sid, "the host's, again", 10, "h10", **same) == 10
+    assert shown(service, sid)[0] == f"{HEAD}the host's, again"
+    record(service, sid, "the host's, before", 10, "h10", **{**same, "compacted_ms": same["compacted_ms"] - 5})
+    assert shown(service, sid)[0] == f"{HEAD}the host's, again"
+
+
+def test_a_host_compaction_stands_only_on_the_branch_it_was_made_on(service: Service, sid: str) -> None:
+    s = service.store
+    shared = conversation(4)
+    branch_a = [*shared, ("h4a", u("m4a")), ("h5a", a("m5a"))]
+    branch_b = [*shared, ("h4b", u("m4b")), ("h5b", a("m5b"))]
+    page(s, sid, None, "c1", hosted(*branch_a))
+    # OpenClaw compacted on branch A, keeping from h2 (on the shared part).
+    assert record(service, sid, "on branch A", 2, "h2") == 2
+    assert shown(service, sid) == [f"{HEAD}on branch A", "m2", "m3", "m4a", "m5a"]
+    # The host switches to branch B (its import branches the mirror): OpenClaw's context there has no
+    # compaction (was: the summary of branch A in front of B's messages).
+    assert page(s, sid, None, "c2", hosted(*branch_b)).rewound
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4b", "m5b"]
+    # A compaction OpenClaw made on branch B, found later, is recorded over A's (made at 6 messages too).
+    now = int(time.time() * 1000)
+    assert record(service, sid, "on branch B", 2, "h2", compacted_ms=now - HOUR_MS, compacted_at_count=6) == 2
+    assert shown(service, sid) == [f"{HEAD}on branch B", "m2", "m3", "m4b", "m5b"]
+    # Back on branch A: B's compaction does not stand there either.
+    assert page(s, sid, None, "c3", hosted(*branch_a)).rewound
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4a", "m5a"]
