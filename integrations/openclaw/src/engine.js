@@ -297,9 +297,19 @@ function transcriptTree() {
         const node = nodes.get(id);
         if (node?.reset) return null;
         const found = node?.compaction;
-        if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") return found;
+        if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") {
+          return { entry: found, before: this.ancestorsOf(id) };
+        }
       }
       return null;
+    },
+    /** The ids of the entries before `id` on its branch (its parents up to the root). */
+    ancestorsOf(id) {
+      const before = new Set();
+      for (let at = nodes.get(id)?.parent; at !== null && at !== undefined && !before.has(at); at = nodes.get(at)?.parent) {
+        before.add(at);
+      }
+      return before;
     },
   };
 }
@@ -480,41 +490,53 @@ export async function createEngine(options) {
     throw new Error("transcript-store: the host transcript import did not finish");
   }
 
-  // The visible position of a host entry, read from the host transcript's start; -1 when not there.
-  async function hostPosition(target, entryId) {
+  // The visible position of a host entry, read from the host transcript's start (-1 when not there), and
+  // how many of the visible messages are among the ids of `before` (the entries before a compaction on
+  // its branch, the active one: the messages the compaction was made after).
+  async function hostPosition(target, entryId, before = new Set()) {
     const read = (await sdk()).readSessionTranscriptVisibleMessageDelta;
     let cursor;
     let position = 0;
     let maxBytes = pageBytes;
+    let found = -1;
+    let count = 0;
     for (let pages = 0; pages < MAX_PAGES; pages += 1) {
       const page = await read({
         agentId: target.agentId, sessionId: target.sessionId, sessionKey: target.sessionKey,
         storePath: target.storePath, ...(cursor !== undefined ? { cursor } : {}), maxMessages: pageMessages, maxBytes,
       });
-      if (page.kind === "missing") return -1;
+      if (page.kind === "missing") return { position: -1, count: 0 };
       if (page.kind === "unavailable") throw new Error(`host transcript is unavailable: ${page.reason}`);
-      if (page.kind === "reset") { cursor = page.cursor; position = 0; continue; }
+      if (page.kind === "reset") { cursor = page.cursor; position = 0; found = -1; count = 0; continue; }
       if (page.entries.length === 0 && page.requiredBytes !== undefined && page.hasMore) {
         maxBytes = Math.max(maxBytes, page.requiredBytes);
         continue;
       }
       maxBytes = pageBytes;
-      const found = page.entries.findIndex((entry) => entry.entryId === entryId);
-      if (found >= 0) return position + found;
+      for (const [i, entry] of page.entries.entries()) {
+        if (entry.entryId === entryId && found < 0) found = position + i;
+        if (before.has(entry.entryId)) count += 1;
+      }
       position += page.entries.length;
       cursor = page.cursor;
-      if (!page.hasMore) return -1;
+      // (The messages a compaction was made after are a prefix of the visible ones: past the first
+      // that is not among them, none is.)
+      const done = before.size === 0 || page.entries.some((entry) => !before.has(entry.entryId));
+      if (!page.hasMore || (found >= 0 && done)) return { position: found, count };
     }
-    return -1;
+    return { position: found, count };
   }
 
   // Tell the service engine about a compaction OpenClaw made (delegateCompactionToRuntime): its summary
-  // goes in front of the first message it kept, as OpenClaw's own context shows it.
-  async function recordCompaction(target, details, madeAt) {
+  // goes in front of the first message it kept, as OpenClaw's own context shows it. One found in the host
+  // transcript later goes with when it was made (`madeAt`, the host's clock) and the entries before it on
+  // its branch (`before`): the service counts the visible ones among them (compacted_at_count) to keep
+  // a compaction in force made further on, compared by that rather than across two machines' clocks.
+  async function recordCompaction(target, details, madeAt, before) {
     const summary = details && typeof details.summary === "string" ? details.summary : "";
     const kept = details && typeof details.firstKeptEntryId === "string" ? details.firstKeptEntryId : "";
     if (!summary.trim() || !kept) return; // a provider's server-side compaction: nothing to show
-    const position = await hostPosition(target, kept);
+    const { position, count } = await hostPosition(target, kept, before);
     if (position < 0) {
       warn(`transcript-store: the first message OpenClaw's compaction kept (${kept}) is not among the host's visible messages`);
       return;
@@ -522,6 +544,7 @@ export async function createEngine(options) {
     await inSession(target.sessionId, target.sessionKey, () => client.post(`${sessionPath(target.sessionId)}/host_compaction`, {
       summary: wellFormed(summary), first_kept_position: position, first_kept_entry_id: wellFormed(kept),
       ...(Number.isSafeInteger(madeAt) && madeAt >= 0 ? { compacted_ms: madeAt } : {}),
+      ...(before ? { compacted_at_count: count } : {}),
     }));
     info(`transcript-store: OpenClaw's compaction recorded (its summary before position ${position})`);
   }
@@ -586,8 +609,11 @@ export async function createEngine(options) {
     try {
       const found = await newestHostCompaction(target);
       if (!found) return;
-      // With the time OpenClaw made it: a newer compaction the service has (its own, say) stays.
-      if (found.newest) await recordCompaction(target, found.newest, Date.parse(found.newest.timestamp));
+      // With where (and when) OpenClaw made it: a compaction in force made further on (the service's own,
+      // say) stays.
+      if (found.newest) {
+        await recordCompaction(target, found.newest.entry, Date.parse(found.newest.entry.timestamp), found.newest.before);
+      }
       if (found.cursor !== undefined) rememberScan(groupKey(target.sessionId), found.cursor);
     } catch (error) {
       compactionScans.delete(groupKey(target.sessionId)); // the next look reads from the start

@@ -447,7 +447,9 @@ test("review 1: a new process leaves a newer compaction of the service in place 
     if (k === 4) host.compact(8); // OpenClaw's in-run compaction, found by the next bootstrap
     assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
   }
-  host.compactions[0].at = new Date(Date.now() - 60000).toISOString(); // it was made a minute ago
+  // It was made before the service's compaction below, by a clock an hour ahead of the service's: the
+  // service compared the two clocks and put it back in place of its own newer one.
+  host.compactions[0].at = new Date(Date.now() + 3600000).toISOString();
   const first = await engineFor(host);
   await first.bootstrap(params);
   const older = await first.assemble({ ...params, tokenBudget: 100000 });
