@@ -2,8 +2,9 @@
 ledger's revisions (0005: receipts reference the transcript; 0006: the hash as 32 bytes) go down and up
 again without losing a committed turn's messages or its hash, 0007 (the session's incarnation) keeps
 every row of every table and every cursor issued before it, 0008 (the lossless engine's word index
-over the start of a text, PostgreSQL) keeps every engine row searchable, and 0011 forgets the engine
-rows an earlier release's reset kept; an upgrade SIGKILLed midway leaves the store at its revision with
+over the start of a text, PostgreSQL) keeps every engine row searchable, 0011 forgets the engine
+rows an earlier release's reset kept, and 0015 adds the deleted sessions' tombstones to a store that deleted
+some, granted as the sessions are; an upgrade SIGKILLed midway leaves the store at its revision with
 every row, and processes opening an old store at once all open it, one migrating."""
 
 from __future__ import annotations
@@ -275,6 +276,44 @@ def test_the_receipts_rebuild_keeps_the_grants_of_an_application_role(store_url:
         db.dispose()
 
 
+def test_the_tombstone_revision_grants_its_table_as_the_sessions_are(store_url: str) -> None:
+    """0015 adds ``ts_deleted_sessions``, which every ``delete_session`` writes: on PostgreSQL a worker role
+    granted only row access to the store's tables would have every delete refused after the upgrade
+    ("permission denied for table ts_deleted_sessions"). The table is granted what ``ts_sessions`` is, and
+    such a role deletes (and its tombstone keeps a retried create from making the session again)."""
+    if store_url.startswith("sqlite"):
+        pytest.skip("SQLite has no roles or grants")
+    from sqlalchemy.engine import make_url
+
+    role = f"ts_app_{uuid.uuid4().hex[:8]}"
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0014")
+        with db.engine.begin() as conn:
+            conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+            for table in sa_inspect(conn).get_table_names():
+                if table.startswith("ts_"):
+                    conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"))
+            conn.execute(text(f"GRANT SELECT ON alembic_version TO {role}"))  # the revision check on open
+        migrate.upgrade(db)
+        with db.engine.connect() as conn:
+            granted = [bool(conn.execute(text(
+                f"SELECT has_table_privilege('{role}', 'ts_deleted_sessions', '{p}')")).scalar_one())
+                for p in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")]
+        assert granted == [True] * 4 + [False]
+        as_role = make_url(store_url).set(username=role, password=None).render_as_string(hide_password=False)
+        with TranscriptStore(config=StoreConfig(url=as_role, auto_upgrade=False)) as worker:
+            made = worker.create_session(A, session_id="g1")
+            worker.append(A, "g1", user("q"))
+            assert worker.delete_session(A, "g1").incarnation == made.incarnation
+            assert worker.list_sessions(A) == []
+    finally:
+        with db.engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        db.dispose()
+
+
 def test_entries_committed_before_keys_were_bound_take_their_key(store_url: str) -> None:
     """0010: a turn of an appended message committed before this release is bound to its key, so it
     cannot be committed again under another one; its replay is still a duplicate."""
@@ -431,6 +470,45 @@ def test_the_queue_index_revision_keeps_every_row(store_url: str) -> None:
         assert [r.advancement_key for r in turns.receipts(A, sid, "e")] == ["t0", "t2", "t3", "k-bare"]
 
 
+def test_the_tombstone_revision_upgrades_a_store_that_deleted_sessions(store_url: str) -> None:
+    """0015 adds ``ts_deleted_sessions`` (empty) to a store at 0014 whose sessions were created and deleted
+    there: every row stays, the schema is schema.py's, deletes from then on leave a tombstone, and a
+    retry of a create whose COMMIT was lost answers the session it made instead of making it again. Down
+    to 0014 (the table dropped) and up again the same."""
+    from test_session_lifecycle_review import commit_lost_then
+
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        for sid in ("s1", "s2"):
+            store.create_session(A, session_id=sid)
+            store.append(A, sid, user(f"q {sid}"))
+        store.delete_session(A, "s2")  # its tombstone goes with the table, as if deleted at 0014
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0014")
+        before = _content(db)
+        assert "ts_deleted_sessions" not in before
+        for _ in range(2):
+            migrate.upgrade(db)
+            after = _content(db)
+            assert _differences(db) == [] and after.pop("ts_deleted_sessions") == []
+            assert after.pop("alembic_version") == ["['0015']"] and before.pop("alembic_version") == ["['0014']"]
+            assert after == before
+            _downgrade(db, "0014")
+            before = _content(db)
+        migrate.upgrade(db)
+    finally:
+        db.dispose()
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store, \
+            TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as other:
+        gone = store.delete_session(A, "s1")
+        tombstones = text("SELECT session_id, incarnation FROM ts_deleted_sessions")
+        rows = store.read(lambda c: c.conn.execute(tombstones).all())
+        assert [tuple(r) for r in rows] == [("s1", gone.incarnation)]
+        with commit_lost_then(store, lambda: other.delete_session(A, "s3")):
+            made = store.create_session(A, session_id="s3")
+        assert made.session_id == "s3" and [s.session_id for s in other.list_sessions(A)] == []
+
+
 def _a_store_with_every_kind_of_row(store_url: str) -> tuple[Any, ...]:
     """Sessions s1 (a committed turn), s2 (lossless turns, compacted, then branched: summaries, context,
     engine rows) and s3 (outbox rows blocked, accepted and admitted; engine state), a keyed session.
@@ -479,7 +557,7 @@ _MIGRATE_WORKER = Path(__file__).parent / "workers" / "migrate_worker.py"
     "version_num='0005'",  # SQLite: after 0005's rebuild of ts_receipts (a DROP TABLE), before its commit
     "DROP TABLE ts_receipts_0005",  # in the middle of 0006's rebuild
     "version_num='0012'",  # SQLite: after 0012 dropped and rebuilt the engine's search index
-    "version_num='0014'",  # the last migration's version row, the commit still to come
+    "version_num='0015'",  # the last migration's version row, the commit still to come
 ])
 def test_an_upgrade_killed_midway_leaves_the_store_as_it_was(store_url: str, statement: str) -> None:
     """An upgrade from 0004 SIGKILLed at a point inside it (a real process): the store is still at 0004

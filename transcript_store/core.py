@@ -70,9 +70,13 @@ from .models import (
     validate_event_payload,
     validate_message,
 )
-from .schema import active_path, entries, sessions
+from .schema import active_path, deleted_sessions, entries, sessions
 
 MAX_ID_CHARS = 255
+#: How long a deleted session's tombstone is kept (``Core.delete_session``): a week, far past the retries
+#: of any one call (a retry runs inside the call whose attempt it repeats: 12 attempts by default, each
+#: waiting at most the busy timeout, 10 s by default, and 0.5 s between them).
+TOMBSTONE_SECONDS = 7 * 24 * 3600
 #: An id's UTF-8 bytes: a PostgreSQL B-tree index row holds at most 2,704 bytes, and one row holds up to
 #: four ids (a receipt's scope, session, key and engine): 255 astral characters (1,020 bytes) each did
 #: not fit, and a write failed as a database error on PostgreSQL where SQLite took it.
@@ -1146,9 +1150,20 @@ class Core:
         return session_info(self.require_session(scope, session_id))
 
     def delete_session(self, scope: str, session_id: str) -> None:
-        """Delete the session and everything keyed by it (cascades)."""
-        self.require_session(scope, session_id, lock=True)
+        """Delete the session and everything keyed by it (cascades), leaving a tombstone of its incarnation
+        (``deleted``) and pruning the tombstones past ``TOMBSTONE_SECONDS``."""
+        row = self.require_session(scope, session_id, lock=True)
         self._locked.discard((scope, session_id))
+        ts = now_us()
+        # Deletes are rare, so this is where the tombstones stay bounded: each delete removes the old ones
+        # through the age index (every row is pruned once, by some later delete).
+        expired = deleted_sessions.c.deleted_us < ts - TOMBSTONE_SECONDS * 1_000_000
+        self.conn.execute(delete(deleted_sessions).where(expired))
+        self.conn.execute(
+            self.dialect.insert(deleted_sessions)
+            .values(scope=scope, session_id=session_id, incarnation=row.incarnation, deleted_us=ts)
+            .on_conflict_do_nothing()
+        )
         self._forget_appended(scope, session_id)
         # Explicit deletes: SQLite cascades only with foreign_keys on, and order keeps PG lock-light.
         for table in (active_path, entries):
@@ -1156,6 +1171,19 @@ class Core:
         self.conn.execute(
             delete(sessions).where(sessions.c.scope == scope, sessions.c.session_id == session_id)
         )
+
+    def deleted(self, scope: str, session_id: str, incarnation: int) -> bool:
+        """Whether the session of ``incarnation`` under this id was deleted (its tombstone is kept).
+
+        For a retry of a create whose COMMIT was uncertain: its own incarnation here means the create
+        landed and was deleted since; none means it never landed (or it was deleted longer ago than any
+        retry runs). A random incarnation is never another session's."""
+        q: Select[Any] = select(literal_column("1")).where(
+            deleted_sessions.c.scope == scope,
+            deleted_sessions.c.session_id == session_id,
+            deleted_sessions.c.incarnation == incarnation,
+        )
+        return self.conn.execute(q).first() is not None
 
     # ------------------------------------------------------------------------------------ appends
 

@@ -251,6 +251,21 @@ engine_state = Table(
     _session_fk("ts_engine_state"),
 )
 
+# Tombstones: the incarnation of each session ``delete_session`` deleted, written in the delete's own
+# transaction (never on the hot path). A retry of a create whose COMMIT was lost reads its own incarnation
+# here: the create landed and was deleted since, so it must not make the session again (revision 0015).
+# Pruned by every delete once older than ``core.TOMBSTONE_SECONDS``: the age index serves that alone.
+deleted_sessions = Table(
+    "ts_deleted_sessions",
+    metadata,
+    Column("scope", ID, nullable=False),
+    Column("session_id", ID, nullable=False),
+    Column("incarnation", BigInteger, nullable=False),
+    Column("deleted_us", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "session_id", "incarnation", name="ts_deleted_sessions_pk"),
+)
+Index("ts_deleted_sessions_age", deleted_sessions.c.deleted_us)
+
 # Engines isolated by a host process (pid + start time + token), so `doctor` elsewhere can show them.
 quarantine = Table(
     "ts_quarantine",

@@ -91,7 +91,7 @@ from .service_models import (
     OpenSession,
 )
 from .settings import HostSettings
-from .store import TranscriptStore, replaced
+from .store import TranscriptStore, landed_since, replaced
 from .turns import Turns
 
 log = logging.getLogger("transcript_store.service")
@@ -309,14 +309,13 @@ class Service:
         landed: list[SessionInfo] = []  # the session as an attempt that ran to its end left it
 
         def run(c: Core) -> SessionInfo:
-            if landed:
-                row = c.session_row(scope, sid)
-                if row is not None and row.incarnation == landed[0].incarnation and not row.active:
-                    # An earlier attempt ran to its end and only its COMMIT was uncertain: its session was
-                    # ended since (a rebind of its key by another caller). Answered as that attempt left it,
-                    # as ``TranscriptStore.open_session`` answers. (None, or another incarnation, may as
-                    # well be an attempt whose COMMIT did not land: the id is the caller's, not drawn here.)
-                    return landed[0]
+            if landed and landed_since(c, scope, sid, landed[0]):
+                # An earlier attempt ran to its end and only its COMMIT was uncertain: its session was
+                # ended (a rebind of its key by another caller) or deleted since. Answered as that attempt
+                # left it, as ``TranscriptStore.open_session`` answers. (Gone without a tombstone of its
+                # incarnation, or another's, is an attempt whose COMMIT did not land: the id is the
+                # caller's, not drawn here.)
+                return landed[0]
             landed[:] = [self._open_by_id(c, scope, sid, key, req.rebind_key)]
             return landed[0]
 

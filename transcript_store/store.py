@@ -80,6 +80,16 @@ def replaced(c: Core, scope: str, session_id: str, incarnation: int | None) -> b
     return row is None or row.incarnation != incarnation
 
 
+def landed_since(c: Core, scope: str, session_id: str, made: SessionInfo) -> bool:
+    """Whether an earlier attempt of a create, which answered ``made``, landed and its session was ended or
+    deleted since (the tombstone of its incarnation): its retry then answers ``made``, never makes the
+    session again. False: the session is there, active, as made; or the attempt never landed."""
+    row = c.session_row(scope, session_id)
+    if row is not None and row.incarnation == made.incarnation:
+        return not row.active
+    return c.deleted(scope, session_id, made.incarnation)
+
+
 class TranscriptStore:
     """A durable conversation-transcript store on SQLite (default) or PostgreSQL.
 
@@ -217,14 +227,12 @@ class TranscriptStore:
         landed: list[SessionInfo] = []  # the session as an attempt that ran to its end answered it
 
         def run(c: Core) -> SessionInfo:
-            if landed:
-                row = c.session_row(scope, sid)
-                if row is not None and row.incarnation == landed[0].incarnation and not row.active:
-                    # An earlier attempt created it (or found it) and only its COMMIT was uncertain:
-                    # ended since, by someone who found it. Answered ended, it is an answer no order of
-                    # the calls gives. (One of another incarnation, or gone, may be the work of a call
-                    # that ran while this one's COMMIT did not land: the row decides, as below.)
-                    return landed[0]
+            if landed and landed_since(c, scope, sid, landed[0]):
+                # An earlier attempt created it (or found it) and only its COMMIT was uncertain: ended,
+                # or deleted (perhaps made again), since, by someone who found it. Answered ended, or
+                # made again, it is an answer no order of the calls gives. (Gone without a tombstone of
+                # its incarnation, or another's, it is a COMMIT that did not land: the row decides.)
+                return landed[0]
             landed[:] = [c.create_session(scope, sid, session_key)]
             return landed[0]
 
@@ -238,13 +246,11 @@ class TranscriptStore:
         landed: list[SessionInfo] = []  # the session an attempt created, under this call's own id
 
         def run(c: Core) -> SessionInfo:
-            if landed:
-                row = c.session_row(scope, sid)
-                if row is not None and (row.incarnation != landed[0].incarnation or not row.active):
-                    # An earlier attempt created it and only its COMMIT was uncertain: ended (or deleted
-                    # and made again) since, by someone who found it. It is this call's answer, as it was
-                    # made: created again, or returned ended, it is an answer no order of the calls gives.
-                    return landed[0]
+            if landed and landed_since(c, scope, sid, landed[0]):
+                # An earlier attempt created it and only its COMMIT was uncertain: ended (or deleted,
+                # perhaps made again) since, by someone who found it. It is this call's answer, as it was
+                # made: created again, or returned ended, it is an answer no order of the calls gives.
+                return landed[0]
             row = c.find_session_by_key(scope, session_key)
             if row is not None:
                 return session_info(row)
@@ -531,7 +537,7 @@ class TranscriptStore:
 
         def run(c: Core) -> SessionInfo:
             if landed:
-                row = c.session_row(scope, session_id, lock=True)
+                row = c.session_row(scope, session_id)
                 if row is None or row.incarnation != landed[0].incarnation:
                     # An earlier attempt ran to its end and only its COMMIT was uncertain; the session it
                     # moved was deleted since, perhaps made again under the id: never move that one.

@@ -654,9 +654,21 @@ def write_import(store: TranscriptStore, plan: ImportPlan) -> SessionInfo:
     Planning needs only the store's config, not the store: a caller that must not open, create or migrate
     a database for an import that is refused (the CLI, whose store opens with ``create``) plans first.
     """
-    from .store import ANALYZE_AFTER_IMPORT
+    from .store import ANALYZE_AFTER_IMPORT, landed_since
 
-    info = store.write(lambda c: import_in(c, plan))
+    scope, sid = plan.session["scope"], plan.session["session_id"]
+    landed: list[SessionInfo] = []  # the session as an attempt that ran to its end imported it
+
+    def run(c: Core) -> SessionInfo:
+        if landed and landed_since(c, scope, sid, landed[0]):
+            # An earlier attempt imported it and only its COMMIT was uncertain: ended, or deleted (perhaps
+            # made again), since. Imported again, it is a session its deleter saw go. (Still there, as
+            # imported, ``import_in`` answers it.)
+            return landed[0]
+        landed[:] = [import_in(c, plan)]
+        return landed[0]
+
+    info = store.write(run)
     if plan.entry_count >= ANALYZE_AFTER_IMPORT:
         try:
             store.db.analyze(("ts_entries", "ts_active_path"))
