@@ -8,6 +8,10 @@ Each retry test here failed on the code before the tombstone (see the docstrings
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 from conftest import user
 from sqlalchemy import func, insert, select
@@ -19,6 +23,7 @@ from transcript_store.core import TOMBSTONE_SECONDS, Core, now_us
 from transcript_store.schema import deleted_sessions
 
 S = "tombstone-scope"
+T = TypeVar("T")
 
 
 def gone(store: TranscriptStore, sid: str) -> bool:
@@ -121,6 +126,54 @@ def test_a_service_session_deleted_before_the_retry_is_not_created_again(store_u
         assert (info.session_id, info.session_key, info.active) == ("sv", "k", True), info
         assert gone(other, "sv") and other.find_session(S, "k") is None
         svc.runtime.dispose()
+
+
+def deleted_inside_the_retry(store: TranscriptStore, other: TranscriptStore, sid: str, call: Callable[[], T]) -> T:
+    """Run ``call`` (a write making session ``sid``) with its first COMMIT lost; inside the retry's
+    transaction, just before its insert of the session, another client deletes ``sid`` (its own
+    transaction, in a thread, given 3 s: it commits then, unless it waits for a lock the retry holds)."""
+    from sqlalchemy import event
+
+    armed: list[bool] = []
+    deleting: list[threading.Thread] = []
+
+    def before(conn: object, cursor: object, statement: str, *_rest: object) -> None:
+        if armed and statement.lstrip().upper().startswith("INSERT INTO TS_SESSIONS"):
+            armed.clear()
+            deleting.append(threading.Thread(target=other.delete_session, args=(S, sid)))
+            deleting[0].start()
+            deleting[0].join(3)
+
+    event.listen(store.db.engine, "before_cursor_execute", before)
+    try:
+        with commit_lost_then(store, lambda: armed.append(True)):
+            out = call()
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", before)
+    deleting[0].join(30)
+    assert not deleting[0].is_alive()
+    return out
+
+
+def test_a_delete_landing_inside_the_retry_does_not_let_it_make_the_session_again(
+    store_url: str, backend: str
+) -> None:
+    """PostgreSQL: a create (or import) whose COMMIT landed but was reported lost, and another client's
+    delete of the session committing inside the retry's transaction, between its read of the row and
+    its insert: the retry found its session there, then its insert found nothing to conflict with, and
+    it made the session again. The retry locks the row it reads: the delete waits for it, then deletes."""
+    if backend == "sqlite":
+        pytest.skip("SQLite runs one writer at a time: no delete can land inside the retry's transaction")
+    with two_clients(store_url) as (store, other):
+        store.create_session(S, session_id="src")
+        exported = store.export_session(S, "src")
+        for sid, info in [
+            ("rc", deleted_inside_the_retry(store, other, "rc", lambda: store.create_session(S, session_id="rc"))),
+            ("ri", deleted_inside_the_retry(store, other, "ri",
+                                            lambda: store.import_session(S, *exported, session_id="ri"))),
+        ]:
+            assert info.session_id == sid and gone(other, sid), sid
+            assert tombstones(other, sid) == [(sid, info.incarnation)], sid
 
 
 def test_a_retry_whose_first_commit_did_not_land_creates_the_session(store_url: str) -> None:

@@ -83,8 +83,12 @@ def replaced(c: Core, scope: str, session_id: str, incarnation: int | None) -> b
 def landed_since(c: Core, scope: str, session_id: str, made: SessionInfo) -> bool:
     """Whether an earlier attempt of a create, which answered ``made``, landed and its session was ended or
     deleted since (the tombstone of its incarnation): its retry then answers ``made``, never makes the
-    session again. False: the session is there, active, as made; or the attempt never landed."""
-    row = c.session_row(scope, session_id)
+    session again. False: the session is there, active, as made; or the attempt never landed.
+
+    The row is locked (PostgreSQL): a delete committing between this read and the retry's create would
+    leave the create's insert nothing to conflict with, and it would make the session again. Locked, the
+    delete waits for the retry, or the retry for it (and then finds its tombstone)."""
+    row = c.session_row(scope, session_id, lock=True)
     if row is not None and row.incarnation == made.incarnation:
         return not row.active
     return c.deleted(scope, session_id, made.incarnation)
