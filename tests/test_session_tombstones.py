@@ -176,6 +176,46 @@ def test_a_delete_landing_inside_the_retry_does_not_let_it_make_the_session_agai
             assert tombstones(other, sid) == [(sid, info.incarnation)], sid
 
 
+def test_a_service_retry_and_a_rebind_of_its_key_do_not_deadlock(store_url: str, backend: str) -> None:
+    """PostgreSQL: the service's create by id with ``rebind_key`` whose COMMIT landed but was reported lost;
+    inside the retry another caller rebinds the key (its lock on the key held, it waits for this session's
+    row, to end it). The retry locked the row first and the key's lock then: a deadlock, one of the two
+    transactions aborted (40P01) and run again a second later. The retry takes the key's lock first."""
+    if backend == "sqlite":
+        pytest.skip("SQLite runs one writer at a time: no rebind can run inside the retry's transaction")
+    from mirror_helpers import legacy_service
+    from sqlalchemy import event
+
+    from transcript_store.service_models import OpenSession
+
+    with two_clients(store_url) as (store, other):
+        svc, theirs = next(legacy_service(store)), next(legacy_service(other))
+        armed: list[bool] = []
+        rebinding: list[threading.Thread] = []
+
+        def before(conn: object, cursor: object, statement: str, *_rest: object) -> None:
+            if armed and "pg_advisory_xact_lock" in statement:
+                armed.clear()
+                req = OpenSession(session_id="kb2", session_key="k", rebind_key=True)
+                rebinding.append(threading.Thread(target=theirs.open_session, args=(S, req)))
+                rebinding[0].start()
+                rebinding[0].join(3)
+
+        event.listen(store.db.engine, "before_cursor_execute", before)
+        try:
+            with commit_lost_then(store, lambda: armed.append(True)):
+                info = svc.open_session(S, OpenSession(session_id="kb1", session_key="k", rebind_key=True))
+        finally:
+            event.remove(store.db.engine, "before_cursor_execute", before)
+        rebinding[0].join(30)
+        assert (info.session_id, info.active) == ("kb1", True)
+        holder = other.find_session(S, "k")
+        assert holder is not None and holder.session_id == "kb2" and not other.get_session(S, "kb1").active
+        assert (store.db.retries, other.db.retries) == (1, 0)  # the lost COMMIT's retry alone
+        svc.runtime.dispose()
+        theirs.runtime.dispose()
+
+
 def test_a_retry_whose_first_commit_did_not_land_creates_the_session(store_url: str) -> None:
     """The other side: a first attempt whose COMMIT failed (did not land), another client creating and
     deleting a session under the id meanwhile: that tombstone is of another incarnation, so the retry

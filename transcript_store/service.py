@@ -125,6 +125,13 @@ MAX_TOKENS_FILE_BYTES = 16 * 1024 * 1024
 _KEY_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 
 
+def _lock_key(c: Core, scope: str, key: str) -> None:
+    """Rebinds of one key wait for each other (SQLite's writers already do): each then finds the one
+    before it as the holder instead of racing it into the unique index. Held to the transaction's end."""
+    if not c.dialect.is_sqlite:
+        c.conn.execute(_KEY_LOCK, {"k": f"{scope}\x1f{key}"})
+
+
 class TokenMap:
     """Bearer tokens, each mapped to exactly one scope; only their SHA-256 digests are kept.
 
@@ -309,6 +316,11 @@ class Service:
         landed: list[SessionInfo] = []  # the session as an attempt that ran to its end left it
 
         def run(c: Core) -> SessionInfo:
+            if landed and req.rebind_key and key is not None:
+                # Before the row lock ``landed_since`` takes: every rebind takes the key's lock, then the
+                # holder's row. The other way round, a rebind by another caller holding the key's lock and
+                # waiting for this session's row (to end it) deadlocked with this retry.
+                _lock_key(c, scope, key)
             if landed and landed_since(c, scope, sid, landed[0]):
                 # An earlier attempt ran to its end and only its COMMIT was uncertain: its session was
                 # ended (a rebind of its key by another caller) or deleted since. Answered as that attempt
@@ -370,10 +382,7 @@ class Service:
             check_id("session_id", sid, new=True)
             check_id("session_key", key, optional=True, new=True)
         if rebind_key and key is not None:
-            if not c.dialect.is_sqlite:
-                # Rebinds of one key wait for each other (SQLite's writers already do): each then
-                # finds the one before it as the holder instead of racing it into the unique index.
-                c.conn.execute(_KEY_LOCK, {"k": f"{scope}\x1f{key}"})
+            _lock_key(c, scope, key)
             holder = c.find_session_by_key(scope, key)
             if holder is not None and holder.session_id != sid:
                 own = c.session_row(scope, sid)
