@@ -18,7 +18,7 @@ from .core import Core, now_us, prepare_entry
 from .engine import CompactResult
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
-from .models import Anchor, Entry
+from .models import RESULT_ROLES, Anchor, Entry
 from .schema import engine_state
 from .summarize import summary_text
 
@@ -228,8 +228,8 @@ def record_host_compaction(
 def split_point(entries: Sequence[Entry], keep_last: int) -> int:
     """Index of the first kept entry: the last ``keep_last``, never splitting a tool call from its result."""
     cut = max(0, len(entries) - keep_last)
-    # Move the cut earlier while it would orphan tool results from the assistant call that made them.
-    while 0 < cut < len(entries) and (entries[cut].message or {}).get("role") == "tool":
+    # Move the cut earlier while it would orphan tool (or function) results from the call that made them.
+    while 0 < cut < len(entries) and (entries[cut].message or {}).get("role") in RESULT_ROLES:
         cut -= 1
     return cut
 

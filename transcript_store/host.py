@@ -71,10 +71,13 @@ from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .maintenance import BackgroundMaintenance
 from .models import (
+    RESULT_ROLES,
     Admission,
     Anchor,
     Replacement,
     RewriteResult,
+    call_answered,
+    calls_made,
     compact_json,
     validate_event_payload,
     validate_message,
@@ -227,7 +230,7 @@ def _same_owner(obj: object, *names: str) -> bool:
 
 def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_chars: int) -> list[dict[str, Any]]:
     """Trim old, long tool results in the request only (storage is never touched)."""
-    tool_idx = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+    tool_idx = [i for i, m in enumerate(messages) if m.get("role") in RESULT_ROLES]
     old = set(tool_idx[: max(0, len(tool_idx) - keep_recent)])
     out = []
     for i, m in enumerate(messages):
@@ -284,17 +287,18 @@ def pair_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     A branch to the middle of a tool round, or a rewrite, can leave an assistant's tool call without its
     result, or a result after another message than its call: chat APIs refuse such a request outright.
     A call without a result gets a stand-in result right after its round; a result that answers no open
-    call is left out. Request only: storage is never touched.
+    call is left out. The older format's ``function_call`` and ``function`` result pair the same way (by
+    the function's name). Request only: storage is never touched.
     """
     # Every turn's request passes here: one plain loop, no work for a message outside a tool round.
     out: list[dict[str, Any]] = []
-    open_calls: list[str] = []
+    open_calls: list[Any] = []
     for m in messages:
         role = m.get("role")
-        if role == "tool":
-            call_id = m.get("tool_call_id")
-            if call_id in open_calls:
-                open_calls.remove(call_id)
+        if role in RESULT_ROLES:
+            key = call_answered(m)
+            if key in open_calls:
+                open_calls.remove(key)
                 out.append(m)
             continue
         if open_calls:
@@ -302,15 +306,16 @@ def pair_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             open_calls = []
         out.append(m)
         if role == "assistant":
-            calls = m.get("tool_calls")
-            if calls:
-                open_calls = [c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)]
+            open_calls = calls_made(m)
     out.extend(_stand_in(c) for c in open_calls)
     return out
 
 
-def _stand_in(call_id: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call_id, "content": UNANSWERED_TOOL_CALL}
+def _stand_in(call: Any) -> dict[str, Any]:
+    """The stand-in result of an unanswered call (``calls_made``'s key: a tool call id or ("function", name))."""
+    if isinstance(call, tuple):
+        return {"role": "function", "name": call[1], "content": UNANSWERED_TOOL_CALL}
+    return {"role": "tool", "tool_call_id": call, "content": UNANSWERED_TOOL_CALL}
 
 
 def with_addition(system_prompt: str, addition: str | None) -> str:

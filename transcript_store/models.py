@@ -92,6 +92,38 @@ class ChatMessage(BaseModel):
         return self
 
 
+#: the roles of a message that answers an assistant's call: ``tool`` answers one of its ``tool_calls``
+#: (by ``tool_call_id``), ``function`` its older-format ``function_call`` (by ``name``: that format has no id)
+RESULT_ROLES = frozenset({"tool", "function"})
+
+
+def calls_made(message: dict[str, Any] | None) -> list[Any]:
+    """The keys of the calls an assistant message waits on: each tool call's id, and ("function", name)
+    for an older-format ``function_call``; none for any other message."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return []
+    calls = message.get("tool_calls")
+    out: list[Any] = []
+    if isinstance(calls, list):
+        out = [c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    legacy = message.get("function_call")
+    if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
+        out.append(("function", legacy["name"]))
+    return out
+
+
+def call_answered(message: dict[str, Any] | None) -> Any:
+    """The key (as ``calls_made`` gives it) of the call a result message answers; None for another message."""
+    if not isinstance(message, dict):
+        return None
+    role = message.get("role")
+    if role == "tool":
+        return message.get("tool_call_id")
+    if role == "function":
+        return ("function", message.get("name"))
+    return None
+
+
 def _check_text_part(part: Any) -> None:
     """A text content part carries its text (the rule of every release)."""
     if part.type == "text" and not isinstance(getattr(part, "text", None), str):

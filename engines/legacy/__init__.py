@@ -28,7 +28,7 @@ from transcript_store.engine import (
 )
 from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
-from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset
+from transcript_store.models import RESULT_ROLES, Anchor, DeltaMissing, DeltaPage, DeltaReset
 from transcript_store.summarize import ExtractiveSummarizer, hold
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
@@ -262,7 +262,8 @@ class LegacyEngine:
         return [], 0
 
     def _fit(self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int) -> int:
-        """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool result).
+        """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool or
+        function result).
 
         Walks back from the newest message over the counts kept in the projection, so a turn costs
         O(what fits), not O(history), and no message is counted twice.
@@ -274,7 +275,7 @@ class LegacyEngine:
                 break
             total += cost
             first -= 1
-        while first < end and visible[first].get("role") == "tool":
+        while first < end and visible[first].get("role") in RESULT_ROLES:
             first += 1
         return first
 

@@ -29,6 +29,7 @@ from sqlalchemy import delete, insert, select
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
+from transcript_store.models import call_answered, calls_made
 from transcript_store.summarize import Level, Summarizer, hold, summary_text
 from transcript_store.tokens import TokenEstimator
 
@@ -119,13 +120,9 @@ def tail_start(items: Sequence[Item], config: LosslessConfig, budget: Budget) ->
 
 
 def _awaits_results(unit: Sequence[Item]) -> bool:
-    """Whether a unit is an assistant's tool calls not all answered by the results after it."""
-    first = unit[0].message if unit else None
-    calls = first.get("tool_calls") if first is not None and unit[0].role == "assistant" else None
-    if not calls or not isinstance(calls, list):
-        return False
-    wanted = {c.get("id") for c in calls if isinstance(c, dict)}
-    answered = {i.message.get("tool_call_id") for i in unit[1:] if i.message is not None}
+    """Whether a unit is an assistant's tool calls (or function call) not all answered by the results after it."""
+    wanted = set(calls_made(unit[0].message)) if unit else set()
+    answered = {call_answered(i.message) for i in unit[1:]}
     return not wanted <= answered
 
 

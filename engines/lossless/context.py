@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import select
 
 from transcript_store.core import Core
-from transcript_store.models import canonical_json
+from transcript_store.models import RESULT_ROLES, calls_made, canonical_json
 
 from .tables import context_items, message_id, messages, rows_of, summaries, summary_id
 
@@ -267,14 +267,15 @@ def compacted_at_ms(items: Sequence[Item]) -> int | None:
 
 
 def units(items: Sequence[Item]) -> list[tuple[int, int]]:
-    """[start, end) index ranges that must stay together: a tool call with its results, else one item."""
+    """[start, end) index ranges that must stay together: a tool call with its results (or an older-format
+    function call with its function result), else one item."""
     out: list[tuple[int, int]] = []
     for i, item in enumerate(items):
         joins = (
-            item.role == "tool"
+            item.role in RESULT_ROLES
             and out
             and items[i - 1].message is not None
-            and (items[i - 1].role == "tool" or bool((items[i - 1].message or {}).get("tool_calls")))
+            and (items[i - 1].role in RESULT_ROLES or bool(calls_made(items[i - 1].message)))
         )
         if joins:
             out[-1] = (out[-1][0], i + 1)

@@ -33,6 +33,7 @@ from sqlalchemy import Table, delete, insert, select
 from transcript_store import faults
 from transcript_store.core import Core
 from transcript_store.cursors import CursorState
+from transcript_store.models import RESULT_ROLES, call_answered, calls_made
 
 from .tables import View, context_items, messages, rows_of, summaries, summary_children, summary_sources
 
@@ -140,9 +141,10 @@ def _on_path(core: Core, scope: str, session_id: str, entry_id: str, position: i
 
 def _open_round(core: Core, scope: str, session_id: str, rows: _Rows, covered: list[int]) -> bool:
     """Whether the messages ``covered`` end inside a tool round: their last assistant message with tool
-    calls (followed only by tool results) has a call none of those results answers."""
+    calls or a function call (followed only by tool or function results) has a call none of those results
+    answers."""
     at = len(covered) - 1
-    while at >= 0 and rows.role.get(covered[at]) == "tool":
+    while at >= 0 and rows.role.get(covered[at]) in RESULT_ROLES:
         at -= 1
     if at < 0 or rows.role.get(covered[at]) != "assistant":
         return False
@@ -150,9 +152,8 @@ def _open_round(core: Core, scope: str, session_id: str, rows: _Rows, covered: l
     m = messages.c
     found = rows_of(core, scope, session_id, m.ordinal, wanted, (m.ordinal, m.message))
     by = {r.ordinal: json.loads(r.message) for r in found}
-    calls = by.get(covered[at], {}).get("tool_calls") or []
-    ids = {c.get("id") for c in calls if isinstance(c, dict)}
-    answered = {by.get(o, {}).get("tool_call_id") for o in wanted[1:]}
+    ids = set(calls_made(by.get(covered[at])))
+    answered = {call_answered(by.get(o)) for o in wanted[1:]}
     return bool(ids - answered)
 
 
