@@ -380,6 +380,39 @@ def turn_with_tool(tag: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ]
 
 
+class RecordingSummarizer(ExtractiveSummarizer):
+    """Extractive, keeping the texts of every message it was asked to summarize."""
+
+    texts: list[str] = []
+
+    def summarize(self, messages: Any, *args: Any, **kwargs: Any) -> str:
+        RecordingSummarizer.texts += [str(m.get("content")) for m in messages]
+        return super().summarize(messages, *args, **kwargs)
+
+
+def test_a_compress_inside_a_turn_never_summarizes_the_current_user_message(store_url: str, tmp_path: Path) -> None:
+    """Hermes compresses after a tool round when the request is over the trigger. The lossless engine
+    summarized the turn's user message with the messages before it (it was just outside the engine's
+    fresh tail, which the turn's tool rounds filled): a summarizer call whose summary the answer left
+    out, since the answer shows that message verbatim. The older turns are still summarized."""
+    RecordingSummarizer.texts = []
+    engine = make(tmp_path, engine="lossless", db_url=store_url, threshold_percent=3000,
+                  summarizer_factory=RecordingSummarizer)
+    engine.on_session_start("s1")
+    est = RoughEstimator()
+    current, pending = turn_with_tool("lambda")
+    rounds = [m for i in range(3) for m in turn_with_tool(f"lambda round {i}")[1]]  # with pending: the tail
+    messages = [*conversation("lambda", 12), current, *rounds, *pending]
+    tokens = est.count_messages(messages) + 800
+    assert engine.should_compress(tokens)
+    out = engine.compress(copy.deepcopy(messages), current_tokens=tokens)
+    assert engine.compression_count == 1 and is_valid_sequence(out)
+    assert out[-2:] == pending and out[-9:-2] == [current, *rounds]
+    assert RecordingSummarizer.texts and current["content"] not in RecordingSummarizer.texts
+    assert any("lambda question 0" in t for t in RecordingSummarizer.texts)
+    engine.close()
+
+
 @pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
 def test_compress_answers_below_the_trigger_with_the_fresh_tail_verbatim(
     store_url: str, tmp_path: Path, engine_id: str

@@ -447,3 +447,40 @@ def test_sigkill_between_the_summarizer_and_the_write_writes_nothing(
     assert invariants(store, sid, full=True) == []
     assert engine.compact(scope=A, session_id=sid, force=True, token_budget=900).compacted
     assert invariants(store, sid, full=True) == []
+
+
+def _tool_round(n: int) -> list[dict[str, Any]]:
+    call = {"id": f"c{n}", "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x"}'}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{n}", "content": f"round {n} " + "data " * 20}]
+
+
+@pytest.mark.parametrize("ending", ["tool", "function"])
+def test_the_question_of_a_turn_in_progress_is_never_summarized(store: TranscriptStore, sid: str, ending: str) -> None:
+    """A compaction in the middle of a turn (Hermes compresses after a tool round) sent the turn's user
+    message to the summarizer with the older messages when the turn's tool rounds filled the fresh tail:
+    a summarizer call for a summary the host's answer left out, since it shows that message verbatim.
+    It stays raw now while its rounds are in the tail; once the turn has its reply, it is summarized
+    like any older message."""
+    summarizer = Scripted()
+    engine = make_engine(store, {**SMALL, "fresh_tail_messages": 8}, summarizer)
+    question = user("THE QUESTION of this turn " + "please " * 60)
+    last = ([{"role": "assistant", "content": "calling", "function_call": {"name": "f", "arguments": "{}"}},
+             {"role": "function", "name": "f", "content": "result " * 20}] if ending == "function" else _tool_round(9))
+    turn = [question, *_tool_round(1), *_tool_round(2), *_tool_round(3), *last]  # the rounds: 8 messages
+    store.append_many(A, sid, [{"message": m} for m in [user("old question " + "words " * 80), assistant("old"),
+                                                         *turn]])
+    engine.bootstrap(scope=A, session_id=sid, fence=None)
+    assert engine.compact(scope=A, session_id=sid, force=True, token_budget=100_000).compacted
+    assert summarizer.calls == 1 and "old question" in summarizer.seen[0]
+    assert not any("THE QUESTION" in seen for seen in summarizer.seen)
+    out = engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
+    assert out[1:] == turn  # after the one summary: the question, then its rounds, in order
+    assert invariants(store, sid) == []
+    # the turn finished: the next compaction may summarize its question like any older message
+    store.append(A, sid, assistant("the answer of this turn"))
+    store.append(A, sid, user("next question"))
+    engine.bootstrap(scope=A, session_id=sid, fence=None)
+    engine.compact(scope=A, session_id=sid, force=True, token_budget=100_000)
+    assert any("THE QUESTION" in seen for seen in summarizer.seen)
+    assert invariants(store, sid) == []

@@ -5,6 +5,7 @@ Each round takes one step, in this order of preference:
 1. condense the oldest run of ``condense_fanin`` summaries of one depth into one summary of depth + 1;
 2. while over the target (or once, when forced): a leaf pass over the oldest raw chunk outside the
    protected fresh tail (bounded by messages and tokens), with the preceding summary for continuity;
+   the user message of a turn in progress stays raw while its rounds are in the tail (``turn_question``);
 3. while over the target: condense the newest run of two or more summaries of one depth, else the
    newest two summaries (mixed depths).
 
@@ -29,7 +30,7 @@ from sqlalchemy import delete, insert, select
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
-from transcript_store.models import call_answered, calls_made
+from transcript_store.models import RESULT_ROLES, call_answered, calls_made
 from transcript_store.summarize import Level, Summarizer, hold, summary_text
 from transcript_store.tokens import TokenEstimator
 
@@ -129,12 +130,32 @@ def _awaits_results(unit: Sequence[Item]) -> bool:
 def leaf_chunks(items: Sequence[Item], config: LosslessConfig, budget: Budget) -> Iterator[tuple[int, int]]:
     """[start, end) of each raw chunk outside the tail, oldest first; each at least one whole unit, else
     bounded. The planner takes the first it can summarize smaller: a chunk it cannot (a tiny exchange
-    before a large tool unit) is passed over, not the end of compaction."""
+    before a large tool unit) is passed over, not the end of compaction. The user message of a turn still
+    in progress (``turn_question``) stays raw when all that follows it is in the fresh tail."""
     limit = tail_start(items, config, budget)
+    held = turn_question(items)
+    if held is not None and held + 1 == limit:
+        limit = held
     start = 0
     while (chunk := _chunk_from(items, config, start, limit)) is not None:
         yield chunk
         start = chunk[1]
+
+
+def turn_question(items: Sequence[Item]) -> int | None:
+    """Index of the user message of a turn still in progress: the newest user message when the context
+    ends in a tool or function result (the model is asked again next), else None.
+
+    A host compacting in the middle of a turn (Hermes' compress after a tool round) shows that message
+    verbatim whatever the engine does with it: summarized, it cost a summarizer call (or a part of one)
+    for a summary the host's answer left out then (it came back a turn later). It stays raw only when
+    the turn's tool rounds after it are all raw too (in the fresh tail): a summary of older rounds of
+    the turn is a user-role message, and after the raw question it would be the newest user message,
+    which a host takes for the turn's own (Hermes did: the question left its requests). Summarizing
+    the rounds needs the question in their summary, as before."""
+    if not items or items[-1].role not in RESULT_ROLES:
+        return None
+    return next((i for i in range(len(items) - 1, -1, -1) if items[i].role == "user"), None)
 
 
 def _chunk_from(items: Sequence[Item], config: LosslessConfig, start: int, limit: int) -> tuple[int, int] | None:
