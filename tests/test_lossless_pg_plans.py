@@ -135,3 +135,48 @@ def test_a_large_import_leaves_the_foreign_key_checks_index_lookups(store: Trans
         plan = _plan_of_any(conn, check, {"s": A, "i": sid, "o": count // 2})[0]
     removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
     assert max(removed, default=0) <= 1 and "Seq Scan" not in plan, plan
+
+
+def test_the_commit_of_a_sessions_1000th_message_analyzes_tables_never_analyzed(store: TranscriptStore) -> None:
+    """A session grown turn by turn (no import of 1,000 messages at once) on tables never analyzed: the
+    foreign-key check of each context item a commit inserts read the session's messages through the
+    entry-id index (9,999 rows removed, ~8 ms a turn at 10,000 messages) until an autoanalyze, which
+    autovacuum off or behind never ran. The commit that stores a session's 1,000th message analyzes the
+    tables that have no statistics; the check is then a primary-key lookup. Commits after it send no
+    statement more. (SQLite checks a foreign key by the parent's primary key: the commits just work.)"""
+    postgres = store.backend == "postgresql"
+    if postgres:
+        with store.db.engine.begin() as conn:  # this test's database only: autovacuum would ANALYZE them
+            tables = [t for (t,) in conn.exec_driver_sql("SELECT tablename FROM pg_tables WHERE tablename LIKE 'ts%%'")]
+            for table in tables:
+                conn.exec_driver_sql(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
+    sid = store.create_session(A, session_id="grown").session_id
+    store.append_many(A, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": f"m {i}"}}
+                               for i in range(998)])
+    engine = make_engine(store)
+    assert engine.bootstrap(scope=A, session_id=sid, fence=None).imported_messages == 998  # under its ANALYZE
+    check = ("SELECT 1 FROM ONLY ts_lcm_messages x WHERE scope = %(s)s AND session_id = %(i)s AND ordinal = %(o)s "
+             "FOR KEY SHARE OF x")
+
+    def removed() -> int:
+        with store.db.engine.connect() as conn:
+            plan = _plan_of_any(conn, check, {"s": A, "i": sid, "o": 500})[0]
+        return max((int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)), default=0)
+
+    if postgres:
+        assert removed() > 900  # the case: the session's rows read for one key
+    assert commit(store, engine, finished_turn(store, sid, "t-999")).status == "committed"  # ordinals 998, 999
+    assert store.db.analyze_unanalyzed(("ts_lcm_messages", "ts_lcm_context_items")) is False  # analyzed already
+    if postgres:
+        assert removed() <= 1
+    sent: list[str] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        sent.append(statement)
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        assert commit(store, engine, finished_turn(store, sid, "t-1001")).status == "committed"
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    assert sent and not any("ANALYZE" in s or "pg_stats" in s for s in sent)

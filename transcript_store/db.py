@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, Table, create_engine, event
+from sqlalchemy import Connection, Engine, Table, create_engine, event, text
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
@@ -542,6 +542,26 @@ class Database:
             return
         names = ", ".join(t for t in tables if t.isidentifier())
         self.write(lambda conn: conn.exec_driver_sql(f"ANALYZE {names}"))
+
+    def analyze_unanalyzed(self, tables: tuple[str, ...]) -> bool:
+        """ANALYZE those of some tables PostgreSQL holds no planner statistics for (never analyzed: a new
+        deployment, autovacuum off or behind); whether one was. One catalog read when all have them;
+        nothing on SQLite."""
+        if self.dialect.is_sqlite:
+            return False
+        names = [t for t in tables if t.isidentifier()]
+
+        def bare(conn: Connection) -> list[str]:
+            query = text(
+                "SELECT t FROM unnest(CAST(:names AS text[])) AS t WHERE NOT EXISTS "
+                "(SELECT 1 FROM pg_stats s WHERE s.schemaname = current_schema() AND s.tablename = t)"
+            )
+            return [str(t) for (t,) in conn.execute(query, {"names": names})]
+
+        missing = self.read(bare)
+        if missing:
+            self.analyze(tuple(missing))
+        return bool(missing)
 
     def dispose(self) -> None:
         """Close every pooled connection."""
