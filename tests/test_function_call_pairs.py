@@ -21,6 +21,7 @@ from engines.lossless import LosslessEngine
 from engines.lossless.audit import audit
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
+from transcript_store.errors import InvalidMessage
 from transcript_store.host import UNANSWERED_TOOL_CALL, pair_tool_calls
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
@@ -71,6 +72,25 @@ def legacy(store: TranscriptStore, **config: Any) -> LegacyEngine:
 def lossless(store: TranscriptStore, **config: Any) -> LosslessEngine:
     return LosslessEngine(EngineContext(store=store, config=config, summarizer=ExtractiveSummarizer(),
                                         estimator=RoughEstimator()))
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+
+def test_a_function_call_without_content_is_a_message(store: TranscriptStore, sid: str) -> None:
+    """The older format's reply is ``content: null`` with a ``function_call``, which the Chat Completions
+    API takes back: it was refused ("needs 'content' or 'tool_calls'"), and its arguments were not
+    counted in the request's tokens."""
+    bare = {"role": "assistant", "content": None, "function_call": {"name": "lookup", "arguments": "{}"}}
+    entry = store.append(SCOPE, sid, bare)
+    assert store.read_visible(SCOPE, sid)[-1].entry_id == entry.entry_id
+    for bad in ({"role": "assistant", "content": None, "function_call": {"arguments": "{}"}},
+                {"role": "assistant", "content": None, "function_call": "lookup"}):
+        with pytest.raises(InvalidMessage):
+            store.append(SCOPE, sid, bad)
+    est = RoughEstimator()
+    long = {**bare, "function_call": {"name": "lookup", "arguments": json.dumps({"q": "word " * 400})}}
+    assert est.count_messages([long]) > est.count_messages([bare]) + 400
 
 
 # ---------------------------------------------------------------------------------------------- host

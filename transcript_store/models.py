@@ -139,7 +139,11 @@ def _check_roles(message: Any) -> None:
     if message.content is None and message.role != "assistant":
         raise ValueError(f"a {message.role} message needs 'content'")
     if message.role == "assistant" and message.content is None and not message.tool_calls:
-        raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        # The older function-calling format answers with ``content: null`` and a ``function_call``
+        # ({name, arguments}), which the Chat Completions API still takes back.
+        call = getattr(message, "function_call", None)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            raise ValueError("an assistant message needs 'content', 'tool_calls' or a 'function_call' with a name")
 
 
 def _check_json_value(value: Any, depth: int = 0) -> None:

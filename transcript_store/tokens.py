@@ -88,7 +88,8 @@ def _count_messages(
     per_tool_call: int,
     priming: int,
 ) -> int:
-    """Shared message walk: framing per message, content, name, tool calls, tool-call ids."""
+    """Shared message walk: framing per message, content, name, tool calls (an older-format function
+    call too), tool-call ids."""
     if not messages:
         return 0
     total = priming
@@ -107,6 +108,9 @@ def _count_messages(
         call_id = message.get("tool_call_id")
         if isinstance(call_id, str):
             total += count_text(call_id)
+        legacy = message.get("function_call")  # the older format's one call (``function`` results: name)
+        if isinstance(legacy, dict):
+            total += per_tool_call + sum(count_text(text) for text in _tool_call_texts([{"function": legacy}]))
     return total
 
 
@@ -116,7 +120,8 @@ class RoughEstimator:
     Text: ASCII letters and spaces 4 chars per token, ASCII digits and punctuation 2 per token, CJK
     ideographs / kana / hangul / full-width forms 1 token each, other non-ASCII 2 chars per token.
     Messages: 4 tokens of framing each, plus content, ``name``, tool-call names and arguments (and 3
-    tokens per call), ``tool_call_id``, plus 3 tokens of reply priming.
+    tokens per call; an older-format ``function_call`` is one call), ``tool_call_id``, plus 3 tokens of
+    reply priming.
 
     Typical error, measured against tiktoken ``cl100k_base`` exact counts (p5 / median / p95 per text of
     a few hundred characters): English prose (stdlib docstrings) +0% / +18% / +38%; Python source
