@@ -23,7 +23,7 @@ from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
 from transcript_store.errors import InvalidMessage
 from transcript_store.host import UNANSWERED_TOOL_CALL, pair_tool_calls
-from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.summarize import ExtractiveSummarizer, render_transcript
 from transcript_store.tokens import RoughEstimator
 
 SCOPE = "function-pairs"
@@ -208,4 +208,27 @@ def test_lossless_branching_back_never_leaves_a_function_result_without_its_call
     check_pairs(out)
     text = json.dumps(out)
     assert "the result" in text and "found" in text and "side 0" not in text
+    eng.dispose()
+
+
+# ---------------------------------------------------------------------------------------------- text shown
+
+
+def test_summaries_and_search_show_an_older_format_function_call(store: TranscriptStore, sid: str) -> None:
+    """A ``function_call``'s name and arguments were in no summary (a content-less call was "(no text)")
+    and no search (``searchable_text`` read ``tool_calls`` only), and its result was shown as a message."""
+    bare = {"role": "assistant", "content": None,
+            "function_call": {"name": "find_flight", "arguments": '{"to": "Reykjavik"}'}}
+    answer = {"role": "function", "name": "find_flight", "content": "FI 615 departs 07:40"}
+    messages = [say("user", "book me something north"), bare, answer]
+    summary = ExtractiveSummarizer().summarize(messages)
+    assert 'find_flight({"to": "Reykjavik"})' in summary and "(no text)" not in summary, summary
+    assert "function find_flight -> FI 615" in summary, summary
+    shown = render_transcript(messages)
+    assert '(calls find_flight with {"to": "Reykjavik"})' in shown and "[function result: find_flight]" in shown
+    store.append_many(SCOPE, sid, [{"message": m} for m in messages])
+    eng = lossless(store)
+    eng.bootstrap(scope=SCOPE, session_id=sid, fence=None)
+    found = json.loads(eng.handle_tool_call("lcm_grep", {"pattern": "Reykjavik"}, scope=SCOPE, session_id=sid))
+    assert found["count"] == 1, found  # the call's arguments, in no message's content
     eng.dispose()

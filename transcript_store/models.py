@@ -112,6 +112,20 @@ def calls_made(message: dict[str, Any] | None) -> list[Any]:
     return out
 
 
+def functions_called(message: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, arguments as text) of each call a message makes: its ``tool_calls`` and an older-format
+    ``function_call``, in that order (what summaries and search show of the calls)."""
+    calls = [c.get("function") for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    legacy = message.get("function_call")
+    out = []
+    for function in [*calls, legacy]:
+        if isinstance(function, dict):
+            arguments = function.get("arguments")
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, sort_keys=True)
+            out.append((str(function.get("name")), text))
+    return out
+
+
 def call_answered(message: dict[str, Any] | None) -> Any:
     """The key (as ``calls_made`` gives it) of the call a result message answers; None for another message."""
     if not isinstance(message, dict):

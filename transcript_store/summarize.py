@@ -6,7 +6,6 @@ OPENAI_API_KEY, TRANSCRIPT_STORE_SUMMARIZER_MODEL), else ``ExtractiveSummarizer`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ import regex
 from .db import UNSENDABLE
 from .errors import InvalidInput, ModelError, SummarizerError
 from .model import DEFAULT_OPENAI_MODEL, OpenAIChatModel, message_text
+from .models import functions_called
 from .tokens import RoughEstimator, TokenEstimator
 
 Level = Literal["normal", "aggressive"]
@@ -213,17 +213,12 @@ def _extract(message: dict[str, Any], tool_names: dict[str, str], focus: str | N
     """One line for one message: role, first sentence, key lines, tools called or the tool's result."""
     role = str(message.get("role", "?"))
     text = message_text(message)
-    if role == "tool":
+    if role in ("tool", "function"):  # a function result names its function (the older format's answer)
         name = tool_names.get(str(message.get("tool_call_id")), str(message.get("name") or "tool"))
-        return f"- tool {name} -> {_cut(text, limits.tool_result)}"
+        return f"- {role} {name} -> {_cut(text, limits.tool_result)}"
     parts = [_first_sentence(text, limits.sentence)] if text.strip() else []
     parts += _key_lines(text, focus, limits)
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        arguments = function.get("arguments")
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, sort_keys=True)
-        calls.append(f"{function.get('name')}({_cut(arguments, limits.arguments)})")
+    calls = [f"{name}({_cut(arguments, limits.arguments)})" for name, arguments in functions_called(message)]
     if calls:
         parts.append("called " + ", ".join(calls))
     return f"- {role}: " + (" | ".join(parts) or "(no text)")
@@ -329,14 +324,13 @@ def render_transcript(messages: Sequence[dict[str, Any]], *, max_chars_per_messa
     for m in messages:
         role = str(m.get("role", "?"))
         text = message_text(m)
-        if role == "tool":
+        if role in ("tool", "function"):
             tool = names.get(str(m.get("tool_call_id")), str(m.get("name") or "tool"))
-            out.append(f"[tool result: {tool}]\n{_cut(text, max_chars_per_message // 2)}")
+            out.append(f"[{role} result: {tool}]\n{_cut(text, max_chars_per_message // 2)}")
             continue
         block = f"[{role}]\n{text[:max_chars_per_message]}" if text else f"[{role}]"
-        for call in m.get("tool_calls") or []:
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            block += f"\n(calls {function.get('name')} with {_cut(str(function.get('arguments')), 500)})"
+        for name, arguments in functions_called(m):
+            block += f"\n(calls {name} with {_cut(arguments, 500)})"
         out.append(block)
     return "\n\n".join(out)
 

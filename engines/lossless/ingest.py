@@ -18,7 +18,7 @@ from sqlalchemy import insert
 
 from transcript_store.core import Core, now_us
 from transcript_store.model import message_text
-from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry
+from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry, functions_called
 from transcript_store.reads import read_visible_delta
 from transcript_store.tokens import TokenEstimator
 
@@ -52,10 +52,7 @@ def column_text(text: str) -> str:
 def searchable_text(message: dict[str, Any]) -> str:
     """The text search sees for a message: its content plus the tool calls it made (names and arguments)."""
     parts = [message_text(message)]
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        if isinstance(function, dict):
-            parts.append(f"{function.get('name')}({function.get('arguments')})")
+    parts += [f"{name}({arguments})" for name, arguments in functions_called(message)]
     if isinstance(message.get("name"), str):
         parts.append(message["name"])
     return column_text("\n".join(p for p in parts if p))
