@@ -118,6 +118,27 @@ def test_retries_racing_under_one_idempotency_key_make_one_session(
     assert len(ids(store)) == 2
 
 
+def test_a_retry_under_an_idempotency_key_whose_session_was_deleted_does_not_make_it_again(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """The first request's answer was lost and another client deleted the session it made before the
+    retry (the CLI's delete): the retry found no session under the key's id and made it again, a session its
+    deleter saw go
+    (the tombstone ``delete_session`` leaves was not looked at). It is 404 ``session_not_found`` now,
+    writing nothing; another key still creates."""
+    for body in ({}, {"session_key": "deleted-key"}):
+        status, made = create(server, body, f"deleted-{len(body)}")
+        assert status == 200, made
+        store.delete_session(SCOPE, made["session_id"])  # (the CLI's delete: the API has none)
+        before = table_rows(store)
+        status, data = create(server, body, f"deleted-{len(body)}")
+        assert status == 404 and data["error"]["code"] == "session_not_found", (body, data)
+        assert "Idempotency-Key" in data["error"]["message"] and "deleted" in data["error"]["message"]
+        assert table_rows(store) == before and ids(store) == []
+    status, fresh = create(server, {}, "deleted-other")
+    assert status == 200 and ids(store) == [fresh["session_id"]]
+
+
 def test_an_idempotency_key_reused_for_another_request_is_a_409_that_writes_nothing(
     server: ServiceProcess, store: TranscriptStore
 ) -> None:

@@ -128,6 +128,28 @@ def test_a_service_session_deleted_before_the_retry_is_not_created_again(store_u
         svc.runtime.dispose()
 
 
+def test_a_service_session_under_an_idempotency_key_deleted_before_the_retry_is_not_created_again(
+    store_url: str,
+) -> None:
+    """A create under an ``Idempotency-Key`` whose COMMIT landed but was reported lost, the session deleted
+    by another client before the store's own retry: the retry found no session under the key's id and
+    created it again. It answers the session it created; it stays deleted."""
+    from mirror_helpers import legacy_service
+
+    from transcript_store.core import derived_id
+    from transcript_store.service_models import OpenSession
+
+    with two_clients(store_url) as (store, other):
+        svc = next(legacy_service(store))
+        for n, key in enumerate((None, "idem-k")):
+            sid = derived_id(f"Idempotency-Key\x00idem-{n}")
+            with commit_lost_then(store, lambda sid=sid: other.delete_session(S, sid)):
+                info = svc.open_session(S, OpenSession(session_key=key), f"idem-{n}")
+            assert (info.session_id, info.session_key, info.active) == (sid, key, True), info
+            assert gone(other, sid) and tombstones(other, sid) == [(sid, info.incarnation)]
+        svc.runtime.dispose()
+
+
 def deleted_inside_the_retry(store: TranscriptStore, other: TranscriptStore, sid: str, call: Callable[[], T]) -> T:
     """Run ``call`` (a write making session ``sid``) with its first COMMIT lost; inside the retry's
     transaction, just before its insert of the session, another client deletes ``sid`` (its own

@@ -1172,18 +1172,19 @@ class Core:
             delete(sessions).where(sessions.c.scope == scope, sessions.c.session_id == session_id)
         )
 
-    def deleted(self, scope: str, session_id: str, incarnation: int) -> bool:
-        """Whether the session of ``incarnation`` under this id was deleted (its tombstone is kept).
+    def deleted(self, scope: str, session_id: str, incarnation: int | None) -> bool:
+        """Whether the session of ``incarnation`` (None: of any) under this id was deleted (its tombstone is kept).
 
         For a retry of a create whose COMMIT was uncertain: its own incarnation here means the create
         landed and was deleted since; none means it never landed (or it was deleted longer ago than any
-        retry runs). A random incarnation is never another session's."""
+        retry runs). A random incarnation is never another session's. Any incarnation is for an id that
+        names one request only (an ``Idempotency-Key``'s): any session made under it was that request's."""
         q: Select[Any] = select(literal_column("1")).where(
-            deleted_sessions.c.scope == scope,
-            deleted_sessions.c.session_id == session_id,
-            deleted_sessions.c.incarnation == incarnation,
+            deleted_sessions.c.scope == scope, deleted_sessions.c.session_id == session_id
         )
-        return self.conn.execute(q).first() is not None
+        if incarnation is not None:
+            q = q.where(deleted_sessions.c.incarnation == incarnation)
+        return self.conn.execute(q.limit(1)).first() is not None
 
     # ------------------------------------------------------------------------------------ appends
 

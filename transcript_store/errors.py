@@ -86,6 +86,19 @@ class SessionReplaced(UnknownSession):
         self.session_id = session_id
 
 
+class SessionDeleted(UnknownSession):
+    """The session an earlier attempt of this request made was deleted since (its tombstone is kept): the
+    retry answers that instead of making the session again (an ``Idempotency-Key``'s retry)."""
+
+    def __init__(self, scope: str, session_id: str, request: str) -> None:
+        TranscriptStoreError.__init__(
+            self,
+            f"session {session_id!r} in scope {scope!r}, which {request} made, was deleted since: not made again",
+        )
+        self.scope = scope
+        self.session_id = session_id
+
+
 class UnknownEntry(TranscriptStoreError, LookupError):
     """No such entry in this session."""
 

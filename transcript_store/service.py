@@ -46,6 +46,7 @@ from .errors import (
     InvalidInput,
     MirrorConflict,
     ReadFenceError,
+    SessionDeleted,
     SessionKeyConflict,
     TranscriptStoreError,
     TransientStoreError,
@@ -340,7 +341,8 @@ class Service:
         without the key: a new session, or (``key``) the active session holding it, created when none does.
 
         The derived session is the answer once it exists, ended since or not (a retry is answered as the
-        first attempt was); one made with another session key is another request's: IdempotencyConflict."""
+        first attempt was); one made with another session key is another request's: IdempotencyConflict.
+        Deleted since (its tombstone kept), a retry is SessionDeleted, never the session made again."""
         check_id("scope", scope, new=True)
         check_id("session_key", key, optional=True, new=True)
         sid = derived_id("Idempotency-Key\x00" + idempotency_key)
@@ -348,18 +350,29 @@ class Service:
             f"Idempotency-Key {idempotency_key!r} was used for another request (a session with another session_key)"
         )
 
+        landed: list[SessionInfo] = []  # the session an attempt of this call created
+
         def run(c: Core) -> SessionInfo:
+            if landed and landed_since(c, scope, sid, landed[0]):
+                # This call's earlier attempt made it and only its COMMIT was uncertain: ended or deleted
+                # since. Answered as it was made (``TranscriptStore.create_session``).
+                return landed[0]
             row = c.session_row(scope, sid)
             if row is not None:
                 if row.session_key != key:
                     raise reused
                 return session_info(row)
+            if c.deleted(scope, sid, None):
+                # An earlier request under the key made the session and it was deleted since (a retry whose
+                # answer was lost): made again, it is a session its deleter saw go.
+                raise SessionDeleted(scope, sid, f"the request under Idempotency-Key {idempotency_key!r}")
             if key is not None:
                 holder = c.find_session_by_key(scope, key)
                 if holder is not None:  # nothing to create: the key's holder, as without the header
                     return session_info(holder)
             try:
-                return c.create_session(scope, sid, key)
+                landed[:] = [c.create_session(scope, sid, key)]
+                return landed[0]
             except IdempotencyConflict:  # the same key's other request made the session after the lookup
                 raise reused from None
             except SessionKeyConflict:
