@@ -1697,3 +1697,40 @@ def test_the_selection_leaves_room_for_the_tool_schemas_hermes_sends(store_url: 
     assert is_valid_sequence(sent) and sent[-1] == taken[-1]
     assert est.count_messages(sent) + own <= window, "the request with the recall tools is over the window"
     restarted.close()
+
+
+def test_the_background_review_interrupted_before_its_first_answer_stores_nothing_in_its_parent(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Hermes' background review runs in a thread of its own, built there with an engine copy under an
+    id of its own, then run under its parent's id with compression off (no ``should_compress``). Its
+    first model call failed or was interrupted before answering (no ``update_from_response``): no copy
+    marked the thread, ``end_turn`` took the copy following the parent's id, and its harness prompt
+    ("review the conversation above") went into the parent's store session as the parent's turn. The
+    copy last bound in the thread is the turn's: it follows another id, so nothing is stored."""
+    from transcript_store.hermes import end_turn, note_turn
+
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=None, session_id="s1")
+    convo = conversation("delta", 2)
+    engine.on_turn_complete(convo, session_id="s1")
+    stored: list[Any] = []
+
+    def review_thread() -> None:
+        review = copy.deepcopy(engine)
+        review.bind_session_state(session_db=None, session_id="review")
+        note_turn(session_id="s1", conversation_history=[*convo, user("delta review prompt")])
+        end_turn(session_id="s1", completed=False, interrupted=True)
+        stored.append(review)
+
+    t = threading.Thread(target=review_thread)
+    t.start()
+    t.join(60)
+    assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in convo]
+    # The agent's own turn, interrupted before its first answer, in the thread that built it: stored.
+    live = [*convo, user("delta interrupted before its first answer")]
+    note_turn(session_id="s1", conversation_history=list(live))
+    end_turn(session_id="s1", completed=False, interrupted=True)
+    assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in live]
+    stored[0].close()
+    engine.close()

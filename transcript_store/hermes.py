@@ -1295,6 +1295,12 @@ class TranscriptStoreEngineMixin:
         self.last_completion_tokens = completion
         self.last_total_tokens = as_int(usage.get("total_tokens")) or prompt + completion
 
+    def _tell_thread(self) -> None:
+        """Name this copy as the one last told its agent's session in this thread (``end_turn``): Hermes
+        builds an agent, binding its copy, in the thread that runs it (the background review's, too)."""
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced: no hook
+            _TURN.told = weakref.ref(self)
+
     def _mark_turn(self) -> None:
         """Name this copy as the engine of the turn running on this thread (see ``observe_turn``)."""
         with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced: no hook
@@ -1516,6 +1522,7 @@ class TranscriptStoreEngineMixin:
         store session under the new one."""
         self.session_id = session_id
         if isinstance(session_id, str) and session_id:
+            self._tell_thread()
             with _RUNTIME_LOCK:  # the new id's unfinished turns, too (``end_turn``)
                 _LIVE[session_id] = self
                 if self._bound_db() is not None:
@@ -1559,6 +1566,7 @@ class TranscriptStoreEngineMixin:
         # the old one's store session (branched onto its transcript) and the new id's stayed empty.
         if not isinstance(session_id, str) or not session_id:
             return
+        self._tell_thread()
         with _RUNTIME_LOCK:
             _LIVE[session_id] = self
             if session_db is not None:
@@ -1846,9 +1854,9 @@ def end_turn(**kwargs: Any) -> None:
     database; the read is the saved conversation, so the hook of an agent that saves nothing (Hermes'
     background review, which runs under its parent's id) stores nothing of its own. An agent without a
     session database has the live list its turn passed ``note_turn`` in this thread stored instead,
-    through its engine copy (the one this thread's model calls marked, else the one following the id;
-    none when the thread's calls were another agent's). A finished turn was stored by ``observe_turn``
-    and reads nothing here.
+    through its engine copy (the one this thread's model calls marked, else the one last told a session
+    in this thread, else the one following the id; none when that copy follows another id: another
+    agent's turn). A finished turn was stored by ``observe_turn`` and reads nothing here.
     """
     live = getattr(_TURN, "live", None)
     ref = getattr(_TURN, "engine", None)
@@ -1868,6 +1876,13 @@ def end_turn(**kwargs: Any) -> None:
     if not isinstance(live, tuple) or live[0] != session_id:
         return
     marked = ref() if isinstance(ref, weakref.ref) else None
+    if marked is None:
+        # No model call of this turn answered (it failed or was interrupted before one did): the copy
+        # last told a session in this thread is its agent's. Following another id, the turn is another
+        # agent's: the background review, built in its own thread under an id of its own, runs under its
+        # parent's id, and its harness prompt went into the parent's store session.
+        told = getattr(_TURN, "told", None)
+        marked = told() if isinstance(told, weakref.ref) else None
     with _RUNTIME_LOCK:
         engine = marked if marked is not None else _LIVE.get(session_id)
     # A copy following another id made this thread's model calls: another agent's turn (Hermes'
