@@ -175,7 +175,7 @@ def bodies(w: dict[str, Any]) -> dict[str, st.SearchStrategy[bytes]]:
         "maintain": fields(unknown=payloads),
         "host_compaction": fields(summary=mostly(st.sampled_from(["earlier talk"]), st.one_of(texts, wrong)),
                                   first_kept_position=mostly(st.sampled_from([0, 2, 4]), st.one_of(ints, wrong)),
-                                  first_kept_entry_id=ids),
+                                  first_kept_entry_id=ids, reset=mostly(st.booleans(), wrong)),
         "commit_turn": st.one_of(
             st.sampled_from(sorted(commit_edits)).flatmap(
                 lambda k: commit_edits[k].map(lambda v: dumps({**commit, k: v}))),

@@ -25,6 +25,7 @@ from conftest import module_store_fixtures
 from mirror_helpers import A, a, hosted, legacy_service, page, u
 
 from transcript_store import TranscriptStore
+from transcript_store.errors import InvalidInput
 from transcript_store.service import Service
 from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
 
@@ -112,3 +113,68 @@ def test_a_host_compaction_stands_only_on_the_branch_it_was_made_on(service: Ser
     # Back on branch A: B's compaction does not stand there either.
     assert page(s, sid, None, "c3", hosted(*branch_a)).rewound
     assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4a", "m5a"]
+
+
+def reset(svc: Service, session_id: str, position: int, count: int, kept: str | None = None) -> int:
+    """Record a host reset (OpenClaw's /new or /reset in the same transcript) made after ``count`` messages,
+    its context starting again at ``position``; the first kept position the engine shows."""
+    req = HostCompactionRequest(
+        summary="", first_kept_position=position, first_kept_entry_id=kept, reset=True, compacted_at_count=count
+    )
+    return svc.host_compaction(A, "legacy", session_id, req).first_kept_position
+
+
+def test_a_host_reset_starts_the_context_again_and_ends_the_compaction_before_it(service: Service, sid: str) -> None:
+    # OpenClaw's reset kept in the same transcript (a `reset` entry) starts its context again after it; the
+    # messages before it stay visible in the host's transcript (and so in the mirror). The plugin had no way
+    # to say so: the pre-reset messages, and the service's compaction of them, stayed in every assemble.
+    s = service.store
+    long = " and so on" * 40
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(14)]
+    page(s, sid, None, "c1", hosted(*msgs[:8]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 8 messages
+    # The host resets after those 8 (the compaction made at the same point is older than the reset): the
+    # next turn's message is not written yet, so the reset names no first kept message.
+    assert reset(service, sid, 8, 8) == 8
+    assert shown(service, sid) == []
+    page(s, sid, "c1", "c2", hosted(*msgs[8:10]))
+    assert shown(service, sid) == [f"m8{long}", f"m9{long}"]
+    # The service's own compaction after the reset summarises only what followed it (was: all 10).
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).reason == "nothing old enough to compact"
+    # OpenClaw compacts after the reset: recorded over it; the reset found again later leaves it in place.
+    assert record(service, sid, "after the reset", 9, "h9", compacted_at_count=10) == 9
+    assert shown(service, sid) == [f"{HEAD}after the reset", f"m9{long}"]
+    assert reset(service, sid, 8, 8) == 9
+    # A second reset keeping a tail before it (firstKeptEntryId): the context is that tail and what follows.
+    page(s, sid, "c2", "c3", hosted(*msgs[10:]))
+    assert reset(service, sid, 13, 14, kept="h13") == 13
+    assert shown(service, sid) == [f"m13{long}"]
+
+
+def test_a_host_reset_stands_only_on_the_branch_it_was_made_on(service: Service, sid: str) -> None:
+    s = service.store
+    shared = conversation(4)
+    page(s, sid, None, "c1", hosted(*shared, ("h4a", u("m4a")), ("h5a", a("m5a"))))
+    assert reset(service, sid, 6, 6) == 6
+    page(s, sid, "c1", "c2", hosted(("h6", u("m6"))))
+    assert shown(service, sid) == ["m6"]
+    # The mirror moves to another branch without the message the reset was made after: no reset there.
+    assert page(s, sid, None, "c3", hosted(*shared, ("h4b", u("m4b")), ("h5b", a("m5b")), ("h6b", u("m6b")))).rewound
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4b", "m5b", "m6b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"summary": "a summary", "first_kept_position": 0, "first_kept_entry_id": "h0", "reset": True}, "no summary"),
+        ({"summary": "a summary", "first_kept_position": 0}, "first kept message"),
+        ({"summary": "", "first_kept_position": 1, "reset": True, "compacted_at_count": 2}, "first kept message"),
+        ({"summary": "", "first_kept_position": 0, "first_kept_entry_id": "h0"}, "needs its summary"),
+    ],
+)
+def test_a_host_reset_or_compaction_that_does_not_say_where_is_refused(
+    service: Service, sid: str, fields: dict[str, Any], why: str
+) -> None:
+    page(service.store, sid, None, "c1", hosted(*conversation(2)))
+    with pytest.raises(InvalidInput, match=why):
+        service.host_compaction(A, "legacy", sid, HostCompactionRequest(**fields))

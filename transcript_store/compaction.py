@@ -45,9 +45,15 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     # another branch sharing its first kept message the host's context does not hold it. It stands while
     # the mirror's branch holds the last message it was made after.
     seen = pointer.get("seen_entry_id") if pointer.get("source") == "host" else None
-    rows = c.entries_with_path(scope, session_id, [kept] if not isinstance(seen, str) else [kept, seen])
+    ids = [i for i in (kept, seen) if isinstance(i, str)]
+    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
     if isinstance(seen, str) and not _at_on_path(rows.get(seen), pointer.get("made_at_count", 0) - 1):
         return None
+    if kept is None:
+        # A host's reset that kept none of the messages before it (record_host_compaction): its context
+        # starts after the last message it was made after, which the branch still holds (above).
+        sess = c.session_row(scope, session_id)
+        return _dated(c, scope, session_id, pointer) if sess is not None and at <= int(sess.visible_count) else None
     row = rows.get(kept)
     if _at_on_path(row, at):
         return _dated(c, scope, session_id, pointer)
@@ -87,7 +93,13 @@ def _made_at(c: Core, scope: str, session_id: str, count: int) -> dict[str, Any]
 
 
 def _standing_is_newer(
-    c: Core, scope: str, session_id: str, standing: dict[str, Any], compacted_ms: int | None, count: int | None
+    c: Core,
+    scope: str,
+    session_id: str,
+    standing: dict[str, Any],
+    compacted_ms: int | None,
+    count: int | None,
+    reset: bool = False,
 ) -> bool:
     """Whether the compaction in force (``standing``) was made after one the host found in its transcript
     later, made after ``count`` of its visible messages (at ``compacted_ms`` by the host's clock).
@@ -112,6 +124,10 @@ def _standing_is_newer(
             return False
     if made_count != count:
         return made_count > count
+    if reset:
+        # A host's reset made after as many messages as the compaction in force ends the context that
+        # compaction summarised (the host's context starts again at the reset): it is the newer boundary.
+        return False
     if made_ms is not None and compacted_ms is not None:
         return made_ms > compacted_ms
     return True
@@ -139,9 +155,10 @@ def record_host_compaction(
     *,
     summary: str,
     first_kept_position: int,
-    first_kept_entry_id: str,
+    first_kept_entry_id: str | None,
     compacted_ms: int | None = None,
     compacted_at_count: int | None = None,
+    reset: bool = False,
 ) -> dict[str, Any]:
     """Record a compaction a host made of its own transcript (OpenClaw's, which an engine that does not own
     compaction delegates to it) as the session's pointer, in the caller's write transaction.
@@ -159,9 +176,25 @@ def record_host_compaction(
     newer (``_standing_is_newer``: by where in the conversation each was made) stays, and is what is
     returned. The pointer notes where the compaction was made (``_made_at``; one made just now: after the
     mirror's last message), which decides the branch it stands on (``pointer_in``).
+
+    ``reset``: the host reset its context in the same transcript (OpenClaw's /new, /reset, an idle or daily
+    reset): no summary, its context starts again at ``first_kept_position`` (the messages after the reset,
+    or a tail before it the reset kept). A reset that kept none of the messages before it names no first
+    kept message (``first_kept_entry_id`` None; the host may not have written the next one yet): it stands
+    while the mirror's branch holds the last message it was made after (``compacted_at_count`` of them,
+    which is then its position). A compaction in force made at the same point is older than the reset.
     """
-    if not isinstance(summary, str) or not summary.strip():
+    if not isinstance(reset, bool):
+        raise InvalidInput(f"reset must be true or false, got {reset!r}")
+    if reset and (not isinstance(summary, str) or summary.strip()):
+        raise InvalidInput("a host reset carries no summary")
+    if not reset and (not isinstance(summary, str) or not summary.strip()):
         raise InvalidInput("a host compaction needs its summary")
+    if first_kept_entry_id is None and not (reset and compacted_at_count == first_kept_position):
+        raise InvalidInput(
+            "a host compaction needs its first kept message (only a reset that kept none, at compacted_at_count, "
+            "names none)"
+        )
     sess = c.require_session(scope, session_id, lock=True)
     visible = int(sess.visible_count)
     if isinstance(first_kept_position, bool) or not isinstance(first_kept_position, int) or first_kept_position < 0:
@@ -177,7 +210,7 @@ def record_host_compaction(
     ):
         raise InvalidInput(f"compacted_at_count must be a count of messages, got {compacted_at_count!r}")
     kept = first_kept_entry_id
-    if first_kept_position < visible:
+    if first_kept_position < visible and first_kept_entry_id is not None:
         seq = c.path_seq_at_position(scope, session_id, first_kept_position)
         row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
         if row is None:  # pragma: no cover - positions below the visible count always exist
@@ -197,6 +230,7 @@ def record_host_compaction(
         and current.get("summary") == summary
         and current.get("first_kept_entry_id") == kept
         and current.get("first_kept_position") == first_kept_position
+        and bool(current.get("reset")) == reset
     ):
         # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
@@ -205,7 +239,7 @@ def record_host_compaction(
     if compacted_ms is not None or compacted_at_count is not None:
         standing = pointer_in(c, scope, session_id)
         newer = standing is not None and _standing_is_newer(
-            c, scope, session_id, standing, compacted_ms, compacted_at_count
+            c, scope, session_id, standing, compacted_ms, compacted_at_count, reset
         )
         if standing is not None and newer:
             # An older compaction a plugin finds in the host's transcript (a new process reads it from
@@ -218,6 +252,7 @@ def record_host_compaction(
         "first_kept_position": first_kept_position,
         "created_ms": now_us() // 1000,
         "source": "host",
+        **({"reset": True} if reset else {}),
         **({"host_ms": compacted_ms} if compacted_ms is not None else {}),
         **_made_at(c, scope, session_id, visible if compacted_at_count is None else compacted_at_count),
     }
@@ -276,7 +311,13 @@ def compact_session(
     )
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = 0
-    if pointer is not None:
+    if pointer is not None and pointer["first_kept_entry_id"] is None:
+        # A host's reset that kept nothing before it: the messages from its position on are what is left.
+        if pointer["first_kept_position"] <= len(visible):
+            start = pointer["first_kept_position"]
+        else:
+            pointer = None
+    elif pointer is not None:
         found = next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), None)
         if found is None:
             # The pointer's first kept entry is not among these messages (at or after the fence, or the
@@ -286,7 +327,7 @@ def compact_session(
         else:
             start = found
     live = visible[start:]
-    previous = pointer["summary"] if pointer else None
+    previous = (pointer["summary"] or None) if pointer else None  # a host's reset has none
     before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
     tokens_before = int(estimator.count_messages(before_msgs))
     if not force and token_budget is not None and tokens_before <= token_budget:

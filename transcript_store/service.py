@@ -621,7 +621,8 @@ class Service:
         """Record a compaction the host made of its own transcript (``compaction.record_host_compaction``)."""
         _check_request(req, HostCompactionRequest)
         self._call(scope, engine_id, session_id)
-        check_id("entry_id", req.first_kept_entry_id)
+        if req.first_kept_entry_id is not None:
+            check_id("entry_id", req.first_kept_entry_id)
 
         landed: list[tuple[int, HostCompactionResponse]] = []  # the session an attempt wrote to, its answer
 
@@ -633,7 +634,7 @@ class Service:
             pointer = compaction.record_host_compaction(
                 c, scope, session_id, summary=req.summary, first_kept_position=req.first_kept_position,
                 first_kept_entry_id=req.first_kept_entry_id, compacted_ms=req.compacted_ms,
-                compacted_at_count=req.compacted_at_count,
+                compacted_at_count=req.compacted_at_count, reset=req.reset,
             )
             sess = c.require_session(scope, session_id)
             out = HostCompactionResponse(

@@ -213,9 +213,16 @@ class HostCompactionRequest(_Request):
     """A compaction the host made of its own transcript (one the engine delegated to it): its summary and
     the first message it kept, by the host's visible position and entry id."""
 
-    summary: str = Field(min_length=1, max_length=4_000_000)
+    summary: str = Field(max_length=4_000_000)
     first_kept_position: int = Field(ge=0, le=2**31 - 1)
-    first_kept_entry_id: str
+    first_kept_entry_id: str | None = Field(
+        None, description="the host's id of the first kept message; only a reset that kept none may leave it out"
+    )
+    reset: bool = Field(
+        False,
+        description="a reset of the host's context (OpenClaw's /new or /reset in the same transcript): no summary, "
+        "the context starts again at first_kept_position",
+    )
     compacted_ms: int | None = Field(
         None, ge=0, le=2**53 - 1,
         description="when the host made it, for one found in its transcript later: a newer compaction stays",

@@ -222,7 +222,8 @@ class LegacyEngine:
             # At ``end`` only for a host's compaction that kept nothing before the turn it ran in.
             if pointer is not None and pointer["first_kept_position"] <= end:
                 start = pointer["first_kept_position"]
-            summary = pointer["summary"] if pointer is not None and start > 0 else None
+            # (A host's reset has no summary: its context starts again at its first kept message.)
+            summary = (pointer["summary"] or None) if pointer is not None and start > 0 else None
             prefix = [compaction.summary_message(summary)] if summary is not None else []
             prefix_tokens = int(self.estimator.count_messages(prefix))
             if summary is not None and prefix_tokens > token_budget:
