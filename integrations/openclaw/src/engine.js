@@ -15,7 +15,8 @@
 // - compact runs the service engine's compaction when it owns compaction, else OpenClaw's own
 //   (delegateCompactionToRuntime), after which the compacted host transcript is imported, so the next
 //   assemble returns it; OpenClaw's compactions that never called the engine (its in-run
-//   auto-compaction) are found in its raw transcript at bootstrap and recorded the same way.
+//   auto-compaction) are found in its raw transcript at bootstrap and recorded the same way, and so are its
+//   resets kept in the same transcript (/new, /reset: its context starts again after them).
 // What is sent is sized by the service's limits (entry cap, turn cap, body limit), read from its
 // description of the engine.
 // Every failure to reach the service throws: the host then runs the turn on its legacy path and keeps
@@ -250,9 +251,14 @@ const nonBlank = (value) => (typeof value === "string" && value.trim() !== "" ? 
 // OpenClaw's transcript-tree.ts, which re-parents them so when it reads the tree). Followed as written, an
 // entry naming a parent before the reset, or a branch switch back past it, made the plugin record a
 // compaction OpenClaw's context no longer has.
+// OpenClaw also keeps the raw append cursor apart from the leaf (every entry moves it to itself, a `leaf`
+// entry to its appendParentId, else its target): a canonical entry not appended "side" whose parentId is
+// that cursor while the leaf is elsewhere (after a side entry, or a branch switch that left the cursor at
+// the old branch's end) hangs after the leaf. Followed as written, the walk stayed on the branch left.
 function transcriptTree() {
   const nodes = new Map();
   let leaf = null;
+  let cursor = null; // the raw append cursor (OpenClaw's appendParentId)
   // The entries after the latest reset (the reset itself included); null before any reset.
   let afterReset = null;
   const pastReset = (id) => afterReset === null || (id !== null && afterReset.has(id));
@@ -263,39 +269,54 @@ function transcriptTree() {
       if (!id) return;
       const explicit = Object.hasOwn(event, "parentId");
       if (event.type === "leaf") {
-        const target = event.targetId === null ? null : nonBlank(event.targetId);
-        if (!explicit || target === undefined || (target !== null && !nodes.has(target))) return; // not a valid one
-        const moved = pastReset(target) ? target : leaf; // a switch back across the reset stays where it is
-        nodes.set(id, { parent: moved });
-        if (afterReset !== null && moved !== null && afterReset.has(moved)) afterReset.add(id);
-        leaf = moved;
+        let target = event.targetId === null ? null : nonBlank(event.targetId);
+        let appendTo = event.appendParentId === undefined ? target
+          : (event.appendParentId === null ? null : nonBlank(event.appendParentId));
+        if (!explicit || target === undefined || appendTo === undefined) return; // not a leaf entry
+        if (event.appendMode !== undefined && event.appendMode !== "side") return;
+        // A switch back across the reset stays where it is.
+        if (leaf !== null && !pastReset(target)) [target, appendTo] = [leaf, leaf];
+        if ((target !== null && !nodes.has(target)) || (appendTo !== null && !nodes.has(appendTo))) return; // not a valid one
+        nodes.set(id, { parent: target });
+        if (afterReset !== null && target !== null && afterReset.has(target)) afterReset.add(id);
+        leaf = target;
+        cursor = appendTo;
         return;
       }
       const canonical = CANONICAL_ENTRIES.has(event.type);
       const side = event.appendMode === "side";
       let parent = explicit ? (event.parentId === null ? null : nonBlank(event.parentId)) : (canonical ? leaf : undefined);
       if (parent === undefined) return;
-      if (canonical && !side && parent !== null && !nodes.has(parent)) parent = leaf;
-      if (canonical && !side && !pastReset(parent)) parent = leaf;
+      if (canonical && !side) {
+        if (!pastReset(parent)) parent = leaf;
+        else if (parent !== null && !nodes.has(parent) && leaf !== null) parent = leaf;
+        else if (explicit && parent === cursor && leaf !== cursor) parent = leaf;
+      }
       nodes.set(id, {
         parent,
         compaction: event.type === "compaction" ? event : undefined,
-        reset: event.type === "reset",
+        reset: event.type === "reset" ? event : undefined,
       });
+      cursor = id;
       if (event.type === "reset") afterReset = new Set([id]);
       else if (afterReset !== null && parent !== null && afterReset.has(parent)) afterReset.add(id);
       if (canonical && !side) leaf = id;
     },
     /**
-     * The newest compaction (with a summary and a first kept entry) on the active branch, or null: also
-     * when a reset stands between it and the leaf (OpenClaw's context starts again at the reset).
+     * The newest boundary of OpenClaw's context on the active branch, or null: a compaction (with a summary
+     * and a first kept entry), or a reset (its context starts again after it, from the tail before it that
+     * its firstKeptEntryId keeps, when that is on the reset's branch). With the entries before it.
      */
-    activeCompaction() {
+    activeBoundary() {
       const seen = new Set();
       for (let id = leaf; id !== null && id !== undefined && !seen.has(id); id = nodes.get(id)?.parent) {
         seen.add(id);
         const node = nodes.get(id);
-        if (node?.reset) return null;
+        if (node?.reset) {
+          const before = this.ancestorsOf(id);
+          const kept = nonBlank(node.reset.firstKeptEntryId);
+          return { entry: node.reset, before, reset: true, kept: kept !== undefined && before.has(kept) ? kept : null };
+        }
         const found = node?.compaction;
         if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") {
           return { entry: found, before: this.ancestorsOf(id) };
@@ -490,7 +511,7 @@ export async function createEngine(options) {
     throw new Error("transcript-store: the host transcript import did not finish");
   }
 
-  // The visible position of a host entry, read from the host transcript's start (-1 when not there), and
+  // The visible position of a host entry (none: null), read from the host transcript's start (-1 when not there), and
   // how many of the visible messages are among the ids of `before` (the entries before a compaction on
   // its branch, the active one: the messages the compaction was made after).
   async function hostPosition(target, entryId, before = new Set()) {
@@ -522,7 +543,7 @@ export async function createEngine(options) {
       // (The messages a compaction was made after are a prefix of the visible ones: past the first
       // that is not among them, none is.)
       const done = before.size === 0 || page.entries.some((entry) => !before.has(entry.entryId));
-      if (!page.hasMore || (found >= 0 && done)) return { position: found, count };
+      if (!page.hasMore || ((found >= 0 || entryId === null) && done)) return { position: found, count };
     }
     return { position: found, count };
   }
@@ -547,6 +568,31 @@ export async function createEngine(options) {
       ...(before ? { compacted_at_count: count } : {}),
     }));
     info(`transcript-store: OpenClaw's compaction recorded (its summary before position ${position})`);
+  }
+
+  // Tell the service engine about a reset OpenClaw kept in its transcript (a `reset` entry: /new, /reset, an
+  // idle or daily reset of the same session): OpenClaw's context starts again after it, from the tail
+  // before it the reset kept (its firstKeptEntryId) when it kept one. The visible messages OpenClaw's
+  // transcript reads (and the mirror imports) still hold everything before it: without this the assembly
+  // kept them, and a compaction of them, in front of the new conversation. `before`: the entries before it
+  // on its branch; the visible ones among them are where it was made (compacted_at_count), and, when it
+  // kept none, its position (the host's next message, maybe not written yet, is not named).
+  async function recordReset(target, boundary) {
+    const { position, count } = await hostPosition(target, boundary.kept, boundary.before);
+    if (count === 0) return; // nothing before it to leave out
+    const at = boundary.kept === null ? count : position;
+    if (at < 0) {
+      warn(`transcript-store: the first message OpenClaw's reset kept (${boundary.kept}) is not among the host's visible messages`);
+      return;
+    }
+    const madeAt = Date.parse(boundary.entry.timestamp);
+    await inSession(target.sessionId, target.sessionKey, () => client.post(`${sessionPath(target.sessionId)}/host_compaction`, {
+      summary: "", reset: true, first_kept_position: at,
+      ...(boundary.kept !== null ? { first_kept_entry_id: wellFormed(boundary.kept) } : {}),
+      ...(Number.isSafeInteger(madeAt) && madeAt >= 0 ? { compacted_ms: madeAt } : {}),
+      compacted_at_count: count,
+    }));
+    info(`transcript-store: OpenClaw's reset recorded (its context starts again at position ${at})`);
   }
 
   // Read OpenClaw's raw host transcript (readSessionTranscriptRawDelta; under the running turn's fence
@@ -576,8 +622,9 @@ export async function createEngine(options) {
     throw new Error("transcript-store: the host transcript's compactions were not read to the end");
   }
 
-  // OpenClaw's newest compaction on the active branch of its raw host transcript, when the transcript
-  // holds a compaction (or a branch switch) past where this process last looked, and the cursor after it.
+  // OpenClaw's newest boundary (a compaction or a reset) on the active branch of its raw host transcript,
+  // when the transcript holds one (or a branch switch) past where this process last looked, and the cursor
+  // after it.
   // Its in-run auto-compaction (compaction mode `default`, for an engine that does not own compaction)
   // calls no engine: its `compaction` entry (summary, firstKeptEntryId) is all there is of it. The raw
   // transcript holds every branch (a rewind, a retry, a branch switch leave entries off the active one): a
@@ -590,16 +637,16 @@ export async function createEngine(options) {
     const read = await readRaw(target, from, (event) => {
       if (event === null) { tree = transcriptTree(); changed = false; return; } // read again from the start
       tree?.add(event);
-      if (event?.type === "compaction" || event?.type === "leaf") changed = true;
+      if (event?.type === "compaction" || event?.type === "leaf" || event?.type === "reset") changed = true;
     });
     if (read === null) return null;
     if (!changed) return { newest: null, cursor: read.cursor };
     if (tree === null) {
       tree = transcriptTree();
       const whole = await readRaw(target, undefined, (event) => { if (event === null) tree = transcriptTree(); else tree.add(event); });
-      return { newest: tree.activeCompaction(), cursor: whole.cursor };
+      return { newest: tree.activeBoundary(), cursor: whole.cursor };
     }
-    return { newest: tree.activeCompaction(), cursor: read.cursor };
+    return { newest: tree.activeBoundary(), cursor: read.cursor };
   }
 
   // Record OpenClaw's newest compaction the plugin has not looked at yet (above). Recording one the
@@ -611,7 +658,8 @@ export async function createEngine(options) {
       if (!found) return;
       // With where (and when) OpenClaw made it: a compaction in force made further on (the service's own,
       // say) stays.
-      if (found.newest) {
+      if (found.newest?.reset) await recordReset(target, found.newest);
+      else if (found.newest) {
         await recordCompaction(target, found.newest.entry, Date.parse(found.newest.entry.timestamp), found.newest.before);
       }
       if (found.cursor !== undefined) rememberScan(groupKey(target.sessionId), found.cursor);

@@ -411,26 +411,110 @@ test("a reset in OpenClaw's transcript is a boundary the active branch never goe
     await engine.bootstrap(params);
     return (await engine.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
   };
-  const all = () => host.entries.map((e) => contentText(e.message.content));
   // The turn's first entry names a parent on the branch left behind (a stale append cursor): OpenClaw
-  // hangs it after the reset.
+  // hangs it after the reset, and its context starts again at the reset.
   const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
   raw.push({ type: "message", id: turn.admission.entryId, parentId: "old-c", message: turn.messages[0] },
     { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
   const engine = await engineFor(host);
   await engine.bootstrap(params);
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
-  assert.deepEqual(await shown(), all());
+  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
   // A branch switch back to before the reset: OpenClaw leaves the leaf where it is.
   raw.push({ type: "leaf", id: "jump", parentId: turn.terminal.entryId, targetId: "old-c" });
-  assert.deepEqual(await shown(), all());
-  // A compaction before the reset on the active branch: the reset is the newer boundary.
-  raw.push(compaction("pre-c", turn.terminal.entryId, "A summary before the second reset.", visible[4].entryId),
+  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
+  // A compaction before a second reset on the active branch: the reset is the newer boundary, and nothing
+  // follows it yet.
+  raw.push(compaction("pre-c", turn.terminal.entryId, "A summary before the second reset.", turn.terminal.entryId),
     { type: "reset", id: "r2", parentId: "pre-c", timestamp: new Date().toISOString(), reason: "new" });
-  assert.deepEqual(await shown(), all());
-  // A compaction after the reset, on the active branch, is recorded.
-  raw.push(compaction("live-c", "r2", "A summary after the reset.", turn.admission.entryId));
-  assert.deepEqual(await shown(), ["[Summary of the earlier conversation]\nA summary after the reset.", "question 3", "answer 3"]);
+  assert.deepEqual(await shown(), []);
+  // The turn after it, and OpenClaw's compaction after the reset, on the active branch: recorded.
+  const next = host.turn("k4", [userMessage("question 4"), assistantMessage("answer 4")]);
+  raw.push({ type: "message", id: next.admission.entryId, parentId: "r2", message: next.messages[0] },
+    { type: "message", id: next.terminal.entryId, parentId: next.admission.entryId, message: next.messages[1] });
+  const fourth = await engineFor(host);
+  await fourth.bootstrap(params);
+  assert.deepEqual(await fourth.commitTurn(next), { status: "committed" });
+  assert.deepEqual(await shown(), ["question 4", "answer 4"]);
+  raw.push(compaction("live-c", next.terminal.entryId, "A summary after the reset.", next.terminal.entryId));
+  assert.deepEqual(await shown(), ["[Summary of the earlier conversation]\nA summary after the reset.", "answer 4"]);
+});
+
+test("a reset in OpenClaw's transcript leaves what preceded it out of the assembly, as OpenClaw's context does", async () => {
+  // OpenClaw's /new or /reset of a session that keeps its transcript appends a `reset` entry: its context
+  // starts again after it (from the tail before it that its firstKeptEntryId keeps, when it keeps one),
+  // while the visible messages it reads still hold everything before it. The plugin mirrored those and
+  // the assembly returned them (and OpenClaw's compaction of them) in front of the new conversation.
+  const host = hostSession("s-reset-context");
+  const params = await threeCommittedTurns(host);
+  const compacted = await (await engineFor(host)).compact({ ...params, force: true, tokenBudget: 100000 });
+  assert.equal(compacted.compacted, true);
+  const read = host.sdk.readSessionTranscriptRawDelta;
+  const raw = (await read({ maxEvents: 1000, maxBytes: 1e9 })).events.map(({ event }) => event);
+  const at = () => new Date().toISOString();
+  raw.push({ type: "reset", id: "r1", parentId: raw.at(-1).id, timestamp: at(), reason: "new" });
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  // The first turn after the reset: its message is past the fence, so nothing precedes it.
+  const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
+  host.fence = turn.admission.entryId;
+  const engine = await engineFor(host);
+  await engine.bootstrap(params);
+  assert.deepEqual((await engine.assemble({ ...params, tokenBudget: 100000 })).messages, []);
+  host.fence = undefined;
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  raw.push({ type: "message", id: turn.admission.entryId, parentId: "r1", message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  const shown = async () => {
+    const later = await engineFor(host);
+    await later.bootstrap(params);
+    return (await later.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
+  };
+  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
+  // A new process reads the transcript from its start: the compaction before the reset stays out.
+  const again = await import(`../src/engine.js?fresh=${Date.now()}`);
+  const fresh = await again.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "legacy", sdk: host.sdk });
+  await fresh.bootstrap(params);
+  assert.deepEqual((await fresh.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
+    ["question 3", "answer 3"]);
+  // A reset that keeps the tail before it from its firstKeptEntryId: that tail, then what follows.
+  raw.push({ type: "reset", id: "r2", parentId: turn.terminal.entryId, timestamp: at(), reason: "reset",
+    firstKeptEntryId: turn.terminal.entryId });
+  const next = host.turn("k4", [userMessage("question 4"), assistantMessage("answer 4")]);
+  raw.push({ type: "message", id: next.admission.entryId, parentId: "r2", message: next.messages[0] },
+    { type: "message", id: next.terminal.entryId, parentId: next.admission.entryId, message: next.messages[1] });
+  const fourth = await engineFor(host);
+  await fourth.bootstrap(params);
+  assert.deepEqual(await fourth.commitTurn(next), { status: "committed" });
+  assert.deepEqual(await shown(), ["answer 3", "question 4", "answer 4"]);
+});
+
+test("an entry naming OpenClaw's raw append cursor while the leaf is elsewhere hangs after the leaf", async () => {
+  // OpenClaw keeps the raw append cursor apart from the leaf: a branch switch (a `leaf` entry) leaves it at
+  // the old branch's end (its appendParentId), a side entry moves it to itself. A canonical entry whose
+  // parentId is that cursor while the leaf is elsewhere hangs after the leaf (its transcript-tree.ts). The
+  // walk followed the parent as written and recorded the compaction of the branch OpenClaw had left.
+  const host = hostSession("s-append-cursor");
+  const params = await threeCommittedTurns(host);
+  const visible = host.entries.slice();
+  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
+  const compaction = (id, parentId, summary, firstKeptEntryId) => ({
+    type: "compaction", id, parentId, timestamp: new Date().toISOString(), summary, firstKeptEntryId, tokensBefore: 5000 });
+  // A compaction on a branch off the second turn, then a switch back to the last message that leaves the
+  // append cursor at that branch's end.
+  raw.push({ type: "message", id: "side-u", parentId: visible[3].entryId, message: userMessage("a question on another branch") },
+    compaction("side-c", "side-u", "A summary of the other branch.", visible[2].entryId),
+    { type: "leaf", id: "back", parentId: "side-c", targetId: visible.at(-1).entryId, appendParentId: "side-c" });
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
+  raw.push({ type: "message", id: turn.admission.entryId, parentId: "side-c", message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  const engine = await engineFor(host);
+  await engine.bootstrap(params);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const later = await engineFor(host);
+  await later.bootstrap(params);
+  assert.deepEqual((await later.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
+    host.entries.map((e) => contentText(e.message.content)));
 });
 
 test("review 1: a new process leaves a newer compaction of the service in place of OpenClaw's older one", async () => {
