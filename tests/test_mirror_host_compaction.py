@@ -25,7 +25,7 @@ from conftest import module_store_fixtures
 from mirror_helpers import A, a, hosted, legacy_service, page, u
 
 from transcript_store import TranscriptStore
-from transcript_store.errors import InvalidInput
+from transcript_store.errors import InvalidInput, MirrorConflict
 from transcript_store.service import Service
 from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
 
@@ -178,3 +178,20 @@ def test_a_host_reset_or_compaction_that_does_not_say_where_is_refused(
     page(service.store, sid, None, "c1", hosted(*conversation(2)))
     with pytest.raises(InvalidInput, match=why):
         service.host_compaction(A, "legacy", sid, HostCompactionRequest(**fields))
+
+
+def test_a_host_compaction_made_past_the_mirror_or_before_its_first_kept_message_is_refused(
+    service: Service, sid: str
+) -> None:
+    # compacted_at_count past the mirror's end was stored as where the compaction was made, naming no last
+    # message (so it stood on every branch) and further on than any compaction found later: every one of
+    # them was refused from then on. One made before its own first kept message says two things at once.
+    page(service.store, sid, None, "c1", hosted(*conversation(6)))
+    with pytest.raises(MirrorConflict, match="behind"):
+        record(service, sid, "too far", 2, "h2", compacted_at_count=2**31 - 1)
+    with pytest.raises(InvalidInput, match="compacted_at_count"):
+        record(service, sid, "kept after it", 4, "h4", compacted_at_count=3)
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4", "m5"]
+    # A compaction found later, made after the six messages, is recorded (was: refused as older).
+    assert record(service, sid, "the host's", 4, "h4", compacted_at_count=6) == 4
+    assert shown(service, sid) == [f"{HEAD}the host's", "m4", "m5"]

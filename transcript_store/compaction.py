@@ -172,10 +172,12 @@ def record_host_compaction(
     host's transcript moved under the mirror: import first). The same compaction recorded again (same
     summary and first kept message) changes nothing, its time included. ``compacted_ms``: when the host
     made it, and ``compacted_at_count``: how many of the host's visible messages preceded it (a compaction
-    found in its transcript later, not one made just now); the session's compaction still in force that is
-    newer (``_standing_is_newer``: by where in the conversation each was made) stays, and is what is
-    returned. The pointer notes where the compaction was made (``_made_at``; one made just now: after the
-    mirror's last message), which decides the branch it stands on (``pointer_in``).
+    found in its transcript later, not one made just now: more than the mirror holds is
+    ``MirrorConflict("behind")``, fewer than ``first_kept_position`` ``InvalidInput``); the session's
+    compaction still in force that is newer (``_standing_is_newer``: by where in the conversation each was
+    made) stays, and is what is returned. The pointer notes where the compaction was made (``_made_at``;
+    one made just now: after the mirror's last message), which decides the branch it stands on
+    (``pointer_in``).
 
     ``reset``: the host reset its context in the same transcript (OpenClaw's /new, /reset, an idle or daily
     reset): no summary, its context starts again at ``first_kept_position`` (the messages after the reset,
@@ -209,6 +211,17 @@ def record_host_compaction(
         isinstance(compacted_at_count, bool) or not isinstance(compacted_at_count, int) or compacted_at_count < 0
     ):
         raise InvalidInput(f"compacted_at_count must be a count of messages, got {compacted_at_count!r}")
+    if compacted_at_count is not None and compacted_at_count > visible:
+        # Stored, it named no last message (it stood on every branch) and was further on than any compaction
+        # found later: each of them was refused from then on.
+        raise MirrorConflict(
+            "behind", f"the compaction was made after {compacted_at_count} messages; the mirror holds {visible}"
+        )
+    if compacted_at_count is not None and first_kept_position > compacted_at_count:
+        raise InvalidInput(
+            f"compacted_at_count {compacted_at_count} is before the first kept message (position "
+            f"{first_kept_position}): a compaction keeps messages made before it"
+        )
     kept = first_kept_entry_id
     if first_kept_position < visible and first_kept_entry_id is not None:
         seq = c.path_seq_at_position(scope, session_id, first_kept_position)
