@@ -180,6 +180,16 @@ def test_a_host_reset_or_compaction_that_does_not_say_where_is_refused(
         service.host_compaction(A, "legacy", sid, HostCompactionRequest(**fields))
 
 
+def test_a_host_reset_with_a_blank_summary_is_refused(service: Service, sid: str) -> None:
+    # A reset carries no summary: one of spaces was taken as empty by the check, stored, and shown as a
+    # blank "[Summary of the earlier conversation]" message in front of the context after the reset.
+    page(service.store, sid, None, "c1", hosted(*conversation(4)))
+    req = HostCompactionRequest(summary="  \n", first_kept_position=4, reset=True, compacted_at_count=4)
+    with pytest.raises(InvalidInput, match="no summary"):
+        service.host_compaction(A, "legacy", sid, req)
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3"]
+
+
 def test_a_host_compaction_made_past_the_mirror_or_before_its_first_kept_message_is_refused(
     service: Service, sid: str
 ) -> None:

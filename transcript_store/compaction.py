@@ -188,8 +188,9 @@ def record_host_compaction(
     """
     if not isinstance(reset, bool):
         raise InvalidInput(f"reset must be true or false, got {reset!r}")
-    if reset and (not isinstance(summary, str) or summary.strip()):
-        raise InvalidInput("a host reset carries no summary")
+    if reset and summary != "":
+        # (One of blanks was shown as an empty summary message in front of the context after the reset.)
+        raise InvalidInput("a host reset carries no summary (an empty one)")
     if not reset and (not isinstance(summary, str) or not summary.strip()):
         raise InvalidInput("a host compaction needs its summary")
     if first_kept_entry_id is None and not (reset and compacted_at_count == first_kept_position):
