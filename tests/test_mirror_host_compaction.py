@@ -163,6 +163,23 @@ def test_a_host_reset_stands_only_on_the_branch_it_was_made_on(service: Service,
     assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4b", "m5b", "m6b"]
 
 
+
+def test_the_same_reset_made_again_on_another_branch_stands_there(service: Service, sid: str) -> None:
+    # A reset has no summary, so two of them at the same position are alike: one made on a branch after the
+    # mirror left the branch of the first (a regenerated reply, then /new) was taken for the first told
+    # again and changed nothing, and the pointer named the branch left: the pre-reset messages came back.
+    s = service.store
+    shared = conversation(4)
+    page(s, sid, None, "c1", hosted(*shared, ("h4a", u("m4a")), ("h5a", a("m5a"))))
+    assert reset(service, sid, 6, 6) == 6
+    assert shown(service, sid) == []
+    assert page(s, sid, None, "c2", hosted(*shared, ("h4b", u("m4b")), ("h5b", a("m5b")))).rewound
+    assert shown(service, sid) == ["m0", "m1", "m2", "m3", "m4b", "m5b"]
+    assert reset(service, sid, 6, 6) == 6
+    assert shown(service, sid) == []  # was: the six messages before the reset on branch B
+    page(s, sid, "c2", "c3", hosted(("h6", u("m6"))))
+    assert shown(service, sid) == ["m6"]
+
 @pytest.mark.parametrize(
     ("fields", "why"),
     [

@@ -170,11 +170,11 @@ def record_host_compaction(
     mirror's message there must be the host's (its id, one derived from it, or a turn's middle message,
     which the mirror holds without the host's id): another one is ``MirrorConflict("behind")`` too (the
     host's transcript moved under the mirror: import first). The same compaction recorded again (same
-    summary and first kept message) changes nothing, its time included. ``compacted_ms``: when the host
-    made it, and ``compacted_at_count``: how many of the host's visible messages preceded it (a compaction
-    found in its transcript later, not one made just now: more than the mirror holds is
-    ``MirrorConflict("behind")``, fewer than ``first_kept_position`` ``InvalidInput``); the session's
-    compaction still in force that is newer (``_standing_is_newer``: by where in the conversation each was
+    summary and first kept message) changes nothing while it is in force, its time included.
+    ``compacted_ms``: when the host made it, and ``compacted_at_count``: how many of the host's visible
+    messages preceded it (a compaction found in its transcript later, not one made just now: more than the
+    mirror holds is ``MirrorConflict("behind")``, fewer than ``first_kept_position`` ``InvalidInput``); the
+    session's compaction still in force that is newer (``_standing_is_newer``: by where in the conversation each was
     made) stays, and is what is returned. The pointer notes where the compaction was made (``_made_at``;
     one made just now: after the mirror's last message), which decides the branch it stands on
     (``pointer_in``).
@@ -245,10 +245,13 @@ def record_host_compaction(
         and current.get("first_kept_entry_id") == kept
         and current.get("first_kept_position") == first_kept_position
         and bool(current.get("reset")) == reset
+        and pointer_in(c, scope, session_id) is not None
     ):
         # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
-        # thinking predates it. Recorded anew, every reply since the compaction lost its thinking.
+        # thinking predates it. Recorded anew, every reply since the compaction lost its thinking. One not
+        # in force (made on a branch the mirror left) is not that one: an alike one made on this branch
+        # (resets, which have no summary, are all alike at a position) changed nothing and never stood.
         return dict(current)
     if compacted_ms is not None or compacted_at_count is not None:
         standing = pointer_in(c, scope, session_id)
