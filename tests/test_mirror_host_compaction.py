@@ -180,6 +180,22 @@ def test_the_same_reset_made_again_on_another_branch_stands_there(service: Servi
     page(s, sid, "c2", "c3", hosted(("h6", u("m6"))))
     assert shown(service, sid) == ["m6"]
 
+
+def test_a_host_reset_that_kept_a_tail_dates_the_replies_whose_prefix_it_dropped(service: Service, sid: str) -> None:
+    # The replies of the tail a reset keeps were signed after the messages before them, which the reset
+    # drops: assemble answered compacted_at_ms null for a reset (it shows no summary), so a host replayed
+    # their signed thinking after a prefix that is gone. One that kept nothing before it shows only what
+    # followed it: nothing to date.
+    page(service.store, sid, None, "c1", hosted(*conversation(4)))
+    assert reset(service, sid, 4, 4) == 4
+    assert service.assemble(A, "legacy", sid, AssembleRequest(token_budget=100_000)).compacted_at_ms is None
+    page(service.store, sid, "c1", "c2", hosted(("h4", u("m4")), ("h5", a("m5"))))
+    before = int(time.time() * 1000)
+    assert reset(service, sid, 4, 6, kept="h4") == 4
+    out = service.assemble(A, "legacy", sid, AssembleRequest(token_budget=100_000))
+    assert [m["content"] for m in out.messages] == ["m4", "m5"]
+    assert out.compacted_at_ms is not None and out.compacted_at_ms >= before  # was: None
+
 @pytest.mark.parametrize(
     ("fields", "why"),
     [

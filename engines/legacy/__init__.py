@@ -242,7 +242,10 @@ class LegacyEngine:
         estimated = count_from_parts(self.estimator, parts)
         if estimated is None:
             estimated = int(self.estimator.count_messages(messages))
-        made = pointer.get("created_ms") if summary is not None and pointer is not None else None
+        # When the messages shown lost what preceded them: a summary in its place, or a host's reset that
+        # kept a tail before it (its replies were signed after the messages the reset dropped).
+        tail = pointer is not None and start > 0 and pointer["first_kept_entry_id"] is not None
+        made = pointer.get("created_ms") if pointer is not None and (summary is not None or tail) else None
         return AssembleResult(
             messages=messages, estimated_tokens=estimated, compacted_at_ms=made if isinstance(made, int) else None
         )
