@@ -76,6 +76,13 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     return _dated(c, scope, session_id, pointer)
 
 
+def reset_in(c: Core, scope: str, session_id: str) -> int | None:
+    """The visible position a host's reset standing on the mirror's branch starts its context again at
+    (``record_host_compaction``), else None: how an engine that owns compaction (lossless) is told."""
+    pointer = pointer_in(c, scope, session_id)
+    return int(pointer["first_kept_position"]) if pointer is not None and pointer.get("reset") else None
+
+
 def _at_on_path(row: Any, position: int) -> bool:
     """Whether an entry row (from ``entries_with_path``) is at ``position`` on the active path now."""
     return row is not None and row.position == position and row.ts_path_seq == row.seq

@@ -620,7 +620,11 @@ class Service:
     ) -> HostCompactionResponse:
         """Record a compaction the host made of its own transcript (``compaction.record_host_compaction``)."""
         _check_request(req, HostCompactionRequest)
-        self._call(scope, engine_id, session_id)
+        call = self._call(scope, engine_id, session_id)
+        if call.info.owns_compaction and req.reset is not True:
+            # An engine that owns compaction (lossless) never delegates it: only the host's reset, which
+            # starts its context again, reaches it (``compaction.reset_in``); a summary would be ignored.
+            raise InvalidInput(f"context engine {engine_id!r} owns compaction: only a host's reset is taken")
         if req.first_kept_entry_id is not None:
             check_id("entry_id", req.first_kept_entry_id)
 

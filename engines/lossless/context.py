@@ -284,6 +284,20 @@ def units(items: Sequence[Item]) -> list[tuple[int, int]]:
     return out
 
 
+def after_reset(items: list[Item], start: int | None) -> list[Item]:
+    """The items from the one covering active position ``start`` on (a host's reset: its context starts
+    again there); the whole list when ``start`` is None. The list covers positions 0, 1, 2, ... in order;
+    a summary reaching past ``start`` stays (what follows the reset is never left out)."""
+    if not start:
+        return items
+    covered = 0
+    for n, item in enumerate(items):
+        covered += item.summary.message_count if item.summary is not None else 1
+        if covered > start:
+            return items[n:]
+    return []
+
+
 def fit(items: list[Item], budget: int) -> list[Item]:
     """Drop the oldest whole units until the items fit ``budget`` tokens (only when over it)."""
     total = sum(i.tokens for i in items)

@@ -24,6 +24,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, Literal
 
+from transcript_store.compaction import reset_in
 from transcript_store.core import Core, check_anchor, now_us
 from transcript_store.engine import (
     AssembleResult,
@@ -50,7 +51,7 @@ from transcript_store.tokens import RoughEstimator, count_from_parts
 from . import ingest, tools
 from .compaction import Plan, Planner, incarnation_of, plan_landed, write_plan
 from .config import Budget, LosslessConfig, budget
-from .context import ContextCache, Item, compacted_at_ms, epoch, fit, load_items, render
+from .context import ContextCache, Item, after_reset, compacted_at_ms, epoch, fit, load_items, render
 from .ingest import ImportResult, import_landed, import_pages
 from .tables import ENGINE_ID, View
 
@@ -202,7 +203,9 @@ class LosslessEngine:
                 c, scope, session_id, incarnation=incarnation_of(view), epoch=view.epoch, next_item=view.next_item
             )
             self._count("context_rows_read", read)
-            return items
+            # A host's reset (``Service.host_compaction``): the host's context starts again at its first
+            # kept message; what came before stays stored (and searchable), out of the context.
+            return after_reset(items, reset_in(c, scope, session_id))
 
         # The list is loaded in the same snapshot as the probe that checked the fence: a turn another
         # process commits meanwhile can never slip messages after the fence into this assembly.
@@ -472,7 +475,9 @@ class LosslessEngine:
         def state(c: Core) -> tuple[View, list[Item]] | None:
             if ingest.reset_pending(c, scope, session_id):
                 return None
-            return View.load(c, scope, session_id), load_items(c, scope, session_id)
+            # Only what follows a host's reset is compacted (a summary never spans it).
+            items = after_reset(load_items(c, scope, session_id), reset_in(c, scope, session_id))
+            return View.load(c, scope, session_id), items
 
         for _ in range(8):
             got: tuple[View, list[Item]] | None = self.store.read(state)

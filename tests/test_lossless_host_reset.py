@@ -1,0 +1,108 @@
+"""A host's reset reaches the lossless engine (an engine that owns compaction), on both backends.
+
+OpenClaw's /new, /reset and idle or daily resets of a session that keeps its transcript append a `reset`
+entry: its context starts again after it, while the visible messages the mirror imports still hold
+everything before it. The plugin told only an engine that does not own compaction (legacy) through
+``host_compaction``; the service recorded it for any engine, and lossless ignored it: every assembly after
+a /new returned the earlier conversation (and the summaries of it) in front of the new one. Now lossless
+assembles from the reset's first kept message on, compacts only what follows it, and keeps every message
+stored and searchable (lossless: nothing is deleted). A reset stands only on the branch it was made on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import module_store_fixtures
+from mirror_helpers import A, a, hosted, page, u
+
+from transcript_store import TranscriptStore
+from transcript_store.errors import InvalidInput
+from transcript_store.service import Service
+from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
+from transcript_store.settings import load_settings
+
+shared_url, store, sid = module_store_fixtures(A, "lossless_host_reset")
+LONG = " and so on" * 40
+
+
+@pytest.fixture(scope="module")
+def service(store: TranscriptStore) -> Iterator[Service]:
+    svc = Service(store, load_settings(config_path=None, engine="lossless"))
+    yield svc
+    svc.runtime.dispose()  # not close(): the module's store outlives it
+
+
+def shown(svc: Service, session_id: str) -> str:
+    """What the lossless engine assembles, as one text."""
+    out = svc.assemble(A, "lossless", session_id, AssembleRequest(token_budget=100_000))
+    return "\n".join(json.dumps(m["content"]) for m in out.messages)
+
+
+def reset(svc: Service, session_id: str, position: int, count: int, kept: str | None = None) -> int:
+    """Record a host reset made after ``count`` messages, its context starting again at ``position``."""
+    req = HostCompactionRequest(
+        summary="", first_kept_position=position, first_kept_entry_id=kept, reset=True, compacted_at_count=count
+    )
+    return svc.host_compaction(A, "lossless", session_id, req).first_kept_position
+
+
+def talk(word: str, first: int, n: int) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` long host messages h<first>.. whose text names ``word``."""
+    return [(f"h{i}", u(f"{word}{i}{LONG}") if i % 2 == 0 else a(f"{word}{i}{LONG}")) for i in range(first, first + n)]
+
+
+def grep(svc: Service, session_id: str, pattern: str) -> str:
+    """lcm_grep's answer."""
+    return str(svc.runtime.engine("lossless")[0].handle_tool_call("lcm_grep", {"pattern": pattern}, scope=A,
+                                                              session_id=session_id))
+
+
+def test_a_host_reset_starts_the_lossless_context_again_and_keeps_what_preceded_it(service: Service, sid: str) -> None:
+    s = service.store
+    page(s, sid, None, "c1", hosted(*talk("alpha", 0, 12)))
+    assert service.compact(A, "lossless", sid, CompactRequest(force=True)).compacted
+    before = shown(service, sid)
+    assert "Summary" in before and "alpha11" in before
+    # OpenClaw's /new after those 12 messages (its next message not written yet).
+    assert reset(service, sid, 12, 12) == 12
+    assert shown(service, sid) == ""
+    page(s, sid, "c1", "c2", hosted(*talk("beta", 12, 12)))
+    after = shown(service, sid)
+    assert "beta12" in after and "beta23" in after and "alpha" not in after
+    # Compaction after the reset summarises only what followed it.
+    assert service.compact(A, "lossless", sid, CompactRequest(force=True)).compacted
+    after = shown(service, sid)
+    assert "Summary" in after and "alpha" not in after and "beta23" in after
+    # Nothing is deleted: the recall tools still find what preceded the reset.
+    assert "msg_3" in grep(service, sid, "alpha3")
+    # A reset keeping a tail before it (firstKeptEntryId): that tail, then what follows.
+    page(s, sid, "c2", "c3", hosted(*talk("gamma", 24, 2)))
+    assert reset(service, sid, 25, 26, kept="h25") == 25
+    assert json.loads(shown(service, sid)) == f"gamma25{LONG}"
+
+
+def test_a_host_reset_stands_on_the_lossless_engine_only_on_its_branch(service: Service, sid: str) -> None:
+    s = service.store
+    shared = talk("alpha", 0, 4)
+    page(s, sid, None, "c1", hosted(*shared, ("h4a", u("left4")), ("h5a", a("left5"))))
+    assert reset(service, sid, 6, 6) == 6
+    page(s, sid, "c1", "c2", hosted(("h6", u("after6"))))
+    assert json.loads(shown(service, sid)) == "after6"
+    # The mirror moves to another branch without the message the reset was made after: no reset there.
+    other = [("h4b", u("right4")), ("h5b", a("right5")), ("h6b", u("right6"))]
+    assert page(s, sid, None, "c3", hosted(*shared, *other)).rewound
+    text = shown(service, sid)
+    assert all(w in text for w in ("alpha0", "alpha3", "right4", "right6")) and "left4" not in text
+
+
+def test_a_host_compaction_with_a_summary_is_refused_by_an_engine_that_owns_compaction(
+    service: Service, sid: str
+) -> None:
+    page(service.store, sid, None, "c1", hosted(*talk("alpha", 0, 2)))
+    req = HostCompactionRequest(summary="a summary", first_kept_position=1, first_kept_entry_id="h1")
+    with pytest.raises(InvalidInput, match="owns compaction"):
+        service.host_compaction(A, "lossless", sid, req)
