@@ -306,8 +306,10 @@ function transcriptTree() {
      * The newest boundary of OpenClaw's context on the active branch, or null: a compaction (with a summary
      * and a first kept entry), or a reset (its context starts again after it, from the tail before it that
      * its firstKeptEntryId keeps, when that is on the reset's branch). With the entries before it.
+     * `resetsOnly`: the newest reset (for a service engine that owns compaction: OpenClaw's compaction
+     * entries are its own, the reset is what it is told).
      */
-    activeBoundary() {
+    activeBoundary({ resetsOnly = false } = {}) {
       const seen = new Set();
       for (let id = leaf; id !== null && id !== undefined && !seen.has(id); id = nodes.get(id)?.parent) {
         seen.add(id);
@@ -317,7 +319,7 @@ function transcriptTree() {
           const kept = nonBlank(node.reset.firstKeptEntryId);
           return { entry: node.reset, before, reset: true, kept: kept !== undefined && before.has(kept) ? kept : null };
         }
-        const found = node?.compaction;
+        const found = resetsOnly ? undefined : node?.compaction;
         if (found && typeof found.summary === "string" && typeof found.firstKeptEntryId === "string") {
           return { entry: found, before: this.ancestorsOf(id) };
         }
@@ -637,16 +639,17 @@ export async function createEngine(options) {
     const read = await readRaw(target, from, (event) => {
       if (event === null) { tree = transcriptTree(); changed = false; return; } // read again from the start
       tree?.add(event);
-      if (event?.type === "compaction" || event?.type === "leaf" || event?.type === "reset") changed = true;
+      // (A compaction entry is not looked for when the service engine owns compaction: it made it.)
+      if ((event?.type === "compaction" && !ownsCompaction) || event?.type === "leaf" || event?.type === "reset") changed = true;
     });
     if (read === null) return null;
     if (!changed) return { newest: null, cursor: read.cursor };
     if (tree === null) {
       tree = transcriptTree();
       const whole = await readRaw(target, undefined, (event) => { if (event === null) tree = transcriptTree(); else tree.add(event); });
-      return { newest: tree.activeBoundary(), cursor: whole.cursor };
+      return { newest: tree.activeBoundary({ resetsOnly: ownsCompaction }), cursor: whole.cursor };
     }
-    return { newest: tree.activeBoundary(), cursor: read.cursor };
+    return { newest: tree.activeBoundary({ resetsOnly: ownsCompaction }), cursor: read.cursor };
   }
 
   // Record OpenClaw's newest compaction the plugin has not looked at yet (above). Recording one the
@@ -731,8 +734,9 @@ export async function createEngine(options) {
           info(`transcript-store: session ${target.sessionId} holds this turn's messages already (its compaction imported them)`);
         }
         // OpenClaw's own compactions that never reached the engine (its in-run auto-compaction), for a
-        // service engine that assembles what OpenClaw compacts (one that owns compaction turns them off).
-        if (!ownsCompaction) await recordHostCompactions(target);
+        // service engine that assembles what OpenClaw compacts (one that owns compaction turns them off),
+        // and its resets, for every service engine (its context starts again there, whoever compacts).
+        await recordHostCompactions(target);
         return [imported, await client.post(`${sessionPath(target.sessionId)}/bootstrap`, { done: true })];
       });
       inTurn.add(target.sessionId);

@@ -488,6 +488,49 @@ test("a reset in OpenClaw's transcript leaves what preceded it out of the assemb
   assert.deepEqual(await shown(), ["answer 3", "question 4", "answer 4"]);
 });
 
+test("a reset in OpenClaw's transcript reaches a service engine that owns compaction (lossless)", async () => {
+  // The plugin looked for OpenClaw's resets only for an engine that does not own compaction: with lossless
+  // the first turn after a /new assembled the whole earlier conversation, and its summaries, in front of
+  // the new one. It now records the reset for every engine (a compaction entry only for one that does not
+  // own compaction), and lossless assembles from the reset on, keeping what preceded it stored.
+  const host = hostSession("s-reset-lossless");
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  for (let k = 0; k < 6; k += 1) { // past lossless's fresh tail of 8 messages
+    const engine = await engineFor(host, { engine: "lossless" });
+    await engine.bootstrap(params);
+    assert.deepEqual(await engine.commitTurn(host.turn(`k${k}`, [userMessage(`question ${k}`), assistantMessage(`answer ${k}`)])),
+      { status: "committed" });
+  }
+  const compacted = await (await engineFor(host, { engine: "lossless" })).compact({ ...params, force: true, tokenBudget: 60 });
+  assert.equal(compacted.compacted, true);
+  const summarised = (await (await engineFor(host, { engine: "lossless" })).assemble({ ...params, tokenBudget: 100000 })).messages;
+  assert.match(contentText(summarised[0].content), /^\[Summary sum_/);
+  const read = host.sdk.readSessionTranscriptRawDelta;
+  const raw = (await read({ maxEvents: 1000, maxBytes: 1e9 })).events.map(({ event }) => event);
+  const at = () => new Date().toISOString();
+  raw.push({ type: "reset", id: "r1", parentId: raw.at(-1).id, timestamp: at(), reason: "new" });
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const turn = host.turn("k6", [userMessage("question 6"), assistantMessage("answer 6")]);
+  host.fence = turn.admission.entryId;
+  const engine = await engineFor(host, { engine: "lossless" });
+  assert.equal(engine.info.ownsCompaction, true);
+  await engine.bootstrap(params);
+  assert.deepEqual((await engine.assemble({ ...params, tokenBudget: 100000 })).messages, []);
+  host.fence = undefined;
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  // OpenClaw's compaction entry after it (the engine's own compaction, as OpenClaw notes it): not a boundary
+  // the plugin records for an engine that owns compaction; a new process still finds the reset.
+  raw.push({ type: "message", id: turn.admission.entryId, parentId: "r1", message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] },
+    { type: "compaction", id: "c-own", parentId: turn.terminal.entryId, timestamp: at(), summary: "Not this one.",
+      firstKeptEntryId: turn.terminal.entryId, tokensBefore: 5000 });
+  const again = await import(`../src/engine.js?fresh=${Date.now()}`);
+  const fresh = await again.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "lossless", sdk: host.sdk });
+  await fresh.bootstrap(params);
+  assert.deepEqual((await fresh.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
+    ["question 6", "answer 6"]);
+});
+
 test("an entry naming OpenClaw's raw append cursor while the leaf is elsewhere hangs after the leaf", async () => {
   // OpenClaw keeps the raw append cursor apart from the leaf: a branch switch (a `leaf` entry) leaves it at
   // the old branch's end (its appendParentId), a side entry moves it to itself. A canonical entry whose
