@@ -483,7 +483,10 @@ def test_retries_failing_out_of_order_hand_the_turn_to_the_attempt_still_running
     the turn was abandoned a lease later and discarded while A still ran. An attempt that ends leaves the
     intent's list of displaced attempts now, and C hands the turn to A, which commits it."""
     host, _ = make_host(store)
-    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=LEASE))
+    # Longer than LEASE: A's keeper must renew across the whole test while CI runs other suites beside it
+    # (with 0.5 s, a keeper held off the CPU that long let A's lease run out: t2 was admitted, once).
+    lease = 4 * LEASE
+    host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
     model = _Scripted()
     host.model = model
     results: dict[str, Any] = {}
@@ -503,7 +506,7 @@ def test_retries_failing_out_of_order_hand_the_turn_to_the_attempt_still_running
             model.release[name].set()
             threads[name].join(60)
             assert isinstance(results.get(name), ConnectionError), (name, results.get(name))
-        time.sleep(5 * LEASE)  # a lease given to B (whose attempt is over) would have run out long ago
+        time.sleep(2 * lease)  # a lease given to B (whose attempt is over) would have run out long ago
         report = Turns(store).recover(S, sid, "legacy", host.commit_in)
         assert report.discarded == [] and report.running == ["t1"]
         with pytest.raises(SessionBusy):
