@@ -28,6 +28,11 @@ from transcript_store.engine import ContextEngine
 from transcript_store.ledger import CommitResult
 from transcript_store.models import Admission, Anchor, ClosedRange
 
+if __name__ != "conftest":
+    # pytest imports this file as `conftest`; a test importing it as `tests.conftest` made a second copy, with
+    # its own run id and its own pool of recycled databases that nothing would drop at the end.
+    raise ImportError(f"import the suite's helpers with `from conftest import ...`, not as {__name__}")
+
 PG_ADMIN = os.environ.get("TRANSCRIPT_STORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 RUN_ID = uuid.uuid4().hex[:8]
 BACKENDS = ["sqlite", "postgresql"]
@@ -136,7 +141,121 @@ def pg_template() -> Iterator[str]:
     name = f"ts_tmpl_{RUN_ID}"
     _admin_exec(f"CREATE DATABASE {name}")
     TranscriptStore.upgrade_url(pg_url(name))
+    with psycopg.connect(_conninfo(name), autocommit=True) as conn:
+        _TEMPLATE_PRINT.append(_fingerprint(conn))
     yield name
+    while _POOL:
+        _admin_exec(f"DROP DATABASE IF EXISTS {_POOL.pop()} WITH (FORCE)")
+    _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+# Recycled PostgreSQL databases. CREATE DATABASE ... TEMPLATE copies the system catalogs too (7.5 MB through
+# the WAL, ~0.4 s on the CI machine) and half the suite's ~3,400 tests ask for one, so a test's database is
+# emptied after it (TRUNCATE: new, empty files, the tables never analyzed again) and handed to the next test of
+# this process under a name no test has used (a process's caches keyed by URL can't see the old one). Only a
+# database whose schema, grants, settings and statistics still print as the template's is recycled; any
+# other is dropped, as every database was before.
+_POOL: list[str] = []
+_TEMPLATE_PRINT: list[str] = []
+#: everything a test could change in a database besides its rows, printed in one text: relations (kind,
+#: owner, grants, options, storage), columns, indexes, constraints, triggers, functions, schemas,
+#: extensions, types, the database's settings and grants, sequences' positions, the migration revision,
+#: and whether a table was ever analyzed or vacuumed (the plan tests need a never-analyzed store).
+_FINGERPRINT_SQL = """
+SELECT md5(coalesce(string_agg(x, E'\n' ORDER BY x), '')) FROM (
+  SELECT concat_ws(' ', 'rel', c.oid::regclass, c.relkind, c.relpersistence, c.relowner::regrole, c.relacl,
+                   c.reloptions, CASE WHEN c.relkind = 'r' THEN c.reltuples >= 0 END, c.relrowsecurity)
+    FROM pg_class c WHERE c.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace,
+                                                  'pg_toast'::regnamespace)
+  UNION ALL
+  SELECT concat_ws(' ', 'col', a.attrelid::regclass, a.attname, format_type(a.atttypid, a.atttypmod),
+                   a.attnotnull, a.attstorage, a.attcollation, pg_get_expr(d.adbin, d.adrelid), a.attacl)
+    FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+   WHERE c.relnamespace = 'public'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
+  UNION ALL SELECT concat_ws(' ', 'idx', schemaname, indexdef) FROM pg_indexes
+   WHERE schemaname NOT IN ('pg_catalog', 'information_schema')
+  UNION ALL SELECT concat_ws(' ', 'con', conrelid::regclass, conname, pg_get_constraintdef(oid)) FROM pg_constraint
+   WHERE connamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
+  UNION ALL SELECT concat_ws(' ', 'trg', tgrelid::regclass, tgname, tgenabled, pg_get_triggerdef(oid))
+    FROM pg_trigger WHERE NOT tgisinternal
+  UNION ALL SELECT concat_ws(' ', 'fn', p.oid::regprocedure, md5(p.prosrc), p.proacl, p.proconfig) FROM pg_proc p
+   WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
+  UNION ALL SELECT concat_ws(' ', 'nsp', nspname, nspowner::regrole, nspacl) FROM pg_namespace
+  UNION ALL SELECT concat_ws(' ', 'ext', extname, extversion) FROM pg_extension
+  UNION ALL SELECT concat_ws(' ', 'type', oid::regtype, typtype) FROM pg_type
+   WHERE typnamespace = 'public'::regnamespace AND typrelid = 0
+  UNION ALL SELECT concat_ws(' ', 'rule', schemaname, tablename, rulename, definition) FROM pg_rules
+   WHERE schemaname NOT IN ('pg_catalog', 'information_schema')
+  UNION ALL SELECT concat_ws(' ', 'pol', schemaname, tablename, policyname, qual, with_check) FROM pg_policies
+  UNION ALL SELECT concat_ws(' ', 'seq', schemaname, sequencename, last_value) FROM pg_sequences
+  UNION ALL SELECT concat_ws(' ', 'set', setrole, setconfig) FROM pg_db_role_setting
+   WHERE setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())
+  UNION ALL SELECT concat_ws(' ', 'db', datacl, datallowconn, datconnlimit, datdba::regrole, datcollate, datctype)
+    FROM pg_database WHERE datname = current_database()
+  UNION ALL SELECT concat_ws(' ', 'stats', count(*)) FROM pg_statistic s JOIN pg_class c ON c.oid = s.starelid
+   WHERE c.relnamespace = 'public'::regnamespace
+  UNION ALL SELECT concat_ws(' ', 'analyzed', relname) FROM pg_stat_user_tables
+   WHERE coalesce(last_analyze, last_autoanalyze, last_vacuum, last_autovacuum) IS NOT NULL
+  UNION ALL SELECT concat_ws(' ', 'prepared', gid) FROM pg_prepared_xacts WHERE database = current_database()
+  UNION ALL SELECT concat_ws(' ', 'lo', count(*)) FROM pg_largeobject_metadata
+  UNION ALL SELECT concat_ws(' ', 'pub', pubname) FROM pg_publication
+  UNION ALL SELECT concat_ws(' ', 'alembic', version_num) FROM alembic_version
+) AS printed(x)
+"""
+
+
+def _conninfo(dbname: str) -> str:
+    return psycopg.conninfo.make_conninfo(PG_ADMIN, dbname=dbname)
+
+
+def _fingerprint(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute(_FINGERPRINT_SQL).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _as_template(dbname: str) -> bool:
+    """Whether ``dbname`` prints as the template (its rows aside)."""
+    try:
+        with psycopg.connect(_conninfo(dbname), autocommit=True, connect_timeout=10) as conn:
+            return _fingerprint(conn) == _TEMPLATE_PRINT[0]
+    except psycopg.Error:
+        return False
+
+
+def _take_pg_database(template: str) -> str:
+    """A migrated, empty database no test of this run has had under its name."""
+    while _POOL:
+        name = _POOL.pop()
+        if _as_template(name):  # autovacuum may have analyzed it while it waited here
+            return name
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    name = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
+    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    return name
+
+
+def _give_back_pg_database(name: str) -> None:
+    """Empty a test's database and keep it for the next test under a new name, or drop it."""
+    try:
+        _admin_exec(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+                    " AND pid <> pg_backend_pid()")
+        with psycopg.connect(_conninfo(name), autocommit=True, connect_timeout=10) as conn:
+            # the tables the test wrote (a table no row ever reached has no page): TRUNCATE costs per table
+            tables = [r[0] for r in conn.execute(
+                "SELECT quote_ident(relname) FROM pg_class WHERE relnamespace = 'public'::regnamespace"
+                " AND relkind IN ('r', 'p') AND relname <> 'alembic_version' AND pg_relation_size(oid) > 0")]
+            if tables:
+                conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
+            clean = _fingerprint(conn) == _TEMPLATE_PRINT[0]
+        if clean:
+            fresh = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
+            _admin_exec(f"ALTER DATABASE {name} RENAME TO {fresh}")
+            _POOL.append(fresh)
+            return
+    except psycopg.Error:
+        pass
     _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
@@ -148,13 +267,11 @@ def fresh_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
         shutil.copyfile(template, path)
         yield f"sqlite:///{path}"
         return
-    template = request.getfixturevalue("pg_template")
-    name = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
-    _admin_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    name = _take_pg_database(request.getfixturevalue("pg_template"))
     try:
         yield pg_url(name)
     finally:
-        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        _give_back_pg_database(name)
 
 
 def module_store_fixtures(scope: str, folder: str) -> tuple[Any, Any, Any]:

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from conftest import module_store_fixtures
 
 from engines.legacy import LegacyEngine
-from tests.conftest import module_store_fixtures
 from transcript_store import StoreConfig, TranscriptStore, compaction, reads
 from transcript_store.engine import EngineContext
 from transcript_store.tokens import RoughEstimator
@@ -452,7 +452,8 @@ def test_a_legacy_summary_written_before_compacted_at_ms_existed_still_says_when
     provider refuses those: the session's every request failed after the upgrade)."""
     import time
 
-    from tests.conftest import user
+    from conftest import user
+
     from transcript_store.compaction import STATE_KEY, STATE_OWNER, compact_session
     from transcript_store.core import Core
     from transcript_store.ledger import get_state, put_state
