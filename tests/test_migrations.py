@@ -36,6 +36,7 @@ from transcript_store import (
     Anchor,
     ClosedRange,
     DeltaPage,
+    SchemaNotCurrent,
     StoreConfig,
     TranscriptStore,
     TurnKeyConflict,
@@ -75,6 +76,30 @@ def test_the_migrated_schema_is_schema_py(store_url: str) -> None:
         assert _differences(db) == []
     finally:
         db.dispose()
+
+
+def test_head_is_the_newest_migration_script() -> None:
+    """``migrate.HEAD``, what opening a store compares against without Alembic, is Alembic's head: a new
+    revision that left it behind would let a store one revision old open as current."""
+    assert migrate.head_revision() == migrate.HEAD
+
+
+def test_opening_a_store_at_head_imports_no_alembic_and_one_behind_is_still_refused(store_url: str) -> None:
+    code = (
+        "import sys\n"
+        "from transcript_store import StoreConfig, TranscriptStore\n"
+        f"TranscriptStore(config=StoreConfig(url={store_url!r}, auto_upgrade=False)).close()\n"
+        "print('alembic' in sys.modules)\n"
+    )
+    opened = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert opened.returncode == 0 and opened.stdout.strip() == "False", opened.stderr
+    db = Database(StoreConfig(url=store_url))
+    try:
+        _downgrade(db, "0014")
+    finally:
+        db.dispose()
+    with pytest.raises(SchemaNotCurrent, match="at revision 0014"):
+        TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
 
 
 def _refuses_a_session_without_incarnation(db: Database) -> None:
