@@ -239,7 +239,9 @@ def _take_pg_database(template: str) -> str:
 def _give_back_pg_database(name: str) -> None:
     """Empty a test's database and keep it for the next test under a new name, or drop it."""
     try:
-        _admin_exec(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+        # waits (up to 5 s each) until they are gone: a backend still exiting would flush its statistics
+        # after the reset below, and keep the rename from running
+        _admin_exec(f"SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = '{name}'"
                     " AND pid <> pg_backend_pid()")
         with psycopg.connect(_conninfo(name), autocommit=True, connect_timeout=10) as conn:
             # the tables the test wrote (a table no row ever reached has no page): TRUNCATE costs per table
@@ -248,6 +250,9 @@ def _give_back_pg_database(name: str) -> None:
                 " AND relkind IN ('r', 'p') AND relname <> 'alembic_version' AND pg_relation_size(oid) > 0")]
             if tables:
                 conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE")
+            # the test's row counts, left counted, would have autovacuum analyze these (now empty) tables
+            # during a later test that needs them never analyzed; the counters of a fresh database are zero
+            conn.execute("SELECT pg_stat_reset()")
             clean = _fingerprint(conn) == _TEMPLATE_PRINT[0]
         if clean:
             fresh = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
