@@ -144,18 +144,102 @@ def test_an_idempotency_key_reused_for_another_request_is_a_409_that_writes_noth
 ) -> None:
     status, made = create(server, {}, "reused")
     assert status == 200
+    status, keyed = create(server, {"session_key": "k-made"}, "reused-keyed")
+    assert status == 200
     before = table_rows(store)
-    for body in ({"session_key": "k-other"}, {"session_key": "k-other", "rebind_key": True}):
-        status, data = create(server, body, "reused")
+    for key, body in (("reused", {"session_key": "k-other"}), ("reused-keyed", {}),
+                      ("reused-keyed", {"session_key": "k-other"})):
+        status, data = create(server, body, key)
         assert status == 409 and data["error"]["code"] == "idempotency_conflict", (body, data)
         assert "Idempotency-Key" in data["error"]["message"]
     assert table_rows(store) == before
-    # A request naming its own session id is idempotent by it: the header changes nothing there.
-    status, named = create(server, {"session_id": "named"}, "reused")
+    # The same request again is answered as the first attempt was.
+    assert create(server, {}, "reused") == (200, made)
+    assert create(server, {"session_key": "k-made"}, "reused-keyed") == (200, keyed)
+    assert sorted(ids(store)) == sorted([made["session_id"], keyed["session_id"]])
+
+
+def test_an_idempotency_key_beside_a_session_id_or_rebind_key_is_refused_and_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """The key is remembered by the session whose id it derives: only a request without a session_id leaves
+    that trace. Beside a session_id it was ignored, so the same key answered 200 for another request (the
+    same key, another body), and a ``rebind_key`` under it was dropped (answered as a plain open). Both are
+    refused now, writing nothing, whether the key was used before or not; the request without the header
+    still works."""
+    status, made = create(server, {}, "used")
+    assert status == 200
+    before = table_rows(store)
+    for key in ("used", "fresh"):
+        status, data = create(server, {"session_id": "named"}, key)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
+        assert "Idempotency-Key" in data["error"]["message"] and "session_id" in data["error"]["message"]
+        for body in ({"rebind_key": True}, {"session_key": "k", "rebind_key": True}):
+            status, data = create(server, body, key)
+            assert status == 422 and data["error"]["code"] == "invalid_request", (key, body, data)
+            assert "rebind_key" in data["error"]["message"], data
+    assert table_rows(store) == before
+    assert create(server, {}, "used") == (200, made)  # the key's own request is still answered as it was
+    status, named = create(server, {"session_id": "named"}, None)
     assert status == 200 and named["session_id"] == "named"
-    status, named_again = create(server, {"session_id": "named"}, "another")
-    assert (status, named_again) == (200, named)
     assert sorted(ids(store)) == sorted([made["session_id"], "named"])
+
+
+def test_rebind_key_without_a_session_id_and_a_session_key_is_a_422_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """``rebind_key`` moves a key to the session of an id. Without the id, a request opened the key's holder
+    (or made one) and dropped the flag; without the key there is nothing to move. Refused now."""
+    status, holder = create(server, {"session_id": "holder", "session_key": "k"}, None)
+    assert status == 200
+    before = table_rows(store)
+    for body, missing in (({"rebind_key": True}, "session_id and session_key"),
+                          ({"session_key": "k", "rebind_key": True}, "no session_id"),
+                          ({"session_key": "k2", "rebind_key": True}, "no session_id"),
+                          ({"session_id": "other", "rebind_key": True}, "no session_key"),
+                          ({"session_id": "holder", "rebind_key": True}, "no session_key")):
+        status, data = create(server, body, None)
+        assert status == 422 and data["error"]["code"] == "invalid_request", (body, data)
+        assert "rebind_key" in data["error"]["message"] and missing in data["error"]["message"], (body, data)
+    assert table_rows(store) == before
+    # With both it acts; false, it is the plain open it always was.
+    status, other = create(server, {"session_id": "other", "session_key": "k", "rebind_key": True}, None)
+    assert status == 200 and other["session_key"] == "k" and other["active"]
+    status, old = server.call("GET", "/v1/sessions/holder", TOKEN_A)
+    assert status == 200 and old["active"] is False and holder["active"]
+    assert create(server, {"session_key": "k", "rebind_key": False}, None) == create(server, {"session_key": "k"}, None)
+
+
+def test_rebind_key_without_a_session_id_and_a_session_key_is_refused_by_the_service_api(
+    store: TranscriptStore,
+) -> None:
+    """The Python API refuses it too: the request model at construction (what the route validates), and the
+    service for a request built without validation or changed since."""
+    from mirror_helpers import legacy_service
+    from pydantic import ValidationError
+
+    from transcript_store.errors import InvalidInput
+    from transcript_store.service_models import OpenSession
+
+    for body in ({"rebind_key": True}, {"session_key": "k", "rebind_key": True},
+                 {"session_id": "s", "rebind_key": True}):
+        with pytest.raises(ValidationError, match="rebind_key"):
+            OpenSession(**body)
+    for svc in legacy_service(store):
+        before = table_rows(store)
+        for body in ({"rebind_key": True}, {"session_key": "k", "rebind_key": True},
+                     {"session_id": "s", "rebind_key": True}):
+            for key in (None, "idem"):
+                with pytest.raises(InvalidInput, match="rebind_key"):
+                    svc.open_session(SCOPE, OpenSession.model_construct(**body), key)
+        changed = OpenSession(session_key="k")
+        changed.rebind_key = True
+        with pytest.raises(InvalidInput, match="rebind_key"):
+            svc.open_session(SCOPE, changed)
+        with pytest.raises(InvalidInput, match="Idempotency-Key"):
+            svc.open_session(SCOPE, OpenSession(session_id="s"), "idem")
+        assert table_rows(store) == before
+        assert svc.open_session(SCOPE, OpenSession(session_id="s", session_key="k", rebind_key=True)).active
 
 
 def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProcess, store: TranscriptStore) -> None:

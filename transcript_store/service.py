@@ -90,6 +90,7 @@ from .service_models import (
     HostCompactionRequest,
     HostCompactionResponse,
     OpenSession,
+    rebind_problem,
 )
 from .settings import HostSettings
 from .store import TranscriptStore, landed_since, replaced
@@ -298,12 +299,21 @@ class Service:
     # ------------------------------------------------------------------------------------ sessions
 
     def open_session(self, scope: str, req: OpenSession, idempotency_key: str | None = None) -> SessionInfo:
-        """Create by id (idempotent), or open by key; ``rebind_key`` ends the key's other holder first.
-        ``idempotency_key`` (the request's ``Idempotency-Key``) names a request without an id: its retry
-        finds the session the first attempt made (``_open_once``)."""
+        """Create by id (idempotent), or open by key; ``rebind_key`` (with both) ends the key's other holder
+        first. ``idempotency_key`` (the request's ``Idempotency-Key``) names a request without an id: its
+        retry finds the session the first attempt made (``_open_once``); beside an id it is refused."""
         _check_request(req, OpenSession)
+        problem = rebind_problem(req)  # validated already, unless built with model_construct or changed since
+        if problem is not None:
+            raise InvalidInput(problem)
         if idempotency_key is not None:
             _check_idempotency_key(idempotency_key)
+            if req.session_id is not None:
+                # The key is remembered by the session it derives the id of: a request naming its own id
+                # leaves no trace of the key, so the same key on another request could not be told from a
+                # retry. Such a request is idempotent by its id: the key would do nothing, and is refused.
+                raise InvalidInput("an Idempotency-Key names a request without a session_id: this one names "
+                                   "its session, and is retried safely by it; send it without the header")
         if req.session_id is None:
             if idempotency_key is not None:
                 return self._open_once(scope, idempotency_key, req.session_key)

@@ -691,7 +691,8 @@ def _protect_openapi(app: FastAPI) -> None:
 IDEMPOTENCY_KEY_DOC = (
     "1 to 255 printable ASCII characters naming a request without a session_id: the same key again (a retry "
     "after a lost answer) answers the session the first request made instead of creating another; reused with "
-    "another session_key it is 409 idempotency_conflict. Not used when the body names its session_id."
+    "another session_key it is 409 idempotency_conflict. Beside a session_id (a request idempotent by it) it "
+    "is 400 invalid_input."
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .engine import MAX_TOKENS, BootstrapResult, EngineInfo
 from .ledger import Receipt
@@ -59,8 +59,26 @@ class OpenSession(_Request):
     session_id: str | None = None
     session_key: str | None = None
     rebind_key: bool = Field(
-        False, description="end another active session holding session_key, so this session can take it"
+        False,
+        description="end another active session holding session_key, so this session can take it; needs both "
+        "session_id and session_key (422 otherwise)",
     )
+
+    @model_validator(mode="after")
+    def _rebind_acts(self) -> OpenSession:
+        problem = rebind_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+def rebind_problem(req: OpenSession) -> str | None:
+    """Why ``req``'s ``rebind_key`` cannot act, or None: it moves ``session_key`` to ``session_id``, so
+    without both it did nothing (a create by key answered the key's holder, unrebound) and is refused."""
+    if not req.rebind_key or (req.session_id is not None and req.session_key is not None):
+        return None
+    missing = " and ".join(name for name in ("session_id", "session_key") if getattr(req, name) is None)
+    return f"rebind_key moves session_key to the session of session_id: it needs both, this request has no {missing}"
 
 
 class SessionList(BaseModel):
