@@ -652,6 +652,31 @@ def test_errors_are_json_with_stable_codes(server: ServiceProcess) -> None:
         assert status == 422 and data["error"]["code"] == "invalid_request", (raw[:20], data)
 
 
+def test_the_openapi_document_lists_the_405_and_500_every_route_answers(server: ServiceProcess) -> None:
+    """A method a known path does not take is 405 ``method_not_allowed``, and an unexpected error a 500
+    ``internal_error`` with a correlation id, both in the error shape: the document listed neither."""
+    status, doc = server.call("GET", "/openapi.json", TOKEN_A)
+    assert status == 200
+    error_body = {"$ref": "#/components/schemas/ErrorBody"}
+    assert "correlation_id" in doc["components"]["schemas"]["ErrorDetail"]["properties"]
+    sid = new_id("s")
+    open_session(server, session_id=sid)
+    operations = 0
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            operations += 1
+            for code in ("405", "500"):
+                response = op["responses"].get(code)
+                assert response is not None, (path, code)
+                assert response["content"]["application/json"]["schema"] == error_body, (path, code)
+        concrete = path.replace("{engine}", "legacy").replace("{session_id}", sid)
+        for method in ("PUT", "PATCH", "DELETE"):
+            assert method.lower() not in ops
+            status, data = server.call(method, concrete, TOKEN_A)
+            assert status == 405 and data["error"]["code"] == "method_not_allowed", (method, path, data)
+    assert operations >= 15
+
+
 def test_a_body_sent_as_another_media_type_is_a_415_that_writes_nothing(server: ServiceProcess) -> None:
     """README's 415 ``unsupported_media_type``: was never answered. ``curl -d '{...}'`` sends
     application/x-www-form-urlencoded; the JSON body went unparsed and the answer was 422 "body: Input

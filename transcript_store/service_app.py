@@ -122,7 +122,7 @@ HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405
 _CLOSE = {"Connection": "close"}
 
 _ERROR_DOCS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 408, 409, 413, 415, 422, 503)
+    status: {"model": ErrorBody} for status in (400, 401, 404, 405, 408, 409, 413, 415, 422, 500, 503)
 }
 
 
