@@ -352,6 +352,45 @@ function rawOf(events) {
   };
 }
 
+/** Points the host's raw reader at a copy of its raw events so far; returns that copy, for the test to write on. */
+async function fixedRawTranscript(host) {
+  const read = host.sdk.readSessionTranscriptRawDelta;
+  const raw = (await read({ maxEvents: 1000, maxBytes: 1e9 })).events.map(({ event }) => event);
+  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  return raw;
+}
+
+/** The raw message events of a two-message turn, its first one written under `parentId`. */
+function rawTurn(turn, parentId) {
+  return [{ type: "message", id: turn.admission.entryId, parentId, message: turn.messages[0] },
+    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] }];
+}
+
+/** An OpenClaw raw `compaction` event written now. */
+function rawCompaction(id, parentId, summary, firstKeptEntryId) {
+  return { type: "compaction", id, parentId, timestamp: new Date().toISOString(), summary, firstKeptEntryId, tokensBefore: 5000 };
+}
+
+/** An OpenClaw raw `reset` event written now (`more`: its firstKeptEntryId, when it keeps a tail). */
+function rawReset(id, parentId, reason, more = {}) {
+  return { type: "reset", id, parentId, timestamp: new Date().toISOString(), reason, ...more };
+}
+
+/** The message texts a new engine of this process assembles for the session, after its bootstrap. */
+async function assembledTexts(host, params) {
+  const engine = await engineFor(host);
+  await engine.bootstrap(params);
+  return (await engine.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
+}
+
+let processes = 0;
+
+/** An engine of another plugin process: a module of its own, nothing remembered of this one's reads. */
+async function engineOfNewProcess(host, engine) {
+  const fresh = await import(`../src/engine.js?process=${(processes += 1)}`);
+  return fresh.createEngine({ serviceUrl: service.url, token: TOKEN, engine, sdk: host.sdk });
+}
+
 test("review 1: a compaction on a branch OpenClaw left is not what the next turn assembles", async () => {
   // OpenClaw's transcript is a tree: a /rewind, a retry or a branch switch leaves entries on a branch the
   // active one no longer goes through. The plugin recorded the newest `compaction` entry of the raw
@@ -359,33 +398,23 @@ test("review 1: a compaction on a branch OpenClaw left is not what the next turn
   const host = hostSession("s-branch-compaction");
   const params = await threeCommittedTurns(host);
   const visible = host.entries.slice();
-  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
+  const raw = await fixedRawTranscript(host);
   const last = visible.at(-1).entryId;
   raw.push({ type: "message", id: "gone-u", parentId: last, message: userMessage("a question taken back") },
     { type: "message", id: "gone-a", parentId: "gone-u", message: assistantMessage("an answer taken back") },
-    { type: "compaction", id: "gone-c", parentId: "gone-a", timestamp: new Date().toISOString(),
-      summary: "A summary of the branch taken back.", firstKeptEntryId: visible[4].entryId, tokensBefore: 5000 },
+    rawCompaction("gone-c", "gone-a", "A summary of the branch taken back.", visible[4].entryId),
     { type: "leaf", id: "back", parentId: "gone-c", targetId: last });
   const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
-  raw.push({ type: "message", id: turn.admission.entryId, parentId: last, message: turn.messages[0] },
-    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
-  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  raw.push(...rawTurn(turn, last));
   const engine = await engineFor(host);
   await engine.bootstrap(params);
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
-  const again = await engineFor(host);
-  await again.bootstrap(params);
-  const assembled = await again.assemble({ ...params, tokenBudget: 100000 });
-  assert.deepEqual(assembled.messages.map((m) => contentText(m.content)), host.entries.map((e) => contentText(e.message.content)));
+  assert.deepEqual(await assembledTexts(host, params), host.entries.map((e) => contentText(e.message.content)));
 
   // A compaction on the active branch is recorded, the one left behind still not.
   const kept = host.entries[6].entryId;
-  raw.push({ type: "compaction", id: "live-c", parentId: turn.terminal.entryId, timestamp: new Date().toISOString(),
-    summary: "A summary of the active branch.", firstKeptEntryId: kept, tokensBefore: 5000 });
-  const third = await engineFor(host);
-  await third.bootstrap(params);
-  const after = await third.assemble({ ...params, tokenBudget: 100000 });
-  assert.deepEqual(after.messages.map((m) => contentText(m.content)),
+  raw.push(rawCompaction("live-c", turn.terminal.entryId, "A summary of the active branch.", kept));
+  assert.deepEqual(await assembledTexts(host, params),
     ["[Summary of the earlier conversation]\nA summary of the active branch.", "question 3", "answer 3"]);
 });
 
@@ -397,47 +426,37 @@ test("a reset in OpenClaw's transcript is a boundary the active branch never goe
   const host = hostSession("s-reset");
   const params = await threeCommittedTurns(host);
   const visible = host.entries.slice();
-  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
+  const raw = await fixedRawTranscript(host);
   const last = visible.at(-1).entryId;
-  const compaction = (id, parentId, summary, firstKeptEntryId) => ({
-    type: "compaction", id, parentId, timestamp: new Date().toISOString(), summary, firstKeptEntryId, tokensBefore: 5000 });
   raw.push({ type: "message", id: "old-u", parentId: last, message: userMessage("a question on a branch left behind") },
-    compaction("old-c", "old-u", "A summary of the branch left behind.", visible[4].entryId),
+    rawCompaction("old-c", "old-u", "A summary of the branch left behind.", visible[4].entryId),
     { type: "leaf", id: "back", parentId: "old-c", targetId: last },
-    { type: "reset", id: "r", parentId: last, timestamp: new Date().toISOString(), reason: "reset" });
-  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
-  const shown = async () => {
-    const engine = await engineFor(host);
-    await engine.bootstrap(params);
-    return (await engine.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
-  };
+    rawReset("r", last, "reset"));
   // The turn's first entry names a parent on the branch left behind (a stale append cursor): OpenClaw
   // hangs it after the reset, and its context starts again at the reset.
   const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
-  raw.push({ type: "message", id: turn.admission.entryId, parentId: "old-c", message: turn.messages[0] },
-    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  raw.push(...rawTurn(turn, "old-c"));
   const engine = await engineFor(host);
   await engine.bootstrap(params);
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
-  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
+  assert.deepEqual(await assembledTexts(host, params), ["question 3", "answer 3"]);
   // A branch switch back to before the reset: OpenClaw leaves the leaf where it is.
   raw.push({ type: "leaf", id: "jump", parentId: turn.terminal.entryId, targetId: "old-c" });
-  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
+  assert.deepEqual(await assembledTexts(host, params), ["question 3", "answer 3"]);
   // A compaction before a second reset on the active branch: the reset is the newer boundary, and nothing
   // follows it yet.
-  raw.push(compaction("pre-c", turn.terminal.entryId, "A summary before the second reset.", turn.terminal.entryId),
-    { type: "reset", id: "r2", parentId: "pre-c", timestamp: new Date().toISOString(), reason: "new" });
-  assert.deepEqual(await shown(), []);
+  raw.push(rawCompaction("pre-c", turn.terminal.entryId, "A summary before the second reset.", turn.terminal.entryId),
+    rawReset("r2", "pre-c", "new"));
+  assert.deepEqual(await assembledTexts(host, params), []);
   // The turn after it, and OpenClaw's compaction after the reset, on the active branch: recorded.
   const next = host.turn("k4", [userMessage("question 4"), assistantMessage("answer 4")]);
-  raw.push({ type: "message", id: next.admission.entryId, parentId: "r2", message: next.messages[0] },
-    { type: "message", id: next.terminal.entryId, parentId: next.admission.entryId, message: next.messages[1] });
+  raw.push(...rawTurn(next, "r2"));
   const fourth = await engineFor(host);
   await fourth.bootstrap(params);
   assert.deepEqual(await fourth.commitTurn(next), { status: "committed" });
-  assert.deepEqual(await shown(), ["question 4", "answer 4"]);
-  raw.push(compaction("live-c", next.terminal.entryId, "A summary after the reset.", next.terminal.entryId));
-  assert.deepEqual(await shown(), ["[Summary of the earlier conversation]\nA summary after the reset.", "answer 4"]);
+  assert.deepEqual(await assembledTexts(host, params), ["question 4", "answer 4"]);
+  raw.push(rawCompaction("live-c", next.terminal.entryId, "A summary after the reset.", next.terminal.entryId));
+  assert.deepEqual(await assembledTexts(host, params), ["[Summary of the earlier conversation]\nA summary after the reset.", "answer 4"]);
 });
 
 test("a reset in OpenClaw's transcript leaves what preceded it out of the assembly, as OpenClaw's context does", async () => {
@@ -449,11 +468,8 @@ test("a reset in OpenClaw's transcript leaves what preceded it out of the assemb
   const params = await threeCommittedTurns(host);
   const compacted = await (await engineFor(host)).compact({ ...params, force: true, tokenBudget: 100000 });
   assert.equal(compacted.compacted, true);
-  const read = host.sdk.readSessionTranscriptRawDelta;
-  const raw = (await read({ maxEvents: 1000, maxBytes: 1e9 })).events.map(({ event }) => event);
-  const at = () => new Date().toISOString();
-  raw.push({ type: "reset", id: "r1", parentId: raw.at(-1).id, timestamp: at(), reason: "new" });
-  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const raw = await fixedRawTranscript(host);
+  raw.push(rawReset("r1", raw.at(-1).id, "new"));
   // The first turn after the reset: its message is past the fence, so nothing precedes it.
   const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
   host.fence = turn.admission.entryId;
@@ -462,30 +478,21 @@ test("a reset in OpenClaw's transcript leaves what preceded it out of the assemb
   assert.deepEqual((await engine.assemble({ ...params, tokenBudget: 100000 })).messages, []);
   host.fence = undefined;
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
-  raw.push({ type: "message", id: turn.admission.entryId, parentId: "r1", message: turn.messages[0] },
-    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
-  const shown = async () => {
-    const later = await engineFor(host);
-    await later.bootstrap(params);
-    return (await later.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content));
-  };
-  assert.deepEqual(await shown(), ["question 3", "answer 3"]);
+  raw.push(...rawTurn(turn, "r1"));
+  assert.deepEqual(await assembledTexts(host, params), ["question 3", "answer 3"]);
   // A new process reads the transcript from its start: the compaction before the reset stays out.
-  const again = await import(`../src/engine.js?fresh=${Date.now()}`);
-  const fresh = await again.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "legacy", sdk: host.sdk });
+  const fresh = await engineOfNewProcess(host, "legacy");
   await fresh.bootstrap(params);
   assert.deepEqual((await fresh.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
     ["question 3", "answer 3"]);
   // A reset that keeps the tail before it from its firstKeptEntryId: that tail, then what follows.
-  raw.push({ type: "reset", id: "r2", parentId: turn.terminal.entryId, timestamp: at(), reason: "reset",
-    firstKeptEntryId: turn.terminal.entryId });
+  raw.push(rawReset("r2", turn.terminal.entryId, "reset", { firstKeptEntryId: turn.terminal.entryId }));
   const next = host.turn("k4", [userMessage("question 4"), assistantMessage("answer 4")]);
-  raw.push({ type: "message", id: next.admission.entryId, parentId: "r2", message: next.messages[0] },
-    { type: "message", id: next.terminal.entryId, parentId: next.admission.entryId, message: next.messages[1] });
+  raw.push(...rawTurn(next, "r2"));
   const fourth = await engineFor(host);
   await fourth.bootstrap(params);
   assert.deepEqual(await fourth.commitTurn(next), { status: "committed" });
-  assert.deepEqual(await shown(), ["answer 3", "question 4", "answer 4"]);
+  assert.deepEqual(await assembledTexts(host, params), ["answer 3", "question 4", "answer 4"]);
 });
 
 test("a reset in OpenClaw's transcript reaches a service engine that owns compaction (lossless)", async () => {
@@ -505,11 +512,8 @@ test("a reset in OpenClaw's transcript reaches a service engine that owns compac
   assert.equal(compacted.compacted, true);
   const summarised = (await (await engineFor(host, { engine: "lossless" })).assemble({ ...params, tokenBudget: 100000 })).messages;
   assert.match(contentText(summarised[0].content), /^\[Summary sum_/);
-  const read = host.sdk.readSessionTranscriptRawDelta;
-  const raw = (await read({ maxEvents: 1000, maxBytes: 1e9 })).events.map(({ event }) => event);
-  const at = () => new Date().toISOString();
-  raw.push({ type: "reset", id: "r1", parentId: raw.at(-1).id, timestamp: at(), reason: "new" });
-  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
+  const raw = await fixedRawTranscript(host);
+  raw.push(rawReset("r1", raw.at(-1).id, "new"));
   const turn = host.turn("k6", [userMessage("question 6"), assistantMessage("answer 6")]);
   host.fence = turn.admission.entryId;
   const engine = await engineFor(host, { engine: "lossless" });
@@ -520,12 +524,9 @@ test("a reset in OpenClaw's transcript reaches a service engine that owns compac
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
   // OpenClaw's compaction entry after it (the engine's own compaction, as OpenClaw notes it): not a boundary
   // the plugin records for an engine that owns compaction; a new process still finds the reset.
-  raw.push({ type: "message", id: turn.admission.entryId, parentId: "r1", message: turn.messages[0] },
-    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] },
-    { type: "compaction", id: "c-own", parentId: turn.terminal.entryId, timestamp: at(), summary: "Not this one.",
-      firstKeptEntryId: turn.terminal.entryId, tokensBefore: 5000 });
-  const again = await import(`../src/engine.js?fresh=${Date.now()}`);
-  const fresh = await again.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "lossless", sdk: host.sdk });
+  raw.push(...rawTurn(turn, "r1"),
+    rawCompaction("c-own", turn.terminal.entryId, "Not this one.", turn.terminal.entryId));
+  const fresh = await engineOfNewProcess(host, "lossless");
   await fresh.bootstrap(params);
   assert.deepEqual((await fresh.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
     ["question 6", "answer 6"]);
@@ -539,25 +540,18 @@ test("an entry naming OpenClaw's raw append cursor while the leaf is elsewhere h
   const host = hostSession("s-append-cursor");
   const params = await threeCommittedTurns(host);
   const visible = host.entries.slice();
-  const raw = visible.map((entry, i) => ({ type: "message", id: entry.entryId, parentId: i ? visible[i - 1].entryId : null, message: entry.message }));
-  const compaction = (id, parentId, summary, firstKeptEntryId) => ({
-    type: "compaction", id, parentId, timestamp: new Date().toISOString(), summary, firstKeptEntryId, tokensBefore: 5000 });
+  const raw = await fixedRawTranscript(host);
   // A compaction on a branch off the second turn, then a switch back to the last message that leaves the
   // append cursor at that branch's end.
   raw.push({ type: "message", id: "side-u", parentId: visible[3].entryId, message: userMessage("a question on another branch") },
-    compaction("side-c", "side-u", "A summary of the other branch.", visible[2].entryId),
+    rawCompaction("side-c", "side-u", "A summary of the other branch.", visible[2].entryId),
     { type: "leaf", id: "back", parentId: "side-c", targetId: visible.at(-1).entryId, appendParentId: "side-c" });
-  host.sdk.readSessionTranscriptRawDelta = rawOf(raw);
   const turn = host.turn("k3", [userMessage("question 3"), assistantMessage("answer 3")]);
-  raw.push({ type: "message", id: turn.admission.entryId, parentId: "side-c", message: turn.messages[0] },
-    { type: "message", id: turn.terminal.entryId, parentId: turn.admission.entryId, message: turn.messages[1] });
+  raw.push(...rawTurn(turn, "side-c"));
   const engine = await engineFor(host);
   await engine.bootstrap(params);
   assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
-  const later = await engineFor(host);
-  await later.bootstrap(params);
-  assert.deepEqual((await later.assemble({ ...params, tokenBudget: 100000 })).messages.map((m) => contentText(m.content)),
-    host.entries.map((e) => contentText(e.message.content)));
+  assert.deepEqual(await assembledTexts(host, params), host.entries.map((e) => contentText(e.message.content)));
 });
 
 test("review 1: a new process leaves a newer compaction of the service in place of OpenClaw's older one", async () => {
@@ -588,8 +582,7 @@ test("review 1: a new process leaves a newer compaction of the service in place 
   const newer = await first.assemble({ ...params, tokenBudget: 100000 });
   assert.notDeepEqual(newer.messages, older.messages);
   // Another process (a module of its own: nothing remembered of this one's reads).
-  const fresh = await import(`../src/engine.js?process=${Date.now()}`);
-  const other = await fresh.createEngine({ serviceUrl: service.url, token: TOKEN, engine: "legacy", sdk: host.sdk });
+  const other = await engineOfNewProcess(host, "legacy");
   await other.bootstrap(params);
   assert.deepEqual((await other.assemble({ ...params, tokenBudget: 100000 })).messages, newer.messages);
 });
