@@ -819,10 +819,8 @@ def _grep(engine: Any, session: str, pattern: str) -> int:
     return int(json.loads(engine.handle_tool_call("lcm_grep", {"pattern": pattern})).get("count", 0))
 
 
-def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_url: str, tmp_path: Path) -> None:
-    """``/branch`` after a compaction: the branch's list starts with the parent's compress answer, which
-    made it join the parent's store session (its turns written into the parent's, each switch branching
-    that session again, each one's recall finding the other's turns). It forks a copy now."""
+def _branched_after_a_compress(tmp_path: Path, store_url: str) -> tuple[FakeSessionDB, Any, list[dict[str, Any]]]:
+    """Hermes' database and an engine switched to "B", a ``/branch`` of "A" after A's compress; and its answer."""
     db = FakeSessionDB()
     engine = make(tmp_path, db_url=store_url)
     engine.bind_session_state(session_db=db, session_id="A")
@@ -831,6 +829,14 @@ def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_ur
     db.messages["A"] = _persisted(answer)
     db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
     engine.bind_session_state(session_db=db, session_id="B")
+    return db, engine, answer
+
+
+def test_a_branch_of_a_compacted_conversation_gets_a_lineage_of_its_own(store_url: str, tmp_path: Path) -> None:
+    """``/branch`` after a compaction: the branch's list starts with the parent's compress answer, which
+    made it join the parent's store session (its turns written into the parent's, each switch branching
+    that session again, each one's recall finding the other's turns). It forks a copy now."""
+    db, engine, answer = _branched_after_a_compress(tmp_path, store_url)
     engine.on_session_end("B", _persisted(answer) + conversation("bravo", 2))
     assert _grep(engine, "B", "bravo question 0") >= 1 and _grep(engine, "A", "bravo question 0") == 0
     assert _grep(engine, "B", "alpha question 0") >= 1  # the branch keeps the parent's history
@@ -878,14 +884,7 @@ def test_a_branch_fork_that_fails_part_way_leaves_no_half_branch(store_url: str,
     transcript, then the answer's candidate. Failing after the first (here the candidate's record
     refused), it left a session for the branch that the next call took for its lineage: it forked no
     more, and the branch's turns went into the parent's store session, as before the fork existed."""
-    db = FakeSessionDB()
-    engine = make(tmp_path, db_url=store_url)
-    engine.bind_session_state(session_db=db, session_id="A")
-    answer = engine.compress(conversation("alpha", 12))
-    db.sessions["A"] = {"id": "A", "model_config": "{}", "end_reason": "branched"}
-    db.messages["A"] = _persisted(answer)
-    db.sessions["B"] = {"id": "B", "parent_session_id": "A", "model_config": json.dumps({"_branched_from": "A"})}
-    engine.bind_session_state(session_db=db, session_id="B")
+    _, engine, answer = _branched_after_a_compress(tmp_path, store_url)
     _refuse_candidates(engine, True)
     try:
         engine.on_session_end("B", _persisted(answer) + conversation("bravo", 2))  # the fork fails
@@ -1632,6 +1631,17 @@ def test_the_session_end_hook_stores_what_hermes_saved_as_hermes_replays_it(stor
     engine.close()
 
 
+def _two_turns_stored_without_a_session_db(
+    tmp_path: Path, store_url: str, tag: str
+) -> tuple[Any, list[dict[str, Any]]]:
+    """An engine of "s1" bound with no session database, two turns of ``tag`` stored; the engine and those turns."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.bind_session_state(session_db=None, session_id="s1")
+    convo = conversation(tag, 2)
+    engine.on_turn_complete(convo, session_id="s1")
+    return engine, convo
+
+
 def test_an_interrupted_turn_of_an_agent_without_a_session_database_is_stored_at_its_end(
     store_url: str, tmp_path: Path
 ) -> None:
@@ -1642,10 +1652,7 @@ def test_an_interrupted_turn_of_an_agent_without_a_session_database_is_stored_at
     agent's turn in the thread (Hermes' background review, under the parent's id), stores none of it."""
     from transcript_store.hermes import end_turn, note_turn
 
-    engine = make(tmp_path, db_url=store_url)
-    engine.bind_session_state(session_db=None, session_id="s1")
-    convo = conversation("gamma", 2)
-    engine.on_turn_complete(convo, session_id="s1")
+    engine, convo = _two_turns_stored_without_a_session_db(tmp_path, store_url, "gamma")
     live = [*convo, user("gamma interrupted before its reply")]
     note_turn(session_id="s1", conversation_history=list(live))
     end_turn(session_id="s1", completed=False, interrupted=True)
@@ -1710,10 +1717,7 @@ def test_the_background_review_interrupted_before_its_first_answer_stores_nothin
     copy last bound in the thread is the turn's: it follows another id, so nothing is stored."""
     from transcript_store.hermes import end_turn, note_turn
 
-    engine = make(tmp_path, db_url=store_url)
-    engine.bind_session_state(session_db=None, session_id="s1")
-    convo = conversation("delta", 2)
-    engine.on_turn_complete(convo, session_id="s1")
+    engine, convo = _two_turns_stored_without_a_session_db(tmp_path, store_url, "delta")
     stored: list[Any] = []
 
     def review_thread() -> None:
