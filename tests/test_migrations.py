@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -273,32 +275,43 @@ def test_stores_migrated_by_earlier_versions_of_two_revisions_upgrade_to_the_sam
         db.dispose()
 
 
-def test_the_receipts_rebuild_keeps_the_grants_of_an_application_role(store_url: str) -> None:
-    """0006 builds ts_receipts again; on PostgreSQL the old table's grants went with it, so workers
-    running as a role that may only read and write rows had every commit refused after the upgrade."""
+@contextmanager
+def _a_role_over_a_store_at(store_url: str, revision: str) -> Iterator[tuple[Database, str]]:
+    """A PostgreSQL store taken down to ``revision`` and the name for a new role, dropped with its grants after."""
     if store_url.startswith("sqlite"):
         pytest.skip("SQLite has no roles or grants")
     role = f"ts_app_{uuid.uuid4().hex[:8]}"
     db = Database(StoreConfig(url=store_url))
     try:
-        _downgrade(db, "0005")
-        with db.engine.begin() as conn:
-            conn.execute(text(f"CREATE ROLE {role}"))
-            conn.execute(text(f"GRANT SELECT, INSERT, DELETE ON ts_receipts TO {role}"))
-            conn.execute(text(f"GRANT UPDATE ON ts_receipts TO {role} WITH GRANT OPTION"))
-        migrate.upgrade(db)
-        with db.engine.connect() as conn:
-            def can(privilege: str) -> bool:
-                return bool(conn.execute(text(f"SELECT has_table_privilege('{role}', 'ts_receipts', '{privilege}')"))
-                            .scalar_one())
-
-            assert [can(p) for p in ("SELECT", "INSERT", "DELETE", "UPDATE", "TRUNCATE")] == [True] * 4 + [False]
-            assert can("UPDATE WITH GRANT OPTION") and not can("INSERT WITH GRANT OPTION")
+        _downgrade(db, revision)
+        yield db, role
     finally:
         with db.engine.begin() as conn:
             conn.execute(text(f"DROP OWNED BY {role}"))
             conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
         db.dispose()
+
+
+def _holds(db: Database, role: str, table: str, privileges: tuple[str, ...]) -> list[bool]:
+    """Whether ``role`` holds each of ``privileges`` on ``table``."""
+    with db.engine.connect() as conn:
+        return [bool(conn.execute(text(f"SELECT has_table_privilege('{role}', '{table}', '{p}')")).scalar_one())
+                for p in privileges]
+
+
+def test_the_receipts_rebuild_keeps_the_grants_of_an_application_role(store_url: str) -> None:
+    """0006 builds ts_receipts again; on PostgreSQL the old table's grants went with it, so workers
+    running as a role that may only read and write rows had every commit refused after the upgrade."""
+    with _a_role_over_a_store_at(store_url, "0005") as (db, role):
+        with db.engine.begin() as conn:
+            conn.execute(text(f"CREATE ROLE {role}"))
+            conn.execute(text(f"GRANT SELECT, INSERT, DELETE ON ts_receipts TO {role}"))
+            conn.execute(text(f"GRANT UPDATE ON ts_receipts TO {role} WITH GRANT OPTION"))
+        migrate.upgrade(db)
+        held = _holds(db, role, "ts_receipts", ("SELECT", "INSERT", "DELETE", "UPDATE", "TRUNCATE"))
+        assert held == [True] * 4 + [False]
+        with_grant_option = _holds(db, role, "ts_receipts", ("UPDATE WITH GRANT OPTION", "INSERT WITH GRANT OPTION"))
+        assert with_grant_option == [True, False]  # UPDATE's grant option kept, none added to INSERT
 
 
 def test_the_tombstone_revision_grants_its_table_as_the_sessions_are(store_url: str) -> None:
@@ -306,14 +319,9 @@ def test_the_tombstone_revision_grants_its_table_as_the_sessions_are(store_url: 
     granted only row access to the store's tables would have every delete refused after the upgrade
     ("permission denied for table ts_deleted_sessions"). The table is granted what ``ts_sessions`` is, and
     such a role deletes (and its tombstone keeps a retried create from making the session again)."""
-    if store_url.startswith("sqlite"):
-        pytest.skip("SQLite has no roles or grants")
     from sqlalchemy.engine import make_url
 
-    role = f"ts_app_{uuid.uuid4().hex[:8]}"
-    db = Database(StoreConfig(url=store_url))
-    try:
-        _downgrade(db, "0014")
+    with _a_role_over_a_store_at(store_url, "0014") as (db, role):
         with db.engine.begin() as conn:
             conn.execute(text(f"CREATE ROLE {role} LOGIN"))
             for table in sa_inspect(conn).get_table_names():
@@ -321,10 +329,7 @@ def test_the_tombstone_revision_grants_its_table_as_the_sessions_are(store_url: 
                     conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"))
             conn.execute(text(f"GRANT SELECT ON alembic_version TO {role}"))  # the revision check on open
         migrate.upgrade(db)
-        with db.engine.connect() as conn:
-            granted = [bool(conn.execute(text(
-                f"SELECT has_table_privilege('{role}', 'ts_deleted_sessions', '{p}')")).scalar_one())
-                for p in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")]
+        granted = _holds(db, role, "ts_deleted_sessions", ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE"))
         assert granted == [True] * 4 + [False]
         as_role = make_url(store_url).set(username=role, password=None).render_as_string(hide_password=False)
         with TranscriptStore(config=StoreConfig(url=as_role, auto_upgrade=False)) as worker:
@@ -332,11 +337,6 @@ def test_the_tombstone_revision_grants_its_table_as_the_sessions_are(store_url: 
             worker.append(A, "g1", user("q"))
             assert worker.delete_session(A, "g1").incarnation == made.incarnation
             assert worker.list_sessions(A) == []
-    finally:
-        with db.engine.begin() as conn:
-            conn.execute(text(f"DROP OWNED BY {role}"))
-            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
-        db.dispose()
 
 
 def test_entries_committed_before_keys_were_bound_take_their_key(store_url: str) -> None:
