@@ -150,21 +150,21 @@ def test_a_service_session_under_an_idempotency_key_deleted_before_the_retry_is_
         svc.runtime.dispose()
 
 
-def deleted_inside_the_retry(store: TranscriptStore, other: TranscriptStore, sid: str, call: Callable[[], T]) -> T:
-    """Run ``call`` (a write making session ``sid``) with its first COMMIT lost; inside the retry's
-    transaction, just before its insert of the session, another client deletes ``sid`` (its own
-    transaction, in a thread, given 3 s: it commits then, unless it waits for a lock the retry holds)."""
+def raced_inside_the_retry(
+    store: TranscriptStore, at: Callable[[str], bool], race: Callable[[], object], call: Callable[[], T]
+) -> tuple[T, threading.Thread]:
+    """Run ``call``, its first COMMIT lost, and ``race`` in a thread (3 s) before the retry's statement ``at`` picks."""
     from sqlalchemy import event
 
     armed: list[bool] = []
-    deleting: list[threading.Thread] = []
+    racing: list[threading.Thread] = []
 
     def before(conn: object, cursor: object, statement: str, *_rest: object) -> None:
-        if armed and statement.lstrip().upper().startswith("INSERT INTO TS_SESSIONS"):
+        if armed and at(statement):
             armed.clear()
-            deleting.append(threading.Thread(target=other.delete_session, args=(S, sid)))
-            deleting[0].start()
-            deleting[0].join(3)
+            racing.append(threading.Thread(target=race))
+            racing[0].start()
+            racing[0].join(3)
 
     event.listen(store.db.engine, "before_cursor_execute", before)
     try:
@@ -172,8 +172,18 @@ def deleted_inside_the_retry(store: TranscriptStore, other: TranscriptStore, sid
             out = call()
     finally:
         event.remove(store.db.engine, "before_cursor_execute", before)
-    deleting[0].join(30)
-    assert not deleting[0].is_alive()
+    return out, racing[0]
+
+
+def deleted_inside_the_retry(store: TranscriptStore, other: TranscriptStore, sid: str, call: Callable[[], T]) -> T:
+    """Run ``call`` (a write making session ``sid``) with its first COMMIT lost; inside the retry's
+    transaction, just before its insert of the session, another client deletes ``sid`` (its own
+    transaction, in a thread, given 3 s: it commits then, unless it waits for a lock the retry holds)."""
+    out, deleting = raced_inside_the_retry(
+        store, lambda statement: statement.lstrip().upper().startswith("INSERT INTO TS_SESSIONS"),
+        lambda: other.delete_session(S, sid), call)
+    deleting.join(30)
+    assert not deleting.is_alive()
     return out
 
 
@@ -206,30 +216,16 @@ def test_a_service_retry_and_a_rebind_of_its_key_do_not_deadlock(store_url: str,
     if backend == "sqlite":
         pytest.skip("SQLite runs one writer at a time: no rebind can run inside the retry's transaction")
     from mirror_helpers import legacy_service
-    from sqlalchemy import event
 
     from transcript_store.service_models import OpenSession
 
     with two_clients(store_url) as (store, other):
         svc, theirs = next(legacy_service(store)), next(legacy_service(other))
-        armed: list[bool] = []
-        rebinding: list[threading.Thread] = []
-
-        def before(conn: object, cursor: object, statement: str, *_rest: object) -> None:
-            if armed and "pg_advisory_xact_lock" in statement:
-                armed.clear()
-                req = OpenSession(session_id="kb2", session_key="k", rebind_key=True)
-                rebinding.append(threading.Thread(target=theirs.open_session, args=(S, req)))
-                rebinding[0].start()
-                rebinding[0].join(3)
-
-        event.listen(store.db.engine, "before_cursor_execute", before)
-        try:
-            with commit_lost_then(store, lambda: armed.append(True)):
-                info = svc.open_session(S, OpenSession(session_id="kb1", session_key="k", rebind_key=True))
-        finally:
-            event.remove(store.db.engine, "before_cursor_execute", before)
-        rebinding[0].join(30)
+        info, rebinding = raced_inside_the_retry(
+            store, lambda statement: "pg_advisory_xact_lock" in statement,
+            lambda: theirs.open_session(S, OpenSession(session_id="kb2", session_key="k", rebind_key=True)),
+            lambda: svc.open_session(S, OpenSession(session_id="kb1", session_key="k", rebind_key=True)))
+        rebinding.join(30)
         assert (info.session_id, info.active) == ("kb1", True)
         holder = other.find_session(S, "k")
         assert holder is not None and holder.session_id == "kb2" and not other.get_session(S, "kb1").active
