@@ -89,12 +89,12 @@ def originals(lists: list[list[dict[str, Any]]]) -> list[str]:
     return list(seen)
 
 
-def make_agent(server: FakeOpenAI) -> Any:
+def make_agent(server: FakeOpenAI, session_db: Any = None) -> Any:
     from run_agent import AIAgent
 
     return AIAgent(
         base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
-        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True,
+        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=session_db,
     )
 
 
@@ -683,6 +683,17 @@ def run_interrupted(agent: Any, server: FakeOpenAI, text: str, history: list[dic
     return done
 
 
+def assert_a_turn_interrupted_before_its_reply_is_stored(agent: Any, server: FakeOpenAI, tag: str) -> None:
+    """``agent`` runs a first turn, then one interrupted before its reply: the store holds it, each message once."""
+    first = agent.run_conversation(f"{tag}-one: a first question")
+    done = run_interrupted(agent, server, f"{tag}-two: the question interrupted before its reply", first["messages"])
+    assert not [m for m in done["messages"] if m.get("role") == "assistant" and f"{tag}-two" in str(m)]
+    engine = agent.context_compressor
+    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
+    assert any(f"{tag}-two" in k for k in stored), "the interrupted turn's user message never reached the store"
+    assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
+
+
 def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path, server: FakeOpenAI) -> None:
     """A turn interrupted before any reply fires no ``post_llm_call`` (Hermes fires it for a turn with a
     reply only): its user message reached the store with the conversation's next turn, compaction or
@@ -691,21 +702,10 @@ def test_a_turn_interrupted_before_its_reply_stores_its_user_message(home: Path,
     Hermes saved the turn to its session database: the plugin stores what it saved from there."""
 
     from hermes_state import SessionDB
-    from run_agent import AIAgent
 
     server.reset()
-    db = SessionDB()
-    agent = AIAgent(
-        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
-        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=db,
-    )
-    first = agent.run_conversation("sorrel-one: a first question")
-    done = run_interrupted(agent, server, "sorrel-two: the question interrupted before its reply", first["messages"])
-    assert not [m for m in done["messages"] if m.get("role") == "assistant" and "sorrel-two" in str(m)]
-    engine = agent.context_compressor
-    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
-    assert any("sorrel-two" in k for k in stored), "the interrupted turn's user message never reached the store"
-    assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
+    agent = make_agent(server, session_db=SessionDB())
+    assert_a_turn_interrupted_before_its_reply_is_stored(agent, server, "sorrel")
     agent.close()
 
 
@@ -716,13 +716,9 @@ def test_an_interrupted_turn_after_a_merged_one_stores_nothing_twice(home: Path,
     saved: the session branched at the merged message and the rest of the conversation went in again."""
 
     from hermes_state import SessionDB
-    from run_agent import AIAgent
 
     server.reset()
-    agent = AIAgent(
-        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=True,
-        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True, session_db=SessionDB(),
-    )
+    agent = make_agent(server, session_db=SessionDB())
 
     first = agent.run_conversation("tansy-one: a first question")
     second = run_interrupted(agent, server, "tansy-two: interrupted", first["messages"])
@@ -748,11 +744,5 @@ def test_a_turn_interrupted_before_its_reply_without_a_session_database_is_store
     server.reset()
     agent = make_agent(server)
     assert getattr(agent, "_session_db", None) is None, "the case did not arise: the agent has a session database"
-    first = agent.run_conversation("yarrow-one: a first question")
-    done = run_interrupted(agent, server, "yarrow-two: the question interrupted before its reply", first["messages"])
-    assert not [m for m in done["messages"] if m.get("role") == "assistant" and "yarrow-two" in str(m)]
-    engine = agent.context_compressor
-    stored = [key(m) for m in engine.stored_messages(agent.session_id)]
-    assert any("yarrow-two" in k for k in stored), "the interrupted turn's user message never reached the store"
-    assert stored == [key(m) for m in done["messages"]], "not the conversation, each message once"
+    assert_a_turn_interrupted_before_its_reply_is_stored(agent, server, "yarrow")
     agent.close()
