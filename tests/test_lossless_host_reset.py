@@ -99,6 +99,48 @@ def test_a_host_reset_stands_on_the_lossless_engine_only_on_its_branch(service: 
     assert all(w in text for w in ("alpha0", "alpha3", "right4", "right6")) and "left4" not in text
 
 
+def test_a_built_in_compaction_after_a_host_reset_never_brings_back_what_preceded_it(
+    service: Service, sid: str
+) -> None:
+    # A compaction that is not the engine's (the built-in one a turn degraded to legacy runs, or OpenClaw's
+    # own, reported after the reset) replaced the reset's pointer: the reset was gone, and every assembly
+    # returned the conversation before it again.
+    s = service.store
+    page(s, sid, None, "c1", hosted(*talk("alpha", 0, 12)))
+    assert reset(service, sid, 12, 12) == 12
+    page(s, sid, "c1", "c2", hosted(*talk("beta", 12, 12)))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    after = shown(service, sid)
+    assert "beta23" in after and "alpha" not in after  # was: alpha0..alpha11 in front again
+    page(s, sid, "c2", "c3", hosted(*talk("gamma", 24, 4)))
+    req = HostCompactionRequest(summary="the host's", first_kept_position=26, first_kept_entry_id="h26",
+                                compacted_at_count=28)
+    assert service.host_compaction(A, "legacy", sid, req).first_kept_position == 26
+    after = shown(service, sid)
+    assert "gamma27" in after and "alpha" not in after  # was: alpha0..alpha11 in front again
+    # The engine's own compaction plans on what follows the reset too.
+    assert service.compact(A, "lossless", sid, CompactRequest(force=True)).compacted
+    assert "alpha" not in shown(service, sid)
+    # Stored and searchable all the same.
+    assert "msg_3" in grep(service, sid, "alpha3")
+
+
+def test_a_host_reset_stays_when_a_compaction_made_after_it_leaves_the_branch(service: Service, sid: str) -> None:
+    s = service.store
+    before, after = talk("alpha", 0, 6), talk("beta", 6, 6)
+    page(s, sid, None, "c1", hosted(*before))
+    assert reset(service, sid, 6, 6) == 6
+    page(s, sid, "c1", "c2", hosted(*after))
+    req = HostCompactionRequest(summary="the host's", first_kept_position=10, first_kept_entry_id="h10",
+                                compacted_at_count=12)
+    assert service.host_compaction(A, "legacy", sid, req).first_kept_position == 10
+    # The host branches at its last message (a regenerated reply): the compaction, made after h11, is not
+    # on the new branch; the reset, made after h5, is.
+    assert page(s, sid, None, "c3", hosted(*before, *after[:-1], ("h11b", a("again")))).rewound
+    text = shown(service, sid)
+    assert "beta6" in text and "again" in text and "alpha" not in text  # was: alpha0..alpha5 in front again
+
+
 def test_a_host_compaction_with_a_summary_is_refused_by_an_engine_that_owns_compaction(
     service: Service, sid: str
 ) -> None:

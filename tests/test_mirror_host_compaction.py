@@ -164,6 +164,30 @@ def test_a_host_reset_stands_only_on_the_branch_it_was_made_on(service: Service,
 
 
 
+def test_a_host_reset_stays_when_a_compaction_made_after_it_leaves_the_branch(service: Service, sid: str) -> None:
+    # A compaction made after a reset replaced its pointer: when the mirror then left the branch the
+    # compaction was made on (but not the reset's), nothing stood, and the messages before the reset came back.
+    s = service.store
+    long = " and so on" * 40  # the built-in compaction's summary shrinks the context
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(16)]
+    page(s, sid, None, "c1", hosted(*msgs[:6]))
+    assert reset(service, sid, 6, 6) == 6
+    page(s, sid, "c1", "c2", hosted(*msgs[6:10]))
+    assert record(service, sid, "after the reset", 8, "h8", compacted_at_count=10) == 8
+    assert shown(service, sid) == [f"{HEAD}after the reset", f"m8{long}", f"m9{long}"]
+    # The host regenerates its last reply: the compaction, made after h9, is not on the new branch; the
+    # reset, made after h5, is.
+    assert page(s, sid, None, "c3", hosted(*msgs[:9], ("h9b", a("m9b")))).rewound
+    assert shown(service, sid) == [f"m6{long}", f"m7{long}", f"m8{long}", "m9b"]  # was: m0 .. m9b
+    # The built-in compaction there summarises only what followed the reset, and keeps the reset under it:
+    # on a branch without its first kept message the reset still stands.
+    page(s, sid, "c3", "c4", hosted(*msgs[10:]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    assert shown(service, sid)[1:] == [f"m{i}{long}" for i in range(10, 16)]
+    assert page(s, sid, None, "c5", hosted(*msgs[:9], ("h9b", a("m9b")), ("h10b", u("m10b")))).rewound
+    assert shown(service, sid) == [f"m6{long}", f"m7{long}", f"m8{long}", "m9b", "m10b"]  # was: m0 .. m10b
+
+
 def test_the_same_reset_made_again_on_another_branch_stands_there(service: Service, sid: str) -> None:
     # A reset has no summary, so two of them at the same position are alike: one made on a branch after the
     # mirror left the branch of the first (a regenerated reply, then /new) was taken for the first told

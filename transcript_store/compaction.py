@@ -34,19 +34,78 @@ def load_pointer(store: Any, scope: str, session_id: str) -> dict[str, Any] | No
     return result
 
 
-def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
-    """``load_pointer`` inside an open transaction (the legacy engine reads it with its delta)."""
-    pointer = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
-    if not isinstance(pointer, dict):
+#: the key of a compaction's pointer that holds the host's reset it was made after (``reset_under``)
+RESET_UNDER = "reset_under"
+
+
+def reset_under(pointer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The host's reset a pointer in force starts its context after: the pointer itself when it is one, else
+    the reset the compaction was made after (carried in its pointer), else None."""
+    if pointer is None:
         return None
+    if pointer.get("reset"):
+        return {k: v for k, v in pointer.items() if k != RESET_UNDER}
+    under = pointer.get(RESET_UNDER)
+    return under if isinstance(under, dict) else None
+
+
+def _carried(pointer: dict[str, Any] | None) -> dict[str, Any]:
+    """What a new compaction's pointer carries of the one in force: the host's reset under it, if any.
+
+    A reset is a boundary no later compaction undoes: the built-in compaction (a turn degraded to legacy)
+    or the host's (reported after the reset) summarises only what followed it, but its pointer replaced
+    the reset's, and an engine that owns compaction (lossless, which reads only the reset: ``reset_in``)
+    assembled everything before the reset again; so did the legacy engine once the compaction left the
+    mirror's branch and the reset had not."""
+    under = reset_under(pointer)
+    return {RESET_UNDER: under} if under is not None else {}
+
+
+def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
+    """``load_pointer`` inside an open transaction (the legacy engine reads it with its delta).
+
+    The stored pointer's entries and its reset's are looked up together (one query, as for a pointer
+    alone). A compaction that stands with a reset that does not (a branch between the two) keeps its
+    summary without the reset; one that does not stand leaves its reset, when that stands on its own."""
+    stored = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
+    if not isinstance(stored, dict):
+        return None
+    under = stored.get(RESET_UNDER)
+    under = under if isinstance(under, dict) else None
+    ids = list(dict.fromkeys(_entry_ids(stored) + (_entry_ids(under) if under is not None else [])))
+    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
+    found = _standing(c, scope, session_id, stored, rows)
+    if found is None:
+        return None if under is None else _standing(c, scope, session_id, under, rows)
+    if under is not None and not _made_on_path(under, rows):
+        found = {k: v for k, v in found.items() if k != RESET_UNDER}
+    return found
+
+
+def _entry_ids(pointer: dict[str, Any]) -> list[str]:
+    """The entries ``_standing`` looks up for a pointer: its first kept one, and the last one a host's was
+    made after."""
+    seen = pointer.get("seen_entry_id") if pointer.get("source") == "host" else None
+    return [i for i in (pointer.get("first_kept_entry_id"), seen) if isinstance(i, str)]
+
+
+def _made_on_path(pointer: dict[str, Any], rows: dict[str, Any]) -> bool:
+    """Whether the last message a host's pointer was made after is on the active path where it was."""
+    seen = pointer.get("seen_entry_id")
+    made = pointer.get("made_at_count", 0)
+    return not isinstance(seen, str) or (isinstance(made, int) and _at_on_path(rows.get(seen), made - 1))
+
+
+def _standing(
+    c: Core, scope: str, session_id: str, pointer: dict[str, Any], rows: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The pointer (dated) if it stands on the mirror's branch, else None; ``rows``: its ``_entry_ids``."""
     kept = pointer["first_kept_entry_id"]
     at = pointer["first_kept_position"]
     # A host's compaction is an entry on the branch it was made on (OpenClaw's transcript is a tree): on
     # another branch sharing its first kept message the host's context does not hold it. It stands while
     # the mirror's branch holds the last message it was made after.
     seen = pointer.get("seen_entry_id") if pointer.get("source") == "host" else None
-    ids = [i for i in (kept, seen) if isinstance(i, str)]
-    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
     if isinstance(seen, str) and not _at_on_path(rows.get(seen), pointer.get("made_at_count", 0) - 1):
         return None
     if kept is None:
@@ -79,8 +138,8 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
 def reset_in(c: Core, scope: str, session_id: str) -> int | None:
     """The visible position a host's reset standing on the mirror's branch starts its context again at
     (``record_host_compaction``), else None: how an engine that owns compaction (lossless) is told."""
-    pointer = pointer_in(c, scope, session_id)
-    return int(pointer["first_kept_position"]) if pointer is not None and pointer.get("reset") else None
+    reset = reset_under(pointer_in(c, scope, session_id))
+    return int(reset["first_kept_position"]) if reset is not None else None
 
 
 def _at_on_path(row: Any, position: int) -> bool:
@@ -244,32 +303,31 @@ def record_host_compaction(
                 f"{first_kept_entry_id!r}: the host's transcript moved under the mirror",
             )
         kept = str(row.entry_id)
-    current = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
+    standing = pointer_in(c, scope, session_id)
     if (
-        isinstance(current, dict)
-        and current.get("source") == "host"
-        and current.get("summary") == summary
-        and current.get("first_kept_entry_id") == kept
-        and current.get("first_kept_position") == first_kept_position
-        and bool(current.get("reset")) == reset
-        and pointer_in(c, scope, session_id) is not None
+        standing is not None
+        and standing.get("source") == "host"
+        and standing.get("summary") == summary
+        and standing.get("first_kept_entry_id") == kept
+        and standing.get("first_kept_position") == first_kept_position
+        and bool(standing.get("reset")) == reset
     ):
         # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
         # thinking predates it. Recorded anew, every reply since the compaction lost its thinking. One not
         # in force (made on a branch the mirror left) is not that one: an alike one made on this branch
         # (resets, which have no summary, are all alike at a position) changed nothing and never stood.
-        return dict(current)
-    if compacted_ms is not None or compacted_at_count is not None:
-        standing = pointer_in(c, scope, session_id)
-        newer = standing is not None and _standing_is_newer(
-            c, scope, session_id, standing, compacted_ms, compacted_at_count, reset
-        )
-        if standing is not None and newer:
-            # An older compaction a plugin finds in the host's transcript (a new process reads it from
-            # its start) put back in place of a newer one: its summary covered less, and the context
-            # grew back by what the newer one had compacted.
-            return dict(standing)
+        return dict(standing)
+    found_later = compacted_ms is not None or compacted_at_count is not None
+    if (
+        standing is not None
+        and found_later
+        and _standing_is_newer(c, scope, session_id, standing, compacted_ms, compacted_at_count, reset)
+    ):
+        # An older compaction a plugin finds in the host's transcript (a new process reads it from its
+        # start) put back in place of a newer one: its summary covered less, and the context grew back by
+        # what the newer one had compacted.
+        return dict(standing)
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
@@ -279,6 +337,8 @@ def record_host_compaction(
         **({"reset": True} if reset else {}),
         **({"host_ms": compacted_ms} if compacted_ms is not None else {}),
         **_made_at(c, scope, session_id, visible if compacted_at_count is None else compacted_at_count),
+        # (A reset is the newest boundary itself: it carries none.)
+        **({} if reset else _carried(standing)),
     }
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
@@ -291,6 +351,18 @@ def split_point(entries: Sequence[Entry], keep_last: int) -> int:
     while 0 < cut < len(entries) and (entries[cut].message or {}).get("role") in RESULT_ROLES:
         cut -= 1
     return cut
+
+
+def _start(pointer: dict[str, Any] | None, visible: Sequence[Entry]) -> int | None:
+    """Where the messages a compaction may summarise start among ``visible``: at the pointer's first kept
+    one (0 without a pointer); None when that is not among them."""
+    if pointer is None:
+        return 0
+    if pointer["first_kept_entry_id"] is None:
+        # A host's reset that kept nothing before it: the messages from its position on are what is left.
+        at = int(pointer["first_kept_position"])
+        return at if at <= len(visible) else None
+    return next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), None)
 
 
 SUMMARY_HEAD = "[Summary of the earlier conversation]\n"
@@ -334,22 +406,16 @@ def compact_session(
         )
     )
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
-    start = 0
-    if pointer is not None and pointer["first_kept_entry_id"] is None:
-        # A host's reset that kept nothing before it: the messages from its position on are what is left.
-        if pointer["first_kept_position"] <= len(visible):
-            start = pointer["first_kept_position"]
-        else:
-            pointer = None
-    elif pointer is not None:
-        found = next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), None)
-        if found is None:
-            # The pointer's first kept entry is not among these messages (at or after the fence, or the
-            # path moved between the two reads): its summary covers messages this compaction would keep
-            # verbatim (or that left the path), so it is not carried on; the messages are summarized again.
-            pointer = None
-        else:
-            start = found
+    start = _start(pointer, visible)
+    if start is None:
+        # The pointer's first kept entry is not among these messages (at or after the fence, or the path
+        # moved between the two reads): its summary covers messages this compaction would keep verbatim (or
+        # that left the path), so it is not carried on. What follows a host's reset under it is what is
+        # left, else the messages are summarized again from the first.
+        pointer = reset_under(pointer)
+        start = _start(pointer, visible)
+        if start is None:
+            pointer, start = None, 0
     live = visible[start:]
     previous = (pointer["summary"] or None) if pointer else None  # a host's reset has none
     before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
@@ -423,6 +489,7 @@ def compact_session(
         # (record_host_compaction): compared by that, not across the host's and the service's clocks.
         "made_at_count": len(visible),
         "seen_entry_id": visible[-1].entry_id,
+        **_carried(pointer),
     }
 
     landed: list[bool] = []  # an attempt ran to its end

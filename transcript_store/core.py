@@ -429,9 +429,10 @@ _PATH_SEQ_OF_ENTRY = (
     .scalar_subquery()
     .label("ts_path_seq")
 )
-#: (number of ids, PostgreSQL) -> the entries of one or two ids with the active path's seq at their depth
+#: (number of ids, PostgreSQL) -> the entries of up to four ids with the active path's seq at their depth (a
+#: compaction's pointer names two, and two more for the host's reset it was made after)
 _ENTRIES_WITH_PATH_OF = {
-    (n, pg): _by_ids([*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY], n, pg) for n in (1, 2) for pg in (False, True)
+    (n, pg): _by_ids([*ENTRY_COLUMNS, _PATH_SEQ_OF_ENTRY], n, pg) for n in range(1, 5) for pg in (False, True)
 }
 # Every stored entry after a seq, with the path's seq at its depth (a correlated lookup per entry by
 # the path's primary key: an outer join to the path scanned the session's path for every entry on
@@ -1328,7 +1329,7 @@ class Core:
         return out
 
     def entries_with_path(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
-        """Rows of one or two named entries with ``ts_path_seq``: the active path's seq at their depth.
+        """Rows of up to four named entries with ``ts_path_seq``: the active path's seq at their depth.
 
         ``row.ts_path_seq == row.seq`` says the entry is on the active path now (``on_active_path``).
         """
