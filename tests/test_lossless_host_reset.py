@@ -141,6 +141,25 @@ def test_a_host_reset_stays_when_a_compaction_made_after_it_leaves_the_branch(se
     assert "beta6" in text and "again" in text and "alpha" not in text  # was: alpha0..alpha5 in front again
 
 
+def test_the_view_total_after_a_host_reset_counts_only_what_follows_it(service: Service, sid: str) -> None:
+    # The total that decides whether maintenance compacts counted the context before the reset, which no
+    # assembly returns any more: every pass after a /new in a long session ran a compaction check (the
+    # whole context list loaded and planned on) for nothing.
+    s = service.store
+    page(s, sid, None, "c1", hosted(*talk("alpha", 0, 24)))
+    assert reset(service, sid, 24, 24) == 24
+    page(s, sid, "c1", "c2", hosted(*talk("beta", 24, 2)))
+    out = service.assemble(A, "lossless", sid, AssembleRequest(token_budget=1_000))
+    assert out.estimated_tokens < 750 and "alpha" not in json.dumps(out.messages)
+    # Under the threshold by the view's total: no compaction check (was: "under the threshold (... tokens)").
+    assert service.maintain(A, "lossless", sid).reason == "under the threshold"
+    # Over it after the reset (imported by an assembly under its budget): maintenance compacts what followed it.
+    page(s, sid, "c2", "c3", hosted(*talk("gamma", 26, 6)))
+    assert 750 < service.assemble(A, "lossless", sid, AssembleRequest(token_budget=1_000)).estimated_tokens <= 1_000
+    assert service.maintain(A, "lossless", sid).changed
+    assert "alpha" not in shown(service, sid)
+
+
 def test_a_host_compaction_with_a_summary_is_refused_by_an_engine_that_owns_compaction(
     service: Service, sid: str
 ) -> None:

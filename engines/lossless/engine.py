@@ -420,10 +420,28 @@ class LosslessEngine:
 
     def _compact_if_needed(self, scope: str, session_id: str) -> CompactResult | None:
         marks = self.budget(scope, session_id)
-        tokens = self.store.read(lambda c: View.load(c, scope, session_id).tokens)
-        if tokens <= marks.trigger:
+        if self.store.read(lambda c: self._context_tokens(c, scope, session_id, marks.trigger)) <= marks.trigger:
             return None
         return self._compact(scope, session_id, marks, force=False, focus=None)
+
+    def _context_tokens(self, c: Core, scope: str, session_id: str, trigger: int) -> int:
+        """The tokens of what an assembly can hold, as far as ``trigger`` needs to know.
+
+        The view's total counts the whole context list, what precedes a host's reset included, which no
+        assembly returns (every maintenance pass after a /new in a long session planned a compaction for
+        nothing). At most the trigger it is nothing more to tell: no reset read. Over it, the reset and
+        the list (``ContextCache``: the items added since this process last loaded it) say what follows."""
+        view = View.load(c, scope, session_id)
+        if view.tokens <= trigger:
+            return view.tokens
+        start = reset_in(c, scope, session_id)
+        if not start:
+            return view.tokens
+        items, read = self._lists.items(
+            c, scope, session_id, incarnation=incarnation_of(view), epoch=view.epoch, next_item=view.next_item
+        )
+        self._count("context_rows_read", read)
+        return sum(i.tokens for i in after_reset(items, start))
 
     def _compact(self, scope: str, session_id: str, marks: Budget, *, force: bool, focus: str | None) -> CompactResult:
         """Plan outside any transaction, write in one; a plan raced by another writer is re-planned once."""
