@@ -1,9 +1,12 @@
-"""Retrying `POST /v1/sessions` safely, and paths and queries that are not UTF-8, on a real server process.
+"""Retrying `POST /v1/sessions` and the other writing routes safely, and paths and queries that are not
+UTF-8, on a real server process.
 
 A client whose answer to ``POST /v1/sessions {}`` was lost cannot tell whether a session was made; its
 retry made a second one, the id being drawn per request. An ``Idempotency-Key`` header names the
 request instead: the session's id is derived from it, so a retry finds the session its first attempt
-made (and one reusing the key for another request is 409 ``idempotency_conflict``).
+made (and one reusing the key for another request is 409 ``idempotency_conflict``). An append under one
+keys each item that names no entry by the header, so its retry appends nothing; every other writing route
+refuses the header (400), naming what makes it safe to retry instead of letting a client count on it.
 
 A path or query that percent-decodes to bytes that are not UTF-8 (``/v1/sessions/%FF``) was read with
 each bad byte as U+FFFD and used: it reached, and wrote to, the session whose id holds that character.
@@ -264,6 +267,179 @@ def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProce
     assert ids(store) == []
     status, made = create(server, {}, "x" * 255)  # the longest key
     assert status == 200 and ids(store) == [made["session_id"]]
+
+
+def append(server: ServiceProcess, sid: str, items: list[dict[str, Any]], key: str | None) -> tuple[int, Any]:
+    headers = {"Idempotency-Key": key} if key is not None else None
+    return server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, {"items": items}, headers=headers)
+
+
+def test_a_retried_append_under_an_idempotency_key_appends_once(server: ServiceProcess, store: TranscriptStore) -> None:
+    """The header was read on ``POST /v1/sessions`` only: a client retrying an append under it after a lost
+    answer appended its entries a second time. Each item with neither an entry_id nor an idempotency_key
+    now takes a key derived from the header and its index; an item's own id or key stays its own."""
+    from transcript_store.core import derived_id
+
+    status, made = create(server, {"session_id": "s"}, None)
+    assert status == 200, made
+    items = [{"message": user("a")}, {"message": assistant("b")}, {"message": user("c"), "entry_id": "own-id"},
+             {"message": assistant("d"), "idempotency_key": "own-key"}, {"kind": "custom", "payload": {"n": 1}}]
+    status, first = append(server, "s", items, "append-1")
+    assert status == 200, first
+    request = derived_id("Idempotency-Key entries\x00append-1")
+    assert [e["idempotency_key"] for e in first["entries"]] == [
+        f"Idempotency-Key:{request}:0", f"Idempotency-Key:{request}:1", None, "own-key", f"Idempotency-Key:{request}:4"
+    ]
+    assert first["entries"][2]["entry_id"] == "own-id"
+    rows = table_rows(store)
+    for _ in range(2):  # the retries of a client whose answer was lost: the same entries, nothing written
+        assert append(server, "s", items, "append-1") == (200, first)
+        assert table_rows(store) == rows
+    assert store.get_session(SCOPE, "s").visible_count == 4
+    # Another key is another request: appended again (so is a request without a key: items without ids).
+    status, other = append(server, "s", items[:2], "append-2")
+    assert status == 200 and [e["seq"] for e in other["entries"]] == [5, 6], other
+    status, plain = append(server, "s", items[:1], None)
+    assert status == 200 and plain["entries"][0]["idempotency_key"] is None
+    assert store.get_session(SCOPE, "s").visible_count == 7
+    # The key names entries of its session only: another session's append under it writes there.
+    create(server, {"session_id": "t"}, None)
+    status, there = append(server, "t", items[:1], "append-1")
+    assert status == 200 and there["entries"][0]["seq"] == 0
+
+
+def test_an_idempotency_key_reused_for_another_append_is_a_409_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """The key is compared item by item, as an item's own idempotency_key is: another message at an index
+    the first request used is 409 ``idempotency_conflict``; an item past its last one is a new entry."""
+    create(server, {"session_id": "s"}, None)
+    status, first = append(server, "s", [{"message": user("a")}, {"message": assistant("b")}], "reused")
+    assert status == 200, first
+    rows = table_rows(store)
+    for items in ([{"message": user("other")}], [{"message": user("a")}, {"message": assistant("other")}],
+                  [{"kind": "custom", "payload": {"x": 1}}], [{"message": user("a")}, {"message": user("b")}]):
+        status, data = append(server, "s", items, "reused")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (items, data)
+        assert "Idempotency-Key 'reused'" in data["error"]["message"], data
+        assert table_rows(store) == rows
+    # A prefix of the first request is answered with its entries; one more item is appended after them.
+    status, data = append(server, "s", [{"message": user("a")}], "reused")
+    assert (status, data["entries"]) == (200, first["entries"][:1])
+    status, data = append(server, "s", [{"message": user("a")}, {"message": assistant("b")},
+                                        {"message": user("c")}], "reused")
+    assert status == 200 and data["entries"][:2] == first["entries"] and data["entries"][2]["seq"] == 2, data
+
+
+def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    create(server, {"session_id": "s"}, None)
+    rows = table_rows(store)
+    for key in ("x" * 256, "tab\there", ""):
+        status, data = append(server, "s", [{"message": user("a")}], key)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
+        assert "Idempotency-Key" in data["error"]["message"]
+    # The keys derived from a header are the header's: an item cannot take one as its own, with or without one.
+    for key in ("k", None):
+        status, data = append(server, "s", [{"message": user("a"), "idempotency_key": "Idempotency-Key:x:0"}], key)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
+        assert "Idempotency-Key:" in data["error"]["message"]
+    status, data = _two_keys(server, "/v1/sessions/s/entries", {"items": [{"message": user("a")}]})
+    assert status == 400 and data["error"]["code"] == "invalid_input", data
+    assert table_rows(store) == rows
+    status, data = append(server, "s", [{"message": user("a")}], "x" * 255)  # the longest key
+    assert status == 200 and data["entries"][0]["idempotency_key"].startswith("Idempotency-Key:")
+
+
+def _two_keys(server: ServiceProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """``POST path`` with two Idempotency-Key headers."""
+    raw = json.dumps(body).encode()
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in (("Authorization", f"Bearer {TOKEN_A}"), ("Content-Type", "application/json"),
+                            ("Content-Length", str(len(raw))), ("Idempotency-Key", "one"), ("Idempotency-Key", "two")):
+            conn.putheader(name, value)
+        conn.endheaders(raw)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_an_idempotency_key_on_a_route_safe_to_retry_by_its_body_is_refused_and_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """Every other writing route was silent about the header: a client counting on it for a safe retry was
+    misled (a compaction's retry compacted again). Such a request is 400 ``invalid_input`` naming what makes
+    the route's retry safe, writing nothing, on a first request and its retries alike; the request without
+    the header acts, and its reads (GET, delta, assemble) ignore the header as before."""
+    create(server, {"session_id": "s"}, None)
+    engine = "/v1/engines/legacy/sessions/s"
+    turn = {"advancement_key": "k0", "admission": {"entry_id": "u0", "position": 0},
+            "terminal": {"entry_id": "a0", "position": 1}, "messages": [user("q0"), assistant("a0")]}
+    routes: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
+        (f"{engine}/commit_turn", turn, {**turn, "messages": [user("q1"), assistant("a1")]}, "advancement_key"),
+        (f"{engine}/host_compaction", {"summary": "they talked", "first_kept_position": 0, "first_kept_entry_id": "u0"},
+         {"summary": "other", "first_kept_position": 0, "first_kept_entry_id": "u0"}, "first_kept_entry_id"),
+        ("/v1/sessions/s/admissions", {"message": user("q1"), "turn_id": "t1"},
+         {"message": user("other"), "turn_id": "t1"}, "turn_id"),
+        (f"{engine}/compact", {}, {"force": False}, '"force": false'),
+        (f"{engine}/maintain", {}, {}, "retried safely as it is"),
+        (f"{engine}/bootstrap", {"page": {"entries": [{"entry_id": "h0", "message": user("x")}]}},
+         {"page": {"entries": [{"entry_id": "h1", "message": user("y")}]}}, "page.cursor"),
+    ]
+    for path, body, other, field in routes:
+        rows = table_rows(store)
+        for sent in (body, body, other):  # a first request, its retry, another body under the same key
+            status, data = server.call("POST", path, TOKEN_A, sent, headers={"Idempotency-Key": "safe-1"})
+            assert status == 400 and data["error"]["code"] == "invalid_input", (path, data)
+            assert "Idempotency-Key" in data["error"]["message"] and field in data["error"]["message"], (path, data)
+        status, data = _two_keys(server, path, body)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (path, data)
+        assert table_rows(store) == rows, path
+        status, data = server.call("POST", path, TOKEN_A, body)  # without the header it acts
+        assert status == 200, (path, data)
+    # The header changes nothing on a read.
+    for method, path, body in (("GET", "/v1/sessions/s", None), ("POST", "/v1/sessions/s/delta", {}),
+                               ("POST", f"{engine}/assemble", {}), ("GET", f"{engine}/receipts", None)):
+        rows = table_rows(store)
+        assert server.call(method, path, TOKEN_A, body, headers={"Idempotency-Key": "read"}) == \
+            server.call(method, path, TOKEN_A, body), path
+        assert table_rows(store) == rows, path
+
+
+def test_the_service_api_derives_the_item_keys_of_an_append_under_an_idempotency_key(
+    store: TranscriptStore,
+) -> None:
+    """``Service.append`` takes the header's value as the HTTP route passes it: a retry appends nothing, a bad
+    key or a reserved item key is InvalidInput; items of a request built without validation are keyed too."""
+    from mirror_helpers import legacy_service
+
+    from transcript_store.errors import IdempotencyConflict, InvalidInput
+    from transcript_store.service import header_item_key
+    from transcript_store.service_models import AppendRequest
+
+    store.create_session(SCOPE, session_id="s")
+    for svc in legacy_service(store):
+        req = AppendRequest(items=[{"message": user("a")}])
+        first = svc.append(SCOPE, "s", req, "api-1")
+        assert first[0].idempotency_key == header_item_key("api-1", 0)
+        assert svc.append(SCOPE, "s", req, "api-1") == first
+        raw = AppendRequest.model_construct(items=[{"message": user("a")}])
+        assert svc.append(SCOPE, "s", raw, "api-1") == first
+        rows = table_rows(store)
+        with pytest.raises(IdempotencyConflict, match="Idempotency-Key 'api-1'"):
+            svc.append(SCOPE, "s", AppendRequest(items=[{"message": user("b")}]), "api-1")
+        with pytest.raises(InvalidInput, match="Idempotency-Key"):
+            svc.append(SCOPE, "s", req, "")
+        reserved = AppendRequest(items=[{"message": user("b"), "idempotency_key": first[0].idempotency_key}])
+        with pytest.raises(InvalidInput, match="Idempotency-Key:"):
+            svc.append(SCOPE, "s", reserved)
+        assert table_rows(store) == rows
+        assert len(header_item_key("x" * 255, 9_999)) <= 43
 
 
 # ---------------------------------------------------------------------------------------------- not UTF-8

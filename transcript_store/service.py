@@ -93,7 +93,7 @@ from .service_models import (
     rebind_problem,
 )
 from .settings import HostSettings
-from .store import TranscriptStore, landed_since, replaced
+from .store import AppendItem, TranscriptStore, landed_since, replaced
 from .turns import Turns
 
 log = logging.getLogger("transcript_store.service")
@@ -443,10 +443,31 @@ class Service:
             raise UnknownSession(scope, session_id)
         return result
 
-    def append(self, scope: str, session_id: str, req: AppendRequest) -> list[Entry]:
-        """Append entries as one chain."""
+    def append(
+        self, scope: str, session_id: str, req: AppendRequest, idempotency_key: str | None = None
+    ) -> list[Entry]:
+        """Append entries as one chain. ``idempotency_key`` (the request's ``Idempotency-Key``) gives each
+        item with neither an ``entry_id`` nor an ``idempotency_key`` the key ``header_item_key`` derives,
+        so that a retry finds the entries its first attempt appended instead of appending them again."""
         _check_request(req, AppendRequest)
-        return self.store.append_many(scope, session_id, req.items)
+        for item in req.items:
+            if _item_field(item, "idempotency_key").startswith(HEADER_ITEM_KEY_PREFIX):
+                # Reserved, so that no caller's key is ever taken for one derived from a header (or the
+                # other way round): it would answer that request's entry instead of appending its own.
+                raise InvalidInput(f"an item's idempotency_key must not start with {HEADER_ITEM_KEY_PREFIX!r}: "
+                                   "such keys are derived from an Idempotency-Key header")
+        if idempotency_key is None:
+            return self.store.append_many(scope, session_id, req.items)
+        _check_idempotency_key(idempotency_key)
+        try:
+            return self.store.append_many(scope, session_id, _keyed_items(req.items, idempotency_key))
+        except IdempotencyConflict as e:
+            if HEADER_ITEM_KEY_PREFIX not in str(e):
+                raise
+            raise IdempotencyConflict(
+                f"Idempotency-Key {idempotency_key!r} was used for another request: {e} (an item without an "
+                "entry_id or idempotency_key takes the key of its index in the request)"
+            ) from e
 
     def admit(self, scope: str, session_id: str, req: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""
@@ -779,6 +800,38 @@ class Service:
 
 #: the longest ``Idempotency-Key`` taken, in characters (printable ASCII: one byte each)
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+#: how the idempotency key of an appended item derived from an ``Idempotency-Key`` starts (refused on items)
+HEADER_ITEM_KEY_PREFIX = "Idempotency-Key:"
+
+
+def header_item_key(idempotency_key: str, index: int) -> str:
+    """The idempotency key an appended item at ``index`` takes under the request's ``Idempotency-Key``:
+    ``Idempotency-Key:<derived_id of the header>:<index>`` (at most 43 characters, whatever the header)."""
+    request = derived_id("Idempotency-Key entries\x00" + idempotency_key)
+    return f"{HEADER_ITEM_KEY_PREFIX}{request}:{index}"
+
+
+def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:
+    """``items``, each one with neither an ``entry_id`` nor an ``idempotency_key`` given the key
+    ``header_item_key`` derives for its index (a dict, in a request built without validation, too)."""
+    out = list(items)
+    for i, item in enumerate(items):
+        if _item_field(item, "entry_id") or _item_field(item, "idempotency_key"):
+            continue
+        key = header_item_key(idempotency_key, i)
+        if isinstance(item, AppendItem):
+            out[i] = item.model_copy(update={"idempotency_key": key})
+        elif isinstance(item, dict):
+            out[i] = {**item, "idempotency_key": key}
+    return out
+
+
+def _item_field(item: object, name: str) -> str:
+    """An append item's ``entry_id`` or ``idempotency_key`` when it is a string, else ''."""
+    value = item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+    return value if isinstance(value, str) else ""
 
 
 def _check_idempotency_key(value: object) -> None:

@@ -696,6 +696,56 @@ IDEMPOTENCY_KEY_DOC = (
 )
 
 
+APPEND_KEY_DOC = (
+    "1 to 255 printable ASCII characters naming this request: each item with neither an entry_id nor an "
+    "idempotency_key takes the idempotency_key 'Idempotency-Key:<id derived from the header>:<its index>', so "
+    "the same request again (a retry after a lost answer) answers the entries the first one appended instead "
+    "of appending them again; an item at the same index with other content is 409 idempotency_conflict."
+)
+
+#: why each writing route but these two refuses the header: what makes its retry safe instead
+NO_KEY_ADMIT = "an admission is retried safely by its turn_id: the same turn_id again answers the same admission"
+NO_KEY_BOOTSTRAP = (
+    "an import page is retried safely by its page.cursor: a page that landed is refused on its retry (409 "
+    "transcript_mirror cursor; GET .../bootstrap reads where the import resumes), and done runs the engine's "
+    "bootstrap, which runs again over the same mirror"
+)
+NO_KEY_COMPACT = (
+    "nothing keys a compaction, and its retry compacts again: with \"force\": false it compacts only a "
+    "context over its budget, which a compaction that landed brought under it"
+)
+NO_KEY_HOST_COMPACTION = (
+    "a host compaction is retried safely by its summary and first_kept_entry_id: the same compaction recorded "
+    "again changes nothing"
+)
+NO_KEY_MAINTAIN = "a maintenance pass is retried safely as it is: it does only what is due"
+NO_KEY_COMMIT = (
+    "a commit_turn is retried safely by its advancement_key: the same key and turn again answer duplicate"
+)
+
+
+def _one_idempotency_key(request: Request) -> None:
+    """InvalidInput when the request has several Idempotency-Key headers: which one it is would be a guess."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise InvalidInput("one Idempotency-Key per request: this one has several")
+
+
+def _no_idempotency_key(why: str) -> Any:
+    """A dependency refusing an ``Idempotency-Key`` (400, before anything is written) on a writing route
+    that has nothing to derive from it: ignored, a client counting on it for a safe retry was misled."""
+
+    def refuse(request: Request, idempotency_key: str | None = None) -> None:
+        if idempotency_key is not None or request.headers.getlist("idempotency-key"):
+            raise InvalidInput(f"this route takes no Idempotency-Key: {why}; send the request without the header")
+
+    # Set here, not written in the signature: annotations are strings in this module, and FastAPI resolves
+    # them in the module's globals, where ``why`` is not. Declared, the header is documented in OpenAPI.
+    refuse.__annotations__["idempotency_key"] = Annotated[
+        str | None, Header(alias="Idempotency-Key", description=f"Refused (400 invalid_input): {why}.")
+    ]
+    return Depends(refuse)
+
+
 def _routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/whoami", response_model=WhoAmI, tags=["service"])
     def whoami(scope: Scope) -> WhoAmI:
@@ -711,8 +761,7 @@ def _routes(app: FastAPI, service: Service) -> None:
     ) -> SessionInfo:
         """Create a session by id (idempotent) or open the active session holding a key; a request without an
         id retries safely under an ``Idempotency-Key``."""
-        if len(request.headers.getlist("idempotency-key")) > 1:
-            raise InvalidInput("one Idempotency-Key per request: this one has several")
+        _one_idempotency_key(request)
         return service.open_session(scope, body, idempotency_key)
 
     @app.get("/v1/sessions", response_model=SessionList, tags=["sessions"])
@@ -736,11 +785,20 @@ def _routes(app: FastAPI, service: Service) -> None:
         return service.delta(scope, session_id, body)
 
     @app.post("/v1/sessions/{session_id:segment}/entries", response_model=EntryList, tags=["sessions"])
-    def append(scope: Scope, session_id: str, body: AppendRequest) -> EntryList:
-        """Append entries at the head (idempotent per entry id / idempotency key)."""
-        return EntryList(entries=service.append(scope, session_id, body))
+    def append(
+        scope: Scope,
+        session_id: str,
+        body: AppendRequest,
+        request: Request,
+        idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", description=APPEND_KEY_DOC)] = None,
+    ) -> EntryList:
+        """Append entries at the head (idempotent per entry id / idempotency key, or under an
+        ``Idempotency-Key`` for items with neither)."""
+        _one_idempotency_key(request)
+        return EntryList(entries=service.append(scope, session_id, body, idempotency_key))
 
-    @app.post("/v1/sessions/{session_id:segment}/admissions", response_model=Admission, tags=["sessions"])
+    @app.post("/v1/sessions/{session_id:segment}/admissions", response_model=Admission, tags=["sessions"],
+              dependencies=[_no_idempotency_key(NO_KEY_ADMIT)])
     def admit(scope: Scope, session_id: str, body: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""
         return service.admit(scope, session_id, body)
@@ -763,7 +821,8 @@ def _routes(app: FastAPI, service: Service) -> None:
         """Where the next host-transcript import page resumes."""
         return service.bootstrap_state(scope, engine, session_id)
 
-    @app.post(f"{prefix}/bootstrap", response_model=BootstrapResponse, tags=["engines"])
+    @app.post(f"{prefix}/bootstrap", response_model=BootstrapResponse, tags=["engines"],
+              dependencies=[_no_idempotency_key(NO_KEY_BOOTSTRAP)])
     def bootstrap(scope: Scope, engine: str, session_id: str, body: BootstrapRequest) -> BootstrapResponse:
         """Import one page of the host's transcript; on ``done`` run the engine's bootstrap."""
         return service.bootstrap(scope, engine, session_id, body)
@@ -773,24 +832,28 @@ def _routes(app: FastAPI, service: Service) -> None:
         """The engine's context for the next model call."""
         return service.assemble(scope, engine, session_id, body)
 
-    @app.post(f"{prefix}/compact", response_model=CompactResult, tags=["engines"])
+    @app.post(f"{prefix}/compact", response_model=CompactResult, tags=["engines"],
+              dependencies=[_no_idempotency_key(NO_KEY_COMPACT)])
     def compact(scope: Scope, engine: str, session_id: str, body: CompactRequest) -> CompactResult:
         """Run the engine's compaction."""
         return service.compact(scope, engine, session_id, body)
 
-    @app.post(f"{prefix}/host_compaction", response_model=HostCompactionResponse, tags=["engines"])
+    @app.post(f"{prefix}/host_compaction", response_model=HostCompactionResponse, tags=["engines"],
+              dependencies=[_no_idempotency_key(NO_KEY_HOST_COMPACTION)])
     def host_compaction(
         scope: Scope, engine: str, session_id: str, body: HostCompactionRequest
     ) -> HostCompactionResponse:
         """Record a compaction the host made of its own transcript (409 ``behind`` past the mirror's end)."""
         return service.host_compaction(scope, engine, session_id, body)
 
-    @app.post(f"{prefix}/maintain", response_model=MaintainResult, tags=["engines"])
+    @app.post(f"{prefix}/maintain", response_model=MaintainResult, tags=["engines"],
+              dependencies=[_no_idempotency_key(NO_KEY_MAINTAIN)])
     def maintain(scope: Scope, engine: str, session_id: str, body: MaintainRequest) -> MaintainResult:
         """Run the engine's maintenance pass."""
         return service.maintain(scope, engine, session_id)
 
-    @app.post(f"{prefix}/commit_turn", response_model=CommitTurnResponse, tags=["engines"])
+    @app.post(f"{prefix}/commit_turn", response_model=CommitTurnResponse, tags=["engines"],
+              dependencies=[_no_idempotency_key(NO_KEY_COMMIT)])
     def commit_turn(scope: Scope, engine: str, session_id: str, body: CommitTurnRequest) -> CommitTurnResponse:
         """Commit one accepted turn: 200 ``committed`` / ``duplicate``, 409 on a reused key with other content."""
         return service.commit_turn(scope, engine, session_id, body)
