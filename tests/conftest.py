@@ -163,13 +163,15 @@ _TEMPLATE_PRINT: list[str] = []
 #: and whether a table was ever analyzed or vacuumed (the plan tests need a never-analyzed store).
 _FINGERPRINT_SQL = """
 SELECT md5(coalesce(string_agg(x, E'\n' ORDER BY x), '')) FROM (
-  SELECT concat_ws(' ', 'rel', c.oid::regclass, c.relkind, c.relpersistence, c.relowner::regrole, c.relacl,
-                   c.reloptions, CASE WHEN c.relkind = 'r' THEN c.reltuples >= 0 END, c.relrowsecurity)
+  SELECT concat_ws(' ', 'rel', c.oid, c.oid::regclass, c.relkind, c.relpersistence, c.relowner::regrole, c.relacl,
+                   c.reloptions, CASE WHEN c.relkind = 'r' THEN c.reltuples >= 0 END, c.relrowsecurity,
+                   c.relforcerowsecurity, c.relreplident)
     FROM pg_class c WHERE c.relnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace,
                                                   'pg_toast'::regnamespace)
   UNION ALL
-  SELECT concat_ws(' ', 'col', a.attrelid::regclass, a.attname, format_type(a.atttypid, a.atttypmod),
-                   a.attnotnull, a.attstorage, a.attcollation, pg_get_expr(d.adbin, d.adrelid), a.attacl)
+  SELECT concat_ws(' ', 'col', a.attrelid::regclass, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod),
+                   a.attnotnull, a.attstorage, a.attcollation, pg_get_expr(d.adbin, d.adrelid), a.attacl,
+                   a.attstattarget, a.attoptions)
     FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
     LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
    WHERE c.relnamespace = 'public'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
@@ -177,8 +179,15 @@ SELECT md5(coalesce(string_agg(x, E'\n' ORDER BY x), '')) FROM (
    WHERE schemaname NOT IN ('pg_catalog', 'information_schema')
   UNION ALL SELECT concat_ws(' ', 'con', conrelid::regclass, conname, pg_get_constraintdef(oid)) FROM pg_constraint
    WHERE connamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
-  UNION ALL SELECT concat_ws(' ', 'trg', tgrelid::regclass, tgname, tgenabled, pg_get_triggerdef(oid))
-    FROM pg_trigger WHERE NOT tgisinternal
+  UNION ALL SELECT concat_ws(' ', 'trg', t.tgrelid::regclass, coalesce(k.conname, t.tgname), t.tgenabled, t.tgtype,
+                             CASE WHEN NOT t.tgisinternal THEN pg_get_triggerdef(t.oid) END)
+    FROM pg_trigger t LEFT JOIN pg_constraint k ON k.oid = t.tgconstraint  -- foreign keys' too (DISABLE TRIGGER ALL)
+  UNION ALL SELECT concat_ws(' ', 'ix', indexrelid::regclass, indisclustered, indisvalid, indisready, indisreplident)
+    FROM pg_index WHERE indrelid IN (SELECT oid FROM pg_class WHERE relnamespace = 'public'::regnamespace)
+  UNION ALL SELECT concat_ws(' ', 'dacl', defaclrole::regrole, defaclnamespace, defaclobjtype, defaclacl)
+    FROM pg_default_acl
+  UNION ALL SELECT concat_ws(' ', 'xstat', stxrelid::regclass, stxname, stxkind) FROM pg_statistic_ext
+  UNION ALL SELECT concat_ws(' ', 'evt', evtname, evtenabled) FROM pg_event_trigger
   UNION ALL SELECT concat_ws(' ', 'fn', p.oid::regprocedure, md5(p.prosrc), p.proacl, p.proconfig) FROM pg_proc p
    WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
   UNION ALL SELECT concat_ws(' ', 'nsp', nspname, nspowner::regrole, nspacl) FROM pg_namespace
@@ -238,12 +247,21 @@ def _take_pg_database(template: str) -> str:
 
 def _give_back_pg_database(name: str) -> None:
     """Empty a test's database and keep it for the next test under a new name, or drop it."""
+    fresh = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
     try:
         # waits (up to 5 s each) until they are gone: a backend still exiting would flush its statistics
         # after the reset below, and keep the rename from running
         _admin_exec(f"SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = '{name}'"
                     " AND pid <> pg_backend_pid()")
-        with psycopg.connect(_conninfo(name), autocommit=True, connect_timeout=10) as conn:
+        # renamed first: a straggler of the test (an unreaped child, a thread's pool) can no longer connect,
+        # so no row lands between the TRUNCATE and the next test
+        _admin_exec(f"ALTER DATABASE {name} RENAME TO {fresh}")
+    except psycopg.Error:
+        _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        return
+    try:
+        with psycopg.connect(_conninfo(fresh), autocommit=True, connect_timeout=10) as conn:
+            conn.execute("SET lock_timeout = '5s'")  # a lock still held: dropped, never a hung worker
             # the tables the test wrote (a table no row ever reached has no page): TRUNCATE costs per table
             tables = [r[0] for r in conn.execute(
                 "SELECT quote_ident(relname) FROM pg_class WHERE relnamespace = 'public'::regnamespace"
@@ -253,15 +271,12 @@ def _give_back_pg_database(name: str) -> None:
             # the test's row counts, left counted, would have autovacuum analyze these (now empty) tables
             # during a later test that needs them never analyzed; the counters of a fresh database are zero
             conn.execute("SELECT pg_stat_reset()")
-            clean = _fingerprint(conn) == _TEMPLATE_PRINT[0]
-        if clean:
-            fresh = f"ts_t_{RUN_ID}_{uuid.uuid4().hex[:10]}"
-            _admin_exec(f"ALTER DATABASE {name} RENAME TO {fresh}")
-            _POOL.append(fresh)
-            return
+            if _fingerprint(conn) == _TEMPLATE_PRINT[0]:
+                _POOL.append(fresh)
+                return
     except psycopg.Error:
         pass
-    _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _admin_exec(f"DROP DATABASE IF EXISTS {fresh} WITH (FORCE)")
 
 
 def fresh_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
