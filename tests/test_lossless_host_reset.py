@@ -19,7 +19,7 @@ import pytest
 from conftest import module_store_fixtures
 from mirror_helpers import A, a, hosted, page, u
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
 from transcript_store.errors import InvalidInput
 from transcript_store.service import Service
 from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
@@ -167,3 +167,20 @@ def test_a_host_compaction_with_a_summary_is_refused_by_an_engine_that_owns_comp
     req = HostCompactionRequest(summary="a summary", first_kept_position=1, first_kept_entry_id="h1")
     with pytest.raises(InvalidInput, match="owns compaction"):
         service.host_compaction(A, "lossless", sid, req)
+
+
+def test_a_compaction_that_does_not_read_the_reset_it_stands_on_writes_nothing(service: Service, sid: str) -> None:
+    # A compaction planned on messages that end before the host's reset (read up to a turn's fence, or the
+    # branch moved between its two reads) found neither its pointer's start nor the reset's among them and
+    # summarised from the first message with no reset under its pointer: the reset was lost, and every
+    # later assembly returned the conversation before it again.
+    s = service.store
+    page(s, sid, None, "c1", hosted(*talk("alpha", 0, 12)))
+    assert reset(service, sid, 10, 12, kept="h10") == 10
+    rt = service.runtime
+    out = compaction.compact_session(s, A, sid, summarizer=rt.summarizer, estimator=rt.estimator,
+                                     fence=s.anchor(A, sid, "h8"), keep_last=2, force=True)
+    assert not out.compacted and "reset" in out.reason
+    assert compaction.load_pointer(s, A, sid)["reset"]
+    text = shown(service, sid)
+    assert "alpha10" in text and "alpha9" not in text and "Summary" not in text

@@ -413,9 +413,16 @@ def compact_session(
         # that left the path), so it is not carried on. What follows a host's reset under it is what is
         # left, else the messages are summarized again from the first.
         pointer = reset_under(pointer)
-        start = _start(pointer, visible)
+        start = _start(pointer, visible)  # 0 without a reset
         if start is None:
-            pointer, start = None, 0
+            # The reset stands but is not among these messages either: summarising from the first would
+            # write a pointer without it, and the conversation before the reset would come back.
+            return CompactResult(
+                ok=True,
+                compacted=False,
+                reason="the host's reset is not among the messages read (at or after the fence, or the branch "
+                "moved); nothing was written",
+            )
     live = visible[start:]
     previous = (pointer["summary"] or None) if pointer else None  # a host's reset has none
     before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
