@@ -442,6 +442,20 @@ def test_the_service_api_derives_the_item_keys_of_an_append_under_an_idempotency
         assert len(header_item_key("x" * 255, 9_999)) <= 43
 
 
+def test_an_append_item_with_an_empty_key_of_its_own_is_refused_under_an_idempotency_key_too(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """An item's own empty ``idempotency_key`` is 400 ``invalid_input`` without the header; under one it was
+    taken for no key, given the header's, and appended (200): the invalid input was silently replaced."""
+    create(server, {"session_id": "s"}, None)
+    rows = table_rows(store)
+    for key in (None, "append-empty"):
+        status, data = append(server, "s", [{"message": user("a"), "idempotency_key": ""}], key)
+        assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
+        assert "idempotency_key" in data["error"]["message"], data
+    assert table_rows(store) == rows
+
+
 # ---------------------------------------------------------------------------------------------- not UTF-8
 
 

@@ -818,7 +818,9 @@ def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:
     ``header_item_key`` derives for its index (a dict, in a request built without validation, too)."""
     out = list(items)
     for i, item in enumerate(items):
-        if _item_field(item, "entry_id") or _item_field(item, "idempotency_key"):
+        if _item_value(item, "entry_id") is not None or _item_value(item, "idempotency_key") is not None:
+            # Given, even empty or not text: its own key (or id), refused by ``prepare`` as without the
+            # header, never replaced by the header's (an empty key was appended under it, answered 200).
             continue
         key = header_item_key(idempotency_key, i)
         if isinstance(item, AppendItem):
@@ -828,9 +830,14 @@ def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:
     return out
 
 
+def _item_value(item: object, name: str) -> object:
+    """An append item's ``entry_id`` or ``idempotency_key`` as given (None: not given)."""
+    return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
+
 def _item_field(item: object, name: str) -> str:
     """An append item's ``entry_id`` or ``idempotency_key`` when it is a string, else ''."""
-    value = item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+    value = _item_value(item, name)
     return value if isinstance(value, str) else ""
 
 
