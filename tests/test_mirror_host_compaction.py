@@ -262,3 +262,23 @@ def test_a_host_compaction_made_past_the_mirror_or_before_its_first_kept_message
     # A compaction found later, made after the six messages, is recorded (was: refused as older).
     assert record(service, sid, "the host's", 4, "h4", compacted_at_count=6) == 4
     assert shown(service, sid) == [f"{HEAD}the host's", "m4", "m5"]
+
+
+def test_a_host_reset_told_again_leaves_the_compaction_made_after_it(service: Service, sid: str) -> None:
+    # A reset is told again by every new plugin process that reads the host's transcript from its start. The
+    # built-in compaction made after it (before another message) carries it under its pointer, made at the
+    # same point: the reset told again was taken for a newer one and put in its place, and the context grew
+    # back by all that compaction had summarised (its time renewed too).
+    long = " and so on" * 40
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    page(service.store, sid, None, "c1", hosted(*msgs))
+    assert reset(service, sid, 2, 12, kept="h2") == 2  # the reset kept a tail of 10 messages
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    compacted = shown(service, sid)
+    assert compacted[0].startswith(HEAD) and f"m2{long}" not in compacted
+    assert reset(service, sid, 2, 12, kept="h2") == len(msgs) - len(compacted) + 1
+    assert shown(service, sid) == compacted
+    # Told by a plugin before compacted_at_count (nothing says where it was made): the same.
+    req = HostCompactionRequest(summary="", first_kept_position=2, first_kept_entry_id="h2", reset=True)
+    service.host_compaction(A, "legacy", sid, req)
+    assert shown(service, sid) == compacted

@@ -304,13 +304,18 @@ def record_host_compaction(
             )
         kept = str(row.entry_id)
     standing = pointer_in(c, scope, session_id)
+    # A reset told again may stand under a compaction made after it (``reset_under``), at the same point
+    # when no message came between: taken for a newer reset, it replaced that compaction, and the context
+    # grew back by all it had summarised.
+    told = reset_under(standing) if reset else standing
     if (
         standing is not None
-        and standing.get("source") == "host"
-        and standing.get("summary") == summary
-        and standing.get("first_kept_entry_id") == kept
-        and standing.get("first_kept_position") == first_kept_position
-        and bool(standing.get("reset")) == reset
+        and told is not None
+        and told.get("source") == "host"
+        and told.get("summary") == summary
+        and told.get("first_kept_entry_id") == kept
+        and told.get("first_kept_position") == first_kept_position
+        and bool(told.get("reset")) == reset
     ):
         # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
