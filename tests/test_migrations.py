@@ -643,3 +643,22 @@ def test_processes_opening_an_old_sqlite_store_at_once_all_open_it_and_one_migra
     reports = [json.loads(out.splitlines()[-1]) for out, _ in outs]
     assert [(r["revision"], r["sessions"]) for r in reports] == [(migrate.head_revision(), 4)] * 3
     assert sorted(r["migrated"] > 0 for r in reports) == [False, False, True], reports
+
+
+def test_a_version_table_with_several_revisions_is_schema_not_current(store_url: str) -> None:
+    """Opening a store skips Alembic at head (``migrate._at_head``) and leaves a version table that holds
+    several revisions to Alembic, whose answer was its own CommandError: untyped, from the store's
+    constructor, ``current_revision`` and ``upgrade``."""
+    db = Database(StoreConfig(url=store_url))
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(text("INSERT INTO alembic_version (version_num) VALUES ('0014')"))
+        for auto_upgrade in (False, True):
+            with pytest.raises(SchemaNotCurrent, match="several revisions"):
+                TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=auto_upgrade))
+        with pytest.raises(SchemaNotCurrent, match="several revisions"):
+            migrate.current_revision(db)
+        with pytest.raises(SchemaNotCurrent, match="several revisions"):
+            migrate.upgrade(db)
+    finally:
+        db.dispose()

@@ -44,13 +44,25 @@ def head_revision() -> str:
 
 def current_revision(db: Database) -> str | None:
     """The revision the database is at (None: no schema yet)."""
-    from alembic.runtime.migration import MigrationContext
-
     try:
         with db.engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+            return _revision_in(conn)
     except DBAPIError as e:
         raise db.translate(e) from e
+
+
+def _revision_in(conn: Connection) -> str | None:
+    """The revision ``conn``'s database records: SchemaNotCurrent when it records several (``_at_head`` leaves
+    them to this path; Alembic's own answer is a CommandError, untyped)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.util import CommandError
+
+    try:
+        return MigrationContext.configure(conn).get_current_revision()
+    except CommandError as e:
+        raise SchemaNotCurrent(
+            "the database's alembic_version table holds several revisions, where a store's holds one: repair it"
+        ) from e
 
 
 #: PostgreSQL: upgrades of one database queue on this transaction-scoped advisory lock
@@ -90,14 +102,13 @@ def upgrade_from(db: Database, revision: str = "head") -> tuple[str | None, str]
     so the second finds the work done. A database newer than this library is ``SchemaNotCurrent``.
     """
     from alembic import command
-    from alembic.runtime.migration import MigrationContext
 
     cfg = alembic_config()
 
     def run(conn: Connection) -> str | None:
         if not db.dialect.is_sqlite:
             conn.exec_driver_sql(_MIGRATION_LOCK)
-        before = MigrationContext.configure(conn).get_current_revision()
+        before = _revision_in(conn)
         newer = _newer(before)
         if newer is not None:
             raise newer
