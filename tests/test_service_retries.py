@@ -456,6 +456,24 @@ def test_an_append_item_with_an_empty_key_of_its_own_is_refused_under_an_idempot
     assert table_rows(store) == rows
 
 
+def test_the_service_api_refuses_append_items_that_are_not_a_list(store: TranscriptStore) -> None:
+    """A request built without validation whose items are not a list was InvalidInput from the store; read
+    for reserved keys first, None (or a number) was a TypeError, with the header or without."""
+    from mirror_helpers import legacy_service
+
+    from transcript_store.errors import InvalidInput
+    from transcript_store.service_models import AppendRequest
+
+    store.create_session(SCOPE, session_id="s")
+    rows = table_rows(store)
+    for svc in legacy_service(store):
+        for items in (None, 5, "ab"):
+            for key in (None, "api-1"):
+                with pytest.raises(InvalidInput, match="items must be a list"):
+                    svc.append(SCOPE, "s", AppendRequest.model_construct(items=items), key)
+    assert table_rows(store) == rows
+
+
 # ---------------------------------------------------------------------------------------------- not UTF-8
 
 

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,6 +450,10 @@ class Service:
         item with neither an ``entry_id`` nor an ``idempotency_key`` the key ``header_item_key`` derives,
         so that a retry finds the entries its first attempt appended instead of appending them again."""
         _check_request(req, AppendRequest)
+        if isinstance(req.items, str | bytes) or not isinstance(req.items, Sequence):
+            # As ``TranscriptStore.prepare`` says it; iterated below first, None was a TypeError (a request
+            # built without validation).
+            raise InvalidInput("items must be a list of entries")
         for item in req.items:
             if _item_field(item, "idempotency_key").startswith(HEADER_ITEM_KEY_PREFIX):
                 # Reserved, so that no caller's key is ever taken for one derived from a header (or the
