@@ -662,3 +662,23 @@ def test_a_version_table_with_several_revisions_is_schema_not_current(store_url:
             migrate.upgrade(db)
     finally:
         db.dispose()
+
+
+def test_a_store_whose_version_table_is_empty_is_schema_not_current(store_url: str) -> None:
+    """A store's tables with no revision recorded (a version table emptied by hand, a restore that left its
+    row out) were taken for an empty database: opening it with auto-upgrade ran every migration from the
+    first and failed on "table ts_sessions already exists"; without, it said to run ``init``, which failed
+    the same way."""
+    db = Database(StoreConfig(url=store_url))
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(text("DELETE FROM alembic_version"))
+        for auto_upgrade in (False, True):
+            with pytest.raises(SchemaNotCurrent, match="records no revision"):
+                TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=auto_upgrade))
+        with pytest.raises(SchemaNotCurrent, match="records no revision"):
+            migrate.upgrade(db)
+        with db.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM ts_sessions")).scalar_one() == 0
+    finally:
+        db.dispose()

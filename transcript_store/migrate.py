@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import DBAPIError
 
 from .db import Database
@@ -58,11 +58,20 @@ def _revision_in(conn: Connection) -> str | None:
     from alembic.util import CommandError
 
     try:
-        return MigrationContext.configure(conn).get_current_revision()
+        current = MigrationContext.configure(conn).get_current_revision()
     except CommandError as e:
         raise SchemaNotCurrent(
             "the database's alembic_version table holds several revisions, where a store's holds one: repair it"
         ) from e
+    if current is None and inspect(conn).has_table("ts_sessions"):
+        # A store's tables with no revision recorded (the version table emptied by hand, a restore that left
+        # its row out) are not an empty database: migrating from the first revision fails on tables that
+        # exist, and which revision they are at is a guess.
+        raise SchemaNotCurrent(
+            "the database holds transcript-store's tables but its alembic_version table records no revision: "
+            "repair it (record the revision the tables are at), or use another database"
+        )
+    return current
 
 
 #: PostgreSQL: upgrades of one database queue on this transaction-scoped advisory lock
