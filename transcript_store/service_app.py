@@ -659,7 +659,9 @@ def _errors(app: FastAPI) -> None:
                               "application/json")
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return error_json(422, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
+        # A rule of a model's own validator: pydantic puts "Value error, " in front of its message.
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        return error_json(422, "invalid_request", f"{where}: {message}")
 
     app.add_exception_handler(TranscriptStoreError, library)
     app.add_exception_handler(StarletteHTTPException, http)
