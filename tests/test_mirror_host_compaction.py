@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
-from mirror_helpers import A, a, hosted, legacy_service, page, u
+from mirror_helpers import A, a, commit, hosted, legacy_service, page, turn_request, u, visible
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
 from transcript_store.errors import InvalidInput, MirrorConflict
 from transcript_store.service import Service
 from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
@@ -282,3 +282,66 @@ def test_a_host_reset_told_again_leaves_the_compaction_made_after_it(service: Se
     req = HostCompactionRequest(summary="", first_kept_position=2, first_kept_entry_id="h2", reset=True)
     service.host_compaction(A, "legacy", sid, req)
     assert shown(service, sid) == compacted
+
+
+def derived_after_reset(service: Service, sid: str, summary: str, reset: bool) -> list[tuple[str, dict[str, Any]]]:
+    """A host's reset (or compaction) inside a turn that kept only that turn's message, named h4: an id the
+    mirror holds off its branch, so that the message is mirrored under one derived from it. The host's
+    messages after it, as (host id, message)."""
+    s = service.store
+    long = " and so on" * 40  # the built-in compaction's summary shrinks the context
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(16)]
+    page(s, sid, None, "c1", hosted(*msgs[:6]))
+    # The host rewrote its transcript from h4 on: h4 and h5 stay stored, off the mirror's branch.
+    assert page(s, sid, None, "c2", hosted(*msgs[:4], ("h4b", u("m4b")), ("h5b", a("m5b")))).rewound
+    req = HostCompactionRequest(summary=summary, first_kept_position=6, first_kept_entry_id="h4", reset=reset,
+                                compacted_at_count=6)
+    assert service.host_compaction(A, "legacy", sid, req).first_kept_position == 6
+    # The host commits that turn (h4 and h7), then the plugin imports what follows.
+    after = [("h4", msgs[6][1]), *msgs[7:]]
+    assert commit(service, sid, turn_request("k1", 6, [m for _, m in after[:2]], ("h4", "h7"))).status == "committed"
+    page(s, sid, "c2", "c3", hosted(*after))
+    assert visible(s, sid)[6][0] != "h4"  # mirrored under an id derived from the host's
+    return after
+
+
+def test_the_built_in_compaction_starts_at_a_host_reset_whose_message_is_mirrored_under_a_derived_id(
+    service: Service, sid: str
+) -> None:
+    # The reset stands there by its position (its message fits the host's id), but the compaction looked its
+    # first kept message up by id only: not found, it wrote nothing while the reset stood (before that, it
+    # summarised from the first message and lost the reset).
+    after = derived_after_reset(service, sid, "", reset=True)
+    assert shown(service, sid) == [m["content"] for _, m in after]
+    # Read up to a fence at the reset's message, the compaction does not find the reset either: nothing.
+    s, rt = service.store, service.runtime
+    fence = s.anchor(A, sid, visible(s, sid)[6][0])
+    out = compaction.compact_session(s, A, sid, summarizer=rt.summarizer, estimator=rt.estimator, fence=fence,
+                                     keep_last=2, force=True)
+    assert not out.compacted and "reset" in str(out.reason)
+    out = service.compact(A, "legacy", sid, CompactRequest(force=True))
+    assert out.compacted, out.reason  # was: "the host's reset is not among the messages read"
+    compacted = shown(service, sid)
+    assert compacted[0].startswith(f"{HEAD}Summary of 4 messages")  # m6 .. m9, what followed the reset
+    assert "m5b" not in compacted[0] and "m4b" not in compacted[0]
+    assert compacted[1:] == [m["content"] for _, m in after[4:]]
+    # The reset stays under the compaction: on a branch without the compaction it still stands.
+    pointer = compaction.load_pointer(s, A, sid)
+    assert pointer is not None and pointer[compaction.RESET_UNDER]["first_kept_position"] == 6
+    assert page(s, sid, None, "c4", hosted(*visible(s, sid)[:9], ("h9b", a("m9b")))).rewound
+    assert shown(service, sid) == [m["content"] for _, m in after[:3]] + ["m9b"]
+
+
+def test_the_built_in_compaction_carries_on_a_host_compaction_whose_message_is_mirrored_under_a_derived_id(
+    service: Service, sid: str
+) -> None:
+    # Not found by id, the host's compaction was dropped: its summary not carried on, and the messages it had
+    # summarised summarised again from the first.
+    after = derived_after_reset(service, sid, "the host's", reset=False)
+    assert shown(service, sid) == [f"{HEAD}the host's"] + [m["content"] for _, m in after]
+    out = service.compact(A, "legacy", sid, CompactRequest(force=True))
+    assert out.compacted, out.reason
+    compacted = shown(service, sid)
+    assert compacted[0].startswith(f"{HEAD}Summary of 4 messages")  # was: of 10, from m0
+    assert "Earlier: the host's" in compacted[0] and "m5b" not in compacted[0]
+    assert compacted[1:] == [m["content"] for _, m in after[4:]]

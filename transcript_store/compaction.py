@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 
 from . import mirror
+from .config import StoreConfig
 from .core import Core, now_us, prepare_entry
 from .engine import CompactResult
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
@@ -358,16 +359,24 @@ def split_point(entries: Sequence[Entry], keep_last: int) -> int:
     return cut
 
 
-def _start(pointer: dict[str, Any] | None, visible: Sequence[Entry]) -> int | None:
+def _start(config: StoreConfig, pointer: dict[str, Any] | None, visible: Sequence[Entry]) -> int | None:
     """Where the messages a compaction may summarise start among ``visible``: at the pointer's first kept
     one (0 without a pointer); None when that is not among them."""
     if pointer is None:
         return 0
-    if pointer["first_kept_entry_id"] is None:
+    at = int(pointer["first_kept_position"])
+    kept = pointer["first_kept_entry_id"]
+    if kept is None:
         # A host's reset that kept nothing before it: the messages from its position on are what is left.
-        at = int(pointer["first_kept_position"])
         return at if at <= len(visible) else None
-    return next((i for i, e in enumerate(visible) if e.entry_id == pointer["first_kept_entry_id"]), None)
+    found = next((i for i, e in enumerate(visible) if e.entry_id == kept), None)
+    if found is not None or pointer.get("source") != "host" or at >= len(visible):
+        return found
+    # A host's compaction (or reset) that kept only the turn it ran in names the host's id of that turn's
+    # message, which the mirror may hold under an id derived from it (``_standing`` takes it there by its
+    # position): looked up by id alone, a reset standing on it was never found and the compaction wrote
+    # nothing while it stood; a compaction's summary was not carried on. Never past the messages read.
+    return at if mirror.entry_fits(config, kept, visible[at], unnamed=False) else None
 
 
 SUMMARY_HEAD = "[Summary of the earlier conversation]\n"
@@ -411,14 +420,14 @@ def compact_session(
         )
     )
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
-    start = _start(pointer, visible)
+    start = _start(store.config, pointer, visible)
     if start is None:
         # The pointer's first kept entry is not among these messages (at or after the fence, or the path
         # moved between the two reads): its summary covers messages this compaction would keep verbatim (or
         # that left the path), so it is not carried on. What follows a host's reset under it is what is
         # left, else the messages are summarized again from the first.
         pointer = reset_under(pointer)
-        start = _start(pointer, visible)  # 0 without a reset
+        start = _start(store.config, pointer, visible)  # 0 without a reset
         if start is None:
             # The reset stands but is not among these messages either: summarising from the first would
             # write a pointer without it, and the conversation before the reset would come back.

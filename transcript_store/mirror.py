@@ -59,7 +59,7 @@ from .config import StoreConfig
 from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text
 from .errors import InvalidInput, MirrorConflict, MirrorReason, PayloadTooLarge
 from .ledger import get_state, put_state
-from .models import Anchor, ClosedRange, ClosedRangeFailure, SessionInfo
+from .models import Anchor, ClosedRange, ClosedRangeFailure, Entry, SessionInfo
 
 STATE_OWNER = "service.import"
 STATE_KEY = "cursor"
@@ -261,9 +261,25 @@ def host_id_fits(config: StoreConfig, host_id: str, row: Any, *, unnamed: bool) 
         return False
     if row.entry_id == host_id:
         return True
-    payload = prepare_entry(config, message=decode_stored(row.payload)).payload_json
+    return _derived_from(config, host_id, row.entry_id, row.parent_id, decode_stored(row.payload), unnamed)
+
+
+def entry_fits(config: StoreConfig, host_id: str, entry: Entry, *, unnamed: bool) -> bool:
+    """``host_id_fits`` for an entry read back (``read_visible``), whose message is decoded already."""
+    if entry.kind != "message":
+        return False
+    if entry.entry_id == host_id:
+        return True
+    return _derived_from(config, host_id, entry.entry_id, entry.parent_id, entry.message, unnamed)
+
+
+def _derived_from(
+    config: StoreConfig, host_id: str, entry_id: str, parent_id: str | None, message: Any, unnamed: bool
+) -> bool:
+    """Whether ``entry_id`` is the id derived for ``message`` after ``parent_id`` from ``host_id`` (or none)."""
+    payload = prepare_entry(config, message=message).payload_json
     ids = (host_id, None) if unnamed else (host_id,)
-    return any(row.entry_id == _derived_id(i, row.parent_id, payload) for i in ids)
+    return any(entry_id == _derived_id(i, parent_id, payload) for i in ids)
 
 
 def mirror_turn(
