@@ -345,3 +345,43 @@ def test_the_built_in_compaction_carries_on_a_host_compaction_whose_message_is_m
     assert compacted[0].startswith(f"{HEAD}Summary of 4 messages")  # was: of 10, from m0
     assert "Earlier: the host's" in compacted[0] and "m5b" not in compacted[0]
     assert compacted[1:] == [m["content"] for _, m in after[4:]]
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "compaction"])
+@pytest.mark.parametrize("found", [{"compacted_at_count": 6}, {}], ids=["at-count", "no-count"])
+def test_a_host_reset_or_compaction_on_a_message_mirrored_under_a_derived_id_told_again_changes_nothing(
+    service: Service, sid: str, reset: bool, found: dict[str, int]
+) -> None:
+    # Told again (a plugin's new process reads the host's transcript from its start), its first kept message
+    # is below the mirror's end now, held under the id derived from the host's: the stored pointer, which
+    # names the host's id, was not taken for it, and the repeat was recorded anew (a new time: every reply
+    # since lost its signed thinking).
+    summary = "" if reset else "the host's"
+    after = derived_after_reset(service, sid, summary, reset=reset)
+    s = service.store
+    before = compaction.load_pointer(s, A, sid)
+    assert before is not None and before["first_kept_entry_id"] == "h4"
+    time.sleep(0.002)  # a pointer recorded anew would be dated later
+    req = HostCompactionRequest(summary=summary, first_kept_position=6, first_kept_entry_id="h4", reset=reset,
+                                **found)
+    assert service.host_compaction(A, "legacy", sid, req).first_kept_position == 6
+    assert compaction.load_pointer(s, A, sid) == before
+    assert shown(service, sid) == ([] if reset else [f"{HEAD}the host's"]) + [m["content"] for _, m in after]
+
+
+@pytest.mark.parametrize("found", [{"compacted_at_count": 6}, {}], ids=["at-count", "no-count"])
+def test_a_host_reset_on_a_message_mirrored_under_a_derived_id_told_again_leaves_the_compaction_made_after_it(
+    service: Service, sid: str, found: dict[str, int]
+) -> None:
+    # The reset under the built-in compaction made after it names the host's id: not taken for the one told
+    # again, the repeat (without compacted_at_count) replaced that compaction, and the context grew back by all
+    # it had summarised.
+    derived_after_reset(service, sid, "", reset=True)
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    s = service.store
+    compacted, before = shown(service, sid), compaction.load_pointer(s, A, sid)
+    assert before is not None and before[compaction.RESET_UNDER]["first_kept_entry_id"] == "h4"
+    req = HostCompactionRequest(summary="", first_kept_position=6, first_kept_entry_id="h4", reset=True, **found)
+    assert service.host_compaction(A, "legacy", sid, req).first_kept_position == before["first_kept_position"]
+    assert compaction.load_pointer(s, A, sid) == before
+    assert shown(service, sid) == compacted

@@ -290,7 +290,7 @@ def record_host_compaction(
             f"compacted_at_count {compacted_at_count} is before the first kept message (position "
             f"{first_kept_position}): a compaction keeps messages made before it"
         )
-    kept = first_kept_entry_id
+    kept, row = first_kept_entry_id, None
     if first_kept_position < visible and first_kept_entry_id is not None:
         seq = c.path_seq_at_position(scope, session_id, first_kept_position)
         row = None if seq is None else c.entry_by_seq(scope, session_id, seq)
@@ -314,9 +314,9 @@ def record_host_compaction(
         and told is not None
         and told.get("source") == "host"
         and told.get("summary") == summary
-        and told.get("first_kept_entry_id") == kept
         and told.get("first_kept_position") == first_kept_position
         and bool(told.get("reset")) == reset
+        and _keeps_the_same(c.config, told, kept, first_kept_entry_id, row)
     ):
         # The same compaction told again (a plugin finds it in the host's transcript at every bootstrap of
         # a new process): it keeps the time it was recorded at, which decides the replies whose signed
@@ -348,6 +348,25 @@ def record_host_compaction(
     }
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
+
+
+def _keeps_the_same(
+    config: StoreConfig, told: dict[str, Any], kept: str | None, host_id: str | None, row: Any
+) -> bool:
+    """Whether a pointer at the position of a compaction told now names its first kept message: the mirror's
+    entry ``kept`` there, or the host's id ``host_id`` of it when the mirror's entry there (``row``) is held
+    under an id derived from the host's, as ``_standing`` takes it."""
+    named = told.get("first_kept_entry_id")
+    if named == kept:
+        return True
+    # Recorded when the mirror did not hold that message yet, the pointer names the host's id; committed
+    # since, the message may be mirrored under an id derived from it (the host's id names a message off the
+    # active branch). Not taken for the same, the one told again was recorded anew: a new time, which lost
+    # every reply since its signed thinking, or a reset put in place of the compaction made after it. A
+    # message derived from no host id (a turn's middle one) is not where such a pointer stands (``_standing``).
+    if host_id is None or named != host_id or row is None:
+        return False
+    return mirror.host_id_fits(config, host_id, row, unnamed=False)
 
 
 def split_point(entries: Sequence[Entry], keep_last: int) -> int:
