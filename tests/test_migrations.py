@@ -645,38 +645,31 @@ def test_processes_opening_an_old_sqlite_store_at_once_all_open_it_and_one_migra
     assert sorted(r["migrated"] > 0 for r in reports) == [False, False, True], reports
 
 
-def test_a_version_table_with_several_revisions_is_schema_not_current(store_url: str) -> None:
-    """Opening a store skips Alembic at head (``migrate._at_head``) and leaves a version table that holds
-    several revisions to Alembic, whose answer was its own CommandError: untyped, from the store's
-    constructor, ``current_revision`` and ``upgrade``."""
+@pytest.mark.parametrize(
+    ("statement", "error"),
+    [("INSERT INTO alembic_version (version_num) VALUES ('0014')", "several revisions"),
+     ("DELETE FROM alembic_version", "records no revision")],
+    ids=["several-revisions", "no-revision"],
+)
+def test_a_version_table_not_holding_one_revision_is_schema_not_current(
+    store_url: str, statement: str, error: str
+) -> None:
+    """Opening a store skips Alembic at head (``migrate._at_head``) and leaves any other version table to
+    Alembic's path. Several revisions were Alembic's own CommandError (untyped, from the store's constructor,
+    ``current_revision`` and ``upgrade``); a store's tables with none recorded (the table emptied by hand, a
+    restore that left its row out) were taken for an empty database: auto-upgrade ran every migration from
+    the first and failed on "table ts_sessions already exists", and without it the error said to run
+    ``init``, which failed the same way."""
     db = Database(StoreConfig(url=store_url))
     try:
         with db.engine.begin() as conn:
-            conn.execute(text("INSERT INTO alembic_version (version_num) VALUES ('0014')"))
+            conn.execute(text(statement))
         for auto_upgrade in (False, True):
-            with pytest.raises(SchemaNotCurrent, match="several revisions"):
+            with pytest.raises(SchemaNotCurrent, match=error):
                 TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=auto_upgrade))
-        with pytest.raises(SchemaNotCurrent, match="several revisions"):
+        with pytest.raises(SchemaNotCurrent, match=error):
             migrate.current_revision(db)
-        with pytest.raises(SchemaNotCurrent, match="several revisions"):
-            migrate.upgrade(db)
-    finally:
-        db.dispose()
-
-
-def test_a_store_whose_version_table_is_empty_is_schema_not_current(store_url: str) -> None:
-    """A store's tables with no revision recorded (a version table emptied by hand, a restore that left its
-    row out) were taken for an empty database: opening it with auto-upgrade ran every migration from the
-    first and failed on "table ts_sessions already exists"; without, it said to run ``init``, which failed
-    the same way."""
-    db = Database(StoreConfig(url=store_url))
-    try:
-        with db.engine.begin() as conn:
-            conn.execute(text("DELETE FROM alembic_version"))
-        for auto_upgrade in (False, True):
-            with pytest.raises(SchemaNotCurrent, match="records no revision"):
-                TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=auto_upgrade))
-        with pytest.raises(SchemaNotCurrent, match="records no revision"):
+        with pytest.raises(SchemaNotCurrent, match=error):
             migrate.upgrade(db)
         with db.engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM ts_sessions")).scalar_one() == 0
