@@ -21,8 +21,11 @@ from transcript_store.leases import LeaseKeeper
 from transcript_store.outbox import OutboxConfig
 from transcript_store.turns import Turns
 
-LEASE = 0.6
-LOCKED_FOR = 3.0  # five leases
+# Renewed every lease/3: with 0.6 s, a keeper thread woken 0.4 s late on a loaded machine (CI runs the OpenClaw
+# suite beside the tests) let B's lease run out with no lock involved. Three leases locked still fails the
+# keeper that waits on the row.
+LEASE = 1.2
+LOCKED_FOR = 3.6
 
 
 def _lease_left(turns: Turns, session_id: str, turn_id: str) -> float:

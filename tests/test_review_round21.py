@@ -44,7 +44,10 @@ from transcript_store.turns import Turns
 
 S = "review-r21"
 ROOT = Path(__file__).resolve().parents[1]
-LEASE = 0.5
+# Renewed every lease/3 by the running attempt's keeper: with 0.5 s, a keeper thread held off the CPU that long
+# (CI runs the OpenClaw suite beside the tests) let a live attempt's lease run out, which these tests assert
+# never happens.
+LEASE = 1.0
 
 shared_url, store, sid = module_store_fixtures(S, "review-r21")
 
@@ -226,7 +229,7 @@ def test_a_retry_from_another_machine_that_stopped_renewing_leaves_the_turn_to_t
         short.admit(S, sid, user("q1"), turn_id="t1", engine_id="legacy", owner="elsewhere/retry",
                     taken_over=taken)
         assert len(taken) == 1  # the first attempt's lease, live
-        time.sleep(5 * LEASE)  # the retry's lease ran out long ago; the first attempt's keeper renewed
+        time.sleep(2.5 * LEASE)  # the retry's lease ran out long ago; the first attempt's keeper renewed
         with pytest.raises(SessionBusy):
             short.admit(S, sid, user("next"), turn_id="t2", engine_id="legacy")
     finally:
@@ -235,7 +238,7 @@ def test_a_retry_from_another_machine_that_stopped_renewing_leaves_the_turn_to_t
     # Neither attempt renewing (both on other machines): abandoned after the lease, as before.
     short.admit(S, sid, user("q3"), turn_id="t3", engine_id="legacy", owner="elsewhere/first")
     short.admit(S, sid, user("q3"), turn_id="t3", engine_id="legacy", owner="elsewhere/second")
-    time.sleep(3 * LEASE)
+    time.sleep(2 * LEASE)
     short.admit(S, sid, user("q4"), turn_id="t4", engine_id="legacy")
     assert short.intent(S, sid, "t3") is None
     host.dispose()
@@ -485,7 +488,7 @@ def test_retries_failing_out_of_order_hand_the_turn_to_the_attempt_still_running
     host, _ = make_host(store)
     # Longer than LEASE: A's keeper must renew across the whole test while CI runs other suites beside it
     # (with 0.5 s, a keeper held off the CPU that long let A's lease run out: t2 was admitted, once).
-    lease = 4 * LEASE
+    lease = 2.0
     host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
     model = _Scripted()
     host.model = model
