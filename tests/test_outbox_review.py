@@ -132,7 +132,7 @@ def test_a_failing_attempt_does_not_stop_the_renewal_of_the_retry_that_took_its_
     lease dropped the retry's renewal (the keeper held one renewal per turn, whoever's), so the running
     retry's lease ran out while its worker lived: the session's next admission discarded the turn and
     the retry ended in ``TurnOvertaken``. Each attempt now releases only its own renewal."""
-    lease = 0.5
+    lease = 1.0  # renewed every lease/3: 0.5 s ran out under a keeper held off a loaded machine's CPU
     host, _ = make_host(store)
     host.turns = Turns(store, OutboxConfig(turn_lease_seconds=lease))
     second_started, go = threading.Event(), threading.Event()
@@ -173,7 +173,7 @@ def test_a_failing_attempt_does_not_stop_the_renewal_of_the_retry_that_took_its_
     first.join(30)
     assert isinstance(results.get("first"), RuntimeError), results
     try:
-        time.sleep(4 * lease)  # the retry's model call still runs: its lease must have been renewed
+        time.sleep(3 * lease)  # the retry's model call still runs: its lease must have been renewed
         with pytest.raises(SessionBusy):
             Turns(store).admit(S, sid, user("other"), turn_id="o1", engine_id="legacy")
     finally:
