@@ -12,6 +12,9 @@ What a review of ``record_host_compaction`` found (each test failed before the f
    switched to the other branch, where OpenClaw's context does not hold it (its entry is on the branch
    it was made on). Now it stands only while the mirror's branch holds the last message it was made
    after.
+3. The same host compaction told again without saying where it was made (no ``compacted_at_count``)
+   replaced the built-in compaction made after it (whose pointer carried only a reset): the context grew
+   back by all the built-in one had summarised. Now the built-in one's pointer names the host's under it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,43 @@ def test_an_older_host_compaction_from_a_clock_ahead_leaves_the_service_newer_on
     # A new plugin process finds OpenClaw's older compaction again: the service's stays (was: put back).
     record(service, sid, "the host's", 2, "h2", **older)
     assert shown(service, sid) == newer
+
+
+def test_a_host_compaction_told_again_without_where_leaves_the_built_in_one_made_after_it(
+    service: Service, sid: str
+) -> None:
+    # A client that does not say where the host's compaction was made (no compacted_at_count, no
+    # compacted_ms: an older plugin, a plain HTTP client) tells it again at every bootstrap of a new process.
+    # The built-in compaction made after it had replaced its pointer (carrying only a reset), so it was not
+    # recognised: recorded anew, and the context grew back by all the built-in one had summarised.
+    long = " and so on" * 40
+    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    page(service.store, sid, None, "c1", hosted(*msgs[:6]))
+    assert record(service, sid, "the host's", 2, "h2") == 2
+    page(service.store, sid, "c1", "c2", hosted(*msgs[6:10]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 10 messages
+    newer, at = shown(service, sid), kept_at(service, sid)
+    assert newer[0] != f"{HEAD}the host's" and at > 2
+    assert record(service, sid, "the host's", 2, "h2") == at  # was: 2
+    assert shown(service, sid) == newer
+    # So after a second built-in compaction made after the first.
+    page(service.store, sid, "c2", "c3", hosted(*msgs[10:]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    newest = shown(service, sid)
+    record(service, sid, "the host's", 2, "h2")
+    assert shown(service, sid) == newest
+    # A new compaction of the host's (another summary, or another first kept message) still replaces it.
+    assert record(service, sid, "the host's, later", 10, "h10") == 10
+    assert shown(service, sid)[0] == f"{HEAD}the host's, later"
+    assert record(service, sid, "the host's, later", 11, "h11") == 11
+    assert shown(service, sid) == [f"{HEAD}the host's, later", f"m11{long}"]
+
+
+def kept_at(svc: Service, session_id: str) -> int:
+    """The first kept position of the session's compaction pointer in force."""
+    pointer = compaction.load_pointer(svc.store, A, session_id)
+    assert pointer is not None
+    return int(pointer["first_kept_position"])
 
 
 def test_a_newer_host_compaction_from_a_clock_behind_replaces_the_service_older_one(

@@ -8,6 +8,7 @@ kept entry) is saved in engine state in the same transaction.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,55 @@ def _carried(pointer: dict[str, Any] | None) -> dict[str, Any]:
     mirror's branch and the reset had not."""
     under = reset_under(pointer)
     return {RESET_UNDER: under} if under is not None else {}
+
+
+#: the key of a built-in compaction's pointer that names the host's compaction it was made after (``host_under``)
+HOST_UNDER = "host_under"
+
+
+def host_under(pointer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The host's compaction (not a reset) a pointer in force was made after: the pointer itself when it is
+    one, else the one a built-in compaction's pointer names (by its summary's digest), else None."""
+    if pointer is None or pointer.get("reset"):
+        return None
+    if pointer.get("source") == "host":
+        return pointer
+    under = pointer.get(HOST_UNDER)
+    return under if isinstance(under, dict) else None
+
+
+def _named(pointer: dict[str, Any] | None) -> dict[str, Any]:
+    """What a built-in compaction's pointer names of the one in force: the host's compaction under it, if any.
+
+    The host does not know of the built-in compaction: the compaction it finds newest in its transcript is
+    still its own, which a plugin tells again at every bootstrap of a new process, without saying where it
+    was made when it is an older one (or a plain HTTP client). Not recognised under the pointer that
+    replaced it, it was recorded anew, and the context grew back by all the built-in one had summarised.
+    The summary is named by its digest: the pointer is read with every assembly."""
+    under = host_under(pointer)
+    if under is None:
+        return {}
+    if under is not pointer:  # named under the built-in compaction in force: carried on
+        return {HOST_UNDER: under}
+    return {
+        HOST_UNDER: {
+            "source": "host",
+            "summary_sha256": _digest(str(under["summary"])),
+            "first_kept_entry_id": under["first_kept_entry_id"],
+            "first_kept_position": under["first_kept_position"],
+        }
+    }
+
+
+def _digest(summary: str) -> str:
+    """A summary's sha256 hex digest (a lone surrogate hashes as its code point, never raises)."""
+    return hashlib.sha256(summary.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _summarises(told: dict[str, Any], summary: str) -> bool:
+    """Whether a pointer's summary (or a host's compaction named under one, by its digest) is ``summary``."""
+    digest = told.get("summary_sha256")
+    return digest == _digest(summary) if isinstance(digest, str) else told.get("summary") == summary
 
 
 def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
@@ -307,13 +357,14 @@ def record_host_compaction(
     standing = pointer_in(c, scope, session_id)
     # A reset told again may stand under a compaction made after it (``reset_under``), at the same point
     # when no message came between: taken for a newer reset, it replaced that compaction, and the context
-    # grew back by all it had summarised.
-    told = reset_under(standing) if reset else standing
+    # grew back by all it had summarised. So may a compaction of the host's, under a built-in one made after it
+    # (``host_under``).
+    told = reset_under(standing) if reset else host_under(standing)
     if (
         standing is not None
         and told is not None
         and told.get("source") == "host"
-        and told.get("summary") == summary
+        and _summarises(told, summary)
         and told.get("first_kept_position") == first_kept_position
         and bool(told.get("reset")) == reset
         and _keeps_the_same(c.config, told, kept, first_kept_entry_id, row)
@@ -530,6 +581,7 @@ def compact_session(
         "made_at_count": len(visible),
         "seen_entry_id": visible[-1].entry_id,
         **_carried(pointer),
+        **_named(pointer),
     }
 
     landed: list[bool] = []  # an attempt ran to its end
