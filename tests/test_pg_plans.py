@@ -309,3 +309,32 @@ def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptSto
             conn.rollback()
             return
         assert_never_analyzed(conn, "relname IN ('ts_entries', 'ts_active_path')")
+
+
+def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(store: TranscriptStore) -> None:
+    """PostgreSQL, tables never analyzed: the check of an append under an ``Idempotency-Key`` (which of
+    the keys of the indexes the request does not key the session holds) is one lookup per key by the
+    key's index, never a filter over the session's keyed entries, whatever the session's length."""
+    if store.backend == "sqlite":
+        pytest.skip("SQLite plans with its own index knowledge")
+    with store.db.engine.begin() as conn:  # this test's database only: autovacuum would ANALYZE them
+        conn.exec_driver_sql("ALTER TABLE ts_entries SET (autovacuum_enabled = off)")
+    sid = store.create_session(A, session_id="s1").session_id
+    store.append_many(A, sid, [{"message": {"role": "user", "content": f"m{i}"}, "idempotency_key": f"k{i}"}
+                               for i in range(2_000)])
+    captured: list[tuple[str, Any]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        captured.append((statement, parameters))
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        found = store.read(lambda c: c.stored_keys(A, sid, ["k1990", "k5", "none"]))
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    assert found == {"k1990", "k5"}
+    sent = [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
+    assert len(sent) == 1, sent
+    with store.db.engine.connect() as conn:
+        assert_lookups("stored_keys", _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF"))
+        assert_never_analyzed(conn, "relname = 'ts_entries'")

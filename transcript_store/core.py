@@ -394,6 +394,25 @@ def _entry_rows_of_array() -> Select[Any]:
 
 
 _ENTRY_ROWS_OF_ARRAY = _entry_rows_of_array()
+_STORED_KEYS = select(entries.c.idempotency_key).where(
+    by_session(entries), entries.c.idempotency_key.in_(bindparam("b_keys", expanding=True))
+)
+
+
+def _stored_keys_of_array() -> Select[Any]:
+    """PostgreSQL: which of an array of idempotency keys (``b_keys``) the session holds, one lookup by the
+    key's index each (an IN list risks the filter over the session ``_entry_rows_of_array`` avoids)."""
+    keys = func.unnest(cast(bindparam("b_keys"), ARRAY(Text))).table_valued("key").render_derived(name="keys")
+    entry = (
+        select(entries.c.idempotency_key)
+        .where(by_session(entries), entries.c.idempotency_key == keys.c.key)
+        .limit(literal_column("1"))
+        .lateral("entry")
+    )
+    return select(entry.c.idempotency_key).select_from(keys.join(entry, true()))
+
+
+_STORED_KEYS_OF_ARRAY = _stored_keys_of_array()
 #: lookups of up to this many ids use a statement with that many plain binds (see ``hot``)
 _SMALL_IN = 8
 
@@ -1326,6 +1345,19 @@ class Core:
                 out.update((r.entry_id, r) for r in rows)
             else:  # a repeated id comes back once per time it is named: the dict keeps one
                 out.update((r.entry_id, r) for r in self.run(_ENTRY_ROWS_OF_ARRAY, params))
+        return out
+
+    def stored_keys(self, scope: str, session_id: str, keys: Sequence[str]) -> set[str]:
+        """Which of the idempotency ``keys`` name an entry of the session."""
+        out: set[str] = set()
+        for at in range(0, len(keys), _IN_CHUNK):
+            params = session_params(scope, session_id, b_keys=list(keys[at : at + _IN_CHUNK]))
+            # An expanding IN list is no statement for ``run`` (compiled once, its binds fixed).
+            rows: Any = (
+                self.conn.execute(_STORED_KEYS, params) if self.dialect.is_sqlite
+                else self.run(_STORED_KEYS_OF_ARRAY, params)
+            )
+            out.update(r.idempotency_key for r in rows)
         return out
 
     def entries_with_path(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
