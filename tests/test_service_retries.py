@@ -313,7 +313,7 @@ def test_an_idempotency_key_reused_for_another_append_is_a_409_that_writes_nothi
     server: ServiceProcess, store: TranscriptStore
 ) -> None:
     """The key is compared item by item, as an item's own idempotency_key is: another message at an index
-    the first request used is 409 ``idempotency_conflict``; an item past its last one is a new entry."""
+    the first request used is 409 ``idempotency_conflict``; so is fewer or more items (below)."""
     create(server, {"session_id": "s"}, None)
     status, first = append(server, "s", [{"message": user("a")}, {"message": assistant("b")}], "reused")
     assert status == 200, first
@@ -324,12 +324,85 @@ def test_an_idempotency_key_reused_for_another_append_is_a_409_that_writes_nothi
         assert status == 409 and data["error"]["code"] == "idempotency_conflict", (items, data)
         assert "Idempotency-Key 'reused'" in data["error"]["message"], data
         assert table_rows(store) == rows
-    # A prefix of the first request is answered with its entries; one more item is appended after them.
-    status, data = append(server, "s", [{"message": user("a")}], "reused")
-    assert (status, data["entries"]) == (200, first["entries"][:1])
-    status, data = append(server, "s", [{"message": user("a")}, {"message": assistant("b")},
-                                        {"message": user("c")}], "reused")
-    assert status == 200 and data["entries"][:2] == first["entries"] and data["entries"][2]["seq"] == 2, data
+
+
+def test_an_idempotency_key_reused_for_an_append_with_fewer_or_more_items_is_a_409_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """Compared item by item only, a prefix of the first request under its key was answered with the first
+    entries (200), and a request with more items answered them and appended the rest (200): another request
+    under a used key half answered. Either is 409 ``idempotency_conflict`` now, writing nothing; the same
+    request again is answered as the first was."""
+    create(server, {"session_id": "s"}, None)
+    a, b, c = {"message": user("a")}, {"message": assistant("b")}, {"message": user("c")}
+    status, first = append(server, "s", [a, b], "reused")
+    assert status == 200, first
+    rows = table_rows(store)
+    for items, index in (([a], 1), ([a, b, c], 2), ([{"message": user("a"), "entry_id": "x"}], 0)):
+        status, data = append(server, "s", items, "reused")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (items, data)
+        assert "Idempotency-Key 'reused'" in data["error"]["message"], data
+        assert f"at index {index}" in data["error"]["message"], data
+        assert table_rows(store) == rows
+    assert append(server, "s", [a, b], "reused") == (200, first)
+    assert table_rows(store) == rows
+
+
+def test_appends_of_different_lengths_racing_under_one_idempotency_key_land_one_request(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """Requests of one, two and three items racing under one key: the check runs in the append's own
+    transaction, under the session's lock, so one request lands whole and every other one of another
+    length is 409 (never its first entries answered, or its extras appended after another's)."""
+    create(server, {"session_id": "s"}, None)
+    bodies = [[{"message": user(f"m{i}")} for i in range(n)] for n in (1, 2, 3)] * 3
+    results: list[tuple[int, int, Any]] = []
+
+    def attempt(items: list[dict[str, Any]]) -> None:
+        results.append((len(items), *append(server, "s", items, "raced")))
+
+    threads = [threading.Thread(target=attempt, args=(items,)) for items in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    landed = {n for n, status, _ in results if status == 200}
+    assert len(landed) == 1, results
+    assert all(status == 409 for n, status, _ in results if n not in landed), results
+    assert store.get_session(SCOPE, "s").visible_count == landed.pop()
+
+
+def test_items_with_their_own_keys_mixed_in_under_an_idempotency_key_are_compared_by_place(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """Items with their own entry_id or idempotency_key keep them; the header keys the others by index. The
+    same mixed request again is answered as the first; a keyless item where the first request had one with
+    its own key, or the other way round, or fewer or more of them, is 409 and writes nothing."""
+    create(server, {"session_id": "s"}, None)
+    a, b, c = {"message": user("a")}, {"message": assistant("b")}, {"message": user("c")}
+    own = {"message": assistant("own"), "entry_id": "own-id"}
+    key = {"kind": "custom", "payload": {}, "idempotency_key": "k"}
+    items = [a, own, b, key, c]
+    status, first = append(server, "s", items, "mixed")
+    assert status == 200 and [e["seq"] for e in first["entries"]] == [0, 1, 2, 3, 4], first
+    rows = table_rows(store)
+    assert append(server, "s", items, "mixed") == (200, first)
+    assert table_rows(store) == rows
+    for other in ([a, own, b, key], [a, own, b, key, c, c], [a, b, b, key, c], [a, own, b, key, own],
+                  [own, a, b, key, c], [key]):
+        status, data = append(server, "s", other, "mixed")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (other, data)
+        assert "Idempotency-Key 'mixed'" in data["error"]["message"], data
+        assert table_rows(store) == rows
+    # The one shape the entries do not show (README): the first request's item at this one's length had
+    # its own key, and its items without one after that are not looked at.
+    status, data = append(server, "s", [a, own, b], "mixed")
+    assert (status, data["entries"]) == (200, first["entries"][:3])
+    assert table_rows(store) == rows
+    # Under a fresh key the same items append again: their own ids and keys answer their entries.
+    status, again = append(server, "s", items, "mixed-2")
+    assert status == 200 and [e["seq"] for e in again["entries"]] == [5, 1, 6, 3, 7], again
+    assert append(server, "s", items, "mixed-2") == (200, again)
 
 
 def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_that_writes_nothing(
@@ -441,6 +514,35 @@ def test_the_service_api_derives_the_item_keys_of_an_append_under_an_idempotency
             svc.append(SCOPE, "s", reserved)
         assert table_rows(store) == rows
         assert len(header_item_key("x" * 255, 9_999)) <= 43
+
+
+def test_an_append_under_an_idempotency_key_retried_after_a_lost_commit_answers_its_entries(
+    store: TranscriptStore,
+) -> None:
+    """The transaction retried after its COMMIT landed finds every item it keyed: the same request, not a
+    409 for a request that found some of them."""
+    from mirror_helpers import legacy_service
+    from test_faults_connections import lose_commits
+
+    from transcript_store.service_models import AppendRequest
+
+    store.create_session(SCOPE, session_id="s")
+    lose = [0]
+
+    def lost() -> bool:
+        lose[0] -= 1
+        return lose[0] >= 0
+
+    for svc in legacy_service(store):
+        req = AppendRequest(items=[{"message": user("a")}, {"message": assistant("b"), "entry_id": "own"},
+                                   {"message": user("c")}])
+        lose_commits(store, lost)
+        lose[0] = 1
+        first = svc.append(SCOPE, "s", req, "lost-1")
+        assert lose[0] < 0 and [e.seq for e in first] == [0, 1, 2]
+        rows = table_rows(store)
+        assert svc.append(SCOPE, "s", req, "lost-1") == first
+        assert table_rows(store) == rows
 
 
 def test_an_append_item_with_an_empty_key_of_its_own_is_refused_under_an_idempotency_key_too(

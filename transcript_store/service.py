@@ -464,7 +464,7 @@ class Service:
             return self.store.append_many(scope, session_id, req.items)
         _check_idempotency_key(idempotency_key)
         try:
-            return self.store.append_many(scope, session_id, _keyed_items(req.items, idempotency_key))
+            return self._append_once(scope, session_id, req.items, idempotency_key)
         except IdempotencyConflict as e:
             if HEADER_ITEM_KEY_PREFIX not in str(e):
                 raise
@@ -472,6 +472,50 @@ class Service:
                 f"Idempotency-Key {idempotency_key!r} was used for another request: {e} (an item without an "
                 "entry_id or idempotency_key takes the key of its index in the request)"
             ) from e
+
+    def _append_once(self, scope: str, session_id: str, items: list[Any], idempotency_key: str) -> list[Entry]:
+        """Append ``items`` under an Idempotency-Key, refusing (IdempotencyConflict) a request whose keyed
+        indexes are not those of the first request under the key, in the append's own transaction."""
+        # The append compares each keyed item with its stored entry; the shape is checked here, or a prefix
+        # of the first request was answered its first entries, and a longer one appended the rest. No table
+        # of keys: the entries keep the request. A first request's entries land all or none, so its keyed
+        # indexes are all stored: this one's (``ours``) must be all found or all new, and none of the others
+        # up to its length (``others``) stored. Unseen: a first request whose item at this one's length had
+        # its own key, with keyed items only after it (README, "compared item by item").
+        check_id("scope", scope)
+        check_id("session_id", session_id)
+        ours = _header_indexes(items)
+        prepared = self.store.prepare(_keyed_items(items, idempotency_key))
+        mine = set(ours)
+        others = [header_item_key(idempotency_key, i) for i in range(len(items) + 1) if i not in mine]
+        landed: list[tuple[int, list[Entry]]] = []  # the incarnation an attempt appended to, and what
+
+        def run(c: Core) -> list[Entry]:
+            if landed and replaced(c, scope, session_id, landed[0][0]):
+                # As ``TranscriptStore._append``: an earlier attempt's COMMIT was uncertain, and its session
+                # was deleted (perhaps made again) since; appending now writes into someone else's.
+                return landed[0][1]
+            sess, out = c.append_to_session(scope, session_id, prepared)
+            # Checked after the append, under the session lock it took: an earlier request under the key
+            # that committed before is seen, one still running waits for this one (or this for it).
+            found = [i for i in ours if out[i].seq <= sess.last_seq]
+            if found and len(found) < len(ours):
+                new = next(i for i in ours if out[i].seq > sess.last_seq)
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for another request, with no item without "
+                    f"an entry_id or idempotency_key at index {new}, where this one has one; nothing was written"
+                )
+            stored = c.stored_keys(scope, session_id, others)
+            if stored:
+                index = min(int(k.rsplit(":", 1)[1]) for k in stored)
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {idempotency_key!r} was used for another request, with an item without "
+                    f"an entry_id or idempotency_key at index {index}, where this one has none; nothing was written"
+                )
+            landed[:] = [(int(sess.incarnation), out)]
+            return out
+
+        return self.store.write(run)
 
     def admit(self, scope: str, session_id: str, req: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""
@@ -821,17 +865,24 @@ def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:
     """``items``, each one with neither an ``entry_id`` nor an ``idempotency_key`` given the key
     ``header_item_key`` derives for its index (a dict, in a request built without validation, too)."""
     out = list(items)
-    for i, item in enumerate(items):
-        if _item_value(item, "entry_id") is not None or _item_value(item, "idempotency_key") is not None:
-            # Given, even empty or not text: its own key (or id), refused by ``prepare`` as without the
-            # header, never replaced by the header's (an empty key was appended under it, answered 200).
-            continue
+    for i in _header_indexes(items):
+        item = items[i]
         key = header_item_key(idempotency_key, i)
         if isinstance(item, AppendItem):
             out[i] = item.model_copy(update={"idempotency_key": key})
         elif isinstance(item, dict):
             out[i] = {**item, "idempotency_key": key}
     return out
+
+
+def _header_indexes(items: list[Any]) -> list[int]:
+    """The indexes of the ``items`` the header keys: those with neither an ``entry_id`` nor an ``idempotency_key``."""
+    # Given, even empty or not text: its own key (or id), refused by ``prepare`` as without the header,
+    # never replaced by the header's (an empty key was appended under it, answered 200).
+    return [
+        i for i, item in enumerate(items)
+        if _item_value(item, "entry_id") is None and _item_value(item, "idempotency_key") is None
+    ]
 
 
 def _item_value(item: object, name: str) -> object:
