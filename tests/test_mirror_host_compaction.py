@@ -59,9 +59,17 @@ def conversation(n: int) -> list[tuple[str, dict[str, Any]]]:
     return [(f"h{i}", u(f"m{i}") if i % 2 == 0 else a(f"m{i}")) for i in range(n)]
 
 
+#: long enough that a summary shrinks the context (the legacy engine's and the built-in compaction)
+LONG = " and so on" * 40
+
+
+def long_talk(n: int) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` long host messages h0.. (m0.., user and assistant in turn)."""
+    return [(f"h{i}", u(f"m{i}{LONG}") if i % 2 == 0 else a(f"m{i}{LONG}")) for i in range(n)]
+
+
 def test_an_older_host_compaction_from_a_clock_ahead_leaves_the_service_newer_one(service: Service, sid: str) -> None:
-    long = " and so on" * 40  # the legacy engine's summary shrinks the context
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(10)]
+    msgs = long_talk(10)
     page(service.store, sid, None, "c1", hosted(*msgs[:6]))
     now = int(time.time() * 1000)
     # OpenClaw compacted when it held 6 messages, its machine's clock an hour ahead of the service's.
@@ -83,8 +91,7 @@ def test_a_host_compaction_told_again_without_where_leaves_the_built_in_one_made
     # compacted_ms: an older plugin, a plain HTTP client) tells it again at every bootstrap of a new process.
     # The built-in compaction made after it had replaced its pointer (carrying only a reset), so it was not
     # recognised: recorded anew, and the context grew back by all the built-in one had summarised.
-    long = " and so on" * 40
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    msgs = long_talk(12)
     page(service.store, sid, None, "c1", hosted(*msgs[:6]))
     assert record(service, sid, "the host's", 2, "h2") == 2
     page(service.store, sid, "c1", "c2", hosted(*msgs[6:10]))
@@ -103,7 +110,7 @@ def test_a_host_compaction_told_again_without_where_leaves_the_built_in_one_made
     assert record(service, sid, "the host's, later", 10, "h10") == 10
     assert shown(service, sid)[0] == f"{HEAD}the host's, later"
     assert record(service, sid, "the host's, later", 11, "h11") == 11
-    assert shown(service, sid) == [f"{HEAD}the host's, later", f"m11{long}"]
+    assert shown(service, sid) == [f"{HEAD}the host's, later", f"m11{LONG}"]
 
 
 def kept_at(svc: Service, session_id: str) -> int:
@@ -116,8 +123,7 @@ def kept_at(svc: Service, session_id: str) -> int:
 def test_a_newer_host_compaction_from_a_clock_behind_replaces_the_service_older_one(
     service: Service, sid: str
 ) -> None:
-    long = " and so on" * 40
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    msgs = long_talk(12)
     page(service.store, sid, None, "c1", hosted(*msgs[:8]))
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 8 messages
     page(service.store, sid, "c1", "c2", hosted(*msgs[8:]))
@@ -169,8 +175,7 @@ def test_a_host_reset_starts_the_context_again_and_ends_the_compaction_before_it
     # messages before it stay visible in the host's transcript (and so in the mirror). The plugin had no way
     # to say so: the pre-reset messages, and the service's compaction of them, stayed in every assemble.
     s = service.store
-    long = " and so on" * 40
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(14)]
+    msgs = long_talk(14)
     page(s, sid, None, "c1", hosted(*msgs[:8]))
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 8 messages
     # The host resets after those 8 (the compaction made at the same point is older than the reset): the
@@ -178,17 +183,17 @@ def test_a_host_reset_starts_the_context_again_and_ends_the_compaction_before_it
     assert reset(service, sid, 8, 8) == 8
     assert shown(service, sid) == []
     page(s, sid, "c1", "c2", hosted(*msgs[8:10]))
-    assert shown(service, sid) == [f"m8{long}", f"m9{long}"]
+    assert shown(service, sid) == [f"m8{LONG}", f"m9{LONG}"]
     # The service's own compaction after the reset summarises only what followed it (was: all 10).
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).reason == "nothing old enough to compact"
     # OpenClaw compacts after the reset: recorded over it; the reset found again later leaves it in place.
     assert record(service, sid, "after the reset", 9, "h9", compacted_at_count=10) == 9
-    assert shown(service, sid) == [f"{HEAD}after the reset", f"m9{long}"]
+    assert shown(service, sid) == [f"{HEAD}after the reset", f"m9{LONG}"]
     assert reset(service, sid, 8, 8) == 9
     # A second reset keeping a tail before it (firstKeptEntryId): the context is that tail and what follows.
     page(s, sid, "c2", "c3", hosted(*msgs[10:]))
     assert reset(service, sid, 13, 14, kept="h13") == 13
-    assert shown(service, sid) == [f"m13{long}"]
+    assert shown(service, sid) == [f"m13{LONG}"]
 
 
 def test_a_host_reset_stands_only_on_the_branch_it_was_made_on(service: Service, sid: str) -> None:
@@ -208,24 +213,23 @@ def test_a_host_reset_stays_when_a_compaction_made_after_it_leaves_the_branch(se
     # A compaction made after a reset replaced its pointer: when the mirror then left the branch the
     # compaction was made on (but not the reset's), nothing stood, and the messages before the reset came back.
     s = service.store
-    long = " and so on" * 40  # the built-in compaction's summary shrinks the context
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(16)]
+    msgs = long_talk(16)
     page(s, sid, None, "c1", hosted(*msgs[:6]))
     assert reset(service, sid, 6, 6) == 6
     page(s, sid, "c1", "c2", hosted(*msgs[6:10]))
     assert record(service, sid, "after the reset", 8, "h8", compacted_at_count=10) == 8
-    assert shown(service, sid) == [f"{HEAD}after the reset", f"m8{long}", f"m9{long}"]
+    assert shown(service, sid) == [f"{HEAD}after the reset", f"m8{LONG}", f"m9{LONG}"]
     # The host regenerates its last reply: the compaction, made after h9, is not on the new branch; the
     # reset, made after h5, is.
     assert page(s, sid, None, "c3", hosted(*msgs[:9], ("h9b", a("m9b")))).rewound
-    assert shown(service, sid) == [f"m6{long}", f"m7{long}", f"m8{long}", "m9b"]  # was: m0 .. m9b
+    assert shown(service, sid) == [f"m6{LONG}", f"m7{LONG}", f"m8{LONG}", "m9b"]  # was: m0 .. m9b
     # The built-in compaction there summarises only what followed the reset, and keeps the reset under it:
     # on a branch without its first kept message the reset still stands.
     page(s, sid, "c3", "c4", hosted(*msgs[10:]))
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
-    assert shown(service, sid)[1:] == [f"m{i}{long}" for i in range(10, 16)]
+    assert shown(service, sid)[1:] == [f"m{i}{LONG}" for i in range(10, 16)]
     assert page(s, sid, None, "c5", hosted(*msgs[:9], ("h9b", a("m9b")), ("h10b", u("m10b")))).rewound
-    assert shown(service, sid) == [f"m6{long}", f"m7{long}", f"m8{long}", "m9b", "m10b"]  # was: m0 .. m10b
+    assert shown(service, sid) == [f"m6{LONG}", f"m7{LONG}", f"m8{LONG}", "m9b", "m10b"]  # was: m0 .. m10b
 
 
 def test_the_same_reset_made_again_on_another_branch_stands_there(service: Service, sid: str) -> None:
@@ -309,13 +313,12 @@ def test_a_host_reset_told_again_leaves_the_compaction_made_after_it(service: Se
     # built-in compaction made after it (before another message) carries it under its pointer, made at the
     # same point: the reset told again was taken for a newer one and put in its place, and the context grew
     # back by all that compaction had summarised (its time renewed too).
-    long = " and so on" * 40
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(12)]
+    msgs = long_talk(12)
     page(service.store, sid, None, "c1", hosted(*msgs))
     assert reset(service, sid, 2, 12, kept="h2") == 2  # the reset kept a tail of 10 messages
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
     compacted = shown(service, sid)
-    assert compacted[0].startswith(HEAD) and f"m2{long}" not in compacted
+    assert compacted[0].startswith(HEAD) and f"m2{LONG}" not in compacted
     assert reset(service, sid, 2, 12, kept="h2") == len(msgs) - len(compacted) + 1
     assert shown(service, sid) == compacted
     # Told by a plugin before compacted_at_count (nothing says where it was made): the same.
@@ -329,8 +332,7 @@ def derived_after_reset(service: Service, sid: str, summary: str, reset: bool) -
     mirror holds off its branch, so that the message is mirrored under one derived from it. The host's
     messages after it, as (host id, message)."""
     s = service.store
-    long = " and so on" * 40  # the built-in compaction's summary shrinks the context
-    msgs = [(f"h{i}", u(f"m{i}{long}") if i % 2 == 0 else a(f"m{i}{long}")) for i in range(16)]
+    msgs = long_talk(16)
     page(s, sid, None, "c1", hosted(*msgs[:6]))
     # The host rewrote its transcript from h4 on: h4 and h5 stay stored, off the mirror's branch.
     assert page(s, sid, None, "c2", hosted(*msgs[:4], ("h4b", u("m4b")), ("h5b", a("m5b")))).rewound
