@@ -113,6 +113,26 @@ def test_a_host_compaction_told_again_without_where_leaves_the_built_in_one_made
     assert shown(service, sid) == [f"{HEAD}the host's, later", f"m11{LONG}"]
 
 
+
+def test_a_host_compaction_told_again_without_where_leaves_a_reset_made_after_it(service: Service, sid: str) -> None:
+    # The host compacted, then reset the session (/new): a client that does not say where its compaction was
+    # made telling it again (a plain HTTP client re-sending what it sent before) replaced the reset, and
+    # every assembly returned the conversation before the reset again.
+    msgs = long_talk(16)
+    page(service.store, sid, None, "c1", hosted(*msgs[:6]))
+    assert record(service, sid, "the host's", 2, "h2") == 2
+    assert reset(service, sid, 6, 6) == 6
+    page(service.store, sid, "c1", "c2", hosted(*msgs[6:]))
+    after_reset = shown(service, sid)
+    assert after_reset == [f"m{i}{LONG}" for i in range(6, 16)]
+    assert record(service, sid, "the host's", 2, "h2") == 6  # was: 2, the reset gone
+    assert shown(service, sid) == after_reset
+    # So under a built-in compaction made after the reset.
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    compacted = shown(service, sid)
+    record(service, sid, "the host's", 2, "h2")
+    assert shown(service, sid) == compacted and not any("m0" in str(m) for m in compacted)
+
 def kept_at(svc: Service, session_id: str) -> int:
     """The first kept position of the session's compaction pointer in force."""
     pointer = compaction.load_pointer(svc.store, A, session_id)

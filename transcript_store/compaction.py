@@ -63,18 +63,20 @@ def _carried(pointer: dict[str, Any] | None) -> dict[str, Any]:
     return {RESET_UNDER: under} if under is not None else {}
 
 
-#: the key of a built-in compaction's pointer that names the host's compaction it was made after (``host_under``)
+#: the key of a built-in compaction's or a host reset's pointer that names the host's compaction it was made
+#: after (``host_under``)
 HOST_UNDER = "host_under"
 
 
 def host_under(pointer: dict[str, Any] | None) -> dict[str, Any] | None:
     """The host's compaction (not a reset) a pointer in force was made after: the pointer itself when it is
-    one, else the one a built-in compaction's pointer names (by its summary's digest), else None."""
-    if pointer is None or pointer.get("reset"):
+    one, else the one a built-in compaction's or a host reset's pointer names (by its summary's digest), else
+    None."""
+    if pointer is None:
         return None
-    if pointer.get("source") == "host":
+    if pointer.get("source") == "host" and not pointer.get("reset"):
         return pointer
-    under = pointer.get(HOST_UNDER)
+    under = pointer.get(HOST_UNDER)  # a built-in compaction's, or a host's reset's
     return under if isinstance(under, dict) else None
 
 
@@ -394,8 +396,9 @@ def record_host_compaction(
         **({"reset": True} if reset else {}),
         **({"host_ms": compacted_ms} if compacted_ms is not None else {}),
         **_made_at(c, scope, session_id, visible if compacted_at_count is None else compacted_at_count),
-        # (A reset is the newest boundary itself: it carries none.)
-        **({} if reset else _carried(standing)),
+        # (A reset is the newest boundary itself: it carries none. It names the host's compaction it was made
+        # after, as a built-in compaction does: told again, that one is older than the reset.)
+        **(_named(standing) if reset else _carried(standing)),
     }
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
