@@ -62,6 +62,7 @@ ODD_VALUES: dict[str, dict[str, Any]] = {
     "bytes": {"role": "user", "content": b"raw bytes"},
     "nan": {"role": "user", "content": "x", "score": float("nan")},
     "int-key": {"role": "user", "content": "x", 1: "numbered"},
+    "surrogate-key": {"role": "user", "content": "x", "pasted \udc80 key": "v"},
     "tuple-parts": {"role": "user", "content": ({"type": "text", "text": "t"},)},
 }
 

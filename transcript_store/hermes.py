@@ -136,7 +136,8 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable. Empty
     lists the store refuses (as the Chat Completions API does) become what they mean: no tool calls
     (Hermes replays a ``tool_calls`` column it cannot parse as ``[]``), an empty text."""
-    out = {str(k): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
+    # The keys as ``jsonable`` writes nested ones: a lone surrogate in a top-level key failed every ingest.
+    out = {jsonable(str(k)): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
     if out.get("tool_calls") == []:
         del out["tool_calls"]
         if out.get("content") is None:
