@@ -189,3 +189,15 @@ def test_hermes_install_carries_the_engines_settings(tmp_path: Path) -> None:
     info = run_json("hermes", "install", "--home", str(tmp_path / "h2"), cwd=tmp_path)
     written = json.loads((Path(info["plugin_dir"]) / "settings.json").read_text(encoding="utf-8"))
     assert "engine_config" not in written
+
+
+def test_hermes_install_refuses_engine_settings_json_cannot_hold_and_writes_nothing(tmp_path: Path) -> None:
+    """A TOML date in [engine.config.<engine>] was an internal error (TypeError from json.dumps) after the
+    plugin's manifest and __init__.py were written: a plugin without its settings.json, which Hermes then
+    loaded on the default engine and database."""
+    (tmp_path / "transcript-store.toml").write_text(
+        "[engine.config.lossless]\nsince = 1979-05-27T07:32:00Z\n", encoding="utf-8")
+    home = tmp_path / "h"
+    line = one_error_line(run("hermes", "install", "--home", str(home), cwd=tmp_path, code=2))
+    assert "engine.config.lossless" in line and "since" in line and "internal error" not in line, line
+    assert not (home / "plugins").exists()

@@ -1976,6 +1976,16 @@ def _check_engine_id(engine: str) -> None:
                            EXIT_USAGE)
 
 
+def _check_hermes_engine_config(engine: str, config: dict[str, Any] | None) -> None:
+    """Refuse engine settings that the plugin's settings.json cannot carry (a TOML date), before anything is written."""
+    from .hermes import settings_json
+
+    try:
+        settings_json({f"[engine.config.{engine}]": config or {}})
+    except InvalidInput as e:
+        raise CommandError(f"cannot install the Hermes plugin: {e}", EXIT_USAGE) from None
+
+
 def _absolute_sqlite(url: str) -> str:
     """A SQLite URL with a relative path made absolute (the plugin runs from wherever Hermes starts)."""
     parsed = make_url_or_usage(url)
@@ -2000,6 +2010,7 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
 
     st = state()
     _check_engine_id(engine)
+    _check_hermes_engine_config(engine, st.settings().engine_config.get(engine))
     if merge_config:
         _check_hermes_config(Path(home).expanduser() / "config.yaml")
     # --db, else TRANSCRIPT_STORE_URL, else a file in the Hermes home; --scope, else

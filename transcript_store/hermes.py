@@ -1909,6 +1909,28 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+def settings_json(settings: Mapping[str, Any]) -> str:
+    """The text of the plugin's settings.json; InvalidInput naming the first value JSON cannot hold."""
+    try:
+        return json.dumps(settings, indent=2) + "\n"
+    except (TypeError, ValueError):
+        pass
+    # A TOML settings file holds dates and times, which JSON does not: said before anything is written
+    # (a plugin whose settings.json is missing runs on the default engine and database inside Hermes).
+    from .errors import InvalidInput
+
+    for name, value in settings.items():
+        inner = value.items() if isinstance(value, Mapping) else [(None, value)]
+        for key, item in inner:
+            try:
+                json.dumps(item)
+            except (TypeError, ValueError):
+                where = name if key is None else f"{name}.{key}"
+                what = type(item).__name__
+                raise InvalidInput(f"{where}: a {what} value, which settings.json (JSON) cannot hold") from None
+    raise InvalidInput("the settings cannot be written as JSON")
+
+
 def engine_class(*, allow_stand_in: bool = False) -> type:
     """The adapter class subclassing Hermes' ``ContextEngine`` (a stand-in base only when allowed)."""
     with _RUNTIME_LOCK:
@@ -1966,7 +1988,6 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
 
         raise InvalidInput(f"no Hermes plugin template at {TEMPLATE_DIR} (this installation lacks the bundled plugin)")
     target = home / "plugins" / PLUGIN_DIR
-    target.mkdir(parents=True, exist_ok=True)
     manifest = (TEMPLATE_DIR / "plugin.yaml").read_text(encoding="utf-8")
     init = (TEMPLATE_DIR / "__init__.py").read_text(encoding="utf-8")
     if db_url is None:
@@ -1980,9 +2001,11 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         settings["plugin_dirs"] = [str(Path(d).expanduser().resolve()) for d in plugin_dirs]
     if engine_config:
         settings["engine_config"] = dict(engine_config)
+    text = settings_json(settings)  # refused before the plugin's folder and files are written
+    target.mkdir(parents=True, exist_ok=True)
     (target / "plugin.yaml").write_text(manifest, encoding="utf-8")
     (target / "__init__.py").write_text(init, encoding="utf-8")
-    _write_private(target / "settings.json", json.dumps(settings, indent=2) + "\n")
+    _write_private(target / "settings.json", text)
     snippet = config_snippet(engine)
     config_path = home / "config.yaml"
     if merge_config:
