@@ -260,3 +260,11 @@ def test_a_caller_mutating_the_selected_context_leaves_the_next_selection_whole(
         del hostile[1]
         again = engine.select_context(taken, budget_tokens=budget)
         assert again == pristine and again is not hostile
+
+
+def test_is_valid_sequence_answers_false_for_items_that_are_no_messages() -> None:
+    """A list holding a non-dict raised AttributeError (valid_sequence read each item with .get) where the
+    answer is False: it is no OpenAI message list."""
+    for hostile in ([{"role": "user", "content": "hi"}, "junk"], [None], [5, {"role": "user", "content": "x"}]):
+        assert is_valid_sequence(hostile) is False
+    assert is_valid_sequence([{"role": "user", "content": "hi"}]) is True

@@ -471,9 +471,10 @@ def with_fresh_tail(
 
 def is_valid_sequence(messages: Sequence[dict[str, Any]]) -> bool:
     """Whether an OpenAI message list has every tool result right after its call and every call answered."""
-    return list(messages) == valid_sequence(messages) and all(
+    # The roles first: valid_sequence reads every item as a dict (an AttributeError on anything else).
+    return all(
         isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool", "developer") for m in messages
-    )
+    ) and list(messages) == valid_sequence(messages)
 
 
 def resolve_threshold(model: str, thresholds: dict[str, Any] | None, default: float) -> float:
