@@ -1738,3 +1738,58 @@ def test_the_background_review_interrupted_before_its_first_answer_stores_nothin
     assert [m["content"] for m in visible(engine, "s1")] == [m["content"] for m in live]
     stored[0].close()
     engine.close()
+
+
+def test_a_conversation_whose_store_session_was_deleted_is_stored_and_compressed_again(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A store session deleted while Hermes runs (``transcript-store sessions delete``): every later call of
+    the process failed with UnknownSession on the id it had cached (logged only), so nothing of the
+    conversation was stored again and compress left it uncompressed for good; a restarted process opened
+    the Hermes session by its key anew. The running one now does the same."""
+    from transcript_store import TranscriptStore
+
+    engine = make(tmp_path, db_url=store_url)
+    other = TranscriptStore(store_url)
+    try:
+        engine.on_session_start("s1")
+        convo = conversation("del", 12)
+        engine.on_turn_complete(copy.deepcopy(convo[:4]))
+        _store, sid = _store_ids(engine, "s1")
+        other.delete_session(engine.scope, sid)
+        engine.on_turn_complete(copy.deepcopy(convo))
+        _store, again = _store_ids(engine, "s1")
+        assert again != sid and visible(engine, "s1") == convo
+        system = {"role": "system", "content": "You are a test agent."}
+        out = engine.compress([system, *copy.deepcopy(convo)])
+        assert engine.compression_count == 1 and len(out) < len(convo) + 1 and is_valid_sequence(out)
+        assert other.find_session(engine.scope, "s1") is not None
+    finally:
+        other.close()
+        engine.close()
+
+
+def test_a_compacted_conversation_whose_store_session_was_deleted_is_stored_again(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The same after a compress the host took: its answer (a candidate of the deleted session) starts the
+    list, and the conversation goes on in a store session opened anew, without our context messages."""
+    from transcript_store import TranscriptStore
+
+    engine = make(tmp_path, db_url=store_url)
+    other = TranscriptStore(store_url)
+    try:
+        engine.on_session_start("s1")
+        out = engine.compress(copy.deepcopy(conversation("lin", 12)))
+        taken = [*out, user("lin next"), reply("lin next answer")]
+        engine.on_turn_complete(copy.deepcopy(taken))
+        _store, sid = _store_ids(engine, "s1")
+        other.delete_session(engine.scope, sid)
+        more = [*taken, user("after the delete"), reply("stored")]
+        engine.on_turn_complete(copy.deepcopy(more))
+        _store, again = _store_ids(engine, "s1")
+        assert again != sid
+        assert visible(engine, "s1") == [m for m in more if not is_context_message(m)]
+    finally:
+        other.close()
+        engine.close()

@@ -51,7 +51,7 @@ from . import bundled, paths
 from .compaction import SUMMARY_HEAD
 from .core import Core, entry_from_row, new_id
 from .engine import EngineContext
-from .errors import SessionKeyConflict, describe
+from .errors import SessionKeyConflict, UnknownSession, describe
 from .registry import EngineRegistry
 from .settings import PLUGIN_DIRS_ENV
 from .store import AppendItem, TranscriptStore, replaced
@@ -1132,6 +1132,39 @@ class TranscriptStoreEngineMixin:
         ordinal, canonical message). The common case, the stored list plus new messages, reads nothing
         but the session's row and writes only the new messages.
         """
+        try:
+            return self._ingest(messages, hermes_session, follow=follow)
+        except UnknownSession as e:
+            # The store session this runtime followed was deleted (``sessions delete``): every later call
+            # failed on it until a restart, which opens the Hermes session by its key anew, and compress
+            # left the conversation uncompressed meanwhile. Forgotten, it is opened as a restart opens it.
+            rt = self.runtime()
+            self._load_candidates(rt, refresh=True)  # first: a refresh must not bring its candidates back
+            if not self._forget(rt, e.session_id):
+                raise
+            return self._ingest(messages, hermes_session, follow=follow)
+
+    @staticmethod
+    def _forget(rt: _Runtime, store_session: str) -> bool:
+        """Drop what the runtime holds of a store session found deleted; whether it held anything of it."""
+        with rt.lock:
+            keys = [k for k, sid in rt.aliases.items() if sid == store_session]
+            answers = [fp for fp, by in rt.candidates.items() if store_session in by]
+            held = bool(keys or answers) or store_session in rt.visible
+            for k in keys:
+                del rt.aliases[k]
+            for cache in (rt.visible, rt.adopted, rt.pending, rt.selections):
+                cache.pop(store_session, None)
+            for fp in answers:  # a compacted view of it is taken for the start of a new session's list
+                del rt.candidates[fp][store_session]
+                if not rt.candidates[fp]:
+                    del rt.candidates[fp]
+        return held
+
+    def _ingest(
+        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False
+    ) -> tuple[str, int]:
+        """``ingest``, once."""
         rt = self.runtime()
         _system, body = split_system([m for m in messages if isinstance(m, dict)])
         compacted = any(is_context_message(m) for m in body)
