@@ -95,6 +95,9 @@ def _options(store_url: str, config: str | None, engine: str, **more: Any) -> Ga
         {"kill_rate": 0.6, "timeout_rate": 0.3, "rewrite_rate": 0.3},
         {"seed": 1.5},
         {"seed": "7"},
+        {"scope": ""},
+        {"scope": "bad\x00scope"},
+        {"model_url": "ftp://models.example/v1"},
     ],
 )
 def test_rates_and_seeds_past_their_bounds_are_refused(tmp_path: Path, bad: dict[str, Any]) -> None:
@@ -108,6 +111,16 @@ def test_rates_and_seeds_past_their_bounds_are_refused(tmp_path: Path, bad: dict
         run_gateway(GatewayOptions(db_url=url, progress=False, **bad), QUIET)
     assert not (tmp_path / "g.db").exists()
     GatewayOptions(db_url=url, kill_rate=0.0, timeout_rate=0.0, rewrite_rate=1.0, seed=-(2**70)).check()
+
+
+def test_a_model_url_no_worker_can_use_is_refused_before_the_runs_sessions(store_url: str) -> None:
+    """Checked only in the workers, which refused every job: the run raised once its sessions were made
+    (an unusable worker), leaving them in the store; the CLI checked it first, the library did not."""
+    with pytest.raises(InvalidInput):
+        run_gateway(GatewayOptions(db_url=store_url, workers=1, sessions=2, turns=1, progress=False,
+                                   model_url="ftp://models.example/v1"), QUIET)
+    with TranscriptStore(store_url) as store:
+        assert store.list_sessions(gateway.GATEWAY_SCOPE) == []
 
 
 # ---------------------------------------------------------------------------------------------- worker deaths

@@ -43,6 +43,7 @@ from rich.text import Text
 
 from . import faults, identity
 from .config import DEFAULT_URL
+from .core import check_id
 from .db import mask_url
 from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
@@ -115,7 +116,7 @@ class GatewayOptions:
     rewrite_rate: float = 0.06
 
     def check(self) -> None:
-        """Refuse counts past a run's bounds (InvalidInput), before anything starts."""
+        """Refuse counts past a run's bounds, a bad scope or model URL (InvalidInput), before anything starts."""
         for name, bound in (("workers", MAX_WORKERS), ("sessions", MAX_SESSIONS), ("turns", MAX_TURNS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
@@ -137,6 +138,13 @@ class GatewayOptions:
             raise InvalidInput(f"kill_rate + timeout_rate + rewrite_rate must be at most 1, got {math.fsum(rates)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InvalidInput(f"seed must be an integer, got {self.seed!r}")
+        # Checked where they are used, these were refused only after the store was opened (a SQLite file
+        # created) and the run's sessions made: the scope by the first of them, the model URL by every
+        # worker, each refusing every job.
+        check_id("scope", self.scope, new=True)
+        from .model import model_from_settings
+
+        model_from_settings(self.model_url, self.model, self.api_key)
 
 
 @dataclass
