@@ -268,3 +268,15 @@ def test_is_valid_sequence_answers_false_for_items_that_are_no_messages() -> Non
     for hostile in ([{"role": "user", "content": "hi"}, "junk"], [None], [5, {"role": "user", "content": "x"}]):
         assert is_valid_sequence(hostile) is False
     assert is_valid_sequence([{"role": "user", "content": "hi"}]) is True
+
+
+@pytest.mark.parametrize("tokens", ["20000", math.inf, {"x": 1}, [1]])
+def test_compress_reads_an_odd_token_count_as_should_compress_does(tmp_path: Path, tokens: Any) -> None:
+    """``should_compress`` reads a count that is no number as a usage value is, but ``compress`` compared it
+    with 0 (TypeError) or made an int of it (OverflowError): the list came back uncompressed, logged only,
+    after should_compress had said to compress it."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    convo = conversation("tok", 12)
+    out = engine.compress(copy.deepcopy(convo), current_tokens=tokens)
+    assert engine.compression_count == 1 and len(out) < len(convo) and is_valid_sequence(out)

@@ -1491,16 +1491,19 @@ class TranscriptStoreEngineMixin:
         its head only, the held-back tail taken for overhead (a review saw the target fall from ~21,500
         to 411 tokens, every later answer squeezed to the minimum).
         """
-        if current_tokens is not None and current_tokens > 0:
+        # Read as should_compress reads a count (a numeric text, an infinity, an object): raised here, it
+        # left the list uncompressed where should_compress had just said to compress it.
+        tokens = as_int(current_tokens)
+        if tokens > 0:
             counted = list(messages)
-            if int(current_tokens) == as_int(self.last_prompt_tokens):
+            if tokens == as_int(self.last_prompt_tokens):
                 # Hermes' check after a tool round passes the provider's count of the request that asked
                 # for the tools: the round (the call and its results) was not in it. Measured against the
                 # whole list, a large result cancelled the system prompt and tools out (0 where they were
                 # ~4,000 tokens), and where that check is the one that fires (the provider counts more
                 # than Hermes' rough estimate, as for CJK text) every measure was such a one.
                 counted = settled(counted)
-            measured = int(current_tokens) - RoughEstimator().count_messages(counted)
+            measured = tokens - RoughEstimator().count_messages(counted)
             seen = [*getattr(self, "_overheads", []), max(0, measured)][-OVERHEAD_SAMPLES:]
             self._overheads = seen
             self.request_overhead = sorted(seen)[(len(seen) - 1) // 2]
