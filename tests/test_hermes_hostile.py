@@ -63,6 +63,8 @@ ODD_VALUES: dict[str, dict[str, Any]] = {
     "nan": {"role": "user", "content": "x", "score": float("nan")},
     "int-key": {"role": "user", "content": "x", 1: "numbered"},
     "surrogate-key": {"role": "user", "content": "x", "pasted \udc80 key": "v"},
+    "refusal": {"role": "assistant", "content": None, "refusal": "I cannot help with that."},
+    "reasoning-only": {"role": "assistant", "content": None, "reasoning": "thought, said nothing"},
     "tuple-parts": {"role": "user", "content": ({"type": "text", "text": "t"},)},
 }
 

@@ -135,7 +135,8 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     """The message without host bookkeeping (keys starting with ``_``, e.g. Hermes' ``_db_persisted``),
     as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable. Empty
     lists the store refuses (as the Chat Completions API does) become what they mean: no tool calls
-    (Hermes replays a ``tool_calls`` column it cannot parse as ``[]``), an empty text."""
+    (Hermes replays a ``tool_calls`` column it cannot parse as ``[]``), an empty text; so does a missing
+    text where nothing else is said (a ``refusal``)."""
     # The keys as ``jsonable`` writes nested ones: a lone surrogate in a top-level key failed every ingest.
     out = {jsonable(str(k)): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
     if out.get("tool_calls") == []:
@@ -143,6 +144,12 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
         if out.get("content") is None:
             out["content"] = ""
     if out.get("content") == []:
+        out["content"] = ""
+    if out.get("content") is None and out.get("role") in ("user", "assistant", "tool") and not (
+        out.get("tool_calls") or out.get("function_call")
+    ):
+        # No text is an empty one (an assistant's refusal, a reply of reasoning only): the store refuses a
+        # message without content, and one such message failed every later ingest of the conversation.
         out["content"] = ""
     return out
 
