@@ -201,3 +201,16 @@ def test_hermes_install_refuses_engine_settings_json_cannot_hold_and_writes_noth
     line = one_error_line(run("hermes", "install", "--home", str(home), cwd=tmp_path, code=2))
     assert "engine.config.lossless" in line and "since" in line and "internal error" not in line, line
     assert not (home / "plugins").exists()
+
+
+def test_hermes_install_merge_keeps_a_model_named_in_hermes_short_form(tmp_path: Path) -> None:
+    """``model: <name>`` (Hermes reads a string as ``{"default": <name>}``) was replaced by the context
+    length alone: --merge-config silently dropped the model the user had chosen."""
+    import yaml
+
+    home = tmp_path / "h"
+    home.mkdir()
+    (home / "config.yaml").write_text("model: openai/gpt-4o\n", encoding="utf-8")
+    run("hermes", "install", "--home", str(home), "--merge-config", cwd=tmp_path)
+    data = yaml.safe_load((home / "config.yaml").read_text(encoding="utf-8"))
+    assert data["model"] == {"default": "openai/gpt-4o", "context_length": 128000}, data

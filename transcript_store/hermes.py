@@ -2064,7 +2064,12 @@ def install_plugin(home: str | Path, *, engine: str = "lossless", db_url: str | 
         context: dict[str, Any] = data["context"] if isinstance(data.get("context"), dict) else {}
         context["engine"] = engine
         data["context"] = context
-        model: dict[str, Any] = data["model"] if isinstance(data.get("model"), dict) else {}
+        given_model = data.get("model")
+        if isinstance(given_model, str) and given_model.strip():
+            # Hermes' short form, the model's name alone, which it reads as ``{"default": name}``: replaced by
+            # the context length alone, the model chosen was lost and Hermes ran on its default one.
+            given_model = {"default": given_model}
+        model: dict[str, Any] = given_model if isinstance(given_model, dict) else {}
         # A context length already set is kept (raised to Hermes' minimum); none yet: the snippet's.
         given = int(model.get("context_length") or 0)
         model["context_length"] = max(MIN_CONTEXT_LENGTH, given) if given else snippet["model"]["context_length"]
