@@ -1017,6 +1017,24 @@ def test_hermes_merge_config_refuses_a_bad_config_before_writing(tmp_path: Path,
     assert (home / "config.yaml").read_text(encoding="utf-8") == text
 
 
+
+def test_an_export_saved_with_a_byte_order_mark_imports(db: tuple[str, Path]) -> None:
+    """Editors on Windows save UTF-8 with a byte order mark: the import refused such a file ("Unexpected UTF-8
+    BOM") from a path and from stdin. The mark is no part of the JSON lines; it is skipped."""
+    url, work = db
+    seed(url)
+    plain = work / "s1.jsonl"
+    run("sessions", "export", "s1", "-o", str(plain), "--db", url, cwd=work)
+    marked = work / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    run("--scope", "from-file", "sessions", "import", str(marked), "--db", url, cwd=work)
+    run("--scope", "from-stdin", "sessions", "import", "-", "--db", url, cwd=work,
+        stdin="\ufeff" + plain.read_text(encoding="utf-8"))
+    for scope in ("from-file", "from-stdin"):
+        again = work / f"{scope}.jsonl"
+        run("--scope", scope, "sessions", "export", "s1", "-o", str(again), "--db", url, cwd=work)
+        assert _lines(again)[1:] == _lines(plain)[1:]
+
 @pytest.mark.parametrize("content", [b"\xff\xfe{\"x\": 1}\n", ("[" * 100_000 + "]" * 100_000 + "\n").encode(),
                                      b'{"x": ' + b"9" * 5000 + b"}\n"])
 def test_import_of_an_unreadable_file_is_one_error_line(tmp_path: Path, content: bytes) -> None:

@@ -947,7 +947,7 @@ class _ExportFile(click.File):
 
 
 @sessions.command("import")
-@click.argument("file", type=_ExportFile("r", encoding="utf-8"))
+@click.argument("file", type=_ExportFile("r", encoding="utf-8-sig"))
 @click.option("--session-id", "new_id", metavar="ID", help="Import under a new session id.")
 @click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
 @common
