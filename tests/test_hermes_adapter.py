@@ -259,6 +259,11 @@ def test_thresholds_and_counters(tmp_path: Path) -> None:
     # ... and its status shows 0, not a negative count or usage (as Hermes's own base class clamps it).
     status = engine.get_status()
     assert status["last_prompt_tokens"] == 0 and status["usage_percent"] == 0
+    # A positive fraction too small for one token of the window is the smallest trigger, not none (0 turned
+    # compression off: `hermes install --threshold 1e-300` was taken and never compressed).
+    engine.threshold_percent = 1e-300
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 1 and engine.should_compress(5)
 
 
 def test_valid_sequence_never_splits_tool_pairs() -> None:

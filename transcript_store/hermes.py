@@ -510,7 +510,8 @@ MIN_CTX_TRIGGER_RATIO = 0.85
 
 def threshold_tokens(context_length: int, threshold: float) -> int:
     """The trigger in tokens: ``threshold`` is a fraction of the window, or a token count when > 1 (0 for
-    no finite number); one that reaches the window is MIN_CTX_TRIGGER_RATIO of it.
+    no finite number or none above 0, at least 1 for a positive one); one that reaches the window is
+    MIN_CTX_TRIGGER_RATIO of it.
 
     A trigger at or over the window never fires: the provider refuses the request first. A token count
     meets a smaller window when Hermes learns one (a provider's "maximum context length is N", a
@@ -523,6 +524,10 @@ def threshold_tokens(context_length: int, threshold: float) -> int:
     if not math.isfinite(threshold):
         return 0
     tokens = int(threshold) if threshold > 1 else int(context_length * threshold)
+    if threshold > 0 and context_length > 0:
+        # A positive fraction under one token of the window is the smallest trigger: 0 means none, and
+        # compression was off for a threshold asking for it almost at once.
+        tokens = max(1, tokens)
     if context_length > 0 and tokens >= context_length:
         return max(1, min(int(context_length * MIN_CTX_TRIGGER_RATIO), context_length - 1))
     return tokens
