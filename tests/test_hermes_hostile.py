@@ -6,6 +6,7 @@ Runs under plain pytest with the stand-in base class, as tests/test_hermes_adapt
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import pickle
@@ -66,6 +67,32 @@ ODD_VALUES: dict[str, dict[str, Any]] = {
     "refusal": {"role": "assistant", "content": None, "refusal": "I cannot help with that."},
     "reasoning-only": {"role": "assistant", "content": None, "reasoning": "thought, said nothing"},
     "tuple-parts": {"role": "user", "content": ({"type": "text", "text": "t"},)},
+    # Shapes the store refuses as they are (each one blocked every later store of the conversation):
+    "no-role": {"content": "a message without a role"},
+    "unknown-role": {"role": "critic", "content": "an unknown role"},
+    "object-content": {"role": "user", "content": {"text": "an object", "n": 1}},
+    "number-content": {"role": "user", "content": 42},
+    "string-parts": {"role": "user", "content": ["parts", "as plain strings"]},
+    "tool-without-call-id": {"role": "tool", "content": "a result answering no call"},
+    "object-arguments": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_obj", "type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}]},
+    "too-deep": {"role": "user", "content": "deep", "meta": functools.reduce(lambda v, _: {"k": v}, range(80), {})},
+    "oversized": {"role": "tool", "tool_call_id": "call_big", "content": "big " * 1_200_000},
+    "oversized-parts": {"role": "user", "content": [{"type": "text", "text": "big " * 1_200_000}]},
+}
+
+#: what of each refused shape must still be in the store (its text or its JSON)
+KEPT: dict[str, str] = {
+    "no-role": "a message without a role",
+    "unknown-role": "an unknown role",
+    "object-content": "an object",
+    "number-content": "42",
+    "string-parts": "as plain strings",
+    "tool-without-call-id": "a result answering no call",
+    "object-arguments": "call_obj",
+    "too-deep": "deep",
+    "oversized": "big big",
+    "oversized-parts": "big big",
 }
 
 
@@ -87,7 +114,17 @@ def test_one_odd_value_does_not_make_the_whole_conversation_unstorable(tmp_path:
     for m in convo:
         assert json.dumps(m, sort_keys=True) in rows
     assert isinstance(out, list) and all(isinstance(m, dict) for m in out)
+    assert engine.compression_count == 1 and len(out) < len(messages)  # compacted, not handed back
     json.dumps(engine.stored_messages("s1"), allow_nan=False).encode("utf-8")  # plain JSON, valid UTF-8
+    if case in KEPT:
+        assert KEPT[case] in rows[len(convo)]
+        assert json.loads(rows[-1]) == messages[-1]  # what follows it is stored as it is
+    # The conversation goes on after the compaction: the answer taken, a turn added, stored once.
+    later = [*out, {"role": "user", "content": "the next turn"}, {"role": "assistant", "content": "its answer"}]
+    engine.on_turn_complete(copy.deepcopy(later))
+    engine.on_turn_complete(copy.deepcopy(later))
+    rows = stored(engine, "s1")
+    assert len(rows) == len(messages) + 2 == len(set(rows)), rows[-3:]
 
 
 def test_odd_values_on_every_backend(store_url: str) -> None:
@@ -100,6 +137,8 @@ def test_odd_values_on_every_backend(store_url: str) -> None:
         engine.compress(copy.deepcopy(messages), session_id=case)
         rows = stored(engine, case)
         assert len(rows) == len(messages) == len(set(rows)), case
+        if case in KEPT:
+            assert KEPT[case] in rows[-1], case
     engine.close()
 
 
@@ -282,3 +321,25 @@ def test_compress_reads_an_odd_token_count_as_should_compress_does(tmp_path: Pat
     convo = conversation("tok", 12)
     out = engine.compress(copy.deepcopy(convo), current_tokens=tokens)
     assert engine.compression_count == 1 and len(out) < len(convo) and is_valid_sequence(out)
+
+
+@pytest.mark.parametrize("case", ["no-role", "tool-without-call-id", "oversized"])
+def test_a_refused_message_in_the_fresh_tail_is_in_the_answer_once(tmp_path: Path, case: str) -> None:
+    """The fresh tail comes back verbatim beside the engine's context, which holds the message as stored:
+    a message stored in another form (its JSON as text, a cut tool result) was in the answer twice, and
+    a tool result of megabytes made the answer no smaller than the list (handed back, uncompressed)."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    call = {"id": "call_big", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    odd = copy.deepcopy(ODD_VALUES[case])
+    messages = [*conversation("tail", 8), {"role": "user", "content": "now"},
+                {"role": "assistant", "content": None, "tool_calls": [call]}, odd]
+    out = engine.compress(copy.deepcopy(messages))
+    assert engine.compression_count == 1 and len(out) < len(messages)
+    assert out[-1] == odd and out[-2]["tool_calls"] == [call]
+    assert not any(KEPT[case] in json.dumps(m) for m in out[:-1])  # not its stored copy besides
+    later = [*out, {"role": "assistant", "content": "done"}]
+    engine.on_turn_complete(copy.deepcopy(later))
+    engine.on_turn_complete(copy.deepcopy(later))
+    rows = stored(engine, "s1")
+    assert len(rows) == len(messages) + 1 == len(set(rows))

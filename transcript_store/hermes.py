@@ -15,6 +15,9 @@ How the adapter maps Hermes onto the store:
   mirror does (``mirror.align``): nothing is deleted, the visible transcript becomes the host's list.
   Once the session has off-branch entries, a key also names the seq the write follows, so that it can
   never name an off-branch entry at the same ordinal.
+- A message the store refuses as it is (its shape, its size) is stored in a form it takes, its text or
+  JSON kept (``storable``), and the host's list is aligned by that form: one such message never blocks
+  the rest of the conversation.
 - ``compress`` aims below Hermes' trigger: three quarters of it, less the system prompt and tools (what
   Hermes' count of the request exceeds the messages by). The fresh tail (the current user message and
   the pending exchange) is kept verbatim whatever the budget; the engine's context gets the rest. A
@@ -51,7 +54,8 @@ from . import bundled, paths
 from .compaction import SUMMARY_HEAD
 from .core import Core, entry_from_row, new_id
 from .engine import EngineContext
-from .errors import SessionKeyConflict, UnknownSession, describe
+from .errors import InvalidInput, SessionKeyConflict, UnknownSession, describe
+from .models import MAX_JSON_DEPTH, compact_json, validate_message
 from .registry import EngineRegistry
 from .settings import PLUGIN_DIRS_ENV
 from .store import AppendItem, TranscriptStore, replaced
@@ -89,11 +93,16 @@ _BOUND: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: Any, depth: int = 0) -> Any:
     """``value`` as plain JSON the store accepts: keys as strings, tuples and sets as lists, surrogate code
     points as U+FFFD (as Hermes' ``_sanitize_surrogates``: a list it sanitized later still aligns),
-    non-finite numbers and other objects as their ``str`` (as ``canonical`` writes them). Plain JSON comes
-    back equal, so its keys and digests are unchanged."""
+    non-finite numbers and other objects as their ``str`` (as ``canonical`` writes them), a container
+    with items at ``depth`` MAX_JSON_DEPTH (``value`` is at ``depth``) as its JSON text. Plain JSON the
+    store takes comes back equal, so its keys and digests are unchanged."""
+    if depth >= MAX_JSON_DEPTH and isinstance(value, (dict, list, tuple, set, frozenset)) and value:
+        # Its items would sit past the store's nesting limit, which refused the whole message (and so
+        # every later store of the conversation): its text keeps all of it, one level deep.
+        return jsonable(canonical(value))
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -105,11 +114,11 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return {jsonable(k) if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
+        return {jsonable(k) if isinstance(k, str) else str(k): jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, depth + 1) for v in value]
     if isinstance(value, (set, frozenset)):
-        return [jsonable(v) for v in sorted(value, key=repr)]
+        return [jsonable(v, depth + 1) for v in sorted(value, key=repr)]
     return jsonable(str(value))
 
 
@@ -136,9 +145,19 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
     as plain JSON (``jsonable``): one odd value must not make the whole conversation unstorable. Empty
     lists the store refuses (as the Chat Completions API does) become what they mean: no tool calls
     (Hermes replays a ``tool_calls`` column it cannot parse as ``[]``), an empty text; so does a missing
-    text where nothing else is said (a ``refusal``)."""
+    text where nothing else is said (a ``refusal``). A tool call's arguments given as an object become
+    its JSON text, as OpenAI sends them, and so does a content that is neither a text nor a list of
+    parts (an object, a number): both forms the store refuses."""
     # The keys as ``jsonable`` writes nested ones: a lone surrogate in a top-level key failed every ingest.
-    out = {jsonable(str(k)): jsonable(v) for k, v in message.items() if not str(k).startswith("_")}
+    out = {jsonable(str(k)): jsonable(v, 1) for k, v in message.items() if not str(k).startswith("_")}
+    content = out.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        out["content"] = _json_text(content)
+    calls = out.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and fn.get("arguments") is not None and not isinstance(fn["arguments"], str):
+            fn["arguments"] = _json_text(fn["arguments"])
     if out.get("tool_calls") == []:
         del out["tool_calls"]
         if out.get("content") is None:
@@ -152,6 +171,87 @@ def clean(message: dict[str, Any]) -> dict[str, Any]:
         # message without content, and one such message failed every later ingest of the conversation.
         out["content"] = ""
     return out
+
+
+def _json_text(value: Any) -> str:
+    """A plain JSON value (``jsonable``'s) as its compact JSON text, its keys in their order."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+#: what starts the text a message the store refuses in any other form is kept as (``storable``)
+KEPT_AS_JSON = "[transcript-store: a message the store cannot take as it is, kept as its JSON]"
+#: the roles a message kept as text keeps (any other one, or none, is a user message's)
+TEXT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def storable(message: dict[str, Any], cap: int) -> tuple[dict[str, Any], str | None]:
+    """(a cleaned message in a form the store takes, why it is not the message itself: None when it is).
+
+    What the store refuses by its shape (no or an unknown role, a tool result without its call's id, a
+    malformed part or tool call) becomes a text message holding its JSON, with its role when a text
+    message may have it (``KEPT_AS_JSON``); over ``cap`` bytes, its text is cut (``cut_to``). One such
+    message refused by the store blocked every later store of the conversation, and ``compress`` handed
+    the list back uncompressed for the rest of it. The form depends on the message (and the cap) only:
+    the same list is aligned with what was stored the same way on every call."""
+    why = None
+    try:
+        validate_message(message)
+    except InvalidInput as e:
+        why = str(e)
+        message = as_text(message)
+    size = len(compact_json(message).encode("utf-8"))
+    if size <= cap:
+        return message, why
+    return cut_to(message, size, cap), f"{size} bytes, over the store's cap of {cap}"
+
+
+def as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A text message holding a message's JSON, its role kept when a text message may have it."""
+    role = message.get("role")
+    text = f"{KEPT_AS_JSON}\n{compact_json(message, sort_keys=True)}"
+    return {"role": role if role in TEXT_ROLES else "user", "content": text}
+
+
+#: the characters a cut leaves out beyond what the cap asks for (the mark's escaped newline, margin)
+CUT_SLACK = 16
+
+
+def cut_to(message: dict[str, Any], size: int, cap: int) -> dict[str, Any]:
+    """A storable message of ``size`` bytes cut to ``cap``: the end of its text (a tool result keeps its
+    call id), or, where its bulk is elsewhere (parts, tool calls), of the text of its JSON; marked."""
+    content = message.get("content")
+    over = size - cap
+    mark = f"\n[... cut by transcript-store: the message was {size} bytes, over the cap of {cap}]"
+    if not isinstance(content, str) or len(content) < over + len(mark) + CUT_SLACK:
+        message = as_text(message)
+        content = message["content"]
+        over = len(compact_json(message).encode("utf-8")) - cap
+    # Each character is a byte of JSON at least: this many fewer leave room for the mark (one escape).
+    keep = max(0, len(content) - over - len(mark) - CUT_SLACK)
+    return {**message, "content": content[:keep] + mark}
+
+
+def storable_tail(
+    host: Sequence[dict[str, Any]], digests: Sequence[str], stored: Sequence[str], start: int | None, cap: int
+) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
+    """(messages, their digests, why each changed one changed): the host's list with every message from
+    where it leaves the stored transcript (``align``) in the form the store takes (``storable``).
+
+    A message kept in another form is stored in it, so the host's list is aligned by that form: its
+    original would never match the stored entry, and every call branched the session and stored the
+    rest again. Only what follows the agreed prefix is checked (new messages, in the common case)."""
+    out, fps = list(host), list(digests)
+    why: dict[int, str] = {}
+    i = align(stored, fps, start)[0]
+    while i < len(out):
+        form, reason = storable(out[i], cap)
+        if reason is None:
+            i += 1
+            continue
+        out[i], fps[i], why[i] = form, fingerprint([form]), reason
+        # Stored in this form before, the list may go on agreeing with the transcript after it.
+        i = max(i + 1, align(stored, fps, start)[0])
+    return out, fps, why
 
 
 #: hermes-agent's mark on a message it saved to its session database: never on a message compress hands
@@ -448,13 +548,16 @@ def fresh_tail(body: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, l
 
 
 def with_fresh_tail(
-    assembled: Sequence[dict[str, Any]], current: dict[str, Any] | None, pending: list[dict[str, Any]]
+    assembled: Sequence[dict[str, Any]], current: dict[str, Any] | None, pending: list[dict[str, Any]],
+    cap: int | None = None,
 ) -> list[dict[str, Any]]:
     """The engine's context with the fresh tail verbatim: the answer's body (see ``fresh_tail``).
 
     The pending exchange ends the list (the engine's copies of it are dropped). The current user message
     stays where the engine kept it; summarised or cut away by the engine, it goes right after the
-    summaries: an engine summarises and cuts oldest first, so what it kept raw came after it.
+    summaries: an engine summarises and cuts oldest first, so what it kept raw came after it. ``cap``:
+    the store's, with which a message the store refused as it is was stored in another form
+    (``storable``), the engine's copy of it.
     """
     # By identity, not the exact JSON: the engine's copy is the form first stored, and Hermes may hold
     # the same message reloaded from its session database (a timestamp added, texts stripped); compared
@@ -462,11 +565,16 @@ def with_fresh_tail(
     def same(m: dict[str, Any]) -> str:
         return canonical(identity(clean(m)))
 
-    own = {same(m) for m in pending}
+    def forms(m: dict[str, Any]) -> set[str]:
+        # Both forms of a message stored in another one: the answer held its stored copy (the text of
+        # its JSON, a cut tool result of megabytes) besides the message itself.
+        return {same(m)} if cap is None else {same(m), same(storable(clean(m), cap)[0])}
+
+    own = {f for m in pending for f in forms(m)}
     context = valid_sequence(copy.deepcopy(list(assembled)))
     while context and same(context[-1]) in own:  # the engine's copies are its newest messages
         context.pop()
-    if current is not None and same(current) not in {same(m) for m in context}:
+    if current is not None and not forms(current) & {same(m) for m in context}:
         n = 0
         while n < len(context) and is_summary(context[n]):
             n += 1
@@ -1103,8 +1211,12 @@ class TranscriptStoreEngineMixin:
         leaves the active branch, or the answer brought it back (a review saw an undone turn sent to
         the model again)."""
         sess, vis = self._visible_in(c, rt, store_session)
+        host, digests, changed = storable_tail(host, digests, vis.digests, start, rt.store.config.max_payload_bytes)
         skipped, kept = align(vis.digests, digests, start)
         rest = host[skipped:]
+        for i in sorted(k for k in changed if k >= skipped):
+            log.warning("transcript-store: a message of store session %s is stored in another form (%s)",
+                        store_session, changed[i])
         if not rest:
             if not follow or kept == 0 or kept == len(vis.entry_ids):
                 return vis  # a list we hold all of (or a stale prefix of it): nothing moves
@@ -1208,7 +1320,8 @@ class TranscriptStoreEngineMixin:
             with rt.lock:
                 known = rt.visible.get(store_session)
             if known is not None:
-                skipped, kept = align(known.digests, digests, start)
+                cap = rt.store.config.max_payload_bytes
+                skipped, kept = align(known.digests, storable_tail(host, digests, known.digests, start, cap)[1], start)
                 if skipped == len(host) and (not follow or kept in (0, len(known.entry_ids))):
                     # Nothing new against the cache: one read of the session's head proves it current.
                     info = rt.store.get_session(self.scope, store_session)
@@ -1432,7 +1545,7 @@ class TranscriptStoreEngineMixin:
             rt, store_session, system, budget, tail + MIN_CONTEXT, current, pending, assembled, memory
         )
         if fit is None:
-            answer = with_fresh_tail(assembled.messages, current, pending)
+            answer = with_fresh_tail(assembled.messages, current, pending, rt.store.config.max_payload_bytes)
         else:
             assembled, answer = fit
         head, answer = place_addition(system, answer, addition_of(assembled, memory))
@@ -1465,7 +1578,7 @@ class TranscriptStoreEngineMixin:
         """
         est = RoughEstimator()
         fit: tuple[Any, list[dict[str, Any]]] | None = None
-        answer = with_fresh_tail(assembled.messages, current, pending)
+        answer = with_fresh_tail(assembled.messages, current, pending, rt.store.config.max_payload_bytes)
         asked = budget
         for _ in range(FIT_ATTEMPTS):
             head, placed = place_addition(system, answer, addition_of(assembled, memory))
@@ -1482,7 +1595,8 @@ class TranscriptStoreEngineMixin:
                 break
             if again is None or not getattr(again, "messages", None):
                 break
-            assembled, answer, asked = again, with_fresh_tail(again.messages, current, pending), smaller
+            cap = rt.store.config.max_payload_bytes
+            assembled, answer, asked = again, with_fresh_tail(again.messages, current, pending, cap), smaller
             fit = (assembled, answer)
         return fit
 

@@ -160,10 +160,14 @@ def _check_roles(message: Any) -> None:
             raise ValueError("an assistant message needs 'content', 'tool_calls' or a 'function_call' with a name")
 
 
+#: the deepest level a payload's values may sit at (the payload itself is level 0)
+MAX_JSON_DEPTH = 64
+
+
 def _check_json_value(value: Any, depth: int = 0) -> None:
     """Refuse what JSON or UTF-8 cannot carry losslessly (NaN, lone surrogates, odd types)."""
-    if depth > 64:
-        raise InvalidInput("payload nested deeper than 64 levels")
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidInput(f"payload nested deeper than {MAX_JSON_DEPTH} levels")
     # The base types' own methods, never the value's: a str or int subclass may override ``encode`` or
     # ``bit_length`` (the check passed, and the JSON writer, which reads the value itself, raised a bare
     # UnicodeEncodeError or ValueError).
