@@ -107,6 +107,25 @@ function budgetWithout(stored, media, estimated, budget) {
   return Math.min(Math.ceil(asked), estimated - 1); // at least one message fewer than now
 }
 
+// The service engine's host_requirements as OpenClaw's info.hostRequirements (undefined when it declares
+// none): OpenClaw checks them before an operation starts and does not run the engine on a host lacking
+// them (a generic CLI backend never calls assemble), which shields an engine such a host would leave in
+// a wrong state.
+function hostRequirementsOf(declared) {
+  if (!declared || typeof declared !== "object") return undefined;
+  const out = {};
+  for (const [operation, requirement] of Object.entries(declared)) {
+    const capabilities = requirement?.required_capabilities;
+    if (!Array.isArray(capabilities)) continue;
+    const message = requirement.unsupported_message;
+    out[operation] = {
+      requiredCapabilities: capabilities.map(String),
+      ...(typeof message === "string" && message !== "" ? { unsupportedMessage: message } : {}),
+    };
+  }
+  return Object.keys(out).length ? out : undefined;
+}
+
 // The summary the service engine shows for a compaction OpenClaw made (POST .../host_compaction).
 const SUMMARY_HEAD = "[Summary of the earlier conversation]\n";
 
@@ -357,6 +376,7 @@ export async function createEngine(options) {
   // was restarted with other limits).
   let sizes = sizesOf(description.limits, options);
   const ownsCompaction = description.info.owns_compaction === true;
+  const hostRequirements = hostRequirementsOf(description.info.host_requirements);
   let sdkPromise = options.sdk ? Promise.resolve(options.sdk) : null;
   const sdk = () => (sdkPromise ??= defaultSdk());
   const ensured = new Set();
@@ -717,6 +737,7 @@ export async function createEngine(options) {
       version: VERSION,
       ownsCompaction,
       turnMaintenanceMode: description.info.turn_maintenance_mode === "background" ? "background" : "foreground",
+      ...(hostRequirements ? { hostRequirements } : {}),
       transcriptSemantics: {
         currentTurnFence: CURRENT_TURN_FENCE,
         turnAdvancementIdempotency: TURN_ADVANCEMENT_IDEMPOTENCY,

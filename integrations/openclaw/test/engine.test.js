@@ -426,3 +426,22 @@ test("a delegated compaction that moves the session to a successor says its summ
   assert.equal(calls.filter((c) => c.path.endsWith("/host_compaction")).length, 0);
   assert.ok(warnings.some((w) => /moved the session to s2; its summary is not recorded/.test(w)), warnings);
 });
+
+test("the service engine's host requirements reach OpenClaw, which runs it on no host lacking them", async () => {
+  // OpenClaw checks info.hostRequirements before an operation (a generic CLI backend never calls assemble)
+  // and does not run the engine on a host without the capabilities; dropped, the engine ran there anyway.
+  const { fetchImpl } = service({
+    "GET /v1/engines/:e": () => [200, { id: "recall", durable: true, info: { owns_compaction: true, host_requirements: {
+      "agent-run": { required_capabilities: ["assemble-before-prompt"], unsupported_message: "Use the embedded runtime." },
+      "manual-compact": { required_capabilities: ["compact"], unsupported_message: null },
+    } } }],
+  });
+  const engine = await createEngine({ serviceUrl: "http://svc-requirements", token: "t", engine: "recall", fetchImpl, sdk: {} });
+  assert.deepEqual(engine.info.hostRequirements, {
+    "agent-run": { requiredCapabilities: ["assemble-before-prompt"], unsupportedMessage: "Use the embedded runtime." },
+    "manual-compact": { requiredCapabilities: ["compact"] },
+  });
+  const plain = await createEngine({ serviceUrl: "http://svc-requirements", token: "t", engine: "lossless",
+    fetchImpl: service({ "GET /v1/engines/:e": describe }).fetchImpl, sdk: {} });
+  assert.equal(plain.info.hostRequirements, undefined); // none declared: none added
+});
