@@ -27,18 +27,28 @@ export function wellFormed(text) {
   return typeof text === "string" ? text.toWellFormed() : text;
 }
 
-/** A JSON copy of a value with every string (keys too) well-formed. */
+// The service refuses JSON nested past 64 levels, and a stored message holds the host's message one level
+// (under ORIGINAL) or two (under LEAN) deeper than the host wrote it: an object or array this deep in the
+// host's message, unless empty, is kept as its JSON text (so nothing is stored past level 64 either way).
+// A tool result whose details nested about 64 levels (an MCP tool's structured content, a parsed
+// document) failed its turn's commit and every import, for good.
+const MAX_HOST_DEPTH = 62;
+
+/** A JSON copy of a value with every string (keys too) well-formed, nested at most MAX_HOST_DEPTH levels. */
 export function wellFormedCopy(value) {
-  return clean(JSON.parse(JSON.stringify(value ?? null)));
+  return clean(JSON.parse(JSON.stringify(value ?? null)), 0);
 }
 
-function clean(value) {
+function clean(value, depth) {
   if (typeof value === "string") return value.toWellFormed();
-  if (Array.isArray(value)) return value.map(clean);
+  if (value && typeof value === "object" && depth >= MAX_HOST_DEPTH && Object.keys(value).length) {
+    return JSON.stringify(value); // lone surrogates escaped
+  }
+  if (Array.isArray(value)) return value.map((item) => clean(item, depth + 1));
   if (value && typeof value === "object") {
     for (const key of Object.keys(value)) {
       const fixed = key.toWellFormed();
-      const item = clean(value[key]);
+      const item = clean(value[key], depth + 1);
       if (fixed === key) {
         value[key] = item;
       } else {

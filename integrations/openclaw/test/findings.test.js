@@ -940,3 +940,28 @@ test("finding 12: signed thinking kept across a compaction is not replayed with 
     assert.deepEqual(replies.at(-1), after, `${engineId}: a reply after the compaction keeps its signature`);
   }
 });
+
+test("a host message nested deeper than the store takes is stored, its deepest values kept as JSON text", async () => {
+  // The service refuses JSON nested past 64 levels, and a stored message holds the host's one level or two
+  // deeper: a tool result whose details (an MCP tool's structured content, a parsed document) nested
+  // about that deep failed its turn's commit and every import for good, and the session stayed on legacy.
+  const nested = (levels) => { let value = "leaf"; for (let i = 0; i < levels; i += 1) value = { a: value }; return value; };
+  const host = hostSession("deep-nesting");
+  const engine = await engineFor(host);
+  const params = { sessionId: host.sessionId, sessionKey: host.sessionKey, sessionTarget: host.target() };
+  await engine.bootstrap(params);
+  const call = toolCall("c1", "store", { tree: nested(70) });
+  const output = { ...toolResult("c1", "stored"), details: nested(70) };
+  const turn = host.turn("k-deep", [userMessage("store this tree"), call, output, assistantMessage("done", 4)]);
+  assert.deepEqual(await engine.commitTurn(turn), { status: "committed" });
+  const { messages } = await engine.assemble({ ...params, messages: [] });
+  const back = messages.find((message) => message.role === "toolResult");
+  let depth = 0;
+  for (let value = back.details; value && typeof value === "object"; value = value.a) depth += 1;
+  assert.ok(depth >= 50, `kept as objects down to ${depth} levels`);
+  assert.equal(typeof JSON.parse(JSON.stringify(back.details)), "object");
+  assert.deepEqual(messages.at(-1), turn.messages.at(-1));
+  assert.deepEqual(await engine.commitTurn(turn), { status: "duplicate" }); // the replay maps to the same stored turn
+  const again = await engineFor(host); // an import of the same messages finds the turn it holds
+  await again.bootstrap(params);
+});
