@@ -19,6 +19,9 @@ const ENTRY_MARGIN = 4096;
 // for JSON the service writes a few bytes longer than JSON.stringify.
 const TURN_MARGIN = 64 * 1024;
 const MIN_SHARE = 16 * 1024; // a message cut for its turn keeps at least this much (a head and a marker)
+// ... unless the turn holds so many messages that even so it is over (a head, a marker, its ids: toStored
+// keeps ENTRY_MARGIN less than its cap).
+const MIN_TURN_CUT = ENTRY_MARGIN + 2 * 1024;
 const MIN_REF = 256; // shorter strings stay in the lean message
 const MIN_CLIP = 1024; // shorter strings are never cut
 
@@ -226,28 +229,35 @@ export function storedTurn(messages, options = {}) {
   const limit = options.turnLimit || TURN_CAP_BYTES;
   const budget = Math.max(limit - TURN_MARGIN, MIN_SHARE);
   const { stored, sizes } = storedInGroups(messages, { maxEntryBytes, turnLimit: limit });
-  for (let round = 0; round < 8; round += 1) {
+  // What a message cut for its turn keeps at least: MIN_SHARE, then, for a turn of so many messages that
+  // each under it still adds up to more (hundreds of tool results of a few KiB), MIN_TURN_CUT.
+  let floor = MIN_SHARE;
+  let step = 0; // rounds at this floor
+  for (let round = 0; round < 10; round += 1, step += 1) {
     const total = sizes.reduce((sum, size) => sum + size, 0);
     if (total <= budget) break;
     // The largest cap c with sum(min(size, c)) within the budget.
     const sorted = [...sizes].sort((a, b) => a - b);
     let rest = budget;
-    let cap = MIN_SHARE;
+    let cap = floor;
     for (let i = 0; i < sorted.length; i += 1) {
       const even = Math.floor(rest / (sorted.length - i));
       if (sorted[i] > even) { cap = even; break; }
       rest -= sorted[i];
     }
-    cap = Math.max(cap, MIN_SHARE);
+    cap = Math.max(cap, floor);
     let changed = false;
     sizes.forEach((size, i) => {
       if (size <= cap) return;
-      stored[i] = toStored(messages[i], { maxBytes: Math.max(cap - round * MIN_SHARE, MIN_SHARE), note: turnNote(limit) });
+      stored[i] = toStored(messages[i], { maxBytes: Math.max(cap - step * MIN_SHARE, floor), note: turnNote(limit) });
       const now = jsonBytes(stored[i]);
       changed ||= now < size;
       sizes[i] = now;
     });
-    if (!changed) break; // nothing left to cut: the service says why
+    if (changed) continue;
+    if (floor === MIN_TURN_CUT) break; // nothing left to cut: the service says why
+    floor = MIN_TURN_CUT;
+    step = -1;
   }
   return stored;
 }

@@ -55,3 +55,30 @@ test("finding 2: image sizes are read from their data, and images and thinking a
   assert.equal(mediaTokens(assistantMessage([{ type: "thinking", thinking: "abcd".repeat(100) }, { type: "text", text: "x" }])), 100);
   assert.equal(mediaTokens(userMessage("no parts")), 0);
 });
+
+test("a turn of many tool results, each under the smallest share, is still stored within the turn limit", () => {
+  // 700 tool calls with a 7 KiB result each: 5 MiB in OpenClaw (which closes turns of up to 8 MiB), 10 MiB
+  // stored (each result kept twice, 14 KiB, under the 16 KiB a message always kept). Nothing was cut: the
+  // service refused the commit (413 payload_too_large) on every replay, and the session stayed on legacy.
+  const limit = 8 * MiB;
+  const turn = [userMessage("process every file")];
+  for (let i = 0; i < 700; i += 1) {
+    turn.push(toolCall(`c${i}`, "read", { path: `src/file-${i}.js` }), toolResult(`c${i}`, logOf(`line-${i}`, 7 / 1024)));
+  }
+  turn.push(assistantMessage("all done"));
+  assert.ok(jsonBytes(turn) < 6 * MiB);
+  const stored = storedTurn(turn, { turnLimit: limit });
+  const total = stored.reduce((sum, m) => sum + jsonBytes(m), 0);
+  assert.ok(total <= limit - 64 * 1024, `${total} bytes`);
+  assert.deepEqual(stored[0], toStored(turn[0]));
+  assert.equal(stored.at(-1).content, "all done");
+  // Cut to what the turn leaves each (about 11 KiB stored), not to the least a message keeps.
+  const kept = stored[2].content.split("\n[... ")[0].length;
+  assert.ok(kept > 6000, `${kept} characters kept`);
+  // 1500 results of 3.5 KiB (7 KiB stored each) too.
+  const more = [userMessage("again")];
+  for (let i = 0; i < 1500; i += 1) more.push(toolResult(`d${i}`, logOf(`row-${i}`, 3.5 / 1024)));
+  assert.ok(jsonBytes(more) < 8 * MiB);
+  const sum = storedTurn(more, { turnLimit: limit }).reduce((bytes, m) => bytes + jsonBytes(m), 0);
+  assert.ok(sum <= limit - 64 * 1024, `${sum} bytes`);
+});
