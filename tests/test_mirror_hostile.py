@@ -29,11 +29,12 @@ from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
-from mirror_helpers import A, a, every_entry, legacy_service, race, state_of, u
+from mirror_helpers import A, a, every_entry, legacy_service, race, state_of, turn_request, u
 from sqlalchemy import event, text
 
 from transcript_store import StoreConfig, TranscriptStore, paths
 from transcript_store.errors import MirrorConflict
+from transcript_store.fences import MAX_TURN_EVENTS
 from transcript_store.ledger import put_state
 from transcript_store.mirror import STATE_KEY, STATE_OWNER, HostMessage, import_page
 from transcript_store.service import Service
@@ -403,3 +404,15 @@ def test_store_branch_of_a_session_without_a_mirror(store: TranscriptStore, sid:
     assert [e.message for e in store.read_visible(A, sid)] == [e.message for e in store.read_visible(A, twin)]
     assert store.read(lambda c: c.conn.execute(text(
         "SELECT count(*) FROM ts_engine_state WHERE session_id = :s"), {"s": sid}).scalar()) == 0
+
+
+def test_a_turn_of_more_than_ten_thousand_messages_commits_as_the_store_takes_it(service: Service, sid: str) -> None:
+    # The store takes a turn of up to MAX_TURN_EVENTS entries (OpenClaw closes turns of as many events), but
+    # the service's commit_turn body took at most 10,000 messages: a longer tool loop was a 422 on every
+    # replay, and the session's later turns ran on legacy.
+    messages = [u("q")] + [a(f"step {i}") for i in range(12_000)]
+    out = service.commit_turn(A, "legacy", sid, turn_request("long", 0, messages, ("h0", f"h{len(messages) - 1}")))
+    assert out.status == "committed"
+    assert service.store.get_session(A, sid).visible_count == len(messages)
+    with pytest.raises(ValueError, match="messages"):  # pydantic's ValidationError
+        turn_request("over", 0, [u("q")] + [a("x")] * MAX_TURN_EVENTS, ("x0", "x1"))

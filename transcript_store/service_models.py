@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .engine import MAX_TOKENS, BootstrapResult, EngineInfo
+from .fences import MAX_TURN_EVENTS
 from .ledger import Receipt
 from .models import Anchor, Entry, SessionInfo
 from .reads import MAX_BYTES, MAX_MESSAGES
@@ -277,7 +278,9 @@ class CommitTurnRequest(_Request):
     advancement_key: str
     admission: EntryRef
     terminal: EntryRef
-    messages: list[Message] = Field(min_length=1, max_length=MAX_ITEMS)
+    # As many as the store takes in one turn (OpenClaw closes turns of as many events): 10,000 refused longer
+    # tool loops the store would have committed.
+    messages: list[Message] = Field(min_length=1, max_length=MAX_TURN_EVENTS)
     is_heartbeat: bool = False
     session_target: dict[str, Any] | None = Field(
         None, description="the host's session identity of the turn; its session_id must name this session"
