@@ -1080,7 +1080,9 @@ def outbox_drain(session: str | None, limit: int) -> None:
     """Deliver ready intents to their engines' commit_turn, in order; exit 1 if any failed."""
     st = state()
     with store_session() as store:
-        sid = find_session(store, st.scope_name, session).session_id if session else None
+        # Not "if session": an empty one (`--session "$SID"`, SID unset) is refused as an id, not taken for
+        # none, which delivered every session's turns.
+        sid = find_session(store, st.scope_name, session).session_id if session is not None else None
         settings = st.settings()
         with engine_output_on_stderr():
             runtime = _runtime(store, settings)
@@ -1159,7 +1161,10 @@ def outbox_recover(session: str | None) -> None:
     st = state()
     scope = st.scope_name
     with store_session() as store:
-        targets = [find_session(store, scope, session).session_id] if session else _outbox_sessions(store, scope)
+        # An empty SESSION is refused as an id, not taken for none (every session recovered), as drain's.
+        targets = (
+            [find_session(store, scope, session).session_id] if session is not None else _outbox_sessions(store, scope)
+        )
         settings = st.settings()
         results = []
         with engine_output_on_stderr():
@@ -1169,7 +1174,7 @@ def outbox_recover(session: str | None) -> None:
                     try:
                         r = runtime.turns.recover(scope, sid, settings.engine, runtime.commit_in)
                     except UnknownSession:
-                        if session:
+                        if session is not None:
                             raise
                         continue  # deleted since the list was read: its intents went with it
                     results.append({

@@ -1,0 +1,32 @@
+"""Findings of the CLI options review: an empty SESSION given to `outbox drain --session` or `outbox
+recover` was taken for none (every session's turns delivered), a PostgreSQL URL with a port no server can
+have was a database outage (exit 5) instead of a usage error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import assistant, user
+from test_cli import SCOPE, one_error_line, open_store, run, run_json
+
+from transcript_store.turns import Turns
+
+
+def _ready_turn(url: str, session_id: str) -> None:
+    """A session with one accepted turn waiting for its engine."""
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id=session_id)
+        turns = Turns(store)
+        turns.admit(SCOPE, session_id, user("question"), turn_id="turn-1", engine_id="legacy")
+        turns.complete(SCOPE, session_id, "turn-1", [{"message": assistant("answer")}], None)
+
+
+def test_an_empty_session_is_refused_not_taken_for_every_session(store_url: str, tmp_path: Path) -> None:
+    """`outbox drain --session "$SID"` with SID unset delivered every session's turns (exit 0), where
+    `sessions show ''` refuses the empty id: a script meaning one session drained them all."""
+    _ready_turn(store_url, "other")
+    for args in (("outbox", "drain", "--session", ""), ("outbox", "recover", "")):
+        line = one_error_line(run(*args, "--db", store_url, cwd=tmp_path, code=1))
+        assert "session_id must be 1..255 characters" in line
+    rows = run_json("outbox", "status", "--db", store_url, cwd=tmp_path)
+    assert [(r["session_id"], r["state"]) for r in rows] == [("other", "accepted")]  # nothing delivered
