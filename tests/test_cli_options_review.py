@@ -30,3 +30,16 @@ def test_an_empty_session_is_refused_not_taken_for_every_session(store_url: str,
         assert "session_id must be 1..255 characters" in line
     rows = run_json("outbox", "status", "--db", store_url, cwd=tmp_path)
     assert [(r["session_id"], r["state"]) for r in rows] == [("other", "accepted")]  # nothing delivered
+
+
+def test_a_postgresql_port_out_of_range_is_a_usage_error(tmp_path: Path) -> None:
+    """libpq refuses port 99999 only when connecting: exit 5, "database unavailable", which a script
+    retries for ever; the documented answer to a bad --db URL is a usage error (2), before any work."""
+    for port in ("0", "65536", "99999"):
+        url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/x"
+        for command in (("sessions", "list"), ("init",), ("doctor",)):
+            line = one_error_line(run(*command, "--db", url, cwd=tmp_path, code=2))
+            assert "--db" in line and "not a TCP port" in line, line
+    line = one_error_line(run("sessions", "list", cwd=tmp_path, code=2,
+                              env={"TRANSCRIPT_STORE_URL": "postgresql://postgres@127.0.0.1:70000/x"}))
+    assert "TRANSCRIPT_STORE_URL" in line

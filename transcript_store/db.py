@@ -281,6 +281,10 @@ def parse_url(url: str) -> URL:
             )
     elif backend != "postgresql":
         raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
+    elif parsed.port is not None and not 1 <= parsed.port <= 65535:
+        # libpq refused it only when connecting ("invalid port number"), which read as a database down
+        # (the CLI's exit 5, a service's 503): a URL no server can answer is a bad URL.
+        raise InvalidInput(f"the URL's port {parsed.port} is not a TCP port (1 to 65535)")
     return parsed
 
 
