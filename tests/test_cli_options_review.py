@@ -4,8 +4,10 @@ have was a database outage (exit 5) instead of a usage error."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from conftest import assistant, user
 from test_cli import SCOPE, one_error_line, open_store, run, run_json
 
@@ -43,3 +45,16 @@ def test_a_postgresql_port_out_of_range_is_a_usage_error(tmp_path: Path) -> None
     line = one_error_line(run("sessions", "list", cwd=tmp_path, code=2,
                               env={"TRANSCRIPT_STORE_URL": "postgresql://postgres@127.0.0.1:70000/x"}))
     assert "TRANSCRIPT_STORE_URL" in line
+
+
+@pytest.mark.parametrize("command", [("sessions", "list"), ("init",), ("doctor",), ("current",)])
+def test_a_sqlite_url_naming_a_device_or_a_fifo_is_a_usage_error(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """`--db sqlite:////dev/null`: `sessions list` advised `init` (exit 4), which then failed with "disk I/O
+    error" (exit 5, a database down); a FIFO was the same outage. The path is the user's mistake, as a
+    directory's is: exit 2, one line."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/null", str(fifo)):
+        line = one_error_line(run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=2))
+        assert "names no regular file" in line, line
+    assert fifo.exists() and not fifo.is_file()

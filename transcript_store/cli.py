@@ -1788,6 +1788,11 @@ def make_url_or_usage(url: str) -> URL:
         # sqlite3 answers "unable to open database file", which read as a database down (exit 5).
         raise CommandError(f"{url_source()}: {mask_url(url)} names a directory: give the path of a store's "
                            "file (or of one to create)", EXIT_USAGE)
+    if path is not None and path.exists() and not path.is_file():
+        # A device or a FIFO (/dev/null): sqlite3's "disk I/O error" read as a database down (exit 5), and
+        # a read command advised `init` on it, which then failed so.
+        raise CommandError(f"{url_source()}: {mask_url(url)} names no regular file (a device, a FIFO or a "
+                           "socket): give the path of a store's file (or of one to create)", EXIT_USAGE)
     return parsed
 
 
