@@ -58,3 +58,11 @@ def test_a_sqlite_url_naming_a_device_or_a_fifo_is_a_usage_error(tmp_path: Path,
         line = one_error_line(run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=2))
         assert "names no regular file" in line, line
     assert fifo.exists() and not fifo.is_file()
+
+
+def test_an_empty_export_output_is_a_usage_error(store_url: str, tmp_path: Path) -> None:
+    """`sessions export s -o "$FILE"` with FILE unset read the whole session, then failed with "cannot
+    write : Is a directory", exit 1: a usage error (2), said before the store is read."""
+    _ready_turn(store_url, "s")
+    line = one_error_line(run("sessions", "export", "s", "-o", "", "--db", store_url, cwd=tmp_path, code=2))
+    assert "--output" in line and "empty path" in line, line

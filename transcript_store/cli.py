@@ -702,6 +702,9 @@ def sessions_export(session: str, output: str | None) -> None:
     st = state()
     if output == "-":  # stdout, as ``import -`` reads stdin (it wrote a file named "-")
         output = None
+    if output == "":  # ("-o $FILE", FILE unset) click checks no path for it: the export was read, then
+        # refused as "cannot write : Is a directory" (exit 1)
+        raise CommandError("--output: an empty path names no file (give a file, or '-' for stdout)", EXIT_USAGE)
     database = sqlite_file(st.store_config().url)
     if output is not None and database is not None and _names_the_store(Path(output), database):
         raise CommandError(f"--output: {output} is the store's own database file", EXIT_USAGE)
