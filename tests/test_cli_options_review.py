@@ -66,3 +66,13 @@ def test_an_empty_export_output_is_a_usage_error(store_url: str, tmp_path: Path)
     _ready_turn(store_url, "s")
     line = one_error_line(run("sessions", "export", "s", "-o", "", "--db", store_url, cwd=tmp_path, code=2))
     assert "--output" in line and "empty path" in line, line
+
+
+def test_a_model_name_or_key_without_an_endpoint_is_a_usage_error(tmp_path: Path) -> None:
+    """`chat --model gpt-4o` (no --model-url, no OPENAI_BASE_URL) talked to the local stand-in, exit 0, the
+    model named unused; so did `--api-key`, and the gateway's. Refused before any work, nothing created."""
+    db = tmp_path / "t.db"
+    for args in (("chat", "--model", "gpt-4o"), ("chat", "--api-key", "sk-x"), ("gateway", "--model", "m")):
+        line = one_error_line(run(*args, "--db", f"sqlite:///{db}", cwd=tmp_path, stdin="hello\n", code=2))
+        assert "needs an endpoint" in line and args[1] in line, line
+    assert not db.exists()

@@ -1529,14 +1529,21 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
 
 
 def chosen_model(model_url: str | None, model_name: str | None, api_key: str | None) -> Any:
-    """The model of --model-url/--model/--api-key (or their variables); a URL that is not http(s) is a usage
-    error, refused before any work."""
-    from .model import model_from_settings
+    """The model of --model-url/--model/--api-key (or their variables); a URL that is not http(s), or
+    --model/--api-key without an endpoint, is a usage error, refused before any work."""
+    from .model import LocalResponder, model_from_settings
 
     try:
-        return model_from_settings(model_url, model_name, api_key)
+        model = model_from_settings(model_url, model_name, api_key)
     except InvalidInput as e:
         raise CommandError(str(e), EXIT_USAGE) from None
+    if isinstance(model, LocalResponder) and (model_name is not None or api_key is not None):
+        # No endpoint: the local stand-in answered, the model named or the key given silently unused
+        # (`chat --model gpt-4o` talked to the stand-in, exit 0).
+        given = "--model" if model_name is not None else "--api-key"
+        raise CommandError(f"{given} needs an endpoint: give --model-url (or set OPENAI_BASE_URL); without one "
+                           "the local stand-in answers", EXIT_USAGE)
+    return model
 
 
 CHAT_HELP = "/compact [focus]  /branch  /history  /engine  /help  /quit"
