@@ -76,3 +76,12 @@ def test_a_model_name_or_key_without_an_endpoint_is_a_usage_error(tmp_path: Path
         line = one_error_line(run(*args, "--db", f"sqlite:///{db}", cwd=tmp_path, stdin="hello\n", code=2))
         assert "needs an endpoint" in line and args[1] in line, line
     assert not db.exists()
+
+
+def test_an_empty_db_option_is_named_as_the_source_of_its_error(tmp_path: Path) -> None:
+    """`--db ''` is the URL used and refused; the error blamed TRANSCRIPT_STORE_URL, which was fine."""
+    env = {"TRANSCRIPT_STORE_URL": f"sqlite:///{tmp_path / 'fine.db'}"}
+    line = one_error_line(run("sessions", "list", "--db", "", cwd=tmp_path, code=2, env=env))
+    assert line.startswith("error: --db:"), line
+    line = one_error_line(run("sessions", "list", cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": "nope"}))
+    assert line.startswith("error: TRANSCRIPT_STORE_URL:"), line

@@ -1810,7 +1810,8 @@ def url_source() -> str:
     """Where the store's URL came from, as an error names it: --db, else TRANSCRIPT_STORE_URL."""
     ctx = click.get_current_context(silent=True)
     st = ctx.find_object(State) if ctx is not None else None
-    if (st is None or not st.db) and os.environ.get(URL_ENV):
+    # "is None", not "not st.db": an empty --db is the URL used (and refused), not the variable's
+    if (st is None or st.db is None) and os.environ.get(URL_ENV):
         return URL_ENV
     return "--db"
 
