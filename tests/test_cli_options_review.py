@@ -85,3 +85,14 @@ def test_an_empty_db_option_is_named_as_the_source_of_its_error(tmp_path: Path) 
     assert line.startswith("error: --db:"), line
     line = one_error_line(run("sessions", "list", cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": "nope"}))
     assert line.startswith("error: TRANSCRIPT_STORE_URL:"), line
+
+
+def test_a_database_url_with_whitespace_around_it_is_a_usage_error(tmp_path: Path) -> None:
+    """`TRANSCRIPT_STORE_URL="sqlite:///t.db "` (a .env file's trailing space) created and used a file
+    "t.db " beside the store meant, which then looked empty: refused, nothing created."""
+    for url in (f"sqlite:///{tmp_path / 't.db'} ", f" sqlite:///{tmp_path / 't.db'}",
+                "postgresql+psycopg://postgres@127.0.0.1/x\u00a0"):
+        line = one_error_line(run("init", cwd=tmp_path, code=2, env={"TRANSCRIPT_STORE_URL": url}))
+        assert "whitespace" in line and "TRANSCRIPT_STORE_URL" in line, line
+        assert "whitespace" in one_error_line(run("sessions", "list", "--db", url, cwd=tmp_path, code=2))
+    assert list(tmp_path.iterdir()) == []

@@ -238,6 +238,10 @@ def parse_url(url: str) -> URL:
     # shows it (an error, doctor, the gateway's report); NUL and lone surrogates no driver can take.
     if _BAD_URL_CHAR.search(url) is not None:
         raise InvalidInput("a database URL must not contain control characters, NUL or lone surrogates")
+    if url != url.strip():
+        # A space pasted or left in a .env file: "sqlite:///x.db " created and used a file "x.db ", beside
+        # the store meant, which then looked empty; on PostgreSQL it named another database.
+        raise InvalidInput("a database URL must not start or end with whitespace")
     try:
         parsed = make_url(url)
     except NOT_A_URL as e:
