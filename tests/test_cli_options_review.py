@@ -96,3 +96,13 @@ def test_a_database_url_with_whitespace_around_it_is_a_usage_error(tmp_path: Pat
         assert "whitespace" in line and "TRANSCRIPT_STORE_URL" in line, line
         assert "whitespace" in one_error_line(run("sessions", "list", "--db", url, cwd=tmp_path, code=2))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hermes_install_refuses_an_empty_db_instead_of_another_store(tmp_path: Path) -> None:
+    """`hermes install --db "$URL"` with URL unset pointed the plugin at TRANSCRIPT_STORE_URL's store (or a
+    new file in the Hermes home), exit 0: the empty --db is refused as every command refuses it."""
+    home = tmp_path / "h"
+    env = {"TRANSCRIPT_STORE_URL": f"sqlite:///{tmp_path / 'other.db'}"}
+    line = one_error_line(run("hermes", "install", "--home", str(home), "--db", "", cwd=tmp_path, code=2, env=env))
+    assert line.startswith("error: --db:"), line
+    assert not home.exists()

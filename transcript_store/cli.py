@@ -2036,7 +2036,10 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
         _check_hermes_config(Path(home).expanduser() / "config.yaml")
     # --db, else TRANSCRIPT_STORE_URL, else a file in the Hermes home; --scope, else
     # TRANSCRIPT_STORE_SCOPE, else the adapter's own ("hermes").
-    url = st.db or os.environ.get(URL_ENV) or None
+    # An empty --db is a URL given (and refused below), not none: the plugin was pointed at another store.
+    url = st.db if st.db is not None else (os.environ.get(URL_ENV) or None)
+    if url is not None:
+        make_url_or_usage(url)
     scope = st.scope_name if st.scope or os.environ.get(SCOPE_ENV) else None  # checked: a usage error
     # The settings' plugin folders go along: the engine was found in one of them (_check_engine_id).
     # So do the engine's settings ([engine.config.<engine>]): else it ran on its defaults inside Hermes.
