@@ -5,11 +5,12 @@ have was a database outage (exit 5) instead of a usage error."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import assistant, user
-from test_cli import SCOPE, one_error_line, open_store, run, run_json
+from test_cli import CLI, SCOPE, one_error_line, open_store, run, run_json
 
 from transcript_store.turns import Turns
 
@@ -106,3 +107,20 @@ def test_hermes_install_refuses_an_empty_db_instead_of_another_store(tmp_path: P
     line = one_error_line(run("hermes", "install", "--home", str(home), "--db", "", cwd=tmp_path, code=2, env=env))
     assert line.startswith("error: --db:"), line
     assert not home.exists()
+
+
+@pytest.mark.parametrize("command", [("current",), ("init",), ("sessions", "delete", "s", "--yes")])
+def test_a_reader_gone_before_a_plain_line_is_one_error_line(store_url: str, tmp_path: Path,
+                                                             command: tuple[str, ...]) -> None:
+    """`current | true`: click ends a command whose click.echo met a closed pipe with exit 1 and not a
+    word, where `sessions list | true` says "cannot write to stdout" (the README's one error line)."""
+    _ready_turn(store_url, "s")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    proc = subprocess.Popen([*CLI, *command, "--db", store_url], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # long before the interpreter has started: the reader is gone at the first write
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["error: cannot write to stdout: Broken pipe"], stderr

@@ -192,7 +192,14 @@ def common_options(scope_default: str, db_default: str = "sqlite:///transcripts.
                     # either way, but click.echo drops it silently: `sessions import FILE >&-` imported
                     # and exited 0 where the same with --json, or `sessions show`, exited 1.
                     raise CommandError("cannot write to stdout: it is closed")
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BrokenPipeError as e:
+                # A click.echo whose reader left (`current | true`): click ends the command with exit 1
+                # and not a word; said in one line as WholeStdout's writes say it. The bytes left in
+                # stdout's buffer go nowhere, or flushing them at exit would fail again (exit 120).
+                _discard_stdout()
+                raise CommandError(f"cannot write to stdout: {e.strerror or e}") from e
 
         out: Any = checked
         for option in reversed((_db_option(db_default), _scope_option(scope_default), *_COMMON)):
@@ -203,6 +210,17 @@ def common_options(scope_default: str, db_default: str = "sqlite:///transcripts.
 
 
 common = common_options(DEFAULT_SCOPE)
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at the null device (a pipe whose reader left): what its buffer
+    still holds is flushed there at exit instead of failing. A stream without one (a test's) is left."""
+    with suppress(OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both of the first two
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
 
 
 def state() -> State:
