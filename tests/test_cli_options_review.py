@@ -124,3 +124,18 @@ def test_a_reader_gone_before_a_plain_line_is_one_error_line(store_url: str, tmp
     assert proc.returncode == 1, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["error: cannot write to stdout: Broken pipe"], stderr
+
+
+def test_a_model_url_without_a_host_or_unparseable_is_a_usage_error(tmp_path: Path) -> None:
+    """`--model-url http://` was taken, and every turn failed (exit 1, the session written); `http://[::1`
+    (an unclosed bracket) was an internal error, ValueError, exit 1, also as the openai summarizer's
+    OPENAI_BASE_URL, which every command checks. Usage errors now, before anything is created."""
+    db = tmp_path / "t.db"
+    for url in ("http://", "http:///v1", "http://[::1"):
+        line = one_error_line(run("chat", "--model-url", url, "--db", f"sqlite:///{db}", cwd=tmp_path,
+                                  stdin="hello\n", code=2))
+        assert "model URL" in line and "internal error" not in line, line
+    env = {"TRANSCRIPT_STORE_SUMMARIZER": "openai", "OPENAI_BASE_URL": "http://[::1"}
+    line = one_error_line(run("sessions", "list", "--db", f"sqlite:///{db}", cwd=tmp_path, code=2, env=env))
+    assert "OPENAI_BASE_URL" in line and "internal error" not in line, line
+    assert not db.exists()

@@ -407,14 +407,20 @@ class OpenAIChatModel:
         if not base_url.startswith(("http://", "https://")):
             raise InvalidInput(f"model URL must start with http:// or https://, not {mask_url(base_url)!r}")
         try:  # else the first turn fails, after the chat's session was written
-            _port = urllib.parse.urlsplit(base_url).port
+            split = urllib.parse.urlsplit(base_url)
+        except ValueError as e:  # an unclosed IPv6 bracket: not shown (mask_url cannot split it either)
+            raise InvalidInput(f"model URL is no URL: {e}") from None
+        try:
+            _port = split.port
         except ValueError as e:  # not a number, or not in 0..65535
             raise InvalidInput(f"model URL {mask_url(base_url)!r}: bad port: {e}") from None
-        if "@" in urllib.parse.urlsplit(base_url).netloc:  # urllib takes no credentials in the URL
+        if "@" in split.netloc:  # urllib takes no credentials in the URL
             raise InvalidInput(
                 f"model URL {mask_url(base_url)!r}: credentials in the URL are not sent; pass the key with "
                 "--api-key or OPENAI_API_KEY"
             )
+        if not split.hostname:  # http:// or http:///v1: every turn failed on "no host given"
+            raise InvalidInput(f"model URL {mask_url(base_url)!r} names no host")
         if timeout <= 0:
             raise InvalidInput("model timeout must be positive")
         parts = urllib.parse.urlsplit(base_url)
