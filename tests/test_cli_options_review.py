@@ -1,9 +1,11 @@
-"""Findings of the CLI options review: an empty SESSION given to `outbox drain --session` or `outbox
-recover` was taken for none (every session's turns delivered), a PostgreSQL URL with a port no server can
-have was a database outage (exit 5) instead of a usage error."""
+"""Findings of the CLI options review: empty values taken for none (`outbox drain --session ''`, `recover ''`,
+`hermes install --db ''`) or blamed on the wrong source, database URLs no store can use (a port out of
+range, a device or FIFO, whitespace around it) answered as outages, options silently unused (`--model`
+without an endpoint), model URLs without a host, a silent exit on a closed pipe, chat --json's prompt."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -139,3 +141,24 @@ def test_a_model_url_without_a_host_or_unparseable_is_a_usage_error(tmp_path: Pa
     line = one_error_line(run("sessions", "list", "--db", f"sqlite:///{db}", cwd=tmp_path, code=2, env=env))
     assert "OPENAI_BASE_URL" in line and "internal error" not in line, line
     assert not db.exists()
+
+
+def test_chat_json_at_a_terminal_keeps_its_prompt_out_of_stdout(store_url: str, tmp_path: Path) -> None:
+    """`chat --json | jq` typed at a terminal: the "you> " prompt was written into stdout before every
+    JSON line, which then no longer parsed. The prompt goes to stderr under --json."""
+    import pty
+
+    main_fd, tty_fd = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    try:
+        proc = subprocess.Popen([*CLI, "chat", "--json", "--session", "tty", "--db", store_url], cwd=tmp_path,
+                                env=env, stdin=tty_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.write(main_fd, b"hello\n/quit\n")
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        os.close(main_fd)
+        os.close(tty_fd)
+    assert proc.returncode == 0, stderr
+    events = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    assert [e["event"] for e in events] == ["reply", "quit"], stdout
+    assert "you> " in stderr

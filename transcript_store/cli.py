@@ -1623,7 +1623,9 @@ class ChatLoop:
         interactive = stream.isatty()
         while True:
             if interactive:
-                click.echo("you> ", nl=False, file=self.stdout)
+                # Under --json stdout holds JSON lines only (`chat --json | jq` at a terminal): the
+                # prompt goes to stderr there.
+                click.echo("you> ", nl=False, file=sys.stderr if self.as_json else self.stdout)
             # At most a message's worth: a line of any length was read whole (``chat < /dev/zero``
             # took memory until the process was killed).
             line = stream.readline(self.max_line + 1)
