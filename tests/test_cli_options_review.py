@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assistant, user
+from service_process import ServiceProcess
 from test_cli import CLI, SCOPE, one_error_line, open_store, run, run_json
 
 from transcript_store.turns import Turns
@@ -162,3 +163,21 @@ def test_chat_json_at_a_terminal_keeps_its_prompt_out_of_stdout(store_url: str, 
     events = [json.loads(line) for line in stdout.splitlines() if line.strip()]
     assert [e["event"] for e in events] == ["reply", "quit"], stdout
     assert "you> " in stderr
+
+
+@pytest.mark.parametrize(("host", "warned"), [("127.0.0.2", None), ("127.1", None), ("0.0.0.0", "0.0.0.0"),
+                                              ("", "every interface")])
+def test_serve_warns_of_listening_beyond_this_machine_only_when_it_does(
+    tmp_path: Path, host: str, warned: str | None
+) -> None:
+    """The warning was decided by the host's spelling: every loopback address but three (127.0.0.2, 127.1)
+    was "beyond this machine", and ``--host ''`` (every interface) said "listening on , beyond"."""
+    log = tmp_path / "serve.log"
+    with ServiceProcess(f"sqlite:///{tmp_path / 's.db'}", {"tok-serve-host-0123456789": SCOPE}, log,
+                        extra_args=("--host", host)):
+        pass
+    lines = [line for line in log.read_text(encoding="utf-8").splitlines() if "beyond this machine" in line]
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and f"listening on {warned} " in lines[0], lines

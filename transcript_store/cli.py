@@ -17,12 +17,14 @@ from __future__ import annotations
 import codecs
 import functools
 import io
+import ipaddress
 import json
 import logging
 import math
 import os
 import re
 import secrets
+import socket
 import sqlite3
 import stat
 import sys
@@ -1839,6 +1841,15 @@ def url_source() -> str:
 # ---------------------------------------------------------------------------------------------- serve
 
 
+def _loopback(sock: socket.socket) -> bool:
+    """Whether a listening socket is bound to a loopback address (reachable from this machine only)."""
+    address = str(sock.getsockname()[0]).split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless you mean it).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
@@ -1879,8 +1890,10 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
     try:
         service = Service(store, settings)
         app = create_app(service, tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
-        if host not in ("127.0.0.1", "::1", "localhost"):
-            click.echo(f"warning: listening on {host}, beyond this machine", err=True)
+        if not _loopback(sock):
+            # By the address bound, not the host's spelling: 127.0.0.2 and 127.1 are this machine; '' is not.
+            click.echo(f"warning: listening on {host or 'every interface'} ({sock.getsockname()[0]}), beyond "
+                       "this machine", err=True)
         logging.getLogger("transcript_store").setLevel(logging.INFO)
         # Engines run in this process: their print() and warnings.warn() quote stored text as their log
         # records do (uvicorn logs through the root handler here: log_config=None).
