@@ -62,6 +62,11 @@ def test_a_sqlite_url_naming_a_device_or_a_fifo_is_a_usage_error(tmp_path: Path,
         line = one_error_line(run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=2))
         assert "names no regular file" in line, line
     assert fifo.exists() and not fifo.is_file()
+    # A path under a file (`a/x.db` where `a` is a file) was "cannot create the directory", exit 5.
+    (tmp_path / "a").write_text("not a directory")
+    line = one_error_line(run(*command, "--db", f"sqlite:///{tmp_path / 'a' / 'x.db'}", cwd=tmp_path, code=2))
+    assert "is not a directory" in line, line
+    assert (tmp_path / "a").read_text() == "not a directory"
 
 
 def test_an_empty_export_output_is_a_usage_error(store_url: str, tmp_path: Path) -> None:

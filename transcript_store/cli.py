@@ -1825,6 +1825,11 @@ def make_url_or_usage(url: str) -> URL:
         # a read command advised `init` on it, which then failed so.
         raise CommandError(f"{url_source()}: {mask_url(url)} names no regular file (a device, a FIFO or a "
                            "socket): give the path of a store's file (or of one to create)", EXIT_USAGE)
+    above = next((p for p in path.parents if p.exists()), None) if path is not None else None
+    if above is not None and not above.is_dir():
+        # A path under a file: "cannot create the directory" read as a database down (exit 5).
+        raise CommandError(f"{url_source()}: {mask_url(url)}: {above} is not a directory: give the path of a "
+                           "store's file (or of one to create)", EXIT_USAGE)
     return parsed
 
 
