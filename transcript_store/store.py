@@ -113,10 +113,12 @@ class TranscriptStore:
             raise InvalidInput(f"create must be a bool, not {type(create).__name__}")
         if config is None:
             config = StoreConfig.from_env(url=url)
-        elif url is not None:
-            # Built again, not model_copy(update=...): that skips validation, and a bad URL then failed
-            # in the driver with TypeError instead of InvalidInput.
-            config = StoreConfig(**{**config.model_dump(), "url": url})
+        else:
+            # Built again, even without a url: a config made by model_construct or model_copy(update=...)
+            # skipped validation, and its bad value (a url of None, a max_payload_bytes of "x") failed in
+            # the driver or in an append with TypeError instead of InvalidInput. ``dict``, not
+            # model_dump: the serializer warns about exactly those values.
+            config = StoreConfig(**{**dict(config), **({"url": url} if url is not None else {})})
         self.config = config
         self.db = Database(config)
         #: set by ``close``: what runs on its own behind the store (a host's lease renewals) stops then

@@ -1,0 +1,43 @@
+"""A review of the store's library API: what its documentation promises and the code did not hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore
+
+A = "scope-a"
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("url", None), ("url", 5), ("max_payload_bytes", "x"), ("max_payload_bytes", -1), ("busy_timeout_ms", None)],
+)
+@pytest.mark.parametrize("made", ["model_copy", "model_construct"])
+def test_a_config_made_without_validation_is_refused_by_the_store(
+    store_url: str, made: str, field: str, value: Any
+) -> None:
+    # README ("Bad input"): a StoreConfig made by model_construct or model_copy(update=...), passed to the
+    # store, is refused with InvalidInput. Only a config given together with a url was validated again:
+    # alone, a url of None failed in the driver with TypeError, and a max_payload_bytes of "x" or -1
+    # opened a store whose every append raised TypeError (or refused the smallest message).
+    good = StoreConfig(url=store_url)
+    if made == "model_copy":
+        bad = good.model_copy(update={field: value})
+    else:
+        bad = StoreConfig.model_construct(**{**dict(good), field: value})
+    with pytest.raises(InvalidInput, match=field):
+        TranscriptStore(config=bad).close()
+
+
+def test_a_valid_config_given_alone_is_kept(store_url: str) -> None:
+    config = StoreConfig(url=store_url, max_payload_bytes=2048)
+    with TranscriptStore(config=config) as store:
+        assert store.config == config
+        sid = store.create_session(A).session_id
+        store.append(A, sid, {"role": "user", "content": "x" * 1500})
