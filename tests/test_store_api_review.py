@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,3 +42,21 @@ def test_a_valid_config_given_alone_is_kept(store_url: str) -> None:
         assert store.config == config
         sid = store.create_session(A).session_id
         store.append(A, sid, {"role": "user", "content": "x" * 1500})
+
+
+def test_upgrade_url_refuses_none_instead_of_migrating_the_default_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``upgrade_url(url)`` migrates the database at ``url``. None was passed on to StoreConfig.from_env,
+    # which ignores a None override: the call created ./transcripts.db (or migrated whatever
+    # TRANSCRIPT_STORE_URL names) instead of refusing a URL that is no string. Other wrong types
+    # (5, b"...") were refused already.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRANSCRIPT_STORE_URL", raising=False)
+    with pytest.raises(InvalidInput, match="url"):
+        TranscriptStore.upgrade_url(None)  # type: ignore[arg-type]
+    elsewhere = tmp_path / "elsewhere.db"
+    monkeypatch.setenv("TRANSCRIPT_STORE_URL", f"sqlite:///{elsewhere}")
+    with pytest.raises(InvalidInput, match="url"):
+        TranscriptStore.upgrade_url(None)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

@@ -135,6 +135,10 @@ class TranscriptStore:
     @classmethod
     def upgrade_url(cls, url: str) -> str:
         """Migrate the database at ``url`` to the newest revision; returns the revision."""
+        # Checked here: ``from_env`` ignores a None override, and None migrated (or created) the database of
+        # TRANSCRIPT_STORE_URL or ./transcripts.db instead of refusing the call.
+        if not isinstance(url, str):
+            raise InvalidInput(f"url must be a database URL, not {type(url).__name__}")
         db = Database(StoreConfig.from_env(url=url))
         try:
             return migrate.upgrade(db)
