@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from transcript_store import InvalidInput, StoreConfig, TranscriptStore
+from transcript_store import InvalidInput, PayloadTooLarge, StoreConfig, TranscriptStore
+from transcript_store.fences import MAX_TURN_BYTES
+from transcript_store.turns import Turns
 
 A = "scope-a"
 
@@ -60,3 +62,27 @@ def test_upgrade_url_refuses_none_instead_of_migrating_the_default_database(
     with pytest.raises(InvalidInput, match="url"):
         TranscriptStore.upgrade_url(None)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------- turns
+
+
+def test_an_admission_too_large_for_any_turn_is_refused_before_anything_is_written(store_url: str) -> None:
+    # With max_payload_bytes above the turn's cap (8 MiB), Turns.admit took a user message of 9 MiB: its
+    # turn could never complete (every completion raised PayloadTooLarge, the reply and the admission
+    # over the cap), and the session stayed busy for the turn's whole lease (SessionBusy for the next).
+    config = StoreConfig(url=store_url, max_payload_bytes=16 * 1024 * 1024)
+    with TranscriptStore(config=config) as store:
+        turns = Turns(store)
+        sid = store.create_session(A).session_id
+        before = store.list_entries(A, sid), turns.intents(A)
+        huge = {"role": "user", "content": "x" * (MAX_TURN_BYTES + 1)}
+        with pytest.raises(PayloadTooLarge, match="no room for a reply"):
+            turns.admit(A, sid, huge, turn_id="t1", engine_id="e")
+        with pytest.raises(PayloadTooLarge):
+            turns.admit_if_clear(A, sid, huge, turn_id="t1", engine_id="e")
+        assert (store.list_entries(A, sid), turns.intents(A)) == before
+        # The session is free for a turn that fits; the store's own admit is no turn and still takes it.
+        admission, _ = turns.admit(A, sid, {"role": "user", "content": "hi"}, turn_id="t2", engine_id="e")
+        done = turns.complete(A, sid, "t2", [{"message": {"role": "assistant", "content": "ok"}}], commit_in=None)
+        assert done.intent.state == "accepted" and admission.turn_id == "t2"

@@ -279,6 +279,13 @@ class Turns:
             raise InvalidInput("is_heartbeat must be a bool")
         owner = new_owner() if owner is None else _check_owner(owner)
         item = self.store.prepare_admission(message, turn_id=turn_id)
+        if item.size_bytes >= MAX_TURN_BYTES:
+            # Under a max_payload_bytes above the turn's cap, such an admission was taken and its turn
+            # could never complete (every reply: PayloadTooLarge), holding the session busy meanwhile.
+            raise PayloadTooLarge(
+                f"turn {turn_id!r}: its user message is {item.size_bytes} bytes, which leaves no room for a "
+                f"reply under the turn's cap of {MAX_TURN_BYTES}"
+            )
         landed: list[tuple[Admission, TurnIntent]] = []
         took: list[outbox.AdmittedLease] = []  # the lease the attempt that ran to its end took over
 
