@@ -1108,3 +1108,28 @@ def test_an_engines_own_output_in_serve_is_shown_not_obeyed(db_url: str, tmp_pat
     assert "printed \\x1b]0;owned\\x07 \\ud800 end" in server.stdout_rest
     assert "warned \\x1b[2J here" in log
     assert "\x1b" not in server.stdout_rest + log
+
+
+def test_a_key_twice_in_one_body_object_is_a_422_that_writes_nothing(server: ServiceProcess) -> None:
+    """A JSON object naming a key twice is refused, as ``sessions import`` refuses it: read with the last
+    value silently kept, ``{"session_id": "a", "session_id": "b"}`` created ``b``, and a message
+    ``{"role": "user", ..., "role": "assistant"}`` was appended as an assistant's."""
+    sid, other = new_id("s"), new_id("s")
+    status, data = server.call("POST", "/v1/sessions", TOKEN_A,
+                               raw=f'{{"session_id": "{other}", "session_id": "{sid}"}}'.encode())
+    assert status == 422 and data["error"]["code"] == "invalid_request", data
+    assert "'session_id' appears twice" in data["error"]["message"], data
+    for gone in (sid, other):
+        status, data = server.call("GET", f"/v1/sessions/{gone}", TOKEN_A)
+        assert status == 404 and data["error"]["code"] == "session_not_found", data
+    open_session(server, session_id=sid)
+    raw = b'{"items": [{"message": {"role": "user", "content": "x", "role": "assistant"}}]}'
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=raw)
+    assert status == 422 and "'role' appears twice" in data["error"]["message"], data
+    status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+    assert status == 200 and data["entry_count"] == 0, data
+    # the same keys in different objects are no repetition
+    raw = b'{"items": [{"message": {"role": "user", "content": "x"}}, {"message": {"role": "user", "content": "y"}}]}'
+    status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=raw)
+    assert status == 200 and len(data["entries"]) == 2, data
+

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import email.message
 import functools
+import json
 import logging
 import socket
 import uuid
@@ -579,6 +580,7 @@ def _counted_route(inflight: InFlight) -> type[APIRoute]:
             """The handler, after the query string is checked against the route's parameters."""
             handler = super().get_route_handler()
             allowed = _query_names(self.dependant)  # (APIRoute.__init__ calls this once its dependant is made)
+            takes_body = self.body_field is not None
 
             async def checked(request: Request) -> Response:
                 problem = _query_problem(request, allowed)
@@ -586,6 +588,8 @@ def _counted_route(inflight: InFlight) -> type[APIRoute]:
                     await request.body()  # read and dropped (bounded by BodyLimit), as any refusal's
                     raise RequestValidationError([{"loc": ("query", problem[0]), "msg": problem[1],
                                                    "type": "extra_forbidden"}])
+                if takes_body:
+                    await _read_json_strictly(request)
                 return await handler(request)
 
             return checked
@@ -615,6 +619,42 @@ def _query_problem(request: Request, allowed: frozenset[str]) -> tuple[str, str]
             return name, "query parameter given more than once"
         seen.add(name)
     return None
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object of a request body names a key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One object of a request body; a key given twice is refused (json.loads kept the last one silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _RepeatedKey(f"the key {key[:64]!r} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+async def _read_json_strictly(request: Request) -> None:
+    """Parse a JSON request body before FastAPI does, refusing (422) an object that names a key twice, as
+    ``sessions import`` refuses it: read with the last value kept, ``{"session_id": "a", "session_id": "b"}``
+    created ``b``, and a message's second ``role`` replaced its first. The parsed body is left where
+    ``Request.json`` caches it, so FastAPI does not parse it again; a body this parse fails on otherwise
+    (malformed, not UTF-8, too deep) is left to FastAPI, which answers it as before."""
+    if not _json_media(request.headers.get("content-type")):
+        return
+    body = await request.body()
+    if not body:
+        return
+    try:
+        parsed = json.loads(body, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise RequestValidationError([{"loc": ("body",), "msg": str(e), "type": "value_error"}]) from None
+    except (ValueError, RecursionError):
+        return
+    request._json = parsed
 
 
 def _errors(app: FastAPI) -> None:
