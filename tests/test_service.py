@@ -1133,3 +1133,26 @@ def test_a_key_twice_in_one_body_object_is_a_422_that_writes_nothing(server: Ser
     status, data = server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, raw=raw)
     assert status == 200 and len(data["entries"]) == 2, data
 
+
+def _two_authorizations(server: ServiceProcess, first: str, second: str) -> tuple[int, Any]:
+    """GET /v1/whoami with two ``Authorization`` headers (the test client sends one)."""
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
+    try:
+        conn.putrequest("GET", "/v1/whoami")
+        conn.putheader("Authorization", f"Bearer {first}")
+        conn.putheader("Authorization", f"Bearer {second}")
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_two_authorization_headers_are_a_401(server: ServiceProcess) -> None:
+    """A request presents one token: with two ``Authorization`` headers the first one was taken, so a
+    request with another scope's token in front of its own (a proxy adding one, a client merging
+    headers) reached that scope, and one with a valid token and garbage after it was let in."""
+    for first, second in ((TOKEN_A, TOKEN_B), (TOKEN_B, TOKEN_A), (TOKEN_A, "not-a-token"), (TOKEN_A, TOKEN_A)):
+        status, data = _two_authorizations(server, first, second)
+        assert status == 401 and data["error"]["code"] == "unauthorized", (first, second, data)

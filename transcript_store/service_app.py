@@ -315,8 +315,10 @@ class Authenticate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
-        token = bearer_token(header.decode("latin-1")) if header is not None else None
+        # Exactly one header: of two, the first was taken, so another scope's token put in front of the
+        # request's own (a proxy adding one, a client merging headers) reached that scope.
+        headers = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+        token = bearer_token(headers[0].decode("latin-1")) if len(headers) == 1 else None
         tokens: TokenMap = scope["app"].state.tokens
         if token is not None and tokens.scope_for(token) is not None:
             await self.app(scope, receive, send)
