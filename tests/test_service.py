@@ -1156,3 +1156,36 @@ def test_two_authorization_headers_are_a_401(server: ServiceProcess) -> None:
     for first, second in ((TOKEN_A, TOKEN_B), (TOKEN_B, TOKEN_A), (TOKEN_A, "not-a-token"), (TOKEN_A, TOKEN_A)):
         status, data = _two_authorizations(server, first, second)
         assert status == 401 and data["error"]["code"] == "unauthorized", (first, second, data)
+
+
+def test_a_body_field_of_another_json_type_is_a_422_not_coerced(server: ServiceProcess) -> None:
+    """A field of the wrong JSON type is refused, as a field the route does not know is: read leniently,
+    ``"rebind_key": "true"`` or ``1`` rebound a key, ``"force": "false"`` compacted unforced,
+    ``"token_budget": true`` assembled within 1 token (an empty context, 200), ``"max_messages": "5"`` and
+    ``5.0`` were read as 5, and an entry reference's ``"position": "0"`` as 0."""
+    sid, key = new_id("s"), new_id("key")
+    open_session(server, session_id=sid, session_key=key)
+    other = new_id("s")
+    engine = f"/v1/engines/legacy/sessions/{sid}"
+    turn = {"advancement_key": new_id("k"), "admission": {"entry_id": "u1", "position": 0},
+            "terminal": {"entry_id": "a1", "position": 1}, "messages": [user("q"), assistant("a")]}
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/sessions", {"session_id": other, "session_key": key, "rebind_key": "true"}),
+        ("/v1/sessions", {"session_id": other, "session_key": key, "rebind_key": 1}),
+        (f"/v1/sessions/{sid}/delta", {"max_messages": "5"}),
+        (f"/v1/sessions/{sid}/delta", {"max_messages": 5.0}),
+        (f"/v1/sessions/{sid}/delta", {"max_bytes": True}),
+        (f"{engine}/assemble", {"token_budget": True}),
+        (f"{engine}/compact", {"force": "false"}),
+        (f"{engine}/bootstrap", {"done": 0}),
+        (f"{engine}/host_compaction", {"summary": "s", "first_kept_position": "0", "first_kept_entry_id": "u1"}),
+        (f"{engine}/commit_turn", {**turn, "is_heartbeat": "false"}),
+        (f"{engine}/commit_turn", {**turn, "admission": {"entry_id": "u1", "position": "0"}}),
+    ]
+    for path, body in cases:
+        status, data = server.call("POST", path, TOKEN_A, body)
+        assert status == 422 and data["error"]["code"] == "invalid_request", (path, body, data)
+    status, data = server.call("GET", f"/v1/sessions?session_key={key}", TOKEN_A)
+    assert status == 200 and [s["session_id"] for s in data["sessions"]] == [sid], data  # not rebound
+    status, data = server.call("GET", f"/v1/sessions/{sid}", TOKEN_A)
+    assert status == 200 and data["entry_count"] == 0, data  # no turn mirrored

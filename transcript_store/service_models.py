@@ -2,6 +2,8 @@
 
 Requests forbid unknown fields (a typo is an error, not a silent default), except entry references,
 which accept a whole anchor (the library's, or a host's) and read only ``entry_id`` and ``position``.
+Their own fields are strict: a value of another JSON type is refused, not coerced (``"force": "false"``,
+``"token_budget": true``); the library's models inside them (anchors, append items) read as the library does.
 Ids are checked by the store (``check_id``) when used, so every refusal carries the store's message.
 """
 
@@ -27,7 +29,7 @@ Message = dict[str, Any]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorDetail(BaseModel):
@@ -267,7 +269,7 @@ class MaintainRequest(_Request):
 class EntryRef(BaseModel):
     """An entry of a turn: its id, and its visible position when the service must mirror it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     entry_id: str
     position: int | None = Field(None, ge=0, le=2**31 - 1)
 
