@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import module_store_fixtures
+from conftest import module_store_fixtures, tool_round
 from mirror_helpers import A, a, hosted, page, u
 
+from engines.lossless.audit import audit
 from transcript_store import TranscriptStore, compaction
 from transcript_store.errors import InvalidInput
 from transcript_store.service import Service
@@ -184,3 +185,23 @@ def test_a_compaction_that_does_not_read_the_reset_it_stands_on_writes_nothing(s
     assert compaction.load_pointer(s, A, sid)["reset"]
     text = shown(service, sid)
     assert "alpha10" in text and "alpha9" not in text and "Summary" not in text
+
+
+def test_a_host_reset_keeping_a_tail_from_inside_a_tool_round_never_starts_with_a_result(
+    service: Service, sid: str
+) -> None:
+    # A reset whose first kept message was a tool result (the host kept its tail from inside a round):
+    # lossless assembled that result first, without the call before it, a request the Chat Completions
+    # API refuses. Legacy skips such results; so does lossless now, and they stay stored and searchable.
+    call, result = tool_round("c1", "zebrafish result")
+    page(service.store, sid, None, "c1", hosted(("h0", u("question")), ("h1", call), ("h2", result),
+                                                ("h3", a("answered")), ("h4", u("next"))))
+    assert reset(service, sid, 2, 5, kept="h2") == 2
+    for engine in ("lossless", "legacy"):
+        out = service.assemble(A, engine, sid, AssembleRequest(token_budget=100_000))
+        assert [m["content"] for m in out.messages] == ["answered", "next"], engine
+    assert "msg_2" in grep(service, sid, "zebrafish")
+    assert service.compact(A, "lossless", sid, CompactRequest(force=True)).ok
+    after = service.assemble(A, "lossless", sid, AssembleRequest(token_budget=100_000)).messages
+    assert after and after[0]["role"] != "tool"
+    assert service.store.read(lambda c: audit(c, A, sid)).problems == []

@@ -287,13 +287,18 @@ def units(items: Sequence[Item]) -> list[tuple[int, int]]:
 def after_reset(items: list[Item], start: int | None) -> list[Item]:
     """The items from the one covering active position ``start`` on (a host's reset: its context starts
     again there); the whole list when ``start`` is None. The list covers positions 0, 1, 2, ... in order;
-    a summary reaching past ``start`` stays (what follows the reset is never left out)."""
+    a summary reaching past ``start`` stays (what follows the reset is never left out), tool or function
+    results at its start aside: their call is before it."""
     if not start:
         return items
     covered = 0
     for n, item in enumerate(items):
         covered += item.summary.message_count if item.summary is not None else 1
         if covered > start:
+            # A reset keeping a tail from inside a tool round: the context began with a result whose call
+            # it left out, a request the Chat Completions API refuses (legacy's fit skips them too).
+            while n < len(items) and items[n].role in RESULT_ROLES:
+                n += 1
             return items[n:]
     return []
 
