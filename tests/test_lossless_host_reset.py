@@ -205,3 +205,26 @@ def test_a_host_reset_keeping_a_tail_from_inside_a_tool_round_never_starts_with_
     after = service.assemble(A, "lossless", sid, AssembleRequest(token_budget=100_000)).messages
     assert after and after[0]["role"] != "tool"
     assert service.store.read(lambda c: audit(c, A, sid)).problems == []
+
+
+def test_lcm_describe_after_a_host_reset_says_what_precedes_it_is_not_in_context(service: Service, sid: str) -> None:
+    # What precedes a host's reset stays in the engine's context list, but no assembly shows it:
+    # lcm_describe answered a message and a summary from before the reset "in_context": true (and itself
+    # as its context holder), so the model took for shown what it had to expand to see.
+    s = service.store
+    page(s, sid, None, "c1", hosted(*talk("alpha", 0, 12)))
+    assert service.compact(A, "lossless", sid, CompactRequest(force=True)).compacted
+    assert reset(service, sid, 12, 12) == 12
+    page(s, sid, "c1", "c2", hosted(*talk("beta", 12, 2)))
+    assert "alpha" not in shown(service, sid)
+    engine = service.runtime.engine("lossless")[0]
+
+    def describe(ident: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(engine.handle_tool_call("lcm_describe", {"id": ident}, scope=A,
+                                                                  session_id=sid))
+        return out
+
+    for before in ("msg_0", "msg_11", "sum_1"):
+        out = describe(before)
+        assert (out["in_context"], out["context_holder"]) == (False, None), out
+    assert (describe("msg_12")["in_context"], describe("msg_12")["context_holder"]) == (True, "msg_12")

@@ -20,6 +20,7 @@ import regex
 from sqlalchemy import func, literal_column, select
 from sqlalchemy.exc import DataError
 
+from transcript_store.compaction import reset_in
 from transcript_store.core import MAX_INT, Core, check_id, from_us
 from transcript_store.db import UNSENDABLE
 from transcript_store.errors import (
@@ -30,6 +31,7 @@ from transcript_store.errors import (
     TransientStoreError,
 )
 
+from .context import after_reset, load_items
 from .search import Kind, Mode, SearchError, Sort, compile_regex, grep, snippet
 from .tables import (
     context_items,
@@ -266,18 +268,31 @@ def _lineage(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
     return out
 
 
+def _first_shown(core: Core, scope: str, session_id: str) -> int:
+    """The item ordinal the assembled context starts at: 0, or after a host's reset the first item
+    ``context.after_reset`` keeps (past every item when it keeps none). Rare, so the list is read whole."""
+    start = reset_in(core, scope, session_id)
+    if not start:
+        return 0
+    shown = after_reset(load_items(core, scope, session_id), start)
+    return shown[0].ordinal if shown else MAX_INT + 1
+
+
 def _in_context(
-    core: Core, scope: str, session_id: str, *, summary: int | None = None, message: int | None = None
+    core: Core, scope: str, session_id: str, first: int, *, summary: int | None = None, message: int | None = None
 ) -> bool:
+    """Whether the summary or message is an item of the context the model is shown (from item ``first`` on:
+    what precedes a host's reset stays listed, never assembled)."""
     column = context_items.c.summary_seq if summary is not None else context_items.c.message_ordinal
     q = select(context_items.c.item_ordinal).where(*_key(context_items, scope, session_id))
     q = keyed(q, column, summary if summary is not None else message).limit(_ONE)
-    return core.conn.execute(q).first() is not None
+    found = core.conn.execute(q).scalar()
+    return found is not None and found >= first
 
 
-def _holder(core: Core, scope: str, session_id: str, chain: list[int]) -> str | None:
+def _holder(core: Core, scope: str, session_id: str, chain: list[int], first: int) -> str | None:
     """The id of the first summary of a lineage that is in context now."""
-    return next((summary_id(s) for s in chain if _in_context(core, scope, session_id, summary=s)), None)
+    return next((summary_id(s) for s in chain if _in_context(core, scope, session_id, first, summary=s)), None)
 
 
 def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
@@ -319,7 +334,7 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
     raw = _describe_args(args)
     row = _find_summary(core, scope, session_id, raw)
     if row is not None:
-        return _noted(_describe_summary(core, scope, session_id, row),
+        return _noted(_describe_summary(core, scope, session_id, row, _first_shown(core, scope, session_id)),
                       _shadow_note(core, scope, session_id, raw, ("summary", row.summary_seq)))
     row = _find_message(core, scope, session_id, raw)
     if row is None:
@@ -329,10 +344,11 @@ def run_describe(core: Core, scope: str, session_id: str, args: dict[str, Any]) 
     leaves = sorted(
         core.conn.execute(keyed(covering, summary_sources.c.message_ordinal, row.ordinal)).scalars(), reverse=True
     )
-    raw_in_context = _in_context(core, scope, session_id, message=row.ordinal)
+    first = _first_shown(core, scope, session_id)
+    raw_in_context = _in_context(core, scope, session_id, first, message=row.ordinal)
     chains = [_lineage(core, scope, session_id, leaf) for leaf in leaves]
     holder = message_id(row.ordinal) if raw_in_context else next(
-        (h for c in chains if (h := _holder(core, scope, session_id, c)) is not None), None
+        (h for c in chains if (h := _holder(core, scope, session_id, c, first)) is not None), None
     )
     return _noted({
         "id": message_id(row.ordinal),
@@ -361,7 +377,7 @@ def _noted(out: dict[str, Any], note: str | None) -> dict[str, Any]:
     return {**out, "note": note} if note else out
 
 
-def _describe_summary(core: Core, scope: str, session_id: str, row: Any) -> dict[str, Any]:
+def _describe_summary(core: Core, scope: str, session_id: str, row: Any, first: int) -> dict[str, Any]:
     seq = row.summary_seq
     chain = _lineage(core, scope, session_id, seq)
     out: dict[str, Any] = {
@@ -377,10 +393,10 @@ def _describe_summary(core: Core, scope: str, session_id: str, row: Any) -> dict
             "message_count": row.message_count,
         },
         "created_at": from_us(row.created_us).isoformat(),
-        "in_context": _in_context(core, scope, session_id, summary=seq),
+        "in_context": _in_context(core, scope, session_id, first, summary=seq),
         "parent": summary_id(chain[1]) if len(chain) > 1 else None,
         "lineage": [summary_id(s) for s in chain],
-        "context_holder": _holder(core, scope, session_id, chain),
+        "context_holder": _holder(core, scope, session_id, chain, first),
     }
     if row.kind == "condensed":
         out["children"] = [summary_id(c) for c in _children(core, scope, session_id, seq)]
