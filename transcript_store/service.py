@@ -488,16 +488,10 @@ class Service:
         prepared = self.store.prepare(_keyed_items(items, idempotency_key))
         mine = set(ours)
         others = [header_item_key(idempotency_key, i) for i in range(len(items) + 1) if i not in mine]
-        landed: list[tuple[int, list[Entry]]] = []  # the incarnation an attempt appended to, and what
 
-        def run(c: Core) -> list[Entry]:
-            if landed and replaced(c, scope, session_id, landed[0][0]):
-                # As ``TranscriptStore._append``: an earlier attempt's COMMIT was uncertain, and its session
-                # was deleted (perhaps made again) since; appending now writes into someone else's.
-                return landed[0][1]
-            sess, out = c.append_to_session(scope, session_id, prepared)
-            # Checked after the append, under the session lock it took: an earlier request under the key
-            # that committed before is seen, one still running waits for this one (or this for it).
+        def check(c: Core, sess: Any, out: list[Entry]) -> None:
+            # After the append, under the session lock it took: an earlier request under the key that
+            # committed before is seen, one still running waits for this one (or this for it).
             found = [i for i in ours if out[i].seq <= sess.last_seq]
             if found and len(found) < len(ours):
                 new = next(i for i in ours if out[i].seq > sess.last_seq)
@@ -512,10 +506,8 @@ class Service:
                     f"Idempotency-Key {idempotency_key!r} was used for another request, with an item without "
                     f"an entry_id or idempotency_key at index {index}, where this one has none; nothing was written"
                 )
-            landed[:] = [(int(sess.incarnation), out)]
-            return out
 
-        return self.store.write(run)
+        return self.store._append(scope, session_id, prepared, check)
 
     def admit(self, scope: str, session_id: str, req: AdmitRequest) -> Admission:
         """Admit the user message of a logical turn."""

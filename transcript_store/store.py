@@ -375,7 +375,15 @@ class TranscriptStore:
         prepared = self.prepare(items)
         return self._append(scope, session_id, prepared)
 
-    def _append(self, scope: str, session_id: str, items: list[NewEntry]) -> list[Entry]:
+    def _append(
+        self,
+        scope: str,
+        session_id: str,
+        items: list[NewEntry],
+        check: Callable[[Core, Any, list[Entry]], None] | None = None,
+    ) -> list[Entry]:
+        """``append_many``'s transaction; ``check(c, session row as locked, entries)`` runs after the append in
+        it and may raise to write nothing (the service's Idempotency-Key shape check)."""
         landed: list[tuple[int, list[Entry]]] = []  # the incarnation an attempt appended to, and what
 
         def run(c: Core) -> list[Entry]:
@@ -385,6 +393,8 @@ class TranscriptStore:
                 # are not in that one, and appending there would write into someone else's transcript.
                 return landed[0][1]
             sess, out = c.append_to_session(scope, session_id, items)
+            if check is not None:
+                check(c, sess, out)
             landed[:] = [(int(sess.incarnation), out)]
             return out
 
