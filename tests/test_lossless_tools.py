@@ -96,6 +96,33 @@ def test_bad_arguments_are_answered_not_raised(
     assert call(engine, sid, "lcm_describe", {"id": "msg_0"})["id"] == "msg_0"  # and the engine goes on
 
 
+def test_an_id_is_taken_as_the_store_names_one_past_640_bytes_too(
+    store: TranscriptStore, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 640-byte limit is for ids given to something new (README, ids): a tool's id names what the store
+    holds, and an entry id an earlier release stored past it is still described; past 255 characters, an
+    id no store holds, the model is told so."""
+    import transcript_store.core as core_module
+
+    engine = make_engine(store)
+    wide = "\U0001f642" * 161  # 644 bytes of UTF-8, 161 characters
+    monkeypatch.setattr(core_module, "MAX_ID_BYTES", 10_000)  # an earlier release, without the limit
+    admission = store.admit(A, sid, {"role": "user", "content": "question"}, turn_id="t1")
+    appended = store.append_many(A, sid, [{"message": {"role": "assistant", "content": "an answer"},
+                                           "entry_id": wide}])
+    monkeypatch.undo()
+    terminal = store.anchor(A, sid, appended[-1].entry_id)
+    closed = store.read_closed_range(admission, terminal)
+    assert isinstance(closed, ClosedRange)
+    store.write(lambda c: engine.commit_turn(
+        tx=c, advancement_key="t1", admission=admission.anchor, terminal=terminal, messages=closed.messages
+    ))
+    found = call(engine, sid, "lcm_describe", {"id": wide})
+    assert "error" not in found and found["entry_id"] == wide, found
+    refused = call(engine, sid, "lcm_describe", {"id": "x" * 256})
+    assert set(refused) == {"error"} and "255 characters" in refused["error"]
+
+
 class ToolCallingModel:
     """Calls one tool with the given arguments on the user's message, then answers."""
 

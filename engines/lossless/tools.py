@@ -149,7 +149,9 @@ def _ident(args: dict[str, Any], what: str) -> str:
     if not isinstance(raw, str) or not raw:
         raise ToolError(f"id must be {what}")
     try:
-        check_id("id", raw)  # an entry id the store could hold, so any query on it is a plain lookup
+        # An entry id the store could hold, so any query on it is a plain lookup. Not ``new=True``: the
+        # 640-byte limit is for ids given to something new, and an earlier release stored longer ones.
+        check_id("id", raw)
     except InvalidInput as e:
         raise ToolError(str(e)) from None
     return raw
