@@ -24,7 +24,7 @@
 
 import { createClient, ServiceError } from "./client.js";
 import {
-  contentText, ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn,
+  contentText, cutToJsonBytes, ENTRY_CAP_BYTES, fromStored, jsonBytes, mediaTokens, roughMessageTokens, storedInGroups, storedTurn,
   toStored, TURN_CAP_BYTES, wellFormed, withoutStaleThinking,
 } from "./messages.js";
 
@@ -42,6 +42,9 @@ const PAGE_BODY_BYTES = 4 * 1024 * 1024;
 const BODY_LIMIT_BYTES = 8 * 1024 * 1024;
 // What a body holds besides one entry (an import page's or a commit's keys and ids).
 const BODY_OVERHEAD = 64 * 1024;
+// What an assemble body keeps free besides its prompt, tools and budget (its bytes are counted here as
+// the client sends them: a little room all the same).
+const ASSEMBLE_MARGIN = 512;
 // Assembling again with a smaller budget when images and thinking blocks put the context over it.
 const ASSEMBLE_ROUNDS = 4;
 // The service's bounds on assemble's available_tools and compact's focus.
@@ -202,6 +205,8 @@ export function sizesOf(limits, options = {}) {
     turnLimit: Math.min(turn, body),
     // Half the body limit: a page's stored form can weigh more than the host bytes it was read by.
     pageBodyBytes: given(options.pageBodyBytes) ?? Math.min(PAGE_BODY_BYTES, Math.floor(body / 2)),
+    // The service's --max-body: an assemble's prompt is cut to what it leaves.
+    bodyLimit: body,
   };
 }
 
@@ -786,8 +791,26 @@ export async function createEngine(options) {
       // The service takes at most 1000 tool names: the first 1000 the host lists are sent.
       const tools = params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [];
       const prompt = typeof params.prompt === "string" ? wellFormed(params.prompt) : null;
-      const ask = (tokenBudget) => inSession(params.sessionId, params.sessionKey,
-        () => client.post(path, { token_budget: tokenBudget, available_tools: tools, prompt }));
+      // The prompt goes in the body whole unless the body would be over the service's --max-body: a
+      // long prompt (a pasted log) made every assemble of the turn 413. It is cut as a message's strings
+      // are, with the marker, to what the rest of the body leaves (no prompt when not even the marker fits);
+      // the service engines read the messages, not the prompt, for what they assemble.
+      const bodyOf = (tokenBudget) => {
+        const body = { token_budget: tokenBudget, available_tools: tools, prompt };
+        if (prompt === null) return body;
+        const room = sizes.bodyLimit - ASSEMBLE_MARGIN - jsonBytes({ ...body, prompt: "" }) + 2;
+        body.prompt = cutToJsonBytes(prompt, room,
+          `the prompt is over the ${sizes.bodyLimit} bytes the service takes in one request`);
+        return body;
+      };
+      const ask = (tokenBudget) => inSession(params.sessionId, params.sessionKey, async () => {
+        try {
+          return await client.post(path, bodyOf(tokenBudget));
+        } catch (error) {
+          if (!(await relearnSizes(error))) throw error;
+          return client.post(path, bodyOf(tokenBudget)); // the service was restarted with a lower --max-body
+        }
+      });
       // The service counts each message's OpenAI projection, where an image is a short placeholder and a
       // thinking block nothing; the model gets both. They are counted here (mediaTokens) and, when they
       // put the context over the budget, the service assembles again with a budget that leaves out the

@@ -434,6 +434,40 @@ function cutMarker(count, note) {
   return `\n[... ${count} characters cut by transcript-store: ${note}]`;
 }
 
+// What one UTF-16 unit weighs in a JSON string as JSON.stringify writes it, in UTF-8 bytes (a pair: 4
+// for both units; a lone surrogate, escaped: 6).
+function jsonUnitBytes(code) {
+  if (code === 0x22 || code === 0x5c) return 2;
+  if (code < 0x20) return code === 0x08 || code === 0x09 || code === 0x0a || code === 0x0c || code === 0x0d ? 2 : 6;
+  if (code < 0x80) return 1;
+  if (code < 0x800) return 2;
+  if (code >= 0xd800 && code <= 0xdfff) return 6;
+  return 3;
+}
+
+/**
+ * `text` whose JSON string (its quotes included) weighs at most `maxBytes`: whole when it does, else its
+ * head and the cut marker, as a message's strings are cut (a pair never split); null when not even the
+ * marker fits.
+ */
+export function cutToJsonBytes(text, maxBytes, note) {
+  if (jsonBytes(text) <= maxBytes) return text;
+  const room = maxBytes - jsonBytes(cutMarker(text.length, note)); // the longest marker it can take
+  if (room < 0) return null;
+  let used = 0;
+  let end = 0;
+  while (end < text.length) {
+    const code = text.charCodeAt(end);
+    const next = end + 1 < text.length ? text.charCodeAt(end + 1) : 0;
+    const pair = code >= 0xd800 && code <= 0xdbff && next >= 0xdc00 && next <= 0xdfff;
+    const bytes = pair ? 4 : jsonUnitBytes(code);
+    if (used + bytes > room) break;
+    used += bytes;
+    end += pair ? 2 : 1;
+  }
+  return text.slice(0, end) + cutMarker(text.length - end, note);
+}
+
 // A provider's signature over a block (Anthropic's thinkingSignature, Gemini's thoughtSignature, ...):
 // valid only whole and beside the text it signs, so never cut, only dropped.
 const SIGNATURE_KEY = /signature$/i;

@@ -741,6 +741,55 @@ test("finding 5: limits that change under a running gateway (the service restart
 });
 
 
+test("a prompt longer than the service's body limit is cut to fit, and cut again when the limit falls", async () => {
+  // A pasted log as the prompt: sent whole, every assemble of the turn was 413 near a small --max-body.
+  const sent = [];
+  const fetchImpl = async (url, init) => {
+    if (String(url).endsWith("/assemble")) sent.push(JSON.parse(init.body));
+    return fetch(url, init);
+  };
+  const head = `quote " backslash \\ tab \t emoji \u{1f642} control \u0001 ${"\u00e9".repeat(10)}\n`;
+  // 3.5 MiB JSON-escaped: over the small service's 3 MiB body limit (and a body the 1 MiB service below
+  // still reads to its end before its 413, rather than closing the connection under it).
+  const prompt = head.repeat(Math.ceil(3.5 * MiB / (Buffer.byteLength(JSON.stringify(head)) - 2)));
+  const bodies = () => sent.map((body) => Buffer.byteLength(JSON.stringify(body)));
+  const host = hostSession("s-prompt");
+  const engine = await engineFor(host, { on: small, fetchImpl }); // --max-body 3 MiB
+  await engine.commitTurn(host.turn("p0", [userMessage("hello"), assistantMessage("hi")]));
+  const ask = (on, of = host) => on.assemble({ sessionId: of.sessionId, sessionKey: of.sessionKey, tokenBudget: 100000,
+    prompt, availableTools: new Set(["read", "write"]) });
+  assert.equal((await ask(engine)).messages.length, 2);
+  const [body] = sent;
+  assert.ok(bodies()[0] <= 3 * MiB && bodies()[0] > 3 * MiB - 4096, `${bodies()[0]} bytes`);
+  const kept = body.prompt.slice(0, body.prompt.indexOf("\n[... "));
+  assert.ok(prompt.startsWith(kept) && kept.length > MiB);
+  assert.equal(body.prompt.slice(kept.length),
+    `\n[... ${prompt.length - kept.length} characters cut by transcript-store: the prompt is over the 3145728 bytes the service takes in one request]`);
+  // A short prompt goes whole.
+  sent.length = 0;
+  await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 100000, prompt: "go on" });
+  assert.equal(sent[0].prompt, "go on");
+
+  // The service restarted with a lower --max-body under a running engine: the 413 makes it read the
+  // limits again and cut the prompt to them.
+  const first = await startService();
+  let second;
+  try {
+    const other = hostSession("s-prompt-restart");
+    const running = await engineFor(other, { on: first, fetchImpl });
+    await running.commitTurn(other.turn("q0", [userMessage("hello"), assistantMessage("hi")]));
+    await first.stop({ keep: true });
+    second = await startService({ dir: first.dir, port: first.port, args: ["--max-body", String(MiB)] });
+    sent.length = 0;
+    assert.equal((await ask(running, other).catch((error) => assert.fail(error.message))).messages.length, 2);
+    assert.equal(sent.length, 2); // whole by the 8 MiB it knew (413), then cut by the 1 MiB it read again
+    assert.ok(bodies()[0] > MiB && bodies()[1] <= MiB && bodies()[1] > MiB - 4096, `${bodies()} bytes`);
+    assert.match(sent.at(-1).prompt, /the prompt is over the 1048576 bytes the service takes in one request\]$/);
+  } finally {
+    await (second ?? first).stop();
+  }
+});
+
 test("finding 6: a compaction inside a turn leaves the turn's own message out of the mirror", async () => {
   // OpenClaw reads under the turn's fence in bootstrap and assemble only; its overflow recovery compacts
   // without one. The import before (owned) or after (delegated) the compaction took the turn's user

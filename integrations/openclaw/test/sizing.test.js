@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  imageSize, imageTokens, jsonBytes, mediaTokens, roughTokens, storedInGroups, storedTurn, toStored,
+  cutToJsonBytes, imageSize, imageTokens, jsonBytes, mediaTokens, roughTokens, storedInGroups, storedTurn, toStored,
 } from "../src/messages.js";
 import { assistantMessage, logOf, MiB, pngOf, toolCall, toolResult, userMessage } from "../testing/messages.js";
 
@@ -81,4 +81,20 @@ test("a turn of many tool results, each under the smallest share, is still store
   assert.ok(jsonBytes(more) < 8 * MiB);
   const sum = storedTurn(more, { turnLimit: limit }).reduce((bytes, m) => bytes + jsonBytes(m), 0);
   assert.ok(sum <= limit - 64 * 1024, `${sum} bytes`);
+});
+
+test("a text is cut to the JSON bytes it may take, escapes and pairs counted, a pair never split", () => {
+  const note = "the prompt is over the limit";
+  assert.equal(cutToJsonBytes("short", 100, note), "short");
+  assert.equal(cutToJsonBytes("x".repeat(5000), 60, note), null); // not even the marker fits
+  for (const unit of ["a", "\"", "\\", "\n", "\u0001", "\u00e9", "\u20ac", "\u{1f642}", "a\u{1f642}"]) {
+    const text = unit.repeat(20000 / unit.length);
+    for (const max of [1000, 4097, 9999]) {
+      const cut = cutToJsonBytes(text, max, note);
+      const kept = cut.slice(0, cut.indexOf("\n[... "));
+      assert.ok(jsonBytes(cut) <= max && jsonBytes(cut) > max - 8, `${JSON.stringify(unit)} ${max}: ${jsonBytes(cut)}`);
+      assert.ok(text.startsWith(kept) && kept.isWellFormed());
+      assert.equal(cut.slice(kept.length), `\n[... ${text.length - kept.length} characters cut by transcript-store: ${note}]`);
+    }
+  }
 });
