@@ -212,6 +212,19 @@ export function sizesOf(limits, options = {}) {
 
 const described = new Map();
 
+// The limits this process has sized what it sends by, per service and engine (at most SEEN_SIZES, the
+// newest last): a host's replay of a turn committed before the service was restarted with other limits
+// is cut otherwise, and the ledger answers 409 advancement_key_collision; cut by the earlier limits, the
+// replay is the committed payload again (see commitTurn).
+const SEEN_SIZES = 8;
+const seenSizes = new Map();
+
+function rememberSizes(key, value) {
+  const list = (seenSizes.get(key) ?? []).filter((known) => JSON.stringify(known) !== JSON.stringify(value));
+  list.push(value);
+  seenSizes.set(key, list.slice(-SEEN_SIZES));
+}
+
 async function describeEngine(client, engine, { fresh = false } = {}) {
   const key = `${client.base} ${engine}`;
   if (fresh || !described.has(key)) {
@@ -380,6 +393,8 @@ export async function createEngine(options) {
   // an explicit option first. Read again when the service refuses a body or an entry as too large (it
   // was restarted with other limits).
   let sizes = sizesOf(description.limits, options);
+  const sizesKey = JSON.stringify([client.base, engineId]);
+  rememberSizes(sizesKey, sizes);
   const ownsCompaction = description.info.owns_compaction === true;
   const hostRequirements = hostRequirementsOf(description.info.host_requirements);
   let sdkPromise = options.sdk ? Promise.resolve(options.sdk) : null;
@@ -410,6 +425,7 @@ export async function createEngine(options) {
     }
     const changed = JSON.stringify(fresh) !== JSON.stringify(sizes);
     sizes = fresh;
+    rememberSizes(sizesKey, fresh);
     if (changed) info(`transcript-store: the service's limits changed: ${JSON.stringify(fresh)}`);
     return changed;
   }
@@ -875,10 +891,42 @@ export async function createEngine(options) {
           return client.post(path, body);
         }
       };
+      // A replay of a turn the service committed while it had other limits (it was restarted since: a
+      // lower entry cap, body limit or turn cap) is cut otherwise than its commit, and its payload's hash
+      // collides with the receipt's. It is sent again cut by each limit this process has known the
+      // service by, newest first, and by the service's defaults (a process started after the restart).
+      // Only the service's "duplicate" is taken: the ledger compares the whole payload's hash (anchors
+      // and every message), so the committed turn is exactly these host messages cut by those limits. A
+      // replay that differs otherwise, or limits this process never knew, keep the collision.
+      const replayedByEarlierLimits = async (collision) => {
+        const tried = new Set([JSON.stringify(body.messages)]);
+        for (const earlier of [...(seenSizes.get(sizesKey) ?? [])].reverse().concat([sizesOf(undefined, options)])) {
+          const messages = storedTurn(params.messages, earlier);
+          const text = JSON.stringify(messages);
+          if (tried.has(text)) continue;
+          tried.add(text);
+          let answer;
+          try {
+            answer = await client.post(path, { ...body, messages });
+          } catch (error) {
+            if (error instanceof ServiceError && (error.status === 409 || error.status === 413)) continue;
+            throw error;
+          }
+          // (Only "duplicate" while the receipt stands: the key is committed.)
+          if (answer?.status === "duplicate") {
+            info(`transcript-store: turn ${params.advancementKey} was committed under the service's earlier limits; its replay is a duplicate`);
+          }
+          return answer;
+        }
+        throw collision;
+      };
       const answer = await inSession(target.sessionId, target.sessionKey, async () => {
         try {
           return await post();
         } catch (error) {
+          if (error instanceof ServiceError && error.code === "advancement_key_collision") {
+            return replayedByEarlierLimits(error);
+          }
           if (!(error instanceof ServiceError && error.reason === "behind")) throw error;
           // Host messages before this turn never reached the mirror (a degraded turn, host-written
           // messages): import up to the turn's end, then commit.

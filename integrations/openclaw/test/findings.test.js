@@ -741,6 +741,31 @@ test("finding 5: limits that change under a running gateway (the service restart
 });
 
 
+test("a replay after the service restarted with a lower entry cap is a duplicate, not a collision", async () => {
+  const first = await startService();
+  let second;
+  try {
+    const host = hostSession("s-replay-limits");
+    const engine = await engineFor(host, { on: first });
+    // 0.6 MiB of text kept twice (1.2 MiB): whole under the 4 MiB cap, kept once under a 1 MiB one.
+    const result = toolResult("c1", "w".repeat(0.6 * MiB));
+    const turn = host.turn("x0", [userMessage("read it"), toolCall("c1", "read", {}), result, assistantMessage("read")]);
+    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" }); // (its answer lost to the host)
+    await first.stop({ keep: true });
+    second = await startService({ dir: first.dir, port: first.port, env: { TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES: String(MiB) } });
+    // The host's replay from its outbox, by the running engine and by a new one (a process started since).
+    assert.deepEqual(await engine.commitTurn(turn), { status: "duplicate" });
+    assert.deepEqual(await (await engineFor(host, { on: second })).commitTurn(turn), { status: "duplicate" });
+    // Another turn under the same key still collides: only a cut by earlier limits is taken for the same.
+    const other = { ...turn, messages: [...turn.messages.slice(0, 3), assistantMessage("read, differently")] };
+    await assert.rejects(engine.commitTurn(other), (error) => error.code === "advancement_key_collision");
+    const receipts = await second.get(`/v1/engines/legacy/sessions/${host.sessionId}/receipts`);
+    assert.equal(receipts.receipts.length, 1);
+  } finally {
+    await (second ?? first).stop();
+  }
+});
+
 test("a prompt longer than the service's body limit is cut to fit, and cut again when the limit falls", async () => {
   // A pasted log as the prompt: sent whole, every assemble of the turn was 413 near a small --max-body.
   const sent = [];
