@@ -197,6 +197,21 @@ def _pg_on_connect(dbapi_conn: Any, _record: object) -> None:
     dbapi_conn.autocommit = False
 
 
+def _pg_require_utf8(dbapi_conn: Any, _record: object) -> None:
+    """Refuse a database whose encoding is not UTF8 (from the connection's startup report: no round trip).
+
+    The store takes any Unicode text: under LATIN1 a message with an emoji cannot be stored, under
+    SQL_ASCII an id's 255 characters are counted as bytes and nothing is checked. Refused when a
+    connection opens, so before anything (the schema included) is written."""
+    found = dbapi_conn.info.parameter_status("server_encoding")
+    if found is not None and found.upper() not in ("UTF8", "UTF-8"):
+        dbapi_conn.close()
+        raise StoreUnavailable(
+            f"the PostgreSQL database's encoding is {found}, not UTF8: the store needs a UTF8 database "
+            "(CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
 def _reset_autocommit(conn: Connection, driver: Any) -> None:
     """Give the pooled connection back in transaction mode, or drop it from the pool if it cannot be."""
     if conn.invalidated:
@@ -316,8 +331,14 @@ def create_db_engine(config: StoreConfig) -> Engine:
         # No pool_pre_ping: it costs a round trip per transaction. A connection that died in the
         # pool fails its first statement, which is a transient error: the transaction is retried
         # whole on a fresh connection (the pool drops the invalidated one).
-        connect_args={"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"},
+        # UTF-8 always: the client encoding otherwise follows PGCLIENTENCODING or the database's own, and
+        # a message the codec could not carry (an emoji under LATIN1) left psycopg as UnicodeEncodeError,
+        # a SQL_ASCII database's bytes broke the engine's first connect (TypeError).
+        connect_args={
+            "connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}", "client_encoding": "UTF8",
+        },
     )
+    event.listen(engine, "connect", _pg_require_utf8)
     if config.pg_generic_plans:
         event.listen(engine, "connect", _pg_on_connect)
     return engine
