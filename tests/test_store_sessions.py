@@ -147,7 +147,7 @@ def test_delete_session_of_an_incarnation_spares_a_session_made_again(store: Tra
         store.delete_session(A, "s1", incarnation=looked_up.incarnation)
     assert isinstance(refused.value, UnknownSession) and "made again" in str(refused.value)
     assert [e.message for e in store.read_visible(A, "s1")] == [user("new")]
-    for bad in (True, "1", 1.0):
+    for bad in (True, "1", 1.0, -1, 2**63, 2**70):
         with pytest.raises(InvalidInput):
             store.delete_session(A, "s1", incarnation=bad)  # type: ignore[arg-type]
     now = store.get_session(A, "s1")

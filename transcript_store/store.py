@@ -12,7 +12,18 @@ from sqlalchemy import Connection
 
 from . import fences, migrate, mirror, paths, reads
 from .config import StoreConfig
-from .core import MAX_INT, Core, NewEntry, check_anchor, check_id, entry_from_row, new_id, prepare_entry, session_info
+from .core import (
+    MAX_INCARNATION,
+    MAX_INT,
+    Core,
+    NewEntry,
+    check_anchor,
+    check_id,
+    entry_from_row,
+    new_id,
+    prepare_entry,
+    session_info,
+)
 from .db import Database, mask_url
 from .errors import (
     InvalidInput,
@@ -330,8 +341,12 @@ class TranscriptStore:
         ``incarnation`` (a ``SessionInfo``'s, from an earlier lookup) deletes that session only: one
         deleted and made again under the id since raises SessionReplaced and stays whole."""
         self._ids(scope, session_id)
-        if incarnation is not None and (isinstance(incarnation, bool) or not isinstance(incarnation, int)):
-            raise InvalidInput(f"incarnation must be an integer or None, got {incarnation!r}")
+        # In the column's range, as an anchor's (check_anchor): -1 or 2**70 was answered SessionReplaced,
+        # "deleted and made again since", of a session that was neither.
+        if incarnation is not None and (
+            isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 <= incarnation <= MAX_INCARNATION
+        ):
+            raise InvalidInput(f"incarnation must be None or an integer in 0..{MAX_INCARNATION}, got {incarnation!r}")
         landed: list[SessionInfo] = []  # the session an attempt deleted
 
         def run(c: Core) -> SessionInfo:
