@@ -86,3 +86,23 @@ def test_an_admission_too_large_for_any_turn_is_refused_before_anything_is_writt
         admission, _ = turns.admit(A, sid, {"role": "user", "content": "hi"}, turn_id="t2", engine_id="e")
         done = turns.complete(A, sid, "t2", [{"message": {"role": "assistant", "content": "ok"}}], commit_in=None)
         assert done.intent.state == "accepted" and admission.turn_id == "t2"
+
+
+def test_an_admission_a_few_bytes_under_the_turn_cap_is_refused_too(store_url: str) -> None:
+    # The refusal above took only a user message at the cap or over it: one 10 bytes under it was admitted,
+    # and no reply fits in 10 bytes (the smallest message is 28), so the turn could never complete and held
+    # the session busy for its lease. Refused as well; one that leaves room for the smallest reply is not.
+    config = StoreConfig(url=store_url, max_payload_bytes=16 * 1024 * 1024)
+    base = len('{"role":"user","content":""}')
+    with TranscriptStore(config=config) as store:
+        turns = Turns(store)
+        sid = store.create_session(A).session_id
+        before = store.list_entries(A, sid), turns.intents(A)
+        near = {"role": "user", "content": "x" * (MAX_TURN_BYTES - 10 - base)}
+        with pytest.raises(PayloadTooLarge, match="no room for a reply"):
+            turns.admit(A, sid, near, turn_id="t1", engine_id="e")
+        assert (store.list_entries(A, sid), turns.intents(A)) == before
+        fits = {"role": "user", "content": "x" * (MAX_TURN_BYTES - 2 * base)}
+        turns.admit(A, sid, fits, turn_id="t2", engine_id="e")
+        done = turns.complete(A, sid, "t2", [{"message": {"role": "user", "content": ""}}], commit_in=None)
+        assert done.intent.state == "accepted"

@@ -90,6 +90,10 @@ class CompletionResult:
     fast_path_error: str | None = None
 
 
+#: the stored size of the smallest message a turn can complete with (``{"role":"user","content":""}``)
+SMALLEST_REPLY_BYTES = len('{"role":"user","content":""}')
+
+
 def turn_payload(intent: TurnIntent) -> TurnPayload:
     """The ledger payload of a ready intent (its messages are the closed range it captured)."""
     if intent.state != "ready" or intent.terminal is None or intent.messages is None:
@@ -279,9 +283,11 @@ class Turns:
             raise InvalidInput("is_heartbeat must be a bool")
         owner = new_owner() if owner is None else _check_owner(owner)
         item = self.store.prepare_admission(message, turn_id=turn_id)
-        if item.size_bytes >= MAX_TURN_BYTES:
+        if item.size_bytes + SMALLEST_REPLY_BYTES > MAX_TURN_BYTES:
             # Under a max_payload_bytes above the turn's cap, such an admission was taken and its turn
             # could never complete (every reply: PayloadTooLarge), holding the session busy meanwhile.
+            # Not only at the cap itself: a user message a few bytes under it leaves no room for the
+            # smallest reply either.
             raise PayloadTooLarge(
                 f"turn {turn_id!r}: its user message is {item.size_bytes} bytes, which leaves no room for a "
                 f"reply under the turn's cap of {MAX_TURN_BYTES}"
