@@ -353,3 +353,21 @@ def test_a_long_delivery_keeps_its_drain_claim(store: TranscriptStore, sid: str)
     assert calls == ["first"], calls
     assert reports["first"].committed == 1 and reports["second"].delivered == 0
     assert [r.advancement_key for r in Turns(store).receipts(S, sid)] == ["t1"]
+
+
+def test_a_refused_retry_reports_no_lease_taken_over(store: TranscriptStore, sid: str) -> None:
+    """A retry's admission that took the turn over from a live attempt and was then refused (here
+    ``TurnOvertaken``: a later turn was admitted meanwhile) rolled the take-over back, but the lease it
+    had put in ``taken_over`` stayed there: the caller was told of a take-over that never happened. A
+    refused call leaves ``taken_over`` empty, and the turn with the attempt that holds it."""
+    from transcript_store.errors import TurnOvertaken
+
+    turns = Turns(store)
+    turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/a")
+    store.admit(S, sid, user("q2"), turn_id="t2")  # the store's own admit: no turn, not held back
+    taken: list[Any] = ["stale"]
+    with pytest.raises(TurnOvertaken):
+        turns.admit(S, sid, user("q1"), turn_id="t1", engine_id="e", owner="worker/b", taken_over=taken)
+    assert taken == []
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.lease_owner == "worker/a"

@@ -222,10 +222,17 @@ class Turns:
         """
         if taken_over is not None and not isinstance(taken_over, list):
             raise InvalidInput("taken_over must be a list (it receives the lease taken over)")
-        result = self._admit(
-            scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False, owner=owner,
-            taken_over=taken_over,
-        )
+        try:
+            result = self._admit(
+                scope, session_id, message, turn_id, engine_id, is_heartbeat, only_if_clear=False, owner=owner,
+                taken_over=taken_over,
+            )
+        except BaseException:
+            # Refused (SessionBusy, TurnOvertaken, OutboxCollision, ...): the take-over its transaction made
+            # rolled back with it, and a lease left here would tell the caller of one that never happened.
+            if taken_over is not None:
+                taken_over.clear()
+            raise
         assert result is not None
         return result
 
