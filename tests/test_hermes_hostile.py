@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import pickle
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,63 @@ def test_a_refused_message_in_the_fresh_tail_is_in_the_answer_once(tmp_path: Pat
     engine.on_turn_complete(copy.deepcopy(later))
     rows = stored(engine, "s1")
     assert len(rows) == len(messages) + 1 == len(set(rows))
+
+
+def past_recursion_limit(leaf: Any, wrap: Any) -> Any:
+    """``leaf`` wrapped (``wrap``) five times Python's recursion limit deep, built without recursion."""
+    return functools.reduce(lambda v, _: wrap(v), range(5 * sys.getrecursionlimit()), leaf)
+
+
+def deep_round(case: str) -> list[dict[str, Any]]:
+    """A tool round or turn with one message nested past Python's recursion limit (made afresh: the test
+    cannot ``copy.deepcopy`` it either)."""
+    deep = past_recursion_limit({"q": "deepest value"}, lambda v: {"k": v})
+    call = {"id": "call_deep", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    if case == "deep-arguments":
+        call["function"]["arguments"] = deep
+    user: dict[str, Any] = {"role": "user", "content": "look it up"}
+    if case == "deep-field":
+        user["meta"] = deep
+    if case == "deep-parts":
+        user["content"] = past_recursion_limit(["deepest value"], lambda v: [v])
+    if case == "deep-host-flag":
+        user["_host_flag"] = deep
+    return [user, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_deep", "content": "deep result"},
+            {"role": "assistant", "content": "after the deep one"}]
+
+
+@pytest.mark.parametrize("case", ["deep-field", "deep-arguments", "deep-parts", "deep-host-flag"])
+def test_a_message_nested_past_the_recursion_limit_is_stored_and_compacted(
+    store_url: str, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nested past Python's recursion limit (a tool call's arguments, a field, a content list), a message
+    made ``copy.deepcopy`` and json.dumps raise RecursionError: compress handed the list back uncompressed
+    and stored nothing, on every later call too. Stored with what is past 64 levels as its JSON text."""
+    engine = make(store_url)
+    engine.on_session_start("s1")
+    convo = conversation("deep", 6)
+
+    def messages() -> list[dict[str, Any]]:
+        return [*copy.deepcopy(convo), *deep_round(case)]
+
+    engine.on_turn_complete(messages())
+    engine.on_turn_complete(messages())  # again: nothing twice
+    out = engine.compress(messages())
+    engine.on_session_end("s1", messages())
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    total = len(messages())
+    rows = stored(engine, "s1")
+    assert len(rows) == total == len(set(rows)), rows[-4:]
+    assert all(json.dumps(m, sort_keys=True) in rows for m in convo)
+    held = rows[len(convo) + (1 if case == "deep-arguments" else 0)]
+    if case != "deep-host-flag":  # host bookkeeping is not stored
+        assert "deepest value" in held
+    assert engine.compression_count == 1 and len(out) < total and is_valid_sequence(out)
+    json.dumps(out)  # what Hermes goes on with is nested no deeper than JSON writes
+    # The conversation goes on after the compaction: the answer taken, a turn added, stored once.
+    later = [*out, {"role": "user", "content": "the next turn"}, {"role": "assistant", "content": "its answer"}]
+    engine.on_turn_complete(copy.deepcopy(later))
+    engine.on_turn_complete(copy.deepcopy(later))
+    assert len(stored(engine, "s1")) == total + 2
+    engine.close()

@@ -102,7 +102,11 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     if depth >= MAX_JSON_DEPTH and isinstance(value, (dict, list, tuple, set, frozenset)) and value:
         # Its items would sit past the store's nesting limit, which refused the whole message (and so
         # every later store of the conversation): its text keeps all of it, one level deep.
-        return jsonable(canonical(value))
+        try:
+            text = canonical(value)
+        except RecursionError:  # nested past Python's recursion limit too: json.dumps cannot write it
+            text = deep_json(value)
+        return jsonable(text)
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -120,6 +124,108 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (set, frozenset)):
         return [jsonable(v, depth + 1) for v in sorted(value, key=repr)]
     return jsonable(str(value))
+
+
+class _Piece:
+    """Text ``deep_json`` writes between a container's items, or after them (closing ``ident``'s)."""
+
+    __slots__ = ("ident", "text")
+
+    def __init__(self, text: str, ident: int | None = None) -> None:
+        self.text, self.ident = text, ident
+
+
+def _key_text(key: Any) -> str:
+    """A dict key as json.dumps writes it (a key of another type as its ``str``)."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (int, float)):
+        return json.dumps(key)
+    return str(key)
+
+
+def deep_json(value: Any) -> str:
+    """``canonical(value)`` without recursion, for a value nested past Python's recursion limit (json.dumps
+    and copy.deepcopy raise RecursionError on it): the same text for plain JSON. Keys that do not sort
+    among themselves are sorted by their text; a container holding itself raises ValueError, as in
+    json.dumps."""
+    out: list[str] = []
+    stack: list[Any] = [value]
+    open_ids: set[int] = set()  # the containers being written: one met again holds itself
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Piece):
+            out.append(item.text)
+            open_ids.discard(item.ident if item.ident is not None else -1)
+            continue
+        if isinstance(item, (dict, list, tuple)) and item:
+            if id(item) in open_ids:
+                raise ValueError("Circular reference detected")
+            open_ids.add(id(item))
+            if isinstance(item, dict):
+                pairs = [(_key_text(k), v) for k, v in _sorted_items(item)]
+                first, close = "{", "}"
+                inner: list[Any] = []
+                for n, (k, v) in enumerate(pairs):
+                    inner += [_Piece(("," if n else "") + json.dumps(k, ensure_ascii=False) + ":"), v]
+            else:
+                first, close = "[", "]"
+                inner = []
+                for n, v in enumerate(item):
+                    inner += [_Piece(","), v] if n else [v]
+            out.append(first)
+            stack.append(_Piece(close, id(item)))
+            stack.extend(reversed(inner))
+            continue
+        if isinstance(item, (dict, list, tuple)):
+            out.append("{}" if isinstance(item, dict) else "[]")
+            continue
+        try:
+            out.append(json.dumps(item, ensure_ascii=False, default=str))
+        except RecursionError:  # a leaf nested in itself past the limit (a frozenset of frozensets)
+            out.append(json.dumps(f"<a {type(item).__name__} nested too deep to write>"))
+    return "".join(out)
+
+
+def _sorted_items(value: dict[Any, Any]) -> list[tuple[Any, Any]]:
+    """A dict's items sorted by key, as json.dumps' ``sort_keys`` sorts them (by their text when the keys
+    do not sort among themselves)."""
+    try:
+        return sorted(value.items(), key=lambda kv: kv[0])
+    except TypeError:
+        return sorted(value.items(), key=lambda kv: _key_text(kv[0]))
+
+
+def bounded(value: Any, depth: int = 0) -> Any:
+    """A deep copy of ``value`` (at ``depth``) with each non-empty container whose items would sit past
+    MAX_JSON_DEPTH as its JSON text (``deep_json``), as ``jsonable`` writes it: for a message
+    ``copy.deepcopy`` cannot copy (nested past Python's recursion limit), and what it means is kept."""
+    if depth >= MAX_JSON_DEPTH and isinstance(value, (dict, list, tuple, set, frozenset)) and value:
+        try:
+            return canonical(value)
+        except RecursionError:
+            return deep_json(value)
+    if isinstance(value, dict):
+        return {k: bounded(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [bounded(v, depth + 1) for v in value]
+    try:
+        return copy.deepcopy(value)
+    except RecursionError:  # a leaf nested in itself (a frozenset of frozensets): its text
+        return deep_json(value)
+
+
+def detached(items: Sequence[Any]) -> list[Any]:
+    """Deep copies of a host's items, the store's and compaction's own (``copy.deepcopy``); an item nested
+    past Python's recursion limit ``bounded``. Copied whole, one such message raised RecursionError,
+    and compress handed the list back uncompressed, storing nothing, for the rest of the conversation."""
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.append(copy.deepcopy(item))
+        except RecursionError:
+            out.append(bounded(item))
+    return out
 
 
 def canonical(message: Any) -> str:
@@ -1499,7 +1605,7 @@ class TranscriptStoreEngineMixin:
         make it shorter.
         """
         try:
-            snapshot = copy.deepcopy(list(messages))
+            snapshot = detached(list(messages))
         except Exception:  # not a list of messages: nothing to store or compact
             log.exception("transcript-store: compress got no message list; leaving it unchanged")
             return messages
@@ -1718,7 +1824,7 @@ class TranscriptStoreEngineMixin:
         """Store whatever of the conversation is not stored yet (idempotent)."""
         try:
             if messages:
-                self.ingest(copy.deepcopy(list(messages)), session_id or None)
+                self.ingest(detached(list(messages)), session_id or None)
         except Exception:
             log.exception("transcript-store: storing the conversation at session end failed")
 
@@ -1774,7 +1880,7 @@ class TranscriptStoreEngineMixin:
         try:
             saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
             if isinstance(saved, list) and saved:
-                self.ingest(copy.deepcopy([m for m in saved if isinstance(m, dict)]), hermes_session)
+                self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session)
         except Exception:
             log.exception("transcript-store: storing conversation %s at a session switch failed", hermes_session)
 
@@ -1827,7 +1933,7 @@ class TranscriptStoreEngineMixin:
                 # hermes-agent passes the conversation in memory ("for live ingestion"): stored first, a
                 # recall tool finds this conversation's turns before its first compaction too.
                 try:
-                    self.ingest(copy.deepcopy(live), hermes_session)
+                    self.ingest(detached(live), hermes_session)
                 except Exception:
                     log.exception("transcript-store: storing the live conversation for a tool call failed")
             store_session = self._store_session(rt, hermes_session)
@@ -1882,7 +1988,7 @@ class TranscriptStoreEngineMixin:
                 source = with_incoming([m for m in conversation_messages if isinstance(m, dict)], incoming_message)
             else:
                 source = request_messages  # the request holds the incoming message itself
-            store_session, _n = self.ingest(copy.deepcopy(source), _kwargs.get("session_id"))
+            store_session, _n = self.ingest(detached(source), _kwargs.get("session_id"))
             if not budget_tokens:
                 return None
             est = RoughEstimator()
@@ -1946,7 +2052,7 @@ class TranscriptStoreEngineMixin:
             if isinstance(usage, dict):
                 self.update_from_response(usage)
             if isinstance(messages, list) and messages:
-                self.ingest(copy.deepcopy([m for m in messages if isinstance(m, dict)]), kwargs.get("session_id"))
+                self.ingest(detached([m for m in messages if isinstance(m, dict)]), kwargs.get("session_id"))
         except Exception:
             log.exception("transcript-store on_turn_complete failed")
 
