@@ -20,6 +20,7 @@ from test_hermes_adapter import conversation
 
 from transcript_store.compaction import summary_message
 from transcript_store.hermes import (
+    as_text,
     create_engine,
     is_context_message,
     is_valid_sequence,
@@ -404,3 +405,65 @@ def test_a_message_nested_past_the_recursion_limit_is_stored_and_compacted(
     engine.on_turn_complete(copy.deepcopy(later))
     assert len(stored(engine, "s1")) == total + 2
     engine.close()
+
+
+ROUND_CALL = {"id": "call_odd", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+#: a tool round with one message the store refuses by a shape that is not its tool calls or call id
+ODD_ROUNDS: dict[str, list[dict[str, Any]]] = {
+    "assistant-string-parts": [
+        {"role": "assistant", "content": ["thinking", "aloud"], "tool_calls": [ROUND_CALL]},
+        {"role": "tool", "tool_call_id": "call_odd", "content": "THE RESULT"}],
+    "assistant-number-name": [
+        {"role": "assistant", "content": "calling", "name": 7, "tool_calls": [ROUND_CALL]},
+        {"role": "tool", "tool_call_id": "call_odd", "content": "THE RESULT"}],
+    "tool-string-parts": [
+        {"role": "assistant", "content": None, "tool_calls": [ROUND_CALL]},
+        {"role": "tool", "tool_call_id": "call_odd", "content": ["THE RESULT", "in strings"]}],
+}
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+@pytest.mark.parametrize("case", sorted(ODD_ROUNDS))
+def test_a_refused_message_of_a_tool_round_keeps_the_round_in_context(
+    store_url: str, engine_id: str, case: str
+) -> None:
+    """An assistant message refused by its shape was stored as the text of its JSON, its tool calls
+    with it (a tool result likewise lost its call id): the round's other messages stayed stored, but
+    as orphans every assembled context left out. The tool calls and call id stay as they are."""
+    engine = make(store_url, engine=engine_id)
+    engine.on_session_start("s1")
+    odd = ODD_ROUNDS[case]
+    messages = [*conversation("round", 8), {"role": "user", "content": "go"}, *copy.deepcopy(odd),
+                {"role": "assistant", "content": "done"}, {"role": "user", "content": "now"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    out = engine.compress(copy.deepcopy(messages))
+    engine.on_session_end("s1", copy.deepcopy(messages))  # again: nothing twice
+    rows = stored(engine, "s1")
+    assert len(rows) == len(messages) == len(set(rows))
+    assert engine.compression_count == 1 and len(out) < len(messages) and is_valid_sequence(out)
+    at = next(i for i, m in enumerate(out) if m.get("tool_calls"))
+    assert out[at]["tool_calls"] == [ROUND_CALL]
+    assert out[at + 1]["role"] == "tool" and out[at + 1]["tool_call_id"] == "call_odd"
+    assert "THE RESULT" in out[at + 1]["content"] and out[at + 2:] == messages[-2:]
+    held = json.dumps(out[at : at + 2])
+    assert ("thinking" in held) if case == "assistant-string-parts" else ("in strings" in held or "7" in held)
+
+
+def test_a_round_stored_in_the_earlier_whole_text_form_still_aligns(store_url: str) -> None:
+    """Releases before kept a refused assistant message whole as text (its tool calls in the text): a
+    conversation stored so goes on aligning with it, not branched and stored again after the upgrade."""
+    engine = make(store_url)
+    engine.on_session_start("s1")
+    odd = ODD_ROUNDS["assistant-string-parts"]
+    earlier = as_text(odd[0])  # what an earlier release stored for it
+    head = [*conversation("old", 4), {"role": "user", "content": "go"}]
+    engine.on_turn_complete([*copy.deepcopy(head), earlier, copy.deepcopy(odd[1])])
+    before = stored(engine, "s1")
+    messages = [*head, *copy.deepcopy(odd), {"role": "assistant", "content": "done"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    engine.on_turn_complete(copy.deepcopy(messages))
+    assert stored(engine, "s1") == [*before, json.dumps(messages[-1], sort_keys=True)]
+    # The same round as the pending exchange: the answer holds Hermes' copy, not the stored one besides.
+    out = engine.compress([*copy.deepcopy(head), *copy.deepcopy(odd)])
+    assert engine.compression_count == 1 and out[-2:] == odd
+    assert not any("kept as its JSON" in json.dumps(m) for m in out[:-2])

@@ -290,21 +290,25 @@ KEPT_AS_JSON = "[transcript-store: a message the store cannot take as it is, kep
 TEXT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
-def storable(message: dict[str, Any], cap: int) -> tuple[dict[str, Any], str | None]:
+def storable(
+    message: dict[str, Any], cap: int, *, keep_round: bool = True
+) -> tuple[dict[str, Any], str | None]:
     """(a cleaned message in a form the store takes, why it is not the message itself: None when it is).
 
     What the store refuses by its shape (no or an unknown role, a tool result without its call's id, a
     malformed part or tool call) becomes a text message holding its JSON, with its role when a text
-    message may have it (``KEPT_AS_JSON``); over ``cap`` bytes, its text is cut (``cut_to``). One such
-    message refused by the store blocked every later store of the conversation, and ``compress`` handed
-    the list back uncompressed for the rest of it. The form depends on the message (and the cap) only:
+    message may have it (``KEPT_AS_JSON``); an assistant message's tool calls and a tool result's call
+    id stay as they are where the store takes them (``in_round``; not with ``keep_round`` False, the
+    form earlier releases stored). Over ``cap`` bytes, its text is cut (``cut_to``). One such message
+    refused by the store blocked every later store of the conversation, and ``compress`` handed the
+    list back uncompressed for the rest of it. The form depends on the message (and the cap) only:
     the same list is aligned with what was stored the same way on every call."""
     why = None
     try:
         validate_message(message)
     except InvalidInput as e:
         why = str(e)
-        message = as_text(message)
+        message = (in_round(message) if keep_round else None) or as_text(message)
     size = len(compact_json(message).encode("utf-8"))
     if size <= cap:
         return message, why
@@ -316,6 +320,27 @@ def as_text(message: dict[str, Any]) -> dict[str, Any]:
     role = message.get("role")
     text = f"{KEPT_AS_JSON}\n{compact_json(message, sort_keys=True)}"
     return {"role": role if role in TEXT_ROLES else "user", "content": text}
+
+
+def in_round(message: dict[str, Any]) -> dict[str, Any] | None:
+    """A refused assistant message with tool calls, or tool result with a call id, as a text message
+    holding the JSON of the rest of it, its tool calls or call id kept as they are (None: the store
+    refuses that form too, or the message is neither).
+
+    Kept whole as text (``as_text``), an assistant message lost its tool calls, and a tool result its
+    call id: the round's other messages stayed stored but were orphans that every assembled context
+    (``valid_sequence``) left out."""
+    role = message.get("role")
+    key = "tool_calls" if role == "assistant" else "tool_call_id" if role == "tool" else None
+    if key is None or not message.get(key):
+        return None
+    rest = {k: v for k, v in message.items() if k != key}
+    form = {"role": role, "content": f"{KEPT_AS_JSON}\n{compact_json(rest, sort_keys=True)}", key: message[key]}
+    try:
+        validate_message(form)
+    except InvalidInput:
+        return None
+    return form
 
 
 #: the characters a cut leaves out beyond what the cap asks for (the mark's escaped newline, margin)
@@ -354,9 +379,16 @@ def storable_tail(
         if reason is None:
             i += 1
             continue
-        out[i], fps[i], why[i] = form, fingerprint([form]), reason
+        original, (out[i], fps[i], why[i]) = out[i], (form, fingerprint([form]), reason)
+        skipped, kept = align(stored, fps, start)
+        if skipped == i and kept < len(stored):
+            # Not the stored message here: perhaps the form releases before ``in_round`` stored.
+            earlier = storable(original, cap, keep_round=False)[0]
+            if fingerprint([earlier]) == stored[kept]:
+                out[i], fps[i] = earlier, stored[kept]
+                skipped = align(stored, fps, start)[0]
         # Stored in this form before, the list may go on agreeing with the transcript after it.
-        i = max(i + 1, align(stored, fps, start)[0])
+        i = max(i + 1, skipped)
     return out, fps, why
 
 
@@ -674,7 +706,10 @@ def with_fresh_tail(
     def forms(m: dict[str, Any]) -> set[str]:
         # Both forms of a message stored in another one: the answer held its stored copy (the text of
         # its JSON, a cut tool result of megabytes) besides the message itself.
-        return {same(m)} if cap is None else {same(m), same(storable(clean(m), cap)[0])}
+        if cap is None:
+            return {same(m)}
+        m = clean(m)
+        return {same(m), same(storable(m, cap)[0]), same(storable(m, cap, keep_round=False)[0])}
 
     own = {f for m in pending for f in forms(m)}
     context = valid_sequence(copy.deepcopy(list(assembled)))
