@@ -27,6 +27,7 @@ from transcript_store.hermes import (
     merge_context,
     resolve_threshold,
 )
+from transcript_store.models import validate_message
 from transcript_store.tokens import RoughEstimator
 
 
@@ -467,3 +468,28 @@ def test_a_round_stored_in_the_earlier_whole_text_form_still_aligns(store_url: s
     out = engine.compress([*copy.deepcopy(head), *copy.deepcopy(odd)])
     assert engine.compression_count == 1 and out[-2:] == odd
     assert not any("kept as its JSON" in json.dumps(m) for m in out[:-2])
+
+
+def test_each_new_message_is_validated_once(store_url: str) -> None:
+    """A new message was validated (and written as JSON) three times per store: by the check against the
+    cached transcript, by the check in the write's transaction, and by the store's ``prepare``. Counted
+    by profiling the calls, nothing replaced; what is stored is the same."""
+    engine = make(store_url)
+    engine.on_session_start("s1")
+    convo = conversation("once", 4)
+    engine.on_turn_complete(copy.deepcopy(convo))
+    more = [{"role": "user", "content": "one more"}, {"role": "assistant", "content": "and its answer"}]
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and frame.f_code is validate_message.__code__:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        engine.on_turn_complete(copy.deepcopy([*convo, *more]))
+    finally:
+        sys.setprofile(None)
+    assert len(calls) == len(more)
+    assert stored(engine, "s1")[-2:] == [json.dumps(m, sort_keys=True) for m in more]
+    engine.close()

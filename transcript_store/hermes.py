@@ -52,7 +52,7 @@ from typing import Any
 
 from . import bundled, paths
 from .compaction import SUMMARY_HEAD
-from .core import Core, entry_from_row, new_id
+from .core import Core, NewEntry, entry_from_row, new_id
 from .engine import EngineContext
 from .errors import InvalidInput, SessionKeyConflict, UnknownSession, describe
 from .models import MAX_JSON_DEPTH, compact_json, validate_message
@@ -303,16 +303,38 @@ def storable(
     refused by the store blocked every later store of the conversation, and ``compress`` handed the
     list back uncompressed for the rest of it. The form depends on the message (and the cap) only:
     the same list is aligned with what was stored the same way on every call."""
+    form, why, _text = checked(message, cap, keep_round=keep_round)
+    return form, why
+
+
+#: what ``checked`` says of a message: (its storable form, why that is not the message, the message's
+#: JSON text as the store writes it when the message is stored as it is)
+Checked = tuple[dict[str, Any], str | None, str | None]
+
+
+def checked(message: dict[str, Any], cap: int, *, keep_round: bool = True) -> Checked:
+    """``storable``, with the message's JSON text as the store writes it when it is storable as it is
+    (validated, at most ``cap`` bytes): its entry is made of it (``new_entry``), not checked again."""
     why = None
     try:
         validate_message(message)
     except InvalidInput as e:
         why = str(e)
         message = (in_round(message) if keep_round else None) or as_text(message)
-    size = len(compact_json(message).encode("utf-8"))
+    text = compact_json(message)
+    size = len(text.encode("utf-8"))
     if size <= cap:
-        return message, why
-    return cut_to(message, size, cap), f"{size} bytes, over the store's cap of {cap}"
+        return message, why, text if why is None else None
+    return cut_to(message, size, cap), f"{size} bytes, over the store's cap of {cap}", None
+
+
+def new_entry(store: TranscriptStore, message: dict[str, Any], key: str, seen: Checked | None) -> NewEntry:
+    """The entry appending ``message`` under ``key``: made of the text ``checked`` wrote of this very
+    message when it found it storable as it is (the store's ``prepare`` validated and wrote every new
+    message a second time, the same checks), else prepared by the store."""
+    if seen is not None and seen[0] is message and seen[1] is None and seen[2] is not None:
+        return NewEntry(new_id(), "message", message["role"], seen[2], len(seen[2].encode("utf-8")), key)
+    return store.prepare([AppendItem(message=message, idempotency_key=key)])[0]
 
 
 def as_text(message: dict[str, Any]) -> dict[str, Any]:
@@ -363,19 +385,24 @@ def cut_to(message: dict[str, Any], size: int, cap: int) -> dict[str, Any]:
 
 
 def storable_tail(
-    host: Sequence[dict[str, Any]], digests: Sequence[str], stored: Sequence[str], start: int | None, cap: int
+    host: Sequence[dict[str, Any]], digests: Sequence[str], stored: Sequence[str], start: int | None, cap: int,
+    seen: dict[int, Checked] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str], dict[int, str]]:
     """(messages, their digests, why each changed one changed): the host's list with every message from
     where it leaves the stored transcript (``align``) in the form the store takes (``storable``).
 
     A message kept in another form is stored in it, so the host's list is aligned by that form: its
     original would never match the stored entry, and every call branched the session and stored the
-    rest again. Only what follows the agreed prefix is checked (new messages, in the common case)."""
+    rest again. Only what follows the agreed prefix is checked (new messages, in the common case), once
+    per message of ``host`` given the same ``seen`` (what ``checked`` said of each, by its index)."""
     out, fps = list(host), list(digests)
     why: dict[int, str] = {}
+    seen = {} if seen is None else seen
     i = align(stored, fps, start)[0]
     while i < len(out):
-        form, reason = storable(out[i], cap)
+        if i not in seen:
+            seen[i] = checked(out[i], cap)
+        form, reason, _text = seen[i]
         if reason is None:
             i += 1
             continue
@@ -1342,7 +1369,7 @@ class TranscriptStoreEngineMixin:
 
     def _write_in(
         self, c: Core, rt: _Runtime, store_session: str, host: list[dict[str, Any]], digests: list[str],
-        start: int | None, follow: bool = False,
+        start: int | None, follow: bool = False, seen: dict[int, Checked] | None = None,
     ) -> _Visible:
         """Make the visible transcript follow the host's list (one transaction, the session locked).
 
@@ -1350,9 +1377,11 @@ class TranscriptStoreEngineMixin:
         ``follow``: ``compress`` gets the list Hermes goes on with, and what the transcript holds after
         its end (a turn ``/undo`` took back; the tail ``/compress here`` holds back and appends again)
         leaves the active branch, or the answer brought it back (a review saw an undone turn sent to
-        the model again)."""
+        the model again). ``seen``: what ``checked`` said of the host's messages (``storable_tail``)."""
         sess, vis = self._visible_in(c, rt, store_session)
-        host, digests, changed = storable_tail(host, digests, vis.digests, start, rt.store.config.max_payload_bytes)
+        seen = {} if seen is None else seen
+        cap = rt.store.config.max_payload_bytes
+        host, digests, changed = storable_tail(host, digests, vis.digests, start, cap, seen)
         skipped, kept = align(vis.digests, digests, start)
         rest = host[skipped:]
         for i in sorted(k for k in changed if k >= skipped):
@@ -1372,10 +1401,10 @@ class TranscriptStoreEngineMixin:
             # The host's list differs from here on: branch after the last message both agree on.
             paths.branch(c, self.scope, store_session, vis.entry_ids[kept - 1] if kept else None)
         after_seq = int(sess.last_seq) if forked else None
-        items = rt.store.prepare([
-            AppendItem(message=m, idempotency_key=message_key(store_session, kept + k, m, after_seq))
+        items = [
+            new_entry(rt.store, m, message_key(store_session, kept + k, m, after_seq), seen.get(skipped + k))
             for k, m in enumerate(rest)
-        ])
+        ]
         entries = c.append(self.scope, store_session, items)
         return replace(
             vis,
@@ -1457,12 +1486,14 @@ class TranscriptStoreEngineMixin:
                 start = None
         host = [clean(m) for m in body if not is_context_message(m)]
         digests = [fingerprint([m]) for m in host]
+        seen: dict[int, Checked] = {}  # each new message is checked once, whatever the attempts
         with rt.session_lock(store_session):
             with rt.lock:
                 known = rt.visible.get(store_session)
             if known is not None:
                 cap = rt.store.config.max_payload_bytes
-                skipped, kept = align(known.digests, storable_tail(host, digests, known.digests, start, cap)[1], start)
+                fps = storable_tail(host, digests, known.digests, start, cap, seen)[1]
+                skipped, kept = align(known.digests, fps, start)
                 if skipped == len(host) and (not follow or kept in (0, len(known.entry_ids))):
                     # Nothing new against the cache: one read of the session's head proves it current.
                     info = rt.store.get_session(self.scope, store_session)
@@ -1478,7 +1509,7 @@ class TranscriptStoreEngineMixin:
                     # session it wrote was deleted since, perhaps made again under its id (someone
                     # else's transcript): aligned with that one, the list went into it. Its own answer.
                     return landed[0]
-                landed[:] = [self._write_in(c, rt, store_session, host, digests, start, follow)]
+                landed[:] = [self._write_in(c, rt, store_session, host, digests, start, follow, seen)]
                 return landed[0]
 
             vis = rt.store.write(run)
