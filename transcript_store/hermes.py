@@ -16,8 +16,10 @@ How the adapter maps Hermes onto the store:
   Once the session has off-branch entries, a key also names the seq the write follows, so that it can
   never name an off-branch entry at the same ordinal.
 - A message the store refuses as it is (its shape, its size) is stored in a form it takes, its text or
-  JSON kept (``storable``), and the host's list is aligned by that form: one such message never blocks
-  the rest of the conversation.
+  JSON kept (``storable``; a tool round's calls and call ids kept as they are where the store takes
+  them, ``in_round``), and the host's list is aligned by that form: one such message never blocks
+  the rest of the conversation. A message nested past Python's recursion limit is copied and written
+  without recursion (``detached``, ``deep_json``).
 - ``compress`` aims below Hermes' trigger: three quarters of it, less the system prompt and tools (what
   Hermes' count of the request exceeds the messages by). The fresh tail (the current user message and
   the pending exchange) is kept verbatim whatever the budget; the engine's context gets the rest. A
