@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Callable
@@ -775,6 +776,43 @@ def test_a_reply_keyed_as_an_earlier_turns_entry_is_refused_not_blocked_at_the_d
     again = turns.complete(A, sid, "t2", [{"message": assistant("ok"), "idempotency_key": "r2"}], None)
     assert again.terminal == done.terminal and again.intent.state == "accepted"
     assert turns.drain(engines()).committed == 1
+
+
+def test_a_completion_refused_by_its_own_checks_is_not_queued(
+    store: TranscriptStore, turns: Turns, sid: str, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast completion refused before its engine was reached (a reply naming an earlier entry, an unknown
+    session) raises that refusal at once: the slow path runs the same checks, so its second transaction
+    is not run, and the log does not say "queueing it" of a turn that nothing queued."""
+    turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
+    turns.complete(A, sid, "t1", [{"message": assistant("ok"), "idempotency_key": "r"}], counting_engine)
+    turns.admit(A, sid, user("q2"), turn_id="t2", engine_id=E)
+    before = store.list_entries(A, sid), turns.intents(A), turns.receipts(A, sid)
+    writes: list[str] = []
+    write = store.write
+    monkeypatch.setattr(store, "write", lambda fn: (writes.append(getattr(fn, "__name__", "?")), write(fn))[1])
+    engine = Recorder()
+    caplog.set_level(logging.INFO, logger="transcript_store.turns")
+    for session, error in ((sid, IdempotencyConflict), ("no-such-session", UnknownSession)):
+        writes.clear()
+        caplog.clear()
+        with pytest.raises(error):
+            turns.complete(A, session, "t2", [{"message": assistant("ok"), "idempotency_key": "r"}], engine)
+        assert writes == ["fast"], "the slow path ran for a refusal it repeats"
+        assert not any("queue" in r.getMessage() and "nothing" not in r.getMessage() for r in caplog.records)
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        assert "nothing written or queued" in caplog.records[0].getMessage()
+        assert (store.list_entries(A, sid), turns.intents(A), turns.receipts(A, sid)) == before
+    assert engine.calls == []
+    # The engine's own failure is still queued for the drain, and the log says so once it is.
+    writes.clear()
+    caplog.clear()
+    done = turns.complete(A, sid, "t2", [{"message": assistant("ok2")}], Recorder(lambda _t: True))
+    assert done.commit is None and done.intent.state == "accepted" and writes == ["fast", "slow"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "fast completion of turn t2 failed, queued for the drain: RuntimeError: engine refused t2"
+    ]
 
 
 def test_accept_refuses_a_terminal_that_names_no_stored_message(store: TranscriptStore, turns: Turns, sid: str) -> None:

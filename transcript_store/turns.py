@@ -27,6 +27,7 @@ from .errors import (
     InvalidInput,
     OutboxCollision,
     PayloadTooLarge,
+    StoreUnavailable,
     TranscriptStoreError,
     TurnBranchedAway,
     describe,
@@ -509,11 +510,13 @@ class Turns:
             )
 
         if commit_in is not None:
+            refused: list[TranscriptStoreError] = []  # the acceptance's own refusal, in the attempt that raised
 
             def fast(c: Core) -> CompletionResult:
+                refused.clear()  # the write may be retried whole: only the attempt that raised counts
                 if gone(c):
                     return landed[0]
-                done = self._complete_fast(c, scope, session_id, turn_id, items, commit_in)
+                done = self._complete_fast(c, scope, session_id, turn_id, items, commit_in, refused)
                 landed[:] = [done]
                 return done
 
@@ -529,18 +532,13 @@ class Turns:
             except TurnBranchedAway:
                 raise  # the slow path would refuse it the same way
             except Exception as e:  # the engine raised or the commit conflicted: take the slow path
-                error = describe(e)
-                log.warning("fast completion of turn %s failed, queueing it: %s", turn_id, error)
-                queued: list[CompletionResult] = []  # the slow path's own: a fast attempt's never landed
-
-                def slow(c: Core) -> CompletionResult:
-                    if gone(c, queued):  # as ``accept`` below: the acceptance landed, only its COMMIT was lost
-                        return queued[0]
-                    intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
-                    queued[:] = [CompletionResult(intent, terminal, None, fast_path_error=error)]
-                    return queued[0]
-
-                return self.store.write(slow)
+                if refused and e is refused[0]:
+                    # Refused by the append and acceptance checks, before the engine was reached (an unknown
+                    # session, a reply naming an entry written before the admission): the slow path runs
+                    # the very same checks and would refuse it the same way. Nothing was written or queued.
+                    log.info("completion of turn %s refused, nothing written or queued: %s", turn_id, describe(e))
+                    raise
+                return self._complete_slow(scope, session_id, turn_id, items, gone, describe(e))
 
         def accept(c: Core) -> CompletionResult:
             if gone(c):
@@ -550,6 +548,31 @@ class Turns:
             return landed[0]
 
         return self.store.write(accept)
+
+    def _complete_slow(
+        self, scope: str, session_id: str, turn_id: str, items: list[NewEntry],
+        gone: Callable[[Core, list[CompletionResult]], bool], error: str,
+    ) -> CompletionResult:
+        """The fast completion failed (``error``): append the replies and accept the turn in a transaction
+        of their own, queued for the drain."""
+        queued: list[CompletionResult] = []  # the slow path's own: a fast attempt's never landed
+
+        def slow(c: Core) -> CompletionResult:
+            if gone(c, queued):  # as ``accept``: the acceptance landed, only its COMMIT was lost
+                return queued[0]
+            intent, terminal = self._accept_with(c, scope, session_id, turn_id, items)
+            queued[:] = [CompletionResult(intent, terminal, None, fast_path_error=error)]
+            return queued[0]
+
+        try:
+            done = self.store.write(slow)
+        except Exception as e:
+            # Said only now: the log said "queueing it" of turns the slow path then refused too.
+            log.warning("fast completion of turn %s failed (%s), and queueing it failed too: %s", turn_id, error,
+                        describe(e))
+            raise
+        log.warning("fast completion of turn %s failed, queued for the drain: %s", turn_id, error)
+        return done
 
     def _check_turn_size(self, scope: str, session_id: str, turn_id: str, items: list[NewEntry]) -> None:
         """PayloadTooLarge, before anything is written, for replies that would make the turn's closed
@@ -627,14 +650,22 @@ class Turns:
         return intent, terminal, fresh, earlier, sess, appended
 
     def _complete_fast(
-        self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn
+        self, c: Core, scope: str, session_id: str, turn_id: str, items: list[NewEntry], commit_in: CommitIn,
+        refused: list[TranscriptStoreError],
     ) -> CompletionResult:
         # The row goes admitted -> deleted inside this one transaction when the commit succeeds, so the
         # intermediate states (accepted, ready) are not written: nobody else could ever see them. If
         # the turn cannot be committed here, they are written before the transaction ends.
-        intent, terminal, fresh, earlier, sess, appended = self._append_and_check(
-            c, scope, session_id, turn_id, items, with_head=True
-        )
+        try:
+            intent, terminal, fresh, earlier, sess, appended = self._append_and_check(
+                c, scope, session_id, turn_id, items, with_head=True
+            )
+        except TranscriptStoreError as e:
+            # The slow path runs these same checks: their typed refusal (not a database outage, which a
+            # second transaction may outlive) is certain, and ``complete`` raises it without that path.
+            if not isinstance(e, StoreUnavailable):
+                refused[:] = [e]
+            raise
         faults.point("complete.after_accept")
         if earlier:
             # An earlier turn of this engine is queued: never overtake it. The drain delivers both.
