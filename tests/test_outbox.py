@@ -204,6 +204,21 @@ def test_illegal_transitions_are_collisions(store: TranscriptStore, turns: Turns
     assert engine_view(store, sid) == (["t1"], 3, 1)
 
 
+def test_intent_of_an_unknown_session_is_unknown_session(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """None says "no such intent" of a session that is there; a session the scope does not hold (never
+    made, another scope's, deleted) is ``UnknownSession``, as every other call of a session says."""
+    turns.admit(A, sid, user("q"), turn_id="t1", engine_id=E)
+    assert turns.intent(A, sid, "t1") is not None and turns.intent(A, sid, "t9") is None
+    other = store.create_session(A, session_id="s2").session_id
+    assert turns.intent(A, other, "t1") is None  # known, holding no intent
+    for scope, session in (("scope-z", sid), (A, "no-such-session")):
+        with pytest.raises(UnknownSession):
+            turns.intent(scope, session, "t1")
+    store.delete_session(A, other)
+    with pytest.raises(UnknownSession):
+        turns.intent(A, other, "t1")
+
+
 def test_discard_deletes_only_an_admitted_intent(store: TranscriptStore, turns: Turns, sid: str) -> None:
     turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
     assert turns.discard(A, sid, "t1") is True

@@ -1055,9 +1055,10 @@ class HostRuntime:
         status: str = completion.commit.status if completion.commit else completion.intent.state
         if completion.commit is None and completion.intent.state in ("accepted", "ready"):
             drained = self.turns.drain(self.commit_in, scope=scope, session_id=session_id)
-            status = (
-                "committed" if drained.delivered and not self.turns.intent(scope, session_id, turn_id) else "queued"
-            )
+            # The row itself, not ``Turns.intent``: a session deleted meanwhile is no reason to fail a turn
+            # that completed (that call raises UnknownSession for it).
+            left = self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
+            status = "committed" if drained.delivered and left is None else "queued"
         self._after_turn(engine, info, scope, session_id, admission, completion.terminal, host_params)
         if decision.engine_id != engine_id:
             raise EngineSwitchError("a started turn cannot switch engines")

@@ -915,9 +915,14 @@ class Turns:
         return self.store.read(lambda c: outbox.list_intents(c, scope, limit))
 
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
-        """One outbox row, or None."""
+        """One outbox row, or None (``UnknownSession`` for a session the scope does not hold)."""
         _check_turn(self.store, scope, session_id, turn_id)
-        return self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
+
+        def read(c: Core) -> TurnIntent | None:
+            c.require_session(scope, session_id)  # "no such intent" only of a session that is there
+            return outbox.get_intent(c, scope, session_id, turn_id)
+
+        return self.store.read(read)
 
 
 class _NotClear(Exception):
