@@ -10,8 +10,8 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages`` or ``max_bytes``, is ``InvalidInput`` naming that argument);
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 40 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
-methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 14 of
+Drawn: 41 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
+methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 15 of
 its methods (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
 outside any), ``close``, ``upgrade``, ``current_revision`` and ``ensure_current`` (no arguments), and
@@ -49,7 +49,7 @@ from transcript_store import (
 )
 from transcript_store.cursors import CursorState
 from transcript_store.models import Anchor
-from transcript_store.outbox import AdmittedLease, OutboxConfig
+from transcript_store.outbox import AdmittedLease, OutboxConfig, intent_cursor
 from transcript_store.turns import Turns
 
 A, B = "scope-a", "scope-b"
@@ -187,6 +187,7 @@ def build_world(store: TranscriptStore, turns: Turns) -> dict[str, Any]:
     w["messages"] = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
     w["incarnation"] = store.get_session(A, "s1").incarnation
     w["export"] = store.export_session(A, "s1")
+    w["intent_cursor"], w["b_intent_cursor"] = (intent_cursor(turns.intents(scope)[0]) for scope in (A, B))
     return w
 
 
@@ -305,6 +306,15 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
                                    data.draw(st.one_of(ids, payloads))),
         "intents": lambda data: call(turns.intents, data.draw(optional_ids), data.draw(limits)),
         "intent": lambda data: call(turns.intent, data.draw(ids), data.draw(ids), data.draw(ids)),
+        "intents_page": lambda data: call(
+            turns.intents_page, data.draw(optional_ids),
+            # the world's own cursors, another scope's, cut or extended ones, and anything else
+            after=data.draw(st.one_of(
+                st.none(), ids, payloads, st.sampled_from([w["intent_cursor"], w["b_intent_cursor"], w["cursor"]]),
+                st.builds(lambda c, n, x: c[:n] + x, st.sampled_from([w["intent_cursor"]]), st.integers(0, 80),
+                          st.text(max_size=4)),
+            )),
+            limit=data.draw(limits)),
     }
 
 
@@ -312,7 +322,7 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
 READS = {
     "get_session", "find_session", "list_sessions", "session_bytes", "prepare", "prepare_admission", "anchor",
     "read_visible_delta", "read_visible", "get_entries", "list_entries", "read_closed_range", "export_session",
-    "receipts", "receipts_page", "intents", "intent", "upgrade_url", "TranscriptStore", "Turns",
+    "receipts", "receipts_page", "intents", "intents_page", "intent", "upgrade_url", "TranscriptStore", "Turns",
 }
 #: public functions deliberately not drawn (the module docstring says why)
 NOT_DRAWN = {
@@ -402,7 +412,7 @@ def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore)
     drawn = {name if name in ("TranscriptStore", "Turns") else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 40, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 41, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 

@@ -219,6 +219,53 @@ def test_intent_of_an_unknown_session_is_unknown_session(store: TranscriptStore,
         turns.intent(A, other, "t1")
 
 
+def test_intents_page_on_past_the_first_limit(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """``intents_page`` reads the whole outbox a page at a time, in the order of ``intents``, of one scope or
+    of every scope: each row once, a row written between pages where it sorts, refusals typed."""
+    for session in (sid, store.create_session(A, session_id="s0").session_id, store.create_session(A).session_id):
+        for t in ("t1", "t2"):
+            accepted(turns, session, f"{session}-{t}")
+        turns.admit(A, session, user("q"), turn_id=f"{session}-t3", engine_id=E)
+    store.create_session("scope-b", session_id="s1")
+    Turns(store).admit("scope-b", "s1", user("q"), turn_id="b1", engine_id=E)
+
+    def every_page(scope: str | None, limit: int) -> list[TurnIntent]:
+        read: list[TurnIntent] = []
+        after = None
+        while True:
+            page = turns.intents_page(scope, after=after, limit=limit)
+            assert len(page.intents) <= limit and (page.next is None or len(page.intents) == limit)
+            read += page.intents
+            if page.next is None:
+                return read
+            after = page.next
+
+    for scope, total in ((A, 9), (None, 10)):
+        whole = turns.intents(scope, limit=10_000)
+        assert len(whole) == total and turns.intents(scope, limit=4) == whole[:4]
+        for limit in (1, 2, 3, 4, 9, 10, 10_000):
+            assert every_page(scope, limit) == whole, (scope, limit)
+    first = turns.intents_page(A, limit=4)
+    assert first.intents == turns.intents(A, limit=4) and first.next is not None
+    # A row written after the cursor's place comes on a later page; rows before it are not read again.
+    turns.discard(A, "s0", "s0-t3")
+    turns.admit(A, "s0", user("late"), turn_id="s0-late", engine_id=E)
+    rest = turns.intents_page(A, after=first.next, limit=10_000)
+    assert [i.turn_id for i in first.intents + rest.intents] == [i.turn_id for i in turns.intents(A)]
+    assert rest.next is None and "s0-late" in [i.turn_id for i in rest.intents]
+    before = turns.intents(None)
+    other = turns.intents_page("scope-b", limit=1).intents[0]
+    forged = outbox.intent_cursor(other.model_copy(update={"enqueue_seq": 2**31}))
+    for scope, after, limit in (
+        (A, "tsi1.", 10), (A, "not a cursor", 10), (A, first.next + "x", 10), (A, 7, 10),
+        (A, forged, 10), ("scope-b", first.next, 10), (A, None, 0), (A, None, 10_001), (A, None, True),
+        ("bad\x00scope", None, 10),
+    ):
+        with pytest.raises(InvalidInput):
+            turns.intents_page(scope, after=after, limit=limit)  # type: ignore[arg-type]
+    assert turns.intents(None) == before  # nothing written
+
+
 def test_discard_deletes_only_an_admitted_intent(store: TranscriptStore, turns: Turns, sid: str) -> None:
     turns.admit(A, sid, user("q1"), turn_id="t1", engine_id=E)
     assert turns.discard(A, sid, "t1") is True

@@ -11,6 +11,8 @@ over); the ledger's idempotency makes the effect exactly-once.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -19,10 +21,31 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import ColumnElement, Row, bindparam, delete, literal, literal_column, select, union_all, update
+from sqlalchemy import (
+    ColumnElement,
+    Row,
+    bindparam,
+    delete,
+    literal,
+    literal_column,
+    select,
+    tuple_,
+    union_all,
+    update,
+)
 
 from . import identity
-from .core import Core, by_session, foreign_incarnation, from_us, now_us, session_params
+from .core import (
+    MAX_ID_CHARS,
+    MAX_INT,
+    Core,
+    by_session,
+    check_id,
+    foreign_incarnation,
+    from_us,
+    now_us,
+    session_params,
+)
 from .errors import (
     InvalidInput,
     OutboxCollision,
@@ -855,13 +878,88 @@ def pending(core: Core, scope: str, session_id: str, engine_id: str | None = Non
     return [_intent(core, r) for r in core.run(q, session_params(scope, session_id, b_engine=engine_id))]
 
 
-def list_intents(core: Core, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
-    """Every intent (all states), by scope, session and enqueue order."""
+#: an intent's place in the listing: (scope, session, enqueue seq, turn); a page's ``next`` encodes it
+IntentKey = tuple[str, str, int, str]
+#: intents a page holds unless asked for fewer, and at most
+DEFAULT_INTENTS_PAGE = 1000
+MAX_INTENTS_PAGE = 10_000
+_INTENT_CURSOR = "tsi1."
+
+
+class IntentPage(BaseModel):
+    """Up to ``limit`` outbox rows in listing order (scope, session, enqueue order); ``next``: the cursor of
+    the last one when more may follow (pass it as ``after``), None on the last page."""
+
+    model_config = ConfigDict(frozen=True)
+    intents: list[TurnIntent]
+    next: str | None
+
+
+def intent_cursor(intent: TurnIntent) -> str:
+    """The ``after`` cursor of an intent: its place in the listing, an opaque token."""
+    return _encode_place([intent.scope, intent.session_id, intent.enqueue_seq, intent.turn_id])
+
+
+def _encode_place(key: list[object]) -> str:
+    body = json.dumps(key, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return _INTENT_CURSOR + base64.urlsafe_b64encode(body).decode("ascii").rstrip("=")
+
+
+def parse_intent_cursor(after: object) -> IntentKey:
+    """The listing place an intent cursor names; InvalidInput for anything that is not one a page gave."""
+    if not isinstance(after, str):
+        raise InvalidInput(f"after must be a string, not {type(after).__name__}")
+    bad = InvalidInput("after is not an intent cursor (pass a page's next)")
+    if not after.startswith(_INTENT_CURSOR) or len(after) > 8 * MAX_ID_CHARS:
+        raise bad
+    body = after[len(_INTENT_CURSOR):]
+    try:
+        key = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("ascii"))
+    except (ValueError, binascii.Error):
+        raise bad from None
+    if not (isinstance(key, list) and len(key) == 4 and isinstance(key[2], int) and not isinstance(key[2], bool)
+            and 0 <= key[2] <= MAX_INT):
+        raise bad
+    scope, session_id, seq, turn_id = key
+    for what, value in (("scope", scope), ("session_id", session_id), ("turn_id", turn_id)):
+        check_id(f"after's {what}", value)
+    if _encode_place([scope, session_id, seq, turn_id]) != after:
+        raise bad  # one token per place: only the canonical one a page gave
+    parsed: IntentKey = (scope, session_id, seq, turn_id)
+    return parsed
+
+
+def check_intents_limit(limit: object) -> int:
+    """An intent listing's size, 1..MAX_INTENTS_PAGE; InvalidInput for anything else."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_INTENTS_PAGE:
+        raise InvalidInput(f"limit must be an integer in 1..{MAX_INTENTS_PAGE}, got {limit!r}")
+    return limit
+
+
+def list_intents(
+    core: Core, scope: str | None = None, limit: int = DEFAULT_INTENTS_PAGE, *, after: IntentKey | None = None
+) -> list[TurnIntent]:
+    """Every intent (all states), by scope, session and enqueue order (the turn id breaks a tie); those after
+    the listing place ``after`` only."""
     q = select(outbox)
     if scope is not None:
         q = q.where(outbox.c.scope == scope)
-    q = q.order_by(outbox.c.scope, outbox.c.session_id, outbox.c.enqueue_seq).limit(limit)
+    if after is not None:
+        # Keyset: each page starts where the last one ended, whatever rows come and go meanwhile (an
+        # operator's listing, off every turn's path: no index of its own, the key's session prefix).
+        place = tuple_(outbox.c.scope, outbox.c.session_id, outbox.c.enqueue_seq, outbox.c.turn_id)
+        q = q.where(place > tuple_(*(literal(v) for v in after)))
+    q = q.order_by(outbox.c.scope, outbox.c.session_id, outbox.c.enqueue_seq, outbox.c.turn_id).limit(limit)
     return [_intent(core, r) for r in core.conn.execute(q)]
+
+
+def intents_page(
+    core: Core, scope: str | None = None, *, after: IntentKey | None = None, limit: int = DEFAULT_INTENTS_PAGE
+) -> IntentPage:
+    """A page of ``list_intents``: at most ``limit`` intents after ``after``, and the cursor of the next."""
+    rows = list_intents(core, scope, limit + 1, after=after)
+    page = rows[:limit]
+    return IntentPage.model_construct(intents=page, next=intent_cursor(page[-1]) if len(rows) > limit else None)
 
 
 # ---------------------------------------------------------------------------------------------- drain

@@ -51,7 +51,7 @@ from .ledger import (
     receipts_page,
 )
 from .models import Admission, Anchor, Entry
-from .outbox import DrainReport, OutboxConfig, TurnIntent
+from .outbox import DrainReport, IntentPage, OutboxConfig, TurnIntent
 from .store import AppendItem, TranscriptStore, admit_and_tell, replaced
 
 log = logging.getLogger("transcript_store.turns")
@@ -907,12 +907,24 @@ class Turns:
         tell(self.store.read(lambda c: outbox.pending(c, scope, session_id)))
         return report
 
-    def intents(self, scope: str | None = None, limit: int = 1000) -> list[TurnIntent]:
-        """Every outbox row (pending, blocked, in progress), at most ``limit`` (1..10000)."""
+    def intents(self, scope: str | None = None, limit: int = outbox.DEFAULT_INTENTS_PAGE) -> list[TurnIntent]:
+        """Every outbox row (pending, blocked, in progress), the first ``limit`` (1..10000) by scope, session
+        and enqueue order; ``intents_page`` reads on past them."""
         check_id("scope", scope, optional=True)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise InvalidInput(f"limit must be an integer in 1..10000, got {limit!r}")
+        outbox.check_intents_limit(limit)
         return self.store.read(lambda c: outbox.list_intents(c, scope, limit))
+
+    def intents_page(
+        self, scope: str | None = None, *, after: str | None = None, limit: int = outbox.DEFAULT_INTENTS_PAGE
+    ) -> IntentPage:
+        """The outbox a page at a time, in the order of ``intents``: at most ``limit`` (1..10000) rows after the
+        cursor ``after`` (a page's ``next``; None: from the first row), of one scope or (None) every scope."""
+        check_id("scope", scope, optional=True)
+        outbox.check_intents_limit(limit)
+        place = None if after is None else outbox.parse_intent_cursor(after)
+        if place is not None and scope is not None and place[0] != scope:
+            raise InvalidInput("after is a cursor of another scope's listing")
+        return self.store.read(lambda c: outbox.intents_page(c, scope, after=place, limit=limit))
 
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
         """One outbox row, or None (``UnknownSession`` for a session the scope does not hold)."""
