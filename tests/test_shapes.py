@@ -10,6 +10,7 @@ the constructors touch no backend.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -152,3 +153,23 @@ def test_model_validate_keeps_pydantics_error_and_nested_shapes_validate_as_befo
     anchor = Anchor(**{k: VALID[k] for k in Anchor.model_fields if k in VALID})
     assert Admission.model_validate_json(Admission(anchor=anchor, turn_id="T1").model_dump_json()).anchor == anchor
     assert isinstance(InvalidInput("x"), ValueError)  # code catching ValueError around a constructor still does
+
+
+def test_an_anchor_takes_numbers_as_ints_only() -> None:
+    """``Anchor`` is strict: ``seq="1"``, ``seq=True`` or ``generation=1.0`` is refused with InvalidInput.
+    Coerced, ``True`` became the anchor of the entry at seq 1, which the caller never named; a fence
+    inside an HTTP request (``{"seq": "1"}``) read the same way."""
+    anchor = {k: VALID[k] for k in Anchor.model_fields if k in VALID}
+    for name, bad in (("seq", "1"), ("seq", True), ("seq", 1.0), ("generation", False), ("generation", "0"),
+                      ("position", "0"), ("position", True), ("incarnation", True), ("incarnation", "1"),
+                      ("entry_id", 1)):
+        with pytest.raises(InvalidInput, match=rf"^invalid Anchor: {name}: "):
+            Anchor(**{**anchor, name: bad})
+        with pytest.raises(InvalidInput, match=rf"^invalid Admission: anchor\.{name}: "):
+            Admission(anchor={**anchor, name: bad}, turn_id="T1")
+        with pytest.raises(ValidationError):
+            Anchor.model_validate_json(json.dumps({**anchor, name: bad}))
+    # What the store and its callers build: ints, and an anchor stored as JSON reads back.
+    built = Anchor(**{**anchor, "seq": 3, "position": None, "incarnation": None})
+    assert Anchor.model_validate_json(built.model_dump_json()) == built
+    assert Admission(anchor=built.model_dump(), turn_id="T1").anchor == built

@@ -374,8 +374,13 @@ class SessionInfo(_Frozen):
 
 
 class Anchor(_Frozen):
-    """Immutable identity of one entry: where it was, in which generation, after which parent."""
+    """Immutable identity of one entry: where it was, in which generation, after which parent.
 
+    Strict: a number is an ``int`` (a JSON integer), an id a ``str``. Coerced, ``seq="1"`` or
+    ``generation=True`` made an anchor of the entry the caller never named (``True`` is 1), and a
+    fence sent over HTTP as ``{"seq": "3"}`` was honoured as ``3``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     scope: str
     session_id: str
     session_key: str | None

@@ -3,7 +3,8 @@
 Requests forbid unknown fields (a typo is an error, not a silent default), except entry references,
 which accept a whole anchor (the library's, or a host's) and read only ``entry_id`` and ``position``.
 Their own fields are strict: a value of another JSON type is refused, not coerced (``"force": "false"``,
-``"token_budget": true``); the library's models inside them (anchors, append items) read as the library does.
+``"token_budget": true``); the library's models inside them read as the library does: an anchor (a
+``fence``) strictly too, ``"seq": "1"`` refused, append items as ``AppendItem`` reads them.
 Ids are checked by the store (``check_id``) when used, so every refusal carries the store's message.
 """
 
