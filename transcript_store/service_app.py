@@ -16,6 +16,7 @@ import email.message
 import functools
 import json
 import logging
+import re
 import socket
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, MutableMapping
@@ -28,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BeforeValidator
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -449,6 +451,44 @@ class _Segment(Convertor[str]):
 register_url_convertor("segment", _Segment())
 
 
+class HeadAsGet:
+    """Answer ``HEAD`` on a route that takes ``GET`` as ``GET`` is answered, headers only (RFC 9110).
+
+    FastAPI's routes answer only the methods they declare, so a ``HEAD`` was 405 everywhere. Here it runs
+    as the ``GET`` (the same token, checks, status and ``Content-Length``) and its body is dropped; on a
+    route without ``GET`` it is that ``GET``'s 405. A 405's ``Allow`` lists ``HEAD`` beside ``GET``."""
+
+    def __init__(self, app: Any) -> None:
+        """Wrap an ASGI app."""
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on, a ``HEAD`` as a ``GET`` whose body is not sent."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = scope["method"] == "HEAD"
+
+        async def answer(message: Any) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                message = {**message, "headers": [_allow_head(k, v) for k, v in message.get("headers", [])]}
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"} if head else scope, receive, answer)
+
+
+def _allow_head(name: bytes, value: bytes) -> tuple[bytes, bytes]:
+    """A response header, an ``Allow`` that lists ``GET`` with ``HEAD`` added."""
+    if name.lower() != b"allow":
+        return name, value
+    methods = [m.strip() for m in value.split(b",")]
+    if b"GET" in methods and b"HEAD" not in methods:
+        methods.append(b"HEAD")
+    return name, b", ".join(methods)
+
+
 class PathSegments:
     """Route on the path's segments as the client sent them.
 
@@ -555,6 +595,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     app.router.route_class = _counted_route(service.inflight)
     _errors(app)
     _routes(app, service)
+    app.add_middleware(HeadAsGet)  # innermost: a HEAD is routed as its GET
     app.add_middleware(PathSegments, timeout=body_timeout_seconds)
     app.add_middleware(Authenticate, timeout=body_timeout_seconds)  # inside BodyLimit: the body it drops is bounded
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
@@ -790,6 +831,24 @@ def _no_idempotency_key(why: str) -> Any:
     return Depends(refuse)
 
 
+_DECIMAL = re.compile("-?[0-9]+")
+
+
+def _decimal(value: Any) -> Any:
+    """A query parameter's integer as written: an optional ``-`` and ASCII digits, nothing else.
+
+    pydantic reads a string as Python's ``int`` does, so ``1_0``, ``+5``, `` 5``, ``5.0`` and other
+    scripts' digits were taken as numbers; a query string is text a client wrote, read here as written."""
+    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
+        raise ValueError("must be an integer written as ASCII digits (an optional '-' in front), nothing else")
+    return value
+
+
+#: the check of every integer query parameter (after ``Query(...)`` in its ``Annotated``: the document keeps
+#: the bounds as ``minimum`` / ``maximum`` then)
+DECIMAL = BeforeValidator(_decimal)
+
+
 def _routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/whoami", response_model=WhoAmI, tags=["service"])
     def whoami(scope: Scope) -> WhoAmI:
@@ -813,7 +872,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         scope: Scope,
         session_key: Annotated[str | None, Query(max_length=255)] = None,
         after: Annotated[str | None, Query(max_length=255)] = None,
-        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        limit: Annotated[int, Query(ge=1, le=10_000), DECIMAL] = 100,
     ) -> SessionList:
         """The active session holding ``session_key``, or the scope's sessions in id order."""
         return SessionList(sessions=service.list_sessions(scope, session_key, after, limit))
@@ -908,7 +967,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         engine: str,
         session_id: str,
         after: Annotated[str | None, Query(max_length=RECEIPT_CURSOR_CHARS)] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_RECEIPTS_PAGE)] = DEFAULT_RECEIPTS_PAGE,
+        limit: Annotated[int, Query(ge=1, le=MAX_RECEIPTS_PAGE), DECIMAL] = DEFAULT_RECEIPTS_PAGE,
     ) -> ReceiptList:
         """The engine's ledger for one session in advancement-key order, ``limit`` receipts a page: pass an
         answer's ``next`` as ``after`` for the next page (``next`` is null on the last one)."""
