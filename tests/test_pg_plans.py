@@ -338,3 +338,35 @@ def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(
     with store.db.engine.connect() as conn:
         assert_lookups("stored_keys", _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF"))
         assert_never_analyzed(conn, "relname = 'ts_entries'")
+
+
+def test_the_header_keys_past_a_retried_append_are_read_over_a_bounded_seq_range(store: TranscriptStore) -> None:
+    """PostgreSQL, tables never analyzed: the read of a retried append under an ``Idempotency-Key`` for the
+    header's keys past the retry's last item (``key_with_prefix``) walks the entries' primary key over its
+    seq range only, never the session's other entries (nor a scan of the table)."""
+    if store.backend == "sqlite":
+        pytest.skip("SQLite plans with its own index knowledge")
+    with store.db.engine.begin() as conn:  # this test's database only: autovacuum would ANALYZE them
+        conn.exec_driver_sql("ALTER TABLE ts_entries SET (autovacuum_enabled = off)")
+    sid = store.create_session(A, session_id="s1").session_id
+    store.append_many(A, sid, [{"message": {"role": "user", "content": f"m{i}"}, "idempotency_key": f"k{i}"}
+                               for i in range(2_000)])
+    captured: list[tuple[str, Any]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
+        captured.append((statement, parameters))
+
+    event.listen(store.db.engine, "before_cursor_execute", listen)
+    try:
+        found = store.read(lambda c: c.key_with_prefix(A, sid, "k199", 1990, 2005))
+    finally:
+        event.remove(store.db.engine, "before_cursor_execute", listen)
+    assert found == "k1991"
+    assert store.read(lambda c: c.key_with_prefix(A, sid, "k19", 5, 10)) is None
+    sent = [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
+    assert len(sent) == 1, sent
+    with store.db.engine.connect() as conn:
+        plan = _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF")
+        assert_lookups("key_with_prefix", plan)
+        assert "ts_entries_pk" in plan and "seq >" in plan, plan
+        assert_never_analyzed(conn, "relname = 'ts_entries'")

@@ -394,14 +394,23 @@ def test_items_with_their_own_keys_mixed_in_under_an_idempotency_key_are_compare
         assert status == 409 and data["error"]["code"] == "idempotency_conflict", (other, data)
         assert "Idempotency-Key 'mixed'" in data["error"]["message"], data
         assert table_rows(store) == rows
-    # The one shape the entries do not show (README): the first request's item at this one's length had
-    # its own key, and its items without one after that are not looked at.
-    status, data = append(server, "s", [a, own, b], "mixed")
-    assert (status, data["entries"]) == (200, first["entries"][:3])
+    # The first request's item at this one's length had its own key, and its items without one come after
+    # it (index 4): answered 200 with the first three entries until the entries past the length were read.
+    for shorter, index in (([a, own, b], 4), ([a, own, b, key], 4), ([a], 2), ([a, own], 2)):
+        status, data = append(server, "s", shorter, "mixed")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (shorter, data)
+        assert f"at index {index}, where this one has none" in data["error"]["message"], data
+        assert table_rows(store) == rows
+    # Entries appended since (under another key, or none) do not stand in for the first request's.
+    assert append(server, "s", [{"message": user("later")}, {"message": user("later-2")}], "later")[0] == 200
+    assert append(server, "s", [{"message": user("plain")}], None)[0] == 200
+    rows = table_rows(store)
+    assert append(server, "s", items, "mixed") == (200, first)
+    assert append(server, "s", [{"message": user("later")}], "later")[0] == 409
     assert table_rows(store) == rows
     # Under a fresh key the same items append again: their own ids and keys answer their entries.
     status, again = append(server, "s", items, "mixed-2")
-    assert status == 200 and [e["seq"] for e in again["entries"]] == [5, 1, 6, 3, 7], again
+    assert status == 200 and [e["seq"] for e in again["entries"]] == [8, 1, 9, 3, 10], again
     assert append(server, "s", items, "mixed-2") == (200, again)
 
 

@@ -413,6 +413,20 @@ def _stored_keys_of_array() -> Select[Any]:
 
 
 _STORED_KEYS_OF_ARRAY = _stored_keys_of_array()
+# By the entries' primary key over a bounded seq range; the prefix compared as a substring, which both
+# backends compare exactly (LIKE is case-insensitive on SQLite, and needs its wildcards escaped).
+_KEY_WITH_PREFIX = (
+    select(entries.c.idempotency_key)
+    .where(
+        by_session(entries),
+        entries.c.seq > bindparam("b_after", type_=Integer),
+        entries.c.seq <= bindparam("b_upto", type_=Integer),
+        func.substr(entries.c.idempotency_key, 1, bindparam("b_len", type_=Integer))
+        == bindparam("b_prefix", type_=Text),
+    )
+    .order_by(entries.c.seq)
+    .limit(literal_column("1"))
+)
 #: lookups of up to this many ids use a statement with that many plain binds (see ``hot``)
 _SMALL_IN = 8
 
@@ -1359,6 +1373,14 @@ class Core:
             )
             out.update(r.idempotency_key for r in rows)
         return out
+
+    def key_with_prefix(self, scope: str, session_id: str, prefix: str, after_seq: int, upto_seq: int) -> str | None:
+        """The idempotency key starting with ``prefix`` of the session's first entry with a seq in
+        ``(after_seq, upto_seq]`` that has one, or None (the range bounds the rows read)."""
+        params = session_params(scope, session_id, b_after=after_seq, b_upto=upto_seq, b_len=len(prefix),
+                                b_prefix=prefix)
+        row = self.run(_KEY_WITH_PREFIX, params).first()
+        return None if row is None else str(row.idempotency_key)
 
     def entries_with_path(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
         """Rows of up to four named entries with ``ts_path_seq``: the active path's seq at their depth.

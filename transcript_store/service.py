@@ -75,6 +75,7 @@ from .models import (
 )
 from .registry import EngineRegistry
 from .service_models import (
+    MAX_ITEMS,
     AdmitRequest,
     AppendRequest,
     AssembleRequest,
@@ -480,8 +481,8 @@ class Service:
         # of the first request was answered its first entries, and a longer one appended the rest. No table
         # of keys: the entries keep the request. A first request's entries land all or none, so its keyed
         # indexes are all stored: this one's (``ours``) must be all found or all new, and none of the others
-        # up to its length (``others``) stored. Unseen: a first request whose item at this one's length had
-        # its own key, with keyed items only after it (README, "compared item by item").
+        # up to its length (``others``) stored, nor (when found) any of the header's past it. Unseen: a
+        # request with no keyed item, whose own ids and keys answer it (README, "compared item by item").
         check_id("scope", scope)
         check_id("session_id", session_id)
         ours = _header_indexes(items)
@@ -500,12 +501,21 @@ class Service:
                     f"an entry_id or idempotency_key at index {new}, where this one has one; nothing was written"
                 )
             stored = c.stored_keys(scope, session_id, others)
+            if not stored and found:
+                stored = past_the_end(c, max(out[i].seq for i in found))
             if stored:
                 index = min(int(k.rsplit(":", 1)[1]) for k in stored)
                 raise IdempotencyConflict(
                     f"Idempotency-Key {idempotency_key!r} was used for another request, with an item without "
                     f"an entry_id or idempotency_key at index {index}, where this one has none; nothing was written"
                 )
+
+        def past_the_end(c: Core, last: int) -> set[str]:
+            # A retry (its keyed items all found): the first request may have had keyed items past this
+            # one's length + 1, which ``others`` does not name. Its entries landed in one append, at most
+            # MAX_ITEMS consecutive seqs holding ``last``: those after it are read for a key of the header.
+            key = c.key_with_prefix(scope, session_id, header_items_prefix(idempotency_key), last, last + MAX_ITEMS)
+            return set() if key is None else {key}
 
         return self.store._append(scope, session_id, prepared, check)
 
@@ -849,8 +859,13 @@ HEADER_ITEM_KEY_PREFIX = "Idempotency-Key:"
 def header_item_key(idempotency_key: str, index: int) -> str:
     """The idempotency key an appended item at ``index`` takes under the request's ``Idempotency-Key``:
     ``Idempotency-Key:<derived_id of the header>:<index>`` (at most 43 characters, whatever the header)."""
+    return f"{header_items_prefix(idempotency_key)}{index}"
+
+
+def header_items_prefix(idempotency_key: str) -> str:
+    """What the idempotency keys of the items appended under an ``Idempotency-Key`` start with (all indexes)."""
     request = derived_id("Idempotency-Key entries\x00" + idempotency_key)
-    return f"{HEADER_ITEM_KEY_PREFIX}{request}:{index}"
+    return f"{HEADER_ITEM_KEY_PREFIX}{request}:"
 
 
 def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:
