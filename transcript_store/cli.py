@@ -562,9 +562,50 @@ def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str
 # ---------------------------------------------------------------------------------------------- the group
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _write_info(text: str) -> None:
+    """Print --help's or --version's text whole, or fail the command (exit 1) as any other output does:
+    click.echo dropped it silently when stdout was closed (``--version >&-`` exited 0 with nothing said)."""
+    WholeStdout(sys.stdout).write(text + "\n")
+
+
+def _show_help(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    _write_info(ctx.get_help())
+    ctx.exit()
+
+
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import version
+
+    _write_info(f"{ctx.find_root().info_name}, version {version('transcript-store')}")
+    ctx.exit()
+
+
+class _Command(click.Command):
+    """A command whose --help writes as every output does (``_write_info``)."""
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        """click's help option, its text written whole or failing the command."""
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.callback = _show_help
+        return option
+
+
+class _Group(_Command, click.Group):
+    """A group whose --help, subcommands and subgroups write as every output does (``_write_info``)."""
+
+    command_class = _Command
+    group_class = type
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @common
-@click.version_option(package_name="transcript-store")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 def cli() -> None:
     """A durable conversation-transcript store with turn commits, for agent hosts and their engines.
 
