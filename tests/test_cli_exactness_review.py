@@ -1,4 +1,4 @@
-"""A review of the CLI's exactness: --version and --help with no stdout."""
+"""A review of the CLI's exactness: --version and --help with no stdout, an empty --focus, chat's /compact."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_cli import CLI, run
+from conftest import assistant, user
+from test_cli import CLI, SCOPE, open_store, run, run_json
 
 
 def _no_stdout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -32,3 +33,35 @@ def test_version_and_help_still_print(tmp_path: Path) -> None:
     assert version.stdout.startswith("transcript-store, version ") and version.stdout.count("\n") == 1
     assert "Usage: transcript-store sessions show" in run("sessions", "show", "-h", cwd=tmp_path).stdout
     assert "--version" in run("--help", cwd=tmp_path).stdout
+
+
+def _long_session(url: str, session_id: str, key: str | None = None) -> None:
+    with open_store(url) as store:
+        store.create_session(SCOPE, session_id=session_id, session_key=key)
+        for i in range(12):
+            words = " ".join(f"word{i}-{j}" for j in range(120))
+            store.append(SCOPE, session_id, user(f"question {i}: {words}. Please keep the weather notes."))
+            store.append(SCOPE, session_id, assistant(f"answer {i}: {words}."))
+
+
+def _compactions(url: str, session_id: str, tmp_path: Path) -> list[dict[str, object]]:
+    entries = run_json("sessions", "show", session_id, "--all", "--db", url, cwd=tmp_path)["entries"]
+    return [e["payload"] for e in entries if e["kind"] == "compaction"]
+
+
+@pytest.mark.parametrize("focus", ["", "  "])
+def test_an_empty_focus_is_a_usage_error_and_compacts_nothing(store_url: str, tmp_path: Path, focus: str) -> None:
+    """``compact --focus "$FOCUS"`` with FOCUS unset stored a compaction whose focus was "" (exit 0)."""
+    _long_session(store_url, "long")
+    result = run("compact", "long", "--focus", focus, "--db", store_url, cwd=tmp_path, code=2)
+    assert "the focus must not be empty" in result.stderr
+    assert _compactions(store_url, "long", tmp_path) == []
+
+
+def test_chat_compact_without_a_focus_compacts_with_none(store_url: str, tmp_path: Path) -> None:
+    """``/compact`` with nothing (or only blanks) after it is a compaction without a focus, not an empty one;
+    a tab separates the focus as a space does (``/compact\\tweather`` was an unknown command)."""
+    for sid, line, focus in (("blank", "/compact   ", None), ("tab", "/compact\tweather", "weather")):
+        _long_session(store_url, sid, key=f"k-{sid}")
+        run("chat", "--json", "--session", f"k-{sid}", "--db", store_url, cwd=tmp_path, stdin=f"{line}\n")
+        assert [p["focus"] for p in _compactions(store_url, sid, tmp_path)] == [focus]

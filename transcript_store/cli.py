@@ -1496,9 +1496,17 @@ def compact_json(result: Any) -> dict[str, Any]:
     return {**result.model_dump(mode="json"), "session_id": result.session_id}
 
 
+def _check_focus(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Refuse an empty (or blank) --focus: it was stored as the compaction's focus, an empty one, where no
+    --focus at all means none (`--focus "$FOCUS"` with FOCUS unset)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("the focus must not be empty (leave --focus out for none)")
+    return value
+
+
 @cli.command()
 @click.argument("session")
-@click.option("--focus", metavar="TEXT", help="What the summary should keep in focus.")
+@click.option("--focus", metavar="TEXT", callback=_check_focus, help="What the summary should keep in focus.")
 @click.option("--engine", metavar="NAME", help="The engine for this run (overrides the settings).")
 @common
 def compact(session: str, focus: str | None, engine: str | None) -> None:
@@ -1718,7 +1726,8 @@ class ChatLoop:
 
     def command(self, line: str) -> bool:
         """Run a slash command; False ends the conversation."""
-        name, _, arg = line.partition(" ")
+        # Any whitespace ends the name (`/compact<TAB>focus` was an unknown command "/compact\tfocus").
+        name, arg = (*line.split(None, 1), "")[:2]
         if name in ("/quit", "/exit"):
             self.emit("quit", {}, "bye")
             return False
