@@ -1,4 +1,5 @@
-"""A review of the CLI's exactness: --version and --help with no stdout, an empty --focus, chat's /compact."""
+"""A review of the CLI's exactness: --version and --help with no stdout, an empty --focus, chat's /compact,
+error lines that name an id or a path exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from conftest import assistant, user
-from test_cli import CLI, SCOPE, open_store, run, run_json
+from test_cli import CLI, SCOPE, one_error_line, open_store, run, run_json
+
+from transcript_store.cli import error_line
 
 
 def _no_stdout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -65,3 +68,23 @@ def test_chat_compact_without_a_focus_compacts_with_none(store_url: str, tmp_pat
         _long_session(store_url, sid, key=f"k-{sid}")
         run("chat", "--json", "--session", f"k-{sid}", "--db", store_url, cwd=tmp_path, stdin=f"{line}\n")
         assert [p["focus"] for p in _compactions(store_url, sid, tmp_path)] == [focus]
+
+
+def test_an_error_line_keeps_the_whitespace_inside_a_name(store_url: str, tmp_path: Path) -> None:
+    """Every run of whitespace was collapsed to one space: an error naming session 'a  b' named 'a b', another
+    session's id, and a path with two spaces or a tab one that does not exist."""
+    line = one_error_line(run("sessions", "show", "a  b", "--db", store_url, cwd=tmp_path, code=3))
+    assert "'a  b'" in line
+    missing = tmp_path / "no  such dir" / "x.db"
+    line = one_error_line(run("sessions", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path, code=4))
+    assert str(missing) in line
+    (tmp_path / "bad\t two  .toml").write_text("x = [", encoding="utf-8")
+    result = run("sessions", "list", "--config", "bad\t two  .toml", "--db", store_url, cwd=tmp_path, code=2)
+    assert one_error_line(result).startswith("error: cannot read bad\t two  .toml: ")
+
+
+def test_an_error_line_is_one_line() -> None:
+    """Line breaks (and the indentation after them) still become one space; control characters are shown."""
+    text = error_line(ValueError("first  line\n\t  second\r\nthird\u2028fourth\x1b[2J "), None)
+    assert text == "error: ValueError: first  line second third fourth\\x1b[2J"
+    assert error_line(OSError("tab\there"), None) == "error: tab\there"

@@ -2168,9 +2168,17 @@ def exit_code(error: BaseException) -> int:
     return EXIT_FAILED
 
 
+#: a run of whitespace holding a line break (those str.splitlines breaks at): one space in an error line
+_LINE_BREAK_RUN = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
+
+
 def error_line(error: BaseException, url: str | None) -> str:
-    """One line describing an error, with any database password scrubbed."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    """One line describing an error, with any database password scrubbed.
+
+    Only line breaks (with the whitespace around them) become one space: the rest of the text is kept as
+    it is, so that an id or a path with two spaces or a tab in it is named exactly (every run of
+    whitespace was collapsed to one space, naming a session or a file that does not exist)."""
+    text = _LINE_BREAK_RUN.sub(" ", str(error).strip()) or type(error).__name__
     if not isinstance(error, TranscriptStoreError | CommandError | OSError):
         text = f"{type(error).__name__}: {text}"
     for secret in url_secrets(url) if url else []:  # the userinfo's password, ?password=, ?sslpassword=
