@@ -1,5 +1,5 @@
 """A review of the CLI's exactness: --version and --help with no stdout, an empty --focus, chat's /compact,
-error lines that name an id or a path exactly."""
+error lines that name an id or a path exactly, empty folder options."""
 
 from __future__ import annotations
 
@@ -88,3 +88,14 @@ def test_an_error_line_is_one_line() -> None:
     text = error_line(ValueError("first  line\n\t  second\r\nthird\u2028fourth\x1b[2J "), None)
     assert text == "error: ValueError: first  line second third fourth\\x1b[2J"
     assert error_line(OSError("tab\there"), None) == "error: tab\there"
+
+
+@pytest.mark.parametrize("args", [("hermes", "install", "--home", ""),
+                                  ("openclaw", "install-line", "--service-url", "http://127.0.0.1:1",
+                                   "--plugin-dir", "")])
+def test_an_empty_folder_option_is_a_usage_error_and_writes_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """``hermes install --home "$HERMES_HOME"`` with the variable unset wrote plugins/ into the working
+    directory and pointed at ./config.yaml, exit 0; ``--plugin-dir ''`` printed the bundled plugin's folder."""
+    result = run(*args, cwd=tmp_path, code=2)
+    assert "an empty path names no folder" in result.stderr and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []

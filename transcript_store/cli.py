@@ -1996,10 +1996,20 @@ def check_service_url(url: str) -> None:
         raise CommandError(f"--service-url {url!r}: {problem}", EXIT_USAGE)
 
 
+def _no_empty_path(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Refuse an empty folder path (`--home "$HERMES_HOME"` with the variable unset): it was taken for the
+    working directory (hermes install wrote plugins/ and pointed config.yaml there, exit 0) or for none
+    (openclaw install-line printed the bundled plugin's folder)."""
+    if value == "":
+        raise click.BadParameter("an empty path names no folder")
+    return value
+
+
 @openclaw.command("install-line")
 @click.option("--service-url", required=True, metavar="URL", help="Where `transcript-store serve` listens.")
 @click.option("--engine", default="lossless", show_default=True, help="The service engine the plugin runs.")
-@click.option("--plugin-dir", type=click.Path(file_okay=False), help="The plugin folder [default: the bundled one].")
+@click.option("--plugin-dir", type=click.Path(file_okay=False), callback=_no_empty_path,
+              help="The plugin folder [default: the bundled one].")
 @common
 def openclaw_install_line(service_url: str, engine: str, plugin_dir: str | None) -> None:
     """Print the `openclaw plugins install -l ...` line and the config for a service URL."""
@@ -2105,7 +2115,8 @@ def _absolute_sqlite(url: str) -> str:
 
 
 @hermes.command("install")
-@click.option("--home", required=True, type=click.Path(file_okay=False), help="The HERMES_HOME to install into.")
+@click.option("--home", required=True, type=click.Path(file_okay=False), callback=_no_empty_path,
+              help="The HERMES_HOME to install into.")
 @click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
 @click.option("--threshold", type=float, callback=_check_threshold,
               help="Compaction threshold: a fraction of the window, or tokens when > 1.")
