@@ -1025,6 +1025,12 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
     st = state()
     config = st.store_config()
     make_url_or_usage(config.url)
+    for option, what, value in (("--session-id", "session_id", new_id), ("--session-key", "session_key", new_key)):
+        # Named as the option, before the file is read: "session_id must be ..." read as the file's own.
+        try:
+            check_id(what, value, optional=True, new=True)
+        except InvalidInput as e:
+            raise InvalidInput(f"{option}: {e}") from None
     numbers = array("q")  # the line of each record: 8 bytes an entry
     records = _export_records(file, export_line_limit(config.max_payload_bytes), numbers)
     # Checked whole before the store is opened: opening creates or migrates the database --db names (a
