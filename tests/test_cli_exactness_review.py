@@ -1,5 +1,5 @@
 """A review of the CLI's exactness: --version and --help with no stdout, an empty --focus, chat's /compact,
-error lines that name an id or a path exactly, empty folder options."""
+error lines that name an id or a path exactly, empty folder options, import's id options, drain's failed lines."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from conftest import assistant, user
 from test_cli import CLI, SCOPE, one_error_line, open_store, run, run_json
 
 from transcript_store.cli import error_line
+from transcript_store.turns import Turns
 
 
 def _no_stdout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -111,3 +112,34 @@ def test_a_bad_new_id_for_an_import_names_its_option(store_url: str, tmp_path: P
         result = run("sessions", "import", str(export), option, value, "--db", store_url, cwd=tmp_path, code=1)
         assert one_error_line(result).startswith(f"error: {option}: {option[2:].replace('-', '_')} must be ")
     assert [s["session_id"] for s in run_json("sessions", "list", "--db", store_url, cwd=tmp_path)] == ["src"]
+
+
+def test_outbox_drain_shows_an_engines_error_escaped(store_url: str, tmp_path: Path) -> None:
+    """A failed delivery's line quoted the engine's error raw on stdout: an escape sequence in it acted on
+    the terminal, where `outbox status`, the log lines and error lines show it escaped (README)."""
+    plugin = tmp_path / "plugins" / "evil"
+    plugin.mkdir(parents=True)
+    (plugin / "plugin.yaml").write_text("name: evil\nentry: create_engine\n", encoding="utf-8")
+    (plugin / "__init__.py").write_text(
+        "from engines.legacy import LegacyEngine\n\n"
+        "class Evil(LegacyEngine):\n"
+        "    def __init__(self, ctx):\n"
+        "        super().__init__(ctx)\n"
+        "        self.info = self.info.model_copy(update={'id': 'evil'})\n\n"
+        "    def commit_turn(self, *args, **kwargs):\n"
+        "        raise RuntimeError('boom \\x1b]0;owned\\x07 done')\n\n"
+        "def create_engine(ctx):\n"
+        "    return Evil(ctx)\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "transcript-store.toml").write_text('[engine]\nslot = "evil"\nplugin_dirs = ["plugins"]\n',
+                                                    encoding="utf-8")
+    with open_store(store_url) as store:
+        store.create_session(SCOPE, session_id="s1")
+        turns = Turns(store)
+        turns.admit(SCOPE, "s1", user("question"), turn_id="turn-1", engine_id="evil")
+        turns.complete(SCOPE, "s1", "turn-1", [{"message": assistant("answer")}], None)
+    result = run("outbox", "drain", "--db", store_url, cwd=tmp_path, code=1)
+    failed = [line for line in result.stdout.splitlines() if "failed: session s1" in line]
+    assert len(failed) == 1 and "\x1b" not in result.stdout, repr(result.stdout)
+    assert failed[0].endswith("boom \\x1b]0;owned\\x07 done"), repr(failed[0])

@@ -1172,8 +1172,8 @@ def outbox_drain(session: str | None, limit: int) -> None:
     else:
         click.echo(f"committed {report.committed}, duplicates {report.duplicates}, blocked {report.blocked}, "
                    f"failed {len(report.failed)}")
-        for s, t, e in report.failed:
-            click.echo(f"  failed: session {s} turn {t}: {e}")
+        for s, t, e in report.failed:  # an engine's error text: read, not obeyed (as outbox status shows it)
+            click.echo(f"  failed: session {s} turn {t}: {shown(e, one_line=True)}")
     if report.failed:
         raise CommandError(f"{len(report.failed)} deliveries failed; their rows stay queued")
 
