@@ -186,3 +186,26 @@ def test_serve_warns_of_listening_beyond_this_machine_only_when_it_does(
         assert lines == []
     else:
         assert len(lines) == 1 and f"listening on {warned} " in lines[0], lines
+
+
+def test_a_postgresql_url_option_libpq_would_refuse_is_a_usage_error(tmp_path: Path) -> None:
+    """`?sslmode=requre` (a typo), an option libpq does not know or one given twice failed only when connecting:
+    exit 5, "cannot connect", each call retried as transient first (a service: 503s). A bad URL: exit 2, and
+    the library's InvalidInput, before any connection. Options libpq takes still pass (sslmode=disable)."""
+    from transcript_store import TranscriptStore
+    from transcript_store.errors import InvalidInput
+
+    base = "postgresql+psycopg://postgres@127.0.0.1:5432/x"
+    for query, said in (("sslmode=requre", "sslmode='requre' is not one of"),
+                        ("target_session_attrs=rw", "target_session_attrs='rw' is not one of"),
+                        ("sslmod=require", 'invalid connection option "sslmod"'),
+                        ("prepare_threshold=0", 'invalid connection option "prepare_threshold"'),
+                        ("sslmode=require&sslmode=disable", "'sslmode' 2 times")):
+        line = one_error_line(run("sessions", "list", "--db", f"{base}?{query}", cwd=tmp_path, code=2))
+        assert "--db" in line and said in line, line
+        with pytest.raises(InvalidInput, match="the URL"):
+            TranscriptStore(f"{base}?{query}")
+    # Accepted options reach the server as before: the database x is missing, which is an outage (exit 5).
+    line = one_error_line(run("sessions", "list", "--db", f"{base}?sslmode=disable&application_name=t",
+                              cwd=tmp_path, code=5))
+    assert '"x" does not exist' in line, line

@@ -14,7 +14,7 @@ import random
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +304,40 @@ def parse_url(url: str) -> URL:
         # libpq refused it only when connecting ("invalid port number"), which read as a database down
         # (the CLI's exit 5, a service's 503): a URL no server can answer is a bad URL.
         raise InvalidInput(f"the URL's port {parsed.port} is not a TCP port (1 to 65535)")
+    elif parsed.query:
+        _check_pg_options(parsed.query)
     return parsed
+
+
+#: libpq's connection options whose value is one of a few words. libpq refuses another word (a typo,
+#: ``sslmode=requre``) only when connecting, and that read as a database down: the CLI's exit 5, a
+#: service's 503, every call retried as transient before failing.
+_PG_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslnegotiation": ("postgres", "direct"),
+}
+
+
+def _check_pg_options(query: Mapping[str, str | tuple[str, ...]]) -> None:
+    """Refuse a PostgreSQL URL's query naming an option libpq does not know, one given twice, or a word
+    libpq would refuse on connecting (InvalidInput: a bad URL, not an outage)."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import make_conninfo
+
+    for name, value in query.items():
+        if not isinstance(value, str):
+            raise InvalidInput(f"the URL gives the option {name!r} {len(value)} times: give it once")
+        choices = _PG_CHOICES.get(name)
+        if choices is not None and value not in choices:
+            raise InvalidInput(f"the URL's {name}={value!r} is not one of {', '.join(choices)}")
+    try:
+        make_conninfo("", **{name: str(value) for name, value in query.items()})
+    except ProgrammingError as e:  # an option libpq does not know: 'invalid connection option "x"'
+        raise InvalidInput(f"the URL's query: {str(e).strip()}") from e
 
 
 def create_db_engine(config: StoreConfig) -> Engine:
