@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from . import compaction, outbox, quarantine
 from .core import Core, check_id, new_id
 from .engine import (
+    MAX_TOKENS,
     AssembleResult,
     CompactResult,
     EngineContext,
@@ -1147,7 +1148,12 @@ class HostRuntime:
         result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params)))
         precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
         threshold = int(budget * self.settings.compaction_threshold)
-        if precheck and result.estimated_tokens > threshold:
+        estimate = result.estimated_tokens
+        if precheck and result.prompt_authority == "preassembly_may_overflow" and estimate <= threshold:
+            # OpenClaw: the larger of the assembled estimate and the pre-assembly (unwindowed) history's. The
+            # engine says its assembled view may hide what the transcript holds; compared alone, it never did.
+            estimate = max(estimate, self._preassembly_tokens(scope, session_id, fence))
+        if precheck and estimate > threshold:
             # Compaction before the prompt, then assemble again from the new pointer: the built-in one,
             # unless the engine owns compaction (its safeguard asks the engine, never the built-in).
             rt: RuntimeContext = host["runtime_context"]
@@ -1165,6 +1171,14 @@ class HostRuntime:
                     info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
                 )
         return self._fit_addition(engine, info, params, host, result, reserved)
+
+    def _preassembly_tokens(self, scope: str, session_id: str, fence: Anchor | None) -> int:
+        """The tokens of the session's unwindowed history before the fence, as the runtime would send it: the
+        built-in compaction's latest summary and every visible message after it (the legacy view, without a
+        budget; it reads only the messages its projection has not seen)."""
+        legacy, _info = self.engine(LEGACY)
+        view = legacy.assemble(scope=scope, session_id=session_id, fence=fence, token_budget=MAX_TOKENS)
+        return AssembleResult.model_validate(view).estimated_tokens
 
     def _fit_addition(
         self,

@@ -1,0 +1,59 @@
+"""The host's engine contract against OpenClaw's, over both backends: what a review of host.py, engine.py,
+compaction.py, summarize.py and the legacy engine found."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hosting import CountingEngine
+from test_host import SCOPE, make_host
+
+from transcript_store import TranscriptStore
+from transcript_store.engine import AssembleResult
+
+
+@pytest.fixture
+def sid(store: TranscriptStore) -> str:
+    return store.create_session(SCOPE, session_id="sess", session_key="agent:main:test").session_id
+
+
+class _Windowed(CountingEngine):
+    """Delegates compaction (owns none) and shows only the last two messages: its assembled estimate is
+    small whatever the transcript holds, so it says the transcript may overflow (or not)."""
+
+    authority = "preassembly_may_overflow"
+
+    def assemble(self, **kw: Any) -> AssembleResult:
+        window = super().assemble(**kw).messages[-2:]
+        return AssembleResult(messages=window, estimated_tokens=10 * len(window), prompt_authority=self.authority)
+
+
+def _long_history(store: TranscriptStore, sid: str) -> None:
+    store.append_many(
+        SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 300}}
+                     for i in range(30)]
+    )
+
+
+@pytest.mark.parametrize("authority", ["preassembly_may_overflow", "assembled"])
+def test_preassembly_may_overflow_compacts_on_the_larger_of_the_two_estimates(
+    store: TranscriptStore, sid: str, authority: str
+) -> None:
+    """OpenClaw: with prompt_authority="preassembly_may_overflow" the runner "uses the larger of the assembled
+    estimate and the pre-assembly (unwindowed) session-history estimate when deciding whether to preemptively
+    compact". The host compared the assembled estimate alone, so for an engine that does not own compaction
+    the answer changed nothing: a windowed view hiding a transcript far over the budget never compacted.
+    With the default authority ("assembled") the assembled estimate alone decides, as before."""
+    _long_history(store, sid)
+
+    def make(ctx: Any) -> _Windowed:
+        engine = _Windowed(ctx, "win")
+        engine.authority = authority
+        return engine
+
+    host, _ = make_host(store, "win", {"win": make}, token_budget=4000)
+    out = host.run_turn(SCOPE, sid, "go")
+    assert out.engine_id == "win" and out.degraded_reason is None and out.commit_status == "committed"
+    kinds = [e.kind for e in store.list_entries(SCOPE, sid)]
+    assert ("compaction" in kinds) == (authority == "preassembly_may_overflow")
