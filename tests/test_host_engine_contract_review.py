@@ -11,6 +11,9 @@ from test_host import SCOPE, make_host
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import AssembleResult
+from transcript_store.errors import InvalidInput
+from transcript_store.summarize import ExtractiveSummarizer, OpenAISummarizer, hold
+from transcript_store.tokens import RoughEstimator
 
 
 @pytest.fixture
@@ -57,3 +60,42 @@ def test_preassembly_may_overflow_compacts_on_the_larger_of_the_two_estimates(
     assert out.engine_id == "win" and out.degraded_reason is None and out.commit_status == "committed"
     kinds = [e.kind for e in store.list_entries(SCOPE, sid)]
     assert ("compaction" in kinds) == (authority == "preassembly_may_overflow")
+
+
+# ------------------------------------------------------------------------------------------------ summarizers
+
+_BAD_SUMMARIZE_ARGS: list[dict[str, Any]] = [
+    {"max_tokens": "100"},
+    {"max_tokens": None},
+    {"max_tokens": 100.5},
+    {"max_tokens": True},
+    {"max_tokens": 10**12},
+    {"focus": 5},
+    {"previous_summary": 5},
+    {"previous_summary": ["earlier"]},
+    {"messages": [1]},
+    {"messages": "a string"},
+    {"messages": None},
+    {"messages": [{"role": "user", "content": "hi"}, "no dict"]},
+]
+
+
+@pytest.mark.parametrize("kind", ["extractive", "openai"])
+@pytest.mark.parametrize("bad", _BAD_SUMMARIZE_ARGS, ids=repr)
+def test_summarizers_refuse_bad_arguments_with_a_typed_error(kind: str, bad: dict[str, Any]) -> None:
+    """A summarizer is pluggable and public: a token limit given as a string or None, a focus or previous
+    summary that is no string, messages that are no list of dicts surfaced as TypeError or AttributeError
+    from deep inside it (the OpenAI one before any request). InvalidInput now, before any work."""
+    summarizer: Any = ExtractiveSummarizer() if kind == "extractive" else OpenAISummarizer("http://127.0.0.1:9", "m")
+    args = {"messages": [{"role": "user", "content": "hi"}], **bad}
+    messages = args.pop("messages")
+    with pytest.raises(InvalidInput):
+        summarizer.summarize(messages, **args)
+
+
+@pytest.mark.parametrize(("text", "limit"), [("word " * 100, "5"), ("word " * 100, None), (5, 10), (None, 10)])
+def test_hold_refuses_bad_arguments_with_a_typed_error(text: Any, limit: Any) -> None:
+    """``summarize.hold`` (what cuts a summary to its budget) raised TypeError for a string limit or a text
+    that is no string."""
+    with pytest.raises(InvalidInput):
+        hold(text, limit, RoughEstimator())

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import regex
 
 from .db import UNSENDABLE
+from .engine import MAX_TOKENS
 from .errors import InvalidInput, ModelError, SummarizerError
 from .model import DEFAULT_OPENAI_MODEL, OpenAIChatModel, message_text
 from .models import functions_called
@@ -68,7 +69,12 @@ _FIRST_PROBE = 64  # characters: the prefix search doubles from here
 
 def hold(text: str, max_tokens: int, estimator: TokenEstimator) -> str:
     """``text`` if within ``max_tokens`` (``estimator.count_text``), else its start cut cleanly + CUT_MARK
-    ("" when not even the marker fits). Never over ``max_tokens``, whatever the estimator counts."""
+    ("" when not even the marker fits). Never over ``max_tokens``, whatever the estimator counts.
+    InvalidInput for a text that is no string or a limit that is no integer."""
+    if not isinstance(text, str):
+        raise InvalidInput(f"hold takes a text (a string), not {type(text).__name__}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InvalidInput(f"max_tokens must be an integer, not {type(max_tokens).__name__}")
     if estimator.count_text(text) <= max_tokens:
         return text
     mark = "\n" + CUT_MARK.format(max_tokens=max_tokens)
@@ -133,12 +139,26 @@ def _character_end(text: str, end: int) -> int:
     return end  # pragma: no cover - the clusters cover the text
 
 
-def _check_args(level: str, max_tokens: int) -> None:
-    """Refuse a level or token limit no summarizer can honour."""
+def _check_args(
+    messages: object, previous_summary: object, focus: object, level: str, max_tokens: int
+) -> None:
+    """Refuse arguments no summarizer can honour (InvalidInput): messages that are no sequence of message
+    dicts, a previous summary or focus that is no string, an unknown level, a token limit that is no integer
+    in 16..MAX_TOKENS. Unchecked, a string limit, a dict's place taken by a string or a focus of 5 surfaced
+    as a TypeError or AttributeError from deep inside the summarizer."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise InvalidInput(f"messages must be a list of message dicts, not {type(messages).__name__}")
+    if not all(isinstance(m, dict) for m in messages):
+        raise InvalidInput("messages must be a list of message dicts")
+    for what, value in (("previous_summary", previous_summary), ("focus", focus)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"{what} must be a string or None, not {type(value).__name__}")
     if level not in ("normal", "aggressive"):
         raise InvalidInput(f"summary level must be 'normal' or 'aggressive', not {level!r}")
-    if max_tokens < 16:
-        raise InvalidInput("a summary needs max_tokens of at least 16")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InvalidInput(f"max_tokens must be an integer, not {type(max_tokens).__name__}")
+    if not 16 <= max_tokens <= MAX_TOKENS:
+        raise InvalidInput(f"a summary needs max_tokens of at least 16 (and at most {MAX_TOKENS})")
 
 
 # --------------------------------------------------------------------------------------------- extractive
@@ -250,7 +270,7 @@ class ExtractiveSummarizer:
         max_tokens: int = 1024,
     ) -> str:
         """An extractive summary of ``previous_summary`` + ``messages`` within ``max_tokens``."""
-        _check_args(level, max_tokens)
+        _check_args(messages, previous_summary, focus, level, max_tokens)
         focus = focus.strip() if focus and focus.strip() else None
         limits = _LIMITS[level]
         budget = max_tokens if level == "normal" else max(16, max_tokens // 2)
@@ -357,7 +377,7 @@ class OpenAISummarizer:
         max_tokens: int = 1024,
     ) -> str:
         """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer."""
-        _check_args(level, max_tokens)
+        _check_args(messages, previous_summary, focus, level, max_tokens)
         request = self.prompt(messages, previous_summary=previous_summary, focus=focus, level=level,
                               max_tokens=max_tokens)
         try:
