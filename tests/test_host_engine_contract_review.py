@@ -99,3 +99,41 @@ def test_hold_refuses_bad_arguments_with_a_typed_error(text: Any, limit: Any) ->
     that is no string."""
     with pytest.raises(InvalidInput):
         hold(text, limit, RoughEstimator())
+
+
+# ------------------------------------------------------------------------------------------------ subagents
+
+
+class _Spawning(CountingEngine):
+    """Has the subagent hooks; its prepare refuses a TTL that is no positive number, as an engine may."""
+
+    def prepare_subagent_spawn(self, **kw: Any) -> None:
+        self.calls.append(("prepare_subagent_spawn", kw))
+        ttl = kw["ttl_seconds"]
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"bad ttl {ttl!r}")
+
+    def on_subagent_ended(self, **kw: Any) -> None:
+        self.calls.append(("on_subagent_ended", kw))
+
+
+@pytest.mark.parametrize("ttl", ["60", -1, 0, float("nan"), float("inf"), True, [60]], ids=repr)
+def test_a_bad_subagent_ttl_is_refused_before_the_engine_or_the_child(
+    store: TranscriptStore, sid: str, ttl: Any
+) -> None:
+    """``spawn_subagent`` handed ``ttl_seconds`` to the engine's prepare_subagent_spawn unchecked: an engine
+    refusing the caller's mistake was quarantined for the rest of the process (every later turn on legacy),
+    and the child session was made all the same. InvalidInput now, before the child or any hook."""
+    engines: dict[str, _Spawning] = {}
+    host, _ = make_host(store, "sp", {"sp": lambda ctx: engines.setdefault("sp", _Spawning(ctx, "sp"))})
+    ran: list[str] = []
+    try:
+        with pytest.raises(InvalidInput, match="ttl_seconds"):
+            host.spawn_subagent(SCOPE, sid, "child:1", ran.append, ttl_seconds=ttl)
+        assert ran == [] and "sp" not in host.quarantined
+        assert [s.session_key for s in store.list_sessions(SCOPE)] == ["agent:main:test"]
+        # A good one still runs, on the engine.
+        assert host.spawn_subagent(SCOPE, sid, "child:1", lambda child: "done", ttl_seconds=30.5) == "done"
+        assert [n for n, _ in engines["sp"].calls] == ["prepare_subagent_spawn", "on_subagent_ended"]
+    finally:
+        host.dispose()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -1588,6 +1589,15 @@ class HostRuntime:
             raise InvalidInput("context_mode is isolated or fork")
         if not callable(run_child):
             raise InvalidInput(f"run_child must be callable, not {type(run_child).__name__}")
+        # The caller's value, handed to the engine's hook: a mistake of it is the caller's (InvalidInput), never
+        # the engine's (a hook refusing it quarantined the engine for the process).
+        if ttl_seconds is not None and (
+            isinstance(ttl_seconds, bool)
+            or not isinstance(ttl_seconds, int | float)
+            or not 0 < ttl_seconds < math.inf
+        ):
+            shown = repr(ttl_seconds) if isinstance(ttl_seconds, int | float) else type(ttl_seconds).__name__
+            raise InvalidInput(f"ttl_seconds must be a positive finite number of seconds or None, not {shown}")
         parent = self.store.get_session(scope, parent_session_id)
         engine, info = self._engine_or_legacy()  # best effort: a broken engine spawns on legacy
         self._check_requirements(info, "subagent-spawn")
