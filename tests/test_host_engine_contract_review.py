@@ -12,6 +12,7 @@ from test_host import SCOPE, make_host
 from transcript_store import TranscriptStore
 from transcript_store.engine import AssembleResult
 from transcript_store.errors import InvalidInput
+from transcript_store.model import LocalResponder, OpenAIChatModel, model_from_settings
 from transcript_store.summarize import ExtractiveSummarizer, OpenAISummarizer, hold
 from transcript_store.tokens import RoughEstimator
 
@@ -137,3 +138,68 @@ def test_a_bad_subagent_ttl_is_refused_before_the_engine_or_the_child(
         assert [n for n, _ in engines["sp"].calls] == ["prepare_subagent_spawn", "on_subagent_ended"]
     finally:
         host.dispose()
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+_HELLO = [{"role": "user", "content": "hello"}]
+_BAD_MODEL_MAKERS: dict[str, Any] = {
+    "url not a string": lambda: OpenAIChatModel(5, "m"),  # type: ignore[arg-type]
+    "model None": lambda: OpenAIChatModel("http://127.0.0.1:9", None),  # type: ignore[arg-type]
+    "timeout a string": lambda: OpenAIChatModel("http://127.0.0.1:9", "m", timeout="5"),  # type: ignore[arg-type]
+    "timeout NaN": lambda: OpenAIChatModel("http://127.0.0.1:9", "m", timeout=float("nan")),
+    "api key an int": lambda: OpenAIChatModel("http://127.0.0.1:9", "m", api_key=5),  # type: ignore[arg-type]
+    "fail_every a string": lambda: LocalResponder(fail_every="3"),  # type: ignore[arg-type]
+    "fail_every True": lambda: LocalResponder(fail_every=True),
+    "url of settings an int": lambda: model_from_settings(5, None, None),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("make", list(_BAD_MODEL_MAKERS.values()), ids=list(_BAD_MODEL_MAKERS))
+def test_a_model_built_from_bad_arguments_is_invalid_input(make: Any) -> None:
+    """The models are public: a URL that is no string (AttributeError), a timeout given as a string
+    (TypeError) or NaN (accepted; every call then failed with urllib's ValueError), a model name of None
+    (sent as null), a string ``fail_every`` (TypeError) were not InvalidInput."""
+    with pytest.raises(InvalidInput):
+        make()
+
+
+_BAD_COMPLETE_ARGS: dict[str, dict[str, Any]] = {
+    "messages a string": {"messages": "hello"},
+    "a message not a dict": {"messages": [object()]},
+    "tools not dicts": {"tools": [5]},
+    "tools a string": {"tools": "lookup"},
+    "max_tokens a string": {"max_tokens": "5"},
+    "max_tokens zero": {"max_tokens": 0},
+    "timeout a string": {"timeout": "5"},
+    "timeout negative": {"timeout": -1},
+    "timeout NaN": {"timeout": float("nan")},
+}
+
+
+@pytest.mark.parametrize("kind", ["local", "openai"])
+@pytest.mark.parametrize("bad", list(_BAD_COMPLETE_ARGS.values()), ids=list(_BAD_COMPLETE_ARGS))
+def test_complete_with_bad_arguments_is_invalid_input_before_any_request(kind: str, bad: dict[str, Any]) -> None:
+    """``complete`` took anything: a string ``max_tokens`` or ``timeout`` raised TypeError (the OpenAI
+    model's after the request was built), a negative timeout urllib's ValueError, a tool that is no dict
+    AttributeError. The endpoint here refuses connections: InvalidInput must come before any is tried."""
+    model: Any = LocalResponder() if kind == "local" else OpenAIChatModel("http://127.0.0.1:9", "m", timeout=2)
+    args = {"messages": _HELLO, **bad}
+    with pytest.raises(InvalidInput):
+        model.complete(args.pop("messages"), **args)
+
+
+@pytest.mark.parametrize("content", [object(), "half \ud800 an emoji"], ids=["an object", "a lone surrogate"])
+def test_a_request_that_is_no_json_is_invalid_input(content: Any) -> None:
+    """A message holding what JSON cannot carry (an object, a lone surrogate) raised TypeError or
+    UnicodeEncodeError from inside post_chat_completion."""
+    with pytest.raises(InvalidInput, match="no JSON"):
+        OpenAIChatModel("http://127.0.0.1:9", "m", timeout=2).complete([{"role": "user", "content": content}])
+
+
+def test_the_local_responder_takes_a_tool_schema_whose_parameters_are_no_object() -> None:
+    """A tool schema whose ``parameters`` (or its ``properties``) is no object raised AttributeError from the
+    local responder's argument filling; such a tool is called with no arguments."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": 5}}]
+    answer = LocalResponder().complete([{"role": "user", "content": "look up x"}], tools)
+    assert answer.message["tool_calls"][0]["function"] == {"name": "lookup", "arguments": "{}"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import math
 import os
 import re
 import threading
@@ -59,6 +60,34 @@ class Model(Protocol):
     ) -> ModelResponse:
         """Answer the conversation; ModelTimeout when the provider timed out, ModelError on other failures."""
         ...
+
+
+def _positive_seconds(what: str, value: object, *, optional: bool) -> None:
+    """A timeout in seconds: a positive finite number (None when ``optional``), else InvalidInput."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        shown = repr(value) if isinstance(value, int | float) else type(value).__name__
+        raise InvalidInput(f"{what} must be a positive finite number of seconds, not {shown}")
+
+
+def check_request(messages: object, tools: object, max_tokens: object, timeout: object) -> None:
+    """The arguments of ``Model.complete`` checked (InvalidInput): a non-empty sequence of message dicts, None
+    or a sequence of tool dicts, a ``max_tokens`` of None or a positive integer, a ``timeout`` of None or a
+    positive finite number of seconds. The host passes no other; a library caller could, and a string limit,
+    a tool that was no dict or a NaN timeout surfaced as TypeError, AttributeError or ValueError."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidInput("complete() needs a non-empty list of message dicts")
+    if not all(isinstance(m, dict) for m in messages):
+        raise InvalidInput("complete() needs a non-empty list of message dicts")
+    if tools is not None and (
+        isinstance(tools, str | bytes) or not isinstance(tools, Sequence) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise InvalidInput("tools must be None or a list of tool schemas (dicts)")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        shown = repr(max_tokens) if isinstance(max_tokens, int) else type(max_tokens).__name__
+        raise InvalidInput(f"max_tokens must be None or a positive integer, not {shown}")
+    _positive_seconds("timeout", timeout, optional=True)
 
 
 # ------------------------------------------------------------------------------------------- local responder
@@ -115,9 +144,14 @@ def _schema_value(prop_name: str, prop: dict[str, Any], text: str) -> Any:
 
 def _tool_arguments(tool: dict[str, Any], text: str) -> str:
     """JSON arguments for a tool: the required properties (else the first one) filled from the text."""
-    params = tool.get("function", {}).get("parameters") or {}
-    props: dict[str, Any] = params.get("properties") or {}
-    names = [n for n in params.get("required") or [] if n in props] or list(props)[:1]
+    function = tool.get("function")
+    params = function.get("parameters") if isinstance(function, dict) else None
+    params = params if isinstance(params, dict) else {}
+    props = params.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = params.get("required")
+    required = required if isinstance(required, list) else []
+    names = [n for n in required if isinstance(n, str) and n in props] or list(props)[:1]
     args = {name: _schema_value(name, props[name] if isinstance(props[name], dict) else {}, text) for name in names}
     return json.dumps(args, ensure_ascii=False, sort_keys=True)
 
@@ -133,7 +167,8 @@ def _stems(text: str) -> set[str]:
 
 def _tool_name(tool: dict[str, Any]) -> str:
     """The function name of an OpenAI tool schema."""
-    name = tool.get("function", {}).get("name")
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidInput("a tool schema needs function.name")
     return name
@@ -167,8 +202,9 @@ class LocalResponder:
         timeout_predicate: Callable[[Sequence[dict[str, Any]]], bool] | None = None,
     ) -> None:
         """A local responder; ``fail_every`` / ``timeout_predicate`` inject ModelTimeout for fault demos."""
-        if fail_every is not None and fail_every < 1:
-            raise InvalidInput("fail_every must be at least 1")
+        bad_every = isinstance(fail_every, bool) or not isinstance(fail_every, int) or fail_every < 1
+        if fail_every is not None and bad_every:
+            raise InvalidInput("fail_every must be None or an integer of at least 1")
         self.name = name
         self.estimator: TokenEstimator = estimator or RoughEstimator()
         self.fail_every = fail_every
@@ -185,8 +221,7 @@ class LocalResponder:
         timeout: float | None = None,
     ) -> ModelResponse:
         """A deterministic reply: a tool call, an answer quoting a tool result, or an echo of the user."""
-        if not messages or not all(isinstance(m, dict) for m in messages):
-            raise InvalidInput("complete() needs a non-empty list of message dicts")
+        check_request(messages, tools, max_tokens, timeout)
         with self._lock:
             self.calls += 1
             call_number = self.calls
@@ -358,7 +393,10 @@ def post_chat_completion(
     headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": "transcript-store"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    try:
+        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as e:  # no JSON (an object, a cycle), a lone surrogate
+        raise InvalidInput(f"the request to the model is no JSON it can be sent as: {type(e).__name__}") from None
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     deadline = time.monotonic() + timeout
     try:
@@ -404,6 +442,13 @@ class OpenAIChatModel:
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0) -> None:
         """Talk to ``base_url`` (e.g. ``https://api.openai.com/v1``) as ``model``; ``timeout`` in seconds."""
+        if not isinstance(base_url, str):
+            raise InvalidInput(f"model URL must be a string, not {type(base_url).__name__}")
+        if not isinstance(model, str) or not model:
+            raise InvalidInput("model name must be a non-empty string")
+        if api_key is not None and not isinstance(api_key, str):
+            raise InvalidInput(f"api key must be a string or None, not {type(api_key).__name__}")
+        _positive_seconds("model timeout", timeout, optional=False)
         if not base_url.startswith(("http://", "https://")):
             raise InvalidInput(f"model URL must start with http:// or https://, not {mask_url(base_url)!r}")
         try:  # else the first turn fails, after the chat's session was written
@@ -421,8 +466,6 @@ class OpenAIChatModel:
             )
         if not split.hostname:  # http:// or http:///v1: every turn failed on "no host given"
             raise InvalidInput(f"model URL {mask_url(base_url)!r} names no host")
-        if timeout <= 0:
-            raise InvalidInput("model timeout must be positive")
         parts = urllib.parse.urlsplit(base_url)
         self.base_url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/")))
         self.name = model
@@ -442,6 +485,7 @@ class OpenAIChatModel:
         timeout: float | None = None,
     ) -> ModelResponse:
         """One non-streaming completion; ModelTimeout on timeouts, ModelError on HTTP and protocol failures."""
+        check_request(messages, tools, max_tokens, timeout)
         payload: dict[str, Any] = {"model": self.name, "messages": list(messages)}
         if tools:
             payload["tools"] = list(tools)
