@@ -9,9 +9,10 @@ import pytest
 from hosting import CountingEngine
 from test_host import SCOPE, make_host
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
 from transcript_store.engine import AssembleResult
 from transcript_store.errors import InvalidInput
+from transcript_store.host import RuntimeContext, delegate_compaction_to_runtime
 from transcript_store.model import LocalResponder, OpenAIChatModel, model_from_settings
 from transcript_store.summarize import ExtractiveSummarizer, OpenAISummarizer, hold
 from transcript_store.tokens import RoughEstimator
@@ -203,3 +204,56 @@ def test_the_local_responder_takes_a_tool_schema_whose_parameters_are_no_object(
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": 5}}]
     answer = LocalResponder().complete([{"role": "user", "content": "look up x"}], tools)
     assert answer.message["tool_calls"][0]["function"] == {"name": "lookup", "arguments": "{}"}
+
+
+# ------------------------------------------------------------------------------------------------ compaction
+
+_BAD_COMPACTION_ARGS: dict[str, dict[str, Any]] = {
+    "force a string": {"force": "no"},
+    "focus an int": {"focus": 5},
+    "budget negative": {"token_budget": -5},
+    "budget a string": {"token_budget": "5"},
+    "fence a string": {"fence": "abc"},
+    "no summarizer": {"summarizer": None},
+    "no estimator": {"estimator": None},
+    "scope with a lone surrogate": {"scope": "sc\ud800ope"},
+    "session id an int": {"session_id": 5},
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD_COMPACTION_ARGS.values()), ids=list(_BAD_COMPACTION_ARGS))
+def test_the_built_in_compaction_refuses_bad_arguments_before_it_writes(
+    store: TranscriptStore, sid: str, bad: dict[str, Any]
+) -> None:
+    """``compaction.compact_session`` (what an engine reaches through delegate_compaction_to_runtime) checked
+    only keep_last: a force of "no" forced a compaction (a summary written), a string budget raised
+    TypeError, a lone surrogate in the scope UnicodeEncodeError, no estimator AttributeError."""
+    _long_history(store, sid)
+    args: dict[str, Any] = {
+        "scope": SCOPE, "session_id": sid, "summarizer": ExtractiveSummarizer(), "estimator": RoughEstimator(),
+        "token_budget": 10**6, **bad,
+    }
+    with pytest.raises(InvalidInput):
+        compaction.compact_session(store, args.pop("scope"), args.pop("session_id"), **args)
+    assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid)]
+    assert compaction.load_pointer(store, SCOPE, sid) is None
+
+
+@pytest.mark.parametrize("bad", [{"force": "no"}, {"focus": 5}, {"prompt_budget": -1}, {"prompt_budget": "9"}],
+                         ids=repr)
+def test_delegate_compaction_to_runtime_refuses_bad_arguments(
+    store: TranscriptStore, sid: str, bad: dict[str, Any]
+) -> None:
+    """The runtime context's delegate_compaction_to_runtime (an engine's call): a force of "no" compacted,
+    a negative prompt budget was taken as a budget of one token (everything compacted) and a string one
+    raised TypeError. InvalidInput, nothing written."""
+    _long_history(store, sid)
+    host, _ = make_host(store)
+    ctx = RuntimeContext(host, SCOPE, sid, None, None, 2000)
+    try:
+        with pytest.raises(InvalidInput):
+            delegate_compaction_to_runtime(ctx, **bad)
+        assert "compaction" not in [e.kind for e in store.list_entries(SCOPE, sid)]
+        assert delegate_compaction_to_runtime(ctx, force=True).compacted  # a good call still compacts
+    finally:
+        host.dispose()

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from . import mirror
 from .config import StoreConfig
 from .core import Core, now_us, prepare_entry
-from .engine import CompactResult
+from .engine import CompactResult, check_call, check_flag, check_focus, check_token_budget
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
 from .models import RESULT_ROLES, Anchor, Entry
@@ -481,7 +481,19 @@ def compact_session(
     force: bool = False,
     token_budget: int | None = None,
 ) -> CompactResult:
-    """Summarize the older visible messages of a session (see module doc)."""
+    """Summarize the older visible messages of a session (see module doc); InvalidInput for bad arguments,
+    before anything is read or written."""
+    # Checked here, not only by the legacy engine's compact: an engine delegating to the runtime (and any
+    # library caller) reaches this directly, and a force of "no" forced a compaction, a string budget or a
+    # lone surrogate in the scope raised TypeError or UnicodeEncodeError.
+    check_call(scope, session_id, fence=fence)
+    check_flag("force", force)
+    check_focus(focus)
+    check_token_budget(token_budget, optional=True)
+    if not callable(getattr(summarizer, "summarize", None)):
+        raise InvalidInput(f"summarizer must have a summarize method, not be {type(summarizer).__name__}")
+    if not callable(getattr(estimator, "count_messages", None)):
+        raise InvalidInput(f"estimator must have a count_messages method, not be {type(estimator).__name__}")
     check_keep_last(keep_last)
     # The state as read (valid or not) is what the write compares against, in the session of the
     # incarnation read with it: see run() below.

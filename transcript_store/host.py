@@ -40,6 +40,7 @@ from .engine import (
     SessionTarget,
     SubagentSpawnPreparation,
     check_focus,
+    check_token_budget,
     durable_declaration,
     missing_capabilities,
     project_params,
@@ -202,6 +203,7 @@ def delegate_compaction_to_runtime(
     """The built-in summarising compaction, for non-owning engines' ``compact`` (to ``compaction_threshold``
     of ``prompt_budget``: by default the operation's, ``ctx.budget``, as the engine's ``compact`` got it)."""
     h = ctx.host
+    check_token_budget(prompt_budget, optional=True, what="prompt_budget")  # force, focus: compact_session's
     budget = prompt_budget if prompt_budget is not None else ctx.budget
     if budget is None:
         budget = h.prompt_budget()
