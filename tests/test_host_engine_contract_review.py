@@ -10,10 +10,11 @@ from hosting import CountingEngine
 from test_host import SCOPE, make_host
 
 from transcript_store import TranscriptStore, compaction
-from transcript_store.engine import AssembleResult
-from transcript_store.errors import InvalidInput
+from transcript_store.engine import AssembleResult, EngineContext
+from transcript_store.errors import InvalidInput, UnknownEngine
 from transcript_store.host import RuntimeContext, delegate_compaction_to_runtime
 from transcript_store.model import LocalResponder, OpenAIChatModel, model_from_settings
+from transcript_store.registry import EngineRegistry
 from transcript_store.summarize import ExtractiveSummarizer, OpenAISummarizer, hold
 from transcript_store.tokens import RoughEstimator
 
@@ -257,3 +258,33 @@ def test_delegate_compaction_to_runtime_refuses_bad_arguments(
         assert delegate_compaction_to_runtime(ctx, force=True).compacted  # a good call still compacts
     finally:
         host.dispose()
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+
+@pytest.mark.parametrize("engine_id", [["legacy"], {"id": 1}, None, 7, "leg\x00acy", "x" * 500], ids=repr)
+@pytest.mark.parametrize("method", ["create", "check"])
+def test_the_registry_refuses_what_is_no_engine_id_as_unknown(engine_id: Any, method: str) -> None:
+    """``EngineRegistry.create`` / ``check`` looked the id up as given: a list or a dict raised TypeError
+    (unhashable). An id no engine can have is UnknownEngine, as an id not registered is."""
+    registry = EngineRegistry()
+    with pytest.raises(UnknownEngine):
+        getattr(registry, method)(engine_id, EngineContext(store=None))
+
+
+@pytest.mark.parametrize("plugin_dirs", ["./my-engines", b"./my-engines", 5, [5], None], ids=repr)
+def test_plugin_dirs_that_are_no_list_of_folders_are_invalid_input(plugin_dirs: Any) -> None:
+    """``EngineRegistry(plugin_dirs="./my-engines")`` iterated the string: one-letter folders ".", "/", "m",
+    ... were each warned about as missing, and the folder named was never searched. An int raised TypeError."""
+    with pytest.raises(InvalidInput, match="plugin_dirs"):
+        EngineRegistry(plugin_dirs)
+
+
+def test_a_factory_that_is_not_callable_is_refused_when_registered() -> None:
+    """``register_factory("x", 5)`` was taken: the mistake surfaced only when the engine was first made (a
+    TypeError the host took for the engine's failure, quarantining it)."""
+    registry = EngineRegistry(discover=False)
+    with pytest.raises(InvalidInput, match="callable"):
+        registry.register_factory("x", 5)  # type: ignore[arg-type]
+    assert "x" not in registry.specs

@@ -42,7 +42,7 @@ from .engine import (
     engine_label_problem,
     validate_engine,
 )
-from .errors import DESCRIBE_LIMIT, EngineContractError, UnknownEngine
+from .errors import DESCRIBE_LIMIT, EngineContractError, InvalidInput, UnknownEngine
 from .terminal import quoted
 
 log = logging.getLogger("transcript_store.registry")
@@ -280,7 +280,14 @@ class EngineRegistry:
     """Every engine this host can see, by id."""
 
     def __init__(self, plugin_dirs: list[str] | tuple[str, ...] = (), *, discover: bool = True) -> None:
-        """Discover bundled engines, entry points and ``plugin_dirs`` (unless ``discover`` is False)."""
+        """Discover bundled engines, entry points and ``plugin_dirs`` (unless ``discover`` is False).
+
+        ``plugin_dirs`` is a list (or tuple) of folders: a single string was read as a list of one-letter
+        folders, each warned about as missing, the folder it named never searched (InvalidInput now)."""
+        if isinstance(plugin_dirs, str | bytes | os.PathLike) or not isinstance(plugin_dirs, list | tuple):
+            raise InvalidInput(f"plugin_dirs must be a list of folders, not {type(plugin_dirs).__name__}")
+        if not all(isinstance(d, str | os.PathLike) for d in plugin_dirs):
+            raise InvalidInput("plugin_dirs must be a list of folders (strings or paths)")
         self.specs: dict[str, EngineSpec] = {}
         self.warnings: list[str] = []
         if discover:
@@ -327,7 +334,10 @@ class EngineRegistry:
         return True
 
     def register_factory(self, engine_id: str, factory: EngineFactory, location: str = "code") -> bool:
-        """Register an engine factory given in code."""
+        """Register an engine factory given in code (InvalidInput when it is not callable: it was taken, and
+        failed only when the engine was first made, quarantining it for a mistake of registration)."""
+        if not callable(factory):
+            raise InvalidInput(f"engine factory for {quoted(engine_id)} must be callable, not {type(factory).__name__}")
         return self.register(EngineSpec(engine_id, "code", location, factory))
 
     def _discover_folder_tree(self, root: Path, source: str, importable: bool) -> None:
@@ -402,9 +412,7 @@ class EngineRegistry:
         """Make and validate an engine; UnknownEngine when unknown, EngineError when broken or invalid (an
         engine that fails validation is disposed of again). A factory's own exception is raised as it is,
         but one that would end the process (SystemExit) is an EngineContractError."""
-        spec = self.specs.get(engine_id)
-        if spec is None:
-            raise UnknownEngine(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
+        spec = self._spec(engine_id)
         if spec.factory is None:
             raise EngineContractError(f"engine {engine_id!r} failed to load: {spec.error}")
         factory = spec.factory
@@ -427,11 +435,21 @@ class EngineRegistry:
             raise EngineContractError(f"engine {engine_id!r}: its validation raised {_why(e)}") from e
         return engine, info
 
-    def check(self, engine_id: str, ctx: EngineContext) -> EngineStatus:
-        """Load and validate one engine, disposing of it again; UnknownEngine for an id not registered."""
+    def _spec(self, engine_id: object) -> EngineSpec:
+        """The registered engine ``engine_id``; UnknownEngine for an id not registered, or for no engine id at
+        all (a list raised TypeError from the lookup; a long one is quoted cut)."""
+        problem = engine_id_problem(engine_id)
+        if problem is not None:
+            raise UnknownEngine(f"unknown context engine {quoted(engine_id)}: {problem}")
+        assert isinstance(engine_id, str)
         spec = self.specs.get(engine_id)
         if spec is None:
             raise UnknownEngine(f"unknown context engine {engine_id!r}; known: {', '.join(sorted(self.specs))}")
+        return spec
+
+    def check(self, engine_id: str, ctx: EngineContext) -> EngineStatus:
+        """Load and validate one engine, disposing of it again; UnknownEngine for an id not registered."""
+        spec = self._spec(engine_id)
         try:
             engine, info = self.create(engine_id, ctx)
         except KeyboardInterrupt:
