@@ -288,3 +288,31 @@ def test_a_factory_that_is_not_callable_is_refused_when_registered() -> None:
     with pytest.raises(InvalidInput, match="callable"):
         registry.register_factory("x", 5)  # type: ignore[arg-type]
     assert "x" not in registry.specs
+
+
+# ------------------------------------------------------------------------------------------------ assembly
+
+
+@pytest.mark.parametrize("bad", [{"foo": 1}, {"role": "wizard", "content": "x"}, {"role": ["user"], "content": "x"}],
+                         ids=repr)
+def test_an_assembled_message_without_a_chat_role_is_the_engine_failure(
+    store: TranscriptStore, sid: str, bad: dict[str, Any]
+) -> None:
+    """OpenClaw isolates an engine that "fails contract validation". An assembled message with no chat role
+    was sent on to the model (a provider refuses the request: every turn of the session failed, the engine
+    never isolated). Now the engine is quarantined and the turn runs on legacy, before the model is called;
+    the message never reaches it."""
+
+    class Bad(CountingEngine):
+        def assemble(self, **kw: Any) -> AssembleResult:
+            super().assemble(**kw)
+            return AssembleResult(messages=[bad], estimated_tokens=5)
+
+    host, model = make_host(store, "bad", {"bad": lambda ctx: Bad(ctx, "bad")})
+    try:
+        out = host.run_turn(SCOPE, sid, "hello")
+        assert (out.engine_id, out.commit_status) == ("legacy", "committed")
+        assert out.degraded_reason is not None and "bad" in host.quarantined
+        assert all(bad not in request for request in model.requests)
+    finally:
+        host.dispose()

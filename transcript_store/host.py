@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -79,6 +79,7 @@ from .models import (
     Anchor,
     Replacement,
     RewriteResult,
+    Role,
     call_answered,
     calls_made,
     compact_json,
@@ -89,6 +90,7 @@ from .outbox import TurnIntent
 from .registry import EngineRegistry
 from .settings import HostSettings
 from .store import AppendItem, TranscriptStore
+from .terminal import quoted
 from .turns import CommitIn, Turns, new_owner
 
 log = logging.getLogger("transcript_store.host")
@@ -219,6 +221,23 @@ def delegate_compaction_to_runtime(
         force=force,
         token_budget=max(1, int(budget * h.settings.compaction_threshold)),
     )
+
+
+_ROLES = frozenset(get_args(Role))
+
+
+def _assembled(info: EngineInfo, answer: object) -> AssembleResult:
+    """An engine's answer to ``assemble`` as an AssembleResult whose every message has a chat role; else the
+    engine's failure (ValidationError, EngineContractError: quarantined, the turn on legacy). A message
+    without one (``{"foo": 1}``, a role of "wizard") was sent on to the model, whose provider refused
+    the request: every turn failed, and the engine was never isolated. Only the role is looked at here:
+    validating every message of every context is a host turn's CPU over again."""
+    result = AssembleResult.model_validate(answer)
+    for message in result.messages:
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise EngineContractError(f"engine {info.id!r} assembled a message without a chat role: {quoted(role)}")
+    return result
 
 
 def _same_owner(obj: object, *names: str) -> bool:
@@ -1148,7 +1167,7 @@ class HostRuntime:
         if prefetched is not None and fence is not None:
             base["prefetched"] = prefetched  # what prefetch_in read for this fence in its admission
         params = project_params(info, base, host)
-        result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params)))
+        result = self._call(info.id, "assemble", lambda: _assembled(info, engine.assemble(**params)))
         precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
         threshold = int(budget * self.settings.compaction_threshold)
         estimate = result.estimated_tokens
@@ -1171,7 +1190,7 @@ class HostRuntime:
             if done.compacted:
                 params.pop("prefetched", None)  # read before the compaction: the pointer moved
                 result = self._call(
-                    info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**params))
+                    info.id, "assemble", lambda: _assembled(info, engine.assemble(**params))
                 )
         return self._fit_addition(engine, info, params, host, result, reserved)
 
@@ -1218,7 +1237,7 @@ class HostRuntime:
         rt = host.get("runtime_context")
         if isinstance(rt, RuntimeContext):  # and so does a built-in compaction delegated from there
             rt.budget = again["token_budget"]
-        result = self._call(info.id, "assemble", lambda: AssembleResult.model_validate(engine.assemble(**again)))
+        result = self._call(info.id, "assemble", lambda: _assembled(info, engine.assemble(**again)))
         extra = self._addition_tokens(result.system_prompt_addition)
         self._check_addition(info, extra, budget)  # the second answer's addition may have grown
         over = result.estimated_tokens + extra - budget
