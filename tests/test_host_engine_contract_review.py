@@ -10,8 +10,8 @@ from hosting import CountingEngine
 from test_host import SCOPE, make_host
 
 from transcript_store import TranscriptStore, compaction
-from transcript_store.engine import AssembleResult, EngineContext
-from transcript_store.errors import InvalidInput, UnknownEngine
+from transcript_store.engine import AssembleResult, CompactResult, EngineContext, SessionTarget
+from transcript_store.errors import EngineContractError, InvalidInput, UnknownEngine
 from transcript_store.host import RuntimeContext, delegate_compaction_to_runtime
 from transcript_store.model import LocalResponder, OpenAIChatModel, model_from_settings
 from transcript_store.registry import EngineRegistry
@@ -314,5 +314,68 @@ def test_an_assembled_message_without_a_chat_role_is_the_engine_failure(
         assert (out.engine_id, out.commit_status) == ("legacy", "committed")
         assert out.degraded_reason is not None and "bad" in host.quarantined
         assert all(bad not in request for request in model.requests)
+    finally:
+        host.dispose()
+
+
+# ------------------------------------------------------------------------------------------------ successors
+
+
+class _NamesASuccessor(CountingEngine):
+    """Owns compaction; its compact names a successor session that is not one of its scope's."""
+
+    target = SessionTarget(scope=SCOPE, session_id="ghost")
+
+    def assemble(self, **kw: Any) -> AssembleResult:
+        window = super().assemble(**kw).messages[-2:]
+        return AssembleResult(messages=window, estimated_tokens=10**6, prompt_authority="preassembly_may_overflow")
+
+    def compact(self, **kw: Any) -> CompactResult:
+        self.calls.append(("compact", kw))
+        return CompactResult(ok=True, compacted=True, session_target=self.target)
+
+
+_BAD_TARGETS = {
+    "no such session": SessionTarget(scope=SCOPE, session_id="ghost"),
+    "another scope": SessionTarget(scope="other-scope", session_id="sess"),
+}
+
+
+@pytest.mark.parametrize("target", list(_BAD_TARGETS.values()), ids=list(_BAD_TARGETS))
+def test_a_manual_compaction_naming_a_successor_that_is_not_a_session_of_the_scope_is_the_engine_failure(
+    store: TranscriptStore, sid: str, target: SessionTarget
+) -> None:
+    """The successor a compaction names was followed unchecked: one that did not exist sent every later turn
+    of the session to it (UnknownSession every time, the engine never isolated); one of another scope raised
+    InvalidInput, the caller's error for the engine's answer. EngineContractError now, the engine isolated,
+    the session in use unchanged: the next turn runs there, on legacy."""
+
+    def make(ctx: Any) -> _NamesASuccessor:
+        engine = _NamesASuccessor(ctx, "succ", owns_compaction=True)
+        engine.target = target
+        return engine
+
+    host, _ = make_host(store, "succ", {"succ": make})
+    try:
+        with pytest.raises(EngineContractError, match="successor"):
+            host.compact(SCOPE, sid)
+        assert "succ" in host.quarantined and host.resolve_session(SCOPE, sid) == sid
+        out = host.run_turn(SCOPE, sid, "next")
+        assert (out.session_id, out.engine_id, out.commit_status) == (sid, "legacy", "committed")
+    finally:
+        host.dispose()
+
+
+def test_a_pre_prompt_compaction_naming_no_session_runs_the_turn_on_legacy(store: TranscriptStore, sid: str) -> None:
+    """The same answer from the pre-prompt safeguard of an engine that owns compaction: the turn ran on, and
+    every later one went to the session that does not exist. Now the engine is isolated, the turn runs on
+    legacy in its own session, and so does the next."""
+    host, _ = make_host(store, "succ", {"succ": lambda ctx: _NamesASuccessor(ctx, "succ", owns_compaction=True)})
+    try:
+        first = host.run_turn(SCOPE, sid, "hello")
+        assert (first.session_id, first.engine_id, first.commit_status) == (sid, "legacy", "committed")
+        assert first.degraded_reason is not None and "succ" in host.quarantined
+        second = host.run_turn(SCOPE, sid, "again")
+        assert (second.session_id, second.commit_status) == (sid, "committed")
     finally:
         host.dispose()

@@ -1323,7 +1323,29 @@ class HostRuntime:
             return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
         base = {"scope": scope, "session_id": session_id, "force": False, "focus": None, "token_budget": budget}
         params = project_params(info, base, host)
-        return self._call(info.id, "compact", lambda: CompactResult.model_validate(method(**params)))
+
+        def run() -> CompactResult:
+            return self._checked_target(info, scope, session_id, CompactResult.model_validate(method(**params)))
+
+        return self._call(info.id, "compact", run)
+
+    def _checked_target(self, info: EngineInfo, scope: str, session_id: str, result: CompactResult) -> CompactResult:
+        """``result`` when the successor session it names (if any) is a session of ``scope``; else the engine's
+        failure (EngineContractError, inside its call: quarantined). Followed unchecked, a successor that did
+        not exist sent every later turn of the session to it (UnknownSession, every time, the engine never
+        isolated), and one of another scope was the caller's InvalidInput."""
+        target = result.session_target
+        if target is None or (target.scope, target.session_id) == (scope, session_id):
+            return result
+        if target.scope != scope:
+            raise EngineContractError(f"engine {info.id!r} named a successor session of another scope")
+        try:
+            self.store.get_session(scope, target.session_id)
+        except (UnknownSession, InvalidInput):
+            raise EngineContractError(
+                f"engine {info.id!r} named a successor session {quoted(target.session_id)} that does not exist"
+            ) from None
+        return result
 
     def _model_loop(
         self,
@@ -1536,9 +1558,10 @@ class HostRuntime:
                     return rt.delegate_compaction_to_runtime(force=force, focus=focus)
                 answer = method(**params)
                 try:
-                    return CompactResult.model_validate(answer)
+                    done = CompactResult.model_validate(answer)
                 except ValidationError as e:
                     raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+                return self._checked_target(info, scope, session_id, done)
 
             result = self._call(info.id, "compact", run)
         current = self.follow(scope, session_id, result.session_target)
