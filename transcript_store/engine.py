@@ -2,9 +2,10 @@
 
 An engine is any object with an ``info`` (EngineInfo) and an ``assemble`` method; every other
 lifecycle method is optional and looked up by name (``ingest`` is OpenClaw's name, validated but never
-called: a durable engine gets each accepted turn's messages in ``commit_turn``). The host passes each method its base keyword
-arguments plus the host parameters the engine's ``accepted_host_params`` allows (None = all). This is
-the Python form of OpenClaw's ContextEngine contract, with the store underneath.
+called: a durable engine gets each accepted turn's messages in ``commit_turn``). The host passes each
+method its base keyword arguments plus the host parameters the engine's ``accepted_host_params``
+allows (None = all). This is the Python form of OpenClaw's ContextEngine contract, with the store
+underneath.
 """
 
 from __future__ import annotations
