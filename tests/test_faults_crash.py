@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workers.fault_worker import FAULT_POINTS, WORKER, clean_env, read_acks, report, sqlite_integrity, verify_turns
+from workers.fault_worker import (
+    FAULT_POINTS,
+    TRACE_MARKS,
+    WORKER,
+    clean_env,
+    read_acks,
+    report,
+    sqlite_integrity,
+    verify_turns,
+)
 from workers.turn_worker import replies
 
 
@@ -69,6 +78,16 @@ def run_campaign(url: str, tmp: Path, kills: int, slots: int, seconds: float, *,
     return merged
 
 
+def check_kills(run: dict[str, Any]) -> None:
+    """Both kinds of SIGKILL landed, and each kill a fault point made is counted where it was made: at a
+    fault point, never at one of the trace's own marks (that would be a SIGKILL from elsewhere, or a
+    point that killed before it was traced, counted as a kill "inside" the named points)."""
+    assert run["point_kills"] > 0 and run["parent_kills"] > 0, run["killed_at"]
+    by_point = {k: n for k, n in run["killed_at"].items() if not k.startswith("parent@")}
+    assert sum(by_point.values()) == run["point_kills"], run["killed_at"]
+    assert not set(by_point) & set(TRACE_MARKS), f"kills counted at a fault point outside any: {by_point}"
+
+
 def crash_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: Path, kills: int,
                    slots: int, seconds: float) -> dict[str, Any]:
     """The campaign, the recovery pass and every check; reports and returns the figures."""
@@ -94,6 +113,7 @@ def crash_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: 
     }
     report(request, backend, figures)
     assert run["kills"] >= kills, figures
+    check_kills(run)
     assert totals["turns"] > 0 and totals["acked_accepted"] > 0, figures
     return figures
 
@@ -108,3 +128,16 @@ def test_sigkill_campaign_1000_kills(request: pytest.FixtureRequest, store_url: 
     figures = crash_campaign(request, store_url, backend, tmp_path, kills=1000, slots=4, seconds=420)
     killed_at = {k for k in figures["killed_at"] if not k.startswith("parent@")}
     assert set(FAULT_POINTS) <= killed_at, f"fault points that never killed: {set(FAULT_POINTS) - killed_at}"
+
+
+def test_check_kills_refuses_a_kill_counted_outside_the_fault_points() -> None:
+    """The check itself: a point kill whose trace shows a mark (no fault point), or none of one kind."""
+    good = {"point_kills": 2, "parent_kills": 1, "killed_at": Counter({"admit.before": 2, "parent@turn.begin": 1})}
+    check_kills(good)
+    for bad in (
+        {**good, "killed_at": Counter({"admit.before": 1, "turn.begin": 1, "parent@turn.begin": 1})},
+        {**good, "point_kills": 3},
+        {**good, "parent_kills": 0, "killed_at": Counter({"admit.before": 2})},
+    ):
+        with pytest.raises(AssertionError):
+            check_kills(bad)

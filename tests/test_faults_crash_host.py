@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_faults_crash import run_campaign
+from test_faults_crash import check_kills, run_campaign
 from workers.fault_worker import read_acks, report, sqlite_integrity
 from workers.host_fault_worker import FAULT_POINTS, WORKER, recover_and_verify
 
@@ -29,6 +29,7 @@ def host_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: P
     assert not run["errors"], "\n".join(run["errors"])
     integrity = sqlite_integrity(url)  # the files as the killed processes left them
     acks = read_acks(tmp / "acks")
+    assert len(list((tmp / "acks").glob("*.log"))) == run["children"], "a worker without its acknowledgement log"
     totals = recover_and_verify(url, run["sessions"], acks)
     sqlite_integrity(url)
     figures = {
@@ -44,6 +45,7 @@ def host_campaign(request: pytest.FixtureRequest, url: str, backend: str, tmp: P
     }
     report(request, backend, figures)
     assert run["kills"] >= kills, figures
+    check_kills(run)
     assert totals["acked_accepted"] > 0 and totals["lossless_summaries"] > 0, figures
     return figures
 

@@ -76,6 +76,8 @@ from transcript_store.turns import Turns
 
 #: every fault point a campaign child can die at (the library's, plus the counting engine's own)
 FAULT_POINTS = (*faults.POINTS, "engine.apply")
+#: where a child's trace can say it was that is no fault point: a kill by a fault point never lands there
+TRACE_MARKS = ("never", "start", "turn.begin", "compact.begin")
 TRACE_BYTES = 256
 #: the acknowledgements a campaign child logs (see ``turn_worker.run_turn``)
 ACKS = ("admitted", "accepted", "committed", "stored")
