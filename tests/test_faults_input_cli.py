@@ -179,6 +179,8 @@ def hostile_cli_campaign(request: pytest.FixtureRequest, store: TranscriptStore,
             answered = result.stdout.count('"event": "reply"' if as_json else "\nassistant: ")
             added = [r for r in set(after["ts_entries"]) - set(state["rows"]["ts_entries"]) if "('role', 'user')" in r]
             assert len(added) == answered, f"{where}: {answered} turns answered, {len(added)} questions written"
+            # and a failed line left no turn behind for the outbox to deliver (an intent of its own)
+            assert after["ts_outbox"] == state["rows"]["ts_outbox"], f"{where}: a failed line left an intent"
         elif result.returncode != 0 or name in READS:
             changed = {t for t in names if after[t] != state["rows"][t]}
             assert not changed, f"{where}: {'failed' if result.returncode else 'a read'} but wrote {changed}"
