@@ -28,7 +28,14 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
 from .config import StoreConfig
-from .errors import InvalidInput, PermissionDenied, StorageFull, StoreUnavailable, TransientStoreError
+from .errors import (
+    InvalidInput,
+    PermissionDenied,
+    SchemaNotCurrent,
+    StorageFull,
+    StoreUnavailable,
+    TransientStoreError,
+)
 
 T = TypeVar("T")
 
@@ -46,6 +53,8 @@ _SQLITE_CANTOPEN = 14
 SQLITE_WAL_SIZE_LIMIT = 64 * 1024 * 1024
 _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
+_PG_UNDEFINED_TABLE = "42P01"
+_SQLITE_ERROR = 1
 #: retry jitter from the operating system, never the ``random`` module's global generator: drawing from
 #: that one moved the sequence of an application that seeds it (reproducible runs, Hypothesis), from any
 #: thread that retried; a private seeded generator would draw the same waits in forked siblings.
@@ -110,6 +119,15 @@ class Dialect:
                 return False
             return (code & 0xFF) in _SQLITE_REFUSED
         return getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
+
+    def is_missing_table(self, error: DBAPIError) -> bool:
+        """A table the statement names is not there (a database without the store's schema, opened with
+        ``create=False``): PostgreSQL's undefined_table (42P01). SQLite has no code of its own for it (a
+        plain SQLITE_ERROR), so there its message, fixed by SQLite, says it."""
+        if self.is_sqlite:
+            code = getattr(error.orig, "sqlite_errorcode", None)
+            return code == _SQLITE_ERROR and str(error.orig).startswith("no such table:")
+        return getattr(error.orig, "sqlstate", None) == _PG_UNDEFINED_TABLE
 
 
 def refuse_unwritable_files(path: Path) -> None:
@@ -522,7 +540,7 @@ class Database:
                 finally:
                     _reset_read_only(conn, driver)
 
-    def translate(self, error: DBAPIError) -> StoreUnavailable:
+    def translate(self, error: DBAPIError) -> StoreUnavailable | SchemaNotCurrent:
         """The one translation of a driver error into this library's tree."""
         detail = str(error.orig).strip().splitlines()[0] if error.orig is not None else str(error)
         if self.dialect.is_transient(error):
@@ -540,6 +558,13 @@ class Database:
             return PermissionDenied(
                 f"database permission denied: {detail} (the file or its folder is not readable and writable "
                 "by this process)"
+            )
+        if self.dialect.is_missing_table(error):
+            # Not an outage: the database holds no store (or not all of one). Opened with create=False,
+            # nothing checked the schema before this first use.
+            return SchemaNotCurrent(
+                f"the database holds no transcript-store schema, or not all of it ({detail}): run "
+                "`transcript-store init --db URL` (or, in Python, TranscriptStore.upgrade_url(url))"
             )
         return StoreUnavailable(f"database error: {detail}")
 

@@ -57,6 +57,7 @@ from .errors import (
     PermissionDenied,
     PromptTooLarge,
     ReadFenceError,
+    SchemaNotCurrent,
     SessionBusy,
     StorageFull,
     StoreUnavailable,
@@ -484,7 +485,8 @@ class HostRuntime:
         """Write the quarantine records not written yet; whether none is left (isolation already happened).
 
         A record the database refuses (StoreUnavailable, after the store's own retries of a transient
-        error) stays queued for the next flush (after the next turn, or at ``dispose``), up to
+        error, or SchemaNotCurrent: its table is missing) stays queued for the next flush (after the next
+        turn, or at ``dispose``), up to
         ``QUARANTINE_RECORD_TRIES`` failed writes; the records after it are still written. Each engine
         is quarantined once per process, so the queue holds at most one record per engine. One flush
         runs at a time (threads sharing a runtime); the list's own lock is never held across a write,
@@ -499,7 +501,7 @@ class HostRuntime:
                 engine_id, operation, reason = item
                 try:
                     self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
-                except StoreUnavailable as e:
+                except (StoreUnavailable, SchemaNotCurrent) as e:  # its table missing (mid-migration) too
                     tries = self._record_tries[engine_id] = self._record_tries.get(engine_id, 0) + 1
                     if tries < QUARANTINE_RECORD_TRIES:
                         log.warning("could not record quarantine of %s yet (kept for the next try): %s", engine_id, e)
