@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import re
 import shlex
@@ -106,3 +108,65 @@ def test_shell_block_runs(index: int, tmp_path: Path, request: pytest.FixtureReq
 @pytest.mark.parametrize("index", [i for i, (lang, _) in enumerate(BLOCKS) if lang == "toml"])
 def test_toml_block_parses(index: int) -> None:
     tomllib.loads(BLOCKS[index][1])
+
+
+# ----------------------------------------------------------------------------------- the API tables
+
+def _api() -> dict[str, list[inspect.Signature]]:
+    """Every public method and property of the classes the README documents, by name (a name two classes
+    share, ``admit``, has both signatures)."""
+    from transcript_store import TranscriptStore
+    from transcript_store.host import HostRuntime, RuntimeContext
+    from transcript_store.turns import Turns
+
+    api: dict[str, list[inspect.Signature]] = {}
+    for cls in (TranscriptStore, Turns, HostRuntime, RuntimeContext):
+        api.setdefault(cls.__name__, []).append(inspect.signature(cls))
+        for name, member in vars(cls).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(member, property):
+                api.setdefault(name, [])
+            elif isinstance(member, (classmethod, staticmethod)) or callable(member):
+                func = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                api.setdefault(name, []).append(inspect.signature(func))
+    return api
+
+
+# A call as the README writes it in backticks: `name(...)` or `Class.name(...)`, its keyword parameters
+# as `kw=` (no default shown) or `kw=default` (checked in a whole signature, not in an excerpt with `...`).
+CALL = re.compile(r"`(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)\(([^`]*)\)`")
+KEYWORD = re.compile(r"\b([a-z_]\w*)=([^,)]*)")
+
+
+def test_every_public_method_of_the_store_turns_and_host_is_in_the_readme() -> None:
+    """A method added to the public classes without a word in the README is an API nobody finds."""
+    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)  # inline spans only (they may wrap a line)
+    spans = " ".join(re.findall(r"`([^`]+)`", prose))
+    missing = [name for name in _api() if not re.search(rf"(?<![\w]){name}(?![\w])", spans)]
+    assert missing == [], f"public methods not named in README.md (in backticks): {missing}"
+
+
+def test_the_readmes_calls_name_real_parameters_and_defaults() -> None:
+    """Every `method(..., kw=...)` the README writes names a parameter the method has, with the default
+    it has when the README gives one (a renamed parameter or a changed default left the README behind)."""
+    api = _api()
+    wrong: list[str] = []
+    for name, args in CALL.findall(README):
+        if name not in api or not api[name]:
+            continue
+        for keyword, default in KEYWORD.findall(args):
+            params = [sig.parameters[keyword] for sig in api[name] if keyword in sig.parameters]
+            if not params:
+                wrong.append(f"{name}(): no parameter {keyword!r}")
+                continue
+            default = default.strip()
+            if not default or "..." in args or "…" in args:
+                continue  # an excerpt (`admit(..., taken_over=[])`) shows an argument, not the default
+            try:
+                value = ast.literal_eval(default)
+            except (ValueError, SyntaxError):
+                continue  # a placeholder (`owner=ATTEMPT`), not a default
+            if all(p.default is inspect.Parameter.empty or p.default != value for p in params):
+                wrong.append(f"{name}(): {keyword}={default} but the default is {params[0].default!r}")
+    assert wrong == [], "README.md's calls disagree with the code:\n" + "\n".join(wrong)
