@@ -134,7 +134,7 @@ def _api() -> dict[str, list[inspect.Signature]]:
 
 
 # A call as the README writes it in backticks: `name(...)` or `Class.name(...)`, its keyword parameters
-# as `kw=` (no default shown) or `kw=default` (checked in a whole signature, not in an excerpt with `...`).
+# as `kw=` (no default shown) or `kw=default` (a README signature's default, not in an excerpt with `...`).
 CALL = re.compile(r"`(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)\(([^`]*)\)`")
 KEYWORD = re.compile(r"\b([a-z_]\w*)=([^,)]*)")
 
@@ -147,12 +147,22 @@ def test_every_public_method_of_the_store_turns_and_host_is_in_the_readme() -> N
     assert missing == [], f"public methods not named in README.md (in backticks): {missing}"
 
 
-def test_the_readmes_calls_name_real_parameters_and_defaults() -> None:
-    """Every `method(..., kw=...)` the README writes names a parameter the method has, with the default
-    it has when the README gives one (a renamed parameter or a changed default left the README behind)."""
+#: the repository's other documents, whose calls are checked as the README's
+DOCS = sorted(
+    str(p.relative_to(ROOT))
+    for pattern in ("bench/README.md", "engines/*/README.md", "integrations/*/README.md", "docs/*.md")
+    for p in ROOT.glob(pattern)
+)
+
+
+@pytest.mark.parametrize("document", ["README.md", *DOCS])
+def test_the_documented_calls_name_real_parameters_and_defaults(document: str) -> None:
+    """Every `method(..., kw=...)` the docs write names a parameter the method has, and in the README, whose
+    tables give signatures, the default it has when one is shown (a renamed parameter or a changed
+    default left the docs behind). The other docs' calls are examples (`config=42`), not defaults."""
     api = _api()
     wrong: list[str] = []
-    for name, args in CALL.findall(README):
+    for name, args in CALL.findall((ROOT / document).read_text(encoding="utf-8")):
         if name not in api or not api[name]:
             continue
         for keyword, default in KEYWORD.findall(args):
@@ -161,7 +171,7 @@ def test_the_readmes_calls_name_real_parameters_and_defaults() -> None:
                 wrong.append(f"{name}(): no parameter {keyword!r}")
                 continue
             default = default.strip()
-            if not default or "..." in args or "…" in args:
+            if document != "README.md" or not default or "..." in args or "…" in args:
                 continue  # an excerpt (`admit(..., taken_over=[])`) shows an argument, not the default
             try:
                 value = ast.literal_eval(default)
@@ -169,4 +179,4 @@ def test_the_readmes_calls_name_real_parameters_and_defaults() -> None:
                 continue  # a placeholder (`owner=ATTEMPT`), not a default
             if all(p.default is inspect.Parameter.empty or p.default != value for p in params):
                 wrong.append(f"{name}(): {keyword}={default} but the default is {params[0].default!r}")
-    assert wrong == [], "README.md's calls disagree with the code:\n" + "\n".join(wrong)
+    assert wrong == [], f"{document}'s calls disagree with the code:\n" + "\n".join(wrong)
