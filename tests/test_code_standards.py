@@ -4,6 +4,8 @@
   ``TurnFailed``, which ``HostRuntime.run_turn`` raises, lived in ``host.py`` and was missing from the
   package's exports.
 - Every public function and method of ``transcript_store/`` has type hints and a docstring.
+- Doors go one way (DESIGN.md, README "Architecture"): cli -> host -> engine -> store -> schema. The store's
+  modules import no engine, host or command; the engine protocol and the bundled engines import no host.
 """
 
 from __future__ import annotations
@@ -82,3 +84,46 @@ def test_every_public_function_has_type_hints_and_a_docstring() -> None:
             if fn.returns is None:
                 problems.append(f"{where}: no return type")
     assert problems == [], "\n".join(problems)
+
+
+#: the modules above the store: the engine protocol and discovery, the host and what runs it
+ABOVE_STORE = {
+    "engine", "registry", "settings", "host", "compaction", "maintenance", "quarantine", "model", "summarize",
+    "bundled", "cli", "gateway", "service", "service_app", "service_models", "hermes", "openclaw",
+}
+#: the modules above the engines: the host runtime and its faces
+ABOVE_ENGINE = {"host", "maintenance", "cli", "gateway", "service", "service_app", "hermes", "openclaw"}
+#: the store's modules: the backend-neutral core, its reads and writes, the outbox and ledger
+STORE = {
+    "store", "core", "reads", "paths", "fences", "cursors", "schema", "models", "db", "hot", "mirror", "transfer",
+    "ledger", "outbox", "turns", "leases", "migrate", "config", "errors", "identity", "shapes", "faults",
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports, at its top or inside a function (``engines`` for any of those)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level == 1 or module.startswith("transcript_store"):
+            parts = module.split(".")[1:] if module.startswith("transcript_store") else module.split(".")
+            found.update([parts[0]] if parts and parts[0] else [a.name for a in node.names])
+        elif module == "engines" or module.startswith("engines."):
+            found.add("engines")
+    return found
+
+
+def test_doors_go_one_way() -> None:
+    """A store module importing the host (or an engine importing it) is the layering DESIGN.md forbids."""
+    wrong = []
+    for name in sorted(STORE):
+        above = _imports(PACKAGE / f"{name}.py") & (ABOVE_STORE | {"engines"})
+        if above:
+            wrong.append(f"transcript_store/{name}.py imports {sorted(above)}")
+    for path in [PACKAGE / "engine.py", PACKAGE / "registry.py", *sorted((PACKAGE.parent / "engines").rglob("*.py"))]:
+        above = _imports(path) & ABOVE_ENGINE
+        if above:
+            wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {sorted(above)}")
+    assert wrong == []
