@@ -156,6 +156,23 @@ DOCS = sorted(
 
 
 @pytest.mark.parametrize("document", ["README.md", *DOCS])
+def test_the_documented_methods_of_the_store_turns_and_host_exist(document: str) -> None:
+    """`TranscriptStore.x`, `Turns.x`, `HostRuntime.x` or `RuntimeContext.x` in the docs names a real method
+    (a method renamed or removed left its documentation behind)."""
+    from transcript_store import TranscriptStore
+    from transcript_store.host import HostRuntime, RuntimeContext
+    from transcript_store.turns import Turns
+
+    known = set(_api())
+    for cls in (TranscriptStore, Turns, HostRuntime, RuntimeContext):  # and their attributes (`store.db`)
+        known.update(re.findall(r"\bself\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=", inspect.getsource(cls)))
+        known.update(getattr(cls, "__dataclass_fields__", {}))
+    text = (ROOT / document).read_text(encoding="utf-8")
+    named = re.findall(r"`(?:TranscriptStore|Turns|HostRuntime|RuntimeContext)\.([A-Za-z_]\w*)", text)
+    assert sorted({name for name in named if name not in known}) == []
+
+
+@pytest.mark.parametrize("document", ["README.md", *DOCS])
 def test_the_documented_calls_name_real_parameters_and_defaults(document: str) -> None:
     """Every `method(..., kw=...)` the docs write names a parameter the method has, and in the README, whose
     tables give signatures, the default it has when one is shown (a renamed parameter or a changed
