@@ -197,3 +197,12 @@ def test_the_documented_calls_name_real_parameters_and_defaults(document: str) -
             if all(p.default is inspect.Parameter.empty or p.default != value for p in params):
                 wrong.append(f"{name}(): {keyword}={default} but the default is {params[0].default!r}")
     assert wrong == [], f"{document}'s calls disagree with the code:\n" + "\n".join(wrong)
+
+
+def test_the_architecture_names_every_module_of_the_package() -> None:
+    """The README's architecture picture is the map of the package: a module added without a place in it
+    is drift (DESIGN.md's shape is refined there, module by module)."""
+    picture = README.split("## Architecture", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = set(re.findall(r"[a-z_]+", picture.split("engines/legacy", 1)[0]))
+    modules = {p.stem for p in (ROOT / "transcript_store").glob("*.py")} - {"__init__", "__main__"}
+    assert sorted(modules - drawn) == []
