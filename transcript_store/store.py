@@ -118,11 +118,11 @@ class TranscriptStore:
     ) -> None:
         """Open a store; a fresh SQLite path is created at the newest schema revision.
 
-        ``create=True`` runs ``ensure_current`` now: SQLite is migrated, PostgreSQL refused with
-        ``SchemaNotCurrent`` unless ``auto_upgrade`` allows migrating it. ``create=False`` neither reads nor
-        migrates the schema (the caller migrates, ``upgrade``): a SQLite path that is not there is still
-        made (its folders now, an empty database file at the first call), and the first call on a
-        database without the store's schema raises ``SchemaNotCurrent``.
+        ``create=True`` runs ``ensure_current`` now: a schema behind is migrated or refused with
+        ``SchemaNotCurrent`` as ``auto_upgrade`` says (unset: SQLite migrated, PostgreSQL refused).
+        ``create=False`` neither reads nor migrates the schema (the caller migrates, ``upgrade``): a SQLite
+        path that is not there is still made (its folders now, an empty database file at the first call),
+        and the first call on a database without the store's schema raises ``SchemaNotCurrent``.
         """
         # Checked here: anything else reached the database layer as AttributeError or TypeError.
         if config is not None and not isinstance(config, StoreConfig):
