@@ -52,6 +52,7 @@ class Fault:
     delay: float = 0.0
     status: int | None = None
     message: str = "injected failure"
+    code: str | None = None  # the error object's ``code`` (e.g. "context_length_exceeded")
     reply: dict[str, Any] | None = None  # an assistant message to answer with instead of the responder's
 
 
@@ -280,7 +281,8 @@ def _handler_class(server: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
                 return
             server._wait(fault.delay)
             if fault.status is not None:
-                self._send_json(fault.status, _error_body(fault.message, "server_error"))
+                kind = "server_error" if fault.status >= 500 else "invalid_request_error"
+                self._send_json(fault.status, _error_body(fault.message, kind, fault.code))
                 return
             if not isinstance(body, dict):
                 self._send_json(400, _error_body("request body must be a JSON object", "invalid_request_error"))

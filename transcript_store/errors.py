@@ -296,11 +296,13 @@ class EngineSwitchError(EngineError):
 
 
 class ModelError(TranscriptStoreError):
-    """A model provider call failed; ``status`` is the HTTP status when there was one."""
+    """A model provider call failed; ``status`` is the HTTP status when there was one, ``code`` the
+    provider's error code (an OpenAI-style answer's ``error.code``, e.g. ``context_length_exceeded``)."""
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class ModelTimeout(ModelError):

@@ -74,6 +74,7 @@ from .errors import TurnFailed as TurnFailed  # raised by run_turn; importable f
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .maintenance import BackgroundMaintenance
+from .model import is_context_overflow
 from .models import (
     RESULT_ROLES,
     Admission,
@@ -1044,7 +1045,18 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
-        replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved)
+        try:
+            replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved)
+        except ModelError as e:
+            if not is_context_overflow(e):
+                raise
+            # OpenClaw's provider overflow recovery: compact once, assemble again, retry once, all inside
+            # this admitted turn (same admission, fence and lease; the completion below persists it once).
+            # A second overflow fails the turn as any model error does.
+            assembled = self._recover_overflow(engine, info, scope, session_id, read_fence, host_params, reserved, e)
+            if read_fence is None and assembled.messages and assembled.messages[-1] == user:
+                assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
+            replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved)
         # The completion locks the turn's row and ends its lease: nothing to renew from here on.
         self._leases.release(scope, session_id, turn_id, owner)
         try:
@@ -1195,6 +1207,37 @@ class HostRuntime:
                     info.id, "assemble", lambda: _assembled(info, engine.assemble(**params))
                 )
         return self._fit_addition(engine, info, params, host, result, reserved)
+
+    def _recover_overflow(
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        fence: Anchor | None,
+        host: dict[str, Any],
+        reserved: int,
+        error: ModelError,
+    ) -> AssembleResult:
+        """After the provider refused the request as over its context window: the session compacted (forced)
+        and the context assembled again from the new pointer; ``error`` again when nothing was compacted.
+
+        As OpenClaw's overflow recovery, the engine's ``compact`` runs whether or not it owns compaction
+        (a non-owning one delegates to the built-in; one without ``compact`` gets the built-in), and a
+        successor session it names is followed by the next turn, not this one (as before the prompt).
+        The model loop then starts over: tool calls of the refused pass ran, their results are dropped.
+        """
+        log.warning("session %s: the provider refused the request as over its context window (%s);"
+                    " compacting, then retrying the model call once", session_id, error)
+        rt: RuntimeContext = host["runtime_context"]
+        base = {"scope": scope, "session_id": session_id, "force": True, "focus": None, "token_budget": rt.budget}
+        params = project_params(info, base, host)
+        done = self._call(info.id, "compact", lambda: self._engine_compact(engine, info, scope, session_id, rt, params))
+        self.follow(scope, session_id, done.session_target)
+        if not done.compacted:
+            log.warning("session %s: the overflow compaction compacted nothing (%s)", session_id, done.reason)
+            raise error
+        return self._assemble(engine, info, scope, session_id, fence, host, None, reserved)
 
     def _preassembly_tokens(self, scope: str, session_id: str, fence: Anchor | None) -> int:
         """The tokens of the session's unwindowed history before the fence, as the runtime would send it: the
@@ -1547,30 +1590,36 @@ class HostRuntime:
             base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
             params = project_params(info, base, host)
 
-            # Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
-            # (quarantined), as an exception of its compact is, not a ValidationError out of the host.
-            def run() -> CompactResult:
-                method = getattr(engine, "compact", None)
-                if not callable(method):
-                    # ``compact`` is optional: an engine without it was called all the same, and its
-                    # AttributeError quarantined it for the process. One that leaves compaction to the
-                    # host gets the host's (as its delegate would); one that owns compaction, none.
-                    if info.owns_compaction:
-                        return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
-                    return rt.delegate_compaction_to_runtime(force=force, focus=focus)
-                answer = method(**params)
-                try:
-                    done = CompactResult.model_validate(answer)
-                except ValidationError as e:
-                    raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
-                return self._checked_target(info, scope, session_id, done)
-
-            result = self._call(info.id, "compact", run)
+            result = self._call(
+                info.id, "compact", lambda: self._engine_compact(engine, info, scope, session_id, rt, params)
+            )
         current = self.follow(scope, session_id, result.session_target)
         if result.compacted:  # the contract's "maintain follows a compaction"
             # a successor session is not the one the runtime context and session key were made for
             self._maintain(engine, info, scope, current, host if current == session_id else {}, "a compaction")
         return result
+
+    def _engine_compact(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, rt: RuntimeContext, params: dict[str, Any]
+    ) -> CompactResult:
+        """The engine's ``compact(**params)`` (run inside ``_call``): for ``/compact`` and the overflow recovery.
+
+        Validated inside the engine guard: an answer that is no CompactResult is the engine's failure
+        (quarantined), as an exception of its compact is, not a ValidationError out of the host."""
+        method = getattr(engine, "compact", None)
+        if not callable(method):
+            # ``compact`` is optional: an engine without it was called all the same, and its
+            # AttributeError quarantined it for the process. One that leaves compaction to the
+            # host gets the host's (as its delegate would); one that owns compaction, none.
+            if info.owns_compaction:
+                return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
+            return rt.delegate_compaction_to_runtime(force=params["force"], focus=params["focus"])
+        answer = method(**params)
+        try:
+            done = CompactResult.model_validate(answer)
+        except ValidationError as e:
+            raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+        return self._checked_target(info, scope, session_id, done)
 
     @contextmanager
     def _typed_engine_errors(self, engine_id: str, operation: str) -> Iterator[None]:

@@ -339,6 +339,37 @@ def _redact(text: str, secret: str | None) -> str:
 _ERROR_BODY_BYTES = 4096
 
 
+def _error_code(body: str) -> str | None:
+    """The ``error.code`` of an OpenAI-style error answer (a short string), or None."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and 0 < len(code) <= 100 else None
+
+
+#: what providers say when the request is over the model's context window (OpenAI, Anthropic-style
+#: gateways, vLLM, llama.cpp): the code OpenAI sends, or words of the message
+_OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded"})
+_OVERFLOW_TEXT = re.compile(
+    r"context[ _]length[ _]exceeded|maximum context length|context[ _](?:length|window)[ _](?:is |was |has been )?"
+    r"exceeded|exceeds? (?:the )?(?:model'?s? )?(?:maximum )?context (?:length|window)|prompt is too long",
+    re.IGNORECASE,
+)
+
+
+def is_context_overflow(error: BaseException) -> bool:
+    """Whether a model call failed because the provider found the request over the context window: an
+    OpenAI-style 400 (or 413) with code ``context_length_exceeded``, or a message saying so."""
+    if not isinstance(error, ModelError) or isinstance(error, ModelTimeout):
+        return False
+    if error.code in _OVERFLOW_CODES:
+        return True
+    return error.status in (400, 413) and _OVERFLOW_TEXT.search(str(error)) is not None
+
+
 def _error_body(error: urllib.error.HTTPError, deadline: float) -> str:
     """The start of an HTTP error answer's body, or "" when it cannot be read by the deadline."""
     if getattr(error, "fp", None) is None:  # an error raised without an answer to read
@@ -405,10 +436,13 @@ def post_chat_completion(
     except _ResponseTooLarge:
         raise ModelError(f"model endpoint {where} answered more than {MAX_RESPONSE_BYTES} bytes") from None
     except urllib.error.HTTPError as e:
-        excerpt = _redact(_excerpt(_error_body(e, deadline), 300), api_key)
+        text = _error_body(e, deadline)
+        excerpt = _redact(_excerpt(text, 300), api_key)
         # 408 and 504 are the provider (or its gateway) timing out: the same turn may simply be retried
         error = ModelTimeout if e.code in (408, 504) else ModelError
-        raise error(f"model endpoint {where} answered HTTP {e.code}: {excerpt}", status=e.code) from None
+        raise error(
+            f"model endpoint {where} answered HTTP {e.code}: {excerpt}", status=e.code, code=_error_code(text)
+        ) from None
     except TimeoutError as e:
         raise ModelTimeout(f"model endpoint {where} timed out after {timeout:g}s") from e
     except urllib.error.URLError as e:
