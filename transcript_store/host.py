@@ -30,6 +30,7 @@ from .engine import (
     MAX_TOKENS,
     AssembleResult,
     CompactResult,
+    Diagnostics,
     EngineContext,
     EngineInfo,
     EngineSelection,
@@ -898,9 +899,13 @@ class HostRuntime:
 
     def _runtime_settings(self, decision: _Decision, reserved: int) -> RuntimeSettings:
         source = "fallback" if decision.reason else self.settings.engine_source
+        # The contract's diagnostics: why the selection fell back to legacy and the run is degraded. Its
+        # reference names no closed set of codes, so the reason is the host's own text (as the turn's
+        # ``degraded_reason`` and the warning say it).
         return RuntimeSettings(
             runtime=RuntimeInfo(mode="degraded" if decision.reason else "normal"),
             context_engine_selection=EngineSelection(id=decision.engine_id, source=source),
+            diagnostics=Diagnostics(fallback_reason=decision.reason, degraded_reason=decision.reason),
             model=ModelSettings(
                 requested=getattr(self.model, "name", None), resolved=getattr(self.model, "name", None)
             ),
@@ -1034,6 +1039,12 @@ class HostRuntime:
             log.warning("turn %s: fence cannot be honoured (%s); legacy reads unfenced", turn_id, e.reason)
             read_fence = None
             unfenced = f"read fence: {e.reason} (legacy read unfenced)"
+            settings = host_params["runtime_settings"]
+            assert isinstance(settings, RuntimeSettings)
+            host_params["runtime_settings"] = settings.model_copy(update={
+                "runtime": settings.runtime.model_copy(update={"mode": "degraded"}),
+                "diagnostics": settings.diagnostics.model_copy(update={"degraded_reason": decision.reason or unfenced}),
+            })
             # Every read of this turn from here is unfenced, the compaction before the prompt's included
             # (it read with the broken fence and raised again, failing the turn).
             host_params["runtime_context"] = replace(rt, fence=None)
