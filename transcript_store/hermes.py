@@ -50,14 +50,14 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from . import bundled, paths
 from .compaction import SUMMARY_HEAD
 from .core import Core, NewEntry, entry_from_row, new_id
 from .engine import EngineContext
-from .errors import InvalidInput, SessionKeyConflict, UnknownSession, describe
-from .models import MAX_JSON_DEPTH, compact_json, validate_message
+from .errors import EngineContractError, InvalidInput, SessionKeyConflict, UnknownSession, describe
+from .models import MAX_JSON_DEPTH, Role, compact_json, validate_message
 from .registry import EngineRegistry
 from .settings import PLUGIN_DIRS_ENV
 from .store import AppendItem, TranscriptStore, replaced
@@ -567,6 +567,21 @@ def place_addition(
     if not isinstance(content, str) or addition in content:
         return list(system), answer
     return list(system), [{**first, "content": f"{content}\n\n{addition}"}, *answer[1:]]
+
+
+_CHAT_ROLES = frozenset(get_args(Role))
+
+
+def checked_assembly(answer: Any) -> Any:
+    """An engine's ``assemble`` answer when each of its messages has a chat role, as the host checks its
+    engines' (``host._assembled``); else EngineContractError, which the callers here log and answer
+    without the engine's context. A message without one was sent on in Hermes' request, which the
+    provider refused."""
+    for message in getattr(answer, "messages", None) or []:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
+            raise EngineContractError(f"the engine assembled a message without a chat role: {role!r}")
+    return answer
 
 
 def valid_sequence(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1762,8 +1777,8 @@ class TranscriptStoreEngineMixin:
             if extra <= 0 or over <= 0 or smaller >= asked:
                 break  # the common case: no addition, or room for it; or nothing smaller to ask for
             try:
-                again = rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None,
-                                           token_budget=smaller)
+                again = checked_assembly(rt.engine.assemble(scope=self.scope, session_id=store_session,
+                                                             fence=None, token_budget=smaller))
             except Exception:
                 log.exception("transcript-store: assembling with the system-prompt addition reserved failed")
                 break
@@ -1849,7 +1864,9 @@ class TranscriptStoreEngineMixin:
         except Exception as e:  # a failing summarizer loses nothing: the originals are stored
             log.warning("transcript-store compaction failed: %s (nothing lost)", e)
         try:
-            return rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=budget)
+            return checked_assembly(
+                rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=budget)
+            )
         except Exception:
             log.exception("transcript-store: assembling failed; leaving the conversation uncompressed")
             return None
@@ -2083,7 +2100,9 @@ class TranscriptStoreEngineMixin:
             if cached is not None and cached.key == key:
                 return cached.messages()  # the caller's own copy: it may change it as it likes
             room = max(MIN_CONTEXT, int(budget_tokens) - beside)
-            assembled = rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=room)
+            assembled = checked_assembly(
+                rt.engine.assemble(scope=self.scope, session_id=store_session, fence=None, token_budget=room)
+            )
             selected = merge_context(valid_sequence(copy.deepcopy(assembled.messages)))
             body = as_sent(selected, [*system, *rest[k:]], source)
             kept = _Selection(key, copy.deepcopy(head), json.dumps(body) if body else None)

@@ -54,7 +54,7 @@ from .errors import (
     UnknownSession,
 )
 from .fences import MAX_TURN_BYTES
-from .host import HostRuntime, RuntimeContext
+from .host import HostRuntime, RuntimeContext, _assembled
 from .ledger import (
     DEFAULT_RECEIPTS_PAGE,
     CommitResult,
@@ -669,7 +669,9 @@ class Service:
             "available_tools": list(req.available_tools),
         }
         params = project_params(call.info, base, self._host(call, fence, budget, prompt=prompt))
-        result = AssembleResult.model_validate(call.engine.assemble(**params))
+        # Every message with a chat role, as the host checks (``_assembled``): one without goes on to the
+        # client's model, whose provider refuses the request; here it is the engine's failure (409).
+        result = _assembled(call.info, call.engine.assemble(**params))
         log.info("assemble engine=%s scope=%s session=%s messages=%d estimated_tokens=%d", engine_id, scope,
                  session_id, len(result.messages), result.estimated_tokens)
         return result
