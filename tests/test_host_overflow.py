@@ -161,3 +161,27 @@ def test_a_failing_overflow_compaction_quarantines_the_engine_and_fails_the_turn
     assert host.quarantined["own"][0] == "compact"
     assert visible(store, sid)[-1] == {"role": "user", "content": "and now?"}  # no reply written
     assert "t-over" not in [r.advancement_key for r in Turns(store).receipts(SCOPE, sid, "own")]
+
+
+def test_an_overflow_after_a_tool_ran_fails_the_turn_and_never_runs_the_tool_again(
+    store: TranscriptStore, sid: str, server: FakeOpenAI
+) -> None:
+    """Starting the model loop over after a tool of the turn ran would run the tool again (its side effect
+    twice) and drop its first result: only the turn's first request is recovered; a tool round's fails."""
+    host = make_host(store, server)
+    history(host, sid, 3)
+    calls: list[dict[str, Any]] = []
+    schema, _ = host.host_tools["lookup"]
+    host.host_tools["lookup"] = (schema, lambda args: calls.append(args) or "noted")
+    before = visible(store, sid)
+    server.reset()
+    server.queue(Fault(reply={"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "lookup", "arguments": '{"query": "x"}'}}]}),
+        OVERFLOW)
+    with pytest.raises(ModelError) as caught:
+        host.run_turn(SCOPE, sid, "look it up", turn_id="t-tool")
+    assert is_context_overflow(caught.value)
+    assert calls == [{"query": "x"}]  # the tool ran once
+    assert len([r for r in server.requests if r.method == "POST"]) == 2  # the first request and the tool round's
+    assert visible(store, sid) == [*before, {"role": "user", "content": "look it up"}]
+    assert host.run_turn(SCOPE, sid, "again", turn_id="t-next").commit_status == "committed"

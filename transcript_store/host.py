@@ -1056,10 +1056,14 @@ class HostRuntime:
         if read_fence is None and assembled.messages and assembled.messages[-1] == user:
             assembled = assembled.model_copy(update={"messages": assembled.messages[:-1]})
         # From here the turn has started on this engine: no switch, ever.
+        ran_tools: list[str] = []  # the tool calls this turn's model loop ran
         try:
-            replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved)
+            replies = self._model_loop(engine, info, scope, session_id, user, assembled, engine_tools, tools, reserved,
+                                       ran_tools)
         except ModelError as e:
-            if not is_context_overflow(e):
+            if not is_context_overflow(e) or ran_tools:
+                # After a tool ran, starting over would run it again (a side effect twice) and drop its
+                # result: only an overflow of the turn's first request is recovered.
                 raise
             # OpenClaw's provider overflow recovery: compact once, assemble again, retry once, all inside
             # this admitted turn (same admission, fence and lease; the completion below persists it once).
@@ -1414,6 +1418,7 @@ class HostRuntime:
         engine_tools: dict[str, Any],
         tools: list[dict[str, Any]],
         reserved: int = 0,
+        ran_tools: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         system = with_addition(self.settings.system_prompt, assembled.system_prompt_addition)
         paired = pair_tool_calls(assembled.messages)
@@ -1473,7 +1478,11 @@ class HostRuntime:
             calls = reply.get("tool_calls") or []
             if not calls:
                 return replies
-            results = [self._run_tool(engine, info, scope, session_id, call, engine_tools) for call in calls]
+            results = []
+            for call in calls:
+                if ran_tools is not None:
+                    ran_tools.append(str(call.get("id", "")))
+                results.append(self._run_tool(engine, info, scope, session_id, call, engine_tools))
             replies += results
             replies_tokens += int(self.estimator.count_messages([reply, *results]))
         replies.append({"role": "assistant", "content": "(stopped: the tool loop reached its step limit)"})
