@@ -347,13 +347,15 @@ def _check_pg_options(query: Mapping[str, str | tuple[str, ...]]) -> None:
     from psycopg.conninfo import make_conninfo
 
     for name, value in query.items():
-        if not isinstance(value, str):
+        if not isinstance(value, str) and name != "host":
+            # ``host`` alone may come several times: SQLAlchemy's multi-host form (``?host=A:5432&host=B:5432``,
+            # a primary and its standbys), which it hands libpq as one list.
             raise InvalidInput(f"the URL gives the option {name!r} {len(value)} times: give it once")
         choices = _PG_CHOICES.get(name)
         if choices is not None and value not in choices:
             raise InvalidInput(f"the URL's {name}={value!r} is not one of {', '.join(choices)}")
     try:
-        make_conninfo("", **{name: str(value) for name, value in query.items()})
+        make_conninfo("", **{name: v if isinstance(v, str) else ",".join(v) for name, v in query.items()})
     except ProgrammingError as e:  # an option libpq does not know: 'invalid connection option "x"'
         raise InvalidInput(f"the URL's query: {str(e).strip()}") from e
 
