@@ -43,3 +43,35 @@ def test_an_intent_cursor_of_long_non_ascii_ids_reads_the_next_page(store: Trans
     assert first.next is not None and [i.session_id for i in first.intents] == sessions[:1]
     rest = turns.intents_page(scope, after=first.next, limit=1)
     assert [i.session_id for i in rest.intents] == sessions[1:] and rest.next is None
+
+
+def test_an_engine_owning_compaction_is_not_asked_to_compact_every_turn_for_the_builtin_history(
+    store: TranscriptStore,
+) -> None:
+    """The unwindowed estimate a ``preassembly_may_overflow`` answer is compared on is the built-in
+    compaction's history (its latest summary and every message after it). An engine owning compaction
+    never moves that summary: its own compaction, however successful, left the estimate over the threshold,
+    and its ``compact`` was called before every prompt (3 turns, 3 compactions; each may be a model call).
+    Its own assembled estimate decides for it, as before the unwindowed one was read."""
+    from typing import Any
+
+    from test_host import SCOPE, make_host
+    from test_host_engine_contract_review import _long_history, _Windowed
+
+    from transcript_store.engine import CompactResult
+
+    sid = store.create_session(SCOPE, session_id="sess").session_id
+    _long_history(store, sid)  # ~30 x 300 words, far over the threshold of a 4000-token budget
+    compactions: list[dict[str, Any]] = []
+
+    class Owning(_Windowed):
+        def compact(self, **kw: Any) -> CompactResult:
+            compactions.append(kw)
+            return CompactResult(ok=True, compacted=True, reason="its own summary")
+
+    host, _ = make_host(store, "win", {"win": lambda ctx: Owning(ctx, "win", owns_compaction=True)},
+                        token_budget=4000)
+    for i in range(3):
+        out = host.run_turn(SCOPE, sid, f"go {i}")
+        assert out.engine_id == "win" and out.degraded_reason is None and out.commit_status == "committed"
+    assert compactions == []

@@ -1200,9 +1200,14 @@ class HostRuntime:
         precheck = not info.owns_compaction or result.prompt_authority == "preassembly_may_overflow"
         threshold = int(budget * self.settings.compaction_threshold)
         estimate = result.estimated_tokens
-        if precheck and result.prompt_authority == "preassembly_may_overflow" and estimate <= threshold:
+        if (
+            precheck and not info.owns_compaction and result.prompt_authority == "preassembly_may_overflow"
+            and estimate <= threshold
+        ):
             # OpenClaw: the larger of the assembled estimate and the pre-assembly (unwindowed) history's. The
             # engine says its assembled view may hide what the transcript holds; compared alone, it never did.
+            # Not for an engine owning compaction: that history is the built-in compaction's (its summary and
+            # what follows), which its own compaction never shortens, so it was asked to compact every turn.
             estimate = max(estimate, self._preassembly_tokens(scope, session_id, fence))
         if precheck and estimate > threshold:
             # Compaction before the prompt, then assemble again from the new pointer: the built-in one,
