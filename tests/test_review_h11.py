@@ -43,6 +43,13 @@ def test_an_intent_cursor_of_long_non_ascii_ids_reads_the_next_page(store: Trans
     assert first.next is not None and [i.session_id for i in first.intents] == sessions[:1]
     rest = turns.intents_page(scope, after=first.next, limit=1)
     assert [i.session_id for i in rest.intents] == sessions[1:] and rest.next is None
+    # The longest place there is: ids an earlier release stored may pass the 640 bytes of new ones.
+    from transcript_store import outbox
+    from transcript_store.core import MAX_INT
+
+    longest = "\U0001f600" * 255
+    place = (longest, longest, MAX_INT, longest)
+    assert outbox.parse_intent_cursor(outbox._encode_place(list(place))) == place
 
 
 def test_an_engine_owning_compaction_is_not_asked_to_compact_every_turn_for_the_builtin_history(

@@ -36,7 +36,7 @@ from sqlalchemy import (
 
 from . import identity
 from .core import (
-    MAX_ID_BYTES,
+    MAX_ID_CHARS,
     MAX_INT,
     Core,
     by_session,
@@ -884,10 +884,11 @@ IntentKey = tuple[str, str, int, str]
 DEFAULT_INTENTS_PAGE = 1000
 MAX_INTENTS_PAGE = 10_000
 _INTENT_CURSOR = "tsi1."
-# The longest cursor a page gives: three ids of at most MAX_ID_BYTES of UTF-8, each byte at most 3 characters
-# of ASCII JSON (a character past the BMP, 4 bytes, is a 12-character surrogate pair of escapes), and a seq,
-# in base64 (4 characters per 3 bytes). 8 * MAX_ID_CHARS refused the cursor of long non-ASCII ids.
-_MAX_CURSOR_CHARS = len(_INTENT_CURSOR) + 4 * -(-(3 * (3 * MAX_ID_BYTES + 2) + len(str(MAX_INT)) + 5) // 3)
+# The longest cursor a page gives: three ids of at most MAX_ID_CHARS characters, each at most 12 characters of
+# ASCII JSON (one past the BMP is a surrogate pair of escapes; ids an earlier release stored may pass the
+# 640-byte limit of new ones), and a seq, in base64 (4 characters per 3 bytes). 8 * MAX_ID_CHARS refused
+# the cursor of long non-ASCII ids.
+_MAX_CURSOR_CHARS = len(_INTENT_CURSOR) + 4 * -(-(3 * (12 * MAX_ID_CHARS + 2) + len(str(MAX_INT)) + 5) // 3)
 
 
 class IntentPage(BaseModel):
