@@ -11,7 +11,19 @@ arguments and runtime settings, other scopes' sessions. The contract, on both ba
   and never a raw ``TypeError``/``AttributeError``/``KeyError``/``ValueError``, driver, SQLAlchemy or
   pydantic error;
 - a refused call leaves every row of every table as it was. ``handle_tool_call`` answers the model,
-  so it refuses with an ``{"error": ...}`` answer instead of raising: that answer writes nothing either.
+  so it refuses with an ``{"error": ...}`` answer instead of raising: that answer writes nothing either;
+- a read never changes a row even when it succeeds (``READS``: the legacy engine's ``prefetch_in`` and
+  ``assemble``, whose projection is held in memory; ``budget``, ``after_turn``, which only remembers the
+  run's budget, and ``get_tool_schemas``);
+- a read of the lossless engine's own state (``STATE_READS``: ``assemble`` and the recall tools) first
+  brings that state up to date, which writes, and that is legitimate: the import of the visible messages
+  the engine has not ingested (a lazy bootstrap: a session it never saw, turns another engine committed),
+  a pending reset applied (a branch or rewrite since the last import), and, for ``assemble`` only, the
+  compaction of a context over the budget. Those writes touch the engine's own rows only (its ``ts_lcm_*``
+  tables and its ``ts_engine_state`` rows), never the transcript, the ledger or another engine's state,
+  and the same call made again at once imports nothing (``ts_lcm_messages`` unchanged); a recall tool's
+  second call writes nothing at all. (The in-memory caches, the context list and the legacy projection,
+  are not rows; neither are the planner statistics an import's ANALYZE refreshes on PostgreSQL.)
 
 Drawn: 15 methods (``calls``; a test keeps that list and ``NOT_DRAWN`` complete). ``commit_turn`` and
 ``commit_prepared`` run inside ``store.write`` (they take the caller's transaction) and ``prefetch_in``
@@ -168,6 +180,29 @@ def calls(legacy: LegacyEngine, lossless: LosslessEngine, store: TranscriptStore
     }
 
 
+#: methods that only read: they must not change a row even when they succeed
+READS = {
+    "LegacyEngine.prefetch_in", "LegacyEngine.assemble", "LosslessEngine.budget", "LosslessEngine.after_turn",
+    "LosslessEngine.get_tool_schemas",
+}
+#: reads that may first bring the lossless engine's own state up to date (module docstring)
+STATE_READS = {"LosslessEngine.assemble", "LosslessEngine.handle_tool_call"}
+#: the rows the lossless engine owns: its tables, and its rows of ``ts_engine_state``
+ENGINE_TABLES = ("ts_lcm_",)
+
+
+def engine_rows_only(before: dict[str, list[str]], after: dict[str, list[str]]) -> set[str]:
+    """The tables a call changed beyond the lossless engine's own rows (empty when it wrote only those)."""
+    changed = {t for t in after if after[t] != before[t] and not t.startswith(ENGINE_TABLES)}
+    if "ts_engine_state" in changed:
+        def others(rows: list[str]) -> list[str]:
+            return [r for r in rows if "('engine_id', 'lossless')" not in r]
+
+        if others(after["ts_engine_state"]) == others(before["ts_engine_state"]):
+            changed.discard("ts_engine_state")
+    return changed
+
+
 #: public methods deliberately not drawn, with the reason
 NOT_DRAWN = {
     "LegacyEngine.dispose": "no arguments",
@@ -218,9 +253,21 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
                 if isinstance(decoded, dict) and set(decoded) == {"error"}:
                     refused = str(decoded["error"])
         after = table_rows(store, names=names)
-        if refused is not None:
+        if refused is not None or name in READS:
             changed = {t for t in names if after[t] != before[t]}
-            assert not changed, f"{name} refused with {refused!r} but wrote {changed}"
+            assert not changed, f"{name} {'refused with ' + repr(refused) if refused else 'read'} but wrote {changed}"
+        elif name in STATE_READS:
+            assert not engine_rows_only(before, after), \
+                f"{name} read but wrote {engine_rows_only(before, after)}, not the engine's own rows"
+            # The state is current now: the same call again imports nothing (a recall tool: writes nothing).
+            counts["state_writes"] = counts.get("state_writes", 0) + (after != before)
+            thunk()
+            again = table_rows(store, names=names)
+            changed = {t for t in names if again[t] != after[t]}
+            if name == "LosslessEngine.assemble":
+                changed &= {"ts_lcm_messages"}
+            assert not changed, f"{name} made again at once wrote {changed}"
+            after = again
         counts["refused"] += refused is not None
         counts["wrote"] += after != before
         state["rows"] = after
@@ -253,7 +300,8 @@ def hostile_engine_input_campaign(request: pytest.FixtureRequest, store: Transcr
     refused = sum(c["refused"] for c in figures.values())
     report(request, backend, {
         "functions": len(figures), "examples_per_function": examples, "calls": total, "refusals": refused,
-        "accepted": total - refused, "untyped_errors": 0, "writes_by_refused_calls": 0,
+        "accepted": total - refused, "untyped_errors": 0, "writes_by_refused_calls": 0, "writes_by_reads": 0,
+        "state_reads_that_wrote": {n: figures[n].get("state_writes", 0) for n in sorted(STATE_READS)},
         "seconds": round(time.monotonic() - started, 1),
     })
     # (get_tool_schemas takes no argument: hypothesis calls it once)
@@ -332,5 +380,56 @@ def test_the_bugs_this_campaign_found_stay_fixed(store: TranscriptStore) -> None
         with pytest.raises(InvalidInput):
             thunk()
         assert table_rows(store) == before, f"refused call {i} wrote"
+    legacy.dispose()
+    lossless.dispose()
+
+
+def test_a_read_writes_nothing_but_the_lossless_engines_own_catching_up(store: TranscriptStore) -> None:
+    """The campaign's contract for successful reads, on each legitimate write path it may not draw: the
+    legacy reads write nothing; the lossless engine's assemble and recall tools write its own rows only
+    (a lazy import of a session it never saw, a pending reset, a compaction over the budget), and the
+    same read again at once writes nothing."""
+    legacy, lossless = make_engines(store)
+    store.create_session(A, session_id="s1")
+    store.append_many(A, "s1", [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                             "content": f"message {i} " + "lorem ipsum dolor " * 60}}
+                                for i in range(60)])
+    fence = store.admit(A, "s1", {"role": "user", "content": "q"}, turn_id="t1").anchor
+    names = sorted(table_rows(store))
+
+    def wrote(thunk: Callable[[], Any]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        before = table_rows(store, names=names)
+        thunk()
+        return before, table_rows(store, names=names)
+
+    for i, read in enumerate([
+        lambda: store.read(lambda c: legacy.prefetch_in(c, scope=A, session_id="s1", fence=fence)),
+        lambda: legacy.assemble(scope=A, session_id="s1", fence=fence, token_budget=100),
+        lambda: legacy.assemble(scope=A, session_id="s1", fence=None, token_budget=128_000),
+        lambda: lossless.budget(A, "s1", 2000),
+        lambda: lossless.after_turn(scope=A, session_id="s1"),
+        lossless.get_tool_schemas,
+    ]):
+        before, after = wrote(read)
+        assert after == before, f"read {i} wrote"
+    def grep() -> str:
+        return lossless.handle_tool_call("lcm_grep", {"pattern": "message"}, scope=A, session_id="s1")
+
+    def branch() -> None:  # the active path moves back: the lossless engine's import is ahead of it
+        store.branch(A, "s1", store.read_visible(A, "s1")[9].entry_id)
+
+    for what, first, read in [
+        ("the lazy import", None,
+         lambda: lossless.assemble(scope=A, session_id="s1", fence=fence, token_budget=128_000)),
+        ("the compaction over the budget", None,
+         lambda: lossless.assemble(scope=A, session_id="s1", fence=fence, token_budget=2000)),
+        ("the pending reset", branch, grep),
+    ]:
+        if first is not None:
+            first()
+        before, after = wrote(read)
+        assert after["ts_lcm_context_items"] != before["ts_lcm_context_items"], f"{what} wrote nothing"
+        assert not engine_rows_only(before, after), f"{what} wrote {engine_rows_only(before, after)}"
+        assert wrote(read)[1] == after, f"{what}: the same read again wrote"
     legacy.dispose()
     lossless.dispose()
