@@ -146,5 +146,11 @@ def test_head_on_a_get_route_answers_as_the_get_without_its_body(server: Service
     assert status == 405 and body == b"" and headers["allow"] == "POST", headers
     status, headers, _ = raw_request(server, "DELETE", "/v1/whoami")
     assert status == 405 and headers["allow"] == "GET, HEAD", headers
+    # A path that a GET route and a POST route both serve: Allow lists both routes' methods (it listed
+    # the first route's only: "POST" for the session list, "GET, HEAD" for an engine's bootstrap).
+    for path in ("/v1/sessions", f"/v1/engines/legacy/sessions/{sid}/bootstrap"):
+        for method in ("DELETE", "PUT", "PATCH"):
+            status, headers, _ = raw_request(server, method, path)
+            assert status == 405 and headers["allow"] == "GET, HEAD, POST", (method, path, headers)
     status, data = server.call("POST", f"/v1/sessions/{sid}/delta", TOKEN_A, {})
     assert status == 200 and data["entries"] == []  # HEADs wrote nothing

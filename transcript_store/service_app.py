@@ -19,7 +19,7 @@ import logging
 import re
 import socket
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, MutableMapping
+from collections.abc import Callable, Coroutine, Iterator, MutableMapping, Sequence
 from typing import Annotated, Any
 from urllib.parse import unquote, unquote_to_bytes
 
@@ -32,6 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from . import __version__
 from .engine import AssembleResult, CompactResult, MaintainResult
@@ -456,11 +457,14 @@ class HeadAsGet:
 
     FastAPI's routes answer only the methods they declare, so a ``HEAD`` was 405 everywhere. Here it runs
     as the ``GET`` (the same token, checks, status and ``Content-Length``) and its body is dropped; on a
-    route without ``GET`` it is that ``GET``'s 405. A 405's ``Allow`` lists ``HEAD`` beside ``GET``."""
+    route without ``GET`` it is that ``GET``'s 405. A 405's ``Allow`` lists every method of every route of
+    the path (the framework's named only the first route's: ``DELETE /v1/sessions`` answered
+    ``Allow: POST``, though ``GET`` lists them), ``HEAD`` beside ``GET``."""
 
-    def __init__(self, app: Any) -> None:
-        """Wrap an ASGI app."""
+    def __init__(self, app: Any, routes: Sequence[BaseRoute] = ()) -> None:
+        """Wrap an ASGI app; ``routes``: the app's routes, which a 405's ``Allow`` is made of."""
         self.app = app
+        self.routes = routes
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """Pass the request on, a ``HEAD`` as a ``GET`` whose body is not sent."""
@@ -468,15 +472,35 @@ class HeadAsGet:
             await self.app(scope, receive, send)
             return
         head = scope["method"] == "HEAD"
+        scope = {**scope, "method": "GET"} if head else scope
 
         async def answer(message: Any) -> None:
             if message["type"] == "http.response.start" and message["status"] == 405:
-                message = {**message, "headers": [_allow_head(k, v) for k, v in message.get("headers", [])]}
+                allowed = self._allowed(scope)
+                message = {**message, "headers": [
+                    (k, allowed) if allowed and k.lower() == b"allow" else _allow_head(k, v)
+                    for k, v in message.get("headers", [])
+                ]}
             elif head and message["type"] == "http.response.body":
                 message = {**message, "body": b""}
             await send(message)
 
-        await self.app({**scope, "method": "GET"} if head else scope, receive, answer)
+        await self.app(scope, receive, answer)
+
+    def _allowed(self, scope: MutableMapping[str, Any]) -> bytes:
+        """The ``Allow`` of the request's path: the methods of every route it matches, in a fixed order
+        (``HEAD`` with ``GET``); empty when no route has methods."""
+        methods: set[str] = set()
+        for route in self.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                methods |= set(getattr(route, "methods", None) or ())
+        if "GET" in methods:
+            methods.add("HEAD")
+        return ", ".join(sorted(methods, key=lambda m: (_METHOD_ORDER.get(m, len(_METHOD_ORDER)), m))).encode()
+
+
+#: the order of a 405's ``Allow``
+_METHOD_ORDER = {m: i for i, m in enumerate(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))}
 
 
 def _allow_head(name: bytes, value: bytes) -> tuple[bytes, bytes]:
@@ -595,7 +619,7 @@ def create_app(service: Service, tokens: TokenMap, *, max_body_bytes: int = DEFA
     app.router.route_class = _counted_route(service.inflight)
     _errors(app)
     _routes(app, service)
-    app.add_middleware(HeadAsGet)  # innermost: a HEAD is routed as its GET
+    app.add_middleware(HeadAsGet, routes=app.router.routes)  # innermost: a HEAD is routed as its GET
     app.add_middleware(PathSegments, timeout=body_timeout_seconds)
     app.add_middleware(Authenticate, timeout=body_timeout_seconds)  # inside BodyLimit: the body it drops is bounded
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout_seconds)
