@@ -408,6 +408,29 @@ def test_a_message_nested_past_the_recursion_limit_is_stored_and_compacted(
     engine.close()
 
 
+@pytest.mark.parametrize("case", ["deep-field", "deep-arguments", "deep-parts", "deep-host-flag"])
+@pytest.mark.parametrize("compacted", [False, True])
+def test_select_context_of_a_request_nested_past_the_recursion_limit_warns_in_one_line(
+    tmp_path: Path, case: str, compacted: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request holding a message nested past Python's recursion limit, with a budget: ``select_context``
+    logged a RecursionError's whole traceback (thousands of frames' lines, at every request of the
+    session). It is a one-line warning now, and the request goes out unchanged (None)."""
+    engine = make(sqlite_url(tmp_path))
+    engine.on_session_start("s1")
+    convo = conversation("deep", 10)
+    request = [*(engine.compress(copy.deepcopy(convo)) if compacted else convo), *deep_round(case)]
+    assert not compacted or engine.compression_count == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="transcript_store"):
+        assert engine.select_context(request, budget_tokens=50) is None
+    assert not [r for r in caplog.records if r.exc_info or r.exc_text], [r.getMessage()[:200] for r in caplog.records]
+    assert all("\n" not in r.getMessage() and len(r.getMessage()) < 500 for r in caplog.records)
+    if compacted or case == "deep-arguments":  # the key of a selection, or the count of the tool call's arguments
+        assert any("nested too deep" in r.getMessage() for r in caplog.records)
+    engine.close()
+
+
 ROUND_CALL = {"id": "call_odd", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
 #: a tool round with one message the store refuses by a shape that is not its tool calls or call id
 ODD_ROUNDS: dict[str, list[dict[str, Any]]] = {

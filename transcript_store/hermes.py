@@ -2109,6 +2109,12 @@ class TranscriptStoreEngineMixin:
             with rt.lock:
                 rt.selections[store_session] = kept
             return kept.messages()
+        except RecursionError:
+            # A message nested past Python's recursion limit (counting its tool call's arguments, the
+            # selection's key): the traceback was thousands of lines, at every request of the session.
+            log.warning("transcript-store select_context: a message of the request is nested too deep to "
+                        "count (RecursionError); request unchanged")
+            return None
         except Exception:
             log.exception("transcript-store select_context failed; request unchanged")
             return None
