@@ -50,6 +50,7 @@ from workers.fault_worker import report, table_rows
 
 from engines.legacy import LegacyEngine
 from engines.lossless import LosslessEngine
+from engines.lossless.audit import audit
 from transcript_store import InvalidInput, StoreUnavailable, TranscriptStore, TranscriptStoreError
 from transcript_store.engine import EngineContext, EngineSelection, Limits, RuntimeSettings
 from transcript_store.ledger import prepare_turn
@@ -388,7 +389,7 @@ def test_a_read_writes_nothing_but_the_lossless_engines_own_catching_up(store: T
     """The campaign's contract for successful reads, on each legitimate write path it may not draw: the
     legacy reads write nothing; the lossless engine's assemble and recall tools write its own rows only
     (a lazy import of a session it never saw, a pending reset, a compaction over the budget), and the
-    same read again at once writes nothing."""
+    same read again at once writes nothing. The engine's audit writes nothing."""
     legacy, lossless = make_engines(store)
     store.create_session(A, session_id="s1")
     store.append_many(A, "s1", [{"message": {"role": "user" if i % 2 == 0 else "assistant",
@@ -431,5 +432,7 @@ def test_a_read_writes_nothing_but_the_lossless_engines_own_catching_up(store: T
         assert after["ts_lcm_context_items"] != before["ts_lcm_context_items"], f"{what} wrote nothing"
         assert not engine_rows_only(before, after), f"{what} wrote {engine_rows_only(before, after)}"
         assert wrote(read)[1] == after, f"{what}: the same read again wrote"
+        # The engine's audit (``ts audit``-like: it takes the caller's transaction) only reads.
+        assert wrote(lambda: store.read(lambda c: audit(c, A, "s1")))[1] == after, "the audit wrote"
     legacy.dispose()
     lossless.dispose()
