@@ -377,6 +377,13 @@ def record_host_compaction(
         # in force (made on a branch the mirror left) is not that one: an alike one made on this branch
         # (resets, which have no summary, are all alike at a position) changed nothing and never stood.
         return dict(standing)
+    boundary = reset_under(standing)
+    if standing is not None and boundary is not None and first_kept_position < int(boundary["first_kept_position"]):
+        # The host's context after the reset in force does not hold the messages before the reset's first
+        # kept one: a compaction (or reset) keeping one of them was made before that reset (found later
+        # without saying so, or with a clock ahead). Recorded, its pointer carried the reset under it but
+        # stood in front of its own first kept message, and the conversation before the reset came back.
+        return dict(standing)
     found_later = compacted_ms is not None or compacted_at_count is not None
     if (
         standing is not None

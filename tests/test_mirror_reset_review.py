@@ -1,0 +1,74 @@
+"""A review of the host's resets and compactions on the mirror (OpenClaw), on both backends.
+
+Each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import module_store_fixtures
+from mirror_helpers import A, a, hosted, legacy_service, page, u
+
+from transcript_store import TranscriptStore
+from transcript_store.service import Service
+from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
+
+shared_url, store, sid = module_store_fixtures(A, "mirror_reset_review")
+HEAD = "[Summary of the earlier conversation]\n"
+LONG = " and so on" * 40
+HOUR_MS = 3_600_000
+
+
+@pytest.fixture(scope="module")
+def service(store: TranscriptStore) -> Iterator[Service]:
+    yield from legacy_service(store)
+
+
+def shown(svc: Service, session_id: str) -> list[Any]:
+    """What the legacy engine assembles: each message's content."""
+    out = svc.assemble(A, "legacy", session_id, AssembleRequest(token_budget=100_000))
+    return [m["content"] for m in out.messages]
+
+
+def long_talk(n: int) -> list[tuple[str, dict[str, Any]]]:
+    """``n`` long host messages h0.. (m0.., user and assistant in turn)."""
+    return [(f"h{i}", u(f"m{i}{LONG}") if i % 2 == 0 else a(f"m{i}{LONG}")) for i in range(n)]
+
+
+def reset(svc: Service, session_id: str, position: int, count: int, kept: str | None = None) -> int:
+    """Record a host reset made after ``count`` messages, its context starting again at ``position``."""
+    req = HostCompactionRequest(
+        summary="", first_kept_position=position, first_kept_entry_id=kept, reset=True, compacted_at_count=count
+    )
+    return svc.host_compaction(A, "legacy", session_id, req).first_kept_position
+
+
+def record(svc: Service, session_id: str, summary: str, position: int, kept: str, **found: int) -> int:
+    """Record a host compaction; the first kept position the engine shows."""
+    req = HostCompactionRequest(summary=summary, first_kept_position=position, first_kept_entry_id=kept, **found)
+    return svc.host_compaction(A, "legacy", session_id, req).first_kept_position
+
+
+def test_a_host_compaction_keeping_messages_before_the_reset_in_force_does_not_bring_them_back(
+    service: Service, sid: str
+) -> None:
+    s = service.store
+    msgs = long_talk(10)
+    page(s, sid, None, "c1", hosted(*msgs[:6]))
+    assert reset(service, sid, 6, 6) == 6
+    page(s, sid, "c1", "c2", hosted(*msgs[6:10]))
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(6, 10)]
+    # A compaction the host made before the reset, found later (a new plugin process reads the transcript
+    # from its start) by a host whose clock is ahead of the service's, or told as made after the reset: it
+    # keeps messages the context after the reset does not hold. Recorded, it stood over the reset, and the
+    # conversation before the reset came back (the summary and m2..m5).
+    assert record(service, sid, "before the reset", 2, "h2", compacted_ms=(time.time_ns() // 10**6) + HOUR_MS) == 6
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(6, 10)]
+    assert record(service, sid, "before the reset", 2, "h2", compacted_at_count=10) == 6
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(6, 10)]
+    # Nor does the built-in compaction summarise them: it starts at the reset.
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).reason == "nothing old enough to compact"
