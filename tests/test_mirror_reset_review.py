@@ -13,7 +13,8 @@ import pytest
 from conftest import module_store_fixtures
 from mirror_helpers import A, a, hosted, legacy_service, page, u
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
+from transcript_store.errors import InvalidInput
 from transcript_store.service import Service
 from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
 
@@ -72,3 +73,33 @@ def test_a_host_compaction_keeping_messages_before_the_reset_in_force_does_not_b
     assert shown(service, sid) == [f"m{i}{LONG}" for i in range(6, 10)]
     # Nor does the built-in compaction summarise them: it starts at the reset.
     assert service.compact(A, "legacy", sid, CompactRequest(force=True)).reason == "nothing old enough to compact"
+
+
+@pytest.mark.parametrize(
+    ("summary", "kept"),
+    [("a summary", "h\x002"), ("a summary", "h\x1f2"), ("a \ud800 summary", "h2"), ("a summary", "")],
+    ids=["nul-id", "control-id", "lone-surrogate-summary", "empty-id"],
+)
+def test_a_malformed_host_compaction_is_refused_typed_and_changes_nothing(
+    service: Service, sid: str, summary: str, kept: str
+) -> None:
+    # Called as a library (or through the service with a request built by model_construct, which skips
+    # validation): a lone surrogate in the summary raised UnicodeEncodeError from the driver; an entry id
+    # with a NUL was stored in the pointer at the mirror's end (the position nothing is checked against),
+    # and every later read of it (each assemble) was a database error on PostgreSQL, none on SQLite.
+    s = service.store
+    page(s, sid, None, "c1", hosted(*long_talk(2)))
+    with pytest.raises(InvalidInput):
+        s.write(
+            lambda c: compaction.record_host_compaction(
+                c, A, sid, summary=summary, first_kept_position=2, first_kept_entry_id=kept
+            )
+        )
+    req = HostCompactionRequest.model_construct(
+        summary=summary, first_kept_position=2, first_kept_entry_id=kept, reset=False, compacted_ms=None,
+        compacted_at_count=None,
+    )
+    with pytest.raises(InvalidInput):
+        service.host_compaction(A, "legacy", sid, req)
+    assert s.read(lambda c: compaction.pointer_in(c, A, sid)) is None
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(2)]

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from . import mirror
 from .config import StoreConfig
-from .core import Core, now_us, prepare_entry
+from .core import Core, check_id, now_us, prepare_entry
 from .engine import CompactResult, check_call, check_flag, check_focus, check_token_budget
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
@@ -312,6 +312,15 @@ def record_host_compaction(
         raise InvalidInput("a host reset carries no summary (an empty one)")
     if not reset and (not isinstance(summary, str) or not summary.strip()):
         raise InvalidInput("a host compaction needs its summary")
+    if not summary.isascii():
+        try:
+            summary.encode("utf-8")
+        except UnicodeEncodeError:
+            # (Refused by the driver, as an untyped UnicodeEncodeError, when the pointer was written.)
+            raise InvalidInput("a host compaction's summary must not contain lone surrogates") from None
+    # Checked as the service checks it: a NUL stored in the pointer was sent with every later read of it (each
+    # assemble), which PostgreSQL refuses (StoreUnavailable, for good) where SQLite found nothing.
+    check_id("first_kept_entry_id", first_kept_entry_id, optional=True)
     if first_kept_entry_id is None and not (reset and compacted_at_count == first_kept_position):
         raise InvalidInput(
             "a host compaction needs its first kept message (only a reset that kept none, at compacted_at_count, "
