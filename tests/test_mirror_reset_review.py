@@ -127,3 +127,25 @@ def test_a_host_compaction_stays_when_a_built_in_one_made_after_it_leaves_the_br
     assert page(s, sid, None, "c3", hosted(*msgs[:10], ("h10b", u("m10b")))).rewound
     got = shown(service, sid)
     assert got[0] == f"{HEAD}the host's", got[:2]
+
+
+def test_a_host_reset_found_after_a_built_in_compaction_made_further_on_ends_it(service: Service, sid: str) -> None:
+    # The plugin tells a reset when it reads it in the host's transcript: the service's own compaction may
+    # have run first, further on, summarising the conversation before the reset. Taken for the newer one
+    # (made after more messages), it stayed, and the context showed the pre-reset conversation again.
+    s = service.store
+    msgs = long_talk(20)
+    page(s, sid, None, "c1", hosted(*msgs[:16]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # at 16, summarising m0..m9
+    assert reset(service, sid, 12, 12) == 12  # was: 10 (the built-in compaction's)
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(12, 16)]
+    # A built-in compaction made after the reset (it knows it) is newer than the reset told again.
+    page(s, sid, "c1", "c2", hosted(*msgs[16:]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # summarising m12, m13
+    after = shown(service, sid)
+    assert after[0].startswith(HEAD) and after[1:] == [f"m{i}{LONG}" for i in range(14, 20)]
+    assert reset(service, sid, 12, 12) == 14
+    assert shown(service, sid) == after
+    # An older reset (before the one in force) found later changes nothing either.
+    assert reset(service, sid, 6, 6) == 14
+    assert shown(service, sid) == after

@@ -241,6 +241,15 @@ def _standing_is_newer(
         row = c.entries_with_path(scope, session_id, [seen]).get(seen)
         if not _at_on_path(row, made_count - 1):
             return False
+    if reset and standing.get("source") != "host":
+        # A built-in compaction made further on that does not stand on this reset (or a later one) did not
+        # know of it: it summarised the conversation before the reset, and kept in force, it showed that
+        # again (the plugin tells a reset when it reads it in the host's transcript, maybe after the
+        # service compacted). The reset is a boundary no compaction that did not read it undoes.
+        under = standing.get(RESET_UNDER)
+        known = under.get("made_at_count") if isinstance(under, dict) else None
+        if not isinstance(known, int) or known < count:
+            return False
     if made_count != count:
         return made_count > count
     if reset:
