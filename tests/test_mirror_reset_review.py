@@ -149,3 +149,19 @@ def test_a_host_reset_found_after_a_built_in_compaction_made_further_on_ends_it(
     # An older reset (before the one in force) found later changes nothing either.
     assert reset(service, sid, 6, 6) == 14
     assert shown(service, sid) == after
+
+
+def test_a_host_reset_found_after_the_host_compaction_made_after_it_stays_under_it(service: Service, sid: str) -> None:
+    # The host compacted after its reset (keeping only what followed it), and the plugin told the reset only
+    # later: the compaction, made further on, stayed, but the reset was not kept under it (as one told first
+    # is). When the host then regenerated its last reply, the compaction left the mirror's branch and the
+    # reset, which stands there, was gone: the context was the whole conversation from m0 again.
+    s = service.store
+    msgs = long_talk(16)
+    page(s, sid, None, "c1", hosted(*msgs[:16]))
+    assert record(service, sid, "after the reset", 13, "h13", compacted_at_count=16) == 13
+    assert reset(service, sid, 12, 12) == 13
+    assert shown(service, sid) == [f"{HEAD}after the reset", f"m13{LONG}", f"m14{LONG}", f"m15{LONG}"]
+    assert reset(service, sid, 12, 12) == 13  # told again: the same
+    assert page(s, sid, None, "c3", hosted(*msgs[:15], ("h15b", a("m15b")))).rewound
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(12, 15)] + ["m15b"]  # was: m0 .. m15b

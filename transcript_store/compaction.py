@@ -403,15 +403,16 @@ def record_host_compaction(
         # stood in front of its own first kept message, and the conversation before the reset came back.
         return dict(standing)
     found_later = compacted_ms is not None or compacted_at_count is not None
-    if (
+    newer = (
         standing is not None
         and found_later
         and _standing_is_newer(c, scope, session_id, standing, compacted_ms, compacted_at_count, reset)
-    ):
+    )
+    if newer and not reset:
         # An older compaction a plugin finds in the host's transcript (a new process reads it from its
         # start) put back in place of a newer one: its summary covered less, and the context grew back by
         # what the newer one had compacted.
-        return dict(standing)
+        return dict(standing)  # type: ignore[arg-type]
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
@@ -425,6 +426,19 @@ def record_host_compaction(
         # after, as a built-in compaction does: told again, that one is older than the reset.)
         **(_named(standing) if reset else _carried(standing)),
     }
+    if newer:
+        # A reset found after a compaction the host made further on (which knew of it) stays under that
+        # compaction, as one told first is carried (``_carried``): left out, the compaction's pointer was all
+        # there was, and once it left the mirror's branch (where the reset stands) the conversation before
+        # the reset came back.
+        assert standing is not None
+        under = reset_under(standing)
+        known = under.get("made_at_count") if under is not None else None
+        if standing.get("reset") or (isinstance(known, int) and known >= pointer["made_at_count"]):
+            return dict(standing)
+        carrying = {**standing, RESET_UNDER: pointer}
+        put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, carrying)
+        return carrying
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
     return pointer
 
