@@ -1,6 +1,6 @@
 """A review of the host's resets and compactions on the mirror (OpenClaw), on both backends.
 
-Each test failed before its fix.
+Each test failed before its fix, but the one guarding the order of a fallback (``..._wins_when_...``).
 """
 
 from __future__ import annotations
@@ -105,11 +105,6 @@ def test_a_malformed_host_compaction_is_refused_typed_and_changes_nothing(
     assert shown(service, sid) == [f"m{i}{LONG}" for i in range(2)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found, not fixed: a built-in compaction's pointer names the host's under it by digest only, so "
-    "when the built-in one leaves the branch the host's summary is gone (pointer_in falls back to a reset only)",
-)
 def test_a_host_compaction_stays_when_a_built_in_one_made_after_it_leaves_the_branch(
     service: Service, sid: str
 ) -> None:
@@ -165,3 +160,21 @@ def test_a_host_reset_found_after_the_host_compaction_made_after_it_stays_under_
     assert reset(service, sid, 12, 12) == 13  # told again: the same
     assert page(s, sid, None, "c3", hosted(*msgs[:15], ("h15b", a("m15b")))).rewound
     assert shown(service, sid) == [f"m{i}{LONG}" for i in range(12, 15)] + ["m15b"]  # was: m0 .. m15b
+
+
+def test_a_reset_made_after_the_host_compaction_wins_when_the_built_in_one_after_both_leaves_the_branch(
+    service: Service, sid: str
+) -> None:
+    # The host's compaction (made after h9), then its reset (after h11), then the built-in compaction: that
+    # one leaving the branch, the newer of the two under it stands: the reset, never the host's compaction
+    # (which would show the conversation before the reset again).
+    s = service.store
+    msgs = long_talk(20)
+    page(s, sid, None, "c1", hosted(*msgs[:10]))
+    assert record(service, sid, "the host's", 6, "h6", compacted_at_count=10) == 6
+    page(s, sid, "c1", "c2", hosted(*msgs[10:12]))
+    assert reset(service, sid, 12, 12) == 12
+    page(s, sid, "c2", "c3", hosted(*msgs[12:20]))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted  # first kept: h14
+    assert page(s, sid, None, "c4", hosted(*msgs[:14], ("h14b", u("m14b")))).rewound
+    assert shown(service, sid) == [f"m{i}{LONG}" for i in range(12, 14)] + ["m14b"]

@@ -129,8 +129,46 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     rows = c.entries_with_path(scope, session_id, ids) if ids else {}
     found = _standing(c, scope, session_id, stored, rows)
     if found is None:
-        return None if under is None else _standing(c, scope, session_id, under, rows)
+        reset = None if under is None else _standing(c, scope, session_id, under, rows)
+        host = _host_under_standing(c, scope, session_id, stored)
+        if host is None or (reset is not None and reset.get("made_at_count", 0) >= host.get("made_at_count", 0)):
+            return reset
+        return host
     if under is not None and not _made_on_path(under, rows):
+        found = {k: v for k, v in found.items() if k != RESET_UNDER}
+    return found
+
+
+#: the engine-state key of the last compaction of the host's recorded (not a reset), in full: what a pointer
+#: that names it by digest (``host_under``) falls back to when it no longer stands
+HOST_KEY = "host_compaction"
+
+
+def _host_under_standing(c: Core, scope: str, session_id: str, stored: dict[str, Any]) -> dict[str, Any] | None:
+    """The host's compaction a pointer that no longer stands names (``host_under``), when it stands itself.
+
+    A built-in compaction (or a reset) made after the host's names it by its summary's digest only; once that
+    pointer left the mirror's branch (an edit of the host's below its first kept message) while the host's
+    compaction did not, nothing stood and the context grew back by all the host's had summarised. Read only
+    then: the host's pointer is kept whole under its own key."""
+    named = stored.get(HOST_UNDER)
+    if not isinstance(named, dict) or (stored.get("source") == "host" and not stored.get("reset")):
+        return None
+    host = get_state(c, scope, session_id, STATE_OWNER, HOST_KEY)
+    if (
+        not isinstance(host, dict)
+        or not isinstance(host.get("summary"), str)
+        or not _summarises(named, host["summary"])
+        or host.get("first_kept_entry_id") != named.get("first_kept_entry_id")
+        or host.get("first_kept_position") != named.get("first_kept_position")
+    ):
+        return None
+    under = host.get(RESET_UNDER)
+    under = under if isinstance(under, dict) else None
+    ids = list(dict.fromkeys(_entry_ids(host) + (_entry_ids(under) if under is not None else [])))
+    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
+    found = _standing(c, scope, session_id, host, rows)
+    if found is not None and under is not None and not _made_on_path(under, rows):
         found = {k: v for k, v in found.items() if k != RESET_UNDER}
     return found
 
@@ -440,6 +478,8 @@ def record_host_compaction(
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, carrying)
         return carrying
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
+    if not reset:
+        put_state(c, scope, session_id, STATE_OWNER, HOST_KEY, pointer)  # (``_host_under_standing``)
     return pointer
 
 
