@@ -1410,6 +1410,12 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
         revision = store.current_revision()
         info.update(backend=store.backend, revision=revision, state=schema_state(revision, head))
         info["settings"] = store.db.settings()
+    except SchemaNotCurrent as e:
+        # A version table that says no one revision (several rows; a store's tables with none): the
+        # schema's state is unknown, and is one of the problems, not the end of the report (exit 4).
+        store.close()
+        problems.append(str(e))
+        return {**info, "backend": store.backend, "revision": None, "state": None}, None, None
     except StoreUnavailable as e:
         store.close()
         info["error"] = str(e)
