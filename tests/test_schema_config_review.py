@@ -38,3 +38,35 @@ def test_doctor_reports_a_version_table_without_one_revision_as_a_problem(
     assert [e["id"] for e in report["engines"] if e["selected"]] == ["legacy"]
     shown = run("doctor", "--db", store_url, cwd=tmp_path, code=1)
     assert "schema:    unknown" in shown.stdout and error in shown.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [("fresh_tail_messages = true", "fresh_tail_messages"), ('fresh_tail_messages = "16"', "fresh_tail_messages"),
+     ("leaf_chunk_messages = 24.0", "leaf_chunk_messages"), ('threshold = "0.5"', "threshold"),
+     ("context_window = false", "context_window")],
+)
+def test_the_lossless_engines_settings_refuse_mistyped_toml_values(
+    store_url: str, tmp_path: Path, line: str, key: str
+) -> None:
+    """``[engine.config.lossless]`` was validated lax: ``fresh_tail_messages = true`` ran the engine with a
+    tail of 1 message, ``"16"`` and ``24.0`` were counts, ``"0.5"`` a threshold, where the legacy engine's
+    ``keep_last`` and the ``[turn]`` knobs refuse a bool, a float or a string as a count. Refused, with the
+    key named: doctor says the selected engine is invalid."""
+    with pytest.raises(InvalidInput, match=f"lossless config: {key}"):
+        LosslessConfig.parse(dict([_toml_pair(line)]))
+    (tmp_path / "transcript-store.toml").write_text(
+        f'[engine]\nslot = "lossless"\n\n[engine.config.lossless]\n{line}\n', encoding="utf-8")
+    report = run_json("doctor", "--db", store_url, cwd=tmp_path, code=1)
+    assert report["engine"]["valid"] is False and f"lossless config: {key}" in report["engine"]["reason"], report
+    # typed values as the file holds them are taken (an integer for a fraction too)
+    typed = LosslessConfig.parse({"fresh_tail_messages": 16, "threshold": 1, "model_thresholds": {"gpt": 1}})
+    assert typed.threshold == 1 and typed.fresh_tail_messages == 16
+
+
+def _toml_pair(line: str) -> tuple[str, object]:
+    """One ``key = value`` TOML line as its key and typed value."""
+    import tomllib
+
+    ((key, value),) = tomllib.loads(line).items()
+    return key, value

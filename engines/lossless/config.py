@@ -55,9 +55,12 @@ class LosslessConfig(Shape):
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> LosslessConfig:
-        """The config from ``ctx.config``; InvalidInput names the first bad key."""
+        """The config from ``ctx.config``; InvalidInput names the first bad key.
+
+        Strict, as the settings file's [turn] knobs and the legacy engine's: a TOML ``true``, ``"16"`` or
+        ``16.0`` is no count (lax validation took them as 1 and 16), a string no fraction."""
         try:
-            return cls.model_validate(raw or {})
+            return cls.model_validate(raw or {}, strict=True)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "config"
