@@ -1,8 +1,10 @@
 """Findings of the schema-management and configuration review: ``doctor`` on a version table that holds
-no one revision, and the lossless engine's settings taking mistyped TOML values."""
+no one revision, the lossless engine's settings taking mistyped TOML values, and a SQLite URL naming no
+regular file given to the library."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from sqlalchemy import text
 from test_cli import run, run_json
 
 from engines.lossless.config import LosslessConfig
-from transcript_store import InvalidInput, StoreConfig
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore
 from transcript_store.db import Database
 
 
@@ -70,3 +72,23 @@ def _toml_pair(line: str) -> tuple[str, object]:
 
     ((key, value),) = tomllib.loads(line).items()
     return key, value
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_sqlite_url_naming_no_regular_file_is_invalid_input_and_makes_nothing(tmp_path: Path, kind: str) -> None:
+    """The CLI refuses a directory, a device or a FIFO as a usage error; the library (``TranscriptStore(url)``,
+    ``upgrade_url``) handed it to sqlite3: StoreUnavailable ("unable to open database file", "disk I/O
+    error": the database down, to be retried) and, beside a device, a ``-journal`` file of its own
+    (``sqlite:////dev/null`` left ``/dev/null-journal``). Refused as the bad input it is, nothing made."""
+    target = tmp_path / "target"
+    if kind == "directory":
+        target.mkdir()
+    else:
+        os.mkfifo(target)
+    url = f"sqlite:///{target}"
+    for attempt in (lambda: TranscriptStore(url), lambda: TranscriptStore.upgrade_url(url),
+                    lambda: TranscriptStore(url, create=False).current_revision()):
+        with pytest.raises(InvalidInput, match="names a directory" if kind == "directory" else "no regular file"):
+            attempt()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    assert kind == "fifo" or list(target.iterdir()) == []

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -360,6 +361,19 @@ def _check_pg_options(query: Mapping[str, str | tuple[str, ...]]) -> None:
         raise InvalidInput(f"the URL's query: {str(e).strip()}") from e
 
 
+def _refuse_no_regular_file(path: Path, url: str) -> None:
+    """InvalidInput for a SQLite path naming a directory, a device, a FIFO or a socket: sqlite3 answered
+    "unable to open database file" or "disk I/O error" at the first call, a StoreUnavailable read as the
+    database down, and left a ``-journal`` file beside a device (``/dev/null-journal``)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # not there (a store to create), or not to be looked at: sqlite3's open says
+        return
+    if not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "no regular file (a device, a FIFO or a socket)"
+        raise InvalidInput(f"{mask_url(url)} names {what}: give the path of a store's file (or of one to create)")
+
+
 def create_db_engine(config: StoreConfig) -> Engine:
     """A SQLAlchemy engine for the configured URL with the backend's connection settings."""
     url = parse_url(config.url)
@@ -368,6 +382,7 @@ def create_db_engine(config: StoreConfig) -> Engine:
         path = Path(url.database).expanduser()
         if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
             url = url.set(database=str(path))
+        _refuse_no_regular_file(path, config.url)
         try:
             path.resolve().parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
