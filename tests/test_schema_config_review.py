@@ -92,3 +92,23 @@ def test_a_sqlite_url_naming_no_regular_file_is_invalid_input_and_makes_nothing(
             attempt()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
     assert kind == "fifo" or list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_postgresql_urls_connect_timeout_and_application_name_are_used(store_url: str) -> None:
+    """``?application_name=`` and ``?connect_timeout=`` in the URL (TRANSCRIPT_STORE_URL) were taken as valid
+    and silently overridden by the store's own (``transcript-store:<pid>``, 10 s); a malformed timeout was
+    never looked at. The URL's own now win, and a timeout that is no number is a bad URL."""
+    sep = "&" if "?" in store_url else "?"
+    with TranscriptStore(config=StoreConfig(url=f"{store_url}{sep}application_name=my-app&connect_timeout=3",
+                                            auto_upgrade=False)) as store:
+        name, params = store.read(lambda c: (
+            c.conn.exec_driver_sql("SHOW application_name").scalar(),
+            c.conn.connection.dbapi_connection.info.get_parameters()))  # type: ignore[union-attr]
+        assert name == "my-app" and params["connect_timeout"] == "3", params
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        assert store.read(lambda c: c.conn.exec_driver_sql("SHOW application_name").scalar()).startswith(
+            "transcript-store:")
+    for bad in ("abc", "-1", "1.5"):
+        with pytest.raises(InvalidInput, match="connect_timeout"):
+            TranscriptStore(config=StoreConfig(url=f"{store_url}{sep}connect_timeout={bad}"))

@@ -352,6 +352,9 @@ def _check_pg_options(query: Mapping[str, str | tuple[str, ...]]) -> None:
             # ``host`` alone may come several times: SQLAlchemy's multi-host form (``?host=A:5432&host=B:5432``,
             # a primary and its standbys), which it hands libpq as one list.
             raise InvalidInput(f"the URL gives the option {name!r} {len(value)} times: give it once")
+        if name == "connect_timeout" and isinstance(value, str) and not (value.isascii() and value.isdigit()):
+            # psycopg refused it only when connecting ("bad value for connect_timeout"): a bad URL, no outage
+            raise InvalidInput(f"the URL's connect_timeout={value!r} is not a number of seconds (0: no limit)")
         choices = _PG_CHOICES.get(name)
         if choices is not None and value not in choices:
             raise InvalidInput(f"the URL's {name}={value!r} is not one of {', '.join(choices)}")
@@ -372,6 +375,11 @@ def _refuse_no_regular_file(path: Path, url: str) -> None:
     if not stat.S_ISREG(mode):
         what = "a directory" if stat.S_ISDIR(mode) else "no regular file (a device, a FIFO or a socket)"
         raise InvalidInput(f"{mask_url(url)} names {what}: give the path of a store's file (or of one to create)")
+
+
+def _pg_connect_defaults() -> dict[str, object]:
+    """The PostgreSQL connection options the store sets unless the URL gives its own."""
+    return {"connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}"}
 
 
 def create_db_engine(config: StoreConfig) -> Engine:
@@ -402,8 +410,10 @@ def create_db_engine(config: StoreConfig) -> Engine:
         # UTF-8 always: the client encoding otherwise follows PGCLIENTENCODING or the database's own, and
         # a message the codec could not carry (an emoji under LATIN1) left psycopg as UnicodeEncodeError,
         # a SQL_ASCII database's bytes broke the engine's first connect (TypeError).
+        # The URL's own connect_timeout and application_name win (they were overridden, silently).
         connect_args={
-            "connect_timeout": 10, "application_name": f"transcript-store:{os.getpid()}", "client_encoding": "UTF8",
+            **{k: v for k, v in _pg_connect_defaults().items() if k not in url.query},
+            "client_encoding": "UTF8",
         },
     )
     event.listen(engine, "connect", _pg_require_utf8)
