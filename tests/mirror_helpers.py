@@ -10,7 +10,7 @@ from typing import Any
 from transcript_store import TranscriptStore
 from transcript_store.mirror import Alignment, HostMessage, import_page, import_state
 from transcript_store.service import Service
-from transcript_store.service_models import CommitTurnRequest, CommitTurnResponse
+from transcript_store.service_models import AssembleRequest, CommitTurnRequest, CommitTurnResponse
 from transcript_store.settings import load_settings
 
 A = "scope-a"
@@ -101,3 +101,9 @@ def race(calls: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a racing call hung"
     return out
+
+
+def shown(svc: Service, session_id: str, scope: str = A) -> list[Any]:
+    """What the legacy engine assembles: each message's content."""
+    out = svc.assemble(scope, "legacy", session_id, AssembleRequest(token_budget=100_000))
+    return [m["content"] for m in out.messages]

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
-from mirror_helpers import A, a, commit, hosted, legacy_service, page, turn_request, u, visible
+from mirror_helpers import A, a, commit, hosted, legacy_service, page, shown, turn_request, u, visible
 
 from transcript_store import TranscriptStore, compaction
 from transcript_store.errors import InvalidInput, MirrorConflict
@@ -40,12 +40,6 @@ HOUR_MS = 3_600_000
 @pytest.fixture(scope="module")
 def service(store: TranscriptStore) -> Iterator[Service]:
     yield from legacy_service(store)
-
-
-def shown(svc: Service, session_id: str) -> list[Any]:
-    """What the legacy engine assembles: each message's content."""
-    out = svc.assemble(A, "legacy", session_id, AssembleRequest(token_budget=100_000))
-    return [m["content"] for m in out.messages]
 
 
 def record(svc: Service, session_id: str, summary: str, position: int, kept: str, **found: int) -> int:

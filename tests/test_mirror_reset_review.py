@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
-from mirror_helpers import A, a, hosted, legacy_service, page, u
+from mirror_helpers import A, a, hosted, legacy_service, page, shown, u
 
 from transcript_store import TranscriptStore, compaction
 from transcript_store.errors import InvalidInput
 from transcript_store.service import Service
-from transcript_store.service_models import AssembleRequest, CompactRequest, HostCompactionRequest
+from transcript_store.service_models import CompactRequest, HostCompactionRequest
 
 shared_url, store, sid = module_store_fixtures(A, "mirror_reset_review")
 HEAD = "[Summary of the earlier conversation]\n"
@@ -27,12 +27,6 @@ HOUR_MS = 3_600_000
 @pytest.fixture(scope="module")
 def service(store: TranscriptStore) -> Iterator[Service]:
     yield from legacy_service(store)
-
-
-def shown(svc: Service, session_id: str) -> list[Any]:
-    """What the legacy engine assembles: each message's content."""
-    out = svc.assemble(A, "legacy", session_id, AssembleRequest(token_budget=100_000))
-    return [m["content"] for m in out.messages]
 
 
 def long_talk(n: int) -> list[tuple[str, dict[str, Any]]]:

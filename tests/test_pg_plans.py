@@ -311,10 +311,9 @@ def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptSto
         assert_never_analyzed(conn, "relname IN ('ts_entries', 'ts_active_path')")
 
 
-def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(store: TranscriptStore) -> None:
-    """PostgreSQL, tables never analyzed: the check of an append under an ``Idempotency-Key`` (which of
-    the keys of the indexes the request does not key the session holds) is one lookup per key by the
-    key's index, never a filter over the session's keyed entries, whatever the session's length."""
+def _keyed_session_read(store: TranscriptStore, read: Any) -> tuple[str, Any, list[tuple[str, Any]]]:
+    """PostgreSQL only (else the test is skipped): a session of 2,000 keyed entries in a table never analyzed,
+    ``read(core, sid)`` run on it, and the SELECT statements it sent (with their parameters)."""
     if store.backend == "sqlite":
         pytest.skip("SQLite plans with its own index knowledge")
     with store.db.engine.begin() as conn:  # this test's database only: autovacuum would ANALYZE them
@@ -329,11 +328,18 @@ def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(
 
     event.listen(store.db.engine, "before_cursor_execute", listen)
     try:
-        found = store.read(lambda c: c.stored_keys(A, sid, ["k1990", "k5", "none"]))
+        found = store.read(lambda c: read(c, sid))
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
+    return sid, found, [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
+
+
+def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(store: TranscriptStore) -> None:
+    """PostgreSQL, tables never analyzed: the check of an append under an ``Idempotency-Key`` (which of
+    the keys of the indexes the request does not key the session holds) is one lookup per key by the
+    key's index, never a filter over the session's keyed entries, whatever the session's length."""
+    _, found, sent = _keyed_session_read(store, lambda c, sid: c.stored_keys(A, sid, ["k1990", "k5", "none"]))
     assert found == {"k1990", "k5"}
-    sent = [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
     assert len(sent) == 1, sent
     with store.db.engine.connect() as conn:
         assert_lookups("stored_keys", _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF"))
@@ -344,26 +350,9 @@ def test_the_header_keys_past_a_retried_append_are_read_over_a_bounded_seq_range
     """PostgreSQL, tables never analyzed: the read of a retried append under an ``Idempotency-Key`` for the
     header's keys past the retry's last item (``key_with_prefix``) walks the entries' primary key over its
     seq range only, never the session's other entries (nor a scan of the table)."""
-    if store.backend == "sqlite":
-        pytest.skip("SQLite plans with its own index knowledge")
-    with store.db.engine.begin() as conn:  # this test's database only: autovacuum would ANALYZE them
-        conn.exec_driver_sql("ALTER TABLE ts_entries SET (autovacuum_enabled = off)")
-    sid = store.create_session(A, session_id="s1").session_id
-    store.append_many(A, sid, [{"message": {"role": "user", "content": f"m{i}"}, "idempotency_key": f"k{i}"}
-                               for i in range(2_000)])
-    captured: list[tuple[str, Any]] = []
-
-    def listen(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_rest: Any) -> None:
-        captured.append((statement, parameters))
-
-    event.listen(store.db.engine, "before_cursor_execute", listen)
-    try:
-        found = store.read(lambda c: c.key_with_prefix(A, sid, "k199", 1990, 2005))
-    finally:
-        event.remove(store.db.engine, "before_cursor_execute", listen)
+    sid, found, sent = _keyed_session_read(store, lambda c, sid: c.key_with_prefix(A, sid, "k199", 1990, 2005))
     assert found == "k1991"
     assert store.read(lambda c: c.key_with_prefix(A, sid, "k19", 5, 10)) is None
-    sent = [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
     assert len(sent) == 1, sent
     with store.db.engine.connect() as conn:
         plan = _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF")

@@ -123,11 +123,7 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     stored = get_state(c, scope, session_id, STATE_OWNER, STATE_KEY)
     if not isinstance(stored, dict):
         return None
-    under = stored.get(RESET_UNDER)
-    under = under if isinstance(under, dict) else None
-    ids = list(dict.fromkeys(_entry_ids(stored) + (_entry_ids(under) if under is not None else [])))
-    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
-    found = _standing(c, scope, session_id, stored, rows)
+    found, under, rows = _looked_up(c, scope, session_id, stored)
     if found is None:
         reset = None if under is None else _standing(c, scope, session_id, under, rows)
         host = _host_under_standing(c, scope, session_id, stored)
@@ -163,14 +159,22 @@ def _host_under_standing(c: Core, scope: str, session_id: str, stored: dict[str,
         or host.get("first_kept_position") != named.get("first_kept_position")
     ):
         return None
-    under = host.get(RESET_UNDER)
-    under = under if isinstance(under, dict) else None
-    ids = list(dict.fromkeys(_entry_ids(host) + (_entry_ids(under) if under is not None else [])))
-    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
-    found = _standing(c, scope, session_id, host, rows)
+    found, under, rows = _looked_up(c, scope, session_id, host)
     if found is not None and under is not None and not _made_on_path(under, rows):
         found = {k: v for k, v in found.items() if k != RESET_UNDER}
     return found
+
+
+def _looked_up(
+    c: Core, scope: str, session_id: str, pointer: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+    """A pointer as it stands (``_standing``), the reset it carries (``RESET_UNDER``) and the rows of both's
+    entries, looked up in one query."""
+    under = pointer.get(RESET_UNDER)
+    under = under if isinstance(under, dict) else None
+    ids = list(dict.fromkeys(_entry_ids(pointer) + (_entry_ids(under) if under is not None else [])))
+    rows = c.entries_with_path(scope, session_id, ids) if ids else {}
+    return _standing(c, scope, session_id, pointer, rows), under, rows
 
 
 def _entry_ids(pointer: dict[str, Any]) -> list[str]:
