@@ -222,7 +222,10 @@ def test_intent_of_an_unknown_session_is_unknown_session(store: TranscriptStore,
 def test_intents_page_on_past_the_first_limit(store: TranscriptStore, turns: Turns, sid: str) -> None:
     """``intents_page`` reads the whole outbox a page at a time, in the order of ``intents``, of one scope or
     of every scope: each row once, a row written between pages where it sorts, refusals typed."""
-    for session in (sid, store.create_session(A, session_id="s0").session_id, store.create_session(A).session_id):
+    # "r0" sorts before "s0" and "s1" (a generated id sorted anywhere: after "s1", the first page below held
+    # s0's rows, and the check of a row written past the cursor's place failed by chance)
+    for session in (sid, store.create_session(A, session_id="s0").session_id,
+                    store.create_session(A, session_id="r0").session_id):
         for t in ("t1", "t2"):
             accepted(turns, session, f"{session}-{t}")
         turns.admit(A, session, user("q"), turn_id=f"{session}-t3", engine_id=E)

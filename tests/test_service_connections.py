@@ -47,6 +47,21 @@ def _connect(server: ServiceProcess) -> socket.socket:
     return sock
 
 
+def _reused_after(server: ServiceProcess, pause: float) -> None:
+    """Two requests on one connection, each followed by ``pause`` seconds idle: the connection stays open."""
+    with _connect(server) as pooled:
+        pooled.settimeout(10)
+        for _ in range(2):
+            pooled.sendall(HEAD + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            answer = b""
+            while not answer.endswith(b'{"scope":"scope-a"}'):
+                chunk = pooled.recv(4096)
+                assert chunk, f"closed: {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200")
+            time.sleep(pause)
+
+
 def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> float | None:
     """Seconds until the server closed ``sock`` (None: still open after ``seconds``), sending ``drip`` one
     byte every 0.2 s meanwhile (bytes that never finish a head)."""
@@ -97,17 +112,7 @@ def test_a_connection_without_a_whole_request_head_is_closed_after_the_timeout(s
             sock.close()
     # A pooled client reusing its idle connection two seconds later (under uvicorn's keep-alive, over
     # the 1 s head timeout) finds it open: the head deadline is never shorter than the keep-alive.
-    with _connect(server) as pooled:
-        pooled.settimeout(10)
-        for _ in range(2):
-            pooled.sendall(HEAD + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
-            answer = b""
-            while not answer.endswith(b'{"scope":"scope-a"}'):
-                chunk = pooled.recv(4096)
-                assert chunk, f"closed: {answer!r}"
-                answer += chunk
-            assert answer.startswith(b"HTTP/1.1 200")
-            time.sleep(2.0)
+    _reused_after(server, 2.0)
     # A whole request still goes through, its body in time too.
     assert server.call("GET", "/v1/whoami", TOKEN) == (200, {"scope": "scope-a"})
     assert server.call("POST", "/v1/sessions", TOKEN, {"session_id": "after"})[0] == 200
@@ -374,3 +379,11 @@ def test_a_request_cancelled_as_its_body_chunk_arrives_stays_cancelled(steps: in
         ]
 
     assert "cancellation lost" not in asyncio.run(main())
+
+
+def test_an_idle_pooled_connection_outlives_a_clients_keep_alive(store_url: str, tmp_path: Path) -> None:
+    """An idle keep-alive connection stays open as long as a request head may take (30 s by default), not
+    uvicorn's 5 s: a pooled client keeping idle connections 4 s (Node's fetch) whose event loop ran late
+    reused one just closed, and its request failed unsent (UND_ERR_SOCKET in the OpenClaw plugin's tests)."""
+    with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log") as server:
+        _reused_after(server, 6.5)  # past uvicorn's 5 s

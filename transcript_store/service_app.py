@@ -1022,13 +1022,20 @@ def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
     host, port = sock.getsockname()[:2]
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    # An idle connection is kept as long as a head may take (30 s by default; 5 s at least, uvicorn's own):
+    # with uvicorn's 5 s, a pooled client keeping its idle connections 4 s (Node's fetch) whose event loop
+    # ran a second late reused one the server had just closed, and its request failed unsent
+    # (UND_ERR_SOCKET: the OpenClaw plugin's turn fell back to legacy).
     config = uvicorn.Config(app, log_config=None, access_log=access_log, server_header=False,
+                            timeout_keep_alive=max(KEEP_ALIVE_SECONDS, head_timeout),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, http=_head_deadline(head_timeout))
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     server = _server_class()(config, lambda: announce(url) if announce is not None else None)
     server.run(sockets=[sock])
 
 
+#: the least an idle keep-alive connection is kept open (uvicorn's default); ``--body-timeout`` when longer
+KEEP_ALIVE_SECONDS = 5
 #: how long requests in flight may run on after Ctrl-C or SIGTERM, before they are answered 503
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
