@@ -16,6 +16,7 @@ import email.message
 import functools
 import json
 import logging
+import math
 import re
 import socket
 import uuid
@@ -1027,7 +1028,7 @@ def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
     # ran a second late reused one the server had just closed, and its request failed unsent
     # (UND_ERR_SOCKET: the OpenClaw plugin's turn fell back to legacy).
     config = uvicorn.Config(app, log_config=None, access_log=access_log, server_header=False,
-                            timeout_keep_alive=max(KEEP_ALIVE_SECONDS, head_timeout),
+                            timeout_keep_alive=max(KEEP_ALIVE_SECONDS, math.ceil(head_timeout)),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, http=_head_deadline(head_timeout))
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     server = _server_class()(config, lambda: announce(url) if announce is not None else None)
