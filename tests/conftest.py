@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -58,6 +59,12 @@ def _pg_reachable() -> str | None:
 
 
 _PG_PROBLEM = _pg_reachable()
+
+# A run started in the background of a script without job control (`cmd &` in `sh -c`, nohup) inherits SIGINT
+# ignored, and Python then leaves it ignored: the tests of Ctrl-C (a plugin's import interrupted, the gateway's
+# end) could not interrupt anything. Every test process and every child it starts gets SIGINT's usual meaning.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
