@@ -334,28 +334,18 @@ def _keyed_session_read(store: TranscriptStore, read: Any) -> tuple[str, Any, li
     return sid, found, [(s, p) for s, p in captured if s.lstrip().upper().startswith("SELECT")]
 
 
-def test_the_idempotency_keys_an_append_under_a_header_checks_are_index_lookups(store: TranscriptStore) -> None:
-    """PostgreSQL, tables never analyzed: the check of an append under an ``Idempotency-Key`` (which of
-    the keys of the indexes the request does not key the session holds) is one lookup per key by the
-    key's index, never a filter over the session's keyed entries, whatever the session's length."""
-    _, found, sent = _keyed_session_read(store, lambda c, sid: c.stored_keys(A, sid, ["k1990", "k5", "none"]))
-    assert found == {"k1990", "k5"}
-    assert len(sent) == 1, sent
-    with store.db.engine.connect() as conn:
-        assert_lookups("stored_keys", _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF"))
-        assert_never_analyzed(conn, "relname = 'ts_entries'")
-
-
-def test_the_header_keys_past_a_retried_append_are_read_over_a_bounded_seq_range(store: TranscriptStore) -> None:
-    """PostgreSQL, tables never analyzed: the read of a retried append under an ``Idempotency-Key`` for the
-    header's keys past the retry's last item (``key_with_prefix``) walks the entries' primary key over its
-    seq range only, never the session's other entries (nor a scan of the table)."""
-    sid, found, sent = _keyed_session_read(store, lambda c, sid: c.key_with_prefix(A, sid, "k199", 1990, 2005))
-    assert found == "k1991"
-    assert store.read(lambda c: c.key_with_prefix(A, sid, "k19", 5, 10)) is None
+def test_the_idempotency_keys_an_append_under_a_header_checks_are_read_over_a_bounded_key_range(
+    store: TranscriptStore,
+) -> None:
+    """PostgreSQL, tables never analyzed: the check of an append under an ``Idempotency-Key`` (which keys of
+    the header the session holds, ``keys_between``) walks the keys' index over their range only, never the
+    session's other entries (nor a scan of the table), whatever the session's length."""
+    _, found, sent = _keyed_session_read(store, lambda c, sid: c.keys_between(A, sid, "k1990", "k1999", "k199", 3))
+    assert found == ["k1990", "k1991", "k1992"]
+    assert store.read(lambda c: c.keys_between(A, "s1", "k19a0", "k19a9", "k19a", 3)) == []
     assert len(sent) == 1, sent
     with store.db.engine.connect() as conn:
         plan = _generic_plan(conn, *sent[0], "ANALYZE, COSTS OFF")
-        assert_lookups("key_with_prefix", plan)
-        assert "ts_entries_pk" in plan and "seq >" in plan, plan
+        assert_lookups("keys_between", plan)
+        assert "ts_entries_idempotency_key" in plan, plan
         assert_never_analyzed(conn, "relname = 'ts_entries'")

@@ -414,6 +414,49 @@ def test_items_with_their_own_keys_mixed_in_under_an_idempotency_key_are_compare
     assert append(server, "s", items, "mixed-2") == (200, again)
 
 
+def test_a_request_reusing_an_append_key_whose_first_keyed_items_lie_past_it_is_a_409_that_writes_nothing(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """The first request's items without an id or key all came past the other request's length plus one,
+    where the header's keys were looked for: a request of items with their own ids or keys only was
+    answered by them (200, appending those that were new), and one whose items without them were all new
+    appended them under the header's keys too (200), next to the first request's. Each is 409 now, writing
+    nothing, and the first request's retry is still answered as it was."""
+    create(server, {"session_id": "s"}, None)
+    own = [{"message": user(f"own-{i}"), "entry_id": f"own-{i}"} for i in range(3)]
+    keyed = {"kind": "custom", "payload": {}, "idempotency_key": "k"}
+    items = [*own, keyed, {"message": user("a")}, {"message": assistant("b")}]
+    status, first = append(server, "s", items, "past")
+    assert status == 200, first
+    rows = table_rows(store)
+    for other in ([own[0]], [keyed], [{"message": user("new"), "entry_id": "new"}], [own[0], own[1], keyed],
+                  [{"message": user("a")}], [own[0], {"message": user("a")}], [{"message": user("x")}] * 2):
+        status, data = append(server, "s", other, "past")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (other, data)
+        assert "Idempotency-Key 'past'" in data["error"]["message"], data
+        assert "at index 4, where this one has none" in data["error"]["message"], data
+        assert table_rows(store) == rows, other
+    # Its retry with an item of another id of its own where the first had one: found, the keyed items said
+    # a retry, and the other item was appended (200). 409 too; so is any retry appending an entry.
+    for index, item in ((0, {"message": user("new"), "entry_id": "new"}), (3, {**keyed, "idempotency_key": "k2"})):
+        status, data = append(server, "s", [*items[:index], item, *items[index + 1:]], "past")
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (index, data)
+        assert f"idempotency_key this one has at index {index}" in data["error"]["message"], data
+        assert table_rows(store) == rows
+    assert append(server, "s", items, "past") == (200, first)
+    assert table_rows(store) == rows
+    # A request under a fresh header with no item for it to key is 400: it left no trace of the header, so
+    # another request under it afterwards was taken for a first one (200). Without the header it appends.
+    for other in ([own[0]], [{"message": user("new"), "entry_id": "new"}, keyed]):
+        status, data = append(server, "s", other, "fresh")
+        assert status == 400 and data["error"]["code"] == "invalid_input", (other, data)
+        assert "Idempotency-Key" in data["error"]["message"] and "without the header" in data["error"]["message"]
+        assert table_rows(store) == rows
+    status, data = append(server, "s", [{"message": user("new"), "entry_id": "new"}, keyed], None)
+    assert status == 200 and [e["seq"] for e in data["entries"]] == [6, 3], data
+    assert append(server, "s", [{"message": user("c")}], "fresh")[0] == 200
+
+
 def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_that_writes_nothing(
     server: ServiceProcess, store: TranscriptStore
 ) -> None:

@@ -394,38 +394,22 @@ def _entry_rows_of_array() -> Select[Any]:
 
 
 _ENTRY_ROWS_OF_ARRAY = _entry_rows_of_array()
-_STORED_KEYS = select(entries.c.idempotency_key).where(
-    by_session(entries), entries.c.idempotency_key.in_(bindparam("b_keys", expanding=True))
-)
-
-
-def _stored_keys_of_array() -> Select[Any]:
-    """PostgreSQL: which of an array of idempotency keys (``b_keys``) the session holds, one lookup by the
-    key's index each (an IN list risks the filter over the session ``_entry_rows_of_array`` avoids)."""
-    keys = func.unnest(cast(bindparam("b_keys"), ARRAY(Text))).table_valued("key").render_derived(name="keys")
-    entry = (
-        select(entries.c.idempotency_key)
-        .where(by_session(entries), entries.c.idempotency_key == keys.c.key)
-        .limit(literal_column("1"))
-        .lateral("entry")
-    )
-    return select(entry.c.idempotency_key).select_from(keys.join(entry, true()))
-
-
-_STORED_KEYS_OF_ARRAY = _stored_keys_of_array()
-# By the entries' primary key over a bounded seq range; the prefix compared as a substring, which both
-# backends compare exactly (LIKE is case-insensitive on SQLite, and needs its wildcards escaped).
-_KEY_WITH_PREFIX = (
+# The session's idempotency keys from ``b_first`` to ``b_last`` (both starting with ``b_prefix``), in the
+# key's own index order, so LIMIT stops the walk: by code point (SQLite, a C collation) every key in the
+# range starts with the prefix. A linguistic collation may order other keys among them (one ignoring
+# punctuation at first); they are compared with the prefix exactly (as a substring, as LIKE is
+# case-insensitive on SQLite and needs its wildcards escaped) and left out.
+_KEYS_BETWEEN = (
     select(entries.c.idempotency_key)
     .where(
         by_session(entries),
-        entries.c.seq > bindparam("b_after", type_=Integer),
-        entries.c.seq <= bindparam("b_upto", type_=Integer),
+        entries.c.idempotency_key >= bindparam("b_first", type_=entries.c.idempotency_key.type),
+        entries.c.idempotency_key <= bindparam("b_last", type_=entries.c.idempotency_key.type),
         func.substr(entries.c.idempotency_key, 1, bindparam("b_len", type_=Integer))
         == bindparam("b_prefix", type_=Text),
     )
-    .order_by(entries.c.seq)
-    .limit(literal_column("1"))
+    .order_by(entries.c.idempotency_key)
+    .limit(bindparam("b_limit", type_=Integer))
 )
 #: lookups of up to this many ids use a statement with that many plain binds (see ``hot``)
 _SMALL_IN = 8
@@ -1361,26 +1345,12 @@ class Core:
                 out.update((r.entry_id, r) for r in self.run(_ENTRY_ROWS_OF_ARRAY, params))
         return out
 
-    def stored_keys(self, scope: str, session_id: str, keys: Sequence[str]) -> set[str]:
-        """Which of the idempotency ``keys`` name an entry of the session."""
-        out: set[str] = set()
-        for at in range(0, len(keys), _IN_CHUNK):
-            params = session_params(scope, session_id, b_keys=list(keys[at : at + _IN_CHUNK]))
-            # An expanding IN list is no statement for ``run`` (compiled once, its binds fixed).
-            rows: Any = (
-                self.conn.execute(_STORED_KEYS, params) if self.dialect.is_sqlite
-                else self.run(_STORED_KEYS_OF_ARRAY, params)
-            )
-            out.update(r.idempotency_key for r in rows)
-        return out
-
-    def key_with_prefix(self, scope: str, session_id: str, prefix: str, after_seq: int, upto_seq: int) -> str | None:
-        """The idempotency key starting with ``prefix`` of the session's first entry with a seq in
-        ``(after_seq, upto_seq]`` that has one, or None (the range bounds the rows read)."""
-        params = session_params(scope, session_id, b_after=after_seq, b_upto=upto_seq, b_len=len(prefix),
-                                b_prefix=prefix)
-        row = self.run(_KEY_WITH_PREFIX, params).first()
-        return None if row is None else str(row.idempotency_key)
+    def keys_between(self, scope: str, session_id: str, first: str, last: str, prefix: str, limit: int) -> list[str]:
+        """Up to ``limit`` of the session's idempotency keys from ``first`` to ``last`` starting with ``prefix``
+        (which both start with), in order: a walk of the key's index over that range only."""
+        params = session_params(scope, session_id, b_first=first, b_last=last, b_len=len(prefix), b_prefix=prefix,
+                                b_limit=limit)
+        return [str(r.idempotency_key) for r in self.run(_KEYS_BETWEEN, params)]
 
     def entries_with_path(self, scope: str, session_id: str, entry_ids: Sequence[str]) -> dict[str, Row[Any]]:
         """Rows of up to four named entries with ``ts_path_seq``: the active path's seq at their depth.

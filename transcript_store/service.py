@@ -75,7 +75,6 @@ from .models import (
 )
 from .registry import EngineRegistry
 from .service_models import (
-    MAX_ITEMS,
     AdmitRequest,
     AppendRequest,
     AssembleRequest,
@@ -479,16 +478,17 @@ class Service:
         indexes are not those of the first request under the key, in the append's own transaction."""
         # The append compares each keyed item with its stored entry; the shape is checked here, or a prefix
         # of the first request was answered its first entries, and a longer one appended the rest. No table
-        # of keys: the entries keep the request. A first request's entries land all or none, so its keyed
-        # indexes are all stored: this one's (``ours``) must be all found or all new, and none of the others
-        # up to its length (``others``) stored, nor (when found) any of the header's past it. Unseen: a
-        # request with no keyed item, whose own ids and keys answer it (README, "compared item by item").
+        # of keys: the entries keep the request, by the keys the header gave its items. A first request's
+        # entries land all or none, so its keyed indexes are all stored: this one's (``ours``) must be all
+        # found (a retry, which then appends nothing either) or all new, and the header's keys in the
+        # session must be this request's, none other (``HeaderKeys``).
         check_id("scope", scope)
         check_id("session_id", session_id)
         ours = _header_indexes(items)
         prepared = self.store.prepare(_keyed_items(items, idempotency_key))
-        mine = set(ours)
-        others = [header_item_key(idempotency_key, i) for i in range(len(items) + 1) if i not in mine]
+        keys = HeaderKeys(scope, session_id, idempotency_key)
+        if not ours:
+            raise keys.keying_nothing(self.store)
 
         def check(c: Core, sess: Any, out: list[Entry]) -> None:
             # After the append, under the session lock it took: an earlier request under the key that
@@ -496,26 +496,15 @@ class Service:
             found = [i for i in ours if out[i].seq <= sess.last_seq]
             if found and len(found) < len(ours):
                 new = next(i for i in ours if out[i].seq > sess.last_seq)
-                raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for another request, with no item without "
-                    f"an entry_id or idempotency_key at index {new}, where this one has one; nothing was written"
-                )
-            stored = c.stored_keys(scope, session_id, others)
-            if not stored and found:
-                stored = past_the_end(c, max(out[i].seq for i in found))
-            if stored:
-                index = min(int(k.rsplit(":", 1)[1]) for k in stored)
-                raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!r} was used for another request, with an item without "
-                    f"an entry_id or idempotency_key at index {index}, where this one has none; nothing was written"
-                )
-
-        def past_the_end(c: Core, last: int) -> set[str]:
-            # A retry (its keyed items all found): the first request may have had keyed items past this
-            # one's length + 1, which ``others`` does not name. Its entries landed in one append, at most
-            # MAX_ITEMS consecutive seqs holding ``last``: those after it are read for a key of the header.
-            key = c.key_with_prefix(scope, session_id, header_items_prefix(idempotency_key), last, last + MAX_ITEMS)
-            return set() if key is None else {key}
+                raise keys.conflict(f"with no item without an entry_id or idempotency_key at index {new}, where "
+                                    "this one has one")
+            appended = next((i for i, e in enumerate(out) if e.seq > sess.last_seq), None) if found else None
+            if appended is not None:
+                # Every entry of the first request is stored: its retry finds each of its items.
+                raise keys.conflict("whose entries this one's items without an entry_id or idempotency_key found, "
+                                    "but none with the entry_id or idempotency_key this one has at index "
+                                    f"{appended}")
+            keys.check_only(c, {header_item_key(idempotency_key, i) for i in ours})
 
         return self.store._append(scope, session_id, prepared, check)
 
@@ -868,6 +857,55 @@ def header_items_prefix(idempotency_key: str) -> str:
     """What the idempotency keys of the items appended under an ``Idempotency-Key`` start with (all indexes)."""
     request = derived_id("Idempotency-Key entries\x00" + idempotency_key)
     return f"{HEADER_ITEM_KEY_PREFIX}{request}:"
+
+
+#: how many nines after a header's prefix end the range of its keys: more digits than any item's index has
+_INDEX_DIGITS = 19
+
+
+class HeaderKeys:
+    """The idempotency keys an ``Idempotency-Key`` gave the items of an append to a session: all those of
+    the first request under it, read off the keys' index over the range they sort in (bounded: no other
+    key starts with ``HEADER_ITEM_KEY_PREFIX``), never the session's other entries."""
+
+    def __init__(self, scope: str, session_id: str, idempotency_key: str) -> None:
+        self.scope, self.session_id, self.idempotency_key = scope, session_id, idempotency_key
+        self.prefix = header_items_prefix(idempotency_key)
+
+    def stored(self, c: Core, limit: int) -> list[str]:
+        """Up to ``limit`` of the header's keys the session holds."""
+        # Whatever the collation, a key of index i sorts from the prefix followed by "0" to the prefix
+        # followed by nines, as its digits do: the range holds them all.
+        return c.keys_between(self.scope, self.session_id, f"{self.prefix}0", self.prefix + "9" * _INDEX_DIGITS,
+                              self.prefix, limit)
+
+    def check_only(self, c: Core, ours: set[str]) -> None:
+        """IdempotencyConflict when the session holds a key of the header that is not one of ``ours`` (this
+        request's, all stored by now): another request's under the same header."""
+        other = [k[len(self.prefix):] for k in self.stored(c, len(ours) + 1) if k not in ours]
+        if other:
+            index = min(other, key=lambda digits: (len(digits), digits))
+            raise self.conflict(f"with an item without an entry_id or idempotency_key at index {index}, where "
+                                "this one has none")
+
+    def keying_nothing(self, store: TranscriptStore) -> TranscriptStoreError:
+        """What a request with no item for the header to key is refused with: IdempotencyConflict when the
+        header keyed another request's items in the session, else InvalidInput (it would leave no trace:
+        another request under the header afterwards could not be told from it)."""
+        try:
+            store.statement(lambda c: self.check_only(c, set()))
+        except IdempotencyConflict as e:
+            return e
+        return InvalidInput(
+            "an Idempotency-Key keys the items without an entry_id or idempotency_key, and this request has "
+            "none: each of its items is safe to retry by its own; send it without the header"
+        )
+
+    def conflict(self, why: str) -> IdempotencyConflict:
+        """The header was used for another request, ``why`` says how it differs; nothing was written."""
+        return IdempotencyConflict(
+            f"Idempotency-Key {self.idempotency_key!r} was used for another request, {why}; nothing was written"
+        )
 
 
 def _keyed_items(items: list[Any], idempotency_key: str) -> list[Any]:

@@ -810,7 +810,9 @@ APPEND_KEY_DOC = (
     "1 to 255 printable ASCII characters naming this request: each item with neither an entry_id nor an "
     "idempotency_key takes the idempotency_key 'Idempotency-Key:<id derived from the header>:<its index>', so "
     "the same request again (a retry after a lost answer) answers the entries the first one appended instead "
-    "of appending them again; an item at the same index with other content is 409 idempotency_conflict."
+    "of appending them again; another request under it (other content at an index, or items without an id or "
+    "key at other indexes) is 409 idempotency_conflict, writing nothing. A request whose every item has an "
+    "entry_id or idempotency_key is 400 invalid_input under a key no request used (it would key nothing)."
 )
 
 #: why each writing route but these two refuses the header: what makes its retry safe instead
