@@ -85,6 +85,7 @@ def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> fl
     return None
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_connection_without_a_whole_request_head_is_closed_after_the_timeout(server: ServiceProcess) -> None:
     silent, dripping, kept, early = (_connect(server) for _ in range(4))
     try:
@@ -130,6 +131,7 @@ def _read_response(sock: socket.socket) -> bytes:
     return data
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_request_answered_without_reading_its_awaited_body_closes_the_connection(server: ServiceProcess) -> None:
     """A client waiting for 100 Continue that gets a final answer instead (404, 405) may skip its body
     and send its next request on the connection, which the server would read as that body (a review
@@ -299,6 +301,7 @@ def test_a_request_cut_off_at_shutdown_before_its_route_is_told_so_too(store_url
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_refused_body_dripping_in_does_not_hold_its_connection(server: ServiceProcess) -> None:
     """A body refused before its route (no token's 401, a Content-Length over the limit's 413) is dropped so
     that the client reads the answer, but for the body timeout in all, not for as long as a byte comes
@@ -381,6 +384,7 @@ def test_a_request_cancelled_as_its_body_chunk_arrives_stays_cancelled(steps: in
     assert "cancellation lost" not in asyncio.run(main())
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_an_idle_pooled_connection_outlives_a_clients_keep_alive(store_url: str, tmp_path: Path) -> None:
     """An idle keep-alive connection stays open as long as a request head may take (30 s by default), not
     uvicorn's 5 s: a pooled client keeping idle connections 4 s (Node's fetch) whose event loop ran late
