@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -23,6 +24,13 @@ ENV_VARS: dict[str, str] = {
     "pg_generic_plans": "TRANSCRIPT_STORE_PG_GENERIC_PLANS",
 }
 
+#: an integer as written in an environment variable, a command-line option or a query parameter: an optional
+#: ``-`` and ASCII digits, nothing else. Python's ``int`` (and pydantic, reading a string) also took ``+5``,
+#: ``4_096``, `` 4096 `` and ``4096.0`` as the number they spell: a typo or a stray character was a setting.
+#: The ``-`` is taken as written everywhere; a count that cannot be negative refuses it by its range.
+INTEGER_TEXT = re.compile("-?[0-9]+")
+INTEGER_RULE = "must be an integer written as ASCII digits (an optional '-' in front), nothing else"
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -36,6 +44,14 @@ def parse_bool(var: str, raw: str) -> bool:
         return False
     words = ", ".join((*TRUE_WORDS, *FALSE_WORDS))
     raise InvalidInput(f"invalid store setting {var}={raw!r}: expected one of {words} (any case)")
+
+
+def parse_int_text(var: str, raw: str) -> str:
+    """An integer environment value as written (INTEGER_TEXT), its bounds left to the setting; InvalidInput
+    naming the variable otherwise."""
+    if not INTEGER_TEXT.fullmatch(raw):
+        raise InvalidInput(f"invalid store setting {var}={raw!r}: {INTEGER_RULE}")
+    return raw
 
 
 class StoreConfig(Shape):
@@ -76,6 +92,8 @@ class StoreConfig(Shape):
                 values[name] = parse_bool(var, raw)
             elif name == "sqlite_synchronous":
                 values[name] = raw.strip().upper()  # any case, as the boolean settings
+            elif cls.model_fields[name].annotation is int:
+                values[name] = parse_int_text(var, raw)
             else:
                 values[name] = raw
         given = {k: v for k, v in overrides.items() if v is not None}

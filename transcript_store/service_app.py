@@ -17,7 +17,6 @@ import functools
 import json
 import logging
 import math
-import re
 import socket
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, MutableMapping, Sequence
@@ -36,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from . import __version__
+from .config import INTEGER_RULE, INTEGER_TEXT
 from .engine import AssembleResult, CompactResult, MaintainResult
 from .errors import (
     AdvancementKeyCollision,
@@ -858,16 +858,13 @@ def _no_idempotency_key(why: str) -> Any:
     return Depends(refuse)
 
 
-_DECIMAL = re.compile("-?[0-9]+")
-
-
 def _decimal(value: Any) -> Any:
     """A query parameter's integer as written: an optional ``-`` and ASCII digits, nothing else.
 
     pydantic reads a string as Python's ``int`` does, so ``1_0``, ``+5``, `` 5``, ``5.0`` and other
     scripts' digits were taken as numbers; a query string is text a client wrote, read here as written."""
-    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
-        raise ValueError("must be an integer written as ASCII digits (an optional '-' in front), nothing else")
+    if isinstance(value, str) and not INTEGER_TEXT.fullmatch(value):
+        raise ValueError(INTEGER_RULE)  # the rule of the environment's and the CLI's integers too
     return value
 
 
