@@ -554,7 +554,8 @@ def test_outbox_block_lets_the_later_turns_of_a_poisoned_engine_go_on(db: tuple[
     assert "--yes" in one_error_line(run("outbox", "block", "s5", "turn-5", "--reason", "engine retired",
                                          "--db", url, cwd=work, code=1))
     one_error_line(run("outbox", "block", "s5", "turn-9", "--reason", "x", "--yes", "--db", url, cwd=work, code=3))
-    one_error_line(run("outbox", "block", "s5", "turn-5", "--reason", " ", "--yes", "--db", url, cwd=work, code=1))
+    assert "'--reason': must not be empty or blank" in run("outbox", "block", "s5", "turn-5", "--reason", " ", "--yes",
+                                                            "--db", url, cwd=work, code=2).stderr
     # A short reason with a lone surrogate (a byte that is no UTF-8 on the command line) was told "at most
     # 500 characters of text": the problem is named now.
     stray = one_error_line(run("outbox", "block", "s5", "turn-5", "--reason", "retired \udcff", "--yes", "--db", url,
@@ -749,7 +750,7 @@ def test_chat_with_slash_commands(db: tuple[str, Path]) -> None:
     url, work = db
     script = "hello there\nplease look up the weather in Paris\n/history\n/engine\n/branch\nhello again\n" \
              "/compact weather\n/nonsense\n/quit\nnever sent\n"
-    result = run("chat", "--json", "--db", url, cwd=work, stdin=script)
+    result = run("chat", "--json", "--db", url, cwd=work, stdin=script, code=1)  # the unknown command failed
     events = _events(result.stdout)
     kinds = [e["event"] for e in events]
     assert kinds.count("reply") == 3 and kinds[-1] == "quit"

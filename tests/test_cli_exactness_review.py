@@ -103,12 +103,13 @@ def test_an_empty_folder_option_is_a_usage_error_and_writes_nothing(tmp_path: Pa
 
 
 def test_a_bad_new_id_for_an_import_names_its_option(store_url: str, tmp_path: Path) -> None:
-    """``--session-id ''`` was refused as "session_id must be 1..255 characters", as a header's own bad
-    session_id is (led there by "line 1: header:"): which of the two was meant, the error did not say."""
+    """A too long ``--session-id`` was refused as "session_id must be 1..255 characters", as a header's own
+    bad session_id is (led there by "line 1: header:"): which of the two was meant, the error did not say.
+    (An empty one is a usage error before any work: tests/test_cli_strict_values.py.)"""
     _long_session(store_url, "src")
     export = tmp_path / "src.jsonl"
     run("sessions", "export", "src", "-o", str(export), "--db", store_url, cwd=tmp_path)
-    for option, value in (("--session-id", ""), ("--session-key", "k" * 300)):
+    for option, value in (("--session-id", "k" * 300), ("--session-key", "k" * 300)):
         result = run("sessions", "import", str(export), option, value, "--db", store_url, cwd=tmp_path, code=1)
         assert one_error_line(result).startswith(f"error: {option}: {option[2:].replace('-', '_')} must be ")
     assert [s["session_id"] for s in run_json("sessions", "list", "--db", store_url, cwd=tmp_path)] == ["src"]

@@ -31,9 +31,10 @@ def test_an_empty_session_is_refused_not_taken_for_every_session(store_url: str,
     """`outbox drain --session "$SID"` with SID unset delivered every session's turns (exit 0), where
     `sessions show ''` refuses the empty id: a script meaning one session drained them all."""
     _ready_turn(store_url, "other")
-    for args in (("outbox", "drain", "--session", ""), ("outbox", "recover", "")):
-        line = one_error_line(run(*args, "--db", store_url, cwd=tmp_path, code=1))
-        assert "session_id must be 1..255 characters" in line
+    for args, name in ((("outbox", "drain", "--session", ""), "'--session'"),
+                       (("outbox", "recover", ""), "'[SESSION]'")):
+        stderr = run(*args, "--db", store_url, cwd=tmp_path, code=2).stderr  # a usage error, as README says
+        assert f"{name}: must not be empty" in stderr, stderr
     rows = run_json("outbox", "status", "--db", store_url, cwd=tmp_path)
     assert [(r["session_id"], r["state"]) for r in rows] == [("other", "accepted")]  # nothing delivered
 

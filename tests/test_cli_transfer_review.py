@@ -51,7 +51,7 @@ def _refused_exports(good: Path) -> Iterator[tuple[Path, tuple[str, ...], str]]:
     cases: list[tuple[list[dict[str, Any]], tuple[str, ...], str]] = [
         ([{"format": "nope"}], (), "header"),
         ([header, *entries[:-1], {**entries[-1], "position": 99}], (), "position"),
-        ([header, *entries], ("--session-id", ""), "session_id"),
+        ([header, *entries], ("--session-id", "a\x01b"), "session_id"),
     ]
     for i, (records, options, words) in enumerate(cases):
         path = good.with_name(f"bad-{i}.jsonl")

@@ -5,8 +5,9 @@ working directory), ``--scope`` (else TRANSCRIPT_STORE_SCOPE, else ``default``; 
 gateway), ``--json``, ``--config PATH`` (host settings TOML) and ``--debug``, before or after the command
 name. A settings file named by --config or TRANSCRIPT_STORE_CONFIG is checked by every command.
 
-Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL, a
-bad settings file or TRANSCRIPT_STORE_* value);
+Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option or ``--db`` URL, an
+empty value of an option or argument, a number not written as ASCII digits, a bad settings file or
+TRANSCRIPT_STORE_* value);
 3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
 unavailable; 6 permission denied (the database role lacks a grant). An error is one line on stderr,
 ``error: ...``; ``--debug`` adds the traceback.
@@ -46,7 +47,7 @@ from rich.text import Text
 from sqlalchemy.engine import URL
 
 from . import migrate, showing, transfer
-from .config import StoreConfig
+from .config import INTEGER_RULE, INTEGER_TEXT, StoreConfig
 from .core import Core, check_id
 from .db import mask_url, parse_url, sqlite_file, url_secrets
 from .engine import MAX_TOKENS
@@ -74,6 +75,7 @@ DEFAULT_SCOPE = "default"
 SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
 URL_ENV = "TRANSCRIPT_STORE_URL"
 CHAT_KEY = "cli:chat"
+BLANK_SCOPE = "the scope must not be empty or blank"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -101,13 +103,22 @@ class State:
         """--scope, else TRANSCRIPT_STORE_SCOPE, else ``default``; a bad one is a usage error naming where
         it came from (it was "scope must not contain ...", exit 1, whichever had given it)."""
         value, source = (self.scope, "--scope") if self.scope else (os.environ.get(SCOPE_ENV), SCOPE_ENV)
-        if not value:
+        if value is None:
             return DEFAULT_SCOPE
+        if not value.strip():
+            # As --scope '' is: set but empty or blank (`TRANSCRIPT_STORE_SCOPE=$TENANT` with TENANT unset)
+            # was the scope " " or, empty, the default one: another tenant's sessions, exit 0.
+            raise CommandError(f"{source}: {BLANK_SCOPE} (unset it for the default scope)", EXIT_USAGE)
         try:
             check_id("scope", value, new=True)  # sessions are created under it: a new id's bounds
         except InvalidInput as e:
             raise CommandError(f"{source}: {e}", EXIT_USAGE) from None
         return value
+
+    @property
+    def scope_given(self) -> bool:
+        """Whether --scope or TRANSCRIPT_STORE_SCOPE names a scope (set but empty too: scope_name refuses it)."""
+        return bool(self.scope) or SCOPE_ENV in os.environ
 
     def store_config(self) -> StoreConfig:
         """Store settings from TRANSCRIPT_STORE_* variables and --db."""
@@ -140,12 +151,66 @@ class State:
 
 def _remember(name: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
-        if name == "scope" and value is not None and not value:
-            raise click.BadParameter("the scope must not be empty")
+        if name == "scope" and value is not None and not value.strip():
+            raise click.BadParameter(BLANK_SCOPE)
         if value is not None and value is not False:
             setattr(ctx.ensure_object(State), name, value)
             if name == "debug":
                 logging.getLogger().setLevel(logging.INFO)
+        return value
+
+    return callback
+
+
+class Integer(click.IntRange):
+    """click's IntRange for a number written as INTEGER_TEXT: click reads it with ``int``, which also took
+    ``+5``, ``4_096`` and `` 5 `` (as the environment's settings and the HTTP API's query parameters refuse)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number, or click's usage error naming the option."""
+        if isinstance(value, str) and not INTEGER_TEXT.fullmatch(value):
+            self.fail(f"{value!r}: {INTEGER_RULE}", param, ctx)
+        return super().convert(value, param, ctx)
+
+    def _describe_range(self) -> str:
+        return _bounds(self, super()._describe_range)
+
+
+#: a number with an optional fraction, as written: ASCII digits and at most one '.' (an optional '-' in front)
+NUMBER_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+class Number(click.FloatRange):
+    """click's FloatRange for a number written as NUMBER_TEXT: ``float`` also took ``1e3``, ``inf``, ``+0.5``,
+    ``0_5`` and `` 0.5 ``."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number, or click's usage error naming the option."""
+        if isinstance(value, str) and not NUMBER_TEXT.fullmatch(value):
+            self.fail(f"{value!r}: must be a number written as ASCII digits with an optional '.' (an optional "
+                      "'-' in front), nothing else", param, ctx)
+        return super().convert(value, param, ctx)
+
+    def _describe_range(self) -> str:
+        return _bounds(self, super()._describe_range)
+
+
+def _bounds(kind: click.IntRange | click.FloatRange, describe: Callable[[], str]) -> str:
+    """The range --help shows: none without bounds (click wrote ``[x<=None]`` for --seed)."""
+    return "" if kind.min is None and kind.max is None else describe()
+
+
+def filled(*, blank_ok: bool = False) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A callback refusing an empty value (``--reason "$WHY"`` with WHY unset), and a blank one unless
+    ``blank_ok``, as the usage error (exit 2) that names the option or argument, before any work.
+
+    ``blank_ok`` is for a name that looks up what is stored (a SESSION, a TURN): an id the library took,
+    " " too, is named exactly; an empty one names nothing. Before, such values were refused by the
+    store's own checks as failures (exit 1), or taken as absent (``chat --model-url ''``)."""
+
+    def callback(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if isinstance(value, str) and (not value if blank_ok else not value.strip()):
+            raise click.BadParameter("must not be empty" if blank_ok else "must not be empty or blank")
         return value
 
     return callback
@@ -735,7 +800,7 @@ def sessions_list() -> None:
 
 
 @sessions.command("show")
-@click.argument("session")
+@click.argument("session", callback=filled(blank_ok=True))
 @click.option("--all", "every", is_flag=True, help="Every stored entry: off-branch ones and events too, marked.")
 @common
 def sessions_show(session: str, every: bool) -> None:
@@ -754,7 +819,7 @@ def sessions_show(session: str, every: bool) -> None:
 
 
 @sessions.command("export")
-@click.argument("session")
+@click.argument("session", callback=filled(blank_ok=True))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, allow_dash=True),
               help="Write to FILE (default, or '-': stdout).")
 @common
@@ -1012,8 +1077,8 @@ class _ExportFile(click.File):
 
 @sessions.command("import")
 @click.argument("file", type=_ExportFile("r", encoding="utf-8-sig"))
-@click.option("--session-id", "new_id", metavar="ID", help="Import under a new session id.")
-@click.option("--session-key", "new_key", metavar="KEY", help="Import under a new session key.")
+@click.option("--session-id", "new_id", metavar="ID", callback=filled(), help="Import under a new session id.")
+@click.option("--session-key", "new_key", metavar="KEY", callback=filled(), help="Import under a new session key.")
 @common
 def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> None:
     """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head, in --scope (not
@@ -1058,7 +1123,7 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
 
 
 @sessions.command("delete")
-@click.argument("session")
+@click.argument("session", callback=filled(blank_ok=True))
 @click.option("--yes", is_flag=True, help="Really delete (required).")
 @common
 def sessions_delete(session: str, yes: bool) -> None:
@@ -1143,8 +1208,8 @@ def outbox_status() -> None:
 
 
 @outbox.command("drain")
-@click.option("--session", "session", metavar="SESSION", help="Only this session.")
-@click.option("--limit", type=click.IntRange(1, MAX_DRAIN), default=1000, show_default=True, help="Rows to deliver.")
+@click.option("--session", "session", metavar="SESSION", callback=filled(blank_ok=True), help="Only this session.")
+@click.option("--limit", type=Integer(1, MAX_DRAIN), default=1000, show_default=True, help="Rows to deliver.")
 @common
 def outbox_drain(session: str | None, limit: int) -> None:
     """Deliver ready intents to their engines' commit_turn, in order; exit 1 if any failed."""
@@ -1179,9 +1244,9 @@ def outbox_drain(session: str | None, limit: int) -> None:
 
 
 @outbox.command("block")
-@click.argument("session")
-@click.argument("turn_id", metavar="TURN")
-@click.option("--reason", required=True, help="Why (kept with the row, shown by `outbox status`).")
+@click.argument("session", callback=filled(blank_ok=True))
+@click.argument("turn_id", metavar="TURN", callback=filled(blank_ok=True))
+@click.option("--reason", required=True, callback=filled(), help="Why (kept with the row, shown by `outbox status`).")
 @click.option("--yes", is_flag=True, help="Really block it: the turn never reaches its engine.")
 @common
 def outbox_block(session: str, turn_id: str, reason: str, yes: bool) -> None:
@@ -1224,7 +1289,7 @@ def _outbox_sessions(store: TranscriptStore, scope: str) -> list[str]:
 
 
 @outbox.command("recover")
-@click.argument("session", required=False)
+@click.argument("session", required=False, callback=filled(blank_ok=True))
 @common
 def outbox_recover(session: str | None) -> None:
     """Discard dead admitted intents and drain ready ones (SESSION, or every session with intents)."""
@@ -1517,9 +1582,9 @@ def _check_focus(_ctx: click.Context, _param: click.Parameter, value: str | None
 
 
 @cli.command()
-@click.argument("session")
+@click.argument("session", callback=filled(blank_ok=True))
 @click.option("--focus", metavar="TEXT", callback=_check_focus, help="What the summary should keep in focus.")
-@click.option("--engine", metavar="NAME", help="The engine for this run (overrides the settings).")
+@click.option("--engine", metavar="NAME", callback=filled(), help="The engine for this run (overrides the settings).")
 @common
 def compact(session: str, focus: str | None, engine: str | None) -> None:
     """Compact SESSION now through the selected engine; exit 1 when the compaction failed."""
@@ -1570,13 +1635,14 @@ def _compact_line(result: Any) -> str:
 
 
 @cli.command()
-@click.option("--session", "session_key", default=CHAT_KEY, show_default=True, metavar="KEY",
+@click.option("--session", "session_key", default=CHAT_KEY, show_default=True, metavar="KEY", callback=filled(),
               help="The session key to open (created when missing).")
-@click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
-@click.option("--model-url", metavar="URL",
+@click.option("--engine", metavar="NAME", callback=filled(), help="The context engine (overrides settings).")
+@click.option("--model-url", metavar="URL", callback=filled(),
               help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
-@click.option("--model", "model_name", metavar="NAME", help="Model name [env TRANSCRIPT_STORE_MODEL].")
-@click.option("--api-key", metavar="KEY", help="API key [env OPENAI_API_KEY].")
+@click.option("--model", "model_name", metavar="NAME", callback=filled(),
+              help="Model name [env TRANSCRIPT_STORE_MODEL].")
+@click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY].")
 @common
 def chat(session_key: str, engine: str | None, model_url: str | None, model_name: str | None,
          api_key: str | None) -> None:
@@ -1749,7 +1815,10 @@ class ChatLoop:
         }
         handler = handlers.get(name)
         if handler is None:
-            click.echo(f"error: unknown command {name} (try /help)", err=True)
+            # A typo or a command of another tool: said with the known ones, the conversation going on (at a
+            # terminal, the next line can be the right command), and counted as a failed command, so that
+            # the run ends with exit 1: a script's unknown command was a warning on stderr only, exit 0.
+            self.failure(InvalidInput(f"unknown command {name}; the commands are {CHAT_HELP}"))
             return True
         try:
             handler(arg.strip())
@@ -1811,19 +1880,21 @@ class ChatLoop:
 
 
 @cli.command()
-@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=4, show_default=True,
+@click.option("--workers", type=Integer(1, MAX_WORKERS), default=4, show_default=True,
               help="Worker processes.")
-@click.option("--sessions", "session_count", type=click.IntRange(1, MAX_SESSIONS), default=6, show_default=True,
+@click.option("--sessions", "session_count", type=Integer(1, MAX_SESSIONS), default=6, show_default=True,
               help="Conversations.")
-@click.option("--turns", type=click.IntRange(1, MAX_TURNS), default=5, show_default=True,
+@click.option("--turns", type=Integer(1, MAX_TURNS), default=5, show_default=True,
               help=f"Turns per conversation (at most {MAX_RUN_TURNS} turns in all).")
-@click.option("--engine", metavar="NAME", help="The context engine (overrides settings).")
-@click.option("--model-url", metavar="URL",
+@click.option("--engine", metavar="NAME", callback=filled(), help="The context engine (overrides settings).")
+@click.option("--model-url", metavar="URL", callback=filled(),
               help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
-@click.option("--model", "model_name", metavar="NAME", help="Model name [env TRANSCRIPT_STORE_MODEL].")
-@click.option("--api-key", metavar="KEY", help="API key [env OPENAI_API_KEY].")
+@click.option("--model", "model_name", metavar="NAME", callback=filled(),
+              help="Model name [env TRANSCRIPT_STORE_MODEL].")
+@click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY].")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject crashes, timeouts and rewrites.")
-@click.option("--seed", type=int, help="Seed of the workload and the faults [default: the gateway's].")
+@click.option("--seed", type=Integer(), metavar="INTEGER",
+              help="Seed of the workload and the faults [default: the gateway's].")
 @common_options(GATEWAY_SCOPE)
 def gateway(workers: int, session_count: int, turns: int, engine: str | None, model_url: str | None,
             model_name: str | None, api_key: str | None, faults: bool, seed: int | None) -> None:
@@ -1851,7 +1922,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         raise CommandError(str(e), EXIT_USAGE) from None
     if seed is not None:
         options.seed = seed
-    if st.scope or os.environ.get(SCOPE_ENV):
+    if st.scope_given:
         options.scope = st.scope_name
     # The faults are on purpose and the report counts them: their records would drown the progress bar.
     # Set here, never by run_gateway (a library call leaves its caller's logging alone), and given back
@@ -1919,13 +1990,13 @@ def _loopback(sock: socket.socket) -> bool:
 
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless you mean it).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+@click.option("--port", type=Integer(0, 65535), default=8765, show_default=True,
               help="Port; 0 picks a free one (the URL is printed).")
 @click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Bearer tokens, one 'TOKEN SCOPE' per line [also env TRANSCRIPT_STORE_TOKENS='tok=scope,...'].")
-@click.option("--max-body", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
+@click.option("--max-body", type=Integer(min=1024), default=8 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes (413 above).")
-@click.option("--body-timeout", type=click.IntRange(1, 3600), default=30, show_default=True, metavar="SECONDS",
+@click.option("--body-timeout", type=Integer(1, 3600), default=30, show_default=True, metavar="SECONDS",
               help="A request body that pauses this long gets 408, and its connection is closed; so is a "
               "connection whose request head is not whole this long after it opened or its last response.")
 @click.option("--access-log", is_flag=True, help="Log every request.")
@@ -2130,7 +2201,7 @@ def _absolute_sqlite(url: str) -> str:
 @click.option("--home", required=True, type=click.Path(file_okay=False), callback=_no_empty_path,
               help="The HERMES_HOME to install into.")
 @click.option("--engine", default="lossless", show_default=True, help="The transcript-store engine to run.")
-@click.option("--threshold", type=float, callback=_check_threshold,
+@click.option("--threshold", type=Number(), metavar="FLOAT", callback=_check_threshold,
               help="Compaction threshold: a fraction of the window, or tokens when > 1.")
 @click.option("--merge-config", is_flag=True, help="Merge the config keys into HOME/config.yaml.")
 @common_options("hermes", db_default="sqlite:///HOME/transcript-store.db")
@@ -2151,7 +2222,7 @@ def hermes_install(home: str, engine: str, threshold: float | None, merge_config
     url = st.db if st.db is not None else (os.environ.get(URL_ENV) or None)
     if url is not None:
         make_url_or_usage(url)
-    scope = st.scope_name if st.scope or os.environ.get(SCOPE_ENV) else None  # checked: a usage error
+    scope = st.scope_name if st.scope_given else None  # checked: a usage error
     # The settings' plugin folders go along: the engine was found in one of them (_check_engine_id).
     # So do the engine's settings ([engine.config.<engine>]): else it ran on its defaults inside Hermes.
     settings = st.settings()
