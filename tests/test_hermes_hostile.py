@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import math
 import pickle
@@ -26,6 +27,7 @@ from transcript_store.hermes import (
     is_valid_sequence,
     merge_context,
     resolve_threshold,
+    storable,
 )
 from transcript_store.models import validate_message
 from transcript_store.tokens import RoughEstimator
@@ -516,3 +518,180 @@ def test_each_new_message_is_validated_once(store_url: str) -> None:
     assert len(calls) == len(more)
     assert stored(engine, "s1")[-2:] == [json.dumps(m, sort_keys=True) for m in more]
     engine.close()
+
+
+def big_call(call_id: str, size: int, name: str = "write_file") -> dict[str, Any]:
+    """A tool call whose ``arguments`` (JSON, as OpenAI sends them) are about ``size`` bytes."""
+    arguments = json.dumps({"path": f"{call_id}.txt", "content": "a line of \"text\" é\n" * (size // 24)})
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def results(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"role": "tool", "tool_call_id": c["id"], "content": f"{c['id']} done"} for c in calls]
+
+
+KIB = 1024
+#: (the store's cap, the tool calls of one assistant message over it, the message's text)
+OVERSIZED_CALLS: dict[str, tuple[int, list[dict[str, Any]], str | None]] = {
+    # OpenAI's default: a 5 MB write_file call over the store's default cap of 4 MiB
+    "one-huge-call": (4096 * KIB, [big_call("call_huge", 5_000_000)], None),
+    "huge-among-small": (256 * KIB, [big_call("call_a", 300), big_call("call_big", 600 * KIB),
+                                     big_call("call_c", 2 * KIB)], "writing three files"),
+    "many-small-calls": (256 * KIB, [big_call(f"call_{n}", 2 * KIB) for n in range(200)], None),
+    "huge-text-and-call": (256 * KIB, [big_call("call_t", 300 * KIB)], "long preamble " * 12_000),
+    "huge-reasoning": (256 * KIB, [big_call("call_r", 100)], None),
+}
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+@pytest.mark.parametrize("case", sorted(OVERSIZED_CALLS))
+def test_an_assistant_message_over_the_cap_keeps_its_tool_calls(
+    store_url: str, engine_id: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assistant message over the store's cap by its tool calls' arguments was stored as the text of
+    its JSON, cut: its tool calls lost, each result of the round was an orphan that every assembled
+    context left out. The tool calls stay (ids, names), each argument over its share of the cap replaced
+    by a marked JSON stand-in (its size, digest and prefix), the message under the cap."""
+    cap, calls, text = OVERSIZED_CALLS[case]
+    monkeypatch.setenv("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", str(cap))
+    engine = make(store_url, engine=engine_id)
+    engine.on_session_start("s1")
+    big: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": copy.deepcopy(calls)}
+    if case == "huge-reasoning":
+        big["reasoning_content"] = "thinking " * 40_000
+    assert len(json.dumps(big).encode("utf-8")) > cap
+    head = [*conversation("big", 8), {"role": "user", "content": "write them"}]
+    messages = [*head, big, *results(calls), {"role": "assistant", "content": "all written"},
+                {"role": "user", "content": "thanks"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    engine.on_turn_complete(copy.deepcopy(messages))  # again: nothing twice
+    rt = engine.runtime()
+    store_session = engine._store_session(rt, "s1")
+    whole = rt.engine.assemble(scope="hermes", session_id=store_session, fence=None, token_budget=10**8)
+    round_ids = [[c["id"] for c in m["tool_calls"]] for m in whole.messages if m.get("tool_calls")]
+    assert [c["id"] for c in calls] in round_ids  # the round is in the engine's context, paired
+    out = engine.compress(copy.deepcopy(messages))
+    engine.on_session_end("s1", copy.deepcopy(messages))
+    rows = engine.stored_messages("s1")
+    assert len(rows) == len(messages) == len({json.dumps(r, sort_keys=True) for r in rows})
+    held = rows[len(head)]
+    assert len(json.dumps(held, ensure_ascii=False, separators=(",", ":")).encode("utf-8")) <= cap
+    assert [(c["id"], c["function"]["name"]) for c in held["tool_calls"]] == [
+        (c["id"], c["function"]["name"]) for c in calls]
+    cut = 0
+    for mine, theirs in zip(held["tool_calls"], calls, strict=True):
+        arguments = json.loads(mine["function"]["arguments"])  # still JSON, as a provider parses it
+        if mine == theirs:
+            continue
+        cut += 1
+        original = theirs["function"]["arguments"]
+        assert "cut by transcript-store" in arguments["transcript_store"]
+        assert arguments["bytes"] == len(original.encode("utf-8"))
+        assert arguments["sha256"] == hashlib.sha256(original.encode("utf-8")).hexdigest()
+        assert original.startswith(arguments["prefix"]) and arguments["prefix"]
+    if case == "huge-among-small":  # the huge one cut, the others whole
+        assert cut == 1 and held["tool_calls"][0] == calls[0] and held["tool_calls"][2] == calls[2]
+    elif case == "many-small-calls":  # each cut to the same share, none dropped
+        assert cut == len(calls)
+    elif case == "huge-reasoning":  # the bulk is no text of its own: the rest kept as its JSON, cut
+        assert cut == 0 and held["content"].startswith("[transcript-store: a message the store cannot take")
+        assert "thinking thinking" in held["content"] and "cut by transcript-store" in held["content"]
+    else:
+        assert cut == 1
+    if case == "huge-text-and-call":  # the text cut besides the arguments, marked
+        assert held["content"].startswith("long preamble") and "cut by transcript-store" in held["content"]
+    assert rows[len(head) + 1 : len(head) + 1 + len(calls)] == results(calls)
+    assert is_valid_sequence(rows)  # every result right after its call: none left out of a context
+    assert engine.compression_count == 1 and is_valid_sequence(out)
+    later = [*out, {"role": "assistant", "content": "you are welcome"}]
+    engine.on_turn_complete(copy.deepcopy(later))
+    engine.on_turn_complete(copy.deepcopy(later))
+    assert len(engine.stored_messages("s1")) == len(messages) + 1
+    engine.close()
+
+
+#: a tool round over the store's cap of 64 KiB by what is not a text of its own: parts
+PARTS_ROUNDS: dict[str, list[dict[str, Any]]] = {
+    "assistant-parts": [
+        {"role": "assistant", "content": [{"type": "text", "text": "planning " * 10_000}], "tool_calls": [ROUND_CALL]},
+        {"role": "tool", "tool_call_id": "call_odd", "content": "THE RESULT"}],
+    "tool-parts": [
+        {"role": "assistant", "content": None, "tool_calls": [ROUND_CALL]},
+        {"role": "tool", "tool_call_id": "call_odd", "content": [{"type": "text", "text": "THE RESULT " * 10_000}]}],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARTS_ROUNDS))
+def test_a_round_message_over_the_cap_by_its_parts_keeps_the_round(
+    store_url: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message of a tool round over the cap whose bulk is a content list was stored as the text of its
+    JSON, cut, its tool calls or call id in the text: the round's other message an orphan. Its tool
+    calls or call id stay, the rest is the text of its JSON, cut."""
+    monkeypatch.setenv("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", str(64 * KIB))
+    engine = make(store_url)
+    engine.on_session_start("s1")
+    head = [*conversation("parts", 4), {"role": "user", "content": "go"}]
+    messages = [*head, *copy.deepcopy(PARTS_ROUNDS[case]), {"role": "assistant", "content": "done"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    engine.on_turn_complete(copy.deepcopy(messages))
+    rows = engine.stored_messages("s1")
+    assert len(rows) == len(messages) and is_valid_sequence(rows)
+    held = rows[len(head) + (0 if case == "assistant-parts" else 1)]
+    assert held.get("tool_calls", [ROUND_CALL]) == [ROUND_CALL] and held.get("tool_call_id", "call_odd") == "call_odd"
+    assert ("planning planning" if case == "assistant-parts" else "THE RESULT THE RESULT") in held["content"]
+    assert held["content"].endswith(f"over the cap of {64 * KIB}]")
+    engine.close()
+
+
+def test_a_round_cut_as_text_by_an_earlier_release_still_aligns(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releases before cut an assistant message over the cap by its arguments as the text of its JSON: a
+    conversation stored so goes on aligning with it, not branched and stored again after the upgrade."""
+    monkeypatch.setenv("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", str(64 * KIB))
+    engine = make(store_url)
+    engine.on_session_start("s1")
+    calls = [big_call("call_old", 100 * KIB)]
+    big = {"role": "assistant", "content": None, "tool_calls": calls}
+    earlier = storable(copy.deepcopy(big), 64 * KIB, keep_round=False)[0]  # what an earlier release stored
+    assert "tool_calls" not in earlier
+    head = [*conversation("old", 4), {"role": "user", "content": "go"}]
+    engine.on_turn_complete([*copy.deepcopy(head), earlier, *results(calls)])
+    before = stored(engine, "s1")
+    messages = [*head, copy.deepcopy(big), *results(calls), {"role": "assistant", "content": "done"}]
+    engine.on_turn_complete(copy.deepcopy(messages))
+    engine.on_turn_complete(copy.deepcopy(messages))
+    assert stored(engine, "s1") == [*before, json.dumps(messages[-1], sort_keys=True)]
+    engine.close()
+
+
+@pytest.mark.parametrize("cap", [2 * KIB, 3 * KIB + 7, 16 * KIB, 64 * KIB])
+@pytest.mark.parametrize("text", ["ascii", "escapes", "wide"])
+def test_stood_in_arguments_keep_the_cap_whatever_their_characters(cap: int, text: str) -> None:
+    """Each character of an argument takes one to seven bytes of the stored message's JSON (escaped
+    twice: in the arguments' JSON, and as a string of the message's): the cut form is under the cap in
+    every case, its arguments JSON, the tool calls as they were but their arguments."""
+    unit = {"ascii": "plain words ", "escapes": '"\\\n\x00\t', "wide": "é中😀"}[text]
+    calls = [{"id": f"call_{n}", "type": "function",
+              "function": {"name": "write", "arguments": json.dumps({"text": unit * (n * 3000 + 10)})}}
+             for n in range(4)]
+    message = {"role": "assistant", "content": "calling " * 20, "tool_calls": calls}
+    form, why = storable(message, cap)
+    assert why is not None and form["tool_calls"] != calls
+    assert len(json.dumps(form, ensure_ascii=False, separators=(",", ":")).encode("utf-8")) <= cap
+    validate_message(form)
+    for mine, theirs in zip(form["tool_calls"], calls, strict=True):
+        assert {**mine, "function": {}} == {**theirs, "function": {}}
+        assert mine["function"]["name"] == theirs["function"]["name"]
+        json.loads(mine["function"]["arguments"])
+    assert storable(copy.deepcopy(message), cap)[0] == form  # the form depends on the message and the cap only
+
+
+def test_a_message_of_more_tool_calls_than_the_cap_holds_is_kept_as_text() -> None:
+    """Not even a stand-in for each argument fits: the message is the text of its JSON, cut, as before
+    (its results stay stored; a context leaves them out)."""
+    calls = [{"id": f"call_{n:05}", "type": "function", "function": {"name": "noop", "arguments": "{}"}}
+             for n in range(2000)]
+    form, why = storable({"role": "assistant", "content": None, "tool_calls": calls}, 64 * KIB)
+    assert why is not None and "tool_calls" not in form and "cut by transcript-store" in form["content"]

@@ -18,7 +18,9 @@ How the adapter maps Hermes onto the store:
 - A message the store refuses as it is (its shape, its size) is stored in a form it takes, its text or
   JSON kept (``storable``; a tool round's calls and call ids kept as they are where the store takes
   them, ``in_round``), and the host's list is aligned by that form: one such message never blocks
-  the rest of the conversation. A message nested past Python's recursion limit is copied and written
+  the rest of the conversation. Over the store's cap, a tool round's message keeps its calls or call
+  id too: its text and its calls' arguments are cut to a share of the cap, an argument to a marked
+  JSON stand-in (``cut_round``). A message nested past Python's recursion limit is copied and written
   without recursion (``detached``, ``deep_json``).
 - ``compress`` aims below Hermes' trigger: three quarters of it, less the system prompt and tools (what
   Hermes' count of the request exceeds the messages by). The fresh tail (the current user message and
@@ -301,7 +303,8 @@ def storable(
     malformed part or tool call) becomes a text message holding its JSON, with its role when a text
     message may have it (``KEPT_AS_JSON``); an assistant message's tool calls and a tool result's call
     id stay as they are where the store takes them (``in_round``; not with ``keep_round`` False, the
-    form earlier releases stored). Over ``cap`` bytes, its text is cut (``cut_to``). One such message
+    form earlier releases stored). Over ``cap`` bytes, its text is cut, or its tool calls' arguments
+    stood in for (``cut_to``, ``cut_round``). One such message
     refused by the store blocked every later store of the conversation, and ``compress`` handed the
     list back uncompressed for the rest of it. The form depends on the message (and the cap) only:
     the same list is aligned with what was stored the same way on every call."""
@@ -327,7 +330,7 @@ def checked(message: dict[str, Any], cap: int, *, keep_round: bool = True) -> Ch
     size = len(text.encode("utf-8"))
     if size <= cap:
         return message, why, text if why is None else None
-    return cut_to(message, size, cap), f"{size} bytes, over the store's cap of {cap}", None
+    return cut_to(message, size, cap, keep_round=keep_round), f"{size} bytes, over the store's cap of {cap}", None
 
 
 def new_entry(store: TranscriptStore, message: dict[str, Any], key: str, seen: Checked | None) -> NewEntry:
@@ -371,19 +374,147 @@ def in_round(message: dict[str, Any]) -> dict[str, Any] | None:
 CUT_SLACK = 16
 
 
-def cut_to(message: dict[str, Any], size: int, cap: int) -> dict[str, Any]:
+def cut_to(message: dict[str, Any], size: int, cap: int, *, keep_round: bool = True) -> dict[str, Any]:
     """A storable message of ``size`` bytes cut to ``cap``: the end of its text (a tool result keeps its
-    call id), or, where its bulk is elsewhere (parts, tool calls), of the text of its JSON; marked."""
+    call id); where its bulk is elsewhere, a tool round's message keeps its tool calls or call id
+    (``cut_round``: the bulk of its arguments or of the text of its JSON cut); else the end of the text
+    of its JSON (the form of earlier releases with ``keep_round`` False). Marked."""
     content = message.get("content")
     over = size - cap
-    mark = f"\n[... cut by transcript-store: the message was {size} bytes, over the cap of {cap}]"
+    mark = cut_mark(size, cap)
     if not isinstance(content, str) or len(content) < over + len(mark) + CUT_SLACK:
+        form = cut_round(message, size, cap) if keep_round else None
+        if form is not None:
+            return form
         message = as_text(message)
         content = message["content"]
         over = len(compact_json(message).encode("utf-8")) - cap
     # Each character is a byte of JSON at least: this many fewer leave room for the mark (one escape).
     keep = max(0, len(content) - over - len(mark) - CUT_SLACK)
     return {**message, "content": content[:keep] + mark}
+
+
+def cut_mark(size: int, cap: int) -> str:
+    """What ends the text of a message cut to the store's cap."""
+    return f"\n[... cut by transcript-store: the message was {size} bytes, over the cap of {cap}]"
+
+
+#: the key of the JSON object a tool call's arguments are stood in for by (``stand_in``), saying so
+CUT_ARGUMENTS_KEY = "transcript_store"
+
+
+def json_size(text: str) -> int:
+    """The bytes ``text`` takes as a JSON string in a message as the store writes it (``compact_json``)."""
+    return len(compact_json(text).encode("utf-8"))
+
+
+def stand_in(arguments: str, cap: int) -> Callable[[int], str]:
+    """The stand-in of a tool call's arguments keeping their first ``k`` characters, by ``k``: a JSON
+    object, as a provider parses arguments, saying they were cut, their size and sha256 (Hermes' session
+    database keeps them whole) and holding their prefix (``prefix``)."""
+    raw = arguments.encode("utf-8", "surrogatepass")
+    head = {
+        CUT_ARGUMENTS_KEY: f"cut by transcript-store: these arguments were {len(raw)} bytes, over their share "
+                           f"of the store's cap of {cap} bytes a message; prefix: their start, sha256: their digest",
+        "bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+    }
+    return lambda k: _json_text({**head, "prefix": arguments[:k]})
+
+
+def fit(make: Callable[[int], str], length: int, room: int) -> str | None:
+    """``make(k)`` for the largest ``k`` up to ``length`` whose JSON takes at most ``room`` bytes (None: not
+    even ``make(0)`` fits). Each character kept is one byte of JSON at least, so ``k`` starts at the room
+    ``make(0)`` leaves and shrinks in proportion to the excess."""
+    least = json_size(make(0))
+    if least > room:
+        return None
+    k = min(length, room - least)
+    while k > 0:
+        text = make(k)
+        size = json_size(text)
+        if size <= room:
+            return text
+        k = min(k - 1, k * (room - least) // (size - least))
+    return make(0)
+
+
+#: a text of a message a cut may shorten: (where it is, its text, its form keeping the first k characters)
+Cuttable = tuple[tuple[Any, ...], str, Callable[[int], str]]
+
+
+def cuttables(message: dict[str, Any], mark: str, cap: int) -> list[Cuttable]:
+    """The texts of ``message`` a cut may shorten: its text (``mark`` at its end) and each tool call's
+    arguments (stood in for, ``stand_in``)."""
+    out: list[Cuttable] = []
+    content = message.get("content")
+    if isinstance(content, str):
+        out.append((("content",), content, lambda k: content[:k] + mark))
+    calls = message.get("tool_calls")
+    places: list[tuple[tuple[Any, ...], Any]] = [
+        (("tool_calls", n, "function"), c.get("function")) for n, c in enumerate(calls) if isinstance(c, dict)
+    ] if isinstance(calls, list) else []
+    places.append((("function_call",), message.get("function_call")))
+    for path, fn in places:
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            out.append(((*path, "arguments"), fn["arguments"], stand_in(fn["arguments"], cap)))
+    return out
+
+
+def cut_round(message: dict[str, Any], size: int, cap: int) -> dict[str, Any] | None:
+    """A tool round's message of ``size`` bytes over ``cap`` with its tool calls or call id kept as they
+    are, where the bulk of it is not its text: its texts cut to a share of the cap each (``share``), an
+    argument over its share stood in for (``stand_in``); failing that, its ``in_round`` form (the rest
+    as the text of its JSON) so cut. None: neither fits (a message of thousands of tool calls).
+
+    Cut as the text of its JSON (``as_text``), an assistant message over the cap by its tool calls'
+    arguments (a file written whole) lost its tool calls: each result of the round was an orphan
+    that every assembled context left out."""
+    if not (message.get("tool_calls") or message.get("tool_call_id") or message.get("function_call")):
+        return None
+    mark = cut_mark(size, cap)  # the size of the message as the host sent it, whatever the form
+    for form in (message, in_round(message)):
+        if form is None:
+            continue
+        cut = share(form, size if form is message else len(compact_json(form).encode("utf-8")), cap, mark)
+        if cut is not None and len(compact_json(cut).encode("utf-8")) <= cap:
+            return cut
+    return None
+
+
+def share(message: dict[str, Any], size: int, cap: int, mark: str) -> dict[str, Any] | None:
+    """``message`` of ``size`` bytes with its texts (``cuttables``) cut to fit ``cap``: each text longer
+    than the one limit that makes them fit is cut to it (a text kept whole when under it), so many
+    small tool calls keep most of each and one huge one leaves the others whole. None: not even every
+    text cut to nothing fits."""
+    texts = [(path, text, make, json_size(text), json_size(make(0)))
+             for path, text, make in cuttables(message, mark, cap)]
+    texts = [t for t in texts if t[4] < t[3]]  # a stand-in no smaller than the text saves nothing
+    budget = cap - (size - sum(t[3] for t in texts))
+
+    def total(limit: int) -> int:
+        return sum(full if full <= limit else max(least, limit) for _p, _t, _m, full, least in texts)
+
+    if not texts or total(0) > budget:
+        return None
+    low, high = 0, max(t[3] for t in texts)
+    while low < high:  # the largest limit whose total fits
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(mid) <= budget else (low, mid - 1)
+    out = dict(message)
+    for key in ("tool_calls", "function_call"):  # copied where a stand-in goes (their strings are shared)
+        if key in out:
+            out[key] = copy.deepcopy(out[key])
+    for path, text, make, full, least in texts:
+        if full > low:
+            cut = fit(make, len(text), max(least, low))
+            if cut is None:
+                return None
+            place: Any = out
+            for step in path[:-1]:
+                place = place[step]
+            place[path[-1]] = cut
+    return out
 
 
 def storable_tail(
