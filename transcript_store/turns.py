@@ -350,7 +350,8 @@ class Turns:
         back to an attempt that is over). Nor while an attempt this one took the turn from still lives:
         the turn goes to the most recent of those instead, as ``hand_back`` gives it (False).
 
-        Retried after an uncertain COMMIT: an intent of the turn created after this call began is another
+        Retried after an uncertain COMMIT: an intent of the turn other than the one this discard deleted
+        (told by its creation time as read from the row, never against this machine's clock) is another
         admission's (the turn admitted again after this discard landed), never deleted, and the answer is
         True; so is an intent gone before the retry, whether or not this discard had landed (recovery may
         have discarded it: nothing tells which).
@@ -358,34 +359,35 @@ class Turns:
         _check_turn(self.store, scope, session_id, turn_id)
         if owner is not None:
             _check_owner(owner)
-        landed: list[bool] = []
-        started = now_us()  # a row of the turn created after this is another admission's, not this one's
+        # The ``created_us`` of the intent the attempt that ran to its end deleted (empty: it deleted none).
+        # A retry tells that intent from another admission's of the turn by this value read back from the
+        # row, never by comparing it with this machine's clock: the intent was written by the admitting
+        # worker, perhaps on another machine whose clock is seconds off (a retry then deleted a running
+        # turn admitted again by a machine behind, or spared the intent of one ahead and called it gone).
+        deleted_at: list[int] = []
 
         def run(c: Core) -> bool:
+            row = outbox.get_row(c, scope, session_id, turn_id, lock=True)
+            if deleted_at and (row is None or row.created_us != deleted_at[0]):
+                # A retry after an uncertain COMMIT: the intent the earlier attempt deleted is gone, so that
+                # COMMIT landed, and an intent of the turn found now is another admission's (the turn
+                # admitted again since), never touched. (One gone is taken for this discard's, though
+                # recovery may have discarded it while this COMMIT did not land: nothing tells which.)
+                return True
+            # A first run, or the earlier COMMIT did not land (its intent stands): decided afresh. A retry of
+            # the turn that took the intent over meanwhile keeps it (nothing of ``owner``'s in it: False).
+            deleted_at.clear()
+            if row is None:
+                return False
             if owner is None:
-                if landed and landed[0]:
-                    # Deleted already by the earlier attempt, if its COMMIT landed: an intent of the turn
-                    # created since is another admission's (the turn admitted again), never deleted here.
-                    row = outbox.get_row(c, scope, session_id, turn_id)
-                    if row is None or row.created_us >= started:
-                        return True
                 deleted = outbox.discard(c, scope, session_id, turn_id)
-                outcome: outbox.GiveUp = "discarded" if deleted else "none"
             else:
-                outcome = outbox.discard_owned(c, scope, session_id, turn_id, owner, self.config.turn_lease_seconds)
-                deleted = outcome == "discarded"
-            # A retry after an uncertain COMMIT finds nothing to delete: the earlier attempt did it, if
-            # the intent is gone, or the turn's intent found is another admission's (the turn admitted
-            # again since: nothing of ``owner``'s in it, created after this call began). A COMMIT that
-            # did not land leaves the intent standing (``owner``'s still: its outcome is this attempt's),
-            # as does a retry of the turn that took the intent over meanwhile. An intent gone before the
-            # retry is ambiguous (recovery may have discarded it while this COMMIT did not land): True.
-            answer = deleted
-            if not deleted and outcome == "none" and landed and landed[0]:
-                row = outbox.get_row(c, scope, session_id, turn_id)
-                answer = row is None or row.created_us >= started
-            landed[:] = [answer]
-            return answer
+                deleted = outbox.discard_owned(
+                    c, scope, session_id, turn_id, owner, self.config.turn_lease_seconds
+                ) == "discarded"
+            if deleted:
+                deleted_at.append(int(row.created_us))
+            return deleted
 
         return self.store.write(run)
 
@@ -882,22 +884,25 @@ class Turns:
             tell(pending)
             return report
         for lease in expired:
-            landed: list[bool] = []
-            started = now_us()  # a row of the turn created after this is another admission's
+            # The ``created_us`` of the intent the attempt that ran to its end deleted, as read back from the
+            # row (see ``discard``: never compared with this machine's clock, the admitting worker's may be
+            # seconds off this one's).
+            deleted_at: list[int] = []
 
-            def discard(
-                c: Core, lease: outbox.AdmittedLease = lease, landed: list[bool] = landed, started: int = started
-            ) -> bool:
-                deleted = outbox.discard_abandoned(c, scope, session_id, lease)
-                # A retry after an uncertain COMMIT finds nothing to delete: the run before it did, if the
-                # intent is gone or the one found is another admission's (the turn admitted again since).
-                # (A turn taken over meanwhile keeps its row: the COMMIT did not land. One gone is taken
-                # for this discard's, though another recovery may have discarded it meanwhile.)
-                if not deleted and landed and landed[0]:
-                    row = outbox.get_row(c, scope, session_id, lease.turn_id)
-                    deleted = row is None or row.created_us >= started
-                landed[:] = [deleted]
-                return deleted
+            def discard(c: Core, lease: outbox.AdmittedLease = lease, deleted_at: list[int] = deleted_at) -> bool:
+                row = outbox.get_row(c, scope, session_id, lease.turn_id, lock=True)
+                if deleted_at and (row is None or row.created_us != deleted_at[0]):
+                    # A retry after an uncertain COMMIT: the intent the run before it deleted is gone (that
+                    # COMMIT landed), and one of the turn found now is another admission's (the turn admitted
+                    # again since), never touched. (One gone is taken for this discard's, though another
+                    # recovery may have discarded it while this COMMIT did not land.) The intent still
+                    # there (the COMMIT did not land) is decided afresh: a turn taken over meanwhile keeps it.
+                    return True
+                deleted_at.clear()
+                if row is None or not outbox.discard_abandoned(c, scope, session_id, lease):
+                    return False
+                deleted_at.append(int(row.created_us))
+                return True
 
             if self.store.write(discard):
                 log.warning("recovery found no host acceptance for turn %s (session %s): discarded",
