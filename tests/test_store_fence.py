@@ -331,3 +331,42 @@ def test_a_fence_must_be_an_anchor(store: TranscriptStore, sid: str) -> None:
             store.read_visible(A, sid, fence=bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidInput):
             store.read_visible_delta(A, sid, fence=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("forged", ["session_key", "incarnation"])
+def test_a_fence_read_in_its_own_admission_is_refused_as_it_is_anywhere_else(
+    store: TranscriptStore, forged: str
+) -> None:
+    """A fenced read inside the admission that appended the fence's entry skips the fence's check
+    (``Core.appended_here``). It compared the entry's place and incarnation, not the fence's session key,
+    and took a fence without an incarnation for this one's: a fence naming the just-appended entry under
+    another session key (or without the incarnation of a session made since anchors carried one) was
+    honoured there, though every other read refuses it (``rewritten``, ``scope``)."""
+    from transcript_store import reads
+    from transcript_store.turns import Turns
+
+    sid = f"own-{forged}"
+    store.create_session("scope-a", session_id=sid, session_key=f"agent:{sid}")
+    store.append("scope-a", sid, {"role": "user", "content": "before"})
+    change = {"session_key": "agent:another"} if forged == "session_key" else {"incarnation": None}
+    reason = "rewritten" if forged == "session_key" else "scope"
+    seen: list[str] = []
+
+    def within(c: Any, admission: Any) -> None:
+        fence = admission.anchor.model_copy(update=change)
+        with pytest.raises(ReadFenceError) as refused:
+            reads.read_visible_delta(c, "scope-a", sid, None, 100, 1 << 20, fence)
+        seen.append(refused.value.reason)
+        # The very fence the admission made is still trusted without a check of its own.
+        assert c.appended_here(admission.anchor) and not c.appended_here(fence)
+        page = reads.read_visible_delta(c, "scope-a", sid, None, 100, 1 << 20, admission.anchor)
+        assert [e.message["content"] for e in page.entries] == ["before"]  # type: ignore[union-attr]
+
+    admitted = Turns(store).admit_if_clear(
+        "scope-a", sid, {"role": "user", "content": "q"}, turn_id="t1", engine_id="e", within=within
+    )
+    assert admitted is not None and seen == [reason]
+    fence = admitted[0].anchor.model_copy(update=change)
+    with pytest.raises(ReadFenceError) as outside:
+        store.read_visible_delta("scope-a", sid, None, fence=fence)
+    assert outside.value.reason == reason

@@ -918,9 +918,9 @@ class Core:
         self._locked: set[tuple[str, str]] = set()
         #: id(payload) -> (payload, raw seqs): turn payloads built from a closed range this transaction read
         self._checked: dict[int, tuple[object, list[int]]] = {}
-        #: (scope, session, entry id) -> (seq, parent, position, generation) of the user messages this
-        #: transaction appended (the fences it may trust without a check)
-        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int, int]] = {}
+        #: (scope, session, entry id) -> (seq, parent, position, generation, incarnation, session key) of the
+        #: user messages this transaction appended (the fences it may trust without a check)
+        self._appended: dict[tuple[str, str, str], tuple[int, str | None, int | None, int, int, str | None]] = {}
         #: what to tell the process once this transaction's write stands (``after_commit``)
         self.committed_hooks: list[Callable[[], None]] = []
         #: how a retry of this write finds, in its own transaction, that this attempt's write stands
@@ -1005,14 +1005,21 @@ class Core:
         """Whether this transaction appended ``anchor``'s entry, at that place, holding the session's lock
         (an admission reading its own pre-turn transcript: the fence needs no check of its own).
 
-        Not true of an entry an idempotent append found already stored (a retried turn id).
+        Not true of an entry an idempotent append found already stored (a retried turn id). Nor can another
+        turn's append pass for this one's: a Core is one attempt of one transaction (a retry starts afresh),
+        it records only the entries it inserted, and the entry's seq is unique in the session. Every field
+        ``fences.check_fence`` compares with the session is compared here too, so that a fence trusted here
+        is one the check would pass: the session key (fixed for an incarnation: a fence under another key
+        was never made of this entry) and the incarnation (a fence without one, made before anchors carried
+        it, is checked: only a session that existed then honours it).
         """
         key = (anchor.scope, anchor.session_id)
         placed = self._appended.get((anchor.scope, anchor.session_id, anchor.entry_id))
-        if key not in self._locked or placed is None:
+        if key not in self._locked or placed is None or anchor.incarnation is None:
             return False
-        incarnation = placed[4] if anchor.incarnation is None else anchor.incarnation  # None: not checked
-        return placed == (anchor.seq, anchor.parent_id, anchor.position, anchor.generation, incarnation)
+        return placed == (
+            anchor.seq, anchor.parent_id, anchor.position, anchor.generation, anchor.incarnation, anchor.session_key
+        )
 
     def transaction_failed(self) -> bool:
         """Whether a statement of this transaction failed (PostgreSQL: it can only roll back now)."""
@@ -1320,7 +1327,9 @@ class Core:
                 self.run(_ADVANCE_HEAD, head)
             for r in new_rows:
                 if r["kind"] == "message" and r["role"] == "user":
-                    placed = (r["seq"], r["parent_id"], r["position"], r["generation"], sess.incarnation)
+                    placed = (
+                        r["seq"], r["parent_id"], r["position"], r["generation"], sess.incarnation, sess.session_key
+                    )
                     self._appended[(scope, session_id, r["entry_id"])] = placed
         return sess, out
 
