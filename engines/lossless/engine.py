@@ -10,7 +10,8 @@ Lifecycle:
 - ``assemble``: the context list in order (summaries rendered as messages) within the budget; reads
   the context list and the engine's rows for it, never the transcript's history.
 - ``maintain`` / ``compact``: compaction above the threshold (see ``compaction``); ``maintain`` is
-  deferred by the host (background mode), ``after_turn`` only remembers the run's budget.
+  deferred by the host after a turn (background mode), and run inline after a turn's bootstrap with the
+  turn's fence, which it holds; ``after_turn`` only remembers the run's budget.
 - ``get_tool_schemas`` / ``handle_tool_call``: lcm_grep, lcm_describe, lcm_expand (see ``tools``).
 """
 
@@ -387,12 +388,15 @@ class LosslessEngine:
         session_id: str,
         session_key: str | None = None,
         runtime_settings: RuntimeSettings | None = None,
+        fence: Anchor | None = None,
     ) -> MaintainResult:
-        """Deferred upkeep (background mode): compaction when over the threshold (a failing summarizer
-        is logged and answered, never raised)."""
-        check_call(scope, session_id, session_key=session_key, runtime_settings=runtime_settings)
+        """Upkeep: compaction when over the threshold (a failing summarizer is logged and answered, never
+        raised). Deferred after a turn (background mode); inline after a turn's bootstrap, with the turn's
+        ``fence``: then every read and the compaction's write check, in their own transaction, that the
+        engine's copy ends before the admitted entry (else ``ReadFenceError``), so no summary covers it."""
+        check_call(scope, session_id, fence=fence, session_key=session_key, runtime_settings=runtime_settings)
         self._remember(scope, session_id, None, runtime_settings)
-        result = self._compact_if_needed(scope, session_id)
+        result = self._compact_if_needed(scope, session_id, fence)
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
         if not result.ok:
@@ -418,11 +422,23 @@ class LosslessEngine:
         self._remember(scope, session_id, None, runtime_settings)
         return self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=force, focus=focus)
 
-    def _compact_if_needed(self, scope: str, session_id: str) -> CompactResult | None:
+    def _compact_if_needed(self, scope: str, session_id: str, fence: Anchor | None = None) -> CompactResult | None:
         marks = self.budget(scope, session_id)
-        if self.store.read(lambda c: self._context_tokens(c, scope, session_id, marks.trigger)) <= marks.trigger:
+
+        def tokens(c: Core) -> int:
+            self._hold_fence(c, scope, session_id, fence)
+            return self._context_tokens(c, scope, session_id, marks.trigger)
+
+        if self.store.read(tokens) <= marks.trigger:
             return None
-        return self._compact(scope, session_id, marks, force=False, focus=None)
+        return self._compact(scope, session_id, marks, force=False, focus=None, fence=fence)
+
+    def _hold_fence(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> None:
+        """With a fence: ReadFenceError unless it holds and the engine's copy ends before it (a copy that
+        imported the admitted entry, unfenced, is "crossed"); a compaction checked by it in its own
+        transaction never covers the entry. Without one: nothing (a one-message read otherwise)."""
+        if fence is not None:
+            self._probe(c, scope, session_id, fence)
 
     def _context_tokens(self, c: Core, scope: str, session_id: str, trigger: int) -> int:
         """The tokens of what an assembly can hold, as far as ``trigger`` needs to know.
@@ -443,10 +459,13 @@ class LosslessEngine:
         self._count("context_rows_read", read)
         return sum(i.tokens for i in after_reset(items, start))
 
-    def _compact(self, scope: str, session_id: str, marks: Budget, *, force: bool, focus: str | None) -> CompactResult:
-        """Plan outside any transaction, write in one; a plan raced by another writer is re-planned once."""
+    def _compact(
+        self, scope: str, session_id: str, marks: Budget, *, force: bool, focus: str | None, fence: Anchor | None = None
+    ) -> CompactResult:
+        """Plan outside any transaction, write in one; a plan raced by another writer is re-planned once.
+        With a fence, the planning read and the write each hold it (``_hold_fence``)."""
         for _attempt in range(2):
-            view, items = self._planning_state(scope, session_id)
+            view, items = self._planning_state(scope, session_id, fence)
             before = sum(i.tokens for i in items)
             if not force and before <= marks.trigger:
                 return CompactResult(
@@ -454,7 +473,7 @@ class LosslessEngine:
                     tokens_before=before, tokens_after=before,
                 )
             plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
-            if plan.summaries and not self._write(scope, session_id, plan):
+            if plan.summaries and not self._write(scope, session_id, plan, fence):
                 continue
             self._count("compactions", bool(plan.summaries))
             return CompactResult(
@@ -466,7 +485,7 @@ class LosslessEngine:
             )
         return CompactResult(ok=False, compacted=False, reason="the context changed during compaction; try again")
 
-    def _write(self, scope: str, session_id: str, plan: Plan) -> bool:
+    def _write(self, scope: str, session_id: str, plan: Plan, fence: Anchor | None = None) -> bool:
         """Write a plan in one transaction; False when the context changed since it was planned."""
         ts = now_us()  # drawn once: a retry after an uncertain COMMIT tells its own write by it
         landed: list[bool] = []
@@ -474,13 +493,14 @@ class LosslessEngine:
         def run(c: Core) -> bool:
             if landed and landed[0] and plan_landed(c, scope, session_id, plan, ts):
                 return True  # the earlier attempt's write, not another writer's: never planned again
+            self._hold_fence(c, scope, session_id, fence)
             landed[:] = [write_plan(c, scope, session_id, plan, ts)]
             return landed[0]
 
         written: bool = self.store.write(run)
         return written
 
-    def _planning_state(self, scope: str, session_id: str) -> tuple[View, list[Item]]:
+    def _planning_state(self, scope: str, session_id: str, fence: Anchor | None = None) -> tuple[View, list[Item]]:
         """The view and the context list a compaction plans on, a pending reset applied first.
 
         A branch or a rewrite since the last import (``maintain`` runs in the background, and in a process
@@ -493,6 +513,7 @@ class LosslessEngine:
         def state(c: Core) -> tuple[View, list[Item]] | None:
             if ingest.reset_pending(c, scope, session_id):
                 return None
+            self._hold_fence(c, scope, session_id, fence)
             # Only what follows a host's reset is compacted (a summary never spans it).
             items = after_reset(load_items(c, scope, session_id), reset_in(c, scope, session_id))
             return View.load(c, scope, session_id), items
