@@ -10,6 +10,7 @@ underneath.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
@@ -498,6 +499,18 @@ def project_params(info: EngineInfo, base: dict[str, Any], host: dict[str, Any])
         if name in host and name in accepted:
             out[name] = host[name]
     return out
+
+
+def takes_keyword(method: object, name: str) -> bool:
+    """Whether ``method`` declares a keyword parameter ``name`` by that name (``**kwargs`` alone is no
+    promise to honour it): how the host tells an engine's ``maintain`` that takes the turn's ``fence``."""
+    try:
+        parameter = inspect.signature(method).parameters.get(name)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension): no promise either
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )
 
 
 def missing_capabilities(info: EngineInfo, operation: str, capabilities: Sequence[str]) -> tuple[list[str], str]:

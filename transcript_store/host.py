@@ -1,7 +1,8 @@
 """The host runtime: one logical turn from admission to commit, with degradation and quarantine.
 
 A turn: recover and drain the session's outbox, admit the user message, open a fenced read context,
-let the engine bootstrap/assemble from cursor deltas, call the model (engine tools dispatched to the
+let the engine bootstrap (then ``maintain`` under the same fence, when its ``maintain`` takes one) and
+assemble from cursor deltas, call the model (engine tools dispatched to the
 engine), append the replies, accept, and commit through the engine's ``commit_turn`` (in the same
 transaction when possible). The engine for a turn is decided before the turn starts and kept for the
 whole logical turn, retries included; the configured engine is tried again on the next turn. After
@@ -45,6 +46,7 @@ from .engine import (
     durable_declaration,
     missing_capabilities,
     project_params,
+    takes_keyword,
 )
 from .errors import (
     EngineContractError,
@@ -1185,6 +1187,7 @@ class HostRuntime:
             params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
             self._call(info.id, "bootstrap", lambda: bootstrap(**params))
             self._bootstrapped.add(key)
+            self._maintain_after_bootstrap(engine, info, scope, session_id, fence, host)
         budget = self.prompt_budget(reserved)
         base = {
             "scope": scope,
@@ -1590,6 +1593,38 @@ class HostRuntime:
             self._call(info.id, "maintain", lambda: method(**params))
         except Exception as e:
             log.warning("maintain of engine %s failed after %s: %s", info.id, after, e)
+
+    def _maintain_after_bootstrap(
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, fence: Anchor | None, host: dict[str, Any]
+    ) -> None:
+        """OpenClaw's maintenance with reason "bootstrap": the engine's ``maintain`` right after the
+        bootstrap of a turn, before the prompt is assembled, inline whatever the engine's
+        turn-maintenance mode, inside the turn's fence (given as ``fence``).
+
+        Only for a ``maintain`` that declares a ``fence`` keyword, and only with a fence to give it: the
+        turn's user entry is in the transcript already, and a maintain reading the session as it is (no
+        fence) could read it, or compact it into a summary before the turn is committed. Such an engine
+        is maintained after the turn's commit, as always. A failure is logged and handled as the other
+        inline passes': the engine's failure quarantines it (``_call``), and this turn then runs on
+        legacy (it has not started: nothing was assembled yet); a database's failure is logged and the
+        turn goes on with the engine. A fence that no longer holds raises ``ReadFenceError`` as the
+        bootstrap's would (the turn degrades).
+        """
+        method = getattr(engine, "maintain", None)
+        if method is None or info.id in self.quarantined:
+            return
+        if fence is None or not takes_keyword(method, "fence"):
+            log.debug("engine %s: no maintain after bootstrap of %s (it takes no fence)", info.id, session_id)
+            return
+        params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
+        try:
+            self._call(info.id, "maintain", lambda: method(**params))
+        except ReadFenceError:
+            raise
+        except Exception as e:
+            log.warning("maintain of engine %s failed after its bootstrap: %s", info.id, describe(e))
+            if info.id in self.quarantined:  # the engine's own failure: the turn must not go on with it
+                raise
 
     # ------------------------------------------------------------------------------------ operations
 
