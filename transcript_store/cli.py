@@ -1402,6 +1402,44 @@ def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tup
     return out, [*registry.warnings, *unread]
 
 
+def unusable_engines(settings: HostSettings, store: TranscriptStore | None) -> list[str]:
+    """A warning for each engine that cannot load among the selected one and those with an
+    ``[engine.config.<id>]`` table (a mistyped value in it, say): hosts run such an engine's turns on legacy,
+    which said nothing before a turn ran (and ``engines list`` exited 0 on it)."""
+    from .engine import EngineContext
+    from .registry import EngineRegistry
+    from .summarize import summarizer_from_env
+    from .tokens import default_estimator
+
+    out = []
+    with engine_output_on_stderr():  # an engine's import and factory print there, as in engine_report
+        registry = EngineRegistry(settings.plugin_dirs)
+        for engine_id in sorted({settings.engine, *settings.engine_config} & set(registry.specs)):
+            ctx = EngineContext(store=store, config=settings.engine_config.get(engine_id, {}),
+                                summarizer=summarizer_from_env(), estimator=default_estimator())
+            status = registry.check(engine_id, ctx)
+            if not status.valid:
+                out.append(unusable_warning(engine_id, status.reason, engine_id == settings.engine))
+    return out
+
+
+def unusable_warning(engine_id: str, reason: str | None, selected: bool) -> str:
+    """The warning line's text for an engine that cannot load, naming its reason (the key of a mistyped value)."""
+    from .host import LEGACY
+
+    what = "the selected context engine" if selected else "context engine"
+    then = ("its turns run on the legacy engine until it is fixed" if engine_id != LEGACY
+            else "turns fail until it is fixed")
+    return shown(f"{what} {engine_id!r} cannot load: {reason}; {then} (see `transcript-store doctor`)",
+                 one_line=True)
+
+
+def warn_unusable_engines(settings: HostSettings, store: TranscriptStore | None) -> None:
+    """Write ``unusable_engines``' warnings to stderr, one line each."""
+    for w in unusable_engines(settings, store):
+        click.echo(f"warning: {w}", err=True)
+
+
 def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Table:
     table = Table(title=f"engines (selected: {settings.engine}, from {settings.engine_source})", title_justify="left")
     for name in ("", "id", "source", "version", "compaction", "fence", "idempotency", "host params", "valid"):
@@ -1445,6 +1483,11 @@ def engines_list() -> None:
             store.close()
     if why is not None:  # listed all the same (no engine needs the store to be found); said, not silent
         warnings.append(f"no store to read quarantines from ({why}); engines listed without them")
+    # The selected engine, or one given a config table, that cannot load (a mistyped value): its turns run
+    # on legacy, a line in the "valid" column alone was easy to miss (still exit 0: `doctor` is the check).
+    warnings.extend(unusable_warning(e["id"], e.get("reason"), e["selected"]) for e in data
+                    if not e["valid"] and e.get("source") is not None
+                    and (e["selected"] or e["id"] in settings.engine_config))
     if st.json:
         emit_json({"selected": settings.engine, "selection_source": settings.engine_source, "engines": data,
                    "warnings": warnings})
@@ -1661,6 +1704,7 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
     with store_session(create=True) as store:
         info = store.open_session(scope, session_key)
+        warn_unusable_engines(settings, store)  # before the first turn runs it on legacy, said once
         with engine_output_on_stderr():
             runtime = _runtime(store, settings, model)
             loop = ChatLoop(runtime, scope, info.session_id, st.json, stdout)
@@ -1909,7 +1953,9 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     why = _no_store_file(path) if path is not None and config.auto_upgrade is False else None
     if why is not None:  # (as open_store: nothing migrates on open, so nothing is created either)
         raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): run `transcript-store init`")
-    st.settings(engine)  # a bad settings file is a usage error here, not in the workers
+    # A bad settings file is a usage error here, not in the workers; an engine that cannot load (a mistyped
+    # config value) is said before they run its turns on legacy (their own log lines are filtered below).
+    warn_unusable_engines(st.settings(engine), None)
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
@@ -2027,6 +2073,7 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
     service: Service | None = None
     try:
         service = Service(store, settings)
+        warn_unusable_engines(settings, store)  # before the requests that would run its turns on legacy
         app = create_app(service, tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
         if not _loopback(sock):
             # By the address bound, not the host's spelling: 127.0.0.2 and 127.1 are this machine; '' is not.

@@ -1,0 +1,68 @@
+"""A mistyped ``[engine.config.<id>]`` value (``fresh_tail_messages = "16"``) made the engine fail to load, and
+the host ran its turns on legacy, by design: `chat` said nothing before a turn ran (exit 0), `serve` nothing
+before a request, `engines list` exited 0 with a "NO:" in a table column; only `doctor` reported it.
+
+Now `chat`, `gateway` and `serve` say so on stderr, one warning line naming the key, before any turn, and
+`engines list` lists it among its warnings (still exit 0: `doctor` is the check, exit 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from service_process import ServiceProcess
+from test_cli import run, run_json
+
+MISTYPED = '[engine]\nslot = "lossless"\n[engine.config.lossless]\nfresh_tail_messages = "16"\n'
+FINE = '[engine]\nslot = "lossless"\n[engine.config.lossless]\nfresh_tail_messages = 16\n'
+
+
+def _config(tmp_path: Path, text: str) -> dict[str, str]:
+    path = tmp_path / "ts.toml"
+    path.write_text(text, encoding="utf-8")
+    return {"TRANSCRIPT_STORE_CONFIG": str(path)}
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning: ") and "cannot load" in line]
+
+
+def test_chat_warns_of_a_mistyped_engine_value_before_any_turn(store_url: str, tmp_path: Path) -> None:
+    """One line on stderr naming the engine and the key, with nothing typed yet; the run is as before."""
+    env = _config(tmp_path, MISTYPED)
+    result = run("chat", "--db", store_url, cwd=tmp_path, stdin="/quit\n", env=env)
+    (line,) = _warnings(result.stderr)
+    assert "'lossless'" in line and "fresh_tail_messages" in line and "legacy" in line, line
+    turn = run("chat", "--db", store_url, cwd=tmp_path, stdin="hello\n", env=env)  # by design: runs on legacy
+    assert len(_warnings(turn.stderr)) == 1 and "ran on legacy" in turn.stdout
+    fine = run("chat", "--db", store_url, cwd=tmp_path, stdin="/quit\n", env=_config(tmp_path, FINE))
+    assert _warnings(fine.stderr) == []
+
+
+def test_engines_list_warns_and_doctor_fails(store_url: str, tmp_path: Path) -> None:
+    env = _config(tmp_path, MISTYPED)
+    listed = run_json("engines", "list", "--db", store_url, cwd=tmp_path, env=env)
+    (warning,) = [w for w in listed["warnings"] if "cannot load" in w]
+    assert "fresh_tail_messages" in warning
+    text = run("engines", "list", "--db", store_url, cwd=tmp_path, env=env).stdout
+    assert any(line.startswith("warning: ") and "fresh_tail_messages" in line for line in text.splitlines())
+    run("doctor", "--db", store_url, cwd=tmp_path, env=env, code=1)
+    fine = run_json("engines", "list", "--db", store_url, cwd=tmp_path, env=_config(tmp_path, FINE))
+    assert not [w for w in fine["warnings"] if "cannot load" in w]
+
+
+def test_gateway_warns_before_its_workers_run(store_url: str, tmp_path: Path) -> None:
+    env = _config(tmp_path, MISTYPED)
+    result = run("gateway", "--db", store_url, "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults",
+                 "--json", cwd=tmp_path, env=env)
+    (line,) = _warnings(result.stderr)
+    assert "fresh_tail_messages" in line
+    assert json.loads(result.stdout)
+
+
+def test_serve_warns_at_start(store_url: str, tmp_path: Path) -> None:
+    env = _config(tmp_path, MISTYPED)
+    with ServiceProcess(store_url, {"tok": "s"}, tmp_path / "serve.log", env=env) as proc:
+        log = proc.log()
+    (line,) = _warnings(log)
+    assert "'lossless'" in line and "fresh_tail_messages" in line
