@@ -1953,9 +1953,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     why = _no_store_file(path) if path is not None and config.auto_upgrade is False else None
     if why is not None:  # (as open_store: nothing migrates on open, so nothing is created either)
         raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): run `transcript-store init`")
-    # A bad settings file is a usage error here, not in the workers; an engine that cannot load (a mistyped
-    # config value) is said before they run its turns on legacy (their own log lines are filtered below).
-    warn_unusable_engines(st.settings(engine), None)
+    settings = st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
@@ -1970,6 +1968,14 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         options.seed = seed
     if st.scope_given:
         options.scope = st.scope_name
+    # An engine that cannot load (a mistyped config value) is said once, before the workers run its turns on
+    # legacy; it may need the store to load (none yet: checked without one, as engines list does).
+    store, _why = _optional_store()
+    try:
+        warn_unusable_engines(settings, store)
+    finally:
+        if store is not None:
+            store.close()
     # The faults are on purpose and the report counts them: their records would drown the progress bar.
     # Set here, never by run_gateway (a library call leaves its caller's logging alone), and given back
     # after the run: the command may run inside another program's process (click's runner, a test).
