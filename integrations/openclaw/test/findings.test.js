@@ -719,47 +719,40 @@ test("finding 5: the plugin learns a lower entry cap and body limit from the ser
   assert.equal(boot.importedMessages, 0);
 });
 
-test("finding 5: limits that change under a running gateway (the service restarted) are read again", async () => {
+// Both on one service restarted once (the same store and port, now with a 1 MiB entry cap), each in a
+// session of its own: a service start is most of what either costs.
+test("a service restarted with a lower entry cap: running engines read its limits again (finding 5), and a replay is a duplicate, not a collision", async () => {
   const first = await startService();
   let second;
   try {
+    // finding 5: limits that change under a running gateway are read again.
     const host = hostSession("s-restart");
     const engine = await engineFor(host, { on: first });
     assert.deepEqual(await engine.commitTurn(host.turn("r0", [userMessage("hello"), assistantMessage("hi")])),
       { status: "committed" });
-    // The same store and port, now with a 1 MiB entry cap.
+    // A replay: 0.6 MiB of text kept twice (1.2 MiB): whole under the 4 MiB cap, kept once under a 1 MiB one.
+    const replayHost = hostSession("s-replay-limits");
+    const replayEngine = await engineFor(replayHost, { on: first });
+    const replayed = toolResult("c1", "w".repeat(0.6 * MiB));
+    const turn = replayHost.turn("x0", [userMessage("read it"), toolCall("c1", "read", {}), replayed, assistantMessage("read")]);
+    assert.deepEqual(await replayEngine.commitTurn(turn), { status: "committed" }); // (its answer lost to the host)
+
     await first.stop({ keep: true });
     second = await startService({ dir: first.dir, port: first.port, env: { TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES: String(MiB) } });
+
     const result = toolResult("c1", "z".repeat(0.6 * MiB)); // 1.2 MiB stored twice, over the new cap
     assert.deepEqual(await engine.commitTurn(host.turn("r1", [userMessage("read it"), toolCall("c1", "read", {}), result,
       assistantMessage("read")])), { status: "committed" });
     const assembled = await engine.assemble({ sessionId: host.sessionId, sessionKey: host.sessionKey, tokenBudget: 10000000 });
     assert.deepEqual(assembled.messages[4], result);
-  } finally {
-    await (second ?? first).stop();
-  }
-});
 
-
-test("a replay after the service restarted with a lower entry cap is a duplicate, not a collision", async () => {
-  const first = await startService();
-  let second;
-  try {
-    const host = hostSession("s-replay-limits");
-    const engine = await engineFor(host, { on: first });
-    // 0.6 MiB of text kept twice (1.2 MiB): whole under the 4 MiB cap, kept once under a 1 MiB one.
-    const result = toolResult("c1", "w".repeat(0.6 * MiB));
-    const turn = host.turn("x0", [userMessage("read it"), toolCall("c1", "read", {}), result, assistantMessage("read")]);
-    assert.deepEqual(await engine.commitTurn(turn), { status: "committed" }); // (its answer lost to the host)
-    await first.stop({ keep: true });
-    second = await startService({ dir: first.dir, port: first.port, env: { TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES: String(MiB) } });
     // The host's replay from its outbox, by the running engine and by a new one (a process started since).
-    assert.deepEqual(await engine.commitTurn(turn), { status: "duplicate" });
-    assert.deepEqual(await (await engineFor(host, { on: second })).commitTurn(turn), { status: "duplicate" });
+    assert.deepEqual(await replayEngine.commitTurn(turn), { status: "duplicate" });
+    assert.deepEqual(await (await engineFor(replayHost, { on: second })).commitTurn(turn), { status: "duplicate" });
     // Another turn under the same key still collides: only a cut by earlier limits is taken for the same.
     const other = { ...turn, messages: [...turn.messages.slice(0, 3), assistantMessage("read, differently")] };
-    await assert.rejects(engine.commitTurn(other), (error) => error.code === "advancement_key_collision");
-    const receipts = await second.get(`/v1/engines/legacy/sessions/${host.sessionId}/receipts`);
+    await assert.rejects(replayEngine.commitTurn(other), (error) => error.code === "advancement_key_collision");
+    const receipts = await second.get(`/v1/engines/legacy/sessions/${replayHost.sessionId}/receipts`);
     assert.equal(receipts.receipts.length, 1);
   } finally {
     await (second ?? first).stop();
