@@ -197,6 +197,13 @@ class OpenClawHost:
         """Link the plugin (selects it as the context engine)."""
         return self.command("plugins", "install", "-l", str(plugin_dir), "--force", "--accept-capabilities")
 
+    def link_plugin(self, plugin_dir: Path = PLUGIN_DIR) -> None:
+        """What ``install_plugin`` writes into the config (load path, entry enabled, context-engine slot), without
+        the seconds of a CLI start: for tests that need the plugin, not its installation."""
+        self.write_config({"plugins": {"load": {"paths": [str(plugin_dir)]},
+                                       "entries": {"transcript-store": {"enabled": True}},
+                                       "slots": {"contextEngine": "transcript-store"}}})
+
     def embedded_turn(self, message: str) -> TurnRun:
         """One embedded turn of agent main (``openclaw agent --local``)."""
         return self.command("agent", "--local", "--agent", "main", "--message", message, "--timeout", "240")

@@ -20,7 +20,6 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -259,12 +258,35 @@ def run_plugin(node_bin: Path, service_url: str, calls: list[dict[str, Any]]) ->
     return result
 
 
-@contextmanager
-def legacy_host_after_three_turns(
+def assert_turn_saw_the_compaction(
+    fake: FakeOpenAI, db_url: str, turn: int, summarised: Sequence[str], kept: str
+) -> None:
+    """The last model request (``turn``'s) holds OpenClaw's newest summary and what it kept, not the history it
+    summarised; the mirror keeps every message where OpenClaw has it, and each turn so far committed once."""
+    sent = [content_text(m) for m in fake.chat_requests[-1]["messages"]]
+    assert any(f"TURN-{turn} " in text for text in sent), sent  # the request of that turn
+    assert any("[Summary of the earlier conversation]" in text for text in sent), sent
+    raw = [text for text in sent if "[Summary of the earlier conversation]" not in text]
+    assert not any(old in text for old in summarised for text in raw), sent  # summarised, not sent whole
+    assert any(kept in text for text in raw), sent  # what OpenClaw kept
+    with TranscriptStore(db_url) as store:
+        session = store.find_session(SCOPE, SESSION_KEY)
+        assert session is not None
+        assert session.visible_count == 2 * turn
+        assert len(store.read(lambda c: list_receipts(c, SCOPE, session.session_id, "legacy"))) == turn
+
+
+def test_compactions_with_and_without_the_plugin_are_what_the_legacy_engine_assembles(
     host_tools: tuple[Path, Path], workdir: Path
-) -> Iterator[tuple[FakeOpenAI, OpenClawHost, str]]:
-    """OpenClaw with the plugin on the service's legacy engine, after three long turns of one session: the
-    model, the host and the store's URL (everything stopped on the way out)."""
+) -> None:
+    """OpenClaw with the plugin on the service's legacy engine, after three long turns of one session.
+
+    First OpenClaw's own compaction (``openclaw sessions compact`` through the gateway), which the plugin
+    delegates to for the legacy engine: a marker in OpenClaw's transcript that moves no message. Then a
+    compaction OpenClaw makes without calling the plugin's ``compact`` (here its own legacy engine's, selected
+    for a while; OpenClaw's in-run auto-compaction and a turn degraded to legacy write the same ``compaction``
+    entry), found in its transcript at the next (embedded) bootstrap. After each, the next turn's model request
+    holds the newest summary and the messages it kept, not the history it summarised (before, all of it)."""
     node_bin, openclaw = host_tools
     db_url = f"sqlite:///{workdir / 'store.db'}"
     fake = FakeOpenAI(responder=TurnResponder()).start()
@@ -272,64 +294,36 @@ def legacy_host_after_three_turns(
     host = OpenClawHost(node_bin, openclaw, workdir / "host", fake.base_url, free_port(), TOKEN)
     try:
         host.write_config()
-        assert "Linked plugin path" in host.install_plugin().output
+        host.link_plugin()  # what `openclaw plugins install -l` writes (that command is the first test's)
         host.write_config({"plugins": {"entries": {"transcript-store": {"config": {
             "serviceUrl": service.url, "engine": "legacy", "timeoutMs": 15000}}}}})
         for k in range(1, 4):
             run = host.embedded_turn(f"TURN-{k} " + f"tell me about topic {k}. " * 30)
             assert f"ack TURN-{k}" in run.output, run.output[-3000:]
-        yield fake, host, db_url
-    finally:
-        host.close()
-        service.stop()
-        fake.stop()
 
+        # The plugin's compact, delegated to OpenClaw's runtime; the next turn through the same gateway.
+        host.start_gateway()
+        compacted = host.command("sessions", "compact", SESSION_KEY)
+        assert "Compacted session" in compacted.output, compacted.output[-3000:]
+        run = host.gateway_turn("TURN-4 " + "tell me about topic 4. " * 30)
+        assert "ack TURN-4" in run.output, run.output[-3000:]
+        no_fallback(run, host.logs())
+        host.stop_gateway()
+        assert_turn_saw_the_compaction(fake, db_url, 4, ["TURN-1 tell me about topic 1"], "ack TURN-3")
 
-def assert_turn_4_saw_the_compaction(fake: FakeOpenAI, db_url: str) -> None:
-    """The last model request holds OpenClaw's summary and what it kept, not the history it summarised; the
-    mirror keeps every message where OpenClaw has it, and each of the four turns committed once."""
-    sent = [content_text(m) for m in fake.chat_requests[-1]["messages"]]
-    assert any("[Summary of the earlier conversation]" in text for text in sent), sent
-    raw = [text for text in sent if "[Summary of the earlier conversation]" not in text]
-    assert not any("TURN-1 tell me about topic 1" in text for text in raw), sent  # summarised, not sent whole
-    assert any("ack TURN-3" in text for text in sent), sent  # what OpenClaw kept
-    with TranscriptStore(db_url) as store:
-        session = store.find_session(SCOPE, SESSION_KEY)
-        assert session is not None
-        assert session.visible_count == 8
-        assert len(store.read(lambda c: list_receipts(c, SCOPE, session.session_id, "legacy"))) == 4
-
-
-def test_a_compaction_made_without_the_plugin_is_what_the_legacy_engine_assembles(
-    host_tools: tuple[Path, Path], workdir: Path
-) -> None:
-    """A compaction OpenClaw makes without calling the plugin's ``compact`` (here its own legacy engine's,
-    selected for a while; OpenClaw's in-run auto-compaction and a turn degraded to legacy write the same
-    ``compaction`` entry) is found in its transcript at the next bootstrap: the next turn's model request
-    holds the summary and what it kept (before, the plugin assembled the whole history it summarised)."""
-    with legacy_host_after_three_turns(host_tools, workdir) as (fake, host, db_url):
+        # A compaction by OpenClaw's own legacy engine, the plugin out of its slot; the plugin back for TURN-5.
         host.write_config({"plugins": {"slots": {"contextEngine": "legacy"}}})
         host.start_gateway()
         compacted = host.command("sessions", "compact", SESSION_KEY)
         assert "Compacted session" in compacted.output, compacted.output[-3000:]
         host.stop_gateway()
         host.write_config({"plugins": {"slots": {"contextEngine": "transcript-store"}}})
-        run = host.embedded_turn("TURN-4 after the compaction")
-        assert "ack TURN-4" in run.output, run.output[-3000:]
+        run = host.embedded_turn("TURN-5 after the second compaction")
+        assert "ack TURN-5" in run.output, run.output[-3000:]
         no_fallback(run, host.logs())
-        assert_turn_4_saw_the_compaction(fake, db_url)
-
-
-def test_openclaws_compaction_is_what_the_legacy_engine_assembles(host_tools: tuple[Path, Path], workdir: Path) -> None:
-    """OpenClaw's own compaction (``openclaw sessions compact``), which the plugin delegates to for the legacy
-    engine, is a marker in OpenClaw's transcript that moves no message: the next turn's model request
-    holds the summary and the messages it kept, not the history it summarised (before, all of it)."""
-    with legacy_host_after_three_turns(host_tools, workdir) as (fake, host, db_url):
-        host.start_gateway()
-        compacted = host.command("sessions", "compact", SESSION_KEY)
-        assert "Compacted session" in compacted.output, compacted.output[-3000:]
-        run = host.gateway_turn("TURN-4 after the compaction")
-        assert "ack TURN-4" in run.output, run.output[-3000:]
-        no_fallback(run, host.logs())
-        host.stop_gateway()
-        assert_turn_4_saw_the_compaction(fake, db_url)
+        # TURN-3's answer, which the first compaction kept (TURN-4 was sent it), is summarised by the second.
+        assert_turn_saw_the_compaction(fake, db_url, 5, ["TURN-3 tell me about topic 3", "ack TURN-3"], "ack TURN-4")
+    finally:
+        host.close()
+        service.stop()
+        fake.stop()
