@@ -186,8 +186,9 @@ class OpenClawHost:
 
     def start(self, *args: str) -> subprocess.Popen[bytes]:
         """Start a host command in the background (its output in ``root/logs``)."""
+        env = self.env()  # (makes the host's folders, logs among them)
         log = (self.root / "logs" / f"{args[0]}-{len(self.processes)}.out").open("wb")
-        proc = subprocess.Popen([str(self.openclaw), *args], env=self.env(), cwd=self.root, stdout=log,
+        proc = subprocess.Popen([str(self.openclaw), *args], env=env, cwd=self.root, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.processes.append(proc)

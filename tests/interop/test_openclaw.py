@@ -279,7 +279,7 @@ def assert_turn_saw_the_compaction(
 def test_compactions_with_and_without_the_plugin_are_what_the_legacy_engine_assembles(
     host_tools: tuple[Path, Path], workdir: Path
 ) -> None:
-    """OpenClaw with the plugin on the service's legacy engine, after three long turns of one session.
+    """OpenClaw with the plugin on the service's legacy engine, after three long turns of one session (gateway).
 
     First OpenClaw's own compaction (``openclaw sessions compact`` through the gateway), which the plugin
     delegates to for the legacy engine: a marker in OpenClaw's transcript that moves no message. Then a
@@ -297,12 +297,12 @@ def test_compactions_with_and_without_the_plugin_are_what_the_legacy_engine_asse
         host.link_plugin()  # what `openclaw plugins install -l` writes (that command is the first test's)
         host.write_config({"plugins": {"entries": {"transcript-store": {"config": {
             "serviceUrl": service.url, "engine": "legacy", "timeoutMs": 15000}}}}})
-        for k in range(1, 4):
-            run = host.embedded_turn(f"TURN-{k} " + f"tell me about topic {k}. " * 30)
-            assert f"ack TURN-{k}" in run.output, run.output[-3000:]
-
-        # The plugin's compact, delegated to OpenClaw's runtime; the next turn through the same gateway.
+        # Three long turns through the gateway (a client start each, not a whole embedded host: the embedded
+        # path is the first test's), the plugin's compact delegated to OpenClaw's runtime, the next turn.
         host.start_gateway()
+        for k in range(1, 4):
+            run = host.gateway_turn(f"TURN-{k} " + f"tell me about topic {k}. " * 30)
+            assert f"ack TURN-{k}" in run.output, run.output[-3000:]
         compacted = host.command("sessions", "compact", SESSION_KEY)
         assert "Compacted session" in compacted.output, compacted.output[-3000:]
         run = host.gateway_turn("TURN-4 " + "tell me about topic 4. " * 30)
