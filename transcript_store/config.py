@@ -84,9 +84,10 @@ class StoreConfig(Shape):
     def from_env(cls, **overrides: object) -> StoreConfig:
         """Settings from TRANSCRIPT_STORE_* variables, then the given overrides (None ones ignored)."""
         values: dict[str, object] = {}
+        given = {k: v for k, v in overrides.items() if v is not None}
         for name, var in ENV_VARS.items():
             raw = os.environ.get(var)
-            if raw is None or raw == "":
+            if raw is None or raw == "" or name in given:  # an argument given wins: its variable is not read
                 continue
             if name in ("auto_upgrade", "pg_generic_plans"):
                 values[name] = parse_bool(var, raw)
@@ -96,7 +97,6 @@ class StoreConfig(Shape):
                 values[name] = parse_int_text(var, raw)
             else:
                 values[name] = raw
-        given = {k: v for k, v in overrides.items() if v is not None}
         values.update(given)
         try:
             return cls.model_validate(values)
