@@ -37,7 +37,8 @@ test-slow: bytecode
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The plugin inside the real OpenClaw: Node and OpenClaw are cached in .cache/openclaw (npm registry). Its tests
-# are independent hosts (own directories and ports) that mostly wait for Node: with TEST_WORKERS > 1 they run side by side (CI runs one at a time, beside make test).
+# are independent hosts (own directories and ports) that mostly wait for Node: with TEST_WORKERS > 1 they run
+# side by side (CI runs them one at a time, beside make test).
 test-openclaw: bytecode
 	TRANSCRIPT_STORE_OPENCLAW=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m openclaw tests/interop $(PYTEST_ARGS)
 
