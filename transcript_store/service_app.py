@@ -788,14 +788,17 @@ def _json_media(content_type: str | None) -> bool:
 
 
 def _protect_openapi(app: FastAPI) -> None:
-    """Serve /openapi.json to token holders only (every request is authenticated)."""
-    document = get_openapi(
-        title=app.title, version=app.version, description=app.description, routes=app.routes
-    )
+    """Serve /openapi.json to token holders only (every request is authenticated); the document is made at
+    the first request for it, not at each start (~50 ms of a server's start)."""
+    document: list[dict[str, Any]] = []
 
     @app.get("/openapi.json", include_in_schema=False)
     def openapi(scope: Scope) -> dict[str, Any]:
-        return document
+        if not document:  # two first requests at once make it twice, the same document
+            document.append(get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            ))
+        return document[0]
 
 
 IDEMPOTENCY_KEY_DOC = (
