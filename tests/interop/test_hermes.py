@@ -10,6 +10,7 @@ Without hermes-agent the tests skip, except with CI=true, where they fail.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -68,6 +69,13 @@ def home(server: FakeOpenAI) -> Iterator[Path]:
     cfg["model"].update(default="fake-model", provider="custom", base_url=server.base_url, api_key="test-key")
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     yield path
+    # Hermes' agents attach file handlers writing under the home (logs/agent.log): closed and detached before it
+    # goes, or the next module's records fail to reopen the file ("--- Logging error ---" in the run's output).
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):
+            if str(getattr(handler, "baseFilename", "")).startswith(str(path)):
+                logger.removeHandler(handler)
+                handler.close()
     shutil.rmtree(path, ignore_errors=True)
 
 
