@@ -50,7 +50,7 @@ from . import migrate, showing, transfer
 from .config import INTEGER_RULE, INTEGER_TEXT, StoreConfig
 from .core import Core, check_id
 from .db import mask_url, parse_url, sqlite_file, url_secrets
-from .engine import MAX_TOKENS
+from .engine import MAX_TOKENS, EngineContext
 from .errors import (
     EngineError,
     InvalidInput,
@@ -1356,19 +1356,23 @@ def engine_report(settings: HostSettings, store: TranscriptStore | None) -> tupl
         return _engine_report(settings, store)
 
 
-def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
-    from .engine import EngineContext
-    from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
-    from .registry import EngineRegistry
+def engine_context(settings: HostSettings, store: TranscriptStore | None, engine_id: str) -> EngineContext:
+    """The context an engine is checked with: its config table, the store, the summarizer and estimator."""
     from .summarize import summarizer_from_env
     from .tokens import default_estimator
+
+    return EngineContext(store=store, config=settings.engine_config.get(engine_id, {}),
+                         summarizer=summarizer_from_env(), estimator=default_estimator())
+
+
+def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
+    from .models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
+    from .registry import EngineRegistry
 
     registry = EngineRegistry(settings.plugin_dirs)
     out = []
     for engine_id in sorted(registry.specs):
-        ctx = EngineContext(store=store, config=settings.engine_config.get(engine_id, {}),
-                            summarizer=summarizer_from_env(), estimator=default_estimator())
-        status = registry.check(engine_id, ctx)
+        status = registry.check(engine_id, engine_context(settings, store, engine_id))
         info = status.info
         sem = info.transcript_semantics if info else None
         out.append({
@@ -1406,18 +1410,13 @@ def unusable_engines(settings: HostSettings, store: TranscriptStore | None) -> l
     """A warning for each engine that cannot load among the selected one and those with an
     ``[engine.config.<id>]`` table (a mistyped value in it, say): hosts run such an engine's turns on legacy,
     which said nothing before a turn ran (and ``engines list`` exited 0 on it)."""
-    from .engine import EngineContext
     from .registry import EngineRegistry
-    from .summarize import summarizer_from_env
-    from .tokens import default_estimator
 
     out = []
     with engine_output_on_stderr():  # an engine's import and factory print there, as in engine_report
         registry = EngineRegistry(settings.plugin_dirs)
         for engine_id in sorted({settings.engine, *settings.engine_config} & set(registry.specs)):
-            ctx = EngineContext(store=store, config=settings.engine_config.get(engine_id, {}),
-                                summarizer=summarizer_from_env(), estimator=default_estimator())
-            status = registry.check(engine_id, ctx)
+            status = registry.check(engine_id, engine_context(settings, store, engine_id))
             if not status.valid:
                 out.append(unusable_warning(engine_id, status.reason, engine_id == settings.engine))
     return out
