@@ -744,11 +744,13 @@ def test_an_answer_recorded_before_message_identities_is_still_recognised(
     """Candidates were fingerprinted on the whole cleaned messages before; after the upgrade a rotated
     session's answer recorded by the older release was never recognised, and its lineage was lost."""
     import transcript_store.hermes as adapter
+    from transcript_store.hermes import forms, ingest, lineage, runtime
 
     engine = make(tmp_path, db_url=store_url)
     engine.on_session_start("hermes-A")
-    with monkeypatch.context() as m:  # the older release's fingerprint
-        m.setattr(adapter, "fingerprint", lambda ms: adapter.digest(adapter.canonical(list(ms))))
+    with monkeypatch.context() as m:  # the older release's fingerprint, in every module that calls it
+        for module in (adapter, forms, ingest, lineage, runtime):
+            m.setattr(module, "fingerprint", lambda ms: adapter.digest(adapter.canonical(list(ms))))
         first = engine.compress(conversation("alpha", 12))
     engine.close()
     upgraded = make(tmp_path, db_url=store_url)

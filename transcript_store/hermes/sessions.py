@@ -1,0 +1,167 @@
+"""Hermes session ids: starts, switches (``/new``, ``/resume``, ``/branch``), rotations and ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import weakref
+from typing import Any
+
+from .ingest import IngestMixin
+from .lineage import ALIAS, INDEX_KEY
+from .messages import canonical, detached, digest
+from .runtime import _BOUND, _LIVE, _RUNTIME_LOCK, _TURN
+
+log = logging.getLogger("transcript_store.hermes")
+
+
+def _branch_parent(session_db: Any, session_id: str) -> str | None:
+    """The session ``session_id`` is a ``/branch`` of, as hermes-agent's session database records it (its
+    ``_branched_from`` mark, or a parent that ended as ``branched``); None when it is none or cannot tell."""
+    try:
+        row = session_db.get_session(session_id) if session_db is not None else None
+        if not isinstance(row, dict):
+            return None
+        config = row.get("model_config") or "{}"
+        config = json.loads(config) if isinstance(config, str) else config
+        marked = config.get("_branched_from") if isinstance(config, dict) else None
+        parent_id = row.get("parent_session_id")
+        if isinstance(marked, str) and marked:
+            return marked
+        if marked:
+            return parent_id if isinstance(parent_id, str) and parent_id else None
+        parent = session_db.get_session(parent_id) if parent_id else None
+        return parent_id if isinstance(parent, dict) and parent.get("end_reason") == "branched" else None
+    except Exception:
+        return None
+
+
+def saved_conversation(session_db: Any, hermes_session: str) -> Any:
+    """What Hermes' session database saved of a conversation, as Hermes replays it: with
+    ``repair_alternation`` (what its gateway and ``/resume`` load), so consecutive user messages come
+    merged, as ``repair_message_sequence`` merged them in the live list before the request.
+
+    The turn after an interrupted one merges the interrupted user message and its own into one in the
+    live list (what the turn hook stores) while the database keeps the two rows: read as saved, the
+    list differed from the transcript there, and each later store of it (``end_turn``, a switch)
+    branched the session and stored the rest of the conversation again. An older hermes-agent without
+    the parameter is read as saved."""
+    read = session_db.get_messages_as_conversation
+    try:
+        return read(hermes_session, repair_alternation=True)
+    except TypeError:  # no such parameter
+        return read(hermes_session)
+
+
+class SessionsMixin(IngestMixin):
+    """The Hermes session the adapter follows, and what it stores when the session changes."""
+
+    def _tell_thread(self) -> None:
+        """Name this copy as the one last told its agent's session in this thread (``end_turn``): Hermes
+        builds an agent, binding its copy, in the thread that runs it (the background review's, too)."""
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced: no hook
+            _TURN.told = weakref.ref(self)
+
+    def _mark_turn(self) -> None:
+        """Name this copy as the engine of the turn running on this thread (see ``observe_turn``)."""
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced: no hook
+            _TURN.engine = weakref.ref(self)
+
+    def on_session_start(self, session_id: str, **kwargs: Any) -> None:
+        """Remember the Hermes session id (the store session opens lazily); a compaction boundary that
+        moves to a new id (``boundary_reason="compression"``, ``old_session_id``) continues the old id's
+        store session under the new one."""
+        self.session_id = session_id
+        if isinstance(session_id, str) and session_id:
+            self._tell_thread()
+            with _RUNTIME_LOCK:  # the new id's unfinished turns, too (``end_turn``)
+                _LIVE[session_id] = self
+                if self._bound_db() is not None:
+                    _BOUND[session_id] = self
+        old = kwargs.get("old_session_id")
+        if kwargs.get("boundary_reason") != "compression" or not isinstance(old, str) or not old:
+            return
+        if not isinstance(session_id, str) or not session_id or old == session_id:
+            return  # in place: the same id, the same store session
+        # Without this, the turns after a rotation (below the trigger: no compress, whose adopted
+        # candidate would link the new id) ran their recall tools in a new, empty store session.
+        try:
+            rt = self.runtime()
+            lineage = self._store_session(rt, old)
+            # Durable, in the candidates' index: a process restarted under the new id (Hermes resumes
+            # it from its session database, no boundary told again) continues the lineage too.
+            index = rt.store.open_session(self.scope, INDEX_KEY)
+            rt.store.append(
+                self.scope, index.session_id, kind="metadata",
+                payload={"type": ALIAS, "hermes_session": session_id, "store_session": lineage},
+                idempotency_key="alias-" + digest(canonical([session_id, lineage])),
+            )
+            with rt.lock:
+                rt.aliases[session_id] = lineage
+        except Exception:  # never an error into Hermes: the next compress links the lineage too
+            log.exception("transcript-store: could not continue session %s under %s", old, session_id)
+
+    def on_session_end(self, session_id: str, messages: list[dict[str, Any]]) -> None:
+        """Store whatever of the conversation is not stored yet (idempotent)."""
+        try:
+            if messages:
+                self.ingest(detached(list(messages)), session_id or None)
+        except Exception:
+            log.exception("transcript-store: storing the conversation at session end failed")
+
+    def bind_session_state(self, session_db: Any = None, session_id: str = "", **_kwargs: Any) -> None:
+        """Follow the agent's session id: hermes-agent calls this at agent start and when ``/new``,
+        ``/resume`` or ``/branch`` switch the id without a session-start hook (its session database is
+        not used: the store holds the transcript)."""
+        # Without it the adapter kept the old id after a switch: the next conversation was aligned with
+        # the old one's store session (branched onto its transcript) and the new id's stayed empty.
+        if not isinstance(session_id, str) or not session_id:
+            return
+        self._tell_thread()
+        with _RUNTIME_LOCK:
+            _LIVE[session_id] = self
+            if session_db is not None:
+                self._session_db = session_db
+                _BOUND[session_id] = self
+        previous = self.session_id
+        if previous == session_id:
+            return
+        # Hermes ends the conversation it leaves (on_session_end) on /new, not on /resume or /branch:
+        # what it saved of that one since our last call is stored now, from its database.
+        if previous:
+            self._store_saved(session_db, previous)
+        # A /branch is told here with the id it switches from (the CLI) or, in the gateway, which builds
+        # a new agent for the branch, with none: the session database's mark says it is one either way
+        # (unmarked in the gateway, the branch joined the parent's store session).
+        parent = _branch_parent(session_db, session_id)
+        if parent is not None:
+            if not isinstance(getattr(self, "branches", None), set):
+                self.branches = set()
+            self.branches.add(session_id)
+            if parent != previous and self._unstored(session_id):
+                # The gateway left the parent without a hook: store what it saved, once (before the
+                # branch has a store session; the gateway binds a new agent at every turn).
+                self._store_saved(session_db, parent)
+        self.session_id = session_id
+
+    def _bound_db(self) -> Any:
+        """Hermes' session database given by ``bind_session_state`` (None: none yet)."""
+        return getattr(self, "_session_db", None)
+
+    def _unstored(self, hermes_session: str) -> bool:
+        """Whether no store session holds ``hermes_session`` yet (False when the store cannot tell)."""
+        try:
+            return self._lineage(self.runtime(), hermes_session) is None
+        except Exception:
+            log.exception("transcript-store: could not look up session %s", hermes_session)
+            return False
+
+    def _store_saved(self, session_db: Any, hermes_session: str) -> None:
+        """Store what Hermes' session database saved of a conversation (never raises into Hermes)."""
+        try:
+            saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
+            if isinstance(saved, list) and saved:
+                self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session)
+        except Exception:
+            log.exception("transcript-store: storing conversation %s at a session switch failed", hermes_session)
