@@ -341,6 +341,78 @@ def test_assemble_raises_rather_than_cross_the_fence(store: TranscriptStore, sid
         engine.assemble(scope=A, session_id=sid, fence=t2[0].anchor, token_budget=10_000)
 
 
+class Meanwhile(ExtractiveSummarizer):
+    """Runs ``hook`` once, at its first call: between a compaction's planning read and its write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook: Any = None
+
+    def summarize(self, *args: Any, **kwargs: Any) -> str:
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return str(super().summarize(*args, **kwargs))
+
+
+@pytest.mark.parametrize("call", ["assemble", "compact"])
+@pytest.mark.parametrize("change", ["crossed", "rewritten"])
+def test_a_compaction_inside_a_turn_writes_nothing_once_the_fence_no_longer_holds(
+    store: TranscriptStore, sid: str, call: str, change: str
+) -> None:
+    """Over the hard budget, assemble compacts before it answers (the host's compaction before the prompt
+    and its overflow recovery call ``compact`` inside the turn too). While the summarizer ran, another
+    caller imported the copy past the admitted entry unfenced ("crossed"), or a rewrite broke the fence:
+    the compaction's write landed all the same (a summary written for a turn that then degraded, or one
+    covering the admitted entry), and only the next fenced read raised. Now the write holds the fence."""
+    summarizer = Meanwhile()
+    engine = make_engine(store, SMALL, summarizer)
+    run_turns(store, engine, sid, 10)
+    admission = store.admit(A, sid, user("the current turn " + "words " * 30), turn_id="now")
+    fence = admission.anchor
+    assert engine.assemble(scope=A, session_id=sid, fence=fence, token_budget=100_000).messages  # imported
+    seen: list[dict[str, list[tuple[Any, ...]]]] = []
+
+    def meanwhile() -> None:
+        if change == "crossed":
+            engine.bootstrap(scope=A, session_id=sid, fence=None)  # the admitted entry into the copy
+        else:
+            first = store.read_visible(A, sid)[0]
+            store.rewrite_entries(A, sid, [{"entry_id": first.entry_id, "message": user("edited")}])
+        seen.append(rows(store, sid))
+
+    summarizer.hook = meanwhile
+    with pytest.raises(ReadFenceError) as raised:
+        if call == "assemble":
+            engine.assemble(scope=A, session_id=sid, fence=fence, token_budget=600)
+        else:
+            engine.compact(scope=A, session_id=sid, force=True, token_budget=600, fence=fence)
+    assert raised.value.reason == change
+    assert summarizer.hook is None and len(seen) == 1  # the compaction was planned, its write refused
+    assert rows(store, sid) == seen[0]  # nothing written after the fence broke: no summary, no item moved
+    assert count(store, summaries, sid) == 0
+    if change == "crossed":
+        assert fence.entry_id in {r[3] for r in seen[0]["ts_lcm_messages"]}  # the copy holds it, unsummarized
+
+
+def test_a_fenced_compaction_applies_no_pending_reset_once_the_fence_no_longer_holds(
+    store: TranscriptStore, sid: str
+) -> None:
+    """A rewrite since the engine's import leaves a reset pending, which a compaction applies before it
+    plans: with the turn's fence it applied it (a write: rows forgotten, the epoch moved) and only then
+    found the fence broken by that very rewrite. The fence is checked first now."""
+    engine = make_engine(store, SMALL)
+    run_turns(store, engine, sid, 6)
+    admission = store.admit(A, sid, user("the current turn"), turn_id="now")
+    first = store.read_visible(A, sid)[0]
+    store.rewrite_entries(A, sid, [{"entry_id": first.entry_id, "message": user("edited")}])
+    before = rows(store, sid)
+    with pytest.raises(ReadFenceError) as raised:
+        engine.compact(scope=A, session_id=sid, force=True, fence=admission.anchor)
+    assert raised.value.reason == "rewritten"
+    assert rows(store, sid) == before
+
+
 # ---------------------------------------------------------------------------------------------- assembly
 
 

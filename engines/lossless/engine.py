@@ -11,7 +11,8 @@ Lifecycle:
   the context list and the engine's rows for it, never the transcript's history.
 - ``maintain`` / ``compact``: compaction above the threshold (see ``compaction``); ``maintain`` is
   deferred by the host after a turn (background mode), and run inline after a turn's bootstrap with the
-  turn's fence, which it holds; ``after_turn`` only remembers the run's budget.
+  turn's fence, which it holds; so does ``compact`` run inside a turn, and ``assemble``'s own compaction;
+  ``after_turn`` only remembers the run's budget.
 - ``get_tool_schemas`` / ``handle_tool_call``: lcm_grep, lcm_describe, lcm_expand (see ``tools``).
 """
 
@@ -275,7 +276,11 @@ class LosslessEngine:
                 # history and the new summaries with it, for as many turns as maintenance took to catch up.
                 passes += 1
                 marks = self.budget(scope, session_id, budget)
-                result = self._compact(scope, session_id, marks, force=False, focus=None)
+                # Fenced as the turn's reads are: the planning read and the write each check that the fence
+                # holds and the engine's copy ends before the admitted entry, else ReadFenceError with
+                # nothing written (unfenced, a copy crossed meanwhile was compacted, the admitted entry
+                # with it, before the next ``_current`` raised).
+                result = self._compact(scope, session_id, marks, force=False, focus=None, fence=fence)
                 items = self._current(scope, session_id, fence)
                 if not result.compacted:
                     break
@@ -413,14 +418,18 @@ class LosslessEngine:
         token_budget: int | None = None,
         session_key: str | None = None,
         runtime_settings: RuntimeSettings | None = None,
+        fence: Anchor | None = None,
     ) -> CompactResult:
-        """Compact until under the target (``force``: at least one step even when under the threshold)."""
-        check_call(scope, session_id, session_key=session_key, runtime_settings=runtime_settings)
+        """Compact until under the target (``force``: at least one step even when under the threshold).
+        Inside a turn (the host's compaction before the prompt, its overflow recovery) with the turn's
+        ``fence``, held as ``maintain`` holds it: ReadFenceError, nothing written, when it does not hold."""
+        check_call(scope, session_id, fence=fence, session_key=session_key, runtime_settings=runtime_settings)
         check_flag("force", force)
         check_token_budget(token_budget, optional=True)
         check_focus(focus)
         self._remember(scope, session_id, None, runtime_settings)
-        return self._compact(scope, session_id, self.budget(scope, session_id, token_budget), force=force, focus=focus)
+        marks = self.budget(scope, session_id, token_budget)
+        return self._compact(scope, session_id, marks, force=force, focus=focus, fence=fence)
 
     def _compact_if_needed(self, scope: str, session_id: str, fence: Anchor | None = None) -> CompactResult | None:
         marks = self.budget(scope, session_id)
@@ -511,9 +520,9 @@ class LosslessEngine:
         """
 
         def state(c: Core) -> tuple[View, list[Item]] | None:
+            self._hold_fence(c, scope, session_id, fence)  # before the reset's write below, too
             if ingest.reset_pending(c, scope, session_id):
                 return None
-            self._hold_fence(c, scope, session_id, fence)
             # Only what follows a host's reset is compacted (a summary never spans it).
             items = after_reset(load_items(c, scope, session_id), reset_in(c, scope, session_id))
             return View.load(c, scope, session_id), items
@@ -522,8 +531,13 @@ class LosslessEngine:
             got: tuple[View, list[Item]] | None = self.store.read(state)
             if got is not None:
                 return got
-            self.store.write(lambda c: ingest.apply_reset(c, scope, session_id))
+            self.store.write(lambda c: self._apply_reset(c, scope, session_id, fence))
         raise RuntimeError("the transcript kept moving under the compaction")  # pragma: no cover
+
+    def _apply_reset(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> None:
+        """``ingest.apply_reset`` in a transaction that holds the fence first (a turn's write checks it)."""
+        self._hold_fence(c, scope, session_id, fence)
+        ingest.apply_reset(c, scope, session_id)
 
     # ------------------------------------------------------------------------------------ tools
 
