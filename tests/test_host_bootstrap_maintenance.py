@@ -1,7 +1,9 @@
 """Maintenance after bootstrap (OpenClaw's reason "bootstrap"), over both backends: the host runs the
 engine's ``maintain`` inline right after the bootstrap of a turn, before the prompt is assembled, inside
 the turn's fence; an engine whose ``maintain`` takes no fence is maintained after the commit only; a
-failing pass never breaks the turn; the lossless engine's pass never covers the admitted entry."""
+failing pass never breaks the turn; the lossless engine's pass never covers the admitted entry. A
+compaction inside a turn (the engine's ``compact`` before the prompt or in an overflow's recovery,
+lossless ``assemble``'s own) holds the turn's fence as well."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from sqlalchemy import select
 from engines.lossless import LosslessEngine
 from engines.lossless.tables import messages, summaries, summary_sources
 from transcript_store import TranscriptStore
-from transcript_store.engine import BootstrapResult, EngineContext, MaintainResult
+from transcript_store.engine import AssembleResult, BootstrapResult, CompactResult, EngineContext, MaintainResult
+from transcript_store.errors import ModelError
 from transcript_store.host import HostRuntime
 from transcript_store.models import Admission, Anchor
 from transcript_store.quarantine import records
@@ -244,4 +247,110 @@ def test_lossless_maintain_never_compacts_the_admitted_entry_when_the_copy_cross
     assert "crossed" in (out.degraded_reason or "")
     assert admitted_entry(store, sid, "the new question") not in covered_entries(store, sid)
     assert summary_count(store, sid) == 0
+    host.dispose()
+
+
+class CompactsInTurn(CountingEngine):
+    """An engine that owns compaction and records the fence each ``compact`` gets; its assembly says it
+    may hide an overflow (``before the prompt``: the host's safeguard then asks it to compact)."""
+
+    def __init__(self, ctx: EngineContext, overflow: bool) -> None:
+        super().__init__(ctx, "compacting", owns_compaction=True)
+        self.overflow = overflow
+        self.fences: list[Anchor | None] = []
+
+    def assemble(self, **kw: Any) -> Any:
+        result = super().assemble(**kw)
+        if not self.overflow:
+            return result
+        return AssembleResult(messages=result.messages, estimated_tokens=kw["token_budget"] - 1,
+                              prompt_authority="preassembly_may_overflow")
+
+    def compact(self, *, scope: str, session_id: str, fence: Anchor | None = None, **kw: Any) -> CompactResult:
+        self.fences.append(fence)
+        return CompactResult(ok=True, compacted=True)
+
+
+class CompactsUnfenced(CompactsInTurn):
+    """The same, with a ``compact`` that declares no ``fence`` (``**kw`` is no promise to honour one)."""
+
+    def compact(self, **kw: Any) -> CompactResult:  # type: ignore[override]
+        self.fences.append(kw.get("fence"))
+        return CompactResult(ok=True, compacted=True)
+
+
+def compacting_host(
+    store: TranscriptStore, kind: type[CompactsInTurn], overflow: bool
+) -> tuple[HostRuntime, CompactsInTurn, RecordingModel]:
+    made: list[CompactsInTurn] = []
+
+    def factory(ctx: EngineContext) -> CompactsInTurn:
+        made.append(kind(ctx, overflow=overflow))
+        return made[-1]
+
+    registry = EngineRegistry()
+    registry.register_factory("compacting", factory)
+    model = RecordingModel()
+    host = HostRuntime(store, load_settings(config_path=None, engine="compacting"), model, registry=registry,
+                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host.engine("compacting")
+    return host, made[0], model
+
+
+@pytest.mark.parametrize("when", ["before the prompt", "overflow recovery"])
+@pytest.mark.parametrize("kind", [CompactsInTurn, CompactsUnfenced])
+def test_a_compaction_inside_a_turn_is_given_the_turns_fence(
+    store: TranscriptStore, when: str, kind: type[CompactsInTurn]
+) -> None:
+    """The host's own compaction calls inside a turn (its safeguard before the prompt, the recovery of a
+    provider's overflow) gave an engine no fence: its compaction read and wrote the session as it is,
+    the admitted entry in reach. A ``compact`` that declares ``fence`` now gets the turn's, as the
+    maintain after a bootstrap does; one that does not is called as before."""
+    sid = store.create_session(SCOPE, session_id="bm-c").session_id
+    host, engine, model = compacting_host(store, kind, overflow=when == "before the prompt")
+    if when == "overflow recovery":
+        overflow = ModelError("maximum context length exceeded", status=400, code="context_length_exceeded")
+        model.fail_next.append(overflow)
+    out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+    assert out.commit_status == "committed" and out.engine_id == "compacting"
+    assert len(engine.fences) == 1
+    fence = engine.fences[0]
+    if kind is CompactsInTurn:
+        assert fence is not None and fence.entry_id == admitted_entry(store, sid, "hello")
+    else:
+        assert fence is None
+    host.dispose()
+
+
+def test_lossless_assemble_compacts_within_the_fence_or_the_turn_degrades_with_nothing_written(
+    store: TranscriptStore,
+) -> None:
+    """A turn whose assembly is over the prompt's budget compacts in ``assemble`` (turns another host
+    committed on legacy, imported now). While the summarizer ran, an unfenced reader imported the admitted
+    entry into the engine's copy: the compaction's write landed all the same (its summary stayed after
+    the turn degraded). Now the write refuses it (ReadFenceError "crossed"), and the turn runs on legacy."""
+    sid = store.create_session(SCOPE, session_id="bm-ax").session_id
+    summarizer = ImportingSummarizer(sid)
+    model = RecordingModel()
+    settings = load_settings(config_path=None, engine="lossless", token_budget=3000, max_output_tokens=200,
+                             engine_config={"lossless": {"leaf_chunk_messages": 4, "fresh_tail_messages": 2}})
+    host = HostRuntime(store, settings, model, registry=EngineRegistry(), summarizer=summarizer,
+                       estimator=RoughEstimator())
+    engine, _info = host.engine("lossless")
+    summarizer.engine = engine
+    assert host.run_turn(SCOPE, sid, "hello", turn_id="t1").engine_id == "lossless"  # bootstrapped here
+    assert host.maintenance.wait(10)
+    history(store, sid, 20)  # about 4,000 tokens, over the prompt's budget: assemble compacts them
+    before = summary_count(store, sid)
+
+    def arm(_scope: str, _sid: str, _admission: Admission) -> None:
+        summarizer.armed = True
+
+    host.before_assemble = arm
+    out = host.run_turn(SCOPE, sid, "the new question", turn_id="t2")
+    assert out.commit_status == "committed" and out.engine_id == "legacy"
+    assert "crossed" in (out.degraded_reason or "")
+    assert not summarizer.armed  # the assembly's compaction was planned, and its write refused
+    assert summary_count(store, sid) == before
+    assert admitted_entry(store, sid, "the new question") not in covered_entries(store, sid)
     host.dispose()

@@ -245,6 +245,17 @@ def _assembled(info: EngineInfo, answer: object) -> AssembleResult:
     return result
 
 
+def _fenced(method: object, base: dict[str, Any], fence: Anchor | None) -> dict[str, Any]:
+    """``base`` with the running turn's ``fence`` for a ``compact`` inside a turn (before the prompt, an
+    overflow's recovery) that declares a ``fence`` keyword (``takes_keyword``), as the maintain after a
+    bootstrap is given it: the engine holds it in each read and write (the lossless engine raises
+    ReadFenceError, nothing written, when its copy holds the admitted entry), so no compaction of the turn
+    covers the turn's own message. A ``compact`` without it is called as before."""
+    if fence is None or method is None or not takes_keyword(method, "fence"):
+        return base
+    return {**base, "fence": fence}
+
+
 def _same_owner(obj: object, *names: str) -> bool:
     """Whether one class of ``obj``'s MRO defines every one of ``names`` (none inherited past another)."""
     owners = set()
@@ -1217,7 +1228,7 @@ class HostRuntime:
             # unless the engine owns compaction (its safeguard asks the engine, never the built-in).
             rt: RuntimeContext = host["runtime_context"]
             if info.owns_compaction:
-                done = self._owned_compaction(engine, info, scope, session_id, budget, host)
+                done = self._owned_compaction(engine, info, scope, session_id, budget, host, fence)
             else:
                 done = delegate_compaction_to_runtime(rt, force=False, prompt_budget=budget)
             # A compaction that changed the session identity names the successor (OpenClaw's
@@ -1248,13 +1259,14 @@ class HostRuntime:
         As OpenClaw's overflow recovery, the engine's ``compact`` runs whether or not it owns compaction
         (a non-owning one delegates to the built-in; one without ``compact`` gets the built-in), and a
         successor session it names is followed by the next turn, not this one (as before the prompt).
+        A ``compact`` that declares ``fence`` is given ``fence``, the turn's (``_fenced``).
         The model loop then starts over: tool calls of the refused pass ran, their results are dropped.
         """
         log.warning("session %s: the provider refused the request as over its context window (%s);"
                     " compacting, then retrying the model call once", session_id, error)
         rt: RuntimeContext = host["runtime_context"]
         base = {"scope": scope, "session_id": session_id, "force": True, "focus": None, "token_budget": rt.budget}
-        params = project_params(info, base, host)
+        params = project_params(info, _fenced(getattr(engine, "compact", None), base, fence), host)
         done = self._call(info.id, "compact", lambda: self._engine_compact(engine, info, scope, session_id, rt, params))
         self.follow(scope, session_id, done.session_target)
         if not done.compacted:
@@ -1383,14 +1395,22 @@ class HostRuntime:
         return fixed
 
     def _owned_compaction(
-        self, engine: Any, info: EngineInfo, scope: str, session_id: str, budget: int, host: dict[str, Any]
+        self,
+        engine: Any,
+        info: EngineInfo,
+        scope: str,
+        session_id: str,
+        budget: int,
+        host: dict[str, Any],
+        fence: Anchor | None = None,
     ) -> CompactResult:
-        """The engine's own compaction, for the pre-prompt safeguard of an engine that owns compaction."""
+        """The engine's own compaction, for the pre-prompt safeguard of an engine that owns compaction
+        (given the turn's ``fence`` when its ``compact`` declares one, see ``_fenced``)."""
         method = getattr(engine, "compact", None)
         if method is None:
             return CompactResult(ok=True, compacted=False, reason="the engine has no compact()")
         base = {"scope": scope, "session_id": session_id, "force": False, "focus": None, "token_budget": budget}
-        params = project_params(info, base, host)
+        params = project_params(info, _fenced(method, base, fence), host)
 
         def run() -> CompactResult:
             return self._checked_target(info, scope, session_id, CompactResult.model_validate(method(**params)))
