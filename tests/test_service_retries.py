@@ -478,6 +478,25 @@ def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_th
     assert status == 200 and data["entries"][0]["idempotency_key"].startswith("Idempotency-Key:")
 
 
+def test_an_append_under_an_idempotency_key_to_a_missing_or_foreign_session_is_a_404_as_without_it(
+    server: ServiceProcess, store: TranscriptStore
+) -> None:
+    """An append whose every item has its own id or key, under a header, to a session the scope does not
+    have was 400 ``invalid_input`` (send it without the header), and without the header it is 404: the
+    client dropping the header was answered 404 then. It is 404 ``session_not_found`` whatever the header
+    and the items, for an id no session has and for another scope's session alike, writing nothing."""
+    create(server, {"session_id": "s"}, None, token=TOKEN_B)  # scope B's session s: not scope A's
+    rows = table_rows(store)
+    bodies = ([{"message": user("a"), "entry_id": "own"}], [{"message": user("a"), "idempotency_key": "own"}],
+              [{"message": user("a")}, {"message": user("b"), "entry_id": "own"}])
+    for sid in ("nope", "s"):
+        for items in bodies:
+            for key in (None, "fresh"):
+                status, data = append(server, sid, items, key)
+                assert status == 404 and data["error"]["code"] == "session_not_found", (sid, items, key, data)
+    assert table_rows(store) == rows
+
+
 def _two_keys(server: ServiceProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """``POST path`` with two Idempotency-Key headers."""
     raw = json.dumps(body).encode()

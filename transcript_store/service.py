@@ -889,12 +889,20 @@ class HeaderKeys:
                                 "this one has none")
 
     def keying_nothing(self, store: TranscriptStore) -> TranscriptStoreError:
-        """What a request with no item for the header to key is refused with: IdempotencyConflict when the
-        header keyed another request's items in the session, else InvalidInput (it would leave no trace:
-        another request under the header afterwards could not be told from it)."""
+        """What a request with no item for the header to key is refused with: UnknownSession when the scope
+        has no such session (as without the header: a 404, not a 400 that a client would fix by dropping the
+        header, only to get the 404 then), IdempotencyConflict when the header keyed another request's items
+        in the session, else InvalidInput (it would leave no trace: another request under the header
+        afterwards could not be told from it)."""
+
+        def look(c: Core) -> None:
+            # Two statements, each answer standing alone: a session deleted between them holds no keys.
+            c.require_session(self.scope, self.session_id)
+            self.check_only(c, set())
+
         try:
-            store.statement(lambda c: self.check_only(c, set()))
-        except IdempotencyConflict as e:
+            store.statement(look)
+        except (UnknownSession, IdempotencyConflict) as e:
             return e
         return InvalidInput(
             "an Idempotency-Key keys the items without an entry_id or idempotency_key, and this request has "

@@ -815,7 +815,8 @@ APPEND_KEY_DOC = (
     "the same request again (a retry after a lost answer) answers the entries the first one appended instead "
     "of appending them again; another request under it (other content at an index, or items without an id or "
     "key at other indexes) is 409 idempotency_conflict, writing nothing. A request whose every item has an "
-    "entry_id or idempotency_key is 400 invalid_input under a key no request used (it would key nothing)."
+    "entry_id or idempotency_key is 400 invalid_input under a key no request used (it would key nothing); to a "
+    "session the scope does not have, it is 404 session_not_found, as without the header."
 )
 
 #: why each writing route but these two refuses the header: what makes its retry safe instead
