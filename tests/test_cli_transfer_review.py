@@ -288,6 +288,18 @@ def test_a_plugins_print_goes_to_stderr_shown(store_url: str, tmp_path: Path, co
     assert "chatty" in table.stdout and "chatty says" not in table.stdout and "\x1b" not in table.stdout
 
 
+@pytest.mark.real_script
+def test_chat_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: Path) -> None:
+    """The start-up check loaded the engine in a registry of its own, then the chat's runtime loaded it again:
+    the plugin's import-time output was said twice, its factory run twice. Checked in the chat's runtime now,
+    the engine it made is the one the turns use."""
+    _chatty_plugin(tmp_path)
+    result = run("chat", "--engine", "chatty", "--db", store_url, cwd=tmp_path, stdin="hello\n/quit\n")
+    for said in ("chatty says: loading", "chatty says: factory", "chatty says: dispose"):
+        assert result.stderr.count(said) == 1, result.stderr
+    assert "chatty says" not in result.stdout and "legacy" not in result.stdout, result.stdout
+
+
 # ---------------------------------------------------------------------------------------------- 4: memory
 
 

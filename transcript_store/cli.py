@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, NoReturn, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
@@ -69,6 +69,9 @@ from .settings import HostSettings, check_settings_env, load_settings
 from .store import TranscriptStore
 from .terminal import ShownStream, show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN
+
+if TYPE_CHECKING:  # imported where it is used: the CLI's start stays light
+    from .host import HostRuntime
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_SCOPE = "default"
@@ -1406,17 +1409,26 @@ def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tup
     return out, [*registry.warnings, *unread]
 
 
-def unusable_engines(settings: HostSettings, store: TranscriptStore | None) -> list[str]:
+def unusable_engines(settings: HostSettings, store: TranscriptStore | None, runtime: HostRuntime | None = None
+                     ) -> list[str]:
     """A warning for each engine that cannot load among the selected one and those with an
     ``[engine.config.<id>]`` table (a mistyped value in it, say): hosts run such an engine's turns on legacy,
-    which said nothing before a turn ran (and ``engines list`` exited 0 on it)."""
+    which said nothing before a turn ran (and ``engines list`` exited 0 on it).
+
+    Given the ``runtime`` that will run them, the engines are checked in it and those that load are kept for
+    their first use: a plugin was imported, and its factory run, once for the check and again for the runtime
+    (its output said twice; the factory's time paid twice)."""
     from .registry import EngineRegistry
 
     out = []
     with engine_output_on_stderr():  # an engine's import and factory print there, as in engine_report
-        registry = EngineRegistry(settings.plugin_dirs)
+        registry = runtime.registry if runtime is not None and runtime.registry is not None \
+            else EngineRegistry(settings.plugin_dirs)
         for engine_id in sorted({settings.engine, *settings.engine_config} & set(registry.specs)):
-            status = registry.check(engine_id, engine_context(settings, store, engine_id))
+            if runtime is not None:
+                status = runtime.preload(engine_id)
+            else:
+                status = registry.check(engine_id, engine_context(settings, store, engine_id))
             if not status.valid:
                 out.append(unusable_warning(engine_id, status.reason, engine_id == settings.engine))
     return out
@@ -1433,9 +1445,10 @@ def unusable_warning(engine_id: str, reason: str | None, selected: bool) -> str:
                  one_line=True)
 
 
-def warn_unusable_engines(settings: HostSettings, store: TranscriptStore | None) -> None:
+def warn_unusable_engines(settings: HostSettings, store: TranscriptStore | None,
+                          runtime: HostRuntime | None = None) -> None:
     """Write ``unusable_engines``' warnings to stderr, one line each."""
-    for w in unusable_engines(settings, store):
+    for w in unusable_engines(settings, store, runtime):
         click.echo(f"warning: {w}", err=True)
 
 
@@ -1703,11 +1716,13 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
     with store_session(create=True) as store:
         info = store.open_session(scope, session_key)
-        warn_unusable_engines(settings, store)  # before the first turn runs it on legacy, said once
         with engine_output_on_stderr():
             runtime = _runtime(store, settings, model)
             loop = ChatLoop(runtime, scope, info.session_id, st.json, stdout)
             try:
+                # Before the first turn runs it on legacy, said once; checked in the runtime, the engine
+                # (imported once, made once) is the one the turns use.
+                warn_unusable_engines(settings, store, runtime)
                 if not st.json:
                     loop.banner(session_key)
                 loop.run(_lenient(source))

@@ -92,7 +92,7 @@ from .models import (
     validate_message,
 )
 from .outbox import TurnIntent
-from .registry import EngineRegistry
+from .registry import EngineRegistry, EngineStatus
 from .settings import HostSettings
 from .store import AppendItem, TranscriptStore
 from .terminal import quoted
@@ -460,20 +460,39 @@ class HostRuntime:
             raise EngineError(f"context engine {engine_id!r} is quarantined ({op}: {reason})")
         if engine_id not in self._engines:
             assert self.registry is not None
-            ctx = EngineContext(
-                store=self.store,
-                config=self.settings.engine_config.get(engine_id, {}),
-                summarizer=self.summarizer,
-                estimator=self.estimator,
-            )
             try:
-                self._engines[engine_id] = self.registry.create(engine_id, ctx)
+                self._engines[engine_id] = self.registry.create(engine_id, self._context(engine_id))
             except Exception as e:
                 if engine_id == LEGACY:
                     raise
                 self.quarantine(engine_id, "factory", e)
                 raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
         return self._engines[engine_id]
+
+    def _context(self, engine_id: str) -> EngineContext:
+        """What this runtime makes engine ``engine_id`` with: its config table, the store, summarizer, estimator."""
+        return EngineContext(
+            store=self.store,
+            config=self.settings.engine_config.get(engine_id, {}),
+            summarizer=self.summarizer,
+            estimator=self.estimator,
+        )
+
+    def preload(self, engine_id: str) -> EngineStatus:
+        """Load and validate an engine ahead of its first use, kept for it (its factory runs once in the
+        process, not once for a start-up check and again at the first turn); UnknownEngine for an id not
+        registered. One that cannot load is reported invalid, and not quarantined: its first use tries
+        again (and quarantines it then), as without this check."""
+        assert self.registry is not None
+        if engine_id in self.quarantined:
+            op, reason = self.quarantined[engine_id]
+            return EngineStatus(self.registry.specs[engine_id], None, False, f"quarantined ({op}: {reason})")
+        if engine_id in self._engines:
+            return EngineStatus(self.registry.specs[engine_id], self._engines[engine_id][1], True, None)
+        status, engine = self.registry.load(engine_id, self._context(engine_id))
+        if status.valid and status.info is not None:
+            self._engines[engine_id] = (engine, status.info)
+        return status
 
     def quarantine(self, engine_id: str, operation: str, error: BaseException, *, in_transaction: bool = False) -> None:
         """Isolate an engine for the rest of this process and record it in the store.

@@ -449,15 +449,21 @@ class EngineRegistry:
 
     def check(self, engine_id: str, ctx: EngineContext) -> EngineStatus:
         """Load and validate one engine, disposing of it again; UnknownEngine for an id not registered."""
+        status, engine = self.load(engine_id, ctx)
+        if status.valid:
+            _dispose(engine, engine_id)
+        return status
+
+    def load(self, engine_id: str, ctx: EngineContext) -> tuple[EngineStatus, Any]:
+        """``check``, keeping the engine it made (None when it is not valid) for the caller to use and dispose of."""
         spec = self._spec(engine_id)
         try:
             engine, info = self.create(engine_id, ctx)
         except KeyboardInterrupt:
             raise
         except BaseException as e:
-            return EngineStatus(spec, None, False, _why(e))
-        _dispose(engine, engine_id)
-        return EngineStatus(spec, info, True, None)
+            return EngineStatus(spec, None, False, _why(e)), None
+        return EngineStatus(spec, info, True, None), engine
 
 
 def _has_manifest(folder: Path) -> bool:
