@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from service_process import ServiceProcess
 from sqlalchemy import create_engine, inspect
 from test_cli import (  # noqa: F401 (_script_mode: autouse, honours real_script; empty_url: a fixture)
     CLI,
@@ -298,6 +299,22 @@ def test_chat_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: P
     for said in ("chatty says: loading", "chatty says: factory", "chatty says: dispose"):
         assert result.stderr.count(said) == 1, result.stderr
     assert "chatty says" not in result.stdout and "legacy" not in result.stdout, result.stdout
+
+
+def test_serve_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: Path) -> None:
+    """`serve` built its service (the plugin imported, its output on stdout as it was, escape sequence and
+    all), then checked the engine in another registry (imported again, its factory run), and the first request
+    made it again. The import is said once, on stderr, shown; the engine the check made serves the requests."""
+    _chatty_plugin(tmp_path)
+    with ServiceProcess(store_url, {"tok": "s"}, tmp_path / "serve.log", env={"TRANSCRIPT_STORE_ENGINE": "chatty"}) \
+            as proc:
+        status, data = proc.call("GET", "/v1/engines/chatty", "tok")
+        assert status == 200 and data["id"] == "chatty", data
+        log = proc.log()
+    for said in ("chatty says: loading", "chatty says: factory"):
+        assert log.count(said) == 1, log
+    assert "\x1b" not in log and "\\x1b]0;owned\\x07" in log, repr(log)
+    assert "chatty says: loading" not in proc.stdout_rest and "\x1b" not in proc.stdout_rest, proc.stdout_rest
 
 
 # ---------------------------------------------------------------------------------------------- 4: memory

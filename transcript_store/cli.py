@@ -2092,8 +2092,11 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
         raise
     service: Service | None = None
     try:
-        service = Service(store, settings)
-        warn_unusable_engines(settings, store)  # before the requests that would run its turns on legacy
+        with engine_output_on_stderr():  # a plugin's import prints there, escaped (it went to stdout as it was)
+            service = Service(store, settings)
+        # Before the requests that would run its turns on legacy; checked in the service's runtime, an engine
+        # that loads is kept for them: the start waits for its factory once, and its first request does not.
+        warn_unusable_engines(settings, store, service.runtime)
         app = create_app(service, tokens, max_body_bytes=max_body, body_timeout_seconds=body_timeout)
         if not _loopback(sock):
             # By the address bound, not the host's spelling: 127.0.0.2 and 127.1 are this machine; '' is not.
