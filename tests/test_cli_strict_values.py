@@ -6,6 +6,7 @@ Each refusal is a usage error (exit 2) naming the variable, option or argument, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,64 @@ def test_an_unknown_chat_command_is_said_and_counted_the_chat_going_on(store_url
     replies = [line for line in result.stdout.splitlines() if '"event": "reply"' in line]
     assert len(replies) == 2  # the conversation went on after it
     run("chat", "--session", "c", "--db", store_url, cwd=tmp_path, stdin="/help\n/history\n/quit\n")  # known: 0
+
+
+#: TRANSCRIPT_STORE_FAULTS values float() and the split took as something else, and why each is refused
+BAD_FAULTS = [
+    ("admit.before=nan", "'nan'"),        # a probability never met: the point never fired
+    ("admit.before=2", "'2'"),            # over 1: the point always fired (a kill on every pass)
+    ("admit.before=-0.5", "'-0.5'"),
+    ("admit.before=inf", "'inf'"),
+    ("admit.before=1_0", "'1_0'"),
+    ("admit.before=\u0660.\u0665", "'\u0660.\u0665'"),  # other scripts' digits: float read 0.5
+    ("admit.before=", "''"),              # an '=' and nothing: it was 1
+    ("admit.before=0,5", "'5'"),          # a decimal comma: a point named '5' at 1, admit.before at 0
+    ("=0.5", "'=0.5'"),                   # no name
+]
+GOOD_FAULTS = {"admit.before": {"admit.before": 1.0}, " *=0.25 , commit.after_apply=1e-3,": {"*": 0.25,
+               "commit.after_apply": 0.001}, "lossless.compact.mid_write=0": {"lossless.compact.mid_write": 0.0},
+               "no.such.point=1": {"no.such.point": 1.0}, "": {}}
+
+
+def test_a_malformed_fault_setting_names_the_variable_and_the_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``float()`` and ``int()`` read TRANSCRIPT_STORE_FAULTS and TRANSCRIPT_STORE_FAULT_SEED: a bad value was a
+    bare ValueError out of the first fault point passed, inside a turn (``could not convert string to float``),
+    or a setting other than the one meant. InvalidInput now, naming the variable and the value, at that point
+    too; a name no code passes is still inert (engines and plugins name their own points)."""
+    from transcript_store import faults
+
+    for spec, bad in BAD_FAULTS:
+        with pytest.raises(InvalidInput, match=f"TRANSCRIPT_STORE_FAULTS=.*{re.escape(bad)}"):
+            faults.parse_rates(spec)
+    for spec, rates in GOOD_FAULTS.items():
+        assert faults.parse_rates(spec) == rates, spec
+    for seed in LENIENT:
+        with pytest.raises(InvalidInput, match=r"TRANSCRIPT_STORE_FAULT_SEED=.*ASCII digits"):
+            faults.parse_seed(seed)
+    assert faults.parse_seed("-7") == -7 and faults.parse_seed("") is None and faults.parse_seed(None) is None
+    try:
+        for var, value in (("TRANSCRIPT_STORE_FAULTS", "admit.before=nan"), ("TRANSCRIPT_STORE_FAULT_SEED", "1_0")):
+            monkeypatch.setenv(var, value)
+            faults.reset()
+            with pytest.raises(InvalidInput, match=f"{var}="):
+                faults.point("admit.before")
+            monkeypatch.delenv(var)
+    finally:
+        faults.reset()
+
+
+@pytest.mark.real_script
+def test_a_malformed_fault_setting_is_a_usage_error_and_nothing_is_written(store_url: str, tmp_path: Path) -> None:
+    """`chat` with ``TRANSCRIPT_STORE_FAULTS=admit.before=2`` was killed at its first admission (any value over
+    1 always fired), ``=nan`` ran with the point off; a seed `` 5`` was 5. Exit 2 now, before anything is written."""
+    _world(store_url)
+    before = _state(store_url, tmp_path)
+    for var, value in (("TRANSCRIPT_STORE_FAULTS", "admit.before=2"), ("TRANSCRIPT_STORE_FAULTS", "admit.before=nan"),
+                       ("TRANSCRIPT_STORE_FAULTS", "admit.before=0,5"), ("TRANSCRIPT_STORE_FAULT_SEED", " 5")):
+        result = run("chat", "--session", "new-chat", "--db", store_url, cwd=tmp_path, stdin="hello\n", code=2,
+                     env={var: value})
+        assert one_error_line(result).startswith(f"error: invalid {var}="), result.stderr
+        for command in (("sessions", "list"), ("outbox", "status")):  # a command that builds no engine too
+            result = run(*command, "--db", store_url, cwd=tmp_path, code=2, env={var: value})
+            assert one_error_line(result).startswith(f"error: invalid {var}="), result.stderr
+    assert _state(store_url, tmp_path) == before

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import faults
 from .engine import MAX_TOKENS, engine_id_problem, require_engine_id
 from .errors import InvalidInput
 from .shapes import Shape
@@ -208,12 +209,14 @@ def check_tokenizer_and_summarizer() -> None:
 
 
 def check_settings_env() -> None:
-    """Refuse a bad TRANSCRIPT_STORE_ENGINE, _TOKENIZER or _SUMMARIZER value (InvalidInput), files unread.
+    """Refuse a bad TRANSCRIPT_STORE_ENGINE, _TOKENIZER, _SUMMARIZER, _FAULTS or _FAULT_SEED value
+    (InvalidInput), files unread.
 
     For a command that reads no host settings: a variable set wrong is a usage error there too, as the
     README's exit codes say, not something only the commands that build engines notice.
     """
     check_tokenizer_and_summarizer()
+    faults.check_env()
     env_engine = os.environ.get("TRANSCRIPT_STORE_ENGINE")
     if env_engine:
         _engine_id(env_engine, "TRANSCRIPT_STORE_ENGINE")
@@ -226,6 +229,7 @@ def load_settings(config_path: str | None = None, **overrides: Any) -> HostSetti
     runtime reads when it starts: refused here, before a command (or a gateway worker) does any work.
     """
     check_tokenizer_and_summarizer()
+    faults.check_env()  # the fault points read it at the first one passed: inside a turn
     values: dict[str, Any] = {}
     path = Path(config_path or os.environ.get("TRANSCRIPT_STORE_CONFIG") or CONFIG_FILE)
     if path.is_file():
