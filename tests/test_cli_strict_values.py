@@ -197,6 +197,7 @@ def test_an_unknown_chat_command_is_said_and_counted_the_chat_going_on(store_url
 
 #: TRANSCRIPT_STORE_FAULTS values float() and the split took as something else, and why each is refused
 BAD_FAULTS = [
+    ("admit.before=0.1, admit.before=0.2", "named twice"),  # the last one silently won
     ("admit.before=nan", "'nan'"),        # a probability never met: the point never fired
     ("admit.before=2", "'2'"),            # over 1: the point always fired (a kill on every pass)
     ("admit.before=-0.5", "'-0.5'"),

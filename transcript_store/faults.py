@@ -58,6 +58,8 @@ def parse_rates(spec: str) -> dict[str, float]:
         if not _NAME.fullmatch(name):
             raise InvalidInput(f"invalid {FAULTS_VAR}={spec!r}: {part!r} names no fault point (name=probability, "
                                "a name being dotted identifiers, or * for every point)")
+        if name in rates:  # which of the two was meant cannot be told: the last one silently won
+            raise InvalidInput(f"invalid {FAULTS_VAR}={spec!r}: {name!r} is named twice")
         rate = float(raw) if _PROBABILITY.fullmatch(raw) else math.nan
         if not eq:
             rate = 1.0
