@@ -23,6 +23,7 @@ from conftest import BACKENDS, RUN_ID, _admin_exec, pg_url
 from service_process import ServiceProcess
 
 from transcript_store import TranscriptStore
+from transcript_store.engine import EngineInfo
 from transcript_store.errors import InvalidInput, StorageFull
 from transcript_store.service import TokenMap
 from transcript_store.service_app import error_for
@@ -624,6 +625,61 @@ def test_a_compaction_reaches_pages_imported_without_done(server: ServiceProcess
     assert result["tokens_before"] > 5000 and result["compacted"] is True, result
 
 
+def lossless_rows(db_url: str, sid: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every lossless row of a session of scope-a (the engine's view state included)."""
+    from sqlalchemy import select
+
+    from engines.lossless.tables import context_items, messages, summaries, summary_children, summary_sources
+    from transcript_store.ledger import get_state
+
+    def run(c: Any) -> dict[str, list[tuple[Any, ...]]]:
+        out = {t.name: sorted(tuple(r) for r in c.conn.execute(select(t).where(t.c.session_id == sid)))
+               for t in (messages, summaries, summary_sources, summary_children, context_items)}
+        out["view"] = [(json.dumps(get_state(c, "scope-a", sid, "lossless", "view"), sort_keys=True),)]
+        return out
+
+    with TranscriptStore(db_url) as store:
+        return store.read(run)
+
+
+@pytest.mark.parametrize("change", ["crossed", "rewritten"])
+def test_a_fenced_compaction_writes_nothing_once_the_fence_no_longer_holds(
+    server: ServiceProcess, db_url: str, change: str
+) -> None:
+    """A client compacting inside a running turn passes the turn's admission as ``fence``: only the
+    import before the compaction was fenced. When it could not import (the engine's copy already held
+    the admitted entry, "crossed", or the session was rewritten) the lossless engine compacted all the
+    same, unfenced, its summaries perhaps covering the turn's own message. Its ``compact`` takes the
+    fence now, as the host's compactions inside a turn give it: 409 ``read_fence``, nothing written."""
+    sid = new_id("s")
+    open_session(server, session_id=sid, session_key=new_id("k"))
+    path = f"/v1/engines/lossless/sessions/{sid}"
+    host = [(user if i % 2 == 0 else assistant)(f"message {i} " * 60) for i in range(40)]
+    page = {"cursor": None, "next_cursor": "c40", "entries": [{"entry_id": f"h{i}", "message": m}
+                                                               for i, m in enumerate(host)]}
+    status, out = server.call("POST", f"{path}/bootstrap", TOKEN_A, {"page": page, "done": False})
+    assert status == 200 and out["imported"] == 40
+    status, admission = server.call("POST", f"/v1/sessions/{sid}/admissions", TOKEN_A,
+                                    {"message": user("the running turn's question"), "turn_id": "T1"})
+    assert status == 200, admission
+    fence = admission["anchor"]
+    status, assembled = server.call("POST", f"{path}/assemble", TOKEN_A, {"fence": fence, "token_budget": 100_000})
+    assert status == 200 and len(assembled["messages"]) == 40  # the engine's copy: up to the fence
+    if change == "crossed":  # an unfenced import (a bootstrap with no fence): the admitted entry too
+        status, out = server.call("POST", f"{path}/bootstrap", TOKEN_A, {"done": True})
+        assert status == 200 and out["result"]["bootstrapped"] is True, out
+    else:
+        with TranscriptStore(db_url) as store:
+            store.rewrite_entries("scope-a", sid, [{"entry_id": "h0", "message": user("edited")}])
+    before = lossless_rows(db_url, sid)
+    status, err = server.call("POST", f"{path}/compact", TOKEN_A, {"force": True, "token_budget": 2000, "fence": fence})
+    assert status == 409 and err["error"]["code"] == "read_fence" and err["error"]["reason"] == change, err
+    assert lossless_rows(db_url, sid) == before  # no summary, no context item moved, no reset applied
+    # Without a fence it compacts as before (a manual compaction between turns).
+    status, result = server.call("POST", f"{path}/compact", TOKEN_A, {"force": True, "token_budget": 2000})
+    assert status == 200 and result["compacted"] is True, result
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 
@@ -1090,6 +1146,90 @@ def test_a_compaction_without_a_budget_gets_the_prompt_budget_assemble_gets(stor
     service.compact("scope-a", "rec", sid, CompactRequest())
     service.compact("scope-a", "rec", sid, CompactRequest(token_budget=1234))
     assert seen == [4000 - 500, 1234] and service.default_budget == 4000 - 500
+
+
+class _CopyingEngine:
+    """An engine keeping its own copy of the session: its bootstrap reads the transcript up to the fence
+    it is given (ReadFenceError once that no longer holds); records what bootstrap and compact got."""
+
+    info = EngineInfo(id="copying", name="Copying")
+
+    def __init__(self, ctx: Any) -> None:
+        self.store = ctx.store
+        self.calls: list[tuple[str, Any]] = []
+
+    def assemble(self, **kw: Any) -> Any:
+        raise AssertionError("not assembled")
+
+    def bootstrap(self, *, scope: str, session_id: str, fence: Any = None, **kw: Any) -> Any:
+        self.store.read_visible(scope, session_id, fence=fence)
+        self.calls.append(("bootstrap", fence))
+        return {"bootstrapped": True}
+
+
+class _FencedCompact(_CopyingEngine):
+    """Its ``compact`` declares ``fence`` and holds it (as the lossless engine's does)."""
+
+    def compact(self, *, scope: str, session_id: str, fence: Any = None, **kw: Any) -> Any:
+        if fence is not None:
+            self.store.read_visible(scope, session_id, fence=fence)
+        self.calls.append(("compact", fence))
+        return {"ok": True, "compacted": True}
+
+
+class _UnfencedCompact(_CopyingEngine):
+    """Its ``compact`` declares no ``fence`` (``**kw`` is no promise to honour one)."""
+
+    def compact(self, **kw: Any) -> Any:
+        self.calls.append(("compact", kw.get("fence")))
+        return {"ok": True, "compacted": True}
+
+
+@pytest.mark.parametrize("kind", [_FencedCompact, _UnfencedCompact])
+def test_a_fenced_compaction_gives_the_fence_to_a_compact_that_declares_one(
+    store: TranscriptStore, kind: type[_CopyingEngine]
+) -> None:
+    """Service.compact fenced only the engine's import before the compaction, and after an import the
+    fence refused it compacted "what the engine holds", unfenced. As the host's compactions inside a turn
+    (``host._fenced``), a ``compact`` declaring a ``fence`` keyword is given the request's, and a fence
+    its import found broken is the request's ReadFenceError, the compaction not run; one declaring none
+    is called as before (no fence, and it compacts what it holds after such an import)."""
+    from transcript_store.errors import ReadFenceError
+    from transcript_store.service import Service
+    from transcript_store.service_models import CompactRequest
+    from transcript_store.settings import load_settings
+
+    made: list[_CopyingEngine] = []
+
+    def factory(ctx: Any) -> _CopyingEngine:
+        made.append(kind(ctx))
+        return made[-1]
+
+    service = Service(store, load_settings(config_path=None))
+    assert service.runtime.registry is not None
+    service.runtime.registry.register_factory("copying", factory)
+    try:
+        sid = store.create_session("scope-a").session_id
+        store.append("scope-a", sid, user("old question"), entry_id="q0")
+        store.append("scope-a", sid, assistant("old answer"))
+        fence = store.admit("scope-a", sid, user("the running turn"), turn_id="T1").anchor
+        fenced = kind is _FencedCompact
+        assert service.compact("scope-a", "copying", sid, CompactRequest(fence=fence)).compacted
+        assert made[0].calls == [("bootstrap", fence), ("compact", fence if fenced else None)]
+        made[0].calls.clear()
+        assert service.compact("scope-a", "copying", sid, CompactRequest()).compacted  # no fence: none given
+        assert made[0].calls == [("bootstrap", None), ("compact", None)]
+        made[0].calls.clear()
+        store.rewrite_entries("scope-a", sid, [{"entry_id": "q0", "message": user("edited")}])
+        if fenced:
+            with pytest.raises(ReadFenceError) as raised:
+                service.compact("scope-a", "copying", sid, CompactRequest(fence=fence))
+            assert raised.value.reason == "rewritten" and made[0].calls == []  # not compacted
+        else:
+            assert service.compact("scope-a", "copying", sid, CompactRequest(fence=fence)).compacted
+            assert made[0].calls == [("compact", None)]  # the import refused, what it holds compacted
+    finally:
+        service.runtime.dispose()
 
 
 def test_an_engines_own_output_in_serve_is_shown_not_obeyed(db_url: str, tmp_path: Path) -> None:

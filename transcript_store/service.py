@@ -38,6 +38,7 @@ from .engine import (
     RuntimeSettings,
     durable_declaration,
     project_params,
+    takes_keyword,
 )
 from .errors import (
     AdvancementKeyCollision,
@@ -666,11 +667,16 @@ class Service:
         return result
 
     def compact(self, scope: str, engine_id: str, session_id: str, req: CompactRequest) -> CompactResult:
-        """The engine's compaction."""
+        """The engine's compaction (inside ``fence`` when given and its ``compact`` declares one)."""
         _check_request(req, CompactRequest)
         call = self._call(scope, engine_id, session_id)
         fence = self._own(scope, session_id, req.fence)
         method = self._lifecycle(call, "compact")
+        # A running turn's fence goes to a ``compact`` that declares a ``fence`` keyword, as the host's
+        # compactions inside a turn give it (``host._fenced``): the lossless engine holds it in its reads
+        # and its write, ReadFenceError (409 ``read_fence``) before anything is written when it no longer
+        # holds. Without it, the compaction covered the turn's own message once the engine's copy held it.
+        fenced = fence is not None and takes_keyword(method, "fence")
         # An engine that keeps its own copy (lossless) compacts that copy: pages a host imported without
         # ``done`` (the OpenClaw plugin's import before a compaction) must reach it first, or a long
         # transcript compacts to "no progress". Fenced at a running turn's admission when the client
@@ -678,13 +684,18 @@ class Service:
         # and the turn's next fenced assemble raised ReadFenceError("crossed").
         try:
             self._engine_bootstrap(call, scope, session_id, fence)
-        except ReadFenceError as e:  # the running turn's entry moved: compact what the engine holds
+        except ReadFenceError as e:
+            if fenced:  # its compaction holds the same fence, and would refuse it: nothing is written
+                raise
+            # the running turn's entry moved: an engine that takes no fence compacts what it holds
             log.warning("compaction of %s: the engine could not import first: %s", session_id, e.reason)
         # The prompt's budget, as assemble and maintain get it: the whole token_budget would compact to
         # more than the assembly then takes (the host's own compaction uses the prompt's budget too).
         budget = req.token_budget or self.default_budget
-        base = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
-                "token_budget": budget}
+        base: dict[str, Any] = {"scope": scope, "session_id": session_id, "force": req.force, "focus": req.focus,
+                                "token_budget": budget}
+        if fenced:
+            base["fence"] = fence
         return CompactResult.model_validate(method(**project_params(call.info, base, self._host(call, None, budget))))
 
     def host_compaction(
