@@ -16,6 +16,7 @@ from sqlalchemy import event
 from transcript_store import TranscriptStore, compaction
 from transcript_store.engine import AssembleResult, CompactResult, EngineContext, HostRequirement, SessionTarget
 from transcript_store.errors import (
+    EngineError,
     HostRequirementError,
     InvalidInput,
     ModelTimeout,
@@ -24,6 +25,7 @@ from transcript_store.errors import (
     StorageFull,
     TransientStoreError,
     TurnBranchedAway,
+    UnknownEngine,
     UnknownSession,
 )
 from transcript_store.host import HostRuntime, TurnFailed, prune_tool_results
@@ -318,6 +320,30 @@ def test_factory_exception_quarantines(store: TranscriptStore, sid: str) -> None
     host, _ = make_host(store, "bad", {"bad": factory})
     out = host.run_turn(SCOPE, sid, "hello")
     assert out.engine_id == "legacy" and host.quarantined["bad"][0] == "factory"
+
+
+def test_preload_of_an_id_no_engine_has_is_unknown_engine_even_once_quarantined(store: TranscriptStore) -> None:
+    """``engine`` quarantines an id no engine has at its first use (its "factory" failed); ``preload`` of that
+    id then answered a bare KeyError (its quarantined branch looked the id up in the registry's specs), not
+    the UnknownEngine its contract names. A registered engine's quarantine is still reported invalid."""
+    def factory(ctx: EngineContext) -> Any:
+        raise RuntimeError("cannot start")
+
+    host, _ = make_host(store, "legacy", {"bad": factory})
+    with pytest.raises(UnknownEngine):
+        host.preload("nosuch")
+    with pytest.raises(EngineError):
+        host.engine("nosuch")
+    assert "nosuch" in host.quarantined
+    with pytest.raises(UnknownEngine):
+        host.preload("nosuch")
+    assert not host.preload("bad").valid and "bad" not in host.quarantined  # invalid, not quarantined
+    with pytest.raises(EngineError):
+        host.engine("bad")
+    status = host.preload("bad")
+    assert not status.valid and status.spec.id == "bad" and (status.reason or "").startswith("quarantined (factory")
+    assert host.preload("legacy").valid
+    host.dispose()
 
 
 def test_fence_rewritten_mid_turn_degrades_that_turn_only(store: TranscriptStore, sid: str) -> None:

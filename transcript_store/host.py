@@ -484,12 +484,15 @@ class HostRuntime:
         registered. One that cannot load is reported invalid, and not quarantined: its first use tries
         again (and quarantines it then), as without this check."""
         assert self.registry is not None
-        if engine_id in self.quarantined:
+        # Registered first: ``engine`` quarantines an id no engine has at its first use (its factory
+        # "failed"), and the quarantined branch below then raised a bare KeyError from ``specs``.
+        spec = self.registry.specs.get(engine_id) if isinstance(engine_id, str) else None
+        if spec is not None and engine_id in self.quarantined:
             op, reason = self.quarantined[engine_id]
-            return EngineStatus(self.registry.specs[engine_id], None, False, f"quarantined ({op}: {reason})")
-        if engine_id in self._engines:
-            return EngineStatus(self.registry.specs[engine_id], self._engines[engine_id][1], True, None)
-        status, engine = self.registry.load(engine_id, self._context(engine_id))
+            return EngineStatus(spec, None, False, f"quarantined ({op}: {reason})")
+        if spec is not None and engine_id in self._engines:
+            return EngineStatus(spec, self._engines[engine_id][1], True, None)
+        status, engine = self.registry.load(engine_id, self._context(engine_id))  # UnknownEngine: not registered
         if status.valid and status.info is not None:
             self._engines[engine_id] = (engine, status.info)
         return status
