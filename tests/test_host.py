@@ -133,6 +133,34 @@ def test_broken_engine_is_quarantined_and_turns_go_to_legacy(store: TranscriptSt
     assert receipts(store, "legacy") == ["t1", "t2"]
 
 
+def test_a_quarantined_engine_is_disposed_of_with_the_runtime(store: TranscriptStore, sid: str) -> None:
+    """Quarantine dropped the instance from the runtime's engines, and ``dispose`` walked those only: an
+    engine that failed once never had its ``dispose`` called, whatever it held (connections, threads,
+    files) left to the process's end. It is disposed of with the runtime now, once, the live ones too."""
+    disposed: list[str] = []
+
+    class Broken(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            raise RuntimeError("engine bug")
+
+        def dispose(self) -> None:
+            disposed.append(self.info.id)
+
+    class Fine(CountingEngine):
+        def dispose(self) -> None:
+            disposed.append(self.info.id)
+
+    host, _ = make_host(store, "broken", {"broken": lambda ctx: Broken(ctx, "broken"),
+                                          "fine": lambda ctx: Fine(ctx, "fine")})
+    host.engine("fine")
+    assert host.run_turn(SCOPE, sid, "hello", turn_id="t1").engine_id == "legacy"
+    assert "broken" in host.quarantined and disposed == []  # not at once: another thread may be inside it
+    host.dispose()
+    assert sorted(disposed) == ["broken", "fine"]
+    host.dispose()
+    assert sorted(disposed) == ["broken", "fine"]
+
+
 def test_a_quarantine_record_the_database_cannot_take_yet_is_written_by_a_later_flush(
     store: TranscriptStore, store_url: str, sid: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -402,6 +402,9 @@ class HostRuntime:
     turns: Turns = field(init=False)
     quarantined: dict[str, tuple[str, str]] = field(init=False, default_factory=dict)
     _engines: dict[str, tuple[Any, EngineInfo]] = field(init=False, default_factory=dict)
+    #: engines quarantined since they were made: out of use, disposed of with the runtime (not at once: a
+    #: turn or maintenance pass on another thread may still be inside one)
+    _retired: list[tuple[str, Any]] = field(init=False, default_factory=list)
     #: tokens of a system prompt and tool list, by their texts (``_reserved_tokens``)
     _fixed_tokens: dict[tuple[str, str], int] = field(init=False, default_factory=dict)
     #: tokens an engine's system-prompt addition adds to a system prompt, by their texts (``_addition_tokens``)
@@ -512,7 +515,9 @@ class HostRuntime:
         reason = describe(error)
         log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
         self.quarantined[engine_id] = (operation, reason)
-        self._engines.pop(engine_id, None)
+        live = self._engines.pop(engine_id, None)
+        if live is not None:
+            self._retired.append((engine_id, live[0]))
         with self._unrecorded_lock:
             self._unrecorded.append((engine_id, operation, reason))
         if not in_transaction:
@@ -1878,7 +1883,7 @@ class HostRuntime:
 
     def dispose(self) -> None:
         """Let deferred maintenance finish (bounded), write pending quarantine records, stop renewing
-        leases and dispose of every live engine."""
+        leases and dispose of every engine it made (those quarantined since too: their resources are released)."""
         running = self.maintenance.close()
         self._leases.close()
         self._settle_background_failures()
@@ -1888,7 +1893,8 @@ class HostRuntime:
                 "those engines; other processes will not see the records)",
                 ", ".join(e for e, _o, _r in self._unrecorded),
             )
-        for engine_id, (engine, _info) in list(self._engines.items()):
+        live = [(engine_id, engine) for engine_id, (engine, _info) in self._engines.items()]
+        for engine_id, engine in [*self._retired, *live]:
             dispose = getattr(engine, "dispose", None)
             if engine_id == running:
                 # Its maintenance pass outlived close's wait: disposing the engine under it would pull
@@ -1901,3 +1907,4 @@ class HostRuntime:
                 except Exception as e:
                     log.warning("dispose of %s failed: %s", engine_id, e)
         self._engines.clear()
+        self._retired.clear()
