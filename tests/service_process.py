@@ -139,3 +139,57 @@ def request(
     except ValueError:
         parsed = payload.decode("utf-8", "replace")
     return response.status, parsed
+
+
+class Tenant:
+    """A test's own two scopes on a server its module shares: ``token_a`` of ``scope_a``, ``token_b`` of
+    ``scope_b``. No other test of the module holds either token, so the scopes are as empty as a fresh
+    database's at the test's start (what is outside them, other tests' sessions, the test must not count)."""
+
+    def __init__(self, process: ServiceProcess, token_a: str, token_b: str) -> None:
+        self.process = process
+        self.token_a, self.token_b = token_a, token_b
+        self.scope_a, self.scope_b = process.tokens[token_a], process.tokens[token_b]
+
+    @property
+    def url(self) -> str:
+        """The shared server's URL."""
+        return self.process.url
+
+    def call(
+        self, method: str, path: str, token: str | None = None, body: Any = None, *, raw: bytes | None = None,
+        headers: dict[str, str] | None = None, chunked: bool = False,
+    ) -> tuple[int, Any]:
+        """One request; (status, parsed JSON body or None)."""
+        return self.process.call(method, path, token, body, raw=raw, headers=headers, chunked=chunked)
+
+
+class SharedServer:
+    """One server process for a module's tests, each test in a ``Tenant`` of its own: a server start
+    (a second of CPU) per module and backend instead of one per test. ``tenants`` token pairs are known
+    to it from its start; ``tenant()`` hands out the next unused one."""
+
+    def __init__(self, db_url: str, log_path: Path, *, tenants: int = 64, extra_args: tuple[str, ...] = ()) -> None:
+        self._pairs = [(f"token-a-{n:04d}-0123456789abcdef", f"token-b-{n:04d}-0123456789abcdef")
+                       for n in range(tenants)]
+        tokens = {token: f"scope-{side}-{n:04d}" for n, pair in enumerate(self._pairs)
+                  for side, token in zip("ab", pair, strict=True)}
+        self.process = ServiceProcess(db_url, tokens, log_path, extra_args=extra_args)
+        self._next = 0
+
+    def __enter__(self) -> SharedServer:
+        """Start the server."""
+        self.process.start()
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        """Stop it."""
+        self.process.stop()
+
+    def tenant(self) -> Tenant:
+        """The next unused pair of tokens and their scopes."""
+        if self._next == len(self._pairs):
+            raise RuntimeError(f"all {len(self._pairs)} tenants of the shared server are taken: raise `tenants`")
+        token_a, token_b = self._pairs[self._next]
+        self._next += 1
+        return Tenant(self.process, token_a, token_b)

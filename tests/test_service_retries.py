@@ -18,33 +18,48 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from pathlib import Path
+import uuid
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import pytest
-from conftest import assistant, user
-from service_process import ServiceProcess
-from test_service import TOKEN_A, TOKEN_B, TOKENS
+from conftest import assistant, module_store_fixtures, user
+from service_process import SharedServer, Tenant
 from workers.fault_worker import table_rows
 
-from transcript_store import TranscriptStore
+from transcript_store import StoreConfig, TranscriptStore
 
-SCOPE = TOKENS[TOKEN_A]
+# One database and one server per backend for the module; each test works in scopes of its own (its
+# ``Tenant``'s), so what it counts in them is what it made. ``table_rows`` reads the whole database: a
+# write anywhere, to another test's rows too, still shows.
+shared_url, store, _ = module_store_fixtures("unused", "service_retries")
+
+
+@pytest.fixture(scope="module")
+def shared_server(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
+    with SharedServer(shared_url, tmp_path_factory.mktemp("service_retries") / "serve.log") as shared:
+        yield shared
 
 
 @pytest.fixture
-def server(store_url: str, tmp_path: Path) -> Any:
-    with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log") as proc:
-        yield proc
+def server(shared_server: SharedServer) -> Tenant:
+    """This test's scopes on the module's server."""
+    return shared_server.tenant()
 
 
-def create(server: ServiceProcess, body: dict[str, Any], key: str | None, token: str = TOKEN_A) -> tuple[int, Any]:
+@pytest.fixture
+def scope() -> str:
+    """A scope of this test's own, for the tests of the Python API (no server)."""
+    return f"api-{uuid.uuid4().hex[:12]}"
+
+
+def create(server: Tenant, body: dict[str, Any], key: str | None, token: str | None = None) -> tuple[int, Any]:
     headers = {"Idempotency-Key": key} if key is not None else None
-    return server.call("POST", "/v1/sessions", token, body, headers=headers)
+    return server.call("POST", "/v1/sessions", token or server.token_a, body, headers=headers)
 
 
-def ids(store: TranscriptStore, scope: str = SCOPE) -> list[str]:
+def ids(store: TranscriptStore, scope: str) -> list[str]:
     return [s.session_id for s in store.list_sessions(scope)]
 
 
@@ -52,36 +67,36 @@ def ids(store: TranscriptStore, scope: str = SCOPE) -> list[str]:
 
 
 def test_a_retried_create_under_an_idempotency_key_makes_one_session(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     status, first = create(server, {}, "create-1")
     assert status == 200, first
     for _ in range(2):  # the retries of a client whose answer was lost
         status, again = create(server, {}, "create-1")
         assert (status, again) == (200, first)
-    assert ids(store) == [first["session_id"]]
+    assert ids(store, server.scope_a) == [first["session_id"]]
     # Another key is another session; so is every request without one (a fresh id each).
     status, other = create(server, {}, "create-2")
     assert status == 200 and other["session_id"] != first["session_id"]
     for _ in range(2):
         status, _fresh = create(server, {}, None)
         assert status == 200
-    assert len(ids(store)) == 4
+    assert len(ids(store, server.scope_a)) == 4
     # The key is the caller's within its scope: another token's same key makes that scope's own session.
-    status, theirs = create(server, {}, "create-1", token=TOKEN_B)
-    assert status == 200 and theirs["scope"] == TOKENS[TOKEN_B]
-    assert ids(store, TOKENS[TOKEN_B]) == [theirs["session_id"]]
+    status, theirs = create(server, {}, "create-1", token=server.token_b)
+    assert status == 200 and theirs["scope"] == server.scope_b
+    assert ids(store, server.scope_b) == [theirs["session_id"]]
     # An entry appended to the session, then the retry: the session as it is, nothing made anew.
-    status, _ = server.call("POST", f"/v1/sessions/{first['session_id']}/entries", TOKEN_A,
+    status, _ = server.call("POST", f"/v1/sessions/{first['session_id']}/entries", server.token_a,
                             {"items": [{"message": user("hi"), "entry_id": "e1"}]})
     assert status == 200
     status, late = create(server, {}, "create-1")
     assert status == 200 and late["session_id"] == first["session_id"] and late["visible_count"] == 1
-    assert len(ids(store)) == 4
+    assert len(ids(store, server.scope_a)) == 4
 
 
 def test_a_keyed_open_under_an_idempotency_key_answers_its_session_after_a_rebind(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     status, first = create(server, {"session_key": "agent:1"}, "open-1")
     assert status == 200 and first["session_key"] == "agent:1" and first["active"], first
@@ -93,15 +108,15 @@ def test_a_keyed_open_under_an_idempotency_key_answers_its_session_after_a_rebin
     assert status == 200
     status, late = create(server, {"session_key": "agent:1"}, "open-1")
     assert status == 200 and late["session_id"] == first["session_id"] and late["active"] is False, late
-    assert sorted(ids(store)) == sorted([first["session_id"], "newer"])
+    assert sorted(ids(store, server.scope_a)) == sorted([first["session_id"], "newer"])
     # A first request under a key that found the key's holder made nothing: it answers the holder.
     status, holder = create(server, {"session_key": "agent:1"}, "open-2")
     assert status == 200 and holder["session_id"] == "newer"
-    assert len(ids(store)) == 2
+    assert len(ids(store, server.scope_a)) == 2
 
 
 def test_retries_racing_under_one_idempotency_key_make_one_session(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """A client that gave up waiting and retried while its first attempt still ran: both are answered with
     the one session (on PostgreSQL the later insert waits for the earlier and finds its row)."""
@@ -118,11 +133,11 @@ def test_retries_racing_under_one_idempotency_key_make_one_session(
             t.join()
         assert [status for status, _ in results] == [200] * 8, results
         assert len({data["session_id"] for _, data in results}) == 1, results
-    assert len(ids(store)) == 2
+    assert len(ids(store, server.scope_a)) == 2
 
 
 def test_a_retry_under_an_idempotency_key_whose_session_was_deleted_does_not_make_it_again(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """The first request's answer was lost and another client deleted the session it made before the
     retry (the CLI's delete): the retry found no session under the key's id and made it again, a session its
@@ -132,18 +147,18 @@ def test_a_retry_under_an_idempotency_key_whose_session_was_deleted_does_not_mak
     for body in ({}, {"session_key": "deleted-key"}):
         status, made = create(server, body, f"deleted-{len(body)}")
         assert status == 200, made
-        store.delete_session(SCOPE, made["session_id"])  # (the CLI's delete: the API has none)
+        store.delete_session(server.scope_a, made["session_id"])  # (the CLI's delete: the API has none)
         before = table_rows(store)
         status, data = create(server, body, f"deleted-{len(body)}")
         assert status == 404 and data["error"]["code"] == "session_not_found", (body, data)
         assert "Idempotency-Key" in data["error"]["message"] and "deleted" in data["error"]["message"]
-        assert table_rows(store) == before and ids(store) == []
+        assert table_rows(store) == before and ids(store, server.scope_a) == []
     status, fresh = create(server, {}, "deleted-other")
-    assert status == 200 and ids(store) == [fresh["session_id"]]
+    assert status == 200 and ids(store, server.scope_a) == [fresh["session_id"]]
 
 
 def test_an_idempotency_key_reused_for_another_request_is_a_409_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     status, made = create(server, {}, "reused")
     assert status == 200
@@ -159,11 +174,11 @@ def test_an_idempotency_key_reused_for_another_request_is_a_409_that_writes_noth
     # The same request again is answered as the first attempt was.
     assert create(server, {}, "reused") == (200, made)
     assert create(server, {"session_key": "k-made"}, "reused-keyed") == (200, keyed)
-    assert sorted(ids(store)) == sorted([made["session_id"], keyed["session_id"]])
+    assert sorted(ids(store, server.scope_a)) == sorted([made["session_id"], keyed["session_id"]])
 
 
 def test_an_idempotency_key_beside_a_session_id_or_rebind_key_is_refused_and_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """The key is remembered by the session whose id it derives: only a request without a session_id leaves
     that trace. Beside a session_id it was ignored, so the same key answered 200 for another request (the
@@ -185,11 +200,11 @@ def test_an_idempotency_key_beside_a_session_id_or_rebind_key_is_refused_and_wri
     assert create(server, {}, "used") == (200, made)  # the key's own request is still answered as it was
     status, named = create(server, {"session_id": "named"}, None)
     assert status == 200 and named["session_id"] == "named"
-    assert sorted(ids(store)) == sorted([made["session_id"], "named"])
+    assert sorted(ids(store, server.scope_a)) == sorted([made["session_id"], "named"])
 
 
 def test_rebind_key_without_a_session_id_and_a_session_key_is_a_422_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """``rebind_key`` moves a key to the session of an id. Without the id, a request opened the key's holder
     (or made one) and dropped the flag; without the key there is nothing to move. Refused now."""
@@ -209,13 +224,13 @@ def test_rebind_key_without_a_session_id_and_a_session_key_is_a_422_that_writes_
     # With both it acts; false, it is the plain open it always was.
     status, other = create(server, {"session_id": "other", "session_key": "k", "rebind_key": True}, None)
     assert status == 200 and other["session_key"] == "k" and other["active"]
-    status, old = server.call("GET", "/v1/sessions/holder", TOKEN_A)
+    status, old = server.call("GET", "/v1/sessions/holder", server.token_a)
     assert status == 200 and old["active"] is False and holder["active"]
     assert create(server, {"session_key": "k", "rebind_key": False}, None) == create(server, {"session_key": "k"}, None)
 
 
 def test_rebind_key_without_a_session_id_and_a_session_key_is_refused_by_the_service_api(
-    store: TranscriptStore,
+    store: TranscriptStore, scope: str
 ) -> None:
     """The Python API refuses it too: the request model at construction (what the route validates), and the
     service for a request built without validation or changed since."""
@@ -235,18 +250,18 @@ def test_rebind_key_without_a_session_id_and_a_session_key_is_refused_by_the_ser
                      {"session_id": "s", "rebind_key": True}):
             for key in (None, "idem"):
                 with pytest.raises(InvalidInput, match="rebind_key"):
-                    svc.open_session(SCOPE, OpenSession.model_construct(**body), key)
+                    svc.open_session(scope, OpenSession.model_construct(**body), key)
         changed = OpenSession(session_key="k")
         changed.rebind_key = True
         with pytest.raises(InvalidInput, match="rebind_key"):
-            svc.open_session(SCOPE, changed)
+            svc.open_session(scope, changed)
         with pytest.raises(InvalidInput, match="Idempotency-Key"):
-            svc.open_session(SCOPE, OpenSession(session_id="s"), "idem")
+            svc.open_session(scope, OpenSession(session_id="s"), "idem")
         assert table_rows(store) == before
-        assert svc.open_session(SCOPE, OpenSession(session_id="s", session_key="k", rebind_key=True)).active
+        assert svc.open_session(scope, OpenSession(session_id="s", session_key="k", rebind_key=True)).active
 
 
-def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProcess, store: TranscriptStore) -> None:
+def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: Tenant, store: TranscriptStore) -> None:
     for key in ("x" * 256, "tab\there", "caf\u00e9"):
         status, data = create(server, {}, key)
         assert status == 400 and data["error"]["code"] == "invalid_input", (key, data)
@@ -256,7 +271,7 @@ def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProce
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
     try:
         conn.putrequest("POST", "/v1/sessions")
-        for name, value in (("Authorization", f"Bearer {TOKEN_A}"), ("Content-Type", "application/json"),
+        for name, value in (("Authorization", f"Bearer {server.token_a}"), ("Content-Type", "application/json"),
                             ("Content-Length", "2"), ("Idempotency-Key", "one"), ("Idempotency-Key", "two")):
             conn.putheader(name, value)
         conn.endheaders(b"{}")
@@ -265,17 +280,17 @@ def test_a_bad_idempotency_key_is_a_400_that_writes_nothing(server: ServiceProce
     finally:
         conn.close()
     assert status == 400 and data["error"]["code"] == "invalid_input", data
-    assert ids(store) == []
+    assert ids(store, server.scope_a) == []
     status, made = create(server, {}, "x" * 255)  # the longest key
-    assert status == 200 and ids(store) == [made["session_id"]]
+    assert status == 200 and ids(store, server.scope_a) == [made["session_id"]]
 
 
-def append(server: ServiceProcess, sid: str, items: list[dict[str, Any]], key: str | None) -> tuple[int, Any]:
+def append(server: Tenant, sid: str, items: list[dict[str, Any]], key: str | None) -> tuple[int, Any]:
     headers = {"Idempotency-Key": key} if key is not None else None
-    return server.call("POST", f"/v1/sessions/{sid}/entries", TOKEN_A, {"items": items}, headers=headers)
+    return server.call("POST", f"/v1/sessions/{sid}/entries", server.token_a, {"items": items}, headers=headers)
 
 
-def test_a_retried_append_under_an_idempotency_key_appends_once(server: ServiceProcess, store: TranscriptStore) -> None:
+def test_a_retried_append_under_an_idempotency_key_appends_once(server: Tenant, store: TranscriptStore) -> None:
     """The header was read on ``POST /v1/sessions`` only: a client retrying an append under it after a lost
     answer appended its entries a second time. Each item with neither an entry_id nor an idempotency_key
     now takes a key derived from the header and its index; an item's own id or key stays its own."""
@@ -296,13 +311,13 @@ def test_a_retried_append_under_an_idempotency_key_appends_once(server: ServiceP
     for _ in range(2):  # the retries of a client whose answer was lost: the same entries, nothing written
         assert append(server, "s", items, "append-1") == (200, first)
         assert table_rows(store) == rows
-    assert store.get_session(SCOPE, "s").visible_count == 4
+    assert store.get_session(server.scope_a, "s").visible_count == 4
     # Another key is another request: appended again (so is a request without a key: items without ids).
     status, other = append(server, "s", items[:2], "append-2")
     assert status == 200 and [e["seq"] for e in other["entries"]] == [5, 6], other
     status, plain = append(server, "s", items[:1], None)
     assert status == 200 and plain["entries"][0]["idempotency_key"] is None
-    assert store.get_session(SCOPE, "s").visible_count == 7
+    assert store.get_session(server.scope_a, "s").visible_count == 7
     # The key names entries of its session only: another session's append under it writes there.
     create(server, {"session_id": "t"}, None)
     status, there = append(server, "t", items[:1], "append-1")
@@ -310,7 +325,7 @@ def test_a_retried_append_under_an_idempotency_key_appends_once(server: ServiceP
 
 
 def test_an_idempotency_key_reused_for_another_append_is_a_409_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """The key is compared item by item, as an item's own idempotency_key is: another message at an index
     the first request used is 409 ``idempotency_conflict``; so is fewer or more items (below)."""
@@ -327,7 +342,7 @@ def test_an_idempotency_key_reused_for_another_append_is_a_409_that_writes_nothi
 
 
 def test_an_idempotency_key_reused_for_an_append_with_fewer_or_more_items_is_a_409_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """Compared item by item only, a prefix of the first request under its key was answered with the first
     entries (200), and a request with more items answered them and appended the rest (200): another request
@@ -349,7 +364,7 @@ def test_an_idempotency_key_reused_for_an_append_with_fewer_or_more_items_is_a_4
 
 
 def test_appends_of_different_lengths_racing_under_one_idempotency_key_land_one_request(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """Requests of one, two and three items racing under one key: the check runs in the append's own
     transaction, under the session's lock, so one request lands whole and every other one of another
@@ -369,11 +384,11 @@ def test_appends_of_different_lengths_racing_under_one_idempotency_key_land_one_
     landed = {n for n, status, _ in results if status == 200}
     assert len(landed) == 1, results
     assert all(status == 409 for n, status, _ in results if n not in landed), results
-    assert store.get_session(SCOPE, "s").visible_count == landed.pop()
+    assert store.get_session(server.scope_a, "s").visible_count == landed.pop()
 
 
 def test_items_with_their_own_keys_mixed_in_under_an_idempotency_key_are_compared_by_place(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """Items with their own entry_id or idempotency_key keep them; the header keys the others by index. The
     same mixed request again is answered as the first; a keyless item where the first request had one with
@@ -415,7 +430,7 @@ def test_items_with_their_own_keys_mixed_in_under_an_idempotency_key_are_compare
 
 
 def test_a_request_reusing_an_append_key_whose_first_keyed_items_lie_past_it_is_a_409_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """The first request's items without an id or key all came past the other request's length plus one,
     where the header's keys were looked for: a request of items with their own ids or keys only was
@@ -458,7 +473,7 @@ def test_a_request_reusing_an_append_key_whose_first_keyed_items_lie_past_it_is_
 
 
 def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_that_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     create(server, {"session_id": "s"}, None)
     rows = table_rows(store)
@@ -479,13 +494,13 @@ def test_an_append_with_a_bad_idempotency_key_or_a_reserved_item_key_is_a_400_th
 
 
 def test_an_append_under_an_idempotency_key_to_a_missing_or_foreign_session_is_a_404_as_without_it(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """An append whose every item has its own id or key, under a header, to a session the scope does not
     have was 400 ``invalid_input`` (send it without the header), and without the header it is 404: the
     client dropping the header was answered 404 then. It is 404 ``session_not_found`` whatever the header
     and the items, for an id no session has and for another scope's session alike, writing nothing."""
-    create(server, {"session_id": "s"}, None, token=TOKEN_B)  # scope B's session s: not scope A's
+    create(server, {"session_id": "s"}, None, token=server.token_b)  # scope B's session s: not scope A's
     rows = table_rows(store)
     bodies = ([{"message": user("a"), "entry_id": "own"}], [{"message": user("a"), "idempotency_key": "own"}],
               [{"message": user("a")}, {"message": user("b"), "entry_id": "own"}])
@@ -497,14 +512,14 @@ def test_an_append_under_an_idempotency_key_to_a_missing_or_foreign_session_is_a
     assert table_rows(store) == rows
 
 
-def _two_keys(server: ServiceProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+def _two_keys(server: Tenant, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """``POST path`` with two Idempotency-Key headers."""
     raw = json.dumps(body).encode()
     parts = urlsplit(server.url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=60)
     try:
         conn.putrequest("POST", path)
-        for name, value in (("Authorization", f"Bearer {TOKEN_A}"), ("Content-Type", "application/json"),
+        for name, value in (("Authorization", f"Bearer {server.token_a}"), ("Content-Type", "application/json"),
                             ("Content-Length", str(len(raw))), ("Idempotency-Key", "one"), ("Idempotency-Key", "two")):
             conn.putheader(name, value)
         conn.endheaders(raw)
@@ -515,7 +530,7 @@ def _two_keys(server: ServiceProcess, path: str, body: dict[str, Any]) -> tuple[
 
 
 def test_an_idempotency_key_on_a_route_safe_to_retry_by_its_body_is_refused_and_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """Every other writing route was silent about the header: a client counting on it for a safe retry was
     misled (a compaction's retry compacted again). Such a request is 400 ``invalid_input`` naming what makes
@@ -539,25 +554,25 @@ def test_an_idempotency_key_on_a_route_safe_to_retry_by_its_body_is_refused_and_
     for path, body, other, field in routes:
         rows = table_rows(store)
         for sent in (body, body, other):  # a first request, its retry, another body under the same key
-            status, data = server.call("POST", path, TOKEN_A, sent, headers={"Idempotency-Key": "safe-1"})
+            status, data = server.call("POST", path, server.token_a, sent, headers={"Idempotency-Key": "safe-1"})
             assert status == 400 and data["error"]["code"] == "invalid_input", (path, data)
             assert "Idempotency-Key" in data["error"]["message"] and field in data["error"]["message"], (path, data)
         status, data = _two_keys(server, path, body)
         assert status == 400 and data["error"]["code"] == "invalid_input", (path, data)
         assert table_rows(store) == rows, path
-        status, data = server.call("POST", path, TOKEN_A, body)  # without the header it acts
+        status, data = server.call("POST", path, server.token_a, body)  # without the header it acts
         assert status == 200, (path, data)
     # The header changes nothing on a read.
     for method, path, body in (("GET", "/v1/sessions/s", None), ("POST", "/v1/sessions/s/delta", {}),
                                ("POST", f"{engine}/assemble", {}), ("GET", f"{engine}/receipts", None)):
         rows = table_rows(store)
-        assert server.call(method, path, TOKEN_A, body, headers={"Idempotency-Key": "read"}) == \
-            server.call(method, path, TOKEN_A, body), path
+        assert server.call(method, path, server.token_a, body, headers={"Idempotency-Key": "read"}) == \
+            server.call(method, path, server.token_a, body), path
         assert table_rows(store) == rows, path
 
 
 def test_the_service_api_derives_the_item_keys_of_an_append_under_an_idempotency_key(
-    store: TranscriptStore,
+    store: TranscriptStore, scope: str
 ) -> None:
     """``Service.append`` takes the header's value as the HTTP route passes it: a retry appends nothing, a bad
     key or a reserved item key is InvalidInput; items of a request built without validation are keyed too."""
@@ -567,28 +582,28 @@ def test_the_service_api_derives_the_item_keys_of_an_append_under_an_idempotency
     from transcript_store.service import header_item_key
     from transcript_store.service_models import AppendRequest
 
-    store.create_session(SCOPE, session_id="s")
+    store.create_session(scope, session_id="s")
     for svc in legacy_service(store):
         req = AppendRequest(items=[{"message": user("a")}])
-        first = svc.append(SCOPE, "s", req, "api-1")
+        first = svc.append(scope, "s", req, "api-1")
         assert first[0].idempotency_key == header_item_key("api-1", 0)
-        assert svc.append(SCOPE, "s", req, "api-1") == first
+        assert svc.append(scope, "s", req, "api-1") == first
         raw = AppendRequest.model_construct(items=[{"message": user("a")}])
-        assert svc.append(SCOPE, "s", raw, "api-1") == first
+        assert svc.append(scope, "s", raw, "api-1") == first
         rows = table_rows(store)
         with pytest.raises(IdempotencyConflict, match="Idempotency-Key 'api-1'"):
-            svc.append(SCOPE, "s", AppendRequest(items=[{"message": user("b")}]), "api-1")
+            svc.append(scope, "s", AppendRequest(items=[{"message": user("b")}]), "api-1")
         with pytest.raises(InvalidInput, match="Idempotency-Key"):
-            svc.append(SCOPE, "s", req, "")
+            svc.append(scope, "s", req, "")
         reserved = AppendRequest(items=[{"message": user("b"), "idempotency_key": first[0].idempotency_key}])
         with pytest.raises(InvalidInput, match="Idempotency-Key:"):
-            svc.append(SCOPE, "s", reserved)
+            svc.append(scope, "s", reserved)
         assert table_rows(store) == rows
         assert len(header_item_key("x" * 255, 9_999)) <= 43
 
 
 def test_an_append_under_an_idempotency_key_retried_after_a_lost_commit_answers_its_entries(
-    store: TranscriptStore,
+    shared_url: str, scope: str
 ) -> None:
     """The transaction retried after its COMMIT landed finds every item it keyed: the same request, not a
     409 for a request that found some of them."""
@@ -597,27 +612,29 @@ def test_an_append_under_an_idempotency_key_retried_after_a_lost_commit_answers_
 
     from transcript_store.service_models import AppendRequest
 
-    store.create_session(SCOPE, session_id="s")
-    lose = [0]
+    # A store of its own: the commits it loses are its own, not those of the module's store.
+    with TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False)) as store:
+        store.create_session(scope, session_id="s")
+        lose = [0]
 
-    def lost() -> bool:
-        lose[0] -= 1
-        return lose[0] >= 0
+        def lost() -> bool:
+            lose[0] -= 1
+            return lose[0] >= 0
 
-    for svc in legacy_service(store):
-        req = AppendRequest(items=[{"message": user("a")}, {"message": assistant("b"), "entry_id": "own"},
-                                   {"message": user("c")}])
-        lose_commits(store, lost)
-        lose[0] = 1
-        first = svc.append(SCOPE, "s", req, "lost-1")
-        assert lose[0] < 0 and [e.seq for e in first] == [0, 1, 2]
-        rows = table_rows(store)
-        assert svc.append(SCOPE, "s", req, "lost-1") == first
-        assert table_rows(store) == rows
+        for svc in legacy_service(store):
+            req = AppendRequest(items=[{"message": user("a")}, {"message": assistant("b"), "entry_id": "own"},
+                                       {"message": user("c")}])
+            lose_commits(store, lost)
+            lose[0] = 1
+            first = svc.append(scope, "s", req, "lost-1")
+            assert lose[0] < 0 and [e.seq for e in first] == [0, 1, 2]
+            rows = table_rows(store)
+            assert svc.append(scope, "s", req, "lost-1") == first
+            assert table_rows(store) == rows
 
 
 def test_an_append_item_with_an_empty_key_of_its_own_is_refused_under_an_idempotency_key_too(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """An item's own empty ``idempotency_key`` is 400 ``invalid_input`` without the header; under one it was
     taken for no key, given the header's, and appended (200): the invalid input was silently replaced."""
@@ -630,7 +647,7 @@ def test_an_append_item_with_an_empty_key_of_its_own_is_refused_under_an_idempot
     assert table_rows(store) == rows
 
 
-def test_the_service_api_refuses_append_items_that_are_not_a_list(store: TranscriptStore) -> None:
+def test_the_service_api_refuses_append_items_that_are_not_a_list(store: TranscriptStore, scope: str) -> None:
     """A request built without validation whose items are not a list was InvalidInput from the store; read
     for reserved keys first, None (or a number) was a TypeError, with the header or without."""
     from mirror_helpers import legacy_service
@@ -638,13 +655,13 @@ def test_the_service_api_refuses_append_items_that_are_not_a_list(store: Transcr
     from transcript_store.errors import InvalidInput
     from transcript_store.service_models import AppendRequest
 
-    store.create_session(SCOPE, session_id="s")
+    store.create_session(scope, session_id="s")
     rows = table_rows(store)
     for svc in legacy_service(store):
         for items in (None, 5, "ab"):
             for key in (None, "api-1"):
                 with pytest.raises(InvalidInput, match="items must be a list"):
-                    svc.append(SCOPE, "s", AppendRequest.model_construct(items=items), key)
+                    svc.append(scope, "s", AppendRequest.model_construct(items=items), key)
     assert table_rows(store) == rows
 
 
@@ -657,14 +674,14 @@ BAD = ("%FF", "a%80b", "%C0%AF", "%ED%A0%80")
 
 
 def test_a_path_that_is_not_utf8_reaches_no_session_and_writes_nothing(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     for sid in (ODD, f"a{ODD}b", ODD * 2, ODD * 3):
         status, _ = create(server, {"session_id": sid}, None)
         assert status == 200
     turn = {"advancement_key": "K1", "admission": {"entry_id": "u1", "position": 0},
             "terminal": {"entry_id": "a1", "position": 1}, "messages": [user("q"), assistant("a")]}
-    status, _ = server.call("POST", f"/v1/engines/legacy/sessions/{quote(ODD)}/commit_turn", TOKEN_A, turn)
+    status, _ = server.call("POST", f"/v1/engines/legacy/sessions/{quote(ODD)}/commit_turn", server.token_a, turn)
     assert status == 200  # the session is reached by its id, percent-encoded as UTF-8
     before = table_rows(store)
     engine = "/v1/engines/legacy/sessions"
@@ -688,7 +705,7 @@ def test_a_path_that_is_not_utf8_reaches_no_session_and_writes_nothing(
     for method, template, body in routes:
         for bad in BAD:
             path = template.format(bad)
-            status, data = server.call(method, path, TOKEN_A, body)
+            status, data = server.call(method, path, server.token_a, body)
             assert status == 400 and data["error"]["code"] == "invalid_input", (method, path, status, data)
             assert "UTF-8" in data["error"]["message"], data
             assert set(data["error"]) == {"code", "message"}
@@ -696,29 +713,29 @@ def test_a_path_that_is_not_utf8_reaches_no_session_and_writes_nothing(
     status, data = server.call("GET", "/v1/sessions/%FF", None)
     assert status == 401 and data["error"]["code"] == "unauthorized"
     assert table_rows(store) == before
-    status, data = server.call("GET", f"/v1/sessions/{quote(ODD)}", TOKEN_A)
+    status, data = server.call("GET", f"/v1/sessions/{quote(ODD)}", server.token_a)
     assert status == 200 and data["session_id"] == ODD
 
 
-def test_a_query_that_is_not_utf8_is_refused(server: ServiceProcess, store: TranscriptStore) -> None:
+def test_a_query_that_is_not_utf8_is_refused(server: Tenant, store: TranscriptStore) -> None:
     status, _ = create(server, {"session_id": "holder", "session_key": ODD}, None)
     assert status == 200
     status, _ = create(server, {"session_id": ODD}, None)
     assert status == 200
     for query in ("session_key=%FF", "after=%FF", "session_key=a%C0%AFb", "%FF=1", "limit=10&after=%ED%A0%80"):
         for path in ("/v1/sessions", "/v1/engines/legacy/sessions/holder/receipts"):
-            status, data = server.call("GET", f"{path}?{query}", TOKEN_A)
+            status, data = server.call("GET", f"{path}?{query}", server.token_a)
             assert status == 400 and data["error"]["code"] == "invalid_input", (path, query, data)
             assert "UTF-8" in data["error"]["message"], data
     # The same characters, sent as UTF-8, are read as they are.
-    status, data = server.call("GET", f"/v1/sessions?session_key={quote(ODD)}", TOKEN_A)
+    status, data = server.call("GET", f"/v1/sessions?session_key={quote(ODD)}", server.token_a)
     assert status == 200 and [s["session_id"] for s in data["sessions"]] == ["holder"]
-    status, data = server.call("GET", f"/v1/sessions?after={quote('holder')}", TOKEN_A)
+    status, data = server.call("GET", f"/v1/sessions?after={quote('holder')}", server.token_a)
     assert status == 200 and [s["session_id"] for s in data["sessions"]] == [ODD]
 
 
 def test_a_query_parameter_the_route_does_not_take_or_given_twice_is_refused(
-    server: ServiceProcess, store: TranscriptStore
+    server: Tenant, store: TranscriptStore
 ) -> None:
     """A typo (``?sesion_key=``) listed the whole scope: an unknown query parameter was dropped; of one given
     twice the last counted. Both are 422 ``invalid_request`` now, on reads and writes, and write nothing."""
@@ -735,15 +752,15 @@ def test_a_query_parameter_the_route_does_not_take_or_given_twice_is_refused(
         ("POST", "/v1/sessions?session_id=three", {}, "session_id"),
     ]
     for method, path, body, name in refused:
-        status, data = server.call(method, path, TOKEN_A, body)
+        status, data = server.call(method, path, server.token_a, body)
         assert status == 422 and data["error"]["code"] == "invalid_request", (path, data)
         assert name in data["error"]["message"], (path, data)
     assert table_rows(store) == before
     # What the routes do take still works, and an empty query string is no parameter.
-    status, data = server.call("GET", "/v1/sessions?session_key=agent:a:one&limit=5", TOKEN_A)
+    status, data = server.call("GET", "/v1/sessions?session_key=agent:a:one&limit=5", server.token_a)
     assert status == 200 and [s["session_id"] for s in data["sessions"]] == ["one"]
-    status, data = server.call("GET", "/v1/sessions/one?", TOKEN_A)
+    status, data = server.call("GET", "/v1/sessions/one?", server.token_a)
     assert status == 200 and data["session_id"] == "one"
-    status, data = server.call("POST", "/v1/sessions/one/entries", TOKEN_A,
+    status, data = server.call("POST", "/v1/sessions/one/entries", server.token_a,
                                {"items": [{"message": user("hi")}, {"message": assistant("hello")}]})
     assert status == 200, data
