@@ -40,10 +40,6 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 from sqlalchemy.engine import URL
 
 from . import migrate, showing, transfer
@@ -70,7 +66,10 @@ from .store import TranscriptStore
 from .terminal import ShownStream, show_process_output, shown, shown_log_handler
 from .turns import MAX_DRAIN
 
-if TYPE_CHECKING:  # imported where it is used: the CLI's start stays light
+if TYPE_CHECKING:  # imported where they are used: the CLI's start stays light (rich: by a command drawing a table)
+    from rich.console import Console
+    from rich.table import Table
+
     from .host import HostRuntime
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
@@ -385,6 +384,8 @@ class WholeStdout(io.TextIOBase):
 
 def console() -> Console:
     """A console for human output on stdout."""
+    from rich.console import Console
+
     out = cast(IO[str], WholeStdout(sys.stdout))  # a TextIOBase: the text file rich asks for, untyped as IO
     return Console(file=out, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
@@ -603,6 +604,9 @@ def entry_json(entry: Entry) -> dict[str, Any]:
 
 def print_entries(out: Console, entries: list[Entry], *, every: bool, title: str) -> None:
     """A transcript table; ``every`` adds seq, kind, ids and the active marker."""
+    from rich.table import Table
+    from rich.text import Text
+
     # Readable at 80 columns (a pipe's width) with every column: the ids fold, the content takes what the
     # others leave (rich would otherwise squeeze it to nothing, and the marker with it).
     table = Table(title=title, title_justify="left", show_lines=False)
@@ -783,6 +787,13 @@ def sessions_list() -> None:
     if st.json:
         emit_json([{**s.model_dump(mode="json"), "bytes": size} for s, size in rows])
         return
+    if not rows:
+        click.echo(f"no sessions in scope {scope!r}")
+        return
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     # Readable at 80 columns (a pipe's width): no vertical rules and shared padding; the id and the key
     # fold (never shrink to nothing), the time wraps at its space, the short columns stay whole.
     table = Table(title=f"sessions in scope {scope!r}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -796,10 +807,7 @@ def sessions_list() -> None:
     for s, size in rows:
         table.add_row(s.session_id, Text(s.session_key or ""), str(s.entry_count), str(s.visible_count), str(size),
                       str(s.generation), "yes" if s.active else "no", s.updated_at.strftime("%Y-%m-%d %H:%M:%S"))
-    if rows:
-        console().print(table)
-    else:
-        click.echo(f"no sessions in scope {scope!r}")
+    console().print(table)
 
 
 @sessions.command("show")
@@ -1198,6 +1206,9 @@ def outbox_status() -> None:
     if st.json:
         emit_json([{k: v for k, v in i.model_dump(mode="json").items() if k in fields} for i in intents])
         return
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"outbox of scope {st.scope_name!r}", title_justify="left")
     for name in ("session", "turn", "engine", "state", "seq", "attempts", "last error / block reason"):
         table.add_column(name, overflow="fold")
@@ -1453,6 +1464,9 @@ def warn_unusable_engines(settings: HostSettings, store: TranscriptStore | None,
 
 
 def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"engines (selected: {settings.engine}, from {settings.engine_source})", title_justify="left")
     for name in ("", "id", "source", "version", "compaction", "fence", "idempotency", "host params", "valid"):
         table.add_column(name, overflow="fold")
@@ -1604,6 +1618,9 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     click.echo(shown(f"engine:    {e['selected']} (from {e['source']}): {'valid' if e['valid'] else e['reason']}"))
     out.print(_engines_table(data["engines"], settings))
     if data["quarantine"]:
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title="quarantined engines (live processes)", title_justify="left")
         for name in ("engine", "process", "operation", "reason", "since"):
             table.add_column(name, overflow="fold")
@@ -1777,6 +1794,8 @@ class ChatLoop:
         self.session_id = session_id
         self.as_json = as_json
         self.stdout = stdout if stdout is not None else sys.stdout
+        from rich.console import Console
+
         self.out = Console(file=self.stdout, highlight=False, soft_wrap=False, markup=False, emoji=False)
         self.last: Any = None  # the last TurnOutcome
         self.failed = 0

@@ -18,7 +18,6 @@ the embedding application's); the CLI quiets the library's records for its run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import heapq
 import itertools
 import logging
@@ -34,12 +33,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from . import faults, identity
 from .config import DEFAULT_URL
@@ -48,6 +42,10 @@ from .db import mask_url
 from .errors import InvalidInput, ModelTimeout, TranscriptStoreError, describe
 from .models import Admission
 from .terminal import show_process_output, shown, shown_log_handler
+
+if TYPE_CHECKING:  # rich is the dispatcher's: a worker process (and the CLI's other commands) never imports it
+    from rich.console import Console
+    from rich.progress import Progress
 
 #: The scope of the gateway's sessions unless --scope / TRANSCRIPT_STORE_SCOPE names another: its
 #: conversations stay apart from the CLI's own (``default``).
@@ -225,6 +223,9 @@ class GatewayReport:
         Degraded reasons and problems quote engines' errors: shown escaped, as Text (never read as rich
         markup, which a caller's console may parse), so the terminal reads them and obeys none of them.
         """
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title=Text(shown(f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")))
         table.add_column("what")
         table.add_column("count", justify="right")
@@ -375,6 +376,8 @@ def _die_with_dispatcher(dispatcher_pid: int | None) -> None:
     if dispatcher_pid is None:
         return
     if sys.platform.startswith("linux"):
+        import ctypes  # here: the CLI imports this module for its limits
+
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != dispatcher_pid:  # it died before that
@@ -476,6 +479,8 @@ def _plan(options: GatewayOptions, session_ids: list[str], rng: random.Random) -
 
 def run_gateway(options: GatewayOptions, console: Console | None = None) -> GatewayReport:
     """Run the gateway (see module doc) and return its report; the process's logging is left alone."""
+    from rich.console import Console
+
     from .config import StoreConfig
     from .settings import load_settings
     from .store import TranscriptStore
@@ -532,6 +537,8 @@ def _dispatch(
 ) -> dict[str, dict[str, Any]]:
     """Run the plan's turns on the workers; each turn's answer. The workers' process identities are
     added to ``processes`` (the quarantine records the run's report counts)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     processes = set() if processes is None else processes
     ctx = mp.get_context("spawn")
     workers: list[_Worker] = []

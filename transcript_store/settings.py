@@ -197,10 +197,13 @@ def check_tokenizer_and_summarizer() -> None:
     """Refuse a bad TRANSCRIPT_STORE_TOKENIZER or _SUMMARIZER, and the openai summarizer's endpoint
     (OPENAI_BASE_URL): else refused only when an engine is built, after a chat wrote its session, and
     by some commands only."""
-    from .summarize import summarizer_choice, summarizer_from_env
     from .tokens import check_tokenizer
 
     check_tokenizer()
+    if not os.environ.get("TRANSCRIPT_STORE_SUMMARIZER", "").strip():
+        return  # the extractive summarizer: nothing to check, nor summarize (regex, a model client) to import for it
+    from .summarize import summarizer_choice, summarizer_from_env
+
     if summarizer_choice() == "openai":
         try:
             summarizer_from_env()
