@@ -32,12 +32,14 @@ TOKENS = {TOKEN: "scope-a"}
 HEAD = b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\n"
 
 
-@pytest.fixture
-def server(store_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """A server whose body (and head) timeout is 1 second (the head deadline: uvicorn's keep-alive, 5 s, at
-    least), bodies 1 KiB at most."""
+    least), bodies 1 KiB at most; on SQLite (the HTTP layer's connections: no store call decides them), one
+    for the module's tests of connections, each on connections of its own."""
+    folder = tmp_path_factory.mktemp("connections")
     args = ("--body-timeout", "1", "--max-body", "1024")
-    with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log", extra_args=args) as proc:
+    with ServiceProcess(f"sqlite:///{folder / 'service.db'}", TOKENS, folder / "serve.log", extra_args=args) as proc:
         yield proc
 
 
@@ -85,7 +87,6 @@ def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> fl
     return None
 
 
-@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_connection_without_a_whole_request_head_is_closed_after_the_timeout(server: ServiceProcess) -> None:
     silent, dripping, kept, early = (_connect(server) for _ in range(4))
     try:
@@ -131,7 +132,6 @@ def _read_response(sock: socket.socket) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_request_answered_without_reading_its_awaited_body_closes_the_connection(server: ServiceProcess) -> None:
     """A client waiting for 100 Continue that gets a final answer instead (404, 405) may skip its body
     and send its next request on the connection, which the server would read as that body (a review
@@ -301,7 +301,6 @@ def test_a_request_cut_off_at_shutdown_before_its_route_is_told_so_too(store_url
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
 
 
-@pytest.mark.parametrize("backend", ["sqlite"])  # the HTTP layer's connections: no store call decides it
 def test_a_refused_body_dripping_in_does_not_hold_its_connection(server: ServiceProcess) -> None:
     """A body refused before its route (no token's 401, a Content-Length over the limit's 413) is dropped so
     that the client reads the answer, but for the body timeout in all, not for as long as a byte comes
