@@ -1173,6 +1173,8 @@ class _FencedCompact(_CopyingEngine):
     def compact(self, *, scope: str, session_id: str, fence: Any = None, **kw: Any) -> Any:
         if fence is not None:
             self.store.read_visible(scope, session_id, fence=fence)
+        # the runtime context it would delegate a compaction through carries the same fence
+        assert kw["runtime_context"].fence == fence
         self.calls.append(("compact", fence))
         return {"ok": True, "compacted": True}
 

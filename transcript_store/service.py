@@ -696,7 +696,10 @@ class Service:
                                 "token_budget": budget}
         if fenced:
             base["fence"] = fence
-        return CompactResult.model_validate(method(**project_params(call.info, base, self._host(call, None, budget))))
+        # Its runtime context carries the fence too, as the host's inside a turn does: a compaction the
+        # engine hands to the runtime (``delegate_compaction_to_runtime``) holds it as well.
+        host = self._host(call, fence if fenced else None, budget)
+        return CompactResult.model_validate(method(**project_params(call.info, base, host)))
 
     def host_compaction(
         self, scope: str, engine_id: str, session_id: str, req: HostCompactionRequest
