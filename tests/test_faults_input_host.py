@@ -22,7 +22,7 @@ Service requests are drawn as the HTTP layer hands them over: arbitrary JSON bod
 validates into the request model (a body it refuses is the HTTP layer's 422 and never reaches
 ``Service``; that raw body is passed instead, as a Python caller passing anything but the model would).
 
-Drawn: 26 methods (``calls`` below; a test keeps that list and ``NOT_DRAWN`` complete). Not drawn:
+Drawn: 27 methods (``calls`` below; a test keeps that list and ``NOT_DRAWN`` complete). Not drawn:
 ``HostRuntime.flush_quarantines``, ``HostRuntime.dispose``, ``Service.engines``, ``Service.limits`` and
 ``Service.close`` (no arguments; ``close`` also closes the store).
 
@@ -227,6 +227,7 @@ def calls(host: HostRuntime, service: Service, w: dict[str, Any]) -> dict[str, C
             host.quarantine, d.draw(engine_ids.filter(lambda e: e not in ENGINE_IDS)), d.draw(ids),
             d.draw(st.one_of(st.builds(RuntimeError, texts), payloads)), in_transaction=d.draw(bools)),
         "HostRuntime.commit_in": lambda d: call(host.commit_in, d.draw(engine_ids)),
+        "HostRuntime.preload": lambda d: call(host.preload, d.draw(engine_ids)),
         "HostRuntime.resolve_session": lambda d: call(host.resolve_session, d.draw(scopes), d.draw(sessions)),
         "HostRuntime.follow": lambda d: call(host.follow, d.draw(scopes), d.draw(sessions), d.draw(targets())),
         "HostRuntime.decide": lambda d: call(host.decide, d.draw(scopes), d.draw(sessions), d.draw(ids)),
@@ -388,7 +389,7 @@ def public_methods() -> set[str]:
 def test_every_public_method_of_host_and_service_is_drawn_or_listed_as_not(store: TranscriptStore) -> None:
     host, service = make_host(store), Service(store, load_settings(config_path=None, engine="legacy"))
     drawn = set(calls(host, service, {}))  # the draws are lazy: no world needed for the names
-    assert len(drawn) == 26, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 27, sorted(drawn)  # the module docstring's count
     assert not drawn & set(NOT_DRAWN) and drawn | set(NOT_DRAWN) == public_methods(), \
         sorted(public_methods() ^ (drawn | set(NOT_DRAWN)))
     host.dispose()

@@ -487,9 +487,13 @@ class HostRuntime:
         registered. One that cannot load is reported invalid, and not quarantined: its first use tries
         again (and quarantines it then), as without this check."""
         assert self.registry is not None
+        try:
+            check_id("engine", engine_id)
+        except InvalidInput as e:  # not an id (a list raised a bare TypeError from the config lookup)
+            raise UnknownEngine(str(e)) from None
         # Registered first: ``engine`` quarantines an id no engine has at its first use (its factory
         # "failed"), and the quarantined branch below then raised a bare KeyError from ``specs``.
-        spec = self.registry.specs.get(engine_id) if isinstance(engine_id, str) else None
+        spec = self.registry.specs.get(engine_id)
         if spec is not None and engine_id in self.quarantined:
             op, reason = self.quarantined[engine_id]
             return EngineStatus(spec, None, False, f"quarantined ({op}: {reason})")
