@@ -66,3 +66,18 @@ def test_serve_warns_at_start(store_url: str, tmp_path: Path) -> None:
         log = proc.log()
     (line,) = _warnings(log)
     assert "'lossless'" in line and "fresh_tail_messages" in line
+
+
+def test_a_selected_engine_that_is_not_installed_is_warned_of_too(store_url: str, tmp_path: Path) -> None:
+    """A slot naming no installed engine (`slot = "losless"`, a typo) runs every turn on legacy, as a mistyped
+    value does: it was no warning at all, `chat` and `serve` silent before a turn, `engines list` exit 0 with
+    a "NO:" in a table cell."""
+    env = _config(tmp_path, '[engine]\nslot = "losless"\n')
+    chat = run("chat", "--db", store_url, cwd=tmp_path, stdin="/quit\n", env=env)
+    (line,) = _warnings(chat.stderr)
+    assert "'losless'" in line and "known: legacy, lossless" in line and "legacy engine" in line, line
+    listed = run_json("engines", "list", "--db", store_url, cwd=tmp_path, env=env)
+    assert [w for w in listed["warnings"] if "cannot load" in w] == [line.removeprefix("warning: ")]
+    with ServiceProcess(store_url, {"tok": "s"}, tmp_path / "serve.log", env=env) as proc:
+        log = proc.log()
+    assert _warnings(log) == [line]

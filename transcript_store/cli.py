@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # imported where they are used: the CLI's start stays light (
     from rich.table import Table
 
     from .host import HostRuntime
+    from .registry import EngineRegistry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_SCOPE = "default"
@@ -1409,7 +1410,7 @@ def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tup
         })
     if settings.engine not in registry.specs:
         out.append({"id": settings.engine, "selected": True, "source": None, "location": None, "valid": False,
-                    "reason": f"unknown context engine; known: {', '.join(sorted(registry.specs))}"})
+                    "reason": unknown_engine_reason(registry)})
     # A config table of no engine here is read by none (a typo in its name left the engine on defaults,
     # where a typo in a key inside it is refused): said, not refused (the engine may be another host's).
     unread = [
@@ -1442,7 +1443,14 @@ def unusable_engines(settings: HostSettings, store: TranscriptStore | None, runt
                 status = registry.check(engine_id, engine_context(settings, store, engine_id))
             if not status.valid:
                 out.append(unusable_warning(engine_id, status.reason, engine_id == settings.engine))
+        if settings.engine not in registry.specs:  # a slot naming no installed engine (a typo): as unusable
+            out.append(unusable_warning(settings.engine, unknown_engine_reason(registry), True))
     return out
+
+
+def unknown_engine_reason(registry: EngineRegistry) -> str:
+    """Why an engine id no plugin registered cannot load, naming the ones that are."""
+    return f"unknown context engine; known: {', '.join(sorted(registry.specs))}"
 
 
 def unusable_warning(engine_id: str, reason: str | None, selected: bool) -> str:
@@ -1512,8 +1520,8 @@ def engines_list() -> None:
     # The selected engine, or one given a config table, that cannot load (a mistyped value): its turns run
     # on legacy, a line in the "valid" column alone was easy to miss (still exit 0: `doctor` is the check).
     warnings.extend(unusable_warning(e["id"], e.get("reason"), e["selected"]) for e in data
-                    if not e["valid"] and e.get("source") is not None
-                    and (e["selected"] or e["id"] in settings.engine_config))
+                    if not e["valid"] and (e["selected"] or (e.get("source") is not None
+                                                             and e["id"] in settings.engine_config)))
     if st.json:
         emit_json({"selected": settings.engine, "selection_source": settings.engine_source, "engines": data,
                    "warnings": warnings})
