@@ -171,6 +171,20 @@ def test_a_read_of_a_file_that_is_no_database_is_no_store(tmp_path: Path, comman
         assert "no store at" in line and "not a SQLite database" in line, line
 
 
+@pytest.mark.parametrize(("command", "code"), READS)
+def test_a_file_that_is_no_database_is_not_sent_to_init(tmp_path: Path, command: tuple[str, ...], code: int) -> None:
+    """Every command said "run `transcript-store init`" of a text file given as --db, and init refuses it
+    (it cannot hold a store): the advice led to a second refusal. They say what init says instead."""
+    path = tmp_path / "notes.db"
+    path.write_text("not a database\n" * 20)
+    result = run(*command, "--db", f"sqlite:///{path}", cwd=tmp_path, code=code)
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "not a SQLite database" in line]
+    assert said and all("transcript-store init" not in line and "give the path of a store" in line
+                        for line in said), said
+    init = one_error_line(run("init", "--db", f"sqlite:///{path}", cwd=tmp_path, code=4))
+    assert "give the path of a store" in init and "transcript-store init" not in init, init
+
+
 # ---------------------------------------------------------------------------------------------- 3: control characters
 
 BAD_NAMES = ["a\nb.db", "a\x1b[31mb.db", "a\tb.db", "a\rb.db", "a\x7fb.db", "a\x85b.db"]

@@ -427,6 +427,14 @@ def _no_store_file(path: Path) -> str | None:
 
 #: the first 16 bytes of every SQLite database file
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+#: why a file holds no store when it is no SQLite database at all, and what to do: not `init`, which refuses it
+_NOT_SQLITE = "the file is not a SQLite database"
+_NOT_SQLITE_ADVICE = "it cannot hold one; give the path of a store or of a file to create"
+
+
+def _no_store_advice(why: str) -> str:
+    """What to do about a SQLite file that holds no store for ``why``: `init`, unless it could not make one."""
+    return _NOT_SQLITE_ADVICE if why == _NOT_SQLITE else "run `transcript-store init`"
 
 
 def _refuse_non_sqlite_file(url: str) -> None:
@@ -434,8 +442,7 @@ def _refuse_non_sqlite_file(url: str) -> None:
     create a store there got sqlite3's "file is not a database" at its first statement, an outage (5)."""
     path = sqlite_file(url)
     if path is not None and _not_sqlite(path):
-        raise SchemaNotCurrent(f"no store at {mask_url(url)} (the file is not a SQLite database): it cannot hold"
-                               " one; give the path of a store or of a file to create")
+        raise SchemaNotCurrent(f"no store at {mask_url(url)} ({_NOT_SQLITE}): {_NOT_SQLITE_ADVICE}")
 
 
 def _not_sqlite(path: Path) -> bool:
@@ -462,7 +469,7 @@ def _not_a_store_database(path: Path) -> str | None:
     except OSError:
         return None  # the store's own open reports it
     if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
-        return "the file is not a SQLite database"
+        return _NOT_SQLITE
     if header[18] == 2 or header[19] == 2:  # WAL mode: may be a store
         return None
     try:
@@ -494,7 +501,8 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     create = create and (config.auto_upgrade is not False or not check_schema)
     why = _no_store_file(path) if path is not None and not create else None
     if why is not None:
-        raise SchemaNotCurrent(f"no store at {url} ({why}): run `transcript-store init`")
+        # (a file that is no SQLite database at all is not for init either: it refuses it, exit 4 again)
+        raise SchemaNotCurrent(f"no store at {url} ({why}): {_no_store_advice(why)}")
     if create:
         _refuse_non_sqlite_file(config.url)
     try:
@@ -1993,7 +2001,7 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     path = sqlite_file(config.url)
     why = _no_store_file(path) if path is not None and config.auto_upgrade is False else None
     if why is not None:  # (as open_store: nothing migrates on open, so nothing is created either)
-        raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): run `transcript-store init`")
+        raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): {_no_store_advice(why)}")
     settings = st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     options = GatewayOptions(
