@@ -87,6 +87,21 @@ def test_a_refused_import_creates_no_store(empty_url: str, backend: str, export_
     assert run_json("sessions", "show", "s1", "--db", empty_url, cwd=tmp_path)["entries"]
 
 
+def test_an_import_over_a_taken_id_or_key_names_the_option_that_gives_another(store_url: str, export_file: Path,
+                                                                              tmp_path: Path) -> None:
+    """An import keeps the file's id and key: over a session holding either it was refused with the store's
+    words alone ("already has key 'agent:s1'"), not how to import it all the same."""
+    run("sessions", "import", str(export_file), "--db", store_url, cwd=tmp_path)
+    taken_id = one_error_line(run("sessions", "import", str(export_file), "--db", store_url, cwd=tmp_path, code=1))
+    assert "'s1' already exists" in taken_id and "--session-id" in taken_id, taken_id
+    taken_key = one_error_line(run("sessions", "import", str(export_file), "--session-id", "s1-copy",
+                                   "--db", store_url, cwd=tmp_path, code=1))
+    assert "'agent:s1'" in taken_key and "--session-key" in taken_key, taken_key
+    copy = run_json("sessions", "import", str(export_file), "--session-id", "s1-copy", "--session-key", "agent:copy",
+                    "--db", store_url, cwd=tmp_path)
+    assert (copy["session_id"], copy["session_key"]) == ("s1-copy", "agent:copy")
+
+
 def test_a_refused_import_leaves_another_programs_sqlite_file_byte_for_byte(export_file: Path,
                                                                              tmp_path: Path) -> None:
     """--db naming another program's database by mistake: no WAL mode, no store tables, no -wal/-shm files."""

@@ -49,9 +49,11 @@ from .db import mask_url, parse_url, sqlite_file, url_secrets
 from .engine import MAX_TOKENS, EngineContext
 from .errors import (
     EngineError,
+    IdempotencyConflict,
     InvalidInput,
     PermissionDenied,
     SchemaNotCurrent,
+    SessionKeyConflict,
     SessionReplaced,
     StoreUnavailable,
     TranscriptStoreError,
@@ -1135,7 +1137,12 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
         except OSError as e:  # the spool's (the export's own are CommandErrors): a full TMPDIR, a size limit
             raise CommandError(_SPOOL_FAILED + (e.strerror or str(e))) from e
         with store_session(create=True) as store:
-            info = transfer.write_import(store, plan)
+            try:
+                info = transfer.write_import(store, plan)
+            except SessionKeyConflict as e:  # the file's own key, or --session-key's: say how to give another
+                raise SessionKeyConflict(f"{e}; import it under another with --session-key") from None
+            except IdempotencyConflict as e:  # the file's own id, or --session-id's
+                raise IdempotencyConflict(f"{e}; import it under another id with --session-id") from None
     if st.json:
         emit_json(info.model_dump(mode="json"))
     else:
