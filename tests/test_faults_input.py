@@ -187,7 +187,8 @@ def build_world(store: TranscriptStore, turns: Turns) -> dict[str, Any]:
     w["messages"] = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
     w["incarnation"] = store.get_session(A, "s1").incarnation
     w["export"] = store.export_session(A, "s1")
-    w["intent_cursor"], w["b_intent_cursor"] = (intent_cursor(turns.intents(scope)[0]) for scope in (A, B))
+    w["intent_cursor"], w["b_intent_cursor"] = (intent_cursor(turns.intents(scope)[0], scope) for scope in (A, B))
+    w["all_intent_cursor"] = intent_cursor(turns.intents(None)[0], None)
     return w
 
 
@@ -308,9 +309,11 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
         "intent": lambda data: call(turns.intent, data.draw(ids), data.draw(ids), data.draw(ids)),
         "intents_page": lambda data: call(
             turns.intents_page, data.draw(optional_ids),
-            # the world's own cursors, another scope's, cut or extended ones, and anything else
+            # the world's own cursors (of one scope and of every scope), another scope's, cut or extended ones, and
+            # anything else
             after=data.draw(st.one_of(
-                st.none(), ids, payloads, st.sampled_from([w["intent_cursor"], w["b_intent_cursor"], w["cursor"]]),
+                st.none(), ids, payloads,
+                st.sampled_from([w["intent_cursor"], w["b_intent_cursor"], w["all_intent_cursor"], w["cursor"]]),
                 st.builds(lambda c, n, x: c[:n] + x, st.sampled_from([w["intent_cursor"]]), st.integers(0, 80),
                           st.text(max_size=4)),
             )),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import subprocess
@@ -258,7 +259,7 @@ def test_intents_page_on_past_the_first_limit(store: TranscriptStore, turns: Tur
     assert rest.next is None and "s0-late" in [i.turn_id for i in rest.intents]
     before = turns.intents(None)
     other = turns.intents_page("scope-b", limit=1).intents[0]
-    forged = outbox.intent_cursor(other.model_copy(update={"enqueue_seq": 2**31}))
+    forged = outbox.intent_cursor(other.model_copy(update={"enqueue_seq": 2**31}), "scope-b")
     for scope, after, limit in (
         (A, "tsi1.", 10), (A, "not a cursor", 10), (A, first.next + "x", 10), (A, 7, 10),
         (A, forged, 10), ("scope-b", first.next, 10), (A, None, 0), (A, None, 10_001), (A, None, True),
@@ -267,6 +268,38 @@ def test_intents_page_on_past_the_first_limit(store: TranscriptStore, turns: Tur
         with pytest.raises(InvalidInput):
             turns.intents_page(scope, after=after, limit=limit)  # type: ignore[arg-type]
     assert turns.intents(None) == before  # nothing written
+
+
+def test_an_intent_cursor_is_refused_by_every_other_listing(store: TranscriptStore, turns: Turns, sid: str) -> None:
+    """A cursor names the listing that gave it: of one scope, or of every scope (None). The other listing
+    refuses it, InvalidInput before anything is read, even where its place is in both (the same token once
+    served both); paging a listing with its own cursors is as before."""
+    for t in ("t1", "t2"):
+        accepted(turns, sid, t)
+    turns.admit(A, sid, user("q"), turn_id="t3", engine_id=E)
+    store.create_session("scope-b", session_id="s1")
+    turns.admit("scope-b", "s1", user("q"), turn_id="b1", engine_id=E)
+    scoped = turns.intents_page(A, limit=1)
+    every = turns.intents_page(None, limit=1)
+    # the same row is the last of both pages: only the listing tells the two cursors apart
+    assert scoped.intents == every.intents and scoped.next is not None and every.next is not None
+    with pytest.raises(InvalidInput, match="one scope's listing"):
+        turns.intents_page(None, after=scoped.next)
+    with pytest.raises(InvalidInput, match="every scope's listing"):
+        turns.intents_page(A, after=every.next)
+    with pytest.raises(InvalidInput, match="another scope's listing"):
+        turns.intents_page("scope-b", after=scoped.next)
+    with pytest.raises(InvalidInput, match="every scope's listing"):
+        turns.intents_page("scope-b", after=every.next)
+    assert scoped.next != every.next
+    # a cursor of the earlier format, which named no listing, is refused by both
+    old = "tsi1." + base64.urlsafe_b64encode(json.dumps([A, sid, 1, "t1"]).encode()).decode().rstrip("=")
+    for scope in (A, None):
+        with pytest.raises(InvalidInput, match="earlier release"):
+            turns.intents_page(scope, after=old)
+    # each listing pages on with its own cursors, as before
+    assert [i.turn_id for i in turns.intents_page(A, after=scoped.next).intents] == ["t2", "t3"]
+    assert [i.turn_id for i in turns.intents_page(None, after=every.next).intents] == ["t2", "t3", "b1"]
 
 
 def test_discard_deletes_only_an_admitted_intent(store: TranscriptStore, turns: Turns, sid: str) -> None:

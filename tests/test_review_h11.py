@@ -49,7 +49,8 @@ def test_an_intent_cursor_of_long_non_ascii_ids_reads_the_next_page(store: Trans
 
     longest = "\U0001f600" * 255
     place = (longest, longest, MAX_INT, longest)
-    assert outbox.parse_intent_cursor(outbox._encode_place(list(place))) == place
+    for listing, scope in (("scope", longest), ("all", None)):
+        assert outbox.parse_intent_cursor(outbox._encode_place(listing, list(place)), scope) == place
 
 
 def test_an_engine_owning_compaction_is_not_asked_to_compact_every_turn_for_the_builtin_history(

@@ -883,12 +883,19 @@ IntentKey = tuple[str, str, int, str]
 #: intents a page holds unless asked for fewer, and at most
 DEFAULT_INTENTS_PAGE = 1000
 MAX_INTENTS_PAGE = 10_000
-_INTENT_CURSOR = "tsi1."
+#: Format 2 names the listing the cursor was issued by: "scope" (of the place's own scope) or "all" (of every
+#: scope). Format 1 (``tsi1.``) did not, so one listing's cursor was taken by the other; it named no stable
+#: format (README: an opaque cursor), and is refused as a cursor of no known listing: start it again.
+_INTENT_CURSOR = "tsi2."
+_INTENT_CURSOR_V1 = "tsi1."
+_LISTINGS = ("scope", "all")
 # The longest cursor a page gives: three ids of at most MAX_ID_CHARS characters, each at most 12 characters of
 # ASCII JSON (one past the BMP is a surrogate pair of escapes; ids an earlier release stored may pass the
-# 640-byte limit of new ones), and a seq, in base64 (4 characters per 3 bytes). 8 * MAX_ID_CHARS refused
-# the cursor of long non-ASCII ids.
-_MAX_CURSOR_CHARS = len(_INTENT_CURSOR) + 4 * -(-(3 * (12 * MAX_ID_CHARS + 2) + len(str(MAX_INT)) + 5) // 3)
+# 640-byte limit of new ones), the listing and a seq, in base64 (4 characters per 3 bytes). 8 * MAX_ID_CHARS
+# refused the cursor of long non-ASCII ids.
+_MAX_CURSOR_CHARS = len(_INTENT_CURSOR) + 4 * -(
+    -(3 * (12 * MAX_ID_CHARS + 2) + len(str(MAX_INT)) + max(len(x) + 3 for x in _LISTINGS) + 5) // 3
+)
 
 
 class IntentPage(BaseModel):
@@ -900,20 +907,29 @@ class IntentPage(BaseModel):
     next: str | None
 
 
-def intent_cursor(intent: TurnIntent) -> str:
-    """The ``after`` cursor of an intent: its place in the listing, an opaque token."""
-    return _encode_place([intent.scope, intent.session_id, intent.enqueue_seq, intent.turn_id])
+def _listing(scope: str | None) -> str:
+    return "all" if scope is None else "scope"
 
 
-def _encode_place(key: list[object]) -> str:
-    body = json.dumps(key, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+def intent_cursor(intent: TurnIntent, scope: str | None) -> str:
+    """The ``after`` cursor of an intent in the listing of ``scope`` (None: of every scope): its place there,
+    an opaque token that names that listing."""
+    return _encode_place(_listing(scope), [intent.scope, intent.session_id, intent.enqueue_seq, intent.turn_id])
+
+
+def _encode_place(listing: str, key: list[object]) -> str:
+    body = json.dumps([listing, *key], separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return _INTENT_CURSOR + base64.urlsafe_b64encode(body).decode("ascii").rstrip("=")
 
 
-def parse_intent_cursor(after: object) -> IntentKey:
-    """The listing place an intent cursor names; InvalidInput for anything that is not one a page gave."""
+def parse_intent_cursor(after: object, scope: str | None) -> IntentKey:
+    """The place an intent cursor of the listing of ``scope`` (None: of every scope) names; InvalidInput for
+    anything that is not one a page of that very listing gave."""
     if not isinstance(after, str):
         raise InvalidInput(f"after must be a string, not {type(after).__name__}")
+    if after.startswith(_INTENT_CURSOR_V1):
+        raise InvalidInput("after is an intent cursor of an earlier release, which named no listing: "
+                           "start the listing again (after=None)")
     bad = InvalidInput("after is not an intent cursor (pass a page's next)")
     if not after.startswith(_INTENT_CURSOR) or len(after) > _MAX_CURSOR_CHARS:
         raise bad
@@ -922,15 +938,20 @@ def parse_intent_cursor(after: object) -> IntentKey:
         key = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("ascii"))
     except (ValueError, binascii.Error):
         raise bad from None
-    if not (isinstance(key, list) and len(key) == 4 and isinstance(key[2], int) and not isinstance(key[2], bool)
-            and 0 <= key[2] <= MAX_INT):
+    if not (isinstance(key, list) and len(key) == 5 and key[0] in _LISTINGS and isinstance(key[3], int)
+            and not isinstance(key[3], bool) and 0 <= key[3] <= MAX_INT):
         raise bad
-    scope, session_id, seq, turn_id = key
-    for what, value in (("scope", scope), ("session_id", session_id), ("turn_id", turn_id)):
+    listing, place_scope, session_id, seq, turn_id = key
+    for what, value in (("scope", place_scope), ("session_id", session_id), ("turn_id", turn_id)):
         check_id(f"after's {what}", value)
-    if _encode_place([scope, session_id, seq, turn_id]) != after:
+    if _encode_place(listing, [place_scope, session_id, seq, turn_id]) != after:
         raise bad  # one token per place: only the canonical one a page gave
-    parsed: IntentKey = (scope, session_id, seq, turn_id)
+    if listing != _listing(scope):
+        theirs, ours = ("one scope's", "every scope's") if scope is None else ("every scope's", "one scope's")
+        raise InvalidInput(f"after is a cursor of {theirs} listing, not of {ours}")
+    if scope is not None and place_scope != scope:
+        raise InvalidInput("after is a cursor of another scope's listing")
+    parsed: IntentKey = (place_scope, session_id, seq, turn_id)
     return parsed
 
 
@@ -964,7 +985,7 @@ def intents_page(
     """A page of ``list_intents``: at most ``limit`` intents after ``after``, and the cursor of the next."""
     rows = list_intents(core, scope, limit + 1, after=after)
     page = rows[:limit]
-    return IntentPage.model_construct(intents=page, next=intent_cursor(page[-1]) if len(rows) > limit else None)
+    return IntentPage.model_construct(intents=page, next=intent_cursor(page[-1], scope) if len(rows) > limit else None)
 
 
 # ---------------------------------------------------------------------------------------------- drain

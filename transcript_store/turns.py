@@ -926,9 +926,7 @@ class Turns:
         cursor ``after`` (a page's ``next``; None: from the first row), of one scope or (None) every scope."""
         check_id("scope", scope, optional=True)
         outbox.check_intents_limit(limit)
-        place = None if after is None else outbox.parse_intent_cursor(after)
-        if place is not None and scope is not None and place[0] != scope:
-            raise InvalidInput("after is a cursor of another scope's listing")
+        place = None if after is None else outbox.parse_intent_cursor(after, scope)
         return self.store.read(lambda c: outbox.intents_page(c, scope, after=place, limit=limit))
 
     def intent(self, scope: str, session_id: str, turn_id: str) -> TurnIntent | None:
