@@ -177,6 +177,44 @@ def test_a_bad_legacy_engine_config_is_one_typed_error_line(store_url: str, tmp_
     assert words in chat.stderr and "internal error" not in chat.stderr and "Traceback" not in chat.stderr
 
 
+@pytest.mark.parametrize(("config", "words"), [
+    ("keep_last = 0", "keep_last must be an integer"), ("max_sessions = 2.5", "max_sessions must be an integer"),
+    ("max_sessions = 0", "max_sessions must be an integer"), ('max_sessions = "x"', "max_sessions must be an integer"),
+    ("max_sessions = true", "max_sessions must be an integer"), ("keep_lst = 3", "unknown key 'keep_lst'"),
+])
+def test_chat_refuses_a_bad_legacy_config_before_it_opens_a_session(store_url: str, tmp_path: Path, config: str,
+                                                                    words: str) -> None:
+    """Any mistake of [engine.config.legacy] stops chat as it starts, as a bad keep_last does: one error
+    line, exit 1, no session opened, no turn run (an unknown key or a bad max_sessions let it start, open
+    the session and fail every turn on the legacy engine, the fallback; a bad keep_last opened the session)."""
+    seed(store_url)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        before = store.list_sessions("default") + store.list_sessions(SCOPE)
+    settings = tmp_path / "transcript-store.toml"
+    settings.write_text(f"[engine.config.legacy]\n{config}\n", encoding="utf-8")
+    line = one_error_line(run("chat", "--session", "new-key", "--db", store_url, "--config", str(settings),
+                              cwd=tmp_path, stdin="hi\n", code=1))
+    assert words in line and line.startswith("error: legacy config: ")
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions("default") + store.list_sessions(SCOPE) == before
+
+
+@pytest.mark.parametrize("config", ["max_sessions = 0", "keep_last = 0"])
+def test_the_gateway_refuses_a_bad_legacy_config_before_a_worker_starts(store_url: str, tmp_path: Path,
+                                                                        config: str) -> None:
+    """The gateway's workers each refused the bad config as their host was built, after a warning line and
+    the progress bar: refused once now, before any worker, one error line, exit 1 as chat and serve."""
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        before = store.list_sessions("gateway") + store.list_sessions(SCOPE)
+    settings = tmp_path / "transcript-store.toml"
+    settings.write_text(f"[engine.config.legacy]\n{config}\n", encoding="utf-8")
+    line = one_error_line(run("gateway", "--workers", "1", "--sessions", "1", "--turns", "1", "--db", store_url,
+                              "--config", str(settings), cwd=tmp_path, code=1))
+    assert line.startswith("error: legacy config: ") and "must be an integer of at least 1, got 0" in line
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions("gateway") + store.list_sessions(SCOPE) == before
+
+
 @pytest.mark.parametrize("command", [("chat",), ("gateway", "--workers", "1", "--sessions", "1", "--turns", "1")])
 def test_a_bad_model_url_is_a_usage_error_before_any_write(store_url: str, tmp_path: Path,
                                                            command: tuple[str, ...]) -> None:

@@ -1305,6 +1305,31 @@ def test_the_built_in_compactions_keep_last_is_validated_as_the_legacy_engine_do
     assert store.get_session(SCOPE, sid).entry_count == 0
 
 
+@pytest.mark.parametrize(("config", "words"), [
+    ({"keep_lst": 3}, "legacy config: unknown key 'keep_lst'"),
+    ({"max_sessions": 2.5}, "legacy config: max_sessions must be an integer of at least 1, got 2.5"),
+    ({"max_sessions": 0}, "legacy config: max_sessions must be an integer of at least 1, got 0"),
+    ({"max_sessions": "x"}, "legacy config: max_sessions must be an integer of at least 1, got 'x'"),
+    ({"max_sessions": True}, "legacy config: max_sessions must be an integer of at least 1, got True"),
+])
+def test_a_bad_legacy_config_is_refused_when_the_host_is_built(
+    store: TranscriptStore, sid: str, config: dict[str, Any], words: str
+) -> None:
+    """The whole [engine.config.legacy], not only keep_last, is refused with InvalidInput when the host is
+    built, with the legacy engine's own words: the legacy engine is every host's fallback and is never
+    quarantined, and an unknown key or a bad max_sessions was found by its factory only, at the first turn,
+    so a host built with it failed every turn."""
+    from engines.legacy import LegacyEngine
+
+    with pytest.raises(InvalidInput) as refused:
+        make_host(store, engine_config={"legacy": config})
+    assert words in str(refused.value)
+    with pytest.raises(InvalidInput) as engine_refused:  # the same check, the same words
+        LegacyEngine(EngineContext(store=store, config=config))
+    assert str(engine_refused.value) == str(refused.value)
+    assert store.get_session(SCOPE, sid).entry_count == 0 and store.read(lambda c: records(c)) == []
+
+
 def test_a_degrading_attempt_never_moves_a_turn_a_retry_took_over(store: TranscriptStore, sid: str) -> None:
     """Host A runs turn t1 on an engine; a retry of t1 (another worker) takes the turn over, and then
     A's engine fails. A's turn-local degradation moved the intent to legacy under the retry, its next

@@ -1754,20 +1754,21 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     # Never None (a closed stdout is refused before any command runs): the loop took None for "sys.stdout",
     # which by then was stderr, and every turn ran and committed with its replies there, exit 0.
     stdout = sys.stdout  # the conversation's own output; an engine's goes to stderr
-    with store_session(create=True) as store:
-        info = store.open_session(scope, session_key)
-        with engine_output_on_stderr():
-            runtime = _runtime(store, settings, model)
+    with store_session(create=True) as store, engine_output_on_stderr():
+        # Built before the session is opened: a bad [engine.config.legacy] (which the host checks whole)
+        # stops chat with nothing written, not after it opened the session.
+        runtime = _runtime(store, settings, model)
+        try:
+            info = store.open_session(scope, session_key)
             loop = ChatLoop(runtime, scope, info.session_id, st.json, stdout)
-            try:
-                # Before the first turn runs it on legacy, said once; checked in the runtime, the engine
-                # (imported once, made once) is the one the turns use.
-                warn_unusable_engines(settings, store, runtime)
-                if not st.json:
-                    loop.banner(session_key)
-                loop.run(_lenient(source))
-            finally:
-                runtime.dispose()
+            # Before the first turn runs it on legacy, said once; checked in the runtime, the engine
+            # (imported once, made once) is the one the turns use.
+            warn_unusable_engines(settings, store, runtime)
+            if not st.json:
+                loop.banner(session_key)
+            loop.run(_lenient(source))
+        finally:
+            runtime.dispose()
     if loop.failed:
         # The database's refusal (5 unavailable, 6 permission denied) keeps its own exit code.
         raise CommandError(f"{loop.failed} turn(s) or command(s) failed", loop.code)
@@ -2011,6 +2012,12 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): {_no_store_advice(why)}")
     settings = st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
+    # A bad [engine.config.legacy] stops every worker's host as it is built (the fallback engine's, never
+    # quarantined): refused here, by the host's own check, before a worker starts (exit 1, as chat and serve).
+    from .compaction import check_legacy_config
+    from .host import LEGACY
+
+    check_legacy_config(settings.engine_config.get(LEGACY, {}))
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,

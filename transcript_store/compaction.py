@@ -9,7 +9,7 @@ kept entry) is saved in engine state in the same transaction.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -549,6 +549,27 @@ def check_keep_last(value: object, where: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidInput(f"{where}keep_last must be an integer of at least 1, got {value!r}")
     return value
+
+
+#: the legacy engine's ``[engine.config.legacy]`` keys
+LEGACY_KEYS = ("keep_last", "max_sessions")
+#: the legacy engine's projections kept, unless ``[engine.config.legacy] max_sessions`` says otherwise
+MAX_SESSIONS = 256
+
+
+def check_legacy_config(config: Mapping[str, Any]) -> tuple[int, int]:
+    """``[engine.config.legacy]`` checked whole, as the legacy engine and the host take it: its
+    ``(keep_last, max_sessions)``; InvalidInput naming the first unknown key or bad count."""
+    # One check for both: the legacy engine is every host's fallback and never quarantined, so a mistake
+    # here found only by its factory at the first turn failed every turn of a chat or serve that started.
+    unknown = sorted(set(config) - set(LEGACY_KEYS))
+    if unknown:
+        raise InvalidInput(f"legacy config: unknown key {unknown[0]!r} (expected {', '.join(LEGACY_KEYS)})")
+    keep_last = check_keep_last(config.get("keep_last", KEEP_LAST), "legacy config: ")
+    max_sessions = config.get("max_sessions", MAX_SESSIONS)
+    if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+        raise InvalidInput(f"legacy config: max_sessions must be an integer of at least 1, got {max_sessions!r}")
+    return keep_last, max_sessions
 
 
 def compact_session(

@@ -431,11 +431,12 @@ class HostRuntime:
     def __post_init__(self) -> None:
         # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
         # messages whether a compaction is asked for or fires before the prompt, for every engine that
-        # delegates to it. Checked as the legacy engine checks it, and here, when the host is built: at
-        # the first compaction it would fail inside an engine's compact, and isolate that engine for a
-        # mistake of the settings.
+        # delegates to it. The whole legacy config is checked here, when the host is built, by the check
+        # the legacy engine makes: at the first compaction a bad keep_last failed inside an engine's
+        # compact (isolating that engine for a mistake of the settings), and an unknown key or a bad
+        # max_sessions failed the legacy factory, the fallback never quarantined, at every turn.
         legacy = self.settings.engine_config.get(LEGACY, {})
-        self.keep_last = compaction.check_keep_last(legacy.get("keep_last", compaction.KEEP_LAST), "legacy config: ")
+        self.keep_last, _ = compaction.check_legacy_config(legacy)
         if self.registry is None:
             self.registry = EngineRegistry(self.settings.plugin_dirs)
         if self.summarizer is None:

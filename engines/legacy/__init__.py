@@ -84,12 +84,9 @@ class LegacyEngine:
         self.store = ctx.store
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
-        unknown = sorted(set(ctx.config) - {"keep_last", "max_sessions"})
-        if unknown:
-            raise InvalidInput(f"legacy config: unknown key {unknown[0]!r} (expected keep_last, max_sessions)")
-        # Compaction keeps at least the last message.
-        self.keep_last = _count(ctx.config, "keep_last", compaction.KEEP_LAST)
-        self.max_sessions = _count(ctx.config, "max_sessions", 256)
+        # Compaction keeps at least the last message. The host checks the same config with the same
+        # function when it is built, so a mistake stops it before any turn.
+        self.keep_last, self.max_sessions = compaction.check_legacy_config(ctx.config)
         self._projections: OrderedDict[tuple[str, str], _Projection] = OrderedDict()
         self._lock = threading.Lock()
         self.rows_read = 0  # visible rows fetched by assembly (tests assert it does not grow with history)
@@ -335,15 +332,6 @@ class LegacyEngine:
         """Forget every projection."""
         with self._lock:
             self._projections.clear()
-
-
-def _count(config: dict[str, Any], key: str, default: int) -> int:
-    """A whole number of at least 1 from the engine's config; InvalidInput names the key (a settings file's
-    mistake, refused when the engine is built, as the lossless engine's)."""
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInput(f"legacy config: {key} must be an integer of at least 1, got {value!r}")
-    return value
 
 
 def create_engine(ctx: EngineContext) -> LegacyEngine:
