@@ -215,6 +215,16 @@ def test_the_gateway_refuses_a_bad_legacy_config_before_a_worker_starts(store_ur
         assert store.list_sessions("gateway") + store.list_sessions(SCOPE) == before
 
 
+def test_the_gateways_usage_errors_come_before_a_bad_legacy_config(store_url: str, tmp_path: Path) -> None:
+    """Counts past a run's bound are a usage error (exit 2) with a bad [engine.config.legacy] too: the legacy
+    config's check (exit 1) ran first and turned the usage error into a failure."""
+    settings = tmp_path / "transcript-store.toml"
+    settings.write_text("[engine.config.legacy]\nkeep_lst = 3\n", encoding="utf-8")
+    line = one_error_line(run("gateway", "--workers", "1", "--sessions", "1000", "--turns", "1000", "--db", store_url,
+                              "--config", str(settings), cwd=tmp_path, code=2))
+    assert "at most" in line and "turns in a run" in line and "legacy config" not in line
+
+
 @pytest.mark.parametrize("command", [("chat",), ("gateway", "--workers", "1", "--sessions", "1", "--turns", "1")])
 def test_a_bad_model_url_is_a_usage_error_before_any_write(store_url: str, tmp_path: Path,
                                                            command: tuple[str, ...]) -> None:

@@ -2012,12 +2012,6 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         raise SchemaNotCurrent(f"no store at {mask_url(config.url)} ({why}): {_no_store_advice(why)}")
     settings = st.settings(engine)  # a bad settings file is a usage error here, not in the workers
     chosen_model(model_url, model_name, api_key)  # so is a bad model URL
-    # A bad [engine.config.legacy] stops every worker's host as it is built (the fallback engine's, never
-    # quarantined): refused here, by the host's own check, before a worker starts (exit 1, as chat and serve).
-    from .compaction import check_legacy_config
-    from .host import LEGACY
-
-    check_legacy_config(settings.engine_config.get(LEGACY, {}))
     options = GatewayOptions(
         db_url=config.url, workers=workers, sessions=session_count, turns=turns, engine=engine,
         model_url=model_url, model=model_name, api_key=api_key, faults=faults, config_path=st.config,
@@ -2027,6 +2021,13 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         options.check()
     except InvalidInput as e:  # sessions x turns past the bound of a run: a usage error
         raise CommandError(str(e), EXIT_USAGE) from None
+    # A bad [engine.config.legacy] stops every worker's host as it is built (the fallback engine's, never
+    # quarantined): refused here, by the host's own check, before a worker starts (exit 1, as chat and serve),
+    # but after the usage errors above: checked first, it turned counts past a run's bound from 2 into 1.
+    from .compaction import check_legacy_config
+    from .host import LEGACY
+
+    check_legacy_config(settings.engine_config.get(LEGACY, {}))
     if seed is not None:
         options.seed = seed
     if st.scope_given:
