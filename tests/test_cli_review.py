@@ -14,9 +14,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import yaml
-from conftest import _pg_reachable, pg_url
+from conftest import _admin_exec, _conninfo, _pg_reachable, pg_url
 from rich.cells import cell_len
 from rich.console import Console
 from test_cli import CLI, SCOPE, one_error_line, run, run_json, seed
@@ -213,6 +214,32 @@ def test_the_gateway_refuses_a_bad_legacy_config_before_a_worker_starts(store_ur
     assert line.startswith("error: legacy config: ") and "must be an integer of at least 1, got 0" in line
     with TranscriptStore(config=StoreConfig(url=store_url)) as store:
         assert store.list_sessions("gateway") + store.list_sessions(SCOPE) == before
+
+
+@pytest.mark.parametrize("command", [("chat",), ("serve", "--port", "0")])
+def test_a_bad_legacy_config_leaves_no_new_store_behind(backend: str, tmp_path: Path,
+                                                        command: tuple[str, ...]) -> None:
+    """chat and serve refuse a bad [engine.config.legacy] (exit 1) before they create a store, as the gateway
+    does: they created and migrated a SQLite one (a new file in the folder of a first try), then refused the
+    config; an empty PostgreSQL database hid the config's error behind exit 4 (no schema)."""
+    settings = tmp_path / "transcript-store.toml"
+    settings.write_text("[engine.config.legacy]\nkeep_lst = 3\n", encoding="utf-8")
+    name = f"h11_empty_{uuid.uuid4().hex[:12]}"
+    url = f"sqlite:///{tmp_path / 'new.db'}" if backend == "sqlite" else pg_url(name)
+    if backend == "postgresql":
+        _admin_exec(f"CREATE DATABASE {name}")
+    try:
+        line = one_error_line(run(*command, "--db", url, "--config", str(settings), cwd=tmp_path, stdin="hi\n",
+                                  code=1, env={"TRANSCRIPT_STORE_TOKENS": "tok=s"}))
+        assert "unknown key 'keep_lst'" in line
+        if backend == "sqlite":
+            assert not (tmp_path / "new.db").exists()
+        else:
+            with psycopg.connect(_conninfo(name)) as conn:
+                assert conn.execute("select count(*) from pg_tables where schemaname = 'public'").fetchone() == (0,)
+    finally:
+        if backend == "postgresql":
+            _admin_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_the_gateways_usage_errors_come_before_a_bad_legacy_config(store_url: str, tmp_path: Path) -> None:

@@ -1180,6 +1180,16 @@ def outbox() -> None:
     """Turn intents waiting for their engine: status, drain, recover, block."""
 
 
+def refuse_bad_legacy_config(settings: HostSettings) -> None:
+    """InvalidInput (exit 1) for a bad ``[engine.config.legacy]``, which stops every host as it is built
+    (the fallback engine's, never quarantined): checked by the host's own check before a command that builds
+    one opens, creates or migrates a store, so such a mistake leaves no new store behind."""
+    from .compaction import check_legacy_config
+    from .host import LEGACY
+
+    check_legacy_config(settings.engine_config.get(LEGACY, {}))
+
+
 def _runtime(store: TranscriptStore, settings: HostSettings, model: Any = None) -> Any:
     from .host import HostRuntime
     from .model import LocalResponder
@@ -1750,6 +1760,7 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     model = chosen_model(model_url, model_name, api_key)  # so is a bad model URL
     scope = st.scope_name  # so are a bad scope and a bad session key (open_session would refuse them after)
     check_id("session_key", session_key, new=True)
+    refuse_bad_legacy_config(settings)  # exit 1, but before the store is created too (the host checks it again)
     source = sys.stdin if sys.stdin is not None else io.StringIO("")  # stdin closed (``<&-``): no input
     # Never None (a closed stdout is refused before any command runs): the loop took None for "sys.stdout",
     # which by then was stderr, and every turn ran and committed with its replies there, exit 0.
@@ -2021,13 +2032,9 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
         options.check()
     except InvalidInput as e:  # sessions x turns past the bound of a run: a usage error
         raise CommandError(str(e), EXIT_USAGE) from None
-    # A bad [engine.config.legacy] stops every worker's host as it is built (the fallback engine's, never
-    # quarantined): refused here, by the host's own check, before a worker starts (exit 1, as chat and serve),
+    # A bad [engine.config.legacy] stops every worker's host as it is built: refused before a worker starts,
     # but after the usage errors above: checked first, it turned counts past a run's bound from 2 into 1.
-    from .compaction import check_legacy_config
-    from .host import LEGACY
-
-    check_legacy_config(settings.engine_config.get(LEGACY, {}))
+    refuse_bad_legacy_config(settings)
     if seed is not None:
         options.seed = seed
     if st.scope_given:
@@ -2130,6 +2137,7 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
     if not len(tokens):
         raise CommandError("no tokens: pass --tokens FILE or set TRANSCRIPT_STORE_TOKENS", EXIT_USAGE)
     settings = state().settings()
+    refuse_bad_legacy_config(settings)  # as a port in use, it must not leave a new store behind
     # The port first: a port in use must not leave a new store behind (the default is a file here).
     try:
         sock = bind(host, port)
