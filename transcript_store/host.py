@@ -256,6 +256,14 @@ def _fenced(method: object, base: dict[str, Any], fence: Anchor | None) -> dict[
     return {**base, "fence": fence}
 
 
+def _check_engine_id(engine_id: object) -> None:
+    """UnknownEngine for a value that is no engine id: nothing to load, nor to quarantine and record."""
+    try:
+        check_id("engine", engine_id)
+    except InvalidInput as e:
+        raise UnknownEngine(str(e)) from None
+
+
 def _same_owner(obj: object, *names: str) -> bool:
     """Whether one class of ``obj``'s MRO defines every one of ``names`` (none inherited past another)."""
     owners = set()
@@ -455,10 +463,7 @@ class HostRuntime:
 
     def engine(self, engine_id: str) -> tuple[Any, EngineInfo]:
         """The live instance of an engine (created on first use); EngineError if it cannot be."""
-        try:
-            check_id("engine", engine_id)
-        except InvalidInput as e:  # no engine has such an id: nothing to load, nor to quarantine and record
-            raise UnknownEngine(str(e)) from None
+        _check_engine_id(engine_id)
         if engine_id in self.quarantined:
             op, reason = self.quarantined[engine_id]
             raise EngineError(f"context engine {engine_id!r} is quarantined ({op}: {reason})")
@@ -488,10 +493,7 @@ class HostRuntime:
         registered. One that cannot load is reported invalid, and not quarantined: its first use tries
         again (and quarantines it then), as without this check."""
         assert self.registry is not None
-        try:
-            check_id("engine", engine_id)
-        except InvalidInput as e:  # not an id (a list raised a bare TypeError from the config lookup)
-            raise UnknownEngine(str(e)) from None
+        _check_engine_id(engine_id)  # a list raised a bare TypeError from the config lookup
         # Registered first: ``engine`` quarantines an id no engine has at its first use (its factory
         # "failed"), and the quarantined branch below then raised a bare KeyError from ``specs``.
         spec = self.registry.specs.get(engine_id)
