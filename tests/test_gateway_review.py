@@ -269,6 +269,19 @@ def test_a_turn_given_up_counts_only_the_dispatches_that_happened(store_url: str
     assert report.admitted == 0 and report.committed == 0
 
 
+@pytest.mark.parametrize("config", ["max_sessions = 0", "keep_last = 0", "keep_lst = 2"])
+def test_run_gateway_refuses_a_bad_legacy_config_before_it_makes_a_session(store_url: str, tmp_path: Path,
+                                                                             config: str) -> None:
+    """Called as a library, the gateway checks [engine.config.legacy] (every worker's fallback) before it
+    writes: it made the run's sessions and spawned workers that each failed building their host."""
+    settings = tmp_path / "bad-legacy.toml"
+    settings.write_text(f"[engine.config.legacy]\n{config}\n")
+    with pytest.raises(InvalidInput, match="legacy config"):
+        run_gateway(_options(store_url, str(settings), "legacy"), QUIET)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        assert store.list_sessions(gateway.GATEWAY_SCOPE) == []
+
+
 # ---------------------------------------------------------------------------------------------- the checks
 
 

@@ -481,7 +481,9 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     """Run the gateway (see module doc) and return its report; the process's logging is left alone."""
     from rich.console import Console
 
+    from .compaction import check_legacy_config
     from .config import StoreConfig
+    from .host import LEGACY
     from .settings import load_settings
     from .store import TranscriptStore
 
@@ -494,7 +496,11 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     store = None
     try:
         config = StoreConfig.from_env(url=options.db_url)
-        engine = load_settings(options.config_path, engine=options.engine).engine  # refused before any write
+        settings = load_settings(options.config_path, engine=options.engine)  # refused before any write
+        # The fallback's [engine.config.legacy] as every worker's host checks it when it is built: refused
+        # here, before the store is created and the run's sessions made, not by each worker at its start.
+        check_legacy_config(settings.engine_config.get(LEGACY, {}))
+        engine = settings.engine
         store = TranscriptStore(config=config)
         url = config.url
         rng = random.Random(options.seed)
