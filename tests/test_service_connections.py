@@ -390,3 +390,25 @@ def test_an_idle_pooled_connection_outlives_a_clients_keep_alive(store_url: str,
     reused one just closed, and its request failed unsent (UND_ERR_SOCKET in the OpenClaw plugin's tests)."""
     with ServiceProcess(store_url, TOKENS, tmp_path / "serve.log") as server:
         _reused_after(server, 6.5)  # past uvicorn's 5 s
+
+
+def test_a_client_gone_before_its_body_is_whole_is_no_internal_error(store_url: str, tmp_path: Path) -> None:
+    """A review found a client that closed its connection mid-body (a timeout, a crash) logged as an
+    internal error with a traceback: README calls a 500 with a correlation id a bug, and an operator
+    alerting on them was paged for an everyday event. Nothing is written, and the log says what it was."""
+    server = ServiceProcess(store_url, TOKENS, tmp_path / "serve.log").start()
+    try:
+        body = b'{"session_id": "gone"}'
+        for path in ("/v1/sessions", "/v1/sessions?sesion_key=x"):  # read by the route, and by a refusal
+            with _connect(server) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(body) + 100}\r\n\r\n".encode()
+                             + body)
+        wait_until(lambda: server.log().count("the client disconnected before its request body was whole") == 2,
+                   "both disconnects logged")
+        assert server.call("GET", "/v1/sessions/gone", TOKEN)[0] == 404
+        assert server.call("GET", "/v1/whoami", TOKEN) == (200, {"scope": "scope-a"})
+    finally:
+        server.stop()
+    log = server.log()
+    assert "internal error" not in log and "Traceback" not in log, log[-3000:]

@@ -32,6 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
 from . import __version__
@@ -356,7 +357,8 @@ class CatchAll:
 
     The outermost of the service's middleware: a request is cut off wherever it waits when the graceful
     period ends, also while ``BodyLimit`` or ``Authenticate`` drop its body before any route (a 413, a
-    401): inside them, such a request got uvicorn's plain-text 500."""
+    401): inside them, such a request got uvicorn's plain-text 500. A client that closed its connection
+    before its body was whole is logged (INFO), not answered: no internal error, nothing was done."""
 
     def __init__(self, app: Any) -> None:
         """Wrap an ASGI app."""
@@ -386,6 +388,12 @@ class CatchAll:
                                       "be carried out: retry it once the service is back")
                 response.headers.update(_CLOSE)
                 await response(scope, receive, send)
+        except ClientDisconnect:
+            # The client closed its connection before its body was all sent: nothing was read whole, so
+            # nothing ran, and nobody is left to answer. It was logged as an internal error (a 500 with a
+            # traceback, which README calls a bug) for what a client's timeout or crash does every day.
+            log.info("%s %s: the client disconnected before its request body was whole; nothing was done",
+                     scope.get("method"), scope.get("path"))
         except Exception:
             cid = uuid.uuid4().hex[:16]
             log.exception("internal error %s on %s %s", cid, scope.get("method"), scope.get("path"))
