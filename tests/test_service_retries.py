@@ -764,3 +764,28 @@ def test_a_query_parameter_the_route_does_not_take_or_given_twice_is_refused(
     status, data = server.call("POST", "/v1/sessions/one/entries", server.token_a,
                                {"items": [{"message": user("hi")}, {"message": assistant("hello")}]})
     assert status == 200, data
+
+
+def test_a_create_by_id_answers_the_session_only_with_its_own_session_key(
+    server: Tenant, store: TranscriptStore
+) -> None:
+    """README: ``POST /v1/sessions`` with a ``session_id`` answers the session as it is when asked with the
+    ``session_key`` it was made with (or none, for one made without): another key, or none beside a key,
+    is 409 ``idempotency_conflict`` and writes nothing. README said only "answers it as it is", and a
+    client reading it got a 409 for ``{"session_id": X}`` on a session made with a key."""
+    status, made = create(server, {"session_id": "by-id", "session_key": "k1"}, None)
+    assert status == 200, made
+    assert create(server, {"session_id": "by-id", "session_key": "k1"}, None) == (200, made)
+    for body in ({"session_id": "by-id"}, {"session_id": "by-id", "session_key": "k2"}):
+        status, data = create(server, body, None)
+        assert status == 409 and data["error"]["code"] == "idempotency_conflict", (body, data)
+    status, bare = create(server, {"session_id": "bare"}, None)
+    assert status == 200 and create(server, {"session_id": "bare"}, None) == (200, bare)
+    status, data = create(server, {"session_id": "bare", "session_key": "k3"}, None)
+    assert status == 409 and data["error"]["code"] == "idempotency_conflict", data
+    # Nothing written by the refusals: both sessions as they were made, k2 and k3 held by none.
+    stored = [store.get_session(server.scope_a, sid) for sid in ("by-id", "bare")]
+    assert [(s.session_key, s.active, s.incarnation) for s in stored] == [
+        ("k1", True, made["incarnation"]), (None, True, bare["incarnation"])]
+    assert store.find_session(server.scope_a, "k2") is None and store.find_session(server.scope_a, "k3") is None
+    assert sorted(ids(store, server.scope_a)) == ["bare", "by-id"]
