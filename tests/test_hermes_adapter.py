@@ -266,6 +266,40 @@ def test_thresholds_and_counters(tmp_path: Path) -> None:
     assert engine.threshold_tokens == 1 and engine.should_compress(5)
 
 
+def test_threshold_percent_is_the_fraction_of_the_window_hermes_reads_it_as(tmp_path: Path) -> None:
+    """Hermes multiplies a window by ``threshold_percent`` (its startup line, its /model switch warning): a
+    threshold set in tokens read there as the count ("compress at 250000%", no switch warning). The token
+    count stays the trigger across windows; Hermes' own write of a fraction is the setting from then on."""
+    engine = make(tmp_path, threshold_percent=2000, context_length=64000)
+    assert engine.threshold_tokens == 2000 and engine.threshold_percent == 2000 / 64000
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 2000 and engine.threshold_percent == 2000 / 100000
+    engine.model_thresholds = {"other": 0.6}  # a fraction for this model: itself
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 60000 and engine.threshold_percent == 0.6
+    engine.model_thresholds = {}
+    engine.update_model("other-model", 100000)
+    for clone in (copy.deepcopy(engine), pickle.loads(pickle.dumps(engine))):
+        clone.update_model("other-model", 50000)
+        assert clone.threshold_tokens == 2000 and clone.threshold_percent == 2000 / 50000
+    old = make(tmp_path, threshold_percent=0.5)  # a copy pickled before the setting had a name of its own
+    state = old.__getstate__()
+    state["threshold_percent"] = state.pop("threshold_setting")
+    restored = object.__new__(type(old))
+    restored.__setstate__(state)
+    restored.update_model("m", 100000)
+    assert restored.threshold_tokens == 50000 and restored.threshold_percent == 0.5
+    engine.threshold_percent = 0.25  # as Hermes writes it
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 25000 and engine.threshold_percent == 0.25
+    engine.threshold_percent = 1  # the whole window: 85% of it, as the trigger is
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 85000 and engine.threshold_percent == 0.85
+    engine.threshold_percent = "no number"  # type: ignore[assignment]  # no trigger, and no error
+    engine.update_model("other-model", 100000)
+    assert engine.threshold_tokens == 0 and engine.threshold_percent == 0.0
+
+
 def test_valid_sequence_never_splits_tool_pairs() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
     msgs = [

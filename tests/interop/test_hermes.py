@@ -755,3 +755,44 @@ def test_a_turn_interrupted_before_its_reply_without_a_session_database_is_store
     assert getattr(agent, "_session_db", None) is None, "the case did not arise: the agent has a session database"
     assert_a_turn_interrupted_before_its_reply_is_stored(agent, server, "yarrow")
     agent.close()
+
+
+def test_hermes_reads_a_token_threshold_as_the_share_of_the_window_it_is(
+    home: Path, server: FakeOpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hermes reads an engine's ``threshold_percent`` as a fraction of the window: its startup line
+    ("compress at N% = T") and its ``/model`` switch warning (the next message will compress) multiply
+    the new window by it. A threshold set in tokens (``hermes install --threshold 2500``) was exposed
+    there as the count itself: "compress at 250000%", and the warning never came (the trigger it
+    predicted was 2,500 windows)."""
+    from hermes_cli.context_switch_guard import merge_preflight_compression_warning
+    from hermes_cli.model_switch import ModelSwitchResult
+    from run_agent import AIAgent
+
+    server.reset()
+    capsys.readouterr()
+    agent = AIAgent(
+        base_url=server.base_url, api_key="test-key", model="fake-model", quiet_mode=False,
+        enabled_toolsets=["context_engine"], skip_context_files=True, skip_memory=True,
+    )
+    engine = agent.context_compressor
+    assert engine.threshold_tokens == THRESHOLD and engine.context_length > THRESHOLD
+    printed = capsys.readouterr().out
+    assert f"compress at {int(THRESHOLD / engine.context_length * 100)}% = {THRESHOLD:,}" in printed, printed
+    # ~80,000 tokens of history, over Hermes' 64,000-token floor of a predicted trigger: a /model switch
+    # to a model of the same window must warn that the next message compresses.
+    words = " ".join(["filler"] * 3500)
+    history: list[dict[str, Any]] = []
+    for i in range(6):
+        history += [{"role": "user", "content": f"q{i} {words}"}, {"role": "assistant", "content": f"a{i} {words}"}]
+    result = ModelSwitchResult(success=True, new_model="fake-model", target_provider="custom",
+                               base_url=server.base_url, api_key="test-key")
+    merge_preflight_compression_warning(result, agent=agent, messages=history,
+                                        config_context_length=engine.context_length)
+    assert "preflight compression" in result.warning_message, result.warning_message
+    # Set again as Hermes sets it (a fraction: its check of the compression model lowers the trigger),
+    # it is that fraction of each window.
+    engine.threshold_percent = 0.5
+    engine.update_model(engine.model, 100000)
+    assert engine.threshold_percent == 0.5 and engine.threshold_tokens == 50000
+    agent.close()

@@ -71,7 +71,7 @@ class TranscriptStoreEngineMixin(CompressMixin, SessionsMixin):
         self.model = str(model or "")
         if as_int(context_length) > 0:
             self.context_length = as_int(context_length)
-        pct = resolve_threshold(self.model, getattr(self, "model_thresholds", None), self.threshold_percent)
+        pct = resolve_threshold(self.model, getattr(self, "model_thresholds", None), self.threshold_setting)
         self.threshold_tokens = threshold_tokens(self.context_length, pct)
 
     def get_tool_schemas(self) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from ..engine import EngineContext
 from ..registry import EngineRegistry
 from ..settings import PLUGIN_DIRS_ENV
 from ..store import TranscriptStore
-from .config import DEFAULT_SCOPE, DEFAULT_THRESHOLD, threshold_tokens
+from .config import DEFAULT_SCOPE, DEFAULT_THRESHOLD, resolve_threshold, threshold_tokens
 from .messages import fingerprint
 
 _RUNTIME_LOCK = threading.Lock()  # module level: never part of an engine's copied state
@@ -177,7 +177,9 @@ class RuntimeMixin:
         self.scope = scope
         self.engine_config = dict(engine_config or {})
         self.summarizer_factory = summarizer_factory
-        self.threshold_percent = threshold_percent
+        #: the configured threshold (a fraction of the window, or a token count above 1); Hermes reads
+        #: ``threshold_percent``, always a fraction
+        self.threshold_setting: float = threshold_percent
         self.model_thresholds: dict[str, Any] = dict(model_thresholds or {})
         self.model = ""
         self.session_id: str | None = None
@@ -206,6 +208,9 @@ class RuntimeMixin:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a copy; its runtime opens lazily."""
+        state = dict(state)
+        if "threshold_percent" in state:  # pickled before ``threshold_setting``: the setting as it was
+            state.setdefault("threshold_setting", state.pop("threshold_percent"))
         self.__dict__.update(state)
         self._rt = None
 
@@ -216,6 +221,33 @@ class RuntimeMixin:
         for k, v in self.__dict__.items():
             new.__dict__[k] = None if k in ("_rt", "_session_db") else copy.deepcopy(v, memo)
         return new
+
+    # ------------------------------------------------------------------------------------ threshold
+
+    @property
+    def threshold_percent(self) -> float:
+        """The trigger as the fraction of the window Hermes reads it as (its startup line \"compress at N%\",
+        its ``/model`` switch warning, which multiplies the new window by it).
+
+        The setting itself when it is a fraction (``model_thresholds`` applied), else the share of the
+        current window the trigger is: a threshold set in tokens (``threshold_setting``) read here as
+        the count, 2,500 tokens were \"compress at 250000%\", and the switch warning, predicting a trigger
+        of 2,500 windows, never came."""
+        setting = getattr(self, "threshold_setting", DEFAULT_THRESHOLD)
+        try:
+            pct = float(resolve_threshold(self.model, getattr(self, "model_thresholds", None), setting))
+        except (TypeError, ValueError):
+            pct = 0.0
+        if 0 < pct < 1:
+            return pct
+        window = self.context_length
+        return self.threshold_tokens / window if window > 0 and self.threshold_tokens > 0 else 0.0
+
+    @threshold_percent.setter
+    def threshold_percent(self, value: float) -> None:
+        """The threshold setting: a fraction of the window, or a token count above 1 (Hermes writes a
+        fraction when its compression model's window is smaller than the trigger)."""
+        self.threshold_setting = value
 
     # ------------------------------------------------------------------------------------ runtime
 
