@@ -211,8 +211,9 @@ def test_outbox_status_says_it_shows_part_and_recover_reaches_every_session(
             store.create_session(SCOPE, session_id=sid)
             turns.admit(SCOPE, sid, user("hi"), turn_id="t1", engine_id="legacy")
             turns.complete(SCOPE, sid, "t1", [{"message": assistant("hello")}], None)
-    monkeypatch.setattr(cli, "OUTBOX_STATUS_ROWS", 2, raising=False)
-    monkeypatch.setattr(cli, "OUTBOX_PAGE", 2, raising=False)  # three pages of session ids
+    # Where the outbox commands read them (cli/intents.py): set on the package, they would change nothing.
+    monkeypatch.setattr(cli.intents, "OUTBOX_STATUS_ROWS", 2)
+    monkeypatch.setattr(cli.intents, "OUTBOX_PAGE", 2)  # three pages of session ids
     status = run("outbox", "status", "--json", "--db", store_url, cwd=tmp_path)
     assert [r["session_id"] for r in json.loads(status.stdout)] == ["s0", "s1"]
     assert "holds 5 rows; showing the first 2" in status.stderr

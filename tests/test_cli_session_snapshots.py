@@ -25,8 +25,8 @@ from test_cli import (  # noqa: F401 (_script_mode: autouse, honours real_script
 )
 
 from transcript_store import TranscriptStore
-from transcript_store import cli as cli_module
 from transcript_store.cli import WholeStdout, main
+from transcript_store.cli import transcripts as cli_sessions  # the module the sessions commands look names up in
 from transcript_store.core import Core
 
 pytestmark = pytest.mark.skipif(SUBPROCESS, reason="the hooks run in this process")
@@ -42,7 +42,7 @@ def _user(text: str) -> dict[str, Any]:
 def _replace_after_lookup(monkeypatch: pytest.MonkeyPatch, store: TranscriptStore) -> list[str]:
     """After the command looks the session up, another connection deletes it and makes it again under the
     same id and key, with an entry of its own. Returns the list the hook notes each replacement in."""
-    looked_up = cli_module.find_session
+    looked_up = cli_sessions.find_session
     done: list[str] = []
 
     def look_up_then_replace(s: TranscriptStore, scope: str, ref: str) -> Any:
@@ -54,7 +54,7 @@ def _replace_after_lookup(monkeypatch: pytest.MonkeyPatch, store: TranscriptStor
             store.append(scope, info.session_id, _user("made again"))
         return info
 
-    monkeypatch.setattr(cli_module, "find_session", look_up_then_replace)
+    monkeypatch.setattr(cli_sessions, "find_session", look_up_then_replace)
     return done
 
 
@@ -102,14 +102,14 @@ def test_delete_reports_the_entries_it_deleted(
     them (it counted the entries of the lookup)."""
     store.create_session(SCOPE, session_id="s1")
     store.append(SCOPE, "s1", _user("one"))
-    looked_up = cli_module.find_session
+    looked_up = cli_sessions.find_session
 
     def look_up_then_append(s: TranscriptStore, scope: str, ref: str) -> Any:
         info = looked_up(s, scope, ref)
         store.append(scope, info.session_id, _user("two"))
         return info
 
-    monkeypatch.setattr(cli_module, "find_session", look_up_then_append)
+    monkeypatch.setattr(cli_sessions, "find_session", look_up_then_append)
     assert run_json("sessions", "delete", "s1", "--yes", "--db", store_url, cwd=tmp_path) == {
         "deleted": "s1", "entries": 2
     }
