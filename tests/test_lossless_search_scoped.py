@@ -73,11 +73,11 @@ def grep(engine: LosslessEngine, scope: str, sid: str, pattern: str, **args: Any
 
 
 def hits(store: TranscriptStore, scope: str, sid: str, pattern: str, sort: str) -> list[tuple[str, int, str]]:
-    """The full-text hits of a search over messages and summaries: (kind, ref, content), in order."""
+    """The full-text hits of a search over messages and summaries: (kind, ref, snippet), in order."""
     found: list[Hit] = store.read(lambda c: search_module.grep(
         c, scope, sid, pattern, mode="full_text", kinds=("message", "summary"), sort=sort,  # type: ignore[arg-type]
         limit=200))
-    return [(h.kind, h.ref, h.content) for h in found]
+    return [(h.kind, h.ref, search_module.snippet(h.content, h.span, offset=h.offset)) for h in found]
 
 
 def fill(store: TranscriptStore, scope: str, sid: str, rows: int, words: str) -> None:
@@ -391,7 +391,7 @@ def old_layout_hits(store: TranscriptStore, scope: str, sid: str, pattern: str, 
     found: list[tuple[str, int, str, float, int]] = []
     for kind, (table, key) in search_module._SOURCES.items():
         match = search_module._fts5_match(terms)
-        params: dict[str, Any] = {"scope": scope, "session_id": sid, "match": match}
+        params: dict[str, Any] = {"scope": scope, "session_id": sid, "match": match, "head": 10**9}
         params.update({f"g{n}": search_module._glob(t) for n, t in enumerate(terms)})
         sql = (
             f"SELECT {search_module._columns(kind)}, -bm25(ts_lcm_search) AS score FROM ts_lcm_search"
@@ -409,7 +409,8 @@ def old_layout_hits(store: TranscriptStore, scope: str, sid: str, pattern: str, 
             return c.conn.execute(text(sql), params).all()
 
         rows = store.read(run)
-        found += [(kind, r.ref, r.content, r.score, r.recency) for r in rows]
+        found += [(kind, r.ref, search_module.snippet(r.content, search_module._find(r.content, terms[0])), r.score,
+                   r.recency) for r in rows]
 
     def order(h: tuple[str, int, str, float, int]) -> tuple[Any, ...]:  # search._relevance, search._recency
         return (-h[3], -h[4], h[0], -h[1]) if sort == "relevance" else (-h[4], h[0], -h[1])

@@ -65,3 +65,41 @@ def test_the_snippet_of_a_huge_hit_folds_only_up_to_its_match(
     assert max(folded) <= search_module.FIND_CHUNK + len("needle"), max(folded)
     out = call(engine, sid, "lcm_grep", {"pattern": "haystack", "mode": "full_text", "sort": "recency"})
     assert [h["snippet"] for h in out["results"] if "haystack" in h["snippet"]], out
+
+
+def test_a_page_of_large_hits_holds_only_their_snippets(store: TranscriptStore, sid: str) -> None:
+    """A full-text page of large tool outputs reads each hit's text up to its head, and keeps only the
+    piece its snippet shows: the whole text of every hit came back (50 outputs of 4 MB matching a
+    common word: 207 MB on SQLite, 382 MB on PostgreSQL, for an answer of 14 KB)."""
+    engine = make_engine(store)
+    big = "error: disk full\n" + "lorem ipsum " * 40_000  # 480,000 characters each
+    turn(store, engine, sid, "t1", big, big + " end", big + " end of it")
+    hits = store.read(lambda c: search_module.grep(
+        c, A, sid, "ERROR", mode="full_text", kinds=("message",), sort="recency", limit=20
+    ))
+    assert len(hits) == 3
+    assert all(len(h.content) <= search_module.SNIPPET_WIDTH + 1 for h in hits), [len(h.content) for h in hits]
+    out = call(engine, sid, "lcm_grep", {"pattern": "ERROR", "mode": "full_text"})
+    assert {h["snippet"] for h in out["results"]} == {search_module.snippet(big, _find(big, "ERROR"))}
+
+
+def test_a_snippet_is_the_whole_texts_wherever_its_match_lies(
+    store: TranscriptStore, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Matches before, across and past the head a search reads, and past several reads on (small sizes
+    here): each hit's snippet is the one its whole text gives, on both backends, the relevance sort too."""
+    monkeypatch.setattr(search_module, "FIND_CHUNK", 16)
+    monkeypatch.setattr(search_module, "FIND_READ", 7)
+    texts = []
+    for n, at in enumerate((0, 1, 5, 80, 81, 160, 170, 175, 176, 177, 178, 190, 250, 400, 1_000)):
+        word = ("NEEDLE", "neeDle", "NEẞDLE")[n % 3] if n % 5 else "ne\u212aedle"
+        texts.append("ß" * (at % 7) + "x" * (at - at % 7) + word + f" {n} " + "y" * (n * 37))
+    engine = make_engine(store)
+    turn(store, engine, sid, "t1", *texts)
+    for pattern in ("needle", "NEẞDLE", "ne\u212aedle"):
+        expected = {t: search_module.snippet(t, _find(t, pattern)) for t in texts if _find(t, pattern) is not None}
+        for sort in ("recency", "relevance"):
+            out = call(engine, sid, "lcm_grep", {"pattern": pattern, "mode": "full_text", "search_in": "messages",
+                                                 "sort": sort, "limit": 200})
+            got = {h["snippet"] for h in out["results"] if h["role"] == "assistant"}
+            assert got == set(expected.values()), (pattern, sort, got ^ set(expected.values()))
