@@ -387,6 +387,54 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
             os.kill(worker, signal.SIGKILL)
 
 
+def test_an_interrupted_runs_turn_in_flight_is_finished_by_outbox_recover(store_url: str, tmp_path: Path) -> None:
+    """README: an interrupted run prints no report (Ctrl-C: "error: aborted", exit 1), and the turn its
+    worker was running stays admitted in the run's own session, which no later run looks at:
+    ``outbox recover --scope gateway`` finishes it (its worker is gone: discarded at once)."""
+    config = _plugin(tmp_path, "slow", "mark('busy')\ntime.sleep(60)")
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("TRANSCRIPT_STORE_CONFIG", None)
+    common = ["--config", config, "--db", store_url]
+    args = [*common, "gateway", "--engine", "slow", "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults"]
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as out_file, err.open("w") as err_file:
+        proc = subprocess.Popen(
+            [*CLI, *args], cwd=tmp_path, env=env, stdout=out_file, stderr=err_file, start_new_session=True
+        )
+    busy = tmp_path / "busy"
+    worker = None
+    try:
+        deadline = time.monotonic() + 90
+        while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy.exists(), err.read_text()
+        worker = int(busy.read_text())
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground group
+        proc.wait(timeout=30)
+        assert proc.returncode == 1 and err.read_text().strip().endswith("error: aborted"), err.read_text()
+        assert "exactly-once" not in out.read_text()
+        deadline = time.monotonic() + 15
+        while not _dead(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _dead(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if worker is not None and not _dead(worker):
+            os.kill(worker, signal.SIGKILL)
+
+    def outbox(*more: str) -> str:
+        done = subprocess.run([*CLI, *common, "outbox", *more, "--scope", "gateway"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert outbox("status").strip().endswith("1 admitted")
+    assert "discarded 1" in outbox("recover")
+    assert outbox("status").strip() == "the outbox is empty"
+
+
 STUCK_IMPORT = """
 import os, time
 MARKS = {marks!r}
