@@ -82,6 +82,15 @@ def _options(store_url: str, config: str | None, engine: str, **more: Any) -> Ga
 # ---------------------------------------------------------------------------------------------- option bounds
 
 
+def test_the_help_names_the_seed_a_run_takes_by_default() -> None:
+    """``gateway --help`` said "[default: the gateway's]" for --seed: which seed that was, the user could
+    not tell, nor so run a default run's workload again with the seed given."""
+    done = subprocess.run([*CLI, "gateway", "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert f"Seed of the workload and the faults [default: {GatewayOptions().seed}]." in done.stdout
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -57,6 +57,8 @@ MAX_SESSIONS = 1000
 MAX_TURNS = 1000
 #: sessions x turns
 MAX_RUN_TURNS = 100_000
+#: the seed of the workload and its faults unless --seed gives another
+DEFAULT_SEED = 7
 #: dispatches of one logical turn before the run gives it up
 MAX_DISPATCHES = 6
 #: workers that die in a row, unplanned, with no turn answered in between: the run stops (a worker that
@@ -105,7 +107,7 @@ class GatewayOptions:
     model: str | None = None
     api_key: str | None = None
     faults: bool = True
-    seed: int = 7
+    seed: int = DEFAULT_SEED
     scope: str = GATEWAY_SCOPE
     config_path: str | None = None
     progress: bool = True

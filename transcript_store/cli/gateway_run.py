@@ -8,7 +8,7 @@ import click
 
 from ..db import mask_url, sqlite_file
 from ..errors import InvalidInput, SchemaNotCurrent
-from ..gateway import GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
+from ..gateway import DEFAULT_SEED, GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
 from .conversation import chosen_model
 from .group import cli
 from .hosting import _optional_store, refuse_bad_legacy_config, warn_unusable_engines
@@ -32,7 +32,7 @@ from .stores import _no_store_advice, _no_store_file, _refuse_non_sqlite_file, m
 @click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY].")
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject crashes, timeouts and rewrites.")
 @click.option("--seed", type=Integer(), metavar="INTEGER",
-              help="Seed of the workload and the faults [default: the gateway's].")
+              help=f"Seed of the workload and the faults [default: {DEFAULT_SEED}].")
 @common_options(GATEWAY_SCOPE)
 def gateway(workers: int, session_count: int, turns: int, engine: str | None, model_url: str | None,
             model_name: str | None, api_key: str | None, faults: bool, seed: int | None) -> None:
