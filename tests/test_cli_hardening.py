@@ -318,6 +318,58 @@ def test_a_missing_grant_is_its_own_error_and_exit_code(store_url: str, tmp_path
         admin.dispose()
 
 
+@pytest.mark.parametrize("refusal", [PermissionError(13, "Permission denied"), OSError(30, "Read-only file system")])
+def test_a_folder_a_store_cannot_be_made_in_is_permission_denied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: OSError
+) -> None:
+    """A SQLite store's missing folder that this process may not create (its parent read-only to it, or
+    on a read-only file system) was StoreUnavailable, "database unavailable" (exit 5): an outage to wait
+    for. It is a permission to fix, as the file's own (exit 6). (SQLite only: PostgreSQL makes no folder.)"""
+    url = f"sqlite:///{tmp_path / 'missing' / 'store.db'}"
+
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise refusal
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(PermissionDenied, match="cannot create the directory") as refused:
+        TranscriptStore(config=StoreConfig(url=url))
+    assert exit_code(refused.value) == 6
+
+
+def test_a_folder_that_cannot_be_made_is_still_an_outage_for_other_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that is full when the folder is made stays what it was: the store unavailable (exit 5)."""
+
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(StoreUnavailable, match="cannot create the directory") as refused:
+        TranscriptStore(config=StoreConfig(url=f"sqlite:///{tmp_path / 'missing' / 'store.db'}"))
+    assert not isinstance(refused.value, PermissionDenied) and exit_code(refused.value) == 5
+
+
+def test_the_gateway_in_a_folder_it_may_not_write_is_permission_denied(tmp_path: Path) -> None:
+    """The report's reproduction: `gateway --db` naming a file in a missing folder under an immutable one
+    (chattr +i: root is refused too) exited 5, "database unavailable"; now 6, nothing made."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "transcript_store", "gateway", "--db", f"sqlite:///{locked / 'sub' / 'g.db'}",
+             "--workers", "1", "--sessions", "1", "--turns", "1"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
+    assert done.returncode == 6, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error: database permission denied: cannot create the directory"), done.stderr
+    assert list(locked.iterdir()) == []
+
+
 def test_a_read_only_sqlite_database_is_permission_denied_and_changes_nothing(tmp_path: Path) -> None:
     """A SQLite file this process may only read (chmod, a read-only mount; here a read-only connection,
     since tests run as root) is no outage either: PermissionDenied at once, never retried."""

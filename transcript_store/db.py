@@ -8,6 +8,7 @@ second one.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -394,6 +395,12 @@ def create_db_engine(config: StoreConfig) -> Engine:
         try:
             path.resolve().parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            # A folder this process may not write in (or on a read-only file system) is a permission to
+            # fix, as the file itself would be (exit 6): it was "database unavailable" (exit 5), an outage.
+            if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+                raise PermissionDenied(
+                    f"database permission denied: cannot create the directory of {mask_url(config.url)}: {e}"
+                ) from e
             raise StoreUnavailable(f"cannot create the directory of {mask_url(config.url)}: {e}") from e
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         _sqlite_connect_listeners(engine, config, path)
