@@ -340,6 +340,37 @@ def test_a_receipt_of_no_planned_turn_fails_the_check(store_url: str) -> None:
     assert "'stray' reached the engine but is none of the run's turns" in problem
 
 
+def test_a_recovery_pass_that_fails_still_disposes_of_its_host(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's recovery pass disposed of its host runtime (its engines, its quarantine records) only
+    when every session recovered: one failing (the database gone meanwhile) left it undisposed, in the
+    process of a library caller of run_gateway."""
+    from transcript_store.errors import StoreUnavailable
+    from transcript_store.turns import Turns
+
+    def recover(self: Turns, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("the database went away")
+
+    disposed: list[HostRuntime] = []
+    dispose = HostRuntime.dispose
+
+    def spy(self: HostRuntime) -> None:
+        disposed.append(self)
+        dispose(self)
+
+    monkeypatch.setattr(Turns, "recover", recover)
+    monkeypatch.setattr(HostRuntime, "dispose", spy)
+    options = GatewayOptions(db_url=store_url, engine="legacy", progress=False)
+    with TranscriptStore(config=StoreConfig(url=store_url)) as store:
+        store.create_session(options.scope, session_id="s-1")
+        plan = {"s-1": [Job("s-1", "s-1:turn-0", "a turn")]}
+        report = GatewayReport(url=store_url, engine="legacy", workers=1, planned_turns=1)
+        with pytest.raises(StoreUnavailable, match="went away"):
+            _finish(store, options, "legacy", plan, {}, report, set())
+    assert len(disposed) == 1
+
+
 # ---------------------------------------------------------------------------------------------- the dispatcher's end
 
 

@@ -797,11 +797,15 @@ def _finish(
     from .settings import load_settings
 
     host = HostRuntime(store, load_settings(options.config_path, engine=options.engine), LocalResponder())
-    for sid in plan:
-        rec = host.turns.recover(options.scope, sid, engine, host.commit_in)
-        report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
-        report.duplicates_absorbed += rec.drain.duplicates
-    host.dispose()  # writes its quarantine records; its engines are not needed any more
+    try:
+        for sid in plan:
+            rec = host.turns.recover(options.scope, sid, engine, host.commit_in)
+            report.recovered_intents += len(rec.discarded) + rec.drain.delivered + rec.drain.blocked
+            report.duplicates_absorbed += rec.drain.duplicates
+    finally:
+        # Writes its quarantine records, and disposes of the engines it made: a recovery that failed
+        # (the database gone meanwhile) left them undisposed, in the process of a library caller.
+        host.dispose()
     # Engines, not records: a record is one engine in one process, so one broken engine met by every
     # worker was counted once per worker. And this run's only: its workers' records (they are gone, hence
     # not live_only; no other process has their identities), and the recovery pass's own quarantines, never
