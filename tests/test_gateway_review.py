@@ -8,6 +8,7 @@ loaded by the workers as any engine is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -425,6 +426,61 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
             proc.wait()
         if worker is not None and not _dead(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path: Path) -> None:
+    """SIGTERM ended the dispatcher where it stood: on a terminal the progress display never closed, the
+    cursor left hidden (rich's ESC[?25l with no ESC[?25h after it). It ends the run as Ctrl-C does (the
+    display closed, the workers stopped), then the process as the SIGTERM would (killed by it: 143)."""
+    import pty
+
+    config = _plugin(tmp_path, "slow", "mark('busy')\ntime.sleep(60)")
+    env = {**os.environ, "COLUMNS": "200", "TERM": "xterm"}
+    env.pop("TRANSCRIPT_STORE_CONFIG", None)
+    args = ["--config", config, "--db", store_url, "gateway", "--engine", "slow"]
+    args += ["--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults"]
+    master, slave = pty.openpty()
+    err = tmp_path / "err.txt"
+    with err.open("w") as err_file:
+        proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=env, stdout=slave, stderr=err_file,
+                                start_new_session=True)
+    os.close(slave)
+    shown = bytearray()
+
+    def read_terminal() -> None:
+        with contextlib.suppress(OSError):  # EIO once every writer of the terminal is gone
+            while chunk := os.read(master, 65536):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    busy = tmp_path / "busy"
+    worker = None
+    try:
+        deadline = time.monotonic() + 90
+        while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy.exists(), err.read_text()
+        worker = int(busy.read_text())
+        assert b"\x1b[?25l" in shown  # the progress display is up
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+        assert proc.returncode == -signal.SIGTERM, (proc.returncode, err.read_text())
+        assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l"), bytes(shown[-200:])
+        assert "Traceback" not in err.read_text(), err.read_text()
+        deadline = time.monotonic() + 15
+        while not _dead(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _dead(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if worker is not None and not _dead(worker):
+            os.kill(worker, signal.SIGKILL)
+        os.close(master)
 
 
 def test_an_interrupted_runs_turn_in_flight_is_finished_by_outbox_recover(store_url: str, tmp_path: Path) -> None:

@@ -29,8 +29,9 @@ import secrets
 import shlex
 import signal
 import sys
+import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -532,6 +533,39 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
     finally:
         if store is not None:
             store.close()
+
+
+@contextlib.contextmanager
+def sigterm_ends_the_run() -> Iterator[None]:
+    """For a command that owns its process (the CLI's ``gateway``): a SIGTERM ends the run as Ctrl-C does,
+    then the process as that SIGTERM would (status 143 in a shell).
+
+    Python's default SIGTERM ended the dispatcher where it stood: its workers died with it (the kernel
+    kills them), but on a terminal the progress display never closed, leaving the cursor hidden. Raised
+    as KeyboardInterrupt, it runs the interrupted run's ``finally`` blocks: the workers SIGKILLed and
+    reaped, the display closed, the store closed. A second SIGTERM meanwhile ends the process at once.
+    Outside the main thread (no signal handler can be set there) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    terminated: list[int] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if terminated:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _dispatch(

@@ -37,7 +37,7 @@ from .stores import _no_store_advice, _no_store_file, _refuse_non_sqlite_file, m
 def gateway(workers: int, session_count: int, turns: int, engine: str | None, model_url: str | None,
             model_name: str | None, api_key: str | None, faults: bool, seed: int | None) -> None:
     """Run the main job: a multi-worker gateway with injected faults, ending with an exactly-once report."""
-    from ..gateway import GatewayOptions, run_gateway
+    from ..gateway import GatewayOptions, run_gateway, sigterm_ends_the_run
 
     st = state()
     config = st.store_config()
@@ -80,7 +80,8 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     level = lib_log.level
     lib_log.setLevel(logging.ERROR)
     try:
-        report = run_gateway(options, console())
+        with sigterm_ends_the_run():  # the interrupted run's cleanup, then the SIGTERM's own end
+            report = run_gateway(options, console())
     finally:
         lib_log.setLevel(level)
     if st.json:
