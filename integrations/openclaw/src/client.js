@@ -11,14 +11,28 @@ export class ServiceError extends Error {
    * @param {string} code the service's stable error code
    * @param {string} message
    * @param {string | undefined} reason extra reason for some codes (read_fence, transcript_mirror)
+   * @param {{cause?: unknown}} [options]
    */
-  constructor(status, code, message, reason) {
-    super(message);
+  constructor(status, code, message, reason, options) {
+    super(message, options);
     this.name = "ServiceError";
     this.status = status;
     this.code = code;
     this.reason = reason;
   }
+}
+
+// A request the host's abortSignal ended. OpenClaw (2026.9.6, its context-engine registry) tells a
+// lifecycle call the host aborted from an engine failure by the error alone: the signal's reason, an
+// error named AbortError, or one whose cause is the reason. Anything else is taken as the engine
+// failing, and an engine OpenClaw resolved for a /compact is quarantined for the gateway process (its
+// later compactions ran on OpenClaw's legacy engine until a restart). So the error is named AbortError
+// and caused by the reason, and keeps its code ("aborted") for the plugin's own checks.
+function abortedBy(abortSignal, method, path) {
+  const error = new ServiceError(0, "aborted", `transcript-store ${method} ${path}: aborted by the host`, undefined,
+    { cause: abortSignal.reason });
+  error.name = "AbortError";
+  return error;
 }
 
 /**
@@ -53,7 +67,7 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
     const stop = () => controller.abort();
     if (abortSignal?.aborted) {
       clearTimeout(timer);
-      throw new ServiceError(0, "aborted", `transcript-store ${method} ${path}: aborted by the host`);
+      throw abortedBy(abortSignal, method, path);
     }
     abortSignal?.addEventListener?.("abort", stop, { once: true });
     let response;
@@ -73,9 +87,7 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
       });
       text = await response.text();
     } catch (error) {
-      if (abortSignal?.aborted) {
-        throw new ServiceError(0, "aborted", `transcript-store ${method} ${path}: aborted by the host`);
-      }
+      if (abortSignal?.aborted) throw abortedBy(abortSignal, method, path);
       const why = controller.signal.aborted ? `no answer within ${timeoutMs} ms` : describe(error, token);
       throw new ServiceError(0, "service_unreachable", `transcript-store service at ${base} is unreachable: ${why}`);
     } finally {

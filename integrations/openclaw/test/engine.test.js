@@ -405,6 +405,50 @@ test("compact and maintain honour the host's abortSignal", async () => {
   assert.equal((await engine.maintain(params)).changed, false); // without a signal, as before
 });
 
+// OpenClaw 2026.9.6's isContextEngineAbortRejection (src/context-engine/registry.ts): an error a
+// lifecycle call rejects with after the host aborted it is the abort only when it is the signal's
+// reason, is named AbortError (or says "This operation was aborted"), or has the reason in its causes;
+// any other error is the engine failing, and the engine is quarantined.
+function takenAsAbort(error, signal) {
+  if (!signal?.aborted) return false;
+  if (error === signal.reason || error?.name === "AbortError" || error?.message === "This operation was aborted") return true;
+  for (let current = error, seen = new Set(); current instanceof Error && !seen.has(current); current = current.cause) {
+    seen.add(current);
+    if (current.cause === signal.reason) return true;
+  }
+  return false;
+}
+
+test("a compaction or maintenance the host aborted is an abort to OpenClaw, not a failure that quarantines the engine", async () => {
+  // Its ServiceError ("aborted by the host") was taken as the engine failing: a /compact OpenClaw gave
+  // up on (its safety timeout) quarantined the plugin for the gateway process.
+  let hold = null;
+  const { fetchImpl } = service({ ...mirrorRoutes(0).routes });
+  const slow = async (url, init) => {
+    if (/\/(compact|maintain)$/.test(new URL(url).pathname)) {
+      return new Promise((_resolve, reject) => {
+        hold = () => reject(new DOMException("This operation was aborted", "AbortError"));
+        init.signal.addEventListener("abort", hold, { once: true });
+      });
+    }
+    return fetchImpl(url, init);
+  };
+  const sdk = { readSessionTranscriptVisibleMessageDelta: async () => ({ kind: "page", cursor: "c0", hasMore: false, entries: [] }) };
+  const engine = await createEngine({ serviceUrl: "http://svc-abort-kind", token: "tok", fetchImpl: slow, sdk });
+  const params = { sessionId: "s1", sessionKey: "k", force: true, sessionTarget: { agentId: "main", sessionId: "s1" } };
+  for (const call of [(signal) => engine.compact({ ...params, abortSignal: signal }),
+    (signal) => engine.maintain({ ...params, abortSignal: signal })]) {
+    hold = null;
+    const controller = new AbortController();
+    const running = call(controller.signal);
+    while (!hold) await new Promise((resolve) => setTimeout(resolve, 5));
+    controller.abort(new Error("compaction timed out")); // as OpenClaw's safety timeout aborts it
+    await assert.rejects(running, (error) => error.code === "aborted" && takenAsAbort(error, controller.signal));
+    const gone = AbortSignal.abort();
+    await assert.rejects(call(gone), (error) => error.code === "aborted" && takenAsAbort(error, gone));
+  }
+});
+
 test("a delegated compaction that moves the session to a successor says its summary is not recorded", async () => {
   // The summary goes to the service as a host compaction of the caller's session only; a compaction that
   // continues in another session id is imported there, and its summary left out with a warning.
