@@ -751,7 +751,7 @@ export async function createEngine(options) {
     };
   }
 
-  return {
+  const engine = {
     info: {
       id: PLUGIN_ID,
       name: `transcript-store (${engineId})`,
@@ -1036,4 +1036,25 @@ export async function createEngine(options) {
       ensured.clear();
     },
   };
+
+  // A compaction or maintenance that failed (the service unreachable or refusing, OpenClaw's own
+  // compaction throwing) answers that it did nothing, with the reason, rather than throwing: OpenClaw
+  // (2026.9.6) quarantines for the gateway process an engine it resolved for a /compact (or a CLI
+  // backend's compaction) whose compact or maintain throws, and its later compactions then ran on
+  // OpenClaw's legacy engine until a restart, the service long back. A turn's own compaction took a
+  // throw as this answer already. An abort still rejects (OpenClaw tells it from a failure).
+  const orNothingDone = (run, nothing) => async (params) => {
+    try {
+      return await run(params);
+    } catch (error) {
+      if (params?.abortSignal?.aborted || error?.name === "AbortError") throw error;
+      const message = String(error?.message ?? error);
+      const reason = message.startsWith("transcript-store") ? message : `transcript-store: ${message}`;
+      warn(`${reason} (answered as nothing done)`);
+      return { ...nothing, reason };
+    }
+  };
+  engine.compact = orNothingDone(engine.compact, { ok: false, compacted: false });
+  engine.maintain = orNothingDone(engine.maintain, { changed: false, bytesFreed: 0, rewrittenEntries: 0 });
+  return engine;
 }

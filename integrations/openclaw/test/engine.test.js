@@ -449,6 +449,38 @@ test("a compaction or maintenance the host aborted is an abort to OpenClaw, not 
   }
 });
 
+test("a compaction or maintenance that fails answers that it did nothing, never throws (OpenClaw would quarantine the engine)", async () => {
+  // OpenClaw 2026.9.6 quarantines for the gateway process an engine it resolved for a /compact whose
+  // compact or maintain throws: a /compact while the service was away (or slower than timeoutMs) left
+  // every later /compact of that gateway on OpenClaw's legacy engine.
+  const down = async () => { throw new TypeError("fetch failed", { cause: { code: "ECONNREFUSED" } }); };
+  let up = true;
+  const { fetchImpl } = service({
+    "GET /v1/engines/:e": describe,
+    "POST /v1/sessions": opened,
+    "GET /v1/engines/:e/sessions/:sid/bootstrap": () => [200, { cursor: null, position: 0 }],
+    "POST /v1/engines/:e/sessions/:sid/compact": () => [503, { error: { code: "store_unavailable", message: "cannot connect to the database" } }],
+  });
+  const warned = [];
+  const sdk = { readSessionTranscriptVisibleMessageDelta: async () => ({ kind: "page", cursor: "c0", hasMore: false, entries: [] }) };
+  const engine = await createEngine({ serviceUrl: "http://svc-fails", token: "tok", sdk,
+    fetchImpl: (url, init) => (up ? fetchImpl(url, init) : down()), logger: { warn: (m) => warned.push(m) } });
+  const params = { sessionId: "s1", sessionKey: "k", force: true, tokenBudget: 1000 };
+  const refused = await engine.compact(params);
+  assert.deepEqual([refused.ok, refused.compacted], [false, false]);
+  assert.match(refused.reason, /cannot connect to the database/);
+  up = false;
+  const away = await engine.maintain(params);
+  assert.deepEqual([away.changed, away.bytesFreed, away.rewrittenEntries], [false, 0, 0]);
+  assert.match(away.reason, /unreachable/);
+  assert.equal(warned.length, 2);
+  // OpenClaw's own compaction throwing (the engine delegates it) is answered the same way.
+  const { fetchImpl: legacy } = service({ "GET /v1/engines/:e": () => [200, { id: "legacy", durable: true, info: { owns_compaction: false } }] });
+  const delegating = await createEngine({ serviceUrl: "http://svc-delegates", token: "tok", engine: "legacy", fetchImpl: legacy,
+    sdk: { delegateCompactionToRuntime: async () => { throw new Error("runtime compaction failed"); } } });
+  assert.deepEqual(await delegating.compact(params), { ok: false, compacted: false, reason: "transcript-store: runtime compaction failed" });
+});
+
 test("a delegated compaction that moves the session to a successor says its summary is not recorded", async () => {
   // The summary goes to the service as a host compaction of the caller's session only; a compaction that
   // continues in another session id is imported there, and its summary left out with a warning.
