@@ -6,7 +6,7 @@ import io
 import json
 import sys
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import click
 
@@ -23,16 +23,30 @@ from .stores import store_session
 
 CHAT_KEY = "cli:chat"
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the options of the commands that run turns (chat, gateway): the engine and the model
+_MODEL_OPTIONS = (
+    click.option("--engine", metavar="NAME", callback=filled(), help="The context engine (overrides settings)."),
+    click.option("--model-url", metavar="URL", callback=filled(),
+                 help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder]."),
+    click.option("--model", "model_name", metavar="NAME", callback=filled(),
+                 help="Model name [env TRANSCRIPT_STORE_MODEL]."),
+    click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY]."),
+)
+
+
+def model_options(fn: F) -> F:
+    """Add --engine, --model-url, --model and --api-key (``chosen_model`` reads the last three)."""
+    for option in reversed(_MODEL_OPTIONS):
+        fn = option(fn)
+    return fn
+
 
 @cli.command()
 @click.option("--session", "session_key", default=CHAT_KEY, show_default=True, metavar="KEY", callback=filled(),
               help="The session key to open (created when missing).")
-@click.option("--engine", metavar="NAME", callback=filled(), help="The context engine (overrides settings).")
-@click.option("--model-url", metavar="URL", callback=filled(),
-              help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
-@click.option("--model", "model_name", metavar="NAME", callback=filled(),
-              help="Model name [env TRANSCRIPT_STORE_MODEL].")
-@click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY].")
+@model_options
 @common
 def chat(session_key: str, engine: str | None, model_url: str | None, model_name: str | None,
          api_key: str | None) -> None:

@@ -9,10 +9,10 @@ import click
 from ..db import mask_url, sqlite_file
 from ..errors import InvalidInput, SchemaNotCurrent
 from ..gateway import DEFAULT_SEED, GATEWAY_SCOPE, MAX_RUN_TURNS, MAX_SESSIONS, MAX_TURNS, MAX_WORKERS
-from .conversation import chosen_model
+from .conversation import chosen_model, model_options
 from .group import cli
 from .hosting import _optional_store, refuse_bad_legacy_config, warn_unusable_engines
-from .options import EXIT_USAGE, CommandError, Integer, common_options, filled, state
+from .options import EXIT_USAGE, CommandError, Integer, common_options, state
 from .output import console, emit_json
 from .stores import _no_store_advice, _no_store_file, _refuse_non_sqlite_file, make_url_or_usage
 
@@ -24,12 +24,7 @@ from .stores import _no_store_advice, _no_store_file, _refuse_non_sqlite_file, m
               help="Conversations.")
 @click.option("--turns", type=Integer(1, MAX_TURNS), default=5, show_default=True,
               help=f"Turns per conversation (at most {MAX_RUN_TURNS} turns in all).")
-@click.option("--engine", metavar="NAME", callback=filled(), help="The context engine (overrides settings).")
-@click.option("--model-url", metavar="URL", callback=filled(),
-              help="OpenAI-compatible endpoint [env OPENAI_BASE_URL; default: the local responder].")
-@click.option("--model", "model_name", metavar="NAME", callback=filled(),
-              help="Model name [env TRANSCRIPT_STORE_MODEL].")
-@click.option("--api-key", metavar="KEY", callback=filled(), help="API key [env OPENAI_API_KEY].")
+@model_options
 @click.option("--faults/--no-faults", default=True, show_default=True, help="Inject crashes, timeouts and rewrites.")
 @click.option("--seed", type=Integer(), metavar="INTEGER",
               help=f"Seed of the workload and the faults [default: {DEFAULT_SEED}].")
