@@ -371,3 +371,15 @@ def test_the_queue_assigns_as_the_scan_did(seed: int) -> None:
         else:  # not sent, or sent again after a death
             queue.put_back(job)
     assert queue.take() is _first_ready(plan, next_index, set(in_flight))
+
+
+# ---------------------------------------------------------------------------------------------- the title
+
+
+@pytest.mark.parametrize(("workers", "said"), [(1, "1 worker,"), (2, "2 workers,"), (64, "64 workers,")])
+def test_the_report_title_counts_its_workers_in_the_singular_or_the_plural(workers: int, said: str) -> None:
+    report = GatewayReport(url="sqlite:///x.db", engine="legacy", workers=workers, planned_turns=1)
+    out = StringIO()
+    report.render(Console(file=out, width=200, markup=False, highlight=False))
+    title = out.getvalue().splitlines()[0]
+    assert f"gateway run: {said} engine legacy" in title, title

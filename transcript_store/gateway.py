@@ -229,7 +229,8 @@ class GatewayReport:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title=Text(shown(f"gateway run: {self.workers} workers, engine {self.engine}, {self.url}")))
+        workers = f"{self.workers} worker{'' if self.workers == 1 else 's'}"  # "1 workers" read as a typo
+        table = Table(title=Text(shown(f"gateway run: {workers}, engine {self.engine}, {self.url}")))
         table.add_column("what")
         table.add_column("count", justify="right")
         table.add_column("from")
