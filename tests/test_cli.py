@@ -244,7 +244,7 @@ def test_an_empty_postgresql_database_is_advised_init_not_upgrade(
     finally:
         db.dispose()
     line = one_error_line(run("sessions", "list", "--db", empty_url, cwd=tmp_path, code=4))
-    assert "`transcript-store upgrade --db URL`" in line, line  # a store that is behind: upgrade it
+    assert f"`transcript-store upgrade --db {empty_url}`" in line, line  # a store that is behind: upgrade it
 
 
 def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Path) -> None:
@@ -258,7 +258,7 @@ def test_a_schema_behind_is_reported(empty_url: str, backend: str, tmp_path: Pat
     doctor = run_json("doctor", "--db", empty_url, cwd=tmp_path, code=1)
     assert not doctor["ok"] and doctor["store"]["state"] == "behind"
     # doctor says what to do about it, as `current` does (it said "schema is behind" alone)
-    advice = f"schema is behind (revision 0001, head {report['head']}): run `transcript-store upgrade`"
+    advice = f"schema is behind (revision 0001, head {report['head']}): run `transcript-store upgrade --db {empty_url}`"
     assert doctor["problems"] == [advice]
     assert "upgrade" in one_error_line(run("current", "--db", empty_url, cwd=tmp_path, code=4))
     if backend == "postgresql":  # PostgreSQL never migrates itself on open

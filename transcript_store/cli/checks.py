@@ -16,7 +16,7 @@ from .group import cli, exit_code
 from .hosting import _engines_table, _optional_store, engine_report, unusable_warning
 from .options import EXIT_FAILED, CommandError, common, state
 from .output import console, emit_json
-from .stores import open_store, schema_advice, schema_state
+from .stores import open_store, run_advice, schema_advice, schema_state
 
 
 @cli.group()
@@ -83,7 +83,7 @@ def _doctor_store(problems: list[str]) -> tuple[dict[str, Any], TranscriptStore 
         problems.append(str(e) if isinstance(e, PermissionDenied) else f"database unavailable: {e}")
         return info, None, e
     if info["state"] == "none":
-        problems.append(f"no schema yet (head is {head}): run `transcript-store init`")
+        problems.append(f"no schema yet (head is {head}): {run_advice('init')}")
     elif info["state"] != "current":  # with what to do, as `current` says it
         problems.append(f"schema is {info['state']} (revision {revision}, head {head}): {schema_advice(info['state'])}")
     return info, store, None

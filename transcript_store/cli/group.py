@@ -112,7 +112,7 @@ _LINE_BREAK_RUN = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
 
 
 def error_line(error: BaseException, url: str | None) -> str:
-    """One line describing an error, with any database password scrubbed.
+    """One line describing an error, with any database password scrubbed, and a schema's advice naming ``url``.
 
     Only line breaks (with the whitespace around them) become one space: the rest of the text is kept as
     it is, so that an id or a path with two spaces or a tab in it is named exactly (every run of
@@ -120,6 +120,10 @@ def error_line(error: BaseException, url: str | None) -> str:
     text = _LINE_BREAK_RUN.sub(" ", str(error).strip()) or type(error).__name__
     if not isinstance(error, TranscriptStoreError | CommandError | OSError):
         text = f"{type(error).__name__}: {text}"
+    if isinstance(error, SchemaNotCurrent):  # its advice names the database the command was given
+        from .stores import cli_advice
+
+        text = cli_advice(text, url)
     for secret in url_secrets(url) if url else []:  # the userinfo's password, ?password=, ?sslpassword=
         text = text.replace(secret, "***")
     if isinstance(error, EngineError):

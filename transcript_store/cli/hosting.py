@@ -14,7 +14,7 @@ from ..errors import SchemaNotCurrent, StoreUnavailable
 from ..settings import HostSettings
 from ..store import TranscriptStore
 from ..terminal import ShownStream, shown
-from .stores import open_store
+from .stores import cli_advice, open_store
 
 if TYPE_CHECKING:  # imported where they are used: the CLI's start stays light (rich: by a command drawing a table)
     from rich.table import Table
@@ -179,4 +179,4 @@ def _optional_store() -> tuple[TranscriptStore | None, str | None]:
     try:
         return open_store(), None
     except (SchemaNotCurrent, StoreUnavailable) as e:
-        return None, str(e)
+        return None, cli_advice(str(e))

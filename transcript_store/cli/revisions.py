@@ -9,7 +9,7 @@ from ..errors import SchemaNotCurrent
 from .group import cli
 from .options import EXIT_SCHEMA, CommandError, common, state
 from .output import emit_json
-from .stores import schema_advice, schema_state, store_session
+from .stores import run_advice, schema_advice, schema_state, store_session
 
 
 def _migrate(*, create: bool) -> None:
@@ -19,7 +19,7 @@ def _migrate(*, create: bool) -> None:
             # upgrade migrates a store; a database without one (an empty PostgreSQL database, another
             # program's SQLite file in WAL mode) is left as it is: creating one is init's to do.
             raise SchemaNotCurrent(
-                f"no store at {store.url} (the database holds no transcript-store schema): run `transcript-store init`"
+                f"no store at {store.url} (the database holds no transcript-store schema): {run_advice('init')}"
             )
         before, after = migrate.upgrade_from(store.db)  # "before" as read under the migration's lock
         head = migrate.head_revision()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sqlite3
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -39,7 +41,34 @@ _NOT_SQLITE_ADVICE = "it cannot hold one; give the path of a store or of a file 
 
 def _no_store_advice(why: str) -> str:
     """What to do about a SQLite file that holds no store for ``why``: `init`, unless it could not make one."""
-    return _NOT_SQLITE_ADVICE if why == _NOT_SQLITE else "run `transcript-store init`"
+    return _NOT_SQLITE_ADVICE if why == _NOT_SQLITE else run_advice("init")
+
+
+def run_advice(command: str, url: str | None = None) -> str:
+    """"run `transcript-store COMMAND ...`" for the store this command was given (``url``: by default the one
+    --db or TRANSCRIPT_STORE_URL named), with its ``--db`` (shell-quoted, password masked) when one was named.
+    Without it, the advice as printed ran on another database, the default one: `init` made a store in
+    ./transcripts.db and the refusal stood."""
+    if url is None:
+        ctx = click.get_current_context(silent=True)
+        st = ctx.find_object(State) if ctx is not None else None
+        url = st.db if st is not None and st.db is not None else os.environ.get(URL_ENV)
+    if not url:  # (an empty TRANSCRIPT_STORE_URL is unset: the default store, which `init` alone opens)
+        return f"run `transcript-store {command}`"
+    return f"run `transcript-store {command} --db {shlex.quote(mask_url(url))}`"
+
+
+#: the library's advice in a SchemaNotCurrent (it knows no command line: "URL" stands for the database)
+_LIBRARY_ADVICE = re.compile(
+    r"run `transcript-store (init|upgrade) --db URL`(?: \(or, in Python, TranscriptStore\.upgrade_url\(url\)\))?"
+)
+
+
+def cli_advice(text: str, url: str | None = None) -> str:
+    """A library error's text with its advice as the command line to run on ``url`` (None: as run_advice's):
+    chat, sessions import, serve and gateway refused an empty PostgreSQL database with "run `transcript-store
+    init --db URL`", and a Python call to make."""
+    return _LIBRARY_ADVICE.sub(lambda m: run_advice(m.group(1), url), text)
 
 
 def _refuse_non_sqlite_file(url: str) -> None:
@@ -119,7 +148,7 @@ def open_store(*, create: bool = False, check_schema: bool = True) -> Transcript
     try:
         if not create and store.current_revision() is None:
             raise SchemaNotCurrent(
-                f"no store at {url} (the database holds no transcript-store schema): run `transcript-store init`"
+                f"no store at {url} (the database holds no transcript-store schema): {run_advice('init')}"
             )
         store.ensure_current()
     except BaseException:
@@ -160,9 +189,9 @@ def schema_state(revision: str | None, head: str) -> str:
 
 def schema_advice(state_now: str) -> str:
     """What to do about a schema in ``state_now`` (``none``, ``behind`` or ``ahead``)."""
-    return {"ahead": "upgrade the library", "none": "run `transcript-store init`"}.get(
-        state_now, "run `transcript-store upgrade`"
-    )
+    if state_now == "ahead":
+        return "upgrade the library"
+    return run_advice("init" if state_now == "none" else "upgrade")
 
 
 def make_url_or_usage(url: str) -> URL:
