@@ -290,6 +290,9 @@ class EngineRegistry:
             raise InvalidInput("plugin_dirs must be a list of folders (strings or paths)")
         self.specs: dict[str, EngineSpec] = {}
         self.warnings: list[str] = []
+        #: the warnings about a ``plugin_dirs`` folder that is missing, no folder, or unreadable: every engine
+        #: it was meant to hold is missing too (a typo in the path said nothing where engines run)
+        self.plugin_dir_problems: list[str] = []
         if discover:
             self._discover_folder_tree(BUNDLED_DIR, "bundled", importable=True)
             self._discover_entry_points()
@@ -345,11 +348,15 @@ class EngineRegistry:
             if not root.is_dir():
                 if source == "plugin_dir":
                     what = "is not a folder" if root.exists() else "does not exist"
-                    self.warnings.append(f"plugin dir {root} {what}")
+                    self._plugin_dir_problem(f"plugin dir {root} {what}")
                 return
             children = [root] if _has_manifest(root) else sorted(root.iterdir())
         except (OSError, ValueError) as e:
-            self.warnings.append(f"plugin dir {root} cannot be read: {_why(e)}")
+            msg = f"plugin dir {root} cannot be read: {_why(e)}"
+            if source == "plugin_dir":
+                self._plugin_dir_problem(msg)
+            else:
+                self.warnings.append(msg)
             return
         for folder in children:
             try:
@@ -359,6 +366,10 @@ class EngineRegistry:
                 self.warnings.append(f"plugin folder {folder} cannot be read: {_why(e)}")
                 continue
             self._discover_folder(folder, source, importable)
+
+    def _plugin_dir_problem(self, msg: str) -> None:
+        self.warnings.append(msg)
+        self.plugin_dir_problems.append(msg)
 
     def _discover_folder(self, folder: Path, source: str, importable: bool) -> None:
         location = str(folder)

@@ -33,7 +33,7 @@ def engines_list() -> None:
     settings = st.settings()
     store, why = _optional_store()
     try:
-        data, warnings = engine_report(settings, store)
+        data, warnings, _dirs = engine_report(settings, store)  # (among the warnings: listed all the same)
     finally:
         if store is not None:
             store.close()
@@ -101,7 +101,9 @@ def doctor() -> None:
     store_info, store, refusal = _doctor_store(problems)
     records: list[dict[str, Any]] = []
     try:
-        engines_found, warnings = engine_report(settings, store if store_info.get("state") == "current" else None)
+        engines_found, warnings, dir_problems = engine_report(
+            settings, store if store_info.get("state") == "current" else None
+        )
         if store is not None and store_info.get("state") == "current":
             records = [
                 {**r.__dict__, "created_at": r.created_at.isoformat()}
@@ -113,6 +115,10 @@ def doctor() -> None:
     selected = next(e for e in engines_found if e["selected"])
     if not selected["valid"]:
         problems.append(f"selected engine {selected['id']!r} is invalid: {selected['reason']}")
+    # A plugin folder that cannot be searched (missing, no folder, unreadable) is a problem, not a warning: the
+    # engines it should hold are missing wherever engines run (chat, serve and gateway warn of it at start).
+    problems.extend(dir_problems)
+    warnings = [w for w in warnings if w not in dir_problems]
     data = {
         "ok": not problems,
         "problems": problems,

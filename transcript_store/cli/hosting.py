@@ -50,8 +50,10 @@ def engine_output_on_stderr() -> Iterator[None]:
         yield
 
 
-def engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every discovered engine, loaded and validated, with its declarations; and the registry's warnings."""
+def engine_report(settings: HostSettings, store: TranscriptStore | None
+                  ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Every discovered engine, loaded and validated, with its declarations; the registry's warnings; and
+    among them, those about a ``plugin_dirs`` folder that cannot be searched (``doctor``'s problems)."""
     with engine_output_on_stderr():
         return _engine_report(settings, store)
 
@@ -65,7 +67,8 @@ def engine_context(settings: HostSettings, store: TranscriptStore | None, engine
                          summarizer=summarizer_from_env(), estimator=default_estimator())
 
 
-def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tuple[list[dict[str, Any]], list[str]]:
+def _engine_report(settings: HostSettings, store: TranscriptStore | None
+                   ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     from ..models import CURRENT_TURN_FENCE, TURN_ADVANCEMENT_IDEMPOTENCY
     from ..registry import EngineRegistry
 
@@ -103,24 +106,29 @@ def _engine_report(settings: HostSettings, store: TranscriptStore | None) -> tup
         f"(known: {', '.join(sorted(registry.specs))})"
         for name in sorted(settings.engine_config) if name not in registry.specs
     ]
-    return out, [*registry.warnings, *unread]
+    return out, [*registry.warnings, *unread], list(registry.plugin_dir_problems)
 
 
 def unusable_engines(settings: HostSettings, store: TranscriptStore | None, runtime: HostRuntime | None = None
                      ) -> list[str]:
-    """A warning for each engine that cannot load among the selected one and those with an
-    ``[engine.config.<id>]`` table (a mistyped value in it, say): hosts run such an engine's turns on legacy,
-    which said nothing before a turn ran (and ``engines list`` exited 0 on it).
+    """A warning for each ``plugin_dirs`` folder that cannot be searched, and for each engine that cannot load
+    among the selected one and those with an ``[engine.config.<id>]`` table (a mistyped value in it, say): hosts
+    run such an engine's turns on legacy, which said nothing before a turn ran (and ``engines list`` exited 0 on
+    it).
 
     Given the ``runtime`` that will run them, the engines are checked in it and those that load are kept for
     their first use: a plugin was imported, and its factory run, once for the check and again for the runtime
     (its output said twice; the factory's time paid twice)."""
     from ..registry import EngineRegistry
 
-    out = []
+    out: list[str] = []
     with engine_output_on_stderr():  # an engine's import and factory print there, as in engine_report
         registry = runtime.registry if runtime is not None and runtime.registry is not None \
             else EngineRegistry(settings.plugin_dirs)
+        # A plugin folder that is missing (a typo in TRANSCRIPT_STORE_PLUGIN_DIRS or plugin_dirs), no folder or
+        # unreadable: its engines are missing too, which said nothing before a turn asked for one of them.
+        out.extend(shown(f"{p}; no engine is loaded from it (see `transcript-store doctor`)", one_line=True)
+                   for p in registry.plugin_dir_problems)
         for engine_id in sorted({settings.engine, *settings.engine_config} & set(registry.specs)):
             if runtime is not None:
                 status = runtime.preload(engine_id)
