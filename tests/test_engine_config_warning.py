@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from service_process import ServiceProcess
-from test_cli import run, run_json
+from test_cli import _script_mode, run, run_json  # noqa: F401 (autouse: honours real_script)
 
 MISTYPED = '[engine]\nslot = "lossless"\n[engine.config.lossless]\nfresh_tail_messages = "16"\n'
 FINE = '[engine]\nslot = "lossless"\n[engine.config.lossless]\nfresh_tail_messages = 16\n'
@@ -81,3 +82,38 @@ def test_a_selected_engine_that_is_not_installed_is_warned_of_too(store_url: str
     with ServiceProcess(store_url, {"tok": "s"}, tmp_path / "serve.log", env=env) as proc:
         log = proc.log()
     assert _warnings(log) == [line]
+
+
+@pytest.mark.real_script  # the workers' stderr is the process's own: only a subprocess captures it
+def test_gateway_says_a_bad_engine_config_once_not_once_a_worker(store_url: str, tmp_path: Path) -> None:
+    """Each worker quarantined the engine as it first met it, and its record reached stderr: one `ERROR: ...
+    quarantined` line a worker (respawns included) after the start-up warning that had said it already."""
+    env = _config(tmp_path, MISTYPED)
+    result = run("gateway", "--db", store_url, "--workers", "3", "--sessions", "3", "--turns", "2", "--no-faults",
+                 "--json", cwd=tmp_path, env=env)
+    (line,) = _warnings(result.stderr)
+    assert "fresh_tail_messages" in line
+    assert "quarantined" not in result.stderr, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["quarantines"] == 1  # the report still counts it, and says why turns degraded
+    assert any("fresh_tail_messages" in reason for reason in report["degraded"])
+
+
+def test_the_workers_filter_drops_only_the_load_failures_already_reported() -> None:
+    """Another failure of that engine (its assemble), or another engine's failure to load, is still printed."""
+    import logging
+
+    from transcript_store.gateway import _NotReportedAgain
+    from transcript_store.host import QUARANTINE_RECORD
+
+    def record(engine_id: str, operation: str) -> logging.LogRecord:
+        rec = logging.LogRecord("transcript_store.host", logging.ERROR, __file__, 1, "quarantined", (), None)
+        setattr(rec, QUARANTINE_RECORD, (engine_id, operation))
+        return rec
+
+    keep = _NotReportedAgain(["lossless"])
+    assert not keep.filter(record("lossless", "factory"))
+    assert keep.filter(record("lossless", "assemble"))
+    assert keep.filter(record("other", "factory"))
+    plain = logging.LogRecord("transcript_store.host", logging.ERROR, __file__, 1, "a worker error", (), None)
+    assert keep.filter(plain)

@@ -115,6 +115,10 @@ class GatewayOptions:
     kill_rate: float = 0.12
     timeout_rate: float = 0.1
     rewrite_rate: float = 0.06
+    #: engines whose failure to load the caller has reported already (the CLI's start-up warning): the workers
+    #: do not print their own records of quarantining one after its factory failed (one a worker, each
+    #: respawn again); the report's degraded reasons still say it, and every other record is printed
+    reported_unusable: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Refuse counts past a run's bounds, a bad scope or model URL (InvalidInput), before anything starts."""
@@ -139,6 +143,10 @@ class GatewayOptions:
             raise InvalidInput(f"kill_rate + timeout_rate + rewrite_rate must be at most 1, got {math.fsum(rates)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InvalidInput(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.reported_unusable, list | tuple) or not all(
+            isinstance(e, str) for e in self.reported_unusable
+        ):
+            raise InvalidInput(f"reported_unusable must be a list of engine ids, got {self.reported_unusable!r}")
         # Checked where they are used, these were refused only after the store was opened (a SQLite file
         # created) and the run's sessions made: the scope by the first of them, the model URL by every
         # worker, each refusing every job.
@@ -295,6 +303,21 @@ class _FaultyModel:
         return self.inner.complete(messages, tools, **kw)
 
 
+class _NotReportedAgain(logging.Filter):
+    """Drops a worker's record of quarantining an engine after its factory failed, when the run's caller has
+    reported that engine as unable to load (``GatewayOptions.reported_unusable``): the run said it once."""
+
+    def __init__(self, engines: Sequence[str]) -> None:
+        super().__init__()
+        self.engines = frozenset(engines)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .host import QUARANTINE_RECORD
+
+        engine_id, operation = getattr(record, QUARANTINE_RECORD, (None, None))
+        return not (operation == "factory" and engine_id in self.engines)
+
+
 def _worker_main(conn: Connection, options: GatewayOptions, url: str, dispatcher_pid: int | None = None) -> None:
     """A worker process: its own store and host runtime; says "ready", then runs jobs until told to stop."""
     # Ctrl-C reaches the whole process group: the dispatcher stops the workers (each printed a traceback of
@@ -309,7 +332,10 @@ def _worker_main(conn: Connection, options: GatewayOptions, url: str, dispatcher
     # A spawned process configures no logging: its records (an engine's error quoted in a quarantine's)
     # reached stderr through logging's last resort, raw. The faults are on purpose: their warnings would
     # drown the progress bar; the report counts them.
-    logging.basicConfig(level=logging.WARNING, handlers=[shown_log_handler()])
+    handler = shown_log_handler()
+    if options.reported_unusable:
+        handler.addFilter(_NotReportedAgain(options.reported_unusable))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("transcript_store").setLevel(logging.ERROR)
     # An engine's print() or warnings.warn() quotes stored text as freely as its log records do.
     show_process_output()

@@ -99,6 +99,8 @@ from .terminal import quoted
 from .turns import CommitIn, Turns, new_owner
 
 log = logging.getLogger("transcript_store.host")
+#: the attribute of the log record of a quarantine that holds (engine id, operation)
+QUARANTINE_RECORD = "ts_quarantine"
 #: failed writes of one quarantine record before it is given up (logged): the database refusing it for good
 QUARANTINE_RECORD_TRIES = 5
 
@@ -520,7 +522,8 @@ class HostRuntime:
         if engine_id == LEGACY:
             return  # the fallback itself cannot be isolated: its errors surface to the caller
         reason = describe(error)
-        log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason)
+        log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason,
+                  extra={QUARANTINE_RECORD: (engine_id, operation)})  # (for a filter: the gateway's workers)
         self.quarantined[engine_id] = (operation, reason)
         live = self._engines.pop(engine_id, None)
         if live is not None:

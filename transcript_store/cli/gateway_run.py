@@ -64,7 +64,9 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     # legacy; it may need the store to load (none yet: checked without one, as engines list does).
     store, _why = _optional_store()
     try:
-        warn_unusable_engines(settings, store)
+        # each worker quarantines such an engine as it first meets it: its record would say it again, once a
+        # worker (respawns included), as an ERROR line
+        options.reported_unusable = tuple(warn_unusable_engines(settings, store))
     finally:
         if store is not None:
             store.close()

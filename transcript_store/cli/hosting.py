@@ -119,15 +119,21 @@ def unusable_engines(settings: HostSettings, store: TranscriptStore | None, runt
     Given the ``runtime`` that will run them, the engines are checked in it and those that load are kept for
     their first use: a plugin was imported, and its factory run, once for the check and again for the runtime
     (its output said twice; the factory's time paid twice)."""
+    return [text for _engine_id, text in _unusable(settings, store, runtime)]
+
+
+def _unusable(settings: HostSettings, store: TranscriptStore | None, runtime: HostRuntime | None
+              ) -> list[tuple[str | None, str]]:
+    """``unusable_engines``' warnings, each with the engine it is about (None: a plugin folder)."""
     from ..registry import EngineRegistry
 
-    out: list[str] = []
+    out: list[tuple[str | None, str]] = []
     with engine_output_on_stderr():  # an engine's import and factory print there, as in engine_report
         registry = runtime.registry if runtime is not None and runtime.registry is not None \
             else EngineRegistry(settings.plugin_dirs)
         # A plugin folder that is missing (a typo in TRANSCRIPT_STORE_PLUGIN_DIRS or plugin_dirs), no folder or
         # unreadable: its engines are missing too, which said nothing before a turn asked for one of them.
-        out.extend(shown(f"{p}; no engine is loaded from it (see `transcript-store doctor`)", one_line=True)
+        out.extend((None, shown(f"{p}; no engine is loaded from it (see `transcript-store doctor`)", one_line=True))
                    for p in registry.plugin_dir_problems)
         for engine_id in sorted({settings.engine, *settings.engine_config} & set(registry.specs)):
             if runtime is not None:
@@ -135,9 +141,9 @@ def unusable_engines(settings: HostSettings, store: TranscriptStore | None, runt
             else:
                 status = registry.check(engine_id, engine_context(settings, store, engine_id))
             if not status.valid:
-                out.append(unusable_warning(engine_id, status.reason, engine_id == settings.engine))
+                out.append((engine_id, unusable_warning(engine_id, status.reason, engine_id == settings.engine)))
         if settings.engine not in registry.specs:  # a slot naming no installed engine (a typo): as unusable
-            out.append(unusable_warning(settings.engine, unknown_engine_reason(registry), True))
+            out.append((settings.engine, unusable_warning(settings.engine, unknown_engine_reason(registry), True)))
     return out
 
 
@@ -158,10 +164,14 @@ def unusable_warning(engine_id: str, reason: str | None, selected: bool) -> str:
 
 
 def warn_unusable_engines(settings: HostSettings, store: TranscriptStore | None,
-                          runtime: HostRuntime | None = None) -> None:
-    """Write ``unusable_engines``' warnings to stderr, one line each."""
-    for w in unusable_engines(settings, store, runtime):
+                          runtime: HostRuntime | None = None) -> list[str]:
+    """Write ``unusable_engines``' warnings to stderr, one line each; the ids of the engines warned about."""
+    warned = []
+    for engine_id, w in _unusable(settings, store, runtime):
         click.echo(f"warning: {w}", err=True)
+        if engine_id is not None:
+            warned.append(engine_id)
+    return warned
 
 
 def _engines_table(engines: list[dict[str, Any]], settings: HostSettings) -> Table:
