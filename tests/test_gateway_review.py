@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -383,16 +384,18 @@ def _dead(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "Ctrl-C"])
-def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
-    """The dispatcher terminated (SIGTERM) or killed left its busy workers running as orphans, going on
-    with their turns (and committing them) after the run was gone; Ctrl-C printed each worker's own
-    KeyboardInterrupt traceback. The workers end with the dispatcher, quietly."""
-    config = _plugin(tmp_path, "slow", "mark('busy')\ntime.sleep(60)")
+#: the body of engine "slow"'s assemble: it says it is busy, then never ends
+SLOW = "mark('busy')\ntime.sleep(60)"
+
+
+@contextlib.contextmanager
+def _slow_run(tmp_path: Path, config: str, db_url: str) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
+    """A one-turn gateway run on engine "slow" (``SLOW``) once its worker is busy in the engine's assemble,
+    which never ends: the dispatcher, the worker's pid, the run's stdout and stderr files. Both processes
+    are gone after it."""
     env = {**os.environ, "COLUMNS": "200"}
     env.pop("TRANSCRIPT_STORE_CONFIG", None)
-    args = ["--config", config, "--db", f"sqlite:///{tmp_path / 'g.db'}", "gateway", "--engine", "slow"]
+    args = ["--config", config, "--db", db_url, "gateway", "--engine", "slow"]
     args += ["--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults"]
     # Files, not pipes: an orphaned worker holds the pipes it inherited open after the dispatcher is gone.
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
@@ -408,24 +411,40 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
             time.sleep(0.05)
         assert busy.exists(), err.read_text()
         worker = int(busy.read_text())
-        time.sleep(0.2)
-        if how == "Ctrl-C":
-            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
-        else:
-            os.kill(proc.pid, getattr(signal, how))
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 15  # the event itself ends the wait: no idle cost
-        while not _dead(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _dead(worker), f"worker {worker} outlived its dispatcher ({how})"
-        assert proc.returncode != 0
-        assert "Traceback" not in err.read_text(), err.read_text()
+        yield proc, worker, out, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         if worker is not None and not _dead(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def _ended(worker: int) -> bool:
+    """Whether the worker is gone within 15 s (the event itself ends the wait: no idle cost)."""
+    deadline = time.monotonic() + 15
+    while not _dead(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _dead(worker)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "Ctrl-C"])
+def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
+    """The dispatcher terminated (SIGTERM) or killed left its busy workers running as orphans, going on
+    with their turns (and committing them) after the run was gone; Ctrl-C printed each worker's own
+    KeyboardInterrupt traceback. The workers end with the dispatcher, quietly."""
+    config = _plugin(tmp_path, "slow", SLOW)
+    with _slow_run(tmp_path, config, f"sqlite:///{tmp_path / 'g.db'}") as (proc, worker, _out, err):
+        time.sleep(0.2)
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        else:
+            os.kill(proc.pid, getattr(signal, how))
+        proc.wait(timeout=30)
+        assert _ended(worker), f"worker {worker} outlived its dispatcher ({how})"
+        assert proc.returncode != 0
+        assert "Traceback" not in err.read_text(), err.read_text()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -435,7 +454,7 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
     display closed, the workers stopped), then the process as the SIGTERM would (killed by it: 143)."""
     import pty
 
-    config = _plugin(tmp_path, "slow", "mark('busy')\ntime.sleep(60)")
+    config = _plugin(tmp_path, "slow", SLOW)
     env = {**os.environ, "COLUMNS": "200", "TERM": "xterm"}
     env.pop("TRANSCRIPT_STORE_CONFIG", None)
     args = ["--config", config, "--db", store_url, "gateway", "--engine", "slow"]
@@ -487,38 +506,16 @@ def test_an_interrupted_runs_turn_in_flight_is_finished_by_outbox_recover(store_
     """README: an interrupted run prints no report (Ctrl-C: "error: aborted", exit 1), and the turn its
     worker was running stays admitted in the run's own session, which no later run looks at:
     ``outbox recover --scope gateway`` finishes it (its worker is gone: discarded at once)."""
-    config = _plugin(tmp_path, "slow", "mark('busy')\ntime.sleep(60)")
-    env = {**os.environ, "COLUMNS": "200"}
-    env.pop("TRANSCRIPT_STORE_CONFIG", None)
-    common = ["--config", config, "--db", store_url]
-    args = [*common, "gateway", "--engine", "slow", "--workers", "1", "--sessions", "1", "--turns", "1", "--no-faults"]
-    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    with out.open("w") as out_file, err.open("w") as err_file:
-        proc = subprocess.Popen(
-            [*CLI, *args], cwd=tmp_path, env=env, stdout=out_file, stderr=err_file, start_new_session=True
-        )
-    busy = tmp_path / "busy"
-    worker = None
-    try:
-        deadline = time.monotonic() + 90
-        while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert busy.exists(), err.read_text()
-        worker = int(busy.read_text())
+    config = _plugin(tmp_path, "slow", SLOW)
+    with _slow_run(tmp_path, config, store_url) as (proc, worker, out, err):
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground group
         proc.wait(timeout=30)
         assert proc.returncode == 1 and err.read_text().strip().endswith("error: aborted"), err.read_text()
         assert "exactly-once" not in out.read_text()
-        deadline = time.monotonic() + 15
-        while not _dead(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _dead(worker)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if worker is not None and not _dead(worker):
-            os.kill(worker, signal.SIGKILL)
+        assert _ended(worker)
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("TRANSCRIPT_STORE_CONFIG", None)
+    common = ["--config", config, "--db", store_url]
 
     def outbox(*more: str) -> str:
         done = subprocess.run([*CLI, *common, "outbox", *more, "--scope", "gateway"], cwd=tmp_path, env=env,
