@@ -403,21 +403,31 @@ def _slow_run(tmp_path: Path, config: str, db_url: str) -> Iterator[tuple[subpro
         proc = subprocess.Popen(
             [*CLI, *args], cwd=tmp_path, env=env, stdout=out_file, stderr=err_file, start_new_session=True
         )
-    busy = tmp_path / "busy"
     worker = None
     try:
-        deadline = time.monotonic() + 90
-        while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert busy.exists(), err.read_text()
-        worker = int(busy.read_text())
+        worker = _busy_worker(tmp_path, proc, err)
         yield proc, worker, out, err
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if worker is not None and not _dead(worker):
-            os.kill(worker, signal.SIGKILL)
+        _stop(proc, worker)
+
+
+def _busy_worker(tmp_path: Path, proc: subprocess.Popen[bytes], err: Path) -> int:
+    """The pid of the run's worker once it is busy in engine "slow"'s assemble (90 s at most)."""
+    busy = tmp_path / "busy"
+    deadline = time.monotonic() + 90
+    while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert busy.exists(), err.read_text()
+    return int(busy.read_text())
+
+
+def _stop(proc: subprocess.Popen[bytes], worker: int | None) -> None:
+    """Kill the run's dispatcher and its worker where either is still there."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if worker is not None and not _dead(worker):
+        os.kill(worker, signal.SIGKILL)
 
 
 def _ended(worker: int) -> bool:
@@ -474,14 +484,9 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
 
     reader = threading.Thread(target=read_terminal, daemon=True)
     reader.start()
-    busy = tmp_path / "busy"
     worker = None
     try:
-        deadline = time.monotonic() + 90
-        while not (busy.exists() and busy.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert busy.exists(), err.read_text()
-        worker = int(busy.read_text())
+        worker = _busy_worker(tmp_path, proc, err)
         assert b"\x1b[?25l" in shown  # the progress display is up
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -489,16 +494,9 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
         assert proc.returncode == -signal.SIGTERM, (proc.returncode, err.read_text())
         assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l"), bytes(shown[-200:])
         assert "Traceback" not in err.read_text(), err.read_text()
-        deadline = time.monotonic() + 15
-        while not _dead(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _dead(worker)
+        assert _ended(worker)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if worker is not None and not _dead(worker):
-            os.kill(worker, signal.SIGKILL)
+        _stop(proc, worker)
         os.close(master)
 
 
