@@ -177,14 +177,57 @@ def test_failing_summarizer_loses_nothing(home: Path, server: FakeOpenAI) -> Non
     engine = agent.context_compressor
     engine.close()
     engine.summarizer_factory = Broken
+    warnings: list[str] = []
+    agent._emit_warning = warnings.append  # what Hermes shows the user in the chat
     history, seen = run_turns(agent, 4, "plum")
     compressed, _ = agent._compress_context(history, None, force=True)
     assert is_valid_sequence(compressed)
+    # The user is told in the chat, not only in our log: Hermes reads the failure off its compressor.
+    assert [w for w in warnings if "the summary model is down" in w], warnings
     agent.shutdown_memory_provider(history)
     expected = originals([r["messages"] for r in server.chat_requests] + seen)
     stored = [key(m) for m in engine.stored_messages(agent.session_id)]
     assert not [k for k in expected if k not in stored]
     assert len(stored) == len(set(stored))
+
+
+@pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
+def test_a_compaction_whose_summary_fails_is_reported_to_the_user_by_hermes(
+    home: Path, server: FakeOpenAI, engine_id: str
+) -> None:
+    """A failing summarizer: Hermes tells the user in the chat ("aborted" when the conversation came back
+    unchanged, "summary failed" when the answer is shorter without the summary); a compaction that works
+    afterwards clears it."""
+    from transcript_store.summarize import SummarizerError
+
+    class Switch:
+        broken = True
+
+        def summarize(self, *args: Any, **kwargs: Any) -> str:
+            if Switch.broken:
+                raise SummarizerError("the summary model is down")
+            return "a summary of what was said"
+
+    server.reset()
+    agent = make_agent(server)
+    engine = agent.context_compressor
+    engine.close()
+    engine.engine_id = engine_id
+    engine.summarizer_factory = Switch
+    warnings: list[str] = []
+    agent._emit_warning = warnings.append  # what Hermes shows the user
+    history, _seen = run_turns(agent, 4, f"quince-{engine_id}")
+    compressed, _ = agent._compress_context(history, None, force=True)
+    assert engine._last_compress_aborted is (compressed == history)
+    assert "the summary model is down" in str(engine._last_summary_error)
+    told = [w for w in warnings if "the summary model is down" in w]
+    assert told and all("compression aborted" in w.lower() or "summary failed" in w.lower() for w in told), warnings
+    Switch.broken = False
+    warnings.clear()
+    compressed, _ = agent._compress_context([*compressed, {"role": "user", "content": "one more"}], None, force=True)
+    assert not engine._last_compress_aborted and engine._last_summary_error is None
+    assert not [w for w in warnings if "summary" in w.lower() or "aborted" in w.lower()], warnings
+    agent.shutdown_memory_provider(compressed)
 
 
 def test_real_hermes_cli_oneshot(home: Path, server: FakeOpenAI) -> None:

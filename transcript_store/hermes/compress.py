@@ -40,6 +40,13 @@ FIT_ATTEMPTS = 3
 class CompressMixin(IngestMixin):
     """Hermes' ``compress``: store, compact in the engine, answer below the trigger."""
 
+    #: Hermes reads these two of its compressor after ``compress`` (``getattr``: any engine may lack them) to
+    #: tell the user, in the chat, that the summary failed: "aborted" when the conversation came back
+    #: unchanged, the error alone when the answer is shorter without the summary. Without them a broken
+    #: summarizer was only in our log, where a gateway's user never looks.
+    _last_compress_aborted: bool = False
+    _last_summary_error: str | None = None
+
     def compress(
         self,
         messages: list[dict[str, Any]],
@@ -57,6 +64,7 @@ class CompressMixin(IngestMixin):
         when nothing changes: our last answer sent back with nothing new, or an engine that cannot
         make it shorter.
         """
+        self._last_compress_aborted, self._last_summary_error = False, None
         try:
             snapshot = detached(list(messages))
         except Exception:  # not a list of messages: nothing to store or compact
@@ -64,10 +72,13 @@ class CompressMixin(IngestMixin):
             return messages
         try:
             memory = memory_block(memory_context)
-            return self._compress(snapshot, current_tokens, focus_topic, force, session_id, memory)
+            answer = self._compress(snapshot, current_tokens, focus_topic, force, session_id, memory)
         except Exception:  # never an untyped error into Hermes: the originals are stored or still the host's
             log.exception("transcript-store: compress failed; leaving the conversation uncompressed")
             return snapshot
+        # A compaction that failed and left the conversation as it was: Hermes says so in the chat.
+        self._last_compress_aborted = self._last_summary_error is not None and answer is snapshot
+        return answer
 
     def _compress(
         self, snapshot: list[Any], current_tokens: int | None, focus_topic: str | None, force: bool,
@@ -230,8 +241,10 @@ class CompressMixin(IngestMixin):
                 scope=self.scope, session_id=store_session, force=force, focus=focus, token_budget=budget
             )
             if not getattr(result, "ok", True):
-                log.warning("transcript-store compaction: %s (nothing lost)", getattr(result, "reason", ""))
+                self._last_summary_error = str(getattr(result, "reason", "") or "the compaction failed")
+                log.warning("transcript-store compaction: %s (nothing lost)", self._last_summary_error)
         except Exception as e:  # a failing summarizer loses nothing: the originals are stored
+            self._last_summary_error = f"the compaction failed: {type(e).__name__}: {e}"
             log.warning("transcript-store compaction failed: %s (nothing lost)", e)
         try:
             return checked_assembly(
