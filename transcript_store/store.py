@@ -487,7 +487,8 @@ class TranscriptStore:
         fence: Anchor | None = None,
     ) -> DeltaResult:
         """Visible messages after ``cursor``: a page, a reset (re-read from its cursor) or missing (no such
-        session; with a ``fence``, ReadFenceError "missing", as ``read_visible`` raises)."""
+        session; with a ``fence``, ReadFenceError "missing", as ``read_visible`` raises). A page without entries
+        whose ``required_bytes`` is set holds back a next message over ``max_bytes``: read again with that many."""
         self._ids(scope, session_id)
         reads.check_limits(max_messages, max_bytes)
         if cursor is not None and not isinstance(cursor, str):
