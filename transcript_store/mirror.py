@@ -56,7 +56,7 @@ from typing import Any
 
 from . import fences, paths
 from .config import StoreConfig
-from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text
+from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text, stored_text
 from .errors import InvalidInput, MirrorConflict, MirrorReason, PayloadTooLarge
 from .ledger import get_state, put_state
 from .models import Anchor, ClosedRange, ClosedRangeFailure, Entry, SessionInfo
@@ -249,8 +249,7 @@ def names(config: StoreConfig, host_id: str, row: Any, message: dict[str, Any]) 
     """Whether a stored entry row is where the mirror keeps host message ``host_id`` (its id, or one derived)."""
     if row.entry_id == host_id:
         return True
-    payload = prepare_entry(config, message=message).payload_json
-    return bool(row.entry_id == _derived_id(host_id, row.parent_id, payload))
+    return bool(row.entry_id == _derived_id(host_id, row.parent_id, stored_text(message)))
 
 
 def host_id_fits(config: StoreConfig, host_id: str, row: Any, *, unnamed: bool) -> bool:
@@ -277,7 +276,10 @@ def _derived_from(
     config: StoreConfig, host_id: str, entry_id: str, parent_id: str | None, message: Any, unnamed: bool
 ) -> bool:
     """Whether ``entry_id`` is the id derived for ``message`` after ``parent_id`` from ``host_id`` (or none)."""
-    payload = prepare_entry(config, message=message).payload_json
+    # The text the message is stored as, as the append that stored it wrote it: not validated again as a
+    # new append. A message an earlier release stored (imported again from its export) or one over a
+    # payload cap lowered since is no new message, and refusing it failed the host's compaction for ever.
+    payload = stored_text(message)
     ids = (host_id, None) if unnamed else (host_id,)
     return any(entry_id == _derived_id(i, parent_id, payload) for i in ids)
 
