@@ -19,7 +19,7 @@ from mirror_helpers import A, a, hosted, legacy_service, page, u, visible
 
 from transcript_store import StoreConfig, TranscriptStore
 from transcript_store.core import stored_text
-from transcript_store.errors import MirrorConflict
+from transcript_store.errors import InvalidMessage, MirrorConflict, PayloadTooLarge
 from transcript_store.mirror import _derived_id
 from transcript_store.service import Service
 from transcript_store.service_models import HostCompactionRequest
@@ -75,5 +75,35 @@ def test_a_host_compaction_keeping_a_message_over_a_cap_lowered_since(shared_url
             other = HostCompactionRequest(summary="s", first_kept_position=0, first_kept_entry_id="h9")
             with pytest.raises(MirrorConflict, match="not the host"):
                 svc.host_compaction(A, "legacy", "capped", other)
+    finally:
+        lowered.close()
+
+
+def test_a_page_sent_again_over_a_message_stored_under_earlier_rules(store: TranscriptStore) -> None:
+    # The host's transcript holds the message as an earlier release mirrored it; an import from the host's
+    # beginning (after a reset of the resume point, a new plugin process) sends it again.
+    _imported_mirror(store, "again")
+    before = visible(store, "again")
+    again = hosted(("h0", u("q")), ("h1", EARLIER), ("h2", u("next")))
+    # Matched where it stands (was: InvalidMessage, every import of the session refused for ever).
+    assert page(store, "again", None, "c1", again).matched == 3
+    assert visible(store, "again") == before
+    # As a new message it is a new append, and refused as one: nothing written.
+    with pytest.raises(InvalidMessage, match="tool_calls"):
+        page(store, "again", "c1", "c2", hosted(("h3", u("more")), ("h4", EARLIER)))
+    assert visible(store, "again") == before
+
+
+def test_a_page_sent_again_over_a_message_over_a_cap_lowered_since(shared_url: str, store: TranscriptStore) -> None:
+    big = a("y" * 5000)
+    store.create_session(A, session_id="capped-page")
+    page(store, "capped-page", None, "c1", hosted(("h0", u("q")), ("h1", big)))
+    lowered = TranscriptStore(config=StoreConfig(url=shared_url, auto_upgrade=False, max_payload_bytes=4096))
+    try:
+        before = visible(lowered, "capped-page")
+        assert page(lowered, "capped-page", None, "c1", hosted(("h0", u("q")), ("h1", big))).matched == 2
+        with pytest.raises(PayloadTooLarge):
+            page(lowered, "capped-page", "c1", "c2", hosted(("h2", u("q2")), ("h3", a("z" * 5000))))
+        assert visible(lowered, "capped-page") == before
     finally:
         lowered.close()

@@ -56,10 +56,10 @@ from typing import Any
 
 from . import fences, paths
 from .config import StoreConfig
-from .core import Core, NewEntry, decode_stored, prepare_entry, same_json, same_stored_text, stored_text
-from .errors import InvalidInput, MirrorConflict, MirrorReason, PayloadTooLarge
+from .core import Core, NewEntry, decode_stored, new_id, prepare_entry, same_json, same_stored_text, stored_text
+from .errors import InvalidInput, InvalidMessage, MirrorConflict, MirrorReason, PayloadTooLarge
 from .ledger import get_state, put_state
-from .models import Anchor, ClosedRange, ClosedRangeFailure, Entry, SessionInfo
+from .models import Anchor, ClosedRange, ClosedRangeFailure, Entry, SessionInfo, validate_message
 
 STATE_OWNER = "service.import"
 STATE_KEY = "cursor"
@@ -193,8 +193,14 @@ def align(
     if start > visible:
         raise MirrorConflict("behind", f"the range starts at position {start}; the mirror holds {visible} messages")
     reason: MirrorReason = "turn_mismatch" if turn else "cursor"
-    # Validate and serialize everything before the first write: invalid input writes nothing.
-    prepared = [_prepare(config, m) for m in messages]
+    # Validate and serialize everything before the first write: invalid input writes nothing. A message
+    # only an earlier release stored, or one over the payload cap, may be one the mirror holds: refused
+    # only when it would be appended (``refusals``).
+    prepared, refusals = [], []
+    for m in messages:
+        new, refusal = _prepare(config, m)
+        prepared.append(new)
+        refusals.append(refusal)
     seen: set[str] = set()
     for m in messages:
         if m.entry_id in seen:
@@ -236,6 +242,9 @@ def align(
     if rewound:
         parent = _entry_id_at(core, scope, session_id, keep - 1) if keep > 0 else None
     reused, placed = _place(core, scope, session_id, parent, rest, taken, turn=turn, reason=reason)
+    refused = next((r for r in refusals[matched + reused :] if r is not None), None)
+    if refused is not None:
+        raise refused  # a new append of it, refused as ``append`` refuses it: nothing written
     if reused:
         branch(core, scope, session_id, placed[reused - 1].entry_id)  # back on the branch, with its ancestors
     elif rewound:
@@ -355,8 +364,22 @@ def _turn_start(core: Core, scope: str, session_id: str, adm_id: str, adm_pos: i
     return int(core.require_session(scope, session_id).visible_count)
 
 
-def _prepare(config: StoreConfig, host: HostMessage) -> NewEntry:
-    return prepare_entry(config, message=host.message, entry_id=host.entry_id)
+def _prepare(config: StoreConfig, host: HostMessage) -> tuple[NewEntry, InvalidInput | None]:
+    """The host message as an entry, and why an append refuses it (None: it does not).
+
+    A form only an earlier release stored, or a message over the payload cap (lowered since), is matched
+    against what the mirror holds as it is stored (a store holds them, and the host sends them again on
+    every import from its beginning): refused only as a new append."""
+    try:
+        return prepare_entry(config, message=host.message, entry_id=host.entry_id), None
+    except (InvalidMessage, PayloadTooLarge) as e:
+        refusal = e
+    try:
+        body = validate_message(host.message, stored=True)
+        text = stored_text(body)
+    except (InvalidInput, ValueError, TypeError, RecursionError):
+        raise refusal from None
+    return NewEntry(host.entry_id or new_id(), "message", body["role"], text, len(text.encode("utf-8"))), refusal
 
 
 def _matches(row: Any, host: HostMessage, new: NewEntry, turn: bool) -> bool:
