@@ -10,7 +10,7 @@ metacharacters, wrong types. The contract, asserted on both backends after every
   ``after_seq``, ``max_messages`` or ``max_bytes``, is ``InvalidInput`` naming that argument);
 - a refused call leaves every row of every table exactly as it was, and a read never changes any.
 
-Drawn: 41 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 24 of its
+Drawn: 42 functions, the ``TranscriptStore`` constructor (URL, ``config`` and ``create``) and 25 of its
 methods, and the ``Turns`` constructor (store and config; the ``Turns`` it built is then used) and 15 of
 its methods (``calls`` below; a test keeps that list and this one complete). Not drawn:
 ``write``/``read``/``statement`` (they run the caller's own code, in a transaction or as one statement
@@ -234,6 +234,8 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
         "find_session": lambda data: call(store.find_session, data.draw(ids), data.draw(ids)),
         "list_sessions": lambda data: call(store.list_sessions, data.draw(ids), after=data.draw(optional_ids),
                                            limit=data.draw(limits)),
+        "ended_sessions": lambda data: call(store.ended_sessions, data.draw(ids), data.draw(ids),
+                                            limit=data.draw(limits)),
         "session_bytes": lambda data: call(store.session_bytes, data.draw(ids), data.draw(ids)),
         "end_session": lambda data: call(store.end_session, data.draw(ids), data.draw(hostile_ids)),
         "delete_session": lambda data: call(store.delete_session, data.draw(ids), data.draw(hostile_ids)),
@@ -323,7 +325,8 @@ def calls(store: TranscriptStore, turns: Turns, w: dict[str, Any]) -> dict[str, 
 
 #: functions that only read: they must not change a row even when they succeed
 READS = {
-    "get_session", "find_session", "list_sessions", "session_bytes", "prepare", "prepare_admission", "anchor",
+    "get_session", "find_session", "list_sessions", "ended_sessions", "session_bytes", "prepare", "prepare_admission",
+    "anchor",
     "read_visible_delta", "read_visible", "get_entries", "list_entries", "read_closed_range", "export_session",
     "receipts", "receipts_page", "intents", "intents_page", "intent", "upgrade_url", "TranscriptStore", "Turns",
 }
@@ -415,7 +418,7 @@ def test_every_public_function_is_drawn_or_listed_as_not(store: TranscriptStore)
     drawn = {name if name in ("TranscriptStore", "Turns") else "Turns.admit" if name == "turns.admit"
              else f"TranscriptStore.{name}" if name in vars(TranscriptStore) else f"Turns.{name}"
              for name in calls(store, turns, build_world(store, turns))}
-    assert len(drawn) == 41, sorted(drawn)  # the module docstring's count
+    assert len(drawn) == 42, sorted(drawn)  # the module docstring's count
     assert not drawn & NOT_DRAWN and drawn | NOT_DRAWN == public_functions(), sorted(public_functions() - drawn)
 
 

@@ -77,6 +77,8 @@ def scoped(store: TranscriptStore) -> tuple[TranscriptStore, Turns, dict[str, An
     turns = Turns(store)
     a, b = populate(store, turns, A), populate(store, turns, B)
     store.create_session(B, session_id="only-b", session_key="kb")
+    store.create_session(B, session_id="ended-b", session_key="kb-ended")
+    store.end_session(B, "ended-b")  # a key only an ended session of B's held: ended_sessions of A's says nothing
     store.append(B, "only-b", {"role": "user", "content": "secret of B only"}, entry_id="EB")
     turns.admit(B, "only-b", {"role": "user", "content": "secret of B only TB"}, turn_id="TB", engine_id=ENGINE)
     b["only_cursor"] = store.read_visible_delta(B, "only-b").cursor  # type: ignore[union-attr]
@@ -156,8 +158,11 @@ def test_scopes_never_see_or_change_each_other(
     for name, call in {
         "find_session": lambda k: store.find_session(A, k),
         "list_sessions(after)": lambda k: [s.session_id for s in store.list_sessions(A, after=k)],
+        "ended_sessions": lambda k: [s.session_id for s in store.ended_sessions(A, k)],
     }.items():
         assert outcome(lambda c=call: c("kb"), {"kb": "<k>"}) == outcome(lambda c=call: c("kz"), {"kz": "<k>"}), name
+        ended = {"kb-ended": "<k>"}
+        assert outcome(lambda c=call: c("kb-ended"), ended) == outcome(lambda c=call: c("kz"), {"kz": "<k>"}), name
         compared += 1
 
     # 2. Colliding ids: scope A's own session answers with A's data only; B's cursors and anchors are refused.

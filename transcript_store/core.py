@@ -1149,6 +1149,15 @@ class Core:
         """The active session holding ``session_key`` in the scope, or None."""
         return self.conn.execute(_BY_KEY, {"b_scope": scope, "b_key": session_key}).first()
 
+    def ended_sessions_by_key(self, scope: str, session_key: str, limit: int) -> list[SessionInfo]:
+        """Up to ``limit`` ended sessions of the scope that held ``session_key``, the latest ended first
+        (no index: an error path's scan of the scope's sessions)."""
+        q = select(sessions).where(
+            sessions.c.scope == scope, sessions.c.session_key == session_key, sessions.c.active.is_(False)
+        )
+        rows = self.conn.execute(q.order_by(sessions.c.updated_us.desc(), sessions.c.session_id).limit(limit)).all()
+        return [session_info(r) for r in rows]
+
     def list_sessions(self, scope: str, after: str | None, limit: int) -> list[SessionInfo]:
         """Sessions of the scope ordered by id, after ``after``."""
         q = select(sessions).where(sessions.c.scope == scope)

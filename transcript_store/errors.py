@@ -7,6 +7,7 @@ retried around the whole transaction; every other error is final and nothing was
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Literal
 
@@ -66,8 +67,15 @@ class PromptTooLarge(InvalidInput):
 class UnknownSession(TranscriptStoreError, LookupError):
     """No such session in this scope (a session of another scope looks exactly like this)."""
 
-    def __init__(self, scope: str, session_id: str) -> None:
-        super().__init__(f"unknown session {session_id!r} in scope {scope!r}")
+    def __init__(self, scope: str, session_id: str, ended: Sequence[str] = ()) -> None:
+        # ``ended``: the ids of ended sessions that held ``session_id`` as their key (a key names only its
+        # active session; `sessions list` shows the ended ones): the way to them, rather than a bare "unknown".
+        note = (
+            f": no active session holds that key; ended sessions that held it (latest first): "
+            f"{', '.join(repr(i) for i in ended)}; name one by its id"
+            if ended else ""
+        )
+        super().__init__(f"unknown session {session_id!r} in scope {scope!r}{note}")
         self.scope = scope
         self.session_id = session_id
 

@@ -21,6 +21,9 @@ from .core import Core, entry_from_row, session_info
 from .errors import UnknownSession
 from .models import Entry, SessionInfo
 
+#: the ended sessions an unknown session key's error names (the latest ended)
+ENDED_NAMED = 3
+
 
 def session_in(c: Core, scope: str, ref: str) -> Row[Any]:
     """The session ``ref`` names, an id else a session key, in the caller's transaction; UnknownSession."""
@@ -28,7 +31,8 @@ def session_in(c: Core, scope: str, ref: str) -> Row[Any]:
     if row is None:
         row = c.find_session_by_key(scope, ref)
     if row is None:
-        raise UnknownSession(scope, ref)
+        ended = c.ended_sessions_by_key(scope, ref, ENDED_NAMED)
+        raise UnknownSession(scope, ref, [s.session_id for s in ended])
     return row
 
 

@@ -313,6 +313,14 @@ class TranscriptStore:
 
         return self.read(run)
 
+    def ended_sessions(self, scope: str, session_key: str, *, limit: int = 5) -> list[SessionInfo]:
+        """Up to ``limit`` (1..100) ended sessions of the scope that held ``session_key``, latest ended first."""
+        check_id("scope", scope)
+        check_id("session_key", session_key)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
+            raise InvalidInput(f"limit must be an integer from 1 to 100, not {limit!r}")
+        return self.read(lambda c: c.ended_sessions_by_key(scope, session_key, limit))
+
     def list_sessions(self, scope: str, *, after: str | None = None, limit: int = 100) -> list[SessionInfo]:
         """Sessions of the scope in id order, ``limit`` (1..10000) after ``after``."""
         check_id("scope", scope)

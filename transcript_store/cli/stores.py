@@ -17,6 +17,7 @@ from .. import migrate
 from ..db import mask_url, parse_url, sqlite_file
 from ..errors import InvalidInput, SchemaNotCurrent, UnknownSession
 from ..models import SessionInfo
+from ..showing import ENDED_NAMED
 from ..store import TranscriptStore
 from .options import EXIT_USAGE, URL_ENV, CommandError, State, state
 
@@ -173,9 +174,12 @@ def find_session(store: TranscriptStore, scope: str, ref: str) -> SessionInfo:
         return store.get_session(scope, ref)
     except UnknownSession:
         by_key = store.find_session(scope, ref)
-        if by_key is None:
+        if by_key is not None:
+            return by_key
+        ended = store.ended_sessions(scope, ref, limit=ENDED_NAMED)
+        if not ended:
             raise
-        return by_key
+        raise UnknownSession(scope, ref, [s.session_id for s in ended]) from None
 
 
 def schema_state(revision: str | None, head: str) -> str:
