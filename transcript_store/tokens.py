@@ -46,8 +46,41 @@ class TokenEstimator(Protocol):
         ...
 
 
+#: an image part at ``low`` detail: OpenAI's fixed 85 tokens
+IMAGE_TOKENS_LOW = 85
+#: an image part at ``high`` or ``auto`` detail, whatever its size: the most OpenAI's tile formula gives
+#: (85 + 170 per 512-pixel tile of the image scaled into 2048x2048, its short side to at most 768: 8 tiles)
+IMAGE_TOKENS = 85 + 8 * 170
+
+
+def _image_tokens(part: dict[str, Any]) -> int | None:
+    """The tokens of an ``image_url`` content part (None for another part).
+
+    Counted as the provider counts an image, never as the text of its URL: a screenshot sent inline (a
+    ``data:`` URL, as chat clients send a pasted picture) was counted as its base64, ~40,000 tokens for
+    100 KB, over the default budget by itself, so the turn carrying it was refused (PromptTooLarge)."""
+    if part.get("type") != "image_url" and "image_url" not in part:
+        return None
+    image = part.get("image_url")
+    detail = image.get("detail") if isinstance(image, dict) else None
+    return IMAGE_TOKENS_LOW if detail == "low" else IMAGE_TOKENS
+
+
+def _content_tokens(content: Any, count_text: Callable[[str], int]) -> int:
+    """The tokens of a message's ``content`` (a string or a list of parts): texts by ``count_text``, an
+    image by what the provider counts for it (``_image_tokens``)."""
+    if isinstance(content, str):
+        return count_text(content)
+    total = 0
+    for text in _content_texts(content):
+        total += count_text(text)
+    if isinstance(content, list):
+        total += sum(_image_tokens(p) or 0 for p in content if isinstance(p, dict))
+    return total
+
+
 def _content_texts(content: Any) -> Iterator[str]:
-    """The countable texts of a message's ``content`` (a string or a list of parts)."""
+    """The countable texts of a message's ``content`` (a string or a list of parts; images aside)."""
     if isinstance(content, str):
         yield content
     elif isinstance(content, list):
@@ -56,8 +89,8 @@ def _content_texts(content: Any) -> Iterator[str]:
                 text = part.get("text")
                 if isinstance(text, str):
                     yield text
-                elif part.get("type") != "text":
-                    # images, audio, files: count their JSON so a large inline payload is not free
+                elif part.get("type") != "text" and _image_tokens(part) is None:
+                    # audio, files: count their JSON so a large inline payload is not free
                     yield json.dumps(part, ensure_ascii=False, sort_keys=True)
             elif isinstance(part, str):
                 yield part
@@ -97,7 +130,7 @@ def _count_messages(
         if not isinstance(message, dict):
             raise InvalidInput(f"a message must be a dict, not {type(message).__name__}")
         total += per_message
-        total += sum(count_text(text) for text in _content_texts(message.get("content")))
+        total += _content_tokens(message.get("content"), count_text)
         name = message.get("name")
         if isinstance(name, str):
             total += per_name + count_text(name)
@@ -121,7 +154,7 @@ class RoughEstimator:
     ideographs / kana / hangul / full-width forms 1 token each, other non-ASCII 2 chars per token.
     Messages: 4 tokens of framing each, plus content, ``name``, tool-call names and arguments (and 3
     tokens per call; an older-format ``function_call`` is one call), ``tool_call_id``, plus 3 tokens of
-    reply priming.
+    reply priming. An image part is IMAGE_TOKENS (IMAGE_TOKENS_LOW at ``low`` detail), whatever its URL.
 
     Typical error, measured against tiktoken ``cl100k_base`` exact counts (p5 / median / p95 per text of
     a few hundred characters): English prose (stdlib docstrings) +0% / +18% / +38%; Python source
