@@ -4,6 +4,8 @@ An image a user sends inline (a ``data:`` URL, as every chat client sends a past
 as the text of its base64: a 100 KB picture was ~40,000 tokens, more than the default budget, so the turn
 that carried it was refused (PromptTooLarge) and any context holding it lost everything older. A provider
 counts an image by its tiles (at most 1,445 tokens at ``high`` detail, 85 at ``low``).
+
+The OpenAI summarizer sent a whole history in one request, which a long one overflowed at every compaction.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import base64
 import os
 from typing import Any
 
+import pytest
+from fake_openai import FakeOpenAI
 from test_host import SCOPE
 
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, compaction
+from transcript_store.errors import InvalidInput
 from transcript_store.host import HostRuntime
 from transcript_store.model import LocalResponder
 from transcript_store.registry import EngineRegistry
 from transcript_store.settings import load_settings
-from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
+from transcript_store.summarize import MAX_INPUT_TOKENS, ExtractiveSummarizer, OpenAISummarizer
+from transcript_store.tokens import IMAGE_TOKENS, IMAGE_TOKENS_LOW, RoughEstimator
 
 
 def picture(size: int = 100_000, detail: str | None = None) -> dict[str, Any]:
@@ -33,8 +38,6 @@ def picture(size: int = 100_000, detail: str | None = None) -> dict[str, Any]:
 
 
 def test_an_inline_image_counts_as_an_image_not_as_its_base64() -> None:
-    from transcript_store.tokens import IMAGE_TOKENS, IMAGE_TOKENS_LOW
-
     est = RoughEstimator()
     text = {"type": "text", "text": "what is in this picture?"}
     alone = est.count_messages([{"role": "user", "content": [text]}])
@@ -77,3 +80,46 @@ def test_a_turn_carrying_a_screenshot_runs_at_the_default_budget(store: Transcri
     sent = model.requests[-1]
     assert any(isinstance(m.get("content"), list) for m in sent), "the image message left the context"
     host.dispose()
+
+
+def test_a_long_history_compacts_with_the_openai_summarizer_in_requests_a_model_takes(store: TranscriptStore) -> None:
+    """The OpenAI summarizer sent every message to summarize in one request: a history that grew while
+    compactions failed (the summarizer down for a day), or a host budget larger than the summarizer
+    model's window, made a request over that window, refused (``context_length_exceeded``) at every
+    compaction from then on: the session never compacted again. It folds the messages in, a request
+    at a time, each within ``max_input_tokens``, the summary so far carried into the next."""
+    sid = store.create_session(SCOPE, session_id="long").session_id
+    words = "the deploy of service {i} failed because the disk was full; we decided to move logs. " * 35
+    store.append_many(SCOPE, sid, [{"message": {"role": "user" if i % 2 == 0 else "assistant",
+                                                "content": words.format(i=i)}} for i in range(300)])
+    est = RoughEstimator()
+    with FakeOpenAI() as fake:
+        summarizer = OpenAISummarizer(fake.base_url, "sum-model", timeout=30)
+        result = compaction.compact_session(store, SCOPE, sid, summarizer=summarizer, estimator=est, force=True)
+        assert result.ok and result.compacted, result.reason
+        sent = fake.chat_requests
+    assert len(sent) > 1
+    sizes = [est.count_messages(body["messages"]) for body in sent]
+    assert max(sizes) <= MAX_INPUT_TOKENS <= 100_000, sizes
+    # Each request after the first carries the summary the one before answered; every message went in.
+    for body in sent[1:]:
+        assert "Earlier summary:" in body["messages"][-1]["content"]
+    text = "\n".join(body["messages"][-1]["content"] for body in sent)
+    assert all(f"service {i} failed" in text for i in range(300 - compaction.KEEP_LAST))
+
+
+def test_the_openai_summarizer_never_parts_a_tool_result_from_its_call() -> None:
+    messages: list[dict[str, Any]] = []
+    for i in range(60):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": f"probe_{i}", "arguments": "{}"}}
+        messages += [{"role": "user", "content": f"check host {i} " + "detail " * 300},
+                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": "ok " * 600}]
+    with FakeOpenAI() as fake:
+        summarizer = OpenAISummarizer(fake.base_url, "sum-model", timeout=30, max_input_tokens=4096)
+        assert summarizer.summarize(messages, max_tokens=256)
+        sent = [body["messages"][-1]["content"] for body in fake.chat_requests]
+    assert len(sent) > 2 and all("[tool result: tool]" not in text for text in sent)
+    for bad in (0, 100, True, "64000", 4096.0):
+        with pytest.raises(InvalidInput, match="max_input_tokens"):
+            OpenAISummarizer("http://127.0.0.1:9", "m", max_input_tokens=bad)  # type: ignore[arg-type]

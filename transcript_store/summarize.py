@@ -18,7 +18,7 @@ from .db import UNSENDABLE
 from .engine import MAX_TOKENS
 from .errors import InvalidInput, ModelError, SummarizerError
 from .model import DEFAULT_OPENAI_MODEL, OpenAIChatModel, message_text
-from .models import functions_called
+from .models import RESULT_ROLES, functions_called
 from .tokens import RoughEstimator, TokenEstimator
 
 Level = Literal["normal", "aggressive"]
@@ -340,28 +340,46 @@ _LEVEL_HINT = {
 def render_transcript(messages: Sequence[dict[str, Any]], *, max_chars_per_message: int = 4000) -> str:
     """The messages as plain text for a summarization prompt (tool calls and results included, long ones cut)."""
     names = _tool_names(messages)
-    out = []
-    for m in messages:
-        role = str(m.get("role", "?"))
-        text = message_text(m)
-        if role in ("tool", "function"):
-            tool = names.get(str(m.get("tool_call_id")), str(m.get("name") or "tool"))
-            out.append(f"[{role} result: {tool}]\n{_cut(text, max_chars_per_message // 2)}")
-            continue
-        block = f"[{role}]\n{text[:max_chars_per_message]}" if text else f"[{role}]"
-        for name, arguments in functions_called(m):
-            block += f"\n(calls {name} with {_cut(arguments, 500)})"
-        out.append(block)
-    return "\n\n".join(out)
+    return "\n\n".join(_rendered(m, names, max_chars_per_message) for m in messages)
+
+
+def _rendered(m: dict[str, Any], names: dict[str, str], max_chars: int) -> str:
+    """One message as ``render_transcript`` shows it (``names``: tool_call id -> function name)."""
+    role = str(m.get("role", "?"))
+    text = message_text(m)
+    if role in ("tool", "function"):
+        tool = names.get(str(m.get("tool_call_id")), str(m.get("name") or "tool"))
+        return f"[{role} result: {tool}]\n{_cut(text, max_chars // 2)}"
+    block = f"[{role}]\n{text[:max_chars]}" if text else f"[{role}]"
+    for name, arguments in functions_called(m):
+        block += f"\n(calls {name} with {_cut(arguments, 500)})"
+    return block
+
+
+#: the most one summarization request holds (tokens, counted with ``RoughEstimator``, which counts high): well
+#: inside the window of the models a summarizer runs on (128k for the default one)
+MAX_INPUT_TOKENS = 64_000
 
 
 class OpenAISummarizer:
     """Summaries written by a model behind an OpenAI-compatible ``/chat/completions`` endpoint."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0) -> None:
-        """Summarize with ``model`` at ``base_url``; ``timeout`` seconds per request."""
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_input_tokens: int = MAX_INPUT_TOKENS,
+    ) -> None:
+        """Summarize with ``model`` at ``base_url``; ``timeout`` seconds per request, each request at most
+        ``max_input_tokens`` (a longer history is folded in over several)."""
+        if isinstance(max_input_tokens, bool) or not isinstance(max_input_tokens, int) or max_input_tokens < 4096:
+            raise InvalidInput(f"max_input_tokens must be an integer of at least 4096, got {max_input_tokens!r}")
         self._model = OpenAIChatModel(base_url, model, api_key, timeout)
         self.name = model
+        self.max_input_tokens = max_input_tokens
+        self._estimator = RoughEstimator()
 
     def __repr__(self) -> str:
         """Shows the endpoint and model, never the key."""
@@ -376,8 +394,58 @@ class OpenAISummarizer:
         level: Level = "normal",
         max_tokens: int = 1024,
     ) -> str:
-        """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer."""
+        """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer.
+
+        Messages that do not fit one request of ``max_input_tokens`` are folded in over several, in order,
+        each request carrying the summary the one before answered: sent whole, a long history (one that
+        grew while compactions failed) was refused by the model as over its window at every compaction."""
         _check_args(messages, previous_summary, focus, level, max_tokens)
+        summary = previous_summary
+        for chunk in self._chunks(messages, previous_summary, focus, level, max_tokens):
+            summary = self._summarize_once(chunk, summary, focus, level, max_tokens)
+        assert summary is not None  # one request at least, which answered a summary or raised
+        return summary
+
+    def _chunks(
+        self,
+        messages: Sequence[dict[str, Any]],
+        previous_summary: str | None,
+        focus: str | None,
+        level: Level,
+        max_tokens: int,
+    ) -> list[list[dict[str, Any]]]:
+        """``messages`` in consecutive runs whose request fits ``max_input_tokens`` (one run at least; a
+        message is never split, nor a call from its results, and one too long alone still goes, cut as
+        ``render_transcript`` cuts it)."""
+        count = self._estimator.count_text
+        # What every request holds besides the messages: the prompt's frame, and the summary carried in
+        # (the previous one, then an answer of at most ``max_tokens``).
+        frame = self._estimator.count_messages(
+            self.prompt([], previous_summary=previous_summary, focus=focus, level=level, max_tokens=max_tokens)
+        )
+        room = self.max_input_tokens - frame - max_tokens
+        names = _tool_names(messages)
+        chunks: list[list[dict[str, Any]]] = [[]]
+        used = 0
+        for m in messages:
+            cost = count(_rendered(m, names, 4000)) + 1
+            # (Never between a call and its results: a result would lose the name of the tool it came from.)
+            if chunks[-1] and used + cost > room and m.get("role") not in RESULT_ROLES:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(m)
+            used += cost
+        return chunks
+
+    def _summarize_once(
+        self,
+        messages: Sequence[dict[str, Any]],
+        previous_summary: str | None,
+        focus: str | None,
+        level: Level,
+        max_tokens: int,
+    ) -> str:
+        """One request: ``previous_summary`` + ``messages`` summarized by the model."""
         request = self.prompt(messages, previous_summary=previous_summary, focus=focus, level=level,
                               max_tokens=max_tokens)
         try:
