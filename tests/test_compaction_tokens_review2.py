@@ -123,3 +123,41 @@ def test_the_openai_summarizer_never_parts_a_tool_result_from_its_call() -> None
     for bad in (0, 100, True, "64000", 4096.0):
         with pytest.raises(InvalidInput, match="max_input_tokens"):
             OpenAISummarizer("http://127.0.0.1:9", "m", max_input_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_a_compaction_the_transcript_moved_under_keeps_the_one_in_force(store: TranscriptStore) -> None:
+    """A compaction whose first kept message left the active path while it was summarized (another client
+    moved the head back: an edit, a branch, during the model's tens of seconds) wrote its pointer all the
+    same and answered "compacted": that pointer stood nowhere, and the compaction in force before it was
+    gone with it, so the context grew back by all it had summarized. It writes nothing and says so."""
+    sid = store.create_session(SCOPE, session_id="moved").session_id
+
+    def message(i: int) -> dict[str, Any]:
+        return {"message": {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " + "words " * 40}}
+
+    store.append_many(SCOPE, sid, [message(i) for i in range(20)])
+    est = RoughEstimator()
+    first = compaction.compact_session(store, SCOPE, sid, summarizer=ExtractiveSummarizer(), estimator=est, force=True)
+    assert first.compacted
+    in_force = compaction.load_pointer(store, SCOPE, sid)
+    assert in_force is not None
+    store.append_many(SCOPE, sid, [message(i) for i in range(20, 40)])
+    visible = store.read_visible(SCOPE, sid)
+
+    class Racing:
+        """Summarizes; meanwhile another client moves the head back before the compaction's first kept one."""
+
+        def summarize(self, messages: Any, **kw: Any) -> str:
+            store.branch(SCOPE, sid, visible[25].entry_id)
+            return ExtractiveSummarizer().summarize(messages, **kw)
+
+    entries = store.get_session(SCOPE, sid).entry_count
+    raced = compaction.compact_session(store, SCOPE, sid, summarizer=Racing(), estimator=est, force=True)
+    assert raced.ok and not raced.compacted and "moved" in (raced.reason or "")
+    assert compaction.load_pointer(store, SCOPE, sid) == in_force  # the compaction in force stands
+    assert store.get_session(SCOPE, sid).entry_count == entries  # no compaction entry written
+    # Compacted again on the branch as it is now, it lands.
+    again = compaction.compact_session(store, SCOPE, sid, summarizer=ExtractiveSummarizer(), estimator=est, force=True)
+    assert again.compacted
+    now = compaction.load_pointer(store, SCOPE, sid)
+    assert now is not None and now["first_kept_position"] == 26 - compaction.KEEP_LAST

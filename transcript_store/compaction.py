@@ -726,6 +726,14 @@ def compact_session(
             return "another compaction of the session was written first; its summary stands"
         if current != state:
             return None
+        if sess is not None and not _at_on_path(
+            c.entries_with_path(scope, session_id, [kept.entry_id]).get(kept.entry_id),
+            -1 if kept.position is None else kept.position,  # (a visible message always has one)
+        ):
+            # The first kept message left the active path while it was summarized (another client moved
+            # the head back: an edit, a branch). Written, the pointer stood nowhere, and the one in force
+            # (still standing) was gone with it: the context grew back by all that one had summarized.
+            return "the transcript moved while it was summarized (a branch or an edit); nothing was written"
         c.append(scope, session_id, [marker])
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
         landed[:] = [True]
