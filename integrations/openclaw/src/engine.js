@@ -110,6 +110,25 @@ function budgetWithout(stored, media, estimated, budget) {
   return Math.min(Math.ceil(asked), estimated - 1); // at least one message fewer than now
 }
 
+// Whether OpenClaw keeps a host message out of the model's context: `excludeFromContext` on a message
+// entry (a context-free command and the gateway's reply to it, a hidden talk-consult prompt). OpenClaw's
+// own context (buildSessionContext) skips it, yet its visible messages and a turn's closed range, which
+// the mirror stores, hold it.
+function excludedFromContext(message) {
+  return Boolean(message && typeof message === "object" && message.excludeFromContext === true);
+}
+
+// The service's estimate of the assembled messages whose `kept` is true: its estimate less the share of
+// the others, by their rough size (the overhead of 3 stays).
+function estimateOf(stored, kept, estimated) {
+  if (kept.every(Boolean)) return estimated;
+  const rough = stored.map(roughMessageTokens);
+  const total = rough.reduce((sum, tokens) => sum + tokens, 0);
+  const left = rough.reduce((sum, tokens, i) => (kept[i] ? sum : sum + tokens), 0);
+  if (total <= 0) return estimated;
+  return Math.max(3, Math.round(estimated - (Math.max(estimated - 3, 0) * left) / total));
+}
+
 // The service engine's host_requirements as OpenClaw's info.hostRequirements (undefined when it declares
 // none): OpenClaw checks them before an operation starts and does not run the engine on a host lacking
 // them (a generic CLI backend never calls assemble), which shields an engine such a host would leave in
@@ -842,15 +861,20 @@ export async function createEngine(options) {
         // the compaction replaced); the ones after it keep theirs, byte for byte.
         // What the service engine wrote itself (its summaries) is dated when it was written.
         const writtenAt = answer.compacted_at_ms ?? undefined;
-        messages = withoutStaleThinking(answer.messages.map((stored) => fromStored(stored, { writtenAt })),
-          answer.compacted_at_ms);
+        const all = answer.messages.map((stored) => fromStored(stored, { writtenAt }));
+        // A message OpenClaw keeps out of the model's context (excludeFromContext) is mirrored where the
+        // host has it, never assembled, and its share of the service's estimate is left out.
+        const kept = all.map((message) => !excludedFromContext(message));
+        const stored = answer.messages.filter((_, i) => kept[i]);
+        const shown = estimateOf(answer.messages, kept, answer.estimated_tokens);
+        messages = withoutStaleThinking(all.filter((_, i) => kept[i]), answer.compacted_at_ms);
         const media = messages.map(mediaTokens);
         // A retry's running turn (OpenClaw's own history holds it; the fence ends before it) follows.
         turn = runningTurnOf(params.messages, messages);
         const turnTokens = turn.reduce((sum, message) => sum + roughMessageTokens(toStored(message)) + mediaTokens(message), 0);
-        estimated = answer.estimated_tokens + media.reduce((sum, tokens) => sum + tokens, 0) + turnTokens;
+        estimated = shown + media.reduce((sum, tokens) => sum + tokens, 0) + turnTokens;
         if (budget === null || estimated <= budget || round + 1 >= ASSEMBLE_ROUNDS) break;
-        const next = budgetWithout(answer.messages, media, answer.estimated_tokens, budget - turnTokens);
+        const next = budgetWithout(stored, media, shown, budget - turnTokens);
         if (next === null || next < 1 || next >= asked) break;
         asked = next;
       }
