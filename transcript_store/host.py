@@ -437,6 +437,10 @@ class HostRuntime:
     _failed_in_background: deque[tuple[str, BaseException]] = field(init=False, default_factory=deque)
     #: the built-in compaction's ``keep_last`` (``delegate_compaction_to_runtime``)
     keep_last: int = field(init=False)
+    #: ``dispose`` ran: no engine is made any more (a request outliving a service's close would make
+    #: one nobody disposes of). Set, and the engine table changed, under ``_engines_lock``.
+    _disposed: bool = field(init=False, default=False)
+    _engines_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
@@ -469,16 +473,37 @@ class HostRuntime:
         if engine_id in self.quarantined:
             op, reason = self.quarantined[engine_id]
             raise EngineError(f"context engine {engine_id!r} is quarantined ({op}: {reason})")
-        if engine_id not in self._engines:
-            assert self.registry is not None
-            try:
-                self._engines[engine_id] = self.registry.create(engine_id, self._context(engine_id))
-            except Exception as e:
-                if engine_id == LEGACY:
-                    raise
-                self.quarantine(engine_id, "factory", e)
-                raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
-        return self._engines[engine_id]
+        live = self._engines.get(engine_id)
+        if live is not None:
+            return live
+        self._check_not_disposed(engine_id)
+        assert self.registry is not None
+        try:
+            made = self.registry.create(engine_id, self._context(engine_id))
+        except Exception as e:
+            if engine_id == LEGACY:
+                raise
+            self.quarantine(engine_id, "factory", e)
+            raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
+        return self._keep(engine_id, made)
+
+    def _check_not_disposed(self, engine_id: str) -> None:
+        if self._disposed:
+            raise EngineError(f"the host runtime is disposed: context engine {engine_id!r} is not made")
+
+    def _keep(self, engine_id: str, made: tuple[Any, EngineInfo]) -> tuple[Any, EngineInfo]:
+        """Keep an engine just made, unless the runtime was disposed of meanwhile (its factory outlived a
+        service's close) or another thread made one first: then this one is disposed of at once."""
+        with self._engines_lock:
+            disposed = self._disposed
+            kept = self._engines.get(engine_id)
+            if kept is None and not disposed:
+                self._engines[engine_id] = kept = made
+        if kept is not made:
+            _dispose_engine(engine_id, made[0])
+        if kept is None:
+            raise EngineError(f"the host runtime is disposed: context engine {engine_id!r} is not kept")
+        return kept
 
     def _context(self, engine_id: str) -> EngineContext:
         """What this runtime makes engine ``engine_id`` with: its config table, the store, summarizer, estimator."""
@@ -504,9 +529,10 @@ class HostRuntime:
             return EngineStatus(spec, None, False, f"quarantined ({op}: {reason})")
         if spec is not None and engine_id in self._engines:
             return EngineStatus(spec, self._engines[engine_id][1], True, None)
+        self._check_not_disposed(engine_id)
         status, engine = self.registry.load(engine_id, self._context(engine_id))  # UnknownEngine: not registered
         if status.valid and status.info is not None:
-            self._engines[engine_id] = (engine, status.info)
+            self._keep(engine_id, (engine, status.info))
         return status
 
     def quarantine(self, engine_id: str, operation: str, error: BaseException, *, in_transaction: bool = False) -> None:
@@ -525,9 +551,10 @@ class HostRuntime:
         log.error("context engine %r quarantined after %s failed: %s", engine_id, operation, reason,
                   extra={QUARANTINE_RECORD: (engine_id, operation)})  # (for a filter: the gateway's workers)
         self.quarantined[engine_id] = (operation, reason)
-        live = self._engines.pop(engine_id, None)
-        if live is not None:
-            self._retired.append((engine_id, live[0]))
+        with self._engines_lock:  # out of use, disposed of by ``dispose`` (never lost between the two lists)
+            live = self._engines.pop(engine_id, None)
+            if live is not None:
+                self._retired.append((engine_id, live[0]))
         with self._unrecorded_lock:
             self._unrecorded.append((engine_id, operation, reason))
         if not in_transaction:
@@ -1903,18 +1930,26 @@ class HostRuntime:
                 "those engines; other processes will not see the records)",
                 ", ".join(e for e, _o, _r in self._unrecorded),
             )
-        live = [(engine_id, engine) for engine_id, (engine, _info) in self._engines.items()]
-        for engine_id, engine in [*self._retired, *live]:
-            dispose = getattr(engine, "dispose", None)
+        with self._engines_lock:  # from here no engine is made or kept (a request still running)
+            self._disposed = True
+            live = [(engine_id, engine) for engine_id, (engine, _info) in self._engines.items()]
+            made = [*self._retired, *live]
+            self._engines.clear()
+            self._retired.clear()
+        for engine_id, engine in made:
             if engine_id == running:
                 # Its maintenance pass outlived close's wait: disposing the engine under it would pull
                 # its state (and perhaps its store) from a pass that still writes. Left to end on its own.
                 log.warning("a maintenance pass of %s is still running: the engine is not disposed", engine_id)
                 continue
-            if dispose is not None:
-                try:
-                    dispose()
-                except Exception as e:
-                    log.warning("dispose of %s failed: %s", engine_id, e)
-        self._engines.clear()
-        self._retired.clear()
+            _dispose_engine(engine_id, engine)
+
+
+def _dispose_engine(engine_id: str, engine: Any) -> None:
+    """An engine's ``dispose``, when it has one; its failure is logged, never raised."""
+    dispose = getattr(engine, "dispose", None)
+    if dispose is not None:
+        try:
+            dispose()
+        except Exception as e:
+            log.warning("dispose of %s failed: %s", engine_id, e)
