@@ -4,16 +4,23 @@ requests still running), and engines left undisposed by a maintenance pass outli
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
-from hosting import CountingEngine
+from conftest import wait_until
+from hosting import CountingEngine, RecordingModel
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
 from transcript_store.errors import EngineError
+from transcript_store.host import HostRuntime
+from transcript_store.maintenance import BackgroundMaintenance
+from transcript_store.registry import EngineRegistry
 from transcript_store.service import Service
 from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
 
 SCOPE = "tenant-1"
 
@@ -87,3 +94,46 @@ def test_engine_asked_for_after_the_service_closed_is_not_made(store: Transcript
         service.engine("disposable")
     assert DisposableEngine.made == []
     assert "disposable" not in service.runtime.quarantined
+
+
+class SlowUpkeep(DisposableEngine):
+    """Background maintenance that runs until released; records whether it was disposed under it."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx, turn_maintenance_mode="background")
+        self.started, self.release = threading.Event(), threading.Event()
+        self.disposed_while_running = False
+        self.pass_over = threading.Event()
+
+    def maintain(self, **_kw: Any) -> None:
+        self.started.set()
+        assert self.release.wait(timeout=20)
+        self.disposed_while_running = self.disposed > 0
+        self.pass_over.set()
+
+
+def test_engine_whose_maintenance_pass_outlives_dispose_is_disposed_when_it_ends(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dispose() leaves an engine whose background pass still runs (not disposed under it): it was then
+    never disposed of at all, its resources held for the rest of the process. It is, once the pass ends."""
+    monkeypatch.setattr(BackgroundMaintenance.close, "__defaults__", (0.3,))  # close's wait, shortened
+    registry = EngineRegistry()
+    registry.register_factory("disposable", SlowUpkeep)
+    host = HostRuntime(store, load_settings(config_path=None, engine="disposable"), RecordingModel(),
+                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    sid = store.create_session(SCOPE).session_id
+    assert host.run_turn(SCOPE, sid, "hi", turn_id="t1").engine_id == "disposable"
+    engine = host.engine("disposable")[0]
+    assert isinstance(engine, SlowUpkeep)
+    try:
+        assert engine.started.wait(10)
+        host.dispose()
+        assert engine.disposed == 0  # not under the running pass
+    finally:
+        engine.release.set()
+    assert engine.pass_over.wait(10)
+    wait_until(lambda: engine.disposed == 1, "the engine disposed of once its pass ended", timeout=10)
+    assert not engine.disposed_while_running
+    time.sleep(0.1)
+    assert engine.disposed == 1 and len(SlowUpkeep.made) == 1

@@ -441,6 +441,10 @@ class HostRuntime:
     #: one nobody disposes of). Set, and the engine table changed, under ``_engines_lock``.
     _disposed: bool = field(init=False, default=False)
     _engines_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    #: the engine instance a background ``maintain`` pass runs on now, and the one ``dispose`` left to be
+    #: disposed of when that pass ends (not under it); both under ``_engines_lock``
+    _passing: Any = field(init=False, default=None)
+    _dispose_after_pass: tuple[str, Any] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
@@ -1894,11 +1898,13 @@ class HostRuntime:
         commit would find the engine gone, and its accepted turn would wait in the outbox).
         """
         engine_id, scope, session_id = key
-        live = self._engines.get(engine_id)
         # list() copies the deque in one step: the caller's thread may be taking from it meanwhile
         failed = [f[0] for f in list(self._failed_in_background)]
-        if live is None or engine_id in self.quarantined or engine_id in failed:
-            return
+        with self._engines_lock:  # the instance looked up and marked in use at once: ``dispose`` sees it
+            live = self._engines.get(engine_id)
+            if live is None or engine_id in self.quarantined or engine_id in failed:
+                return
+            self._passing = live[0]
         params = dict(params)
         ctx = params.get("runtime_context")
         if isinstance(ctx, RuntimeContext):  # the turn that asked is over: no fence, no turn id
@@ -1910,6 +1916,13 @@ class HostRuntime:
                         describe(e))
             if not self._database_failed(e):
                 self._failed_in_background.append((engine_id, e))
+        finally:
+            with self._engines_lock:
+                self._passing = None
+                left, self._dispose_after_pass = self._dispose_after_pass, None
+            if left is not None:  # ``dispose`` ran while this pass did: its engine is released now
+                log.info("the maintenance pass of %s ended: its engine is disposed of", left[0])
+                _dispose_engine(*left)
 
     def _settle_background_failures(self) -> None:
         """Quarantine the engines whose deferred maintenance failed (the caller's thread, between turns)."""
@@ -1920,8 +1933,9 @@ class HostRuntime:
 
     def dispose(self) -> None:
         """Let deferred maintenance finish (bounded), write pending quarantine records, stop renewing
-        leases and dispose of every engine it made (those quarantined since too: their resources are released)."""
-        running = self.maintenance.close()
+        leases and dispose of every engine it made (those quarantined since too: their resources are released;
+        one a maintenance pass still runs on as that pass ends); no engine is made after it (EngineError)."""
+        self.maintenance.close()
         self._leases.close()
         self._settle_background_failures()
         if not self.flush_quarantines():
@@ -1936,11 +1950,14 @@ class HostRuntime:
             made = [*self._retired, *live]
             self._engines.clear()
             self._retired.clear()
+            # A maintenance pass that outlived close's wait: disposing its engine under it would pull its
+            # state (and perhaps its store) from a pass that still writes. The pass disposes of it as it ends.
+            running = [(engine_id, engine) for engine_id, engine in made if engine is self._passing]
+            self._dispose_after_pass = running[0] if running else None
         for engine_id, engine in made:
-            if engine_id == running:
-                # Its maintenance pass outlived close's wait: disposing the engine under it would pull
-                # its state (and perhaps its store) from a pass that still writes. Left to end on its own.
-                log.warning("a maintenance pass of %s is still running: the engine is not disposed", engine_id)
+            if (engine_id, engine) in running:
+                log.warning("a maintenance pass of %s is still running: the engine is disposed of when it ends",
+                            engine_id)
                 continue
             _dispose_engine(engine_id, engine)
 
