@@ -137,3 +137,28 @@ def test_engine_whose_maintenance_pass_outlives_dispose_is_disposed_when_it_ends
     assert not engine.disposed_while_running
     time.sleep(0.1)
     assert engine.disposed == 1 and len(SlowUpkeep.made) == 1
+
+
+class ExitingDispose(CountingEngine):
+    """A plugin whose dispose ends with SystemExit (a ``sys.exit`` in its cleanup)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx, engine_id="exiting")
+
+    def dispose(self) -> None:
+        raise SystemExit("cleanup exited")
+
+
+def test_a_plugin_dispose_raising_system_exit_does_not_stop_the_close(store: TranscriptStore) -> None:
+    """A plugin's ``dispose`` that raised SystemExit escaped ``HostRuntime.dispose`` (only Exception was
+    caught): the engines after it were never disposed of, and ``Service.close`` never closed the store.
+    As in the registry's own checks, a plugin's SystemExit is its failure, logged, not the host's exit."""
+    service = make_service(store, DisposableEngine)
+    registry = service.runtime.registry
+    assert registry is not None
+    registry.register_factory("exiting", ExitingDispose)
+    service.engine("exiting")
+    service.engine("disposable")
+    service.close(wait_seconds=0)  # raised SystemExit
+    assert [e.disposed for e in DisposableEngine.made] == [1]
+    assert store.closed

@@ -92,7 +92,7 @@ from .models import (
     validate_message,
 )
 from .outbox import TurnIntent
-from .registry import EngineRegistry, EngineStatus
+from .registry import EngineRegistry, EngineStatus, dispose_engine
 from .settings import HostSettings
 from .store import AppendItem, TranscriptStore
 from .terminal import quoted
@@ -1963,10 +1963,6 @@ class HostRuntime:
 
 
 def _dispose_engine(engine_id: str, engine: Any) -> None:
-    """An engine's ``dispose``, when it has one; its failure is logged, never raised."""
-    dispose = getattr(engine, "dispose", None)
-    if dispose is not None:
-        try:
-            dispose()
-        except Exception as e:
-            log.warning("dispose of %s failed: %s", engine_id, e)
+    """An engine's ``dispose``, when it has one; its failure is logged, never raised (a SystemExit of the
+    plugin's too: it stopped the dispose of the engines after it, and a service's close of its store)."""
+    dispose_engine(engine, engine_id)

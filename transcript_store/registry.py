@@ -440,7 +440,7 @@ class EngineRegistry:
                 f"engine {engine_id!r}: its validation", lambda: validate_engine(engine, expected_id=engine_id)
             )
         except BaseException as e:
-            _dispose(engine, engine_id)
+            dispose_engine(engine, engine_id)
             if isinstance(e, Exception | KeyboardInterrupt):
                 raise
             raise EngineContractError(f"engine {engine_id!r}: its validation raised {_why(e)}") from e
@@ -462,7 +462,7 @@ class EngineRegistry:
         """Load and validate one engine, disposing of it again; UnknownEngine for an id not registered."""
         status, engine = self.load(engine_id, ctx)
         if status.valid:
-            _dispose(engine, engine_id)
+            dispose_engine(engine, engine_id)
         return status
 
     def load(self, engine_id: str, ctx: EngineContext) -> tuple[EngineStatus, Any]:
@@ -481,8 +481,9 @@ def _has_manifest(folder: Path) -> bool:
     return (folder / "plugin.yaml").is_file()
 
 
-def _dispose(engine: Any, engine_id: str) -> None:
-    """Dispose of an engine made only to be checked (or found invalid); a failure is logged, never raised."""
+def dispose_engine(engine: Any, engine_id: str) -> None:
+    """Dispose of an engine (made only to be checked, found invalid, or done with); a failure is logged,
+    never raised, a SystemExit or the plugin's own KeyboardInterrupt too (an operator's Ctrl-C goes on)."""
 
     def call() -> None:
         dispose = getattr(engine, "dispose", None)

@@ -849,8 +849,10 @@ class Service:
             left = self.inflight.wait_idle(wait_seconds)
             if left:
                 log.warning("closing the store with %d request(s) still running after %g s", left, wait_seconds)
-        self.runtime.dispose()
-        self.store.close()
+        try:
+            self.runtime.dispose()
+        finally:  # an operator's Ctrl-C during a plugin's dispose: the store is released all the same
+            self.store.close()
 
 
 #: the longest ``Idempotency-Key`` taken, in characters (printable ASCII: one byte each)
