@@ -13,9 +13,10 @@ from hosting import CountingEngine, RecordingModel
 
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
-from transcript_store.errors import EngineError
+from transcript_store.errors import EngineError, StorageFull, TransientStoreError
 from transcript_store.host import HostRuntime
 from transcript_store.maintenance import BackgroundMaintenance
+from transcript_store.quarantine import records
 from transcript_store.registry import EngineRegistry
 from transcript_store.service import Service
 from transcript_store.settings import load_settings
@@ -162,3 +163,35 @@ def test_a_plugin_dispose_raising_system_exit_does_not_stop_the_close(store: Tra
     service.close(wait_seconds=0)  # raised SystemExit
     assert [e.disposed for e in DisposableEngine.made] == [1]
     assert store.closed
+
+
+@pytest.mark.parametrize("failure", [
+    TransientStoreError("transient database error: the server closed the connection"),
+    StorageFull("database storage is full: database or disk is full"),
+])
+def test_a_factory_failing_with_the_database_leaves_the_engine_selectable(
+    store: TranscriptStore, failure: Exception
+) -> None:
+    """A factory that reads the store (a plugin warming its state) and fails because the database did
+    quarantined its engine for the rest of the process, as the factory's own bug would: only that
+    turn runs on legacy, as for any engine call the database failed; the next turn makes it again."""
+    failures = [failure]
+
+    def warming(ctx: EngineContext) -> DisposableEngine:
+        if failures:
+            raise failures.pop()  # what its ctx.store.read(...) raised, the store's retries run out
+        return DisposableEngine(ctx)
+
+    registry = EngineRegistry()
+    registry.register_factory("disposable", warming)
+    host = HostRuntime(store, load_settings(config_path=None, engine="disposable"), RecordingModel(),
+                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    try:
+        sid = store.create_session(SCOPE).session_id
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.engine_id == "legacy" and str(failure) in (out.degraded_reason or "")
+        assert "disposable" not in host.quarantined and store.read(lambda c: records(c)) == []
+        out = host.run_turn(SCOPE, sid, "again", turn_id="t2")
+        assert (out.engine_id, out.degraded_reason, out.commit_status) == ("disposable", None, "committed")
+    finally:
+        host.dispose()

@@ -487,7 +487,10 @@ class HostRuntime:
         except Exception as e:
             if engine_id == LEGACY:
                 raise
-            self.quarantine(engine_id, "factory", e)
+            # A factory reading the store that failed because the database did is not the engine's
+            # failure (as for any of its calls): that turn runs on legacy, the next one makes it again.
+            if not self._database_failed(e):
+                self.quarantine(engine_id, "factory", e)
             raise EngineError(f"context engine {engine_id!r} failed to load: {e}") from e
         return self._keep(engine_id, made)
 
