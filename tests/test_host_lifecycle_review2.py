@@ -195,3 +195,60 @@ def test_a_factory_failing_with_the_database_leaves_the_engine_selectable(
         assert (out.engine_id, out.degraded_reason, out.commit_status) == ("disposable", None, "committed")
     finally:
         host.dispose()
+
+
+class ExitingAssemble(CountingEngine):
+    """A plugin whose assemble ends with SystemExit (a ``sys.exit`` deep in its code)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx, engine_id="exiting")
+
+    def assemble(self, **kw: Any) -> Any:
+        raise SystemExit(3)
+
+
+def test_a_lifecycle_method_raising_system_exit_is_the_engines_failure(store: TranscriptStore) -> None:
+    """An engine's ``assemble`` that raised SystemExit went through the engine guard (Exception only):
+    the turn failed with it and the host process (a chat, a gateway worker) exited, instead of the
+    engine being isolated and the turn answered by legacy, as for any exception of a lifecycle method."""
+    registry = EngineRegistry()
+    registry.register_factory("exiting", ExitingAssemble)
+    host = HostRuntime(store, load_settings(config_path=None, engine="exiting"), RecordingModel(),
+                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    try:
+        sid = store.create_session(SCOPE).session_id
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert (out.engine_id, out.commit_status) == ("legacy", "committed")
+        assert "SystemExit" in (out.degraded_reason or "")
+        assert host.quarantined["exiting"][0] == "assemble"
+        assert [r.engine_id for r in store.read(lambda c: records(c))] == ["exiting"]
+    finally:
+        host.dispose()
+
+
+class ExitingCommit(CountingEngine):
+    """A plugin whose commit_turn ends with SystemExit."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx, engine_id="exiting")
+
+    def commit_turn(self, **kw: Any) -> Any:
+        raise SystemExit("commit exited")
+
+
+def test_a_commit_turn_raising_system_exit_queues_the_turn(store: TranscriptStore) -> None:
+    """The same inside the commit's transaction: the accepted turn waits in the outbox for its engine,
+    which is isolated, as after any failed commit, instead of the host process exiting."""
+    registry = EngineRegistry()
+    registry.register_factory("exiting", ExitingCommit)
+    host = HostRuntime(store, load_settings(config_path=None, engine="exiting"), RecordingModel(),
+                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    try:
+        sid = store.create_session(SCOPE).session_id
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert (out.engine_id, out.commit_status) == ("exiting", "queued")
+        assert host.quarantined["exiting"][0] == "commit_turn"
+        assert [r.engine_id for r in store.read(lambda c: records(c))] == ["exiting"]
+        assert [e.message["content"] for e in store.read_visible(SCOPE, sid)][-2] == "hello"
+    finally:
+        host.dispose()

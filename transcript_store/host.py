@@ -607,6 +607,12 @@ class HostRuntime:
             return fn()
         except (ReadFenceError, HostRequirementError):
             raise
+        except SystemExit as e:
+            # A plugin's sys.exit() is its failure (as the registry takes it from a factory), not the
+            # host's exit: it ended a chat or a gateway worker mid-turn instead of the turn going to legacy.
+            error = _exited(engine_id, operation, e)
+            self.quarantine(engine_id, operation, error)
+            raise error from e
         except Exception as e:
             if not self._database_failed(e):
                 self.quarantine(engine_id, operation, e)
@@ -652,6 +658,10 @@ class HostRuntime:
                     is_heartbeat=p.is_heartbeat,
                 )
                 return result
+            except SystemExit as e:  # the plugin's failure (``_call``): the turn is queued, the engine isolated
+                error = _exited(engine_id, "commit_turn", e)
+                self.quarantine(engine_id, "commit_turn", error, in_transaction=True)
+                raise error from e
             except Exception as e:
                 if not self._database_failed(e):
                     self.quarantine(engine_id, "commit_turn", e, in_transaction=True)
@@ -1963,6 +1973,11 @@ class HostRuntime:
                             engine_id)
                 continue
             _dispose_engine(engine_id, engine)
+
+
+def _exited(engine_id: str, operation: str, error: SystemExit) -> EngineContractError:
+    """An engine's SystemExit as its failure."""
+    return EngineContractError(f"context engine {engine_id!r}: {operation} raised SystemExit({error.code!r})")
 
 
 def _dispose_engine(engine_id: str, engine: Any) -> None:
