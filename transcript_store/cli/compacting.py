@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from ..errors import EngineError
+from ..engine import check_focus
+from ..errors import EngineError, InvalidInput
 from .group import cli
 from .hosting import _runtime, engine_output_on_stderr
 from .options import CommandError, common, filled, state
@@ -21,10 +22,15 @@ def compact_json(result: Any) -> dict[str, Any]:
 
 def _check_focus(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """Refuse an empty (or blank) --focus: it was stored as the compaction's focus, an empty one, where no
-    --focus at all means none (`--focus "$FOCUS"` with FOCUS unset)."""
+    --focus at all means none (`--focus "$FOCUS"` with FOCUS unset); and one no summary can hold (bytes
+    that are not UTF-8, which arrive as lone surrogates), as the usage error (exit 2) a bad argument is,
+    before the store is opened: the compaction refused it as a failure (exit 1)."""
     if value is not None and not value.strip():
         raise click.BadParameter("the focus must not be empty (leave --focus out for none)")
-    return value
+    try:
+        return check_focus(value)
+    except InvalidInput as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @cli.command()
