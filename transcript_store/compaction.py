@@ -22,7 +22,7 @@ from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerErr
 from .ledger import get_state, put_state
 from .models import RESULT_ROLES, Anchor, Entry
 from .schema import engine_state
-from .summarize import summary_text
+from .summarize import SummaryBackoff, summary_text
 
 STATE_OWNER = "runtime"
 STATE_KEY = "compaction"
@@ -584,9 +584,12 @@ def compact_session(
     focus: str | None = None,
     force: bool = False,
     token_budget: int | None = None,
+    backoff: SummaryBackoff | None = None,
 ) -> CompactResult:
     """Summarize the older visible messages of a session (see module doc); InvalidInput for bad arguments,
-    before anything is read or written."""
+    before anything is read or written. With ``backoff``, an automatic compaction (not ``force``) of a
+    session whose summarizer failed lately is skipped (ok False, nothing called or written), and the
+    summarizer's outcome is recorded in it."""
     # Checked here, not only by the legacy engine's compact: an engine delegating to the runtime (and any
     # library caller) reaches this directly, and a force of "no" forced a compaction, a string budget or a
     # lone surrogate in the scope raised TypeError or UnicodeEncodeError.
@@ -638,21 +641,28 @@ def compact_session(
             ok=True, compacted=False, reason="nothing old enough to compact", tokens_before=tokens_before
         )
     older = [e.message for e in live[:cut] if e.message]
+    key = (scope, session_id)
+    paused = backoff.paused(key) if backoff is not None and not force else None
+    if paused is not None:
+        # The summarizer failed lately: tried at every turn over the threshold, a down summary model cost each
+        # its whole timeout. The raw messages stay, as after the failure itself.
+        return CompactResult(ok=False, compacted=False, reason=paused, tokens_before=tokens_before)
     try:
         summary = summary_text(summarizer.summarize(older, previous_summary=previous, focus=focus))
         if not summary:
             # An empty summary in place of the older messages would drop them from every context.
             raise SummarizerError("the summarizer returned an empty summary")
-    except SummarizerError as e:
-        # A failing summarizer never loses messages: nothing changes, the raw messages stay.
-        return CompactResult(ok=False, compacted=False, reason=f"summarizer failed: {e}", tokens_before=tokens_before)
-    except Exception as e:  # a pluggable summarizer's own bug: a failed compaction, never an untyped error
-        return CompactResult(
-            ok=False,
-            compacted=False,
-            reason=f"summarizer failed: {type(e).__name__}: {e}",
-            tokens_before=tokens_before,
+    except Exception as e:
+        # A failing summarizer never loses messages: nothing changes, the raw messages stay. A pluggable
+        # summarizer's own bug is a failed compaction too, never an untyped error.
+        failure = f"summarizer failed: {e}" if isinstance(e, SummarizerError) else (
+            f"summarizer failed: {type(e).__name__}: {e}"
         )
+        if backoff is not None:
+            backoff.failed(key, failure)
+        return CompactResult(ok=False, compacted=False, reason=failure, tokens_before=tokens_before)
+    if backoff is not None:
+        backoff.succeeded(key)
     kept = live[cut]
     after_msgs = [summary_message(summary)] + [e.message for e in live[cut:] if e.message]
     tokens_after = int(estimator.count_messages(after_msgs))

@@ -95,6 +95,7 @@ from .outbox import TurnIntent
 from .registry import EngineRegistry, EngineStatus, dispose_engine
 from .settings import HostSettings
 from .store import AppendItem, TranscriptStore
+from .summarize import SummaryBackoff
 from .terminal import quoted
 from .turns import CommitIn, Turns, new_owner
 
@@ -227,6 +228,7 @@ def delegate_compaction_to_runtime(
         focus=focus,
         force=force,
         token_budget=max(1, int(budget * h.settings.compaction_threshold)),
+        backoff=h.summary_backoff,
     )
 
 
@@ -445,6 +447,9 @@ class HostRuntime:
     #: disposed of when that pass ends (not under it); both under ``_engines_lock``
     _passing: Any = field(init=False, default=None)
     _dispose_after_pass: tuple[str, Any] | None = field(init=False, default=None)
+    #: the built-in compaction's pause after a summarizer failure, per (scope, session)
+    #: (``delegate_compaction_to_runtime``; an engine owning compaction keeps its own)
+    summary_backoff: SummaryBackoff = field(init=False, default_factory=SummaryBackoff)
 
     def __post_init__(self) -> None:
         # The built-in compaction is the legacy engine's: its ``keep_last`` protects the same recent
@@ -1780,6 +1785,10 @@ class HostRuntime:
             done = CompactResult.model_validate(answer)
         except ValidationError as e:
             raise EngineContractError(f"engine {info.id!r} compact answered no CompactResult: {e}") from None
+        if done.compacted and not info.owns_compaction:
+            # The session compacted (the legacy engine's compact is the built-in compaction, with a pause of
+            # its own): the built-in's pause before the prompt, after an earlier failure, is over too.
+            self.summary_backoff.succeeded((scope, session_id))
         return self._checked_target(info, scope, session_id, done)
 
     @contextmanager

@@ -6,9 +6,13 @@ OPENAI_API_KEY, TRANSCRIPT_STORE_SUMMARIZER_MODEL), else ``ExtractiveSummarizer`
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Sequence
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -25,6 +29,8 @@ Level = Literal["normal", "aggressive"]
 SUMMARIZER_ENV = "TRANSCRIPT_STORE_SUMMARIZER"
 SUMMARIZER_MODEL_ENV = "TRANSCRIPT_STORE_SUMMARIZER_MODEL"
 DEFAULT_OPENAI_URL = "https://api.openai.com/v1"
+
+log = logging.getLogger("transcript_store.summarize")
 
 
 @runtime_checkable
@@ -159,6 +165,81 @@ def _check_args(
         raise InvalidInput(f"max_tokens must be an integer, not {type(max_tokens).__name__}")
     if not 16 <= max_tokens <= MAX_TOKENS:
         raise InvalidInput(f"a summary needs max_tokens of at least 16 (and at most {MAX_TOKENS})")
+
+
+# ------------------------------------------------------------------------------------------------ backoff
+
+#: seconds the automatic compactions of a session wait after its summarizer failed once
+BACKOFF_BASE_SECONDS = 30.0
+#: the longest they wait (the wait doubles at each failure in a row, up to this)
+BACKOFF_CAP_SECONDS = 600.0
+#: the sessions a ``SummaryBackoff`` remembers (the least recently failed one is forgotten first)
+BACKOFF_KEYS = 4096
+#: how the reason of a compaction skipped while its session's backoff runs starts
+PAUSED = "automatic compaction paused: "
+
+
+@dataclass
+class _Failures:
+    """A session's summarizer failures in a row: how many, the last one's reason, until when to wait."""
+
+    count: int
+    reason: str
+    delay: float
+    until: float
+
+
+class SummaryBackoff:
+    """How long the automatic compactions of a session wait after its summarizer failed, in this process.
+
+    A failure (an error, a timeout, an empty answer) pauses the automatic compactions of its key (an engine's
+    ``(scope, session_id)``) for ``base`` seconds, doubled at each failure in a row up to ``cap``; a
+    summary the summarizer answered forgets the key. A down summary model otherwise cost every later turn
+    over the threshold its whole timeout (60 s by default) again. A forced compaction (``compact``,
+    ``/compact``, the overflow recovery) is never paused, and its outcome counts as any other's.
+    Thread-safe; at most ``BACKOFF_KEYS`` keys."""
+
+    def __init__(
+        self,
+        base: float = BACKOFF_BASE_SECONDS,
+        cap: float = BACKOFF_CAP_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """A backoff waiting ``base`` seconds after a first failure, doubled up to ``cap``, timed by ``clock``."""
+        self.base, self.cap, self.clock = float(base), float(cap), clock
+        self._failures: OrderedDict[Hashable, _Failures] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def paused(self, key: Hashable) -> str | None:
+        """Why an automatic compaction of ``key`` is skipped now (starting with ``PAUSED``), else None.
+
+        The text stays the same while a pause lasts (a host that shows a failure once per text, as Hermes
+        does, is not told again at every turn)."""
+        with self._lock:
+            failures = self._failures.get(key)
+            if failures is None or self.clock() >= failures.until:
+                return None
+            return (
+                f"{PAUSED}{failures.reason} ({failures.count} summarizer failure(s) in a row; tried again after "
+                f"{failures.delay:.0f} s, a forced compaction tries now)"
+            )
+
+    def failed(self, key: Hashable, reason: str) -> float:
+        """Record a summarizer failure of ``key``: the seconds its automatic compactions now wait."""
+        with self._lock:
+            before = self._failures.pop(key, None)
+            count = 1 if before is None else before.count + 1
+            delay: float = min(self.cap, self.base * 2.0 ** min(count - 1, 32))
+            self._failures[key] = _Failures(count, reason, delay, self.clock() + delay)
+            while len(self._failures) > BACKOFF_KEYS:
+                self._failures.popitem(last=False)
+        log.warning("%s; automatic compactions of %s paused for %.0f s", reason, key, delay)
+        return delay
+
+    def succeeded(self, key: Hashable) -> None:
+        """Forget the failures of ``key``: the summarizer answered."""
+        with self._lock:
+            self._failures.pop(key, None)
 
 
 # --------------------------------------------------------------------------------------------- extractive

@@ -29,7 +29,7 @@ from transcript_store.engine import (
 from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import RESULT_ROLES, Anchor, DeltaMissing, DeltaPage, DeltaReset
-from transcript_store.summarize import ExtractiveSummarizer, hold
+from transcript_store.summarize import ExtractiveSummarizer, SummaryBackoff, hold
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
 ENGINE_ID = "legacy"
@@ -87,6 +87,8 @@ class LegacyEngine:
         # Compaction keeps at least the last message. The host checks the same config with the same
         # function when it is built, so a mistake stops it before any turn.
         self.keep_last, self.max_sessions = compaction.check_legacy_config(ctx.config)
+        #: automatic compactions of a session pause after its summarizer failed (``SummaryBackoff``)
+        self.backoff = SummaryBackoff()
         self._projections: OrderedDict[tuple[str, str], _Projection] = OrderedDict()
         self._lock = threading.Lock()
         self.rows_read = 0  # visible rows fetched by assembly (tests assert it does not grow with history)
@@ -305,6 +307,7 @@ class LegacyEngine:
             focus=focus,
             force=force,
             token_budget=token_budget,
+            backoff=self.backoff,
         )
 
     def commit_turn(

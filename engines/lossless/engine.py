@@ -47,7 +47,7 @@ from transcript_store.errors import InvalidInput, TranscriptStoreError
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
 from transcript_store.reads import read_visible_delta
-from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.summarize import PAUSED, ExtractiveSummarizer, SummaryBackoff
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
 from . import ingest, tools
@@ -114,6 +114,8 @@ class LosslessEngine:
         self.config = LosslessConfig.parse(ctx.config)
         self.summarizer = ctx.summarizer or ExtractiveSummarizer()
         self.estimator = ctx.estimator or RoughEstimator()
+        #: automatic compactions of a session pause after its summarizer failed (``SummaryBackoff``)
+        self.backoff = SummaryBackoff()
         self.stats = {"context_rows_read": 0, "imported": 0, "compactions": 0}
         estimator = self.estimator
         additive = count_from_parts(estimator, []) is not None
@@ -404,7 +406,7 @@ class LosslessEngine:
         result = self._compact_if_needed(scope, session_id, fence)
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
-        if not result.ok:
+        if not result.ok and not (result.reason or "").startswith(PAUSED):  # paused: its failure was logged
             log.warning("lossless compaction of %s/%s in maintenance: %s", scope, session_id, result.reason)
         return MaintainResult(changed=result.compacted, reason=result.reason)
 
@@ -481,7 +483,18 @@ class LosslessEngine:
                     ok=True, compacted=False, reason=f"under the threshold ({before} <= {marks.trigger} tokens)",
                     tokens_before=before, tokens_after=before,
                 )
+            # After a summarizer failure, automatic compactions wait (``SummaryBackoff``): each one over the
+            # threshold otherwise waited out a down summary model's timeout again, at every turn.
+            paused = None if force else self.backoff.paused((scope, session_id))
+            if paused is not None:
+                return CompactResult(
+                    ok=False, compacted=False, reason=paused, tokens_before=before, tokens_after=before
+                )
             plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
+            if plan.error is not None:
+                self.backoff.failed((scope, session_id), plan.error)
+            elif plan.summaries:
+                self.backoff.succeeded((scope, session_id))
             if plan.summaries and not self._write(scope, session_id, plan, fence):
                 continue
             self._count("compactions", bool(plan.summaries))
