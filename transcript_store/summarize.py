@@ -437,6 +437,8 @@ def _rendered(m: dict[str, Any], names: dict[str, str], max_chars: int) -> str:
     return block
 
 
+#: ends a summary the model cut off at its token limit (``finish_reason: "length"``)
+CUT_OFF_MARK = "[… summary cut off by the model at its length limit]"
 #: the most one summarization request holds (tokens, counted with ``RoughEstimator``, which counts high): well
 #: inside the window of the models a summarizer runs on (128k for the default one)
 MAX_INPUT_TOKENS = 64_000
@@ -475,7 +477,8 @@ class OpenAISummarizer:
         level: Level = "normal",
         max_tokens: int = 1024,
     ) -> str:
-        """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer.
+        """Ask the model for a summary; SummarizerError on HTTP/network failures or an empty answer. A summary
+        the model cut off (``finish_reason: "length"``) is kept, ending with CUT_OFF_MARK, and logged.
 
         Messages that do not fit one request of ``max_input_tokens`` are folded in over several, in order,
         each request carrying the summary the one before answered: sent whole, a long history (one that
@@ -536,6 +539,13 @@ class OpenAISummarizer:
         summary = message_text(response.message).strip()
         if not summary:
             raise SummarizerError(f"summarizer {self.name} returned an empty summary")
+        if response.finish_reason == "length":
+            # Cut off at max_tokens: its start is kept (the originals stay stored, and a summary that always
+            # runs long, refused, would leave the session never compacted until the model's window overflowed),
+            # marked so that the model reading it, and a user, know its end is missing.
+            log.warning("summarizer %s: the summary was cut off at max_tokens=%d; kept, marked as cut",
+                        self.name, max_tokens)
+            summary = f"{summary}\n{CUT_OFF_MARK}"
         return summary
 
     @staticmethod
