@@ -43,7 +43,7 @@ from transcript_store.engine import (
     check_focus,
     check_token_budget,
 )
-from transcript_store.errors import InvalidInput, TranscriptStoreError
+from transcript_store.errors import InvalidInput, TranscriptStoreError, TransientStoreError
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
 from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
 from transcript_store.reads import read_visible_delta
@@ -74,6 +74,8 @@ ANALYZE_AFTER_IMPORT = 1_000
 ANALYZE_AT = 1_000
 
 MAX_REMEMBERED = 1024
+#: the reason bootstrap, maintain and compact answer for a session the store does not hold (or another scope's)
+UNKNOWN_SESSION = "unknown session"
 Probe = Literal["missing", "current", "behind"]
 #: compaction passes (each at most ``max_rounds`` steps) assemble may run when the context is over its budget
 ASSEMBLE_PASSES = 8
@@ -218,7 +220,8 @@ class LosslessEngine:
             if items is not None:
                 return items
             self._import(scope, session_id, fence)
-        raise RuntimeError("the transcript kept moving under the import")  # pragma: no cover
+        # Typed, and safe to retry: the host takes it as the database's failure, not the engine's.
+        raise TransientStoreError("the transcript kept moving under the import (8 reads); retry")
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -237,10 +240,10 @@ class LosslessEngine:
         state = self.store.read(lambda c: self._probe(c, scope, session_id, fence))
         if state != "behind":  # nothing to import: no write transaction at all
             missing = state == "missing"
-            return BootstrapResult(bootstrapped=not missing, reason="unknown session" if missing else None)
+            return BootstrapResult(bootstrapped=not missing, reason=UNKNOWN_SESSION if missing else None)
         result = self._import(scope, session_id, fence)
         if result.missing:
-            return BootstrapResult(bootstrapped=False, reason="unknown session")
+            return BootstrapResult(bootstrapped=False, reason=UNKNOWN_SESSION)
         reason = "rebuilt after a transcript reset" if result.rebuilt else None
         return BootstrapResult(bootstrapped=True, imported_messages=result.imported, reason=reason)
 
@@ -406,6 +409,8 @@ class LosslessEngine:
         result = self._compact_if_needed(scope, session_id, fence)
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
+        if result.reason == UNKNOWN_SESSION:
+            return MaintainResult(changed=False, reason=UNKNOWN_SESSION)
         if not result.ok and not (result.reason or "").startswith(PAUSED):  # paused: its failure was logged
             log.warning("lossless compaction of %s/%s in maintenance: %s", scope, session_id, result.reason)
         return MaintainResult(changed=result.compacted, reason=result.reason)
@@ -436,11 +441,16 @@ class LosslessEngine:
     def _compact_if_needed(self, scope: str, session_id: str, fence: Anchor | None = None) -> CompactResult | None:
         marks = self.budget(scope, session_id)
 
-        def tokens(c: Core) -> int:
+        def tokens(c: Core) -> int | None:
             self._hold_fence(c, scope, session_id, fence)
-            return self._context_tokens(c, scope, session_id, marks.trigger)
+            held = self._context_tokens(c, scope, session_id, marks.trigger)
+            # An empty context: an empty session, or none (one read more, on that path only).
+            return None if held == 0 and c.session_row(scope, session_id) is None else held
 
-        if self.store.read(tokens) <= marks.trigger:
+        held = self.store.read(tokens)
+        if held is None:
+            return CompactResult(ok=False, compacted=False, reason=UNKNOWN_SESSION)
+        if held <= marks.trigger:
             return None
         return self._compact(scope, session_id, marks, force=False, focus=None, fence=fence)
 
@@ -477,6 +487,10 @@ class LosslessEngine:
         With a fence, the planning read and the write each hold it (``_hold_fence``)."""
         for _attempt in range(2):
             view, items = self._planning_state(scope, session_id, fence)
+            if not items and self.store.read(lambda c: c.session_row(scope, session_id)) is None:
+                # As bootstrap answers it: "nothing outside the fresh tail" told a caller with a wrong id
+                # that its session was fine.
+                return CompactResult(ok=False, compacted=False, reason=UNKNOWN_SESSION)
             before = sum(i.tokens for i in items)
             if not force and before <= marks.trigger:
                 return CompactResult(
@@ -545,7 +559,7 @@ class LosslessEngine:
             if got is not None:
                 return got
             self.store.write(lambda c: self._apply_reset(c, scope, session_id, fence))
-        raise RuntimeError("the transcript kept moving under the compaction")  # pragma: no cover
+        raise TransientStoreError("the transcript kept moving under the compaction (8 reads); retry")
 
     def _apply_reset(self, c: Core, scope: str, session_id: str, fence: Anchor | None) -> None:
         """``ingest.apply_reset`` in a transaction that holds the fence first (a turn's write checks it)."""
