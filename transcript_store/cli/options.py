@@ -148,17 +148,26 @@ def _bounds(kind: click.IntRange | click.FloatRange, describe: Callable[[], str]
     return "" if kind.min is None and kind.max is None else describe()
 
 
+#: a lone surrogate: how Python hands over an argument's bytes that are not UTF-8
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def filled(*, blank_ok: bool = False) -> Callable[[click.Context, click.Parameter, Any], Any]:
     """A callback refusing an empty value (``--reason "$WHY"`` with WHY unset), and a blank one unless
     ``blank_ok``, as the usage error (exit 2) that names the option or argument, before any work.
 
-    ``blank_ok`` is for a name that looks up what is stored (a SESSION, a TURN): an id the library took,
-    " " too, is named exactly; an empty one names nothing. Before, such values were refused by the
-    store's own checks as failures (exit 1), or taken as absent (``chat --model-url ''``)."""
+    Bytes that are not UTF-8 are refused the same way. ``blank_ok`` is for a name that looks up what is
+    stored (a SESSION, a TURN): an id the library took, " " too, is named exactly; an empty one names
+    nothing. Before, such values were refused by the store's own checks as failures (exit 1), or taken as
+    absent (``chat --model-url ''``)."""
 
     def callback(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
         if isinstance(value, str) and (not value if blank_ok else not value.strip()):
             raise click.BadParameter("must not be empty" if blank_ok else "must not be empty or blank")
+        if isinstance(value, str) and _SURROGATE.search(value):
+            # Bytes that are not UTF-8 arrive as lone surrogates: no id, key, name or text the store takes
+            # (it refused them later, as a failure, exit 1, after opening the store).
+            raise click.BadParameter("must be text: it holds bytes that are not UTF-8")
         return value
 
     return callback
