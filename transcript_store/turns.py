@@ -778,11 +778,6 @@ class Turns:
             claims.hold(intent.scope, intent.session_id, intent.turn_id, self.config.delivery_lease_seconds,
                         owner, claim=True)
         try:
-            # The engine lookup fails like a delivery: the row stays queued, its claim released.
-            deliver = commit_in(intent.engine_id)
-            if deliver is None:
-                raise _EngineUnavailable
-            payload = turn_payload(intent)
             landed: list[CommitResult] = []
 
             def run(c: Core) -> CommitResult:
@@ -800,6 +795,15 @@ class Turns:
                 return result
 
             try:
+                # The engine lookup fails like a delivery: the row stays queued, its claim released. Inside
+                # the ``finally``: a lookup that failed (and a failure the store could not record then) left
+                # the claim renewed by the keeper for as long as the process lived, the row "leased" to
+                # every other drain.
+                found = commit_in(intent.engine_id)
+                if found is None:
+                    raise _EngineUnavailable
+                deliver = found
+                payload = turn_payload(intent)
                 result = self.store.write(run)
             finally:
                 if claims is not None:
