@@ -7,12 +7,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
+import pytest
 from conftest import assistant, module_store_fixtures, user
 from sqlalchemy import Connection
 from workers.turn_worker import counting_engine
 
 from transcript_store import TranscriptStore
-from transcript_store.errors import StoreUnavailable
+from transcript_store.errors import InvalidInput, StoreUnavailable
+from transcript_store.leases import LeaseKeeper
 from transcript_store.outbox import OutboxConfig
 from transcript_store.turns import CommitIn, Turns
 
@@ -76,3 +78,24 @@ def test_a_drain_claim_whose_engine_lookup_failed_is_not_renewed_for_ever(store:
 
     report = Turns(store, config).drain(engines, scope=S, session_id=sid)
     assert report.committed == 1 and turns.intent(S, sid, "t1") is None
+
+
+@pytest.mark.parametrize(
+    ("lease", "owner"), [(-1, "o/1"), (float("nan"), "o/1"), (30, None), (30, 7), (30, "")]
+)
+def test_a_lease_keeper_refuses_a_lease_it_could_never_renew(
+    store: TranscriptStore, lease: float, owner: object
+) -> None:
+    """``LeaseKeeper.hold`` took a negative or NaN lease, and an owner that is no string, without a word:
+    the first was never renewed (the running turn then lost to the session's next admission), the second
+    dropped at its first renewal as if the turn were gone. OutboxConfig refuses such leases
+    (``InvalidInput``, README: "0 up to a year"); the keeper now does too, holding nothing."""
+    keeper = LeaseKeeper(store)
+    try:
+        with pytest.raises(InvalidInput):
+            keeper.hold(S, "s", "t", lease, owner)  # type: ignore[arg-type]
+        assert not keeper.holds(S, "s", "t")
+        keeper.hold(S, "s", "t", 0, "o/1")  # a zero lease: nothing to keep, as before
+        assert not keeper.holds(S, "s", "t")
+    finally:
+        keeper.close()

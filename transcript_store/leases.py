@@ -106,13 +106,21 @@ class LeaseKeeper:
         ``claim``: the lease is a drain's claim of the turn's ready row, renewed while it is delivered."""
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             raise InvalidInput(f"lease_seconds must be a number of seconds, got {lease_seconds!r}")
-        if lease_seconds > outbox.MAX_LEASE_SECONDS:  # it could not be stored (microseconds, 64 bits)
-            raise InvalidInput(f"lease_seconds must be at most {outbox.MAX_LEASE_SECONDS:g}, got {lease_seconds!r}")
+        # 0 up to a year, as OutboxConfig takes a lease: a negative or NaN one was taken without a word and
+        # never renewed (the turn then lost to the session's next admission while its worker ran on).
+        if not 0 <= lease_seconds <= outbox.MAX_LEASE_SECONDS:  # (a longer one could not be stored)
+            raise InvalidInput(
+                f"lease_seconds must be a number of seconds in 0..{outbox.MAX_LEASE_SECONDS:g}, got {lease_seconds!r}"
+            )
+        if not isinstance(owner, str) or not owner:
+            # The renewal matches the row's owner: None or another type never matched, and the hold was
+            # dropped at its first renewal as if the turn were gone.
+            raise InvalidInput(f"owner must be the lease owner the admission wrote (a string), got {owner!r}")
         if max_seconds is not None and (
             isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) or not max_seconds >= 0
         ):
             raise InvalidInput(f"max_seconds must be None or a number of seconds >= 0, got {max_seconds!r}")
-        if not 0 < lease_seconds < float("inf"):  # a zero lease: nothing to keep
+        if lease_seconds == 0:  # a zero lease: nothing to keep
             return
         now = time.monotonic()
         until = now + max_seconds if max_seconds is not None else float("inf")
