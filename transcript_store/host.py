@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, get_args
@@ -42,7 +42,6 @@ from .engine import (
     SessionTarget,
     SubagentSpawnPreparation,
     check_focus,
-    check_token_budget,
     durable_declaration,
     missing_capabilities,
     project_params,
@@ -74,21 +73,28 @@ from .errors import (
     describe,
 )
 from .errors import TurnFailed as TurnFailed  # raised by run_turn; importable from here as before
+from .host_context import MAX_RUNTIME_CONTEXT_BYTES as MAX_RUNTIME_CONTEXT_BYTES
+from .host_context import RuntimeContext as RuntimeContext
+from .host_context import delegate_compaction_to_runtime as delegate_compaction_to_runtime
+from .host_context import host_values as host_values
+from .host_messages import CUT_TOOL_RESULT as CUT_TOOL_RESULT
+from .host_messages import STOPPED_OVER_BUDGET as STOPPED_OVER_BUDGET
+from .host_messages import UNANSWERED_TOOL_CALL as UNANSWERED_TOOL_CALL
+from .host_messages import HostTool as HostTool
+from .host_messages import default_host_tools as default_host_tools
+from .host_messages import fit_tool_round as fit_tool_round
+from .host_messages import pair_tool_calls as pair_tool_calls
+from .host_messages import prune_tool_results as prune_tool_results
+from .host_messages import with_addition as with_addition
+from .host_tokens import TokenCounts
 from .leases import LeaseKeeper
 from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
 from .maintenance import BackgroundMaintenance
 from .model import is_context_overflow
 from .models import (
-    RESULT_ROLES,
     Admission,
     Anchor,
-    Replacement,
-    RewriteResult,
     Role,
-    call_answered,
-    calls_made,
-    compact_json,
-    validate_event_payload,
     validate_message,
 )
 from .outbox import TurnIntent
@@ -109,8 +115,6 @@ LEGACY = "legacy"
 #: engine decisions kept for turns not (yet) finished: a retry of a failed turn reuses its decision
 _MAX_DECISIONS = 10_000
 T = TypeVar("T")
-
-HostTool = tuple[dict[str, Any], Callable[[dict[str, Any]], str]]
 
 
 class _Degrade(Exception):
@@ -153,83 +157,6 @@ class TurnOutcome:
     assembled_tokens: int
     admission: Admission | None
     terminal: Anchor | None
-
-
-#: the largest ``runtime_context`` a caller may hand ``run_turn``, as compact JSON
-MAX_RUNTIME_CONTEXT_BYTES = 64 * 1024
-
-
-def host_values(runtime_context: object) -> dict[str, Any]:
-    """``run_turn``'s ``runtime_context`` checked (a JSON object of at most 64 KiB, or None) and copied."""
-    if runtime_context is None:
-        return {}
-    if not isinstance(runtime_context, dict):
-        kind = type(runtime_context).__name__
-        raise InvalidInput(f"runtime_context must be a dict (a JSON object) or None, not {kind}")
-    try:
-        validate_event_payload(runtime_context)
-    except InvalidInput as e:
-        raise InvalidInput(f"runtime_context: {e}") from None
-    text = compact_json(runtime_context)
-    if len(text.encode("utf-8")) > MAX_RUNTIME_CONTEXT_BYTES:
-        raise InvalidInput(f"runtime_context must be at most {MAX_RUNTIME_CONTEXT_BYTES} bytes of JSON")
-    copied: dict[str, Any] = json.loads(text)
-    return copied
-
-
-@dataclass
-class RuntimeContext:
-    """What the host offers an engine during one turn (the ``runtime_context`` host param)."""
-
-    host: HostRuntime
-    scope: str
-    session_id: str
-    fence: Anchor | None
-    turn_id: str | None
-    #: the prompt's budget of the operation (what the delegated compaction works to); None: the
-    #: budget less the reply's tokens
-    budget: int | None = None
-    #: the caller's own facts for the engine (``run_turn``'s ``runtime_context``: a JSON object, copied)
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def rewrite_transcript_entries(
-        self,
-        replacements: Sequence[Replacement | dict[str, Any]],
-        allowed_rewrite_suffix_entry_ids: Sequence[str] | None = None,
-    ) -> RewriteResult:
-        """Safe transcript edits for maintenance (branch-and-reappend; the generation rotates)."""
-        return self.host.store.rewrite_entries(
-            self.scope, self.session_id, replacements, allowed_rewrite_suffix_entry_ids=allowed_rewrite_suffix_entry_ids
-        )
-
-    def delegate_compaction_to_runtime(self, *, force: bool = False, focus: str | None = None) -> CompactResult:
-        """Run the host's built-in compaction for this session (for engines that do not own it)."""
-        return delegate_compaction_to_runtime(self, force=force, focus=focus)
-
-
-def delegate_compaction_to_runtime(
-    ctx: RuntimeContext, *, force: bool = False, focus: str | None = None, prompt_budget: int | None = None
-) -> CompactResult:
-    """The built-in summarising compaction, for non-owning engines' ``compact`` (to ``compaction_threshold``
-    of ``prompt_budget``: by default the operation's, ``ctx.budget``, as the engine's ``compact`` got it)."""
-    h = ctx.host
-    check_token_budget(prompt_budget, optional=True, what="prompt_budget")  # force, focus: compact_session's
-    budget = prompt_budget if prompt_budget is not None else ctx.budget
-    if budget is None:
-        budget = h.prompt_budget()
-    return compaction.compact_session(
-        h.store,
-        ctx.scope,
-        ctx.session_id,
-        summarizer=h.summarizer,
-        estimator=h.estimator,
-        fence=ctx.fence,
-        keep_last=h.keep_last,
-        focus=focus,
-        force=force,
-        token_budget=max(1, int(budget * h.settings.compaction_threshold)),
-        backoff=h.summary_backoff,
-    )
 
 
 _ROLES = frozenset(get_args(Role))
@@ -279,119 +206,6 @@ def _same_owner(obj: object, *names: str) -> bool:
     return len(owners) == 1
 
 
-def prune_tool_results(messages: list[dict[str, Any]], keep_recent: int, max_chars: int) -> list[dict[str, Any]]:
-    """Trim old, long tool results in the request only (storage is never touched)."""
-    tool_idx = [i for i, m in enumerate(messages) if m.get("role") in RESULT_ROLES]
-    old = set(tool_idx[: max(0, len(tool_idx) - keep_recent)])
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if i in old and isinstance(content, str) and len(content) > max_chars:
-            half = max_chars // 2
-            trimmed = f"{content[:half]}\n[... {len(content) - max_chars} characters trimmed ...]\n{content[-half:]}"
-            m = {**m, "content": trimmed}
-        out.append(m)
-    return out
-
-
-#: what a tool result of this turn becomes in a request it would take over the budget (request only)
-CUT_TOOL_RESULT = "[tool result cut: the request's token budget has no room left for it]"
-
-
-def fit_tool_round(
-    estimator: Any, context: list[dict[str, Any]], replies: list[dict[str, Any]], limit: int
-) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
-    """A tool round's request within ``limit`` tokens (system prompt, user message and tools reserved
-    apart): (the context, its tokens, the replies to send). The engine's context gives way first, oldest
-    messages first, a tool round never split; then this turn's own tool results, oldest first, are cut
-    to a marker in the request (storage is never touched). Only a request that would not fit runs this."""
-    def tokens(messages: list[dict[str, Any]]) -> int:
-        return int(estimator.count_messages(messages)) if messages else 0
-
-    own = tokens(replies)
-    context = list(context)
-    size = tokens(context)
-    while context and size + own > limit:
-        context = pair_tool_calls(context[1:])  # a result whose call left goes with it
-        size = tokens(context)
-    sent = list(replies)
-    for i, m in enumerate(sent):
-        if size + own <= limit:
-            break
-        if m.get("role") == "tool" and m.get("content") != CUT_TOOL_RESULT:
-            sent[i] = {**m, "content": CUT_TOOL_RESULT}
-            own = tokens(sent)
-    return context, size, sent
-
-
-#: the turn's last message when its own tool calls leave no room in the token budget for another request
-STOPPED_OVER_BUDGET = "(stopped: this turn's tool calls outgrew the token budget)"
-
-
-#: the stand-in result of a tool call the transcript holds no result for (request only, never stored)
-UNANSWERED_TOOL_CALL = "(no result: the transcript holds no answer to this tool call)"
-
-
-def pair_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's messages with every tool call answered and every tool result answering a call.
-
-    A branch to the middle of a tool round, or a rewrite, can leave an assistant's tool call without its
-    result, or a result after another message than its call: chat APIs refuse such a request outright.
-    A call without a result gets a stand-in result right after its round; a result that answers no open
-    call is left out. The older format's ``function_call`` and ``function`` result pair the same way (by
-    the function's name). Request only: storage is never touched.
-    """
-    # Every turn's request passes here: one plain loop, no work for a message outside a tool round.
-    out: list[dict[str, Any]] = []
-    open_calls: list[Any] = []
-    for m in messages:
-        role = m.get("role")
-        if role in RESULT_ROLES:
-            key = call_answered(m)
-            if key in open_calls:
-                open_calls.remove(key)
-                out.append(m)
-            continue
-        if open_calls:
-            out.extend(_stand_in(c) for c in open_calls)
-            open_calls = []
-        out.append(m)
-        if role == "assistant":
-            open_calls = calls_made(m)
-    out.extend(_stand_in(c) for c in open_calls)
-    return out
-
-
-def _stand_in(call: Any) -> dict[str, Any]:
-    """The stand-in result of an unanswered call (``calls_made``'s key: a tool call id or ("function", name))."""
-    if isinstance(call, tuple):
-        return {"role": "function", "name": call[1], "content": UNANSWERED_TOOL_CALL}
-    return {"role": "tool", "tool_call_id": call, "content": UNANSWERED_TOOL_CALL}
-
-
-def with_addition(system_prompt: str, addition: str | None) -> str:
-    """The request's system prompt: an engine's ``system_prompt_addition`` goes in front (OpenClaw's place)."""
-    return f"{addition}\n\n{system_prompt}" if addition else system_prompt
-
-
-def default_host_tools() -> dict[str, HostTool]:
-    """Small deterministic host tools, so the local responder can exercise the tool loop offline."""
-
-    def lookup(args: dict[str, Any]) -> str:
-        query = str(args.get("query", ""))
-        return json.dumps({"query": query, "result": f"reference notes about {query!r}", "source": "local"})
-
-    schema = {
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "description": "Look up reference notes about a topic.",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-        },
-    }
-    return {"lookup": (schema, lookup)}
-
-
 @dataclass
 class _Decision:
     engine_id: str
@@ -399,7 +213,7 @@ class _Decision:
 
 
 @dataclass
-class HostRuntime:
+class HostRuntime(TokenCounts):
     """Runs logical turns for one host slot over a store, a model and the discovered engines."""
 
     store: TranscriptStore
@@ -1412,40 +1226,6 @@ class HostRuntime:
                         " prompt's budget even with the addition reserved", info.id, over)
         return result
 
-    @staticmethod
-    def _check_addition(info: EngineInfo, extra: int, budget: int) -> None:
-        """EngineContractError when an addition alone takes the prompt's whole budget: fitting the request
-        would drop all of the engine's context and still send an addition over the budget. The turn goes
-        to the legacy path (an engine failure, turn-local: ``_attempt``), and its reason says why."""
-        if extra >= budget:
-            raise EngineContractError(
-                f"the system-prompt addition of engine {info.id} alone is {extra} tokens, and the prompt has"
-                f" {budget} besides the system prompt, the user message, the tools and the reply"
-            )
-
-    @staticmethod
-    def _with_budget(settings: RuntimeSettings, budget: int) -> RuntimeSettings:
-        limits = settings.limits.model_copy(update={"prompt_token_budget": budget})
-        return settings.model_copy(update={"limits": limits})
-
-    def _addition_tokens(self, addition: str | None) -> int:
-        """What an engine's system-prompt addition adds to the request's system message (``with_addition``):
-        the difference of the two counts, exact whatever the estimator's framing or merges across the join."""
-        if not addition:
-            return 0
-        system = self.settings.system_prompt
-        # Counted once per distinct addition (an engine's is mostly one fixed hint): each turn asks twice.
-        key = (system, addition)
-        extra = self._addition_counts.get(key)
-        if extra is None:
-            est = self.estimator
-            joined = int(est.count_messages([{"role": "system", "content": with_addition(system, addition)}]))
-            extra = max(0, joined - int(est.count_messages([{"role": "system", "content": system}])))
-            if len(self._addition_counts) >= 64:
-                self._addition_counts.clear()
-            self._addition_counts[key] = extra
-        return extra
-
     def prompt_budget(self, reserved: int = 0) -> int:
         """The tokens an engine may assemble into: the budget less the reply's and ``reserved`` (at least 1)."""
         if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
@@ -1458,27 +1238,6 @@ class HostRuntime:
         settings = self.settings
         if reserved + settings.max_output_tokens >= settings.token_budget:
             raise _Refused(PromptTooLarge(reserved, settings.max_output_tokens, settings.token_budget))
-
-    def _reserved_tokens(self, user: dict[str, Any], tools: list[dict[str, Any]]) -> int:
-        """The tokens of what a request carries besides the assembled context (system prompt, the user
-        message, the tools' schemas as JSON); the engine's system-prompt addition, known only once it has
-        assembled, is reserved after that (``_fit_addition``)."""
-        return self._carried_tokens(tools) + int(self.estimator.count_messages([user]))
-
-    def _carried_tokens(self, tools: list[dict[str, Any]]) -> int:
-        """The tokens every request carries whatever its user message: the system prompt and the tools."""
-        # Counted once per distinct system prompt and tool list (they rarely change), the user message
-        # every turn: a host turn is ~2 ms of CPU, and counting the schemas each time was 15 µs of it.
-        est = self.estimator
-        key = (self.settings.system_prompt, json.dumps(tools) if tools else "")
-        fixed = self._fixed_tokens.get(key)
-        if fixed is None:
-            system = int(est.count_messages([{"role": "system", "content": key[0]}]))
-            fixed = system + (int(est.count_text(key[1])) if tools else 0)
-            if len(self._fixed_tokens) >= 64:
-                self._fixed_tokens.clear()
-            self._fixed_tokens[key] = fixed
-        return fixed
 
     def _owned_compaction(
         self,
