@@ -45,6 +45,14 @@ def _fresh_made() -> None:
     DisposableEngine.made = []
 
 
+def make_host(store: TranscriptStore, engine_id: str, factory: Any) -> HostRuntime:
+    """A host running the engine ``factory`` makes under ``engine_id``, with the stand-in model."""
+    registry = EngineRegistry()
+    registry.register_factory(engine_id, factory)
+    return HostRuntime(store, load_settings(config_path=None, engine=engine_id), RecordingModel(),
+                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+
+
 def make_service(store: TranscriptStore, factory: Any) -> Service:
     service = Service(store, load_settings(config_path=None, engine="legacy"))
     registry = service.runtime.registry
@@ -119,10 +127,7 @@ def test_engine_whose_maintenance_pass_outlives_dispose_is_disposed_when_it_ends
     """dispose() leaves an engine whose background pass still runs (not disposed under it): it was then
     never disposed of at all, its resources held for the rest of the process. It is, once the pass ends."""
     monkeypatch.setattr(BackgroundMaintenance.close, "__defaults__", (0.3,))  # close's wait, shortened
-    registry = EngineRegistry()
-    registry.register_factory("disposable", SlowUpkeep)
-    host = HostRuntime(store, load_settings(config_path=None, engine="disposable"), RecordingModel(),
-                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host = make_host(store, "disposable", SlowUpkeep)
     sid = store.create_session(SCOPE).session_id
     assert host.run_turn(SCOPE, sid, "hi", turn_id="t1").engine_id == "disposable"
     engine = host.engine("disposable")[0]
@@ -182,10 +187,7 @@ def test_a_factory_failing_with_the_database_leaves_the_engine_selectable(
             raise failures.pop()  # what its ctx.store.read(...) raised, the store's retries run out
         return DisposableEngine(ctx)
 
-    registry = EngineRegistry()
-    registry.register_factory("disposable", warming)
-    host = HostRuntime(store, load_settings(config_path=None, engine="disposable"), RecordingModel(),
-                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host = make_host(store, "disposable", warming)
     try:
         sid = store.create_session(SCOPE).session_id
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
@@ -211,10 +213,7 @@ def test_a_lifecycle_method_raising_system_exit_is_the_engines_failure(store: Tr
     """An engine's ``assemble`` that raised SystemExit went through the engine guard (Exception only):
     the turn failed with it and the host process (a chat, a gateway worker) exited, instead of the
     engine being isolated and the turn answered by legacy, as for any exception of a lifecycle method."""
-    registry = EngineRegistry()
-    registry.register_factory("exiting", ExitingAssemble)
-    host = HostRuntime(store, load_settings(config_path=None, engine="exiting"), RecordingModel(),
-                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host = make_host(store, "exiting", ExitingAssemble)
     try:
         sid = store.create_session(SCOPE).session_id
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
@@ -239,10 +238,7 @@ class ExitingCommit(CountingEngine):
 def test_a_commit_turn_raising_system_exit_queues_the_turn(store: TranscriptStore) -> None:
     """The same inside the commit's transaction: the accepted turn waits in the outbox for its engine,
     which is isolated, as after any failed commit, instead of the host process exiting."""
-    registry = EngineRegistry()
-    registry.register_factory("exiting", ExitingCommit)
-    host = HostRuntime(store, load_settings(config_path=None, engine="exiting"), RecordingModel(),
-                       registry=registry, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    host = make_host(store, "exiting", ExitingCommit)
     try:
         sid = store.create_session(SCOPE).session_id
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")

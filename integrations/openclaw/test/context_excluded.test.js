@@ -5,60 +5,22 @@
 // `display: false` too): its visible messages (readSessionTranscriptVisibleMessageDelta) and a turn's closed
 // range (commitTurn's `messages`) hold them, its own context (buildSessionContext) skips them.
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
-import { existsSync, mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, test } from "node:test";
-import { fileURLToPath } from "node:url";
 
 import { createEngine } from "../src/engine.js";
 import { contentText } from "../src/messages.js";
 import { assistantMessage, userMessage } from "../testing/messages.js";
+import { startService } from "../testing/service.js";
 
-const ROOT = fileURLToPath(new URL("../../..", import.meta.url));
-const PYTHON = process.env.TRANSCRIPT_STORE_PYTHON
-  || (existsSync(join(ROOT, ".venv/bin/python")) ? join(ROOT, ".venv/bin/python") : "python3");
 const TOKEN = "tok-excluded-0123456789";
 
 let service;
 
 before(async () => {
-  const dir = mkdtempSync(join(tmpdir(), "ts-openclaw-excluded-"));
-  const child = spawn(PYTHON, ["-m", "transcript_store", "serve", "--db", `sqlite:///${join(dir, "store.db")}`, "--port", "0"], {
-    cwd: dir,
-    env: { ...process.env, PYTHONPATH: ROOT, TRANSCRIPT_STORE_TOKENS: `${TOKEN}=scope-openclaw` },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let log = "";
-  child.stderr.on("data", (chunk) => { log += chunk; });
-  const url = await new Promise((resolve, reject) => {
-    let out = "";
-    const timer = setTimeout(() => reject(new Error(`serve did not start:\n${log.slice(-3000)}`)), 60000);
-    child.stdout.on("data", (chunk) => {
-      out += chunk;
-      const found = /listening on (http:\/\/\S+)/.exec(out);
-      if (found) { clearTimeout(timer); resolve(found[1]); }
-    });
-    child.on("exit", (code) => { clearTimeout(timer); reject(new Error(`serve exited (${code}):\n${log.slice(-3000)}`)); });
-  });
-  const call = async (method, path, body) => (await fetch(url + path, {
-    method, headers: { authorization: `Bearer ${TOKEN}`, "content-type": "application/json" },
-    ...(body ? { body: JSON.stringify(body) } : {}),
-  })).json();
-  service = {
-    url,
-    get: (path) => call("GET", path),
-    post: (path, body) => call("POST", path, body),
-    async stop() {
-      if (child.exitCode === null) {
-        const exited = new Promise((resolve) => child.once("exit", resolve));
-        child.kill("SIGTERM");
-        await exited;
-      }
-      rmSync(dir, { recursive: true, force: true });
-    },
-  };
+  service = await startService({ token: TOKEN, dir: mkdtempSync(join(tmpdir(), "ts-openclaw-excluded-")) });
 });
 
 after(async () => { await service?.stop(); });

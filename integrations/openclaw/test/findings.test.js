@@ -1,63 +1,18 @@
-// The plugin against a real `transcript-store serve` (a child process on a free loopback port, SQLite in
-// a temporary directory) and a scripted OpenClaw host (its transcript, its compaction and its memory
-// prompt helper): `node --test test/`. The service's Python is TRANSCRIPT_STORE_PYTHON, else the
-// repository's .venv, else python3.
+// The plugin against a real `transcript-store serve` (testing/service.js: a child process on a free loopback
+// port, SQLite in a temporary directory) and a scripted OpenClaw host (its transcript, its compaction and its
+// memory prompt helper): `node --test test/`.
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
-import { existsSync, mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import { after, before, test } from "node:test";
-import { fileURLToPath } from "node:url";
 
 import { createEngine } from "../src/engine.js";
 import { contentText } from "../src/messages.js";
 import { assistantMessage, logOf, MiB, pngOf, toolCall, toolResult, userMessage } from "../testing/messages.js";
+import { startService as startServiceWith } from "../testing/service.js";
 
-const ROOT = fileURLToPath(new URL("../../..", import.meta.url));
-const PYTHON = process.env.TRANSCRIPT_STORE_PYTHON
-  || (existsSync(join(ROOT, ".venv/bin/python")) ? join(ROOT, ".venv/bin/python") : "python3");
 const TOKEN = "tok-findings-0123456789";
 
-/** `transcript-store serve` in a child process; resolves once it prints the URL it listens on. */
-async function startService({ env = {}, args = [], dir = mkdtempSync(join(tmpdir(), "ts-openclaw-")), port = 0 } = {}) {
-  const child = spawn(PYTHON, ["-m", "transcript_store", "serve", "--db", `sqlite:///${join(dir, "store.db")}`,
-    "--port", String(port), ...args], {
-    cwd: dir,
-    env: { ...process.env, PYTHONPATH: ROOT, TRANSCRIPT_STORE_TOKENS: `${TOKEN}=scope-openclaw`, ...env },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let log = "";
-  child.stderr.on("data", (chunk) => { log += chunk; });
-  const url = await new Promise((resolve, reject) => {
-    let out = "";
-    const timer = setTimeout(() => reject(new Error(`serve did not start:\n${log.slice(-3000)}`)), 60000);
-    child.stdout.on("data", (chunk) => {
-      out += chunk;
-      const found = /listening on (http:\/\/\S+)/.exec(out);
-      if (found) { clearTimeout(timer); resolve(found[1]); }
-    });
-    child.on("exit", (code) => { clearTimeout(timer); reject(new Error(`serve exited (${code}):\n${log.slice(-3000)}`)); });
-  });
-  return {
-    url,
-    dir,
-    port: Number(new URL(url).port),
-    log: () => log,
-    async get(path) {
-      const response = await fetch(url + path, { headers: { authorization: `Bearer ${TOKEN}` } });
-      return response.json();
-    },
-    async stop({ keep = false } = {}) {
-      if (child.exitCode === null) {
-        const exited = new Promise((resolve) => child.once("exit", resolve));
-        child.kill("SIGTERM");
-        await exited;
-      }
-      if (!keep) rmSync(dir, { recursive: true, force: true });
-    },
-  };
-}
+/** The service with this file's token (testing/service.js). */
+const startService = (options = {}) => startServiceWith({ token: TOKEN, ...options });
 
 /**
  * A scripted OpenClaw host session: its visible transcript (entry ids, messages), read the way
