@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..core import Core
 from ..errors import UnknownSession
 from ..store import TranscriptStore
 from ..terminal import shown
@@ -30,26 +31,34 @@ OUTBOX_STATUS_ROWS = 10_000
 OUTBOX_PAGE = 1000
 
 
-def _outbox_counts(store: TranscriptStore, scope: str) -> dict[str, int]:
-    """Outbox rows of ``scope`` per state, every row counted."""
+def _counts_in(c: Core, scope: str) -> dict[str, int]:
+    """Outbox rows of ``scope`` per state, every row counted, in the caller's snapshot."""
     from sqlalchemy import func, select
 
     from ..schema import outbox as rows
 
     q = select(rows.c.state, func.count()).where(rows.c.scope == scope).group_by(rows.c.state)
-    return store.read(lambda c: {str(state): int(n) for state, n in c.conn.execute(q)})
+    return {str(state): int(n) for state, n in c.conn.execute(q)}
+
+
+def _outbox_counts(store: TranscriptStore, scope: str) -> dict[str, int]:
+    """Outbox rows of ``scope`` per state, every row counted."""
+    return store.read(lambda c: _counts_in(c, scope))
 
 
 @outbox.command("status")
 @common
 def outbox_status() -> None:
     """Pending and blocked turn intents per session, with attempts and last errors."""
-    from ..turns import Turns
+    from .. import outbox as rows
 
     st = state()
     with store_session() as store:
-        intents = Turns(store).intents(st.scope_name, limit=OUTBOX_STATUS_ROWS)
-        counts = _outbox_counts(store, st.scope_name)
+        # The rows and the counts of one snapshot: read in two, a row enqueued between them made the
+        # "showing the first N" warning below say so of a listing that held every row.
+        intents, counts = store.read(
+            lambda c: (rows.list_intents(c, st.scope_name, OUTBOX_STATUS_ROWS), _counts_in(c, st.scope_name))
+        )
     total = sum(counts.values())
     if total > len(intents):  # never a silent cut: the counts below are of every row
         click.echo(f"warning: the outbox holds {total} rows; showing the first {len(intents)} "
