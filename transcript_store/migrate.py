@@ -49,11 +49,10 @@ def current_revision(db: Database) -> str | None:
         # the common case, read without importing Alembic (~60 ms of each CLI command's start); anything else
         # (no version table, none or several rows) is Alembic's path below, which says what is wrong
         return recorded[0]
-    try:
-        with db.engine.connect() as conn:
-            return _revision_in(conn)
-    except DBAPIError as e:
-        raise db.translate(e) from e
+    # One read transaction, retried on transient errors as every read: every store's open reads the
+    # revision, and a service or worker started while its database restarted (or another process held a
+    # SQLite store's lock past the busy timeout) failed at once, its retries unused.
+    return db.read(_revision_in)
 
 
 def _revision_in(conn: Connection) -> str | None:
