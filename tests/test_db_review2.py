@@ -1,5 +1,6 @@
 """Findings of the database-layer review (round 2): reading the schema revision, which every store's open
-does, was the one read not retried on a transient error."""
+does, was the one read not retried on a transient error; a SQLite path under an unknown user's home
+(``~nobody/x.db``) was an untyped RuntimeError."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg
+import pytest
 from conftest import PG_ADMIN
 from sqlalchemy.engine import make_url
+from test_cli import one_error_line, run
 
-from transcript_store import StoreConfig, TranscriptStore, migrate
+from transcript_store import InvalidInput, StoreConfig, TranscriptStore, migrate
 
 
 @contextmanager
@@ -82,3 +86,19 @@ def test_the_revision_read_by_itself_is_retried_too(store_url: str, backend: str
         assert store.db.retries > 0
     finally:
         store.close()
+
+
+UNKNOWN_HOME = "sqlite:///~no-such-user-h10/store.db"
+
+
+def test_a_sqlite_path_under_an_unknown_users_home_is_invalid_input(tmp_path: Path) -> None:
+    """``~user`` of a user this system does not know: expanding it raised RuntimeError out of the library
+    (untyped), an "internal error" in the CLI (exit 1), instead of a bad URL (InvalidInput, exit 2)."""
+    with pytest.raises(InvalidInput, match="home folder of a user"):
+        TranscriptStore(UNKNOWN_HOME)
+    with pytest.raises(InvalidInput, match="home folder of a user"):
+        TranscriptStore.upgrade_url(UNKNOWN_HOME)
+    for command in (["init"], ["current"], ["doctor"], ["sessions", "export", "s1"]):
+        result = run(*command, "--db", UNKNOWN_HOME, cwd=tmp_path, code=2)
+        assert "home folder of a user" in one_error_line(result), command
+    assert list(tmp_path.iterdir()) == []

@@ -306,6 +306,12 @@ def parse_url(url: str) -> URL:
             )
         if parsed.database in (None, "", ":memory:"):
             raise InvalidInput("an in-memory SQLite database cannot be shared; give a file path")
+        if _home_path(parsed.database or "") is None:
+            # sqlite:///~nobody/x.db: expanding it raised RuntimeError, untyped (the CLI's "internal error", exit 1)
+            raise InvalidInput(
+                f"the SQLite path {parsed.database!r} starts with the home folder of a user this system does not"
+                " know: give the path itself"
+            )
         if sqlite_uri(parsed):
             # A file: URI's path is not a file name: the store's file checks (a read command never
             # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
@@ -388,7 +394,8 @@ def create_db_engine(config: StoreConfig) -> Engine:
     url = parse_url(config.url)
     if url.get_backend_name() == "sqlite":
         assert url.database is not None  # parse_url refuses an in-memory database
-        path = Path(url.database).expanduser()
+        path = _home_path(url.database)
+        assert path is not None  # parse_url refuses a path under an unknown user's home
         if str(path) != url.database:  # sqlite:///~/x.db: sqlite3 itself would look for a folder "~"
             url = url.set(database=str(path))
         _refuse_no_regular_file(path, config.url)
@@ -433,21 +440,29 @@ def create_db_engine(config: StoreConfig) -> Engine:
 SQLITE_URI_REFUSED = "SQLite URI mode (?uri=true) is not supported: give the database file's path"
 
 
+def _home_path(database: str) -> Path | None:
+    """A SQLite URL's path with a leading ``~`` or ``~user`` expanded; None when that user is unknown."""
+    try:
+        return Path(database).expanduser()
+    except RuntimeError:  # "Could not determine home directory."
+        return None
+
+
 def sqlite_uri(url: URL) -> bool:
     """True for a SQLite URL in sqlite3's URI mode (``sqlite:///file:x.db?uri=true``)."""
     return str(url.query.get("uri", "")).lower() in ("true", "1")
 
 
 def sqlite_file(url: str) -> Path | None:
-    """The file a SQLite URL names, ``~`` expanded (None for other backends, in-memory, or URI mode,
-    which opening the store refuses)."""
+    """The file a SQLite URL names, ``~`` expanded (None for other backends, in-memory, URI mode, or a
+    path under the home folder of an unknown user, the last two of which opening the store refuses)."""
     try:
         parsed = make_url(url)
     except NOT_A_URL:
         return None
     if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
         return None
-    return None if sqlite_uri(parsed) else Path(parsed.database).expanduser()
+    return None if sqlite_uri(parsed) else _home_path(parsed.database)  # (an unknown ~user: parse_url refuses it)
 
 
 def _secret_key(key: str) -> bool:
