@@ -1,6 +1,6 @@
 """Findings of the database-layer review (round 2): reading the schema revision, which every store's open
 does, was the one read not retried on a transient error; a SQLite path under an unknown user's home
-(``~nobody/x.db``) was an untyped RuntimeError."""
+(``~nobody/x.db``) was an untyped RuntimeError; a SQLite URL's query without ``name=value`` was dropped."""
 
 from __future__ import annotations
 
@@ -101,4 +101,17 @@ def test_a_sqlite_path_under_an_unknown_users_home_is_invalid_input(tmp_path: Pa
     for command in (["init"], ["current"], ["doctor"], ["sessions", "export", "s1"]):
         result = run(*command, "--db", UNKNOWN_HOME, cwd=tmp_path, code=2)
         assert "home folder of a user" in one_error_line(result), command
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tail", ["?b.db", "?", "?timeout", "?timeout="])
+def test_a_sqlite_url_whose_query_holds_no_parameter_is_refused_too(tail: str, tmp_path: Path) -> None:
+    """A query with no ``name=value`` in it (``sqlite:///my?file.db``: a ``?`` in a file name) was dropped
+    without a word: the store was made in another file, ``my``, than the one named, and a later command
+    with the ``?`` written %3F found no store there."""
+    url = f"sqlite:///{tmp_path / 'my'}{tail}"
+    with pytest.raises(InvalidInput, match="takes no query parameters"):
+        TranscriptStore(url)
+    line = one_error_line(run("init", "--db", url, cwd=tmp_path, code=2))
+    assert "no query parameters" in line and "%3F" in line, line
     assert list(tmp_path.iterdir()) == []

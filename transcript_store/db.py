@@ -316,13 +316,15 @@ def parse_url(url: str) -> URL:
             # A file: URI's path is not a file name: the store's file checks (a read command never
             # creates a store, the Hermes plugin's absolute path) would look at the wrong file.
             raise InvalidInput(SQLITE_URI_REFUSED)
-        if parsed.query:
+        if parsed.query or "?" in url:
             # The store sets its connections' options itself (timeout, threads, its own transactions);
             # sqlite3's in a URL were either overridden or, malformed (?timeout=abc), a ValueError from
-            # the driver when the first connection opened.
+            # the driver when the first connection opened. A query holding no name=value (sqlite:///my?file.db)
+            # was dropped without a word: the store was made in the file "my".
+            given = "&".join(sorted(parsed.query)) or url.partition("?")[2]
             raise InvalidInput(
-                f"a SQLite URL takes no query parameters (?{'&'.join(sorted(parsed.query))}): the store sets"
-                " its connections' options (the lock wait: TRANSCRIPT_STORE_BUSY_TIMEOUT_MS)"
+                f"a SQLite URL takes no query parameters (?{given}): the store sets its connections' options"
+                " (the lock wait: TRANSCRIPT_STORE_BUSY_TIMEOUT_MS); a '?' in a file name is written %3F"
             )
     elif backend != "postgresql":
         raise InvalidInput(f"unsupported database backend {backend!r}: use sqlite or postgresql")
