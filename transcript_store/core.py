@@ -31,6 +31,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     delete,
     exists,
@@ -617,6 +618,40 @@ def _visible_sizes_statement(lateral: bool) -> Select[Any]:
 _VISIBLE_SIZES = {lat: _visible_sizes_statement(lat) for lat in (False, True)}
 
 
+# A delta page is bounded by its bytes (max_bytes) as well as its messages, and the bound holds for
+# what the statement LOADS, not only for what the read hands back: each row carries the running sum
+# of the stored sizes up to it (a window over the page's order), rows past the first one over the
+# bound are not returned, and that first one comes without its payload (its size alone tells the
+# caller's required_bytes). Cut in Python after the fetch, a page of max_messages=1,000 over
+# messages of 4 MiB loaded ~4 GB for a 1 MB answer, and a default read of a session of 50 KB tool
+# outputs 50 MB for every 1 MB page. On PostgreSQL a payload not returned is never detoasted (the
+# window passes its TOAST pointer along). SQLite copies every column of a window's input into a
+# temporary table, overflow pages and all, so there the window runs over the rows' sizes and
+# rowids only, and the payloads are looked up by rowid for the rows returned.
+#: SQLite's rowid of an entry (only SQLite's statements name it)
+_ENTRY_ROWID = literal_column(f"{entries.name}.rowid", Integer)
+
+
+def _bytes_bounded(rows: Select[Any], order: Any, size: Any, rowid: Any | None) -> Any:
+    """The page ``rows`` (ENTRY_COLUMNS ordered by ``order``, limited) cut by ``b_max_bytes`` as a
+    subquery of ENTRY_COLUMNS; with ``rowid`` (SQLite), the payloads are fetched after the cut."""
+    limit = bindparam("b_max_bytes", type_=Integer)
+    run = func.sum(size).over(order_by=order, rows=(None, 0)).label("b_run")
+    if rowid is None:
+        sized = rows.add_columns(run).subquery("sized")
+        columns = [sized.c[c.key] for c in ENTRY_COLUMNS]
+        source: Any = sized
+    else:
+        sized = rows.with_only_columns(size, rowid.label("b_rowid"), run).subquery("sized")
+        columns = list(ENTRY_COLUMNS)
+        source = sized.join(entries, rowid == sized.c.b_rowid)
+    at = next(i for i, c in enumerate(ENTRY_COLUMNS) if c.key == "payload")
+    columns[at] = case((sized.c.b_run <= limit, columns[at]), else_=null()).label("payload")
+    # the rows that fit, and the first one that does not (has_more; its size is required_bytes)
+    cut = sized.c.b_run - sized.c.size_bytes <= limit
+    return select(*columns).select_from(source).where(cut).subquery("page")
+
+
 def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     # A delta page in ONE statement: first the session's row (what the read needs of it, prefixed s_,
     # and the raw seq at the cursor's position; its entry columns NULL), then the page after that
@@ -628,7 +663,9 @@ def _delta_page_statement(bounded: bool, lateral: bool) -> CompoundSelect[Any]:
     # on every row and had SQLite materialize the page before joining it ("Profiling" 34). No ORDER
     # BY: SQLite would copy the payloads into a temporary B-tree to sort what the index search
     # already produced in order; delta_page_rows sorts the few rows.
-    return _session_and_page(_visible_rows_statement(bounded, True, lateral).subquery("page"))
+    rows = _visible_rows_statement(bounded, True, lateral)
+    size = rows.selected_columns.size_bytes
+    return _session_and_page(_bytes_bounded(rows, active_path.c.position, size, None if lateral else _ENTRY_ROWID))
 
 
 def _session_and_page(page: Any, *more: Any) -> CompoundSelect[Any]:
@@ -654,7 +691,7 @@ def _session_and_page(page: Any, *more: Any) -> CompoundSelect[Any]:
 _DELTA_PAGE = {(b, lat): _delta_page_statement(b, lat) for b in (False, True) for lat in (False, True)}
 
 
-def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
+def _linear_delta_page_statement(bounded: bool, pg: bool) -> CompoundSelect[Any]:
     # The same page for a session whose every entry is on its active path (it never branched nor was
     # rewritten: path_length = last_seq + 1, which the head row reports as s_linear): then the
     # visible messages after the cursor are the message entries after its seq, in seq order, and
@@ -693,11 +730,12 @@ def _linear_delta_page_statement(bounded: bool) -> CompoundSelect[Any]:
     if bounded:  # the fence's seq bounds the scan too (its position alone would be a filter)
         q = q.where(entries.c.seq < bindparam("b_before_seq"), entries.c.position < bindparam("b_before"))
     linear = (sessions.c.path_length == sessions.c.last_seq + 1).label("s_linear")
-    return _session_and_page(q.subquery("page"), linear)
+    page = _bytes_bounded(q, entries.c.seq, entries.c.size_bytes, None if pg else _ENTRY_ROWID)
+    return _session_and_page(page, linear)
 
 
-#: bounded above -> a delta page's statement for a session without branches (see above)
-_LINEAR_DELTA_PAGE = {b: _linear_delta_page_statement(b) for b in (False, True)}
+#: (bounded above, PostgreSQL) -> a delta page's statement for a session without branches (see above)
+_LINEAR_DELTA_PAGE = {(b, pg): _linear_delta_page_statement(b, pg) for b in (False, True) for pg in (False, True)}
 
 
 #: every RecentKeys, to give each a fresh lock in a forked child (held weakly)
@@ -1058,6 +1096,7 @@ class Core:
         position: int,
         before_position: int | None,
         limit: int,
+        max_bytes: int,
         after_seq: int = -1,
         before_seq: int | None = None,
     ) -> tuple[Row[Any] | None, list[Row[Any]]]:
@@ -1069,15 +1108,18 @@ class Core:
         ``after_seq`` is the raw seq the caller holds for ``position`` (a cursor's): the rows are only
         the page after ``position`` when ``s_at_seq`` equals it, and the caller must drop them otherwise.
         ``before_seq`` is the seq of the entry at ``before_position`` (a fence's, which the caller checks).
+        The rows stop at the first whose stored sizes up to it add up to more than ``max_bytes``; that
+        one comes without its payload (None): see ``_bytes_bounded``.
         """
         params = session_params(
             scope, session_id, b_position=position, b_after=position, b_before=before_position, b_limit=limit,
             b_after_seq=after_seq, b_before_seq=before_seq, b_upto=min(position + limit, MAX_INT),
+            b_max_bytes=max_bytes,
         )
         bounded = before_position is not None
         key = (self.config.url, scope, session_id)
         if not _BRANCHED.touch(key) and (not bounded or before_seq is not None):
-            head, page = self._page_rows(_LINEAR_DELTA_PAGE[bounded], params)
+            head, page = self._page_rows(_LINEAR_DELTA_PAGE[(bounded, not self.dialect.is_sqlite)], params)
             if head is None or head.s_linear:
                 return head, page
             _BRANCHED.add(key)

@@ -61,7 +61,9 @@ def read_visible_delta(
         raise NeedsSnapshot
     before = fence.position if fence is not None else None  # a fence without one fails its check below
     before_seq = fence.seq if fence is not None else None
-    head, found = core.delta_page_rows(scope, session_id, after, before, max_messages + 1, after_seq, before_seq)
+    head, found = core.delta_page_rows(
+        scope, session_id, after, before, max_messages + 1, max_bytes, after_seq, before_seq
+    )
     if head is None:
         if fence is not None:
             # A fenced read is a read for a turn: its session gone, the admitted entry is gone with it,
@@ -104,7 +106,9 @@ def read_visible_delta(
         assert fence.position is not None
         if state.last_position >= fence.position:
             raise ReadFenceError("crossed", "the cursor is already past the admitted entry")
-    # One row more than the page tells has_more without a second query.
+    # One row more than the page tells has_more without a second query. The statement already stopped
+    # at the first row over max_bytes and left its payload out (core._bytes_bounded): the cut below is
+    # the same sum, and that row is never made an Entry.
     page: list[Entry] = []
     used = 0
     for row in found[:max_messages]:
