@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -243,6 +244,9 @@ class HostRuntime(TokenCounts):
     #: quarantine records not written yet (engine id, operation, reason), with the failed tries of each
     _unrecorded: list[tuple[str, str, str]] = field(init=False, default_factory=list)
     _record_tries: dict[str, int] = field(init=False, default_factory=dict)
+    #: when each quarantine's record was last written (monotonic): written again once half of
+    #: ``quarantine_record_seconds`` has passed, so other hosts never prune a live process's record
+    _recorded_at: dict[str, float] = field(init=False, default_factory=dict)
     _unrecorded_lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # the list's, held briefly
     _flush_lock: threading.Lock = field(init=False, default_factory=threading.Lock)  # one flush at a time
     _leases: LeaseKeeper = field(init=False)
@@ -399,13 +403,23 @@ class HostRuntime(TokenCounts):
         transaction's lock.
         """
         with self._flush_lock:
+            age = self.settings.quarantine_record_seconds
             with self._unrecorded_lock:
                 pending, self._unrecorded = self._unrecorded, []
+                # A record of this live process is pruned by another host past the age (it cannot see
+                # this process): written again (its "since" then moves) once half of that has passed.
+                queued = {item[0] for item in pending}
+                stale = time.monotonic() - age / 2
+                for engine_id, written in list(self._recorded_at.items()):
+                    if written < stale and engine_id not in queued and engine_id in self.quarantined:
+                        pending.append((engine_id, *self.quarantined[engine_id]))
             left: list[tuple[str, str, str]] = []
             for item in pending:
                 engine_id, operation, reason = item
                 try:
-                    self.store.write(lambda c: quarantine.record(c, engine_id, operation, reason))  # noqa: B023
+                    self.store.write(
+                        lambda c: quarantine.record(c, engine_id, operation, reason, max_age_seconds=age)  # noqa: B023
+                    )
                 except (StoreUnavailable, SchemaNotCurrent) as e:  # its table missing (mid-migration) too
                     tries = self._record_tries[engine_id] = self._record_tries.get(engine_id, 0) + 1
                     if tries < QUARANTINE_RECORD_TRIES:
@@ -415,6 +429,8 @@ class HostRuntime(TokenCounts):
                     log.error("could not record quarantine of %s after %d tries: %s", engine_id, tries, e)
                 except TranscriptStoreError as e:
                     log.warning("could not record quarantine of %s: %s", engine_id, e)
+                # Written, or given up: tried again (as a refresh) once half of the age has passed.
+                self._recorded_at[engine_id] = time.monotonic()
                 self._record_tries.pop(engine_id, None)
             with self._unrecorded_lock:
                 self._unrecorded[:0] = left

@@ -27,6 +27,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from . import faults
 from .engine import MAX_TOKENS, engine_id_problem, require_engine_id
 from .errors import InvalidInput
+from .quarantine import MAX_RECORD_SECONDS, MIN_RECORD_SECONDS, RECORD_SECONDS
 from .shapes import Shape
 from .terminal import quoted
 
@@ -75,6 +76,10 @@ class HostSettings(Shape):
     max_turn_seconds: float = Field(
         3600.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False,
         description="a turn running longer stops renewing its lease: another turn may then take the session over",
+    )
+    quarantine_record_seconds: float = Field(
+        RECORD_SECONDS, ge=MIN_RECORD_SECONDS, le=MAX_RECORD_SECONDS, allow_inf_nan=False,
+        description="quarantine records of processes not alive here are pruned, and no longer shown, this long after",
     )
     capabilities: list[str] = Field(
         default_factory=lambda: ["assemble-before-prompt"], description="what this host can do for engines"
