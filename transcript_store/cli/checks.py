@@ -107,7 +107,9 @@ def doctor() -> None:
         if store is not None and store_info.get("state") == "current":
             records = [
                 {**r.__dict__, "created_at": r.created_at.isoformat()}
-                for r in store.read(lambda c: quarantine.records(c))
+                for r in store.read(
+                    lambda c: quarantine.records(c, max_age_seconds=settings.quarantine_record_seconds)
+                )
             ]
     finally:
         if store is not None:
@@ -154,12 +156,18 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title="quarantined engines (live processes)", title_justify="left")
-        for name in ("engine", "process", "operation", "reason", "since"):
+        # A record of another host: its process cannot be checked here, so it is neither live nor dead here
+        # (shown while younger than [turn] quarantine_record_seconds), and said so.
+        days = settings.quarantine_record_seconds / 86400
+        table = Table(title=f"quarantined engines (live processes here; other hosts' of the last {days:g} days)",
+                      title_justify="left")
+        for name in ("engine", "process", "where", "operation", "reason", "since"):
             table.add_column(name, overflow="fold")
         for r in data["quarantine"]:
+            where = f"another host ({r['host']}): not checked" if r["elsewhere"] else "alive here"
             # An engine's error text: read, not obeyed (as outbox status shows it).
-            table.add_row(r["engine_id"], r["process"], r["operation"], Text(shown(r["reason"])), r["created_at"])
+            table.add_row(r["engine_id"], Text(shown(r["process"])), Text(shown(where)), r["operation"],
+                          Text(shown(r["reason"])), r["created_at"])
         out.print(table)
     else:
         click.echo("quarantine: none")
