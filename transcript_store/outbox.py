@@ -56,7 +56,7 @@ from .errors import (
     UnknownTurn,
 )
 from .fences import closed_range_of_append, read_closed_range
-from .ledger import CommitResult
+from .ledger import CommitResult, get_receipt
 from .models import Admission, Anchor, ClosedRange, ClosedRangeResult, Entry
 from .schema import entries, outbox, receipts
 
@@ -1158,6 +1158,43 @@ def record_failure(core: Core, intent: TurnIntent, owner: str, error: str, at: i
         return True
     row = get_row(core, intent.scope, intent.session_id, intent.turn_id)
     return row is not None and row.lease_owner is None and row.last_attempt_us == at and row.last_error == error[:2000]
+
+
+def block_other_version(core: Core, intent: TurnIntent, owner: str, payload_hash: str, error: str, at: int) -> bool:
+    """After a failed delivery: block the claimed row when its engine's ledger holds its key committed
+    with another payload (True), else write nothing (False: a failure like any other).
+
+    ``commit_turn`` called directly for a queued turn's key, with another version of the turn (another
+    terminal, a heartbeat), receipts that version: the turn reached the engine once, as that version.
+    The queued version then collides with the receipt at every delivery; retried, it held the engine's
+    later turns of the session back for good (until ``outbox block``). It is settled here instead, in a
+    terminal state that is counted (``DrainReport.blocked``) and shown (``outbox status``), never dropped.
+    Read only on a failed delivery: a delivery that succeeds reads no receipt for it."""
+    receipt = get_receipt(core, intent.scope, intent.session_id, intent.engine_id, intent.turn_id)
+    if receipt is None or receipt.payload_hash == payload_hash:
+        return False
+    theirs = _version(receipt.terminal_entry_id, receipt.message_count, receipt.is_heartbeat)
+    terminal = intent.terminal.entry_id if intent.terminal else None
+    ours = _version(terminal, len(intent.messages or ()), intent.is_heartbeat)
+    reason = (f"committed_other_version: engine {intent.engine_id!r} committed turn {intent.turn_id!r} as another "
+              f"version ({theirs}); this one ({ours}) can never be delivered")
+    done = core.conn.execute(
+        update(outbox)
+        .where(_key(intent.scope, intent.session_id, intent.turn_id), outbox.c.lease_owner == owner)
+        .values(
+            state="blocked", block_reason=reason, attempt_count=outbox.c.attempt_count + 1, last_error=error[:2000],
+            last_attempt_us=at, lease_owner=None, lease_expires_us=None, updated_us=at,
+        )
+    )
+    if done.rowcount != 1:
+        return False  # no longer this claim's: ``record_failure`` tells what became of it
+    log.warning("turn %s of session %s blocked: %s", intent.turn_id, intent.session_id, reason)
+    return True
+
+
+def _version(terminal_id: str | None, count: int, heartbeat: bool) -> str:
+    """A version of a turn, as a block reason names it."""
+    return f"terminal {terminal_id!r}, {count} messages, heartbeat {heartbeat}"
 
 
 @dataclass(frozen=True)

@@ -777,6 +777,7 @@ class Turns:
             claims = self._claims = self._claims or LeaseKeeper(self.store)
             claims.hold(intent.scope, intent.session_id, intent.turn_id, self.config.delivery_lease_seconds,
                         owner, claim=True)
+        tried: list[TurnPayload] = []  # the payload, once the delivery is tried (its engine was found)
         try:
             landed: list[CommitResult] = []
 
@@ -804,6 +805,7 @@ class Turns:
                     raise _EngineUnavailable
                 deliver = found
                 payload = turn_payload(intent)
+                tried.append(payload)
                 result = self.store.write(run)
             finally:
                 if claims is not None:
@@ -817,8 +819,14 @@ class Turns:
             return False
         except Exception as e:
             error = str(e) if isinstance(e, _EngineUnavailable) else describe(e)
-            report.stopped_sessions.append(intent.session_id)
             at = now_us()
+            settled = bool(tried) and self.store.write(
+                lambda c: _other_version(c, group, intent, owner, tried[0], error, at)
+            )
+            if settled:
+                report.blocked += 1  # settled: its engine holds the turn as another version; the group goes on
+                return True
+            report.stopped_sessions.append(intent.session_id)
             if not self.store.write(lambda c: outbox.record_failure(c, intent, owner, error, at)):
                 # The row is no longer this claim's: deleted with its session meanwhile (the turn ran
                 # again in a session created under the id), or taken over. Nothing of it stays queued:
@@ -977,6 +985,16 @@ def _gone(c: Core, anchor: Anchor) -> bool:
     """Whether the session of an anchor is gone: deleted, perhaps made again under its id."""
     row = c.session_row(anchor.scope, anchor.session_id)
     return row is None or foreign_incarnation(anchor.incarnation, row.incarnation, row.created_us)
+
+
+def _other_version(
+    c: Core, group: outbox.Group, intent: TurnIntent, owner: str, payload: TurnPayload, error: str, at: int
+) -> bool:
+    """Whether a failed delivery's row was blocked because its engine's ledger holds the turn as another
+    version (``outbox.block_other_version``); also when retried after that block's uncertain COMMIT."""
+    return outbox.block_other_version(c, intent, owner, payload.payload_hash, error, at) or _blocked(
+        c, group, intent.turn_id, at
+    )
 
 
 def _blocked(c: Core, group: outbox.Group, turn_id: str, at: int) -> bool:
