@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl
 
 from sqlalchemy import Connection, Engine, Table, create_engine, event, text
 from sqlalchemy.dialects import postgresql as pg
@@ -332,9 +333,30 @@ def parse_url(url: str) -> URL:
         # libpq refused it only when connecting ("invalid port number"), which read as a database down
         # (the CLI's exit 5, a service's 503): a URL no server can answer is a bad URL.
         raise InvalidInput(f"the URL's port {parsed.port} is not a TCP port (1 to 65535)")
-    elif parsed.query:
-        _check_pg_options(parsed.query)
+    else:
+        _refuse_options_without_value(url)
+        if parsed.query:
+            _check_pg_options(parsed.query)
     return parsed
+
+
+#: the scheme and user part of a URL as make_url's own pattern reads them: a '?' in the password (or the
+#: user name) is theirs, and the query starts at the first '?' after them
+_SCHEME_AND_USER = re.compile(r"[\w+]+://(?:[^:/]*(?::[^@]*)?@)?")
+
+
+def _refuse_options_without_value(url: str) -> None:
+    """Refuse a PostgreSQL URL's query option given without a value (``?sslmode``, ``?a=1&b``, ``?sslmode=``):
+    make_url dropped it without a word, and the connection went without it (no TLS asked for), or to another
+    database (``/my?db``: the database ``my``)."""
+    start = _SCHEME_AND_USER.match(url)
+    query = url[start.end() if start else 0 :].partition("?")[2]
+    blank = [name for name, value in parse_qsl(query, keep_blank_values=True) if not value]
+    if blank:
+        raise InvalidInput(
+            f"the URL's query gives no value to {', '.join(repr(name) for name in blank)}: write name=value"
+            " (a '?' in a database name is written %3F)"
+        )
 
 
 #: libpq's connection options whose value is one of a few words. libpq refuses another word (a typo,
