@@ -8,6 +8,7 @@ import logging
 import weakref
 from typing import Any
 
+from .config import as_int
 from .ingest import IngestMixin
 from .lineage import ALIAS, INDEX_KEY
 from .messages import canonical, detached, digest
@@ -35,6 +36,17 @@ def _branch_parent(session_db: Any, session_id: str) -> str | None:
         return parent_id if isinstance(parent, dict) and parent.get("end_reason") == "branched" else None
     except Exception:
         return None
+
+
+def rewound(session_db: Any, hermes_session: str) -> bool:
+    """Whether hermes-agent's session database counts a rewind of the conversation (``/undo``, the
+    checkpoint ``/rollback``: ``rewind_to_message`` soft-deletes the undone rows and counts it on the
+    session's row); False when it counts none or cannot tell."""
+    try:
+        row = session_db.get_session(hermes_session) if session_db is not None else None
+        return isinstance(row, dict) and as_int(row.get("rewind_count")) > 0
+    except Exception:
+        return False
 
 
 def saved_conversation(session_db: Any, hermes_session: str) -> Any:
@@ -103,8 +115,15 @@ class SessionsMixin(IngestMixin):
             log.exception("transcript-store: could not continue session %s under %s", old, session_id)
 
     def on_session_end(self, session_id: str, messages: list[dict[str, Any]]) -> None:
-        """Store whatever of the conversation is not stored yet (idempotent)."""
+        """Store whatever of the conversation is not stored yet (idempotent); after an ``/undo``, what
+        Hermes' session database kept of it (``_store_saved``)."""
         try:
+            db = self._bound_db()
+            if session_id and db is not None and rewound(db, session_id) and self._store_saved(db, session_id):
+                # /undo tells the engine nothing, and the list Hermes passes at exit (the agent's
+                # ``_session_messages``) still holds the undone turn: stored, it stayed visible to every
+                # later read and resume. The database's active rows are what the user kept.
+                return
             if messages:
                 self.ingest(detached(list(messages)), session_id or None)
         except Exception:
@@ -145,6 +164,28 @@ class SessionsMixin(IngestMixin):
                 self._store_saved(session_db, parent)
         self.session_id = session_id
 
+    def _undone_whole(self, session_db: Any, hermes_session: str) -> bool:
+        """Every turn of a rewound conversation undone (the database saved rows, none active): its store
+        session shows nothing, the turns kept off the active branch; whether it did. Only a store session
+        of the Hermes session's own, no compaction taken in it (a lineage's earlier turns are no
+        rewound rows of this id)."""
+        if not session_db.get_messages_as_conversation(hermes_session, include_inactive=True):
+            return False
+        rt = self.runtime()
+        own = rt.store.find_session(self.scope, hermes_session)
+        store_session = self._lineage(rt, hermes_session)
+        with rt.lock:
+            taken = store_session in rt.adopted or store_session in rt.pending
+        if own is None or store_session != own.session_id or taken:
+            return False
+        with rt.session_lock(store_session):
+            if rt.store.get_session(self.scope, store_session).head_entry_id is not None:
+                rt.store.branch(self.scope, store_session, None)
+            with rt.lock:
+                rt.visible.pop(store_session, None)
+                rt.selections.pop(store_session, None)
+        return True
+
     def _bound_db(self) -> Any:
         """Hermes' session database given by ``bind_session_state`` (None: none yet)."""
         return getattr(self, "_session_db", None)
@@ -157,11 +198,19 @@ class SessionsMixin(IngestMixin):
             log.exception("transcript-store: could not look up session %s", hermes_session)
             return False
 
-    def _store_saved(self, session_db: Any, hermes_session: str) -> None:
-        """Store what Hermes' session database saved of a conversation (never raises into Hermes)."""
+    def _store_saved(self, session_db: Any, hermes_session: str) -> bool:
+        """Store what Hermes' session database saved of a conversation; whether it saved any (never raises
+        into Hermes). After a rewind (``rewound``) the saved list is the conversation itself: what the
+        store shows after its end (the turns ``/undo`` took back) leaves the active branch, kept off it."""
         try:
             saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
-            if isinstance(saved, list) and saved:
-                self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session)
+            follow = isinstance(saved, list) and rewound(session_db, hermes_session)
+            if follow and not saved:
+                return self._undone_whole(session_db, hermes_session)
+            if not isinstance(saved, list) or not saved:
+                return False
+            self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session, follow=follow)
+            return True
         except Exception:
             log.exception("transcript-store: storing conversation %s at a session switch failed", hermes_session)
+            return False
