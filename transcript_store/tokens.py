@@ -7,6 +7,8 @@ estimator from ``TRANSCRIPT_STORE_TOKENIZER`` (``rough``, the default, or ``tikt
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib
 import importlib.util
 import json
@@ -87,21 +89,96 @@ def _image_tokens(part: dict[str, Any]) -> int | None:
     return IMAGE_TOKENS_LOW if detail == "low" else IMAGE_TOKENS
 
 
+#: an ``input_audio`` part: OpenAI's rate for audio input, a token per 100 ms of sound
+AUDIO_TOKENS_PER_SECOND = 10
+#: the fewest bytes a second of audio takes (32 kbit/s, compressed speech): its length in seconds is its
+#: size over this, or over a WAV header's byte rate when that is higher
+AUDIO_MIN_BYTES_PER_SECOND = 4_000
+#: a page of a ``file`` part (a PDF): what a provider sends the model for it, an image of the page (at
+#: most ~1,100 tokens for a letter page) and its text
+FILE_PAGE_TOKENS = 2_000
+#: the bytes of a page when a file's pages cannot be counted (a text PDF's; a scanned page is larger)
+FILE_BYTES_PER_PAGE = 10_000
+_PDF_PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
+
+
+def _base64_payload(data: Any) -> str:
+    """The base64 text of an inline payload: a ``data:`` URL's part after its comma, else ``data`` itself."""
+    if not isinstance(data, str):
+        return ""
+    if data.startswith("data:"):
+        return data.partition(",")[2]
+    return data
+
+
+def _decoded_size(payload: str) -> int:
+    """The bytes a base64 text decodes to (padding aside; line breaks in it count), without decoding it."""
+    return len(payload.rstrip("=")) * 3 // 4
+
+
+def _audio_tokens(audio: Any) -> int:
+    """The tokens of an ``input_audio`` part's payload: AUDIO_TOKENS_PER_SECOND a second of it, its
+    seconds its size over its WAV header's byte rate, or over AUDIO_MIN_BYTES_PER_SECOND when that is
+    higher or there is no such header."""
+    payload = _base64_payload(audio.get("data") if isinstance(audio, dict) else None)
+    size = _decoded_size(payload)
+    if not size:
+        return 0
+    rate = AUDIO_MIN_BYTES_PER_SECOND
+    try:
+        head = base64.b64decode(payload[:48])
+    except (binascii.Error, ValueError):
+        head = b""
+    if len(head) >= 32 and head[:4] == b"RIFF" and head[8:16] == b"WAVEfmt ":
+        rate = max(rate, int.from_bytes(head[28:32], "little"))  # the fmt chunk's byte rate
+    return math.ceil(size * AUDIO_TOKENS_PER_SECOND / rate)
+
+
+def _file_tokens(file: Any) -> int:
+    """The tokens of a ``file`` part: FILE_PAGE_TOKENS a page, its pages counted in a PDF whose page
+    objects are plain, else one per FILE_BYTES_PER_PAGE of it; one page for a file sent by id alone."""
+    payload = _base64_payload(file.get("file_data") if isinstance(file, dict) else None)
+    size = _decoded_size(payload)
+    if not size:
+        return FILE_PAGE_TOKENS
+    try:
+        pages = len(_PDF_PAGE.findall(base64.b64decode(payload)))
+    except (binascii.Error, ValueError):
+        pages = 0
+    return FILE_PAGE_TOKENS * (pages or -(-size // FILE_BYTES_PER_PAGE))
+
+
+def _media_tokens(part: dict[str, Any]) -> int | None:
+    """The tokens of an image, audio or file content part, as a provider counts it (None for another).
+
+    Never the text of its payload: an audio clip or a PDF sent inline (base64 in ``input_audio.data``,
+    ``file.file_data``) was counted as that text, ~300,000 tokens for 1 MB, so its turn was refused."""
+    image = _image_tokens(part)
+    if image is not None:
+        return image
+    kind = part.get("type")
+    if kind == "input_audio" or (kind is None and "input_audio" in part):
+        return _audio_tokens(part.get("input_audio"))
+    if kind == "file" or (kind is None and "file" in part):
+        return _file_tokens(part.get("file"))
+    return None
+
+
 def _content_tokens(content: Any, count_text: Callable[[str], int]) -> int:
     """The tokens of a message's ``content`` (a string or a list of parts): texts by ``count_text``, an
-    image by what the provider counts for it (``_image_tokens``)."""
+    image, audio or file by what the provider counts for it (``_media_tokens``)."""
     if isinstance(content, str):
         return count_text(content)
     total = 0
     for text in _content_texts(content):
         total += count_text(text)
     if isinstance(content, list):
-        total += sum(_image_tokens(p) or 0 for p in content if isinstance(p, dict))
+        total += sum(_media_tokens(p) or 0 for p in content if isinstance(p, dict))
     return total
 
 
 def _content_texts(content: Any) -> Iterator[str]:
-    """The countable texts of a message's ``content`` (a string or a list of parts; images aside)."""
+    """The countable texts of a message's ``content`` (a string or a list of parts; media aside)."""
     if isinstance(content, str):
         yield content
     elif isinstance(content, list):
@@ -110,8 +187,8 @@ def _content_texts(content: Any) -> Iterator[str]:
                 text = part.get("text")
                 if isinstance(text, str):
                     yield text
-                elif part.get("type") != "text" and _image_tokens(part) is None:
-                    # audio, files: count their JSON so a large inline payload is not free
+                elif part.get("type") != "text" and _media_tokens(part) is None:
+                    # another kind of part: count its JSON so a large inline payload is not free
                     yield json.dumps(part, ensure_ascii=False, sort_keys=True)
             elif isinstance(part, str):
                 yield part
@@ -208,7 +285,9 @@ class RoughEstimator:
     each, of four (emoji) 2 tokens each.
     Messages: 4 tokens of framing each, plus content, ``name``, tool-call names and arguments (and 3
     tokens per call; an older-format ``function_call`` is one call), ``tool_call_id``, plus 3 tokens of
-    reply priming. An image part is IMAGE_TOKENS (IMAGE_TOKENS_LOW at ``low`` detail), whatever its URL.
+    reply priming. An image part is IMAGE_TOKENS (IMAGE_TOKENS_LOW at ``low`` detail), whatever its URL;
+    an ``input_audio`` part AUDIO_TOKENS_PER_SECOND a second of it, a ``file`` part FILE_PAGE_TOKENS a
+    page (``_media_tokens``), never the text of their base64.
 
     Typical error, measured against tiktoken ``cl100k_base`` exact counts (p5 / median / p95 per text of
     a few hundred characters): English prose (stdlib docstrings) +0% / +18% / +38%; Python source
