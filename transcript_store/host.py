@@ -49,6 +49,7 @@ from .engine import (
     takes_keyword,
 )
 from .errors import (
+    AdvancementKeyCollision,
     EngineContractError,
     EngineError,
     EngineSwitchError,
@@ -497,6 +498,12 @@ class HostRuntime(TokenCounts):
                 error = _exited(engine_id, "commit_turn", e)
                 self.quarantine(engine_id, "commit_turn", error, in_transaction=True)
                 raise error from e
+            except AdvancementKeyCollision:
+                # The ledger's answer, not the engine's failure: the key was committed before as another
+                # payload (a direct commit of a queued turn's key). The drain settles that row
+                # (``committed_other_version``); isolating the engine for it sent the session's next
+                # queued turn, and the process's every later turn, to legacy.
+                raise
             except Exception as e:
                 if not self._database_failed(e):
                     self.quarantine(engine_id, "commit_turn", e, in_transaction=True)
