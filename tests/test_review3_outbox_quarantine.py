@@ -21,7 +21,7 @@ from hosting import CountingEngine, RecordingModel
 from transcript_store import TranscriptStore
 from transcript_store.core import Core
 from transcript_store.host import HostRuntime
-from transcript_store.ledger import CommitResult, TurnPayload, get_state
+from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, get_state
 from transcript_store.quarantine import records
 from transcript_store.registry import EngineRegistry
 from transcript_store.settings import load_settings
@@ -93,3 +93,32 @@ def test_a_host_drain_settling_another_version_keeps_the_engine_and_delivers_the
         assert host.run_turn(S, sid, "and then", turn_id="t3").engine_id == E
     finally:
         host.dispose()
+
+
+def test_a_failed_delivery_of_the_very_version_receipted_stays_queued(store: TranscriptStore) -> None:
+    """The receipt holds the queued version itself (committed directly, same range and flag) and the
+    delivery fails for another reason (the engine down): nothing is settled, the row stays queued, and the
+    next drain with the engine up finds it ``duplicate``. Only another version blocks."""
+    sid = store.create_session(S, session_id="review3-same").session_id
+    turns = Turns(store)
+    _queue(turns, sid, "t1", replies=2)
+    intent = turns.intent(S, sid, "t1")
+    assert intent is not None and intent.terminal is not None
+    start, end = intent.admission.anchor.position, intent.terminal.position
+    assert start is not None and end is not None
+    messages = [e.message for e in store.read_visible(S, sid)[start : end + 1]]
+    same = turns.commit_turn(E, "t1", intent.admission, intent.terminal, messages)
+    assert same.status == "committed"
+
+    report = turns.drain(lambda engine_id: _failing, scope=S, session_id=sid)
+    assert report.blocked == 0 and [t for _s, t, _e in report.failed] == ["t1"]
+    row = turns.intent(S, sid, "t1")
+    assert row is not None and row.state == "ready" and row.block_reason is None
+
+    again = turns.drain(lambda engine_id: _ledger, scope=S, session_id=sid)
+    assert (again.duplicates, again.blocked, again.failed) == (1, 0, [])
+    assert turns.intent(S, sid, "t1") is None
+
+
+def _ledger(c: Core, turn: TurnPayload) -> CommitResult:
+    return commit_turn_in(c, turn)
