@@ -165,3 +165,14 @@ def test_a_live_host_writes_its_records_again_before_other_hosts_prune_them(stor
         assert again.created_at > first.created_at
     finally:
         host.dispose()
+
+
+def test_doctor_names_a_short_age_in_hours(store_url: str, tmp_path: Path) -> None:
+    """The table's title gives the configured age as a person reads it: an hour was "0.0416667 days"."""
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        _put(store, "remote-engine", _elsewhere(), 60 * 1_000_000)
+    config = tmp_path / "short.toml"
+    config.write_text("[turn]\nquarantine_record_seconds = 3600.0\n")
+    text = " ".join(_doctor(store_url, tmp_path, "--config", str(config)).stdout.split())
+    assert "remote-engine" in text and "of the last 1 hour)" in text, text
+    assert "of the last 7 days)" in " ".join(_doctor(store_url, tmp_path).stdout.split())

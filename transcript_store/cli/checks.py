@@ -158,8 +158,8 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
 
         # A record of another host: its process cannot be checked here, so it is neither live nor dead here
         # (shown while younger than [turn] quarantine_record_seconds), and said so.
-        days = settings.quarantine_record_seconds / 86400
-        table = Table(title=f"quarantined engines (live processes here; other hosts' of the last {days:g} days)",
+        table = Table(title=f"quarantined engines (live processes here; other hosts' of the last "
+                            f"{_span(settings.quarantine_record_seconds)})",
                       title_justify="left")
         for name in ("engine", "process", "where", "operation", "reason", "since"):
             table.add_column(name, overflow="fold")
@@ -176,3 +176,12 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
     for p in data["problems"]:
         click.echo(f"problem: {shown(p)}")
     click.echo("ok" if data["ok"] else "NOT OK")
+
+
+def _span(seconds: float) -> str:
+    """A span of time as a person reads it: "7 days", "36 hours", "90 minutes" (never "0.0416667 days")."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= 2 * size or seconds == size:
+            count = round(seconds / size, 1)
+            return f"{count:g} {unit}" + ("" if count == 1 else "s")
+    return f"{seconds:g} seconds"
