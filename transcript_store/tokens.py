@@ -152,46 +152,74 @@ def _media_tokens(part: dict[str, Any]) -> int | None:
     """The tokens of an image, audio or file content part, as a provider counts it (None for another).
 
     Never the text of its payload: an audio clip or a PDF sent inline (base64 in ``input_audio.data``,
-    ``file.file_data``) was counted as that text, ~300,000 tokens for 1 MB, so its turn was refused."""
+    ``file.file_data``) was counted as that text, ~300,000 tokens for 1 MB, so its turn was refused.
+    Anthropic's ``image`` and ``document`` parts (base64 in ``source.data``) and the Responses API's
+    ``input_image`` and ``input_file`` count as OpenAI's image and file parts do."""
     image = _image_tokens(part)
     if image is not None:
         return image
     kind = part.get("type")
+    if kind in ("image", "input_image"):
+        return IMAGE_TOKENS_LOW if part.get("detail") == "low" else IMAGE_TOKENS
     if kind == "input_audio" or (kind is None and "input_audio" in part):
         return _audio_tokens(part.get("input_audio"))
     if kind == "file" or (kind is None and "file" in part):
         return _file_tokens(part.get("file"))
+    if kind == "input_file":
+        return _file_tokens(part)
+    if kind == "document":
+        source = part.get("source")
+        if isinstance(source, dict) and source.get("type") in ("text", "content"):
+            return None  # a plain-text document or one of parts: counted as text (and its parts as parts)
+        return _file_tokens({"file_data": source.get("data") if isinstance(source, dict) else None})
     return None
+
+
+def _nested_parts(part: dict[str, Any]) -> tuple[dict[str, Any], list[Any]] | None:
+    """A part holding parts of its own (a ``tool_result``'s ``content``, a ``document``'s
+    ``source.content``): the part without them, and them; None for another part."""
+    inner = part.get("content")
+    if isinstance(inner, list):
+        return {k: v for k, v in part.items() if k != "content"}, inner
+    source = part.get("source")
+    if isinstance(source, dict) and isinstance(source.get("content"), list):
+        return {**part, "source": {k: v for k, v in source.items() if k != "content"}}, source["content"]
+    return None
+
+
+def _part_tokens(part: dict[str, Any], count_text: Callable[[str], int]) -> int:
+    """The tokens of one content part: its text, its media (``_media_tokens``), else its JSON, the parts
+    it holds counted as parts (a tool result's screenshot is an image, not the text of its base64)."""
+    text = part.get("text")
+    if isinstance(text, str):
+        return count_text(text)
+    media = _media_tokens(part)
+    if media is not None:
+        return media
+    if part.get("type") == "text":
+        return 0
+    nested = _nested_parts(part)
+    if nested is not None:
+        rest, inner = nested
+        return count_text(json.dumps(rest, ensure_ascii=False, sort_keys=True)) + _content_tokens(inner, count_text)
+    # another kind of part: count its JSON so a large inline payload is not free
+    return count_text(json.dumps(part, ensure_ascii=False, sort_keys=True))
 
 
 def _content_tokens(content: Any, count_text: Callable[[str], int]) -> int:
     """The tokens of a message's ``content`` (a string or a list of parts): texts by ``count_text``, an
-    image, audio or file by what the provider counts for it (``_media_tokens``)."""
+    image, audio or file by what the provider counts for it (``_part_tokens``)."""
     if isinstance(content, str):
         return count_text(content)
+    if not isinstance(content, list):
+        return 0
     total = 0
-    for text in _content_texts(content):
-        total += count_text(text)
-    if isinstance(content, list):
-        total += sum(_media_tokens(p) or 0 for p in content if isinstance(p, dict))
+    for part in content:
+        if isinstance(part, dict):
+            total += _part_tokens(part, count_text)
+        elif isinstance(part, str):
+            total += count_text(part)
     return total
-
-
-def _content_texts(content: Any) -> Iterator[str]:
-    """The countable texts of a message's ``content`` (a string or a list of parts; media aside)."""
-    if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    yield text
-                elif part.get("type") != "text" and _media_tokens(part) is None:
-                    # another kind of part: count its JSON so a large inline payload is not free
-                    yield json.dumps(part, ensure_ascii=False, sort_keys=True)
-            elif isinstance(part, str):
-                yield part
 
 
 def _tool_call_texts(tool_calls: Any) -> Iterator[str]:
@@ -287,7 +315,8 @@ class RoughEstimator:
     tokens per call; an older-format ``function_call`` is one call), ``tool_call_id``, plus 3 tokens of
     reply priming. An image part is IMAGE_TOKENS (IMAGE_TOKENS_LOW at ``low`` detail), whatever its URL;
     an ``input_audio`` part AUDIO_TOKENS_PER_SECOND a second of it, a ``file`` part FILE_PAGE_TOKENS a
-    page (``_media_tokens``), never the text of their base64.
+    page (``_media_tokens``; Anthropic's ``image`` and ``document`` parts too, and the images among a
+    tool result's parts), never the text of their base64.
 
     Typical error, measured against tiktoken ``cl100k_base`` exact counts (p5 / median / p95 per text of
     a few hundred characters): English prose (stdlib docstrings) +0% / +18% / +38%; Python source
