@@ -40,15 +40,23 @@ _NON_ASCII = re.compile("[^\x00-\x7f]")
 _THREE_BYTES = re.compile("[\u0800-\uffff]")
 _FOUR_BYTES = re.compile("[\U00010000-\U0010ffff]")
 _WIDE_FOUR_BYTES = re.compile("[\U00020000-\U0003ffff]")  # the CJK ideographs of _WIDE outside the BMP
+# Georgian letters (three bytes): cl100k_base merges few of them, 2.0-2.2 tokens a letter (counted at 11 per 5)
+_GEORGIAN = re.compile("[\u10a0-\u10ff\u1c90-\u1cbf\u2d00-\u2d2f]+")
 # Characters of two UTF-8 bytes by script, at what cl100k_base gives them (tokens a character, median to
-# p95 of 300-character texts of gettext catalogs): Latin accents, IPA and combining marks (U+0080-U+036F)
-# two characters a token; Cyrillic 0.45-0.53 in Russian, 0.57-0.65 in Bulgarian, 0.62-0.79 in Ukrainian,
+# p95 of 300-character texts of gettext catalogs): Latin letters 9 tokens per 4 (Latin-1: e acute, u
+# umlaut) or 11 per 4 (Latin Extended, IPA, combining marks: Polish, Czech, Turkish, Romanian, Vietnamese,
+# Hungarian), because an accent splits its word and the word's other letters tokenize worse too (needed:
+# 1.9-2.7 tokens an accented letter in those languages, 1.1-2.2 in French, Spanish, German); Latin-1
+# signs and spaces (U+0080-U+00BF, times, divide) a token each; Cyrillic 0.45-0.53 in Russian, 0.57-0.65
+# in Bulgarian, 0.62-0.79 in Ukrainian,
 # Serbian, Belarusian (their words are rarer in the vocabulary; told apart by the letters Russian lacks,
 # U+0456 i, U+0458 j, U+045E short u, U+04D9 schwa, ...);
 # Greek 1.04-1.11; Hebrew 1.15-1.29; Arabic and Persian 0.86-0.93 (Pashto, Uyghur ~1.2); Armenian,
 # Syriac, Thaana and NKo about 2, a token per byte (cl100k merges none of them).
 # (runs of characters: counted by their lengths, three times faster than one match a character)
 _LATIN_TWO = re.compile("[\u0080-\u036f]+")
+_LATIN_SIGNS = re.compile("[\u0080-\u00bf\u00d7\u00f7]+")  # Latin-1 spaces, signs, punctuation: « » ° ©
+_LATIN_EXTENDED = re.compile("[\u0100-\u036f]+")  # ą ł č ř ğ ş ő ș ơ ư, IPA, combining marks
 _CYRILLIC = re.compile("[\u0400-\u052f]+")
 _CYRILLIC_NOT_RUSSIAN = re.compile("[\u0400\u0402-\u040f\u0450\u0452-\u052f]")  # all but U+0410-U+044F, Ё, ё
 _GREEK = re.compile("[\u0370-\u03ff]+")
@@ -285,7 +293,12 @@ def _two_byte_tokens(text: str, two: int) -> int:
     of what cl100k_base gives it, Ukrainian or Serbian 15-30% under: a budget fitted with it overflowed."""
     latin = _count(_LATIN_TWO, text)
     rest = two - latin
-    tokens = math.ceil(latin / 2)
+    if latin:
+        signs = _count(_LATIN_SIGNS, text)
+        extended = _count(_LATIN_EXTENDED, text)
+        tokens = signs + -(-(9 * (latin - signs - extended) + 11 * extended) // 4)
+    else:
+        tokens = 0
     if rest:
         cyrillic = _count(_CYRILLIC, text)
         if cyrillic:
@@ -307,10 +320,11 @@ class RoughEstimator:
 
     Text: ASCII letters and spaces 4 chars per token, ASCII digits and punctuation 2 per token, CJK
     ideographs / kana / hangul / full-width forms 1 token each; other characters of two UTF-8 bytes by
-    script: Latin accents 2 chars per token, Cyrillic 3 tokens per 5 letters (3 per 4 in a text with a
+    script: Latin-1 letters 9 tokens per 4, other Latin letters (Latin Extended, IPA, combining marks) 11
+    per 4, Latin-1 signs and spaces 1 each, Cyrillic 3 tokens per 5 letters (3 per 4 in a text with a
     letter Russian lacks: Ukrainian, Serbian, ...), Greek 6 per 5, Hebrew 5 per 4, Arabic 1 each,
     Armenian, Syriac, Thaana, NKo 2 each; of three bytes (Devanagari, Tamil, Thai, symbols) 1 token
-    each, of four (emoji) 2 tokens each.
+    each (Georgian 11 per 5), of four (emoji) 2 tokens each.
     Messages: 4 tokens of framing each, plus content, ``name``, tool-call names and arguments (and 3
     tokens per call; an older-format ``function_call`` is one call), ``tool_call_id``, plus 3 tokens of
     reply priming. An image part is IMAGE_TOKENS (IMAGE_TOKENS_LOW at ``low`` detail), whatever its URL;
@@ -321,8 +335,11 @@ class RoughEstimator:
     Typical error, measured against tiktoken ``cl100k_base`` exact counts (p5 / median / p95 per text of
     a few hundred characters): English prose (stdlib docstrings) +0% / +18% / +38%; Python source
     -4% / +20% / +44%; JSON tool arguments -12% / -5% / +2%; Chinese and Japanese UI strings (gettext
-    catalogs) -12% / -5% / +2%; Korean -15% / -9% / -3%; German -20% / -12% / -3%; French -16% / -8% /
-    +3%; Polish, Czech, Turkish -35% / -27% / -17%; Russian +10% / +26% / +40%; Ukrainian +6% / +17% /
+    catalogs) -12% / -5% / +2%; Korean -15% / -9% / -3%; German -14% / -3% / +12%; French -4% / +10% /
+    +25%; Spanish -7% / +5% / +20%; Polish, Czech, Turkish, Vietnamese, Romanian, Hungarian -14%..+1% /
+    +0%..+15% / +15%..+35% (-39%..-28% / -34%..-21% / -24%..-9% at two characters an accented letter;
+    man pages: +3%..+23% median); Georgian +2% / +4% / +5% (-50% at a token a letter); Russian +10% /
+    +26% / +40%; Ukrainian +6% / +17% /
     +28%; Bulgarian, Serbian, Belarusian -6% / +5% / +18%; Kazakh -21% / -14% / -6%; Greek +7% / +13% /
     +18%; Hebrew -1% / +6% / +20% (Yiddish -11%); Arabic and Persian +6% / +13% / +21% (Uyghur, Pashto,
     Kurdish -11%..-17%); Armenian -6% (Greek, Hebrew, Arabic and Armenian were counted at half of
@@ -355,10 +372,11 @@ class RoughEstimator:
         wide_four = len(_WIDE_FOUR_BYTES.findall(text)) if four else 0
         light = len(text) - dense - non_ascii
         two = non_ascii - three - four  # characters of two UTF-8 bytes: by script (_two_byte_tokens)
-        narrow_three = three - (wide - wide_four)  # three bytes, not CJK: one token each
+        narrow_three = three - (wide - wide_four)  # three bytes, not CJK: one token each (Georgian more)
+        georgian = -(-6 * _count(_GEORGIAN, text) // 5) if narrow_three else 0  # 1 + 6/5 a Georgian letter
         return (
             math.ceil(light / 4) + math.ceil(dense / 2) + wide + (_two_byte_tokens(text, two) if two else 0)
-            + narrow_three + 2 * (four - wide_four)
+            + narrow_three + georgian + 2 * (four - wide_four)
         )
 
     def count_messages(self, messages: Sequence[dict[str, Any]]) -> int:
