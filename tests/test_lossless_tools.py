@@ -247,8 +247,9 @@ def test_a_long_message_summarized_away_is_read_whole_a_piece_at_a_time(store: T
         pages.append(page["items"][0]["content"].removesuffix("…"))
         offset = page["next_offset"]
     assert "".join(pages) == long_reply and len(pages) == -(-len(long_reply) // 4000)
-    past = call(engine, sid, "lcm_expand", {"id": "msg_1", "offset": 10**9})
-    assert past["items"][0]["content"] == "" and past["next_offset"] is None
+    end = call(engine, sid, "lcm_expand", {"id": "msg_1", "offset": len(long_reply)})
+    assert end["items"][0]["content"] == "" and end["next_offset"] is None
+    assert "past the end" in call(engine, sid, "lcm_expand", {"id": "msg_1", "offset": 10**9})["error"]
 
 
 # ---------------------------------------------------------------------------------------------- regex

@@ -17,7 +17,9 @@ import json
 from typing import Any, cast
 
 import regex
+from sqlalchemy import cast as sql_cast
 from sqlalchemy import func, literal_column, select
+from sqlalchemy.dialects.postgresql import JSON
 from sqlalchemy.exc import DataError
 
 from transcript_store.compaction import reset_in
@@ -194,9 +196,28 @@ def _describe_args(args: dict[str, Any]) -> str:
     return _ident(args, "a summary id (sum_N), a message id (msg_N) or an entry id")
 
 
+def _offset(args: dict[str, Any]) -> int:
+    """``offset`` as given: a negative or huge one is refused, never moved to 0 or to the INTEGER columns'
+    end (the answer then named an offset other than the one asked for, and the model read on from there)."""
+    value = _optional(args, "offset", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ToolError("offset must be an integer")
+    if not 0 <= value <= MAX_INT:
+        raise ToolError(f"offset must be an integer from 0 to {MAX_INT}")  # never the value: 5,000 digits
+    return value
+
+
+def _past_end(offset: int, total: int, ident: str, unit: str) -> ToolError | None:
+    """The error for an offset after the end of what ``ident`` holds (``total`` ``unit``); ``total`` itself
+    is the end, answered with no items and no ``next_offset``."""
+    if offset <= total:
+        return None
+    return ToolError(f"offset {offset} is past the end of {ident}: it has {total} {unit} (offsets 0 to {total})")
+
+
 def _expand_args(args: dict[str, Any]) -> tuple[str, int, int]:
     raw = _ident(args, "a summary id (sum_N) or a message id")
-    return raw, _int(args, "offset", 0, 0, MAX_INT), _int(args, "limit", 50, 1, MAX_LIMIT)
+    return raw, _offset(args), _int(args, "limit", 50, 1, MAX_LIMIT)
 
 
 def check(name: str, args: dict[str, Any]) -> regex.Pattern[str] | None:
@@ -297,9 +318,10 @@ def _holder(core: Core, scope: str, session_id: str, chain: list[int], first: in
     return next((summary_id(s) for s in chain if _in_context(core, scope, session_id, first, summary=s)), None)
 
 
-def _find_message(core: Core, scope: str, session_id: str, raw: str) -> Any:
+def _find_message(core: Core, scope: str, session_id: str, raw: str, columns: tuple[Any, ...] = (messages,)) -> Any:
+    """The row (``columns`` of it) of the message ``raw`` names, or None."""
     parsed = parse_id(raw)
-    q = select(messages).where(*_key(messages, scope, session_id))
+    q = select(*columns).where(*_key(messages, scope, session_id))
     if parsed is not None:
         # An id of the engine's form is the engine's, either kind: ``sum_7`` with no summary 7 named the
         # transcript entry called "sum_7" (``msg_7`` never did), and the same id switched to another
@@ -437,34 +459,22 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
     raw, offset, limit = _expand_args(args)
     row = _find_summary(core, scope, session_id, raw)
     if row is None:
-        message = _find_message(core, scope, session_id, raw)
-        if message is None:
-            raise _missing(core, scope, session_id, raw)
-        # A message's offset is a character offset into its text: a message longer than ``max_chars`` (a
-        # tool output summarized away) is read whole a piece at a time, from ``next_offset`` on.
-        total = len(message.content)
-        item = _message_item(message, max_chars, start=offset)
-        done = min(total, offset + max_chars)
-        out = {
-            "id": message_id(message.ordinal),
-            "kind": "message",
-            "total_chars": total,
-            "offset": offset,
-            "items": [item],
-            "next_offset": done if done < total else None,
-        }
-        return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", message.ordinal)))
+        return _expand_message(core, scope, session_id, raw, offset, max_chars)
     seq = row.summary_seq
     items: list[dict[str, Any]]
     if row.kind == "condensed":
         children = _children(core, scope, session_id, seq)
         total = len(children)
+        if (error := _past_end(offset, total, summary_id(seq), "child summaries")) is not None:
+            raise error
         shown = children[offset : offset + limit]
         stored = rows_of(core, scope, session_id, summaries.c.summary_seq, shown, tuple(summaries.c))
         found = {r.summary_seq: r for r in stored}
         items = [_summary_item(found[c], max_chars) for c in shown if c in found]
     else:
         total = _source_count(core, scope, session_id, seq)
+        if (error := _past_end(offset, total, summary_id(seq), "source messages")) is not None:
+            raise error
         # Two keyed lookups, not an IN (subquery): see context.load_items on PostgreSQL join plans.
         page = core.conn.execute(_sources(scope, session_id, seq).offset(offset).limit(limit)).scalars().all()
         stored = rows_of(core, scope, session_id, messages.c.ordinal, page, tuple(messages.c))
@@ -480,11 +490,54 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
     }, _shadow_note(core, scope, session_id, raw, ("summary", seq)))
 
 
-def _message_item(row: Any, max_chars: int, start: int = 0) -> dict[str, Any]:
-    content, cut = _cut(row.content[start:] if start else row.content, max_chars)
+def _piece_columns(core: Core, offset: int, max_chars: int) -> tuple[Any, ...]:
+    """The columns of a message that ``lcm_expand`` answers with: its text's length and the ``max_chars``
+    characters from ``offset`` on (``substr`` and ``length`` count characters, code points, on SQLite and
+    on PostgreSQL, whose databases the store requires in UTF8, as Python's ``len`` and slices do), and its
+    ``tool_call_id``, read by the database from the stored message. A piece read the whole row before: a
+    message of some MB sent all of its text and its JSON, parsed, for every piece of 4,000 characters."""
+    m = messages.c
+    if core.dialect.is_sqlite:
+        call = func.json_extract(m.message, "$.tool_call_id")
+    else:
+        call = sql_cast(m.message, JSON)["tool_call_id"].astext
+    # substr's start is 1-based; one past MAX_INT is no INTEGER, and no text is that long anyway.
+    start = min(offset, MAX_INT - 1) + 1
+    return (m.ordinal, m.entry_id, m.role, func.length(m.content).label("total_chars"),
+            func.substr(m.content, start, max_chars).label("piece"), call.label("call"))
+
+
+def _expand_message(core: Core, scope: str, session_id: str, raw: str, offset: int, max_chars: int) -> dict[str, Any]:
+    """lcm_expand of a message: its text from character ``offset`` on, ``max_chars`` of it, read a piece at a
+    time from ``next_offset`` on (a tool output summarized away, longer than ``max_chars``, is read whole)."""
+    row = _find_message(core, scope, session_id, raw, _piece_columns(core, offset, max_chars))
+    if row is None:
+        raise _missing(core, scope, session_id, raw)
+    total = int(row.total_chars)
+    if (error := _past_end(offset, total, message_id(row.ordinal), "characters")) is not None:
+        raise error
+    cut = total - offset > max_chars
+    item = _item(row, row.piece + "…" if cut else row.piece, cut, row.call)
+    done = min(total, offset + max_chars)
+    out = {
+        "id": message_id(row.ordinal),
+        "kind": "message",
+        "total_chars": total,
+        "offset": offset,
+        "items": [item],
+        "next_offset": done if done < total else None,
+    }
+    return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", row.ordinal)))
+
+
+def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
+    """A message as an item of a leaf summary's expansion, cut to ``max_chars``."""
+    content, cut = _cut(row.content, max_chars)
+    return _item(row, content, cut, json.loads(row.message).get("tool_call_id"))
+
+
+def _item(row: Any, content: str, cut: bool, call: Any) -> dict[str, Any]:
     out = {"id": message_id(row.ordinal), "kind": "message", "entry_id": row.entry_id, "role": row.role}
-    message = json.loads(row.message)
-    call = message.get("tool_call_id")
     if call:
         # Cut too (to 255 characters, an id's length): the store does not bound it, and a 200,000-character
         # one made the answer 2,000 times ``expand_max_chars``.
