@@ -20,7 +20,7 @@ from .core import Core, check_id, now_us, prepare_entry
 from .engine import CompactResult, check_call, check_flag, check_focus, check_token_budget
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
-from .models import RESULT_ROLES, Anchor, Entry
+from .models import RESULT_ROLES, Anchor, Entry, out_of_context
 from .schema import engine_state
 from .summarize import SummaryBackoff, summary_text
 
@@ -630,17 +630,20 @@ def compact_session(
                 "moved); nothing was written",
             )
     live = visible[start:]
+    # What the host keeps out of the model's context is neither counted nor summarized (a hidden prompt
+    # written into a summary reached the model at every later turn).
+    shown = [e.message for e in live if e.message and not out_of_context(e.message)]
     previous = (pointer["summary"] or None) if pointer else None  # a host's reset has none
-    before_msgs = ([summary_message(previous)] if previous else []) + [e.message for e in live if e.message]
+    before_msgs = ([summary_message(previous)] if previous else []) + shown
     tokens_before = int(estimator.count_messages(before_msgs))
     if not force and token_budget is not None and tokens_before <= token_budget:
         return CompactResult(ok=True, compacted=False, reason="under budget", tokens_before=tokens_before)
     cut = split_point(live, keep_last)
-    if cut == 0:
+    older = [e.message for e in live[:cut] if e.message and not out_of_context(e.message)]
+    if cut == 0 or not older:
         return CompactResult(
             ok=True, compacted=False, reason="nothing old enough to compact", tokens_before=tokens_before
         )
-    older = [e.message for e in live[:cut] if e.message]
     key = (scope, session_id)
     paused = backoff.paused(key) if backoff is not None and not force else None
     if paused is not None:
@@ -664,7 +667,9 @@ def compact_session(
     if backoff is not None:
         backoff.succeeded(key)
     kept = live[cut]
-    after_msgs = [summary_message(summary)] + [e.message for e in live[cut:] if e.message]
+    after_msgs = [summary_message(summary)] + [
+        e.message for e in live[cut:] if e.message and not out_of_context(e.message)
+    ]
     tokens_after = int(estimator.count_messages(after_msgs))
     if tokens_after >= tokens_before:
         return CompactResult(

@@ -138,6 +138,26 @@ def call_answered(message: dict[str, Any] | None) -> Any:
     return None
 
 
+#: the keys under which a host's plugin keeps its own message in the stored one: OpenClaw's
+#: (integrations/openclaw/src/messages.js: ORIGINAL, and LEAN's ``message`` for one over the entry cap)
+_HOST_MESSAGE_KEYS = ("openclaw", "openclaw_lean")
+
+
+def out_of_context(message: Any) -> bool:
+    """Whether the host keeps a stored message out of the model's context: OpenClaw's ``excludeFromContext``
+    (a context-free command and its reply, a hidden consult prompt) on the host message its plugin keeps
+    in the stored one. Engines neither show, count nor summarize such a message; it stays stored."""
+    if not isinstance(message, dict):
+        return False
+    for key in _HOST_MESSAGE_KEYS:
+        host = message.get(key)
+        if isinstance(host, dict) and key == "openclaw_lean":
+            host = host.get("message")
+        if isinstance(host, dict) and host.get("excludeFromContext") is True:
+            return True
+    return False
+
+
 def _check_text_part(part: Any) -> None:
     """A text content part carries its text (the rule of every release)."""
     if part.type == "text" and not isinstance(getattr(part, "text", None), str):

@@ -28,7 +28,7 @@ from transcript_store.engine import (
 )
 from transcript_store.errors import InvalidInput
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
-from transcript_store.models import RESULT_ROLES, Anchor, DeltaMissing, DeltaPage, DeltaReset
+from transcript_store.models import RESULT_ROLES, Anchor, DeltaMissing, DeltaPage, DeltaReset, out_of_context
 from transcript_store.summarize import ExtractiveSummarizer, SummaryBackoff, hold
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
@@ -144,7 +144,9 @@ class LegacyEngine:
             message = e.message or {}
             proj.messages.append(message)
             proj.entry_ids.append(e.entry_id)
-            proj.tokens.append(int(self.estimator.count_messages([message])))
+            # A message the host keeps out of the model's context (out_of_context) costs nothing: it took the
+            # budget of messages the model then did not get.
+            proj.tokens.append(0 if out_of_context(message) else int(self.estimator.count_messages([message])))
         proj.cursor = page.cursor
 
     def prefetch_in(self, c: Core, *, scope: str, session_id: str, fence: Anchor) -> Prefetched | None:
@@ -233,11 +235,12 @@ class LegacyEngine:
             # Under the lock: another thread's advance must not move the lists while they are sliced
             # (the slices are what fits, never the whole history).
             first = self._fit(proj.messages, proj.tokens, start, end, token_budget - prefix_tokens)
-            messages = prefix + proj.messages[first:end]
+            shown = [i for i in range(first, end) if not out_of_context(proj.messages[i])]
+            messages = prefix + [proj.messages[i] for i in shown]
             # The estimate from the counts the projection keeps (each message was counted once, when
             # read): counting the whole context again was ~10% of a host turn's CPU, and grows with what
             # fits.
-            parts = ([prefix_tokens] if prefix else []) + proj.tokens[first:end]
+            parts = ([prefix_tokens] if prefix else []) + [proj.tokens[i] for i in shown]
         estimated = count_from_parts(self.estimator, parts)
         if estimated is None:
             estimated = int(self.estimator.count_messages(messages))

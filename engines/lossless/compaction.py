@@ -30,7 +30,7 @@ from sqlalchemy import delete, insert, select
 from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
-from transcript_store.models import RESULT_ROLES, call_answered, calls_made
+from transcript_store.models import RESULT_ROLES, call_answered, calls_made, out_of_context
 from transcript_store.summarize import Level, Summarizer, hold, summary_text
 from transcript_store.tokens import TokenEstimator
 
@@ -282,7 +282,11 @@ class Planner:
             before = items[start - 1].summary if start > 0 else None
             previous = before.content if before is not None else None
             ordinals = [int(i.message_ordinal or 0) for i in chunk]
-            inputs = [i.message or {} for i in chunk]
+            # What the host keeps out of the model's context is covered (lcm_expand lists it), never summarized:
+            # a summary would carry it into every later context.
+            inputs = [i.message or {} for i in chunk if not out_of_context(i.message)]
+            if not inputs:
+                return None
             shape = SummaryInfo(seq, "leaf", 0, min(ordinals), max(ordinals), len(chunk), "")
             made = self._summarize(inputs, previous, self.config.leaf_summary_tokens, source_tokens, shape)
             if made is not None:

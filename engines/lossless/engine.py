@@ -45,7 +45,7 @@ from transcript_store.engine import (
 )
 from transcript_store.errors import InvalidInput, TranscriptStoreError, TransientStoreError
 from transcript_store.ledger import CommitResult, TurnPayload, commit_turn_in, prepare_turn
-from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage
+from transcript_store.models import Admission, Anchor, DeltaMissing, DeltaPage, out_of_context
 from transcript_store.reads import read_visible_delta
 from transcript_store.summarize import PAUSED, ExtractiveSummarizer, SummaryBackoff
 from transcript_store.tokens import RoughEstimator, count_from_parts
@@ -295,10 +295,12 @@ class LosslessEngine:
                 # answer that showed something stands, said to be over (below), not an empty context.
                 shown, messages, estimated = best
                 break
-            messages = render(shown)
+            # A message the host keeps out of the model's context is listed (it costs 0), never shown.
+            kept = [i for i in shown if not out_of_context(i.message)]
+            messages = render(kept)
             # From each item's own count where the estimator allows (the list is not walked again).
-            parts = [i.counted for i in shown if i.counted is not None]
-            known = count_from_parts(self.estimator, parts) if len(parts) == len(shown) else None
+            parts = [i.counted for i in kept if i.counted is not None]
+            known = count_from_parts(self.estimator, parts) if len(parts) == len(kept) else None
             estimated = int(self.estimator.count_messages(messages)) if known is None else known
             stored = sum(i.tokens for i in shown)
             if estimated <= token_budget or stored <= 1:

@@ -18,7 +18,15 @@ from sqlalchemy import insert
 
 from transcript_store.core import Core, now_us
 from transcript_store.model import message_text
-from transcript_store.models import Anchor, DeltaMissing, DeltaPage, DeltaReset, Entry, functions_called
+from transcript_store.models import (
+    Anchor,
+    DeltaMissing,
+    DeltaPage,
+    DeltaReset,
+    Entry,
+    functions_called,
+    out_of_context,
+)
 from transcript_store.reads import read_visible_delta
 from transcript_store.tokens import TokenEstimator
 
@@ -199,7 +207,10 @@ def ingest_entries(
             if visible:
                 continue  # already in the context list: nothing to do
         else:
-            ordinal, tokens = view.next_ordinal, int(estimator.count_messages([message]))
+            # A message the host keeps out of the model's context is stored and listed (the recall tools
+            # reach it, the list stays whole) but costs nothing: it took the budget of the messages shown.
+            tokens = 0 if out_of_context(message) else int(estimator.count_messages([message]))
+            ordinal = view.next_ordinal
             view.next_ordinal += 1
             new_rows.append(
                 {
