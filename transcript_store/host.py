@@ -1646,6 +1646,9 @@ class HostRuntime(TokenCounts):
             shown = repr(ttl_seconds) if isinstance(ttl_seconds, int | float) else type(ttl_seconds).__name__
             raise InvalidInput(f"ttl_seconds must be a positive finite number of seconds or None, not {shown}")
         parent = self.store.get_session(scope, parent_session_id)
+        # As before a turn or a compaction: an engine whose deferred maintenance failed is quarantined
+        # first, and the child spawns on legacy; its hooks were called on the failed engine otherwise.
+        self._settle_background_failures()
         engine, info = self._engine_or_legacy()  # best effort: a broken engine spawns on legacy
         self._check_requirements(info, "subagent-spawn")
         child = self.store.open_session(scope, child_session_key)
