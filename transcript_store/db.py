@@ -36,6 +36,7 @@ from .errors import (
     PermissionDenied,
     SchemaNotCurrent,
     StorageFull,
+    StoreClosed,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -531,6 +532,14 @@ class Database:
         self.retries = 0
         #: called with the error before each retry (observability; tests count retries with it)
         self.on_retry: Callable[[BaseException | None], None] | None = None
+        #: set by ``close``: SQLAlchemy reconnects on use after ``dispose``, so a call that outlived the
+        #: close (a service's straggling request) reopened connections nobody would close again
+        self.closed = False
+
+    def check_open(self) -> None:
+        """StoreClosed once ``close`` ran."""
+        if self.closed:
+            raise StoreClosed(f"the store is closed: {mask_url(self.config.url)} is not connected to again")
 
     def _check_fork(self) -> None:
         # A pool inherited across fork() shares sockets with the parent: drop it, never use it.
@@ -555,10 +564,18 @@ class Database:
     @contextmanager
     def _connected(self) -> Iterator[Connection]:
         """A pooled connection; a driver error raised while it is held leaves as this library's."""
+        self.check_open()
         self._check_fork()
         try:
             with self.engine.connect() as conn:
-                yield conn
+                try:
+                    # Again once connected: a close between the check above and the connect disposed of
+                    # the pool this connection is not in.
+                    self.check_open()
+                    yield conn
+                finally:
+                    if self.closed:  # closed meanwhile: the connection is closed, never pooled again
+                        conn.invalidate()
         except DBAPIError as e:
             raise self.translate(e) from e
         except SQLAlchemyError as e:
@@ -724,7 +741,13 @@ class Database:
         return bool(missing)
 
     def dispose(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection (the next call connects again)."""
+        self.engine.dispose()
+
+    def close(self) -> None:
+        """Close every pooled connection for good: a later call raises StoreClosed and connects to nothing,
+        one still running closes its connection as it ends."""
+        self.closed = True
         self.engine.dispose()
 
     def settings(self) -> dict[str, Any]:

@@ -279,6 +279,16 @@ class PermissionDenied(StoreUnavailable):
     """
 
 
+class StoreClosed(StoreUnavailable):
+    """The store was closed (``TranscriptStore.close``, a service's close): nothing was read or written,
+    and no connection was opened. A call still running when the store closed ends with its connection
+    closed, not pooled again.
+
+    Not transient: only a new ``TranscriptStore`` serves again. A StoreUnavailable still (a service
+    answers it 503 ``store_unavailable``).
+    """
+
+
 class TransientStoreError(StoreUnavailable):
     """A transient database error (40001, 40P01, a lost connection, SQLite busy); safe to retry."""
 

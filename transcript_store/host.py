@@ -64,6 +64,7 @@ from .errors import (
     SchemaNotCurrent,
     SessionBusy,
     StorageFull,
+    StoreClosed,
     StoreUnavailable,
     TranscriptStoreError,
     TransientStoreError,
@@ -461,7 +462,8 @@ class HostRuntime(TokenCounts):
         the outage."""
         if isinstance(error, DBAPIError):
             error = self.store.db.translate(error)  # raised inside a transaction, not translated yet
-        return isinstance(error, (TransientStoreError, StorageFull, PermissionDenied))
+        # StoreClosed: a call that outlived its service's close, not the engine's doing either
+        return isinstance(error, (TransientStoreError, StorageFull, PermissionDenied, StoreClosed))
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""

@@ -166,15 +166,18 @@ class TranscriptStore:
     def ensure_current(self) -> None:
         """Refuse a schema that is not at head (``SchemaNotCurrent``), or migrate it when the config allows
         (``auto_upgrade``; unset: yes for SQLite, no for PostgreSQL)."""
+        self.db.check_open()  # migrations connect through the engine itself, not through ``Database``
         auto = self.config.auto_upgrade if self.config.auto_upgrade is not None else self.db.dialect.is_sqlite
         migrate.ensure_current(self.db, auto_upgrade=auto)
 
     def upgrade(self) -> str:
         """Migrate this store's database to the newest revision; returns the revision."""
+        self.db.check_open()
         return migrate.upgrade(self.db)
 
     def current_revision(self) -> str | None:
         """The schema revision of the database."""
+        self.db.check_open()
         return migrate.current_revision(self.db)
 
     @property
@@ -188,9 +191,10 @@ class TranscriptStore:
         return self.db.dialect.name
 
     def close(self) -> None:
-        """Release every connection, and end the lease renewals of turns still held on this store."""
+        """Release every connection, and end the lease renewals of turns still held on this store; any
+        later call raises StoreClosed (a call still running ends with its connection closed)."""
         self.closed = True
-        self.db.dispose()
+        self.db.close()
 
     def __enter__(self) -> TranscriptStore:
         return self
