@@ -8,6 +8,7 @@ from typing import Any
 from ..core import Core, entry_from_row, new_id
 from ..errors import SessionKeyConflict
 from ..store import AppendItem
+from .context import is_context_message
 from .messages import canonical, clean, digest, fingerprint, message_key
 from .runtime import RuntimeMixin, _Candidate, _Runtime
 
@@ -44,6 +45,7 @@ class LineageMixin(RuntimeMixin):
                         _remember_candidate(rt, _Candidate(
                             p["fp"], p["length"], p["store_session"], p["next_ordinal"],
                             p.get("head"), p.get("last"), int(p.get("last_len") or 0),
+                            ctx=p.get("ctx"), ctx_len=int(p.get("ctx_len") or 0),
                         ))
                     elif e.kind == "metadata" and p.get("type") == ALIAS:
                         rt.aliases[p["hermes_session"]] = p["store_session"]
@@ -105,6 +107,16 @@ class LineageMixin(RuntimeMixin):
             if found:
                 mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
                 return found[mine] if mine in found else list(found.values())[-1]
+        # The list holds an answer's context messages and no more of it: an /undo took back the turn its
+        # fresh tail held. Matched with nothing, the view was taken for the end of the transcript: the
+        # next turn was stored after the undone one, which stayed visible and went to the model again.
+        with rt.lock:
+            heads = [c for by in rt.candidates.values() for c in by.values() if c.ctx and c.ctx_len <= len(body)]
+        found = {c.store_session: c.context_only() for c in heads if fingerprint(
+            [clean(m) for m in body[: c.ctx_len]]) == c.ctx}
+        if found:
+            mine = self._lineage(rt, hermes_session) if len(found) > 1 else None
+            return found[mine] if mine in found else list(found.values())[-1]
         return None
 
     def _lineage(self, rt: _Runtime, hermes_session: str | None) -> str | None:
@@ -179,6 +191,9 @@ class LineageMixin(RuntimeMixin):
         """Write a compress answer as an unreferenced candidate (durable, idempotent)."""
         cleaned = [clean(m) for m in body]
         cand = _Candidate(fingerprint(cleaned), len(cleaned), store_session, n)
+        k = next((i for i, m in enumerate(body) if not is_context_message(m)), len(body))
+        if 0 < k < len(cleaned):
+            cand = replace(cand, ctx=fingerprint(cleaned[:k]), ctx_len=k)
         last = cleaned[-1] if cleaned else {}
         if len(cleaned) >= 2 and last.get("role") == "user" and isinstance(last.get("content"), str):
             cand = replace(cand, head=fingerprint(cleaned[:-1]), last=fingerprint([last]),
@@ -192,7 +207,8 @@ class LineageMixin(RuntimeMixin):
             kind="metadata",
             payload={"type": CANDIDATE, "fp": cand.fp, "length": cand.length,
                      "store_session": cand.store_session, "next_ordinal": cand.next_ordinal,
-                     **({"head": cand.head, "last": cand.last, "last_len": cand.last_len} if cand.head else {})},
+                     **({"head": cand.head, "last": cand.last, "last_len": cand.last_len} if cand.head else {}),
+                     **({"ctx": cand.ctx, "ctx_len": cand.ctx_len} if cand.ctx else {})},
             # Keyed by the lineage too: two conversations can get the same answer (a conversation run
             # again, a scripted one), and a key of the answer alone refused the second one's record
             # (IdempotencyConflict: its compress failed, three times, and left it uncompressed).

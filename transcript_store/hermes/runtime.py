@@ -54,6 +54,10 @@ class _Candidate:
     last: str | None = None
     last_len: int = 0
     of: str | None = None  # ``before_last``: the fingerprint of the whole answer (not written to the index)
+    #: the fingerprint and count of the answer's leading context messages, when a fresh tail follows them
+    #: (``context_only``: an ``/undo`` of the tail's turn leaves the view holding these alone)
+    ctx: str | None = None
+    ctx_len: int = 0
 
     def merged_into(self, cleaned: Sequence[dict[str, Any]]) -> bool:
         """Whether ``cleaned`` (at least ``length`` clean messages) starts with this answer whose last
@@ -70,6 +74,12 @@ class _Candidate:
             return False
         own = {**m, "content": text[: self.last_len]}
         return fingerprint([own]) == self.last and fingerprint(list(cleaned[: self.length - 1])) == self.head
+
+    def context_only(self) -> _Candidate:
+        """The answer's leading context messages alone, the fresh tail after them taken back (an ``/undo``
+        of its turn): a candidate of its own, adopted in place of the whole answer."""
+        tail = self.length - self.ctx_len
+        return _Candidate(self.ctx or "", self.ctx_len, self.store_session, self.next_ordinal - tail, of=self.fp)
 
     def before_last(self) -> _Candidate:
         """The answer without its last message, which the host's list holds changed (an edit of it): a
