@@ -9,9 +9,10 @@ import weakref
 from typing import Any
 
 from .config import as_int
+from .context import is_context_message
 from .ingest import IngestMixin
 from .lineage import ALIAS, INDEX_KEY
-from .messages import canonical, detached, digest
+from .messages import canonical, clean, detached, digest, fingerprint
 from .runtime import _BOUND, _LIVE, _RUNTIME_LOCK, _TURN
 
 log = logging.getLogger("transcript_store.hermes")
@@ -45,6 +46,22 @@ def rewound(session_db: Any, hermes_session: str) -> bool:
     try:
         row = session_db.get_session(hermes_session) if session_db is not None else None
         return isinstance(row, dict) and as_int(row.get("rewind_count")) > 0
+    except Exception:
+        return False
+
+
+def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
+    """Whether hermes-agent's session database holds every message of ``messages`` (kept or rewound);
+    False when it cannot tell. A write Hermes could not make (its database locked by another writer: it
+    logs it and goes on) left a kept turn out of it: followed, the session end took that turn off the
+    transcript."""
+    try:
+        rows = session_db.get_messages_as_conversation(hermes_session, include_inactive=True)
+        known = {fingerprint([clean(m)]) for m in rows if isinstance(m, dict)}
+        return all(
+            fingerprint([clean(m)]) in known for m in messages or ()
+            if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
+        )
     except Exception:
         return False
 
@@ -119,7 +136,10 @@ class SessionsMixin(IngestMixin):
         Hermes' session database kept of it (``_store_saved``)."""
         try:
             db = self._bound_db()
-            if session_id and db is not None and rewound(db, session_id) and self._store_saved(db, session_id):
+            if (
+                session_id and db is not None and rewound(db, session_id) and saved_all(db, session_id, messages)
+                and self._store_saved(db, session_id)
+            ):
                 # /undo tells the engine nothing, and the list Hermes passes at exit (the agent's
                 # ``_session_messages``) still holds the undone turn: stored, it stayed visible to every
                 # later read and resume. The database's active rows are what the user kept.
