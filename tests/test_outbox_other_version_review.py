@@ -38,11 +38,13 @@ def failing(c: Core, turn: TurnPayload) -> CommitResult:
     raise RuntimeError("engine down")
 
 
-def queue_turn(turns: Turns, session_id: str, turn_id: str, replies: int = 1) -> None:
+def queue_turn(
+    turns: Turns, session_id: str, turn_id: str, replies: int = 1, *, scope: str = S, engine_id: str = E
+) -> None:
     """Admit a turn and complete it while its engine fails (or behind a queued turn): queued for the drain."""
-    turns.admit(S, session_id, user(f"q {turn_id}"), turn_id=turn_id, engine_id=E)
+    turns.admit(scope, session_id, user(f"q {turn_id}"), turn_id=turn_id, engine_id=engine_id)
     items = [{"message": assistant(f"a{i} {turn_id}")} for i in range(replies)]
-    done = turns.complete(S, session_id, turn_id, items, failing)
+    done = turns.complete(scope, session_id, turn_id, items, failing)
     assert done.commit is None and done.intent.state == "accepted"
 
 

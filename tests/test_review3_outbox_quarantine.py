@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import assistant, user
 from hosting import CountingEngine, RecordingModel
+from test_outbox_other_version_review import failing, queue_turn
 
 from transcript_store import TranscriptStore
 from transcript_store.core import Core
@@ -40,16 +40,9 @@ def _host(store: TranscriptStore) -> HostRuntime:
                        summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
 
 
-def _failing(c: Core, turn: TurnPayload) -> CommitResult:
-    raise RuntimeError("engine down")
-
-
 def _queue(turns: Turns, sid: str, turn_id: str, replies: int = 1) -> None:
     """A turn completed while its fast commit failed: queued for the drain."""
-    turns.admit(S, sid, user(f"q {turn_id}"), turn_id=turn_id, engine_id=E)
-    items = [{"message": assistant(f"a{i} {turn_id}")} for i in range(replies)]
-    done = turns.complete(S, sid, turn_id, items, _failing)
-    assert done.commit is None and done.intent.state == "accepted"
+    queue_turn(turns, sid, turn_id, replies, scope=S, engine_id=E)
 
 
 def _commit_as_heartbeat(store: TranscriptStore, turns: Turns, sid: str, turn_id: str) -> None:
@@ -110,7 +103,7 @@ def test_a_failed_delivery_of_the_very_version_receipted_stays_queued(store: Tra
     same = turns.commit_turn(E, "t1", intent.admission, intent.terminal, messages)
     assert same.status == "committed"
 
-    report = turns.drain(lambda engine_id: _failing, scope=S, session_id=sid)
+    report = turns.drain(lambda engine_id: failing, scope=S, session_id=sid)
     assert report.blocked == 0 and [t for _s, t, _e in report.failed] == ["t1"]
     row = turns.intent(S, sid, "t1")
     assert row is not None and row.state == "ready" and row.block_reason is None
