@@ -220,6 +220,28 @@ def test_concurrent_sessions_with_copies_taken_mid_use(store_url: str) -> None:
     engine.close()
 
 
+class _SetsAnAttributeWhenCopied:
+    """A configuration value whose copy adds an attribute to the engine: what another thread's first compress
+    (``_last_summary_error``, ``_own_tools``...) does while the host deep-copies the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self.engine.__dict__["attribute_set_meanwhile"] = True
+        return "copied"
+
+
+def test_a_deep_copy_while_another_thread_sets_a_new_attribute_copies_a_snapshot(tmp_path: Path) -> None:
+    """The copy iterates a snapshot of the engine's attributes: one added meanwhile (an attribute first set by a
+    concurrent compress) made ``copy.deepcopy`` raise "dictionary changed size during iteration"."""
+    engine = make(sqlite_url(tmp_path))
+    engine.engine_config = {"value": _SetsAnAttributeWhenCopied(engine)}
+    copied = copy.deepcopy(engine)
+    assert copied.engine_config == {"value": "copied"}
+    assert copied._rt is None and engine.attribute_set_meanwhile is True
+
+
 def test_a_list_hermes_sanitized_later_aligns_with_what_was_stored(tmp_path: Path) -> None:
     """Hermes replaces each surrogate code point with U+FFFD in place when a request fails on one: the
     stored message is the same, so its sanitized list neither branches nor stores anything again."""

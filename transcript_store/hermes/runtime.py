@@ -228,7 +228,9 @@ class RuntimeMixin:
         """A copy with its own lazily opened runtime."""
         new = object.__new__(type(self))
         memo[id(self)] = new
-        for k, v in self.__dict__.items():
+        # A snapshot (one C-level copy): another thread's compress may set an attribute for the first time
+        # while this copies, and iterating the live dict then raises.
+        for k, v in dict(self.__dict__).items():
             new.__dict__[k] = None if k in ("_rt", "_session_db") else copy.deepcopy(v, memo)
         return new
 
