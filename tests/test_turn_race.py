@@ -1,7 +1,10 @@
-"""Race tests with real processes: 8 workers presenting the same advancement keys at once, and 8 workers
+"""Race tests with real processes: workers presenting the same advancement keys at once, and workers
 draining the same outbox at once. On PostgreSQL they really run concurrently; on SQLite they serialize
 on the write lock. Either way: each key committed once, every other presentation a duplicate, nothing
 written twice, and the engine's state equals the receipts.
+
+``make test`` races 4 processes, ``make test-slow`` 8 (CI time: each process is a Python start-up and a
+store opening on two busy cores; 4 already race on PostgreSQL and queue on SQLite's write lock).
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ from transcript_store.ledger import committed_messages, count_turn_messages, get
 from transcript_store.turns import Turns
 
 WORKER = Path(__file__).parent / "workers" / "turn_worker.py"
-PROCESSES = 8
+#: processes per race: the short tier's, then the slow tier's
+PROCESSES = [4, pytest.param(8, marks=pytest.mark.slow)]
 
 
-def run_workers(mode: str, url: str, tmp: Path, extra: list[str]) -> list[dict[str, Any]]:
-    """Start PROCESSES workers, release them together once all are ready, return their reports."""
+def run_workers(mode: str, url: str, tmp: Path, extra: list[str], processes: int) -> list[dict[str, Any]]:
+    """Start ``processes`` workers, release them together once all are ready, return their reports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
     procs = []
-    for i in range(PROCESSES):
+    for i in range(processes):
         err = open(tmp / f"{mode}-{i}.err", "w")  # noqa: SIM115 - closed below, after the process exits
         args = [sys.executable, str(WORKER), mode, "--url", url, "--seed", str(i), *extra]
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -67,7 +71,8 @@ def engine_state(store: TranscriptStore, sid: str) -> tuple[Any, list[str], int]
     return store.read(run)
 
 
-def test_same_advancement_keys_from_8_processes(store_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", PROCESSES)
+def test_same_advancement_keys_from_many_processes(store_url: str, tmp_path: Path, processes: int) -> None:
     store = open_store(store_url)
     plan: list[dict[str, Any]] = []
     sessions = ["r1", "r2"]
@@ -88,12 +93,12 @@ def test_same_advancement_keys_from_8_processes(store_url: str, tmp_path: Path) 
                 })
         (tmp_path / "plan.json").write_text(json.dumps(plan))
 
-        reports = run_workers("commit", store_url, tmp_path, ["--plan", str(tmp_path / "plan.json")])
+        reports = run_workers("commit", store_url, tmp_path, ["--plan", str(tmp_path / "plan.json")], processes)
 
         keys = [p["admission"]["turn_id"] for p in plan]
         statuses = {k: Counter(r["statuses"][k] for r in reports) for k in keys}
         for key, seen in statuses.items():
-            assert seen == Counter({"committed": 1, "duplicate": PROCESSES - 1}), (key, seen)
+            assert seen == Counter({"committed": 1, "duplicate": processes - 1}), (key, seen)
         turns = Turns(store)
         for sid in sessions:
             receipts = turns.receipts(SCOPE, sid, ENGINE)
@@ -109,7 +114,8 @@ def test_same_advancement_keys_from_8_processes(store_url: str, tmp_path: Path) 
         store.close()
 
 
-def test_8_processes_drain_the_same_outbox(store_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", PROCESSES)
+def test_many_processes_drain_the_same_outbox(store_url: str, tmp_path: Path, processes: int) -> None:
     store = open_store(store_url)
     sessions = [f"d{i}" for i in range(4)]
     try:
@@ -125,7 +131,7 @@ def test_8_processes_drain_the_same_outbox(store_url: str, tmp_path: Path) -> No
                 expected.setdefault(sid, []).append(turn_id)
         total = sum(len(v) for v in expected.values())
 
-        reports = run_workers("drain", store_url, tmp_path, ["--delivery-lease", "60"])
+        reports = run_workers("drain", store_url, tmp_path, ["--delivery-lease", "60"], processes)
 
         committed = [k for r in reports for k in r["committed"]]
         duplicates = [k for r in reports for k in r["duplicates"]]
