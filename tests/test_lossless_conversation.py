@@ -182,11 +182,13 @@ def fast_store(store_url: str) -> Iterator[TranscriptStore]:
 
 
 def test_a_long_conversation(fast_store: TranscriptStore) -> None:
+    # 120 turns in make test (CI time): compaction runs from the first tens of turns, so both cost windows
+    # are past it; the 2,000-turn conversation below runs in the slow tier.
     store = fast_store
-    run = converse(store, 200, seed=7)
+    run = converse(store, 120, seed=7)
     assembled = check_stability(run)
     check_recall(store, run, assembled)
-    check_cost(run, slice(40, 100), slice(140, 200))
+    check_cost(run, slice(30, 60), slice(90, 120))
     check_dag(store, run)
 
 

@@ -987,7 +987,9 @@ def test_two_instances_behind_one_database_commit_once(db_url: str, tmp_path: Pa
 # ---------------------------------------------------------------------------------------------- fuzzing
 
 
-def test_fuzzing_the_openapi_document_finds_no_server_error(server: ServiceProcess) -> None:
+# 3 examples per operation, mode and pinning in make test, 5 in make test-slow (CI time).
+@pytest.mark.parametrize("examples", [3, pytest.param(5, marks=pytest.mark.slow)])
+def test_fuzzing_the_openapi_document_finds_no_server_error(server: ServiceProcess, examples: int) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
 
@@ -1016,7 +1018,7 @@ def test_fuzzing_the_openapi_document_finds_no_server_error(server: ServiceProce
                     break
                 strategy = operation.as_strategy(mode, path_parameters=pinned or None)
 
-                @settings(max_examples=5, deadline=None, database=None, derandomize=True,
+                @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                           phases=[Phase.generate], suppress_health_check=list(HealthCheck))
                 @given(case=strategy)
                 def run(case: Any) -> None:

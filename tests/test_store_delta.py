@@ -768,12 +768,22 @@ def _decodes_as_json_loads(text: str) -> None:
     assert got == expected or (got != got and expected != expected)  # NaN is not equal to itself
 
 
-@settings(max_examples=300, deadline=None)
-@given(value=_JSON, pad=st.sampled_from(["", " ", "\n", "x", "]", " 1"]), front=st.booleans())
-def test_stored_payloads_decode_as_json_loads_decodes_them(value: Any, pad: str, front: bool) -> None:
+# Examples of the two JSON-codec properties below: make test's, then make test-slow's (CI time).
+_DECODE_EXAMPLES = [60, pytest.param(300, marks=pytest.mark.slow)]
+_ENCODE_EXAMPLES = [80, pytest.param(400, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("examples", _DECODE_EXAMPLES)
+def test_stored_payloads_decode_as_json_loads_decodes_them(examples: int) -> None:
     """core.decode_stored (the read path's decoder) on stored texts, bare or with text around them."""
-    text = stored_text(value)
-    _decodes_as_json_loads(pad + text if front else text + pad)
+
+    @settings(max_examples=examples, deadline=None)
+    @given(value=_JSON, pad=st.sampled_from(["", " ", "\n", "x", "]", " 1"]), front=st.booleans())
+    def check(value: Any, pad: str, front: bool) -> None:
+        text = stored_text(value)
+        _decodes_as_json_loads(pad + text if front else text + pad)
+
+    check()
 
 
 @pytest.mark.parametrize("text", ["", "{", "NaN", "[1,2]x", '"\\ud800"', '{"a":1}{}', "1 2", "[" * 50 + "]" * 50])
@@ -811,12 +821,17 @@ def test_the_fast_json_encoder_is_in_use() -> None:
     assert models_module._C_JSON is not None
 
 
-@settings(max_examples=400, deadline=None)
-@given(value=_ENCODABLE, sort_keys=st.booleans())
-def test_stored_and_canonical_texts_are_what_json_dumps_writes(value: Any, sort_keys: bool) -> None:
+@pytest.mark.parametrize("examples", _ENCODE_EXAMPLES)
+def test_stored_and_canonical_texts_are_what_json_dumps_writes(examples: int) -> None:
     """compact_json (every stored payload, every turn's hashed text) against json.dumps: the same text
     for ASCII and non-ASCII values alike, the same error for NaN, unsortable or non-JSON values."""
-    _encodes_as_json_dumps(value, sort_keys)
+
+    @settings(max_examples=examples, deadline=None)
+    @given(value=_ENCODABLE, sort_keys=st.booleans())
+    def check(value: Any, sort_keys: bool) -> None:
+        _encodes_as_json_dumps(value, sort_keys)
+
+    check()
 
 
 _NUMBERS_AND_CO = st.sampled_from([0, 1, -1, 0.0, -0.0, 1.0, 1e16, 10**16, True, False, None, "1", "a"])

@@ -370,11 +370,13 @@ def make_machine(store: TranscriptStore) -> type[RuleBasedStateMachine]:
     return StoreMachine
 
 
-def test_the_store_follows_the_model(store: TranscriptStore) -> None:
+# 10 runs of the machine in make test, 25 in make test-slow (CI time).
+@pytest.mark.parametrize("examples", [10, pytest.param(25, marks=pytest.mark.slow)])
+def test_the_store_follows_the_model(store: TranscriptStore, examples: int) -> None:
     run_state_machine_as_test(
         make_machine(store),
         settings=settings(
-            max_examples=25,
+            max_examples=examples,
             stateful_step_count=30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
