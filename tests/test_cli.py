@@ -821,14 +821,21 @@ def test_error_paths(db: tuple[str, Path], backend: str) -> None:
     assert "unknown session 'nope'" in line
     debug = run("sessions", "show", "nope", "--db", url, "--debug", cwd=work, code=3)
     assert "Traceback" in debug.stderr and "UnknownSession" in debug.stderr
-    for bad in ("not a url", "mysql://u@h/x", "sqlite://"):
-        assert "--db" in one_error_line(run("sessions", "list", "--db", bad, cwd=work, code=2))
-    one_error_line(run("sessions", "list", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/x", cwd=work, code=5))
-    usage = run("sessions", "show", "--db", url, cwd=work, code=2)  # click's usage error
-    assert "Missing argument" in usage.stderr
-    run("sessions", "show", "s1", "--config", str(work / "missing.toml"), "--db", url, cwd=work, code=2)
     # Global options work before and after the command name.
     assert run_json("--db", url, "--json", "sessions", "list", cwd=work) == []
+
+
+@pytest.mark.real_script
+def test_error_paths_before_the_store(tmp_path: Path) -> None:
+    """Refused before any store is opened: once, not once a backend (CI time: each is a process)."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    for bad in ("not a url", "mysql://u@h/x", "sqlite://"):
+        assert "--db" in one_error_line(run("sessions", "list", "--db", bad, cwd=tmp_path, code=2))
+    one_error_line(run("sessions", "list", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/x", cwd=tmp_path, code=5))
+    usage = run("sessions", "show", "--db", url, cwd=tmp_path, code=2)  # click's usage error
+    assert "Missing argument" in usage.stderr
+    run("sessions", "show", "s1", "--config", str(tmp_path / "missing.toml"), "--db", url, cwd=tmp_path, code=2)
+    assert not (tmp_path / "store.db").exists()  # none of them made a store
 
 
 # ---------------------------------------------------------------------------------------------- gateway
