@@ -260,10 +260,12 @@ def test_a_random_walk_of_every_writer_assembles_what_a_fresh_engine_does(
     walk = _Walk(store, sid, seed)
     walk.turn(walk.cached)
     deadline = time.monotonic() + SECONDS / 2
-    for _ in range(STEPS):
+    for step in range(STEPS):
         walk.step()
         walk.compare()
-        if time.monotonic() > deadline:
+        # The deadline bounds the walk on a fast machine; the first 20 steps run however loaded this one is
+        # (a busy 2-core run got 7-19 steps in 9 s, and the assertion below failed).
+        if step >= 20 and time.monotonic() > deadline:
             break
     assert len(walk.log) >= 20 and {"turn", "compact"} <= set(walk.log)
 
