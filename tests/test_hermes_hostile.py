@@ -82,8 +82,17 @@ ODD_VALUES: dict[str, dict[str, Any]] = {
     "object-arguments": {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_obj", "type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}]},
     "too-deep": {"role": "user", "content": "deep", "meta": functools.reduce(lambda v, _: {"k": v}, range(80), {})},
-    "oversized": {"role": "tool", "tool_call_id": "call_big", "content": "big " * 1_200_000},
-    "oversized-parts": {"role": "user", "content": [{"type": "text", "text": "big " * 1_200_000}]},
+    "oversized": {"role": "tool", "tool_call_id": "call_big", "content": "big " * 80_000},
+    "oversized-parts": {"role": "user", "content": [{"type": "text", "text": "big " * 80_000}]},
+}
+
+#: the store's cap while ODD_VALUES are stored: their oversized ones (320 KB) are over it. Cutting is the
+#: same at any cap, and 4.8 MB over the default cap of 4 MiB cost seconds of CPU a case: that size, at
+#: the default cap, is in the slow tier (AT_DEFAULT_CAP).
+SMALL_CAP = 256 * 1024
+AT_DEFAULT_CAP: dict[str, dict[str, Any]] = {
+    "oversized-default-cap": {"role": "tool", "tool_call_id": "call_big", "content": "big " * 1_200_000},
+    "oversized-parts-default-cap": {"role": "user", "content": [{"type": "text", "text": "big " * 1_200_000}]},
 }
 
 #: what of each refused shape must still be in the store (its text or its JSON)
@@ -98,17 +107,32 @@ KEPT: dict[str, str] = {
     "too-deep": "deep",
     "oversized": "big big",
     "oversized-parts": "big big",
+    "oversized-default-cap": "big big",
+    "oversized-parts-default-cap": "big big",
 }
 
 
-@pytest.mark.parametrize("case", sorted(ODD_VALUES))
-def test_one_odd_value_does_not_make_the_whole_conversation_unstorable(tmp_path: Path, case: str) -> None:
+def odd_value(case: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The value of ``case`` of ODD_VALUES (under SMALL_CAP, set here) or AT_DEFAULT_CAP."""
+    if case in AT_DEFAULT_CAP:
+        return AT_DEFAULT_CAP[case]
+    monkeypatch.setenv("TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES", str(SMALL_CAP))
+    return ODD_VALUES[case]
+
+
+SLOW_ODD = [pytest.param(case, marks=pytest.mark.slow) for case in AT_DEFAULT_CAP]
+
+
+@pytest.mark.parametrize("case", [*sorted(ODD_VALUES), *SLOW_ODD])
+def test_one_odd_value_does_not_make_the_whole_conversation_unstorable(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One message the store cannot take as it is (a lone surrogate from a paste, a set, bytes, NaN, a
     non-string key) failed every ingest: nothing of the session was stored, on every later call too."""
+    odd = odd_value(case, monkeypatch)
     engine = make(sqlite_url(tmp_path))
     engine.on_session_start("s1")
     convo = conversation("odd", 6)
-    odd = ODD_VALUES[case]
     messages = [*convo, copy.deepcopy(odd), {"role": "assistant", "content": "after the odd one"}]
     engine.on_turn_complete(copy.deepcopy(messages))
     engine.on_turn_complete(copy.deepcopy(messages))  # again: nothing twice
@@ -132,11 +156,14 @@ def test_one_odd_value_does_not_make_the_whole_conversation_unstorable(tmp_path:
     assert len(rows) == len(messages) + 2 == len(set(rows)), rows[-3:]
 
 
-def test_odd_values_on_every_backend(store_url: str) -> None:
+@pytest.mark.parametrize("cap", ["small", pytest.param("default", marks=pytest.mark.slow)])
+def test_odd_values_on_every_backend(store_url: str, cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same on the configured backend (PostgreSQL's jsonb is stricter than SQLite)."""
+    cases = list(ODD_VALUES) if cap == "small" else list(AT_DEFAULT_CAP)
+    values = {case: odd_value(case, monkeypatch) for case in cases}
     engine = make(store_url)
     convo = conversation("pg", 3)
-    for case, odd in ODD_VALUES.items():
+    for case, odd in values.items():
         messages = [*convo, copy.deepcopy(odd)]
         engine.on_turn_complete(copy.deepcopy(messages), session_id=case)
         engine.compress(copy.deepcopy(messages), session_id=case)
@@ -350,15 +377,17 @@ def test_compress_reads_an_odd_token_count_as_should_compress_does(tmp_path: Pat
     assert engine.compression_count == 1 and len(out) < len(convo) and is_valid_sequence(out)
 
 
-@pytest.mark.parametrize("case", ["no-role", "tool-without-call-id", "oversized"])
-def test_a_refused_message_in_the_fresh_tail_is_in_the_answer_once(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize("case", ["no-role", "tool-without-call-id", "oversized", *SLOW_ODD[:1]])
+def test_a_refused_message_in_the_fresh_tail_is_in_the_answer_once(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fresh tail comes back verbatim beside the engine's context, which holds the message as stored:
     a message stored in another form (its JSON as text, a cut tool result) was in the answer twice, and
     a tool result of megabytes made the answer no smaller than the list (handed back, uncompressed)."""
+    odd = copy.deepcopy(odd_value(case, monkeypatch))
     engine = make(sqlite_url(tmp_path))
     engine.on_session_start("s1")
     call = {"id": "call_big", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
-    odd = copy.deepcopy(ODD_VALUES[case])
     messages = [*conversation("tail", 8), {"role": "user", "content": "now"},
                 {"role": "assistant", "content": None, "tool_calls": [call]}, odd]
     out = engine.compress(copy.deepcopy(messages))
@@ -555,8 +584,10 @@ def results(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 KIB = 1024
 #: (the store's cap, the tool calls of one assistant message over it, the message's text)
 OVERSIZED_CALLS: dict[str, tuple[int, list[dict[str, Any]], str | None]] = {
-    # OpenAI's default: a 5 MB write_file call over the store's default cap of 4 MiB
+    # OpenAI's default: a 5 MB write_file call over the store's default cap of 4 MiB (slow tier: seconds
+    # of CPU per case); the same shape over a cap of 256 KiB in make test
     "one-huge-call": (4096 * KIB, [big_call("call_huge", 5_000_000)], None),
+    "one-huge-call-small-cap": (256 * KIB, [big_call("call_huge", 320 * KIB)], None),
     "huge-among-small": (256 * KIB, [big_call("call_a", 300), big_call("call_big", 600 * KIB),
                                      big_call("call_c", 2 * KIB)], "writing three files"),
     "many-small-calls": (256 * KIB, [big_call(f"call_{n}", 2 * KIB) for n in range(200)], None),
@@ -566,7 +597,8 @@ OVERSIZED_CALLS: dict[str, tuple[int, list[dict[str, Any]], str | None]] = {
 
 
 @pytest.mark.parametrize("engine_id", ["legacy", "lossless"])
-@pytest.mark.parametrize("case", sorted(OVERSIZED_CALLS))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case == "one-huge-call" else case
+                                  for case in sorted(OVERSIZED_CALLS)])
 def test_an_assistant_message_over_the_cap_keeps_its_tool_calls(
     store_url: str, engine_id: str, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
