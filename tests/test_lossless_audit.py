@@ -312,25 +312,30 @@ def test_audit_reports_a_row_the_foreign_keys_would_have_refused(
 # ---------------------------------------------------------------------------------------------- health
 
 
-def test_a_healthy_engine_audits_clean_after_many_compactions(store: TranscriptStore, sid: str) -> None:
-    """Sixty turns with tool calls, background compaction after each, forced ones at several budgets, a
-    regenerated reply, a redaction, a branch: after every step the audit finds nothing, pending resets
-    included, and the context covers exactly the visible transcript once the engine has imported it."""
+# Each move and every budget comes by turn 30 (a forced compaction every fifth turn); sixty turns, a
+# forced one every tenth, in the slow tier.
+@pytest.mark.parametrize("turns", [30, pytest.param(60, marks=pytest.mark.slow)])
+def test_a_healthy_engine_audits_clean_after_many_compactions(store: TranscriptStore, sid: str, turns: int) -> None:
+    """Thirty turns (sixty in the slow tier) with tool calls, background compaction after each, forced ones
+    at several budgets, a regenerated reply, a redaction, a branch: after every step the audit finds
+    nothing, pending resets included, and the context covers exactly the visible transcript once the
+    engine has imported it."""
     engine = make_engine(store, {"context_window": 1200})
-    for i in range(60):
+    every = turns // 6
+    for i in range(turns):
         turn(store, engine, sid, i)
         engine.maintain(scope=A, session_id=sid)
-        if i % 10 == 9:
-            engine.compact(scope=A, session_id=sid, force=True, token_budget=[600, 900, 2000][i // 10 % 3])
-        if i == 24:  # regenerate the last reply
+        if i % every == every - 1:
+            engine.compact(scope=A, session_id=sid, force=True, token_budget=[600, 900, 2000][i // every % 3])
+        if i == turns * 2 // 5:  # regenerate the last reply
             visible = store.read_visible(A, sid)
             store.branch(A, sid, visible[-2].entry_id)
             store.append(A, sid, {"role": "assistant", "content": "a regenerated answer"})
-        if i == 39:  # redact a message that is summarized by now
+        if i == 4 * every - 1:  # redact a message that is summarized by now
             visible = store.read_visible(A, sid)
             store.rewrite_entries(A, sid, [{"entry_id": visible[10].entry_id,
                                             "message": {"role": "user", "content": "[redacted]"}}])
-        if i == 49:  # branch back a few turns
+        if i == 5 * every - 1:  # branch back a few turns
             store.branch(A, sid, store.read_visible(A, sid)[-7].entry_id)
         result = check(store, sid)  # right after a move, too: a pending reset is no inconsistency
         assert result.problems == [], (i, result.problems)
