@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import select as selecting
 import signal
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -391,9 +393,90 @@ def worker(url: str, sid: str, mode: str) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+#: PAUSED_WORKER's pause mode for one session after another, each sent as a line
+SERVING_WORKER = """
+import json, sys
+sys.path[:0] = [sys.argv[2]]
+from test_lossless_compaction_review import A, SMALL, Scripted, make_engine
+from transcript_store import StoreConfig, TranscriptStore
+from transcript_store.summarize import ExtractiveSummarizer
+store = TranscriptStore(config=StoreConfig(url=sys.argv[1], auto_upgrade=False))
+
+def answer(messages, kw):
+    if scripted.calls == 1:
+        print("planning", flush=True)  # the parent changes the session now
+        sys.stdin.readline()
+    return ExtractiveSummarizer().summarize(messages, **kw)
+
+while line := sys.stdin.readline():
+    scripted = Scripted(answer)
+    result = make_engine(store, SMALL, scripted).compact(scope=A, session_id=line.strip(), force=True, token_budget=900)
+    print(json.dumps(result.model_dump()), flush=True)
+"""
+
+
+class Compactor:
+    """A process that compacts the sessions it is sent and waits in its summarizer until told to go: one
+    for the race tests of a backend (a process each cost ~1.2 s of CPU to start, most of such a test)."""
+
+    def __init__(self, url: str, log: Path) -> None:
+        self.log = log.open("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVING_WORKER, url, os.path.dirname(__file__)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.idle = True  # between two compactions: a test that failed half-way leaves it not idle
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = selecting.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.log.seek(0)
+            raise AssertionError(f"the compacting process answered nothing: {self.log.read()}")
+        return line.strip()
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def plan(self, sid: str) -> None:
+        """Start compacting ``sid``; returns once the compaction waits in its summarizer."""
+        self.idle = False
+        self._send(sid)
+        assert self._line() == "planning"
+
+    def go(self) -> dict[str, Any]:
+        """Let the compaction go on; its result."""
+        self._send("go")
+        result: dict[str, Any] = json.loads(self._line())
+        self.idle = True
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def compactors(shared_url: str) -> Iterator[list[Compactor]]:
+    held: list[Compactor] = []
+    yield held
+    for c in held:
+        c.close()
+
+
+@pytest.fixture
+def compactor(compactors: list[Compactor], shared_url: str, tmp_path: Path) -> Compactor:
+    if not (compactors and compactors[-1].idle and compactors[-1].proc.poll() is None):
+        compactors.append(Compactor(shared_url, tmp_path / "compactor.log"))
+    return compactors[-1]
+
+
 @pytest.mark.parametrize("meanwhile", ["commit", "branch", "rewrite", "compact", "recall"])
 def test_a_compaction_in_another_process_races_the_session(
-    store: TranscriptStore, sid: str, shared_url: str, meanwhile: str
+    store: TranscriptStore, sid: str, compactor: Compactor, meanwhile: str
 ) -> None:
     """While a compaction in another process waits in its summarizer, this one commits a turn, branches
     (and commits on the branch), rewrites a summarized message, compacts, or runs a recall tool (which
@@ -401,33 +484,22 @@ def test_a_compaction_in_another_process_races_the_session(
     engine = make_engine(store, SMALL)
     run_turns(store, engine, sid, 14)
     engine.compact(scope=A, session_id=sid, force=True, token_budget=2000)
-    proc = worker(shared_url, sid, "pause")
-    assert proc.stdout is not None and proc.stdin is not None
-    try:
-        assert proc.stdout.readline().strip() == "planning", proc.stderr.read() if proc.stderr else ""
-        visible = store.read_visible(A, sid)
-        if meanwhile == "commit":
-            commit(store, engine, finished_turn(store, A, sid, "late"))
-        elif meanwhile == "branch":
-            store.branch(A, sid, visible[9].entry_id)
-            commit(store, engine, finished_turn(store, A, sid, "on-the-branch"))
-        elif meanwhile == "rewrite":
-            store.rewrite_entries(A, sid, [{"entry_id": visible[2].entry_id, "message": user("rewritten")}])
-            commit(store, engine, finished_turn(store, A, sid, "after-the-rewrite"))
-        elif meanwhile == "compact":
-            assert engine.compact(scope=A, session_id=sid, force=True, token_budget=700).compacted
-        else:
-            store.rewrite_entries(A, sid, [{"entry_id": visible[4].entry_id, "message": user("rewritten")}])
-            engine.handle_tool_call("lcm_grep", {"pattern": "question"}, scope=A, session_id=sid)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    compactor.plan(sid)
+    visible = store.read_visible(A, sid)
+    if meanwhile == "commit":
+        commit(store, engine, finished_turn(store, A, sid, "late"))
+    elif meanwhile == "branch":
+        store.branch(A, sid, visible[9].entry_id)
+        commit(store, engine, finished_turn(store, A, sid, "on-the-branch"))
+    elif meanwhile == "rewrite":
+        store.rewrite_entries(A, sid, [{"entry_id": visible[2].entry_id, "message": user("rewritten")}])
+        commit(store, engine, finished_turn(store, A, sid, "after-the-rewrite"))
+    elif meanwhile == "compact":
+        assert engine.compact(scope=A, session_id=sid, force=True, token_budget=700).compacted
+    else:
+        store.rewrite_entries(A, sid, [{"entry_id": visible[4].entry_id, "message": user("rewritten")}])
+        engine.handle_tool_call("lcm_grep", {"pattern": "question"}, scope=A, session_id=sid)
+    result = compactor.go()
     assert result["ok"] or "changed during compaction" in (result["reason"] or ""), result
     assert invariants(store, sid) == []
     engine.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000)
