@@ -262,6 +262,8 @@ def test_a_chat_line_over_the_cap_in_bytes_ends_the_chat(store_url: str, tmp_pat
         assert "bytes (over the store's payload cap" in chat.stderr and "the line after it" not in chat.stdout
 
 
+# Once, on SQLite: a missing stdin is the process's, not the store's.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_chat_with_its_stdin_closed_ends_at_once(store_url: str, tmp_path: Path) -> None:
     """``chat <&-``: no standard input at all (sys.stdin is None) was an internal error."""
     import os
@@ -274,6 +276,8 @@ def test_chat_with_its_stdin_closed_ends_at_once(store_url: str, tmp_path: Path)
     assert result.returncode == 0 and "internal error" not in result.stderr, result.stderr
 
 
+# Once, on SQLite: a missing stdout is refused before the session is opened, whatever the backend.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_chat_with_its_stdout_closed_fails_before_any_turn(store_url: str, tmp_path: Path) -> None:
     """``chat >&-``: the loop took the missing stdout for "the default", by then stderr: every turn ran and
     committed, its replies (--json too) on stderr, exit 0. It fails as every other command does, exit 1,

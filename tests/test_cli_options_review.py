@@ -118,6 +118,8 @@ def test_hermes_install_refuses_an_empty_db_instead_of_another_store(tmp_path: P
     assert not home.exists()
 
 
+# Once, on SQLite: what a closed pipe does to the command's first line is the process's stdout, not the store's.
+@pytest.mark.parametrize("backend", ["sqlite"])
 @pytest.mark.parametrize("command", [("current",), ("init",), ("sessions", "delete", "s", "--yes")])
 def test_a_reader_gone_before_a_plain_line_is_one_error_line(store_url: str, tmp_path: Path,
                                                              command: tuple[str, ...]) -> None:
@@ -150,6 +152,8 @@ def test_a_model_url_without_a_host_or_unparseable_is_a_usage_error(tmp_path: Pa
     assert not db.exists()
 
 
+# Once, on SQLite: where the prompt goes at a terminal is the process's streams, not the store's.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_chat_json_at_a_terminal_keeps_its_prompt_out_of_stdout(store_url: str, tmp_path: Path) -> None:
     """`chat --json | jq` typed at a terminal: the "you> " prompt was written into stdout before every
     JSON line, which then no longer parsed. The prompt goes to stderr under --json."""

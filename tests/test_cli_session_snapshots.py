@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import tracemalloc
 from collections.abc import Callable
 from contextlib import redirect_stdout
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 from test_cli import (  # noqa: F401 (_script_mode: autouse, honours real_script)
+    CLI,
     SCOPE,
     SUBPROCESS,
     _script_mode,
@@ -135,17 +137,20 @@ def _once_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int, write: C
     return seen
 
 
+# Pages grow from one entry to at most 2,000 (transfer.sized_pages): 2,500 entries already take several, so
+# make test reads those; the slow tier the 10,002 of pages of 10,000 entries, as `show --all` read them.
+@pytest.mark.parametrize("count", [2_500, pytest.param(10_002, marks=pytest.mark.slow)])
 def test_show_all_reads_every_page_from_one_snapshot(
-    store: TranscriptStore, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: TranscriptStore, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int
 ) -> None:
     """`show --all` read its pages of 10,000 entries each in a read of its own: a branch and an append
     landing between two pages showed the first page on the old branch, the rest on the new one, and an
     entry the session header did not count. Every page comes from one snapshot now."""
     store.create_session(SCOPE, session_id="long")
-    for start in range(0, 10_002, 1_000):
-        store.append_many(SCOPE, "long", [{"message": _user(f"m{i}")} for i in range(start, min(start + 1000, 10_002))])
+    for start in range(0, count, 1_000):
+        store.append_many(SCOPE, "long", [{"message": _user(f"m{i}")} for i in range(start, min(start + 1000, count))])
     expected = run_json("sessions", "show", "long", "--all", "--db", store_url, cwd=tmp_path)
-    assert len(expected["entries"]) == 10_002 and all(e["active"] for e in expected["entries"])
+    assert len(expected["entries"]) == count and all(e["active"] for e in expected["entries"])
     first = expected["entries"][0]["entry_id"]
 
     def branch_and_append() -> None:
@@ -156,7 +161,7 @@ def test_show_all_reads_every_page_from_one_snapshot(
     shown = run_json("sessions", "show", "long", "--all", "--db", store_url, cwd=tmp_path)
     assert len(seen) >= 2  # pages read one after another
     assert shown == expected
-    assert store.get_session(SCOPE, "long").entry_count == 10_003  # the write landed
+    assert store.get_session(SCOPE, "long").entry_count == count + 1  # the write landed
 
 
 def test_show_reads_the_session_and_its_entries_from_one_snapshot(
@@ -181,16 +186,21 @@ def _as_emitted(store: TranscriptStore, ref: str, every: bool) -> str:
     return json.dumps(document, indent=2, ensure_ascii=False, default=str) + "\n"
 
 
-@pytest.mark.real_script
 def test_show_json_streams_the_same_bytes(store: TranscriptStore, store_url: str, tmp_path: Path) -> None:
     """A page at a time, the document is the one built whole: rewritten, off-branch, events, NUL and
-    non-ASCII text, nested payloads, an empty session; through the real console script's stdout."""
+    non-ASCII text, nested payloads, an empty session; through the real console script's stdout once (a
+    process start costs ~1.2 s here: the other cases run its ``main`` in-process, a byte stdout as well)."""
     seed(store_url)
     store.create_session(SCOPE, session_id="empty")
     store.append(SCOPE, "s2", kind="custom", payload={"nested": {"list": [1, {"a": "b\nc"}], "empty": {}}})
     for ref, options in (("s1", ()), ("s1", ("--all",)), ("s2", ("--all",)), ("empty", ()), ("empty", ("--all",))):
         shown = run("sessions", "show", ref, *options, "--json", "--db", store_url, cwd=tmp_path).stdout
         assert shown == _as_emitted(store, ref, bool(options)), (ref, options)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSCRIPT_STORE_", "OPENAI_"))}
+    real = subprocess.run([*CLI, "sessions", "show", "s1", "--all", "--json", "--db", store_url], cwd=tmp_path,
+                          env=env, capture_output=True, timeout=120)
+    assert real.returncode == 0, real.stderr
+    assert real.stdout == _as_emitted(store, "s1", True).encode("utf-8")
 
 
 def _peak_of_show(args: list[str], output: Path, monkeypatch: pytest.MonkeyPatch) -> int:

@@ -156,7 +156,7 @@ def _error_line(result: subprocess.CompletedProcess[bytes]) -> str:
 def test_an_export_to_stdout_that_cannot_be_written_whole_fails(big_store: str, tmp_path: Path) -> None:
     """A write to stdout may take fewer bytes than given and raise nothing: the export is never cut short
     with exit 0."""
-    full = _export(big_store, cwd=tmp_path).stdout
+    full = run("sessions", "export", "s1", "--db", big_store, cwd=tmp_path).stdout.encode()  # whole: in-process
     assert len(full) > 4 * LIMIT
     out = tmp_path / "out.jsonl"
     with out.open("wb") as stdout:
@@ -212,15 +212,14 @@ def test_sessions_show_with_stdout_closed_fails_with_one_line(
 def test_sessions_show_json_that_cannot_be_written_whole_fails(big_store: str, tmp_path: Path) -> None:
     """A file size limit takes part of the document: exit 1 and the error line, never exit 0 cut short."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
-    full = subprocess.run([*CLI, "sessions", "show", "s1", "--json", "--db", big_store], cwd=tmp_path, env=env,
-                          capture_output=True, timeout=120)
-    assert full.returncode == 0 and len(full.stdout) > 4 * LIMIT
+    full = run("sessions", "show", "s1", "--json", "--db", big_store, cwd=tmp_path)  # whole: in-process
+    assert len(full.stdout) > 4 * LIMIT
     out = tmp_path / "show.json"
     with out.open("wb") as stdout:
         result = subprocess.run([*CLI, "sessions", "show", "s1", "--json", "--db", big_store], cwd=tmp_path,
                                 env=env, stdout=stdout, stderr=subprocess.PIPE, timeout=120, preexec_fn=_limited)
-    assert out.stat().st_size < len(full.stdout)
-    assert result.returncode == 1, f"exit {result.returncode} with {out.stat().st_size} of {len(full.stdout)} bytes"
+    assert out.stat().st_size < len(full.stdout.encode())
+    assert result.returncode == 1, f"exit {result.returncode} with {out.stat().st_size} of {len(full.stdout)} chars"
     assert "cannot write to stdout" in _error_line(result)
 
 
@@ -229,7 +228,7 @@ def test_a_failed_export_to_a_file_keeps_the_earlier_export(big_store: str, tmp_
     folder = tmp_path / "exports"
     folder.mkdir()
     path = folder / "s1.jsonl"
-    assert _export(big_store, "-o", str(path), cwd=tmp_path).returncode == 0
+    run("sessions", "export", "s1", "-o", str(path), "--db", big_store, cwd=tmp_path)  # the good one: in-process
     good = path.read_bytes()
     assert len(good) > 4 * LIMIT and good.startswith(b'{"format":')
     result = _export(big_store, "-o", str(path), cwd=tmp_path, limited=True)
@@ -287,6 +286,9 @@ def _chatty_plugin(root: Path) -> None:
     (root / "transcript-store.toml").write_text('[engine]\nplugin_dirs = ["plugins"]\n', encoding="utf-8")
 
 
+# Once, on SQLite: where a plugin's print goes is the process's stdout and stderr, not the store's, so the backend
+# --db names plays no part.
+@pytest.mark.parametrize("backend", ["sqlite"])
 @pytest.mark.real_script
 @pytest.mark.parametrize("command", [("engines", "list"), ("doctor",)])
 def test_a_plugins_print_goes_to_stderr_shown(store_url: str, tmp_path: Path, command: tuple[str, ...]) -> None:
@@ -304,6 +306,9 @@ def test_a_plugins_print_goes_to_stderr_shown(store_url: str, tmp_path: Path, co
     assert "chatty" in table.stdout and "chatty says" not in table.stdout and "\x1b" not in table.stdout
 
 
+# Once, on SQLite: how often a plugin is imported and made is the runtime's, not the store's, so the backend --db
+# names plays no part.
+@pytest.mark.parametrize("backend", ["sqlite"])
 @pytest.mark.real_script
 def test_chat_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: Path) -> None:
     """The start-up check loaded the engine in a registry of its own, then the chat's runtime loaded it again:
@@ -316,6 +321,9 @@ def test_chat_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: P
     assert "chatty says" not in result.stdout and "legacy" not in result.stdout, result.stdout
 
 
+# Once, on SQLite: how often a plugin is imported and made is the service's, not the store's, so the backend --db
+# names plays no part.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_serve_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: Path) -> None:
     """`serve` built its service (the plugin imported, its output on stdout as it was, escape sequence and
     all), then checked the engine in another registry (imported again, its factory run), and the first request
@@ -335,7 +343,11 @@ def test_serve_imports_and_makes_a_plugin_engine_once(store_url: str, tmp_path: 
 # ---------------------------------------------------------------------------------------------- 4: memory
 
 
-def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_path: Path) -> None:
+# The assertion is a proportion (a page held, not the session): 2,800 entries (5.6 MB, 44 pages) in make test,
+# the full 4,000 (8 MB) in the slow tier. Not fewer: a first export in a fresh process peaks near 1 MB (its
+# imports and caches), past a quarter of 3.2 MB.
+@pytest.mark.parametrize("count", [2800, pytest.param(4000, marks=pytest.mark.slow)])
+def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_path: Path, count: int) -> None:
     """`sessions export` built every record, every line and then the whole file in memory before its first
     byte (900 MB of RSS for a 190 MB export, growing with the session); it writes a page at a time now,
     the same bytes."""
@@ -343,9 +355,9 @@ def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_pa
     body = "x" * 2000
     try:
         store.create_session(SCOPE, session_id="big", session_key="agent:big")
-        for start in range(0, 4000, 1000):
+        for start in range(0, count, 800):
             store.append_many(SCOPE, "big", [{"message": {"role": "user", "content": f"{i} {body}"}}
-                                             for i in range(start, start + 1000)])
+                                             for i in range(start, min(start + 800, count))])
         header, records = store.export_session(SCOPE, "big")
         expected = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
                            for r in [header, *records]).encode("utf-8")
@@ -358,7 +370,7 @@ def test_an_export_holds_a_page_in_memory_not_the_session(store_url: str, tmp_pa
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert path.read_bytes() == expected and len(expected) > 8_000_000
+    assert path.read_bytes() == expected and len(expected) > count * 2000
     assert peak < len(expected) / 4, (peak, len(expected))
 
 
@@ -369,6 +381,8 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
 
 
+# Once, on SQLite: a missing stdout is refused before the export's first read, so the backend --db names plays no part.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_an_export_to_a_closed_stdout_fails_with_one_line(store_url: str, tmp_path: Path) -> None:
     """`sessions export s1 >&-`: Python starts with no stdout at all; the export said "AttributeError:
     'NoneType' object has no attribute 'flush' (an internal error)". It fails as `sessions show` does."""
@@ -413,6 +427,9 @@ def test_export_output_dash_is_stdout_as_import_dash_is_stdin(store_url: str, tm
      ("sessions", "delete", "s1", "--yes"), ("current",)],
     ids=["import", "delete", "current"],
 )
+# Once, on SQLite: the command is refused before it opens the store (the test checks nothing changed), so the backend
+# --db names plays no part.
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_a_closed_stdout_refuses_a_command_before_it_changes_anything(
     store_url: str, export_file: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:

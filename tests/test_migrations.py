@@ -578,17 +578,23 @@ def _content(db: Database) -> dict[str, list[str]]:
 _MIGRATE_WORKER = Path(__file__).parent / "workers" / "migrate_worker.py"
 
 
-@pytest.mark.parametrize("statement", [
+#: the points an upgrade is killed at, one real process each
+KILL_POINTS = [
     "version_num='0005'",  # SQLite: after 0005's rebuild of ts_receipts (a DROP TABLE), before its commit
     "DROP TABLE ts_receipts_0005",  # in the middle of 0006's rebuild
     "version_num='0012'",  # SQLite: after 0012 dropped and rebuilt the engine's search index
     "version_num='0015'",  # the last migration's version row, the commit still to come
-])
-def test_an_upgrade_killed_midway_leaves_the_store_as_it_was(store_url: str, statement: str) -> None:
+]
+
+
+def test_an_upgrade_killed_midway_leaves_the_store_as_it_was(store_url: str) -> None:
     """An upgrade from 0004 SIGKILLed at a point inside it (a real process): the store is still at 0004
     with every row as it was (on SQLite too, whose DDL runs in the upgrade's one transaction), and the
     next upgrade finishes with the rows an upgrade that was never killed leaves: receipts still answer
-    ``duplicate``, a cursor issued before still reads on (an empty page, not a reset)."""
+    ``duplicate``, a cursor issued before still reads on (an empty page, not a reset).
+
+    Every kill point on one store: each kill leaves it at 0004 with the rows it had (checked), the very
+    start the next kill needs, so the store, its downgrade and the finishing upgrade are made once."""
     admission, terminal, messages, first = _a_store_with_every_kind_of_row(store_url)
     db = Database(StoreConfig(url=store_url))
     try:
@@ -605,10 +611,11 @@ def test_an_upgrade_killed_midway_leaves_the_store_as_it_was(store_url: str, sta
         _downgrade(db, "0004")
         assert _content(db) == old
         db.dispose()
-        killed = subprocess.run([sys.executable, str(_MIGRATE_WORKER), "kill", store_url, statement, "1"],
-                                capture_output=True, text=True, timeout=120)
-        assert killed.returncode == -signal.SIGKILL, (killed.stdout, killed.stderr)
-        assert migrate.current_revision(db) == "0004" and _content(db) == old
+        for statement in KILL_POINTS:
+            killed = subprocess.run([sys.executable, str(_MIGRATE_WORKER), "kill", store_url, statement, "1"],
+                                    capture_output=True, text=True, timeout=120)
+            assert killed.returncode == -signal.SIGKILL, (statement, killed.stdout, killed.stderr)
+            assert migrate.current_revision(db) == "0004" and _content(db) == old, statement
         assert migrate.upgrade_from(db) == ("0004", migrate.head_revision())
         assert _content(db) == upgraded and _differences(db) == []
     finally:
