@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from test_cli import _script_mode, run  # noqa: F401 (autouse: honours the subprocess mode of CI)
 
 from transcript_store import InvalidInput, StoreConfig, TranscriptStore, TranscriptStoreError, gateway, quarantine
 from transcript_store.errors import ModelTimeout
@@ -305,7 +306,7 @@ def test_two_runs_of_one_seed_in_the_same_second_keep_apart(store_url: str) -> N
 
     def one() -> None:
         try:
-            reports.append(run_gateway(_options(store_url, None, "legacy", turns=2, seed=3), QUIET))
+            reports.append(run_gateway(_options(store_url, None, "legacy", seed=3), QUIET))
         except BaseException as e:  # reported by the test below
             errors.append(e)
 
@@ -321,7 +322,7 @@ def test_two_runs_of_one_seed_in_the_same_second_keep_apart(store_url: str) -> N
     assert len(sessions) == 2, [s.session_id for s in sessions]
     for report in reports:
         assert report.ok, report.problems
-        assert report.committed == 2 and report.duplicates_absorbed == 0
+        assert report.committed == 1 and report.duplicates_absorbed == 0
 
 
 def test_a_receipt_of_no_planned_turn_fails_the_check(store_url: str) -> None:
@@ -458,6 +459,7 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("backend", ["sqlite"])  # the dispatcher's signal handling: no store in it (CI time)
 def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path: Path) -> None:
     """SIGTERM ended the dispatcher where it stood: on a terminal the progress display never closed, the
     cursor left hidden (rich's ESC[?25l with no ESC[?25h after it). It ends the run as Ctrl-C does (the
@@ -511,15 +513,11 @@ def test_an_interrupted_runs_turn_in_flight_is_finished_by_outbox_recover(store_
         assert proc.returncode == 1 and err.read_text().strip().endswith("error: aborted"), err.read_text()
         assert "exactly-once" not in out.read_text()
         assert _ended(worker)
-    env = {**os.environ, "COLUMNS": "200"}
-    env.pop("TRANSCRIPT_STORE_CONFIG", None)
-    common = ["--config", config, "--db", store_url]
 
     def outbox(*more: str) -> str:
-        done = subprocess.run([*CLI, *common, "outbox", *more, "--scope", "gateway"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        # In this process (CI time: a process start each): the run's own processes are gone, nothing of
+        # theirs is in the command's way.
+        return run("--config", config, "--db", store_url, "outbox", *more, "--scope", "gateway", cwd=tmp_path).stdout
 
     assert outbox("status").strip().endswith("1 admitted")
     assert "discarded 1" in outbox("recover")
@@ -535,6 +533,7 @@ if not os.path.exists(os.path.join(MARKS, "stuck")):
 """
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # the dispatcher's start-up bound: no store in it (CI time)
 def test_a_worker_stuck_starting_is_killed_and_replaced(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,12 +542,12 @@ def test_a_worker_stuck_starting_is_killed_and_replaced(
     config = _plugin(tmp_path, "slowstart", "pass")
     init = tmp_path / "plugins" / "slowstart" / "__init__.py"
     init.write_text(STUCK_IMPORT.format(marks=str(tmp_path)) + init.read_text())
-    monkeypatch.setattr(gateway, "STARTUP_SECONDS", 3.0, raising=False)
+    monkeypatch.setattr(gateway, "STARTUP_SECONDS", 1.0, raising=False)
     made: list[Any] = []
     stuck = tmp_path / "stuck"
 
     class Worker(gateway._Worker):
-        """The first worker's 3 s bound runs from when it is stuck (its plugin's import wrote "stuck"), not
+        """The first worker's 1 s bound runs from when it is stuck (its plugin's import wrote "stuck"), not
         from its spawn: on a loaded machine its start up to there (spawn, imports, opening its store) took
         longer than a bound of 8 s from its spawn, it was killed before it got stuck, and its replacement
         got stuck instead (killed after 120 s: two deaths, a run of 136 s). Its healthy replacement gets a
@@ -564,7 +563,7 @@ def test_a_worker_stuck_starting_is_killed_and_replaced(
         def start_by(self) -> float:
             """When, not ready yet, it counts as stuck starting: the dispatcher reads it on each wake."""
             if self.first and stuck.exists():  # its mtime, on this process's monotonic clock
-                return time.monotonic() - (time.time() - stuck.stat().st_mtime) + 3.0
+                return time.monotonic() - (time.time() - stuck.stat().st_mtime) + 1.0
             return self.bound
 
         @start_by.setter
@@ -578,7 +577,7 @@ def test_a_worker_stuck_starting_is_killed_and_replaced(
     assert (tmp_path / "stuck").exists()
     assert not report.ok and report.unexpected_exits == 1 and report.committed == 1
     [problem] = report.problems
-    assert "a worker did not start within 3 s: SIGKILLed" in problem
+    assert "a worker did not start within 1 s: SIGKILLed" in problem
     assert len(made) == 2 and made[0].proc.exitcode == -signal.SIGKILL  # the stuck one, killed
     assert not mp.active_children()
 

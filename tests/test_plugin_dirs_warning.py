@@ -16,6 +16,11 @@ from test_cli import run, run_json
 CASES = ["env-missing", "file-missing", "file-a-file"]
 
 
+#: a plugin dir is checked from the settings, before any store is opened: the backend changes nothing there,
+#: so these run on one (CI time: each is a process or two, 3-4 s a backend)
+ONE_BACKEND = pytest.mark.parametrize("backend", ["sqlite"])
+
+
 def _env(tmp_path: Path, case: str) -> tuple[dict[str, str], str]:
     """The environment naming the bad folder, and the path the warning names."""
     if case == "env-missing":
@@ -34,6 +39,7 @@ def _said(stderr: str, what: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("warning: ") and what in line]
 
 
+@ONE_BACKEND
 @pytest.mark.parametrize("case", CASES)
 def test_engines_list_warns_and_doctor_fails(store_url: str, tmp_path: Path, case: str) -> None:
     env, what = _env(tmp_path, case)
@@ -48,6 +54,7 @@ def test_engines_list_warns_and_doctor_fails(store_url: str, tmp_path: Path, cas
     assert f"problem: {what}" in out.stdout.splitlines() and "NOT OK" in out.stdout
 
 
+@ONE_BACKEND
 def test_a_folder_that_is_there_is_no_problem(store_url: str, tmp_path: Path) -> None:
     (tmp_path / "my-engines").mkdir()
     env = {"TRANSCRIPT_STORE_PLUGIN_DIRS": str(tmp_path / "my-engines")}
@@ -55,6 +62,7 @@ def test_a_folder_that_is_there_is_no_problem(store_url: str, tmp_path: Path) ->
     assert not _said(run("chat", "--db", store_url, cwd=tmp_path, stdin="/quit\n", env=env).stderr, "plugin dir")
 
 
+@ONE_BACKEND
 @pytest.mark.parametrize("case", CASES)
 def test_chat_and_gateway_warn_at_start(store_url: str, tmp_path: Path, case: str) -> None:
     env, what = _env(tmp_path, case)
@@ -67,6 +75,7 @@ def test_chat_and_gateway_warn_at_start(store_url: str, tmp_path: Path, case: st
     assert json.loads(gateway.stdout)["ok"]
 
 
+@ONE_BACKEND
 def test_serve_warns_at_start(store_url: str, tmp_path: Path) -> None:
     env, what = _env(tmp_path, "env-missing")
     with ServiceProcess(store_url, {"tok": "s"}, tmp_path / "serve.log", env=env) as proc:

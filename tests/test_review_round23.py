@@ -140,19 +140,24 @@ def test_commit_turn_refuses_a_turn_over_the_byte_cap(shared_url: str, sid: str)
 
 
 def test_commit_turn_refuses_a_turn_one_entry_over_the_event_cap(store: TranscriptStore, sid: str) -> None:
-    """Admission, 19,999 events and the terminal are 20,001 entries: ``too_large`` for the closed range,
+    """Admission, 19,999 entries and the terminal are 20,001 entries: ``too_large`` for the closed range,
     a receipt for commit_turn (its bound was on the seq distance, one more)."""
-    admission, terminal = _turn(store, sid, [assistant("A")], events=MAX_TURN_EVENTS - 1)
+    # One chain serves both sides of the cap (writing 20,000 events twice took 8-13 s of CI time): the
+    # admission, 19,998 events and reply A are a turn within both caps; one more reply after A makes
+    # A the 19,999th entry between the admission and a terminal one entry over the cap.
+    within_admission, within_terminal = _turn(store, sid, [assistant("A")], events=MAX_TURN_EVENTS - 2)
+    over = store.append(S, sid, assistant("B"))
+    admission, terminal = within_admission, store.anchor(S, sid, over.entry_id)
+    assert terminal.seq - admission.anchor.seq == MAX_TURN_EVENTS  # 20,001 entries, within the seq distance
     found = store.read_closed_range(admission, terminal)
     assert isinstance(found, ClosedRangeFailure) and found.reason == "too_large"
     with pytest.raises(InvalidInput, match=str(MAX_TURN_EVENTS)):
-        Turns(store).commit_turn(E, "t1", admission, terminal, [user("q"), assistant("A")])
+        Turns(store).commit_turn(E, "t1", admission, terminal, [user("q"), assistant("A"), assistant("B")])
     assert Turns(store).receipts(S, sid) == []
-    # one event fewer is within both caps
-    other = store.create_session(S).session_id
-    admission, terminal = _turn(store, other, [assistant("A")], events=MAX_TURN_EVENTS - 2)
-    assert not isinstance(store.read_closed_range(admission, terminal), ClosedRangeFailure)
-    assert Turns(store).commit_turn(E, "t1", admission, terminal, [user("q"), assistant("A")]).status == "committed"
+    # one entry fewer is within both caps
+    assert not isinstance(store.read_closed_range(within_admission, within_terminal), ClosedRangeFailure)
+    committed = Turns(store).commit_turn(E, "t1", within_admission, within_terminal, [user("q"), assistant("A")])
+    assert committed.status == "committed"
 
 
 def _long_session(store: TranscriptStore, sid: str, n: int) -> None:
