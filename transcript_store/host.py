@@ -1048,7 +1048,12 @@ class HostRuntime(TokenCounts):
             # The row itself, not ``Turns.intent``: a session deleted meanwhile is no reason to fail a turn
             # that completed (that call raises UnknownSession for it).
             left = self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
-            status = "committed" if drained.delivered and left is None else "queued"
+            # Blocked by this drain (another version of the key receipted) or by an operator since the
+            # completion: it will never be delivered, so "queued" would promise what cannot happen.
+            if drained.delivered and left is None:
+                status = "committed"
+            else:
+                status = "blocked" if left is not None and left.state == "blocked" else "queued"
         self._after_turn(engine, info, scope, session_id, admission, completion.terminal, host_params)
         if decision.engine_id != engine_id:
             raise EngineSwitchError("a started turn cannot switch engines")

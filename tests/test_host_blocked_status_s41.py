@@ -1,0 +1,60 @@
+"""``run_turn`` tells a turn blocked before its own drain delivered it as ``blocked``, not ``queued`` (both backends).
+
+A turn whose fast commit failed waits in the outbox, and ``run_turn`` drains its session at once. When the row
+is blocked by then (an operator's ``outbox block`` landing between the completion and that drain, or the
+drain's own block of another version receipted for the key), the turn will never reach its engine. The
+outcome said ``queued`` for it, a promise of a later delivery, while a retry of the same turn id said
+``blocked``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hosting import CountingEngine
+from test_host import SCOPE, make_host
+
+from transcript_store import TranscriptStore
+from transcript_store.turns import DrainReport, Turns
+
+
+class _Down(CountingEngine):
+    def commit_turn(self, **kw: Any) -> Any:
+        raise RuntimeError("engine down")
+
+
+class _BlockedFirst(Turns):
+    """Turns whose next drain finds ``t1`` blocked by an operator (a real ``outbox block``) just before it runs."""
+
+    def drain(self, *args: Any, **kw: Any) -> DrainReport:
+        self.block(SCOPE, kw["session_id"], "t1", "bad turn")
+        return super().drain(*args, **kw)
+
+
+def test_a_turn_blocked_before_its_drain_is_reported_blocked(store: TranscriptStore) -> None:
+    sid = store.create_session(SCOPE, session_id="blocked-status").session_id
+    host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
+    try:
+        host.turns = _BlockedFirst(store)
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.commit_status == "blocked"  # before the fix: "queued"
+        intent = Turns(store).intent(SCOPE, sid, "t1")
+        assert intent is not None and intent.state == "blocked"
+        # A retry of the turn id tells the same.
+        host.turns = Turns(store)
+        again = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert again.commit_status == "blocked"
+    finally:
+        host.dispose()
+
+
+def test_a_queued_turn_is_still_reported_queued(store: TranscriptStore) -> None:
+    sid = store.create_session(SCOPE, session_id="queued-status").session_id
+    host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
+    try:
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.commit_status == "queued"
+        intent = Turns(store).intent(SCOPE, sid, "t1")
+        assert intent is not None and intent.state in ("accepted", "ready")
+    finally:
+        host.dispose()
