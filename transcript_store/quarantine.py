@@ -30,8 +30,9 @@ class QuarantineRecord:
     alive: bool
     #: the host name the record's process ran on (None: an identity that cannot be read)
     host: str | None = None
-    #: written on another host: whether its process lives cannot be checked here (``alive`` is False
-    #: for that reason alone, not because it is known dead)
+    #: written on another host, or under this host name in another pid namespace or boot: whether its
+    #: process lives cannot be checked here (``alive`` is False for that reason alone, not because it is
+    #: known dead)
     elsewhere: bool = False
 
 
@@ -100,14 +101,17 @@ def _prune(core: Core, cutoff: int) -> int:
 
 def records(core: Core, *, live_only: bool = True, max_age_seconds: float = RECORD_SECONDS) -> list[QuarantineRecord]:
     """Quarantine records; by default those of processes alive on this machine, and those of other hosts
-    written within ``max_age_seconds`` (their processes cannot be checked from here)."""
+    (or pid namespaces) written within ``max_age_seconds`` (their processes cannot be checked from here)."""
     cutoff = _check_age(max_age_seconds)
-    here = socket.gethostname()
+    here, key = socket.gethostname(), identity.machine_key()
     out = []
     for row in core.conn.execute(select(quarantine).order_by(quarantine.c.created_us)):
         who = identity.ProcessIdentity.parse(row.process)
         alive = who is not None and who.is_alive_here()
-        elsewhere = who is not None and who.host != here
+        # Another host, or this host name's other pid namespace (a container given the same name) or an
+        # earlier boot: its pids are not this machine's to check, so neither live nor dead here.
+        elsewhere = who is not None and (who.host != here or (
+            who.machine is not None and key is not None and who.machine != key))
         if alive or not live_only or (elsewhere and row.created_us >= cutoff):
             out.append(
                 QuarantineRecord(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import click
@@ -164,7 +165,12 @@ def _print_doctor(data: dict[str, Any], settings: HostSettings) -> None:
         for name in ("engine", "process", "where", "operation", "reason", "since"):
             table.add_column(name, overflow="fold")
         for r in data["quarantine"]:
-            where = f"another host ({r['host']}): not checked" if r["elsewhere"] else "alive here"
+            if not r["elsewhere"]:
+                where = "alive here"
+            elif r["host"] == socket.gethostname():  # a container given this host name, or an earlier boot
+                where = f"another pid namespace or boot of this host ({r['host']}): not checked"
+            else:
+                where = f"another host ({r['host']}): not checked"
             # An engine's error text: read, not obeyed (as outbox status shows it).
             table.add_row(r["engine_id"], Text(shown(r["process"])), Text(shown(where)), r["operation"],
                           Text(shown(r["reason"])), r["created_at"])
