@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import weakref
+from collections import Counter
 from typing import Any
 
 from .config import as_int
@@ -62,6 +63,28 @@ def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
             fingerprint([clean(m)]) in known for m in messages or ()
             if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
         )
+    except Exception:
+        return False
+
+
+def _counted(messages: Any) -> Counter[str]:
+    """The conversation messages of a list, by fingerprint and count (no system prompt, none of ours)."""
+    return Counter(
+        fingerprint([clean(m)]) for m in messages or ()
+        if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
+    )
+
+
+def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
+    """Whether ``messages`` holds something and hermes-agent's session database keeps every message of it
+    active (a message the list holds twice, twice); False when it cannot tell. Such a list undid nothing
+    the database took back: it is what Hermes shows. The CLI's ``/retry`` takes the last exchange out of
+    its list and leaves its rows active, so the database then holds the exchange before the retried one:
+    followed after an earlier ``/undo``, the session end stored the old exchange and the retried
+    message again, visible beside the retried exchange Hermes showed."""
+    try:
+        wanted = _counted(messages)
+        return bool(wanted) and not wanted - _counted(session_db.get_messages_as_conversation(hermes_session))
     except Exception:
         return False
 
@@ -138,11 +161,12 @@ class SessionsMixin(IngestMixin):
             db = self._bound_db()
             if (
                 session_id and db is not None and rewound(db, session_id) and saved_all(db, session_id, messages)
-                and self._store_saved(db, session_id)
+                and not kept_all(db, session_id, messages) and self._store_saved(db, session_id)
             ):
                 # /undo tells the engine nothing, and the list Hermes passes at exit (the agent's
                 # ``_session_messages``) still holds the undone turn: stored, it stayed visible to every
-                # later read and resume. The database's active rows are what the user kept.
+                # later read and resume. The database's active rows are what the user kept. A list
+                # holding none of the rows taken back is the conversation itself (``kept_all``).
                 return
             if messages:
                 self.ingest(detached(list(messages)), session_id or None)
