@@ -282,8 +282,9 @@ class Planner:
             before = items[start - 1].summary if start > 0 else None
             previous = before.content if before is not None else None
             ordinals = [int(i.message_ordinal or 0) for i in chunk]
-            # What the host keeps out of the model's context is covered (lcm_expand lists it), never summarized:
-            # a summary would carry it into every later context.
+            # What the host keeps out of the model's context is covered (a source of the leaf, which the recall
+            # tools never list: tables.messages.c.hidden), never summarized: a summary would carry it into
+            # every later context.
             inputs = [i.message or {} for i in chunk if not out_of_context(i.message)]
             if not inputs:
                 return None

@@ -207,9 +207,11 @@ def ingest_entries(
             if visible:
                 continue  # already in the context list: nothing to do
         else:
-            # A message the host keeps out of the model's context is stored and listed (the recall tools
-            # reach it, the list stays whole) but costs nothing: it took the budget of the messages shown.
-            tokens = 0 if out_of_context(message) else int(estimator.count_messages([message]))
+            # A message the host keeps out of the model's context is stored and listed (the list stays
+            # whole) but costs nothing (it took the budget of the messages shown), and is marked hidden:
+            # the recall tools never find or open it (a tool's answer is model context too).
+            hidden = out_of_context(message)
+            tokens = 0 if hidden else int(estimator.count_messages([message]))
             ordinal = view.next_ordinal
             view.next_ordinal += 1
             new_rows.append(
@@ -225,6 +227,7 @@ def ingest_entries(
                     "message": json.dumps(message, ensure_ascii=False, separators=(",", ":")),
                     "tokens": tokens,
                     "created_us": ts,
+                    "hidden": hidden,
                 }
             )
         new_items.append(

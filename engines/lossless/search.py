@@ -55,6 +55,11 @@ Hits are ordered without ties (see ``_recency``), so a search answers the same p
 reads the hit's own row only, on both backends: no other session's rows (bm25, which SQLite ranked
 with until revision 0012, weighed each phrase by how many rows of the whole table held it).
 
+A message the host keeps out of the model's context (OpenClaw's ``excludeFromContext``: the column
+``hidden``, revision 0016) is never a hit, in either mode, on either backend: a tool's answer is model
+context too. The condition is in the SQL of each query (full text) and batch (regex), so a page of
+``limit`` holds that many hits whenever the session has them.
+
 Regular expressions (Python syntax, run by the ``regex`` package) scan the session's rows newest
 first, in bounded batches. The model writes them, so each is bounded: a pattern whose size (its
 counted repetitions expanded, see ``expanded_size``) passes REGEX_MAX_SIZE is refused before compiling
@@ -84,7 +89,7 @@ from re import _parser as _sre_parse  # type: ignore[attr-defined]
 from typing import Any, Literal
 
 import regex
-from sqlalchemy import Table, func, null, select, text
+from sqlalchemy import Table, false, func, null, select, text
 
 from transcript_store.core import Core
 from transcript_store.db import PG_VALUE_PLANS
@@ -128,6 +133,9 @@ KIND_ROWS: dict[Kind, int] = {"message": 0, "summary": 2**31}
 KIND_SPAN = 2**31
 
 _SOURCES: dict[Kind, tuple[Table, str]] = {"message": (messages, "ordinal"), "summary": (summaries, "summary_seq")}
+#: the condition of a message row the model may be shown: not one the host keeps out of its context
+#: (``tables.messages.c.hidden``); a search finds such a row never, on either backend, in either mode
+_SHOWN = "NOT t.hidden"
 
 
 class SearchError(ValueError):
@@ -509,10 +517,13 @@ def _full_text(
     table, key = _SOURCES[kind]
     params: dict[str, Any] = {"scope": scope, "session_id": session_id, "limit": limit}
     order = "score DESC, recency DESC, ref DESC" if sort == "relevance" else "recency DESC, ref DESC"
+    # A message the host keeps out of the model's context is never a hit (``_SHOWN``), in SQL: a page of
+    # ``limit`` holds that many hits the model may see whenever there are.
+    exact = [_SHOWN] if kind == "message" else []
     if core.dialect.is_sqlite:
         # ``contains`` decides (the rule, code point by code point); the FTS index only finds candidates.
         _register(core)
-        exact = [f"{CONTAINS_FUNCTION}(t.content, :cf{n}, :c{n})" for n in range(len(terms))]
+        exact += [f"{CONTAINS_FUNCTION}(t.content, :cf{n}, :c{n})" for n in range(len(terms))]
         for n, term in enumerate(terms):
             params[f"c{n}"] = term
             params[f"cf{n}"] = int(any(len(_forms(ch)) > 1 for ch in term))
@@ -550,7 +561,6 @@ def _full_text(
         # the pg_trgm index serves it; a LIKE helps the index with what the expression's trigrams miss.
         # A word match alone is never one (the parser drops punctuation: "foo's" is the words foo & s,
         # "[x" the word x); the word vector only ranks.
-        exact = []
         for n, term in enumerate(terms):
             params[f"r{n}"] = _pg_regex(term)
             exact.append(f"t.content ~ :r{n}")
@@ -762,6 +772,8 @@ def _scan(core: Core, scope: str, session_id: str, kind: Kind) -> Iterator[Any]:
     before: int | None = None
     while True:
         q = select(*columns).where(table.c.scope == scope, table.c.session_id == session_id)
+        if is_message:
+            q = q.where(table.c.hidden == false())  # never shown to the model, so never a hit (``_SHOWN``)
         if before is not None:
             q = q.where(column < before)
         rows = core.conn.execute(q.order_by(column.desc()).limit(SCAN_BATCH)).all()

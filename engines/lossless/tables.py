@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     ForeignKeyConstraint,
@@ -27,6 +28,7 @@ from sqlalchemy import (
     Text,
     bindparam,
     cast,
+    false,
     func,
     literal_column,
     select,
@@ -72,6 +74,10 @@ messages = Table(
     Column("message", Text, nullable=False),  # the message exactly as stored in the transcript
     Column("tokens", Integer, nullable=False),
     Column("created_us", BigInteger, nullable=False),
+    # The host keeps the message out of the model's context (``models.out_of_context``, revision 0016):
+    # stored and listed, never shown, and never found or opened by the recall tools. Written by every
+    # import (``ingest``); a row inserted without it is shown (the server's default, not SQLAlchemy's).
+    Column("hidden", Boolean, nullable=False, server_default=false()),
     PrimaryKeyConstraint("scope", "session_id", "ordinal", name="ts_lcm_messages_pk"),
     _session_fk("ts_lcm_messages"),
 )

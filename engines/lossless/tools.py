@@ -3,6 +3,8 @@
 Every original message stays reachable from the assembled context: a summary in context names its id,
 ``lcm_expand`` walks a condensed summary to its children and a leaf to its source messages, and
 ``lcm_describe`` walks the other way (a message -> the summaries that cover it, up to the one in context).
+A message the host keeps out of the model's context (``messages.c.hidden``) is the exception: no tool
+finds, lists or opens it (a tool's answer is model context too); its id is answered as no message.
 Handlers never raise for bad arguments: the model gets ``{"error": ...}`` and can try again. Arguments
 are checked before any query (``check``, before the engine's first read: a refused call reads and
 writes nothing, not even a pending reset): ids as the store takes them, choices as strings, numbers
@@ -18,7 +20,7 @@ from typing import Any, cast
 
 import regex
 from sqlalchemy import cast as sql_cast
-from sqlalchemy import func, literal_column, select
+from sqlalchemy import false, func, literal_column, select
 from sqlalchemy.dialects.postgresql import JSON
 from sqlalchemy.exc import DataError
 
@@ -318,10 +320,15 @@ def _holder(core: Core, scope: str, session_id: str, chain: list[int], first: in
     return next((summary_id(s) for s in chain if _in_context(core, scope, session_id, first, summary=s)), None)
 
 
+def _shown(scope: str, session_id: str, *columns: Any) -> Any:
+    """A query of ``columns`` of the session's messages the model may be shown (not ``hidden``)."""
+    return select(*columns).where(*_key(messages, scope, session_id), messages.c.hidden == false())
+
+
 def _find_message(core: Core, scope: str, session_id: str, raw: str, columns: tuple[Any, ...] = (messages,)) -> Any:
-    """The row (``columns`` of it) of the message ``raw`` names, or None."""
+    """The row (``columns`` of it) of the message ``raw`` names, or None (also for a hidden one)."""
     parsed = parse_id(raw)
-    q = select(*columns).where(*_key(messages, scope, session_id))
+    q = _shown(scope, session_id, *columns)
     if parsed is not None:
         # An id of the engine's form is the engine's, either kind: ``sum_7`` with no summary 7 named the
         # transcript entry called "sum_7" (``msg_7`` never did), and the same id switched to another
@@ -337,7 +344,7 @@ def _shadow_note(core: Core, scope: str, session_id: str, raw: str, found: tuple
     message: that message is reached by its own engine id only, and the caller is told which."""
     if parse_id(raw) is None:
         return None
-    q = select(messages.c.ordinal).where(*_key(messages, scope, session_id))
+    q = _shown(scope, session_id, messages.c.ordinal)
     other = core.conn.execute(keyed(q, messages.c.entry_id, raw).limit(_ONE)).scalar()
     if other is None or found == ("message", int(other)):
         return None
@@ -425,7 +432,7 @@ def _describe_summary(core: Core, scope: str, session_id: str, row: Any, first: 
     if row.kind == "condensed":
         out["children"] = [summary_id(c) for c in _children(core, scope, session_id, seq)]
     else:
-        out["source_messages"] = _source_count(core, scope, session_id, seq)
+        out["source_messages"] = len(_sources(core, scope, session_id, seq))
     out["preview"] = snippet(row.content, None, 240)
     return out
 
@@ -438,16 +445,18 @@ def _children(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
     return [r.child_seq for r in sorted(edges, key=lambda r: r.idx)]
 
 
-def _sources(scope: str, session_id: str, seq: int) -> Any:
-    """The message ordinals of a leaf summary, in order."""
+def _sources(core: Core, scope: str, session_id: str, seq: int) -> list[int]:
+    """The ordinals of a leaf summary's source messages the model may be shown, in order: a leaf covers
+    the hidden messages among its chunk too (its summary leaves their text out). Every source is read,
+    then the hidden ones are left out by their rows (two keyed lookups: see context.load_items on
+    PostgreSQL join plans), so that offsets, ``total`` and the pages count the messages shown only."""
     q = select(summary_sources.c.message_ordinal).where(*_key(summary_sources, scope, session_id))
-    return keyed(q, summary_sources.c.summary_seq, seq).order_by(summary_sources.c.message_ordinal)
-
-
-def _source_count(core: Core, scope: str, session_id: str, seq: int) -> int:
-    """How many messages a leaf summary covers."""
-    count = select(func.count()).select_from(_sources(scope, session_id, seq).subquery())
-    return int(core.conn.execute(count).scalar_one())
+    q = keyed(q, summary_sources.c.summary_seq, seq).order_by(summary_sources.c.message_ordinal)
+    ordinals = list(core.conn.execute(q).scalars())
+    m = messages.c
+    flags = rows_of(core, scope, session_id, m.ordinal, ordinals, (m.ordinal, m.hidden))
+    hidden = {r.ordinal for r in flags if r.hidden}
+    return [o for o in ordinals if o not in hidden]
 
 
 def _cut(content: str, limit: int) -> tuple[str, bool]:
@@ -472,11 +481,11 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
         found = {r.summary_seq: r for r in stored}
         items = [_summary_item(found[c], max_chars) for c in shown if c in found]
     else:
-        total = _source_count(core, scope, session_id, seq)
+        sources = _sources(core, scope, session_id, seq)
+        total = len(sources)
         if (error := _past_end(offset, total, summary_id(seq), "source messages")) is not None:
             raise error
-        # Two keyed lookups, not an IN (subquery): see context.load_items on PostgreSQL join plans.
-        page = core.conn.execute(_sources(scope, session_id, seq).offset(offset).limit(limit)).scalars().all()
+        page = sources[offset : offset + limit]
         stored = rows_of(core, scope, session_id, messages.c.ordinal, page, tuple(messages.c))
         items = [_message_item(m, max_chars) for m in sorted(stored, key=lambda m: m.ordinal)]
     done = offset + len(items)
