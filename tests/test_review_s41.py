@@ -1,0 +1,47 @@
+"""Review of the s41 commits (both backends): what the lossless audit and the quarantine records missed.
+
+- ``ts_lcm_messages.hidden`` (revision 0016) is what keeps a message the host keeps out of the model's
+  context away from the recall tools; the audit, which checks every other column the tools rely on,
+  never read it: a row marked wrong (shown to the model through lcm_grep, or a visible message lost to
+  it) passed the audit.
+"""
+
+from __future__ import annotations
+
+from conftest import module_store_fixtures
+from sqlalchemy import update
+from test_lossless_hidden_recall_s41 import SECRET, A, call, conversation, rows
+
+from engines.lossless.audit import audit
+from engines.lossless.tables import messages
+from transcript_store import TranscriptStore
+
+shared_url, store, sid = module_store_fixtures(A, "review_s41")
+
+
+def _mark(store: TranscriptStore, sid: str, ordinal: int, hidden: bool) -> None:
+    m = messages.c
+    store.write(lambda c: c.conn.execute(
+        update(messages).where(m.scope == A, m.session_id == sid, m.ordinal == ordinal).values(hidden=hidden)))
+
+
+def test_the_audit_checks_the_hidden_mark_of_each_message(store: TranscriptStore, sid: str) -> None:
+    engine = conversation(store, sid)
+    assert store.read(lambda c: audit(c, A, sid)).problems == []
+    table = rows(store, sid)
+    kept_out = next(o for o, _, out in table if out)
+    shown = next(o for o, _, out in table if not out)
+    _mark(store, sid, kept_out, False)  # as a row written without the column's value would be
+    _mark(store, sid, shown, True)
+    # What the wrong marks do: the kept-out text reaches the model, a message it may see is lost to it.
+    assert SECRET in str(call(engine, sid, "lcm_expand", {"id": f"msg_{kept_out}"}))
+    assert "error" in call(engine, sid, "lcm_expand", {"id": f"msg_{shown}"})
+    problems = store.read(lambda c: audit(c, A, sid)).problems
+    assert problems == [p for _, p in sorted([  # before the fix: [] (the audit never read the column)
+        (shown, f"msg_{shown} is marked hidden, but the host does not keep it out of the model's context"),
+        (kept_out, f"msg_{kept_out} is kept out of the model's context by the host, but not marked hidden"),
+    ])], problems
+    _mark(store, sid, kept_out, True)
+    _mark(store, sid, shown, False)
+    assert store.read(lambda c: audit(c, A, sid)).problems == []
+
