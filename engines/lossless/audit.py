@@ -17,23 +17,28 @@ transcript's entries for the branch the engine imported. It reports, one line pe
 - the view: counters past the rows, tokens and position those of the context, its cursor's position;
 - the search index (SQLite: its triggers keep it; PostgreSQL's search column is generated): each
   message and summary is in it under its own rowid with its own text, and it holds nothing else of
-  the session.
+  the session;
+- the ``hidden`` mark (revision 0016): a message is marked exactly when the host keeps it out of the
+  model's context (``models.out_of_context``), which the recall tools go by.
 
-No text is downloaded: summaries and messages are read without their content, the transcript's
-entries without their payloads, and the search index is compared with the rows in SQL.
+No text is downloaded but the stored message of a row marked hidden or holding the marker
+(``excludeFromContext``), one at a time: summaries and messages are read without their content, the
+transcript's entries without their payloads, and the search index is compared with the rows in SQL.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, Table, func, select, text
+from sqlalchemy import ColumnElement, Row, Table, func, inspect, or_, select, text, true
 
 from transcript_store.core import Core
 from transcript_store.cursors import decode_cursor
+from transcript_store.models import out_of_context
 from transcript_store.schema import entries
 
 from .search import KIND_ROWS, KIND_SPAN, SLOT_ROWS, Kind
@@ -42,6 +47,7 @@ from .tables import (
     context_items,
     message_id,
     messages,
+    rows_of,
     summaries,
     summary_children,
     summary_id,
@@ -116,6 +122,7 @@ def audit(core: Core, scope: str, session_id: str) -> Audit:
     _audit_branch(core, out, scope, session_id, view, rows)
     _audit_view(out, view, rows, chain)
     _audit_search(core, out, scope, session_id, rows)
+    _audit_hidden(core, out, scope, session_id)
     return out
 
 
@@ -388,3 +395,30 @@ def _audit_search(core: Core, out: Audit, scope: str, session_id: str, rows: _Ro
             params,
         ).all()
         out.problems += [f"the search index holds {name(r.ref)}, which is not stored" for r in extra]
+
+
+#: what every message the host keeps out of the model's context holds in its stored JSON (``out_of_context``)
+_MARKER = "%excludeFromContext%"
+
+
+def _audit_hidden(core: Core, out: Audit, scope: str, session_id: str) -> None:
+    """Each message is marked ``hidden`` exactly when the host keeps it out of the model's context: the
+    recall tools go by the mark, so a row marked wrong shows the model text kept from it (lcm_grep,
+    lcm_expand) or hides a message it may see. Only the rows marked or holding the marker are candidates
+    (SQLite's LIKE folds ASCII case: more of them, never fewer), each decided by ``out_of_context`` on
+    its stored message, read one at a time; a schema before revision 0016 has no mark to check."""
+    if "hidden" not in {c["name"] for c in inspect(core.conn).get_columns(messages.name)}:
+        return
+    m = messages.c
+    candidates = select(m.ordinal, m.hidden).where(
+        m.scope == scope, m.session_id == session_id, or_(m.hidden == true(), m.message.like(_MARKER))
+    )
+    for r in core.conn.execute(candidates.order_by(m.ordinal)).all():
+        found = rows_of(core, scope, session_id, m.ordinal, [r.ordinal], (m.message,))
+        kept_out = bool(found) and out_of_context(json.loads(found[0].message))
+        if bool(r.hidden) and not kept_out:
+            out.problems.append(f"{message_id(r.ordinal)} is marked hidden, but the host does not keep it out "
+                                "of the model's context")
+        elif kept_out and not r.hidden:
+            out.problems.append(f"{message_id(r.ordinal)} is kept out of the model's context by the host, "
+                                "but not marked hidden")
