@@ -8,13 +8,21 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
+import pytest
 from conftest import module_store_fixtures
-from sqlalchemy import update
+from sqlalchemy import delete, update
 from test_lossless_hidden_recall_s41 import SECRET, A, call, conversation, rows
 
 from engines.lossless.audit import audit
 from engines.lossless.tables import messages
-from transcript_store import TranscriptStore
+from transcript_store import TranscriptStore, identity
+from transcript_store.core import now_us
+from transcript_store.identity import ProcessIdentity
+from transcript_store.quarantine import records
+from transcript_store.schema import quarantine
 
 shared_url, store, sid = module_store_fixtures(A, "review_s41")
 
@@ -45,3 +53,20 @@ def test_the_audit_checks_the_hidden_mark_of_each_message(store: TranscriptStore
     _mark(store, sid, shown, False)
     assert store.read(lambda c: audit(c, A, sid)).problems == []
 
+
+def test_a_record_with_a_machine_key_is_not_checked_by_a_process_without_one(
+    store: TranscriptStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This process's pid in a record of another machine key: neither this process's (it has no key to
+    compare, so no pid of that record can be told alive or dead here) nor hidden as dead."""
+    written = str(ProcessIdentity(socket.gethostname(), os.getpid(), 1.0, "feedbeef", "000000000000", 7))
+    store.write(lambda c: c.conn.execute(quarantine.insert().values(
+        engine_id="review-s41", process=written, operation="assemble", reason="boom", created_us=now_us())))
+    try:
+        monkeypatch.setattr(identity, "_machine", (os.getpid(), None))  # as machine_key() without /proc
+        assert identity.machine_key() is None
+        shown = [r for r in store.read(lambda c: records(c)) if r.engine_id == "review-s41"]
+        # before the fix: [] (the same host name, no key to compare: taken for this namespace's, not alive)
+        assert [(r.alive, r.elsewhere, r.host) for r in shown] == [(False, True, socket.gethostname())]
+    finally:
+        store.write(lambda c: c.conn.execute(delete(quarantine).where(quarantine.c.engine_id == "review-s41")))
