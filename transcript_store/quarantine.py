@@ -109,9 +109,9 @@ def records(core: Core, *, live_only: bool = True, max_age_seconds: float = RECO
         who = identity.ProcessIdentity.parse(row.process)
         alive = who is not None and who.is_alive_here()
         # Another host, or this host name's other pid namespace (a container given the same name) or an
-        # earlier boot: its pids are not this machine's to check, so neither live nor dead here.
-        elsewhere = who is not None and (who.host != here or (
-            who.machine is not None and key is not None and who.machine != key))
+        # earlier boot: its pids are not this machine's to check, so neither live nor dead here. So is a
+        # keyed record read by a process without a key (no /proc): ``is_alive_here`` cannot check it.
+        elsewhere = who is not None and (who.host != here or (who.machine is not None and who.machine != key))
         if alive or not live_only or (elsewhere and row.created_us >= cutoff):
             out.append(
                 QuarantineRecord(
