@@ -76,4 +76,12 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     """Drop ``hidden`` (an earlier release's tools find and open those messages again)."""
+    if op.get_bind().dialect.name == "sqlite":
+        # SQLite's own DROP COLUMN (3.35 and later), as 0007's and 0013's downgrades: an older SQLite
+        # failed on a bare syntax error ("near DROP") that named neither the revision nor the need.
+        found = op.get_bind().exec_driver_sql("SELECT sqlite_version()").scalar()
+        if tuple(int(p) for p in str(found).split(".")) < (3, 35):
+            raise RuntimeError(
+                f"downgrading below revision 0016 needs SQLite 3.35 or later (DROP COLUMN); this is {found}"
+            )
     op.drop_column("ts_lcm_messages", "hidden")
