@@ -1,10 +1,11 @@
-"""``run_turn`` tells a turn blocked before its own drain delivered it as ``blocked``, not ``queued`` (both backends).
+"""``run_turn`` tells what became of a turn its own drain did not deliver: ``blocked``, ``committed`` (both backends).
 
 A turn whose fast commit failed waits in the outbox, and ``run_turn`` drains its session at once. When the row
 is blocked by then (an operator's ``outbox block`` landing between the completion and that drain, or the
 drain's own block of another version receipted for the key), the turn will never reach its engine. The
 outcome said ``queued`` for it, a promise of a later delivery, while a retry of the same turn id said
-``blocked``.
+``blocked``. And when another process's drain delivered it in between, the outcome said ``queued`` for a
+committed turn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from hosting import CountingEngine
 from test_host import SCOPE, make_host
+from workers.turn_worker import counting_engine
 
 from transcript_store import TranscriptStore
 from transcript_store.turns import DrainReport, Turns
@@ -56,5 +58,33 @@ def test_a_queued_turn_is_still_reported_queued(store: TranscriptStore) -> None:
         assert out.commit_status == "queued"
         intent = Turns(store).intent(SCOPE, sid, "t1")
         assert intent is not None and intent.state in ("accepted", "ready")
+    finally:
+        host.dispose()
+
+
+class _OtherDrainFirst(Turns):
+    """Turns whose next drain finds ``t1`` delivered by another process's drain (a working engine) just before."""
+
+    def drain(self, *args: Any, **kw: Any) -> DrainReport:
+        other = Turns(self.store).drain(
+            lambda engine_id: counting_engine if engine_id == "down" else None, scope=SCOPE,
+            session_id=kw["session_id"],
+        )
+        assert other.committed_turns == [(kw["session_id"], "t1")]
+        return super().drain(*args, **kw)
+
+
+def test_a_turn_another_drain_delivered_meanwhile_is_reported_committed(store: TranscriptStore) -> None:
+    """Another worker's drain (``outbox drain``, a gateway's recovery) delivered the turn between its
+    completion and ``run_turn``'s own drain: this drain delivered nothing, and the outcome said ``queued``
+    for a turn that was committed."""
+    sid = store.create_session(SCOPE, session_id="other-drain").session_id
+    host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
+    try:
+        host.turns = _OtherDrainFirst(store)
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.commit_status == "committed"  # before the fix: "queued"
+        assert Turns(store).intent(SCOPE, sid, "t1") is None
+        assert [r.advancement_key for r in Turns(store).receipts(SCOPE, sid, "down")] == ["t1"]
     finally:
         host.dispose()

@@ -91,7 +91,7 @@ from .host_messages import prune_tool_results as prune_tool_results
 from .host_messages import with_addition as with_addition
 from .host_tokens import TokenCounts
 from .leases import LeaseKeeper
-from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, receipts_for_key
+from .ledger import CommitResult, Receipt, TurnPayload, committed_messages, get_receipt, receipts_for_key
 from .maintenance import BackgroundMaintenance
 from .model import is_context_overflow
 from .models import (
@@ -1048,9 +1048,14 @@ class HostRuntime(TokenCounts):
             # The row itself, not ``Turns.intent``: a session deleted meanwhile is no reason to fail a turn
             # that completed (that call raises UnknownSession for it).
             left = self.store.read(lambda c: outbox.get_intent(c, scope, session_id, turn_id))
-            # Blocked by this drain (another version of the key receipted) or by an operator since the
-            # completion: it will never be delivered, so "queued" would promise what cannot happen.
-            if drained.delivered and left is None:
+            # Gone from the outbox: delivered, by this drain or by another process's running at the same
+            # time (its receipt tells; "queued" promised a delivery that had happened). Blocked by this
+            # drain (another version of the key receipted) or by an operator since the completion: it will
+            # never be delivered, so "queued" would promise what cannot happen.
+            if left is None and (
+                (session_id, turn_id) in drained.committed_turns
+                or self.store.read(lambda c: get_receipt(c, scope, session_id, engine_id, turn_id)) is not None
+            ):
                 status = "committed"
             else:
                 status = "blocked" if left is not None and left.state == "blocked" else "queued"
