@@ -227,6 +227,7 @@ class TranscriptStoreEngineMixin(CompressMixin, SessionsMixin):
             if isinstance(usage, dict):
                 self.update_from_response(usage)
             if isinstance(messages, list) and messages:
+                self._note_shown(kwargs.get("session_id") or self.session_id, messages)
                 self.ingest(detached([m for m in messages if isinstance(m, dict)]), kwargs.get("session_id"))
         except Exception:
             log.exception("transcript-store on_turn_complete failed")

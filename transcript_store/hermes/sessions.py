@@ -69,10 +69,7 @@ def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
 
 def _counted(messages: Any) -> Counter[str]:
     """The conversation messages of a list, by fingerprint and count (no system prompt, none of ours)."""
-    return Counter(
-        fingerprint([clean(m)]) for m in messages or ()
-        if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
-    )
+    return Counter(shown_digests(messages))
 
 
 def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
@@ -87,6 +84,50 @@ def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
         return bool(wanted) and not wanted - _counted(session_db.get_messages_as_conversation(hermes_session))
     except Exception:
         return False
+
+
+def shown_digests(messages: Any) -> tuple[str, ...]:
+    """The conversation messages of a list Hermes holds, by fingerprint, in order (no system prompt, none
+    of ours): what ``unretried`` compares the saved list with."""
+    return tuple(
+        fingerprint([clean(m)]) for m in messages or ()
+        if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
+    )
+
+
+def unretried(saved: list[Any], shown: tuple[str, ...] | None) -> tuple[list[Any], bool]:
+    """``saved`` (what Hermes' session database keeps active) without the exchanges a CLI ``/retry`` took out
+    of the list Hermes held (``shown``: its ``shown_digests``); whether it took any out.
+
+    The CLI's ``/retry`` takes the last exchange out of its list and sends the user message again, leaving
+    the exchange's rows active: the database holds ``[..., X, A_old, X, A_new]`` while Hermes shows
+    ``[..., X, A_new]``. Read at a switch (``/resume``, ``/branch``), at the end of an interrupted turn or
+    at the session end after an ``/undo``, those rows put the old exchange and ``X`` a second time into the
+    visible transcript. An exchange is taken out only where the list held goes on, at that point, with
+    the user message the exchange is followed by again, and not with the exchange itself (a message the
+    user really sent twice stays); what follows the first other difference is kept as saved."""
+    if not shown:
+        return saved, False
+    conv = [i for i, m in enumerate(saved)
+            if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)]
+    fps = [fingerprint([clean(saved[i])]) for i in conv]
+    users = [k for k, i in enumerate(conv) if saved[i].get("role") == "user"]
+    after = {u: users[n + 1] for n, u in enumerate(users[:-1])}  # a user message -> the next one
+    drop: set[int] = set()
+    j = k = 0
+    while k < len(conv) and j < len(shown):
+        nxt = after.get(k)
+        if (
+            nxt is not None and fps[nxt] == fps[k] == shown[j]
+            and tuple(fps[k:nxt]) != shown[j : j + nxt - k]
+        ):
+            drop.update(conv[k:nxt])  # an exchange retried: the list held goes on with its user message
+            k = nxt
+            continue
+        if fps[k] != shown[j]:
+            break
+        j, k = j + 1, k + 1
+    return [m for i, m in enumerate(saved) if i not in drop], bool(drop)
 
 
 def saved_conversation(session_db: Any, hermes_session: str) -> Any:
@@ -161,7 +202,8 @@ class SessionsMixin(IngestMixin):
             db = self._bound_db()
             if (
                 session_id and db is not None and rewound(db, session_id) and saved_all(db, session_id, messages)
-                and not kept_all(db, session_id, messages) and self._store_saved(db, session_id)
+                and not kept_all(db, session_id, messages)
+                and self._store_saved(db, session_id, self._shown_of(session_id))
             ):
                 # /undo tells the engine nothing, and the list Hermes passes at exit (the agent's
                 # ``_session_messages``) still holds the undone turn: stored, it stayed visible to every
@@ -193,7 +235,8 @@ class SessionsMixin(IngestMixin):
         # Hermes ends the conversation it leaves (on_session_end) on /new, not on /resume or /branch:
         # what it saved of that one since our last call is stored now, from its database.
         if previous:
-            self._store_saved(session_db, previous)
+            # The list Hermes showed of it, not the rows a CLI /retry left active (``unretried``).
+            self._store_saved(session_db, previous, self._shown_of(previous))
         # A /branch is told here with the id it switches from (the CLI) or, in the gateway, which builds
         # a new agent for the branch, with none: the session database's mark says it is one either way
         # (unmarked in the gateway, the branch joined the parent's store session).
@@ -242,10 +285,23 @@ class SessionsMixin(IngestMixin):
             log.exception("transcript-store: could not look up session %s", hermes_session)
             return False
 
-    def _store_saved(self, session_db: Any, hermes_session: str) -> bool:
+    def _note_shown(self, hermes_session: Any, messages: Any) -> None:
+        """Remember the list Hermes holds of the session this copy follows (a turn's, as the turn hooks
+        pass it), for ``unretried`` when the session is stored from Hermes' database."""
+        if isinstance(hermes_session, str) and hermes_session and hermes_session == self.session_id:
+            self._shown = (hermes_session, shown_digests(messages))
+
+    def _shown_of(self, hermes_session: str) -> tuple[str, ...] | None:
+        """The list Hermes last held of ``hermes_session`` in this copy (``_note_shown``); None: none."""
+        shown = getattr(self, "_shown", None)
+        return shown[1] if isinstance(shown, tuple) and shown[0] == hermes_session else None
+
+    def _store_saved(self, session_db: Any, hermes_session: str, shown: tuple[str, ...] | None = None) -> bool:
         """Store what Hermes' session database saved of a conversation; whether it saved any (never raises
         into Hermes). After a rewind (``rewound``) the saved list is the conversation itself: what the
-        store shows after its end (the turns ``/undo`` took back) leaves the active branch, kept off it."""
+        store shows after its end (the turns ``/undo`` took back) leaves the active branch, kept off it.
+        ``shown``: the list Hermes held (``shown_digests``); the exchanges a CLI ``/retry`` took out of it
+        are left out of the saved list (``unretried``), which is then the conversation itself too."""
         try:
             saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
             follow = isinstance(saved, list) and rewound(session_db, hermes_session)
@@ -253,6 +309,8 @@ class SessionsMixin(IngestMixin):
                 return self._undone_whole(session_db, hermes_session)
             if not isinstance(saved, list) or not saved:
                 return False
+            saved, retried = unretried(saved, shown)
+            follow = follow or retried
             self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session, follow=follow)
             return True
         except Exception:
