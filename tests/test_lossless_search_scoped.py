@@ -38,7 +38,9 @@ from transcript_store.tokens import RoughEstimator
 
 A = "scope-lss-a"
 B = "scope-lss-b"
-COMPACTING = {"context_window": 400, "fresh_tail_messages": 2, "leaf_chunk_messages": 4, "condense_fanin": 2}
+#: a small window, so that a few turns compact; 800 rather than 400: a window's summary budgets follow it
+#: (``config.summary_caps``), and at 400 a leaf (50 tokens) kept no line of its messages to be found
+COMPACTING = {"context_window": 800, "fresh_tail_messages": 2, "leaf_chunk_messages": 4, "condense_fanin": 2}
 #: (pattern, sort) pairs every comparison searches, over messages and summaries
 SEARCHES = [(p, s) for p in ("deploy", "kiwi orchard", "answer", "ΣΟΦΙΑ", "question 1", "summary of", "sum_", "zz",
                              "melon") for s in ("recency", "relevance")]

@@ -289,7 +289,7 @@ class Planner:
             if not inputs:
                 return None
             shape = SummaryInfo(seq, "leaf", 0, min(ordinals), max(ordinals), len(chunk), "")
-            made = self._summarize(inputs, previous, self.config.leaf_summary_tokens, source_tokens, shape)
+            made = self._summarize(inputs, previous, self.budget.leaf_summary_tokens, source_tokens, shape)
             if made is not None:
                 made.sources = ordinals
             return made
@@ -308,7 +308,7 @@ class Planner:
             sum(c.message_count for c in children),
             "",
         )
-        made = self._summarize(inputs, None, self.config.condensed_summary_tokens, source_tokens, shape)
+        made = self._summarize(inputs, None, self.budget.condensed_summary_tokens, source_tokens, shape)
         if made is not None:
             made.children = [c.seq for c in children]
         return made

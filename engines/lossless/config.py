@@ -5,6 +5,12 @@ host's budget (the assemble budget, else the run's ``limits.prompt_token_budget`
 is known, else DEFAULT_WINDOW. Compaction starts when the context exceeds
 ``threshold`` and runs until it is under ``target``. ``model_thresholds`` overrides ``threshold`` per
 model: the longest configured substring found in the run's resolved (else requested) model name wins.
+
+The summary budgets follow the window too (``summary_caps``): the target less the fresh tail's share is
+the room the summaries have, and a leaf is held to ``room // condense_fanin`` (a full run of leaves
+fits it before it is condensed), a condensed summary to ``room // 2`` (the leaves made after it fit
+beside it), each at most its configured size and at least 16 tokens. With the defaults a window of
+9,600 tokens or more keeps the configured 600 and 800.
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ class LosslessConfig(Shape):
     fresh_tail_share: float = Field(0.5, gt=0, le=1, description="the protected tail's cap, as a share of target")
     leaf_chunk_messages: int = Field(24, ge=1, description="at most this many messages per leaf summary")
     leaf_chunk_tokens: int = Field(6000, ge=64, description="about this many source tokens per leaf summary")
-    leaf_summary_tokens: int = Field(600, ge=16, description="max tokens of a leaf summary")
-    condensed_summary_tokens: int = Field(800, ge=16, description="max tokens of a condensed summary")
+    leaf_summary_tokens: int = Field(
+        600, ge=16, description="max tokens of a leaf summary; a small window lowers it (see module doc)"
+    )
+    condensed_summary_tokens: int = Field(
+        800, ge=16, description="max tokens of a condensed summary; a small window lowers it (see module doc)"
+    )
     condense_fanin: int = Field(4, ge=2, description="condense this many summaries of one depth into one")
     max_rounds: int = Field(24, ge=1, description="leaf/condense steps per compaction")
     page_messages: int = Field(500, ge=1, le=10_000, description="messages per transcript page on import")
@@ -67,14 +77,21 @@ class LosslessConfig(Shape):
             raise InvalidInput(f"lossless config: {where}: {first['msg']}") from None
 
 
+#: the least a summary budget is lowered to by a small window (the smallest one the config accepts)
+MIN_SUMMARY_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class Budget:
-    """The token marks of one session's context: compact above ``trigger``, down to ``target``."""
+    """The token marks of one session's context: compact above ``trigger``, down to ``target``; and the
+    summary budgets in force for that window (``summary_caps``)."""
 
     window: int
     trigger: int
     target: int
     tail_tokens: int
+    leaf_summary_tokens: int
+    condensed_summary_tokens: int
 
 
 def model_threshold(config: LosslessConfig, settings: RuntimeSettings | None) -> float:
@@ -101,4 +118,22 @@ def budget(config: LosslessConfig, window: int | None, settings: RuntimeSettings
     trigger = int(size * threshold)
     # A per-model threshold moves the target with it: the hysteresis keeps its configured proportion.
     target = int(trigger * config.target / config.threshold)
-    return Budget(size, trigger, target, int(target * config.fresh_tail_share))
+    tail = int(target * config.fresh_tail_share)
+    return Budget(size, trigger, target, tail, *summary_caps(config, target - tail))
+
+
+def summary_caps(config: LosslessConfig, room: int) -> tuple[int, int]:
+    """The (leaf, condensed) summary budgets for ``room``, the target's tokens the fresh tail leaves.
+
+    Fixed budgets outgrew a small window: at a window of 1,024 tokens (target 512, tail 256) one leaf of
+    600 was larger than the target, compaction ended over it, and the context stayed over the threshold
+    (every maintenance pass compacted again, for nothing); at a host budget of 2,000 a summarizer writing
+    what it is allowed made condensed summaries of 800, over the target's room, and maintenance condensed
+    again after most turns (73 summarizer calls in 30 turns; 19 now). A leaf gets ``room // condense_fanin``: a run of
+    ``condense_fanin`` leaves fits the room before it is condensed, with no condensation out of order
+    just to reach the target. A condensed summary gets ``room // 2``: it halves at least a full run of
+    leaves, and leaves room for the leaves made after it. Each at most its configured size (with the
+    defaults, unchanged from a room of 2,400 tokens: a window of 9,600), at least MIN_SUMMARY_TOKENS."""
+    leaf = min(config.leaf_summary_tokens, max(MIN_SUMMARY_TOKENS, room // config.condense_fanin))
+    condensed = min(config.condensed_summary_tokens, max(MIN_SUMMARY_TOKENS, room // 2))
+    return leaf, condensed
