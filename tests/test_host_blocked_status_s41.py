@@ -10,6 +10,8 @@ committed turn.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hosting import CountingEngine
@@ -17,6 +19,7 @@ from test_host import SCOPE, make_host
 from workers.turn_worker import counting_engine
 
 from transcript_store import TranscriptStore
+from transcript_store.host import HostRuntime
 from transcript_store.turns import DrainReport, Turns
 
 
@@ -33,11 +36,20 @@ class _BlockedFirst(Turns):
         return super().drain(*args, **kw)
 
 
-def test_a_turn_blocked_before_its_drain_is_reported_blocked(store: TranscriptStore) -> None:
-    sid = store.create_session(SCOPE, session_id="blocked-status").session_id
+@contextmanager
+def _first_turn(store: TranscriptStore, name: str, turns: type[Turns] = Turns) -> Iterator[tuple[HostRuntime, str]]:
+    """A host whose engine is down (``t1`` waits in the outbox), its drains through ``turns``; and a session."""
+    sid = store.create_session(SCOPE, session_id=name).session_id
     host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
+    host.turns = turns(store)
     try:
-        host.turns = _BlockedFirst(store)
+        yield host, sid
+    finally:
+        host.dispose()
+
+
+def test_a_turn_blocked_before_its_drain_is_reported_blocked(store: TranscriptStore) -> None:
+    with _first_turn(store, "blocked-status", _BlockedFirst) as (host, sid):
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
         assert out.commit_status == "blocked"  # before the fix: "queued"
         intent = Turns(store).intent(SCOPE, sid, "t1")
@@ -46,20 +58,14 @@ def test_a_turn_blocked_before_its_drain_is_reported_blocked(store: TranscriptSt
         host.turns = Turns(store)
         again = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
         assert again.commit_status == "blocked"
-    finally:
-        host.dispose()
 
 
 def test_a_queued_turn_is_still_reported_queued(store: TranscriptStore) -> None:
-    sid = store.create_session(SCOPE, session_id="queued-status").session_id
-    host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
-    try:
+    with _first_turn(store, "queued-status") as (host, sid):
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
         assert out.commit_status == "queued"
         intent = Turns(store).intent(SCOPE, sid, "t1")
         assert intent is not None and intent.state in ("accepted", "ready")
-    finally:
-        host.dispose()
 
 
 class _OtherDrainFirst(Turns):
@@ -78,13 +84,8 @@ def test_a_turn_another_drain_delivered_meanwhile_is_reported_committed(store: T
     """Another worker's drain (``outbox drain``, a gateway's recovery) delivered the turn between its
     completion and ``run_turn``'s own drain: this drain delivered nothing, and the outcome said ``queued``
     for a turn that was committed."""
-    sid = store.create_session(SCOPE, session_id="other-drain").session_id
-    host, _ = make_host(store, "down", {"down": lambda ctx: _Down(ctx, "down")})
-    try:
-        host.turns = _OtherDrainFirst(store)
+    with _first_turn(store, "other-drain", _OtherDrainFirst) as (host, sid):
         out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
         assert out.commit_status == "committed"  # before the fix: "queued"
         assert Turns(store).intent(SCOPE, sid, "t1") is None
         assert [r.advancement_key for r in Turns(store).receipts(SCOPE, sid, "down")] == ["t1"]
-    finally:
-        host.dispose()
