@@ -50,11 +50,13 @@ def hidden(text: str, *, lean: bool = False) -> dict[str, Any]:
     return {"role": "user", "content": text, "openclaw": host}
 
 
-def turn(store: TranscriptStore, engine: Any, sid: str, key: str, messages: list[dict[str, Any]]) -> None:
+def turn(
+    store: TranscriptStore, engine: Any, sid: str, key: str, messages: list[dict[str, Any]], *, scope: str = A
+) -> None:
     """Admit the first message, append the others, commit the turn."""
-    admission = store.admit(A, sid, messages[0], turn_id=key)
-    appended = store.append_many(A, sid, [{"message": m} for m in messages[1:]])
-    terminal = store.anchor(A, sid, appended[-1].entry_id)
+    admission = store.admit(scope, sid, messages[0], turn_id=key)
+    appended = store.append_many(scope, sid, [{"message": m} for m in messages[1:]])
+    terminal = store.anchor(scope, sid, appended[-1].entry_id)
     closed = store.read_closed_range(admission, terminal)
     assert isinstance(closed, ClosedRange)
     store.write(lambda c: engine.commit_turn(tx=c, advancement_key=key, admission=admission.anchor,

@@ -17,13 +17,14 @@ import pytest
 from alembic import command
 from conftest import module_store_fixtures
 from sqlalchemy import select
+from test_excluded_context_review5 import turn
 
 from engines.lossless import LosslessEngine
 from engines.lossless.tables import messages
 from transcript_store import StoreConfig, TranscriptStore, migrate
 from transcript_store.db import Database
 from transcript_store.engine import EngineContext
-from transcript_store.models import ClosedRange, out_of_context
+from transcript_store.models import out_of_context
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
@@ -43,17 +44,6 @@ def hidden(role: str, text: str, *, lean: bool = False) -> dict[str, Any]:
     return {"role": role, "content": text, "openclaw": host}
 
 
-def turn(store: TranscriptStore, engine: LosslessEngine, sid: str, key: str, msgs: list[dict[str, Any]]) -> None:
-    """Admit the first message, append the others, commit the turn."""
-    admission = store.admit(A, sid, msgs[0], turn_id=key)
-    appended = store.append_many(A, sid, [{"message": m} for m in msgs[1:]])
-    terminal = store.anchor(A, sid, appended[-1].entry_id)
-    closed = store.read_closed_range(admission, terminal)
-    assert isinstance(closed, ClosedRange)
-    store.write(lambda c: engine.commit_turn(tx=c, advancement_key=key, admission=admission.anchor,
-                                             terminal=terminal, messages=closed.messages))
-
-
 def conversation(store: TranscriptStore, sid: str) -> LosslessEngine:
     """TURNS turns, each a visible question and answer holding WORD, then a hidden command and its reply
     holding WORD and SECRET (newer than the visible ones: a newest-first page meets them first). Also a
@@ -68,12 +58,12 @@ def conversation(store: TranscriptStore, sid: str) -> LosslessEngine:
             {"role": "assistant", "content": f"answer {n}: the {WORD} grows here " + "more " * 40},
             hidden("user", f"!{WORD} {SECRET} the command {n} " + "hush " * 30, lean=n % 2 == 1),
             hidden("assistant", f"{SECRET} the output {n} of {WORD} " + "quiet " * 30),
-        ])
+        ], scope=A)
     turn(store, engine, sid, "k-last", [
         {"role": "user", "content": "what does excludeFromContext do"},
         {"role": "assistant", "content": "it keeps a message out",
          "openclaw": {"role": "assistant", "excludeFromContext": "yes"}},  # not True: shown
-    ])
+    ], scope=A)
     return engine
 
 
