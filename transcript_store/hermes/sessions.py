@@ -86,11 +86,20 @@ def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
         return False
 
 
+#: the start of a user message's digest (``shown_digests``): where an exchange of the list held ends
+_USER = "user:"
+
+
+def _digest(message: dict[str, Any]) -> str:
+    """One conversation message's digest for ``unretried``: its fingerprint, a user message's marked."""
+    return (_USER if message.get("role") == "user" else "") + fingerprint([clean(message)])
+
+
 def shown_digests(messages: Any) -> tuple[str, ...]:
-    """The conversation messages of a list Hermes holds, by fingerprint, in order (no system prompt, none
-    of ours): what ``unretried`` compares the saved list with."""
+    """The conversation messages of a list Hermes holds, by digest (``_digest``), in order (no system
+    prompt, none of ours): what ``unretried`` compares the saved list with."""
     return tuple(
-        fingerprint([clean(m)]) for m in messages or ()
+        _digest(m) for m in messages or ()
         if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
     )
 
@@ -103,26 +112,38 @@ def unretried(saved: list[Any], shown: tuple[str, ...] | None) -> tuple[list[Any
     the exchange's rows active: the database holds ``[..., X, A_old, X, A_new]`` while Hermes shows
     ``[..., X, A_new]``. Read at a switch (``/resume``, ``/branch``), at the end of an interrupted turn or
     at the session end after an ``/undo``, those rows put the old exchange and ``X`` a second time into the
-    visible transcript. An exchange is taken out only where the list held goes on, at that point, with
-    the user message the exchange is followed by again, and not with the exchange itself (a message the
-    user really sent twice stays); what follows the first other difference is kept as saved."""
+    visible transcript. Exchanges are taken out only where the list held goes on, at that point, not with
+    them but with the exchange their user message was sent again with (a message the user really sent
+    twice stays, and so does one whose answer the database saved otherwise than Hermes holds it: its
+    ``sanitize_context`` takes a ``<memory-context>`` tag out of a text); what follows the first other
+    difference is kept as saved."""
     if not shown:
         return saved, False
     conv = [i for i, m in enumerate(saved)
             if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)]
-    fps = [fingerprint([clean(saved[i])]) for i in conv]
+    fps = [_digest(saved[i]) for i in conv]
     users = [k for k, i in enumerate(conv) if saved[i].get("role") == "user"]
     after = {u: users[n + 1] for n, u in enumerate(users[:-1])}  # a user message -> the next one
+    def held(a: int) -> bool:
+        """Whether the list held goes on at ``j`` with the exchange at ``a``, whole (the saved list's last
+        one: that exchange, or its start where the list held ends, an unfinished turn's)."""
+        b = after.get(a)
+        if b is not None:
+            return tuple(fps[a:b]) == shown[j : j + b - a]
+        n = min(len(conv) - a, len(shown) - j)
+        return tuple(fps[a : a + n]) == shown[j : j + n] and (j + n == len(shown) or shown[j + n].startswith(_USER))
+
     drop: set[int] = set()
     j = k = 0
     while k < len(conv) and j < len(shown):
-        nxt = after.get(k)
-        if (
-            nxt is not None and fps[nxt] == fps[k] == shown[j]
-            and tuple(fps[k:nxt]) != shown[j : j + nxt - k]
-        ):
-            drop.update(conv[k:nxt])  # an exchange retried: the list held goes on with its user message
-            k = nxt
+        nxt, last = after.get(k), k
+        while nxt is not None and fps[nxt] == fps[k] == shown[j] and not held(last):
+            last, nxt = nxt, after.get(nxt)  # the same message again: the exchange before it retried?
+        if last != k and held(last):
+            # Retried: the list held goes on with the exchange the user message was sent again with. Only
+            # then: an exchange the database saved otherwise (``sanitize_context``) is no retried one.
+            drop.update(conv[k:last])
+            k = last
             continue
         if fps[k] != shown[j]:
             break
