@@ -73,3 +73,36 @@ def test_a_message_sent_again_and_interrupted_keeps_the_first_exchange_the_datab
     assert len(visible(engine, left)) == len(done), "a real exchange left the visible transcript"
     cli_for(agent, db, done)._handle_resume_command(f"/resume {other_session(db, 'mi-')}")
     assert [v[:30] for v in visible(engine, left)] == [key(m)[:30] for m in done]
+
+
+def test_a_retry_of_a_tool_call_exchange_leaves_what_hermes_showed_at_a_switch(
+    home: Path, server: Any, on_store: Any
+) -> None:
+    """``/retry`` of an exchange with a tool round (the assistant's call, its result, the answer), then
+    ``/resume`` of another session: the retried exchange once, the old one with its tool round off the
+    visible transcript."""
+    import json
+
+    from fake_openai import Fault
+    from hermes_state import SessionDB
+    from test_hermes_retry_after_undo_s41 import retry
+    from test_hermes_retry_switch_s41 import assert_once
+
+    server.reset()
+    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
+    agent = on_store(make_agent(server, db))
+    roomy(agent)
+    engine = agent.context_compressor
+    hist = answered(agent, server, f"tc-0 {WORDS}", None, "tc-reply 0")
+    call = {"id": "call_tc", "type": "function",
+            "function": {"name": "lcm_grep", "arguments": json.dumps({"pattern": "tc-"})}}
+    server.queue(Fault(reply={"role": "assistant", "content": "tc-looking", "tool_calls": [call]}),
+                 Fault(reply={"role": "assistant", "content": "tc-first answer"}))
+    hist = list(agent.run_conversation(f"tc-find it {WORDS}", conversation_history=hist)["messages"])
+    assert any(m.get("role") == "tool" for m in hist), "the case did not arise: no tool round"
+    message, before = retry(agent, hist)
+    final = answered(agent, server, message, before, "tc-second answer")
+    assert len(db.get_messages_as_conversation(agent.session_id)) == len(final) + 4
+    left = agent.session_id
+    cli_for(agent, db, final)._handle_resume_command(f"/resume {other_session(db, 'tc-')}")
+    assert_once(engine, left, final)
