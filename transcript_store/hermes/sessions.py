@@ -115,8 +115,8 @@ def unretried(saved: list[Any], shown: tuple[str, ...] | None) -> tuple[list[Any
     visible transcript. Exchanges are taken out only where the list held goes on, at that point, not with
     them but with the exchange their user message was sent again with (a message the user really sent
     twice stays, and so does one whose answer the database saved otherwise than Hermes holds it: its
-    ``sanitize_context`` takes a ``<memory-context>`` tag out of a text); what follows the first other
-    difference is kept as saved."""
+    ``sanitize_context`` takes a ``<memory-context>`` tag out of a text, a multimodal tool result is saved
+    as its text summary); what follows the first other difference is kept as saved."""
     if not shown:
         return saved, False
     conv = [i for i, m in enumerate(saved)
