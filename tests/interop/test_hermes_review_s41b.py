@@ -106,3 +106,28 @@ def test_a_retry_of_a_tool_call_exchange_leaves_what_hermes_showed_at_a_switch(
     left = agent.session_id
     cli_for(agent, db, final)._handle_resume_command(f"/resume {other_session(db, 'tc-')}")
     assert_once(engine, left, final)
+
+
+def test_a_retry_after_an_answer_the_database_rewrites_leaves_what_hermes_showed_at_a_switch(
+    home: Path, server: Any, on_store: Any
+) -> None:
+    """An earlier answer quoting a ``<memory-context>`` tag (saved without it), then a ``/retry`` and
+    ``/resume`` of another session: the retried exchange once, the old one off the visible transcript."""
+    from hermes_state import SessionDB
+    from test_hermes_retry_after_undo_s41 import retry
+
+    server.reset()
+    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
+    agent = on_store(make_agent(server, db))
+    roomy(agent)
+    engine = agent.context_compressor
+    hist = answered(agent, server, f"ra-0 {WORDS}", None, "ra-it is wrapped in <memory-context> tags")
+    hist = answered(agent, server, f"ra-ask {WORDS}", hist, "ra-first answer")
+    message, before = retry(agent, hist)
+    final = answered(agent, server, message, before, "ra-second answer")
+    assert len(db.get_messages_as_conversation(agent.session_id)) == len(final) + 2
+    left = agent.session_id
+    cli_for(agent, db, final)._handle_resume_command(f"/resume {other_session(db, 'ra-')}")
+    # The answer as the database saved it (a switch stores from there), the rest as Hermes showed it.
+    assert [v[:30] for v in visible(engine, left)] == [key(m)[:30] for m in final]
+    assert not any("ra-first answer" in v for v in visible(engine, left)), "the old exchange stayed visible"
