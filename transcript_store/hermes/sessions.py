@@ -116,7 +116,9 @@ def unretried(saved: list[Any], shown: tuple[str, ...] | None) -> tuple[list[Any
     them but with the exchange their user message was sent again with (a message the user really sent
     twice stays, and so does one whose answer the database saved otherwise than Hermes holds it: its
     ``sanitize_context`` takes a ``<memory-context>`` tag out of a text, a multimodal tool result is saved
-    as its text summary); what follows the first other difference is kept as saved."""
+    as its text summary). Compared in order, an answer or tool result of the saved list may differ from
+    the one the list held at its place (the database saved it otherwise); what follows the first other
+    difference (at a user message) is kept as saved."""
     if not shown:
         return saved, False
     conv = [i for i, m in enumerate(saved)
@@ -145,8 +147,10 @@ def unretried(saved: list[Any], shown: tuple[str, ...] | None) -> tuple[list[Any
             drop.update(conv[k:last])
             k = last
             continue
-        if fps[k] != shown[j]:
+        if fps[k] != shown[j] and (fps[k].startswith(_USER) or shown[j].startswith(_USER)):
             break
+        # The same, or an answer or tool result at the same place the database saved otherwise (what
+        # ``sanitize_context`` rewrites, a multimodal result's summary): the rest is compared still.
         j, k = j + 1, k + 1
     return [m for i, m in enumerate(saved) if i not in drop], bool(drop)
 
