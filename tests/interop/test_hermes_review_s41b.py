@@ -131,3 +131,28 @@ def test_a_retry_after_an_answer_the_database_rewrites_leaves_what_hermes_showed
     # The answer as the database saved it (a switch stores from there), the rest as Hermes showed it.
     assert [v[:30] for v in visible(engine, left)] == [key(m)[:30] for m in final]
     assert not any("ra-first answer" in v for v in visible(engine, left)), "the old exchange stayed visible"
+
+
+def test_an_interrupted_retry_after_an_answer_the_database_rewrites_stores_what_hermes_showed(
+    home: Path, server: Any, on_store: Any
+) -> None:
+    """An earlier answer quoting a ``<memory-context>`` tag (saved without it), then a ``/retry`` whose turn
+    is interrupted before its reply: the ``on_session_end`` hook ending it leaves the old exchange off the
+    visible transcript and the retried message there once."""
+    from hermes_state import SessionDB
+    from test_hermes import run_interrupted
+    from test_hermes_retry_after_undo_s41 import retry
+
+    server.reset()
+    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
+    agent = on_store(make_agent(server, db))
+    roomy(agent)
+    engine = agent.context_compressor
+    hist = answered(agent, server, f"ri-0 {WORDS}", None, "ri-it is wrapped in <memory-context> tags")
+    hist = answered(agent, server, f"ri-ask {WORDS}", hist, "ri-first answer")
+    message, before = retry(agent, hist)
+    done = run_interrupted(agent, server, message, before)["messages"]
+    assert len(db.get_messages_as_conversation(agent.session_id)) == len(done) + 2, "the case did not arise"
+    shown = visible(engine, agent.session_id)
+    assert not any("ri-first answer" in v for v in shown), "the old exchange stayed visible"
+    assert [v[:30] for v in shown] == [key(m)[:30] for m in done]
