@@ -6,7 +6,7 @@ import weakref
 from typing import Any
 
 from .runtime import _BOUND, _LIVE, _RUNTIME_LOCK, _TURN
-from .sessions import saved_all
+from .sessions import saved_ask
 
 
 def observe_turn(**kwargs: Any) -> None:
@@ -78,9 +78,11 @@ def end_turn(**kwargs: Any) -> None:
     db = engine._bound_db() if engine is not None else None
     if engine is not None and db is not None and engine.session_id == session_id:
         # The list the turn started with, its user message in it: a turn a CLI /retry sent again holds
-        # no old exchange, which the database keeps active (``unretried``). Only a list Hermes saved all
-        # of: the background review's (under its parent's id, its prompt never saved) is not the turn's.
-        if isinstance(live, tuple) and live[0] == session_id and saved_all(db, session_id, live[1]):
+        # no old exchange, which the database keeps active (``unretried``). Only a list whose user message
+        # Hermes saved: the background review's (under its parent's id, its prompt never saved) is not the
+        # turn's. Not "saved all of it": one answer the database saved otherwise (``sanitize_context``, a
+        # multimodal tool result's summary) kept every later interrupted retry's old exchange visible.
+        if isinstance(live, tuple) and live[0] == session_id and saved_ask(db, session_id, live[1]):
             engine._note_shown(session_id, live[1])
         engine._store_saved(db, session_id, engine._shown_of(session_id))
         return

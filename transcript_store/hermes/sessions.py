@@ -67,6 +67,17 @@ def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
         return False
 
 
+def saved_ask(session_db: Any, hermes_session: str, messages: Any) -> bool:
+    """Whether hermes-agent's session database keeps the last user message of ``messages`` active (a turn's
+    list: its own message, which Hermes saves at the turn's start); False when it cannot tell. The
+    background review's list, under its parent's id, ends with a prompt never saved."""
+    try:
+        asks = [d for d in shown_digests(messages) if d.startswith(_USER)]
+        return bool(asks) and asks[-1] in set(shown_digests(session_db.get_messages_as_conversation(hermes_session)))
+    except Exception:
+        return False
+
+
 def _counted(messages: Any) -> Counter[str]:
     """The conversation messages of a list, by fingerprint and count (no system prompt, none of ours)."""
     return Counter(shown_digests(messages))
