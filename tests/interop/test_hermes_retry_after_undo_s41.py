@@ -54,15 +54,21 @@ def answered(
     return list(agent.run_conversation(text, conversation_history=history)["messages"])
 
 
-def retried(home: Path, server: Any, on_store: Any, tag: str, undo_first: bool, turn_between: bool) -> Any:
-    """Three turns, an ``/undo`` of the last (or none), a new turn (or none), then ``/retry`` of the last
-    turn: the agent, Hermes' database and the list Hermes shows after the retry."""
+def fresh_agent(home: Path, server: Any, on_store: Any) -> tuple[Any, Any]:
+    """A new session database and an agent on it, on the store, its trigger out of reach (``roomy``)."""
     from hermes_state import SessionDB
 
     server.reset()
     db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
     agent = on_store(make_agent(server, db))
     roomy(agent)
+    return db, agent
+
+
+def retried(home: Path, server: Any, on_store: Any, tag: str, undo_first: bool, turn_between: bool) -> Any:
+    """Three turns, an ``/undo`` of the last (or none), a new turn (or none), then ``/retry`` of the last
+    turn: the agent, Hermes' database and the list Hermes shows after the retry."""
+    db, agent = fresh_agent(home, server, on_store)
     hist: list[dict[str, Any]] | None = None
     for i in range(3):
         hist = answered(agent, server, f"{tag}{i} {WORDS}", hist, f"{tag}reply {i}")
@@ -130,12 +136,7 @@ def test_an_undone_turn_the_same_as_a_kept_one_leaves_the_transcript_at_exit(
     """The list at exit is taken for the conversation only when the database keeps every message of it active
     as many times as the list holds it: an ``/undo`` of a turn that says what an earlier one said (the
     same question, the same answer) is still followed, its copy off the visible transcript."""
-    from hermes_state import SessionDB
-
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     hist = answered(agent, server, f"date-again {WORDS}", None, "date-same answer")
     hist = answered(agent, server, f"date-again {WORDS}", hist, "date-same answer")
     kept = undo(agent, db, hist)

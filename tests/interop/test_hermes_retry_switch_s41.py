@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hermes import _need_hermes, home, key, run_interrupted, server  # noqa: F401
-from test_hermes_retry_after_undo_s41 import answered, retried, retry
+from test_hermes_retry_after_undo_s41 import answered, fresh_agent, retried, retry
 from test_hermes_undo_review3 import WORDS, everything, on_store, undo, visible  # noqa: F401
 
 pytestmark = pytest.mark.hermes
@@ -136,15 +136,8 @@ def test_an_interrupted_retry_stores_what_hermes_showed(
     """The retried turn interrupted before its reply: the ``on_session_end`` hook ending it stores the list
     Hermes goes on with (the retried message, the old exchange off the visible transcript), and so does a
     ``/resume`` of another session after it."""
-    from hermes_state import SessionDB
-    from test_hermes import make_agent
-    from test_hermes_retry_after_undo_s41 import roomy
-
     tag = f"ir{int(undo_first)}-"
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist: list[dict[str, Any]] | None = None
     for i in range(3):
@@ -184,14 +177,7 @@ def test_a_message_sent_twice_and_a_retry_twice_leave_what_hermes_showed_at_a_sw
 ) -> None:
     """The same message sent twice (the database and Hermes hold both exchanges) stays twice; a ``/retry``
     done twice leaves the last answer only. Then ``/resume`` of another session."""
-    from hermes_state import SessionDB
-    from test_hermes import make_agent
-    from test_hermes_retry_after_undo_s41 import roomy
-
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"tw-0 {WORDS}", None, "tw-reply 0")
     hist = answered(agent, server, "tw-go on", hist, "tw-more 1")

@@ -10,15 +10,14 @@ and on PostgreSQL."""
 from __future__ import annotations
 
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hermes import _need_hermes, home, key, make_agent, server  # noqa: F401
-from test_hermes_retry_after_undo_s41 import answered, roomy
+from test_hermes import _need_hermes, home, key, server  # noqa: F401
+from test_hermes_retry_after_undo_s41 import answered, fresh_agent
 from test_hermes_retry_switch_s41 import cli_for, other_session
 from test_hermes_undo_review3 import WORDS, on_store, visible  # noqa: F401
 
@@ -30,12 +29,7 @@ def test_a_message_sent_twice_whose_first_answer_the_database_rewrites_stays_at_
 ) -> None:
     """The same question twice, the first answer quoting a ``<memory-context>`` tag (Hermes' database keeps
     it without the tag), then ``/resume`` of another session: both exchanges stay visible."""
-    from hermes_state import SessionDB
-
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"mc-0 {WORDS}", None, "mc-reply 0")
     hist = answered(agent, server, "mc-how is recall marked?", hist, "mc-it is wrapped in <memory-context> tags")
@@ -56,13 +50,9 @@ def test_a_message_sent_again_and_interrupted_keeps_the_first_exchange_the_datab
     """The same question again, interrupted before its reply, its first answer quoting a ``<memory-context>``
     tag: the ``on_session_end`` hook ending the turn, and a ``/resume`` of another session after it, keep
     the first exchange visible."""
-    from hermes_state import SessionDB
     from test_hermes import run_interrupted
 
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"mi-0 {WORDS}", None, "mi-reply 0")
     hist = answered(agent, server, "mi-how is recall marked?", hist, "mi-it is wrapped in <memory-context> tags")
@@ -84,14 +74,10 @@ def test_a_retry_of_a_tool_call_exchange_leaves_what_hermes_showed_at_a_switch(
     import json
 
     from fake_openai import Fault
-    from hermes_state import SessionDB
     from test_hermes_retry_after_undo_s41 import retry
     from test_hermes_retry_switch_s41 import assert_once
 
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"tc-0 {WORDS}", None, "tc-reply 0")
     call = {"id": "call_tc", "type": "function",
@@ -113,13 +99,9 @@ def test_a_retry_after_an_answer_the_database_rewrites_leaves_what_hermes_showed
 ) -> None:
     """An earlier answer quoting a ``<memory-context>`` tag (saved without it), then a ``/retry`` and
     ``/resume`` of another session: the retried exchange once, the old one off the visible transcript."""
-    from hermes_state import SessionDB
     from test_hermes_retry_after_undo_s41 import retry
 
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"ra-0 {WORDS}", None, "ra-it is wrapped in <memory-context> tags")
     hist = answered(agent, server, f"ra-ask {WORDS}", hist, "ra-first answer")
@@ -139,14 +121,10 @@ def test_an_interrupted_retry_after_an_answer_the_database_rewrites_stores_what_
     """An earlier answer quoting a ``<memory-context>`` tag (saved without it), then a ``/retry`` whose turn
     is interrupted before its reply: the ``on_session_end`` hook ending it leaves the old exchange off the
     visible transcript and the retried message there once."""
-    from hermes_state import SessionDB
     from test_hermes import run_interrupted
     from test_hermes_retry_after_undo_s41 import retry
 
-    server.reset()
-    db = SessionDB(home / f"state-{uuid.uuid4().hex[:8]}.db")
-    agent = on_store(make_agent(server, db))
-    roomy(agent)
+    db, agent = fresh_agent(home, server, on_store)
     engine = agent.context_compressor
     hist = answered(agent, server, f"ri-0 {WORDS}", None, "ri-it is wrapped in <memory-context> tags")
     hist = answered(agent, server, f"ri-ask {WORDS}", hist, "ri-first answer")
