@@ -72,9 +72,10 @@ def commit_a_turn_twice(url: str) -> str:
     _sql(
         url,
         "INSERT INTO ts_receipts (scope, session_id, advancement_key, engine_id, committed_us, message_count, "
-        "is_heartbeat, payload_hash, admission_entry_id, terminal_entry_id, message_seqs) "
+        "is_heartbeat, payload_hash, admission_entry_id, terminal_entry_id, message_seqs, admission_seq, terminal_seq) "
         "SELECT scope, session_id, advancement_key, 'lossless', committed_us + 1, message_count, is_heartbeat, "
-        "payload_hash, admission_entry_id, terminal_entry_id, message_seqs FROM ts_receipts "
+        "payload_hash, admission_entry_id, terminal_entry_id, message_seqs, admission_seq, terminal_seq "
+        "FROM ts_receipts "
         "WHERE advancement_key = :k",
         k=key,
     )
@@ -85,15 +86,13 @@ def commit_part_of_a_turn(url: str) -> str:
     """Turn 0 (user, tool call, tool result, reply) reached the engine without its tool result and reply:
     a receipt of its first two messages, ending at the tool call."""
     key = _key(url, 0)
-    [(seqs,)] = _sql(url, "SELECT message_seqs FROM ts_receipts WHERE advancement_key = :k", k=key)
-    kept = [int(s) for s in seqs.split(",")][:2]
-    assert len(seqs.split(",")) == 4, seqs  # the tool round is there to be cut
-    [(terminal,)] = _sql(url, "SELECT entry_id FROM ts_entries WHERE seq = :s", s=kept[-1])
+    [(first, last, seqs)] = _sql(
+        url, "SELECT admission_seq, terminal_seq, message_seqs FROM ts_receipts WHERE advancement_key = :k", k=key
+    )
+    assert (last - first, seqs) == (3, None)  # the tool round is there to be cut (a range: no list stored)
     _sql(
-        url,
-        "UPDATE ts_receipts SET message_seqs = :seqs, message_count = 2, terminal_entry_id = :t "
-        "WHERE advancement_key = :k",
-        seqs=",".join(map(str, kept)), t=terminal, k=key,
+        url, "UPDATE ts_receipts SET terminal_seq = :t, message_count = 2 WHERE advancement_key = :k",
+        t=first + 1, k=key,
     )
     return key
 
@@ -111,8 +110,8 @@ def commit_out_of_order(url: str) -> str:
 def lose_a_committed_reply(url: str) -> str:
     """The reply of committed turn 2 is gone from the transcript the receipt references."""
     key = _key(url, 2)
-    [(seqs,)] = _sql(url, "SELECT message_seqs FROM ts_receipts WHERE advancement_key = :k", k=key)
-    _sql(url, "DELETE FROM ts_entries WHERE seq = :s", s=int(seqs.split(",")[-1]))
+    [(last,)] = _sql(url, "SELECT terminal_seq FROM ts_receipts WHERE advancement_key = :k", k=key)
+    _sql(url, "DELETE FROM ts_entries WHERE seq = :s", s=last)
     return key
 
 
@@ -121,7 +120,11 @@ def block_a_turn_no_fault_explains(url: str) -> str:
     run that planned no rewrite: nothing the run did explains it."""
     key = _key(url, 1)
     [(sid, adm, term)] = _sql(
-        url, "SELECT session_id, admission_entry_id, terminal_entry_id FROM ts_receipts WHERE advancement_key = :k",
+        url,
+        "SELECT r.session_id, a.entry_id, t.entry_id FROM ts_receipts r"
+        " JOIN ts_entries a ON a.scope = r.scope AND a.session_id = r.session_id AND a.seq = r.admission_seq"
+        " JOIN ts_entries t ON t.scope = r.scope AND t.session_id = r.session_id AND t.seq = r.terminal_seq"
+        " WHERE r.advancement_key = :k",
         k=key,
     )
     with TranscriptStore(config=StoreConfig(url=url)) as store:

@@ -11,6 +11,7 @@ again from the engine's tables: a store keeps every hit, in the same recency ord
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sqlite3
@@ -21,6 +22,8 @@ from typing import Any
 
 import pytest
 from alembic import command
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
 from sqlalchemy import event, text
 
 from engines.lossless import LosslessEngine
@@ -393,6 +396,26 @@ def hidden_column(db: Database) -> Iterator[None]:
         conn.execute(text("ALTER TABLE ts_lcm_messages DROP COLUMN hidden"))
 
 
+@contextmanager
+def receipts_of_this_release(db: Database) -> Iterator[None]:
+    """A store taken below 0017 with the receipt columns 0017 gives ``ts_receipts``, which this release's
+    ledger writes, for as long as the test writes as an earlier release did: 0017's own upgrade and, after,
+    its own downgrade, which leaves the receipts as an earlier release's ledger wrote them."""
+    path = migrate.MIGRATIONS_DIR / "versions" / "0017_receipt_seqs.py"
+    spec = importlib.util.spec_from_file_location("revision_0017_under_test", path)
+    assert spec is not None and spec.loader is not None
+    revision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(revision)
+
+    def run(step: Callable[[], None]) -> None:
+        with db.engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
+            step()
+
+    run(revision.upgrade)
+    yield
+    run(revision.downgrade)
+
+
 Found = list[tuple[str, int, str]]
 
 
@@ -452,7 +475,7 @@ def test_the_upgrade_keeps_every_hit_of_a_store_written_before_it(store_url: str
                     return {(scope, p, s): old_layout_hits(store, scope, "s", p, s)
                             for scope in (A, B) for p, s in SEARCHES}
 
-            with hidden_column(db):
+            with hidden_column(db), receipts_of_this_release(db):
                 for scope in (A, B):
                     store.create_session(scope, session_id="s")
                     for n in range(8):

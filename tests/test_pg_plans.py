@@ -221,17 +221,17 @@ def _plan_of_any(conn: Any, sql: str, params: Any) -> tuple[str, bool]:
 def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptStore) -> None:
     """PostgreSQL before its first ANALYZE: every statement of commit_turn near the tail of a
     2,000-entry session of 500 turns (a bare anchor of an entry admitted without a turn id, which the
-    commit binds;
-    an admission's one-statement commit; a replay; a commit with an engine's apply) and of reading a
-    receipt's messages back scans no table and reads no row it throws away. Before, the range read and
-    the binding UPDATE took the entry-id index and filtered the session's entries on the seq, and the
-    one-statement commit joined each entry to the session's whole active path, and the check that a bare
-    anchor's entry is no committed turn's message read every bound admission of the session: a commit
-    of one long session grew from 2.2 ms to 13.8 ms over 3,000 turns.
+    commit binds; an admission's one-statement commit; a replay; a commit with an engine's apply), of
+    reading a receipt's messages back and of a page of receipts scans no table and reads no row it throws
+    away. Before, the range read and the binding UPDATE took the entry-id index and filtered the
+    session's entries on the seq, and the one-statement commit joined each entry to the session's whole
+    active path, and the check that a bare anchor's entry is no committed turn's message read every bound
+    admission of the session: a commit of one long session grew from 2.2 ms to 13.8 ms over 3,000 turns;
+    and a receipt's read of its anchors' entry ids at their seqs (revision 0017) filtered 2,005 rows.
 
     SQLite (no statistics either): no statement scans a table or sorts in a temporary B-tree (a
     subquery walking back to its LIMIT and sorting it made a commit 3.7 ms at 3,000 turns)."""
-    from transcript_store.ledger import committed_messages
+    from transcript_store.ledger import committed_messages, receipts_page
     from transcript_store.turns import Turns
 
     tables = ("ts_sessions", "ts_entries", "ts_active_path", "ts_receipts", "ts_engine_state")
@@ -288,6 +288,10 @@ def test_commits_are_index_lookups_on_tables_never_analyzed(store: TranscriptSto
         captured.clear()
         assert store.read(lambda c: committed_messages(c, A, sid, "e", "k-apply"))[-1]["content"] == "a k-apply"
         statements["a receipt's messages"] = list(captured)
+        captured.clear()  # each receipt's anchor ids read from the entries at its seqs (revision 0017)
+        page = store.read(lambda c: receipts_page(c, A, sid, "e"))
+        assert [r.terminal_entry_id for r in page.receipts][-1] == terminal.entry_id
+        statements["a page of receipts"] = list(captured)
     finally:
         event.remove(store.db.engine, "before_cursor_execute", listen)
     kinds = ("SELECT", "WITH", "UPDATE", "DELETE", "INSERT")

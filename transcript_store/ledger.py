@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Select, String, and_, bindparam, func, literal_column, select, text, true, update
+from sqlalchemy import Select, String, and_, bindparam, func, literal_column, or_, select, text, true, update
 from sqlalchemy.sql.selectable import TextualSelect
 
 from . import faults
@@ -46,8 +46,38 @@ from .schema import engine_state, entries, receipts, sessions, turn_messages
 
 # The statements of every commit are built once (see core.py, "hot statements": building a statement
 # costs more CPU than executing it from SQLAlchemy's compiled cache).
-#: the Receipt's fields (``message_seqs`` is the ledger's own reference into the transcript)
-_RECEIPT_COLUMNS = [c for c in receipts.c if c.name != "message_seqs"]
+#: the ledger's own references into the transcript, not fields of the Receipt
+_REFERENCES = ("admission_seq", "terminal_seq", "message_seqs")
+
+
+def _entry_id_of(stored: Any, seq: Any) -> Any:
+    """A receipt's anchor entry id: the stored one (a receipt from before revision 0017), else the id of
+    the entry at its seq, one probe of the entries' primary key (entries are immutable).
+
+    Shaped as ``core._ENTRY_BY_SEQ``, the first entry from that seq on in seq order under a LIMIT: with an
+    equality on the seq, on PostgreSQL tables never analyzed, the planner took the entry-id index (the
+    same two leading columns) and filtered the session's entries on the seq (2,005 rows removed at 2,000
+    entries, per receipt read); only the primary key gives that order without a sort."""
+    at = (
+        select(entries.c.entry_id)
+        .where(
+            entries.c.scope == receipts.c.scope, entries.c.session_id == receipts.c.session_id,
+            entries.c.seq >= seq, entries.c.seq <= seq,
+        )
+        .order_by(entries.c.seq)
+        .limit(literal_column("1"))
+    )
+    return func.coalesce(stored, at.scalar_subquery()).label(stored.name)
+
+
+#: the Receipt's fields, as every read of the ledger selects them
+_RECEIPT_COLUMNS = [
+    _entry_id_of(c, receipts.c.admission_seq) if c.name == "admission_entry_id"
+    else _entry_id_of(c, receipts.c.terminal_seq) if c.name == "terminal_entry_id"
+    else c
+    for c in receipts.c
+    if c.name not in _REFERENCES
+]
 _RECEIPT = select(*_RECEIPT_COLUMNS).where(
     by_session(receipts),
     receipts.c.engine_id == bindparam("b_engine"),
@@ -56,7 +86,7 @@ _RECEIPT = select(*_RECEIPT_COLUMNS).where(
 _RECEIPTS_FOR_KEY = select(*_RECEIPT_COLUMNS).where(
     by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
-_MESSAGE_SEQS = select(receipts.c.message_seqs).where(
+_MESSAGE_SEQS = select(receipts.c.message_seqs, receipts.c.admission_seq, receipts.c.terminal_seq).where(
     by_session(receipts),
     receipts.c.engine_id == bindparam("b_engine"),
     receipts.c.advancement_key == bindparam("b_key"),
@@ -151,7 +181,7 @@ _LAST_BOUND = (
     .order_by(entries.c.seq.desc())
     .limit(literal_column("1"))
 )
-_HELD_SEQS = select(receipts.c.message_seqs).where(
+_HELD_SEQS = select(receipts.c.message_seqs, receipts.c.admission_seq, receipts.c.terminal_seq).where(
     by_session(receipts), receipts.c.advancement_key == bindparam("b_key")
 )
 _RANGE_PAYLOADS = (
@@ -321,7 +351,7 @@ def commit_turn_in(core: Core, turn: TurnPayload, apply: ApplyTurn | None = None
     if stmt is None:
         stmt = core.dialect.insert(receipts).on_conflict_do_nothing().returning(receipts.c.advancement_key)
         _INSERT_RECEIPT[core.dialect.name] = stmt
-    row = {**values, "payload_hash": bytes.fromhex(turn.payload_hash), "message_seqs": ",".join(map(str, seqs))}
+    row = {**values, "payload_hash": bytes.fromhex(turn.payload_hash), **_references(seqs)}
     inserted = core.run(stmt, row).first() is not None  # the hash is stored as its 32 bytes
     if not inserted:
         # A concurrent commit of the same key won the insert; it is committed now (READ COMMITTED).
@@ -369,6 +399,28 @@ def _receipt_values(turn: TurnPayload, committed_us: int) -> dict[str, Any]:
         "is_heartbeat": turn.is_heartbeat,
         "committed_us": committed_us,
     }
+
+
+def _references(seqs: Sequence[int]) -> dict[str, Any]:
+    """The stored columns of a receipt that reference its messages' entries (raw seqs, ascending: the
+    admission's first, the terminal's last): the anchors' seqs, and the seqs between them only when some
+    seq of the range is not one of the turn's messages (an event or another branch inside the turn)."""
+    first, last = seqs[0], seqs[-1]
+    listed = None if last - first + 1 == len(seqs) else ",".join(map(str, seqs))
+    return {
+        "admission_seq": first, "terminal_seq": last, "message_seqs": listed,
+        "admission_entry_id": None, "terminal_entry_id": None,  # the seqs name them (_entry_id_of)
+    }
+
+
+def _seqs_of(row: Any) -> list[int] | None:
+    """The raw seqs of a stored receipt's messages (columns ``message_seqs``, ``admission_seq``,
+    ``terminal_seq``); None for a receipt from before revision 0005, whose messages the ledger copied."""
+    if row.message_seqs is not None:
+        return [int(x) for x in row.message_seqs.split(",")] if row.message_seqs else []
+    if row.admission_seq is not None:
+        return list(range(int(row.admission_seq), int(row.terminal_seq) + 1))
+    return None
 
 
 def _committed(values: dict[str, Any]) -> CommitResult:
@@ -450,11 +502,11 @@ WITH s AS (
     {source}
 )
 INSERT INTO ts_receipts (
-    scope, session_id, advancement_key, engine_id, committed_us, message_count, is_heartbeat,
-    payload_hash, admission_entry_id, terminal_entry_id, message_seqs
+    scope, session_id, advancement_key, engine_id, committed_us, message_count, admission_seq, terminal_seq,
+    is_heartbeat, payload_hash
 )
-SELECT s.scope, s.session_id, :b_key, :b_engine, :b_ts, a.n_rows, :b_heartbeat,
-       :b_hash, CAST(:b_adm_id AS TEXT), CAST(:b_term_id AS TEXT), :b_seqs
+SELECT s.scope, s.session_id, :b_key, :b_engine, :b_ts, a.n_rows, CAST(:b_from AS INTEGER),
+       CAST(:b_to AS INTEGER), :b_heartbeat, :b_hash
 FROM s, a
 WHERE a.n_rows = CAST(:b_count AS INTEGER) AND a.n_same = a.n_rows AND a.span = a.n_rows - 1
   AND a.n_admission = 1 AND a.n_terminal = 1 AND a.n_other = 0
@@ -499,7 +551,7 @@ def commit_turn_statement(core: Core, turn: TurnPayload, attempts: list[Receipt]
         b_from=adm.seq, b_to=term.seq, b_key=turn.advancement_key, b_engine=turn.engine_id, b_ts=ts,
         b_count=count, b_heartbeat=turn.is_heartbeat, b_hash=bytes.fromhex(turn.payload_hash),
         b_session_key=adm.session_key, b_generation=adm.generation, b_incarnation=adm.incarnation,
-        b_adm_id=adm.entry_id, b_term_id=term.entry_id, b_seqs=",".join(map(str, range(adm.seq, term.seq + 1))),
+        b_adm_id=adm.entry_id, b_term_id=term.entry_id,
         b_adm_parent=adm.parent_id, b_adm_position=adm.position, b_term_parent=term.parent_id,
         b_term_position=term.position, **{f"b_t{i}": text for i, text in enumerate(texts)},
     )
@@ -629,7 +681,7 @@ def _check_range(core: Core, turn: TurnPayload) -> tuple[list[int], bool]:
         held: list[Any] = [] if key is None else core.run(
             _HELD_SEQS, session_params(turn.scope, turn.session_id, b_key=key)
         ).all()
-        if any(seqs and str(adm.seq) in seqs.split(",") for (seqs,) in held):
+        if any(adm.seq in (_seqs_of(row) or ()) for row in held):
             raise InvalidInput(
                 f"admitted entry {adm.entry_id!r} is a message of turn {key!r}, committed already: "
                 "a turn ends before the next one is admitted"
@@ -747,8 +799,8 @@ def committed_messages(
     found = core.run(_MESSAGE_SEQS, params).first()
     if found is None:
         return []
-    if found.message_seqs is not None:
-        seqs = [int(x) for x in found.message_seqs.split(",")] if found.message_seqs else []
+    seqs = _seqs_of(found)
+    if seqs is not None:
         if not seqs:
             return []
         # The turn's entries lie in one seq range (bounded by MAX_TURN_EVENTS at commit): one statement.
@@ -775,7 +827,7 @@ def count_turn_messages(core: Core, scope: str, session_id: str, engine_id: str)
         receipts.c.scope == scope,
         receipts.c.session_id == session_id,
         receipts.c.engine_id == engine_id,
-        receipts.c.message_seqs.is_not(None),
+        or_(receipts.c.admission_seq.is_not(None), receipts.c.message_seqs.is_not(None)),
     )
     copied = select(func.count()).where(
         turn_messages.c.scope == scope,

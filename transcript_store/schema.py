@@ -208,12 +208,22 @@ receipts = Table(
     Column("is_heartbeat", Boolean, nullable=False),
     # The SHA-256 as its 32 bytes; Receipt.payload_hash is the hex of it (revision 0006).
     Column("payload_hash", LargeBinary(32), nullable=False),
-    Column("admission_entry_id", ID, nullable=False),
-    Column("terminal_entry_id", ID, nullable=False),
-    # Raw seqs of the turn's message entries, comma-separated: the ledger references the transcript
-    # (entries are immutable) instead of copying it. NULL on receipts from before revision 0005, whose
-    # messages are in ts_turn_messages.
+    # The anchors' entry ids, NULL where the seqs below name them (every receipt written since 0017): two
+    # 22-character ids were 46 of a receipt's ~156 bytes on PostgreSQL (bench/README.md, "Profiling" 43).
+    Column("admission_entry_id", ID, nullable=True),
+    Column("terminal_entry_id", ID, nullable=True),
+    # Raw seqs of the turn's message entries, comma-separated; NULL when they are every seq from
+    # ``admission_seq`` to ``terminal_seq`` (the common turn), and on receipts from before revision 0005,
+    # whose messages are in ts_turn_messages (and which have no ``admission_seq`` either).
     Column("message_seqs", Text, nullable=True),
+    # The raw seqs of the admitted entry and the terminal (revision 0017): the ledger references the
+    # transcript (entries are immutable, and leave only with their session, whose receipts go with it)
+    # instead of copying it. NULL on a receipt written without them (before 0017, or by a process of an
+    # earlier release still running after the upgrade): its entry ids and ``message_seqs`` say it. Last,
+    # where 0017's ALTER TABLE put them: on PostgreSQL a receipt is no larger for it (measured: the same
+    # heap as with them ahead of the text columns, the 4-byte alignment costing at most 3 bytes a row).
+    Column("admission_seq", Integer, nullable=True),
+    Column("terminal_seq", Integer, nullable=True),
     # Key order (session, advancement key, engine): one index answers both "this engine's receipt of
     # this key" and "every engine's receipt of this logical turn" (revision 0005).
     PrimaryKeyConstraint("scope", "session_id", "advancement_key", "engine_id", name="ts_receipts_pk"),
