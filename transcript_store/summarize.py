@@ -300,6 +300,36 @@ def _gist(previous_summary: str) -> list[str]:
     return lines
 
 
+#: the fewest tokens of a line worth keeping cut (its role and a few words), else it is dropped whole
+_MIN_CLIP = 12
+
+
+def _clip(line: str, room: int, estimator: TokenEstimator) -> str:
+    """The start of ``line`` within ``room`` tokens, cut at a sentence end or space in its last quarter (else
+    between two characters) and ended with "…"; "" when not even that fits."""
+    end = _longest_prefix(line, "…", room, estimator)
+    for cut in dict.fromkeys((_clean_end(line, end), _character_end(line, end), end)):
+        head = line[:cut].rstrip()
+        if head and estimator.count_text(head + "…") <= room:
+            return head + "…"
+    return ""
+
+
+def _joined(
+    header: str, lines: list[str], keep: list[bool], clip: tuple[int, str] | None, *, note: bool
+) -> str:
+    """The header, the note on the dropped lines (when ``note``), and the kept lines in their order, the
+    line ``clip`` names replaced by its cut start."""
+    dropped = keep.count(False) - (clip is not None)
+    out = [header] + ([f"({dropped} older lines omitted)"] if dropped and note else [])
+    for i, (line, kept) in enumerate(zip(lines, keep, strict=True)):
+        if kept:
+            out.append(line)
+        elif clip is not None and clip[0] == i:
+            out.append(clip[1])
+    return "\n".join(out)
+
+
 def _tool_names(messages: Sequence[dict[str, Any]]) -> dict[str, str]:
     """tool_call id -> function name, over every assistant message."""
     names: dict[str, str] = {}
@@ -332,9 +362,11 @@ class ExtractiveSummarizer:
     focus (else lines with a key word such as "error", "decided", "todo"), the tools it called, or, for a
     tool result, the result cut short. ``aggressive`` cuts every extract shorter and halves the budget.
     When the lines exceed ``max_tokens`` (counted with ``RoughEstimator``), lines are dropped oldest first,
-    those that do not mention the focus before those that do, and a note says how many were dropped; so
-    the output never exceeds ``max_tokens``, and is always shorter than an input longer than
-    ``max_tokens * 4`` characters. Same input, same output.
+    those that do not mention the focus before those that do, and a note says how many were dropped; the
+    room left holds the start of the last line dropped, cut at a word boundary and marked "…" (the note
+    goes when it leaves that line no room); so the output never exceeds ``max_tokens``, and is always
+    shorter than an input longer than ``max_tokens * 4`` characters. Lines that all fit are written
+    whole, as they were. Same input, same output.
     """
 
     def __init__(self) -> None:
@@ -366,12 +398,14 @@ class ExtractiveSummarizer:
         return self._fit(header, lines, focus, budget)
 
     def _fit(self, header: str, lines: list[str], focus: str | None, budget: int) -> str:
-        """Drop lines (oldest, non-focus first) until header + note + lines fit ``budget`` tokens."""
+        """Drop lines (oldest, non-focus first) until header + note + lines fit ``budget`` tokens; the room
+        that leaves holds the start of the last line dropped, cut short (``_clipped``)."""
         count = self._estimator.count_text
         # per-line counts (+1 for the newline) add up to at least the count of the joined text
         cost = [count(ln) + 1 for ln in lines]
         total = count(header) + sum(cost)
         keep = [True] * len(lines)
+        last: int | None = None
         if total > budget:
             total += 12  # room for the "(N older lines omitted)" note
             needle = focus.lower() if focus else None
@@ -382,10 +416,32 @@ class ExtractiveSummarizer:
                     break
                 keep[i] = False
                 total -= cost[i]
-        dropped = keep.count(False)
-        out = [header] + ([f"({dropped} older lines omitted)"] if dropped else [])
-        out += [ln for ln, k in zip(lines, keep, strict=True) if k]
-        return self._truncate("\n".join(out), budget)
+                last = i
+        text = _joined(header, lines, keep, None, note=True)
+        if last is not None:
+            text = self._clipped(header, lines, keep, last, budget) or text
+        return self._truncate(text, budget)
+
+    def _clipped(self, header: str, lines: list[str], keep: list[bool], last: int, budget: int) -> str | None:
+        """The summary with the start of ``lines[last]`` in the room the kept lines leave, cut at a word
+        boundary and marked with "…"; None when not even ``_MIN_CLIP`` tokens of it fit.
+
+        A budget smaller than one line (a leaf of 32 tokens in a window of 512, where a line of a message
+        is ~100) dropped every line: the summary said only how many were omitted. The note goes when it
+        leaves no room for the line: the header counts the messages, and the marker shows the cut."""
+        count = self._estimator.count_text
+        for note in (True, False):
+            room = budget - count(_joined(header, lines, keep, (last, ""), note=note))
+            while room >= _MIN_CLIP:
+                piece = _clip(lines[last], room, self._estimator)
+                if not piece:
+                    break
+                text = _joined(header, lines, keep, (last, piece), note=note)
+                over = count(text) - budget
+                if over <= 0:
+                    return text
+                room -= over  # counts need not add up (a script's rate depends on the whole text)
+        return None
 
     def _truncate(self, text: str, budget: int) -> str:
         """The longest prefix of ``text`` within ``budget`` tokens (only when the header alone is too long)."""
