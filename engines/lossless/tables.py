@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from sqlalchemy import (
     Column,
     ForeignKeyConstraint,
     Integer,
+    Label,
     MetaData,
     PrimaryKeyConstraint,
     Row,
@@ -209,8 +210,12 @@ def keyed(query: Select[Any], column: Column[Any], value: Any) -> Select[Any]:
     return query.where(column >= value, column <= value).order_by(column)
 
 
+#: what ``rows_of`` selects: a column, or an expression of the row under a label
+Selected = Column[Any] | Label[Any]
+
+
 @functools.cache
-def _rows_of_array(column: Column[Any], columns: tuple[Column[Any], ...]) -> Select[Any]:
+def _rows_of_array(column: Column[Any], columns: tuple[Selected, ...]) -> Select[Any]:
     """PostgreSQL: ``columns`` of the session's row for each key of an array (``b_keys``), one lookup each."""
     table = column.table
     keys = func.unnest(cast(bindparam("b_keys"), ARRAY(column.type))).table_valued("key").render_derived(name="keys")
@@ -229,23 +234,32 @@ def _rows_of_array(column: Column[Any], columns: tuple[Column[Any], ...]) -> Sel
 
 
 def rows_of(
-    core: Core, scope: str, session_id: str, column: Column[Any], keys: Sequence[Any], columns: Sequence[Column[Any]]
+    core: Core,
+    scope: str,
+    session_id: str,
+    column: Column[Any],
+    keys: Sequence[Any],
+    columns: Sequence[Selected],
+    params: Mapping[str, Any] | None = None,
 ) -> list[Row[Any]]:
     """``columns`` of the session's rows of ``column``'s table whose ``column`` (unique in the session) is one
-    of ``keys``, in no particular order; a key with no row has none. O(keys) index lookups on either backend."""
+    of ``keys``, in no particular order; a key with no row has none. O(keys) index lookups on either backend.
+
+    A column may be an expression of the row (labelled) with bound parameters, given in ``params``: the
+    same expression objects at every call (the PostgreSQL query is built once per tuple of columns)."""
     wanted = list(dict.fromkeys(keys))
     if not wanted:
         return []
     if not core.dialect.is_sqlite:
-        params = {"b_keys": wanted, "b_scope": scope, "b_session": session_id}
-        return list(core.conn.execute(_rows_of_array(column, tuple(columns)), params))
+        bound = {**(params or {}), "b_keys": wanted, "b_scope": scope, "b_session": session_id}
+        return list(core.conn.execute(_rows_of_array(column, tuple(columns)), bound))
     table = column.table
     out: list[Row[Any]] = []
     for n in range(0, len(wanted), _SQLITE_IN):
         q = select(*columns).where(
             table.c.scope == scope, table.c.session_id == session_id, column.in_(wanted[n : n + _SQLITE_IN])
         )
-        out.extend(core.conn.execute(q))
+        out.extend(core.conn.execute(q, dict(params)) if params else core.conn.execute(q))
     return out
 
 
