@@ -3,7 +3,7 @@
 Session 41 made the summary budgets follow a small window (``config.summary_caps``): a window of 768
 tokens gives a leaf 48 tokens. The extractive summarizer writes one line per message (~100 tokens for a
 message of a few sentences) and dropped whole lines until the rest fitted: under a budget smaller than a
-line it dropped them all, and every leaf said only "Summary of 6 messages: (6 older lines omitted)".
+line it dropped them all (a leaf of 15 messages read "Summary of 15 messages: (15 older lines omitted)").
 Now the room the dropped lines leave holds the start of the newest one dropped, cut at a word boundary
 and marked "…"; a summary whose lines all fit is unchanged, and none is ever over its budget.
 """
