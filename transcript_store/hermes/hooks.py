@@ -84,7 +84,8 @@ def end_turn(**kwargs: Any) -> None:
         # multimodal tool result's summary) kept every later interrupted retry's old exchange visible.
         if isinstance(live, tuple) and live[0] == session_id and saved_ask(db, session_id, live[1]):
             engine._note_shown(session_id, live[1])
-        engine._store_saved(db, session_id, engine._shown_of(session_id))
+        mine = live[1] if isinstance(live, tuple) and live[0] == session_id else None
+        engine._store_saved(db, session_id, engine._shown_of(session_id), mine)
         return
     # No session database: the live conversation this thread's turn passed its hooks (``note_turn``).
     if not isinstance(live, tuple) or live[0] != session_id:

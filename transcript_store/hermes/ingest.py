@@ -16,6 +16,7 @@ from .forms import Checked, align, new_entry, storable_tail
 from .lineage import LineageMixin
 from .messages import clean, fingerprint, message_key
 from .runtime import EMPTY, _Runtime, _Visible
+from .spelling import spelled
 
 log = logging.getLogger("transcript_store.hermes")
 
@@ -65,6 +66,20 @@ class IngestMixin(LineageMixin):
         cap = rt.store.config.max_payload_bytes
         host, digests, changed = storable_tail(host, digests, vis.digests, start, cap, seen)
         skipped, kept = align(vis.digests, digests, start)
+        while skipped < len(host) and kept < len(vis.entry_ids):
+            # Where the list leaves the transcript, its message may be the stored one as Hermes' database
+            # hands it back (the gateway's history, reloaded for every turn): the same message, kept as
+            # stored. Written, the stored one left the active branch and every message after it was
+            # written again.
+            rows = c.visible_rows(self.scope, store_session, kept - 1, kept + 1, 1)
+            stored = entry_from_row(rows[0], True).message if rows else None
+            if not isinstance(stored, dict) or not spelled(stored, host[skipped]):
+                break
+            host[skipped], digests[skipped] = stored, vis.digests[kept]
+            seen.pop(skipped, None)
+            host, digests, more = storable_tail(host, digests, vis.digests, start, cap, seen)
+            changed.update(more)
+            skipped, kept = align(vis.digests, digests, start)
         rest = host[skipped:]
         for i in sorted(k for k in changed if k >= skipped):
             log.warning("transcript-store: a message of store session %s is stored in another form (%s)",

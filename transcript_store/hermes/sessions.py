@@ -15,6 +15,7 @@ from .ingest import IngestMixin
 from .lineage import ALIAS, INDEX_KEY
 from .messages import canonical, clean, detached, digest, fingerprint
 from .runtime import _BOUND, _LIVE, _RUNTIME_LOCK, _TURN
+from .spelling import as_shown, live_keys, saved_keys
 
 log = logging.getLogger("transcript_store.hermes")
 
@@ -52,15 +53,15 @@ def rewound(session_db: Any, hermes_session: str) -> bool:
 
 
 def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
-    """Whether hermes-agent's session database holds every message of ``messages`` (kept or rewound);
-    False when it cannot tell. A write Hermes could not make (its database locked by another writer: it
-    logs it and goes on) left a kept turn out of it: followed, the session end took that turn off the
-    transcript."""
+    """Whether hermes-agent's session database holds every message of ``messages`` (kept or rewound; a
+    message it saves in another spelling, as spelled: ``live_keys``); False when it cannot tell. A write
+    Hermes could not make (its database locked by another writer: it logs it and goes on) left a kept
+    turn out of it: followed, the session end took that turn off the transcript."""
     try:
-        rows = session_db.get_messages_as_conversation(hermes_session, include_inactive=True)
-        known = {fingerprint([clean(m)]) for m in rows if isinstance(m, dict)}
+        own, back = saved_keys(session_db.get_messages_as_conversation(hermes_session, include_inactive=True))
+        known = set(own)
         return all(
-            fingerprint([clean(m)]) in known for m in messages or ()
+            any(k in known for k in live_keys(clean(m), back)) for m in messages or ()
             if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
         )
     except Exception:
@@ -69,30 +70,40 @@ def saved_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
 
 def saved_ask(session_db: Any, hermes_session: str, messages: Any) -> bool:
     """Whether hermes-agent's session database keeps the last user message of ``messages`` active (a turn's
-    list: its own message, which Hermes saves at the turn's start); False when it cannot tell. The
-    background review's list, under its parent's id, ends with a prompt never saved."""
+    list: its own message, which Hermes saves at the turn's start; in its saved spelling, too); False
+    when it cannot tell. The background review's list, under its parent's id, ends with a prompt never
+    saved."""
     try:
-        asks = [d for d in shown_digests(messages) if d.startswith(_USER)]
-        return bool(asks) and asks[-1] in set(shown_digests(session_db.get_messages_as_conversation(hermes_session)))
+        asks = [clean(m) for m in messages or () if isinstance(m, dict) and m.get("role") == "user"
+                and not is_context_message(m)]
+        if not asks:
+            return False
+        own, back = saved_keys(session_db.get_messages_as_conversation(hermes_session))
+        known = set(own)
+        return any(k in known for k in live_keys(asks[-1], back))
     except Exception:
         return False
 
 
-def _counted(messages: Any) -> Counter[str]:
-    """The conversation messages of a list, by fingerprint and count (no system prompt, none of ours)."""
-    return Counter(shown_digests(messages))
-
-
 def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
     """Whether ``messages`` holds something and hermes-agent's session database keeps every message of it
-    active (a message the list holds twice, twice); False when it cannot tell. Such a list undid nothing
-    the database took back: it is what Hermes shows. The CLI's ``/retry`` takes the last exchange out of
-    its list and leaves its rows active, so the database then holds the exchange before the retried one:
-    followed after an earlier ``/undo``, the session end stored the old exchange and the retried
-    message again, visible beside the retried exchange Hermes showed."""
+    active (a message the list holds twice, twice; one it saves in another spelling, as spelled); False
+    when it cannot tell. Such a list undid nothing the database took back: it is what Hermes shows. The
+    CLI's ``/retry`` takes the last exchange out of its list and leaves its rows active, so the database
+    then holds the exchange before the retried one: followed after an earlier ``/undo``, the session end
+    stored the old exchange and the retried message again, visible beside the retried exchange Hermes
+    showed."""
     try:
-        wanted = _counted(messages)
-        return bool(wanted) and not wanted - _counted(session_db.get_messages_as_conversation(hermes_session))
+        own, back = saved_keys(session_db.get_messages_as_conversation(hermes_session))
+        left = Counter(own)
+        wanted = [clean(m) for m in messages or ()
+                  if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)]
+        for m in wanted:
+            key = next((k for k in live_keys(m, back) if left[k] > 0), None)
+            if key is None:
+                return False
+            left[key] -= 1
+        return bool(wanted)
     except Exception:
         return False
 
@@ -239,7 +250,7 @@ class SessionsMixin(IngestMixin):
             if (
                 session_id and db is not None and rewound(db, session_id) and saved_all(db, session_id, messages)
                 and not kept_all(db, session_id, messages)
-                and self._store_saved(db, session_id, self._shown_of(session_id))
+                and self._store_saved(db, session_id, self._shown_of(session_id), messages)
             ):
                 # /undo tells the engine nothing, and the list Hermes passes at exit (the agent's
                 # ``_session_messages``) still holds the undone turn: stored, it stayed visible to every
@@ -332,12 +343,17 @@ class SessionsMixin(IngestMixin):
         shown = getattr(self, "_shown", None)
         return shown[1] if isinstance(shown, tuple) and shown[0] == hermes_session else None
 
-    def _store_saved(self, session_db: Any, hermes_session: str, shown: tuple[str, ...] | None = None) -> bool:
+    def _store_saved(
+        self, session_db: Any, hermes_session: str, shown: tuple[str, ...] | None = None, live: Any = None
+    ) -> bool:
         """Store what Hermes' session database saved of a conversation; whether it saved any (never raises
         into Hermes). After a rewind (``rewound``) the saved list is the conversation itself: what the
         store shows after its end (the turns ``/undo`` took back) leaves the active branch, kept off it.
         ``shown``: the list Hermes held (``shown_digests``); the exchanges a CLI ``/retry`` took out of it
-        are left out of the saved list (``unretried``), which is then the conversation itself too."""
+        are left out of the saved list (``unretried``), which is then the conversation itself too.
+        A message the database saved in another spelling than the transcript, or ``live`` (a list Hermes
+        holds), holds it at its place is stored as they hold it (``as_shown``): read as saved, it left the
+        active branch and every message after it was written again."""
         try:
             saved = saved_conversation(session_db, hermes_session) if session_db is not None else None
             follow = isinstance(saved, list) and rewound(session_db, hermes_session)
@@ -345,6 +361,9 @@ class SessionsMixin(IngestMixin):
                 return self._undone_whole(session_db, hermes_session)
             if not isinstance(saved, list) or not saved:
                 return False
+            saved = as_shown(saved, self._stored_visible(hermes_session, saved))
+            if isinstance(live, list):
+                saved = as_shown(saved, live)
             saved, retried = unretried(saved, shown)
             follow = follow or retried
             self.ingest(detached([m for m in saved if isinstance(m, dict)]), hermes_session, follow=follow)
@@ -352,3 +371,24 @@ class SessionsMixin(IngestMixin):
         except Exception:
             log.exception("transcript-store: storing conversation %s at a session switch failed", hermes_session)
             return False
+
+    def _stored_visible(self, hermes_session: str, saved: list[Any]) -> list[dict[str, Any]]:
+        """The messages of the visible transcript of ``hermes_session``'s store session, for ``as_shown``
+        (none: no store session, or it shows every message of ``saved`` as it is, by the runtime's cache)."""
+        try:
+            rt = self.runtime()
+            store_session = self._lineage(rt, hermes_session)
+            if store_session is None:
+                return []
+            with rt.lock:
+                known = rt.visible.get(store_session)
+            if known is not None and {
+                fingerprint([clean(m)]) for m in saved
+                if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
+            } <= set(known.digests):
+                return []  # each of them is in the transcript as it is: none to find in another spelling
+            return [e.message for e in rt.store.read_visible(self.scope, store_session)
+                    if e.kind == "message" and isinstance(e.message, dict)]
+        except Exception:
+            log.exception("transcript-store: could not read the transcript of session %s", hermes_session)
+            return []
