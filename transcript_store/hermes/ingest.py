@@ -77,9 +77,12 @@ class IngestMixin(LineageMixin):
                 break
             host[skipped], digests[skipped] = stored, vis.digests[kept]
             seen.pop(skipped, None)
-            host, digests, more = storable_tail(host, digests, vis.digests, start, cap, seen)
-            changed.update(more)
-            skipped, kept = align(vis.digests, digests, start)
+            changed.pop(skipped, None)
+            # The rest of the list is in the form the store takes already (``storable_tail`` went on to its
+            # end): compared on from here, each message once.
+            skipped, kept = skipped + 1, kept + 1
+            while skipped < len(host) and kept < len(vis.digests) and digests[skipped] == vis.digests[kept]:
+                skipped, kept = skipped + 1, kept + 1
         rest = host[skipped:]
         for i in sorted(k for k in changed if k >= skipped):
             log.warning("transcript-store: a message of store session %s is stored in another form (%s)",
