@@ -227,8 +227,15 @@ class TranscriptStoreEngineMixin(CompressMixin, SessionsMixin):
             if isinstance(usage, dict):
                 self.update_from_response(usage)
             if isinstance(messages, list) and messages:
-                self._note_shown(kwargs.get("session_id") or self.session_id, messages)
-                self.ingest(detached([m for m in messages if isinstance(m, dict)]), kwargs.get("session_id"))
+                # The copies stored are the list as Hermes holds it now (a message it changes in place
+                # later is read again next turn): noted by the fingerprints the store's alignment computes
+                # of them (ingest's ``memo``), each message fingerprinted once a turn, not twice.
+                copies = detached([m for m in messages if isinstance(m, dict)])
+                memo: dict[int, str] = {}
+                try:
+                    self.ingest(copies, kwargs.get("session_id"), memo=memo)
+                finally:
+                    self._note_shown(kwargs.get("session_id") or self.session_id, copies, memo)
         except Exception:
             log.exception("transcript-store on_turn_complete failed")
 

@@ -115,10 +115,13 @@ class IngestMixin(LineageMixin):
         )
 
     def ingest(
-        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False
+        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False,
+        memo: dict[int, str] | None = None,
     ) -> tuple[str, int]:
         """Store the conversation's messages once each; (store session, visible messages in the lineage).
         ``follow``: the list is the conversation itself, shorter than the transcript too (``_write_in``).
+        ``memo``: given, it gets each message's fingerprint the alignment computed (of its ``clean`` form),
+        by the message's ``id`` (``messages`` must outlive its use).
 
         Our own context messages (summaries) are never stored. The rest is aligned in order with the
         session's visible transcript: the longest common prefix is skipped and everything after the
@@ -127,7 +130,7 @@ class IngestMixin(LineageMixin):
         but the session's row and writes only the new messages.
         """
         try:
-            return self._ingest(messages, hermes_session, follow=follow)
+            return self._ingest(messages, hermes_session, follow=follow, memo=memo)
         except UnknownSession as e:
             # The store session this runtime followed was deleted (``sessions delete``): every later call
             # failed on it until a restart, which opens the Hermes session by its key anew, and compress
@@ -136,7 +139,7 @@ class IngestMixin(LineageMixin):
             self._load_candidates(rt, refresh=True)  # first: a refresh must not bring its candidates back
             if not self._forget(rt, e.session_id):
                 raise
-            return self._ingest(messages, hermes_session, follow=follow)
+            return self._ingest(messages, hermes_session, follow=follow, memo=memo)
 
     @staticmethod
     def _forget(rt: _Runtime, store_session: str) -> bool:
@@ -156,7 +159,8 @@ class IngestMixin(LineageMixin):
         return held
 
     def _ingest(
-        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False
+        self, messages: Sequence[dict[str, Any]], hermes_session: str | None = None, *, follow: bool = False,
+        memo: dict[int, str] | None = None,
     ) -> tuple[str, int]:
         """``ingest``, once."""
         rt = self.runtime()
@@ -184,8 +188,11 @@ class IngestMixin(LineageMixin):
             store_session = self._store_session(rt, hermes_session)
             if compacted:
                 start = None
-        host = [clean(m) for m in body if not is_context_message(m)]
+        ours = [m for m in body if not is_context_message(m)]
+        host = [clean(m) for m in ours]
         digests = [fingerprint([m]) for m in host]
+        if memo is not None:
+            memo.update(zip(map(id, ours), digests, strict=True))
         seen: dict[int, Checked] = {}  # each new message is checked once, whatever the attempts
         with rt.session_lock(store_session):
             with rt.lock:

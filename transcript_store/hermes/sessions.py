@@ -112,16 +112,19 @@ def kept_all(session_db: Any, hermes_session: str, messages: Any) -> bool:
 _USER = "user:"
 
 
-def _digest(message: dict[str, Any]) -> str:
-    """One conversation message's digest for ``unretried``: its fingerprint, a user message's marked."""
-    return (_USER if message.get("role") == "user" else "") + fingerprint([clean(message)])
+def _digest(message: dict[str, Any], memo: dict[int, str] | None = None) -> str:
+    """One conversation message's digest for ``unretried``: its fingerprint (``memo``'s for it, by its
+    ``id``, when it holds one), a user message's marked."""
+    fp = memo.get(id(message)) if memo else None
+    return (_USER if message.get("role") == "user" else "") + (fp or fingerprint([clean(message)]))
 
 
-def shown_digests(messages: Any) -> tuple[str, ...]:
+def shown_digests(messages: Any, memo: dict[int, str] | None = None) -> tuple[str, ...]:
     """The conversation messages of a list Hermes holds, by digest (``_digest``), in order (no system
-    prompt, none of ours): what ``unretried`` compares the saved list with."""
+    prompt, none of ours): what ``unretried`` compares the saved list with. ``memo``: fingerprints of
+    the very messages of ``messages`` computed already, by ``id`` (``ingest``'s)."""
     return tuple(
-        _digest(m) for m in messages or ()
+        _digest(m, memo) for m in messages or ()
         if isinstance(m, dict) and m.get("role") != "system" and not is_context_message(m)
     )
 
@@ -332,11 +335,12 @@ class SessionsMixin(IngestMixin):
             log.exception("transcript-store: could not look up session %s", hermes_session)
             return False
 
-    def _note_shown(self, hermes_session: Any, messages: Any) -> None:
+    def _note_shown(self, hermes_session: Any, messages: Any, memo: dict[int, str] | None = None) -> None:
         """Remember the list Hermes holds of the session this copy follows (a turn's, as the turn hooks
-        pass it), for ``unretried`` when the session is stored from Hermes' database."""
+        pass it), for ``unretried`` when the session is stored from Hermes' database. ``memo``: the
+        fingerprints ``ingest`` computed of these very messages (``shown_digests``)."""
         if isinstance(hermes_session, str) and hermes_session and hermes_session == self.session_id:
-            self._shown = (hermes_session, shown_digests(messages))
+            self._shown = (hermes_session, shown_digests(messages, memo))
 
     def _shown_of(self, hermes_session: str) -> tuple[str, ...] | None:
         """The list Hermes last held of ``hermes_session`` in this copy (``_note_shown``); None: none."""
