@@ -597,7 +597,8 @@ KILL_POINTS = [
     "version_num='0005'",  # SQLite: after 0005's rebuild of ts_receipts (a DROP TABLE), before its commit
     "DROP TABLE ts_receipts_0005",  # in the middle of 0006's rebuild
     "version_num='0012'",  # SQLite: after 0012 dropped and rebuilt the engine's search index
-    "SET message_seqs = NULL",  # in the middle of 0017's conversion of the stored receipts
+    "terminal_seq INTEGER",  # inside 0017: its columns added (SQLite: the table rebuilt), no receipt converted
+    "UPDATE ts_receipts SET admission_seq",  # after 0017's conversion of the stored receipts (one UPDATE)
     "version_num='0017'",  # the last migration's version row, the commit still to come
 ]
 
