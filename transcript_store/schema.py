@@ -208,7 +208,8 @@ receipts = Table(
     Column("is_heartbeat", Boolean, nullable=False),
     # The SHA-256 as its 32 bytes; Receipt.payload_hash is the hex of it (revision 0006).
     Column("payload_hash", LargeBinary(32), nullable=False),
-    # The anchors' entry ids, NULL where the seqs below name them (every receipt written since 0017): two
+    # The anchors' entry ids, NULL where the seqs below name them (every receipt written since 0017, and
+    # every one 0017 converted whose ids were those of the entries at its seqs): two
     # 22-character ids were 46 of a receipt's ~156 bytes on PostgreSQL (bench/README.md, "Profiling" 43).
     Column("admission_entry_id", ID, nullable=True),
     Column("terminal_entry_id", ID, nullable=True),
@@ -218,8 +219,9 @@ receipts = Table(
     Column("message_seqs", Text, nullable=True),
     # The raw seqs of the admitted entry and the terminal (revision 0017): the ledger references the
     # transcript (entries are immutable, and leave only with their session, whose receipts go with it)
-    # instead of copying it. NULL on a receipt written without them (before 0017, or by a process of an
-    # earlier release still running after the upgrade): its entry ids and ``message_seqs`` say it. Last,
+    # instead of copying it; 0017 set them on every receipt stored with a seq list. NULL on a receipt from
+    # before revision 0005 (its messages copied, ids stored) and on one a process of an earlier release
+    # still running after the upgrade writes: its entry ids and ``message_seqs`` say it. Last,
     # where 0017's ALTER TABLE put them: on PostgreSQL a receipt is no larger for it (measured: the same
     # heap as with them ahead of the text columns, the 4-byte alignment costing at most 3 bytes a row).
     Column("admission_seq", Integer, nullable=True),
