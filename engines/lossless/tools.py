@@ -523,9 +523,12 @@ def _piece_columns(core: Core, offset: int, max_chars: int) -> tuple[Any, ...]:
 
 
 # The tool_call_id of a stored message, read by the database from its JSON (by ``dialect.is_sqlite``).
+# PostgreSQL's JSON cannot turn the escape of a NUL character (``\u0000``, anywhere in the message: a
+# binary tool output) into text, and failed the whole page; written as U+FFFD's escape, as long and as
+# valid, it reads. (A tool_call_id holding a NUL, or the text ``\u0000`` itself, reads with U+FFFD.)
 _CALL: dict[bool, Label[Any]] = {
     True: func.json_extract(_M.message, "$.tool_call_id").label("call"),
-    False: sql_cast(_M.message, JSON)["tool_call_id"].astext.label("call"),
+    False: sql_cast(func.replace(_M.message, "\\u0000", "\\ufffd"), JSON)["tool_call_id"].astext.label("call"),
 }
 # A leaf's source message as its expansion shows it: the start of its text, a character past ``b_chars``
 # (``_cut`` marks a longer one), and its tool_call_id. The page read whole rows: every source's text and
