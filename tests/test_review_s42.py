@@ -4,7 +4,10 @@ Each test runs on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import copy
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from conftest import module_store_fixtures, tool_round
@@ -12,8 +15,12 @@ from conftest import module_store_fixtures, tool_round
 from engines.lossless import LosslessEngine
 from transcript_store import TranscriptStore
 from transcript_store.engine import EngineContext
+from transcript_store.hermes.messages import clean, fingerprint
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hermes_adapter import conversation, make
 
 A = "scope-review42"
 shared_url, store, sid = module_store_fixtures(A, "review_s42")
@@ -55,3 +62,82 @@ def test_a_nul_character_in_a_source_message_leaves_its_leaf_expandable(store: T
     piece = answer(engine, sid, "lcm_expand", {"id": "msg_2", "offset": 10})
     assert piece["items"][0]["tool_call_id"] == "call-bin"
     assert piece["total_chars"] == len(binary)
+
+
+# ------------------------------------------------------------------------ Hermes: the saved spelling
+
+def pictured(tag: str, turns: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(a live list whose user messages carry an image each, the same list as Hermes' database hands it
+    back: each image as ``[screenshot]`` after the text, a ``timestamp`` on the user message)."""
+    live = conversation(tag, turns)
+    saved = copy.deepcopy(live)
+    for i, m in enumerate(live):
+        if m["role"] == "user":
+            text = m["content"]
+            live[i] = {"role": "user", "content": [{"type": "text", "text": text},
+                                                   {"type": "image_url", "image_url": {"url": "data:,"}}]}
+            saved[i] = {"role": "user", "content": text + "\n[screenshot]", "timestamp": 1700000000.0 + i}
+    return live, saved
+
+
+def shown(engine: Any, hermes_session: str) -> list[str]:
+    rt = engine.runtime()
+    sid = engine._store_session(rt, hermes_session)
+    return [fingerprint([clean(e.message)]) for e in rt.store.read_visible(engine.scope, sid)
+            if e.kind == "message" and isinstance(e.message, dict)]
+
+
+def writes(engine: Any) -> list[int]:
+    """A counter of the write transactions the engine's store runs from now on (the real store's)."""
+    store = engine.runtime().store
+    count, run = [0], store.write
+
+    def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return run(fn, *args, **kwargs)
+
+    store.write = counted
+    return count
+
+
+def test_a_history_in_the_saved_spelling_takes_no_write_transaction_each_time(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The gateway's history is Hermes' database's (each image as ``[screenshot]``): stored once live, the
+    same history again (a recall tool call or a request stores it first; nothing new in it) took a write
+    transaction each time, read the stored row of every such message in it and checked the form of
+    every message after the first: a write lock per call that wrote nothing (at 2,000 messages with 300
+    images, 40 ms a call where the live list takes 20). The stored messages are learned once."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("gw")
+    live, saved = pictured("gw", 30)
+    engine.on_turn_complete(copy.deepcopy(live), session_id="gw")
+    count = writes(engine)
+    for _ in range(4):
+        engine.on_turn_complete(copy.deepcopy(saved), session_id="gw")
+    assert count[0] <= 1, f"{count[0]} write transactions for a list holding nothing new"
+    later = [*saved, {"role": "user", "content": "gw next"}, {"role": "assistant", "content": "gw answered"}]
+    engine.on_turn_complete(copy.deepcopy(later), session_id="gw")
+    engine.on_turn_complete(copy.deepcopy(later), session_id="gw")
+    assert count[0] <= 2
+    expected = [fingerprint([clean(m)]) for m in [*live, *later[-2:]]]
+    assert shown(engine, "gw") == expected
+    assert len(engine.stored_messages("gw")) == len(expected), "messages were written again"
+    engine.close()
+
+
+def test_a_learned_spelling_stands_for_its_stored_message_only(store_url: str, tmp_path: Path) -> None:
+    """Once a saved spelling is learned, a list holding it where the transcript holds another message (an
+    edit of that message, stored live) is no copy of the transcript: it branches there, stored as it is."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("gx")
+    live, saved = pictured("gx", 6)
+    engine.on_turn_complete(copy.deepcopy(live), session_id="gx")
+    engine.on_turn_complete(copy.deepcopy(saved), session_id="gx")  # learned
+    at = max(i for i, m in enumerate(live) if m["role"] == "user")
+    edited = [*copy.deepcopy(live[:at]), {"role": "user", "content": "gx another question, edited"}]
+    engine.on_turn_complete(copy.deepcopy(edited), session_id="gx")
+    assert shown(engine, "gx") == [fingerprint([clean(m)]) for m in edited]
+    engine.on_turn_complete(copy.deepcopy(saved[: at + 1]), session_id="gx")
+    assert shown(engine, "gx") == [fingerprint([clean(m)]) for m in [*live[:at], saved[at]]]
+    engine.close()

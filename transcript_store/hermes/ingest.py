@@ -20,6 +20,39 @@ from .spelling import spelled
 
 log = logging.getLogger("transcript_store.hermes")
 
+#: the most respelled messages a session's cache names (``_Visible.respelled``); past it, it starts anew:
+#: a list holding one it forgot reads its stored row again, never aligns otherwise
+_RESPELLED_MAX = 4096
+
+
+def _sent(message: dict[str, Any]) -> str:
+    """A message's ``api_content`` ("" for none): ``spelling.restored`` reads it, and the digest leaves it out."""
+    sent = message.get("api_content")
+    return sent if isinstance(sent, str) else ""
+
+
+def respelled(vis: _Visible, host: Sequence[dict[str, Any]], digests: Sequence[str], start: int | None) -> list[str]:
+    """``digests`` with each message where the host's list goes on along the transcript ``vis`` holds, but
+    in Hermes' saved spelling of the stored message there (a pair ``vis.respelled`` names), given the stored
+    one's digest: the list aligns past it as past the stored message.
+
+    The gateway's history is Hermes' database's, reloaded for every turn: each turn (and each recall tool
+    call and request, which store the list first) found such a message anew, read its stored row in a
+    write transaction, and checked the forms of every message after it, a write transaction that wrote
+    nothing when the list held nothing new. A pair holds for whatever the list: ``spelled`` depends on the
+    two messages only, which the digests and the host's ``api_content`` (which digests leave out) name."""
+    out = list(digests)
+    if not vis.respelled:
+        return out
+    skipped, kept = align(vis.digests, out, start)
+    while skipped < len(out) and kept < len(vis.digests):
+        if out[skipped] != vis.digests[kept]:
+            if (out[skipped], _sent(host[skipped]), vis.digests[kept]) not in vis.respelled:
+                break
+            out[skipped] = vis.digests[kept]
+        skipped, kept = skipped + 1, kept + 1
+    return out
+
 
 class IngestMixin(LineageMixin):
     """Hermes' lists into the store session, each message once."""
@@ -48,6 +81,7 @@ class IngestMixin(LineageMixin):
             keep.entry_ids + tuple(e.entry_id for e in entries),
             keep.seqs + tuple(e.seq for e in entries),
             int(sess.incarnation),
+            known.respelled if known.incarnation == sess.incarnation else frozenset(),
         )
 
     def _write_in(
@@ -64,8 +98,10 @@ class IngestMixin(LineageMixin):
         sess, vis = self._visible_in(c, rt, store_session)
         seen = {} if seen is None else seen
         cap = rt.store.config.max_payload_bytes
+        digests = respelled(vis, host, digests, start)
         host, digests, changed = storable_tail(host, digests, vis.digests, start, cap, seen)
         skipped, kept = align(vis.digests, digests, start)
+        learned: set[tuple[str, str, str]] = set()
         while skipped < len(host) and kept < len(vis.entry_ids):
             # Where the list leaves the transcript, its message may be the stored one as Hermes' database
             # hands it back (the gateway's history, reloaded for every turn): the same message, kept as
@@ -75,6 +111,8 @@ class IngestMixin(LineageMixin):
             stored = entry_from_row(rows[0], True).message if rows else None
             if not isinstance(stored, dict) or not spelled(stored, host[skipped]):
                 break
+            if skipped not in changed:  # as the host holds it: its digest is the one a later list has
+                learned.add((digests[skipped], _sent(host[skipped]), vis.digests[kept]))
             host[skipped], digests[skipped] = stored, vis.digests[kept]
             seen.pop(skipped, None)
             changed.pop(skipped, None)
@@ -83,6 +121,9 @@ class IngestMixin(LineageMixin):
             skipped, kept = skipped + 1, kept + 1
             while skipped < len(host) and kept < len(vis.digests) and digests[skipped] == vis.digests[kept]:
                 skipped, kept = skipped + 1, kept + 1
+        if learned:
+            pairs = vis.respelled if len(vis.respelled) < _RESPELLED_MAX else frozenset()
+            vis = replace(vis, respelled=pairs | learned)
         rest = host[skipped:]
         for i in sorted(k for k in changed if k >= skipped):
             log.warning("transcript-store: a message of store session %s is stored in another form (%s)",
@@ -199,7 +240,7 @@ class IngestMixin(LineageMixin):
                 known = rt.visible.get(store_session)
             if known is not None:
                 cap = rt.store.config.max_payload_bytes
-                fps = storable_tail(host, digests, known.digests, start, cap, seen)[1]
+                fps = storable_tail(host, respelled(known, host, digests, start), known.digests, start, cap, seen)[1]
                 skipped, kept = align(known.digests, fps, start)
                 if skipped == len(host) and (not follow or kept in (0, len(known.entry_ids))):
                     # Nothing new against the cache: one read of the session's head proves it current.
