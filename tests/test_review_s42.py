@@ -141,3 +141,28 @@ def test_a_learned_spelling_stands_for_its_stored_message_only(store_url: str, t
     engine.on_turn_complete(copy.deepcopy(saved[: at + 1]), session_id="gx")
     assert shown(engine, "gx") == [fingerprint([clean(m)]) for m in [*live[:at], saved[at]]]
     engine.close()
+
+
+def test_a_saved_list_starting_later_keeps_its_message_where_its_place_is_unknown() -> None:
+    """``as_shown`` compares a message the saved list does not hold as it is with the next message of the
+    list shown. A saved list that starts later than the transcript (a compacted view: our summary, then
+    the tail) compared its first such message with the transcript's first message: an image the user had
+    sent with the same words at the start took the place of the one in the tail (the answer to the
+    second image stood after the first). Where the place is unknown the message stays as saved."""
+    from transcript_store.hermes.context import ACK_MESSAGE
+    from transcript_store.hermes.spelling import as_shown
+
+    def image(url: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": "and this one?"},
+                                            {"type": "image_url", "image_url": {"url": url}}]}
+
+    ref = [image("data:a"), {"role": "assistant", "content": "a cat"}, image("data:b"),
+           {"role": "assistant", "content": "a dog"}]
+    as_saved = {"role": "user", "content": "and this one?\n[screenshot]"}
+    view = [{"role": "assistant", "content": ACK_MESSAGE}]  # a compacted view's acknowledgement: ours
+    tail = [as_saved, {"role": "assistant", "content": "a dog"}]
+    for saved in ([*view, *tail], [{"role": "user", "content": "something else"}, *tail]):
+        assert as_shown(copy.deepcopy(saved), ref)[-2] == as_saved, saved
+    # From the start, or right after a message found, its place is known: the live message.
+    whole = [as_saved, {"role": "assistant", "content": "a cat"}, as_saved, {"role": "assistant", "content": "a dog"}]
+    assert as_shown(whole, ref) == ref

@@ -91,7 +91,12 @@ def as_shown(saved: list[Any], shown: Sequence[Any]) -> list[Any]:
     by that message, found in order: where ``shown`` goes on past what the saved list has matched so far.
 
     A message of ``shown`` the saved list holds as it is anchors the walk (the first copy after where it
-    stands); one it does not hold is compared, as spelled, with the next message of ``shown`` only."""
+    stands); one it does not hold is compared, as spelled, with the next message of ``shown`` only, and
+    only where the walk stands anchored: right after a message found, or at the start of both lists.
+    After a message found nowhere, or a message of ours (a compacted view's summary: the saved list goes
+    on from some later place of ``shown``), the next message of ``shown`` is not its place: an image the
+    user sent again with the same words took the first one's place (and so the answer to it).
+    Such a message stays as saved; the store's alignment compares it at its place (``_write_in``)."""
     ref = [clean(m) for m in shown if _conversation(m)]
     if not ref:
         return saved
@@ -99,17 +104,21 @@ def as_shown(saved: list[Any], shown: Sequence[Any]) -> list[Any]:
     for n, m in enumerate(ref):
         at.setdefault(fingerprint([m]), []).append(n)
     out = list(saved)
-    j = 0
+    j, anchored = 0, True
     for i, m in enumerate(saved):
         if not _conversation(m):
+            if isinstance(m, dict) and is_context_message(m):
+                anchored = False
             continue
         own = clean(m)
         spots = at.get(fingerprint([own]), [])
         k = bisect.bisect_left(spots, j)
         if k < len(spots):
-            j = spots[k] + 1
-        elif j < len(ref) and spelled(ref[j], own):
+            j, anchored = spots[k] + 1, True
+        elif anchored and j < len(ref) and spelled(ref[j], own):
             out[i], j = ref[j], j + 1
+        else:
+            anchored = False
     return out
 
 
