@@ -26,12 +26,13 @@ A = "scope-review42"
 shared_url, store, sid = module_store_fixtures(A, "review_s42")
 
 
-def lossless(store: TranscriptStore, sid: str, history: list[dict[str, Any]]) -> LosslessEngine:
-    """A lossless engine over ``history``, compacted (its older messages under a leaf)."""
+def lossless(store: TranscriptStore, sid: str, history: list[dict[str, Any]], piece: int = 200) -> LosslessEngine:
+    """A lossless engine over ``history`` (``expand_max_chars``: ``piece``), compacted (its older messages
+    under a leaf)."""
     store.append_many(A, sid, [{"message": m} for m in history])
     engine = LosslessEngine(EngineContext(
         store=store, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
-        config={"fresh_tail_messages": 2, "expand_max_chars": 200},
+        config={"fresh_tail_messages": 2, "expand_max_chars": piece},
     ))
     engine.bootstrap(scope=A, session_id=sid, fence=None)
     assert engine.compact(scope=A, session_id=sid, force=True).compacted
@@ -62,6 +63,20 @@ def test_a_nul_character_in_a_source_message_leaves_its_leaf_expandable(store: T
     piece = answer(engine, sid, "lcm_expand", {"id": "msg_2", "offset": 10})
     assert piece["items"][0]["tool_call_id"] == "call-bin"
     assert piece["total_chars"] == len(binary)
+
+
+def test_an_expand_max_chars_past_an_integer_expands_whole_texts(store: TranscriptStore, sid: str) -> None:
+    """``expand_max_chars`` set past 2**31 (meant as "never cut"): PostgreSQL has no ``substr`` of a bigint,
+    and lcm_expand of a leaf failed as "database error" where it read whole rows before (and the expansion
+    of a message failed so too)."""
+    output = "line of output " * 400
+    history = [{"role": "user", "content": "run it"}, *tool_round("call-long", output),
+               *[{"role": "assistant", "content": f"reply {n} " * 20} for n in range(3)]]
+    engine = lossless(store, sid, history, piece=10**10)
+    leaf = answer(engine, sid, "lcm_describe", {"id": "msg_2"})["summarized_in"][-1]
+    items = {item["id"]: item for item in answer(engine, sid, "lcm_expand", {"id": leaf})["items"]}
+    assert (items["msg_2"]["content"], items["msg_2"]["truncated"]) == (output, False)
+    assert answer(engine, sid, "lcm_expand", {"id": "msg_2"})["items"][0]["content"] == output
 
 
 # ------------------------------------------------------------------------ Hermes: the saved spelling

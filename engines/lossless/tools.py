@@ -496,7 +496,9 @@ def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], ma
             raise error
         page = sources[offset : offset + limit]
         columns = _ITEM_COLUMNS[core.dialect.is_sqlite]
-        stored = rows_of(core, scope, session_id, messages.c.ordinal, page, columns, {"b_chars": max_chars + 1})
+        # A character past the cut (no INTEGER past MAX_INT, and no text is that long: the whole text)
+        chars = {"b_chars": min(max_chars + 1, MAX_INT)}
+        stored = rows_of(core, scope, session_id, messages.c.ordinal, page, columns, chars)
         items = [_message_item(m, max_chars) for m in sorted(stored, key=lambda m: m.ordinal)]
     done = offset + len(items)
     return _noted({
@@ -516,10 +518,11 @@ def _piece_columns(core: Core, offset: int, max_chars: int) -> tuple[Any, ...]:
     ``tool_call_id``, read by the database from the stored message. A piece read the whole row before: a
     message of some MB sent all of its text and its JSON, parsed, for every piece of 4,000 characters."""
     m = messages.c
-    # substr's start is 1-based; one past MAX_INT is no INTEGER, and no text is that long anyway.
+    # substr's start is 1-based; one past MAX_INT is no INTEGER, and no text is that long anyway. So is a
+    # length past it (an ``expand_max_chars`` meant as "all of it"): PostgreSQL has no substr of a bigint.
     start = min(offset, MAX_INT - 1) + 1
     return (m.ordinal, m.entry_id, m.role, func.length(m.content).label("total_chars"),
-            func.substr(m.content, start, max_chars).label("piece"), _CALL[core.dialect.is_sqlite])
+            func.substr(m.content, start, min(max_chars, MAX_INT)).label("piece"), _CALL[core.dialect.is_sqlite])
 
 
 # The tool_call_id of a stored message, read by the database from its JSON (by ``dialect.is_sqlite``).
