@@ -181,3 +181,22 @@ def test_a_saved_list_starting_later_keeps_its_message_where_its_place_is_unknow
     # From the start, or right after a message found, its place is known: the live message.
     whole = [as_saved, {"role": "assistant", "content": "a cat"}, as_saved, {"role": "assistant", "content": "a dog"}]
     assert as_shown(whole, ref) == ref
+
+
+def test_a_learned_spelling_names_the_text_sent(store_url: str, tmp_path: Path) -> None:
+    """A message Hermes saved as a cleaned text with the text sent in ``api_content`` (the gateway's
+    ``persist_user_message``) is the stored one by its ``api_content``, which its digest leaves out: a
+    later list holding the same text sent as another (an edit) is not the stored message."""
+    engine = make(tmp_path, db_url=store_url)
+    engine.on_session_start("ga")
+    first = [{"role": "user", "content": "ga question [from the web chat]"},
+             {"role": "assistant", "content": "ga answer"}]
+    engine.on_turn_complete(copy.deepcopy(first), session_id="ga")
+    saved = [{"role": "user", "content": "ga question", "api_content": "ga question [from the web chat]"}, first[1]]
+    engine.on_turn_complete(copy.deepcopy(saved), session_id="ga")  # learned
+    engine.on_turn_complete(copy.deepcopy(saved), session_id="ga")
+    assert shown(engine, "ga") == [fingerprint([clean(m)]) for m in first]
+    other = [{"role": "user", "content": "ga question", "api_content": "ga question [from the phone]"}]
+    engine.on_turn_complete(copy.deepcopy(other), session_id="ga")
+    assert shown(engine, "ga") == [fingerprint([clean(m)]) for m in other]
+    engine.close()

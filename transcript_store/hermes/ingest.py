@@ -14,7 +14,7 @@ from ..store import replaced
 from .context import is_context_message, split_system
 from .forms import Checked, align, new_entry, storable_tail
 from .lineage import LineageMixin
-from .messages import clean, fingerprint, message_key
+from .messages import clean, digest, fingerprint, message_key
 from .runtime import EMPTY, _Runtime, _Visible
 from .spelling import spelled
 
@@ -26,9 +26,10 @@ _RESPELLED_MAX = 4096
 
 
 def _sent(message: dict[str, Any]) -> str:
-    """A message's ``api_content`` ("" for none): ``spelling.restored`` reads it, and the digest leaves it out."""
+    """The digest of a message's ``api_content`` ("" for none): ``spelling.restored`` reads it, and the
+    message's digest leaves it out. Its digest, not its text: it carries the memory prefetch (some KB)."""
     sent = message.get("api_content")
-    return sent if isinstance(sent, str) else ""
+    return digest(sent) if isinstance(sent, str) and sent else ""
 
 
 def respelled(vis: _Visible, host: Sequence[dict[str, Any]], digests: Sequence[str], start: int | None) -> list[str]:

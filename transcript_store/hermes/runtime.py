@@ -99,9 +99,9 @@ class _Visible:
     #: the session's incarnation: one deleted and made again under its id (someone else's session, its
     #: own head, generation 0 and seqs from 0) is read afresh, never aligned by this cache
     incarnation: int = 0
-    #: (a host message's digest, its ``api_content``, the stored message's digest) for each message found
-    #: to be a stored one in Hermes' saved spelling (``spelling.spelled``): a list holding it again aligns
-    #: by it, without reading the stored row again (``ingest.respelled``)
+    #: (a host message's digest, its ``api_content``'s (``ingest._sent``), the stored message's digest) for
+    #: each message found to be a stored one in Hermes' saved spelling (``spelling.spelled``): a list
+    #: holding it again aligns by it, without reading the stored row again (``ingest.respelled``)
     respelled: frozenset[tuple[str, str, str]] = frozenset()
 
 
