@@ -200,3 +200,18 @@ def test_a_learned_spelling_names_the_text_sent(store_url: str, tmp_path: Path) 
     engine.on_turn_complete(copy.deepcopy(other), session_id="ga")
     assert shown(engine, "ga") == [fingerprint([clean(m)]) for m in other]
     engine.close()
+
+
+def test_a_content_part_typed_oddly_is_compared_not_raised_on() -> None:
+    """A content part whose type is a list or an object (the store keeps such a message in another form,
+    as its JSON): ``as_saved`` looked the type up in a set and raised TypeError, so ``as_shown`` with a
+    live list holding it raised, and the session switch or interrupted turn storing from Hermes' database
+    stored nothing."""
+    from transcript_store.hermes.spelling import as_saved, as_shown
+
+    odd = {"role": "user", "content": [{"type": ["image"], "text": "x"}, {"type": {"a": 1}},
+                                       {"type": "text", "text": "y"}]}
+    assert as_saved(odd) == {"role": "user", "content": "y"}
+    saved = [{"role": "assistant", "content": "an answer"}]
+    assert as_shown(saved, [odd, {"role": "assistant", "content": "an answer"}]) == saved
+    assert as_shown([{"role": "user", "content": "z"}], [odd]) == [{"role": "user", "content": "z"}]

@@ -43,9 +43,10 @@ def as_saved(message: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(content, list):
         parts = []
         for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text":
                 parts.append(str(p.get("text", "")))
-            elif isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
+            elif isinstance(kind, str) and kind in IMAGE_PARTS:  # a list for a type: no TypeError
                 parts.append("[screenshot]")
         text = "\n".join(parts)  # none: no content, which ``clean`` makes an empty text
     sanitize = _sanitizer()
