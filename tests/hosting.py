@@ -124,3 +124,34 @@ def count_transactions(store: Any, run: Any) -> int:
     finally:
         event.remove(store.db.engine, "begin", on_begin)
     return len(began)
+
+
+def store_writes(engine: Any) -> list[int]:
+    """A counter of the write transactions a Hermes engine's store runs from now on (the real store's
+    ``write``, counted as it is called)."""
+    store = engine.runtime().store
+    count, run = [0], store.write
+
+    def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return run(fn, *args, **kwargs)
+
+    store.write = counted
+    return count
+
+
+def compacted_lossless(store: Any, scope: str, sid: str, history: Sequence[dict[str, Any]], piece: int) -> Any:
+    """A lossless engine over ``history`` (appended to the session; ``expand_max_chars``: ``piece``; the two
+    newest messages its fresh tail), compacted once: its older messages under a leaf."""
+    from engines.lossless import LosslessEngine  # the lossless engine's tests only
+    from transcript_store.summarize import ExtractiveSummarizer
+    from transcript_store.tokens import RoughEstimator
+
+    store.append_many(scope, sid, [{"message": m} for m in history])
+    engine = LosslessEngine(EngineContext(
+        store=store, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
+        config={"fresh_tail_messages": 2, "expand_max_chars": piece},
+    ))
+    engine.bootstrap(scope=scope, session_id=sid, fence=None)
+    assert engine.compact(scope=scope, session_id=sid, force=True).compacted
+    return engine

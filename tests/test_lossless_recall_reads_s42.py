@@ -18,15 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from conftest import module_store_fixtures, tool_round
+from hosting import compacted_lossless
 from sqlalchemy import select
 
 from engines.lossless import LosslessEngine
 from engines.lossless.search import snippet
 from engines.lossless.tables import messages
 from transcript_store import TranscriptStore
-from transcript_store.engine import EngineContext
-from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
 
 A = "scope-reads"
 PIECE = 500  # expand_max_chars
@@ -60,13 +58,7 @@ def test_describe_and_expand_read_the_piece_they_show(store: TranscriptStore, si
     history = [{"role": "user", "content": "fetch the export"}, *tool_round("call-big", BIG),
                {"role": "user", "content": "and a short one"}, *tool_round("call-small", "tiny output"),
                *[{"role": "assistant", "content": f"reply {n} " * 20} for n in range(4)]]
-    store.append_many(A, sid, [{"message": m} for m in history])
-    engine = LosslessEngine(EngineContext(
-        store=store, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
-        config={"fresh_tail_messages": 2, "expand_max_chars": PIECE},
-    ))
-    engine.bootstrap(scope=A, session_id=sid, fence=None)
-    assert engine.compact(scope=A, session_id=sid, force=True).compacted
+    engine = compacted_lossless(store, A, sid, history, PIECE)
     big = stored(store, sid, 2)
     assert big.content == BIG and len(big.message) > len(BIG)
     small: Callable[[int], bool] = lambda peak: peak < len(BIG) // 4  # noqa: E731 - the whole text is 4x that

@@ -14,12 +14,11 @@ from conftest import module_store_fixtures, tool_round
 
 from engines.lossless import LosslessEngine
 from transcript_store import TranscriptStore
-from transcript_store.engine import EngineContext
 from transcript_store.hermes.messages import clean, fingerprint
-from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hosting import compacted_lossless
+from hosting import store_writes as writes
 from test_hermes_adapter import conversation, make
 
 A = "scope-review42"
@@ -29,13 +28,7 @@ shared_url, store, sid = module_store_fixtures(A, "review_s42")
 def lossless(store: TranscriptStore, sid: str, history: list[dict[str, Any]], piece: int = 200) -> LosslessEngine:
     """A lossless engine over ``history`` (``expand_max_chars``: ``piece``), compacted (its older messages
     under a leaf)."""
-    store.append_many(A, sid, [{"message": m} for m in history])
-    engine = LosslessEngine(EngineContext(
-        store=store, summarizer=ExtractiveSummarizer(), estimator=RoughEstimator(),
-        config={"fresh_tail_messages": 2, "expand_max_chars": piece},
-    ))
-    engine.bootstrap(scope=A, session_id=sid, fence=None)
-    assert engine.compact(scope=A, session_id=sid, force=True).compacted
+    engine: LosslessEngine = compacted_lossless(store, A, sid, history, piece)
     return engine
 
 
@@ -100,19 +93,6 @@ def shown(engine: Any, hermes_session: str) -> list[str]:
     sid = engine._store_session(rt, hermes_session)
     return [fingerprint([clean(e.message)]) for e in rt.store.read_visible(engine.scope, sid)
             if e.kind == "message" and isinstance(e.message, dict)]
-
-
-def writes(engine: Any) -> list[int]:
-    """A counter of the write transactions the engine's store runs from now on (the real store's)."""
-    store = engine.runtime().store
-    count, run = [0], store.write
-
-    def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return run(fn, *args, **kwargs)
-
-    store.write = counted
-    return count
 
 
 def test_a_history_in_the_saved_spelling_takes_no_write_transaction_each_time(

@@ -18,25 +18,14 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: hosting
+from hosting import store_writes as writes
 from test_hermes import _need_hermes, home, key, server  # noqa: F401
 from test_hermes_retry_after_undo_s41 import answered, fresh_agent
 from test_hermes_saved_spelling_s42 import PICTURE, TAGGED
 from test_hermes_undo_review3 import WORDS, everything, on_store, visible  # noqa: F401
 
 pytestmark = pytest.mark.hermes
-
-
-def writes(engine: Any) -> list[int]:
-    """A counter of the write transactions the engine's store runs from now on (the real store's)."""
-    store = engine.runtime().store
-    count, run = [0], store.write
-
-    def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return run(fn, *args, **kwargs)
-
-    store.write = counted
-    return count
 
 
 @pytest.mark.parametrize("first", ["tagged", "picture", "quoted"])
