@@ -58,7 +58,7 @@ interop-deps: install $(HERMES_STAMP)
 	$(BIN)/python -c "import sys; sys.path.insert(0, 'tests/interop'); import openclaw_host; openclaw_host.install()"
 
 test-hermes: $(HERMES_STAMP)
-	$(HERMES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_hermes.py tests/interop/test_hermes_sessions_review2.py tests/interop/test_hermes_undo_review3.py tests/interop/test_hermes_undo_review4.py tests/interop/test_hermes_retry_after_undo_s41.py tests/interop/test_hermes_retry_switch_s41.py tests/interop/test_hermes_review_s41b.py tests/interop/test_hermes_saved_spelling_s42.py tests/interop/test_hermes_review_s42.py tests/test_hermes_adapter.py $(PYTEST_ARGS)
+	$(HERMES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_hermes.py tests/interop/test_hermes_sessions_review2.py tests/interop/test_hermes_undo_review3.py tests/interop/test_hermes_undo_review4.py tests/interop/test_hermes_retry_after_undo_s41.py tests/interop/test_hermes_retry_switch_s41.py tests/interop/test_hermes_review_s41b.py tests/interop/test_hermes_saved_spelling_s42.py tests/interop/test_hermes_review_s42.py tests/interop/test_hermes_persist_user_s42.py tests/test_hermes_adapter.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check transcript_store engines tests bench
