@@ -68,6 +68,23 @@ def restored(saved: dict[str, Any]) -> dict[str, Any] | None:
     return {**{k: v for k, v in saved.items() if k != "api_content"}, "content": sent}
 
 
+def noted(live: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether the user message ``saved`` is the user message ``live`` without the note Hermes put before
+    its text for the model alone (hermes-agent 0.19.0's ``persist_user_message``: the gateway's timestamp
+    and recovery notes, the CLI's voice, ``/model`` and skills notes, each ``[...]`` and whitespace before
+    the text). Hermes puts the clean text into its own list at the turn's end, without the text sent beside
+    it: a conversation stored earlier in the turn (a recall tool, a compaction) holds the text sent."""
+    sent, text = live.get("content"), saved.get("content")
+    if live.get("role") != "user" or saved.get("role") != "user" or not isinstance(sent, str):
+        return False
+    if not isinstance(text, str) or not text.strip() or len(sent) <= len(text) or not sent.endswith(text):
+        return False
+    note = sent[: -len(text)]
+    if not (note[-1].isspace() and note.startswith("[") and note.rstrip().endswith("]")):
+        return False
+    return fingerprint([{**live, "content": text}]) == fingerprint([saved])
+
+
 def spelled(live: dict[str, Any], saved: dict[str, Any]) -> bool:
     """Whether ``saved`` (a cleaned message of Hermes' database) is the cleaned live message ``live`` in
     Hermes' saved spelling (or as it is)."""
@@ -78,7 +95,7 @@ def spelled(live: dict[str, Any], saved: dict[str, Any]) -> bool:
     if form is not None and fingerprint([form]) == have:
         return True
     back = restored(saved)
-    return back is not None and fingerprint([back]) == fingerprint([live])
+    return (back is not None and fingerprint([back]) == fingerprint([live])) or noted(live, saved)
 
 
 def _conversation(message: Any) -> bool:
