@@ -40,7 +40,7 @@ BACKENDS = ["sqlite", "postgresql"]
 #: the counts of a fault test's figures that add up across tests, in the end-of-run summary
 CAMPAIGN_TOTALS = (
     "kills", "connections_killed", "turns", "turns_run", "turns_committed", "retries", "refusals",
-    "cross_scope_refusals",
+    "cross_scope_refusals", "server_crashes",
 )
 
 

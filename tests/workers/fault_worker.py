@@ -60,7 +60,7 @@ from workers.turn_worker import (
     user_message,
 )
 
-from transcript_store import Admission, Anchor, ClosedRange, StoreConfig, TranscriptStore, faults
+from transcript_store import Admission, Anchor, ClosedRange, StoreConfig, StoreUnavailable, TranscriptStore, faults
 from transcript_store.core import Core
 from transcript_store.ledger import (
     CommitResult,
@@ -450,11 +450,16 @@ def soak_child(store: TranscriptStore, sessions: list[str], seconds: float, seed
 
 
 def turns_child(
-    store: TranscriptStore, sessions: list[str], seconds: float, seed: int, ack: Ack | None = None
+    store: TranscriptStore, sessions: list[str], seconds: float, seed: int, ack: Ack | None = None,
+    outages: bool = False,
 ) -> dict[str, Any]:
     """Gateway turns (turn_worker.run_turn: flaky engine, aborts, queued completions) for ``seconds``;
     each acknowledgement a call returned is told to ``ack`` (the checks hold the store to them: a write
-    reported done and then lost would otherwise look like an attempt that never completed)."""
+    reported done and then lost would otherwise look like an attempt that never completed).
+
+    ``outages``: the database may be down for longer than the store's retries last (a server restart);
+    a call that gives up with ``StoreUnavailable`` is counted in ``unavailable`` and the worker goes on
+    as a gateway would, its next turn of that session the unfinished one again (``next_turn``)."""
     turns = Turns(store, OutboxConfig(turn_lease_seconds=30.0, delivery_lease_seconds=1.0))
     rng = random.Random(seed)
     args = argparse.Namespace(fail_rate=0.1, abort_rate=0.05)
@@ -462,7 +467,13 @@ def turns_child(
     started = time.monotonic()
     n = 0
     while time.monotonic() - started < seconds:
-        run_turn(turns, rng.choice(sessions), rng, args, stats, ack)
+        try:
+            run_turn(turns, rng.choice(sessions), rng, args, stats, ack)
+        except StoreUnavailable:
+            if not outages:
+                raise
+            stats["unavailable"] += 1
+            time.sleep(0.1)
         n += 1
     return {"turns": n, **stats}
 
@@ -487,7 +498,7 @@ def load_child(args: argparse.Namespace, index: int, ready_fd: int, go_fd: int) 
             (Path(args.out) / "acks").mkdir(exist_ok=True)
             fd = os.open(Path(args.out) / "acks" / f"{index}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                result = turns_child(store, sessions, args.seconds, seed, ack_log(fd))
+                result = turns_child(store, sessions, args.seconds, seed, ack_log(fd), args.outages)
             finally:
                 os.close(fd)
         store.close()
@@ -777,6 +788,7 @@ def main() -> None:
     parser.add_argument("--plan", default="")
     parser.add_argument("--apply", choices=("count", "none"), default="count", help="storm: the engine's apply")
     parser.add_argument("--out", default="")
+    parser.add_argument("--outages", action="store_true", help="load: go on after StoreUnavailable (server restarts)")
     args = parser.parse_args()
     logging.getLogger("transcript_store").setLevel(logging.CRITICAL)
     run = {"campaign": main_campaign, "storm": main_storm, "load": main_load}[args.mode]
