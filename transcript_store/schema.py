@@ -72,11 +72,14 @@ entries = Table(
     Column("generation", Integer, nullable=False),
     Column("kind", String(16), nullable=False),
     Column("role", String(16), nullable=True),
-    Column("payload", Text, nullable=False),
     Column("size_bytes", Integer, nullable=False),
     Column("idempotency_key", ID, nullable=True),
     Column("turn_id", ID, nullable=True),
     Column("created_us", BigInteger, nullable=False),
+    # Last (revision 0018, SQLite): a column after a payload too large for its page is reached only by
+    # walking the payload's overflow pages, so reading the sizes alone read every large message whole.
+    # PostgreSQL keeps 0001's order: a large payload is stored out of line there (TOAST).
+    Column("payload", Text, nullable=False),
     PrimaryKeyConstraint("scope", "session_id", "seq", name="ts_entries_pk"),
     ForeignKeyConstraint(
         ["scope", "session_id"],
