@@ -50,6 +50,8 @@ const ASSEMBLE_ROUNDS = 4;
 // The service's bounds on assemble's available_tools and compact's focus.
 const MAX_TOOLS = 1000;
 const MAX_FOCUS_CHARS = 10000;
+// The service's bound on a token budget (assemble's and compact's): 1 to 100 million tokens.
+const MAX_TOKEN_BUDGET = 100_000_000;
 const MAX_PAGES = 100000;
 
 /** Plugin config (plugins.entries.transcript-store.config) with environment fallbacks. */
@@ -70,6 +72,15 @@ function timeoutOf(value) {
     throw new Error(`transcript-store: timeoutMs (or TRANSCRIPT_STORE_TIMEOUT_MS) must be a whole number of milliseconds in 100..600000, got ${JSON.stringify(String(value))}`);
   }
   return ms;
+}
+
+// A host's token budget as the service takes it: a whole number of tokens from 1 to 100 million; null (the
+// service's own budget) when the host gives none. Sent as it came, a budget past the bound (a model
+// configured with a context window over 100 million tokens) or under one token was refused (422): every
+// assemble threw (OpenClaw then sends the model its own unassembled history) and an owned compaction did nothing.
+function tokenBudgetOf(value) {
+  if (!Number.isFinite(value) || value <= 0) return null;
+  return Math.min(Math.max(Math.floor(value), 1), MAX_TOKEN_BUDGET);
 }
 
 // The session a compaction continues in: its successor when it names one, else the caller's.
@@ -821,7 +832,7 @@ export async function createEngine(options) {
     },
 
     async assemble(params) {
-      const budget = Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null;
+      const budget = tokenBudgetOf(params.tokenBudget);
       const path = `${sessionPath(params.sessionId)}/assemble`;
       // The service takes at most 1000 tool names: the first 1000 the host lists are sent.
       const tools = params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [];
@@ -1010,7 +1021,7 @@ export async function createEngine(options) {
       };
       const request = () => client.post(`${sessionPath(target.sessionId)}/compact`, {
         force: params.force === true,
-        token_budget: Number.isFinite(params.tokenBudget) && params.tokenBudget > 0 ? Math.floor(params.tokenBudget) : null,
+        token_budget: tokenBudgetOf(params.tokenBudget),
         focus,
       }, params.abortSignal);
       const answer = await inSession(target.sessionId, target.sessionKey, async () => {

@@ -1,0 +1,85 @@
+"""The OpenClaw plugin (integrations/openclaw) given host values at the edge of what OpenClaw sends, against a
+real ``transcript-store serve`` on each backend, driven through Node (tests/openclaw_calls_s43.mjs)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from service_process import ServiceProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_MODULE = ROOT / "integrations" / "openclaw" / "src" / "engine.js"
+DRIVER = Path(__file__).with_name("openclaw_calls_s43.mjs")
+TOKEN = "tok-openclaw-s43-0123456789"
+SCOPE = "scope-openclaw"
+
+
+def _node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout
+    if int(re.findall(r"\d+", version)[0]) < 20:
+        pytest.skip(f"node {version.strip()} is older than 20")
+    return node
+
+
+@pytest.fixture
+def service(store_url: str, tmp_path: Path) -> Any:
+    node = _node()
+    proc = ServiceProcess(store_url, {TOKEN: SCOPE}, tmp_path / "serve.log").start()
+    try:
+        yield node, proc
+    finally:
+        proc.stop()
+
+
+def drive(service: Any, engine: str, calls: list[dict[str, Any]],
+          transcript: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Each call's {result} or {error} from the plugin's engine, built against the service."""
+    node, proc = service
+    request = {"engineModule": str(ENGINE_MODULE), "serviceUrl": proc.url, "token": TOKEN, "engine": engine,
+               "transcript": transcript or [], "calls": calls}
+    done = subprocess.run([node, str(DRIVER)], input=json.dumps(request), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results: list[dict[str, Any]] = json.loads(done.stdout)["results"]
+    return results
+
+
+SESSION = {"sessionId": "s-budget", "sessionKey": "agent:main:s-budget"}
+HISTORY = [
+    {"entryId": "e1", "message": {"role": "user", "content": "hello there", "timestamp": 1}},
+    {"entryId": "e2", "message": {"role": "assistant", "content": [{"type": "text", "text": "hi"}],
+                                  "api": "openai-completions", "provider": "fake", "model": "m", "usage": {},
+                                  "stopReason": "stop", "timestamp": 2}},
+]
+
+
+@pytest.mark.parametrize("engine", ["lossless", "legacy"])
+def test_a_token_budget_beyond_what_the_service_takes_still_assembles(service: Any, engine: str) -> None:
+    """A host budget over the service's 100 million tokens (a model configured with a huge context window) or
+    under one token was sent as it was: the service refused it (422), every assemble threw (OpenClaw then
+    sends the model its own unassembled history: with lossless, which turns OpenClaw's compaction off, the
+    whole of it), and an owned compaction answered that it did nothing."""
+    budgets = [200_000_000, 1e21, 0.5]
+    calls: list[dict[str, Any]] = [{"method": "bootstrap", "params": SESSION}]
+    for budget in budgets:
+        calls.append({"method": "assemble", "params": {**SESSION, "messages": [], "tokenBudget": budget}})
+        calls.append({"method": "compact", "params": {**SESSION, "force": True, "tokenBudget": budget}})
+    results = drive(service, engine, calls, HISTORY)
+    assert "error" not in results[0], results[0]
+    for i, budget in enumerate(budgets):
+        assembled, compacted = results[1 + 2 * i], results[2 + 2 * i]
+        assert "error" not in assembled, (budget, assembled)
+        assert isinstance(assembled["result"]["estimatedTokens"], int)
+        if budget >= 1:
+            assert [m["role"] for m in assembled["result"]["messages"]] == ["user", "assistant"]
+        assert "error" not in compacted, (budget, compacted)
+        assert compacted["result"]["ok"] is True, (budget, compacted)
