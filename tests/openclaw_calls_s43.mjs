@@ -1,9 +1,9 @@
 // Drive the OpenClaw plugin's engine against a running `transcript-store serve`, as OpenClaw calls it:
 // read {engineModule, serviceUrl, token, engine, transcript, calls: [{method, params}]} as JSON on stdin and
-// print one JSON array: each call's result ({result}) or error ({error: {name, code, message}}). The host's
+// print {results, logs}: each call's result ({result}) or error ({error: {name, code, message}}). The host's
 // transcript is `transcript` (its visible messages, each {entryId, message}), read the way
 // readSessionTranscriptVisibleMessageDelta reads it; the host has no raw reads, no memory helper and a
-// delegated compaction that compacts nothing.
+// delegated compaction that compacts nothing. An engine that cannot be built prints {built: its error}.
 import { pathToFileURL } from "node:url";
 
 let raw = "";
@@ -22,7 +22,13 @@ const sdk = {
 };
 const logs = [];
 const logger = { info: (m) => logs.push(m), warn: (m) => logs.push(m) };
-const engine = await createEngine({ serviceUrl: input.serviceUrl, token: input.token, engine: input.engine, sdk, logger });
+let engine;
+try {
+  engine = await createEngine({ serviceUrl: input.serviceUrl, token: input.token, engine: input.engine, sdk, logger });
+} catch (error) {
+  process.stdout.write(JSON.stringify({ built: { name: error?.name, code: error?.code ?? null, message: String(error?.message ?? error) } }) + "\n");
+  process.exit(0);
+}
 const results = [];
 for (const { method, params } of input.calls) {
   try {

@@ -40,16 +40,25 @@ def service(store_url: str, tmp_path: Path) -> Any:
         proc.stop()
 
 
-def drive(service: Any, engine: str, calls: list[dict[str, Any]],
-          transcript: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Each call's {result} or {error} from the plugin's engine, built against the service."""
+def run_driver(service: Any, engine: str, calls: list[dict[str, Any]],
+               transcript: list[dict[str, Any]] | None = None, *, url: str | None = None) -> dict[str, Any]:
+    """What tests/openclaw_calls_s43.mjs printed: the calls' results, or the error building the engine."""
     node, proc = service
-    request = {"engineModule": str(ENGINE_MODULE), "serviceUrl": proc.url, "token": TOKEN, "engine": engine,
+    request = {"engineModule": str(ENGINE_MODULE), "serviceUrl": url or proc.url, "token": TOKEN, "engine": engine,
                "transcript": transcript or [], "calls": calls}
     done = subprocess.run([node, str(DRIVER)], input=json.dumps(request), capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    results: list[dict[str, Any]] = json.loads(done.stdout)["results"]
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+def drive(service: Any, engine: str, calls: list[dict[str, Any]],
+          transcript: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Each call's {result} or {error} from the plugin's engine, built against the service."""
+    out = run_driver(service, engine, calls, transcript)
+    assert "built" not in out, out
+    results: list[dict[str, Any]] = out["results"]
     return results
 
 
@@ -83,3 +92,34 @@ def test_a_token_budget_beyond_what_the_service_takes_still_assembles(service: A
             assert [m["role"] for m in assembled["result"]["messages"]] == ["user", "assistant"]
         assert "error" not in compacted, (budget, compacted)
         assert compacted["result"]["ok"] is True, (budget, compacted)
+
+
+def test_a_service_url_with_a_query_or_fragment_is_refused_when_the_engine_is_built(service: Any) -> None:
+    """The plugin appended each API path to the whole URL: with a query (`?x=1`) or a fragment (`#a`) every
+    request went to the service's `/` (the path became part of the query, or was dropped with the
+    fragment), and the engine's build failed as `GET /v1/engines/lossless: not found`, as if the engine
+    did not exist; `install-line` printed such a URL into the config. The URL is refused for what it is
+    (never quoted: a query can hold a secret); a bare `?` is no query and is dropped."""
+    _, proc = service
+    for url in (f"{proc.url}/?secret=s3cr3t", f"{proc.url}#s3cr3t", f"{proc.url}/?secret=s3cr3t#a"):
+        out = run_driver(service, "lossless", [], url=url)
+        assert "built" in out, (url, out)
+        message = out["built"]["message"]
+        assert "query" in message and "fragment" in message, (url, message)
+        assert "s3cr3t" not in message
+    out = run_driver(service, "lossless", [{"method": "bootstrap", "params": SESSION}], url=f"{proc.url}/?")
+    assert out.get("results") == [{"result": {"bootstrapped": True, "importedMessages": 0}}], out
+
+
+def test_install_line_refuses_a_service_url_with_a_query_or_fragment() -> None:
+    """install-line checks the URL the plugin will use (scheme, no credentials): one with a query or a fragment
+    was printed into openclaw.json, where the plugin could never reach the service with it."""
+    from transcript_store.errors import InvalidInput
+    from transcript_store.openclaw import install_instructions
+
+    for url in ("http://127.0.0.1:8765/?secret=s3cr3t", "http://127.0.0.1:8765/#s3cr3t"):
+        with pytest.raises(InvalidInput) as refused:
+            install_instructions(url)
+        assert "query" in str(refused.value) and "s3cr3t" not in str(refused.value)
+    assert install_instructions("http://127.0.0.1:8765/base/")["config"]["plugins"]["entries"][
+        "transcript-store"]["config"]["serviceUrl"] == "http://127.0.0.1:8765/base"

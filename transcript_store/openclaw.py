@@ -44,6 +44,9 @@ def install_instructions(
         # The plugin refuses such a URL when OpenClaw builds the engine; printed here, the password would
         # land in a terminal and in openclaw.json. The token goes in its own variable (step 3).
         raise InvalidInput("--service-url must not contain credentials (user:password@); the value is not shown")
+    if parts.query or parts.fragment:
+        # The plugin appends the API's paths to the URL: after a query or a fragment they never reach it.
+        raise InvalidInput("--service-url must not have a query (?...) or a fragment (#...); the value is not shown")
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidInput(f"--service-url must be an http(s) URL, got {service_url!r}")
     folder = find_plugin(plugin_dir)

@@ -58,7 +58,12 @@ export function createClient({ serviceUrl, token, timeoutMs = 15000, fetchImpl =
   if (url.protocol !== "http:" && url.protocol !== "https:") {
     throw new Error("transcript-store: serviceUrl must be an http:// or https:// URL");
   }
-  const base = url.href.replace(/\/+$/, "");
+  // Each API path is appended to the base: after a query or a fragment it became part of them, and every
+  // request went to the service's "/" (a 404 read as an unknown engine). Not quoted: a query can hold a secret.
+  if (url.search || url.hash) {
+    throw new Error("transcript-store: serviceUrl must not have a query (?...) or a fragment (#...); the value is not shown");
+  }
+  const base = (url.origin + url.pathname).replace(/\/+$/, "");
 
   async function request(method, path, body, abortSignal) {
     const controller = new AbortController();
