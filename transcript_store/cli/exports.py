@@ -46,22 +46,28 @@ def _write_file(output: Path, fill: Callable[[BinaryIO], int]) -> int:
         # A device or a FIFO (/dev/stdout, a named pipe): no file to keep, none to rename over it.
         with output.open("wb", buffering=0) as stream:
             return _spooled(fill, stream)
+    from ..gateway import sigterm_ends_the_run
+
     target = Path(os.path.realpath(output))  # through a symbolic link: the file it names is replaced
     temp = target.with_name(f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
-    # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with open(fd, "w+b") as stream:
-            count = fill(stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        if old is not None:
-            os.chmod(temp, stat.S_IMODE(old.st_mode))  # the earlier export's mode, as an overwrite kept it
-        os.replace(temp, target)
-    except BaseException:
-        with suppress(OSError):
-            temp.unlink()
-        raise
+    # A SIGTERM (`timeout`, `kill`, a service manager) ended the process where it stood, and the part
+    # written so far stayed beside the export under its hidden name: one more for every export ended so.
+    # Raised as Ctrl-C is, it removes the part, then ends the process as that SIGTERM would.
+    with sigterm_ends_the_run():
+        # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with open(fd, "w+b") as stream:
+                count = fill(stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+            if old is not None:
+                os.chmod(temp, stat.S_IMODE(old.st_mode))  # the earlier export's mode, as an overwrite kept it
+            os.replace(temp, target)
+        except BaseException:
+            with suppress(OSError):
+                temp.unlink()
+            raise
     with suppress(OSError):  # the rename made durable; a file system that cannot sync a folder keeps it
         folder = os.open(target.parent, os.O_RDONLY)
         try:

@@ -1,0 +1,53 @@
+"""Export and import as a demanding user runs them (session 43): an export ended by SIGTERM (``timeout``,
+``kill``, a service manager stopping its job) while it writes its file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from test_cli import CLI, SCOPE
+
+from transcript_store import StoreConfig, TranscriptStore
+
+
+def _big_session(url: str) -> None:
+    """Session s1 of about 12 MB: its export takes long enough to be caught while it writes."""
+    with TranscriptStore(config=StoreConfig(url=url, auto_upgrade=False)) as store:
+        store.create_session(SCOPE, session_id="s1")
+        for batch in range(4):
+            store.append_many(SCOPE, "s1", [{"message": {"role": "user", "content": f"{batch}.{i} " + "x" * 3000}}
+                                            for i in range(1000)])
+
+
+def test_an_export_ended_by_sigterm_leaves_no_part_file_and_the_earlier_export(store_url: str, tmp_path: Path) -> None:
+    """SIGTERM mid-export: the earlier export stays as it was and no hidden part file is left beside it (each
+    `timeout`-ended export left one, as large as it had got), and the process still ends by that SIGTERM."""
+    _big_session(store_url)
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    path = folder / "s1.jsonl"
+    path.write_bytes(b"an earlier export\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSCRIPT_STORE_")}
+    proc = subprocess.Popen([*CLI, "sessions", "export", "s1", "-o", str(path), "--db", store_url], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.endswith(".tmp") for p in folder.iterdir()):  # the export is writing its file
+            assert proc.poll() is None, "the export ended before its file was seen being written"
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGTERM  # ended by the signal, as before (143 in a shell)
+    assert sorted(p.name for p in folder.iterdir()) == ["s1.jsonl"]
+    assert path.read_bytes() == b"an earlier export\n"
