@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_cli import CLI, SCOPE
+from test_cli import CLI, SCOPE, _script_mode, one_error_line, run  # noqa: F401 (_script_mode: autouse)
 
 from transcript_store import StoreConfig, TranscriptStore
 
@@ -51,3 +51,28 @@ def test_an_export_ended_by_sigterm_leaves_no_part_file_and_the_earlier_export(s
     assert proc.returncode == -signal.SIGTERM  # ended by the signal, as before (143 in a shell)
     assert sorted(p.name for p in folder.iterdir()) == ["s1.jsonl"]
     assert path.read_bytes() == b"an earlier export\n"
+
+
+def test_an_export_longer_than_its_header_says_is_refused_for_that_not_for_a_later_broken_line(
+    store_url: str, tmp_path: Path
+) -> None:
+    """An export with an entry past its header's count, then a broken line (an export appended to another and
+    cut short) is refused for the entry past the count, the first problem in file order, as README says: the
+    lines past the count were parsed to count them, and the broken one's error was given instead."""
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        store.create_session(SCOPE, session_id="s1")
+        store.append_many(SCOPE, "s1", [{"message": {"role": "user", "content": "q"}},
+                                        {"message": {"role": "assistant", "content": "a"}}])
+    good = tmp_path / "s1.jsonl"
+    run("sessions", "export", "s1", "-o", str(good), "--db", store_url, cwd=tmp_path)
+    lines = good.read_text(encoding="utf-8").splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines, lines[1], '{"format":"transcript-store.sess']) + "\n", encoding="utf-8")
+    refused = run("sessions", "import", str(bad), "--scope", "copy", "--db", store_url, cwd=tmp_path, code=1)
+    assert one_error_line(refused) == "error: line 1: header says 2 entries, the export has more"
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        assert store.list_sessions("copy") == []
+    # Without the broken line, the count is told as before.
+    bad.write_text("\n".join([*lines, lines[1]]) + "\n", encoding="utf-8")
+    refused = run("sessions", "import", str(bad), "--scope", "copy", "--db", store_url, cwd=tmp_path, code=1)
+    assert one_error_line(refused) == "error: line 1: header says 2 entries, the export has 3"

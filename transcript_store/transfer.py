@@ -380,7 +380,12 @@ def plan_import_stream(
     spool.truncate()
     for raw in records:
         if len(tree) == head.entry_count:  # one too many: the rest is counted, not checked
-            more = 1 + sum(1 for _ in records)
+            try:
+                more = 1 + sum(1 for _ in records)
+            except InvalidInput:
+                # A later line is no record (an export appended to another, cut short): this one, past the
+                # count, is the first problem in file order, not that line (whose error was given instead).
+                raise InvalidInput(f"header says {head.entry_count} entries, the export has more") from None
             raise InvalidInput(f"header says {head.entry_count} entries, the export has {len(tree) + more}")
         row = tree.add(raw)
         fields = json.dumps([row[name] for name in _SPOOLED], ensure_ascii=False, separators=(",", ":"))
