@@ -416,7 +416,16 @@ class Service:
                     # still the session of its id: answered as it is, the holder keeps the key.
                     return session_info(own)
                 c.end_session(scope, holder.session_id)
-        return c.create_session(scope, sid, key)
+        try:
+            return c.create_session(scope, sid, key)
+        except SessionKeyConflict:
+            if not rebind_key:
+                raise
+            # The key's holder was made after the lookup above by a request that takes no lock on the key
+            # (an open by key, a create by id without rebind_key, an Idempotency-Key open): PostgreSQL's
+            # insert waited for it and did nothing. A rebind ends that holder too: the whole transaction
+            # runs again and finds it. (SQLite's writers queue up whole: the lookup already saw it there.)
+            raise TransientStoreError(f"the key {key!r} was given to another session while it was rebound") from None
 
     def get_session(self, scope: str, session_id: str) -> SessionInfo:
         """One session of the scope (UnknownSession otherwise)."""
