@@ -413,8 +413,10 @@ class Service:
                 if own is not None and not own.active:
                     # An ended session never holds a key again: ending the holder would leave the key
                     # to nobody (a late replay of an old host session ending the live one). It is
-                    # still the session of its id: answered as it is, the holder keeps the key.
-                    return session_info(own)
+                    # still the session of its id: answered as a create by id answers it (as it is, the
+                    # holder keeping the key; asked with another key than its own, IdempotencyConflict:
+                    # it was answered as it is, 200, whenever that other key had a holder).
+                    return c.create_session(scope, sid, key)
                 c.end_session(scope, holder.session_id)
         try:
             return c.create_session(scope, sid, key)
