@@ -954,6 +954,7 @@ def test_the_engine_slot_of_the_config_file_reports_its_source(tmp_path: Path) -
         ("TRANSCRIPT_STORE_RETRY_ATTEMPTS", "0", "TRANSCRIPT_STORE_RETRY_ATTEMPTS='0'"),
         ("TRANSCRIPT_STORE_AUTO_UPGRADE", "y", "TRANSCRIPT_STORE_AUTO_UPGRADE"),
         ("TRANSCRIPT_STORE_PG_GENERIC_PLANS", "maybe", "TRANSCRIPT_STORE_PG_GENERIC_PLANS"),
+        ("TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS", "maybe", "TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS"),
     ],
 )
 def test_bad_store_settings_in_the_environment_are_usage_errors(tmp_path: Path, var: str, value: str,

@@ -22,6 +22,7 @@ ENV_VARS: dict[str, str] = {
     "retry_attempts": "TRANSCRIPT_STORE_RETRY_ATTEMPTS",
     "auto_upgrade": "TRANSCRIPT_STORE_AUTO_UPGRADE",
     "pg_generic_plans": "TRANSCRIPT_STORE_PG_GENERIC_PLANS",
+    "pg_prepared_statements": "TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS",
 }
 
 #: an integer as written in an environment variable, a command-line option or a query parameter: an optional
@@ -79,6 +80,13 @@ class StoreConfig(Shape):
         True,
         description="PostgreSQL: plan each statement once per connection (plan_cache_mode=force_generic_plan)",
     )
+    # Off behind a pooler that moves a client between server connections within its session (PgBouncer
+    # before 1.21 in transaction mode): a statement prepared on one was missing on the next.
+    pg_prepared_statements: bool = Field(
+        True,
+        description="PostgreSQL: let psycopg prepare a statement run five times on a connection "
+        "(off: prepare_threshold=None, for a pooler in transaction mode)",
+    )
 
     @classmethod
     def from_env(cls, **overrides: object) -> StoreConfig:
@@ -89,7 +97,7 @@ class StoreConfig(Shape):
             raw = os.environ.get(var)
             if raw is None or raw == "" or name in given:  # an argument given wins: its variable is not read
                 continue
-            if name in ("auto_upgrade", "pg_generic_plans"):
+            if name in ("auto_upgrade", "pg_generic_plans", "pg_prepared_statements"):
                 values[name] = parse_bool(var, raw)
             elif name == "sqlite_synchronous":
                 values[name] = raw.strip().upper()  # any case, as the boolean settings

@@ -393,7 +393,10 @@ def _check_pg_options(query: Mapping[str, str | tuple[str, ...]]) -> None:
     try:
         make_conninfo("", **{name: v if isinstance(v, str) else ",".join(v) for name, v in query.items()})
     except ProgrammingError as e:  # an option libpq does not know: 'invalid connection option "x"'
-        raise InvalidInput(f"the URL's query: {str(e).strip()}") from e
+        # psycopg's, not libpq's: behind a pooler in transaction mode, the store's setting turns it off
+        hint = (" (psycopg's prepare_threshold is no URL option: turn prepared statements off with "
+                "TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS=0)") if "prepare_threshold" in query else ""
+        raise InvalidInput(f"the URL's query: {str(e).strip()}{hint}") from e
 
 
 def _refuse_no_regular_file(path: Path, url: str) -> None:
@@ -450,9 +453,14 @@ def create_db_engine(config: StoreConfig) -> Engine:
         # a message the codec could not carry (an emoji under LATIN1) left psycopg as UnicodeEncodeError,
         # a SQL_ASCII database's bytes broke the engine's first connect (TypeError).
         # The URL's own connect_timeout and application_name win (they were overridden, silently).
+        # prepare_threshold=None (pg_prepared_statements off): psycopg prepares nothing, for a pooler that
+        # hands a client another server connection at each transaction, where a statement prepared on the
+        # last one is missing ("prepared statement "_pg3_0" does not exist") or one of the same name is
+        # there already. On by default: the turn path's statements are planned once per connection.
         connect_args={
             **{k: v for k, v in _pg_connect_defaults().items() if k not in url.query},
             "client_encoding": "UTF8",
+            **({} if config.pg_prepared_statements else {"prepare_threshold": None}),
         },
     )
     event.listen(engine, "connect", _pg_require_utf8)
@@ -774,10 +782,17 @@ class Database:
                 ).scalar(),
                 # NULL (None) on a server without the setting, rather than an error
                 "plan_cache_mode": conn.exec_driver_sql("SELECT current_setting('plan_cache_mode', true)").scalar(),
+                "prepared_statements": _prepared_statements(conn),
                 "id_order": _pg_id_order(conn),
             }
 
         return self.read(probe)
+
+
+def _prepared_statements(conn: Connection) -> str:
+    """Whether psycopg prepares the store's statements on this connection (``pg_prepared_statements``)."""
+    threshold = getattr(conn.connection.driver_connection, "prepare_threshold", None)
+    return "off" if threshold is None else f"after {threshold} runs of a statement on a connection"
 
 
 #: ids that sort one way by code point and another by the usual linguistic collations
