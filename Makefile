@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # so the run does not end on one worker's long tail.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 
-.PHONY: install bytecode run test test-slow test-openclaw test-hermes interop-deps lint bench clean
+.PHONY: install bytecode run test test-slow test-openclaw test-hermes interop-deps pgbouncer lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,22 @@ interop-deps: install $(HERMES_STAMP)
 
 test-hermes: $(HERMES_STAMP)
 	$(HERMES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/interop/test_hermes.py tests/interop/test_hermes_sessions_review2.py tests/interop/test_hermes_undo_review3.py tests/interop/test_hermes_undo_review4.py tests/interop/test_hermes_retry_after_undo_s41.py tests/interop/test_hermes_retry_switch_s41.py tests/interop/test_hermes_review_s41b.py tests/interop/test_hermes_saved_spelling_s42.py tests/interop/test_hermes_review_s42.py tests/interop/test_hermes_persist_user_s42.py tests/test_hermes_adapter.py $(PYTEST_ARGS)
+
+# PgBouncer, for the pooler tests (tests/test_pgbouncer_s43.py start their own process; no service is used):
+# Debian's package when the program is missing, the package lists fetched only when apt-get cannot find it.
+PGBOUNCER_FOUND ?= command -v pgbouncer > /dev/null || test -x /usr/sbin/pgbouncer
+APT_GET = DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get -q -y -o Dpkg::Use-Pty=0
+pgbouncer:
+	@$(PGBOUNCER_FOUND) || { \
+	    command -v apt-get > /dev/null || { echo "pgbouncer is missing and there is no apt-get: install PgBouncer"; exit 1; }; \
+	    echo "installing pgbouncer (Debian package)"; log=$$(mktemp); \
+	    { $(APT_GET) install pgbouncer > $$log 2>&1 \
+	      || { $(APT_GET) update && $(APT_GET) install pgbouncer; } >> $$log 2>&1; } \
+	    || { cat $$log; rm -f $$log; echo "installing pgbouncer (apt-get install pgbouncer) failed"; exit 1; }; \
+	    rm -f $$log; \
+	    command -v pgbouncer > /dev/null || test -x /usr/sbin/pgbouncer \
+	    || { echo "apt-get installed pgbouncer, but there is no pgbouncer program"; exit 1; }; \
+	}
 
 lint: install
 	$(BIN)/ruff check transcript_store engines tests bench
