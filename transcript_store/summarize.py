@@ -46,8 +46,25 @@ class Summarizer(Protocol):
         level: Level = "normal",
         max_tokens: int = 1024,
     ) -> str:
-        """A summary of ``previous_summary`` + ``messages``, at most about ``max_tokens`` tokens."""
+        """A summary of ``previous_summary`` + ``messages``, at most about ``max_tokens`` tokens. A message
+        made by ``summary_input`` is an earlier summary (a condensation's child), not a conversation's message."""
         ...
+
+
+#: the key of a summarizer's input that stands for an earlier summary: the number of messages it covers
+SUMMARY_INPUT = "transcript_store_summary_of"
+
+
+def summary_input(text: str, messages: int) -> dict[str, Any]:
+    """A summarizer's input for an earlier summary of ``messages`` messages (a condensed summary's child):
+    a user message holding ``text`` alone, marked (``SUMMARY_INPUT``) so a summarizer reads it as one."""
+    return {"role": "user", "content": text, SUMMARY_INPUT: messages}
+
+
+def summarized(message: dict[str, Any]) -> int | None:
+    """How many messages ``message`` summarizes when it is a ``summary_input``, else None."""
+    n = message.get(SUMMARY_INPUT)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def summary_text(answer: object) -> str:
@@ -254,11 +271,12 @@ class _Limits:
     key_lines: int
     tool_result: int
     arguments: int
+    summary_line: int  # a line of an earlier summary (a condensation's child)
 
 
 _LIMITS: dict[str, _Limits] = {
-    "normal": _Limits(sentence=200, key_line=160, key_lines=2, tool_result=160, arguments=80),
-    "aggressive": _Limits(sentence=90, key_line=90, key_lines=1, tool_result=60, arguments=40),
+    "normal": _Limits(sentence=200, key_line=160, key_lines=2, tool_result=160, arguments=80, summary_line=600),
+    "aggressive": _Limits(sentence=90, key_line=90, key_lines=1, tool_result=60, arguments=40, summary_line=120),
 }
 # Lines worth keeping besides the first sentence when no focus is given: decisions, failures, open work.
 _KEY_WORDS = re.compile(r"\b(error|fail|decid|todo|must|important|result|because|next)", re.IGNORECASE)
@@ -286,6 +304,28 @@ def _key_lines(text: str, focus: str | None, limits: _Limits) -> list[str]:
     else:
         wanted = [ln for ln in lines if _KEY_WORDS.search(ln)]
     return [_cut(ln, limits.key_line) for ln in wanted[: limits.key_lines]]
+
+
+#: lines a summary holds about itself, not about the conversation: the extractive header, a cut's mark, the
+#: model's cut-off mark, a truncation's mark
+_SUMMARY_MARKS = re.compile(
+    r"Summary of \d+ messages( \(focused\))?:|\[… (cut to \d+ tokens|summary cut off by the model at its length "
+    r"limit)\]|\(truncated\)"
+)
+
+
+def summary_lines(summary: str) -> list[str]:
+    """The lines of an earlier summary that tell the conversation: without our own header, notes and marks,
+    nor the ``Earlier:`` lines it repeated from the summary before it (a condensation holds that one too,
+    or it is in context before it)."""
+    return [
+        line
+        for line in (ln.strip() for ln in summary.splitlines())
+        if line
+        and not line.startswith("Earlier: ")
+        and not _OMITTED.fullmatch(line)
+        and not _SUMMARY_MARKS.fullmatch(line)
+    ]
 
 
 def _gist(previous_summary: str) -> list[str]:
@@ -360,7 +400,9 @@ class ExtractiveSummarizer:
 
     Each message gives one line: its role and first sentence, up to two further lines that mention the
     focus (else lines with a key word such as "error", "decided", "todo"), the tools it called, or, for a
-    tool result, the result cut short. ``aggressive`` cuts every extract shorter and halves the budget.
+    tool result, the result cut short; an earlier summary given as a message (``summary_input``, a
+    condensation's child) gives its content lines (``summary_lines``) and counts as the messages it covers.
+    ``aggressive`` cuts every extract shorter and halves the budget.
     When the lines exceed ``max_tokens`` (counted with ``RoughEstimator``), lines are dropped oldest first,
     those that do not mention the focus before those that do, and a note says how many were dropped; the
     room left holds the start of the last line dropped, cut at a word boundary and marked "…" (the note
@@ -389,12 +431,17 @@ class ExtractiveSummarizer:
         budget = max_tokens if level == "normal" else max(16, max_tokens // 2)
         # The focus shapes which lines stay, but its words are not written: the summary would hold text no
         # message held (a search for it found the summary; it outlived a redaction of what it quoted).
-        header = f"Summary of {len(messages)} messages" + (" (focused)" if focus else "") + ":"
+        covered = sum(1 if (n := summarized(m)) is None else n for m in messages)
+        header = f"Summary of {covered} messages" + (" (focused)" if focus else "") + ":"
         lines: list[str] = []
         if previous_summary and previous_summary.strip():
             lines += ["Earlier: " + _cut(ln, limits.sentence) for ln in _gist(previous_summary)]
         names = _tool_names(messages)
-        lines += [_extract(m, names, focus, limits) for m in messages]
+        for m in messages:
+            if summarized(m) is None:
+                lines.append(_extract(m, names, focus, limits))
+            else:  # an earlier summary (a condensation's child): its own lines, not an extract of its first
+                lines += [_cut(ln, limits.summary_line) for ln in summary_lines(message_text(m))]
         return self._fit(header, lines, focus, budget)
 
     def _fit(self, header: str, lines: list[str], focus: str | None, budget: int) -> str:
@@ -484,6 +531,8 @@ def _rendered(m: dict[str, Any], names: dict[str, str], max_chars: int) -> str:
     """One message as ``render_transcript`` shows it (``names``: tool_call id -> function name)."""
     role = str(m.get("role", "?"))
     text = message_text(m)
+    if (covered := summarized(m)) is not None:  # a condensation's child: a summary, not the user's words
+        return f"[summary of {covered} earlier messages]\n{text[:max_chars]}"
     if role in ("tool", "function"):
         tool = names.get(str(m.get("tool_call_id")), str(m.get("name") or "tool"))
         return f"[{role} result: {tool}]\n{_cut(text, max_chars // 2)}"

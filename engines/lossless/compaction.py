@@ -31,13 +31,13 @@ from transcript_store import faults
 from transcript_store.core import Core, foreign_incarnation, now_us
 from transcript_store.cursors import decode_cursor
 from transcript_store.models import RESULT_ROLES, call_answered, calls_made, out_of_context
-from transcript_store.summarize import Level, Summarizer, hold, summary_text
+from transcript_store.summarize import Level, Summarizer, hold, summarized, summary_input, summary_lines, summary_text
 from transcript_store.tokens import TokenEstimator
 
 from .config import Budget, LosslessConfig
 from .context import Item, SummaryInfo, render_summary, units
 from .ingest import column_text, searchable_text
-from .tables import View, context_items, message_id, summaries, summary_children, summary_id, summary_sources
+from .tables import View, context_items, summaries, summary_children, summary_sources
 
 Step = tuple[str, int, int]  # (leaf | condense, start index, end index)
 
@@ -294,11 +294,11 @@ class Planner:
                 made.sources = ordinals
             return made
         children = [i.summary for i in chunk if i.summary is not None]
-        inputs = [
-            {"role": "user", "content": f"[{summary_id(c.seq)} | {message_id(c.earliest)}..{message_id(c.latest)}]\n"
-             f"{c.content}"}
-            for c in children
-        ]
+        # Each child as an earlier summary, its text alone: with its id and range as its first line, the
+        # extractive summarizer took that line for the child's gist (every line of a condensed summary read
+        # "- user: [sum_1 | msg_0..msg_3]") and a model was shown it as the user's words. The DAG records
+        # which children a condensed summary covers.
+        inputs = [summary_input(c.content, c.message_count) for c in children]
         shape = SummaryInfo(
             seq,
             "condensed",
@@ -366,7 +366,12 @@ class Planner:
 
 def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEstimator) -> str:
     """The deterministic last resort: the start of every message, one line each, cut to ``budget`` tokens."""
-    lines = [f"- {m.get('role', '?')}: {' '.join(searchable_text(m).split())[:200]}" for m in inputs]
+    # An earlier summary (a condensation's child) by its own lines, not its header or notes.
+    lines = [
+        f"- {m.get('role', '?')}: {' '.join(searchable_text(m).split())[:200]}" if summarized(m) is None
+        else " ".join(" | ".join(summary_lines(str(m.get("content") or ""))).split())[:200]
+        for m in inputs
+    ]
     text = "(truncated)\n" + "\n".join(lines)
     if estimator.count_text(text) <= budget:
         return text
