@@ -11,8 +11,9 @@ statement that reads sizes without payloads (a delta page's byte bound, a closed
 export's page plan, the session sizes ``sessions list`` shows) read each large message whole from disk
 to find its size (12 rows of 300 KB: 4.3 ms against 0.02 ms for their seqs). The table is rebuilt with
 the payload last: same rows, same rowids, same indexes (recreated from their stored definitions), same
-keys. SQLite copies the table in the upgrade's one transaction: it needs the table's size again on disk
-while it runs, and time in proportion to it.
+keys. SQLite copies the table in the upgrade's one transaction, through the WAL and then into the file: it
+needs about twice the table's size in free disk space (three times with ``secure_delete``, which writes every
+freed page of the old copy to the WAL as zeros), and time in proportion to it.
 
 PostgreSQL is left as it is: there a payload over ~2 KB is stored out of line (TOAST), and the other
 columns are read without it, whatever their order.
