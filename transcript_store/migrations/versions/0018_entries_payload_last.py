@@ -70,15 +70,26 @@ def _rebuild(order: list[str]) -> None:
     bind = op.get_bind()
     if bind.dialect.name != "sqlite":
         return
-    # The indexes as stored (unique and partial ones included): made again after the copy, under their
-    # names, which SQLite keeps database-wide (so only once the old table and its indexes are gone).
-    indexes = [
+    # The indexes as stored (unique and partial ones included), then the triggers on the table (none of
+    # the store's; an operator's own go with the old table): made again after the copy, under their names,
+    # which SQLite keeps database-wide (so only once the old table and its indexes are gone), the triggers
+    # last so that the copy fires none.
+    rebuilt = [
         str(sql) for (sql,) in bind.execute(sa.text(
-            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'ts_entries' AND sql IS NOT NULL"
-            " ORDER BY name"
+            "SELECT sql FROM sqlite_master WHERE type IN ('index', 'trigger') AND tbl_name = 'ts_entries'"
+            " AND sql IS NOT NULL ORDER BY type = 'trigger', name"
         ))
     ]
-    op.rename_table("ts_entries", OLD)
+    # The rename in SQLite's legacy mode: since 3.26 it also rewrites every view and trigger body naming
+    # the table to name the old copy, which is dropped below, so an operator's view of the entries
+    # failed ("no such table: main.ts_entries_old"), and with it every later ALTER TABLE of the file.
+    # In legacy mode they keep naming ts_entries, which the copy is. (No foreign key names ts_entries.)
+    legacy = bind.exec_driver_sql("PRAGMA legacy_alter_table").scalar()
+    bind.exec_driver_sql("PRAGMA legacy_alter_table = ON")
+    try:
+        op.rename_table("ts_entries", OLD)
+    finally:
+        bind.exec_driver_sql(f"PRAGMA legacy_alter_table = {'ON' if legacy else 'OFF'}")
     op.create_table(
         "ts_entries",
         *[_column(name) for name in order],
@@ -94,7 +105,7 @@ def _rebuild(order: list[str]) -> None:
     # rowid too: the store looks rows up by it within a statement only, but a copy keeps what it can.
     op.execute(f"INSERT INTO ts_entries (rowid, {names}) SELECT rowid, {names} FROM {OLD} ORDER BY rowid")
     op.drop_table(OLD)
-    for sql in indexes:
+    for sql in rebuilt:
         op.execute(sql)
 
 
