@@ -21,6 +21,7 @@ import os
 import pwd
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -167,12 +168,14 @@ class Crasher(threading.Thread):
         self.cluster, self.rng, self.count = cluster, random.Random(seed), count
         self.error: BaseException | None = None
         self.down_seconds = 0.0
+        self.stop = threading.Event()  # a failed test's cleanup: no crash (nor restart) after it
 
     def run(self) -> None:
         """Crash and restart ``count`` times; the server is up when this returns (or ``error`` says why not)."""
         try:
             for _ in range(self.count):
-                time.sleep(self.rng.uniform(0.3, 1.0))
+                if self.stop.wait(self.rng.uniform(0.3, 1.0)):
+                    return
                 began = time.monotonic()
                 self.cluster.crash()
                 time.sleep(self.rng.uniform(0.0, 1.5))  # down: connects refused, then "starting up"
@@ -180,6 +183,14 @@ class Crasher(threading.Thread):
                 self.down_seconds += time.monotonic() - began
         except BaseException as e:  # reported by the test
             self.error = e
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a load's process group (the load and its children) unless it has ended, and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
 
 
 def server_crashes(
@@ -198,15 +209,26 @@ def server_crashes(
         "--prefix", "c",
     ]
     started = time.monotonic()
+    crasher = Crasher(cluster, seed, crashes)
     with open(tmp_path / "load.err", "w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env())
-        assert proc.stdout is not None
-        ready = json.loads(proc.stdout.readline() or "{}")
-        crasher = Crasher(cluster, seed, crashes)
-        crasher.start()
-        out = proc.stdout.read()
-        proc.wait(timeout=seconds + 300)
-        crasher.join(timeout=60 * crashes)
+        # Its own process group: whatever fails here, the load and its forked children are killed with it.
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(),
+                                start_new_session=True)
+        watchdog = threading.Timer(seconds + 300, _kill_group, (proc,))
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            ready = json.loads(proc.stdout.readline() or "{}")
+            crasher.start()
+            out = proc.stdout.read()
+            proc.wait(timeout=seconds + 300)
+            crasher.join(timeout=60 * crashes)
+        finally:
+            watchdog.cancel()
+            _kill_group(proc)
+            crasher.stop.set()
+            if crasher.is_alive():
+                crasher.join(timeout=120)  # a crash under way restarts the server first
     log = (tmp_path / "load.err").read_text()
     assert crasher.error is None, repr(crasher.error)
     assert not crasher.is_alive(), "the cluster did not come back"
