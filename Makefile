@@ -63,7 +63,7 @@ test-hermes: $(HERMES_STAMP)
 # PgBouncer, for the pooler tests (tests/test_pgbouncer_s43.py start their own process; no service is used):
 # Debian's package when the program is missing, the package lists fetched only when apt-get cannot find it.
 PGBOUNCER_FOUND ?= command -v pgbouncer > /dev/null || test -x /usr/sbin/pgbouncer
-APT_GET = DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get -q -y -o Dpkg::Use-Pty=0
+APT_GET = $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Dpkg::Use-Pty=0
 pgbouncer:
 	@$(PGBOUNCER_FOUND) || { \
 	    command -v apt-get > /dev/null || { echo "pgbouncer is missing and there is no apt-get: install PgBouncer"; exit 1; }; \
