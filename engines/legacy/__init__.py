@@ -219,12 +219,13 @@ class LegacyEngine:
             else:
                 pointer = self.store.read(read)
             end = fence.position if fence is not None and fence.position is not None else len(proj.messages)
-            start = 0
-            # At ``end`` only for a host's compaction that kept nothing before the turn it ran in.
-            if pointer is not None and pointer["first_kept_position"] <= end:
-                start = pointer["first_kept_position"]
+            # At ``end`` only for a host's compaction that kept nothing before the turn it ran in; at 0 for
+            # one of the host's that kept its first message (its summary still stands in front of it, as
+            # OpenClaw's own context shows it: hidden there, the built-in compaction counted it all the same).
+            in_force = pointer is not None and pointer["first_kept_position"] <= end
+            start = pointer["first_kept_position"] if pointer is not None and in_force else 0
             # (A host's reset has no summary: its context starts again at its first kept message.)
-            summary = (pointer["summary"] or None) if pointer is not None and start > 0 else None
+            summary = (pointer["summary"] or None) if pointer is not None and in_force else None
             prefix = [compaction.summary_message(summary)] if summary is not None else []
             prefix_tokens = int(self.estimator.count_messages(prefix))
             if summary is not None and prefix_tokens > token_budget:
