@@ -294,10 +294,15 @@ class LegacyEngine:
         force: bool = False,
         focus: str | None = None,
         token_budget: int | None = None,
+        fence: Anchor | None = None,
         **_host: Any,
     ) -> CompactResult:
-        """The built-in summarising compaction: one summary of the older messages."""
-        check_call(scope, session_id)
+        """The built-in summarising compaction: one summary of the older messages (before ``fence``, the
+        running turn's admitted message, when the host compacts inside a turn: its overflow recovery)."""
+        # Declared so that the host hands a compaction inside a turn its fence (``host._fenced``): unfenced,
+        # it read the turn's own admitted message, counted it among the ``keep_last`` kept verbatim (one
+        # fewer of the conversation's was kept) and named it in the pointer, a read past the fence.
+        check_call(scope, session_id, fence=fence)
         check_flag("force", force)
         check_token_budget(token_budget, optional=True)
         check_focus(focus)
@@ -307,6 +312,7 @@ class LegacyEngine:
             session_id,
             summarizer=self.summarizer,
             estimator=self.estimator,
+            fence=fence,
             keep_last=self.keep_last,
             focus=focus,
             force=force,
