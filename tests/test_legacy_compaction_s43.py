@@ -10,18 +10,25 @@ both backends (a review of the default engine's compaction paths).
    declared no ``fence``) read past the turn's fence: it counted the turn's own admitted message among
    the ``keep_last`` kept verbatim, so one message fewer of the conversation was kept, and named it in the
    pointer. Now it takes the fence, as the compaction before the prompt does.
+3. A summary a little smaller than the assembly's budget left the newest messages no room: the model got
+   the summary alone, without the turn just before its prompt, where a smaller budget (the summary over
+   it, cut to half) showed them. A summary that crowds out every message is now cut to half the budget
+   as one over it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
 from fake_openai import FakeOpenAI, Fault
 from mirror_helpers import A, a, hosted, legacy_service, page, shown, u
 
+from engines.legacy import LegacyEngine
 from transcript_store import TranscriptStore
+from transcript_store.engine import EngineContext
 from transcript_store.host import HostRuntime
 from transcript_store.model import OpenAIChatModel
 from transcript_store.service import Service
@@ -84,3 +91,31 @@ def test_the_overflow_compaction_of_a_turn_on_legacy_reads_before_its_fence(stor
     kept = store.get_entries(A, sid, [marker.payload["first_kept_entry_id"]])[0]
     assert kept.position == 10
     assert [m.get("content") for m in retried][-3:] == [f"q10: {talk}", f"r11: {talk}", "and now?"]
+
+
+class Fixed:
+    """A summarizer that answers one fixed summary."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def summarize(self, messages: Sequence[dict[str, Any]], **_: Any) -> str:
+        return self.text
+
+
+def test_a_summary_that_crowds_out_the_newest_turn_is_cut_for_it(store: TranscriptStore, sid: str) -> None:
+    talk = "x " * 300
+    old = [u(f"m{i} {talk}") if i % 2 == 0 else a(f"m{i} {talk}") for i in range(20)]
+    store.append_many(A, sid, [{"message": m} for m in [*old, u("latest question"), a("latest answer")]])
+    eng = LegacyEngine(EngineContext(store=store, config={"keep_last": 2}, summarizer=Fixed("word " * 380),
+                                     estimator=RoughEstimator()))
+    assert eng.compact(scope=A, session_id=sid, force=True).compacted
+    summary = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages[0]
+    whole = RoughEstimator().count_messages([summary])
+    for budget in range(whole // 2 + 40, whole + 40, 8):
+        out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=budget)
+        assert out.estimated_tokens <= budget
+        # The newest turn is always there: a summary just under the budget left it no room, and the model got
+        # the summary alone, where a budget a little smaller (the summary over it, cut to half) showed it.
+        assert [m["content"] for m in out.messages][-2:] == ["latest question", "latest answer"], budget
+        assert out.messages[0]["content"].startswith(HEAD)

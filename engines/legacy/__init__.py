@@ -236,6 +236,19 @@ class LegacyEngine:
             # Under the lock: another thread's advance must not move the lists while they are sliced
             # (the slices are what fits, never the whole history).
             first = self._fit(proj.messages, proj.tokens, start, end, token_budget - prefix_tokens)
+            if summary is not None and prefix_tokens > token_budget // 2 and first > start:
+                turn = self._newest_turn(proj.messages, start, end)
+            else:
+                turn = None
+            if summary is not None and turn is not None and first > turn:
+                # A summary a little smaller than the budget left the newest turn no room: the model got it
+                # alone (or an answer without its question), where a smaller budget (the summary over it,
+                # cut to half) showed the turn. One that crowds out the newest turn is cut as one over the
+                # budget is, and the newest messages get the rest (kept whole when that shows no more).
+                cut, cut_tokens = self._cut_summary(summary, token_budget // 2)
+                fits = self._fit(proj.messages, proj.tokens, start, end, token_budget - cut_tokens)
+                if fits < first:
+                    prefix, prefix_tokens, first = cut, cut_tokens, fits
             shown = [i for i in range(first, end) if not out_of_context(proj.messages[i])]
             messages = prefix + [proj.messages[i] for i in shown]
             # The estimate from the counts the projection keeps (each message was counted once, when
@@ -252,6 +265,20 @@ class LegacyEngine:
         return AssembleResult(
             messages=messages, estimated_tokens=estimated, compacted_at_ms=made if isinstance(made, int) else None
         )
+
+    @staticmethod
+    def _newest_turn(visible: list[dict[str, Any]], start: int, end: int) -> int | None:
+        """Where the newest turn of visible[start:end] begins: its last user message the model is shown, else
+        its newest such message of any role; None when it shows none (walked back from the newest)."""
+        newest = None
+        for i in range(end - 1, start - 1, -1):
+            if out_of_context(visible[i]):
+                continue
+            if visible[i].get("role") == "user":
+                return i
+            if newest is None:
+                newest = i
+        return newest
 
     def _cut_summary(self, summary: str, budget: int) -> tuple[list[dict[str, Any]], int]:
         """The summary message held to at most ``budget`` tokens (``summarize.hold`` of its text, in the room
