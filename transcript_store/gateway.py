@@ -565,8 +565,8 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 @contextlib.contextmanager
 def sigterm_ends_the_run() -> Iterator[None]:
     """For a command that owns its process (the CLI's ``gateway``; ``sessions export -o``, whose part file it
-    removes): a SIGTERM ends the run as Ctrl-C does, then the process as that SIGTERM would (status 143 in
-    a shell).
+    removes; ``chat``, whose turn it discards): a SIGTERM ends the run as Ctrl-C does, then the process as
+    that SIGTERM would (status 143 in a shell).
 
     Python's default SIGTERM ended the dispatcher where it stood: its workers died with it (the kernel
     kills them), but on a terminal the progress display never closed, leaving the cursor hidden. Raised
