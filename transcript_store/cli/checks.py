@@ -118,6 +118,15 @@ def doctor() -> None:
     selected = next(e for e in engines_found if e["selected"])
     if not selected["valid"]:
         problems.append(f"selected engine {selected['id']!r} is invalid: {selected['reason']}")
+    # An engine given an [engine.config.<id>] table that it refuses (a mistyped key or value) is one that
+    # `engines list`, chat, gateway and serve warn of ("see `transcript-store doctor`"): `chat --engine` runs its
+    # turns on legacy, a bad legacy table stops chat and serve. Checked for the selected engine only, doctor
+    # answered "ok" (exit 0) about it when another engine was selected.
+    problems.extend(
+        f"context engine {e['id']!r} (configured in [engine.config.{e['id']}]) cannot load: {e['reason']}"
+        for e in engines_found
+        if not e["valid"] and not e["selected"] and e.get("source") is not None and e["id"] in settings.engine_config
+    )
     # A plugin folder that cannot be searched (missing, no folder, unreadable) is a problem, not a warning: the
     # engines it should hold are missing wherever engines run (chat, serve and gateway warn of it at start).
     problems.extend(dir_problems)
