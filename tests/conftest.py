@@ -49,6 +49,16 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def banner(request: pytest.FixtureRequest, message: str) -> None:
+    """``message`` between two rows of ``!`` on the terminal, past output capture: a skip no one may miss."""
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if terminal is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            terminal.ensure_newline()
+            terminal.write_line("!" * 78 + f"\n{message}\n" + "!" * 78, red=True, bold=True)
+
+
 def _pg_reachable() -> str | None:
     try:
         with psycopg.connect(PG_ADMIN, connect_timeout=5, autocommit=True) as conn:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import event
@@ -155,3 +158,15 @@ def compacted_lossless(store: Any, scope: str, sid: str, history: Sequence[dict[
     engine.bootstrap(scope=scope, session_id=sid, fence=None)
     assert engine.compact(scope=scope, session_id=sid, force=True).compacted
     return engine
+
+
+def terminate_when(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str, pause: float = 0.001) -> None:
+    """Wait (two minutes at most) until ``ready()`` while ``proc`` runs (it ending first fails, naming
+    ``what``), then SIGTERM it and wait for its end."""
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert proc.poll() is None, f"the process ended before {what}"
+        assert time.monotonic() < deadline, f"not within 120 s: {what}"
+        time.sleep(pause)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)

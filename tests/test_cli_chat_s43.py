@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from fake_openai import FakeOpenAI
+from hosting import terminate_when
 from test_cli import CLI, SCOPE, _script_mode  # noqa: F401 (_script_mode: autouse)
 
 from transcript_store import StoreConfig, TranscriptStore
@@ -32,13 +32,8 @@ def test_a_chat_ended_by_sigterm_mid_turn_discards_its_turn_as_ctrl_c_does(store
             assert proc.stdin is not None
             proc.stdin.write(b"a question the model is slow to answer\n")
             proc.stdin.flush()
-            deadline = time.monotonic() + 120
-            while not server.chat_requests:  # the turn is admitted and waits for the model
-                assert proc.poll() is None, "chat ended before its turn reached the model"
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+            # the turn is admitted and waits for the model
+            terminate_when(proc, lambda: bool(server.chat_requests), "its turn reached the model", 0.01)
         finally:
             if proc.poll() is None:
                 proc.kill()

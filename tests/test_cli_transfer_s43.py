@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
+from hosting import terminate_when
 from test_cli import CLI, SCOPE, _script_mode, one_error_line, run  # noqa: F401 (_script_mode: autouse)
 
 from transcript_store import StoreConfig, TranscriptStore
@@ -35,13 +35,9 @@ def test_an_export_ended_by_sigterm_leaves_no_part_file_and_the_earlier_export(s
     proc = subprocess.Popen([*CLI, "sessions", "export", "s1", "-o", str(path), "--db", store_url], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not any(p.name.endswith(".tmp") for p in folder.iterdir()):  # the export is writing its file
-            assert proc.poll() is None, "the export ended before its file was seen being written"
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        # the export is writing its file
+        terminate_when(proc, lambda: any(p.name.endswith(".tmp") for p in folder.iterdir()),
+                       "its file was seen being written")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
-from conftest import under_ci
+from conftest import banner, under_ci
 from sqlalchemy import event
 from workers.fault_worker import report, sqlite_integrity, verify_turns
 from workers.turn_worker import ENGINE, SCOPE, counting_engine
@@ -103,12 +103,7 @@ def unavailable(request: pytest.FixtureRequest, mechanism: str, problem: str, tm
     message = f"DISK FULL IS NOT TESTED AT ALL: {mechanism}: {problem}; {other}: {other_problem}"
     if under_ci():
         pytest.fail(f"CI=true and {message}")
-    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if terminal is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            terminal.ensure_newline()
-            terminal.write_line("!" * 78 + f"\n{message}\n" + "!" * 78, red=True, bold=True)
+    banner(request, message)
     pytest.skip(message)
 
 

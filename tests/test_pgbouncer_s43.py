@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import PG_ADMIN, _admin_exec, pg_url, under_ci
+from conftest import PG_ADMIN, _admin_exec, banner, pg_url, under_ci
 from hosting import RecordingModel
 from workers.turn_worker import ENGINE, SCOPE, counting_engine, replies, user_message
 
@@ -57,12 +57,7 @@ def _missing(request: pytest.FixtureRequest, problem: str) -> None:
     if under_ci():
         pytest.fail(f"CI=true and {problem}: the pooler tests cannot run (`make pgbouncer` installs it)")
     message = f"THE PGBOUNCER TESTS ARE SKIPPED: {problem} (`make pgbouncer` installs it)"
-    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if terminal is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            terminal.ensure_newline()
-            terminal.write_line("!" * 78 + f"\n{message}\n" + "!" * 78, red=True, bold=True)
+    banner(request, message)
     sys.stderr.write(f"\n!!! {message} !!!\n")
     pytest.skip(message)
 
