@@ -1544,11 +1544,15 @@ class HostRuntime(TokenCounts):
         with self._typed_engine_errors(info.id, "compaction"):
             tools = [s for s, _ in self.host_tools.values()] + list(self._engine_tools(engine, info).values())
             budget = self.prompt_budget(self._carried_tokens(tools))
-            rt = RuntimeContext(self, scope, session_id, None, None, budget)
+            # A turn still running on the session (admitted, not completed): its admitted message is no
+            # engine's to read yet, a compaction's neither. Unfenced, the built-in compaction counted it
+            # among the keep_last kept verbatim and named it in the pointer, before the turn committed.
+            fence = self._running_fence(scope, session_id)
+            rt = RuntimeContext(self, scope, session_id, fence, None, budget)
             host = {"session_key": sess.session_key, "runtime_context": rt}
-            self._bootstrap_before_compaction(engine, info, scope, session_id, host)
+            self._bootstrap_before_compaction(engine, info, scope, session_id, host, fence)
             base = {"scope": scope, "session_id": session_id, "force": force, "focus": focus, "token_budget": budget}
-            params = project_params(info, base, host)
+            params = project_params(info, _fenced(getattr(engine, "compact", None), base, fence), host)
 
             result = self._call(
                 info.id, "compact", lambda: self._engine_compact(engine, info, scope, session_id, rt, params)
@@ -1601,8 +1605,15 @@ class HostRuntime(TokenCounts):
         except Exception as e:
             raise EngineError(f"engine {engine_id!r} failed during {operation}: {describe(e)}") from e
 
+    def _running_fence(self, scope: str, session_id: str) -> Anchor | None:
+        """The fence of a turn still running on the session (its admitted intent's anchor), else None."""
+        running = [
+            i for i in self.store.read(lambda c: outbox.pending(c, scope, session_id)) if i.state == "admitted"
+        ]
+        return running[0].admission.anchor if running else None
+
     def _bootstrap_before_compaction(
-        self, engine: Any, info: EngineInfo, scope: str, session_id: str, host: dict[str, Any]
+        self, engine: Any, info: EngineInfo, scope: str, session_id: str, host: dict[str, Any], fence: Anchor | None
     ) -> None:
         """Let an engine ingest what the transcript holds and it has not seen before it compacts.
 
@@ -1614,10 +1625,6 @@ class HostRuntime(TokenCounts):
         bootstrap = getattr(engine, "bootstrap", None)
         if bootstrap is None:
             return
-        running = [
-            i for i in self.store.read(lambda c: outbox.pending(c, scope, session_id)) if i.state == "admitted"
-        ]
-        fence = running[0].admission.anchor if running else None
         params = project_params(info, {"scope": scope, "session_id": session_id, "fence": fence}, host)
         try:
             self._call(info.id, "bootstrap", lambda: bootstrap(**params))

@@ -1,0 +1,100 @@
+"""The built-in compaction around a running turn's fence, a host's compaction and tool-call pairs, on both
+backends (a review of the host's manual compaction, ``compaction.compact_session`` and the legacy engine).
+
+1. ``HostRuntime.compact`` while a turn of the session was running (admitted, not completed) called the
+   engine's ``compact`` without the turn's fence: the built-in compaction read the turn's admitted message,
+   counted it among the ``keep_last`` kept verbatim (one message of the conversation fewer was kept) and
+   named it in the pointer. It now gets the running turn's fence, as the compactions inside a turn do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import module_store_fixtures
+from hosting import CountingEngine, RecordingModel
+from mirror_helpers import A, a, legacy_service, u
+
+from transcript_store import TranscriptStore, compaction
+from transcript_store.engine import CompactResult
+from transcript_store.errors import ReadFenceError
+from transcript_store.host import HostRuntime
+from transcript_store.registry import EngineRegistry
+from transcript_store.service import Service
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+shared_url, store, sid = module_store_fixtures(A, "compaction_fence_s44")
+HEAD = "[Summary of the earlier conversation]\n"
+TALK = " tell me more about this" * 20
+
+
+@pytest.fixture(scope="module")
+def service(store: TranscriptStore) -> Iterator[Service]:
+    yield from legacy_service(store)
+
+
+def talk(n: int) -> list[dict[str, Any]]:
+    """``n`` long messages q0, r1, ... (user and assistant in turn)."""
+    return [u(f"q{i}{TALK}") if i % 2 == 0 else a(f"r{i}{TALK}") for i in range(n)]
+
+
+class Delegating(CountingEngine):
+    """A test engine that leaves compaction to the host: its ``compact`` (no ``fence`` keyword) delegates."""
+
+    def compact(self, **kw: Any) -> CompactResult:
+        self.calls.append(("compact", kw))
+        return kw["runtime_context"].delegate_compaction_to_runtime(force=kw["force"], focus=kw["focus"])
+
+
+def host_on(store: TranscriptStore, engine: str) -> HostRuntime:
+    """A host on ``engine`` ("legacy" or "delegating") whose built-in compaction keeps the last 2 messages."""
+    registry = EngineRegistry()
+    registry.register_factory("delegating", lambda ctx: Delegating(ctx, "delegating"))
+    settings = load_settings(config_path=None, engine=engine, engine_config={"legacy": {"keep_last": 2}})
+    return HostRuntime(store, settings, RecordingModel(), registry=registry, summarizer=ExtractiveSummarizer(),
+                       estimator=RoughEstimator())
+
+
+@pytest.mark.parametrize("engine", ["legacy", "delegating"])
+def test_a_manual_compaction_during_a_running_turn_keeps_to_its_fence(
+    store: TranscriptStore, sid: str, engine: str
+) -> None:
+    store.append_many(A, sid, [{"message": m} for m in talk(12)])
+    host = host_on(store, engine)
+    try:
+        # Another worker's turn is running: admitted, its model call not answered yet.
+        admission, _intent = host.turns.admit(A, sid, u("and now?"), turn_id="t-run", engine_id=engine)
+        assert admission.anchor.position == 12
+        out = host.compact(A, sid)
+    finally:
+        host.dispose()
+    assert out.compacted, out.reason
+    pointer = compaction.load_pointer(store, A, sid)
+    assert pointer is not None
+    # The last keep_last messages before the turn's own stay verbatim; unfenced, the admitted message was
+    # one of them (first kept: r11) and the pointer was made after it.
+    assert pointer["first_kept_position"] == 10
+    assert pointer["made_at_count"] == 12
+    assert pointer["seen_entry_id"] != admission.anchor.entry_id
+    [marker] = [e for e in store.list_entries(A, sid) if e.kind == "compaction"]
+    assert admission.anchor.entry_id not in marker.payload["summarized_entry_ids"]
+    assert "and now?" not in pointer["summary"]
+
+
+def test_a_manual_compaction_whose_running_turn_lost_its_fence_is_refused(store: TranscriptStore, sid: str) -> None:
+    said = store.append_many(A, sid, [{"message": m} for m in talk(12)])
+    host = host_on(store, "legacy")
+    try:
+        host.turns.admit(A, sid, u("and now?"), turn_id="t-run", engine_id="legacy")
+        store.branch(A, sid, said[-2].entry_id)  # another client moved the head back before the turn's message
+        with pytest.raises(ReadFenceError):
+            host.compact(A, sid)
+        assert "legacy" not in host.quarantined  # the fence's failure, not the engine's
+    finally:
+        host.dispose()
+    assert compaction.load_pointer(store, A, sid) is None
+    assert not [e for e in store.list_entries(A, sid) if e.kind == "compaction"]
