@@ -5,6 +5,10 @@ backends (a review of the host's manual compaction, ``compaction.compact_session
    engine's ``compact`` without the turn's fence: the built-in compaction read the turn's admitted message,
    counted it among the ``keep_last`` kept verbatim (one message of the conversation fewer was kept) and
    named it in the pointer. It now gets the running turn's fence, as the compactions inside a turn do.
+2. A host's compaction that kept only the turn it ran in (its first kept position the mirror's end, or the
+   running turn's fence) was not found by the built-in compaction: it summarised the messages the host's
+   summary stood for again from the first, without that summary, and showed the newest of them again.
+   Now such a compaction leaves nothing older to compact, and nothing is written.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from typing import Any
 import pytest
 from conftest import module_store_fixtures
 from hosting import CountingEngine, RecordingModel
-from mirror_helpers import A, a, legacy_service, u
+from mirror_helpers import A, a, hosted, legacy_service, page, shown, u
 
+from engines.legacy import LegacyEngine
 from transcript_store import TranscriptStore, compaction
-from transcript_store.engine import CompactResult
+from transcript_store.engine import CompactResult, EngineContext
 from transcript_store.errors import ReadFenceError
 from transcript_store.host import HostRuntime
 from transcript_store.registry import EngineRegistry
 from transcript_store.service import Service
+from transcript_store.service_models import CompactRequest, HostCompactionRequest
 from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
@@ -98,3 +104,47 @@ def test_a_manual_compaction_whose_running_turn_lost_its_fence_is_refused(store:
         host.dispose()
     assert compaction.load_pointer(store, A, sid) is None
     assert not [e for e in store.list_entries(A, sid) if e.kind == "compaction"]
+
+
+def test_a_host_compaction_that_kept_only_the_running_turn_is_carried_on(service: Service, sid: str) -> None:
+    s = service.store
+    page(s, sid, None, "c1", hosted(*[(f"h{i}", m) for i, m in enumerate(talk(10))]))
+    # The host compacted inside a turn and kept only that turn: its message (h10) is not mirrored yet.
+    req = HostCompactionRequest(summary="the host's summary", first_kept_position=10, first_kept_entry_id="h10")
+    service.host_compaction(A, "legacy", sid, req)
+    before = compaction.load_pointer(s, A, sid)
+    assert shown(service, sid) == [f"{HEAD}the host's summary"]
+    out = service.compact(A, "legacy", sid, CompactRequest(force=True))
+    # Nothing is older than the host's summary: the compaction summarised q0..r3 again from the first,
+    # without the host's summary, and showed r4..r9 (which that summary stood for) again.
+    assert not out.compacted, out
+    assert compaction.load_pointer(s, A, sid) == before
+    assert shown(service, sid) == [f"{HEAD}the host's summary"]
+    # Once the turn and more are committed and imported, the next compaction summarises from the host's
+    # first kept message on, carrying the host's summary.
+    later = [(f"h{i}", m) for i, m in enumerate(talk(18))][10:]
+    page(s, sid, "c1", "c2", hosted(*later))
+    assert service.compact(A, "legacy", sid, CompactRequest(force=True)).compacted
+    after = shown(service, sid)
+    assert "the host's summary" in after[0] and "q0" not in after[0] and "q10" in after[0]
+    assert [m[:3] for m in after[1:]] == [m["content"][:3] for _, m in later[-6:]]
+
+
+def test_a_host_compaction_at_the_running_turns_fence_is_carried_on(store: TranscriptStore, sid: str) -> None:
+    store.append_many(A, sid, [{"message": m} for m in talk(10)])
+    admission = store.admit(A, sid, u("and now?"), turn_id="t-run")
+    fence = admission.anchor
+    # The host compacted inside that turn and kept only it (its admitted message).
+    store.write(lambda c: compaction.record_host_compaction(
+        c, A, sid, summary="the host's summary", first_kept_position=10, first_kept_entry_id=fence.entry_id
+    ))
+    before = compaction.load_pointer(store, A, sid)
+    eng = LegacyEngine(EngineContext(store=store, config={"keep_last": 2}, summarizer=ExtractiveSummarizer(),
+                                     estimator=RoughEstimator()))
+    assert [m["content"] for m in eng.assemble(scope=A, session_id=sid, fence=fence, token_budget=100_000).messages] \
+        == [f"{HEAD}the host's summary"]
+    out = eng.compact(scope=A, session_id=sid, fence=fence, force=True)
+    assert not out.compacted, out
+    assert compaction.load_pointer(store, A, sid) == before
+    assert [m["content"] for m in eng.assemble(scope=A, session_id=sid, fence=fence, token_budget=100_000).messages] \
+        == [f"{HEAD}the host's summary"]

@@ -256,21 +256,28 @@ def test_branch_back_onto_the_summarized_path_keeps_it_consistent(store: Transcr
 
 
 def test_a_fenced_compaction_under_a_later_pointer_covers_nothing_twice(store: TranscriptStore, sid: str) -> None:
-    """The pointer's first kept entry is at or after the fence: its summary covers messages the fenced
-    compaction keeps verbatim, so it must not be carried into the new summary."""
+    """The pointer's first kept entry is after the fence: its summary covers messages the fenced
+    compaction keeps verbatim, so it must not be carried into the new summary. At the fence, its summary
+    is all there is before it: nothing is left to compact (summarised again from the first without it, the
+    newest messages it stood for came back verbatim)."""
     fill(store, sid, 11)
     summarizer = Joining()
     eng = engine(store, summarizer, keep_last=1)
     assert eng.compact(scope=SCOPE, session_id=sid, force=True).compacted  # first kept: m010 (a user message)
     ids = visible_ids(store, sid)
-    fence = store.anchor(SCOPE, sid, ids[10])
+    before = compaction.load_pointer(store, SCOPE, sid)
+    at = compaction.compact_session(store, SCOPE, sid, summarizer=summarizer, estimator=RoughEstimator(),
+                                    fence=store.anchor(SCOPE, sid, ids[10]), keep_last=2, force=True)
+    assert not at.compacted and at.reason == "nothing old enough to compact"
+    assert compaction.load_pointer(store, SCOPE, sid) == before
+    fence = store.anchor(SCOPE, sid, ids[8])  # (a user message)
     result = compaction.compact_session(store, SCOPE, sid, summarizer=summarizer, estimator=RoughEstimator(),
                                         fence=fence, keep_last=2, force=True)
     assert result.compacted
     out = eng.assemble(scope=SCOPE, session_id=sid, fence=None, token_budget=10**6)
     summary = out.messages[0]["content"].split()
     verbatim = contents(out.messages[1:])
-    assert verbatim == [f"m{i:03d}" for i in range(8, 11)]
+    assert verbatim == [f"m{i:03d}" for i in range(6, 11)]
     for i in range(11):
         assert (f"m{i:03d}" in summary) + (f"m{i:03d}" in verbatim) == 1, (i, summary)
 

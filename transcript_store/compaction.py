@@ -517,7 +517,8 @@ def split_point(entries: Sequence[Entry], keep_last: int) -> int:
 
 def _start(config: StoreConfig, pointer: dict[str, Any] | None, visible: Sequence[Entry]) -> int | None:
     """Where the messages a compaction may summarise start among ``visible``: at the pointer's first kept
-    one (0 without a pointer); None when that is not among them."""
+    one (0 without a pointer; ``len(visible)`` when it stands right after them); None when that is not
+    among them."""
     if pointer is None:
         return 0
     at = int(pointer["first_kept_position"])
@@ -526,6 +527,14 @@ def _start(config: StoreConfig, pointer: dict[str, Any] | None, visible: Sequenc
         # A host's reset that kept nothing before it: the messages from its position on are what is left.
         return at if at <= len(visible) else None
     found = next((i for i, e in enumerate(visible) if e.entry_id == kept), None)
+    if found is None and at == len(visible):
+        # The pointer stands (``pointer_in``) in front of the message right after those read: a host's
+        # compaction that kept only the turn it ran in (a message the mirror does not hold yet, or the
+        # running turn's admitted one, behind the fence), or one made over the admitted message. Its summary
+        # is all there is before it, as the assembly shows it: nothing older is left to compact. Not found,
+        # the messages its summary stood for were summarised again from the first without it, and the
+        # newest of them shown again.
+        return at
     if found is not None or pointer.get("source") != "host" or at >= len(visible):
         return found
     # A host's compaction (or reset) that kept only the turn it ran in names the host's id of that turn's
@@ -614,8 +623,8 @@ def compact_session(
     visible: list[Entry] = store.read_visible(scope, session_id, fence=fence)
     start = _start(store.config, pointer, visible)
     if start is None:
-        # The pointer's first kept entry is not among these messages (at or after the fence, or the path
-        # moved between the two reads): its summary covers messages this compaction would keep verbatim (or
+        # The pointer's first kept entry is not among these messages (after the fence, or the path moved
+        # between the two reads): its summary covers messages this compaction would keep verbatim (or
         # that left the path), so it is not carried on. What follows a host's reset under it is what is
         # left, else the messages are summarized again from the first.
         pointer = reset_under(pointer)
