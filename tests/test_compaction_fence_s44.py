@@ -9,6 +9,11 @@ backends (a review of the host's manual compaction, ``compaction.compact_session
    running turn's fence) was not found by the built-in compaction: it summarised the messages the host's
    summary stood for again from the first, without that summary, and showed the newest of them again.
    Now such a compaction leaves nothing older to compact, and nothing is written.
+3. ``split_point`` (where the built-in compaction cuts) and the legacy engine's ``_fit`` (where its
+   assembly starts) stepped over a tool result only when it was the message right at the cut: a hidden
+   message (``excludeFromContext``) between a tool call and its result let the cut land between them, and
+   the kept messages began with a result whose call was summarised (or the assembly showed one without
+   its call).
 """
 
 from __future__ import annotations
@@ -148,3 +153,49 @@ def test_a_host_compaction_at_the_running_turns_fence_is_carried_on(store: Trans
     assert compaction.load_pointer(store, A, sid) == before
     assert [m["content"] for m in eng.assemble(scope=A, session_id=sid, fence=fence, token_budget=100_000).messages] \
         == [f"{HEAD}the host's summary"]
+
+
+def call(call_id: str) -> dict[str, Any]:
+    """An assistant message calling one tool."""
+    fn = {"name": "lookup", "arguments": '{"q":"x"}'}
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": fn}]}
+
+
+def hidden(text: str) -> dict[str, Any]:
+    """A message the host keeps out of the model's context (OpenClaw's ``excludeFromContext``)."""
+    return {"role": "user", "content": text, "openclaw": {"excludeFromContext": True}}
+
+
+def result(call_id: str, text: str) -> dict[str, Any]:
+    """A tool's result."""
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def test_the_built_in_compaction_never_cuts_between_a_call_and_its_result_over_a_hidden_message(
+    store: TranscriptStore, sid: str
+) -> None:
+    tail = [call("c1"), hidden("a hidden consult"), result("c1", "found it"), a("done")]
+    store.append_many(A, sid, [{"message": m} for m in [*talk(8), *tail]])
+    eng = LegacyEngine(EngineContext(store=store, config={"keep_last": 3}, summarizer=ExtractiveSummarizer(),
+                                     estimator=RoughEstimator()))
+    assert eng.compact(scope=A, session_id=sid, force=True).compacted
+    pointer = compaction.load_pointer(store, A, sid)
+    assert pointer is not None
+    # The last 3 begin at the hidden message: the call (at 8) was summarised, its result kept.
+    assert pointer["first_kept_position"] == 8
+    out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
+    assert [m.get("role") for m in out] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_the_legacy_assembly_never_starts_on_a_result_behind_a_hidden_message(
+    store: TranscriptStore, sid: str
+) -> None:
+    store.append_many(A, sid, [{"message": m} for m in [call("c1"), hidden("a hidden consult"),
+                                                         result("c1", "found it"), a("done")]])
+    eng = LegacyEngine(EngineContext(store=store, config={}, estimator=RoughEstimator()))
+    est = RoughEstimator()
+    room = est.count_messages([result("c1", "found it")]) + est.count_messages([a("done")])
+    # Room for the result and the last answer, not the call: the hidden message costs nothing, so the
+    # assembly began at it, and showed the result without its call.
+    out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=room).messages
+    assert [m.get("role") for m in out] == ["assistant"]

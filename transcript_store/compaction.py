@@ -509,10 +509,22 @@ def _keeps_the_same(
 def split_point(entries: Sequence[Entry], keep_last: int) -> int:
     """Index of the first kept entry: the last ``keep_last``, never splitting a tool call from its result."""
     cut = max(0, len(entries) - keep_last)
-    # Move the cut earlier while it would orphan tool (or function) results from the call that made them.
-    while 0 < cut < len(entries) and (entries[cut].message or {}).get("role") in RESULT_ROLES:
+    # Move the cut earlier while it would orphan tool (or function) results from the call that made them:
+    # while the first kept message the model is shown is a result. A hidden message (``out_of_context``)
+    # between a call and its result is not where the kept part may begin either: cut there, the call was
+    # summarised and its result kept.
+    while 0 < cut < len(entries) and _opens_on_a_result(entries, cut):
         cut -= 1
     return cut
+
+
+def _opens_on_a_result(entries: Sequence[Entry], at: int) -> bool:
+    """Whether the first message from ``entries[at]`` on that is not hidden is a tool (or function) result."""
+    for e in entries[at:]:
+        message = e.message or {}
+        if not out_of_context(message):
+            return message.get("role") in RESULT_ROLES
+    return False
 
 
 def _start(config: StoreConfig, pointer: dict[str, Any] | None, visible: Sequence[Entry]) -> int | None:

@@ -297,7 +297,7 @@ class LegacyEngine:
 
     def _fit(self, visible: list[dict[str, Any]], tokens: list[int], start: int, end: int, budget: int) -> int:
         """Where the newest messages of visible[start:end] that fit the budget begin (never on a tool or
-        function result).
+        function result, nor on a hidden message before one).
 
         Walks back from the newest message over the counts kept in the projection, so a turn costs
         O(what fits), not O(history), and no message is counted twice.
@@ -309,7 +309,9 @@ class LegacyEngine:
                 break
             total += cost
             first -= 1
-        while first < end and visible[first].get("role") in RESULT_ROLES:
+        # A hidden message costs nothing, so the walk takes it for free: one between a call and its result
+        # was where the context began, and the result was shown without its call.
+        while first < end and (visible[first].get("role") in RESULT_ROLES or out_of_context(visible[first])):
             first += 1
         return first
 
