@@ -14,6 +14,8 @@ backends (a review of the host's manual compaction, ``compaction.compact_session
    message (``excludeFromContext``) between a tool call and its result let the cut land between them, and
    the kept messages began with a result whose call was summarised (or the assembly showed one without
    its call).
+4. ``split_point`` counted hidden messages among the ``keep_last`` kept verbatim: a hidden exchange at the
+   end (a context-free command and its reply) left the model no message after the summary.
 """
 
 from __future__ import annotations
@@ -199,3 +201,19 @@ def test_the_legacy_assembly_never_starts_on_a_result_behind_a_hidden_message(
     # assembly began at it, and showed the result without its call.
     out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=room).messages
     assert [m.get("role") for m in out] == ["assistant"]
+
+
+def test_the_built_in_compaction_keeps_the_last_keep_last_messages_the_model_is_shown(
+    store: TranscriptStore, sid: str
+) -> None:
+    # The host's last exchange is hidden (a context-free command and its reply): counted among the keep_last,
+    # it left the model no message verbatim after the summary, the newest question and answer summarised.
+    tail = [hidden("/status"), {"role": "assistant", "content": "all fine", "openclaw": {"excludeFromContext": True}}]
+    store.append_many(A, sid, [{"message": m} for m in [*talk(10), *tail]])
+    eng = LegacyEngine(EngineContext(store=store, config={"keep_last": 2}, summarizer=ExtractiveSummarizer(),
+                                     estimator=RoughEstimator()))
+    assert eng.compact(scope=A, session_id=sid, force=True).compacted
+    pointer = compaction.load_pointer(store, A, sid)
+    assert pointer is not None and pointer["first_kept_position"] == 8
+    out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
+    assert [m["content"][:2] for m in out[1:]] == ["q8", "r9"]

@@ -507,8 +507,14 @@ def _keeps_the_same(
 
 
 def split_point(entries: Sequence[Entry], keep_last: int) -> int:
-    """Index of the first kept entry: the last ``keep_last``, never splitting a tool call from its result."""
-    cut = max(0, len(entries) - keep_last)
+    """Index of the first kept entry: the last ``keep_last`` messages the model is shown (hidden ones not
+    counted), never splitting a tool call from its result."""
+    # Counted among the kept, hidden messages (never shown, never summarised) took the place of the shown ones:
+    # a hidden exchange at the end left the model none verbatim after the summary.
+    cut, kept = len(entries), 0
+    while cut > 0 and kept < keep_last:
+        cut -= 1
+        kept += not out_of_context(entries[cut].message or {})
     # Move the cut earlier while it would orphan tool (or function) results from the call that made them:
     # while the first kept message the model is shown is a result. A hidden message (``out_of_context``)
     # between a call and its result is not where the kept part may begin either: cut there, the call was
