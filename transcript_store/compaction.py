@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from . import mirror
 from .config import StoreConfig
-from .core import Core, check_id, now_us, prepare_entry
+from .core import Core, check_id, now_us, prepare_entry, stored_text
 from .engine import CompactResult, check_call, check_flag, check_focus, check_token_budget
 from .errors import InvalidInput, MirrorConflict, PayloadTooLarge, SummarizerError
 from .ledger import get_state, put_state
@@ -135,8 +135,10 @@ def pointer_in(c: Core, scope: str, session_id: str) -> dict[str, Any] | None:
     return found
 
 
-#: the engine-state key of the last compaction of the host's recorded (not a reset), in full: what a pointer
-#: that names it by digest (``host_under``) falls back to when it no longer stands
+#: the engine-state key of the host's compaction (not a reset) that a pointer names by digest (``host_under``),
+#: in full: what that pointer falls back to when it no longer stands. Written when such a pointer replaces the
+#: host's (``_keep_host``), not with every host compaction (whose pointer holds the summary itself); a store
+#: written before holds the host's last one here too, which changes nothing (the digest tells which it is)
 HOST_KEY = "host_compaction"
 
 
@@ -146,7 +148,7 @@ def _host_under_standing(c: Core, scope: str, session_id: str, stored: dict[str,
     A built-in compaction (or a reset) made after the host's names it by its summary's digest only; once that
     pointer left the mirror's branch (an edit of the host's below its first kept message) while the host's
     compaction did not, nothing stood and the context grew back by all the host's had summarised. Read only
-    then: the host's pointer is kept whole under its own key."""
+    then: the host's pointer is kept whole under its own key from when it was replaced (``_keep_host``)."""
     named = stored.get(HOST_UNDER)
     if not isinstance(named, dict) or (stored.get("source") == "host" and not stored.get("reset")):
         return None
@@ -369,6 +371,13 @@ def record_host_compaction(
         except UnicodeEncodeError:
             # (Refused by the driver, as an untyped UnicodeEncodeError, when the pointer was written.)
             raise InvalidInput("a host compaction's summary must not contain lone surrogates") from None
+    # The store's payload cap, measured as an entry's is (its JSON text in UTF-8): the pointer holding the summary
+    # is read with every assembly, and a summary of millions of characters went in whatever the cap.
+    size = len(stored_text(summary).encode("utf-8"))
+    if size > c.config.max_payload_bytes:
+        raise PayloadTooLarge(
+            f"a host compaction's summary is {size} bytes, over the cap of {c.config.max_payload_bytes}"
+        )
     # Checked as the service checks it: a NUL stored in the pointer was sent with every later read of it (each
     # assemble), which PostgreSQL refuses (StoreUnavailable, for good) where SQLite found nothing.
     check_id("first_kept_entry_id", first_kept_entry_id, optional=True)
@@ -481,10 +490,30 @@ def record_host_compaction(
         carrying = {**standing, RESET_UNDER: pointer}
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, carrying)
         return carrying
+    if reset:
+        _keep_host(c, scope, session_id, get_state(c, scope, session_id, STATE_OWNER, STATE_KEY), pointer)
     put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, pointer)
-    if not reset:
-        put_state(c, scope, session_id, STATE_OWNER, HOST_KEY, pointer)  # (``_host_under_standing``)
     return pointer
+
+
+def _keep_host(c: Core, scope: str, session_id: str, replaced: Any, pointer: dict[str, Any]) -> None:
+    """Keep the host's compaction a new pointer replaces under ``HOST_KEY`` when the new one names it by digest
+    (``_named``), for ``_host_under_standing`` to fall back to.
+
+    Written then only: while the host's compaction is the pointer, the pointer holds its summary, and a copy
+    written with every host compaction stored each summary twice."""
+    named = pointer.get(HOST_UNDER)
+    if (
+        isinstance(replaced, dict)
+        and replaced.get("source") == "host"
+        and not replaced.get("reset")
+        and isinstance(named, dict)
+        and isinstance(replaced.get("summary"), str)
+        and isinstance(named.get("summary_sha256"), str)
+        and _summarises(named, replaced["summary"])
+        and named.get("first_kept_entry_id") == replaced.get("first_kept_entry_id")
+    ):
+        put_state(c, scope, session_id, STATE_OWNER, HOST_KEY, replaced)
 
 
 def _keeps_the_same(
@@ -777,6 +806,7 @@ def compact_session(
             # (still standing) was gone with it: the context grew back by all that one had summarized.
             return "the transcript moved while it was summarized (a branch or an edit); nothing was written"
         c.append(scope, session_id, [marker])
+        _keep_host(c, scope, session_id, current, new_pointer)
         put_state(c, scope, session_id, STATE_OWNER, STATE_KEY, new_pointer)
         landed[:] = [True]
         return None

@@ -1,0 +1,110 @@
+"""The HTTP service's and the host's hardening (session 44), on both backends.
+
+1. A host's compaction (``compaction.record_host_compaction``, the service's ``host_compaction``) took a
+   summary of any size up to the request model's 4,000,000 characters, whatever the store's payload cap
+   (an entry over it is ``PayloadTooLarge``), and stored it twice in the engine state (the pointer, and a
+   copy under ``host_compaction`` that is read only once a later compaction names the host's by digest).
+2. ``doctor`` said nothing of prepared statements off (a transaction-mode pooler) with the per-connection
+   ``SET plan_cache_mode`` still on, which such a pooler leaves on whichever server connection it lent.
+3. The host quarantined an engine for the process when its call failed with the store's database (a
+   missing table: ``SchemaNotCurrent``; any other ``StoreUnavailable``), not the engine's own fault.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from service_process import ServiceProcess
+from sqlalchemy import select
+
+from transcript_store import StoreConfig, TranscriptStore, compaction
+from transcript_store.errors import PayloadTooLarge
+from transcript_store.schema import engine_state
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
+
+SCOPE = "scope-a"
+CAP = 4096
+
+
+def _state_values(store: TranscriptStore, sid: str) -> list[tuple[str, str]]:
+    """The session's engine-state rows: (key, stored JSON text)."""
+    return store.read(lambda c: [
+        (str(r.key), str(r.value)) for r in c.conn.execute(
+            select(engine_state.c.key, engine_state.c.value).where(
+                engine_state.c.scope == SCOPE, engine_state.c.session_id == sid
+            )
+        )
+    ])
+
+
+def _record(store: TranscriptStore, sid: str, summary: str, position: int = 0, kept: str = "h0") -> Any:
+    return store.write(lambda c: compaction.record_host_compaction(
+        c, SCOPE, sid, summary=summary, first_kept_position=position, first_kept_entry_id=kept
+    ))
+
+
+def test_a_host_compaction_over_the_payload_cap_is_refused_and_writes_nothing(store_url: str) -> None:
+    store = TranscriptStore(config=StoreConfig(url=store_url, max_payload_bytes=CAP))
+    try:
+        sid = store.create_session(SCOPE).session_id
+        # Measured as stored (UTF-8), as an entry's payload is: 3,000 characters of two bytes each.
+        with pytest.raises(PayloadTooLarge, match=f"cap of {CAP}"):
+            _record(store, sid, "\u00e9" * 3000)
+        assert _state_values(store, sid) == []
+        assert compaction.load_pointer(store, SCOPE, sid) is None
+        _record(store, sid, "x" * (CAP - 100))  # under the cap: taken
+        assert compaction.load_pointer(store, SCOPE, sid)["summary"] == "x" * (CAP - 100)  # type: ignore[index]
+    finally:
+        store.close()
+
+
+def test_a_host_compaction_is_stored_once_until_a_built_in_one_names_it(store: TranscriptStore) -> None:
+    """The host's summary lives in the pointer; its copy is written only when a built-in compaction replaces
+    the pointer with one that names the host's by digest (what ``_host_under_standing`` falls back to)."""
+    sid = store.create_session(SCOPE).session_id
+    long = " and so on" * 40
+    for i in range(10):
+        store.append(SCOPE, sid, {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}{long}"},
+                     entry_id=f"h{i}")
+    summary = "the host's own summary " + uuid.uuid4().hex
+    _record(store, sid, summary, position=2, kept="h2")
+    holding = [k for k, v in _state_values(store, sid) if summary in v]
+    assert holding == [compaction.STATE_KEY]  # was: also under host_compaction, a second copy
+    done = compaction.compact_session(store, SCOPE, sid, summarizer=ExtractiveSummarizer(),
+                                      estimator=RoughEstimator(), keep_last=2, force=True)
+    assert done.compacted
+    rows = dict(_state_values(store, sid))
+    assert json.loads(rows[compaction.HOST_KEY])["summary"] == summary  # the pointer names it by digest now
+    stored = json.loads(rows[compaction.STATE_KEY])
+    assert stored[compaction.HOST_UNDER]["summary_sha256"] == compaction._digest(summary)
+
+
+@pytest.fixture
+def http_server(store_url: str, tmp_path: Path) -> Any:
+    with ServiceProcess(store_url, {"token-a-0123456789abcdef": SCOPE}, tmp_path / "serve.log",
+                        env={"TRANSCRIPT_STORE_MAX_PAYLOAD_BYTES": str(CAP)}) as proc:
+        yield proc
+
+
+def test_the_service_answers_413_for_a_host_summary_over_the_cap(http_server: ServiceProcess, store_url: str) -> None:
+    token = "token-a-0123456789abcdef"
+    status, data = http_server.call("POST", "/v1/sessions", token, {})
+    assert status == 200, data
+    sid = data["session_id"]
+    path = f"/v1/engines/legacy/sessions/{sid}/host_compaction"
+    status, data = http_server.call("POST", path, token,
+                                    {"summary": "\u00e9" * 3000, "first_kept_position": 0, "first_kept_entry_id": "h0"})
+    assert status == 413 and data["error"]["code"] == "payload_too_large", data
+    store = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False))
+    try:
+        assert [k for k, _ in _state_values(store, sid)] == []
+    finally:
+        store.close()
+    status, data = http_server.call("POST", path, token,
+                                    {"summary": "short", "first_kept_position": 0, "first_kept_entry_id": "h0"})
+    assert status == 200, data
