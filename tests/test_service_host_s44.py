@@ -17,9 +17,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from click.testing import CliRunner
+from conftest import PG_ADMIN
 from service_process import ServiceProcess
 from sqlalchemy import select
+from test_pgbouncer_s43 import _missing, _program, start_bouncer
 
 from transcript_store import StoreConfig, TranscriptStore, compaction
 from transcript_store.errors import PayloadTooLarge
@@ -108,3 +112,68 @@ def test_the_service_answers_413_for_a_host_summary_over_the_cap(http_server: Se
     status, data = http_server.call("POST", path, token,
                                     {"summary": "short", "first_kept_position": 0, "first_kept_entry_id": "h0"})
     assert status == 200, data
+
+
+# ------------------------------------------------------------------------------------ doctor and the pooler
+
+
+def _doctor(url: str, env: dict[str, str]) -> tuple[int, str]:
+    from transcript_store.cli import cli
+
+    result = CliRunner().invoke(cli, ["doctor", "--db", url], env={"TRANSCRIPT_STORE_CONFIG": "", **env})
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize(("prepared", "generic", "warned"), [
+    ("0", "1", True), ("0", "0", False), ("1", "1", False), ("1", "0", False),
+])
+def test_doctor_warns_of_the_per_connection_set_with_prepared_statements_off(
+    store_url: str, prepared: str, generic: str, warned: bool
+) -> None:
+    code, out = _doctor(store_url, {"TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS": prepared,
+                                    "TRANSCRIPT_STORE_PG_GENERIC_PLANS": generic})
+    assert code == 0, out
+    hit = [line for line in out.splitlines() if line.startswith("warning:") and "plan_cache_mode" in line]
+    # Only PostgreSQL's connections run the SET: a SQLite store has nothing to warn of.
+    expected = warned and store_url.startswith("postgresql")
+    assert bool(hit) == expected, out
+    if expected:
+        assert "TRANSCRIPT_STORE_PG_GENERIC_PLANS=0" in hit[0] and "transaction" in hit[0]
+    store = TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False,
+                                               pg_prepared_statements=prepared == "1",
+                                               pg_generic_plans=generic == "1"))
+    try:
+        assert ("warning" in store.db.settings()) == expected
+    finally:
+        store.close()
+
+
+def test_the_per_connection_set_leaks_to_the_poolers_other_clients(
+    request: pytest.FixtureRequest, store_url: str, backend: str, tmp_path: Path
+) -> None:
+    """What doctor warns of, through a real PgBouncer in transaction mode (one server connection): the
+    store's SET at its connect lands on the server connection the pooler lends for it, and stays there for
+    the pooler's next client, which did not ask for it. Off (``pg_generic_plans=False``), nothing is left."""
+    if backend == "sqlite":
+        return  # no pooler, no SET
+    if _program() is None:
+        _missing(request, "the pgbouncer program is not installed")
+    dbname = store_url.rsplit("/", 1)[1]
+    bouncer = start_bouncer(tmp_path / "pgbouncer", 1, dbname)
+    try:
+        url = bouncer.url(store_url)
+        server = psycopg.conninfo.conninfo_to_dict(PG_ADMIN)
+        found = []
+        for generic in (False, True):
+            store = TranscriptStore(config=StoreConfig(url=url, auto_upgrade=False, pool_size=1,
+                                                       pg_prepared_statements=False, pg_generic_plans=generic))
+            try:
+                store.list_sessions(SCOPE)  # connects (and SETs, when on)
+                with psycopg.connect(host="127.0.0.1", port=bouncer.port, user=server.get("user", "postgres"),
+                                     dbname=dbname, autocommit=True) as other:
+                    found.append(other.execute("SHOW plan_cache_mode").fetchone()[0])  # type: ignore[index]
+            finally:
+                store.close()
+        assert found == ["auto", "force_generic_plan"]
+    finally:
+        bouncer.stop()

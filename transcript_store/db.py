@@ -784,9 +784,35 @@ class Database:
                 "plan_cache_mode": conn.exec_driver_sql("SELECT current_setting('plan_cache_mode', true)").scalar(),
                 "prepared_statements": _prepared_statements(conn),
                 "id_order": _pg_id_order(conn),
+                **({"warning": warning} if (warning := pooler_warning(self.config)) is not None else {}),
             }
 
         return self.read(probe)
+
+
+def pooler_warning(config: StoreConfig) -> str | None:
+    """What ``doctor`` warns of when prepared statements are off but every connection still runs
+    ``PG_SESSION_SETTINGS``, else None (a SQLite store too: it runs no SET).
+
+    Prepared statements are turned off for a pooler in transaction mode, which hands a client another server
+    connection at each transaction. The SET, run once as a connection opens (autocommit, a transaction of its
+    own), lands on the server connection the pooler lends for it and stays there when the pooler hands that
+    connection to its next client (PgBouncer resets server connections only in session mode): other
+    applications sharing the pool plan their statements generic, while the store's own transactions run on
+    server connections with or without it. And with nothing prepared it saves nothing even without a pooler:
+    each statement is parsed and planned at every run all the same, forced to a generic plan (its parameters
+    unknown: ``$1`` in the plan) instead of one for its values."""
+    if not config.url.startswith("postgresql") or config.pg_prepared_statements or not config.pg_generic_plans:
+        return None
+    return (
+        "prepared statements are off (TRANSCRIPT_STORE_PG_PREPARED_STATEMENTS=0, for a pooler in transaction "
+        f"mode) but every connection still runs {PG_SESSION_SETTINGS!r}: behind such a pooler it lands on "
+        "whichever server connection the pooler lends as the store connects and stays there for the pooler's "
+        "other clients, while the store's own transactions run on connections with or without it (and with "
+        "nothing prepared it plans every statement at every run all the same, generic). Set "
+        "TRANSCRIPT_STORE_PG_GENERIC_PLANS=0 too (ALTER ROLE ... SET plan_cache_mode sets it for the store's "
+        "role instead)"
+    )
 
 
 def _prepared_statements(conn: Connection) -> str:

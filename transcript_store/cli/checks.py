@@ -131,6 +131,11 @@ def doctor() -> None:
     # engines it should hold are missing wherever engines run (chat, serve and gateway warn of it at start).
     problems.extend(dir_problems)
     warnings = [w for w in warnings if w not in dir_problems]
+    # The backend's own warning (db.pooler_warning: prepared statements off, the per-connection SET on) among
+    # the others, said once as a `warning:` line rather than as one more setting.
+    backend_warning = (store_info.get("settings") or {}).pop("warning", None)
+    if backend_warning is not None:
+        warnings.append(backend_warning)
     data = {
         "ok": not problems,
         "problems": problems,
