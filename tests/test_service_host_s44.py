@@ -21,13 +21,17 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from conftest import PG_ADMIN
+from hosting import RecordingModel
 from service_process import ServiceProcess
 from sqlalchemy import select
 from test_pgbouncer_s43 import _missing, _program, start_bouncer
 
 from transcript_store import StoreConfig, TranscriptStore, compaction
-from transcript_store.errors import PayloadTooLarge
+from transcript_store.errors import PayloadTooLarge, SchemaNotCurrent
+from transcript_store.host import HostRuntime
+from transcript_store.registry import EngineRegistry
 from transcript_store.schema import engine_state
+from transcript_store.settings import load_settings
 from transcript_store.summarize import ExtractiveSummarizer
 from transcript_store.tokens import RoughEstimator
 
@@ -146,6 +150,35 @@ def test_doctor_warns_of_the_per_connection_set_with_prepared_statements_off(
         assert ("warning" in store.db.settings()) == expected
     finally:
         store.close()
+
+
+# ------------------------------------------------------------------------------------ quarantine
+
+
+def _host(store: TranscriptStore) -> HostRuntime:
+    return HostRuntime(store, load_settings(config_path=None, engine="lossless"), RecordingModel(),
+                       registry=EngineRegistry(), summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+
+
+def test_an_engine_whose_table_is_missing_is_not_quarantined(store: TranscriptStore) -> None:
+    """The lossless engine's table renamed away (a real failure of the store's database, SchemaNotCurrent):
+    the turn fails or runs on legacy, the engine is not isolated, and once the table is back it runs again."""
+    sid = store.create_session(SCOPE).session_id
+    host = _host(store)
+    try:
+        assert host.run_turn(SCOPE, sid, "first", turn_id="t1").engine_id == "lossless"
+        store.write(lambda c: c.conn.exec_driver_sql("ALTER TABLE ts_lcm_messages RENAME TO ts_lcm_away"))
+        try:
+            out = host.run_turn(SCOPE, sid, "second", turn_id="t2")
+            # Its assemble failed with the store's typed error: that turn ran on legacy, which needs no such table.
+            assert out.engine_id == "legacy" and SchemaNotCurrent.__name__ in (out.degraded_reason or ""), out
+            assert "lossless" not in host.quarantined  # was: quarantined for the life of the process
+        finally:
+            store.write(lambda c: c.conn.exec_driver_sql("ALTER TABLE ts_lcm_away RENAME TO ts_lcm_messages"))
+        out = host.run_turn(SCOPE, sid, "third", turn_id="t3")
+        assert out.engine_id == "lossless" and out.degraded_reason is None, out
+    finally:
+        host.dispose()
 
 
 def test_the_per_connection_set_leaks_to_the_poolers_other_clients(

@@ -58,16 +58,12 @@ from .errors import (
     ModelError,
     ModelTimeout,
     OutboxCollision,
-    PermissionDenied,
     PromptTooLarge,
     ReadFenceError,
     SchemaNotCurrent,
     SessionBusy,
-    StorageFull,
-    StoreClosed,
     StoreUnavailable,
     TranscriptStoreError,
-    TransientStoreError,
     TurnBranchedAway,
     TurnOvertaken,
     UnknownEngine,
@@ -456,14 +452,19 @@ class HostRuntime(TokenCounts):
             raise
 
     def _database_failed(self, error: BaseException) -> bool:
-        """Whether an engine's call failed because the database did (a lost connection, a deadlock, a
-        full disk, a missing grant or a read-only file): the transaction is retried whole or the turn
-        fails, but it is not the engine's fault, and isolating the engine for the process would outlive
-        the outage."""
+        """Whether an engine's call failed because the store's database did: the transaction is retried
+        whole or the turn fails (or runs on legacy), but it is not the engine's fault, and isolating the
+        engine for the process would outlive the cause.
+
+        Every error the database answers, as the store translates it (``StoreUnavailable`` and its kinds, a
+        missing table's ``SchemaNotCurrent``): a lost connection or a deadlock, a full disk, a missing grant
+        or a read-only file, a closed store, and as much a misconfigured pooler ("prepared statement ...
+        does not exist") or a table dropped or renamed by hand, which the legacy engine's reads meet too
+        and an operator mends while the process runs. Quarantined, the engine stayed out of use for the
+        life of the process after the cause was gone."""
         if isinstance(error, DBAPIError):
             error = self.store.db.translate(error)  # raised inside a transaction, not translated yet
-        # StoreClosed: a call that outlived its service's close, not the engine's doing either
-        return isinstance(error, (TransientStoreError, StorageFull, PermissionDenied, StoreClosed))
+        return isinstance(error, (StoreUnavailable, SchemaNotCurrent))
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
