@@ -173,6 +173,9 @@ def test_an_engine_whose_table_is_missing_is_not_quarantined(store: TranscriptSt
             # Its assemble failed with the store's typed error: that turn ran on legacy, which needs no such table.
             assert out.engine_id == "legacy" and SchemaNotCurrent.__name__ in (out.degraded_reason or ""), out
             assert "lossless" not in host.quarantined  # was: quarantined for the life of the process
+            with pytest.raises(SchemaNotCurrent):  # no legacy to fall back to: the typed error, to the caller
+                host.compact(SCOPE, sid)
+            assert "lossless" not in host.quarantined
         finally:
             store.write(lambda c: c.conn.exec_driver_sql("ALTER TABLE ts_lcm_away RENAME TO ts_lcm_messages"))
         out = host.run_turn(SCOPE, sid, "third", turn_id="t3")
