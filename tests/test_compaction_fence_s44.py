@@ -217,3 +217,23 @@ def test_the_built_in_compaction_keeps_the_last_keep_last_messages_the_model_is_
     assert pointer is not None and pointer["first_kept_position"] == 8
     out = eng.assemble(scope=A, session_id=sid, fence=None, token_budget=100_000).messages
     assert [m["content"][:2] for m in out[1:]] == ["q8", "r9"]
+
+
+def test_a_delegated_compaction_through_the_service_holds_the_requests_fence(store: TranscriptStore, sid: str) -> None:
+    """``Service.compact`` gave the request's fence to the runtime context only when the engine's ``compact``
+    declared a ``fence`` keyword: an engine that hands its compaction to the runtime (no such keyword) had
+    the built-in compaction read the running turn's admitted message, as the host's manual one did."""
+    store.append_many(A, sid, [{"message": m} for m in talk(12)])
+    svc = Service(store, load_settings(config_path=None, engine_config={"legacy": {"keep_last": 2}}))
+    assert svc.runtime.registry is not None
+    svc.runtime.registry.register_factory("delegating", lambda ctx: Delegating(ctx, "delegating"))
+    try:
+        admission = store.admit(A, sid, u("and now?"), turn_id="t-run")
+        out = svc.compact(A, "delegating", sid, CompactRequest(force=True, fence=admission.anchor))
+    finally:
+        svc.runtime.dispose()
+    assert out.compacted, out.reason
+    pointer = compaction.load_pointer(store, A, sid)
+    assert pointer is not None
+    assert (pointer["first_kept_position"], pointer["made_at_count"]) == (10, 12)
+    assert pointer["seen_entry_id"] != admission.anchor.entry_id

@@ -707,9 +707,11 @@ class Service:
                                 "token_budget": budget}
         if fenced:
             base["fence"] = fence
-        # Its runtime context carries the fence too, as the host's inside a turn does: a compaction the
-        # engine hands to the runtime (``delegate_compaction_to_runtime``) holds it as well.
-        host = self._host(call, fence if fenced else None, budget)
+        # Its runtime context carries the request's fence whether or not ``compact`` declares one, as the
+        # host's does (inside a turn, and ``HostRuntime.compact`` during a running turn): a compaction the
+        # engine hands to the runtime (``delegate_compaction_to_runtime``) holds it; given it only with a
+        # ``fence`` keyword, the built-in compaction of an engine that delegates read the turn's message.
+        host = self._host(call, fence, budget)
         return CompactResult.model_validate(method(**project_params(call.info, base, host)))
 
     def host_compaction(
