@@ -20,9 +20,13 @@ not stored again; so is a turn's middle message imported under its host id, foun
 terminal's parents.
 
 An entry id names one host message: a range that names one id at two positions is refused
-(``InvalidInput``), and so is one that names, at a later position, a message the mirror holds on its
-active branch at an earlier one (``MirrorConflict``: ``turn_mismatch`` for a turn, ``cursor`` for a
-page): appending it again under a fresh id would show that message twice. A turn's admission and
+(``InvalidInput``), and so is one that names, at a later position, the same message the mirror holds
+under that id on its active branch before the range (``MirrorConflict``: ``turn_mismatch`` for a turn,
+``cursor`` for a page, naming the id and both positions): an overlapping page or a stale turn, and
+appending it again under a fresh id would show that message twice. An id the host reused for another
+message, or one the mirror holds at a position inside the range, matched there by its text to a
+message the host now names otherwise, is no overlap: the message goes under an id derived from it, as
+any reused id (refused, every import of such a host failed the same way, from its beginning too). A turn's admission and
 terminal match by entry id (or the id derived for it there) alone, since the engine's receipt names
 them and a replay is checked against those names.
 
@@ -220,17 +224,19 @@ def align(
     rest = list(zip(messages[matched:], prepared[matched:], strict=True))
     named = [h.entry_id for h, _ in rest if h.entry_id is not None]
     taken = core.entry_rows(scope, session_id, named) if named else {}
-    for i, (host, _) in enumerate(rest):
+    for i, (host, new) in enumerate(rest):
         found = None if host.entry_id is None else taken.get(host.entry_id)
-        if found is not None and found.position is not None and found.position < keep and core.on_active_path(
-            scope, session_id, found
-        ):
-            # The host names, at position keep + i, a message the mirror shows at an earlier position that
-            # stays: the range does not line up with the mirror (an overlapping page, a turn sent with a
-            # stale position). A fresh id would show that message twice.
+        if found is not None and _shown_twice(core, scope, session_id, start, keep, found, new):
+            # The host names, at position keep + i, the message the mirror shows under that id at an earlier
+            # position that stays: the range does not line up with the mirror (an overlapping page, a turn
+            # sent with a stale position). A fresh id would show that message twice.
+            advice = (
+                "the turn's positions are stale" if turn else "re-read the resume point and send the page after it"
+            )
             raise MirrorConflict(
                 reason,
-                f"entry {host.entry_id!r} is mirrored at position {found.position}; the range puts it at {keep + i}",
+                f"entry {host.entry_id!r} is mirrored at position {found.position}; the range puts the same "
+                f"message at position {keep + i} ({advice}; a host must not name two of its messages by one id)",
             )
     rewound = keep < visible and matched < len(messages)
     if rewound and turn:
@@ -252,6 +258,23 @@ def align(
     if reused < len(placed):
         core.append(scope, session_id, placed[reused:])
     return Alignment(imported=len(rest), matched=matched, rewound=rewound)
+
+
+def _shown_twice(
+    core: Core, scope: str, session_id: str, start: int, keep: int, found: Any, new: NewEntry
+) -> bool:
+    """Whether appending a range's message named by an id the mirror holds as ``found`` shows one message twice.
+
+    Only the same message, held on the active branch at a position the range keeps, before the range: a
+    host that reused the id for another message (after a rewrite of its own), or whose message at that
+    position (inside the range) now has another id, is mirrored under an id derived from it (``_place``).
+    Refused either way, such a host's every import failed, from its beginning too, for ever."""
+    if found.position is None or found.position >= keep:
+        return False
+    if found.position >= start:
+        # Matched by its text to the host's message there, whose id is another (a range names one id once).
+        return False
+    return same_stored_text(found.payload, new.payload_json) and core.on_active_path(scope, session_id, found)
 
 
 def names(config: StoreConfig, host_id: str, row: Any, message: dict[str, Any]) -> bool:
