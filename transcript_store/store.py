@@ -671,12 +671,15 @@ class TranscriptStore:
         *,
         session_id: str | None = None,
         session_key: str | None = None,
+        keyless: bool = False,
     ) -> SessionInfo:
-        """Recreate an exported session (same entries, tree and head) in one transaction; never overwrites."""
+        """Recreate an exported session (same entries, tree and head) in one transaction; never overwrites.
+
+        ``session_id``/``session_key`` name the copy instead of the header's; ``keyless``: it has no key."""
         from . import transfer
 
         plan = transfer.plan_import(
-            self.config, scope, header, entries, session_id=session_id, session_key=session_key
+            self.config, scope, header, entries, session_id=session_id, session_key=session_key, keyless=keyless
         )
         return transfer.write_import(self, plan)
 

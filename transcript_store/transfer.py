@@ -344,9 +344,12 @@ def plan_import(
     *,
     session_id: str | None = None,
     session_key: str | None = None,
+    keyless: bool = False,
 ) -> ImportPlan:
-    """Validate an export completely; raises InvalidInput (nothing written) on the first problem."""
-    head, sid, key = _check_header(scope, header, session_id, session_key)
+    """Validate an export completely; raises InvalidInput (nothing written) on the first problem.
+
+    ``session_id``/``session_key``: the copy's, instead of the header's; ``keyless``: the copy has no key."""
+    head, sid, key = _check_header(scope, header, session_id, session_key, keyless)
     if isinstance(records, str | bytes) or not isinstance(records, Sequence):
         raise InvalidInput("entries must be a list of entry records")
     if len(records) != head.entry_count:
@@ -365,6 +368,7 @@ def plan_import_stream(
     *,
     session_id: str | None = None,
     session_key: str | None = None,
+    keyless: bool = False,
 ) -> ImportPlan:
     """Validate an export read a record at a time as ``plan_import`` does, its checked entry rows written
     to ``spool`` (a temporary file, emptied first) and read back from it by the plan: memory holds the few
@@ -373,7 +377,7 @@ def plan_import_stream(
     Holding every record, then every row took about 6 times the export's size (640 MB of RSS for a
     100 MB export of 50,000 entries). Spooling the rows, not reading the export twice, writes exactly
     what was checked, even from stdin or a file changed meanwhile, and checks each entry once."""
-    head, sid, key = _check_header(scope, header, session_id, session_key)
+    head, sid, key = _check_header(scope, header, session_id, session_key, keyless)
     tree = _Tree(config, scope, sid, head)
     records = iter(records)  # one iterator: the records past the count are counted from where it stopped
     spool.seek(0)
@@ -415,7 +419,7 @@ def _spooled_batches(spool: BinaryIO, scope: str, sid: str) -> Iterator[list[dic
 
 
 def _check_header(
-    scope: str, header: Any, session_id: str | None, session_key: str | None
+    scope: str, header: Any, session_id: str | None, session_key: str | None, keyless: bool
 ) -> tuple[SessionHeader, str, str | None]:
     """The export's header checked, and the session id and key the import writes."""
     check_id("scope", scope, new=True)
@@ -427,10 +431,20 @@ def _check_header(
     check_id("header: scope", head.scope)
     check_id("header: session_id", head.session_id)
     check_id("header: session_key", head.session_key, optional=True)
+    if keyless and session_key is not None:
+        raise InvalidInput("an import is either keyless or under a session_key, not both")
     sid = session_id if session_id is not None else head.session_id
-    key = session_key if session_key is not None else head.session_key
-    check_id("session_id", sid, new=True)
-    check_id("session_key", key, optional=True, new=True)
+    key = None if keyless else session_key if session_key is not None else head.session_key
+    # A new session's id and key, named as the header's field when they are the header's: so an import's
+    # every refusal names its record (the CLI adds the line), and one of an id an earlier release stored
+    # (1-255 characters, but over MAX_ID_BYTES) says the import takes another.
+    for what, given, value in (("session_id", session_id, sid), ("session_key", session_key, key)):
+        try:
+            check_id(what, value, optional=True, new=True)
+        except InvalidInput as e:
+            if given is not None:
+                raise
+            raise InvalidInput(f"header: {e} for a new session; import it under another {what}") from None
     return head, sid, key
 
 
