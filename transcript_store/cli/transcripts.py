@@ -6,11 +6,12 @@ import sys
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, cast
 
 import click
 
 from .. import showing, transfer
+from ..config import StoreConfig
 from ..core import Core, check_id
 from ..db import sqlite_file
 from ..errors import IdempotencyConflict, InvalidInput, SessionKeyConflict, SessionReplaced, UnknownSession
@@ -29,7 +30,7 @@ from .exports import (
     export_line_limit,
 )
 from .group import cli
-from .options import EXIT_USAGE, CommandError, common, filled, state
+from .options import EXIT_INTERRUPTED, EXIT_USAGE, CommandError, common, filled, state
 from .output import console, emit_json
 from .rendering import _show_json, print_entries
 from .stores import find_session, make_url_or_usage, store_session
@@ -161,27 +162,38 @@ def sessions_export(session: str, output: str | None) -> None:
         click.echo(f"exported session {info.session_id}: {count} entries to {output}")
 
 
-@sessions.command("import")
-@click.argument("file", type=_ExportFile("r", encoding="utf-8-sig"))
-@click.option("--session-id", "new_id", metavar="ID", callback=filled(), help="Import under a new session id.")
-@click.option("--session-key", "new_key", metavar="KEY", callback=filled(), help="Import under a new session key.")
-@common
-def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> None:
-    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head, in --scope (not
-    the scope the file names).
+def _filled_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``filled()`` for --session-key, whose empty value (asking for no key) is refused pointing at the flag
+    that says so."""
+    try:
+        return cast("str | None", filled()(ctx, param, value))
+    except click.BadParameter as e:
+        raise click.BadParameter(f"{e.message} (--no-session-key imports the copy without a key)") from None
 
-    The file holds the transcript only (no turn intents, receipts or engine state): do not retry the
-    source's turns on the copy. Declared sizes and generations are checked; drop an entry's size_bytes
-    after editing it by hand."""
-    st = state()
-    config = st.store_config()
-    make_url_or_usage(config.url)
-    for option, what, value in (("--session-id", "session_id", new_id), ("--session-key", "session_key", new_key)):
-        # Named as the option, before the file is read: "session_id must be ..." read as the file's own.
-        try:
-            check_id(what, value, optional=True, new=True)
-        except InvalidInput as e:
-            raise InvalidInput(f"{option}: {e}") from None
+
+#: the library's advice on a header's id or key too long for a new session, as the command's options say it
+_HEADER_ID_ADVICE = {
+    "import it under another session_id": "import it under another with --session-id",
+    "import it under another session_key": "import it under another with --session-key, or without one with "
+    "--no-session-key",
+}
+
+
+def _with_options(e: InvalidInput) -> InvalidInput:
+    """A refused import's error, its advice naming this command's options rather than the library's arguments."""
+    message = str(e)
+    for said, option in _HEADER_ID_ADVICE.items():
+        if message.endswith(said):
+            return InvalidInput(message[: -len(said)] + option)
+    return e
+
+
+def _import_file(
+    file: IO[str], config: StoreConfig, scope: str, naming: tuple[str | None, str | None, bool], phase: list[str]
+) -> SessionInfo:
+    """Check the export ``file`` whole, then write it in one transaction (``sessions import``); ``phase``
+    gets the session's id once the write may begin, then ``landed``."""
+    new_id, new_key, keyless = naming
     numbers = array("q")  # the line of each record: 8 bytes an entry
     records = _export_records(file, export_line_limit(config.max_payload_bytes), numbers)
     # Checked whole before the store is opened: opening creates or migrates the database --db names (a
@@ -194,19 +206,76 @@ def sessions_import(file: IO[str], new_id: str | None, new_key: str | None) -> N
             if header is _NO_HEADER:  # not None: a first line of `null` is a header, and a wrong one
                 raise InvalidInput("the export is empty (no header line)")
             plan = transfer.plan_import_stream(
-                config, st.scope_name, header, records, spool, session_id=new_id, session_key=new_key
+                config, scope, header, records, spool, session_id=new_id, session_key=new_key,
+                keyless=keyless,
             )
         except InvalidInput as e:
-            raise _at_line(e, numbers) from None
+            raise _at_line(_with_options(e), numbers) from None
         except OSError as e:  # the spool's (the export's own are CommandErrors): a full TMPDIR, a size limit
             raise CommandError(_SPOOL_FAILED + (e.strerror or str(e))) from e
         with store_session(create=True) as store:
+            phase.append(plan.session["session_id"])
             try:
                 info = transfer.write_import(store, plan)
+                phase.append("landed")
             except SessionKeyConflict as e:  # the file's own key, or --session-key's: say how to give another
-                raise SessionKeyConflict(f"{e}; import it under another with --session-key") from None
+                raise SessionKeyConflict(
+                    f"{e}; import it under another with --session-key, or without one with --no-session-key"
+                ) from None
             except IdempotencyConflict as e:  # the file's own id, or --session-id's
                 raise IdempotencyConflict(f"{e}; import it under another id with --session-id") from None
+    return info
+
+
+def _interrupted(phase: list[str]) -> str:
+    """What a Ctrl-C of ``sessions import`` left, by how far it got (``_import_file``'s ``phase``)."""
+    if not phase:
+        return "interrupted: nothing was imported"
+    sid = phase[0]
+    if phase[-1] == "landed":
+        return f"interrupted after the import landed: session {sid!r} is imported whole"
+    return (
+        f"interrupted while writing session {sid!r}: an import is one transaction, so it landed whole or not "
+        f"at all (`sessions show {sid}` tells; the same import again is refused if it landed)"
+    )
+
+
+@sessions.command("import")
+@click.argument("file", type=_ExportFile("r", encoding="utf-8-sig"))
+@click.option("--session-id", "new_id", metavar="ID", callback=filled(), help="Import under a new session id.")
+@click.option("--session-key", "new_key", metavar="KEY", callback=_filled_key,
+              help="Import under a new session key.")
+@click.option("--no-session-key", "keyless", is_flag=True,
+              help="Import without a session key (the copy of a session whose key its source still holds).")
+@common
+def sessions_import(file: IO[str], new_id: str | None, new_key: str | None, keyless: bool) -> None:
+    """Recreate a session from an export FILE ('-' for stdin): same entries, tree and head, in --scope (not
+    the scope the file names).
+
+    The copy keeps the file's session id and key unless --session-id, --session-key or --no-session-key say
+    otherwise (a key is held by one active session: a copy beside its source needs another key, or none).
+    The file holds the transcript only (no turn intents, receipts or engine state): do not retry the
+    source's turns on the copy. Declared sizes and generations are checked; drop an entry's size_bytes
+    after editing it by hand. The import is one transaction: Ctrl-C ends it with exit 130, saying whether
+    it can have landed."""
+    st = state()
+    config = st.store_config()
+    make_url_or_usage(config.url)
+    if keyless and new_key is not None:
+        raise CommandError("--session-key and --no-session-key cannot be given together", EXIT_USAGE)
+    for option, what, value in (("--session-id", "session_id", new_id), ("--session-key", "session_key", new_key)):
+        # Named as the option, before the file is read: "session_id must be ..." read as the file's own.
+        try:
+            check_id(what, value, optional=True, new=True)
+        except InvalidInput as e:
+            raise InvalidInput(f"{option}: {e}") from None
+    # A Ctrl-C became click's Abort ("error: aborted", exit 1), which said nothing of the import: told here
+    # whether anything can have landed (the import is one transaction: whole or nothing), exit 130.
+    phase: list[str] = []  # the session's id once its transaction may have begun, then "landed"
+    try:
+        info = _import_file(file, config, st.scope_name, (new_id, new_key, keyless), phase)
+    except KeyboardInterrupt:
+        raise CommandError(_interrupted(phase), EXIT_INTERRUPTED) from None
     if st.json:
         emit_json(info.model_dump(mode="json"))
     else:
