@@ -563,37 +563,44 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
 
 @contextlib.contextmanager
-def sigterm_ends_the_run() -> Iterator[None]:
+def sigterm_ends_the_run(*, hangup: bool = False) -> Iterator[None]:
     """For a command that owns its process (the CLI's ``gateway``; ``sessions export -o``, whose part file it
-    removes; ``chat``, whose turn it discards): a SIGTERM ends the run as Ctrl-C does, then the process as
-    that SIGTERM would (status 143 in a shell).
+    removes; ``chat``, whose turn it discards): a SIGTERM (and with ``hangup`` a SIGHUP, its terminal gone)
+    ends the run as Ctrl-C does, then the process as that signal would (status 143, or 129, in a shell).
 
     Python's default SIGTERM ended the dispatcher where it stood: its workers died with it (the kernel
     kills them), but on a terminal the progress display never closed, leaving the cursor hidden. Raised
     as KeyboardInterrupt, it runs the interrupted run's ``finally`` blocks: the workers SIGKILLed and
-    reaped, the display closed, the store closed. A second SIGTERM meanwhile ends the process at once.
-    Outside the main thread (no signal handler can be set there) it changes nothing."""
+    reaped, the display closed, the store closed. A second such signal meanwhile ends the process at once.
+    A signal the process was started ignoring (``nohup`` ignores SIGHUP) stays ignored. Outside the main
+    thread (no signal handler can be set there) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    wanted = (signal.SIGTERM, signal.SIGHUP) if hangup else (signal.SIGTERM,)
     terminated: list[int] = []
 
     def interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum_ in handled:
+            signal.signal(signum_, signal.SIG_DFL)
         terminated.append(signum)
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    found = {signum: signal.getsignal(signum) for signum in wanted}
+    handled = [signum for signum, before in found.items() if before != signal.SIG_IGN]
+    for signum in handled:
+        signal.signal(signum, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum in handled:
+            signal.signal(signum, found[signum])
         if terminated:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.signal(terminated[0], signal.SIG_DFL)
+            os.kill(os.getpid(), terminated[0])
 
 
 def _dispatch(
