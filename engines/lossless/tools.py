@@ -92,16 +92,23 @@ def schemas() -> list[dict[str, Any]]:
         _schema(
             "lcm_expand",
             "Open a summary: a condensed summary gives its child summaries, a leaf summary its original messages. "
-            "A message id gives that message's text, a long one a piece at a time (ask again from next_offset).",
+            "A message id gives that message's text, a long one a piece at a time (ask again from next_offset); "
+            "a summary id with text true gives that summary's own text the same way (a summary shown truncated).",
             {
                 "id": ident,
                 "offset": {
                     "type": "integer",
                     "minimum": 0,
                     "default": 0,
-                    "description": "a summary: the first child or message to list; a message: the first character",
+                    "description": "a summary: the first child or message to list; a message, or a summary with "
+                    "text true: the first character",
                 },
                 "limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": 50},
+                "text": {
+                    "type": "boolean",
+                    "default": False,
+                    "description": "true: a summary's own text from character offset on, instead of what it covers",
+                },
             },
             ["id"],
         ),
@@ -216,9 +223,12 @@ def _past_end(offset: int, total: int, ident: str, unit: str) -> ToolError | Non
     return ToolError(f"offset {offset} is past the end of {ident}: it has {total} {unit} (offsets 0 to {total})")
 
 
-def _expand_args(args: dict[str, Any]) -> tuple[str, int, int]:
+def _expand_args(args: dict[str, Any]) -> tuple[str, int, int, bool]:
     raw = _ident(args, "a summary id (sum_N) or a message id")
-    return raw, _offset(args), _int(args, "limit", 50, 1, MAX_LIMIT)
+    text = _optional(args, "text", False)
+    if not isinstance(text, bool):
+        raise ToolError("text must be true or false")
+    return raw, _offset(args), _int(args, "limit", 50, 1, MAX_LIMIT), text
 
 
 def check(name: str, args: dict[str, Any]) -> regex.Pattern[str] | None:
@@ -351,11 +361,14 @@ def _shadow_note(core: Core, scope: str, session_id: str, raw: str, found: tuple
             f"{message_id(int(other))}: ask for that id")
 
 
-def _find_summary(core: Core, scope: str, session_id: str, raw: str) -> Any:
+def _find_summary(
+    core: Core, scope: str, session_id: str, raw: str, columns: tuple[Any, ...] = (summaries,)
+) -> Any:
+    """The row (``columns`` of it) of the summary ``raw`` names, or None."""
     parsed = parse_id(raw)
     if parsed is None or parsed[0] != "summary":
         return None
-    q = select(summaries).where(*_key(summaries, scope, session_id))
+    q = select(*columns).where(*_key(summaries, scope, session_id))
     return core.conn.execute(keyed(q, summaries.c.summary_seq, parsed[1]).limit(_ONE)).first()
 
 
@@ -474,7 +487,11 @@ def _cut(content: str, limit: int) -> tuple[str, bool]:
 
 def run_expand(core: Core, scope: str, session_id: str, args: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """lcm_expand."""
-    raw, offset, limit = _expand_args(args)
+    raw, offset, limit, text = _expand_args(args)
+    if text:
+        found = _find_summary(core, scope, session_id, raw, _summary_piece_columns(offset, max_chars))
+        if found is not None:
+            return _expand_summary_text(core, scope, session_id, raw, found, offset, max_chars)
     row = _find_summary(core, scope, session_id, raw)
     if row is None:
         return _expand_message(core, scope, session_id, raw, offset, max_chars)
@@ -564,6 +581,38 @@ def _expand_message(core: Core, scope: str, session_id: str, raw: str, offset: i
         "next_offset": done if done < total else None,
     }
     return _noted(out, _shadow_note(core, scope, session_id, raw, ("message", row.ordinal)))
+
+
+def _summary_piece_columns(offset: int, max_chars: int) -> tuple[Any, ...]:
+    """A summary's columns that ``lcm_expand`` with ``text`` answers with: its text's length and the
+    ``max_chars`` characters from ``offset`` on, cut by the database as a message's piece is."""
+    s = summaries.c
+    start = min(offset, MAX_INT - 1) + 1
+    return (s.summary_seq, s.kind, s.depth, s.earliest_ordinal, s.latest_ordinal, s.message_count,
+            func.length(s.content).label("total_chars"), func.substr(s.content, start, min(max_chars, MAX_INT))
+            .label("content"))
+
+
+def _expand_summary_text(
+    core: Core, scope: str, session_id: str, raw: str, row: Any, offset: int, max_chars: int
+) -> dict[str, Any]:
+    """lcm_expand of a summary's own text (``text``): as a message's, from character ``offset`` on,
+    ``max_chars`` of it, read on from ``next_offset`` (the expansion of its parent shows it cut)."""
+    seq = row.summary_seq
+    total = int(row.total_chars)
+    if (error := _past_end(offset, total, summary_id(seq), "characters")) is not None:
+        raise error
+    cut = total - offset > max_chars
+    item = {**_summary_item(row, max_chars), "content": row.content + "…" if cut else row.content, "truncated": cut}
+    done = min(total, offset + max_chars)
+    return _noted({
+        "id": summary_id(seq),
+        "kind": row.kind,
+        "total_chars": total,
+        "offset": offset,
+        "items": [item],
+        "next_offset": done if done < total else None,
+    }, _shadow_note(core, scope, session_id, raw, ("summary", seq)))
 
 
 def _message_item(row: Any, max_chars: int) -> dict[str, Any]:
