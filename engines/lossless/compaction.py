@@ -21,8 +21,8 @@ while the summarizer ran), is refused instead of applied to the wrong items.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import delete, insert, select
@@ -37,7 +37,7 @@ from transcript_store.tokens import TokenEstimator
 from .config import Budget, LosslessConfig
 from .context import Item, SummaryInfo, render_summary, units
 from .ingest import column_text, searchable_text
-from .tables import View, context_items, summaries, summary_children, summary_sources
+from .tables import View, context_items, keyed, messages, rows_of, summaries, summary_children, summary_sources
 
 Step = tuple[str, int, int]  # (leaf | condense, start index, end index)
 
@@ -235,10 +235,19 @@ class Planner:
         summarizer: Summarizer,
         estimator: TokenEstimator,
         focus: str | None = None,
+        shown: Callable[[SummaryInfo], int] | None = None,
     ) -> None:
-        """A planner for one compaction."""
+        """A planner for one compaction; ``shown``: the messages a stored summary summarized (``shown_count``),
+        for a summary whose ``SummaryInfo.shown`` is not known (its ``message_count`` without it)."""
         self.config, self.budget, self.focus = config, budget, focus
         self.summarizer, self.estimator = summarizer, estimator
+        self.shown = shown
+
+    def _shown(self, info: SummaryInfo) -> int:
+        """The messages ``info`` summarized (its hidden sources left out)."""
+        if info.shown is None:
+            info.shown = info.message_count if self.shown is None else self.shown(info)
+        return info.shown
 
     def plan(self, items: list[Item], view: View, *, force: bool) -> Plan:
         """Compact until under the target (or until nothing can shrink, or the round limit)."""
@@ -288,7 +297,7 @@ class Planner:
             inputs = [i.message or {} for i in chunk if not out_of_context(i.message)]
             if not inputs:
                 return None
-            shape = SummaryInfo(seq, "leaf", 0, min(ordinals), max(ordinals), len(chunk), "")
+            shape = SummaryInfo(seq, "leaf", 0, min(ordinals), max(ordinals), len(chunk), "", shown=len(inputs))
             made = self._summarize(inputs, previous, self.budget.leaf_summary_tokens, source_tokens, shape)
             if made is not None:
                 made.sources = ordinals
@@ -298,7 +307,11 @@ class Planner:
         # extractive summarizer took that line for the child's gist (every line of a condensed summary read
         # "- user: [sum_1 | msg_0..msg_3]") and a model was shown it as the user's words. The DAG records
         # which children a condensed summary covers.
-        inputs = [summary_input(c.content, c.message_count) for c in children]
+        # Each child counts the messages it summarized: its ``message_count`` counts the hidden messages it
+        # covers too, which no summary ever held (a condensed summary of two leaves of 2 shown and 2 hidden
+        # messages each said it summarized 8).
+        counts = [self._shown(c) for c in children]
+        inputs = [summary_input(c.content, n) for c, n in zip(children, counts, strict=True)]
         shape = SummaryInfo(
             seq,
             "condensed",
@@ -307,6 +320,7 @@ class Planner:
             max(c.latest for c in children),
             sum(c.message_count for c in children),
             "",
+            shown=sum(counts),
         )
         made = self._summarize(inputs, None, self.budget.condensed_summary_tokens, source_tokens, shape)
         if made is not None:
@@ -356,12 +370,33 @@ class Planner:
         tokens = self._tokens(shape, text)
         if tokens >= source_tokens:
             return None
-        info = SummaryInfo(shape.seq, shape.kind, shape.depth, shape.earliest, shape.latest, shape.message_count, text)
-        return NewSummary(info, level, tokens, source_tokens)
+        return NewSummary(replace(shape, content=text), level, tokens, source_tokens)
 
     def _tokens(self, shape: SummaryInfo, text: str) -> int:
-        info = SummaryInfo(shape.seq, shape.kind, shape.depth, shape.earliest, shape.latest, shape.message_count, text)
-        return int(self.estimator.count_messages([render_summary(info)]))
+        return int(self.estimator.count_messages([render_summary(replace(shape, content=text))]))
+
+
+def shown_count(core: Core, scope: str, session_id: str, seq: int) -> int:
+    """How many messages summary ``seq`` summarized: the visible sources of the leaves under it (a leaf
+    covers the hidden messages of its chunk, never given to the summarizer). O(messages covered) keyed
+    reads; a compaction asks it only of a stored summary it condenses."""
+    leaves: list[int] = []
+    todo = [seq]
+    edges = summary_children.c
+    while todo:
+        parent = todo.pop()
+        q = select(edges.child_seq).where(edges.scope == scope, edges.session_id == session_id)
+        kids = list(core.conn.execute(keyed(q, edges.parent_seq, parent).order_by(edges.child_seq)).scalars())
+        todo += kids
+        if not kids:
+            leaves.append(parent)
+    src = summary_sources.c
+    ordinals: list[int] = []
+    for leaf in leaves:
+        q = select(src.message_ordinal).where(src.scope == scope, src.session_id == session_id)
+        ordinals += core.conn.execute(keyed(q, src.summary_seq, leaf).order_by(src.message_ordinal)).scalars()
+    m = messages.c
+    return sum(not r.hidden for r in rows_of(core, scope, session_id, m.ordinal, ordinals, (m.ordinal, m.hidden)))
 
 
 def truncate(inputs: Sequence[dict[str, Any]], budget: int, estimator: TokenEstimator) -> str:

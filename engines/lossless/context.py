@@ -36,6 +36,9 @@ class SummaryInfo:
     content: str
     #: when the summary was written (microseconds since the epoch; 0 for one not yet stored)
     created_us: int = 0
+    #: the messages it summarized: ``message_count`` less the hidden ones it covers (models.out_of_context,
+    #: never given to a summarizer); None when not known here (``compaction.shown_count`` reads it)
+    shown: int | None = None
 
 
 @dataclass

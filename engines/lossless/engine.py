@@ -51,9 +51,9 @@ from transcript_store.summarize import PAUSED, ExtractiveSummarizer, SummaryBack
 from transcript_store.tokens import RoughEstimator, count_from_parts
 
 from . import ingest, tools
-from .compaction import Plan, Planner, incarnation_of, plan_landed, write_plan
+from .compaction import Plan, Planner, incarnation_of, plan_landed, shown_count, write_plan
 from .config import Budget, LosslessConfig, budget
-from .context import ContextCache, Item, after_reset, compacted_at_ms, epoch, fit, load_items, render
+from .context import ContextCache, Item, SummaryInfo, after_reset, compacted_at_ms, epoch, fit, load_items, render
 from .ingest import ImportResult, import_landed, import_pages
 from .tables import ENGINE_ID, View
 
@@ -506,7 +506,11 @@ class LosslessEngine:
                 return CompactResult(
                     ok=False, compacted=False, reason=paused, tokens_before=before, tokens_after=before
                 )
-            plan = Planner(self.config, marks, self.summarizer, self.estimator, focus).plan(items, view, force=force)
+            def shown(info: SummaryInfo) -> int:
+                return int(self.store.read(lambda c: shown_count(c, scope, session_id, info.seq)))
+
+            planner = Planner(self.config, marks, self.summarizer, self.estimator, focus, shown)
+            plan = planner.plan(items, view, force=force)
             if plan.error is not None:
                 self.backoff.failed((scope, session_id), plan.error)
             elif plan.summaries:
