@@ -90,6 +90,7 @@ from .service_models import (
     EngineSummary,
     HostCompactionRequest,
     HostCompactionResponse,
+    MaintainRequest,
     OpenSession,
     rebind_problem,
 )
@@ -751,14 +752,24 @@ class Service:
                  session_id, out.first_kept_position)
         return out
 
-    def maintain(self, scope: str, engine_id: str, session_id: str) -> MaintainResult:
-        """The engine's maintenance pass (nothing to do when it has none)."""
+    def maintain(
+        self, scope: str, engine_id: str, session_id: str, req: MaintainRequest | None = None
+    ) -> MaintainResult:
+        """The engine's maintenance pass (nothing to do when it has none), against ``req.token_budget`` when
+        given: to a ``maintain`` that takes a ``token_budget`` keyword (lossless), and as the run's prompt
+        budget. Without it the engine's own choice stands (lossless: the last assemble budget this process
+        saw for the session, else the run's, the service's default)."""
+        req = req or MaintainRequest()
+        _check_request(req, MaintainRequest)
         call = self._call(scope, engine_id, session_id)
         method = getattr(call.engine, "maintain", None)
         if not callable(method):
             return MaintainResult(changed=False, reason="the engine has no maintenance")
-        base = {"scope": scope, "session_id": session_id}
-        raw = method(**project_params(call.info, base, self._host(call, None, self.default_budget)))
+        base: dict[str, Any] = {"scope": scope, "session_id": session_id}
+        if req.token_budget is not None and takes_keyword(method, "token_budget"):
+            base["token_budget"] = req.token_budget
+        host = self._host(call, None, req.token_budget or self.default_budget)
+        raw = method(**project_params(call.info, base, host))
         return raw if isinstance(raw, MaintainResult) else MaintainResult.model_validate(raw or {})
 
     def commit_turn(self, scope: str, engine_id: str, session_id: str, req: CommitTurnRequest) -> CommitTurnResponse:

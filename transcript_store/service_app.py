@@ -989,7 +989,7 @@ def _routes(app: FastAPI, service: Service) -> None:
               dependencies=[_no_idempotency_key(NO_KEY_MAINTAIN)])
     def maintain(scope: Scope, engine: str, session_id: str, body: MaintainRequest) -> MaintainResult:
         """Run the engine's maintenance pass."""
-        return service.maintain(scope, engine, session_id)
+        return service.maintain(scope, engine, session_id, body)
 
     @app.post(f"{prefix}/commit_turn", response_model=CommitTurnResponse, tags=["engines"],
               dependencies=[_no_idempotency_key(NO_KEY_COMMIT)])

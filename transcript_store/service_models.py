@@ -264,7 +264,14 @@ class HostCompactionResponse(BaseModel):
 
 
 class MaintainRequest(_Request):
-    """Run the engine's maintenance pass."""
+    """Run the engine's maintenance pass, against ``token_budget`` when given."""
+
+    token_budget: int | None = Field(
+        None, ge=1, le=MAX_TOKENS,
+        description="the host's prompt token budget, as assemble takes it: an engine that compacts in its "
+        "maintenance (lossless) compacts against it; without it, against the last assemble budget this "
+        "service process saw for the session, else the service's own budget",
+    )
 
 
 class EntryRef(BaseModel):

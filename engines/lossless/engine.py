@@ -401,14 +401,17 @@ class LosslessEngine:
         session_key: str | None = None,
         runtime_settings: RuntimeSettings | None = None,
         fence: Anchor | None = None,
+        token_budget: int | None = None,
     ) -> MaintainResult:
         """Upkeep: compaction when over the threshold (a failing summarizer is logged and answered, never
         raised). Deferred after a turn (background mode); inline after a turn's bootstrap, with the turn's
         ``fence``: then every read and the compaction's write check, in their own transaction, that the
-        engine's copy ends before the admitted entry (else ``ReadFenceError``), so no summary covers it."""
+        engine's copy ends before the admitted entry (else ``ReadFenceError``), so no summary covers it.
+        ``token_budget``: the host's budget, used as ``compact``'s is (else ``budget``'s choice)."""
         check_call(scope, session_id, fence=fence, session_key=session_key, runtime_settings=runtime_settings)
+        check_token_budget(token_budget, optional=True)
         self._remember(scope, session_id, None, runtime_settings)
-        result = self._compact_if_needed(scope, session_id, fence)
+        result = self._compact_if_needed(scope, session_id, fence, token_budget)
         if result is None:
             return MaintainResult(changed=False, reason="under the threshold")
         if result.reason == UNKNOWN_SESSION:
@@ -440,8 +443,10 @@ class LosslessEngine:
         marks = self.budget(scope, session_id, token_budget)
         return self._compact(scope, session_id, marks, force=force, focus=focus, fence=fence)
 
-    def _compact_if_needed(self, scope: str, session_id: str, fence: Anchor | None = None) -> CompactResult | None:
-        marks = self.budget(scope, session_id)
+    def _compact_if_needed(
+        self, scope: str, session_id: str, fence: Anchor | None = None, token_budget: int | None = None
+    ) -> CompactResult | None:
+        marks = self.budget(scope, session_id, token_budget)
 
         def tokens(c: Core) -> int | None:
             self._hold_fence(c, scope, session_id, fence)
