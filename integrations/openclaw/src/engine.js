@@ -292,6 +292,17 @@ function rememberGroup(key, value) {
   if (importGroups.size > GROUP_MEMORY) importGroups.delete(importGroups.keys().next().value);
 }
 
+// Per session: the token budget of this process's last assemble of it, sent with maintain, which the
+// service compacts against (without it the service took the last assemble budget its own process saw, or
+// its default: another after a restart). Module-wide, as importGroups; at most GROUP_MEMORY sessions.
+const assembleBudgets = new Map();
+
+function rememberBudget(key, budget) {
+  assembleBudgets.delete(key);
+  assembleBudgets.set(key, budget);
+  if (assembleBudgets.size > GROUP_MEMORY) assembleBudgets.delete(assembleBudgets.keys().next().value);
+}
+
 // Per session: where this process's last look for OpenClaw's compactions in the raw host transcript
 // stopped (a raw cursor), so that a bootstrap reads only what was appended since. A process that has not
 // looked yet (a gateway's first turn of the session, every `openclaw agent --local`) reads the session's
@@ -833,6 +844,7 @@ export async function createEngine(options) {
 
     async assemble(params) {
       const budget = tokenBudgetOf(params.tokenBudget);
+      if (budget !== null) rememberBudget(groupKey(params.sessionId), budget);
       const path = `${sessionPath(params.sessionId)}/assemble`;
       // The service takes at most 1000 tool names: the first 1000 the host lists are sent.
       const tools = params.availableTools ? [...params.availableTools].slice(0, MAX_TOOLS).map((name) => wellFormed(String(name))) : [];
@@ -1057,8 +1069,10 @@ export async function createEngine(options) {
     },
 
     async maintain(params) {
+      const budget = tokenBudgetOf(params.tokenBudget) ?? assembleBudgets.get(groupKey(params.sessionId)) ?? null;
+      const body = budget === null ? {} : { token_budget: budget };
       const answer = await inSession(params.sessionId, params.sessionKey,
-        () => client.post(`${sessionPath(params.sessionId)}/maintain`, {}, params.abortSignal));
+        () => client.post(`${sessionPath(params.sessionId)}/maintain`, body, params.abortSignal));
       return {
         changed: answer.changed,
         bytesFreed: answer.bytes_freed,
