@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 from conftest import module_store_fixtures
 from sqlalchemy import select
 from test_excluded_context_review5 import turn
@@ -71,8 +72,14 @@ def shown_covered(store: TranscriptStore, sid: str, seq: int) -> int:
     return int(store.read(read))
 
 
-def test_a_condensed_summary_counts_what_its_children_summarized(store: TranscriptStore, sid: str) -> None:
-    first = engine_of(store, 50, ExtractiveSummarizer())  # leaves only: a fanin never reached
+@pytest.mark.parametrize("process", ["another", "the same"])
+def test_a_condensed_summary_counts_what_its_children_summarized(
+    store: TranscriptStore, sid: str, process: str
+) -> None:
+    """Children stored by another process (their count read from the database), or by this one (kept)."""
+    recording = Recording()
+    # another: leaves only (a fanin never reached), condensed by a second engine
+    first = engine_of(store, 50, ExtractiveSummarizer()) if process == "another" else engine_of(store, 2, recording)
     for n in range(8):
         turn(store, first, sid, f"k{n}", [
             {"role": "user", "content": f"question {n} about plums " + "words " * 20},
@@ -81,9 +88,7 @@ def test_a_condensed_summary_counts_what_its_children_summarized(store: Transcri
             hidden("assistant", f"the output {n} " + "quiet " * 30),
         ], scope=A)
     first.compact(scope=A, session_id=sid, force=True, token_budget=2000)
-    # Another process condenses the leaves the first one stored (its children are read from the database).
-    recording = Recording()
-    second = engine_of(store, 2, recording)
+    second = engine_of(store, 2, recording) if process == "another" else first
     for _ in range(3):
         second.compact(scope=A, session_id=sid, force=True, token_budget=600)
     rows = store.read(lambda c: list(c.conn.execute(select(summaries).where(summaries.c.session_id == sid))))

@@ -74,6 +74,8 @@ ANALYZE_AFTER_IMPORT = 1_000
 ANALYZE_AT = 1_000
 
 MAX_REMEMBERED = 1024
+#: summaries whose count of summarized messages a process keeps (``_shown_of``)
+MAX_SHOWN = 65_536
 #: the reason bootstrap, maintain and compact answer for a session the store does not hold (or another scope's)
 UNKNOWN_SESSION = "unknown session"
 Probe = Literal["missing", "current", "behind"]
@@ -123,6 +125,8 @@ class LosslessEngine:
         additive = count_from_parts(estimator, []) is not None
         self._lists = ContextCache((lambda m: int(estimator.count_messages([m]))) if additive else None)
         self._runs: OrderedDict[tuple[str, str], tuple[int | None, RuntimeSettings | None]] = OrderedDict()
+        #: (scope, session, summary seq, its created_us) -> the messages it summarized (``_shown_of``)
+        self._shown: OrderedDict[tuple[str, str, int, int], int] = OrderedDict()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ budgets
@@ -512,7 +516,7 @@ class LosslessEngine:
                     ok=False, compacted=False, reason=paused, tokens_before=before, tokens_after=before
                 )
             def shown(info: SummaryInfo) -> int:
-                return int(self.store.read(lambda c: shown_count(c, scope, session_id, info.seq)))
+                return self._shown_of(scope, session_id, info)
 
             planner = Planner(self.config, marks, self.summarizer, self.estimator, focus, shown)
             plan = planner.plan(items, view, force=force)
@@ -545,7 +549,30 @@ class LosslessEngine:
             return landed[0]
 
         written: bool = self.store.write(run)
+        if written:
+            for s in plan.summaries:
+                if s.info.shown is not None:
+                    self._keep_shown((scope, session_id, s.info.seq, ts), s.info.shown)
         return written
+
+    def _shown_of(self, scope: str, session_id: str, info: SummaryInfo) -> int:
+        """The messages a stored summary summarized (its hidden sources left out): known when this process
+        wrote it, else read (``shown_count``: O(messages it covers), once a summary). Its seq and its write
+        time name it: a session deleted and created again under its id numbers its summaries afresh."""
+        key = (scope, session_id, info.seq, info.created_us)
+        with self._lock:
+            known = self._shown.get(key)
+        if known is None:
+            known = int(self.store.read(lambda c: shown_count(c, scope, session_id, info.seq)))
+            self._keep_shown(key, known)
+        return known
+
+    def _keep_shown(self, key: tuple[str, str, int, int], shown: int) -> None:
+        with self._lock:
+            self._shown.pop(key, None)
+            self._shown[key] = shown
+            while len(self._shown) > MAX_SHOWN:
+                self._shown.popitem(last=False)
 
     def _planning_state(self, scope: str, session_id: str, fence: Anchor | None = None) -> tuple[View, list[Item]]:
         """The view and the context list a compaction plans on, a pending reset applied first.
@@ -629,6 +656,7 @@ class LosslessEngine:
         """Forget the remembered budgets and the context lists held (up to 64 Mi characters)."""
         with self._lock:
             self._runs.clear()
+            self._shown.clear()
         self._lists.clear()
 
 
