@@ -371,13 +371,6 @@ def record_host_compaction(
         except UnicodeEncodeError:
             # (Refused by the driver, as an untyped UnicodeEncodeError, when the pointer was written.)
             raise InvalidInput("a host compaction's summary must not contain lone surrogates") from None
-    # The store's payload cap, measured as an entry's is (its JSON text in UTF-8): the pointer holding the summary
-    # is read with every assembly, and a summary of millions of characters went in whatever the cap.
-    size = len(stored_text(summary).encode("utf-8"))
-    if size > c.config.max_payload_bytes:
-        raise PayloadTooLarge(
-            f"a host compaction's summary is {size} bytes, over the cap of {c.config.max_payload_bytes}"
-        )
     # Checked as the service checks it: a NUL stored in the pointer was sent with every later read of it (each
     # assemble), which PostgreSQL refuses (StoreUnavailable, for good) where SQLite found nothing.
     check_id("first_kept_entry_id", first_kept_entry_id, optional=True)
@@ -464,6 +457,15 @@ def record_host_compaction(
         # start) put back in place of a newer one: its summary covered less, and the context grew back by
         # what the newer one had compacted.
         return dict(standing)  # type: ignore[arg-type]
+    # The store's payload cap, measured as an entry's is (its JSON text in UTF-8): the pointer holding the summary
+    # is read with every assembly, and a summary of millions of characters went in whatever the cap. Checked
+    # only here, where it would be written: one stored before (an older release, a cap lowered since) is told
+    # again at every bootstrap of a new process, and refused above the returns, every such bootstrap failed.
+    size = len(stored_text(summary).encode("utf-8"))
+    if size > c.config.max_payload_bytes:
+        raise PayloadTooLarge(
+            f"a host compaction's summary is {size} bytes, over the cap of {c.config.max_payload_bytes}"
+        )
     pointer = {
         "summary": summary,
         "first_kept_entry_id": kept,
