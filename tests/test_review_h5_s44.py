@@ -4,6 +4,8 @@
    whose cap was lowered since) is told again by the plugin at every bootstrap of a new process: refused
    as ``PayloadTooLarge`` before the "told again" check, every such bootstrap failed for ever, though
    nothing would be written.
+2. ``import_session(keyless=...)`` took any truthy value for yes (``keyless="no"`` imported the copy
+   without its key), where every other yes/no argument of the library is a bool or ``InvalidInput``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from transcript_store import StoreConfig, TranscriptStore, compaction
-from transcript_store.errors import PayloadTooLarge
+from transcript_store.errors import InvalidInput, PayloadTooLarge
 
 SCOPE = "scope-a"
 CAP = 4096
@@ -46,3 +48,15 @@ def test_a_stored_host_summary_over_a_lowered_cap_told_again_is_not_refused(stor
         assert compaction.load_pointer(store, SCOPE, sid)["summary"] == summary  # type: ignore[index]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_import_keyless_takes_a_bool_only(store: TranscriptStore, flag: Any) -> None:
+    source = store.create_session(SCOPE, session_key="k-source").session_id
+    store.append(SCOPE, source, {"role": "user", "content": "hi"})
+    header, records = store.export_session(SCOPE, source)
+    with pytest.raises(InvalidInput, match="keyless"):
+        store.import_session("scope-b", header, records, keyless=flag)
+    assert store.list_sessions("scope-b") == []
+    copy = store.import_session(SCOPE, header, records, session_id="copy", keyless=True)  # beside its source
+    assert copy.session_key is None and store.get_session(SCOPE, source).session_key == "k-source"

@@ -431,6 +431,8 @@ def _check_header(
     check_id("header: scope", head.scope)
     check_id("header: session_id", head.session_id)
     check_id("header: session_key", head.session_key, optional=True)
+    if not isinstance(keyless, bool):  # a truthy "no" (or 1) imported the copy without its key
+        raise InvalidInput(f"keyless must be true or false, not {type(keyless).__name__}")
     if keyless and session_key is not None:
         raise InvalidInput("an import is either keyless or under a session_key, not both")
     sid = session_id if session_id is not None else head.session_id
