@@ -6,6 +6,9 @@
    nothing would be written.
 2. ``import_session(keyless=...)`` took any truthy value for yes (``keyless="no"`` imported the copy
    without its key), where every other yes/no argument of the library is a bool or ``InvalidInput``.
+3. ``HostRuntime.compact`` fenced at any admitted turn of the session, one whose worker is gone too (a chat
+   killed mid-turn): once that turn's message was branched away (``/branch`` in the next chat, before any
+   turn there recovered the session), every manual compaction was ``ReadFenceError`` until a turn ran.
 """
 
 from __future__ import annotations
@@ -13,9 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hosting import RecordingModel
+from sqlalchemy import update
 
 from transcript_store import StoreConfig, TranscriptStore, compaction
 from transcript_store.errors import InvalidInput, PayloadTooLarge
+from transcript_store.host import HostRuntime
+from transcript_store.schema import outbox as outbox_table
+from transcript_store.settings import load_settings
+from transcript_store.summarize import ExtractiveSummarizer
+from transcript_store.tokens import RoughEstimator
 
 SCOPE = "scope-a"
 CAP = 4096
@@ -60,3 +70,25 @@ def test_import_keyless_takes_a_bool_only(store: TranscriptStore, flag: Any) -> 
     assert store.list_sessions("scope-b") == []
     copy = store.import_session(SCOPE, header, records, session_id="copy", keyless=True)  # beside its source
     assert copy.session_key is None and store.get_session(SCOPE, source).session_key == "k-source"
+
+
+def test_a_manual_compaction_ignores_a_turn_whose_worker_is_gone(store: TranscriptStore) -> None:
+    sid = store.create_session(SCOPE).session_id
+    talk = " tell me more about this" * 20
+    said = store.append_many(SCOPE, sid, [
+        {"message": {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}{talk}"}} for i in range(12)
+    ])
+    settings = load_settings(config_path=None, engine="legacy", engine_config={"legacy": {"keep_last": 2}})
+    host = HostRuntime(store, settings, RecordingModel(), summarizer=ExtractiveSummarizer(),
+                       estimator=RoughEstimator())
+    try:
+        host.turns.admit(SCOPE, sid, {"role": "user", "content": "and now?"}, turn_id="t-dead", engine_id="legacy")
+        # Its worker died (a chat killed mid-turn): its lease runs out, no turn has recovered the session yet.
+        store.write(lambda c: c.conn.execute(update(outbox_table).values(lease_expires_us=0)))
+        store.branch(SCOPE, sid, said[-1].entry_id)  # the next chat's /branch: the dead turn's message goes
+        out = host.compact(SCOPE, sid)  # was: ReadFenceError, at every try until a turn ran
+    finally:
+        host.dispose()
+    assert out.compacted, out.reason
+    pointer = compaction.load_pointer(store, SCOPE, sid)
+    assert pointer is not None and pointer["first_kept_position"] == 10

@@ -1607,10 +1607,19 @@ class HostRuntime(TokenCounts):
             raise EngineError(f"engine {engine_id!r} failed during {operation}: {describe(e)}") from e
 
     def _running_fence(self, scope: str, session_id: str) -> Anchor | None:
-        """The fence of a turn still running on the session (its admitted intent's anchor), else None."""
-        running = [
-            i for i in self.store.read(lambda c: outbox.pending(c, scope, session_id)) if i.state == "admitted"
-        ]
+        """The fence of a turn still running on the session (its admitted intent's anchor), else None.
+
+        Not of one whose worker is gone (``outbox.abandoned_admitted``: a chat killed mid-turn), which the
+        session's next turn discards: once its message was branched away (the next chat's ``/branch``),
+        fenced there every manual compaction was ``ReadFenceError`` until a turn ran."""
+
+        def read(c: Core) -> list[Any]:
+            gone = {lease.turn_id for lease in outbox.abandoned_admitted(c, scope, session_id)}
+            return [
+                i for i in outbox.pending(c, scope, session_id) if i.state == "admitted" and i.turn_id not in gone
+            ]
+
+        running = self.store.read(read)
         return running[0].admission.anchor if running else None
 
     def _bootstrap_before_compaction(
