@@ -1,49 +1,75 @@
 """transcript-store: a durable conversation-transcript store with turn commits."""
 
-from .config import StoreConfig
-from .errors import (
-    AdvancementKeyCollision,
-    IdempotencyConflict,
-    InvalidInput,
-    InvalidMessage,
-    PayloadTooLarge,
-    PermissionDenied,
-    PromptTooLarge,
-    ReadFenceError,
-    SchemaNotCurrent,
-    SessionBusy,
-    SessionDeleted,
-    SessionKeyConflict,
-    SessionReplaced,
-    StorageFull,
-    StoreClosed,
-    StoreUnavailable,
-    TranscriptStoreError,
-    TransientStoreError,
-    TurnBranchedAway,
-    TurnFailed,
-    TurnKeyConflict,
-    TurnOvertaken,
-    UnknownEntry,
-    UnknownSession,
-    UnknownTurn,
-)
-from .models import (
-    CURRENT_TURN_FENCE,
-    TURN_ADVANCEMENT_IDEMPOTENCY,
-    Admission,
-    Anchor,
-    ClosedRange,
-    ClosedRangeFailure,
-    DeltaMissing,
-    DeltaPage,
-    DeltaReset,
-    Entry,
-    Replacement,
-    RewriteResult,
-    SessionInfo,
-)
-from .store import AppendItem, TranscriptStore
+# Imported when first asked for (PEP 562), not with the package: importing any module of it (the console
+# script's ``transcript_store.entry``, ``python -m transcript_store``) imported the store, SQLAlchemy and
+# pydantic first, the second or so in which a Ctrl-C was a traceback out of the import machinery. A name
+# asked for is imported then, and kept: ``from transcript_store import TranscriptStore`` is as it was.
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import StoreConfig
+    from .errors import (
+        AdvancementKeyCollision,
+        IdempotencyConflict,
+        InvalidInput,
+        InvalidMessage,
+        PayloadTooLarge,
+        PermissionDenied,
+        PromptTooLarge,
+        ReadFenceError,
+        SchemaNotCurrent,
+        SessionBusy,
+        SessionDeleted,
+        SessionKeyConflict,
+        SessionReplaced,
+        StorageFull,
+        StoreClosed,
+        StoreUnavailable,
+        TranscriptStoreError,
+        TransientStoreError,
+        TurnBranchedAway,
+        TurnFailed,
+        TurnKeyConflict,
+        TurnOvertaken,
+        UnknownEntry,
+        UnknownSession,
+        UnknownTurn,
+    )
+    from .models import (
+        CURRENT_TURN_FENCE,
+        TURN_ADVANCEMENT_IDEMPOTENCY,
+        Admission,
+        Anchor,
+        ClosedRange,
+        ClosedRangeFailure,
+        DeltaMissing,
+        DeltaPage,
+        DeltaReset,
+        Entry,
+        Replacement,
+        RewriteResult,
+        SessionInfo,
+    )
+    from .store import AppendItem, TranscriptStore
+
+#: the module of each public name
+_MODULES = {
+    "config": ("StoreConfig",),
+    "errors": (
+        "AdvancementKeyCollision", "IdempotencyConflict", "InvalidInput", "InvalidMessage", "PayloadTooLarge",
+        "PermissionDenied", "PromptTooLarge", "ReadFenceError", "SchemaNotCurrent", "SessionBusy", "SessionDeleted",
+        "SessionKeyConflict", "SessionReplaced", "StorageFull", "StoreClosed", "StoreUnavailable",
+        "TranscriptStoreError", "TransientStoreError", "TurnBranchedAway", "TurnFailed", "TurnKeyConflict",
+        "TurnOvertaken", "UnknownEntry", "UnknownSession", "UnknownTurn",
+    ),
+    "models": (
+        "CURRENT_TURN_FENCE", "TURN_ADVANCEMENT_IDEMPOTENCY", "Admission", "Anchor", "ClosedRange",
+        "ClosedRangeFailure", "DeltaMissing", "DeltaPage", "DeltaReset", "Entry", "Replacement", "RewriteResult",
+        "SessionInfo",
+    ),
+    "store": ("AppendItem", "TranscriptStore"),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __version__ = "0.1.0"
 
@@ -90,3 +116,20 @@ __all__ = [
     "UnknownSession",
     "UnknownTurn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module the first time it is asked for."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the public ones not imported yet too."""
+    return sorted({*globals(), *__all__})

@@ -1,6 +1,6 @@
 """``python -m transcript_store``: the same command as the ``transcript-store`` console script."""
 
-from .cli import main
+from .entry import main
 
 if __name__ == "__main__":
     main()

@@ -21,8 +21,6 @@ from ..errors import InvalidInput
 from ..settings import HostSettings, check_settings_env, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_SCHEMA, EXIT_UNAVAILABLE, EXIT_DENIED = 0, 1, 2, 3, 4, 5, 6
-#: ``sessions import`` ended by Ctrl-C (128 + SIGINT, as a shell reports a process SIGINT ended)
-EXIT_INTERRUPTED = 130
 DEFAULT_SCOPE = "default"
 SCOPE_ENV = "TRANSCRIPT_STORE_SCOPE"
 URL_ENV = "TRANSCRIPT_STORE_URL"

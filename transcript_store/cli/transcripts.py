@@ -14,6 +14,7 @@ from .. import showing, transfer
 from ..config import StoreConfig
 from ..core import Core, check_id
 from ..db import sqlite_file
+from ..entry import EXIT_INTERRUPTED
 from ..errors import IdempotencyConflict, InvalidInput, SessionKeyConflict, SessionReplaced, UnknownSession
 from ..models import SessionInfo
 from ..store import TranscriptStore
@@ -30,7 +31,7 @@ from .exports import (
     export_line_limit,
 )
 from .group import cli
-from .options import EXIT_INTERRUPTED, EXIT_USAGE, CommandError, common, filled, state
+from .options import EXIT_USAGE, CommandError, common, filled, state
 from .output import console, emit_json
 from .rendering import _show_json, print_entries
 from .stores import find_session, make_url_or_usage, store_session
