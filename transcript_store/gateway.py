@@ -563,21 +563,22 @@ def run_gateway(options: GatewayOptions, console: Console | None = None) -> Gate
 
 
 @contextlib.contextmanager
-def sigterm_ends_the_run(*, hangup: bool = False) -> Iterator[None]:
+def sigterm_ends_the_run() -> Iterator[None]:
     """For a command that owns its process (the CLI's ``gateway``; ``sessions export -o``, whose part file it
-    removes; ``chat``, whose turn it discards): a SIGTERM (and with ``hangup`` a SIGHUP, its terminal gone)
-    ends the run as Ctrl-C does, then the process as that signal would (status 143, or 129, in a shell).
+    removes; ``chat``, whose turn it discards): a SIGTERM or a SIGHUP (its terminal closed, its SSH connection
+    dropped) ends the run as Ctrl-C does, then the process as that signal would (status 143, or 129, in a
+    shell).
 
-    Python's default SIGTERM ended the dispatcher where it stood: its workers died with it (the kernel
-    kills them), but on a terminal the progress display never closed, leaving the cursor hidden. Raised
-    as KeyboardInterrupt, it runs the interrupted run's ``finally`` blocks: the workers SIGKILLed and
-    reaped, the display closed, the store closed. A second such signal meanwhile ends the process at once.
-    A signal the process was started ignoring (``nohup`` ignores SIGHUP) stays ignored. Outside the main
-    thread (no signal handler can be set there) it changes nothing."""
+    Python's default SIGTERM or SIGHUP ended the dispatcher where it stood: its workers died with it (the
+    kernel kills them; elsewhere than on Linux they went on), but on a terminal the progress display never
+    closed, leaving the cursor hidden. Raised as KeyboardInterrupt, it runs the interrupted run's ``finally``
+    blocks: the workers SIGKILLed and reaped, the display closed, the store closed. A second such signal
+    meanwhile ends the process at once. A signal the process was started ignoring (``nohup`` ignores SIGHUP)
+    stays ignored. Outside the main thread (no signal handler can be set there) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    wanted = (signal.SIGTERM, signal.SIGHUP) if hangup else (signal.SIGTERM,)
+    wanted = (signal.SIGTERM, signal.SIGHUP)
     terminated: list[int] = []
 
     def interrupt(signum: int, frame: Any) -> None:

@@ -71,7 +71,7 @@ def chat(session_key: str, engine: str | None, model_url: str | None, model_name
     # (discarded, with a warning, by the session's next admission) and the runtime was never disposed of.
     # Raised as Ctrl-C is, it discards the turn, disposes of the runtime and closes the store, then ends the
     # process as that signal would.
-    with sigterm_ends_the_run(hangup=True), store_session(create=True) as store, engine_output_on_stderr():
+    with sigterm_ends_the_run(), store_session(create=True) as store, engine_output_on_stderr():
         # Built before the session is opened: a bad [engine.config.legacy] (which the host checks whole)
         # stops chat with nothing written, not after it opened the session.
         runtime = _runtime(store, settings, model)

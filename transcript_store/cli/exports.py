@@ -50,9 +50,10 @@ def _write_file(output: Path, fill: Callable[[BinaryIO], int]) -> int:
 
     target = Path(os.path.realpath(output))  # through a symbolic link: the file it names is replaced
     temp = target.with_name(f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
-    # A SIGTERM (`timeout`, `kill`, a service manager) ended the process where it stood, and the part
-    # written so far stayed beside the export under its hidden name: one more for every export ended so.
-    # Raised as Ctrl-C is, it removes the part, then ends the process as that SIGTERM would.
+    # A SIGTERM (`timeout`, `kill`, a service manager) or a SIGHUP (the terminal closed, the SSH connection
+    # dropped) ended the process where it stood, and the part written so far stayed beside the export under
+    # its hidden name: one more for every export ended so. Raised as Ctrl-C is, it removes the part, then
+    # ends the process as that signal would (under `nohup`, SIGHUP stays ignored: the export goes on).
     with sigterm_ends_the_run():
         # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -77,7 +77,9 @@ def gateway(workers: int, session_count: int, turns: int, engine: str | None, mo
     level = lib_log.level
     lib_log.setLevel(logging.ERROR)
     try:
-        with sigterm_ends_the_run():  # the interrupted run's cleanup, then the SIGTERM's own end
+        # A SIGTERM or a SIGHUP (the terminal closed): the interrupted run's cleanup (the workers stopped, the
+        # display closed, the store closed), then the signal's own end. SIGHUP ended the run where it stood.
+        with sigterm_ends_the_run():
             report = run_gateway(options, console())
     finally:
         lib_log.setLevel(level)
