@@ -1,6 +1,6 @@
-"""The CLI's signals as a demanding user sends them (session 44): Ctrl-C while a command still starts; a
-hangup (SIGHUP: the terminal closed, the SSH connection dropped) while an export writes its file or a
-gateway runs."""
+"""The CLI's signals as a demanding user sends them (session 44): Ctrl-C while a command still starts, and
+while chat runs a turn; a hangup (SIGHUP: the terminal closed, the SSH connection dropped) while an export
+writes its file or a gateway runs."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from test_cli import CLI
+from fake_openai import FakeOpenAI
+from test_cli import CLI, SCOPE
+from test_cli_chat_s44 import _chat, _roles
 from test_cli_transfer_s43 import _big_session
 from test_gateway_review import SLOW, _busy_worker, _ended, _plugin, _stop
+
+from transcript_store import StoreConfig, TranscriptStore
 
 
 def _default_sigint() -> None:
@@ -48,6 +52,32 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tmp_path: Path, 
             proc.wait()
     said = [line for line in err.splitlines() if line.strip() and not line.startswith("import time:")]
     assert (proc.returncode, said, out) == (130, ["error: interrupted"], ""), err
+
+
+def test_ctrl_c_mid_turn_ends_chat_with_exit_130(store_url: str, tmp_path: Path) -> None:
+    """Ctrl-C while a turn waits for the model: the turn is discarded, then one line and exit 130, as every
+    command a Ctrl-C ends (it was click's "error: aborted", exit 1: "the operation failed")."""
+    with TranscriptStore(config=StoreConfig(url=store_url, auto_upgrade=False)) as store:
+        store.create_session(SCOPE, session_id="s1", session_key="cli:slow")
+    with FakeOpenAI(delay=60.0) as server:
+        proc = _chat(store_url, tmp_path, server.base_url)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(b"a question the model is slow to answer\n")
+            proc.stdin.flush()
+            deadline = time.monotonic() + 120
+            while not server.chat_requests:  # the turn is admitted and waits for the model
+                assert proc.poll() is None and time.monotonic() < deadline, "its turn never reached the model"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (proc.returncode, [line for line in err.decode().splitlines() if line.strip()]) == (
+        130, ["error: interrupted"]), err
+    assert _roles(store_url) == ["user"]
 
 
 def test_the_package_imports_its_public_names_when_asked_for_them() -> None:

@@ -503,14 +503,14 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
 
 
 def test_an_interrupted_runs_turn_in_flight_is_finished_by_outbox_recover(store_url: str, tmp_path: Path) -> None:
-    """README: an interrupted run prints no report (Ctrl-C: "error: aborted", exit 1), and the turn its
+    """README: an interrupted run prints no report (Ctrl-C: "error: interrupted", exit 130), and the turn its
     worker was running stays admitted in the run's own session, which no later run looks at:
     ``outbox recover --scope gateway`` finishes it (its worker is gone: discarded at once)."""
     config = _plugin(tmp_path, "slow", SLOW)
     with _slow_run(tmp_path, config, store_url) as (proc, worker, out, err):
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground group
         proc.wait(timeout=30)
-        assert proc.returncode == 1 and err.read_text().strip().endswith("error: aborted"), err.read_text()
+        assert proc.returncode == 130 and err.read_text().strip().endswith("error: interrupted"), err.read_text()
         assert "exactly-once" not in out.read_text()
         assert _ended(worker)
 

@@ -19,10 +19,7 @@ INTERRUPTED = "error: interrupted"
 
 
 def interrupted(line: str = INTERRUPTED) -> NoReturn:
-    """End the command after a Ctrl-C: ``line`` on stderr, exit 130; a second Ctrl-C meanwhile is ignored."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (main thread only, as every caller of this is)
+    """End the command after a Ctrl-C: ``line`` on stderr, exit 130 (SystemExit)."""
     try:
         if sys.stderr is not None:
             sys.stderr.write(line + "\n")
@@ -39,4 +36,7 @@ def main() -> NoReturn:
 
         run()
     except KeyboardInterrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending: a second Ctrl-C is no traceback
         interrupted()

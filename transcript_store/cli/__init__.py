@@ -9,8 +9,8 @@ Exit codes: 0 ok; 1 the operation or a check failed; 2 usage error (a bad option
 empty value of an option or argument, a number not written as ASCII digits, a bad settings file or
 TRANSCRIPT_STORE_* value);
 3 not found (unknown session); 4 schema not current (or no store yet: run ``init``); 5 database
-unavailable; 6 permission denied (the database role lacks a grant); 130 ``sessions import`` ended by Ctrl-C,
-or any command ended by one while its modules are still imported (``transcript_store.entry``).
+unavailable; 6 permission denied (the database role lacks a grant); 130 interrupted (Ctrl-C, also while the
+command's modules are still imported: ``transcript_store.entry``; ``serve`` stops on it, exit 0).
 An error is one line on stderr,
 ``error: ...``; ``--debug`` adds the traceback.
 """

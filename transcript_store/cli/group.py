@@ -13,6 +13,7 @@ from typing import NoReturn
 import click
 
 from ..db import url_secrets
+from ..entry import interrupted
 from ..errors import (
     EngineError,
     PermissionDenied,
@@ -87,7 +88,7 @@ def cli() -> None:
     """A durable conversation-transcript store with turn commits, for agent hosts and their engines.
 
     Exit codes: 0 ok, 1 failed, 2 usage error, 3 not found, 4 schema not current, 5 database unavailable,
-    6 permission denied.
+    6 permission denied, 130 interrupted (Ctrl-C).
     """
     state()
 
@@ -153,8 +154,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.Abort:
-        click.echo("error: aborted", err=True)
+    except click.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            # Ctrl-C: exit 130, as a shell reports a process SIGINT ended and as a Ctrl-C while the command
+            # still starts (entry.py) ends it. It was click's "error: aborted", exit 1: "the operation failed".
+            interrupted()
+        click.echo("error: aborted", err=True)  # an EOFError out of a command
         sys.exit(EXIT_FAILED)
     except Exception as e:
         _fail(e, st)
