@@ -213,3 +213,34 @@ def test_the_per_connection_set_leaks_to_the_poolers_other_clients(
         assert found == ["auto", "force_generic_plan"]
     finally:
         bouncer.stop()
+
+
+@pytest.mark.parametrize("bug", ["constraint", "syntax"])
+def test_an_engines_own_sql_bug_still_quarantines_it(store: TranscriptStore, bug: str) -> None:
+    """A database's failure is not the engine's (above), but an engine whose own statement is wrong (a
+    constraint it breaks, SQL the database cannot parse) fails the same way every turn: that is the
+    engine's fault, and it is isolated as DESIGN.md's quarantine says, not tried turn after turn."""
+    from hosting import CountingEngine
+
+    class Buggy(CountingEngine):
+        def assemble(self, **kw: Any) -> Any:
+            def run(c: Any) -> None:
+                if bug == "syntax":
+                    c.conn.exec_driver_sql("SELEC 1")
+                else:  # a key it inserts twice
+                    c.conn.exec_driver_sql("CREATE TEMPORARY TABLE IF NOT EXISTS buggy_t (k INTEGER PRIMARY KEY)")
+                    c.conn.exec_driver_sql("INSERT INTO buggy_t VALUES (1)")
+                    c.conn.exec_driver_sql("INSERT INTO buggy_t VALUES (1)")
+            store.write(run)
+
+    registry = EngineRegistry()
+    registry.register_factory("buggy", lambda ctx: Buggy(ctx, "buggy"))
+    host = HostRuntime(store, load_settings(config_path=None, engine="buggy"), RecordingModel(), registry=registry,
+                       summarizer=ExtractiveSummarizer(), estimator=RoughEstimator())
+    sid = store.create_session(SCOPE).session_id
+    try:
+        out = host.run_turn(SCOPE, sid, "hello", turn_id="t1")
+        assert out.engine_id == "legacy", out
+        assert host.quarantined["buggy"][0] == "assemble"
+    finally:
+        host.dispose()

@@ -186,6 +186,39 @@ def _fenced(method: object, base: dict[str, Any], fence: Anchor | None) -> dict[
     return {**base, "fence": fence}
 
 
+def _driver_error(error: BaseException) -> DBAPIError | None:
+    """The driver error a store error was translated from (its cause, or the cause's), else None."""
+    seen: BaseException | None = error.__cause__ or error.__context__
+    for _ in range(8):
+        if seen is None or isinstance(seen, DBAPIError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+#: SQLSTATEs of a statement's own fault on PostgreSQL: data (22), integrity (23), syntax and names (42),
+#: but for a prepared statement a pooler in transaction mode finds again on another server connection
+#: (42P05; the one it lost is 26000, not a class here): the deployment's, not the statement's
+_PG_BUG_CLASSES = ("22", "23", "42")
+_PG_NOT_BUGS = ("42P05",)
+#: SQLite's primary result codes of a statement's own fault: SQLITE_ERROR (a syntax error, an unknown
+#: column; a missing table is SchemaNotCurrent, told apart before), SQLITE_CONSTRAINT, SQLITE_MISMATCH,
+#: SQLITE_RANGE, SQLITE_TOOBIG
+_SQLITE_BUGS = (1, 19, 20, 25, 18)
+
+
+def _statement_bug(driver: DBAPIError) -> bool:
+    """Whether a driver error is the statement's own fault (the same every time it runs), not the database's."""
+    orig = driver.orig
+    state = getattr(orig, "sqlstate", None)
+    if isinstance(state, str):
+        return state[:2] in _PG_BUG_CLASSES and state not in _PG_NOT_BUGS
+    code = getattr(orig, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in _SQLITE_BUGS
+    return False
+
+
 def _check_engine_id(engine_id: object) -> None:
     """UnknownEngine for a value that is no engine id: nothing to load, nor to quarantine and record."""
     try:
@@ -461,10 +494,18 @@ class HostRuntime(TokenCounts):
         or a read-only file, a closed store, and as much a misconfigured pooler ("prepared statement ...
         does not exist") or a table dropped or renamed by hand, which the legacy engine's reads meet too
         and an operator mends while the process runs. Quarantined, the engine stayed out of use for the
-        life of the process after the cause was gone."""
+        life of the process after the cause was gone.
+
+        Not a statement the engine got wrong: a constraint it broke, SQL the database cannot parse, a
+        column or value it named wrong fail the same way every turn, and are the engine's (quarantined)."""
+        driver = error if isinstance(error, DBAPIError) else _driver_error(error)
         if isinstance(error, DBAPIError):
             error = self.store.db.translate(error)  # raised inside a transaction, not translated yet
-        return isinstance(error, (StoreUnavailable, SchemaNotCurrent))
+        if not isinstance(error, (StoreUnavailable, SchemaNotCurrent)):
+            return False
+        if type(error) is not StoreUnavailable:  # its kinds (transient, full, denied, closed), a missing table
+            return True
+        return driver is None or not _statement_bug(driver)
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
