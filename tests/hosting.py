@@ -160,13 +160,16 @@ def compacted_lossless(store: Any, scope: str, sid: str, history: Sequence[dict[
     return engine
 
 
-def terminate_when(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str, pause: float = 0.001) -> None:
+def terminate_when(
+    proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str, pause: float = 0.001,
+    signum: int = signal.SIGTERM,
+) -> None:
     """Wait (two minutes at most) until ``ready()`` while ``proc`` runs (it ending first fails, naming
-    ``what``), then SIGTERM it and wait for its end."""
+    ``what``), then send it ``signum`` (SIGTERM) and wait for its end."""
     deadline = time.monotonic() + 120
     while not ready():
         assert proc.poll() is None, f"the process ended before {what}"
         assert time.monotonic() < deadline, f"not within 120 s: {what}"
         time.sleep(pause)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     proc.wait(timeout=120)

@@ -460,10 +460,12 @@ def test_the_dispatchers_end_ends_its_workers(tmp_path: Path, how: str) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("backend", ["sqlite"])  # the dispatcher's signal handling: no store in it (CI time)
-def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path: Path) -> None:
-    """SIGTERM ended the dispatcher where it stood: on a terminal the progress display never closed, the
-    cursor left hidden (rich's ESC[?25l with no ESC[?25h after it). It ends the run as Ctrl-C does (the
-    display closed, the workers stopped), then the process as the SIGTERM would (killed by it: 143)."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path: Path, signum: int) -> None:
+    """SIGTERM (or SIGHUP, the terminal gone) ended the dispatcher where it stood: on a terminal the progress
+    display never closed, the cursor left hidden (rich's ESC[?25l with no ESC[?25h after it), and its workers
+    were not stopped by it (on Linux the kernel kills them; elsewhere they went on). It ends the run as
+    Ctrl-C does (the display closed, the workers stopped), then the process as the signal would (143, 129)."""
     import pty
 
     config = _plugin(tmp_path, "slow", SLOW)
@@ -475,7 +477,7 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
     err = tmp_path / "err.txt"
     with err.open("w") as err_file:
         proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=env, stdout=slave, stderr=err_file,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
     os.close(slave)
     shown = bytearray()
 
@@ -490,10 +492,10 @@ def test_a_sigterm_at_a_terminal_gives_the_cursor_back(store_url: str, tmp_path:
     try:
         worker = _busy_worker(tmp_path, proc, err)
         assert b"\x1b[?25l" in shown  # the progress display is up
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signum)
         proc.wait(timeout=30)
         reader.join(timeout=10)
-        assert proc.returncode == -signal.SIGTERM, (proc.returncode, err.read_text())
+        assert proc.returncode == -signum, (proc.returncode, err.read_text())
         assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l"), bytes(shown[-200:])
         assert "Traceback" not in err.read_text(), err.read_text()
         assert _ended(worker)

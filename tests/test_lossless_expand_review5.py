@@ -49,10 +49,11 @@ def make_engine(store: TranscriptStore) -> LosslessEngine:
 
 
 def commit(
-    store: TranscriptStore, engine: LosslessEngine, sid: str, turn_id: str, replies: list[dict[str, Any]]
+    store: TranscriptStore, engine: LosslessEngine, sid: str, turn_id: str, replies: list[dict[str, Any]],
+    asks: str = "",
 ) -> None:
-    """Admit ``turn_id``, append ``replies`` and commit the turn."""
-    admission = store.admit(A, sid, {"role": "user", "content": f"question {turn_id}"}, turn_id=turn_id)
+    """Admit ``turn_id`` (its question ``question <turn_id>`` and ``asks``), append ``replies`` and commit the turn."""
+    admission = store.admit(A, sid, {"role": "user", "content": f"question {turn_id}{asks}"}, turn_id=turn_id)
     appended = store.append_many(A, sid, [{"message": m} for m in replies])
     terminal = store.anchor(A, sid, appended[-1].entry_id)
     closed = store.read_closed_range(admission, terminal)

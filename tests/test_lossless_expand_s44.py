@@ -7,51 +7,20 @@ all. ``text: true`` now reads a summary's text with the same ``offset`` and the 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from conftest import module_store_fixtures
 from sqlalchemy import select
+from test_lossless_expand_review5 import PIECE, A, call, commit, make_engine  # scope A: its helpers' scope
 
 from engines.lossless import LosslessEngine
 from engines.lossless import tools as tools_module
 from engines.lossless.tables import summaries
 from transcript_store import TranscriptStore
 from transcript_store.core import MAX_INT
-from transcript_store.engine import EngineContext
-from transcript_store.models import ClosedRange
-from transcript_store.summarize import ExtractiveSummarizer
-from transcript_store.tokens import RoughEstimator
-
-A = "scope-expand-s44"
-PIECE = 100  # the smallest expand_max_chars
 
 shared_url, store, sid = module_store_fixtures(A, "lossless_expand_s44")
-
-
-def make_engine(store: TranscriptStore) -> LosslessEngine:
-    ctx = EngineContext(store=store, config={"expand_max_chars": PIECE}, summarizer=ExtractiveSummarizer(),
-                        estimator=RoughEstimator())
-    return LosslessEngine(ctx)
-
-
-def commit(store: TranscriptStore, engine: LosslessEngine, sid: str, turn_id: str,
-           replies: list[dict[str, Any]]) -> None:
-    """Admit ``turn_id``, append ``replies`` and commit the turn."""
-    admission = store.admit(A, sid, {"role": "user", "content": f"question {turn_id} asks about apples"},
-                            turn_id=turn_id)
-    appended = store.append_many(A, sid, [{"message": m} for m in replies])
-    terminal = store.anchor(A, sid, appended[-1].entry_id)
-    closed = store.read_closed_range(admission, terminal)
-    assert isinstance(closed, ClosedRange)
-    store.write(lambda c: engine.commit_turn(tx=c, advancement_key=turn_id, admission=admission.anchor,
-                                             terminal=terminal, messages=closed.messages))
-
-
-def call(engine: LosslessEngine, sid: str, args: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(engine.handle_tool_call("lcm_expand", args, scope=A, session_id=sid))
-    return out
 
 
 def summarized(store: TranscriptStore, sid: str) -> tuple[LosslessEngine, dict[str, Any]]:
@@ -59,7 +28,8 @@ def summarized(store: TranscriptStore, sid: str) -> tuple[LosslessEngine, dict[s
     engine = make_engine(store)
     for n in range(12):
         words = " ".join(f"pear{n}x{k}" for k in range(40))
-        commit(store, engine, sid, f"t{n}", [{"role": "assistant", "content": f"Answer {n} lists {words}. " * 4}])
+        commit(store, engine, sid, f"t{n}", [{"role": "assistant", "content": f"Answer {n} lists {words}. " * 4}],
+               " asks about apples")
     engine.compact(scope=A, session_id=sid, force=True, token_budget=4000)
     rows = store.read(lambda c: list(c.conn.execute(select(summaries).where(summaries.c.session_id == sid))))
     assert rows
