@@ -4,8 +4,13 @@ the package imported its modules eagerly."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import transcript_store
 
 
 def test_a_submodule_is_an_attribute_of_the_package_as_before(store_url: str) -> None:
@@ -31,3 +36,20 @@ def test_a_name_neither_public_nor_a_submodule_is_an_attribute_error() -> None:
         transcript_store.no_such_name  # noqa: B018
     except AttributeError as e:
         assert "no_such_name" in str(e)
+
+
+def test_a_type_checker_still_flags_a_name_the_package_lacks(tmp_path: Path) -> None:
+    """The lazy ``__getattr__`` is the interpreter's alone: a type checker that saw it took every name the
+    package lacks for ``Any``, so ``transcript_store.TranscriptStor`` (a typo) passed mypy, where the eager
+    package was an error. The package's ``__init__`` alone is checked here (its modules left out: fast)."""
+    package = tmp_path / "stubs" / "transcript_store"
+    package.mkdir(parents=True)
+    shutil.copy(Path(transcript_store.__file__), package / "__init__.py")
+    user = tmp_path / "user.py"
+    user.write_text("import transcript_store\n\nx = transcript_store.TranscriptStor\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", "--cache-dir", os.devnull,
+         str(user)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "MYPYPATH": str(package.parent)},
+    )
+    assert done.returncode == 1 and 'has no attribute "TranscriptStor"' in done.stdout, done.stdout + done.stderr

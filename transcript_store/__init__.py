@@ -118,21 +118,25 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module the first time it is asked for; a submodule too."""
-    from importlib import import_module
-    from importlib.util import find_spec
+# The interpreter's alone: a type checker that sees a module's ``__getattr__`` takes every name the module
+# lacks for Any (a misspelt name passed unflagged); it has the public names from the imports above.
+if not TYPE_CHECKING:
 
-    module = _HOME.get(name)
-    if module is None:
-        # A submodule (``transcript_store.store``, ``.errors``) was an attribute once the eager package had
-        # imported it; importing it sets the attribute, as ``import transcript_store.store`` does.
-        if name.isidentifier() and not name.startswith("__") and find_spec(f"{__name__}.{name}") is not None:
-            return import_module(f".{name}", __name__)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        """A public name, imported from its module the first time it is asked for; a submodule too."""
+        from importlib import import_module
+        from importlib.util import find_spec
+
+        module = _HOME.get(name)
+        if module is None:
+            # A submodule (``transcript_store.store``, ``.errors``) was an attribute once the eager package had
+            # imported it; importing it sets the attribute, as ``import transcript_store.store`` does.
+            if name.isidentifier() and not name.startswith("__") and find_spec(f"{__name__}.{name}") is not None:
+                return import_module(f".{name}", __name__)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(import_module(f".{module}", __name__), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:
