@@ -17,7 +17,9 @@ import functools
 import json
 import logging
 import math
+import signal
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, MutableMapping, Sequence
 from typing import Annotated, Any
@@ -1027,7 +1029,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app: FastAPI, sock: socket.socket, *, access_log: bool = False,
           announce: Callable[[str], None] | None = None, head_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
-    """Serve ``app`` on ``sock`` until SIGINT/SIGTERM; a request head must arrive whole within
+    """Serve ``app`` on ``sock`` until SIGINT/SIGTERM/SIGHUP; a request head must arrive whole within
     ``head_timeout`` seconds of the connection or of the previous response."""
     import uvicorn
 
@@ -1134,9 +1136,21 @@ def _server_class() -> type:
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
+                # SIGHUP (the terminal closed, the SSH connection dropped) stops it as SIGTERM does: uvicorn
+                # handles SIGINT and SIGTERM only, and the default SIGHUP ended serve where it stood, its
+                # engines not disposed of nor the store closed. Under ``nohup`` (started ignoring it) it
+                # stays ignored.
+                hangup: int | None = getattr(signal, "SIGHUP", None)  # none on Windows
+                previous: Any = signal.SIG_IGN
+                if hangup is not None and threading.current_thread() is threading.main_thread():
+                    previous = signal.getsignal(hangup)
+                    if previous is not signal.SIG_IGN:
+                        signal.signal(hangup, self.handle_exit)
                 try:
                     yield
                 finally:
+                    if hangup is not None and previous is not signal.SIG_IGN:
+                        signal.signal(hangup, signal.SIG_DFL if previous is None else previous)
                     captured = getattr(self, "_captured_signals", None)
                     if isinstance(captured, list):
                         captured.clear()

@@ -81,7 +81,7 @@ def serve(host: str, port: int, tokens_file: str | None, max_body: int, body_tim
         run_server(app, sock, access_log=access_log, head_timeout=body_timeout,
                    announce=lambda url: click.echo(f"transcript-store serve: listening on {url} ({store.url})"))
     finally:
-        # Stopped by Ctrl-C or SIGTERM, serve returns here (exit 0): the engines are disposed of (their
+        # Stopped by Ctrl-C, SIGTERM or SIGHUP, serve returns here (exit 0): the engines are disposed of (their
         # maintenance finished) and the store released.
         if service is not None:
             service.close()
