@@ -26,7 +26,11 @@ under that id on its active branch before the range (``MirrorConflict``: ``turn_
 appending it again under a fresh id would show that message twice. An id the host reused for another
 message, or one the mirror holds at a position inside the range, matched there by its text to a
 message the host now names otherwise, is no overlap: the message goes under an id derived from it, as
-any reused id (refused, every import of such a host failed the same way, from its beginning too). A turn's admission and
+any reused id (refused, every import of such a host failed the same way, from its beginning too). The
+same message is told by its text, but for a turn's named messages and those a committed turn names
+(its admission or terminal): a commit and an import may store one message differently (the plugin cuts
+a commit to the turn cap), so under its id it is that message whatever its text, and named again at a
+later position it is refused. A turn's admission and
 terminal match by entry id (or the id derived for it there) alone, since the engine's receipt names
 them and a replay is checked against those names.
 
@@ -62,7 +66,7 @@ from . import fences, paths
 from .config import StoreConfig
 from .core import Core, NewEntry, decode_stored, new_id, prepare_entry, same_json, same_stored_text, stored_text
 from .errors import InvalidInput, InvalidMessage, MirrorConflict, MirrorReason, PayloadTooLarge
-from .ledger import get_state, put_state
+from .ledger import get_state, list_receipts, put_state
 from .models import Anchor, ClosedRange, ClosedRangeFailure, Entry, SessionInfo, validate_message
 
 STATE_OWNER = "service.import"
@@ -226,7 +230,7 @@ def align(
     taken = core.entry_rows(scope, session_id, named) if named else {}
     for i, (host, new) in enumerate(rest):
         found = None if host.entry_id is None else taken.get(host.entry_id)
-        if found is not None and _shown_twice(core, scope, session_id, start, keep, found, new):
+        if found is not None and _shown_twice(core, scope, session_id, start, keep, found, new, turn=turn):
             # The host names, at position keep + i, the message the mirror shows under that id at an earlier
             # position that stays: the range does not line up with the mirror (an overlapping page, a turn
             # sent with a stale position). A fresh id would show that message twice.
@@ -261,20 +265,34 @@ def align(
 
 
 def _shown_twice(
-    core: Core, scope: str, session_id: str, start: int, keep: int, found: Any, new: NewEntry
+    core: Core, scope: str, session_id: str, start: int, keep: int, found: Any, new: NewEntry, *, turn: bool
 ) -> bool:
     """Whether appending a range's message named by an id the mirror holds as ``found`` shows one message twice.
 
     Only the same message, held on the active branch at a position the range keeps, before the range: a
     host that reused the id for another message (after a rewrite of its own), or whose message at that
     position (inside the range) now has another id, is mirrored under an id derived from it (``_place``).
-    Refused either way, such a host's every import failed, from its beginning too, for ever."""
+    Refused either way, such a host's every import failed, from its beginning too, for ever. A turn's
+    named message, or one a committed turn names, is the same message by its id alone (``_matches``)."""
     if found.position is None or found.position >= keep:
         return False
     if found.position >= start:
         # Matched by its text to the host's message there, whose id is another (a range names one id once).
         return False
-    return same_stored_text(found.payload, new.payload_json) and core.on_active_path(scope, session_id, found)
+    if not core.on_active_path(scope, session_id, found):
+        return False
+    # A turn's commit and the host's import may store one message differently (the plugin cuts a commit
+    # to the turn cap, not an import): by its text, a stale turn's message, or an overlapping page's
+    # message a committed turn holds, read as another message and was appended a second time.
+    return turn or same_stored_text(found.payload, new.payload_json) or _turn_names(core, scope, session_id, found)
+
+
+def _turn_names(core: Core, scope: str, session_id: str, row: Any) -> bool:
+    """Whether a committed turn names a stored entry row as its admission or terminal."""
+    if row.turn_id is not None:
+        return True  # bound to its turn's key at the commit (the admission)
+    # Only when its text differs from a page's message under its id: the session's receipts, read once.
+    return any(r.terminal_entry_id == row.entry_id for r in list_receipts(core, scope, session_id))
 
 
 def names(config: StoreConfig, host_id: str, row: Any, message: dict[str, Any]) -> bool:
