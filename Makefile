@@ -30,18 +30,8 @@ run: install
 bytecode: install
 	$(BIN)/python -m compileall -q -j 0 transcript_store engines tests bench > /dev/null
 
-# The tests' files (SQLite stores, exports, logs; ~1 GB in a run) go to a RAM filesystem where there is one: their
-# fsyncs then cost nothing, where a VM's disk takes 3-10 ms for each, and a SQLite commit (synchronous FULL) waits
-# for one; on a slow disk that was a third of the run. The files are real files all the same: no test can see
-# the difference short of a power cut. TEST_TMPDIR= (empty) keeps them in TMPDIR. Only a /dev/shm with 2 GiB free
-# (a container's is 64 MB unless --shm-size says otherwise: the run filled it, every test after failing with a
-# full disk), and a folder of this user's (another user's, made first, was not writable by this one).
-TEST_TMPDIR ?= $(shell test -d /dev/shm -a -w /dev/shm && test "$$(df -Pk /dev/shm | awk 'NR == 2 {print $$4}')" \
-    -ge 2097152 2>/dev/null && echo /dev/shm/transcript-store-tests-$$(id -u))
-
 test: bytecode
-	$(if $(TEST_TMPDIR),mkdir -p $(TEST_TMPDIR) && TMPDIR=$(TEST_TMPDIR)) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-	    --dist worksteal -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not openclaw and not hermes" $(PYTEST_ARGS)
 
 test-slow: bytecode
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

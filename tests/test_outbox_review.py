@@ -195,14 +195,23 @@ def test_the_keeper_releases_only_the_calling_attempts_renewal(store: Transcript
     keeper = LeaseKeeper(store)
     try:
         turns.admit(S, sid, user("q1"), turn_id="t1", engine_id=E, owner="worker/a")
-        first = threading.Thread(target=keeper.hold, args=(S, sid, "t1", 1.5, "worker/a"))
+        held, go = threading.Event(), threading.Event()
+
+        def earlier_attempt() -> None:  # holds, then releases from its own thread once the retry holds too
+            keeper.hold(S, sid, "t1", 1.5, "worker/a")
+            held.set()
+            go.wait(60)
+            keeper.release(S, sid, "t1")
+
+        # One thread for the earlier attempt's hold and release: a release is the calling thread's, and a
+        # second thread released the first one's hold only when it happened to get the ended one's id.
+        first = threading.Thread(target=earlier_attempt)
         first.start()
-        first.join()
+        assert held.wait(60)
         turns.admit(S, sid, user("q1"), turn_id="t1", engine_id=E, owner="worker/b")  # the retry takes over
         keeper.hold(S, sid, "t1", 1.5, "worker/b")
-        releasing = threading.Thread(target=keeper.release, args=(S, sid, "t1"))
-        releasing.start()
-        releasing.join()
+        go.set()
+        first.join()
         assert keeper.holds(S, sid, "t1")
         taken = turns.intent(S, sid, "t1")
         assert taken is not None and taken.lease_owner == "worker/b" and taken.lease_expires_at is not None
