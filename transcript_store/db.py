@@ -59,6 +59,15 @@ _PG_DISK_FULL = "53100"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 _PG_UNDEFINED_TABLE = "42P01"
 _SQLITE_ERROR = 1
+#: SQLSTATE classes of a statement's own fault on PostgreSQL: data (22), integrity (23), syntax and names (42),
+#: but for a prepared statement a pooler in transaction mode finds again on another server connection
+#: (42P05; the one it lost is 26000, not a class here): the deployment's, not the statement's
+_PG_STATEMENT_FAULT_CLASSES = ("22", "23", "42")
+_PG_NOT_STATEMENT_FAULTS = ("42P05",)
+#: SQLite's primary result codes of a statement's own fault: SQLITE_ERROR (a syntax error, an unknown column;
+#: a missing table is told apart before it, ``is_missing_table``), SQLITE_CONSTRAINT, SQLITE_MISMATCH,
+#: SQLITE_RANGE, SQLITE_TOOBIG
+_SQLITE_STATEMENT_FAULTS = (_SQLITE_ERROR, 19, 20, 25, 18)
 #: retry jitter from the operating system, never the ``random`` module's global generator: drawing from
 #: that one moved the sequence of an application that seeds it (reproducible runs, Hypothesis), from any
 #: thread that retried; a private seeded generator would draw the same waits in forked siblings.
@@ -123,6 +132,18 @@ class Dialect:
                 return False
             return (code & 0xFF) in _SQLITE_REFUSED
         return getattr(error.orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE
+
+    def is_statement_fault(self, error: DBAPIError) -> bool:
+        """The statement itself is wrong and fails the same way every time it runs (a constraint it breaks,
+        SQL the database cannot parse, a column or value named wrong), not the database or its deployment:
+        by SQLSTATE class on PostgreSQL, by primary result code on SQLite. Asked after the kinds above."""
+        if self.is_sqlite:
+            code = getattr(error.orig, "sqlite_errorcode", None)
+            return code is not None and (code & 0xFF) in _SQLITE_STATEMENT_FAULTS
+        state = getattr(error.orig, "sqlstate", None)
+        return isinstance(state, str) and state[:2] in _PG_STATEMENT_FAULT_CLASSES and (
+            state not in _PG_NOT_STATEMENT_FAULTS
+        )
 
     def is_missing_table(self, error: DBAPIError) -> bool:
         """A table the statement names is not there (a database without the store's schema, opened with

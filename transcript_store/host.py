@@ -196,29 +196,6 @@ def _driver_error(error: BaseException) -> DBAPIError | None:
     return None
 
 
-#: SQLSTATEs of a statement's own fault on PostgreSQL: data (22), integrity (23), syntax and names (42),
-#: but for a prepared statement a pooler in transaction mode finds again on another server connection
-#: (42P05; the one it lost is 26000, not a class here): the deployment's, not the statement's
-_PG_BUG_CLASSES = ("22", "23", "42")
-_PG_NOT_BUGS = ("42P05",)
-#: SQLite's primary result codes of a statement's own fault: SQLITE_ERROR (a syntax error, an unknown
-#: column; a missing table is SchemaNotCurrent, told apart before), SQLITE_CONSTRAINT, SQLITE_MISMATCH,
-#: SQLITE_RANGE, SQLITE_TOOBIG
-_SQLITE_BUGS = (1, 19, 20, 25, 18)
-
-
-def _statement_bug(driver: DBAPIError) -> bool:
-    """Whether a driver error is the statement's own fault (the same every time it runs), not the database's."""
-    orig = driver.orig
-    state = getattr(orig, "sqlstate", None)
-    if isinstance(state, str):
-        return state[:2] in _PG_BUG_CLASSES and state not in _PG_NOT_BUGS
-    code = getattr(orig, "sqlite_errorcode", None)
-    if isinstance(code, int):
-        return (code & 0xFF) in _SQLITE_BUGS
-    return False
-
-
 def _check_engine_id(engine_id: object) -> None:
     """UnknownEngine for a value that is no engine id: nothing to load, nor to quarantine and record."""
     try:
@@ -505,7 +482,7 @@ class HostRuntime(TokenCounts):
             return False
         if type(error) is not StoreUnavailable:  # its kinds (transient, full, denied, closed), a missing table
             return True
-        return driver is None or not _statement_bug(driver)
+        return driver is None or not self.store.db.dialect.is_statement_fault(driver)
 
     def commit_in(self, engine_id: str) -> CommitIn | None:
         """The engine's commit_turn as an in-transaction callable, or None when it is unavailable."""
