@@ -55,9 +55,12 @@ def _write_file(output: Path, fill: Callable[[BinaryIO], int]) -> int:
     # its hidden name: one more for every export ended so. Raised as Ctrl-C is, it removes the part, then
     # ends the process as that signal would (under `nohup`, SIGHUP stays ignored: the export goes on).
     with sigterm_ends_the_run():
-        # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = -1
         try:
+            # O_EXCL: a name no one else holds; 0o666 under the umask: the mode a plain new file gets. Inside
+            # the try: a signal handled as the call returns (the file made, ``fd`` not yet set) raised
+            # before a try after it, and the part stayed (seen in CI: a SIGHUP as the part appeared).
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             with open(fd, "w+b") as stream:
                 count = fill(stream)
                 stream.flush()
@@ -65,9 +68,10 @@ def _write_file(output: Path, fill: Callable[[BinaryIO], int]) -> int:
             if old is not None:
                 os.chmod(temp, stat.S_IMODE(old.st_mode))  # the earlier export's mode, as an overwrite kept it
             os.replace(temp, target)
-        except BaseException:
-            with suppress(OSError):
-                temp.unlink()
+        except BaseException as e:
+            if fd >= 0 or not isinstance(e, FileExistsError):  # not another's file under that name
+                with suppress(OSError):
+                    temp.unlink()
             raise
     with suppress(OSError):  # the rename made durable; a file system that cannot sync a folder keeps it
         folder = os.open(target.parent, os.O_RDONLY)
